@@ -1,0 +1,2 @@
+//! kvpn root daemon library (kvpn-dataplane).
+pub mod ebpf;

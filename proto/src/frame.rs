@@ -1,0 +1,435 @@
+//! The data-channel frame codec.
+//!
+//! Wire format (all integers big-endian):
+//!
+//! ```text
+//! +----------------+--------+----------------------+
+//! | length: u16    | kind:u8| payload              |
+//! +----------------+--------+----------------------+
+//!   length = 1 + payload.len()  (counts kind + payload, never 0)
+//! ```
+//!
+//! Kinds: [`Kind::Packet`] (one raw IPv4/IPv6 packet), [`Kind::Hello`] (session
+//! start, see [`Hello`]), [`Kind::Heartbeat`] (liveness; empty payload or an
+//! 8-byte opaque nonce echoed by the manager). The decoder is zero-copy, reads
+//! no clock and never panics on any input: every malformed frame is a typed
+//! [`FrameError`].
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// Bytes of the frame header: `u16` length + `u8` kind.
+pub const HEADER_LEN: usize = 3;
+
+/// Largest value of the length field (kind + payload), in bytes.
+pub const MAX_FRAME_LEN: usize = u16::MAX as usize;
+
+/// Largest payload a frame can carry, in bytes (65534).
+pub const MAX_PAYLOAD_LEN: usize = MAX_FRAME_LEN - 1;
+
+/// Version of the data-channel protocol carried in [`Hello`]. Bump it on any
+/// change to this module and add a test vector.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Frame kind (the `u8` after the length).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// One raw IP packet (IPv4 or IPv6, by its version nibble).
+    Packet,
+    /// Session start: protocol version and the client's tunnel IP.
+    Hello,
+    /// Liveness probe; the manager echoes it.
+    Heartbeat,
+    /// A kind this version does not know. Decoded, not rejected, so that a
+    /// newer peer's optional frames can be skipped.
+    Unknown(u8),
+}
+
+impl Kind {
+    /// The on-wire byte.
+    pub const fn to_u8(self) -> u8 {
+        match self {
+            Kind::Packet => 1,
+            Kind::Hello => 2,
+            Kind::Heartbeat => 3,
+            Kind::Unknown(b) => b,
+        }
+    }
+}
+
+impl From<u8> for Kind {
+    fn from(b: u8) -> Self {
+        match b {
+            1 => Kind::Packet,
+            2 => Kind::Hello,
+            3 => Kind::Heartbeat,
+            other => Kind::Unknown(other),
+        }
+    }
+}
+
+/// Why bytes are not a valid frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// The length field is 0: a frame must at least carry its kind byte.
+    #[error("frame length field is 0 (a frame carries at least its kind byte)")]
+    ZeroLength,
+    /// The frame is larger than the receiver allows.
+    #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
+    Oversized {
+        /// Length field of the frame (kind + payload), bytes.
+        len: usize,
+        /// The receiver's limit, bytes.
+        max: usize,
+    },
+    /// A payload given to the encoder is larger than the format allows.
+    #[error("payload of {len} bytes does not fit a frame (max {MAX_PAYLOAD_LEN})")]
+    PayloadTooLarge {
+        /// Payload length, bytes.
+        len: usize,
+    },
+    /// The input ended inside a frame (only from [`decode_exact`]).
+    #[error("truncated frame: need {need} bytes, have {have}")]
+    Truncated {
+        /// Bytes the frame needs, header included.
+        need: usize,
+        /// Bytes available.
+        have: usize,
+    },
+}
+
+/// A decoded frame borrowing its payload from the input buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frame<'a> {
+    /// The frame's kind.
+    pub kind: Kind,
+    /// The payload (may be empty).
+    pub payload: &'a [u8],
+}
+
+impl Frame<'_> {
+    /// Bytes this frame occupies on the wire, header included.
+    pub fn wire_len(&self) -> usize {
+        HEADER_LEN + self.payload.len()
+    }
+}
+
+/// Decoder settings. `max_len` bounds the length field (kind + payload) the
+/// receiver accepts; it defaults to [`MAX_FRAME_LEN`].
+#[derive(Debug, Clone, Copy)]
+pub struct Decoder {
+    max_len: usize,
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Self {
+            max_len: MAX_FRAME_LEN,
+        }
+    }
+}
+
+impl Decoder {
+    /// A decoder that rejects frames whose length field exceeds `max_len` bytes.
+    pub fn with_max_len(max_len: usize) -> Self {
+        Self {
+            max_len: max_len.clamp(1, MAX_FRAME_LEN),
+        }
+    }
+
+    /// Decode the first frame of a stream buffer.
+    ///
+    /// Returns `Ok(None)` when `buf` holds only part of a frame (read more and
+    /// call again), `Ok(Some((frame, consumed)))` for a whole frame, and an
+    /// error when the header is invalid; the stream cannot be resynchronised
+    /// after an error and must be closed.
+    pub fn decode<'a>(&self, buf: &'a [u8]) -> Result<Option<(Frame<'a>, usize)>, FrameError> {
+        let Some(header) = buf.get(..HEADER_LEN) else {
+            // Reject an invalid length as soon as the two length bytes are in.
+            if let Some(len_bytes) = buf.get(..2) {
+                self.check_len(usize::from(u16::from_be_bytes([len_bytes[0], len_bytes[1]])))?;
+            }
+            return Ok(None);
+        };
+        let len = usize::from(u16::from_be_bytes([header[0], header[1]]));
+        self.check_len(len)?;
+        let total = 2 + len;
+        let Some(body) = buf.get(2..total) else {
+            return Ok(None);
+        };
+        let (kind, payload) = match body.split_first() {
+            Some((k, p)) => (Kind::from(*k), p),
+            None => return Err(FrameError::ZeroLength),
+        };
+        Ok(Some((Frame { kind, payload }, total)))
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), FrameError> {
+        if len == 0 {
+            return Err(FrameError::ZeroLength);
+        }
+        if len > self.max_len {
+            return Err(FrameError::Oversized {
+                len,
+                max: self.max_len,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Decode `buf` as exactly one frame: a short buffer is [`FrameError::Truncated`].
+pub fn decode_exact(buf: &[u8]) -> Result<Frame<'_>, FrameError> {
+    match Decoder::default().decode(buf)? {
+        Some((frame, used)) if used == buf.len() => Ok(frame),
+        Some((_, used)) => Err(FrameError::Oversized {
+            len: buf.len().saturating_sub(2),
+            max: used - 2,
+        }),
+        None => Err(FrameError::Truncated {
+            need: needed(buf),
+            have: buf.len(),
+        }),
+    }
+}
+
+fn needed(buf: &[u8]) -> usize {
+    match buf.get(..2) {
+        Some(b) => 2 + usize::from(u16::from_be_bytes([b[0], b[1]])),
+        None => HEADER_LEN,
+    }
+}
+
+/// The 3-byte header for a frame of `kind` with `payload_len` bytes of payload.
+///
+/// Write it followed by the payload (e.g. with one vectored write for a batch).
+pub fn encode_header(kind: Kind, payload_len: usize) -> Result<[u8; HEADER_LEN], FrameError> {
+    if payload_len > MAX_PAYLOAD_LEN {
+        return Err(FrameError::PayloadTooLarge { len: payload_len });
+    }
+    // Cannot truncate: payload_len + 1 <= MAX_FRAME_LEN == u16::MAX.
+    let len = (payload_len + 1) as u16;
+    let [a, b] = len.to_be_bytes();
+    Ok([a, b, kind.to_u8()])
+}
+
+/// Append one whole frame to `out`.
+pub fn encode_into(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    let header = encode_header(kind, payload.len())?;
+    out.reserve(HEADER_LEN + payload.len());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(payload);
+    Ok(())
+}
+
+/// Payload of a [`Kind::Hello`] frame, sent by the client first on a data channel.
+///
+/// ```text
+/// version: u16 | family: u8 (4 or 6) | tunnel IP: 4 or 16 bytes | token_len: u8 | token
+/// ```
+///
+/// The token is the session token of the client's lease (empty until leases exist).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Data-channel protocol version ([`PROTOCOL_VERSION`]).
+    pub version: u16,
+    /// The client's tunnel IP: the only source address the manager accepts
+    /// from this session.
+    pub tunnel_ip: IpAddr,
+    /// Session token of the lease (up to 255 bytes).
+    pub token: Vec<u8>,
+}
+
+/// Why a hello payload is invalid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HelloError {
+    /// The payload ended early.
+    #[error("hello truncated: {0} bytes")]
+    Truncated(usize),
+    /// The address family byte is neither 4 nor 6.
+    #[error("hello has unknown address family {0} (expected 4 or 6)")]
+    BadFamily(u8),
+    /// Bytes follow the token.
+    #[error("hello has {0} trailing bytes")]
+    Trailing(usize),
+    /// The token is longer than 255 bytes (encoder only).
+    #[error("hello token of {0} bytes exceeds 255")]
+    TokenTooLong(usize),
+}
+
+impl Hello {
+    /// Encode to a payload.
+    pub fn encode(&self) -> Result<Vec<u8>, HelloError> {
+        let token_len =
+            u8::try_from(self.token.len()).map_err(|_| HelloError::TokenTooLong(self.token.len()))?;
+        let mut out = Vec::with_capacity(2 + 1 + 16 + 1 + self.token.len());
+        out.extend_from_slice(&self.version.to_be_bytes());
+        match self.tunnel_ip {
+            IpAddr::V4(a) => {
+                out.push(4);
+                out.extend_from_slice(&a.octets());
+            }
+            IpAddr::V6(a) => {
+                out.push(6);
+                out.extend_from_slice(&a.octets());
+            }
+        }
+        out.push(token_len);
+        out.extend_from_slice(&self.token);
+        Ok(out)
+    }
+
+    /// Decode a payload. Never panics.
+    pub fn decode(buf: &[u8]) -> Result<Self, HelloError> {
+        let trunc = || HelloError::Truncated(buf.len());
+        let version = u16::from_be_bytes(buf.get(..2).ok_or_else(trunc)?.try_into().map_err(|_| trunc())?);
+        let family = *buf.get(2).ok_or_else(trunc)?;
+        let (tunnel_ip, rest) = match family {
+            4 => {
+                let b: [u8; 4] = buf.get(3..7).ok_or_else(trunc)?.try_into().map_err(|_| trunc())?;
+                (IpAddr::V4(Ipv4Addr::from(b)), &buf[7..])
+            }
+            6 => {
+                let b: [u8; 16] = buf.get(3..19).ok_or_else(trunc)?.try_into().map_err(|_| trunc())?;
+                (IpAddr::V6(Ipv6Addr::from(b)), &buf[19..])
+            }
+            other => return Err(HelloError::BadFamily(other)),
+        };
+        let (&token_len, rest) = rest.split_first().ok_or_else(trunc)?;
+        let token = rest.get(..usize::from(token_len)).ok_or_else(trunc)?;
+        let trailing = rest.len() - token.len();
+        if trailing != 0 {
+            return Err(HelloError::Trailing(trailing));
+        }
+        Ok(Self {
+            version,
+            tunnel_ip,
+            token: token.to_vec(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn test_vector_v1_packet() {
+        let mut out = Vec::new();
+        encode_into(Kind::Packet, &[0x45, 0x00], &mut out).expect("encodes");
+        assert_eq!(out, [0x00, 0x03, 0x01, 0x45, 0x00]);
+    }
+
+    #[test]
+    fn test_vector_v1_hello() {
+        let hello = Hello {
+            version: 1,
+            tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
+            token: b"ab".to_vec(),
+        };
+        let payload = hello.encode().expect("encodes");
+        assert_eq!(payload, [0, 1, 4, 100, 96, 0, 2, 2, b'a', b'b']);
+        assert_eq!(Hello::decode(&payload), Ok(hello));
+    }
+
+    #[test]
+    fn partial_frames_ask_for_more() {
+        let mut out = Vec::new();
+        encode_into(Kind::Heartbeat, &[1, 2, 3], &mut out).expect("encodes");
+        for cut in 0..out.len() {
+            assert_eq!(Decoder::default().decode(&out[..cut]), Ok(None), "cut at {cut}");
+        }
+        let (frame, used) = Decoder::default().decode(&out).expect("valid").expect("whole");
+        assert_eq!(used, out.len());
+        assert_eq!(frame.kind, Kind::Heartbeat);
+        assert_eq!(frame.payload, &[1, 2, 3]);
+    }
+
+    #[test]
+    fn zero_length_is_rejected() {
+        assert_eq!(Decoder::default().decode(&[0, 0]), Err(FrameError::ZeroLength));
+        assert_eq!(Decoder::default().decode(&[0, 0, 1]), Err(FrameError::ZeroLength));
+    }
+
+    #[test]
+    fn oversized_is_rejected_from_the_length_alone() {
+        let d = Decoder::with_max_len(1500);
+        assert_eq!(
+            d.decode(&[0x10, 0x00]),
+            Err(FrameError::Oversized { len: 4096, max: 1500 })
+        );
+    }
+
+    #[test]
+    fn truncated_exact_decode() {
+        assert_eq!(
+            decode_exact(&[0, 5, 1, 0]),
+            Err(FrameError::Truncated { need: 7, have: 4 })
+        );
+    }
+
+    #[test]
+    fn payload_too_large_for_encoder() {
+        assert_eq!(
+            encode_header(Kind::Packet, MAX_PAYLOAD_LEN + 1),
+            Err(FrameError::PayloadTooLarge { len: MAX_PAYLOAD_LEN + 1 })
+        );
+        assert!(encode_header(Kind::Packet, MAX_PAYLOAD_LEN).is_ok());
+    }
+
+    #[test]
+    fn hello_errors() {
+        assert_eq!(Hello::decode(&[]), Err(HelloError::Truncated(0)));
+        assert_eq!(Hello::decode(&[0, 1, 5]), Err(HelloError::BadFamily(5)));
+        assert_eq!(
+            Hello::decode(&[0, 1, 4, 1, 2, 3, 4, 0, 9]),
+            Err(HelloError::Trailing(1))
+        );
+        assert_eq!(Hello::decode(&[0, 1, 4, 1, 2, 3, 4, 3, 9]), Err(HelloError::Truncated(9)));
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(kind in any::<u8>(), payload in proptest::collection::vec(any::<u8>(), 0..4096)) {
+            let mut out = Vec::new();
+            encode_into(Kind::from(kind), &payload, &mut out).expect("fits");
+            let (frame, used) = Decoder::default().decode(&out).expect("valid").expect("whole");
+            prop_assert_eq!(used, out.len());
+            prop_assert_eq!(frame.kind, Kind::from(kind));
+            prop_assert_eq!(frame.payload, &payload[..]);
+        }
+
+        #[test]
+        fn stream_of_frames_round_trips(frames in proptest::collection::vec((any::<u8>(), proptest::collection::vec(any::<u8>(), 0..300)), 0..20)) {
+            let mut out = Vec::new();
+            for (k, p) in &frames { encode_into(Kind::from(*k), p, &mut out).expect("fits"); }
+            let mut rest = &out[..];
+            let mut got = Vec::new();
+            while let Some((f, used)) = Decoder::default().decode(rest).expect("valid") {
+                got.push((f.kind.to_u8(), f.payload.to_vec()));
+                rest = &rest[used..];
+            }
+            prop_assert!(rest.is_empty());
+            prop_assert_eq!(got, frames);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(buf in proptest::collection::vec(any::<u8>(), 0..2048), max in 0usize..70000) {
+            let d = Decoder::with_max_len(max);
+            if let Ok(Some((frame, used))) = d.decode(&buf) {
+                prop_assert!(used <= buf.len());
+                prop_assert_eq!(frame.wire_len(), used);
+            }
+            let _ = decode_exact(&buf);
+            let _ = Hello::decode(&buf);
+        }
+
+        #[test]
+        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>()) {
+            let ip = if six { IpAddr::V6(Ipv6Addr::from(v6)) } else { IpAddr::V4(Ipv4Addr::from(v4)) };
+            let hello = Hello { version, tunnel_ip: ip, token };
+            let enc = hello.encode().expect("token fits");
+            prop_assert_eq!(Hello::decode(&enc), Ok(hello));
+        }
+    }
+}

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian 12 machine for building, running and
+# testing kvpn. Run as root. Everything slow is cached outside the checkout
+# under $KVPN_CACHE (default /var/cache/kvpn) and reused when present.
+set -euo pipefail
+
+KVPN_CACHE="${KVPN_CACHE:-/var/cache/kvpn}"
+TOOLS="$KVPN_CACHE/tools"
+mkdir -p "$KVPN_CACHE" "$TOOLS/bin"
+here="$(cd "$(dirname "$0")/.." && pwd)"
+
+step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+if [ "$(id -u)" != 0 ]; then
+    echo "setup.sh: must run as root (it installs apt packages and builds the lab) — rerun with sudo" >&2
+    exit 1
+fi
+
+# --- apt packages ---------------------------------------------------------
+APT_PACKAGES=(
+    iproute2 nftables iperf3 curl dnsutils iputils-ping procps psmisc
+    protobuf-compiler bpftool socat tcpdump
+    etcd-server golang-1.19-go rsync
+    openssh-server openssh-client
+)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    step "installing apt packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # etcd-server's package starts a system etcd on :2379; the lab runs its own.
+    systemctl disable --now etcd >/dev/null 2>&1 || true
+fi
+
+# --- Rust toolchains -------------------------------------------------------
+if ! rustup toolchain list | grep -q '^nightly'; then
+    step "installing the nightly toolchain (for the eBPF build)"
+    rustup toolchain install nightly --profile minimal
+fi
+if ! rustup component list --toolchain nightly --installed | grep -q '^rust-src'; then
+    step "adding rust-src to nightly"
+    rustup component add rust-src --toolchain nightly
+fi
+
+# --- bpf-linker against the toolchain's own LLVM (TOOLCHAIN.md) -------------
+if ! "$TOOLS/bin/bpf-linker" --version >/dev/null 2>&1; then
+    step "building bpf-linker 0.13.0 against nightly's LLVM (about a minute)"
+    sysroot="$(rustup run nightly rustc --print sysroot)"
+    llvm_so="$(ls "$sysroot"/lib/libLLVM.so.*-rust-* 2>/dev/null | head -n1 || true)"
+    [ -n "$llvm_so" ] || { echo "setup.sh: no libLLVM in $sysroot/lib — reinstall the nightly toolchain" >&2; exit 1; }
+    major="$(basename "$llvm_so" | sed -E 's/^libLLVM\.so\.([0-9]+).*/\1/')"
+    prefix="$KVPN_CACHE/llvm-$major"
+    mkdir -p "$prefix/lib"
+    # Copy, do not link: `rustup update` deletes the original.
+    cp -f "$llvm_so" "$prefix/lib/"
+    ln -sf "$(basename "$llvm_so")" "$prefix/lib/libLLVM.so"
+    LLVM_PREFIX="$prefix" cargo install --root "$TOOLS" bpf-linker --version 0.13.0 --locked \
+        --no-default-features --features "llvm-$major"
+fi
+
+# --- Kubernetes control-plane binaries (lab) -------------------------------
+if [ -x "$here/scripts/build-kubernetes.sh" ]; then
+    "$here/scripts/build-kubernetes.sh"
+fi
+
+step "set-up done (cache: $KVPN_CACHE)"
