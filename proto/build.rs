@@ -1,5 +1,9 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/dataplane.proto");
-    tonic_prost_build::configure().compile_protos(&["proto/dataplane.proto"], &["proto"])?;
+    // The RPC `Connect` would clash with the generated client's transport
+    // constructor `connect`; clients build a Channel (Unix socket) themselves.
+    tonic_prost_build::configure()
+        .build_transport(false)
+        .compile_protos(&["proto/dataplane.proto"], &["proto"])?;
     Ok(())
 }
