@@ -1,1 +1,23 @@
-//! stub
+//! kvpn traffic manager (`kvpn-manager`): terminates the laptops' packets in a
+//! userspace TCP/IP stack (smoltcp, any-IP) and relays them to the real
+//! destinations in the cluster through kernel sockets (SNAT mode: destinations
+//! see the manager pod's IP).
+//!
+//! Layout:
+//! - [`packet`], [`device`], [`engine`], [`metrics`]: the pure core — packet
+//!   classification and construction, the per-session flow table with its
+//!   smoltcp interface. No I/O, no clock (`now` is passed in).
+//! - [`kernel`]: all I/O towards the cluster (TCP dials and splicing, UDP and
+//!   ICMP echo sockets).
+//! - [`session`]: the tokio shell of one data-channel session (frames in and
+//!   out); [`server`]: the :10801 listener.
+
+pub mod device;
+pub mod engine;
+pub mod kernel;
+pub mod metrics;
+pub mod packet;
+pub mod server;
+pub mod session;
+
+pub use engine::DEFAULT_MTU;

@@ -1,0 +1,1095 @@
+//! The pure core of one client session: a smoltcp any-IP interface plus the
+//! flow tables for TCP, UDP and ICMP echo.
+//!
+//! No I/O, no clock, no randomness: inputs are [`Engine::handle_laptop_packet`],
+//! [`Engine::handle_event`] (what the kernel side reported) and
+//! [`Engine::handle_timeout`], each with `now`; outputs are packets for the
+//! laptop ([`Engine::poll_transmit`]), requests for the kernel side
+//! ([`Engine::poll_request`]: dial, write, grant, close, ...) and
+//! [`Engine::poll_timeout`]. The tokio shell in [`crate::session`] drives it.
+//!
+//! "Outbound" is laptop -> cluster, "inbound" is cluster -> laptop.
+//!
+//! # TCP
+//! - A laptop SYN to a new `(laptop port, destination)` is held, not given to
+//!   smoltcp, and a [`Request::TcpDial`] goes out. Retransmitted SYNs are
+//!   absorbed while the dial runs. Only when the dial succeeded does the
+//!   engine create a smoltcp socket listening on the destination endpoint
+//!   (any-IP) and feed it the held SYN, so the SYN-ACK means "the destination
+//!   accepted". A refused dial answers with RST|ACK (the laptop's connect()
+//!   fails with ECONNREFUSED); a timed-out or unroutable one with ICMP host
+//!   unreachable (EHOSTUNREACH).
+//! - Outbound data: read from the smoltcp socket only while fewer than
+//!   [`TCP_WRITE_WINDOW`] bytes are queued towards the kernel socket
+//!   ([`Event::TcpWritten`] frees them), so a slow destination closes the
+//!   laptop's window instead of growing a queue.
+//! - Inbound data: the kernel side may read from the destination only as many
+//!   bytes as it was granted ([`Request::TcpGrant`]); grants never exceed the
+//!   free space of the smoltcp send buffer, so every [`Event::TcpData`] fits
+//!   and nothing is dropped.
+//! - FIN: the laptop's FIN becomes `shutdown(SHUT_WR)` on the kernel socket
+//!   after all of the laptop's data was handed over; the destination's EOF
+//!   becomes `close()` on the smoltcp socket, whose FIN follows all queued data.
+//!   Either side can half-close and keep receiving.
+//! - RST: a laptop RST closes the kernel socket with SO_LINGER 0 (RST); a
+//!   destination RST aborts the smoltcp socket (RST to the laptop).
+//!
+//! # UDP and ICMP echo
+//! One kernel socket per `(laptop port, destination)` UDP flow and per
+//! `(destination, echo identifier)` ping flow, closed after an idle timeout.
+//! Replies are built with `smoltcp::wire` ([`crate::packet`]) with the
+//! destination as source; echo replies carry the laptop's own identifier (the
+//! kernel rewrites it on ping sockets).
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
+use smoltcp::socket::tcp;
+use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpListenEndpoint, IpProtocol};
+use tracing::{debug, trace};
+
+use crate::device::QueueDevice;
+use crate::metrics::Metrics;
+use crate::packet::{self, DropReason, Offending, Parsed, TcpMeta, Unreachable};
+
+/// IP MTU of the manager's stack, bytes. Equal to the laptop's TUN MTU
+/// (`kvpn_dataplane::DEFAULT_MTU`): the transport is a byte stream, so large
+/// packets cost nothing extra and cut per-packet work.
+pub const DEFAULT_MTU: usize = 9000;
+
+/// The manager stack's own IPv4 address (first address of the tunnel pool
+/// 100.96.0.0/16); the default route points at it for any-IP.
+pub const MANAGER_STACK_V4: Ipv4Addr = Ipv4Addr::new(100, 96, 0, 1);
+
+/// The manager stack's own IPv6 address (a ULA; "kvpn" in the global ID), used
+/// the same way for sessions whose tunnel IP is IPv6.
+pub const MANAGER_STACK_V6: Ipv6Addr = Ipv6Addr::new(0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0, 1);
+
+/// smoltcp receive buffer per TCP flow, bytes: the window the laptop may fill.
+/// 512 KiB is the bandwidth-delay product of ~4 Gbit/s at 1 ms RTT (the lab's
+/// tunnel RTT is ~0.2 ms; port-forward or SSH paths are slower). Buffers are
+/// zero-filled allocations the kernel maps lazily, so idle flows cost little
+/// resident memory.
+pub const TCP_RX_BUFFER: usize = 512 * 1024;
+
+/// smoltcp send buffer per TCP flow, bytes (inbound data not yet acknowledged
+/// by the laptop). Same reasoning as [`TCP_RX_BUFFER`].
+pub const TCP_TX_BUFFER: usize = 512 * 1024;
+
+/// Outbound bytes handed to the kernel side but not yet written to the
+/// destination socket, per flow. Half the receive buffer: enough to keep the
+/// kernel socket busy while the next chunk is read.
+pub const TCP_WRITE_WINDOW: usize = 256 * 1024;
+
+/// Largest single outbound write request, bytes.
+pub const TCP_WRITE_CHUNK: usize = 64 * 1024;
+
+/// Smallest inbound credit worth a grant message, bytes (except the first).
+pub const TCP_GRANT_MIN: usize = 16 * 1024;
+
+/// A TCP flow whose laptop does not acknowledge anything for this long while
+/// data is outstanding (or during the handshake) is reset. Idle flows without
+/// outstanding data never time out (tr-09).
+pub const TCP_STALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// UDP flows without traffic in either direction for this long are closed.
+pub const UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Ping flows without traffic for this long are closed.
+pub const PING_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Bound on smoltcp poll/service rounds per [`Engine::poll`]; each round either
+/// makes progress or stops, this only guards against a livelock.
+const MAX_POLL_ROUNDS: usize = 16;
+
+/// Settings of one session's engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The laptop's tunnel IP from the hello: the only accepted source address.
+    pub tunnel_ip: IpAddr,
+    /// Seed for smoltcp's initial sequence numbers and ports.
+    pub random_seed: u64,
+    /// Relay to loopback destinations (tests only; never in a cluster).
+    pub allow_loopback: bool,
+    /// Idle timeout of UDP flows.
+    pub udp_idle_timeout: Duration,
+    /// Idle timeout of ping flows.
+    pub ping_idle_timeout: Duration,
+    /// Most concurrent TCP flows (including dials in progress).
+    pub max_tcp_flows: usize,
+    /// Most concurrent UDP flows.
+    pub max_udp_flows: usize,
+    /// Most concurrent ping flows.
+    pub max_ping_flows: usize,
+}
+
+impl EngineConfig {
+    /// Defaults for a laptop with `tunnel_ip`.
+    pub fn new(tunnel_ip: IpAddr, random_seed: u64) -> Self {
+        Self {
+            tunnel_ip,
+            random_seed,
+            allow_loopback: false,
+            udp_idle_timeout: UDP_IDLE_TIMEOUT,
+            ping_idle_timeout: PING_IDLE_TIMEOUT,
+            max_tcp_flows: 16_384,
+            max_udp_flows: 4096,
+            max_ping_flows: 1024,
+        }
+    }
+}
+
+/// Identifies one flow (TCP, UDP or ping) of a session in requests and events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FlowId(pub u64);
+
+impl fmt::Display for FlowId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "f{}", self.0)
+    }
+}
+
+/// Why a dial of the real destination failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DialError {
+    /// ECONNREFUSED: the destination answered RST.
+    Refused,
+    /// EHOSTUNREACH / ENETUNREACH.
+    Unreachable,
+    /// No answer within the dial timeout.
+    TimedOut,
+    /// Anything else (answered like a refusal).
+    Other,
+}
+
+/// Work for the kernel side. Every `TcpDial`, `UdpOpen` and `PingOpen` is
+/// eventually followed by exactly one `TcpClose`, `UdpClose` or `PingClose`
+/// for the same flow.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// Connect a kernel TCP socket to `dst`; answer with [`Event::TcpDialed`].
+    TcpDial {
+        /// The flow.
+        flow: FlowId,
+        /// The real destination.
+        dst: SocketAddr,
+    },
+    /// Write outbound bytes to the flow's kernel socket, in order; answer with
+    /// [`Event::TcpWritten`] once written.
+    TcpWrite {
+        /// The flow.
+        flow: FlowId,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// `shutdown(SHUT_WR)` the kernel socket after all earlier writes.
+    TcpShutdownWrite {
+        /// The flow.
+        flow: FlowId,
+    },
+    /// Allow reading `bytes` more inbound bytes from the kernel socket.
+    TcpGrant {
+        /// The flow.
+        flow: FlowId,
+        /// Credit, bytes.
+        bytes: usize,
+    },
+    /// Close the kernel socket: after earlier writes, or at once with RST
+    /// (SO_LINGER 0) if `reset`. Also ends a dial in progress.
+    TcpClose {
+        /// The flow.
+        flow: FlowId,
+        /// Reset instead of an orderly close.
+        reset: bool,
+    },
+    /// Open a connected kernel UDP socket to `dst`.
+    UdpOpen {
+        /// The flow.
+        flow: FlowId,
+        /// The real destination.
+        dst: SocketAddr,
+    },
+    /// Send one datagram on the flow's socket.
+    UdpSend {
+        /// The flow.
+        flow: FlowId,
+        /// The datagram's payload.
+        payload: Vec<u8>,
+    },
+    /// Close the flow's UDP socket.
+    UdpClose {
+        /// The flow.
+        flow: FlowId,
+    },
+    /// Open an unprivileged ICMP echo socket connected to `dst`.
+    PingOpen {
+        /// The flow.
+        flow: FlowId,
+        /// The pinged address.
+        dst: IpAddr,
+    },
+    /// Send one echo request on the flow's ping socket.
+    PingSend {
+        /// The flow.
+        flow: FlowId,
+        /// Sequence number.
+        seq: u16,
+        /// Payload.
+        data: Vec<u8>,
+    },
+    /// Close the flow's ping socket.
+    PingClose {
+        /// The flow.
+        flow: FlowId,
+    },
+}
+
+/// What the kernel side reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// The dial of a [`Request::TcpDial`] finished.
+    TcpDialed {
+        /// The flow.
+        flow: FlowId,
+        /// Success or why not.
+        result: Result<(), DialError>,
+    },
+    /// Inbound bytes read from the kernel socket (never more than granted).
+    TcpData {
+        /// The flow.
+        flow: FlowId,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// The destination closed its sending side (read returned 0).
+    TcpEof {
+        /// The flow.
+        flow: FlowId,
+    },
+    /// The destination reset the connection, or reading/writing failed.
+    TcpReset {
+        /// The flow.
+        flow: FlowId,
+    },
+    /// Bytes of earlier [`Request::TcpWrite`]s are written.
+    TcpWritten {
+        /// The flow.
+        flow: FlowId,
+        /// Bytes.
+        bytes: usize,
+    },
+    /// A datagram arrived on a UDP flow's socket.
+    UdpReply {
+        /// The flow.
+        flow: FlowId,
+        /// Its payload.
+        data: Vec<u8>,
+    },
+    /// The UDP destination answered "port unreachable" (ECONNREFUSED).
+    UdpRefused {
+        /// The flow.
+        flow: FlowId,
+    },
+    /// The UDP or ping socket could not be opened or failed.
+    SocketFailed {
+        /// The flow.
+        flow: FlowId,
+    },
+    /// A datagram or echo request could not be sent (socket buffer full).
+    SendFailed {
+        /// The flow.
+        flow: FlowId,
+    },
+    /// An echo reply arrived on a ping flow's socket.
+    PingReply {
+        /// The flow.
+        flow: FlowId,
+        /// Sequence number of the reply.
+        seq: u16,
+        /// Its payload.
+        data: Vec<u8>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct TcpKey {
+    laptop_port: u16,
+    dst: SocketAddr,
+}
+
+#[derive(Debug)]
+struct TcpFlow {
+    key: TcpKey,
+    state: TcpState,
+}
+
+#[derive(Debug)]
+enum TcpState {
+    /// The SYN is held until the dial finishes.
+    Dialing { syn: Vec<u8>, meta: TcpMeta },
+    /// The smoltcp socket exists and the kernel socket is connected.
+    Open(OpenTcp),
+    /// The kernel side is closed; the smoltcp socket sits in TIME-WAIT (it
+    /// still acknowledges a retransmitted FIN).
+    Lingering { handle: SocketHandle },
+}
+
+#[derive(Debug)]
+struct OpenTcp {
+    handle: SocketHandle,
+    /// Inbound credit granted but not yet used.
+    granted: usize,
+    /// Outbound bytes requested to be written but not yet confirmed.
+    write_inflight: usize,
+    /// Inbound bytes that did not fit the smoltcp buffer (only if the grant
+    /// invariant were broken; kept instead of dropped).
+    overflow: Vec<u8>,
+    remote_eof: bool,
+    fin_queued: bool,
+    laptop_fin_seen: bool,
+    shutdown_sent: bool,
+    kernel_closed: bool,
+    reset_by_remote: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct UdpKey {
+    laptop_port: u16,
+    dst: SocketAddr,
+}
+
+#[derive(Debug)]
+struct UdpFlow {
+    key: UdpKey,
+    last_active: Instant,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct PingKey {
+    dst: IpAddr,
+    ident: u16,
+}
+
+#[derive(Debug)]
+struct PingFlow {
+    key: PingKey,
+    last_active: Instant,
+}
+
+/// The per-session core. See the module documentation.
+pub struct Engine {
+    config: EngineConfig,
+    epoch: Instant,
+    iface: Interface,
+    device: QueueDevice,
+    sockets: SocketSet<'static>,
+    next_flow: u64,
+    tcp: HashMap<FlowId, TcpFlow>,
+    tcp_by_key: HashMap<TcpKey, FlowId>,
+    udp: HashMap<FlowId, UdpFlow>,
+    udp_by_key: HashMap<UdpKey, FlowId>,
+    ping: HashMap<FlowId, PingFlow>,
+    ping_by_key: HashMap<PingKey, FlowId>,
+    requests: VecDeque<Request>,
+    metrics: Metrics,
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("tunnel_ip", &self.config.tunnel_ip)
+            .field("tcp_flows", &self.tcp.len())
+            .field("udp_flows", &self.udp.len())
+            .field("ping_flows", &self.ping.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn to_smol(epoch: Instant, now: Instant) -> smoltcp::time::Instant {
+    let micros = now.saturating_duration_since(epoch).as_micros();
+    smoltcp::time::Instant::from_micros(i64::try_from(micros).unwrap_or(i64::MAX))
+}
+
+fn from_smol(epoch: Instant, t: smoltcp::time::Instant) -> Instant {
+    epoch + Duration::from_micros(u64::try_from(t.total_micros()).unwrap_or(0))
+}
+
+impl Engine {
+    /// A new session core; `now` is the session's start.
+    pub fn new(config: EngineConfig, now: Instant) -> Self {
+        let mut device = QueueDevice::new(DEFAULT_MTU);
+        let mut iface_config = Config::new(HardwareAddress::Ip);
+        iface_config.random_seed = config.random_seed;
+        let mut iface = Interface::new(iface_config, &mut device, to_smol(now, now));
+        iface.update_ip_addrs(|addrs| {
+            // Two addresses fit IFACE_MAX_ADDR_COUNT (default 2 with both protocols).
+            for cidr in [
+                IpCidr::new(IpAddress::Ipv4(MANAGER_STACK_V4), 16),
+                IpCidr::new(IpAddress::Ipv6(MANAGER_STACK_V6), 64),
+            ] {
+                if addrs.push(cidr).is_err() {
+                    debug!(%cidr, "smoltcp address table full");
+                }
+            }
+        });
+        // any-IP: accept every destination, and reach the laptop through the
+        // default routes (smoltcp only transmits to routable addresses).
+        iface.set_any_ip(true);
+        if iface.routes_mut().add_default_ipv4_route(MANAGER_STACK_V4).is_err() {
+            debug!("smoltcp route table full (ipv4 default)");
+        }
+        if iface.routes_mut().add_default_ipv6_route(MANAGER_STACK_V6).is_err() {
+            debug!("smoltcp route table full (ipv6 default)");
+        }
+        Self {
+            config,
+            epoch: now,
+            iface,
+            device,
+            sockets: SocketSet::new(Vec::new()),
+            next_flow: 1,
+            tcp: HashMap::new(),
+            tcp_by_key: HashMap::new(),
+            udp: HashMap::new(),
+            udp_by_key: HashMap::new(),
+            ping: HashMap::new(),
+            ping_by_key: HashMap::new(),
+            requests: VecDeque::new(),
+            metrics: Metrics::default(),
+        }
+    }
+
+    /// The session's counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Mutable counters (the shell counts heartbeats).
+    pub fn metrics_mut(&mut self) -> &mut Metrics {
+        &mut self.metrics
+    }
+
+    /// The tunnel IP this session accepts as source.
+    pub fn tunnel_ip(&self) -> IpAddr {
+        self.config.tunnel_ip
+    }
+
+    /// Live flows: (TCP, UDP, ping). TCP includes dials and TIME-WAIT sockets.
+    pub fn flow_counts(&self) -> (usize, usize, usize) {
+        (self.tcp.len(), self.udp.len(), self.ping.len())
+    }
+
+    fn next_id(&mut self) -> FlowId {
+        let id = FlowId(self.next_flow);
+        self.next_flow += 1;
+        id
+    }
+
+    fn drop_packet(&mut self, reason: DropReason) {
+        trace!(reason = reason.as_str(), "dropped packet");
+        self.metrics.drop_packet(reason);
+    }
+
+    fn send_to_laptop(&mut self, packet: Result<Vec<u8>, packet::BuildError>) {
+        match packet {
+            Ok(p) => self.device.push_tx(p),
+            Err(e) => {
+                trace!(error = %e, "reply not built");
+                self.metrics.drop_packet(DropReason::ReplyTooLarge);
+            }
+        }
+    }
+
+    // ----- inputs ---------------------------------------------------------
+
+    /// One raw IP packet from the laptop. Call [`Engine::poll`] after a batch.
+    pub fn handle_laptop_packet(&mut self, buf: &[u8], now: Instant) {
+        self.metrics.packets_from_laptop += 1;
+        self.metrics.bytes_from_laptop += buf.len() as u64;
+        let parsed = match packet::parse(buf) {
+            Ok(p) => p,
+            Err(reason) => return self.drop_packet(reason),
+        };
+        let (src, dst) = parsed.addrs();
+        if src != self.config.tunnel_ip {
+            return self.drop_packet(DropReason::BadSource);
+        }
+        if !packet::destination_allowed(dst, self.config.allow_loopback) {
+            return self.drop_packet(DropReason::ForbiddenDestination);
+        }
+        match parsed {
+            Parsed::Tcp(meta) => self.laptop_tcp(meta, buf),
+            Parsed::Udp { src, dst, payload } => self.laptop_udp(src, dst, payload, now),
+            Parsed::EchoRequest {
+                dst, ident, seq, data, ..
+            } => self.laptop_echo(dst, ident, seq, data, now),
+        }
+    }
+
+    fn laptop_tcp(&mut self, meta: TcpMeta, buf: &[u8]) {
+        let key = TcpKey {
+            laptop_port: meta.src.port(),
+            dst: meta.dst,
+        };
+        if let Some(&id) = self.tcp_by_key.get(&key) {
+            let replace = match self.tcp.get(&id).map(|f| &f.state) {
+                Some(TcpState::Dialing { .. }) => {
+                    if meta.rst {
+                        // The laptop gave up on connect(): end the dial.
+                        debug!(flow = %id, dst = %meta.dst, "laptop reset during dial");
+                        self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+                        self.remove_tcp(id);
+                    } else if !meta.is_initial_syn() {
+                        self.drop_packet(DropReason::TcpWhileDialing);
+                    }
+                    // A retransmitted SYN is answered by the held one.
+                    return;
+                }
+                Some(TcpState::Open(o)) => {
+                    let st = self.sockets.get::<tcp::Socket>(o.handle).state();
+                    meta.is_initial_syn() && matches!(st, tcp::State::Closed | tcp::State::TimeWait)
+                }
+                Some(TcpState::Lingering { .. }) => meta.is_initial_syn(),
+                None => true,
+            };
+            if !replace {
+                self.device.push_rx(buf.to_vec());
+                return;
+            }
+            // A new connection reuses the 4-tuple of a finished one.
+            if let Some(TcpFlow {
+                state: TcpState::Open(o),
+                ..
+            }) = self.tcp.get(&id)
+                && !o.kernel_closed
+            {
+                self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+            }
+            self.remove_tcp(id);
+        }
+        if !meta.is_initial_syn() {
+            // No flow: smoltcp answers with RST (and ignores a stray RST).
+            self.device.push_rx(buf.to_vec());
+            return;
+        }
+        if self.tcp.len() >= self.config.max_tcp_flows {
+            self.drop_packet(DropReason::TooManyFlows);
+            let rst = packet::tcp_rst_for_syn(&meta);
+            self.send_to_laptop(rst);
+            return;
+        }
+        let id = self.next_id();
+        debug!(flow = %id, dst = %meta.dst, laptop_port = meta.src.port(), "SYN held, dialing");
+        self.tcp.insert(
+            id,
+            TcpFlow {
+                key,
+                state: TcpState::Dialing {
+                    syn: buf.to_vec(),
+                    meta,
+                },
+            },
+        );
+        self.tcp_by_key.insert(key, id);
+        self.metrics.tcp_dials += 1;
+        self.requests.push_back(Request::TcpDial { flow: id, dst: meta.dst });
+    }
+
+    fn laptop_udp(&mut self, src: SocketAddr, dst: SocketAddr, payload: &[u8], now: Instant) {
+        let key = UdpKey {
+            laptop_port: src.port(),
+            dst,
+        };
+        let id = match self.udp_by_key.get(&key) {
+            Some(&id) => id,
+            None => {
+                if self.udp.len() >= self.config.max_udp_flows {
+                    return self.drop_packet(DropReason::TooManyFlows);
+                }
+                let id = self.next_id();
+                debug!(flow = %id, %dst, laptop_port = src.port(), "UDP flow opened");
+                self.udp.insert(id, UdpFlow { key, last_active: now });
+                self.udp_by_key.insert(key, id);
+                self.metrics.udp_flows += 1;
+                self.requests.push_back(Request::UdpOpen { flow: id, dst });
+                id
+            }
+        };
+        if let Some(flow) = self.udp.get_mut(&id) {
+            flow.last_active = now;
+        }
+        self.metrics.udp_datagrams_out += 1;
+        self.requests.push_back(Request::UdpSend {
+            flow: id,
+            payload: payload.to_vec(),
+        });
+    }
+
+    fn laptop_echo(&mut self, dst: IpAddr, ident: u16, seq: u16, data: &[u8], now: Instant) {
+        let key = PingKey { dst, ident };
+        let id = match self.ping_by_key.get(&key) {
+            Some(&id) => id,
+            None => {
+                if self.ping.len() >= self.config.max_ping_flows {
+                    return self.drop_packet(DropReason::TooManyFlows);
+                }
+                let id = self.next_id();
+                debug!(flow = %id, %dst, ident, "ping flow opened");
+                self.ping.insert(id, PingFlow { key, last_active: now });
+                self.ping_by_key.insert(key, id);
+                self.requests.push_back(Request::PingOpen { flow: id, dst });
+                id
+            }
+        };
+        if let Some(flow) = self.ping.get_mut(&id) {
+            flow.last_active = now;
+        }
+        self.metrics.pings_sent += 1;
+        self.requests.push_back(Request::PingSend {
+            flow: id,
+            seq,
+            data: data.to_vec(),
+        });
+    }
+
+    /// A report from the kernel side. Events for flows that no longer exist
+    /// are ignored. Call [`Engine::poll`] after a batch.
+    pub fn handle_event(&mut self, event: Event, now: Instant) {
+        match event {
+            Event::TcpDialed { flow, result } => self.tcp_dialed(flow, result),
+            Event::TcpData { flow, data } => self.tcp_data(flow, &data),
+            Event::TcpEof { flow } => {
+                if let Some(o) = self.open_tcp(flow) {
+                    debug!(%flow, "destination sent FIN");
+                    o.remote_eof = true;
+                }
+            }
+            Event::TcpReset { flow } => self.tcp_remote_reset(flow),
+            Event::TcpWritten { flow, bytes } => {
+                if let Some(o) = self.open_tcp(flow) {
+                    o.write_inflight = o.write_inflight.saturating_sub(bytes);
+                }
+            }
+            Event::UdpReply { flow, data } => {
+                let Some(f) = self.udp.get_mut(&flow) else { return };
+                f.last_active = now;
+                let laptop = SocketAddr::new(self.config.tunnel_ip, f.key.laptop_port);
+                let dst = f.key.dst;
+                self.metrics.udp_datagrams_in += 1;
+                let reply = packet::udp_datagram(dst, laptop, &data);
+                self.send_to_laptop(reply);
+            }
+            Event::UdpRefused { flow } => {
+                let Some(f) = self.udp.get(&flow) else { return };
+                let (laptop_port, dst) = (f.key.laptop_port, f.key.dst);
+                let mut head = [0u8; 8];
+                head[0..2].copy_from_slice(&laptop_port.to_be_bytes());
+                head[2..4].copy_from_slice(&dst.port().to_be_bytes());
+                head[4..6].copy_from_slice(&8u16.to_be_bytes());
+                let offending = Offending {
+                    src: self.config.tunnel_ip,
+                    dst: dst.ip(),
+                    protocol: IpProtocol::Udp,
+                    payload_len: 8,
+                    payload_head: &head,
+                };
+                let err = packet::dst_unreachable(&offending, Unreachable::Port);
+                self.send_to_laptop(err);
+            }
+            Event::SocketFailed { flow } => {
+                if self.udp.contains_key(&flow) {
+                    self.remove_udp(flow);
+                    self.requests.push_back(Request::UdpClose { flow });
+                } else if self.ping.contains_key(&flow) {
+                    self.remove_ping(flow);
+                    self.requests.push_back(Request::PingClose { flow });
+                }
+            }
+            Event::SendFailed { .. } => self.drop_packet(DropReason::KernelSendFailed),
+            Event::PingReply { flow, seq, data } => {
+                let Some(f) = self.ping.get_mut(&flow) else { return };
+                f.last_active = now;
+                let (dst, ident) = (f.key.dst, f.key.ident);
+                self.metrics.ping_replies += 1;
+                let reply = packet::echo_reply(dst, self.config.tunnel_ip, ident, seq, &data);
+                self.send_to_laptop(reply);
+            }
+        }
+    }
+
+    fn open_tcp(&mut self, flow: FlowId) -> Option<&mut OpenTcp> {
+        match self.tcp.get_mut(&flow) {
+            Some(TcpFlow {
+                state: TcpState::Open(o),
+                ..
+            }) => Some(o),
+            _ => None,
+        }
+    }
+
+    fn tcp_dialed(&mut self, id: FlowId, result: Result<(), DialError>) {
+        let (syn, meta) = match self.tcp.get_mut(&id) {
+            Some(TcpFlow {
+                state: TcpState::Dialing { syn, meta },
+                ..
+            }) => (std::mem::take(syn), *meta),
+            _ => return,
+        };
+        match result {
+            Ok(()) => {
+                let mut socket = tcp::Socket::new(
+                    tcp::SocketBuffer::new(vec![0u8; TCP_RX_BUFFER]),
+                    tcp::SocketBuffer::new(vec![0u8; TCP_TX_BUFFER]),
+                );
+                // The laptop's kernel does its own Nagle; delaying here only adds latency.
+                socket.set_nagle_enabled(false);
+                socket.set_timeout(Some(smoltcp::time::Duration::from_millis(
+                    TCP_STALL_TIMEOUT.as_millis() as u64,
+                )));
+                let endpoint = IpListenEndpoint {
+                    addr: Some(IpAddress::from(meta.dst.ip())),
+                    port: meta.dst.port(),
+                };
+                if let Err(e) = socket.listen(endpoint) {
+                    debug!(flow = %id, dst = %meta.dst, error = ?e, "cannot listen on destination endpoint");
+                    self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+                    self.remove_tcp(id);
+                    self.metrics.tcp_refused += 1;
+                    let rst = packet::tcp_rst_for_syn(&meta);
+                    self.send_to_laptop(rst);
+                    return;
+                }
+                let handle = self.sockets.add(socket);
+                let Some(flow) = self.tcp.get_mut(&id) else { return };
+                flow.state = TcpState::Open(OpenTcp {
+                    handle,
+                    granted: 0,
+                    write_inflight: 0,
+                    overflow: Vec::new(),
+                    remote_eof: false,
+                    fin_queued: false,
+                    laptop_fin_seen: false,
+                    shutdown_sent: false,
+                    kernel_closed: false,
+                    reset_by_remote: false,
+                });
+                self.metrics.tcp_connected += 1;
+                debug!(flow = %id, dst = %meta.dst, "dial connected, answering SYN");
+                self.device.push_rx(syn);
+            }
+            Err(e) => {
+                debug!(flow = %id, dst = %meta.dst, error = ?e, "dial failed");
+                self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+                self.remove_tcp(id);
+                let answer = match e {
+                    DialError::Refused | DialError::Other => {
+                        self.metrics.tcp_refused += 1;
+                        packet::tcp_rst_for_syn(&meta)
+                    }
+                    DialError::Unreachable | DialError::TimedOut => {
+                        self.metrics.tcp_unreachable += 1;
+                        match Offending::from_packet(&syn) {
+                            Some(o) => packet::dst_unreachable(&o, Unreachable::Host),
+                            None => return,
+                        }
+                    }
+                };
+                self.send_to_laptop(answer);
+            }
+        }
+    }
+
+    fn tcp_data(&mut self, id: FlowId, data: &[u8]) {
+        let Some(TcpFlow {
+            state: TcpState::Open(o),
+            ..
+        }) = self.tcp.get_mut(&id)
+        else {
+            return;
+        };
+        o.granted = o.granted.saturating_sub(data.len());
+        self.metrics.tcp_bytes_in += data.len() as u64;
+        let socket = self.sockets.get_mut::<tcp::Socket>(o.handle);
+        if !socket.may_send() {
+            // The laptop reset or finished the flow; nobody can receive this.
+            trace!(flow = %id, bytes = data.len(), "inbound data after laptop close discarded");
+            return;
+        }
+        if !o.overflow.is_empty() {
+            o.overflow.extend_from_slice(data);
+            return;
+        }
+        let n = socket.send_slice(data).unwrap_or(0);
+        if n < data.len() {
+            debug!(flow = %id, bytes = data.len() - n, "inbound data beyond the grant kept in overflow");
+            o.overflow.extend_from_slice(&data[n..]);
+        }
+    }
+
+    fn tcp_remote_reset(&mut self, id: FlowId) {
+        let Some(TcpFlow {
+            state: TcpState::Open(o),
+            ..
+        }) = self.tcp.get_mut(&id)
+        else {
+            return;
+        };
+        if o.reset_by_remote {
+            return;
+        }
+        debug!(flow = %id, "destination reset the connection");
+        o.reset_by_remote = true;
+        self.metrics.tcp_reset_by_remote += 1;
+        self.sockets.get_mut::<tcp::Socket>(o.handle).abort();
+        if !o.kernel_closed {
+            o.kernel_closed = true;
+            self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+        }
+    }
+
+    /// Expire idle UDP and ping flows and run the stack's timers.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let udp_idle = self.config.udp_idle_timeout;
+        let expired: Vec<FlowId> = self
+            .udp
+            .iter()
+            .filter(|(_, f)| now.saturating_duration_since(f.last_active) >= udp_idle)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            debug!(flow = %id, "UDP flow idle, closing");
+            self.remove_udp(id);
+            self.metrics.udp_expired += 1;
+            self.requests.push_back(Request::UdpClose { flow: id });
+        }
+        let ping_idle = self.config.ping_idle_timeout;
+        let expired: Vec<FlowId> = self
+            .ping
+            .iter()
+            .filter(|(_, f)| now.saturating_duration_since(f.last_active) >= ping_idle)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            debug!(flow = %id, "ping flow idle, closing");
+            self.remove_ping(id);
+            self.requests.push_back(Request::PingClose { flow: id });
+        }
+        self.poll(now);
+    }
+
+    // ----- outputs --------------------------------------------------------
+
+    /// Run smoltcp on the queued laptop packets and move data between the
+    /// smoltcp sockets and the kernel side (requests).
+    pub fn poll(&mut self, now: Instant) {
+        let ts = to_smol(self.epoch, now);
+        for _ in 0..MAX_POLL_ROUNDS {
+            self.iface.poll(ts, &mut self.device, &mut self.sockets);
+            if !self.service_tcp() {
+                break;
+            }
+        }
+    }
+
+    /// The next packet for the laptop.
+    pub fn poll_transmit(&mut self) -> Option<Vec<u8>> {
+        let p = self.device.pop_tx()?;
+        self.metrics.packets_to_laptop += 1;
+        self.metrics.bytes_to_laptop += p.len() as u64;
+        Some(p)
+    }
+
+    /// The next request for the kernel side.
+    pub fn poll_request(&mut self) -> Option<Request> {
+        self.requests.pop_front()
+    }
+
+    /// When [`Engine::handle_timeout`] must run next (smoltcp retransmissions,
+    /// delayed ACKs, TIME-WAIT, idle flows), if ever.
+    pub fn poll_timeout(&mut self, now: Instant) -> Option<Instant> {
+        let stack = self
+            .iface
+            .poll_at(to_smol(self.epoch, now), &self.sockets)
+            .map(|t| from_smol(self.epoch, t));
+        let udp = self
+            .udp
+            .values()
+            .map(|f| f.last_active + self.config.udp_idle_timeout)
+            .min();
+        let ping = self
+            .ping
+            .values()
+            .map(|f| f.last_active + self.config.ping_idle_timeout)
+            .min();
+        [stack, udp, ping].into_iter().flatten().min()
+    }
+
+    // ----- TCP service ----------------------------------------------------
+
+    /// Move data and close/reset signals between smoltcp sockets and the
+    /// kernel side. Returns whether smoltcp needs another poll.
+    fn service_tcp(&mut self) -> bool {
+        let mut again = false;
+        let mut finished: Vec<FlowId> = Vec::new();
+        let Self {
+            tcp,
+            sockets,
+            requests,
+            metrics,
+            ..
+        } = self;
+        for (&id, flow) in tcp.iter_mut() {
+            let o = match &mut flow.state {
+                TcpState::Dialing { .. } => continue,
+                TcpState::Lingering { handle } => {
+                    if sockets.get::<tcp::Socket>(*handle).state() == tcp::State::Closed {
+                        finished.push(id);
+                    }
+                    continue;
+                }
+                TcpState::Open(o) => o,
+            };
+            let socket = sockets.get_mut::<tcp::Socket>(o.handle);
+            let state = socket.state();
+            if matches!(
+                state,
+                tcp::State::CloseWait | tcp::State::LastAck | tcp::State::Closing | tcp::State::TimeWait
+            ) {
+                o.laptop_fin_seen = true;
+            }
+
+            // Resets: by the destination (already aborted), or by the laptop
+            // (an RST in SYN-RECEIVED sends a listening socket back to LISTEN;
+            // elsewhere it goes to CLOSED without both FINs), or the stall timeout.
+            let graceful_closed = o.fin_queued && o.laptop_fin_seen;
+            let laptop_reset = !o.reset_by_remote
+                && (state == tcp::State::Listen || (state == tcp::State::Closed && !graceful_closed));
+            if laptop_reset || (o.reset_by_remote && state == tcp::State::Closed) {
+                if laptop_reset {
+                    debug!(flow = %id, ?state, "laptop reset the connection");
+                    metrics.tcp_reset_by_laptop += 1;
+                    if state == tcp::State::Listen {
+                        socket.abort();
+                    }
+                }
+                if !o.kernel_closed {
+                    o.kernel_closed = true;
+                    requests.push_back(Request::TcpClose { flow: id, reset: true });
+                }
+                // Keep the socket until smoltcp has sent its RST (if any).
+                if socket.remote_endpoint().is_none() {
+                    finished.push(id);
+                } else {
+                    again = true;
+                }
+                continue;
+            }
+
+            // Outbound: laptop -> destination, bounded by the write window.
+            while o.write_inflight < TCP_WRITE_WINDOW && socket.can_recv() {
+                let room = (TCP_WRITE_WINDOW - o.write_inflight).min(TCP_WRITE_CHUNK);
+                let data = socket
+                    .recv(|buf| {
+                        let n = buf.len().min(room);
+                        (n, buf[..n].to_vec())
+                    })
+                    .unwrap_or_default();
+                if data.is_empty() {
+                    break;
+                }
+                o.write_inflight += data.len();
+                metrics.tcp_bytes_out += data.len() as u64;
+                requests.push_back(Request::TcpWrite { flow: id, data });
+                again = true; // the receive window opened
+            }
+            if o.laptop_fin_seen && !o.shutdown_sent && !socket.can_recv() {
+                debug!(flow = %id, "laptop sent FIN, shutting down the destination's write side");
+                o.shutdown_sent = true;
+                requests.push_back(Request::TcpShutdownWrite { flow: id });
+            }
+
+            // Inbound: destination -> laptop.
+            if !o.overflow.is_empty() && socket.may_send() {
+                let n = socket.send_slice(&o.overflow).unwrap_or(0);
+                o.overflow.drain(..n);
+                again |= n > 0;
+            }
+            if socket.may_send() && !o.remote_eof {
+                let free = socket
+                    .send_capacity()
+                    .saturating_sub(socket.send_queue())
+                    .saturating_sub(o.overflow.len());
+                let grant = free.saturating_sub(o.granted);
+                if grant >= TCP_GRANT_MIN || (grant > 0 && o.granted == 0) {
+                    o.granted += grant;
+                    requests.push_back(Request::TcpGrant { flow: id, bytes: grant });
+                }
+            }
+            if o.remote_eof && !o.fin_queued && o.overflow.is_empty() {
+                o.fin_queued = true;
+                socket.close();
+                again = true;
+            }
+
+            // Orderly end: both FINs exchanged and the laptop's data handed over.
+            let done = o.shutdown_sent
+                && o.fin_queued
+                && matches!(state, tcp::State::TimeWait | tcp::State::Closed);
+            if done {
+                debug!(flow = %id, "flow closed");
+                metrics.tcp_closed += 1;
+                if !o.kernel_closed {
+                    o.kernel_closed = true;
+                    requests.push_back(Request::TcpClose { flow: id, reset: false });
+                }
+                let handle = o.handle;
+                if state == tcp::State::Closed {
+                    finished.push(id);
+                } else {
+                    flow.state = TcpState::Lingering { handle };
+                }
+            }
+        }
+        for id in finished {
+            self.remove_tcp(id);
+        }
+        again
+    }
+
+    fn remove_tcp(&mut self, id: FlowId) {
+        let Some(flow) = self.tcp.remove(&id) else { return };
+        if self.tcp_by_key.get(&flow.key) == Some(&id) {
+            self.tcp_by_key.remove(&flow.key);
+        }
+        match flow.state {
+            TcpState::Open(OpenTcp { handle, .. }) | TcpState::Lingering { handle } => {
+                self.sockets.remove(handle);
+            }
+            TcpState::Dialing { .. } => {}
+        }
+    }
+
+    fn remove_udp(&mut self, id: FlowId) {
+        if let Some(flow) = self.udp.remove(&id)
+            && self.udp_by_key.get(&flow.key) == Some(&id)
+        {
+            self.udp_by_key.remove(&flow.key);
+        }
+    }
+
+    fn remove_ping(&mut self, id: FlowId) {
+        if let Some(flow) = self.ping.remove(&id)
+            && self.ping_by_key.get(&flow.key) == Some(&id)
+        {
+            self.ping_by_key.remove(&flow.key);
+        }
+    }
+
+    /// Packets queued for smoltcp but not yet polled (tests).
+    pub fn pending_laptop_packets(&self) -> usize {
+        self.device.rx_len()
+    }
+}

@@ -1,0 +1,470 @@
+//! The kernel side of a session: real sockets towards the cluster, driven by
+//! the engine's [`Request`]s and reporting [`Event`]s back over one channel.
+//!
+//! All of the manager's I/O towards destinations lives here:
+//! - TCP: one task per flow dials (tokio `TcpStream`, with a timeout), then
+//!   runs the writer side (writes, `shutdown(SHUT_WR)`, orderly or reset
+//!   close); a second task reads, never more than the engine granted.
+//! - UDP: one connected kernel UDP socket per flow plus a reader task.
+//! - ICMP echo: one unprivileged ping socket (`socket(AF_INET, SOCK_DGRAM,
+//!   IPPROTO_ICMP)`, allowed by `net.ipv4.ping_group_range`) per flow, connected
+//!   to the pinged address, plus a reader task. The kernel owns the echo
+//!   identifier on these sockets; the engine maps replies back to the laptop's.
+//!
+//! The event channel is unbounded, but its volume is bounded by the engine:
+//! inbound bytes by the grants (at most one smoltcp send buffer per flow),
+//! write confirmations by the write window, datagrams by the socket buffers.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpStream, UdpSocket};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tracing::{debug, trace, warn};
+
+use crate::engine::{DialError, Event, FlowId, Request};
+use crate::packet;
+
+/// Largest single read from a destination TCP socket, bytes.
+const TCP_READ_CHUNK: usize = 64 * 1024;
+
+/// Receive buffer for one datagram (the largest UDP payload over IPv4/IPv6).
+const DATAGRAM_BUFFER: usize = 65_536;
+
+/// Aborts a task when dropped.
+#[derive(Debug)]
+pub(crate) struct AbortOnDrop<T>(pub(crate) JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[derive(Debug)]
+enum TcpCmd {
+    Write(Vec<u8>),
+    ShutdownWrite,
+    /// Orderly close after the queued writes.
+    Close,
+}
+
+#[derive(Debug)]
+struct TcpHandle {
+    cmd_tx: mpsc::UnboundedSender<TcpCmd>,
+    grant_tx: mpsc::UnboundedSender<usize>,
+    /// Sending (or dropping) it resets the connection at once, also mid-write
+    /// or mid-dial.
+    abort_tx: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+#[derive(Debug)]
+struct DatagramFlow {
+    socket: Arc<UdpSocket>,
+    v6: bool,
+    _reader: AbortOnDrop<()>,
+}
+
+/// Kernel sockets of one session. Dropping it resets every TCP connection and
+/// closes every UDP and ping socket.
+#[derive(Debug)]
+pub struct KernelSide {
+    events_tx: mpsc::UnboundedSender<Event>,
+    dial_timeout: Duration,
+    tcp: HashMap<FlowId, TcpHandle>,
+    /// Flows closing in order, still writing their last bytes.
+    tcp_closing: Vec<TcpHandle>,
+    udp: HashMap<FlowId, DatagramFlow>,
+    ping: HashMap<FlowId, DatagramFlow>,
+    ping_denied_logged: bool,
+}
+
+impl KernelSide {
+    /// Report events on `events_tx`; give up dials after `dial_timeout`.
+    pub fn new(events_tx: mpsc::UnboundedSender<Event>, dial_timeout: Duration) -> Self {
+        Self {
+            events_tx,
+            dial_timeout,
+            tcp: HashMap::new(),
+            tcp_closing: Vec::new(),
+            udp: HashMap::new(),
+            ping: HashMap::new(),
+            ping_denied_logged: false,
+        }
+    }
+
+    /// Kernel objects alive: (TCP incl. closing, UDP, ping).
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (self.tcp.len() + self.tcp_closing.len(), self.udp.len(), self.ping.len())
+    }
+
+    /// Forget TCP flows whose orderly close finished.
+    pub fn reap(&mut self) {
+        self.tcp_closing.retain(|h| !h.task.is_finished());
+    }
+
+    fn event(&self, event: Event) {
+        // The receiver lives as long as the session loop that owns `self`.
+        let _ = self.events_tx.send(event);
+    }
+
+    /// Carry out one engine request.
+    pub fn apply(&mut self, request: Request) {
+        match request {
+            Request::TcpDial { flow, dst } => {
+                let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+                let (grant_tx, grant_rx) = mpsc::unbounded_channel();
+                let (abort_tx, abort_rx) = oneshot::channel();
+                let task = tokio::spawn(tcp_flow(
+                    flow,
+                    dst,
+                    self.dial_timeout,
+                    cmd_rx,
+                    grant_rx,
+                    abort_rx,
+                    self.events_tx.clone(),
+                ));
+                self.tcp.insert(
+                    flow,
+                    TcpHandle {
+                        cmd_tx,
+                        grant_tx,
+                        abort_tx,
+                        task,
+                    },
+                );
+            }
+            Request::TcpWrite { flow, data } => {
+                if let Some(h) = self.tcp.get(&flow) {
+                    let _ = h.cmd_tx.send(TcpCmd::Write(data));
+                }
+            }
+            Request::TcpShutdownWrite { flow } => {
+                if let Some(h) = self.tcp.get(&flow) {
+                    let _ = h.cmd_tx.send(TcpCmd::ShutdownWrite);
+                }
+            }
+            Request::TcpGrant { flow, bytes } => {
+                if let Some(h) = self.tcp.get(&flow) {
+                    let _ = h.grant_tx.send(bytes);
+                }
+            }
+            Request::TcpClose { flow, reset } => {
+                if let Some(h) = self.tcp.remove(&flow) {
+                    if reset {
+                        let _ = h.abort_tx.send(());
+                    } else {
+                        let _ = h.cmd_tx.send(TcpCmd::Close);
+                        self.tcp_closing.push(h);
+                    }
+                }
+            }
+            Request::UdpOpen { flow, dst } => match open_udp(dst) {
+                Ok(socket) => {
+                    let socket = Arc::new(socket);
+                    let reader = tokio::spawn(udp_reader(flow, socket.clone(), self.events_tx.clone()));
+                    self.udp.insert(
+                        flow,
+                        DatagramFlow {
+                            socket,
+                            v6: dst.is_ipv6(),
+                            _reader: AbortOnDrop(reader),
+                        },
+                    );
+                }
+                Err(e) => {
+                    debug!(%flow, %dst, error = %e, "cannot open UDP socket");
+                    self.event(Event::SocketFailed { flow });
+                }
+            },
+            Request::UdpSend { flow, payload } => {
+                let Some(f) = self.udp.get(&flow) else { return };
+                let mut result = f.socket.try_send(&payload);
+                if matches!(&result, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused) {
+                    // A pending ICMP error from an earlier datagram; report it and retry.
+                    self.event(Event::UdpRefused { flow });
+                    result = f.socket.try_send(&payload);
+                }
+                if let Err(e) = result {
+                    trace!(%flow, error = %e, "UDP send failed");
+                    self.event(Event::SendFailed { flow });
+                }
+            }
+            Request::UdpClose { flow } => {
+                self.udp.remove(&flow);
+            }
+            Request::PingOpen { flow, dst } => match open_ping(dst) {
+                Ok(socket) => {
+                    let socket = Arc::new(socket);
+                    let v6 = dst.is_ipv6();
+                    let reader = tokio::spawn(ping_reader(flow, socket.clone(), v6, self.events_tx.clone()));
+                    self.ping.insert(
+                        flow,
+                        DatagramFlow {
+                            socket,
+                            v6,
+                            _reader: AbortOnDrop(reader),
+                        },
+                    );
+                }
+                Err(e) => {
+                    if e.kind() == io::ErrorKind::PermissionDenied && !self.ping_denied_logged {
+                        self.ping_denied_logged = true;
+                        warn!(
+                            error = %e,
+                            "cannot open an ICMP echo socket: the manager's group is outside \
+                             net.ipv4.ping_group_range; set it (e.g. \"0 2147483647\") in the pod's netns"
+                        );
+                    } else {
+                        debug!(%flow, %dst, error = %e, "cannot open ping socket");
+                    }
+                    self.event(Event::SocketFailed { flow });
+                }
+            },
+            Request::PingSend { flow, seq, data } => {
+                let Some(f) = self.ping.get(&flow) else { return };
+                let msg = packet::ping_socket_request(f.v6, seq, &data);
+                if let Err(e) = f.socket.try_send(&msg) {
+                    trace!(%flow, error = %e, "echo request send failed");
+                    self.event(Event::SendFailed { flow });
+                }
+            }
+            Request::PingClose { flow } => {
+                self.ping.remove(&flow);
+            }
+        }
+    }
+}
+
+fn dial_error(e: &io::Error) -> DialError {
+    match e.kind() {
+        io::ErrorKind::ConnectionRefused => DialError::Refused,
+        io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => DialError::Unreachable,
+        io::ErrorKind::TimedOut => DialError::TimedOut,
+        _ => DialError::Other,
+    }
+}
+
+/// Close the connection with RST: SO_LINGER 0, and no FIN from the write half.
+fn reset(flow: FlowId, wr: OwnedWriteHalf) {
+    if let Err(e) = wr.as_ref().set_zero_linger() {
+        debug!(%flow, error = %e, "cannot set SO_LINGER 0; closing with FIN");
+    }
+    // The socket closes (with RST) when the read half is dropped as well.
+    wr.forget();
+}
+
+async fn tcp_flow(
+    flow: FlowId,
+    dst: SocketAddr,
+    dial_timeout: Duration,
+    mut cmd_rx: mpsc::UnboundedReceiver<TcpCmd>,
+    grant_rx: mpsc::UnboundedReceiver<usize>,
+    mut abort_rx: oneshot::Receiver<()>,
+    events: mpsc::UnboundedSender<Event>,
+) {
+    let connect = tokio::time::timeout(dial_timeout, TcpStream::connect(dst));
+    let result = tokio::select! {
+        r = connect => r,
+        _ = &mut abort_rx => {
+            trace!(%flow, %dst, "dial abandoned");
+            return;
+        }
+    };
+    let stream = match result {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            debug!(%flow, %dst, error = %e, "dial failed");
+            let _ = events.send(Event::TcpDialed {
+                flow,
+                result: Err(dial_error(&e)),
+            });
+            return;
+        }
+        Err(_) => {
+            debug!(%flow, %dst, timeout = ?dial_timeout, "dial timed out");
+            let _ = events.send(Event::TcpDialed {
+                flow,
+                result: Err(DialError::TimedOut),
+            });
+            return;
+        }
+    };
+    if let Err(e) = stream.set_nodelay(true) {
+        debug!(%flow, error = %e, "cannot set TCP_NODELAY");
+    }
+    let _ = events.send(Event::TcpDialed { flow, result: Ok(()) });
+    let (rd, mut wr) = stream.into_split();
+    let _reader = AbortOnDrop(tokio::spawn(tcp_reader(flow, rd, grant_rx, events.clone())));
+    let mut broken = false;
+    loop {
+        let cmd = tokio::select! {
+            biased;
+            _ = &mut abort_rx => return reset(flow, wr),
+            cmd = cmd_rx.recv() => cmd,
+        };
+        match cmd {
+            // The session is gone: its abort sender went with it, so this arm
+            // is only reached if commands end first; treat it the same.
+            None => return reset(flow, wr),
+            Some(TcpCmd::Write(data)) => {
+                if broken {
+                    continue;
+                }
+                let n = data.len();
+                let written = tokio::select! {
+                    biased;
+                    _ = &mut abort_rx => return reset(flow, wr),
+                    r = wr.write_all(&data) => r,
+                };
+                match written {
+                    Ok(()) => {
+                        let _ = events.send(Event::TcpWritten { flow, bytes: n });
+                    }
+                    Err(e) => {
+                        debug!(%flow, error = %e, "write to destination failed");
+                        broken = true;
+                        let _ = events.send(Event::TcpReset { flow });
+                    }
+                }
+            }
+            Some(TcpCmd::ShutdownWrite) => {
+                if let Err(e) = wr.shutdown().await {
+                    debug!(%flow, error = %e, "shutdown(SHUT_WR) failed");
+                }
+            }
+            Some(TcpCmd::Close) => return,
+        }
+    }
+}
+
+async fn tcp_reader(
+    flow: FlowId,
+    mut rd: OwnedReadHalf,
+    mut grant_rx: mpsc::UnboundedReceiver<usize>,
+    events: mpsc::UnboundedSender<Event>,
+) {
+    let mut credit = 0usize;
+    let mut buf = vec![0u8; TCP_READ_CHUNK];
+    loop {
+        while credit == 0 {
+            match grant_rx.recv().await {
+                Some(n) => credit += n,
+                None => return,
+            }
+        }
+        while let Ok(n) = grant_rx.try_recv() {
+            credit += n;
+        }
+        let want = credit.min(buf.len());
+        match rd.read(&mut buf[..want]).await {
+            Ok(0) => {
+                let _ = events.send(Event::TcpEof { flow });
+                return;
+            }
+            Ok(n) => {
+                credit -= n;
+                let _ = events.send(Event::TcpData {
+                    flow,
+                    data: buf[..n].to_vec(),
+                });
+            }
+            Err(e) => {
+                debug!(%flow, error = %e, "read from destination failed");
+                let _ = events.send(Event::TcpReset { flow });
+                return;
+            }
+        }
+    }
+}
+
+fn unspecified_for(dst: IpAddr) -> SocketAddr {
+    match dst {
+        IpAddr::V4(_) => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+        IpAddr::V6(_) => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0),
+    }
+}
+
+fn open_udp(dst: SocketAddr) -> io::Result<UdpSocket> {
+    let socket = std::net::UdpSocket::bind(unspecified_for(dst.ip()))?;
+    socket.connect(dst)?;
+    socket.set_nonblocking(true)?;
+    UdpSocket::from_std(socket)
+}
+
+async fn udp_reader(flow: FlowId, socket: Arc<UdpSocket>, events: mpsc::UnboundedSender<Event>) {
+    let mut buf = vec![0u8; DATAGRAM_BUFFER];
+    loop {
+        match socket.recv(&mut buf).await {
+            Ok(n) => {
+                let _ = events.send(Event::UdpReply {
+                    flow,
+                    data: buf[..n].to_vec(),
+                });
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                let _ = events.send(Event::UdpRefused { flow });
+            }
+            Err(e) => {
+                debug!(%flow, error = %e, "UDP receive failed");
+                let _ = events.send(Event::SocketFailed { flow });
+                return;
+            }
+        }
+    }
+}
+
+fn open_ping(dst: IpAddr) -> io::Result<UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let (domain, protocol) = match dst {
+        IpAddr::V4(_) => (Domain::IPV4, Protocol::ICMPV4),
+        IpAddr::V6(_) => (Domain::IPV6, Protocol::ICMPV6),
+    };
+    let socket = Socket::new(domain, Type::DGRAM, Some(protocol))?;
+    socket.set_nonblocking(true)?;
+    socket.connect(&SocketAddr::new(dst, 0).into())?;
+    // A ping socket speaks datagrams like UDP (send/recv of one ICMP message),
+    // so tokio's UdpSocket drives it.
+    UdpSocket::from_std(socket.into())
+}
+
+async fn ping_reader(flow: FlowId, socket: Arc<UdpSocket>, v6: bool, events: mpsc::UnboundedSender<Event>) {
+    let mut buf = vec![0u8; DATAGRAM_BUFFER];
+    loop {
+        match socket.recv(&mut buf).await {
+            Ok(n) => {
+                if let Some((seq, data)) = packet::ping_socket_reply(v6, &buf[..n]) {
+                    let _ = events.send(Event::PingReply {
+                        flow,
+                        seq,
+                        data: data.to_vec(),
+                    });
+                }
+            }
+            // ICMP errors about earlier requests (the target is unreachable):
+            // no reply for the laptop, keep listening.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::HostUnreachable
+                        | io::ErrorKind::NetworkUnreachable
+                        | io::ErrorKind::ConnectionRefused
+                ) =>
+            {
+                trace!(%flow, error = %e, "ICMP error on ping socket");
+            }
+            Err(e) => {
+                debug!(%flow, error = %e, "ping receive failed");
+                let _ = events.send(Event::SocketFailed { flow });
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! One client session: the tokio shell around [`Engine`].
+//!
+//! Reads frames from the laptop's data channel (any `AsyncRead + AsyncWrite`
+//! byte stream: plain TCP now, TLS later), checks the hello, feeds packets to
+//! the engine, echoes heartbeats, carries out the engine's requests through
+//! [`KernelSide`] and writes the engine's packets back as frames. A separate
+//! task writes to the laptop so that reading never waits on a slow reader;
+//! its queue is bounded, which pushes back on the laptop when it does not read.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::io;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use kvpn_proto::frame::{self, Decoder, FrameError, Hello, HelloError, Kind, PROTOCOL_VERSION};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tracing::{debug, info, trace, warn, Instrument};
+
+use crate::engine::{Engine, EngineConfig};
+use crate::kernel::{AbortOnDrop, KernelSide};
+use crate::metrics::Metrics;
+
+/// Bytes read from the laptop per read call.
+const READ_CHUNK: usize = 256 * 1024;
+
+/// Batches of frames queued for the laptop writer. Each batch is one engine
+/// round's output (typically one to a few dozen packets).
+const WRITE_QUEUE_BATCHES: usize = 64;
+
+/// The writer merges queued batches up to this many bytes into one write.
+const WRITE_COALESCE: usize = 1024 * 1024;
+
+/// Kernel events handled per round before the engine polls again.
+const EVENTS_PER_ROUND: usize = 1024;
+
+/// Settings shared by all sessions of a manager.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Give up dialing a TCP destination after this long (the laptop then
+    /// gets ICMP host unreachable).
+    pub dial_timeout: Duration,
+    /// The hello must arrive within this long after the connection opened.
+    pub hello_timeout: Duration,
+    /// End the session when no frame arrived for this long (the laptop sends
+    /// a heartbeat every 2 s).
+    pub idle_timeout: Duration,
+    /// Relay to loopback destinations (tests only).
+    pub allow_loopback: bool,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            dial_timeout: Duration::from_secs(5),
+            hello_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            allow_loopback: false,
+        }
+    }
+}
+
+/// Why a session ended other than by the laptop closing the stream.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// Reading the data channel failed.
+    #[error("reading from the laptop failed: {0}")]
+    Read(#[source] io::Error),
+    /// The writer task stopped (the laptop closed or the write failed).
+    #[error("writing to the laptop failed (connection closed or broken)")]
+    Write,
+    /// The byte stream holds an invalid frame header.
+    #[error("invalid frame from the laptop: {0}")]
+    Frame(#[from] FrameError),
+    /// The laptop closed the stream before sending its hello.
+    #[error("the laptop closed the connection before sending a hello")]
+    ClosedBeforeHello,
+    /// No hello in time.
+    #[error("no hello from the laptop within {0:?}")]
+    HelloTimeout(Duration),
+    /// The first frame was not a hello.
+    #[error("first frame is {0:?}, expected a hello; is the client a kvpn data channel?")]
+    NotHello(Kind),
+    /// The hello payload is invalid.
+    #[error("invalid hello: {0}")]
+    BadHello(#[from] HelloError),
+    /// The laptop speaks another protocol version.
+    #[error("laptop speaks data-channel protocol version {got}, this manager speaks {want}; upgrade the older side")]
+    Version {
+        /// The laptop's version.
+        got: u16,
+        /// Ours.
+        want: u16,
+    },
+    /// No frame (not even a heartbeat) for too long.
+    #[error("no frame from the laptop for {0:?} (heartbeats stopped)")]
+    Silent(Duration),
+}
+
+fn random_seed() -> u64 {
+    // RandomState is seeded from the OS's randomness once per process and
+    // varied per instance: enough for smoltcp's ISNs and ports.
+    let mut h = RandomState::new().build_hasher();
+    h.write_u64(0x6b76_706e);
+    h.finish()
+}
+
+/// Read into `buf` until it holds one whole frame; return its kind and payload.
+async fn read_first_frame<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<(Kind, Vec<u8>), SessionError> {
+    loop {
+        if let Some((f, used)) = Decoder::default().decode(buf)? {
+            let out = (f.kind, f.payload.to_vec());
+            buf.drain(..used);
+            return Ok(out);
+        }
+        buf.reserve(READ_CHUNK);
+        let n = rd.read_buf(buf).await.map_err(SessionError::Read)?;
+        if n == 0 {
+            return Err(SessionError::ClosedBeforeHello);
+        }
+    }
+}
+
+/// Validate the hello; returns it.
+async fn handshake<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    buf: &mut Vec<u8>,
+    timeout: Duration,
+) -> Result<Hello, SessionError> {
+    let (kind, payload) = tokio::time::timeout(timeout, read_first_frame(rd, buf))
+        .await
+        .map_err(|_| SessionError::HelloTimeout(timeout))??;
+    if kind != Kind::Hello {
+        return Err(SessionError::NotHello(kind));
+    }
+    let hello = Hello::decode(&payload)?;
+    if hello.version != PROTOCOL_VERSION {
+        return Err(SessionError::Version {
+            got: hello.version,
+            want: PROTOCOL_VERSION,
+        });
+    }
+    Ok(hello)
+}
+
+async fn write_frames<W: AsyncWrite + Unpin>(mut wr: W, mut rx: mpsc::Receiver<Vec<u8>>) {
+    while let Some(mut batch) = rx.recv().await {
+        while batch.len() < WRITE_COALESCE {
+            match rx.try_recv() {
+                Ok(more) => batch.extend_from_slice(&more),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = wr.write_all(&batch).await {
+            debug!(error = %e, "write to laptop failed");
+            return;
+        }
+        if let Err(e) = wr.flush().await {
+            debug!(error = %e, "flush to laptop failed");
+            return;
+        }
+    }
+    let _ = wr.shutdown().await;
+}
+
+/// Handle every whole frame at the front of `buf`; returns the bytes used.
+fn handle_frames(
+    buf: &[u8],
+    engine: &mut Engine,
+    out: &mut Vec<u8>,
+    now: Instant,
+) -> Result<usize, SessionError> {
+    let decoder = Decoder::default();
+    let mut used = 0;
+    while let Some((f, n)) = decoder.decode(&buf[used..])? {
+        used += n;
+        match f.kind {
+            Kind::Packet => engine.handle_laptop_packet(f.payload, now),
+            Kind::Heartbeat => {
+                engine.metrics_mut().heartbeats += 1;
+                // Cannot fail: the payload came in a frame, so it fits one.
+                let _ = frame::encode_into(Kind::Heartbeat, f.payload, out);
+            }
+            Kind::Hello => debug!("repeated hello ignored"),
+            Kind::Unknown(k) => trace!(kind = k, "frame of unknown kind skipped"),
+        }
+    }
+    Ok(used)
+}
+
+/// Run one client session on `stream` until the laptop closes it or it fails.
+///
+/// Returns the session's counters when the laptop closed the stream; logs a
+/// summary either way. Never panics on input from the network.
+pub async fn run_session<S>(stream: S, config: &SessionConfig) -> Result<Metrics, SessionError>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (mut rd, wr) = tokio::io::split(stream);
+    let mut rbuf: Vec<u8> = Vec::with_capacity(READ_CHUNK);
+    let hello = match handshake(&mut rd, &mut rbuf, config.hello_timeout).await {
+        Ok(h) => h,
+        Err(e) => {
+            warn!(error = %e, "rejecting session");
+            return Err(e);
+        }
+    };
+    let span = tracing::info_span!("session", tunnel_ip = %hello.tunnel_ip);
+    run_established(rd, wr, rbuf, hello.tunnel_ip, config)
+        .instrument(span)
+        .await
+}
+
+async fn run_established<R, W>(
+    mut rd: R,
+    wr: W,
+    mut rbuf: Vec<u8>,
+    tunnel_ip: IpAddr,
+    config: &SessionConfig,
+) -> Result<Metrics, SessionError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    info!("session started");
+    let mut engine_config = EngineConfig::new(tunnel_ip, random_seed());
+    engine_config.allow_loopback = config.allow_loopback;
+    let mut engine = Engine::new(engine_config, Instant::now());
+    let (events_tx, mut events_rx) = mpsc::unbounded_channel();
+    let mut kernel = KernelSide::new(events_tx, config.dial_timeout);
+    let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(WRITE_QUEUE_BATCHES);
+    let _writer = AbortOnDrop(tokio::spawn(write_frames(wr, out_rx).in_current_span()));
+    let mut out: Vec<u8> = Vec::new();
+    let mut last_frame = tokio::time::Instant::now();
+
+    let result: Result<(), SessionError> = loop {
+        let now = Instant::now();
+        match handle_frames(&rbuf, &mut engine, &mut out, now) {
+            Ok(used) => {
+                rbuf.drain(..used);
+            }
+            Err(e) => break Err(e),
+        }
+        engine.poll(now);
+        while let Some(request) = engine.poll_request() {
+            kernel.apply(request);
+        }
+        kernel.reap();
+        while let Some(packet) = engine.poll_transmit() {
+            if frame::encode_into(Kind::Packet, &packet, &mut out).is_err() {
+                // The engine builds packets within the frame limit; smoltcp's are MTU-sized.
+                debug!(bytes = packet.len(), "packet too large for a frame");
+            }
+        }
+        if !out.is_empty() && out_tx.send(std::mem::take(&mut out)).await.is_err() {
+            break Err(SessionError::Write);
+        }
+
+        let timer = engine.poll_timeout(now).map(|t| {
+            tokio::time::Instant::now() + t.saturating_duration_since(Instant::now())
+        });
+        rbuf.reserve(READ_CHUNK);
+        tokio::select! {
+            r = rd.read_buf(&mut rbuf) => match r {
+                Ok(0) => {
+                    if !rbuf.is_empty() {
+                        debug!(bytes = rbuf.len(), "laptop closed the stream inside a frame");
+                    }
+                    break Ok(());
+                }
+                Ok(_) => last_frame = tokio::time::Instant::now(),
+                Err(e) => break Err(SessionError::Read(e)),
+            },
+            Some(event) = events_rx.recv() => {
+                let now = Instant::now();
+                engine.handle_event(event, now);
+                for _ in 0..EVENTS_PER_ROUND {
+                    match events_rx.try_recv() {
+                        Ok(event) => engine.handle_event(event, now),
+                        Err(_) => break,
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(timer.unwrap_or_else(tokio::time::Instant::now)), if timer.is_some() => {
+                engine.handle_timeout(Instant::now());
+            }
+            _ = tokio::time::sleep_until(last_frame + config.idle_timeout) => {
+                break Err(SessionError::Silent(config.idle_timeout));
+            }
+        }
+    };
+    let (tcp, udp, ping) = engine.flow_counts();
+    let metrics = engine.metrics().clone();
+    match &result {
+        Ok(()) => info!(%metrics, tcp, udp, ping, "session closed by the laptop"),
+        Err(e) => warn!(error = %e, %metrics, tcp, udp, ping, "session ended"),
+    }
+    // Dropping the kernel side resets the remaining connections.
+    drop(kernel);
+    result.map(|()| metrics)
+}
