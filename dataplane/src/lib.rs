@@ -1,2 +1,25 @@
-//! kvpn root daemon library (kvpn-dataplane).
+//! kvpn's root daemon, `kvpn-dataplane`: creates and owns the TUN device, the
+//! tunnel IP, the routes to the cluster and rp_filter (rtnetlink), attaches the eBPF
+//! classifier, and pumps packets between the TUN device and the traffic manager.
+//! It holds no Kubernetes credentials; the user daemon tells it what to set up
+//! over gRPC on a root-owned Unix socket.
+//!
+//! Pure cores (no I/O): [`routes`] (CIDR normalisation), [`liveness`] (heartbeats
+//! and session state). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
+//! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`session`]
+//! (TCP to the manager, setup and teardown), [`daemon`] (gRPC socket, pid file),
+//! [`client`] (gRPC client over the socket).
+//!
+//! Outbound means laptop → cluster, inbound cluster → laptop.
+
+pub mod client;
+pub mod daemon;
 pub mod ebpf;
+pub mod liveness;
+pub mod netlink;
+pub mod pump;
+pub mod routes;
+pub mod session;
+pub mod tun;
+
+pub use tun::DEFAULT_MTU;

@@ -1,1 +1,78 @@
-fn main() {}
+//! `kvpn-dataplane`: kvpn's root daemon. Serves the Dataplane gRPC API on
+//! `$KVPN_RUNTIME_DIR/dataplane.sock` and logs to stderr (the CLI redirects it to
+//! `$KVPN_RUNTIME_DIR/dataplane.log`). Runs in the network namespace it was
+//! started in; SIGINT/SIGTERM tear all sessions down and remove the socket.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::Parser;
+use kvpn_dataplane::daemon::{DEFAULT_RUNTIME_DIR, Daemon, RuntimeDir};
+use kvpn_dataplane::liveness::HEARTBEAT_INTERVAL;
+use kvpn_dataplane::netlink::Netlink;
+use kvpn_dataplane::session::EbpfClassifiers;
+use tokio::signal::unix::{SignalKind, signal};
+
+/// kvpn's root daemon: TUN device, routes, eBPF classifier and packet pump.
+#[derive(Debug, Parser)]
+#[command(name = "kvpn-dataplane", version)]
+struct Args {
+    /// Directory for the gRPC socket (dataplane.sock) and the pid file.
+    #[arg(long, env = "KVPN_RUNTIME_DIR", default_value = DEFAULT_RUNTIME_DIR)]
+    runtime_dir: PathBuf,
+    /// Log filter: error, warn, info, debug, trace, or a tracing directive list
+    /// such as `kvpn_dataplane=debug`.
+    #[arg(long, env = "KVPN_LOG_LEVEL", default_value = "info")]
+    log_level: String,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
+        .with_context(|| format!("invalid --log-level {:?}", args.log_level))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    if !nix::unistd::Uid::effective().is_root() {
+        tracing::warn!("not running as root: creating TUN devices, routes and eBPF programs will fail");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("kvpn-dataplane")
+        .build()
+        .context("cannot start the tokio runtime")?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let dir = RuntimeDir::prepare(&args.runtime_dir)?;
+    let listener = dir.bind()?;
+    let result = serve(&dir, listener).await;
+    dir.cleanup();
+    tracing::info!("kvpn-dataplane stopped");
+    result
+}
+
+async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::Result<()> {
+    let netlink = Netlink::new().context("cannot open a NETLINK_ROUTE socket")?;
+    let daemon = Arc::new(Daemon::new(netlink, Arc::new(EbpfClassifiers), HEARTBEAT_INTERVAL));
+    match daemon.sweep_leftovers().await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(routes = n, "removed routes left by an earlier daemon"),
+        Err(e) => tracing::warn!(error = %e, "cannot sweep leftover kvpn routes"),
+    }
+    let mut sigterm = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = sigterm.recv() => tracing::info!("SIGTERM: tearing down all sessions"),
+            _ = sigint.recv() => tracing::info!("SIGINT: tearing down all sessions"),
+        }
+    };
+    tracing::info!(socket = %dir.socket().display(), pid = std::process::id(), "kvpn-dataplane serving");
+    daemon.serve(listener, shutdown).await.context("gRPC server failed")?;
+    Ok(())
+}

@@ -1,0 +1,332 @@
+//! The root daemon: the session registry behind the gRPC API
+//! (`kvpn.dataplane.v1.Dataplane`) and the runtime directory it serves from.
+//!
+//! I/O: the Unix socket `$KVPN_RUNTIME_DIR/dataplane.sock` (root-owned, mode
+//! 0600), the pid file `dataplane.pid` next to it, and what sessions do
+//! ([`crate::session`]).
+//!
+//! Stale sockets (case lc-01): a socket file nobody answers on is what a killed
+//! daemon leaves; it is removed at start. A socket somebody answers on means a
+//! daemon is already running, and this one refuses to start.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::net::IpAddr;
+use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
+use kvpn_proto::dataplane::{
+    ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, StatusRequest, StatusResponse,
+};
+use tonic::{Request, Response, Status};
+
+use crate::netlink::Netlink;
+use crate::session::{self, ClassifierAttach, ConnectError, Session, SessionParams};
+use crate::tun;
+
+/// Default runtime directory (env `KVPN_RUNTIME_DIR`).
+pub const DEFAULT_RUNTIME_DIR: &str = "/run/kvpn";
+/// Socket file name in the runtime directory.
+pub const SOCKET_NAME: &str = "dataplane.sock";
+/// Pid file name in the runtime directory.
+pub const PID_NAME: &str = "dataplane.pid";
+/// Log file name in the runtime directory (the CLI redirects stderr there).
+pub const LOG_NAME: &str = "dataplane.log";
+
+/// Errors of the daemon's runtime directory and socket.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The runtime directory cannot be used.
+    #[error("runtime directory {path}: {why}")]
+    RuntimeDir {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// Another daemon answers on the socket.
+    #[error("another kvpn-dataplane is already serving on {path}{pid} — use it, or stop it first")]
+    AlreadyRunning {
+        /// The socket.
+        path: PathBuf,
+        /// " (pid N)" when the pid file says so.
+        pid: String,
+    },
+    /// File system or socket I/O failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was attempted.
+        what: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> DaemonError + 'a {
+    move |source| DaemonError::Io { what, path: path.to_owned(), source }
+}
+
+/// The runtime directory: socket, pid file, log.
+#[derive(Debug, Clone)]
+pub struct RuntimeDir {
+    dir: PathBuf,
+}
+
+impl RuntimeDir {
+    /// Use `dir`, creating it (mode 0755) if needed. Refuses a directory that
+    /// others can write to without the sticky bit, where someone else could
+    /// swap the socket.
+    pub fn prepare(dir: &Path) -> Result<Self, DaemonError> {
+        if !dir.exists() {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)
+                .map_err(io_err("cannot create runtime directory", dir))?;
+        }
+        let meta = fs::metadata(dir).map_err(io_err("cannot read runtime directory", dir))?;
+        if !meta.is_dir() {
+            return Err(DaemonError::RuntimeDir { path: dir.to_owned(), why: "not a directory".to_owned() });
+        }
+        let mode = meta.permissions().mode();
+        if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+            return Err(DaemonError::RuntimeDir {
+                path: dir.to_owned(),
+                why: format!("world-writable (mode {:o}) — use a directory only root can write to", mode & 0o7777),
+            });
+        }
+        Ok(Self { dir: dir.to_owned() })
+    }
+
+    /// The socket path.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join(SOCKET_NAME)
+    }
+
+    /// The pid file path.
+    pub fn pid_file(&self) -> PathBuf {
+        self.dir.join(PID_NAME)
+    }
+
+    /// Bind the gRPC socket: remove a stale one, refuse if a daemon answers,
+    /// create it with mode 0600 and write the pid file.
+    pub fn bind(&self) -> Result<tokio::net::UnixListener, DaemonError> {
+        let path = self.socket();
+        if fs::symlink_metadata(&path).is_ok() {
+            match std::os::unix::net::UnixStream::connect(&path) {
+                Ok(_) => {
+                    let pid = fs::read_to_string(self.pid_file())
+                        .map(|p| format!(" (pid {})", p.trim()))
+                        .unwrap_or_default();
+                    return Err(DaemonError::AlreadyRunning { path, pid });
+                }
+                Err(e) => {
+                    tracing::info!(path = %path.display(), error = %e, "removing stale socket left by a daemon that did not stop cleanly");
+                    fs::remove_file(&path).map_err(io_err("cannot remove stale socket", &path))?;
+                }
+            }
+        }
+        // Bind with a umask that leaves the socket 0600 from the first moment,
+        // then set the mode explicitly as well.
+        let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+        let bound = tokio::net::UnixListener::bind(&path);
+        nix::sys::stat::umask(old);
+        let listener = bound.map_err(io_err("cannot bind socket", &path))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(io_err("cannot set mode of socket", &path))?;
+        let pid_file = self.pid_file();
+        fs::write(&pid_file, format!("{}\n", std::process::id())).map_err(io_err("cannot write pid file", &pid_file))?;
+        Ok(listener)
+    }
+
+    /// Remove the socket and pid file (at exit).
+    pub fn cleanup(&self) {
+        for path in [self.socket(), self.pid_file()] {
+            if let Err(e) = fs::remove_file(&path)
+                && e.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove");
+            }
+        }
+    }
+}
+
+/// The sessions of this daemon.
+pub struct Daemon {
+    netlink: Netlink,
+    classifiers: Arc<dyn ClassifierAttach>,
+    heartbeat_interval: Duration,
+    sessions: Mutex<HashMap<String, Session>>,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon").finish_non_exhaustive()
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> Status {
+    Status::invalid_argument(msg.into())
+}
+
+/// Parse a Connect request into session parameters.
+pub fn params_from_request(req: &ConnectRequest, heartbeat_interval: Duration) -> Result<SessionParams, Status> {
+    if req.manager.is_empty() {
+        return Err(invalid("manager address is empty — give it as HOST:PORT, e.g. 172.31.255.1:10801"));
+    }
+    let tunnel_ip: IpAddr = req
+        .tunnel_ip
+        .parse()
+        .map_err(|_| invalid(format!("invalid tunnel IP {:?} — give an address such as 100.96.0.2", req.tunnel_ip)))?;
+    if req.routes.is_empty() {
+        return Err(invalid("no routes given — pass at least one cluster CIDR"));
+    }
+    let mut routes = Vec::with_capacity(req.routes.len());
+    for route in &req.routes {
+        let cidr: IpNet = route
+            .cidr
+            .parse()
+            .map_err(|_| invalid(format!("invalid CIDR {:?} — give it as ADDRESS/PREFIX, e.g. 10.244.0.0/16", route.cidr)))?;
+        let kind = session::kind_from_api(route.kind)
+            .ok_or_else(|| invalid(format!("route {} has no kind — set pod, service or extra", route.cidr)))?;
+        routes.push((cidr, kind));
+    }
+    let tun_name = if req.tun_name.is_empty() {
+        None
+    } else {
+        tun::validate_name(&req.tun_name).map_err(|e| invalid(e.to_string()))?;
+        Some(req.tun_name.clone())
+    };
+    let mtu = tun::validate_mtu(req.mtu).map_err(|e| invalid(e.to_string()))?;
+    Ok(SessionParams { manager: req.manager.clone(), routes, tunnel_ip, tun_name, mtu, heartbeat_interval })
+}
+
+impl Daemon {
+    /// A daemon without sessions. `netlink` must be opened in the laptop's
+    /// network namespace.
+    pub fn new(netlink: Netlink, classifiers: Arc<dyn ClassifierAttach>, heartbeat_interval: Duration) -> Self {
+        Self { netlink, classifiers, heartbeat_interval, sessions: Mutex::new(HashMap::new()) }
+    }
+
+    fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
+        // Sessions stay valid even if a Status call panicked mid-read.
+        self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Delete routes tagged as kvpn's that no session of this daemon owns: what
+    /// a killed daemon may leave (case lc-02). Runs at start, before serving.
+    pub async fn sweep_leftovers(&self) -> Result<usize, crate::netlink::NetlinkError> {
+        let owned: Vec<u32> = self.sessions().values().map(Session::ifindex).collect();
+        let mut removed = 0;
+        for route in self.netlink.kvpn_routes(None).await? {
+            if owned.contains(&route.oif) {
+                continue;
+            }
+            self.netlink.del_route(route.oif, route.dst).await?;
+            tracing::info!(dst = %route.dst, oif = route.oif, "removed leftover kvpn route");
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
+    /// Tear down every session (SIGINT/SIGTERM). Returns what was left behind.
+    pub async fn shutdown(&self) -> Vec<String> {
+        let sessions: Vec<Session> = self.sessions().drain().map(|(_, s)| s).collect();
+        let mut leftovers = Vec::new();
+        for session in sessions {
+            leftovers.extend(session.teardown(&self.netlink).await.leftovers);
+        }
+        leftovers
+    }
+
+    /// Serve the gRPC API on `listener` until `shutdown` completes, then tear
+    /// all sessions down.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: tokio::net::UnixListener,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<(), tonic::transport::Error> {
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        let result = tonic::transport::Server::builder()
+            .add_service(DataplaneServer::from_arc(self.clone()))
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await;
+        let leftovers = self.shutdown().await;
+        if !leftovers.is_empty() {
+            tracing::error!(?leftovers, "teardown left resources behind");
+        }
+        result
+    }
+}
+
+fn new_session_id() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    // RandomState is seeded from the OS's randomness once per process and
+    // stepped per instance: unique, unpredictable enough for an id, no new crate.
+    let mut hasher = std::hash::RandomState::new().build_hasher();
+    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    format!("{:012x}", hasher.finish() >> 16)
+}
+
+#[tonic::async_trait]
+impl Dataplane for Daemon {
+    async fn connect(&self, request: Request<ConnectRequest>) -> Result<Response<ConnectResponse>, Status> {
+        let params = params_from_request(request.get_ref(), self.heartbeat_interval)?;
+        let id = new_session_id();
+        let session = Session::start(id.clone(), params, &self.netlink, &*self.classifiers)
+            .await
+            .map_err(|e| match &e {
+                ConnectError::Unreachable(_) => Status::unavailable(e.to_string()),
+                ConnectError::Step { .. } => Status::failed_precondition(e.to_string()),
+            })?;
+        let response = ConnectResponse {
+            session_id: id.clone(),
+            tun_name: session.tun_name().to_owned(),
+            tun_ifindex: session.ifindex(),
+        };
+        self.sessions().insert(id, session);
+        Ok(Response::new(response))
+    }
+
+    async fn disconnect(&self, request: Request<DisconnectRequest>) -> Result<Response<DisconnectResponse>, Status> {
+        let id = &request.get_ref().session_id;
+        let sessions: Vec<Session> = {
+            let mut all = self.sessions();
+            if id.is_empty() {
+                all.drain().map(|(_, s)| s).collect()
+            } else {
+                match all.remove(id) {
+                    Some(s) => vec![s],
+                    None => return Err(Status::not_found(format!("no session {id} — `kvpn status` lists the sessions"))),
+                }
+            }
+        };
+        let mut stopped = Vec::new();
+        let mut leftovers = Vec::new();
+        for session in sessions {
+            stopped.push(session.id().to_owned());
+            leftovers.extend(session.teardown(&self.netlink).await.leftovers);
+        }
+        if !leftovers.is_empty() {
+            return Err(Status::internal(format!(
+                "disconnected {}, but teardown left resources behind: {}",
+                stopped.join(", "),
+                leftovers.join("; ")
+            )));
+        }
+        Ok(Response::new(DisconnectResponse { stopped }))
+    }
+
+    async fn status(&self, _request: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
+        let mut sessions: Vec<_> = self.sessions().values().map(Session::status).collect();
+        sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
+        Ok(Response::new(StatusResponse { sessions }))
+    }
+}

@@ -1,0 +1,290 @@
+//! Session liveness: the heartbeat schedule and the connected / reconnecting
+//! state of one session. Pure: inputs carry `now`, nothing here reads a clock,
+//! draws randomness or touches a socket (the pump and the session supervisor
+//! drive it).
+//!
+//! The client sends a heartbeat frame every [`HEARTBEAT_INTERVAL`] with an 8-byte
+//! nonce; the manager echoes it unchanged. The session is *connected* while an
+//! echo arrived within [`MISSED_ECHOES_BEFORE_RECONNECT`] intervals on the current
+//! transport, and *reconnecting* (with a reason) otherwise.
+
+use std::time::{Duration, Instant};
+
+/// Time between heartbeats (2 s, the shared data-channel convention).
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Heartbeat intervals without an echo after which the transport counts as dead.
+pub const MISSED_ECHOES_BEFORE_RECONNECT: u32 = 3;
+
+/// Session state as reported by Status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// First transport up, no heartbeat echo yet.
+    Connecting,
+    /// An echo arrived recently on the current transport.
+    Connected,
+    /// The transport is down or silent; the supervisor is re-dialling.
+    Reconnecting,
+}
+
+impl State {
+    /// The Status API's word for the state.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Connecting => "connecting",
+            State::Connected => "connected",
+            State::Reconnecting => "reconnecting",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Transport {
+    /// Up since `since`; `ever_echoed` tells Connecting from Reconnecting while
+    /// the first echo of this transport is awaited.
+    Up { since: Instant, first_nonce: u64, last_echo: Option<Instant> },
+    /// Down, with the reason.
+    Down { reason: String },
+}
+
+/// Liveness of one session across transport reconnects.
+#[derive(Debug, Clone)]
+pub struct Liveness {
+    interval: Duration,
+    transport: Transport,
+    /// Whether any transport of this session ever got an echo.
+    ever_connected: bool,
+    next_nonce: u64,
+    next_due: Option<Instant>,
+    last_sent: Option<(u64, Instant)>,
+    last_rtt: Option<Duration>,
+}
+
+impl Liveness {
+    /// A session whose first transport is not up yet.
+    pub fn new(interval: Duration) -> Self {
+        Self {
+            interval,
+            transport: Transport::Down {
+                reason: "dialling the traffic manager".to_owned(),
+            },
+            ever_connected: false,
+            next_nonce: 1,
+            next_due: None,
+            last_sent: None,
+            last_rtt: None,
+        }
+    }
+
+    /// The heartbeat interval.
+    pub fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    /// A transport came up (hello sent): the first heartbeat is due at once.
+    pub fn handle_transport_up(&mut self, now: Instant) {
+        self.transport = Transport::Up {
+            since: now,
+            first_nonce: self.next_nonce,
+            last_echo: None,
+        };
+        self.next_due = Some(now);
+    }
+
+    /// The transport ended for `reason`.
+    pub fn handle_transport_down(&mut self, reason: impl Into<String>) {
+        self.transport = Transport::Down { reason: reason.into() };
+        self.next_due = None;
+    }
+
+    /// When the next heartbeat is due (`None` while the transport is down).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.next_due
+    }
+
+    /// The heartbeat payload to send now, if one is due.
+    pub fn poll_heartbeat(&mut self, now: Instant) -> Option<[u8; 8]> {
+        let due = self.next_due?;
+        if now < due {
+            return None;
+        }
+        let nonce = self.next_nonce;
+        self.next_nonce += 1;
+        self.last_sent = Some((nonce, now));
+        // Schedule from `now`, not `due`: after a stall, send one, not a burst.
+        self.next_due = Some(now + self.interval);
+        Some(nonce.to_be_bytes())
+    }
+
+    /// A heartbeat frame came back with `payload`. Returns whether it was an echo
+    /// of a heartbeat sent on the current transport.
+    pub fn handle_echo(&mut self, payload: &[u8], now: Instant) -> bool {
+        let Ok(bytes) = <[u8; 8]>::try_from(payload) else {
+            return false;
+        };
+        let nonce = u64::from_be_bytes(bytes);
+        let Transport::Up { first_nonce, last_echo, .. } = &mut self.transport else {
+            return false;
+        };
+        let last = self.last_sent.map_or(0, |(n, _)| n);
+        if nonce < *first_nonce || nonce > last {
+            return false;
+        }
+        *last_echo = Some(now);
+        self.ever_connected = true;
+        if let Some((sent_nonce, sent_at)) = self.last_sent
+            && sent_nonce == nonce
+        {
+            self.last_rtt = Some(now.saturating_duration_since(sent_at));
+        }
+        true
+    }
+
+    /// Round-trip time of the latest heartbeat that was echoed.
+    pub fn last_rtt(&self) -> Option<Duration> {
+        self.last_rtt
+    }
+
+    fn silence_limit(&self) -> Duration {
+        self.interval * MISSED_ECHOES_BEFORE_RECONNECT
+    }
+
+    /// Whether the current transport has been silent for too long and should be
+    /// dropped and re-dialled.
+    pub fn transport_dead(&self, now: Instant) -> bool {
+        match &self.transport {
+            Transport::Up { since, last_echo, .. } => {
+                now.saturating_duration_since(last_echo.unwrap_or(*since)) > self.silence_limit()
+            }
+            Transport::Down { .. } => false,
+        }
+    }
+
+    /// The state and, unless connected, why.
+    pub fn state(&self, now: Instant) -> (State, Option<String>) {
+        let limit = self.silence_limit();
+        match &self.transport {
+            Transport::Down { reason } => {
+                let state = if self.ever_connected { State::Reconnecting } else { State::Connecting };
+                (state, Some(reason.clone()))
+            }
+            Transport::Up { since, last_echo: None, .. } => {
+                let waited = now.saturating_duration_since(*since);
+                if waited > limit {
+                    (
+                        State::Reconnecting,
+                        Some(format!(
+                            "no heartbeat echo from the traffic manager for {} ms",
+                            waited.as_millis()
+                        )),
+                    )
+                } else if self.ever_connected {
+                    (State::Reconnecting, Some("transport re-established, waiting for the first heartbeat echo".to_owned()))
+                } else {
+                    (State::Connecting, Some("waiting for the first heartbeat echo".to_owned()))
+                }
+            }
+            Transport::Up { last_echo: Some(at), .. } => {
+                let silent = now.saturating_duration_since(*at);
+                if silent > limit {
+                    (
+                        State::Reconnecting,
+                        Some(format!(
+                            "no heartbeat echo from the traffic manager for {} ms",
+                            silent.as_millis()
+                        )),
+                    )
+                } else {
+                    (State::Connected, None)
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const I: Duration = HEARTBEAT_INTERVAL;
+
+    #[test]
+    fn echo_makes_connected() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(I);
+        assert_eq!(l.state(t0).0, State::Connecting);
+        assert_eq!(l.poll_heartbeat(t0), None, "no heartbeat without a transport");
+        l.handle_transport_up(t0);
+        let nonce = l.poll_heartbeat(t0).expect("first heartbeat is due at once");
+        assert_eq!(l.poll_heartbeat(t0), None, "only one per interval");
+        assert_eq!(l.state(t0).0, State::Connecting);
+        assert!(l.handle_echo(&nonce, t0 + Duration::from_millis(3)));
+        assert_eq!(l.state(t0 + Duration::from_millis(3)), (State::Connected, None));
+        assert_eq!(l.last_rtt(), Some(Duration::from_millis(3)));
+        assert_eq!(l.poll_timeout(), Some(t0 + I));
+    }
+
+    #[test]
+    fn silence_for_three_intervals_means_reconnecting() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(I);
+        l.handle_transport_up(t0);
+        let nonce = l.poll_heartbeat(t0).expect("due");
+        assert!(l.handle_echo(&nonce, t0));
+        let mut now = t0;
+        for _ in 0..3 {
+            now += I;
+            assert!(l.poll_heartbeat(now).is_some());
+            assert_eq!(l.state(now).0, State::Connected);
+            assert!(!l.transport_dead(now));
+        }
+        now += Duration::from_millis(1);
+        let (state, reason) = l.state(now);
+        assert_eq!(state, State::Reconnecting);
+        assert!(reason.expect("a reason").contains("no heartbeat echo"));
+        assert!(l.transport_dead(now));
+    }
+
+    #[test]
+    fn never_echoed_transport_dies_too() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(I);
+        l.handle_transport_up(t0);
+        assert!(!l.transport_dead(t0 + I * 3));
+        assert!(l.transport_dead(t0 + I * 3 + Duration::from_millis(1)));
+        assert_eq!(l.state(t0 + I * 4).0, State::Reconnecting);
+    }
+
+    #[test]
+    fn stale_or_foreign_echoes_do_not_count() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(I);
+        l.handle_transport_up(t0);
+        let old = l.poll_heartbeat(t0).expect("due");
+        l.handle_transport_down("transport closed by the traffic manager");
+        assert!(!l.handle_echo(&old, t0), "no transport");
+        l.handle_transport_up(t0 + I);
+        assert!(!l.handle_echo(&old, t0 + I), "echo of the previous transport");
+        assert!(!l.handle_echo(&[1, 2, 3], t0 + I), "wrong length");
+        assert!(!l.handle_echo(&99u64.to_be_bytes(), t0 + I), "never sent");
+        let fresh = l.poll_heartbeat(t0 + I).expect("due");
+        assert!(l.handle_echo(&fresh, t0 + I));
+    }
+
+    #[test]
+    fn down_after_connected_is_reconnecting_with_the_reason() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(I);
+        l.handle_transport_up(t0);
+        let n = l.poll_heartbeat(t0).expect("due");
+        l.handle_echo(&n, t0);
+        l.handle_transport_down("connection reset by the traffic manager");
+        assert_eq!(
+            l.state(t0),
+            (State::Reconnecting, Some("connection reset by the traffic manager".to_owned()))
+        );
+        assert_eq!(l.poll_timeout(), None);
+        l.handle_transport_up(t0 + I);
+        assert_eq!(l.state(t0 + I).0, State::Reconnecting, "until the new transport echoes");
+    }
+}

@@ -1,0 +1,270 @@
+//! Addresses, routes, rp_filter and link removal through rtnetlink. I/O: one
+//! NETLINK_ROUTE socket, opened in the network namespace of the thread that calls
+//! [`Netlink::new`] (the daemon runs inside the laptop's namespace).
+//!
+//! Every route kvpn installs carries the route protocol [`RTPROT_KVPN`] (0x6b,
+//! 107; `ip route` prints `proto 107`), so that a sweep after a crash finds exactly
+//! kvpn's routes (`ip route show proto 107`) without guessing from device names.
+
+use std::net::IpAddr;
+
+use futures::TryStreamExt as _;
+use ipnet::IpNet;
+use rtnetlink::packet_core::ErrorMessage;
+use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::packet_route::link::{AfSpecInet, AfSpecUnspec, InetDevConf, LinkAttribute, LinkMessage};
+use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope};
+use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
+
+/// Route protocol number tagging kvpn's routes (`rtm_protocol`). Values above
+/// RTPROT_STATIC (4) are free for routing daemons (include/uapi/linux/rtnetlink.h);
+/// 107 is not in iproute2's `rt_protos` list.
+pub const RTPROT_KVPN: u8 = 0x6b;
+
+/// rp_filter value for loose reverse-path filtering (RFC 3704 loose mode;
+/// Documentation/networking/ip-sysctl.rst). The kernel applies
+/// max(conf/all, conf/<dev>), so 2 on the TUN wins over a strict `all=1` (rt-06).
+pub const RP_FILTER_LOOSE: i32 = 2;
+
+/// A failed netlink operation.
+#[derive(Debug, thiserror::Error)]
+#[error("{op}: {cause}")]
+pub struct NetlinkError {
+    /// What was attempted, with its inputs.
+    pub op: String,
+    /// The kernel's answer, as text (errno name where there is one).
+    pub cause: String,
+    /// The errno, when the kernel sent one.
+    pub errno: Option<i32>,
+}
+
+impl NetlinkError {
+    fn new(op: impl Into<String>, err: rtnetlink::Error) -> Self {
+        let (cause, errno) = match &err {
+            rtnetlink::Error::NetlinkError(ErrorMessage { code: Some(code), .. }) => {
+                let errno = -code.get();
+                (std::io::Error::from_raw_os_error(errno).to_string(), Some(errno))
+            }
+            other => (other.to_string(), None),
+        };
+        Self { op: op.into(), cause, errno }
+    }
+}
+
+/// A route kvpn installed, as read back from the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvpnRoute {
+    /// Destination prefix.
+    pub dst: IpNet,
+    /// Output interface index.
+    pub oif: u32,
+}
+
+/// An rtnetlink connection.
+#[derive(Debug, Clone)]
+pub struct Netlink {
+    handle: Handle,
+}
+
+impl Netlink {
+    /// Open a NETLINK_ROUTE socket in the calling thread's network namespace and
+    /// drive it on the current tokio runtime.
+    pub fn new() -> std::io::Result<Self> {
+        let (connection, handle, _) = rtnetlink::new_connection()?;
+        tokio::spawn(connection);
+        Ok(Self { handle })
+    }
+
+    /// The index of the interface called `name`, if there is one.
+    pub async fn link_index(&self, name: &str) -> Result<Option<u32>, NetlinkError> {
+        let mut links = self.handle.link().get().match_name(name.to_owned()).execute();
+        match links.try_next().await {
+            Ok(Some(link)) => Ok(Some(link.header.index)),
+            Ok(None) => Ok(None),
+            Err(e) if errno_of(&e) == Some(libc::ENODEV) => Ok(None),
+            Err(e) => Err(NetlinkError::new(format!("look up interface {name}"), e)),
+        }
+    }
+
+    async fn link(&self, index: u32) -> Result<Option<LinkMessage>, NetlinkError> {
+        let mut links = self.handle.link().get().match_index(index).execute();
+        match links.try_next().await {
+            Ok(link) => Ok(link),
+            Err(e) if errno_of(&e) == Some(libc::ENODEV) => Ok(None),
+            Err(e) => Err(NetlinkError::new(format!("look up interface #{index}"), e)),
+        }
+    }
+
+    /// Whether an interface with this index exists.
+    pub async fn link_exists(&self, index: u32) -> Result<bool, NetlinkError> {
+        Ok(self.link(index).await?.is_some())
+    }
+
+    /// Add `ip` as a host address (/32 or /128) on interface `index`.
+    pub async fn add_host_address(&self, index: u32, ip: IpAddr) -> Result<(), NetlinkError> {
+        let len = if ip.is_ipv4() { 32 } else { 128 };
+        self.handle
+            .address()
+            .add(index, ip, len)
+            .execute()
+            .await
+            .map_err(|e| NetlinkError::new(format!("add address {ip}/{len} to interface #{index}"), e))
+    }
+
+    fn route_message(index: u32, dst: IpNet, pref_src: Option<IpAddr>) -> Result<RouteMessage, NetlinkError> {
+        fn invalid(dst: IpNet) -> impl Fn(&dyn std::fmt::Display) -> NetlinkError {
+            move |e| NetlinkError { op: format!("build route {dst}"), cause: e.to_string(), errno: None }
+        }
+        let mut builder = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(dst.addr(), dst.prefix_len())
+            .map_err(|e| invalid(dst)(&e))?
+            .output_interface(index)
+            .protocol(RouteProtocol::Other(RTPROT_KVPN))
+            .scope(RouteScope::Link)
+            .table_id(u32::from(RouteHeader::RT_TABLE_MAIN));
+        if let Some(src) = pref_src.filter(|s| s.is_ipv4() == dst.addr().is_ipv4()) {
+            builder = builder.pref_source(src).map_err(|e| invalid(dst)(&e))?;
+        }
+        Ok(builder.build())
+    }
+
+    /// Install `dst` in the main table through interface `index`, tagged with
+    /// [`RTPROT_KVPN`], preferring `pref_src` (the tunnel IP) as source address.
+    pub async fn add_route(&self, index: u32, dst: IpNet, pref_src: Option<IpAddr>) -> Result<(), NetlinkError> {
+        let msg = Self::route_message(index, dst, pref_src)?;
+        self.handle.route().add(msg).execute().await.map_err(|e| {
+            let mut err = NetlinkError::new(format!("add route {dst} dev #{index}"), e);
+            if err.errno == Some(libc::EEXIST) {
+                err.cause = format!("{} — another route for {dst} already exists in the main table (see `ip route show {dst}`)", err.cause);
+            }
+            err
+        })
+    }
+
+    /// Remove kvpn's route to `dst` through interface `index`.
+    pub async fn del_route(&self, index: u32, dst: IpNet) -> Result<(), NetlinkError> {
+        let msg = Self::route_message(index, dst, None)?;
+        self.handle
+            .route()
+            .del(msg)
+            .execute()
+            .await
+            .map_err(|e| NetlinkError::new(format!("delete route {dst} dev #{index}"), e))
+    }
+
+    /// Routes in the main table tagged [`RTPROT_KVPN`], optionally only those
+    /// through interface `index`. Both address families.
+    pub async fn kvpn_routes(&self, index: Option<u32>) -> Result<Vec<KvpnRoute>, NetlinkError> {
+        let mut out = Vec::new();
+        for family in [AddressFamily::Inet, AddressFamily::Inet6] {
+            let mut query = RouteMessage::default();
+            query.header.address_family = family;
+            let mut routes = self.handle.route().get(query).execute();
+            loop {
+                let route = match routes.try_next().await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => break,
+                    // IPv6 disabled in this namespace: no IPv6 routes to list.
+                    Err(e) if family == AddressFamily::Inet6 && errno_of(&e) == Some(libc::EAFNOSUPPORT) => break,
+                    Err(e) => return Err(NetlinkError::new("list routes", e)),
+                };
+                if route.header.protocol != RouteProtocol::Other(RTPROT_KVPN) || table_of(&route) != u32::from(RouteHeader::RT_TABLE_MAIN) {
+                    continue;
+                }
+                let Some(found) = parse_route(&route) else { continue };
+                if index.is_none_or(|i| i == found.oif) {
+                    out.push(found);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Set the IPv4 rp_filter of interface `index` through RTM_SETLINK with
+    /// IFLA_AF_SPEC / AF_INET / IFLA_INET_CONF (what `/proc/sys/net/ipv4/conf/<dev>/rp_filter` shows).
+    pub async fn set_rp_filter(&self, index: u32, value: i32) -> Result<(), NetlinkError> {
+        let mut conf = InetDevConf::default();
+        conf.rp_filter = value;
+        let msg = LinkUnspec::new_with_index(index)
+            .append_extra_attribute(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(vec![
+                AfSpecInet::DevConfRequest(conf),
+            ])]))
+            .build();
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(|e| NetlinkError::new(format!("set rp_filter={value} on interface #{index}"), e))
+    }
+
+    /// The IPv4 rp_filter of interface `index`, read back through RTM_GETLINK.
+    pub async fn rp_filter(&self, index: u32) -> Result<Option<i32>, NetlinkError> {
+        let Some(link) = self.link(index).await? else {
+            return Ok(None);
+        };
+        for attr in &link.attributes {
+            if let LinkAttribute::AfSpecUnspec(specs) = attr {
+                for spec in specs {
+                    if let AfSpecUnspec::Inet(inet) = spec {
+                        for item in inet {
+                            if let AfSpecInet::DevConf(conf) = item {
+                                return Ok(Some(conf.rp_filter));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Delete interface `index` (RTM_DELLINK). A missing interface is not an error.
+    pub async fn delete_link(&self, index: u32) -> Result<(), NetlinkError> {
+        match self.handle.link().del(index).execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if errno_of(&e) == Some(libc::ENODEV) => Ok(()),
+            Err(e) => Err(NetlinkError::new(format!("delete interface #{index}"), e)),
+        }
+    }
+}
+
+fn errno_of(err: &rtnetlink::Error) -> Option<i32> {
+    match err {
+        rtnetlink::Error::NetlinkError(ErrorMessage { code: Some(code), .. }) => Some(-code.get()),
+        _ => None,
+    }
+}
+
+fn table_of(route: &RouteMessage) -> u32 {
+    route
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(route.header.table))
+}
+
+fn parse_route(route: &RouteMessage) -> Option<KvpnRoute> {
+    let mut dst = None;
+    let mut oif = None;
+    for attr in &route.attributes {
+        match attr {
+            RouteAttribute::Destination(RouteAddress::Inet(a)) => dst = Some(IpAddr::V4(*a)),
+            RouteAttribute::Destination(RouteAddress::Inet6(a)) => dst = Some(IpAddr::V6(*a)),
+            RouteAttribute::Oif(i) => oif = Some(*i),
+            _ => {}
+        }
+    }
+    let len = route.header.destination_prefix_length;
+    let dst = match (dst, route.header.address_family) {
+        (Some(a), _) => a,
+        // A default route has no RTA_DST.
+        (None, AddressFamily::Inet) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        (None, AddressFamily::Inet6) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        (None, _) => return None,
+    };
+    Some(KvpnRoute { dst: IpNet::new(dst, len).ok()?, oif: oif? })
+}

@@ -1,0 +1,522 @@
+//! The packet pump: moves packets between the TUN device and the transport to
+//! the traffic manager, framed with [`kvpn_proto::frame`].
+//!
+//! Outbound is laptop → cluster, inbound is cluster → laptop. Four tasks, two per
+//! direction, joined by bounded queues of reusable buffers:
+//!
+//! ```text
+//! outbound: TUN ──tun_reader──▶ [full batches] ──transport_writer──▶ transport
+//!                    ▲                                  │ (also heartbeats)
+//!                    └──────────── [free batches] ◀─────┘
+//! inbound:  transport ──transport_reader──▶ [full chunks] ──tun_writer──▶ TUN
+//!                    ▲                                  │ (heartbeat echoes)
+//!                    └──────────── [free chunks]  ◀─────┘
+//! ```
+//!
+//! - `tun_reader` waits until the TUN is readable, then reads packets without
+//!   blocking until EAGAIN or until the batch holds [`BATCH_PACKETS`] packets or
+//!   [`BATCH_BYTES`] bytes.
+//! - `transport_writer` frames a batch (a 3-byte header per packet) and sends it
+//!   with one vectored write of all headers and payloads (`writev`).
+//! - `transport_reader` reads the byte stream in chunks of up to
+//!   [`READ_CHUNK_BYTES`]; whole frames go on, a partial frame at the end is
+//!   carried over into the next chunk.
+//! - `tun_writer` decodes the frames in place (zero-copy) and writes each packet
+//!   to the TUN, waiting when the TUN would block.
+//!
+//! Backpressure, never drops: there are exactly [`QUEUE_DEPTH`] buffers per
+//! direction. A reader that finds no free buffer waits, so a slow transport stops
+//! the TUN reads (the kernel's TUN queue then applies its own policy) and a slow
+//! TUN stops the transport reads (TCP flow control reaches the manager). All
+//! buffers are allocated when the pump starts; per-packet work does not allocate.
+//!
+//! The only I/O here goes through [`PacketIo`] (the TUN device) and the
+//! transport halves; liveness logic lives in [`crate::liveness`].
+
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use kvpn_proto::frame::{self, Decoder, FrameError, Kind, HEADER_LEN};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use crate::liveness::Liveness;
+
+/// Most packets per outbound batch (one `writev` of 2 × 64 iovecs).
+pub const BATCH_PACKETS: usize = 64;
+
+/// Payload bytes after which an outbound batch is closed: 256 KiB, about 29
+/// packets at MTU 9000, well under the 4 MiB default TCP send buffer so a batch
+/// write rarely blocks half-way.
+pub const BATCH_BYTES: usize = 256 * 1024;
+
+/// Largest packet a TUN read can return without IFF_VNET_HDR (the IPv4/IPv6
+/// length fields are 16 bits). Every read is given at least this much room, so
+/// a packet is never truncated, whatever the MTU.
+pub const MAX_PACKET: usize = 65535;
+
+/// Bytes asked for per transport read (inbound). Larger than the largest frame
+/// (65537 bytes), so a chunk always holds at least one whole frame.
+pub const READ_CHUNK_BYTES: usize = 256 * 1024;
+
+/// Buffers per direction: batches in flight between a reader and a writer.
+/// Bounds the memory per session to 2 × 4 × ~320 KiB.
+pub const QUEUE_DEPTH: usize = 4;
+
+/// A packet device: the TUN device in production, a datagram socket in tests.
+///
+/// Each `try_recv` returns one whole packet; `send` writes one whole packet,
+/// waiting while the device would block.
+pub trait PacketIo: Send + Sync + 'static {
+    /// Wait until a `try_recv` may succeed (it may still return WouldBlock).
+    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send;
+    /// Read one packet without blocking; `WouldBlock` when none is queued.
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Write one packet, waiting while the device would block.
+    fn send(&self, packet: &[u8]) -> impl Future<Output = io::Result<usize>> + Send;
+}
+
+impl PacketIo for tun_rs::AsyncDevice {
+    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send {
+        tun_rs::AsyncDevice::readable(self)
+    }
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        tun_rs::AsyncDevice::try_recv(self, buf)
+    }
+    fn send(&self, packet: &[u8]) -> impl Future<Output = io::Result<usize>> + Send {
+        tun_rs::AsyncDevice::send(self, packet)
+    }
+}
+
+/// A Unix datagram socket keeps packet boundaries like a TUN device, so one end
+/// of a socket pair stands in for the TUN in tests and benchmarks without root.
+impl PacketIo for tokio::net::UnixDatagram {
+    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send {
+        tokio::net::UnixDatagram::readable(self)
+    }
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        tokio::net::UnixDatagram::try_recv(self, buf)
+    }
+    fn send(&self, packet: &[u8]) -> impl Future<Output = io::Result<usize>> + Send {
+        tokio::net::UnixDatagram::send(self, packet)
+    }
+}
+
+/// Pump counters, shared with Status. Updated once per batch or chunk.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Outbound (laptop → cluster) packets written to the transport.
+    pub tx_packets: AtomicU64,
+    /// Outbound IP bytes (frame headers not counted).
+    pub tx_bytes: AtomicU64,
+    /// Outbound batches, i.e. vectored writes.
+    pub tx_batches: AtomicU64,
+    /// Inbound (cluster → laptop) packets written to the TUN.
+    pub rx_packets: AtomicU64,
+    /// Inbound IP bytes written to the TUN.
+    pub rx_bytes: AtomicU64,
+    /// Inbound packets the TUN refused as malformed (EINVAL), or empty packet
+    /// frames. Counted, logged at debug, not fatal.
+    pub rx_invalid: AtomicU64,
+    /// Heartbeats sent.
+    pub heartbeats_sent: AtomicU64,
+    /// Heartbeat echoes accepted.
+    pub heartbeats_echoed: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Read a counter.
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+/// Why the pump stopped. The session supervisor logs it, shows it as the reason
+/// in Status and re-dials.
+#[derive(Debug, thiserror::Error)]
+pub enum PumpExit {
+    /// The manager closed the transport (EOF).
+    #[error("the traffic manager closed the data connection")]
+    TransportClosed,
+    /// Reading or writing the transport failed.
+    #[error("data connection to the traffic manager failed: {0}")]
+    Transport(#[source] io::Error),
+    /// The manager sent bytes that are not a valid frame; the stream cannot be
+    /// resynchronised.
+    #[error("the traffic manager sent an invalid frame: {0}")]
+    Protocol(#[source] FrameError),
+    /// Reading or writing the TUN device failed.
+    #[error("TUN device failed: {0}")]
+    Tun(#[source] io::Error),
+    /// No heartbeat echo for too long.
+    #[error("{0}")]
+    Silent(String),
+    /// A pump task ended unexpectedly (panic or cancellation).
+    #[error("pump task ended: {0}")]
+    Task(String),
+}
+
+/// A batch of outbound packets stored back to back in one buffer.
+struct OutBatch {
+    buf: Box<[u8]>,
+    /// End offset of each packet in `buf`; starts at 0 for the first.
+    ends: [usize; BATCH_PACKETS],
+    count: usize,
+}
+
+impl OutBatch {
+    fn new() -> Self {
+        Self {
+            buf: vec![0; BATCH_BYTES + MAX_PACKET].into_boxed_slice(),
+            ends: [0; BATCH_PACKETS],
+            count: 0,
+        }
+    }
+
+    fn used(&self) -> usize {
+        if self.count == 0 { 0 } else { self.ends[self.count - 1] }
+    }
+
+    fn is_full(&self) -> bool {
+        self.count == BATCH_PACKETS || self.used() >= BATCH_BYTES
+    }
+
+    fn packet(&self, i: usize) -> &[u8] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.buf[start..self.ends[i]]
+    }
+}
+
+/// An inbound chunk: `buf[..len]` holds whole frames.
+struct InChunk {
+    buf: Box<[u8]>,
+    len: usize,
+}
+
+/// Pump settings.
+#[derive(Debug, Clone, Copy)]
+pub struct PumpConfig {
+    /// Largest frame accepted from the manager (length field, bytes).
+    pub max_frame_len: usize,
+}
+
+impl Default for PumpConfig {
+    fn default() -> Self {
+        Self {
+            max_frame_len: frame::MAX_FRAME_LEN,
+        }
+    }
+}
+
+fn lock(liveness: &Mutex<Liveness>) -> std::sync::MutexGuard<'_, Liveness> {
+    // A panic while holding the lock cannot leave Liveness half-updated in a way
+    // that matters more than losing the session; keep going with its state.
+    liveness.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Run the pump on one transport until it fails. The caller owns the session:
+/// it marks the transport up in `liveness` before calling and re-dials after.
+///
+/// Cancel-safe: dropping the future aborts the four tasks.
+pub async fn run<T, R, W>(
+    tun: Arc<T>,
+    transport_rx: R,
+    transport_tx: W,
+    liveness: Arc<Mutex<Liveness>>,
+    counters: Arc<Counters>,
+    config: PumpConfig,
+) -> PumpExit
+where
+    T: PacketIo,
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (out_free_tx, out_free_rx) = mpsc::channel(QUEUE_DEPTH);
+    let (out_full_tx, out_full_rx) = mpsc::channel(QUEUE_DEPTH);
+    let (in_free_tx, in_free_rx) = mpsc::channel(QUEUE_DEPTH);
+    let (in_full_tx, in_full_rx) = mpsc::channel(QUEUE_DEPTH);
+    for _ in 0..QUEUE_DEPTH {
+        // Cannot fail: the channels have room for exactly QUEUE_DEPTH buffers.
+        let _ = out_free_tx.try_send(OutBatch::new());
+        let _ = in_free_tx.try_send(InChunk {
+            buf: vec![0; READ_CHUNK_BYTES].into_boxed_slice(),
+            len: 0,
+        });
+    }
+
+    let mut tasks = JoinSet::new();
+    tasks.spawn(tun_reader(tun.clone(), out_free_rx, out_full_tx));
+    tasks.spawn(transport_writer(
+        transport_tx,
+        out_full_rx,
+        out_free_tx,
+        liveness.clone(),
+        counters.clone(),
+    ));
+    tasks.spawn(transport_reader(transport_rx, in_free_rx, in_full_tx, config));
+    tasks.spawn(tun_writer(tun, in_full_rx, in_free_tx, liveness.clone(), counters));
+
+    // Watchdog: a black-holed transport can block the writer forever, so the
+    // silence check cannot live in the writer.
+    let interval = lock(&liveness).interval();
+    let mut watchdog = tokio::time::interval(interval / 4);
+    watchdog.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let exit = loop {
+        tokio::select! {
+            joined = tasks.join_next() => {
+                break match joined {
+                    Some(Ok(exit)) => exit,
+                    Some(Err(e)) => PumpExit::Task(e.to_string()),
+                    None => PumpExit::Task("no pump tasks".to_owned()),
+                };
+            }
+            _ = watchdog.tick() => {
+                let now = Instant::now();
+                let liveness = lock(&liveness);
+                if liveness.transport_dead(now) {
+                    let reason = liveness.state(now).1.unwrap_or_else(|| "no heartbeat echo".to_owned());
+                    break PumpExit::Silent(reason);
+                }
+            }
+        }
+    };
+    tasks.abort_all();
+    exit
+}
+
+async fn tun_reader<T: PacketIo>(
+    tun: Arc<T>,
+    mut free_rx: mpsc::Receiver<OutBatch>,
+    full_tx: mpsc::Sender<OutBatch>,
+) -> PumpExit {
+    loop {
+        let Some(mut batch) = free_rx.recv().await else {
+            return PumpExit::Task("outbound buffer queue closed".to_owned());
+        };
+        batch.count = 0;
+        while !batch.is_full() {
+            let start = batch.used();
+            match tun.try_recv(&mut batch.buf[start..]) {
+                Ok(0) => continue,
+                Ok(n) => {
+                    batch.ends[batch.count] = start + n;
+                    batch.count += 1;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if batch.count > 0 {
+                        break;
+                    }
+                    if let Err(e) = tun.readable().await {
+                        return PumpExit::Tun(e);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return PumpExit::Tun(e),
+            }
+        }
+        tracing::trace!(packets = batch.count, bytes = batch.used(), "outbound batch read");
+        if full_tx.send(batch).await.is_err() {
+            return PumpExit::Task("outbound batch queue closed".to_owned());
+        }
+    }
+}
+
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
+    while !bufs.is_empty() {
+        let n = writer.write_vectored(bufs).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
+
+async fn transport_writer<W: AsyncWrite + Unpin>(
+    mut writer: W,
+    mut full_rx: mpsc::Receiver<OutBatch>,
+    free_tx: mpsc::Sender<OutBatch>,
+    liveness: Arc<Mutex<Liveness>>,
+    counters: Arc<Counters>,
+) -> PumpExit {
+    let mut headers = [[0u8; HEADER_LEN]; BATCH_PACKETS];
+    let mut heartbeat = [0u8; HEADER_LEN + 8];
+    loop {
+        let due = lock(&liveness).poll_timeout();
+        let sleep = async {
+            match due {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = sleep => {
+                let nonce = lock(&liveness).poll_heartbeat(Instant::now());
+                if let Some(nonce) = nonce {
+                    let header = match frame::encode_header(Kind::Heartbeat, nonce.len()) {
+                        Ok(h) => h,
+                        // Unreachable: an 8-byte payload fits any frame.
+                        Err(e) => return PumpExit::Protocol(e),
+                    };
+                    heartbeat[..HEADER_LEN].copy_from_slice(&header);
+                    heartbeat[HEADER_LEN..].copy_from_slice(&nonce);
+                    if let Err(e) = writer.write_all(&heartbeat).await {
+                        return PumpExit::Transport(e);
+                    }
+                    Counters::add(&counters.heartbeats_sent, 1);
+                    tracing::trace!(nonce = u64::from_be_bytes(nonce), "heartbeat sent");
+                }
+            }
+            batch = full_rx.recv() => {
+                let Some(batch) = batch else {
+                    return PumpExit::Task("outbound batch queue closed".to_owned());
+                };
+                let mut iov = [IoSlice::new(&[]); 2 * BATCH_PACKETS];
+                for i in 0..batch.count {
+                    let packet = batch.packet(i);
+                    match frame::encode_header(Kind::Packet, packet.len()) {
+                        Ok(h) => headers[i] = h,
+                        // Unreachable without IFF_VNET_HDR: MAX_PACKET < MAX_PAYLOAD_LEN + 2.
+                        Err(e) => return PumpExit::Protocol(e),
+                    }
+                }
+                for i in 0..batch.count {
+                    iov[2 * i] = IoSlice::new(&headers[i]);
+                    iov[2 * i + 1] = IoSlice::new(batch.packet(i));
+                }
+                if let Err(e) = write_all_vectored(&mut writer, &mut iov[..2 * batch.count]).await {
+                    return PumpExit::Transport(e);
+                }
+                if let Err(e) = writer.flush().await {
+                    return PumpExit::Transport(e);
+                }
+                Counters::add(&counters.tx_packets, batch.count as u64);
+                Counters::add(&counters.tx_bytes, batch.used() as u64);
+                Counters::add(&counters.tx_batches, 1);
+                if free_tx.send(batch).await.is_err() {
+                    return PumpExit::Task("outbound buffer queue closed".to_owned());
+                }
+            }
+        }
+    }
+}
+
+async fn transport_reader<R: AsyncRead + Unpin>(
+    mut reader: R,
+    mut free_rx: mpsc::Receiver<InChunk>,
+    full_tx: mpsc::Sender<InChunk>,
+    config: PumpConfig,
+) -> PumpExit {
+    let decoder = Decoder::with_max_len(config.max_frame_len);
+    let Some(mut cur) = free_rx.recv().await else {
+        return PumpExit::Task("inbound buffer queue closed".to_owned());
+    };
+    // cur.buf[..complete] holds whole frames, cur.buf[complete..filled] the
+    // start of the next one.
+    let mut filled = 0;
+    let mut complete = 0;
+    loop {
+        let n = match reader.read(&mut cur.buf[filled..]).await {
+            Ok(0) => return PumpExit::TransportClosed,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return PumpExit::Transport(e),
+        };
+        filled += n;
+        loop {
+            match decoder.decode(&cur.buf[complete..filled]) {
+                Ok(Some((_, used))) => complete += used,
+                Ok(None) => break,
+                Err(e) => return PumpExit::Protocol(e),
+            }
+        }
+        if complete == 0 {
+            // Only part of a frame so far; the buffer has room for a whole one.
+            continue;
+        }
+        let Some(mut next) = free_rx.recv().await else {
+            return PumpExit::Task("inbound buffer queue closed".to_owned());
+        };
+        let tail = filled - complete;
+        next.buf[..tail].copy_from_slice(&cur.buf[complete..filled]);
+        cur.len = complete;
+        if full_tx.send(cur).await.is_err() {
+            return PumpExit::Task("inbound chunk queue closed".to_owned());
+        }
+        cur = next;
+        filled = tail;
+        complete = 0;
+    }
+}
+
+async fn tun_writer<T: PacketIo>(
+    tun: Arc<T>,
+    mut full_rx: mpsc::Receiver<InChunk>,
+    free_tx: mpsc::Sender<InChunk>,
+    liveness: Arc<Mutex<Liveness>>,
+    counters: Arc<Counters>,
+) -> PumpExit {
+    // The reader validated every frame header already; this decoder only finds
+    // the boundaries again.
+    let decoder = Decoder::default();
+    loop {
+        let Some(chunk) = full_rx.recv().await else {
+            return PumpExit::Task("inbound chunk queue closed".to_owned());
+        };
+        let (mut packets, mut bytes, mut invalid) = (0u64, 0u64, 0u64);
+        let mut off = 0;
+        while off < chunk.len {
+            let (frame, used) = match decoder.decode(&chunk.buf[off..chunk.len]) {
+                Ok(Some(found)) => found,
+                Ok(None) => break,
+                Err(e) => return PumpExit::Protocol(e),
+            };
+            off += used;
+            match frame.kind {
+                Kind::Packet if frame.payload.is_empty() => invalid += 1,
+                Kind::Packet => match tun.send(frame.payload).await {
+                    Ok(_) => {
+                        packets += 1;
+                        bytes += frame.payload.len() as u64;
+                    }
+                    // The TUN driver rejects what is not IPv4/IPv6 with EINVAL
+                    // (drivers/net/tun.c, tun_get_user); one bad packet from the
+                    // manager must not end the session.
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                        invalid += 1;
+                        tracing::debug!(len = frame.payload.len(), "TUN refused an inbound packet");
+                    }
+                    Err(e) => return PumpExit::Tun(e),
+                },
+                Kind::Heartbeat => {
+                    if lock(&liveness).handle_echo(frame.payload, Instant::now()) {
+                        Counters::add(&counters.heartbeats_echoed, 1);
+                    } else {
+                        tracing::debug!(len = frame.payload.len(), "unexpected heartbeat echo ignored");
+                    }
+                }
+                Kind::Hello | Kind::Unknown(_) => {
+                    tracing::debug!(kind = frame.kind.to_u8(), "frame of a kind the client ignores");
+                }
+            }
+        }
+        Counters::add(&counters.rx_packets, packets);
+        Counters::add(&counters.rx_bytes, bytes);
+        Counters::add(&counters.rx_invalid, invalid);
+        if free_tx.send(chunk).await.is_err() {
+            return PumpExit::Task("inbound buffer queue closed".to_owned());
+        }
+    }
+}

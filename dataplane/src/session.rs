@@ -1,0 +1,676 @@
+//! One client session: dial the traffic manager, set up the TUN device, tunnel
+//! IP, routes, rp_filter and eBPF classifier, run the pump under a supervisor that
+//! re-dials a lost transport, and tear everything down again.
+//!
+//! I/O: TCP to the manager, `/dev/net/tun`, rtnetlink ([`crate::netlink`]) and
+//! the classifier ([`ClassifierAttach`]); state decisions live in
+//! [`crate::liveness`] and [`crate::routes`].
+//!
+//! Setup is all-or-nothing (case lc-03): when a step fails, the steps before it
+//! are undone (routes, TUN device) and the error names the failed step.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use ipnet::IpNet;
+use kvpn_proto::frame::{self, Hello, Kind, PROTOCOL_VERSION};
+use tokio::io::AsyncWriteExt as _;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::Instrument as _;
+use tun_rs::AsyncDevice;
+
+use crate::ebpf::{self, RouteKind, Stats};
+use crate::liveness::{Liveness, State};
+use crate::netlink::{Netlink, RP_FILTER_LOOSE};
+use crate::pump::{self, Counters, PumpConfig};
+use crate::routes::{self, RoutePlan};
+use crate::tun;
+
+/// How long dialling the manager may take before Connect gives up.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// First and longest pause between re-dials after the transport is lost. Short,
+/// so that traffic recovers within 3 s of a transport restart (case tr-08).
+const REDIAL_BACKOFF: (Duration, Duration) = (Duration::from_millis(250), Duration::from_secs(2));
+
+/// Attaches the eBPF classifier to a TUN device. Production uses
+/// [`EbpfClassifiers`]; the trait exists so that TUN, route and pump tests can run
+/// without eBPF (they pass a test double), never to skip eBPF in the daemon.
+pub trait ClassifierAttach: Send + Sync + 'static {
+    /// Attach to `ifname` and insert `entries`.
+    fn attach(&self, ifname: &str, entries: &[(IpNet, RouteKind)]) -> Result<Box<dyn AttachedClassifier>, BoxError>;
+}
+
+/// An attached classifier; dropping it detaches it.
+pub trait AttachedClassifier: Send {
+    /// Its counters.
+    fn stats(&self) -> Result<Stats, BoxError>;
+}
+
+/// A boxed error from a classifier.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The real eBPF TC classifier ([`ebpf::Classifier`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EbpfClassifiers;
+
+impl ClassifierAttach for EbpfClassifiers {
+    fn attach(&self, ifname: &str, entries: &[(IpNet, RouteKind)]) -> Result<Box<dyn AttachedClassifier>, BoxError> {
+        let mut classifier = ebpf::Classifier::attach(ifname)?;
+        for (cidr, kind) in entries {
+            classifier.insert_route(*cidr, *kind)?;
+        }
+        Ok(Box::new(classifier))
+    }
+}
+
+impl AttachedClassifier for ebpf::Classifier {
+    fn stats(&self) -> Result<Stats, BoxError> {
+        Ok(ebpf::Classifier::stats(self)?)
+    }
+}
+
+/// What a session needs.
+#[derive(Debug, Clone)]
+pub struct SessionParams {
+    /// Manager data address, `host:port`.
+    pub manager: String,
+    /// Cluster routes as requested (normalised by [`routes::plan`]).
+    pub routes: Vec<(IpNet, RouteKind)>,
+    /// The client's tunnel IP.
+    pub tunnel_ip: IpAddr,
+    /// TUN device name; `None` = first free `kvpnN`.
+    pub tun_name: Option<String>,
+    /// TUN MTU, bytes.
+    pub mtu: u16,
+    /// Heartbeat interval ([`crate::liveness::HEARTBEAT_INTERVAL`] in the daemon;
+    /// shorter in tests).
+    pub heartbeat_interval: Duration,
+}
+
+/// A setup step of Connect, named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// TCP to the manager.
+    DialManager,
+    /// The hello frame.
+    SendHello,
+    /// `/dev/net/tun`.
+    CreateTun,
+    /// The tunnel IP on the TUN device.
+    AddAddress,
+    /// Kernel routes.
+    AddRoutes,
+    /// rp_filter on the TUN device.
+    SetRpFilter,
+    /// The eBPF classifier.
+    AttachClassifier,
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Step::DialManager => "dial the traffic manager",
+            Step::SendHello => "send hello to the traffic manager",
+            Step::CreateTun => "create TUN device",
+            Step::AddAddress => "add the tunnel IP to the TUN device",
+            Step::AddRoutes => "install routes",
+            Step::SetRpFilter => "set rp_filter on the TUN device",
+            Step::AttachClassifier => "attach the eBPF classifier",
+        })
+    }
+}
+
+/// Why Connect failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The manager cannot be reached; the message names the address, the cause
+    /// and the fix. Nothing was set up.
+    #[error("{0}")]
+    Unreachable(String),
+    /// A setup step failed; the earlier steps were rolled back.
+    #[error("connect failed at step \"{step}\": {message}{rollback}")]
+    Step {
+        /// The step.
+        step: Step,
+        /// What went wrong.
+        message: String,
+        /// Empty when the rollback was complete, else what was left behind.
+        rollback: String,
+    },
+}
+
+impl ConnectError {
+    /// The failed step.
+    pub fn step(&self) -> Step {
+        match self {
+            ConnectError::Unreachable(_) => Step::DialManager,
+            ConnectError::Step { step, .. } => *step,
+        }
+    }
+}
+
+/// What teardown removed and what it could not.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct TeardownReport {
+    /// Routes deleted explicitly.
+    pub routes_removed: usize,
+    /// Things still present afterwards (empty = clean).
+    pub leftovers: Vec<String>,
+}
+
+/// State the pump and Status share.
+#[derive(Debug)]
+struct Shared {
+    liveness: Arc<Mutex<Liveness>>,
+    counters: Arc<Counters>,
+}
+
+/// A running session.
+pub struct Session {
+    id: String,
+    params: SessionParams,
+    plan: RoutePlan,
+    tun_name: String,
+    ifindex: u32,
+    started: Instant,
+    shared: Arc<Shared>,
+    classifier: Mutex<Option<Box<dyn AttachedClassifier>>>,
+    stop_tx: watch::Sender<bool>,
+    supervisor: Option<JoinHandle<()>>,
+    tun: Option<Arc<AsyncDevice>>,
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &self.id)
+            .field("tun_name", &self.tun_name)
+            .field("ifindex", &self.ifindex)
+            .finish_non_exhaustive()
+    }
+}
+
+fn dial_error(target: &str, cause: &std::io::Error) -> String {
+    let fix = match cause.kind() {
+        std::io::ErrorKind::ConnectionRefused => "is kvpn-manager running and the address right?",
+        std::io::ErrorKind::TimedOut => "is the address right and the path to the cluster up?",
+        _ => match cause.raw_os_error() {
+            Some(libc::EHOSTUNREACH) | Some(libc::ENETUNREACH) => {
+                "check the address and that the laptop has a route to it"
+            }
+            _ => "check the address and that kvpn-manager is running",
+        },
+    };
+    let cause = match cause.raw_os_error() {
+        Some(libc::ECONNREFUSED) => "connection refused".to_owned(),
+        Some(libc::EHOSTUNREACH) => "no route to host".to_owned(),
+        Some(libc::ENETUNREACH) => "network unreachable".to_owned(),
+        _ => cause.to_string(),
+    };
+    format!("cannot reach the traffic manager at {target}: {cause} — {fix}")
+}
+
+/// Connect TCP to the manager at `target` (`host:port`) within `timeout`.
+/// Errors are user-facing sentences naming the address, the cause and the fix.
+pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, String> {
+    let attempt = async {
+        let addrs: Vec<_> = tokio::net::lookup_host(target).await.map_err(|e| {
+            format!("cannot resolve the traffic manager address {target}: {e} — give it as HOST:PORT, e.g. 172.31.255.1:10801")
+        })?.collect();
+        let mut last = None;
+        for addr in addrs {
+            match TcpStream::connect(addr).await {
+                Ok(stream) => return Ok(stream),
+                Err(e) => last = Some(dial_error(&addr.to_string(), &e)),
+            }
+        }
+        Err(last.unwrap_or_else(|| format!("the traffic manager address {target} resolved to no address — give it as HOST:PORT")))
+    };
+    let stream = match tokio::time::timeout(timeout, attempt).await {
+        Ok(result) => result?,
+        Err(_) => {
+            return Err(format!(
+                "cannot reach the traffic manager at {target}: no answer within {} s — is the address right and the path to the cluster up?",
+                timeout.as_secs()
+            ));
+        }
+    };
+    // Interactive traffic (ping, RPCs) must not wait for Nagle; the pump
+    // batches by itself.
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "cannot set TCP_NODELAY on the data connection");
+    }
+    Ok(stream)
+}
+
+fn hello_frame(tunnel_ip: IpAddr) -> Result<Vec<u8>, String> {
+    let payload = Hello { version: PROTOCOL_VERSION, tunnel_ip, token: Vec::new() }
+        .encode()
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::with_capacity(frame::HEADER_LEN + payload.len());
+    frame::encode_into(Kind::Hello, &payload, &mut out).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+async fn dial_and_hello(target: &str, hello: &[u8]) -> Result<TcpStream, String> {
+    let mut stream = dial_manager(target, DIAL_TIMEOUT).await?;
+    stream
+        .write_all(hello)
+        .await
+        .map_err(|e| format!("cannot send hello to the traffic manager at {target}: {e}"))?;
+    Ok(stream)
+}
+
+/// Resources created so far during Connect, removed again on failure.
+struct Undo<'a> {
+    netlink: &'a Netlink,
+    tun: Option<(Arc<AsyncDevice>, u32, String)>,
+    routes: Vec<IpNet>,
+}
+
+impl Undo<'_> {
+    async fn rollback(self) -> String {
+        let Some((device, ifindex, name)) = self.tun else {
+            return String::new();
+        };
+        let report = remove_device(self.netlink, device, ifindex, &name, &self.routes).await;
+        if report.leftovers.is_empty() {
+            " (rolled back: TUN device and routes removed)".to_owned()
+        } else {
+            format!(" (rollback incomplete: {})", report.leftovers.join("; "))
+        }
+    }
+}
+
+/// Delete `routes` and the TUN device `ifindex` explicitly, close it, and check
+/// that neither the device nor any kvpn route through it remains.
+async fn remove_device(netlink: &Netlink, device: Arc<AsyncDevice>, ifindex: u32, name: &str, routes: &[IpNet]) -> TeardownReport {
+    let mut report = TeardownReport::default();
+    for route in routes {
+        match netlink.del_route(ifindex, *route).await {
+            Ok(()) => report.routes_removed += 1,
+            // Already gone (ESRCH): nothing to do.
+            Err(e) if e.errno == Some(libc::ESRCH) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot delete route"),
+        }
+    }
+    if let Err(e) = netlink.delete_link(ifindex).await {
+        tracing::warn!(error = %e, "cannot delete TUN device");
+    }
+    drop(device);
+    // RTM_DELLINK is synchronous, but poll briefly in case a descriptor close
+    // is what finally removes the device.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let link = netlink.link_exists(ifindex).await;
+        let left = netlink.kvpn_routes(Some(ifindex)).await;
+        let clean = matches!(link, Ok(false)) && matches!(&left, Ok(r) if r.is_empty());
+        if clean || Instant::now() >= deadline {
+            match link {
+                Ok(true) => report.leftovers.push(format!("TUN device {name} (#{ifindex}) still exists")),
+                Ok(false) => {}
+                Err(e) => report.leftovers.push(format!("cannot check TUN device {name}: {e}")),
+            }
+            match left {
+                Ok(r) => report.leftovers.extend(r.iter().map(|r| format!("route {} dev #{} still installed", r.dst, r.oif))),
+                Err(e) => report.leftovers.push(format!("cannot list routes: {e}")),
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    report
+}
+
+fn step_err(step: Step, message: impl fmt::Display) -> (Step, String) {
+    (step, message.to_string())
+}
+
+impl Session {
+    /// Run Connect: dial, hello, TUN, address, routes, rp_filter, classifier,
+    /// pump. Must run on a runtime whose threads are in the laptop's network
+    /// namespace.
+    pub async fn start(
+        id: String,
+        params: SessionParams,
+        netlink: &Netlink,
+        classifiers: &dyn ClassifierAttach,
+    ) -> Result<Session, ConnectError> {
+        let span = tracing::info_span!("session", %id, manager = %params.manager);
+        Self::start_inner(id, params, netlink, classifiers).instrument(span).await
+    }
+
+    async fn start_inner(
+        id: String,
+        params: SessionParams,
+        netlink: &Netlink,
+        classifiers: &dyn ClassifierAttach,
+    ) -> Result<Session, ConnectError> {
+        let hello = hello_frame(params.tunnel_ip).map_err(|message| ConnectError::Step {
+            step: Step::SendHello,
+            message,
+            rollback: String::new(),
+        })?;
+        let mut stream = dial_manager(&params.manager, DIAL_TIMEOUT)
+            .await
+            .map_err(ConnectError::Unreachable)?;
+        if let Err(e) = stream.write_all(&hello).await {
+            return Err(ConnectError::Step {
+                step: Step::SendHello,
+                message: format!("cannot send hello to the traffic manager at {}: {e}", params.manager),
+                rollback: String::new(),
+            });
+        }
+        tracing::info!("data connection to the traffic manager open, hello sent");
+
+        let plan = routes::plan(&params.routes);
+        let mut undo = Undo { netlink, tun: None, routes: Vec::new() };
+        match Self::setup(&params, &plan, netlink, classifiers, &mut undo).await {
+            Ok(classifier) => {
+                let Some((device, ifindex, tun_name)) = undo.tun.take() else {
+                    return Err(ConnectError::Step {
+                        step: Step::CreateTun,
+                        message: "internal error: no TUN device after setup".to_owned(),
+                        rollback: String::new(),
+                    });
+                };
+                let liveness = Arc::new(Mutex::new(Liveness::new(params.heartbeat_interval)));
+                let shared = Arc::new(Shared { liveness, counters: Arc::new(Counters::default()) });
+                let (stop_tx, stop_rx) = watch::channel(false);
+                let supervisor = tokio::spawn(
+                    supervise(device.clone(), stream, params.manager.clone(), hello, shared.clone(), stop_rx)
+                        .instrument(tracing::info_span!("session", %id)),
+                );
+                tracing::info!(tun = %tun_name, ifindex, routes = plan.kernel.len(), "session up");
+                Ok(Session {
+                    id,
+                    params,
+                    plan,
+                    tun_name,
+                    ifindex,
+                    started: Instant::now(),
+                    shared,
+                    classifier: Mutex::new(classifier),
+                    stop_tx,
+                    supervisor: Some(supervisor),
+                    tun: Some(device),
+                })
+            }
+            Err((step, message)) => {
+                drop(stream);
+                let rollback = undo.rollback().await;
+                tracing::warn!(%step, %message, %rollback, "connect failed");
+                Err(ConnectError::Step { step, message, rollback })
+            }
+        }
+    }
+
+    async fn setup(
+        params: &SessionParams,
+        plan: &RoutePlan,
+        netlink: &Netlink,
+        classifiers: &dyn ClassifierAttach,
+        undo: &mut Undo<'_>,
+    ) -> Result<Option<Box<dyn AttachedClassifier>>, (Step, String)> {
+        if let Some(name) = &params.tun_name {
+            tun::validate_name(name).map_err(|e| step_err(Step::CreateTun, e))?;
+            if netlink.link_index(name).await.map_err(|e| step_err(Step::CreateTun, e))?.is_some() {
+                return Err(step_err(
+                    Step::CreateTun,
+                    format!("an interface named {name} already exists — choose another TUN name or remove it (`ip link del {name}`)"),
+                ));
+            }
+        }
+        let created = tun::create(params.tun_name.as_deref(), params.mtu).map_err(|e| step_err(Step::CreateTun, e))?;
+        let ifindex = created.ifindex;
+        let name = created.name.clone();
+        undo.tun = Some((Arc::new(created.device), ifindex, created.name));
+
+        netlink
+            .add_host_address(ifindex, params.tunnel_ip)
+            .await
+            .map_err(|e| step_err(Step::AddAddress, e))?;
+        for (cidr, _) in &plan.kernel {
+            netlink
+                .add_route(ifindex, *cidr, Some(params.tunnel_ip))
+                .await
+                .map_err(|e| step_err(Step::AddRoutes, e))?;
+            undo.routes.push(*cidr);
+        }
+        netlink
+            .set_rp_filter(ifindex, RP_FILTER_LOOSE)
+            .await
+            .map_err(|e| step_err(Step::SetRpFilter, e))?;
+        match netlink.rp_filter(ifindex).await {
+            Ok(Some(RP_FILTER_LOOSE)) => {}
+            Ok(other) => {
+                return Err(step_err(
+                    Step::SetRpFilter,
+                    format!("rp_filter on {name} reads {other:?} after setting {RP_FILTER_LOOSE}"),
+                ));
+            }
+            Err(e) => return Err(step_err(Step::SetRpFilter, e)),
+        }
+        let classifier = classifiers
+            .attach(&name, &plan.classifier)
+            .map_err(|e| step_err(Step::AttachClassifier, error_chain(&*e)))?;
+        Ok(Some(classifier))
+    }
+
+    /// The session id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The TUN device's name.
+    pub fn tun_name(&self) -> &str {
+        &self.tun_name
+    }
+
+    /// The TUN device's interface index.
+    pub fn ifindex(&self) -> u32 {
+        self.ifindex
+    }
+
+    /// The kernel routes installed, with their kinds.
+    pub fn routes(&self) -> &[(IpNet, RouteKind)] {
+        &self.plan.kernel
+    }
+
+    /// The state and, unless connected, why.
+    pub fn state(&self) -> (State, Option<String>) {
+        self.shared.liveness.lock().unwrap_or_else(PoisonError::into_inner).state(Instant::now())
+    }
+
+    /// Pump counters.
+    pub fn counters(&self) -> &Counters {
+        &self.shared.counters
+    }
+
+    /// The classifier's counters (`None` without a classifier).
+    pub fn classifier_stats(&self) -> Option<Result<Stats, BoxError>> {
+        let guard = self.classifier.lock().unwrap_or_else(PoisonError::into_inner);
+        guard.as_ref().map(|c| c.stats())
+    }
+
+    /// The session as the Status API shows it.
+    pub fn status(&self) -> kvpn_proto::dataplane::Session {
+        use kvpn_proto::dataplane as api;
+        let (state, reason) = self.state();
+        let c = self.counters();
+        let (ebpf, unrouted) = match self.classifier_stats() {
+            Some(Ok(stats)) => (
+                stats
+                    .per_kind
+                    .iter()
+                    .map(|(kind, counter)| api::KindCounters {
+                        kind: kind_to_api(*kind) as i32,
+                        packets: counter.packets,
+                        bytes: counter.bytes,
+                    })
+                    .collect(),
+                stats.unrouted,
+            ),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "cannot read eBPF counters");
+                (Vec::new(), ebpf::Counter::default())
+            }
+            None => (Vec::new(), ebpf::Counter::default()),
+        };
+        api::Session {
+            id: self.id.clone(),
+            manager: self.params.manager.clone(),
+            tunnel_ip: self.params.tunnel_ip.to_string(),
+            tun_name: self.tun_name.clone(),
+            state: state.as_str().to_owned(),
+            reason: reason.unwrap_or_default(),
+            routes: self
+                .plan
+                .kernel
+                .iter()
+                .map(|(cidr, kind)| api::Route { cidr: cidr.to_string(), kind: kind_to_api(*kind) as i32 })
+                .collect(),
+            uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            tx_packets: Counters::get(&c.tx_packets),
+            tx_bytes: Counters::get(&c.tx_bytes),
+            rx_packets: Counters::get(&c.rx_packets),
+            rx_bytes: Counters::get(&c.rx_bytes),
+            ebpf,
+            ebpf_unrouted_packets: unrouted.packets,
+            ebpf_unrouted_bytes: unrouted.bytes,
+            mtu: u32::from(self.params.mtu),
+        }
+    }
+
+    /// Stop the pump, detach the classifier, delete the routes and the TUN
+    /// device, and verify that none of them remains.
+    pub async fn teardown(mut self, netlink: &Netlink) -> TeardownReport {
+        let _ = self.stop_tx.send(true);
+        if let Some(mut supervisor) = self.supervisor.take() {
+            if tokio::time::timeout(Duration::from_secs(2), &mut supervisor).await.is_err() {
+                supervisor.abort();
+                let _ = supervisor.await;
+            }
+        }
+        // Detach before the device goes, so the link is released cleanly.
+        drop(self.classifier.lock().unwrap_or_else(PoisonError::into_inner).take());
+        let routes: Vec<IpNet> = self.plan.kernel.iter().map(|(n, _)| *n).collect();
+        let report = match self.tun.take() {
+            Some(device) => remove_device(netlink, device, self.ifindex, &self.tun_name, &routes).await,
+            None => TeardownReport::default(),
+        };
+        let c = self.counters();
+        tracing::info!(
+            id = %self.id,
+            tun = %self.tun_name,
+            routes_removed = report.routes_removed,
+            leftovers = report.leftovers.len(),
+            tx_packets = Counters::get(&c.tx_packets),
+            tx_batches = Counters::get(&c.tx_batches),
+            rx_packets = Counters::get(&c.rx_packets),
+            rx_invalid = Counters::get(&c.rx_invalid),
+            "session torn down"
+        );
+        report
+    }
+}
+
+/// Map a route kind to the API enum.
+pub fn kind_to_api(kind: RouteKind) -> kvpn_proto::dataplane::RouteKind {
+    use kvpn_proto::dataplane::RouteKind as Api;
+    match kind {
+        RouteKind::Pod => Api::Pod,
+        RouteKind::Service => Api::Service,
+        RouteKind::Extra => Api::Extra,
+    }
+}
+
+/// Map an API route kind; `None` for UNSPECIFIED or unknown values.
+pub fn kind_from_api(raw: i32) -> Option<RouteKind> {
+    use kvpn_proto::dataplane::RouteKind as Api;
+    match Api::try_from(raw).ok()? {
+        Api::Pod => Some(RouteKind::Pod),
+        Api::Service => Some(RouteKind::Service),
+        Api::Extra => Some(RouteKind::Extra),
+        Api::Unspecified => None,
+    }
+}
+
+fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+/// Keep the transport up: run the pump, and when it stops, re-dial with backoff
+/// and run it again on the same TUN device, until told to stop.
+async fn supervise(
+    tun: Arc<AsyncDevice>,
+    first: TcpStream,
+    target: String,
+    hello: Vec<u8>,
+    shared: Arc<Shared>,
+    mut stop_rx: watch::Receiver<bool>,
+) {
+    let mut next = Some(first);
+    let mut backoff = REDIAL_BACKOFF.0;
+    let set_down = |reason: String| {
+        shared.liveness.lock().unwrap_or_else(PoisonError::into_inner).handle_transport_down(reason);
+    };
+    loop {
+        let stream = match next.take() {
+            Some(s) => s,
+            None => {
+                let dialled = tokio::select! {
+                    _ = stop_rx.changed() => return,
+                    r = dial_and_hello(&target, &hello) => r,
+                };
+                match dialled {
+                    Ok(s) => {
+                        tracing::info!(manager = %target, "data connection re-established");
+                        s
+                    }
+                    Err(reason) => {
+                        tracing::warn!(%reason, retry_in_ms = backoff.as_millis(), "re-dial failed");
+                        set_down(reason);
+                        tokio::select! {
+                            _ = stop_rx.changed() => return,
+                            () = tokio::time::sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(REDIAL_BACKOFF.1);
+                        continue;
+                    }
+                }
+            }
+        };
+        backoff = REDIAL_BACKOFF.0;
+        shared.liveness.lock().unwrap_or_else(PoisonError::into_inner).handle_transport_up(Instant::now());
+        let (transport_rx, transport_tx) = stream.into_split();
+        let exit = tokio::select! {
+            _ = stop_rx.changed() => return,
+            exit = pump::run(
+                tun.clone(),
+                transport_rx,
+                transport_tx,
+                shared.liveness.clone(),
+                shared.counters.clone(),
+                PumpConfig::default(),
+            ) => exit,
+        };
+        tracing::warn!(reason = %exit, "transport lost, re-dialling the traffic manager");
+        set_down(exit.to_string());
+    }
+}
