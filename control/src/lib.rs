@@ -1,1 +1,160 @@
-//! stub
+//! kvpn CLI (and, later, the user daemon).
+//!
+//! Owns flag parsing ([`cli`]), everything printed for the user ([`output`]) and
+//! the client side of the root daemon's gRPC API ([`daemon`]), including
+//! starting the root daemon on demand. All I/O is the Unix socket to the root
+//! daemon and spawning it.
+
+pub mod cli;
+pub mod daemon;
+pub mod lab;
+pub mod output;
+
+use anyhow::{Context, Result, bail};
+use kvpn_proto::dataplane::{
+    ConnectRequest, DisconnectRequest, Route, RouteKind, StatusRequest,
+};
+
+use crate::cli::{Cli, Command, ConnectArgs, DisconnectArgs, StatusArgs};
+
+/// Set up `tracing` on stderr; `verbose` 0 = warnings, 1 = debug, 2+ = trace.
+pub fn init_tracing(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVPN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Run one CLI command.
+pub async fn run(cli: Cli) -> Result<()> {
+    let runtime_dir = cli.runtime_dir.clone();
+    match cli.command {
+        Command::Connect(args) => connect(&runtime_dir, args).await,
+        Command::Status(args) => status(&runtime_dir, args).await,
+        Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
+        Command::Quit => quit(&runtime_dir).await,
+        Command::Lab(cmd) => lab::run(cmd).await,
+    }
+}
+
+fn routes_of(args: &ConnectArgs) -> Vec<Route> {
+    let mut routes = Vec::new();
+    for (cidrs, kind) in [
+        (&args.pod_cidrs, RouteKind::Pod),
+        (&args.service_cidrs, RouteKind::Service),
+        (&args.extra_cidrs, RouteKind::Extra),
+    ] {
+        routes.extend(cidrs.iter().map(|c| Route {
+            cidr: c.to_string(),
+            kind: kind as i32,
+        }));
+    }
+    routes
+}
+
+async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()> {
+    let routes = routes_of(&args);
+    if routes.is_empty() {
+        bail!(
+            "nothing to route: give at least one of --pod-cidr, --service-cidr or --cidr \
+             (e.g. --pod-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/12)"
+        );
+    }
+    validate_manager_addr(&args.manager)?;
+    output::step(&format!("Starting root daemon (socket {})", daemon::socket_path(runtime_dir).display()));
+    let mut client = daemon::connect_or_start(runtime_dir).await?;
+    output::step(&format!(
+        "Connecting to traffic manager at {} (tunnel IP {})",
+        args.manager, args.tunnel_ip
+    ));
+    let resp = client
+        .connect(ConnectRequest {
+            manager: args.manager.clone(),
+            routes: routes.clone(),
+            tunnel_ip: args.tunnel_ip.to_string(),
+            tun_name: args.tun_name.clone().unwrap_or_default(),
+            mtu: args.mtu.unwrap_or(0),
+        })
+        .await
+        .map_err(daemon::status_to_error)
+        .context("connect failed")?
+        .into_inner();
+    output::done(&format!(
+        "Connected: session {} on TUN device {} (ifindex {})",
+        resp.session_id, resp.tun_name, resp.tun_ifindex
+    ));
+    for r in &routes {
+        output::detail(&format!("route {} ({})", r.cidr, output::kind_name(r.kind)));
+    }
+    Ok(())
+}
+
+fn validate_manager_addr(addr: &str) -> Result<()> {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        bail!("--manager {addr:?} has no port: write it as HOST:PORT, e.g. 172.31.255.1:10801");
+    };
+    if host.is_empty() {
+        bail!("--manager {addr:?} has no host: write it as HOST:PORT, e.g. 172.31.255.1:10801");
+    }
+    port.parse::<u16>()
+        .map_err(|_| anyhow::anyhow!("--manager {addr:?}: port {port:?} is not a number from 1 to 65535"))
+        .and_then(|p| if p == 0 { bail!("--manager {addr:?}: port 0 is not a valid port") } else { Ok(()) })
+}
+
+async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
+    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+        output::not_running(runtime_dir, args.output);
+        return Ok(());
+    };
+    let resp = client
+        .status(StatusRequest {})
+        .await
+        .map_err(daemon::status_to_error)
+        .context("status failed")?
+        .into_inner();
+    output::status(&resp, args.output)
+}
+
+async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Result<()> {
+    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+        output::done("Not connected: the root daemon is not running, nothing to disconnect");
+        return Ok(());
+    };
+    let session_id = if args.all { String::new() } else { args.id.unwrap_or_default() };
+    let resp = client
+        .disconnect(DisconnectRequest { session_id })
+        .await
+        .map_err(daemon::status_to_error)
+        .context("disconnect failed")?
+        .into_inner();
+    if resp.stopped.is_empty() {
+        output::done("No session to disconnect");
+    } else {
+        for id in resp.stopped {
+            output::done(&format!("Disconnected session {id}: TUN device, routes and eBPF classifier removed"));
+        }
+    }
+    Ok(())
+}
+
+async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
+    if let Some(mut client) = daemon::connect_existing(runtime_dir).await? {
+        let resp = client
+            .disconnect(DisconnectRequest { session_id: String::new() })
+            .await
+            .map_err(daemon::status_to_error)
+            .context("disconnect before quit failed")?
+            .into_inner();
+        for id in resp.stopped {
+            output::done(&format!("Disconnected session {id}"));
+        }
+    }
+    daemon::stop(runtime_dir).await
+}

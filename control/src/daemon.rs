@@ -1,0 +1,171 @@
+//! Client side of the root daemon (`kvpn-dataplane`): its gRPC API over a Unix
+//! socket, and starting it on demand.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use hyper_util::rt::TokioIo;
+use kvpn_proto::dataplane::dataplane_client::DataplaneClient;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
+
+/// How long to wait for a freshly started root daemon to answer on its socket.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `$runtime_dir/dataplane.sock`.
+pub fn socket_path(runtime_dir: &Path) -> PathBuf {
+    runtime_dir.join("dataplane.sock")
+}
+
+fn pid_path(runtime_dir: &Path) -> PathBuf {
+    runtime_dir.join("dataplane.pid")
+}
+
+async fn channel(socket: &Path) -> std::io::Result<Channel> {
+    // Fail fast when nobody listens; tonic's connector would otherwise retry.
+    UnixStream::connect(socket).await?;
+    let socket = socket.to_path_buf();
+    // The URI is required by tonic but unused: the connector dials the socket.
+    let endpoint = Endpoint::try_from("http://kvpn-dataplane.invalid")
+        .map_err(std::io::Error::other)?;
+    endpoint
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
+        }))
+        .await
+        .map_err(std::io::Error::other)
+}
+
+/// A client for a root daemon that is already running, or `None` when none answers.
+pub async fn connect_existing(runtime_dir: &Path) -> Result<Option<DataplaneClient<Channel>>> {
+    let socket = socket_path(runtime_dir);
+    match channel(&socket).await {
+        Ok(ch) => Ok(Some(DataplaneClient::new(ch))),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(anyhow!(
+            "cannot talk to the root daemon at {}: permission denied — run kvpn with sudo",
+            socket.display()
+        )),
+        Err(e) => Err(anyhow!(e).context(format!("cannot talk to the root daemon at {}", socket.display()))),
+    }
+}
+
+/// A client for the root daemon, starting `kvpn-dataplane` first if none answers.
+pub async fn connect_or_start(runtime_dir: &Path) -> Result<DataplaneClient<Channel>> {
+    if let Some(c) = connect_existing(runtime_dir).await? {
+        return Ok(c);
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "the root daemon kvpn-dataplane is not running and starting it needs root \
+             (it creates the TUN device, routes and eBPF programs) — run `sudo kvpn connect …`"
+        );
+    }
+    start(runtime_dir)?;
+    let socket = socket_path(runtime_dir);
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Some(c) = connect_existing(runtime_dir).await? {
+            return Ok(c);
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "started kvpn-dataplane but it did not answer on {} within {}s — see its log {}",
+                socket.display(),
+                START_TIMEOUT.as_secs(),
+                runtime_dir.join("dataplane.log").display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Path of the `kvpn-dataplane` binary: next to this executable, else `$PATH`.
+pub fn dataplane_binary() -> PathBuf {
+    if let Ok(dir) = std::env::var("KVPN_BIN_DIR") {
+        return PathBuf::from(dir).join("kvpn-dataplane");
+    }
+    if let Some(p) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join("kvpn-dataplane")))
+        .filter(|p| p.exists())
+    {
+        return p;
+    }
+    PathBuf::from("kvpn-dataplane")
+}
+
+fn start(runtime_dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(runtime_dir)
+        .with_context(|| format!("cannot create the runtime folder {}", runtime_dir.display()))?;
+    let log_path = runtime_dir.join("dataplane.log");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("cannot open {}", log_path.display()))?;
+    let log2 = log.try_clone().context("cannot duplicate the log file handle")?;
+    let bin = dataplane_binary();
+    let mut cmd = std::process::Command::new(&bin);
+    cmd.arg("--runtime-dir")
+        .arg(runtime_dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log2);
+    // Detach from the CLI's session so the daemon outlives it and its terminal.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    cmd.spawn().with_context(|| {
+        format!(
+            "cannot start the root daemon {} — build it (cargo build) or put it on PATH",
+            bin.display()
+        )
+    })?;
+    Ok(())
+}
+
+/// Stop the root daemon (SIGTERM to the pid in its pid file) and wait for its socket to go.
+pub async fn stop(runtime_dir: &Path) -> Result<()> {
+    let pid_file = pid_path(runtime_dir);
+    let pid = match std::fs::read_to_string(&pid_file) {
+        Ok(s) => s.trim().parse::<i32>().with_context(|| format!("bad pid file {}", pid_file.display()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            crate::output::done("The root daemon is not running");
+            return Ok(());
+        }
+        Err(e) => return Err(anyhow!(e).context(format!("cannot read {}", pid_file.display()))),
+    };
+    let status = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()
+        .context("cannot run kill")?;
+    if !status.success() {
+        crate::output::done(&format!("The root daemon (pid {pid}) was not running"));
+        let _ = std::fs::remove_file(&pid_file);
+        return Ok(());
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while connect_existing(runtime_dir).await?.is_some() {
+        if Instant::now() > deadline {
+            bail!("the root daemon (pid {pid}) did not stop within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    crate::output::done(&format!("Stopped the root daemon (pid {pid})"));
+    Ok(())
+}
+
+/// Turn a gRPC status into an error whose text is the daemon's own message.
+pub fn status_to_error(s: tonic::Status) -> anyhow::Error {
+    anyhow!("{}", s.message())
+}

@@ -1,0 +1,136 @@
+//! Everything `kvpn` prints for the user. The only module allowed to write to stdout.
+#![allow(clippy::print_stdout, reason = "this module is the CLI's output")]
+
+use std::path::Path;
+
+use anyhow::Result;
+use kvpn_proto::dataplane::{RouteKind, StatusResponse};
+
+use crate::cli::OutputFormat;
+
+/// A step of a long operation is starting.
+pub fn step(msg: &str) {
+    println!("• {msg}…");
+}
+
+/// A step finished.
+pub fn done(msg: &str) {
+    println!("✓ {msg}");
+}
+
+/// A detail line under a step.
+pub fn detail(msg: &str) {
+    println!("    {msg}");
+}
+
+/// A block of text as it is (e.g. the lab's description).
+pub fn info_block(text: &str) {
+    println!("{}", text.trim_end());
+}
+
+/// An error, on stderr.
+pub fn error(msg: &str) {
+    eprintln!("kvpn: error: {msg}");
+}
+
+/// Human name of a route kind.
+pub fn kind_name(kind: i32) -> &'static str {
+    match RouteKind::try_from(kind) {
+        Ok(RouteKind::Pod) => "pod",
+        Ok(RouteKind::Service) => "service",
+        Ok(RouteKind::Extra) => "extra",
+        _ => "unknown",
+    }
+}
+
+/// `kvpn status` when no root daemon runs.
+pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
+    match format {
+        OutputFormat::Json => println!("{{\"sessions\":[]}}"),
+        OutputFormat::Table => println!(
+            "Not connected (no root daemon answers on {})",
+            crate::daemon::socket_path(runtime_dir).display()
+        ),
+    }
+}
+
+fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
+    serde_json::json!({
+        "id": s.id,
+        "manager": s.manager,
+        "tunnel_ip": s.tunnel_ip,
+        "tun_name": s.tun_name,
+        "mtu": s.mtu,
+        "state": s.state,
+        "reason": s.reason,
+        "uptime_ms": s.uptime_ms,
+        "routes": s.routes.iter().map(|r| serde_json::json!({"cidr": r.cidr, "kind": kind_name(r.kind)})).collect::<Vec<_>>(),
+        "tx": {"packets": s.tx_packets, "bytes": s.tx_bytes},
+        "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
+        "ebpf": {
+            "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
+            "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
+        },
+    })
+}
+
+fn uptime(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{}s", s / 60, s % 60),
+        _ => format!("{}h{}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// `kvpn status` output.
+pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
+    match format {
+        OutputFormat::Json => {
+            let v = serde_json::json!({"sessions": resp.sessions.iter().map(session_json).collect::<Vec<_>>()});
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        OutputFormat::Table => {
+            if resp.sessions.is_empty() {
+                println!("Not connected (the root daemon runs, with no session)");
+                return Ok(());
+            }
+            println!(
+                "{:<10} {:<22} {:<14} {:<8} {:<13} {:>8} {:>12} {:>12}",
+                "ID", "MANAGER", "TUNNEL IP", "TUN", "STATE", "UPTIME", "TX PKTS/B", "RX PKTS/B"
+            );
+            for s in &resp.sessions {
+                println!(
+                    "{:<10} {:<22} {:<14} {:<8} {:<13} {:>8} {:>12} {:>12}",
+                    s.id,
+                    s.manager,
+                    s.tunnel_ip,
+                    s.tun_name,
+                    s.state,
+                    uptime(s.uptime_ms),
+                    format!("{}/{}", s.tx_packets, s.tx_bytes),
+                    format!("{}/{}", s.rx_packets, s.rx_bytes),
+                );
+                if !s.reason.is_empty() {
+                    println!("    reason: {}", s.reason);
+                }
+                for r in &s.routes {
+                    println!("    route {:<20} {}", r.cidr, kind_name(r.kind));
+                }
+                for k in &s.ebpf {
+                    println!(
+                        "    eBPF {:<8} {:>10} packets {:>14} bytes",
+                        kind_name(k.kind),
+                        k.packets,
+                        k.bytes
+                    );
+                }
+                println!(
+                    "    eBPF unrouted (dropped) {} packets {} bytes",
+                    s.ebpf_unrouted_packets, s.ebpf_unrouted_bytes
+                );
+            }
+        }
+    }
+    Ok(())
+}
