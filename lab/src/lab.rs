@@ -1,0 +1,1086 @@
+//! [`Lab`]: one cluster-in-a-box instance with the static topology of the shared brief
+//! (laptop, node, pods `manager`, `backend-1`, `backend-2`, ClusterIPs `web`, `echo`,
+//! `udp-echo`, the manager's NodePort-like forward), its processes and its lifecycle.
+//!
+//! Lifecycle: [`Lab::up`] builds everything under a fresh id; [`Lab::down`] (or drop)
+//! stops the processes, deletes every `kvpn-<id>-*` netns (which deletes their veths,
+//! the bridge and the nftables table), the state file and, unless asked to keep it,
+//! the lab folder. A persistent lab ([`LabOptions::persist_as`], what `kvpn lab up`
+//! uses) is recorded in `$KVPN_LAB_STATE_DIR/<name>.json` (default `/run/kvpn-lab`, a
+//! tmpfs, so a reboot forgets it together with the netns); [`Lab::detach`] leaves it
+//! running when this process exits, and [`down_named`] in another process tears it
+//! down.
+//!
+//! I/O: everything in [`crate::netns`], [`crate::process`], [`crate::nft::apply`], the
+//! lab folder and the state file.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Output};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+
+use crate::netns::{Netns, lab_netns};
+use crate::nft::{self, NodePort, Protocol, Service};
+use crate::process::{Process, ProcessRecord, log_tail};
+use crate::topology::{Node, Pod, Uplink, netns_name};
+use crate::{
+    BACKEND_1_IP, BACKEND_1_POD, BACKEND_2_IP, BACKEND_2_POD, ECHO_CLUSTER_IP, ECHO_PORT,
+    ECHO_SERVICE_PORT, HTTP_PORT, LAPTOP, LAPTOP_UPLINK_IP, LabError, MANAGER_POD, MANAGER_POD_IP,
+    MANAGER_PORT, NFT_TABLE, NODE, NODE_POD_CIDR, NODE_UPLINK_IP, POD_CIDR, Result, SERVICE_CIDR,
+    UDP_ECHO_CLUSTER_IP, UPLINK_PREFIX_LEN, WEB_CLUSTER_IP, WEB_SERVICE_PORT, bin_path,
+};
+
+/// Name of the persistent lab that `kvpn lab up` / `kvpn lab down` manage when no name
+/// is given.
+pub const DEFAULT_LAB_NAME: &str = "kvpn-lab";
+
+/// Version of the state file layout; a file with another version is refused.
+const STATE_VERSION: u32 = 1;
+
+/// How long teardown waits after SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+
+/// What runs in the manager pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ManagerProcess {
+    /// Nothing: the pod exists, port 10801 is closed.
+    None,
+    /// `kvpn-manager --listen 0.0.0.0:10801 <extra_args>`, found with [`bin_path`].
+    Kvpn { extra_args: Vec<String> },
+    /// Any program that listens on TCP :10801 (tests without the real manager).
+    Command { program: PathBuf, args: Vec<String> },
+}
+
+/// Options of [`Lab::up`]. `LabOptions::default()` starts the real manager, both
+/// backends, logs to `$TMPDIR/kvpn-lab-<id>` removed on down, and is not persistent.
+#[derive(Debug, Clone)]
+pub struct LabOptions {
+    pub manager: ManagerProcess,
+    /// Start `kvpn-lab-server` in the backend pods.
+    pub backends: bool,
+    /// Parent of the lab folder `kvpn-lab-<id>` (logs, scratch files). Default: the
+    /// system temp dir.
+    pub dir_root: Option<PathBuf>,
+    /// Keep the lab folder on down. It is kept anyway when the lab is dropped during a
+    /// panic, so a failing test leaves its logs.
+    pub keep_dir: bool,
+    /// Record the lab under this name for [`Lab::attach`] / [`down_named`]; `up` fails
+    /// with [`LabError::AlreadyUp`] while a lab of that name is up.
+    pub persist_as: Option<String>,
+    /// How long each pod process may take to answer on its port.
+    pub ready_timeout: Duration,
+    /// Extra environment for every pod process (on top of this process's environment
+    /// and `POD_NAME`, `POD_IP`).
+    pub pod_env: Vec<(String, String)>,
+}
+
+impl Default for LabOptions {
+    fn default() -> Self {
+        LabOptions {
+            manager: ManagerProcess::Kvpn {
+                extra_args: Vec::new(),
+            },
+            backends: true,
+            dir_root: None,
+            keep_dir: false,
+            persist_as: None,
+            ready_timeout: Duration::from_secs(10),
+            pod_env: Vec::new(),
+        }
+    }
+}
+
+impl LabOptions {
+    /// Leave the manager pod empty.
+    pub fn without_manager(mut self) -> Self {
+        self.manager = ManagerProcess::None;
+        self
+    }
+
+    pub fn manager(mut self, manager: ManagerProcess) -> Self {
+        self.manager = manager;
+        self
+    }
+
+    pub fn persist_as(mut self, name: &str) -> Self {
+        self.persist_as = Some(name.to_owned());
+        self
+    }
+
+    pub fn dir_root(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.dir_root = Some(dir.into());
+        self
+    }
+
+    pub fn keep_dir(mut self, keep: bool) -> Self {
+        self.keep_dir = keep;
+        self
+    }
+
+    pub fn pod_env(mut self, key: &str, value: &str) -> Self {
+        self.pod_env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+}
+
+/// A process of the lab, as [`Lab::processes`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub name: String,
+    pub netns: String,
+    pub pid: u32,
+    pub log: PathBuf,
+    pub cmdline: String,
+    pub alive: bool,
+}
+
+/// One lab instance. Dropping a lab made by [`Lab::up`] tears it down (see
+/// [`Lab::down`]); a lab from [`Lab::attach`] or after [`Lab::detach`] is left running.
+#[derive(Debug)]
+pub struct Lab {
+    name: String,
+    id: String,
+    dir: PathBuf,
+    laptop: Netns,
+    node: Node,
+    uplink: Uplink,
+    pods: Vec<Pod>,
+    services: Vec<Service>,
+    node_ports: Vec<NodePort>,
+    processes: Mutex<Vec<Process>>,
+    persist_as: Option<String>,
+    keep_dir: bool,
+    manager_desc: String,
+    teardown_on_drop: bool,
+    down: bool,
+}
+
+/// The persistent lab's record.
+#[derive(Debug, Serialize, Deserialize)]
+struct LabState {
+    version: u32,
+    name: String,
+    id: String,
+    dir: PathBuf,
+    keep_dir: bool,
+    pods: Vec<(String, Ipv4Addr)>,
+    processes: Vec<ProcessRecord>,
+    manager: String,
+}
+
+/// The ClusterIPs of the static lab, balanced over both backends.
+pub fn lab_services() -> Vec<Service> {
+    let backends = vec![BACKEND_1_IP, BACKEND_2_IP];
+    vec![
+        Service {
+            name: "web".into(),
+            cluster_ip: WEB_CLUSTER_IP,
+            port: WEB_SERVICE_PORT,
+            protocol: Protocol::Tcp,
+            target_port: HTTP_PORT,
+            endpoints: backends.clone(),
+        },
+        Service {
+            name: "echo".into(),
+            cluster_ip: ECHO_CLUSTER_IP,
+            port: ECHO_SERVICE_PORT,
+            protocol: Protocol::Tcp,
+            target_port: ECHO_PORT,
+            endpoints: backends.clone(),
+        },
+        Service {
+            name: "udp-echo".into(),
+            cluster_ip: UDP_ECHO_CLUSTER_IP,
+            port: ECHO_SERVICE_PORT,
+            protocol: Protocol::Udp,
+            target_port: ECHO_PORT,
+            endpoints: backends,
+        },
+    ]
+}
+
+/// The manager's NodePort-like forward from the node's uplink address.
+pub fn lab_node_ports() -> Vec<NodePort> {
+    vec![NodePort {
+        name: "manager".into(),
+        node_ip: NODE_UPLINK_IP,
+        port: MANAGER_PORT,
+        protocol: Protocol::Tcp,
+        pod_ip: MANAGER_POD_IP,
+        target_port: MANAGER_PORT,
+    }]
+}
+
+/// Directory of persistent lab state files: `$KVPN_LAB_STATE_DIR`, default
+/// `/run/kvpn-lab`.
+pub fn state_dir() -> PathBuf {
+    std::env::var_os("KVPN_LAB_STATE_DIR")
+        .map_or_else(|| PathBuf::from("/run/kvpn-lab"), PathBuf::from)
+}
+
+/// State file of the persistent lab `name`.
+pub fn state_path(name: &str) -> PathBuf {
+    state_dir().join(format!("{name}.json"))
+}
+
+/// Tears down the persistent lab `name` (from any process). `Ok(false)` if no lab of
+/// that name is recorded.
+pub fn down_named(name: &str) -> Result<bool> {
+    match Lab::attach(name) {
+        Ok(mut lab) => lab.down().map(|()| true),
+        Err(LabError::NotUp { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+impl Lab {
+    /// Builds a lab: netns, bridge, pods, uplink, nftables, processes; waits until each
+    /// started process answers on its port (bounded by `ready_timeout`). On any error
+    /// everything built so far is torn down before returning.
+    pub fn up(options: LabOptions) -> Result<Lab> {
+        crate::require_root()?;
+        let started = Instant::now();
+        if let Some(name) = &options.persist_as {
+            validate_lab_name(name)?;
+            match Lab::attach(name) {
+                Ok(mut old) if old.node.netns().exists() => {
+                    old.teardown_on_drop = false;
+                    return Err(LabError::AlreadyUp {
+                        name: name.clone(),
+                        path: state_path(name),
+                    });
+                }
+                // A record without its netns (e.g. a crashed `up`): clean what is left.
+                Ok(mut stale) => stale.down()?,
+                Err(LabError::NotUp { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let (id, laptop) = claim_id()?;
+        let dir = options
+            .dir_root
+            .clone()
+            .unwrap_or_else(std::env::temp_dir)
+            .join(format!("kvpn-lab-{id}"));
+        let node = Node::existing(&id, NODE, NODE_POD_CIDR);
+        let uplink = node.uplink(LAPTOP_UPLINK_IP, NODE_UPLINK_IP, UPLINK_PREFIX_LEN);
+        // From here on the lab tears itself down on error (drop).
+        let mut lab = Lab {
+            name: options
+                .persist_as
+                .clone()
+                .unwrap_or_else(|| format!("kvpn-{id}")),
+            id: id.clone(),
+            dir,
+            laptop,
+            node,
+            uplink,
+            pods: Vec::new(),
+            services: lab_services(),
+            node_ports: lab_node_ports(),
+            processes: Mutex::new(Vec::new()),
+            persist_as: options.persist_as.clone(),
+            keep_dir: options.keep_dir,
+            manager_desc: String::new(),
+            teardown_on_drop: true,
+            down: false,
+        };
+        lab.build(&options)?;
+        if lab.persist_as.is_some() {
+            lab.write_state()?;
+        }
+        tracing::info!(id = %lab.id, name = %lab.name, elapsed_ms = started.elapsed().as_millis(), "lab up");
+        Ok(lab)
+    }
+
+    fn build(&mut self, options: &LabOptions) -> Result<()> {
+        std::fs::create_dir_all(&self.dir).map_err(|source| LabError::Io {
+            what: format!("cannot create lab folder {}", self.dir.display()),
+            source,
+        })?;
+        self.node = Node::create(&self.id, NODE, NODE_POD_CIDR)?;
+        self.uplink = self.node.connect_laptop(
+            &self.laptop,
+            NODE_UPLINK_IP,
+            LAPTOP_UPLINK_IP,
+            UPLINK_PREFIX_LEN,
+        )?;
+        for (name, ip) in [
+            (MANAGER_POD, MANAGER_POD_IP),
+            (BACKEND_1_POD, BACKEND_1_IP),
+            (BACKEND_2_POD, BACKEND_2_IP),
+        ] {
+            let pod = self.node.add_pod(name, ip)?;
+            self.pods.push(pod);
+        }
+        nft::apply(
+            self.node.netns(),
+            &nft::render_ruleset(NFT_TABLE, &self.services, &self.node_ports),
+        )?;
+
+        let mut waits: Vec<(String, Vec<SocketAddrV4>)> = Vec::new();
+        if options.backends {
+            let server = bin_path("kvpn-lab-server")?;
+            for (pod, ip) in [(BACKEND_1_POD, BACKEND_1_IP), (BACKEND_2_POD, BACKEND_2_IP)] {
+                let mut cmd = Command::new(&server);
+                cmd.args(["--name", pod]);
+                self.spawn_pod_process(pod, ip, cmd, options)?;
+                waits.push((
+                    pod.to_owned(),
+                    vec![
+                        SocketAddrV4::new(ip, HTTP_PORT),
+                        SocketAddrV4::new(ip, ECHO_PORT),
+                    ],
+                ));
+            }
+        }
+        let manager_cmd = match &options.manager {
+            ManagerProcess::None => None,
+            ManagerProcess::Kvpn { extra_args } => {
+                let mut cmd = Command::new(bin_path("kvpn-manager")?);
+                cmd.args(["--listen", &format!("0.0.0.0:{MANAGER_PORT}")])
+                    .args(extra_args);
+                Some(cmd)
+            }
+            ManagerProcess::Command { program, args } => {
+                let mut cmd = Command::new(program);
+                cmd.args(args);
+                Some(cmd)
+            }
+        };
+        self.manager_desc = match &manager_cmd {
+            Some(cmd) => crate::netns::describe(cmd),
+            None => "nothing (LabOptions: no manager)".to_owned(),
+        };
+        if let Some(cmd) = manager_cmd {
+            self.spawn_pod_process(MANAGER_POD, MANAGER_POD_IP, cmd, options)?;
+            waits.push((
+                MANAGER_POD.to_owned(),
+                vec![SocketAddrV4::new(MANAGER_POD_IP, MANAGER_PORT)],
+            ));
+        }
+        for (name, addrs) in waits {
+            for addr in addrs {
+                self.wait_process_ready(&name, addr, options.ready_timeout)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn spawn_pod_process(
+        &self,
+        pod: &str,
+        ip: Ipv4Addr,
+        mut cmd: Command,
+        options: &LabOptions,
+    ) -> Result<u32> {
+        cmd.env("POD_NAME", pod).env("POD_IP", ip.to_string());
+        for (k, v) in &options.pod_env {
+            cmd.env(k, v);
+        }
+        self.spawn_in(pod, pod, &cmd)
+    }
+
+    /// Waits until `addr` accepts a TCP connection from the node netns, failing early
+    /// if the lab process `name` exits.
+    fn wait_process_ready(&self, name: &str, addr: SocketAddrV4, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let attempt = Duration::from_millis(200);
+            let connected = self
+                .node
+                .netns()
+                .run(move || TcpStream::connect_timeout(&SocketAddr::V4(addr), attempt).is_ok())?;
+            if connected {
+                return Ok(());
+            }
+            {
+                let mut processes = self.lock_processes();
+                if let Some(p) = processes.iter_mut().find(|p| p.name() == name)
+                    && let Some(status) = p.try_exit_status()
+                {
+                    return Err(LabError::Exited {
+                        name: name.to_owned(),
+                        pid: p.pid(),
+                        status,
+                        log: tail_for_error(p.log()),
+                    });
+                }
+            }
+            if Instant::now() >= deadline {
+                let log = self
+                    .lock_processes()
+                    .iter()
+                    .find(|p| p.name() == name)
+                    .map(|p| tail_for_error(p.log()))
+                    .unwrap_or_default();
+                return Err(LabError::NotReady {
+                    what: format!("{name} on {addr}"),
+                    timeout_ms: timeout.as_millis(),
+                    log,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A handle to the persistent lab `name` recorded by another (or this) process.
+    /// Dropping it leaves the lab running; call [`Lab::down`] to tear it down.
+    pub fn attach(name: &str) -> Result<Lab> {
+        validate_lab_name(name)?;
+        let path = state_path(name);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(LabError::NotUp {
+                    name: name.to_owned(),
+                    path,
+                });
+            }
+            Err(source) => {
+                return Err(LabError::Io {
+                    what: format!("cannot read {}", path.display()),
+                    source,
+                });
+            }
+        };
+        let state: LabState = serde_json::from_str(&text).map_err(|source| LabError::State {
+            path: path.clone(),
+            source,
+        })?;
+        if state.version != STATE_VERSION || !is_lab_id(&state.id) {
+            return Err(LabError::Invalid {
+                what: "lab state file",
+                value: path.display().to_string(),
+                why: "written by another kvpn version or corrupted; remove it and the kvpn-* netns by hand",
+            });
+        }
+        let node = Node::existing(&state.id, NODE, NODE_POD_CIDR);
+        let pods = state
+            .pods
+            .iter()
+            .map(|(n, ip)| node.adopt_pod(n, *ip))
+            .collect();
+        let uplink = node.uplink(LAPTOP_UPLINK_IP, NODE_UPLINK_IP, UPLINK_PREFIX_LEN);
+        Ok(Lab {
+            name: state.name,
+            laptop: Netns::from_name(&netns_name(&state.id, LAPTOP)),
+            id: state.id,
+            dir: state.dir,
+            node,
+            uplink,
+            pods,
+            services: lab_services(),
+            node_ports: lab_node_ports(),
+            processes: Mutex::new(
+                state
+                    .processes
+                    .into_iter()
+                    .map(Process::from_record)
+                    .collect(),
+            ),
+            persist_as: Some(name.to_owned()),
+            keep_dir: state.keep_dir,
+            manager_desc: state.manager,
+            teardown_on_drop: false,
+            down: false,
+        })
+    }
+
+    /// Leaves a persistent lab running after this handle (and this process) goes away;
+    /// returns its state file. Fails for a lab without [`LabOptions::persist_as`], which
+    /// nothing could tear down later.
+    pub fn detach(mut self) -> Result<PathBuf> {
+        if self.persist_as.is_none() {
+            return Err(LabError::NotPersistent {
+                name: self.name.clone(),
+            });
+        }
+        self.write_state()?;
+        self.teardown_on_drop = false;
+        Ok(state_path(&self.name))
+    }
+
+    /// Tears the lab down: stops its processes (SIGTERM, then SIGKILL after 3 s) and any
+    /// other process left inside its netns, deletes the pods' veths and every
+    /// `kvpn-<id>-*` netns (with the bridge, the uplink and the nftables table), the
+    /// state file, and the lab folder unless kept. Idempotent. Fails with
+    /// [`LabError::Leftovers`] if a netns or process survived.
+    pub fn down(&mut self) -> Result<()> {
+        if self.down {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut first_error = None;
+
+        // 1. Our processes, all signalled at once, then bounded waits.
+        {
+            let mut processes = self.lock_processes();
+            for p in processes.iter_mut() {
+                if p.is_alive() {
+                    signal(p.pid(), Signal::SIGTERM);
+                }
+            }
+            wait_until(STOP_GRACE, || processes.iter_mut().all(|p| !p.is_alive()));
+            for p in processes.iter_mut() {
+                // Reaps our children; SIGKILLs what ignored SIGTERM.
+                p.terminate(Duration::ZERO);
+            }
+        }
+        // 2. Anything else still running inside the lab's netns (test helpers, children
+        //    of pod processes, kubelet stand-in pods).
+        let netns: Vec<Netns> = match lab_netns(&self.id) {
+            Ok(names) => names.iter().map(|n| Netns::from_name(n)).collect(),
+            Err(e) => {
+                first_error.get_or_insert(e);
+                Vec::new()
+            }
+        };
+        let strays: Vec<u32> = netns.iter().flat_map(Netns::pids).collect();
+        if !strays.is_empty() {
+            tracing::info!(id = %self.id, ?strays, "stopping processes left in the lab's netns");
+            for &pid in &strays {
+                signal(pid, Signal::SIGTERM);
+            }
+            wait_until(STOP_GRACE, || netns.iter().all(|n| n.pids().is_empty()));
+            for n in &netns {
+                for pid in n.pids() {
+                    signal(pid, Signal::SIGKILL);
+                }
+            }
+            wait_until(Duration::from_secs(2), || {
+                netns.iter().all(|n| n.pids().is_empty())
+            });
+        }
+        // 3. Pods (veth first, see Node::remove_pod), then every lab netns.
+        for pod in &self.pods {
+            if let Err(e) = self.node.remove_pod(pod) {
+                first_error.get_or_insert(e);
+            }
+        }
+        for n in &netns {
+            if let Err(e) = n.delete() {
+                first_error.get_or_insert(e);
+            }
+        }
+        // 4. State file and folder.
+        if let Some(name) = &self.persist_as {
+            let _ = std::fs::remove_file(state_path(name));
+        }
+        let keep = self.keep_dir || std::thread::panicking();
+        if keep {
+            tracing::info!(dir = %self.dir.display(), "lab folder kept");
+        } else if let Err(source) = std::fs::remove_dir_all(&self.dir)
+            && source.kind() != std::io::ErrorKind::NotFound
+        {
+            first_error.get_or_insert(LabError::Io {
+                what: format!("cannot remove lab folder {}", self.dir.display()),
+                source,
+            });
+        }
+        self.down = true;
+        // 5. Verify.
+        let mut leftovers: Vec<String> = lab_netns(&self.id).unwrap_or_default();
+        leftovers.extend(self.lock_processes().iter_mut().filter_map(|p| {
+            p.is_alive()
+                .then(|| format!("process {} (pid {})", p.name(), p.pid()))
+        }));
+        tracing::info!(id = %self.id, elapsed_ms = started.elapsed().as_millis(), "lab down");
+        if !leftovers.is_empty() {
+            return Err(LabError::Leftovers {
+                id: self.id.clone(),
+                leftovers: leftovers.join(", "),
+            });
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    // --- where things are ---------------------------------------------------------
+
+    /// The lab's 5-hex-digit id (the `<id>` in `kvpn-<id>-*`).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The persistent name, or `kvpn-<id>`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The lab folder (logs of pod processes, scratch space for tests).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn laptop_netns(&self) -> &Netns {
+        &self.laptop
+    }
+
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    pub fn node_netns(&self) -> &Netns {
+        self.node.netns()
+    }
+
+    pub fn uplink(&self) -> &Uplink {
+        &self.uplink
+    }
+
+    pub fn pods(&self) -> &[Pod] {
+        &self.pods
+    }
+
+    pub fn pod(&self, name: &str) -> Option<&Pod> {
+        self.pods.iter().find(|p| p.name == name)
+    }
+
+    pub fn services(&self) -> &[Service] {
+        &self.services
+    }
+
+    pub fn node_ports(&self) -> &[NodePort] {
+        &self.node_ports
+    }
+
+    /// Where the laptop reaches the manager (`172.31.255.1:10801`).
+    pub fn manager_addr_from_laptop(&self) -> SocketAddr {
+        SocketAddr::V4(crate::MANAGER_ADDR_FROM_LAPTOP)
+    }
+
+    /// The netns of `role`: `"laptop"`, `"node"` or a pod name.
+    pub fn netns(&self, role: &str) -> Result<&Netns> {
+        match role {
+            LAPTOP => Ok(&self.laptop),
+            NODE => Ok(self.node.netns()),
+            pod => self
+                .pod(pod)
+                .map(|p| &p.netns)
+                .ok_or_else(|| LabError::UnknownRole {
+                    name: self.name.clone(),
+                    role: role.to_owned(),
+                }),
+        }
+    }
+
+    // --- running things -----------------------------------------------------------
+
+    /// A command that runs `program` inside the netns of `role` (not started).
+    pub fn command_in(&self, role: &str, program: &str) -> Result<Command> {
+        Ok(self.netns(role)?.command(program))
+    }
+
+    /// Runs `args` inside the netns of `role` to completion; returns its output whatever
+    /// the exit status.
+    pub fn exec_in(&self, role: &str, args: &[&str]) -> Result<Output> {
+        self.netns(role)?.exec(args)
+    }
+
+    /// Runs `f` on a thread inside the netns of `role` (e.g. to open sockets there).
+    pub fn run_in<T: Send>(&self, role: &str, f: impl FnOnce() -> T + Send) -> Result<T> {
+        self.netns(role)?.run(f)
+    }
+
+    /// Starts `cmd` (program, args, env, cwd) in the background inside the netns of
+    /// `role`, logging to `<lab folder>/<name>.log`. The lab stops it on down. Returns
+    /// its pid.
+    pub fn spawn_in(&self, role: &str, name: &str, cmd: &Command) -> Result<u32> {
+        if name.is_empty() || name.contains('/') {
+            return Err(LabError::Invalid {
+                what: "process name",
+                value: name.to_owned(),
+                why: "empty or contains `/`",
+            });
+        }
+        let netns = self.netns(role)?;
+        let log = self.dir.join(format!("{name}.log"));
+        let process = Process::spawn(netns, name, cmd, &log)?;
+        let pid = process.pid();
+        self.lock_processes().push(process);
+        if self.persist_as.is_some() && !self.teardown_on_drop {
+            // An attached persistent lab: keep the record complete for `down_named`.
+            self.write_state()?;
+        }
+        Ok(pid)
+    }
+
+    /// Stops the lab process `pid` (SIGTERM, SIGKILL after `grace`) and forgets it.
+    /// Returns its exit status if this process started it.
+    pub fn stop_process(&self, pid: u32, grace: Duration) -> Result<Option<ExitStatus>> {
+        let mut processes = self.lock_processes();
+        let Some(index) = processes.iter().position(|p| p.pid() == pid) else {
+            return Err(LabError::Invalid {
+                what: "lab process pid",
+                value: pid.to_string(),
+                why: "not started by this lab",
+            });
+        };
+        let mut process = processes.remove(index);
+        drop(processes);
+        Ok(process.terminate(grace))
+    }
+
+    /// The lab's processes (started by `up` or [`Lab::spawn_in`]).
+    pub fn processes(&self) -> Vec<ProcessInfo> {
+        self.lock_processes()
+            .iter_mut()
+            .map(|p| {
+                let alive = p.is_alive();
+                let r = p.record();
+                ProcessInfo {
+                    name: r.name.clone(),
+                    netns: r.netns.clone(),
+                    pid: r.pid,
+                    log: r.log.clone(),
+                    cmdline: r.cmdline.clone(),
+                    alive,
+                }
+            })
+            .collect()
+    }
+
+    /// Waits until `addr` accepts TCP connections from the netns of `role`.
+    pub fn wait_tcp(&self, role: &str, addr: SocketAddr, timeout: Duration) -> Result<()> {
+        let netns = self.netns(role)?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let step = Duration::from_millis(200);
+            if netns.run(move || TcpStream::connect_timeout(&addr, step).is_ok())? {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(LabError::NotReady {
+                    what: format!("{addr} from {}", netns.name()),
+                    timeout_ms: timeout.as_millis(),
+                    log: String::new(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// For the bench's raw-path baseline only: routes the pod and service CIDRs from the
+    /// laptop straight to the node over the uplink, which the lab otherwise never does
+    /// (the laptop must reach the cluster only through kvpn). Undo with
+    /// [`Lab::remove_laptop_direct_routes`].
+    pub fn add_laptop_direct_routes(&self) -> Result<()> {
+        self.laptop.ip_batch(&[
+            format!("route add {POD_CIDR} via {NODE_UPLINK_IP}"),
+            format!("route add {SERVICE_CIDR} via {NODE_UPLINK_IP}"),
+        ])
+    }
+
+    /// Removes the routes of [`Lab::add_laptop_direct_routes`]; missing ones are fine.
+    pub fn remove_laptop_direct_routes(&self) -> Result<()> {
+        for cidr in [POD_CIDR, SERVICE_CIDR] {
+            let _ = self.laptop.ip(&[
+                "route",
+                "del",
+                &cidr.to_string(),
+                "via",
+                &NODE_UPLINK_IP.to_string(),
+            ]);
+        }
+        Ok(())
+    }
+
+    /// What runs where, for people (`kvpn lab up` prints it).
+    pub fn info(&self) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "kvpn lab `{}` (id {}), folder {}",
+            self.name,
+            self.id,
+            self.dir.display()
+        );
+        let _ = writeln!(
+            s,
+            "  laptop   netns {:<24} {}/{} on {} — no route to the pod or service CIDR",
+            self.laptop.name(),
+            self.uplink.laptop_ip,
+            self.uplink.prefix_len,
+            self.uplink.laptop_if
+        );
+        let _ = writeln!(
+            s,
+            "  node     netns {:<24} bridge {} {}/{}, uplink {} {}/{}",
+            self.node.netns().name(),
+            self.node.bridge(),
+            self.node.gateway(),
+            self.node.pod_cidr().prefix_len(),
+            self.uplink.node_if,
+            self.uplink.node_ip,
+            self.uplink.prefix_len
+        );
+        let _ = writeln!(
+            s,
+            "  pods (pod CIDR {POD_CIDR}, this node {}):",
+            self.node.pod_cidr()
+        );
+        let mut processes = self.lock_processes();
+        for pod in &self.pods {
+            let running: Vec<String> = processes
+                .iter_mut()
+                .filter(|p| p.record().netns == pod.netns.name())
+                .map(|p| {
+                    let state = if p.is_alive() { "" } else { " (exited)" };
+                    format!(
+                        "{} [pid {}{state}]",
+                        short_cmd(&p.record().cmdline),
+                        p.pid()
+                    )
+                })
+                .collect();
+            let running = if running.is_empty() {
+                "nothing running".to_owned()
+            } else {
+                running.join("; ")
+            };
+            let _ = writeln!(
+                s,
+                "    {:<10} {:<13} netns {:<24} {}",
+                pod.name,
+                pod.ip,
+                pod.netns.name(),
+                running
+            );
+        }
+        let _ = writeln!(
+            s,
+            "  services (service CIDR {SERVICE_CIDR}; nftables table ip {NFT_TABLE} in the node netns):"
+        );
+        for svc in &self.services {
+            let eps: Vec<String> = svc
+                .endpoints
+                .iter()
+                .map(|e| format!("{e}:{}", svc.target_port))
+                .collect();
+            let _ = writeln!(
+                s,
+                "    {:<10} {}:{}/{} -> {}",
+                svc.name,
+                svc.cluster_ip,
+                svc.port,
+                svc.protocol.as_str(),
+                eps.join(", ")
+            );
+        }
+        for np in &self.node_ports {
+            let _ = writeln!(
+                s,
+                "  from the laptop: {} at {}:{} (NodePort-like DNAT to {}:{})",
+                np.name, np.node_ip, np.port, np.pod_ip, np.target_port
+            );
+        }
+        let _ = writeln!(s, "  manager pod runs: {}", self.manager_desc);
+        let _ = writeln!(
+            s,
+            "  try: ip netns exec {} curl -s http://{WEB_CLUSTER_IP}/",
+            netns_name(&self.id, MANAGER_POD)
+        );
+        s
+    }
+
+    fn write_state(&self) -> Result<()> {
+        let Some(name) = &self.persist_as else {
+            return Ok(());
+        };
+        let state = LabState {
+            version: STATE_VERSION,
+            name: name.clone(),
+            id: self.id.clone(),
+            dir: self.dir.clone(),
+            keep_dir: self.keep_dir,
+            pods: self.pods.iter().map(|p| (p.name.clone(), p.ip)).collect(),
+            processes: self
+                .lock_processes()
+                .iter()
+                .map(|p| p.record().clone())
+                .collect(),
+            manager: self.manager_desc.clone(),
+        };
+        let path = state_path(name);
+        let io = |what: String| move |source| LabError::Io { what, source };
+        std::fs::create_dir_all(state_dir())
+            .map_err(io(format!("cannot create {}", state_dir().display())))?;
+        let text = serde_json::to_string_pretty(&state).map_err(|source| LabError::State {
+            path: path.clone(),
+            source,
+        })?;
+        // Write then rename, so a reader never sees half a file.
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text).map_err(io(format!("cannot write {}", tmp.display())))?;
+        std::fs::rename(&tmp, &path).map_err(io(format!("cannot write {}", path.display())))
+    }
+
+    fn lock_processes(&self) -> MutexGuard<'_, Vec<Process>> {
+        // A panic while holding the lock leaves a plain Vec; it stays usable.
+        self.processes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        if !self.teardown_on_drop || self.down {
+            return;
+        }
+        if let Err(e) = self.down() {
+            tracing::error!(id = %self.id, error = %e, "lab teardown failed");
+            eprintln!("kvpn-lab: teardown of lab {} failed: {e}", self.id);
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "kvpn-lab: lab {} torn down after a panic; logs kept in {}",
+                self.id,
+                self.dir.display()
+            );
+        }
+    }
+}
+
+/// Picks a fresh id and claims it by creating its laptop netns (`ip netns add` fails if
+/// another lab raced us to the same id).
+fn claim_id() -> Result<(String, Netns)> {
+    const TRIES: u32 = 32;
+    for _ in 0..TRIES {
+        let id = random_id()?;
+        if !lab_netns(&id)?.is_empty() {
+            continue;
+        }
+        match Netns::create(&netns_name(&id, LAPTOP)) {
+            Ok(netns) => return Ok((id, netns)),
+            Err(LabError::CommandFailed { stderr, .. }) if stderr.contains("exists") => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(LabError::NoFreeId { tries: TRIES })
+}
+
+fn random_id() -> Result<String> {
+    let mut bytes = [0u8; 4];
+    let mut f = std::fs::File::open("/dev/urandom").map_err(|source| LabError::Io {
+        what: "cannot open /dev/urandom".into(),
+        source,
+    })?;
+    std::io::Read::read_exact(&mut f, &mut bytes).map_err(|source| LabError::Io {
+        what: "cannot read /dev/urandom".into(),
+        source,
+    })?;
+    Ok(format!("{:05x}", u32::from_le_bytes(bytes) & 0xF_FFFF))
+}
+
+fn is_lab_id(id: &str) -> bool {
+    id.len() == 5
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+fn validate_lab_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(LabError::Invalid {
+            what: "lab name",
+            value: name.to_owned(),
+            why: "use 1-64 of A-Z, a-z, 0-9, `-`, `_`",
+        })
+    }
+}
+
+fn signal(pid: u32, signal: Signal) {
+    if let Ok(pid) = i32::try_from(pid) {
+        // ESRCH (already gone) is fine.
+        let _ = kill(Pid::from_raw(pid), signal);
+    }
+}
+
+fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn tail_for_error(log: &Path) -> String {
+    let tail = log_tail(log, 2000);
+    if tail.trim().is_empty() {
+        format!(" (log {} is empty)", log.display())
+    } else {
+        format!("; log {}:\n{}", log.display(), tail.trim_end())
+    }
+}
+
+/// `kvpn-lab-server --name x` without the binary's directory.
+fn short_cmd(cmdline: &str) -> String {
+    let mut parts = cmdline.splitn(2, ' ');
+    let program = parts.next().unwrap_or_default();
+    let program = program.rsplit('/').next().unwrap_or(program);
+    match parts.next() {
+        Some(rest) => format!("{program} {rest}"),
+        None => program.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_and_names() {
+        let id = random_id().expect("urandom");
+        assert!(is_lab_id(&id), "{id}");
+        assert!(!is_lab_id("abcdg"));
+        assert!(!is_lab_id("abcd"));
+        assert!(validate_lab_name(DEFAULT_LAB_NAME).is_ok());
+        assert!(validate_lab_name("../etc").is_err());
+        assert!(validate_lab_name("").is_err());
+    }
+
+    #[test]
+    fn short_cmd_drops_the_directory() {
+        assert_eq!(
+            short_cmd("/x/target/debug/kvpn-lab-server --name b"),
+            "kvpn-lab-server --name b"
+        );
+        assert_eq!(short_cmd("socat"), "socat");
+    }
+
+    #[test]
+    fn static_services_balance_over_both_backends() {
+        for svc in lab_services() {
+            assert_eq!(
+                svc.endpoints,
+                vec![BACKEND_1_IP, BACKEND_2_IP],
+                "{}",
+                svc.name
+            );
+            assert!(SERVICE_CIDR.contains(&svc.cluster_ip), "{}", svc.name);
+        }
+    }
+}

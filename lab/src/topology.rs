@@ -1,0 +1,310 @@
+//! The lab's network building blocks: a [`Node`] (netns + bridge for the node's pod
+//! range), its [`Pod`]s (one netns each, a veth to the bridge) and the laptop↔node
+//! [`Uplink`]. Used by the static pods of [`crate::Lab`] and by the kubelet stand-in of
+//! the Kubernetes lab, which adds and removes pods at run time.
+//!
+//! I/O: `ip` commands and `/proc/sys` writes inside the lab's netns (see
+//! [`crate::netns`]). Nothing is created in the machine's root netns: veths are created
+//! from inside the node netns with their peer placed directly into the pod's netns.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::sync::Mutex;
+
+use ipnet::Ipv4Net;
+
+use crate::netns::Netns;
+use crate::{LabError, Result};
+
+/// Name of the pod's interface inside its netns, as in Kubernetes.
+pub const POD_INTERFACE: &str = "eth0";
+
+/// Lets unprivileged processes (the manager) open ICMP echo sockets.
+const PING_GROUP_RANGE: (&str, &str) = ("net.ipv4.ping_group_range", "0 2147483647");
+
+/// `kvpn-<id>-<role>`.
+pub fn netns_name(lab_id: &str, role: &str) -> String {
+    format!("kvpn-{lab_id}-{role}")
+}
+
+/// A node: a netns holding a bridge whose address is the pods' default gateway, IP
+/// forwarding on, and `br_netfilter` on so bridged pod-to-pod replies pass conntrack
+/// (that is what makes ClusterIP DNAT work between two pods on the same bridge).
+#[derive(Debug)]
+pub struct Node {
+    lab_id: String,
+    netns: Netns,
+    bridge: String,
+    pod_cidr: Ipv4Net,
+    gateway: Ipv4Addr,
+    /// Pod name → pod IP, for address allocation and duplicate checks.
+    pods: Mutex<BTreeMap<String, Ipv4Addr>>,
+}
+
+/// A pod: its own netns with `eth0` (veth to the node's bridge), a pod IP, a default
+/// route via the bridge, `lo` up and `ping_group_range` open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pod {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    pub netns: Netns,
+    /// The node-side end of the pod's veth (a bridge port), `kv<id>p<hex>`.
+    pub host_veth: String,
+}
+
+/// The laptop↔node veth pair: the laptop's only link to the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Uplink {
+    /// Interface in the node netns.
+    pub node_if: String,
+    pub node_ip: Ipv4Addr,
+    /// Interface in the laptop netns.
+    pub laptop_if: String,
+    pub laptop_ip: Ipv4Addr,
+    pub prefix_len: u8,
+}
+
+impl Node {
+    /// Creates the node netns `kvpn-<lab_id>-<role>` with bridge `kv<lab_id>br`
+    /// holding the first address of `pod_cidr`.
+    pub fn create(lab_id: &str, role: &str, pod_cidr: Ipv4Net) -> Result<Node> {
+        let node = Node::existing(lab_id, role, pod_cidr);
+        Netns::create(node.netns.name())?;
+        let gw = format!("{}/{}", node.gateway, pod_cidr.prefix_len());
+        node.netns.ip_batch(&[
+            "link set lo up".to_owned(),
+            format!("link add {} type bridge", node.bridge),
+            format!("addr add {gw} dev {}", node.bridge),
+            format!("link set {} up", node.bridge),
+        ])?;
+        node.netns
+            .set_sysctls(&[
+                ("net.ipv4.ip_forward", "1"),
+                ("net.bridge.bridge-nf-call-iptables", "1"),
+            ])
+            .map_err(|e| match e {
+                LabError::Io { what, source } if source.kind() == std::io::ErrorKind::NotFound => {
+                    LabError::Io {
+                        what: format!("{what} — load br_netfilter (modprobe br_netfilter)"),
+                        source,
+                    }
+                }
+                other => other,
+            })?;
+        Ok(node)
+    }
+
+    /// A handle to a node created earlier (e.g. by another process), without touching
+    /// the system. Pods must be registered with [`Node::adopt_pod`].
+    pub fn existing(lab_id: &str, role: &str, pod_cidr: Ipv4Net) -> Node {
+        let gateway = pod_cidr.hosts().next().unwrap_or(pod_cidr.addr());
+        Node {
+            lab_id: lab_id.to_owned(),
+            netns: Netns::from_name(&netns_name(lab_id, role)),
+            bridge: format!("kv{lab_id}br"),
+            pod_cidr,
+            gateway,
+            pods: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    pub fn netns(&self) -> &Netns {
+        &self.netns
+    }
+
+    pub fn bridge(&self) -> &str {
+        &self.bridge
+    }
+
+    pub fn pod_cidr(&self) -> Ipv4Net {
+        self.pod_cidr
+    }
+
+    /// The bridge address: every pod's default gateway.
+    pub fn gateway(&self) -> Ipv4Addr {
+        self.gateway
+    }
+
+    /// The lowest address of the pod range that is neither the gateway nor held by a
+    /// pod of this node.
+    pub fn free_pod_ip(&self) -> Option<Ipv4Addr> {
+        let pods = self.lock_pods();
+        self.pod_cidr
+            .hosts()
+            .find(|ip| *ip != self.gateway && !pods.values().any(|p| p == ip))
+    }
+
+    /// Creates pod `name` with `ip`: netns `kvpn-<id>-<name>`, veth `kv<id>p<hex>` on the
+    /// bridge (hairpin on, so a pod can reach itself through its ClusterIP) ↔ `eth0` in
+    /// the pod, address, default route via the bridge, `lo` up, `ping_group_range` open.
+    /// On failure, whatever was created is removed again.
+    pub fn add_pod(&self, name: &str, ip: Ipv4Addr) -> Result<Pod> {
+        validate_pod_name(name)?;
+        if !self.pod_cidr.contains(&ip)
+            || ip == self.gateway
+            || ip == self.pod_cidr.network()
+            || ip == self.pod_cidr.broadcast()
+        {
+            return Err(LabError::Invalid {
+                what: "pod IP",
+                value: ip.to_string(),
+                why: "must be a host address of the node's pod range other than the gateway",
+            });
+        }
+        {
+            let mut pods = self.lock_pods();
+            if pods.contains_key(name) {
+                return Err(LabError::Invalid {
+                    what: "pod name",
+                    value: name.to_owned(),
+                    why: "already used on this node",
+                });
+            }
+            if pods.values().any(|p| *p == ip) {
+                return Err(LabError::Invalid {
+                    what: "pod IP",
+                    value: ip.to_string(),
+                    why: "already held by another pod",
+                });
+            }
+            pods.insert(name.to_owned(), ip);
+        }
+        let pod = self.pod_handle(name, ip);
+        let result = self.plumb_pod(&pod);
+        if let Err(e) = result {
+            let _ = self.remove_pod(&pod);
+            return Err(e);
+        }
+        tracing::debug!(pod = name, %ip, netns = pod.netns.name(), "pod added");
+        Ok(pod)
+    }
+
+    fn plumb_pod(&self, pod: &Pod) -> Result<()> {
+        pod.netns.create_in_place()?;
+        self.netns.ip_batch(&[
+            format!(
+                "link add {} type veth peer name {POD_INTERFACE} netns {}",
+                pod.host_veth,
+                pod.netns.name()
+            ),
+            format!("link set {} master {}", pod.host_veth, self.bridge),
+            format!("link set {} type bridge_slave hairpin on", pod.host_veth),
+            format!("link set {} up", pod.host_veth),
+        ])?;
+        pod.netns.ip_batch(&[
+            "link set lo up".to_owned(),
+            format!(
+                "addr add {}/{} dev {POD_INTERFACE}",
+                pod.ip,
+                self.pod_cidr.prefix_len()
+            ),
+            format!("link set {POD_INTERFACE} up"),
+            format!("route add default via {}", self.gateway),
+        ])?;
+        pod.netns.set_sysctls(&[PING_GROUP_RANGE])
+    }
+
+    /// Registers a pod that already exists (created by an earlier process) so address
+    /// allocation and [`Node::remove_pod`] know it.
+    pub fn adopt_pod(&self, name: &str, ip: Ipv4Addr) -> Pod {
+        self.lock_pods().insert(name.to_owned(), ip);
+        self.pod_handle(name, ip)
+    }
+
+    /// Removes the pod's veth and netns. Idempotent. Processes still inside the netns
+    /// keep it alive in the kernel: stop them first.
+    pub fn remove_pod(&self, pod: &Pod) -> Result<()> {
+        self.lock_pods().remove(&pod.name);
+        // Deleting the veth explicitly (rather than letting the netns teardown do it
+        // asynchronously) frees its name at once for a new pod with the same IP.
+        if self.netns.exists() {
+            let _ = self.netns.ip(&["link", "del", &pod.host_veth]);
+        }
+        pod.netns.delete()
+    }
+
+    /// Connects the laptop netns to this node with a veth pair `kv<id>up` (node) ↔
+    /// `kv<id>lp` (laptop) addressed `node_ip`/`laptop_ip` in a /`prefix_len`. The laptop
+    /// gets no other route: it reaches only the node's uplink address.
+    pub fn connect_laptop(
+        &self,
+        laptop: &Netns,
+        node_ip: Ipv4Addr,
+        laptop_ip: Ipv4Addr,
+        prefix_len: u8,
+    ) -> Result<Uplink> {
+        let uplink = self.uplink(laptop_ip, node_ip, prefix_len);
+        self.netns.ip_batch(&[
+            format!(
+                "link add {} type veth peer name {} netns {}",
+                uplink.node_if,
+                uplink.laptop_if,
+                laptop.name()
+            ),
+            format!("addr add {node_ip}/{prefix_len} dev {}", uplink.node_if),
+            format!("link set {} up", uplink.node_if),
+        ])?;
+        laptop.ip_batch(&[
+            "link set lo up".to_owned(),
+            format!("addr add {laptop_ip}/{prefix_len} dev {}", uplink.laptop_if),
+            format!("link set {} up", uplink.laptop_if),
+        ])?;
+        Ok(uplink)
+    }
+
+    /// The uplink's names and addresses, without touching the system.
+    pub fn uplink(&self, laptop_ip: Ipv4Addr, node_ip: Ipv4Addr, prefix_len: u8) -> Uplink {
+        Uplink {
+            node_if: format!("kv{}up", self.lab_id),
+            node_ip,
+            laptop_if: format!("kv{}lp", self.lab_id),
+            laptop_ip,
+            prefix_len,
+        }
+    }
+
+    fn pod_handle(&self, name: &str, ip: Ipv4Addr) -> Pod {
+        let [_, _, c, d] = ip.octets();
+        Pod {
+            name: name.to_owned(),
+            ip,
+            netns: Netns::from_name(&netns_name(&self.lab_id, name)),
+            // kv + 5 + p + 4 = 12 bytes, within IFNAMSIZ-1 = 15; unique per pod IP.
+            host_veth: format!("kv{}p{c:02x}{d:02x}", self.lab_id),
+        }
+    }
+
+    fn lock_pods(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Ipv4Addr>> {
+        // A panic while holding this lock leaves a plain map behind; it stays usable.
+        self.pods
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Netns {
+    /// `ip netns add` for a handle made with [`Netns::from_name`].
+    fn create_in_place(&self) -> Result<()> {
+        Netns::create(self.name()).map(drop)
+    }
+}
+
+fn validate_pod_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 100
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && name != "laptop"
+        && name != "node";
+    if ok {
+        Ok(())
+    } else {
+        Err(LabError::Invalid {
+            what: "pod name",
+            value: name.to_owned(),
+            why: "use 1-100 of a-z, 0-9 and `-` (not starting with `-`, not `laptop` or `node`)",
+        })
+    }
+}
