@@ -1,1 +1,132 @@
-//! stub
+//! Fixtures for kvpn's end-to-end tests: a lab instance (network namespaces,
+//! real servers, the real traffic manager) plus the real `kvpn` CLI and root
+//! daemon running in its laptop netns. Every fixture has its own lab id and
+//! runtime folder, so tests run in parallel, and tears everything down on drop,
+//! also when the test fails.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use kvpn_lab::{LAPTOP, Lab, LabOptions};
+
+/// The laptop-side connect arguments for the lab's cluster.
+pub fn lab_connect_args() -> Vec<String> {
+    vec![
+        "--manager".into(),
+        kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string(),
+        "--pod-cidr".into(),
+        kvpn_lab::POD_CIDR.to_string(),
+        "--service-cidr".into(),
+        kvpn_lab::SERVICE_CIDR.to_string(),
+    ]
+}
+
+/// A lab plus kvpn on its laptop.
+pub struct Fixture {
+    /// The lab instance.
+    pub lab: Lab,
+    runtime_dir: PathBuf,
+    kvpn: PathBuf,
+}
+
+impl Fixture {
+    /// A fresh lab (real manager and backends), not connected yet.
+    pub fn new() -> Self {
+        let lab = Lab::up(LabOptions::default()).unwrap_or_else(|e| panic!("lab up: {e:#}"));
+        let runtime_dir = lab.dir().join("runtime");
+        let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
+        Fixture { lab, runtime_dir, kvpn }
+    }
+
+    /// A fresh lab with `kvpn connect` done.
+    pub fn connected() -> Self {
+        let f = Self::new();
+        f.connect();
+        f
+    }
+
+    /// Runs `kvpn <args>` in the laptop netns with this fixture's runtime folder.
+    pub fn kvpn(&self, args: &[&str]) -> Output {
+        let mut cmd = self
+            .lab
+            .command_in(LAPTOP, &self.kvpn.to_string_lossy())
+            .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+        cmd.args(args).env("KVPN_RUNTIME_DIR", &self.runtime_dir);
+        cmd.output().unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
+    }
+
+    /// `kvpn connect` to the lab's manager; panics with kvpn's output on failure.
+    pub fn connect(&self) {
+        let args = lab_connect_args();
+        let mut all: Vec<&str> = vec!["connect"];
+        all.extend(args.iter().map(String::as_str));
+        let out = self.kvpn(&all);
+        assert!(out.status.success(), "kvpn connect failed:\n{}\n{}\ndaemon log:\n{}", text(&out.stdout), text(&out.stderr), self.daemon_log());
+    }
+
+    /// `kvpn disconnect --all`; panics on failure.
+    pub fn disconnect(&self) {
+        let out = self.kvpn(&["disconnect", "--all"]);
+        assert!(out.status.success(), "kvpn disconnect failed:\n{}\n{}", text(&out.stdout), text(&out.stderr));
+    }
+
+    /// `kvpn status -o json`, parsed.
+    pub fn status_json(&self) -> serde_json::Value {
+        let out = self.kvpn(&["status", "-o", "json"]);
+        assert!(out.status.success(), "kvpn status failed:\n{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("status JSON: {e}: {}", text(&out.stdout)))
+    }
+
+    /// Runs a command in the laptop netns.
+    pub fn laptop(&self, args: &[&str]) -> Output {
+        self.lab.exec_in(LAPTOP, args).unwrap_or_else(|e| panic!("laptop {args:?}: {e:#}"))
+    }
+
+    /// Runs `f` on a thread inside the laptop netns (for sockets opened by the test).
+    pub fn in_laptop<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        self.lab.run_in(LAPTOP, f).unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+    }
+
+    /// The root daemon's log (for failure messages).
+    pub fn daemon_log(&self) -> String {
+        std::fs::read_to_string(self.runtime_dir.join("dataplane.log")).unwrap_or_default()
+    }
+
+    /// The manager pod's log (for failure messages).
+    pub fn manager_log(&self) -> String {
+        self.lab
+            .processes()
+            .iter()
+            .find(|p| p.name.contains("manager"))
+            .and_then(|p| std::fs::read_to_string(&p.log).ok())
+            .unwrap_or_default()
+    }
+}
+
+impl Default for Fixture {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        // Stop the root daemon (it tears its sessions down on SIGTERM), then the lab.
+        let _ = self.kvpn(&["quit"]);
+        std::thread::sleep(Duration::from_millis(50));
+        if let Err(e) = self.lab.down() {
+            eprintln!("lab down: {e:#}");
+        }
+    }
+}
+
+/// Lossy UTF-8 of command output.
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Runs `cmd` and returns its output.
+pub fn output(cmd: &mut Command) -> Output {
+    cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"))
+}
