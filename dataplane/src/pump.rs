@@ -520,3 +520,239 @@ async fn tun_writer<T: PacketIo>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::UnixDatagram;
+
+    use super::*;
+    use crate::liveness::State;
+
+    const LONG: Duration = Duration::from_secs(3600);
+
+    fn liveness_up(interval: Duration) -> Arc<Mutex<Liveness>> {
+        let mut l = Liveness::new(interval);
+        l.handle_transport_up(Instant::now());
+        Arc::new(Mutex::new(l))
+    }
+
+    /// A packet with a recognisable body: `seq` in the first 4 bytes.
+    fn packet(seq: u32, len: usize) -> Vec<u8> {
+        let mut p = vec![(seq % 251) as u8; len.max(4)];
+        p[..4].copy_from_slice(&seq.to_be_bytes());
+        p
+    }
+
+    fn len_for(seq: u32) -> usize {
+        // Sizes from tiny to jumbo, so batches close on bytes as well as count.
+        [20, 60, 576, 1500, 9000, 40][seq as usize % 6]
+    }
+
+    /// Read frames from the manager's end of the transport (test side).
+    struct FrameReader<R> {
+        inner: R,
+        buf: Vec<u8>,
+    }
+
+    impl<R: AsyncRead + Unpin> FrameReader<R> {
+        fn new(inner: R) -> Self {
+            Self { inner, buf: Vec::new() }
+        }
+
+        async fn next(&mut self) -> Option<(Kind, Vec<u8>)> {
+            loop {
+                if let Some((f, used)) = Decoder::default().decode(&self.buf).expect("valid frames from the pump") {
+                    let out = (f.kind, f.payload.to_vec());
+                    self.buf.drain(..used);
+                    return Some(out);
+                }
+                let mut chunk = [0u8; 4096];
+                let n = self.inner.read(&mut chunk).await.expect("transport read");
+                if n == 0 {
+                    return None;
+                }
+                self.buf.extend_from_slice(&chunk[..n]);
+            }
+        }
+
+        async fn next_packet(&mut self) -> Option<Vec<u8>> {
+            loop {
+                match self.next().await? {
+                    (Kind::Packet, p) => return Some(p),
+                    (Kind::Heartbeat, _) => continue,
+                    (other, _) => panic!("unexpected frame kind {other:?} from the pump"),
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn queued_packets_leave_in_one_batch_in_order() {
+        let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
+        // A Unix datagram queue holds 10 datagrams by default
+        // (net.unix.max_dgram_qlen); queue them all before the pump starts.
+        for seq in 0..10 {
+            app_side.send(&packet(seq, len_for(seq))).await.expect("queue packet");
+        }
+        let (pump_end, manager_end) = tokio::io::duplex(1 << 20);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let counters = Arc::new(Counters::default());
+        let pump = tokio::spawn(run(Arc::new(tun_side), rx, tx, liveness_up(LONG), counters.clone(), PumpConfig::default()));
+        let mut frames = FrameReader::new(manager_end);
+        for seq in 0..10 {
+            let got = frames.next_packet().await.expect("a packet frame");
+            assert_eq!(got, packet(seq, len_for(seq)), "packet {seq}");
+        }
+        assert_eq!(Counters::get(&counters.tx_packets), 10);
+        assert_eq!(Counters::get(&counters.tx_batches), 1, "10 queued packets must leave in one vectored write");
+        let bytes: usize = (0..10).map(len_for).sum();
+        assert_eq!(Counters::get(&counters.tx_bytes), bytes as u64);
+        pump.abort();
+    }
+
+    #[tokio::test]
+    async fn slow_transport_backpressures_without_loss() {
+        let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
+        // A small pipe: the pump's writes block long before the app is done.
+        let (pump_end, manager_end) = tokio::io::duplex(16 * 1024);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let counters = Arc::new(Counters::default());
+        let pump = tokio::spawn(run(Arc::new(tun_side), rx, tx, liveness_up(LONG), counters.clone(), PumpConfig::default()));
+        const N: u32 = 3000;
+        let app = tokio::spawn(async move {
+            for seq in 0..N {
+                app_side.send(&packet(seq, len_for(seq))).await.expect("send waits, never fails");
+            }
+            app_side
+        });
+        let mut frames = FrameReader::new(manager_end);
+        for seq in 0..N {
+            if seq % 500 == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let got = frames.next_packet().await.expect("a packet frame");
+            assert_eq!(got, packet(seq, len_for(seq)), "packet {seq}");
+        }
+        let _app_side = app.await.expect("app task");
+        assert_eq!(Counters::get(&counters.tx_packets), u64::from(N));
+        assert!(Counters::get(&counters.tx_batches) <= u64::from(N));
+        pump.abort();
+    }
+
+    #[tokio::test]
+    async fn inbound_frames_split_across_reads_reach_the_tun_whole_and_in_order() {
+        let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
+        // 7-byte pipe: every frame header and payload arrives in pieces.
+        let (pump_end, mut manager_end) = tokio::io::duplex(7);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let counters = Arc::new(Counters::default());
+        let pump = tokio::spawn(run(Arc::new(tun_side), rx, tx, liveness_up(LONG), counters.clone(), PumpConfig::default()));
+        const N: u32 = 300;
+        let manager = tokio::spawn(async move {
+            let mut wire = Vec::new();
+            for seq in 0..N {
+                frame::encode_into(Kind::Packet, &packet(seq, len_for(seq)), &mut wire).expect("fits");
+                if seq % 7 == 0 {
+                    // Frames the client must skip without losing sync.
+                    frame::encode_into(Kind::Unknown(99), b"from a newer manager", &mut wire).expect("fits");
+                    frame::encode_into(Kind::Heartbeat, &[9; 8], &mut wire).expect("fits");
+                }
+            }
+            manager_end.write_all(&wire).await.expect("write frames");
+            manager_end
+        });
+        let mut buf = vec![0u8; 65536];
+        for seq in 0..N {
+            // Reading slowly now and then: the pump must wait, not drop.
+            if seq % 100 == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let n = app_side.recv(&mut buf).await.expect("packet on the TUN side");
+            assert_eq!(&buf[..n], &packet(seq, len_for(seq))[..], "packet {seq}");
+        }
+        let _manager_end = manager.await.expect("manager task");
+        assert_eq!(Counters::get(&counters.rx_packets), u64::from(N));
+        assert_eq!(Counters::get(&counters.rx_invalid), 0);
+        assert_eq!(Counters::get(&counters.heartbeats_echoed), 0, "a nonce never sent is no echo");
+        pump.abort();
+    }
+
+    #[tokio::test]
+    async fn heartbeat_echo_means_connected() {
+        let (tun_side, _app_side) = UnixDatagram::pair().expect("socketpair");
+        let (pump_end, manager_end) = tokio::io::duplex(1 << 16);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let (manager_rx, mut manager_tx) = tokio::io::split(manager_end);
+        let interval = Duration::from_millis(50);
+        let liveness = liveness_up(interval);
+        let counters = Arc::new(Counters::default());
+        let pump = tokio::spawn(run(Arc::new(tun_side), rx, tx, liveness.clone(), counters.clone(), PumpConfig::default()));
+        // Test double of the manager: echo heartbeats unchanged.
+        let echo = tokio::spawn(async move {
+            let mut frames = FrameReader::new(manager_rx);
+            while let Some((kind, payload)) = frames.next().await {
+                assert_eq!(kind, Kind::Heartbeat, "only heartbeats flow on an idle session");
+                assert_eq!(payload.len(), 8, "8-byte nonce");
+                let mut out = Vec::new();
+                frame::encode_into(Kind::Heartbeat, &payload, &mut out).expect("fits");
+                manager_tx.write_all(&out).await.expect("echo");
+            }
+        });
+        tokio::time::sleep(interval * 8).await;
+        assert!(!pump.is_finished(), "an echoed session keeps pumping");
+        let state = liveness.lock().expect("lock").state(Instant::now());
+        assert_eq!(state, (State::Connected, None));
+        assert!(Counters::get(&counters.heartbeats_sent) >= 5, "one heartbeat per interval");
+        assert!(Counters::get(&counters.heartbeats_echoed) >= 5);
+        pump.abort();
+        echo.abort();
+    }
+
+    #[tokio::test]
+    async fn silent_manager_ends_the_pump_after_three_intervals() {
+        let (tun_side, _app_side) = UnixDatagram::pair().expect("socketpair");
+        // The manager end is kept open but never answers: a black hole.
+        let (pump_end, _manager_end) = tokio::io::duplex(1 << 16);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let interval = Duration::from_millis(50);
+        let liveness = liveness_up(interval);
+        let started = Instant::now();
+        let exit = tokio::time::timeout(
+            Duration::from_secs(5),
+            run(Arc::new(tun_side), rx, tx, liveness.clone(), Arc::new(Counters::default()), PumpConfig::default()),
+        )
+        .await
+        .expect("the pump must give up on a silent manager");
+        let took = started.elapsed();
+        assert!(matches!(exit, PumpExit::Silent(ref r) if r.contains("no heartbeat echo")), "{exit:?}");
+        assert!(took >= interval * 3, "not before three intervals: {took:?}");
+        assert!(took < interval * 6, "soon after three intervals: {took:?}");
+        assert_eq!(liveness.lock().expect("lock").state(Instant::now()).0, State::Reconnecting);
+    }
+
+    #[tokio::test]
+    async fn garbage_from_the_manager_is_a_protocol_error() {
+        let (tun_side, _app_side) = UnixDatagram::pair().expect("socketpair");
+        let (pump_end, mut manager_end) = tokio::io::duplex(1 << 16);
+        let (rx, tx) = tokio::io::split(pump_end);
+        manager_end.write_all(&[0, 0, 1]).await.expect("write");
+        let exit = run(Arc::new(tun_side), rx, tx, liveness_up(LONG), Arc::new(Counters::default()), PumpConfig::default()).await;
+        assert!(matches!(exit, PumpExit::Protocol(FrameError::ZeroLength)), "{exit:?}");
+    }
+
+    #[tokio::test]
+    async fn manager_eof_ends_the_pump() {
+        let (tun_side, _app_side) = UnixDatagram::pair().expect("socketpair");
+        let (pump_end, manager_end) = tokio::io::duplex(1 << 16);
+        let (rx, tx) = tokio::io::split(pump_end);
+        drop(manager_end);
+        let exit = run(Arc::new(tun_side), rx, tx, liveness_up(LONG), Arc::new(Counters::default()), PumpConfig::default()).await;
+        assert!(
+            matches!(exit, PumpExit::TransportClosed | PumpExit::Transport(_)),
+            "{exit:?}"
+        );
+    }
+}

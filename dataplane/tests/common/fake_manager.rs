@@ -1,0 +1,172 @@
+//! `FakeManager`: a test double of the traffic manager for the dataplane's tests.
+//! It speaks the data-channel frame protocol on a TCP listener, records the
+//! hellos and packets it receives, echoes heartbeats (switchable, to simulate a
+//! black hole), answers ICMP echo requests and echoes UDP datagrams back with
+//! addresses and ports swapped. It is not the real manager (no smoltcp stack,
+//! no dialing); it only lets the tests see what the pump sends and feed packets
+//! back into the TUN device.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvpn_proto::frame::{self, Decoder, Hello, Kind};
+use smoltcp::phy::ChecksumCapabilities;
+use smoltcp::wire::{
+    Icmpv4Packet, Icmpv4Repr, IpAddress, IpProtocol, Ipv4Packet, Ipv4Repr, UdpPacket, UdpRepr,
+};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpListener;
+
+/// What the fake manager saw, shared with the test.
+#[derive(Default)]
+pub struct Seen {
+    pub hellos: Mutex<Vec<Hello>>,
+    pub packets: Mutex<Vec<Vec<u8>>>,
+    pub connections: AtomicUsize,
+    pub heartbeats: AtomicUsize,
+}
+
+pub struct FakeManager {
+    pub addr: SocketAddr,
+    pub seen: Arc<Seen>,
+    /// Echo heartbeats (true) or swallow them like a black hole (false).
+    pub echo: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeManager {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FakeManager {
+    /// Listen on 127.0.0.1 (of the calling thread's network namespace).
+    pub async fn start(echo: bool) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind fake manager");
+        let addr = listener.local_addr().expect("local addr");
+        let seen = Arc::new(Seen::default());
+        let echo = Arc::new(AtomicBool::new(echo));
+        let task = tokio::spawn(accept_loop(listener, seen.clone(), echo.clone()));
+        Self { addr, seen, echo, task }
+    }
+
+    pub fn packets(&self) -> Vec<Vec<u8>> {
+        self.seen.packets.lock().expect("lock").clone()
+    }
+
+    pub fn hellos(&self) -> Vec<Hello> {
+        self.seen.hellos.lock().expect("lock").clone()
+    }
+}
+
+async fn accept_loop(listener: TcpListener, seen: Arc<Seen>, echo: Arc<AtomicBool>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else { return };
+        seen.connections.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(serve(stream, seen.clone(), echo.clone()));
+    }
+}
+
+async fn serve(mut stream: tokio::net::TcpStream, seen: Arc<Seen>, echo: Arc<AtomicBool>) {
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 65536];
+    let mut out = Vec::new();
+    loop {
+        let n = match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let mut used_total = 0;
+        out.clear();
+        while let Some((f, used)) = Decoder::default().decode(&buf[used_total..]).expect("the pump sends valid frames") {
+            used_total += used;
+            match f.kind {
+                Kind::Hello => {
+                    let hello = Hello::decode(f.payload).expect("valid hello");
+                    seen.hellos.lock().expect("lock").push(hello);
+                }
+                Kind::Heartbeat => {
+                    seen.heartbeats.fetch_add(1, Ordering::SeqCst);
+                    if echo.load(Ordering::SeqCst) {
+                        frame::encode_into(Kind::Heartbeat, f.payload, &mut out).expect("fits");
+                    }
+                }
+                Kind::Packet => {
+                    seen.packets.lock().expect("lock").push(f.payload.to_vec());
+                    if let Some(reply) = answer(f.payload) {
+                        frame::encode_into(Kind::Packet, &reply, &mut out).expect("fits");
+                    }
+                }
+                Kind::Unknown(k) => panic!("the pump sent an unknown frame kind {k}"),
+            }
+        }
+        buf.drain(..used_total);
+        if !out.is_empty() && stream.write_all(&out).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The reply a tiny "cluster" gives: ICMP echo reply, or the UDP datagram back.
+pub fn answer(packet: &[u8]) -> Option<Vec<u8>> {
+    let caps = ChecksumCapabilities::default();
+    let ip = Ipv4Packet::new_checked(packet).ok()?;
+    let ip_repr = Ipv4Repr::parse(&ip, &caps).ok()?;
+    let reply_ip = |payload_len| Ipv4Repr {
+        src_addr: ip_repr.dst_addr,
+        dst_addr: ip_repr.src_addr,
+        next_header: ip_repr.next_header,
+        payload_len,
+        hop_limit: 64,
+    };
+    match ip_repr.next_header {
+        IpProtocol::Icmp => {
+            let icmp = Icmpv4Packet::new_checked(ip.payload()).ok()?;
+            let Icmpv4Repr::EchoRequest { ident, seq_no, data } = Icmpv4Repr::parse(&icmp, &caps).ok()? else {
+                return None;
+            };
+            let icmp_reply = Icmpv4Repr::EchoReply { ident, seq_no, data };
+            let ip_reply = reply_ip(icmp_reply.buffer_len());
+            let mut out = vec![0u8; ip_reply.buffer_len() + icmp_reply.buffer_len()];
+            let mut p = Ipv4Packet::new_unchecked(&mut out[..]);
+            ip_reply.emit(&mut p, &caps);
+            icmp_reply.emit(&mut Icmpv4Packet::new_unchecked(p.payload_mut()), &caps);
+            Some(out)
+        }
+        IpProtocol::Udp => {
+            let src = IpAddress::Ipv4(ip_repr.src_addr);
+            let dst = IpAddress::Ipv4(ip_repr.dst_addr);
+            let udp = UdpPacket::new_checked(ip.payload()).ok()?;
+            let repr = UdpRepr::parse(&udp, &src, &dst, &caps).ok()?;
+            let data = udp.payload();
+            let udp_reply = UdpRepr { src_port: repr.dst_port, dst_port: repr.src_port };
+            let ip_reply = reply_ip(udp_reply.header_len() + data.len());
+            let mut out = vec![0u8; ip_reply.buffer_len() + udp_reply.header_len() + data.len()];
+            let mut p = Ipv4Packet::new_unchecked(&mut out[..]);
+            ip_reply.emit(&mut p, &caps);
+            udp_reply.emit(
+                &mut UdpPacket::new_unchecked(p.payload_mut()),
+                &dst,
+                &src,
+                data.len(),
+                |buf| buf.copy_from_slice(data),
+                &caps,
+            );
+            Some(out)
+        }
+        _ => None,
+    }
+}
+
+/// Destination address and UDP destination port of an IPv4/UDP packet.
+pub fn udp_dst(packet: &[u8]) -> Option<(std::net::Ipv4Addr, u16, Vec<u8>, std::net::Ipv4Addr)> {
+    let ip = Ipv4Packet::new_checked(packet).ok()?;
+    if ip.next_header() != IpProtocol::Udp {
+        return None;
+    }
+    let udp = UdpPacket::new_checked(ip.payload()).ok()?;
+    Some((ip.dst_addr(), udp.dst_port(), udp.payload().to_vec(), ip.src_addr()))
+}
