@@ -1,2 +1,186 @@
-#![no_std]
-//! Map keys and values shared by the eBPF programs and userspace (owned by the ebpf work).
+//! Map keys, values and names shared by kvpn's eBPF programs (`dataplane-ebpf`) and
+//! the userspace loader (`dataplane/src/ebpf.rs`).
+//!
+//! This crate owns the *layout* of every eBPF map: both sides compile against these
+//! types, so a layout change happens in one place. It does no I/O. With the `user`
+//! feature the types implement `aya::Pod` so userspace can read and write them.
+//!
+//! Byte order: addresses are stored in network byte order (as they sit in the IP
+//! header, so the program copies them without swapping). Counters, prefix lengths and
+//! route kinds are plain numbers in host order — they never travel on a wire.
+#![cfg_attr(not(test), no_std)]
+
+/// Name of the TC classifier program on the TUN device's egress (laptop → cluster).
+pub const PROGRAM_TUN_EGRESS: &str = "kvpn_tun_egress";
+/// Name of the IPv4 route LPM trie (`Key<Ipv4Prefix>` → [`RouteEntry`]).
+pub const MAP_ROUTES_V4: &str = "KVPN_ROUTES_V4";
+/// Name of the IPv6 route LPM trie (`Key<Ipv6Prefix>` → [`RouteEntry`]).
+pub const MAP_ROUTES_V6: &str = "KVPN_ROUTES_V6";
+/// Name of the per-CPU counter array (index: `COUNTER_*` → [`CounterValue`]).
+pub const MAP_COUNTERS: &str = "KVPN_COUNTERS";
+/// Name of the load-time global holding the L2 header length in bytes in front of
+/// the IP header: 0 on a TUN device (L3, the skb starts at the IP header), 14 for
+/// Ethernet (BPF_PROG_TEST_RUN feeds TC programs an Ethernet frame).
+pub const GLOBAL_L2_HDR_LEN: &str = "KVPN_L2_HDR_LEN";
+
+/// L2 header length of a TUN device (IFF_TUN): none.
+pub const L2_HDR_LEN_TUN: u32 = 0;
+/// L2 header length of an Ethernet frame (dst MAC, src MAC, ethertype).
+pub const L2_HDR_LEN_ETHERNET: u32 = 14;
+
+/// Capacity of each route trie. A cluster has a handful of pod CIDRs, one service CIDR
+/// and a few `--extra-cidr`s; 1024 leaves room for per-node pod ranges.
+pub const MAX_ROUTES: u32 = 1024;
+
+/// Route kind: a pod CIDR.
+pub const ROUTE_KIND_POD: u8 = 1;
+/// Route kind: the service CIDR (ClusterIPs).
+pub const ROUTE_KIND_SERVICE: u8 = 2;
+/// Route kind: an `--extra-cidr`.
+pub const ROUTE_KIND_EXTRA: u8 = 3;
+
+/// Counter slot: packets passed to a pod CIDR.
+pub const COUNTER_POD: u32 = 0;
+/// Counter slot: packets passed to the service CIDR.
+pub const COUNTER_SERVICE: u32 = 1;
+/// Counter slot: packets passed to an extra CIDR.
+pub const COUNTER_EXTRA: u32 = 2;
+/// Counter slot: packets dropped because their destination matched no route.
+pub const COUNTER_UNROUTED: u32 = 3;
+/// Counter slot: packets dropped because they were not a parseable IPv4/IPv6 packet
+/// (truncated header, bad version or IHL, non-IP ethertype) or hit a corrupt route entry.
+pub const COUNTER_MALFORMED: u32 = 4;
+/// Number of counter slots (the per-CPU array's `max_entries`).
+pub const COUNTER_SLOTS: u32 = 5;
+
+/// Counter slot of a route kind, `None` for a value that is not a route kind.
+#[inline(always)]
+pub const fn counter_slot(kind: u8) -> Option<u32> {
+    match kind {
+        ROUTE_KIND_POD => Some(COUNTER_POD),
+        ROUTE_KIND_SERVICE => Some(COUNTER_SERVICE),
+        ROUTE_KIND_EXTRA => Some(COUNTER_EXTRA),
+        _ => None,
+    }
+}
+
+/// Data part of an IPv4 route trie key: the prefix's address, network byte order.
+///
+/// The full key is `Key<Ipv4Prefix>` of aya / aya-ebpf (`#[repr(C, packed)]`
+/// `{ prefix_len: u32 (host order), data }`), which is the kernel's
+/// `struct bpf_lpm_trie_key_u8` (include/uapi/linux/bpf.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ipv4Prefix {
+    /// Address octets as in the IP header.
+    pub addr: [u8; 4],
+}
+
+/// Data part of an IPv6 route trie key: the prefix's address, network byte order.
+/// See [`Ipv4Prefix`] for the full key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ipv6Prefix {
+    /// Address octets as in the IP header.
+    pub addr: [u8; 16],
+}
+
+/// Value of both route tries.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteEntry {
+    /// One of `ROUTE_KIND_*`.
+    pub kind: u8,
+    /// Zero. Explicit padding so the value has no uninitialised bytes.
+    pub reserved: [u8; 3],
+}
+
+impl RouteEntry {
+    /// An entry of `kind` (one of `ROUTE_KIND_*`).
+    pub const fn new(kind: u8) -> Self {
+        Self {
+            kind,
+            reserved: [0; 3],
+        }
+    }
+}
+
+/// Value of the per-CPU counter array: one CPU's share of a slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CounterValue {
+    /// Packets.
+    pub packets: u64,
+    /// Bytes: the IP packet length (skb length minus the L2 header), so a GSO
+    /// super-packet counts as one packet with all its bytes.
+    pub bytes: u64,
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: all four are #[repr(C)], Copy, 'static, made only of integers and byte
+    // arrays with no implicit padding (sizes 4, 16, 4 and 16 bytes), so every bit
+    // pattern is a valid value and none has uninitialised bytes.
+    unsafe impl aya::Pod for super::Ipv4Prefix {}
+    // SAFETY: see above.
+    unsafe impl aya::Pod for super::Ipv6Prefix {}
+    // SAFETY: see above.
+    unsafe impl aya::Pod for super::RouteEntry {}
+    // SAFETY: see above.
+    unsafe impl aya::Pod for super::CounterValue {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_match_the_kernel_side() {
+        assert_eq!(core::mem::size_of::<Ipv4Prefix>(), 4);
+        assert_eq!(core::mem::size_of::<Ipv6Prefix>(), 16);
+        assert_eq!(core::mem::size_of::<RouteEntry>(), 4);
+        assert_eq!(core::mem::size_of::<CounterValue>(), 16);
+        assert_eq!(core::mem::align_of::<CounterValue>(), 8);
+    }
+
+    #[test]
+    fn every_route_kind_has_its_own_counter_slot() {
+        let slots = [
+            counter_slot(ROUTE_KIND_POD),
+            counter_slot(ROUTE_KIND_SERVICE),
+            counter_slot(ROUTE_KIND_EXTRA),
+        ];
+        assert_eq!(
+            slots,
+            [
+                Some(COUNTER_POD),
+                Some(COUNTER_SERVICE),
+                Some(COUNTER_EXTRA)
+            ]
+        );
+        assert_eq!(counter_slot(0), None);
+        assert_eq!(counter_slot(4), None);
+        for slot in [
+            COUNTER_POD,
+            COUNTER_SERVICE,
+            COUNTER_EXTRA,
+            COUNTER_UNROUTED,
+            COUNTER_MALFORMED,
+        ] {
+            assert!(slot < COUNTER_SLOTS);
+        }
+    }
+
+    #[test]
+    fn map_names_fit_the_kernel_limit() {
+        // BPF_OBJ_NAME_LEN is 16 including the NUL.
+        for name in [
+            PROGRAM_TUN_EGRESS,
+            MAP_ROUTES_V4,
+            MAP_ROUTES_V6,
+            MAP_COUNTERS,
+        ] {
+            assert!(name.len() <= 15, "{name} is longer than 15 bytes");
+        }
+    }
+}

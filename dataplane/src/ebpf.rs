@@ -1,10 +1,32 @@
-//! The one wrapper around kvpn's eBPF objects (owned by the ebpf work).
-//! STUB API — the ebpf helper replaces the bodies; the signatures are the contract
-//! the rest of the dataplane codes against.
+//! The one wrapper around kvpn's eBPF objects: loads the TC classifier built from
+//! `dataplane-ebpf` (embedded at build time by `build.rs`), attaches it to the TUN
+//! device's egress, and owns its maps. Nothing else in kvpn touches the raw maps; their
+//! layout lives in `dataplane-common`.
+//!
+//! I/O: the `bpf(2)` syscall (load, map updates, BPF_PROG_TEST_RUN) and, for attaching,
+//! a TCX link on kernels >= 6.6 or a netlink clsact filter on older ones. Attaching
+//! resolves the interface name in the calling thread's network namespace.
+//!
+//! Direction: the classifier sees outbound packets (laptop -> cluster), the ones the
+//! laptop's kernel routes into the TUN device.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use ipnet::IpNet;
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key},
+    programs::{
+        ProgramError, SchedClassifier, TcAttachType, TestRun as _, TestRunOptions,
+        tc::{self, SchedClassifierLink, TcError},
+    },
+    sys::SyscallError,
+    util::KernelVersion,
+};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use kvpn_dataplane_common::{
+    self as common, CounterValue, Ipv4Prefix, Ipv6Prefix, L2_HDR_LEN_ETHERNET, L2_HDR_LEN_TUN,
+    RouteEntry,
+};
 
 /// Kind of a cluster route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -15,6 +37,36 @@ pub enum RouteKind {
     Service,
     /// An `--extra-cidr`.
     Extra,
+}
+
+impl RouteKind {
+    /// All kinds, in counter-slot order.
+    pub const ALL: [RouteKind; 3] = [RouteKind::Pod, RouteKind::Service, RouteKind::Extra];
+
+    const fn to_raw(self) -> u8 {
+        match self {
+            RouteKind::Pod => common::ROUTE_KIND_POD,
+            RouteKind::Service => common::ROUTE_KIND_SERVICE,
+            RouteKind::Extra => common::ROUTE_KIND_EXTRA,
+        }
+    }
+
+    const fn from_raw(raw: u8) -> Option<Self> {
+        match raw {
+            common::ROUTE_KIND_POD => Some(RouteKind::Pod),
+            common::ROUTE_KIND_SERVICE => Some(RouteKind::Service),
+            common::ROUTE_KIND_EXTRA => Some(RouteKind::Extra),
+            _ => None,
+        }
+    }
+
+    const fn counter_slot(self) -> u32 {
+        match self {
+            RouteKind::Pod => common::COUNTER_POD,
+            RouteKind::Service => common::COUNTER_SERVICE,
+            RouteKind::Extra => common::COUNTER_EXTRA,
+        }
+    }
 }
 
 /// Packet and byte counters (summed over CPUs).
@@ -29,50 +81,519 @@ pub struct Counter {
 /// Counters of the TC classifier.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
-    /// Per route kind: packets the classifier passed.
+    /// Per route kind: packets the classifier passed (every kind, in [`RouteKind::ALL`]
+    /// order, zeros included).
     pub per_kind: Vec<(RouteKind, Counter)>,
     /// Packets dropped because their destination matched no route.
     pub unrouted: Counter,
+    /// Packets dropped because they were not parseable IPv4/IPv6 (truncated header,
+    /// bad version or IHL).
+    pub malformed: Counter,
+}
+
+impl Stats {
+    /// The counter of one route kind (zero if absent).
+    pub fn kind(&self, kind: RouteKind) -> Counter {
+        self.per_kind
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, c)| *c)
+            .unwrap_or_default()
+    }
+}
+
+/// A TC verdict of the classifier, as returned by BPF_PROG_TEST_RUN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcAction {
+    /// `TC_ACT_OK` (= TCX_PASS): the packet continues into the TUN device.
+    Pass,
+    /// `TC_ACT_SHOT` (= TCX_DROP): the packet is dropped.
+    Drop,
+    /// Any other return code (the program never returns one).
+    Other(i32),
+}
+
+impl TcAction {
+    fn from_return_value(value: u32) -> Self {
+        // The kernel hands the program's i32 return value back as u32; reinterpret it.
+        match value as i32 {
+            0 => TcAction::Pass,
+            2 => TcAction::Drop,
+            other => TcAction::Other(other),
+        }
+    }
 }
 
 /// Errors of the eBPF wrapper.
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {
-    /// Placeholder until the real loader lands.
-    #[error("eBPF classifier not built yet")]
+    /// The binary was built with `AYA_BUILD_SKIP=1`, so it embeds no eBPF object.
+    #[error(
+        "eBPF classifier not built: kvpn-dataplane was compiled with AYA_BUILD_SKIP=1 — \
+         rebuild without it (needs bpf-linker and nightly rust-src: run scripts/setup.sh)"
+    )]
     NotBuilt,
+    /// The kernel (or aya) refused the object: verifier, BTF, map creation, permissions.
+    #[error("cannot load the eBPF classifier (are you root, with BPF enabled in the kernel?)")]
+    Load(#[source] aya::EbpfError),
+    /// The embedded object lacks a program or map this wrapper expects.
+    #[error("eBPF object has no {what} named {name} (object and loader out of sync)")]
+    Missing {
+        /// "program" or "map".
+        what: &'static str,
+        /// Its name.
+        name: &'static str,
+    },
+    /// Loading or test-running the program failed.
+    #[error("eBPF program {name}: {action} failed")]
+    Program {
+        /// Program name.
+        name: &'static str,
+        /// What was attempted.
+        action: &'static str,
+        /// The cause.
+        #[source]
+        source: ProgramError,
+    },
+    /// Attaching to the TUN device failed.
+    #[error(
+        "cannot attach the eBPF classifier to {ifname} (TC egress): is the device in this \
+         thread's network namespace?"
+    )]
+    Attach {
+        /// Interface name.
+        ifname: String,
+        /// The cause.
+        #[source]
+        source: ProgramError,
+    },
+    /// Adding the clsact qdisc (kernels < 6.6) failed.
+    #[error("cannot add the clsact qdisc to {ifname}")]
+    Qdisc {
+        /// Interface name.
+        ifname: String,
+        /// The cause.
+        #[source]
+        source: TcError,
+    },
+    /// A map operation failed.
+    #[error("eBPF map {map}: {action} failed")]
+    Map {
+        /// Map name.
+        map: &'static str,
+        /// What was attempted, with the key.
+        action: String,
+        /// The cause.
+        #[source]
+        source: MapError,
+    },
+    /// `remove_route` on a CIDR that has no entry.
+    #[error("no eBPF route entry for {cidr}")]
+    RouteNotFound {
+        /// The CIDR (host bits cleared).
+        cidr: IpNet,
+    },
+    /// A route entry kvpn never writes (unknown kind, impossible prefix length).
+    #[error("eBPF map {map} holds a corrupt route entry: {detail}")]
+    CorruptRoute {
+        /// Map name.
+        map: &'static str,
+        /// What is wrong, with the key.
+        detail: String,
+    },
 }
 
 /// The TC classifier attached to a TUN device's egress (laptop -> cluster direction).
+///
+/// Dropping it detaches the program (the link is owned here) and frees the maps.
 pub struct Classifier {
-    _private: (),
+    // Fields drop in declaration order: detach first, then maps, then the program.
+    link: Option<SchedClassifierLink>,
+    routes_v4: LpmTrie<MapData, Ipv4Prefix, RouteEntry>,
+    routes_v6: LpmTrie<MapData, Ipv6Prefix, RouteEntry>,
+    counters: PerCpuArray<MapData, CounterValue>,
+    ebpf: Ebpf,
+    ifname: Option<String>,
+    l2_hdr_len: u32,
+}
+
+impl std::fmt::Debug for Classifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Classifier")
+            .field("ifname", &self.ifname)
+            .field("l2_hdr_len", &self.l2_hdr_len)
+            .finish_non_exhaustive()
+    }
+}
+
+fn ebpf_object() -> &'static [u8] {
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kvpn-dataplane-ebpf"))
 }
 
 impl Classifier {
     /// Load the programs and maps and attach the classifier to `ifname` (TC egress, TCX).
     /// Must be called from a thread in the network namespace of `ifname`.
-    pub fn attach(_ifname: &str) -> Result<Self, EbpfError> {
-        Err(EbpfError::NotBuilt)
+    pub fn attach(ifname: &str) -> Result<Self, EbpfError> {
+        let mut classifier = Self::load(L2_HDR_LEN_TUN)?;
+        let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+        if !tcx {
+            // Legacy attachment goes through a clsact qdisc; the TUN device is ours, and
+            // one that already has clsact is fine.
+            match tc::qdisc_add_clsact(ifname) {
+                Ok(()) | Err(TcError::AlreadyAttached) => {}
+                Err(source) => {
+                    return Err(EbpfError::Qdisc {
+                        ifname: ifname.to_owned(),
+                        source,
+                    });
+                }
+            }
+        }
+        let program = classifier.program_mut()?;
+        let link_id = program
+            .attach(ifname, TcAttachType::Egress)
+            .map_err(|source| EbpfError::Attach {
+                ifname: ifname.to_owned(),
+                source,
+            })?;
+        let link = program
+            .take_link(link_id)
+            .map_err(|source| EbpfError::Program {
+                name: common::PROGRAM_TUN_EGRESS,
+                action: "take link",
+                source,
+            })?;
+        classifier.link = Some(link);
+        classifier.ifname = Some(ifname.to_owned());
+        tracing::debug!(ifname, tcx, "eBPF classifier attached to TC egress");
+        Ok(classifier)
     }
 
-    /// Add (or replace) a route entry `cidr -> kind`.
-    pub fn insert_route(&mut self, _cidr: IpNet, _kind: RouteKind) -> Result<(), EbpfError> {
-        Err(EbpfError::NotBuilt)
+    /// Load the classifier without attaching it, configured for Ethernet framing (L2
+    /// header of 14 bytes), the way BPF_PROG_TEST_RUN hands packets to TC programs. For
+    /// [`Self::test_run`] with Ethernet frames.
+    ///
+    /// Since Linux 6.x the kernel refuses (EINVAL) test frames whose ethertype is
+    /// IPv4/IPv6 but whose IP header is cut short; test those with
+    /// [`Self::load_for_test_l3`].
+    pub fn load_for_test() -> Result<Self, EbpfError> {
+        Self::load(L2_HDR_LEN_ETHERNET)
     }
 
-    /// Remove a route entry.
-    pub fn remove_route(&mut self, _cidr: IpNet) -> Result<(), EbpfError> {
-        Err(EbpfError::NotBuilt)
+    /// Load the classifier without attaching it, configured exactly as on the TUN
+    /// device (no L2 header): [`Self::test_run`] then takes a bare IP packet. The kernel
+    /// still reads the packet's first 14 bytes as an Ethernet header (the program does
+    /// not), so the packet must be at least 14 bytes long, and if its bytes 12–13 happen
+    /// to read 0x0800 or 0x86DD the kernel also wants an IP header behind byte 14.
+    pub fn load_for_test_l3() -> Result<Self, EbpfError> {
+        Self::load(L2_HDR_LEN_TUN)
+    }
+
+    fn load(l2_hdr_len: u32) -> Result<Self, EbpfError> {
+        let object = ebpf_object();
+        if object.is_empty() {
+            return Err(EbpfError::NotBuilt);
+        }
+        let mut ebpf = EbpfLoader::new()
+            .override_global(common::GLOBAL_L2_HDR_LEN, &l2_hdr_len, true)
+            .load(object)
+            .map_err(EbpfError::Load)?;
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(common::PROGRAM_TUN_EGRESS)
+            .ok_or(EbpfError::Missing {
+                what: "program",
+                name: common::PROGRAM_TUN_EGRESS,
+            })?
+            .try_into()
+            .map_err(|source| EbpfError::Program {
+                name: common::PROGRAM_TUN_EGRESS,
+                action: "type check",
+                source,
+            })?;
+        program.load().map_err(|source| EbpfError::Program {
+            name: common::PROGRAM_TUN_EGRESS,
+            action: "load",
+            source,
+        })?;
+        let routes_v4 = LpmTrie::try_from(take_map(&mut ebpf, common::MAP_ROUTES_V4)?)
+            .map_err(|source| map_error(common::MAP_ROUTES_V4, "open", source))?;
+        let routes_v6 = LpmTrie::try_from(take_map(&mut ebpf, common::MAP_ROUTES_V6)?)
+            .map_err(|source| map_error(common::MAP_ROUTES_V6, "open", source))?;
+        let counters = PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_COUNTERS)?)
+            .map_err(|source| map_error(common::MAP_COUNTERS, "open", source))?;
+        Ok(Self {
+            link: None,
+            routes_v4,
+            routes_v6,
+            counters,
+            ebpf,
+            ifname: None,
+            l2_hdr_len,
+        })
+    }
+
+    fn program_mut(&mut self) -> Result<&mut SchedClassifier, EbpfError> {
+        self.ebpf
+            .program_mut(common::PROGRAM_TUN_EGRESS)
+            .ok_or(EbpfError::Missing {
+                what: "program",
+                name: common::PROGRAM_TUN_EGRESS,
+            })?
+            .try_into()
+            .map_err(|source| EbpfError::Program {
+                name: common::PROGRAM_TUN_EGRESS,
+                action: "type check",
+                source,
+            })
+    }
+
+    /// The interface the classifier is attached to (`None` for [`Self::load_for_test`]).
+    pub fn ifname(&self) -> Option<&str> {
+        self.ifname.as_deref()
+    }
+
+    /// Add (or replace) a route entry `cidr -> kind`. Host bits of `cidr` are ignored.
+    pub fn insert_route(&mut self, cidr: IpNet, kind: RouteKind) -> Result<(), EbpfError> {
+        let entry = RouteEntry::new(kind.to_raw());
+        match cidr.trunc() {
+            IpNet::V4(net) => self
+                .routes_v4
+                .insert(&v4_key(net.network(), net.prefix_len()), entry, 0)
+                .map_err(|source| {
+                    map_error(common::MAP_ROUTES_V4, format!("insert {net}"), source)
+                }),
+            IpNet::V6(net) => self
+                .routes_v6
+                .insert(&v6_key(net.network(), net.prefix_len()), entry, 0)
+                .map_err(|source| {
+                    map_error(common::MAP_ROUTES_V6, format!("insert {net}"), source)
+                }),
+        }
+    }
+
+    /// Remove a route entry (exact CIDR; host bits ignored). A CIDR without an entry is
+    /// [`EbpfError::RouteNotFound`].
+    pub fn remove_route(&mut self, cidr: IpNet) -> Result<(), EbpfError> {
+        let cidr = cidr.trunc();
+        let (map, result) = match cidr {
+            IpNet::V4(net) => (
+                common::MAP_ROUTES_V4,
+                self.routes_v4
+                    .remove(&v4_key(net.network(), net.prefix_len())),
+            ),
+            IpNet::V6(net) => (
+                common::MAP_ROUTES_V6,
+                self.routes_v6
+                    .remove(&v6_key(net.network(), net.prefix_len())),
+            ),
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(MapError::SyscallError(SyscallError { io_error, .. }))
+                if io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Err(EbpfError::RouteNotFound { cidr })
+            }
+            Err(source) => Err(map_error(map, format!("remove {cidr}"), source)),
+        }
+    }
+
+    /// All route entries, IPv4 first, in the tries' iteration order.
+    pub fn routes(&self) -> Result<Vec<(IpNet, RouteKind)>, EbpfError> {
+        let mut routes = Vec::new();
+        for item in self.routes_v4.iter() {
+            let (key, entry) =
+                item.map_err(|source| map_error(common::MAP_ROUTES_V4, "iterate", source))?;
+            let addr = Ipv4Addr::from(key.data().addr);
+            let cidr = u8::try_from(key.prefix_len())
+                .ok()
+                .and_then(|len| Ipv4Net::new(addr, len).ok())
+                .ok_or_else(|| EbpfError::CorruptRoute {
+                    map: common::MAP_ROUTES_V4,
+                    detail: format!("prefix length {} for {addr}", key.prefix_len()),
+                })?;
+            let cidr = IpNet::V4(cidr);
+            routes.push((cidr, route_kind(common::MAP_ROUTES_V4, cidr, entry)?));
+        }
+        for item in self.routes_v6.iter() {
+            let (key, entry) =
+                item.map_err(|source| map_error(common::MAP_ROUTES_V6, "iterate", source))?;
+            let addr = Ipv6Addr::from(key.data().addr);
+            let cidr = u8::try_from(key.prefix_len())
+                .ok()
+                .and_then(|len| Ipv6Net::new(addr, len).ok())
+                .ok_or_else(|| EbpfError::CorruptRoute {
+                    map: common::MAP_ROUTES_V6,
+                    detail: format!("prefix length {} for {addr}", key.prefix_len()),
+                })?;
+            let cidr = IpNet::V6(cidr);
+            routes.push((cidr, route_kind(common::MAP_ROUTES_V6, cidr, entry)?));
+        }
+        Ok(routes)
     }
 
     /// Read the counters.
     pub fn stats(&self) -> Result<Stats, EbpfError> {
-        Err(EbpfError::NotBuilt)
+        let per_kind = RouteKind::ALL
+            .iter()
+            .map(|&kind| Ok((kind, self.counter(kind.counter_slot())?)))
+            .collect::<Result<Vec<_>, EbpfError>>()?;
+        Ok(Stats {
+            per_kind,
+            unrouted: self.counter(common::COUNTER_UNROUTED)?,
+            malformed: self.counter(common::COUNTER_MALFORMED)?,
+        })
     }
 
-    /// Look a destination up as the program would (for tests/diagnostics).
-    pub fn lookup(&self, _dst: IpAddr) -> Result<Option<RouteKind>, EbpfError> {
-        Err(EbpfError::NotBuilt)
+    fn counter(&self, slot: u32) -> Result<Counter, EbpfError> {
+        let values = self.counters.get(&slot, 0).map_err(|source| {
+            map_error(common::MAP_COUNTERS, format!("read slot {slot}"), source)
+        })?;
+        Ok(values.iter().fold(Counter::default(), |sum, cpu| Counter {
+            packets: sum.packets.wrapping_add(cpu.packets),
+            bytes: sum.bytes.wrapping_add(cpu.bytes),
+        }))
+    }
+
+    /// Look a destination up as the program would (longest-prefix match in the kernel).
+    pub fn lookup(&self, dst: IpAddr) -> Result<Option<RouteKind>, EbpfError> {
+        let (map, entry) = match dst {
+            IpAddr::V4(addr) => (
+                common::MAP_ROUTES_V4,
+                self.routes_v4.get(&v4_key(addr, 32), 0),
+            ),
+            IpAddr::V6(addr) => (
+                common::MAP_ROUTES_V6,
+                self.routes_v6.get(&v6_key(addr, 128), 0),
+            ),
+        };
+        match entry {
+            Ok(entry) => Ok(Some(route_kind(map, IpNet::from(dst), entry)?)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(map_error(map, format!("lookup {dst}"), source)),
+        }
+    }
+
+    /// Run the classifier once on `frame` with BPF_PROG_TEST_RUN and return its verdict.
+    /// `frame` is an Ethernet frame for [`Self::load_for_test`], a bare IP packet (at
+    /// least 14 bytes) for [`Self::load_for_test_l3`] and attached classifiers. Routes
+    /// and counters are the live maps: the run is counted like a real packet.
+    pub fn test_run(&self, frame: &[u8]) -> Result<TcAction, EbpfError> {
+        let program: &SchedClassifier = self
+            .ebpf
+            .program(common::PROGRAM_TUN_EGRESS)
+            .ok_or(EbpfError::Missing {
+                what: "program",
+                name: common::PROGRAM_TUN_EGRESS,
+            })?
+            .try_into()
+            .map_err(|source| EbpfError::Program {
+                name: common::PROGRAM_TUN_EGRESS,
+                action: "type check",
+                source,
+            })?;
+        let result = program
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                ..TestRunOptions::new()
+            })
+            .map_err(|source| EbpfError::Program {
+                name: common::PROGRAM_TUN_EGRESS,
+                action: "BPF_PROG_TEST_RUN",
+                source,
+            })?;
+        Ok(TcAction::from_return_value(result.return_value))
+    }
+
+    /// Whether kvpn's classifier is attached (TCX egress) to `ifname`, in the calling
+    /// thread's network namespace. For tests and leak checks after teardown.
+    pub fn is_attached_to(ifname: &str) -> Result<bool, EbpfError> {
+        let (_revision, programs) = SchedClassifier::query_tcx(ifname, TcAttachType::Egress)
+            .map_err(|source| EbpfError::Program {
+                name: common::PROGRAM_TUN_EGRESS,
+                action: "query TCX egress",
+                source,
+            })?;
+        Ok(programs
+            .iter()
+            .any(|p| p.name_as_str() == Some(common::PROGRAM_TUN_EGRESS)))
     }
 }
-// Dropping a Classifier detaches the program (the real implementation owns the link).
+
+fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, EbpfError> {
+    ebpf.take_map(name)
+        .ok_or(EbpfError::Missing { what: "map", name })
+}
+
+fn map_error(map: &'static str, action: impl Into<String>, source: MapError) -> EbpfError {
+    EbpfError::Map {
+        map,
+        action: action.into(),
+        source,
+    }
+}
+
+fn route_kind(map: &'static str, cidr: IpNet, entry: RouteEntry) -> Result<RouteKind, EbpfError> {
+    RouteKind::from_raw(entry.kind).ok_or_else(|| EbpfError::CorruptRoute {
+        map,
+        detail: format!("unknown kind {} for {cidr}", entry.kind),
+    })
+}
+
+fn v4_key(addr: Ipv4Addr, prefix_len: u8) -> Key<Ipv4Prefix> {
+    Key::new(
+        u32::from(prefix_len),
+        Ipv4Prefix {
+            addr: addr.octets(),
+        },
+    )
+}
+
+fn v6_key(addr: Ipv6Addr, prefix_len: u8) -> Key<Ipv6Prefix> {
+    Key::new(
+        u32::from(prefix_len),
+        Ipv6Prefix {
+            addr: addr.octets(),
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_kinds_round_trip_through_the_map_encoding() {
+        for kind in RouteKind::ALL {
+            assert_eq!(RouteKind::from_raw(kind.to_raw()), Some(kind));
+            assert_eq!(
+                common::counter_slot(kind.to_raw()),
+                Some(kind.counter_slot())
+            );
+        }
+        assert_eq!(RouteKind::from_raw(0), None);
+    }
+
+    #[test]
+    fn tc_return_codes_map_to_actions() {
+        assert_eq!(TcAction::from_return_value(0), TcAction::Pass);
+        assert_eq!(TcAction::from_return_value(2), TcAction::Drop);
+        assert_eq!(TcAction::from_return_value(u32::MAX), TcAction::Other(-1));
+    }
+
+    #[test]
+    fn stats_kind_finds_the_counter() {
+        let stats = Stats {
+            per_kind: vec![(
+                RouteKind::Service,
+                Counter {
+                    packets: 3,
+                    bytes: 180,
+                },
+            )],
+            ..Stats::default()
+        };
+        assert_eq!(stats.kind(RouteKind::Service).bytes, 180);
+        assert_eq!(stats.kind(RouteKind::Pod), Counter::default());
+    }
+}
