@@ -1093,3 +1093,7 @@ impl Engine {
         self.device.rx_len()
     }
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

@@ -533,17 +533,17 @@ pub fn ping_socket_reply(v6: bool, msg: &[u8]) -> Option<(u16, &[u8])> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
+    //! Packet builders for tests (the laptop's side of a conversation).
     use super::*;
-    use proptest::prelude::*;
-    use std::net::{Ipv4Addr, Ipv6Addr};
+    use std::net::Ipv4Addr;
 
-    pub(crate) fn v4(a: [u8; 4], port: u16) -> SocketAddr {
+    pub fn v4(a: [u8; 4], port: u16) -> SocketAddr {
         SocketAddr::new(IpAddr::V4(Ipv4Addr::from(a)), port)
     }
 
     /// A TCP segment built with smoltcp's emitters, for tests.
-    pub(crate) fn tcp_segment(
+    pub fn tcp_segment(
         src: SocketAddr,
         dst: SocketAddr,
         control: TcpControl,
@@ -574,6 +574,57 @@ mod tests {
         );
         buf
     }
+
+    /// An ICMP echo request `src -> dst`.
+    pub fn echo_request(src: IpAddr, dst: IpAddr, ident: u16, seq: u16, data: &[u8]) -> Vec<u8> {
+        let (IpAddr::V4(_), IpAddr::V4(_)) = (src, dst) else {
+            panic!("echo_request builds IPv4 only");
+        };
+        let repr = Icmpv4Repr::EchoRequest { ident, seq_no: seq, data };
+        let (mut buf, off) = ip_packet(src, dst, IpProtocol::Icmp, repr.buffer_len()).expect("fits");
+        repr.emit(&mut Icmpv4Packet::new_unchecked(&mut buf[off..]), &ChecksumCapabilities::default());
+        buf
+    }
+
+    /// A parsed TCP segment the manager sent.
+    #[derive(Debug, Clone)]
+    pub struct Seg {
+        pub src: SocketAddr,
+        pub dst: SocketAddr,
+        pub syn: bool,
+        pub ack: bool,
+        pub fin: bool,
+        pub rst: bool,
+        pub seq: u32,
+        pub ack_number: u32,
+        pub payload: Vec<u8>,
+    }
+
+    /// Parse a TCP/IPv4 segment (panics on anything else).
+    pub fn seg(buf: &[u8]) -> Seg {
+        let ip = Ipv4Packet::new_checked(buf).expect("ipv4");
+        assert_eq!(ip.next_header(), IpProtocol::Tcp, "not TCP");
+        let tcp = TcpPacket::new_checked(ip.payload()).expect("tcp");
+        Seg {
+            src: SocketAddr::new(IpAddr::V4(ip.src_addr()), tcp.src_port()),
+            dst: SocketAddr::new(IpAddr::V4(ip.dst_addr()), tcp.dst_port()),
+            syn: tcp.syn(),
+            ack: tcp.ack(),
+            fin: tcp.fin(),
+            rst: tcp.rst(),
+            seq: tcp.seq_number().0 as u32,
+            ack_number: tcp.ack_number().0 as u32,
+            payload: tcp.payload().to_vec(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::*;
+    use super::*;
+    use proptest::prelude::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
     #[test]
     fn classifies_tcp_syn() {
@@ -693,7 +744,9 @@ mod tests {
         assert_eq!(icmp.msg_type(), Icmpv4Message::DstUnreachable);
         assert_eq!(icmp.msg_code(), 1);
         // The quoted header carries the laptop's ports, which Linux uses to find the socket.
-        let inner = Ipv4Packet::new_checked(icmp.data()).expect("quoted ipv4");
+        // The quote is the header plus 8 bytes, shorter than its total length.
+        let inner = Ipv4Packet::new_unchecked(icmp.data());
+        assert_eq!(icmp.data().len(), 28);
         assert_eq!(inner.src_addr(), Ipv4Addr::new(100, 96, 0, 2));
         assert_eq!(&icmp.data()[20..22], &40000u16.to_be_bytes());
     }

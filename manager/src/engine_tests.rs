@@ -1,0 +1,713 @@
+//! Unit tests of the engine: a scripted laptop (packets built with
+//! `smoltcp::wire`) and a scripted kernel side (events), virtual clock.
+
+use super::*;
+use crate::packet::test_support::*;
+use proptest::prelude::*;
+use smoltcp::wire::{Icmpv4Message, Icmpv4Packet, Ipv4Packet, TcpControl, UdpPacket};
+
+const LAPTOP: [u8; 4] = [100, 96, 0, 2];
+
+fn laptop(port: u16) -> SocketAddr {
+    v4(LAPTOP, port)
+}
+
+fn backend() -> SocketAddr {
+    v4([10, 244, 1, 11], 7007)
+}
+
+struct Harness {
+    e: Engine,
+    now: Instant,
+}
+
+/// State of the scripted laptop's side of one TCP connection.
+struct Conn {
+    flow: FlowId,
+    port: u16,
+    dst: SocketAddr,
+    /// Next sequence number the laptop sends.
+    snd_nxt: u32,
+    /// Next sequence number the laptop expects.
+    rcv_nxt: u32,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let now = Instant::now();
+        let config = EngineConfig::new(IpAddr::V4(LAPTOP.into()), 7);
+        Self {
+            e: Engine::new(config, now),
+            now,
+        }
+    }
+
+    fn send(&mut self, pkt: Vec<u8>) {
+        self.e.handle_laptop_packet(&pkt, self.now);
+        self.e.poll(self.now);
+    }
+
+    fn event(&mut self, ev: Event) {
+        self.e.handle_event(ev, self.now);
+        self.e.poll(self.now);
+    }
+
+    fn out(&mut self) -> Vec<Vec<u8>> {
+        std::iter::from_fn(|| self.e.poll_transmit()).collect()
+    }
+
+    fn reqs(&mut self) -> Vec<Request> {
+        std::iter::from_fn(|| self.e.poll_request()).collect()
+    }
+
+    fn advance(&mut self, d: Duration) {
+        self.now += d;
+        self.e.handle_timeout(self.now);
+    }
+
+    /// SYN, dial success, SYN-ACK, ACK. Returns the connection and the first grant.
+    fn open(&mut self, port: u16, dst: SocketAddr) -> (Conn, usize) {
+        self.send(tcp_segment(laptop(port), dst, TcpControl::Syn, 1000, None, &[]));
+        assert!(self.out().is_empty(), "SYN must be held until the dial finished");
+        let reqs = self.reqs();
+        let [Request::TcpDial { flow, dst: d }] = reqs[..] else {
+            panic!("expected one dial, got {reqs:?}");
+        };
+        assert_eq!(d, dst);
+        self.event(Event::TcpDialed { flow, result: Ok(()) });
+        let out = self.out();
+        assert_eq!(out.len(), 1, "one SYN-ACK");
+        let synack = seg(&out[0]);
+        assert!(synack.syn && synack.ack, "{synack:?}");
+        assert_eq!((synack.src, synack.dst), (dst, laptop(port)));
+        assert_eq!(synack.ack_number, 1001);
+        let mut conn = Conn {
+            flow,
+            port,
+            dst,
+            snd_nxt: 1001,
+            rcv_nxt: synack.seq.wrapping_add(1),
+        };
+        self.ack(&mut conn);
+        let reqs = self.reqs();
+        let [Request::TcpGrant { flow: f, bytes }] = reqs[..] else {
+            panic!("expected a grant once established, got {reqs:?}");
+        };
+        assert_eq!(f, flow);
+        (conn, bytes)
+    }
+
+    fn ack(&mut self, c: &mut Conn) {
+        self.send(tcp_segment(laptop(c.port), c.dst, TcpControl::None, c.snd_nxt, Some(c.rcv_nxt), &[]));
+    }
+
+    fn data(&mut self, c: &mut Conn, payload: &[u8]) {
+        self.send(tcp_segment(
+            laptop(c.port),
+            c.dst,
+            TcpControl::Psh,
+            c.snd_nxt,
+            Some(c.rcv_nxt),
+            payload,
+        ));
+        c.snd_nxt = c.snd_nxt.wrapping_add(payload.len() as u32);
+    }
+
+    fn fin(&mut self, c: &mut Conn) {
+        self.send(tcp_segment(laptop(c.port), c.dst, TcpControl::Fin, c.snd_nxt, Some(c.rcv_nxt), &[]));
+        c.snd_nxt = c.snd_nxt.wrapping_add(1);
+    }
+
+    /// Collect in-order segments for `c` from the engine's output, advancing
+    /// rcv_nxt (no ACK sent). Returns (payload, fin seen, rst seen).
+    fn receive(&mut self, c: &mut Conn) -> (Vec<u8>, bool, bool) {
+        let mut data = Vec::new();
+        let (mut fin, mut rst) = (false, false);
+        for p in self.out() {
+            let s = seg(&p);
+            assert_eq!((s.src, s.dst), (c.dst, laptop(c.port)));
+            rst |= s.rst;
+            if s.seq == c.rcv_nxt {
+                data.extend_from_slice(&s.payload);
+                c.rcv_nxt = c.rcv_nxt.wrapping_add(s.payload.len() as u32);
+                if s.fin {
+                    fin = true;
+                    c.rcv_nxt = c.rcv_nxt.wrapping_add(1);
+                }
+            }
+        }
+        (data, fin, rst)
+    }
+}
+
+fn writes(reqs: &[Request], flow: FlowId) -> Vec<u8> {
+    reqs.iter()
+        .filter_map(|r| match r {
+            Request::TcpWrite { flow: f, data } if *f == flow => Some(data.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+#[test]
+fn retransmitted_syn_is_absorbed_while_dialing() {
+    let mut h = Harness::new();
+    let syn = tcp_segment(laptop(40000), backend(), TcpControl::Syn, 1000, None, &[]);
+    h.send(syn.clone());
+    h.send(syn);
+    assert!(h.out().is_empty());
+    let reqs = h.reqs();
+    assert_eq!(reqs.len(), 1, "one dial for two SYNs: {reqs:?}");
+    assert_eq!(h.e.metrics().tcp_dials, 1);
+}
+
+#[test]
+fn refused_dial_answers_rst_and_closes_the_flow() {
+    let mut h = Harness::new();
+    h.send(tcp_segment(laptop(40000), backend(), TcpControl::Syn, 1000, None, &[]));
+    let flow = match h.reqs()[..] {
+        [Request::TcpDial { flow, .. }] => flow,
+        ref r => panic!("{r:?}"),
+    };
+    h.event(Event::TcpDialed {
+        flow,
+        result: Err(DialError::Refused),
+    });
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    let rst = seg(&out[0]);
+    assert!(rst.rst && rst.ack && !rst.syn, "{rst:?}");
+    assert_eq!((rst.src, rst.dst), (backend(), laptop(40000)));
+    assert_eq!(rst.ack_number, 1001);
+    assert_eq!(h.reqs(), [Request::TcpClose { flow, reset: true }]);
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+    assert_eq!(h.e.metrics().tcp_refused, 1);
+}
+
+#[test]
+fn timed_out_dial_answers_host_unreachable() {
+    let mut h = Harness::new();
+    h.send(tcp_segment(laptop(40001), backend(), TcpControl::Syn, 5, None, &[]));
+    let flow = match h.reqs()[..] {
+        [Request::TcpDial { flow, .. }] => flow,
+        ref r => panic!("{r:?}"),
+    };
+    h.event(Event::TcpDialed {
+        flow,
+        result: Err(DialError::TimedOut),
+    });
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
+    assert_eq!(ip.src_addr(), backend().ip());
+    let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
+    assert_eq!((icmp.msg_type(), icmp.msg_code()), (Icmpv4Message::DstUnreachable, 1));
+    assert_eq!(h.e.metrics().tcp_unreachable, 1);
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+}
+
+#[test]
+fn laptop_reset_during_dial_cancels_it() {
+    let mut h = Harness::new();
+    h.send(tcp_segment(laptop(40002), backend(), TcpControl::Syn, 1000, None, &[]));
+    let flow = match h.reqs()[..] {
+        [Request::TcpDial { flow, .. }] => flow,
+        ref r => panic!("{r:?}"),
+    };
+    h.send(tcp_segment(laptop(40002), backend(), TcpControl::Rst, 1001, None, &[]));
+    assert_eq!(h.reqs(), [Request::TcpClose { flow, reset: true }]);
+    // A late dial result changes nothing.
+    h.event(Event::TcpDialed { flow, result: Ok(()) });
+    assert!(h.out().is_empty());
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+}
+
+#[test]
+fn relays_both_ways_and_closes_in_order() {
+    let mut h = Harness::new();
+    let (mut c, grant) = h.open(40003, backend());
+    assert_eq!(grant, TCP_TX_BUFFER);
+
+    // Outbound: laptop data becomes a write to the destination.
+    h.data(&mut c, b"ping");
+    assert_eq!(writes(&h.reqs(), c.flow), b"ping");
+    h.event(Event::TcpWritten { flow: c.flow, bytes: 4 });
+
+    // Inbound: destination data reaches the laptop.
+    h.event(Event::TcpData {
+        flow: c.flow,
+        data: b"pong".to_vec(),
+    });
+    let (got, fin, _) = h.receive(&mut c);
+    assert_eq!(got, b"pong");
+    assert!(!fin);
+    h.ack(&mut c);
+
+    // Laptop half-closes: shutdown(SHUT_WR) after its data.
+    h.data(&mut c, b"last");
+    h.fin(&mut c);
+    let reqs = h.reqs();
+    let pos_write = reqs.iter().position(|r| matches!(r, Request::TcpWrite { .. }));
+    let pos_shut = reqs.iter().position(|r| matches!(r, Request::TcpShutdownWrite { .. }));
+    assert!(pos_write < pos_shut && pos_shut.is_some(), "{reqs:?}");
+    assert_eq!(writes(&reqs, c.flow), b"last");
+
+    // The destination still answers after the half-close, then closes.
+    h.event(Event::TcpData {
+        flow: c.flow,
+        data: b"reply".to_vec(),
+    });
+    h.event(Event::TcpEof { flow: c.flow });
+    let (got, fin, _) = h.receive(&mut c);
+    assert_eq!(got, b"reply");
+    assert!(fin, "FIN after the data");
+    h.ack(&mut c);
+    assert!(h.reqs().contains(&Request::TcpClose { flow: c.flow, reset: false }));
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+    assert_eq!(h.e.metrics().tcp_closed, 1);
+}
+
+#[test]
+fn destination_close_delivers_all_data_then_fin() {
+    let mut h = Harness::new();
+    let (mut c, mut credit) = h.open(40004, backend());
+    let total = 3 * TCP_TX_BUFFER + 12345;
+    let source: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+    let mut sent = 0;
+    let mut received = Vec::new();
+    let mut fin = false;
+    for _ in 0..10_000 {
+        // Kernel side: read as much as granted.
+        let n = credit.min(total - sent).min(64 * 1024);
+        if n > 0 {
+            credit -= n;
+            h.event(Event::TcpData {
+                flow: c.flow,
+                data: source[sent..sent + n].to_vec(),
+            });
+            sent += n;
+            if sent == total {
+                h.event(Event::TcpEof { flow: c.flow });
+            }
+        }
+        let (d, f, rst) = h.receive(&mut c);
+        assert!(!rst);
+        received.extend_from_slice(&d);
+        fin |= f;
+        h.ack(&mut c);
+        for r in h.reqs() {
+            if let Request::TcpGrant { bytes, .. } = r {
+                credit += bytes;
+            }
+        }
+        if let Some(TcpFlow {
+            state: TcpState::Open(o),
+            ..
+        }) = h.e.tcp.get(&c.flow)
+        {
+            assert!(o.overflow.is_empty(), "a grant exceeded the send buffer");
+        }
+        if fin {
+            break;
+        }
+    }
+    assert!(fin, "no FIN after {} of {total} bytes", received.len());
+    assert_eq!(received.len(), total);
+    assert!(received == source, "bytes differ");
+}
+
+#[test]
+fn grants_never_exceed_free_send_buffer() {
+    let mut h = Harness::new();
+    let (c, first) = h.open(40005, backend());
+    // The laptop never acknowledges: the credit stays at one buffer in total.
+    let mut delivered = 0;
+    let mut credit = first;
+    for _ in 0..50 {
+        if credit > 0 {
+            let n = credit.min(64 * 1024);
+            credit -= n;
+            delivered += n;
+            h.event(Event::TcpData {
+                flow: c.flow,
+                data: vec![7; n],
+            });
+        }
+        h.out();
+        for r in h.reqs() {
+            if let Request::TcpGrant { bytes, .. } = r {
+                credit += bytes;
+            }
+        }
+    }
+    assert_eq!(delivered, TCP_TX_BUFFER, "credit beyond the unacknowledged buffer");
+    assert_eq!(credit, 0);
+}
+
+#[test]
+fn write_window_bounds_outbound_reads() {
+    let mut h = Harness::new();
+    let (mut c, _) = h.open(40006, backend());
+    // Without window scaling the laptop may have 64 KiB in flight; smoltcp
+    // acknowledges each segment, so keep sending into its window.
+    let chunk = vec![3u8; 8000];
+    let mut written = 0;
+    for _ in 0..50 {
+        h.data(&mut c, &chunk);
+        let out = h.out();
+        if let Some(last) = out.last() {
+            c.rcv_nxt = seg(last).ack_number.max(c.rcv_nxt);
+        }
+        written += writes(&h.reqs(), c.flow).len();
+    }
+    assert_eq!(written, TCP_WRITE_WINDOW, "reads beyond the write window");
+    h.event(Event::TcpWritten {
+        flow: c.flow,
+        bytes: TCP_WRITE_WINDOW,
+    });
+    let more = writes(&h.reqs(), c.flow).len();
+    assert_eq!(written + more, 50 * 8000, "buffered bytes released after the write");
+}
+
+#[test]
+fn laptop_reset_resets_the_destination() {
+    let mut h = Harness::new();
+    let (c, _) = h.open(40007, backend());
+    h.send(tcp_segment(laptop(c.port), c.dst, TcpControl::Rst, c.snd_nxt, None, &[]));
+    assert_eq!(h.reqs(), [Request::TcpClose { flow: c.flow, reset: true }]);
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+    assert_eq!(h.e.metrics().tcp_reset_by_laptop, 1);
+}
+
+#[test]
+fn destination_reset_resets_the_laptop() {
+    let mut h = Harness::new();
+    let (mut c, _) = h.open(40008, backend());
+    h.event(Event::TcpReset { flow: c.flow });
+    let (_, _, rst) = h.receive(&mut c);
+    assert!(rst, "RST to the laptop");
+    assert_eq!(h.reqs(), [Request::TcpClose { flow: c.flow, reset: true }]);
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+    assert_eq!(h.e.metrics().tcp_reset_by_remote, 1);
+}
+
+#[test]
+fn one_reset_leaves_other_flows_alone() {
+    let mut h = Harness::new();
+    let (a, _) = h.open(40009, backend());
+    let (mut b, _) = h.open(40010, backend());
+    h.event(Event::TcpReset { flow: a.flow });
+    h.out();
+    h.reqs();
+    h.data(&mut b, b"still");
+    assert_eq!(writes(&h.reqs(), b.flow), b"still");
+    assert_eq!(h.e.flow_counts(), (1, 0, 0));
+}
+
+#[test]
+fn time_wait_lingers_then_frees_and_allows_reuse() {
+    let mut h = Harness::new();
+    let (mut c, _) = h.open(40011, backend());
+    // Destination closes first: the manager's FIN; then the laptop's FIN.
+    h.event(Event::TcpEof { flow: c.flow });
+    let (_, fin, _) = h.receive(&mut c);
+    assert!(fin);
+    h.fin(&mut c);
+    let reqs = h.reqs();
+    assert!(reqs.contains(&Request::TcpShutdownWrite { flow: c.flow }), "{reqs:?}");
+    assert!(reqs.contains(&Request::TcpClose { flow: c.flow, reset: false }), "{reqs:?}");
+    let out = h.out();
+    assert!(out.iter().any(|p| seg(p).ack_number == c.snd_nxt), "FIN acknowledged");
+    assert_eq!(h.e.flow_counts(), (1, 0, 0), "TIME-WAIT socket lingers");
+    // The same 4-tuple opens again: a new dial, the old socket goes.
+    let (c2, _) = h.open(40011, backend());
+    assert_ne!(c2.flow, c.flow);
+    assert_eq!(h.e.flow_counts(), (1, 0, 0));
+    h.advance(Duration::from_secs(30));
+    assert_eq!(h.e.flow_counts(), (1, 0, 0), "the open flow stays while idle");
+}
+
+#[test]
+fn lingering_socket_expires() {
+    let mut h = Harness::new();
+    let (mut c, _) = h.open(40012, backend());
+    h.event(Event::TcpEof { flow: c.flow });
+    h.receive(&mut c);
+    h.fin(&mut c);
+    h.reqs();
+    assert_eq!(h.e.flow_counts(), (1, 0, 0));
+    let deadline = h.e.poll_timeout(h.now).expect("TIME-WAIT timer");
+    h.advance(deadline.saturating_duration_since(h.now) + Duration::from_millis(1));
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+}
+
+#[test]
+fn stray_segment_gets_rst() {
+    let mut h = Harness::new();
+    h.send(tcp_segment(laptop(40013), backend(), TcpControl::None, 55, Some(77), b"x"));
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    assert!(seg(&out[0]).rst);
+    assert!(h.reqs().is_empty());
+}
+
+#[test]
+fn bad_source_and_forbidden_destinations_are_dropped() {
+    let mut h = Harness::new();
+    h.send(tcp_segment(v4([100, 96, 0, 3], 1), backend(), TcpControl::Syn, 1, None, &[]));
+    h.send(tcp_segment(laptop(1), v4([127, 0, 0, 1], 22), TcpControl::Syn, 1, None, &[]));
+    h.send(udp_datagram(laptop(1), v4([255, 255, 255, 255], 67), b"x").expect("builds"));
+    assert!(h.reqs().is_empty());
+    assert!(h.out().is_empty());
+    assert_eq!(h.e.metrics().dropped(DropReason::BadSource), 1);
+    assert_eq!(h.e.metrics().dropped(DropReason::ForbiddenDestination), 2);
+}
+
+#[test]
+fn flow_limit_refuses_with_rst() {
+    let now = Instant::now();
+    let mut config = EngineConfig::new(IpAddr::V4(LAPTOP.into()), 1);
+    config.max_tcp_flows = 1;
+    let mut h = Harness {
+        e: Engine::new(config, now),
+        now,
+    };
+    h.send(tcp_segment(laptop(1), backend(), TcpControl::Syn, 1, None, &[]));
+    h.send(tcp_segment(laptop(2), backend(), TcpControl::Syn, 1, None, &[]));
+    assert_eq!(h.reqs().len(), 1);
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    assert!(seg(&out[0]).rst);
+    assert_eq!(h.e.metrics().dropped(DropReason::TooManyFlows), 1);
+}
+
+use crate::packet::udp_datagram;
+
+#[test]
+fn udp_flow_relays_and_expires() {
+    let mut h = Harness::new();
+    let dst = v4([10, 96, 0, 102], 7);
+    h.send(udp_datagram(laptop(5353), dst, b"one").expect("builds"));
+    h.send(udp_datagram(laptop(5353), dst, b"two").expect("builds"));
+    let reqs = h.reqs();
+    let flow = match reqs[..] {
+        [Request::UdpOpen { flow, dst: d }, Request::UdpSend { flow: f1, ref payload }, Request::UdpSend { flow: f2, payload: ref p2 }] => {
+            assert_eq!((d, f1, f2), (dst, flow, flow));
+            assert_eq!((&payload[..], &p2[..]), (&b"one"[..], &b"two"[..]));
+            flow
+        }
+        _ => panic!("{reqs:?}"),
+    };
+    h.event(Event::UdpReply {
+        flow,
+        data: b"ONE".to_vec(),
+    });
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
+    assert_eq!(ip.src_addr(), dst.ip());
+    assert_eq!(ip.dst_addr(), laptop(5353).ip());
+    let udp = UdpPacket::new_checked(ip.payload()).expect("udp");
+    assert_eq!((udp.src_port(), udp.dst_port(), udp.payload()), (7, 5353, &b"ONE"[..]));
+
+    // The reply refreshed the flow; it expires 60 s after the last traffic.
+    assert_eq!(h.e.poll_timeout(h.now), Some(h.now + UDP_IDLE_TIMEOUT));
+    h.advance(UDP_IDLE_TIMEOUT - Duration::from_secs(1));
+    assert!(h.reqs().is_empty());
+    h.advance(Duration::from_secs(1));
+    assert_eq!(h.reqs(), [Request::UdpClose { flow }]);
+    assert_eq!(h.e.metrics().udp_expired, 1);
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+}
+
+#[test]
+fn udp_refused_answers_port_unreachable() {
+    let mut h = Harness::new();
+    let dst = v4([10, 244, 1, 11], 9);
+    h.send(udp_datagram(laptop(6000), dst, b"x").expect("builds"));
+    let flow = match h.reqs()[0] {
+        Request::UdpOpen { flow, .. } => flow,
+        ref r => panic!("{r:?}"),
+    };
+    h.event(Event::UdpRefused { flow });
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
+    let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
+    assert_eq!((icmp.msg_type(), icmp.msg_code()), (Icmpv4Message::DstUnreachable, 3));
+    let quoted = Ipv4Packet::new_checked(icmp.data()).expect("quoted header");
+    assert_eq!(quoted.dst_addr(), dst.ip());
+    assert_eq!(&icmp.data()[20..24], &[0x17, 0x70, 0, 9]);
+}
+
+#[test]
+fn echo_reply_only_when_the_target_answers() {
+    let mut h = Harness::new();
+    let laptop_ip = laptop(0).ip();
+    let target = v4([10, 244, 1, 11], 0).ip();
+    h.send(echo_request(laptop_ip, target, 0xbeef, 1, b"abc"));
+    let reqs = h.reqs();
+    let flow = match reqs[..] {
+        [Request::PingOpen { flow, dst }, Request::PingSend { flow: f, seq: 1, ref data }] => {
+            assert_eq!((dst, f, &data[..]), (target, flow, &b"abc"[..]));
+            flow
+        }
+        _ => panic!("{reqs:?}"),
+    };
+    assert!(h.out().is_empty(), "no reply before the target answered");
+    h.event(Event::PingReply {
+        flow,
+        seq: 1,
+        data: b"abc".to_vec(),
+    });
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
+    assert_eq!((ip.src_addr(), ip.dst_addr()), (v4([10, 244, 1, 11], 0).ip(), laptop_ip).into_v4());
+    let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
+    assert_eq!(icmp.msg_type(), Icmpv4Message::EchoReply);
+    assert_eq!((icmp.echo_ident(), icmp.echo_seq_no(), icmp.data()), (0xbeef, 1, &b"abc"[..]));
+    // A second ping with another identifier is another flow.
+    h.send(echo_request(laptop_ip, target, 0xcafe, 1, b""));
+    assert!(matches!(h.reqs()[0], Request::PingOpen { .. }));
+    assert_eq!(h.e.flow_counts(), (0, 0, 2));
+    h.advance(PING_IDLE_TIMEOUT);
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+}
+
+trait IntoV4 {
+    fn into_v4(self) -> (std::net::Ipv4Addr, std::net::Ipv4Addr);
+}
+
+impl IntoV4 for (IpAddr, IpAddr) {
+    fn into_v4(self) -> (std::net::Ipv4Addr, std::net::Ipv4Addr) {
+        match self {
+            (IpAddr::V4(a), IpAddr::V4(b)) => (a, b),
+            other => panic!("not IPv4: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn failed_socket_closes_the_flow() {
+    let mut h = Harness::new();
+    h.send(echo_request(laptop(0).ip(), v4([10, 244, 1, 99], 0).ip(), 1, 1, b""));
+    let flow = match h.reqs()[0] {
+        Request::PingOpen { flow, .. } => flow,
+        ref r => panic!("{r:?}"),
+    };
+    h.event(Event::SocketFailed { flow });
+    assert_eq!(h.reqs(), [Request::PingClose { flow }]);
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+}
+
+fn arbitrary_event() -> impl Strategy<Value = Event> {
+    let flow = (0u64..6).prop_map(FlowId);
+    let data = proptest::collection::vec(any::<u8>(), 0..2000);
+    prop_oneof![
+        (flow.clone(), prop_oneof![
+            Just(Ok(())),
+            Just(Err(DialError::Refused)),
+            Just(Err(DialError::TimedOut))
+        ])
+            .prop_map(|(flow, result)| Event::TcpDialed { flow, result }),
+        (flow.clone(), data.clone()).prop_map(|(flow, data)| Event::TcpData { flow, data }),
+        flow.clone().prop_map(|flow| Event::TcpEof { flow }),
+        flow.clone().prop_map(|flow| Event::TcpReset { flow }),
+        (flow.clone(), 0usize..100_000).prop_map(|(flow, bytes)| Event::TcpWritten { flow, bytes }),
+        (flow.clone(), data.clone()).prop_map(|(flow, data)| Event::UdpReply { flow, data }),
+        flow.clone().prop_map(|flow| Event::UdpRefused { flow }),
+        flow.clone().prop_map(|flow| Event::SocketFailed { flow }),
+        (flow, any::<u16>(), data).prop_map(|(flow, seq, data)| Event::PingReply { flow, seq, data }),
+    ]
+}
+
+/// A laptop packet: valid TCP/UDP/ICMP to a few endpoints, possibly mutated.
+fn arbitrary_packet() -> impl Strategy<Value = Vec<u8>> {
+    let port = 1u16..4;
+    let control = prop_oneof![
+        Just(TcpControl::Syn),
+        Just(TcpControl::None),
+        Just(TcpControl::Fin),
+        Just(TcpControl::Rst),
+        Just(TcpControl::Psh)
+    ];
+    let valid = prop_oneof![
+        (port.clone(), control, any::<u32>(), any::<Option<u32>>(), proptest::collection::vec(any::<u8>(), 0..64))
+            .prop_map(|(p, c, seq, ack, payload)| tcp_segment(laptop(p), backend(), c, seq, ack, &payload)),
+        (port, proptest::collection::vec(any::<u8>(), 0..64))
+            .prop_map(|(p, payload)| udp_datagram(laptop(p), backend(), &payload).expect("builds")),
+        (any::<u16>(), any::<u16>()).prop_map(|(id, seq)| echo_request(laptop(0).ip(), backend().ip(), id % 3, seq, b"x")),
+    ];
+    (valid, proptest::collection::vec((any::<usize>(), any::<u8>()), 0..3), any::<bool>()).prop_map(
+        |(mut pkt, flips, truncate)| {
+            for (i, b) in flips {
+                let len = pkt.len();
+                pkt[i % len] ^= b;
+            }
+            if truncate {
+                pkt.truncate(pkt.len() / 2);
+            }
+            pkt
+        },
+    )
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Packet(Vec<u8>),
+    Random(Vec<u8>),
+    Event(Event),
+    Advance(u64),
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Any mix of laptop packets (valid, mutated, random), kernel events for
+    /// live or stale flows and time steps never panics, and every flow opened
+    /// towards the kernel side is closed by the end of the session's traffic.
+    #[test]
+    fn engine_never_panics(steps in proptest::collection::vec(prop_oneof![
+        arbitrary_packet().prop_map(Step::Packet),
+        proptest::collection::vec(any::<u8>(), 0..80).prop_map(Step::Random),
+        arbitrary_event().prop_map(Step::Event),
+        (0u64..200_000).prop_map(Step::Advance),
+    ], 0..60)) {
+        let mut h = Harness::new();
+        let mut open = std::collections::BTreeSet::new();
+        for step in steps {
+            match step {
+                Step::Packet(p) | Step::Random(p) => h.send(p),
+                Step::Event(e) => h.event(e),
+                Step::Advance(ms) => h.advance(Duration::from_millis(ms)),
+            }
+            h.out();
+            for r in h.reqs() {
+                match r {
+                    Request::TcpDial { flow, .. } | Request::UdpOpen { flow, .. } | Request::PingOpen { flow, .. } => {
+                        prop_assert!(open.insert(flow), "{flow} opened twice");
+                    }
+                    Request::TcpClose { flow, .. } | Request::UdpClose { flow } | Request::PingClose { flow } => {
+                        prop_assert!(open.remove(&flow), "{flow} closed but not open");
+                    }
+                    Request::TcpWrite { flow, .. } | Request::TcpShutdownWrite { flow } | Request::TcpGrant { flow, .. }
+                    | Request::UdpSend { flow, .. } | Request::PingSend { flow, .. } => {
+                        prop_assert!(open.contains(&flow), "request for {flow}, which is not open");
+                    }
+                }
+            }
+        }
+        // Flows the engine still tracks with a live kernel side are exactly the open ones.
+        let mut live: std::collections::BTreeSet<FlowId> = h.e.udp.keys().chain(h.e.ping.keys()).copied().collect();
+        for (id, f) in &h.e.tcp {
+            match &f.state {
+                TcpState::Dialing { .. } => { live.insert(*id); }
+                TcpState::Open(o) if !o.kernel_closed => { live.insert(*id); }
+                _ => {}
+            }
+        }
+        prop_assert_eq!(live, open);
+    }
+}
