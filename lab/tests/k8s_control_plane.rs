@@ -239,6 +239,38 @@ async fn control_plane_serves_kubectl_kube_rs_rbac_and_stops_clean() {
         .expect("kvpn-user lists pods cluster-wide");
     assert!(all_pods.items.iter().any(|p| p.metadata.uid == pod.metadata.uid));
 
+    // --- the CA, reloaded from pki/, issues certificates the apiserver trusts -----------
+    // (the kubelet stand-in's serving certificate will come from here)
+    let ca = cp.ca().expect("reload CA");
+    let probe = ca
+        .issue(&k8s::pki::CertSpec::client(&format!("probe-{id}"), &[]))
+        .expect("issue");
+    let (crt, key) = (dir.join("probe.crt"), dir.join("probe.key"));
+    std::fs::write(&crt, &probe.cert_pem).expect("write");
+    std::fs::write(&key, &probe.key_pem).expect("write");
+    let probe_kc = dir.join("probe.kubeconfig");
+    let server = cp.server_url();
+    std::fs::write(
+        &probe_kc,
+        k8s::kubeconfig::render(&k8s::kubeconfig::KubeconfigSpec {
+            cluster: cp.name(),
+            server: &server,
+            ca_file: &cp.ca_file(),
+            user: "probe",
+            client_cert_file: &crt,
+            client_key_file: &key,
+            namespace: None,
+        }),
+    )
+    .expect("write");
+    let probe_client = k8s::client_from_kubeconfig(&probe_kc).await.expect("probe client");
+    // GET /api is for authenticated users only (anonymous gets 403).
+    let req = http::Request::get("/api").body(Vec::new()).expect("request");
+    probe_client
+        .request_text(req)
+        .await
+        .expect("a client cert from the reloaded CA authenticates");
+
     // --- stop: no process, no listening port -------------------------------------------
     let records = cp.processes();
     assert_eq!(records.len(), 3);
@@ -290,4 +322,33 @@ async fn missing_binaries_name_the_build_script() {
     let msg = err.to_string();
     assert!(msg.contains("kube-apiserver not found") && msg.contains("scripts/build-kubernetes.sh"), "{msg}");
     assert!(!dir.exists(), "nothing created before the binaries are found");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detached_control_plane_is_stopped_from_its_folder() {
+    let id = unique();
+    let dir = test_dir("detach", &id);
+    let mut config = ControlPlaneConfig::new(&dir, format!("kvpn-lab-{id}"));
+    // As `kvpn lab up` does: the processes outlive whoever started them.
+    config.tie_to_process = false;
+    let cp = ControlPlane::start(config.clone()).await.expect("start");
+    let records = cp.processes();
+    let ip = cp.listen_ip();
+    let folder = cp.detach().expect("detach");
+    assert_eq!(folder, dir);
+    for r in &records {
+        assert!(process::is_alive(r), "{} stopped on detach", r.name);
+    }
+    // A second start in the same folder must refuse, not clobber a running cluster.
+    let err = ControlPlane::start(config).await.expect_err("folder in use");
+    assert!(err.to_string().contains("still running"), "{err}");
+    assert!(records.iter().all(process::is_alive), "the refused start touched nothing");
+
+    assert!(ControlPlane::stop_dir(&dir, Duration::from_secs(10)).expect("stop_dir"));
+    for r in &records {
+        assert!(!process::is_alive(r), "{} (pid {}) survived stop_dir", r.name, r.pid);
+    }
+    assert_eq!(listening_ports(ip), Vec::<u16>::new());
+    assert!(!ControlPlane::stop_dir(&dir, Duration::from_secs(1)).expect("second stop_dir"), "nothing left to stop");
+    std::fs::remove_dir_all(&dir).expect("rm dir");
 }

@@ -29,7 +29,7 @@ pub mod rbac;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use control_plane::{ControlPlane, ControlPlaneConfig, Ports};
+pub use control_plane::{ControlPlane, ControlPlaneConfig, Ports, client_from_kubeconfig};
 pub use pki::CertificateAuthority;
 
 /// The Kubernetes version `scripts/build-kubernetes.sh` builds.

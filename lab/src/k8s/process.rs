@@ -167,6 +167,18 @@ impl Managed {
                     Ok(())
                 });
             }
+        } else {
+            // Untied: a session of its own, so closing the terminal that ran
+            // `kvpn lab up` (SIGHUP to its process groups) leaves it running.
+            // SAFETY: setsid(2) is async-signal-safe and touches no parent memory.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::setsid() < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
         let child = match spawner {
             Some(s) => s.spawn(cmd),
