@@ -44,14 +44,25 @@ for i in 1 2 3 4; do
 done
 
 bold "6. UDP echo through the ClusterIP of the udp-echo service"
-expect_ok show laptop bash -c 'echo "hello over UDP" | socat -t 2 - UDP:10.96.0.102:7'
+udp_echo() { reply=$(laptop bash -c 'echo "hello over UDP" | socat -t 2 - UDP:10.96.0.102:7'); echo "reply: ${reply:-<none>}"; [ "$reply" = "hello over UDP" ]; }
+expect_ok udp_echo
 
 bold "7. ICMP: a pod answers; an unused pod IP does not (no fake replies)"
 expect_ok show laptop ping -c 3 -i 0.2 -W 2 10.244.1.12
 expect_fail show laptop ping -c 1 -W 2 10.244.1.99
 
-bold "8. A 50 MB download through the tunnel, checked by sha256"
-expect_ok show laptop bash -c 'curl -sS --max-time 60 -o /dev/null -w "%{size_download} bytes at %{speed_download} bytes/s\n" http://10.244.1.11:8080/big'
+bold "8. A 50 MB download through the tunnel, checked by sha256 against the same file fetched inside the pod"
+sum_tunnel() { laptop bash -c 'curl -sS --max-time 60 http://10.244.1.11:8080/big | sha256sum' | cut -d' ' -f1; }
+sum_pod() { kvpn lab exec backend-1 -- bash -c 'curl -sS --max-time 60 http://127.0.0.1:8080/big | sha256sum' | cut -d' ' -f1; }
+check_download() {
+    local start end a b
+    start=$(date +%s.%N); a=$(sum_tunnel); end=$(date +%s.%N)
+    b=$(sum_pod)
+    echo "through kvpn: $a ($(echo "scale=1; 52428800*8/($end-$start)/1000000" | bc) Mbit/s)"
+    echo "inside pod:   $b"
+    [ -n "$a" ] && [ "$a" = "$b" ]
+}
+expect_ok check_download
 
 bold "9. Status, with the eBPF classifier's per-kind counters"
 expect_ok show laptop kvpn status

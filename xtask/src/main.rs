@@ -98,7 +98,8 @@ fn target_dir() -> PathBuf {
 fn build(release: bool) -> Result<PathBuf> {
     println!("==> building kvpn ({})", if release { "release" } else { "debug" });
     let mut cmd = cargo();
-    cmd.args(["build", "--workspace", "--bins"]);
+    // Default members only: the eBPF crate is built by dataplane/build.rs for bpfel.
+    cmd.args(["build", "--bins"]);
     if release {
         cmd.arg("--release");
     }
@@ -119,7 +120,7 @@ fn main() -> Result<()> {
             let bin = build(false)?;
             println!("==> running every test");
             let mut cmd = cargo();
-            cmd.args(["test", "--workspace"]).env("KVPN_BIN_DIR", &bin);
+            cmd.args(["test"]).env("KVPN_BIN_DIR", &bin);
             if !args.is_empty() {
                 cmd.args(&args);
             }
