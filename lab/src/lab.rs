@@ -290,6 +290,7 @@ impl Lab {
             teardown_on_drop: true,
             down: false,
         };
+        write_owner(&lab.id, &lab.dir)?;
         lab.build(&options)?;
         if lab.persist_as.is_some() {
             lab.write_state()?;
@@ -503,6 +504,8 @@ impl Lab {
         }
         self.write_state()?;
         self.teardown_on_drop = false;
+        // From now on the state file owns the lab, not this process.
+        let _ = std::fs::remove_file(owner_path(&self.id));
         Ok(state_path(&self.name))
     }
 
@@ -568,10 +571,11 @@ impl Lab {
                 first_error.get_or_insert(e);
             }
         }
-        // 4. State file and folder.
+        // 4. State file, owner record and folder.
         if let Some(name) = &self.persist_as {
             let _ = std::fs::remove_file(state_path(name));
         }
+        let _ = std::fs::remove_file(owner_path(&self.id));
         let keep = self.keep_dir || std::thread::panicking();
         if keep {
             tracing::info!(dir = %self.dir.display(), "lab folder kept");
@@ -657,18 +661,27 @@ impl Lab {
         SocketAddr::V4(crate::MANAGER_ADDR_FROM_LAPTOP)
     }
 
-    /// The netns of `role`: `"laptop"`, `"node"` or a pod name.
-    pub fn netns(&self, role: &str) -> Result<&Netns> {
+    /// The netns of `role`: `"laptop"`, `"node"`, a pod name, or any other existing
+    /// `kvpn-<id>-<role>` netns (pods added later with [`Node::add_pod`], e.g. by the
+    /// kubelet stand-in).
+    pub fn netns(&self, role: &str) -> Result<Netns> {
         match role {
-            LAPTOP => Ok(&self.laptop),
-            NODE => Ok(self.node.netns()),
-            pod => self
-                .pod(pod)
-                .map(|p| &p.netns)
-                .ok_or_else(|| LabError::UnknownRole {
-                    name: self.name.clone(),
-                    role: role.to_owned(),
-                }),
+            LAPTOP => Ok(self.laptop.clone()),
+            NODE => Ok(self.node.netns().clone()),
+            pod => match self.pod(pod) {
+                Some(p) => Ok(p.netns.clone()),
+                None => {
+                    let netns = Netns::from_name(&netns_name(&self.id, role));
+                    if !role.contains('/') && netns.exists() {
+                        Ok(netns)
+                    } else {
+                        Err(LabError::UnknownRole {
+                            name: self.name.clone(),
+                            role: role.to_owned(),
+                        })
+                    }
+                }
+            },
         }
     }
 
@@ -703,7 +716,7 @@ impl Lab {
         }
         let netns = self.netns(role)?;
         let log = self.dir.join(format!("{name}.log"));
-        let process = Process::spawn(netns, name, cmd, &log)?;
+        let process = Process::spawn(&netns, name, cmd, &log)?;
         let pid = process.pid();
         self.lock_processes().push(process);
         if self.persist_as.is_some() && !self.teardown_on_drop {
@@ -948,6 +961,121 @@ impl Drop for Lab {
                 self.dir.display()
             );
         }
+    }
+}
+
+/// Who built a non-persistent lab: lets [`reap_orphaned_labs`] tell a lab whose test
+/// process was killed (no drop, no teardown) from one that is still in use.
+#[derive(Debug, Serialize, Deserialize)]
+struct OwnerRecord {
+    pid: u32,
+    start_ticks: u64,
+    dir: PathBuf,
+}
+
+fn owner_path(id: &str) -> PathBuf {
+    state_dir().join("owners").join(format!("{id}.json"))
+}
+
+fn write_owner(id: &str, dir: &Path) -> Result<()> {
+    let pid = std::process::id();
+    let record = OwnerRecord {
+        pid,
+        start_ticks: crate::process::proc_stat(pid).map_or(0, |s| s.start_ticks),
+        dir: dir.to_owned(),
+    };
+    let path = owner_path(id);
+    let io = |what: String| move |source| LabError::Io { what, source };
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(io(format!("cannot create {}", parent.display())))?;
+    }
+    let text = serde_json::to_string(&record).map_err(|source| LabError::State {
+        path: path.clone(),
+        source,
+    })?;
+    std::fs::write(&path, text).map_err(io(format!("cannot write {}", path.display())))
+}
+
+/// Tears down labs whose builder died without tearing them down (a test process killed
+/// with SIGKILL, a crashed `kvpn lab up`): every `kvpn-<id>-*` netns whose id has an
+/// owner record naming a dead process, or a persistent state file whose node netns is
+/// gone. Labs in use, persistent labs that are up, and netns of other kvpn components
+/// (no owner record) are left alone. Returns the ids it tore down.
+pub fn reap_orphaned_labs() -> Result<Vec<String>> {
+    crate::require_root()?;
+    let mut reaped = Vec::new();
+    let mut first_error = None;
+    // Persistent labs with a state file but no node netns (half-built or half-removed).
+    if let Ok(entries) = std::fs::read_dir(state_dir()) {
+        for entry in entries.flatten() {
+            let file = entry.file_name().to_string_lossy().into_owned();
+            let Some(name) = file.strip_suffix(".json") else {
+                continue;
+            };
+            if let Ok(mut lab) = Lab::attach(name)
+                && !lab.node.netns().exists()
+            {
+                let id = lab.id.clone();
+                match lab.down() {
+                    Ok(()) => reaped.push(id),
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+        }
+    }
+    // Non-persistent labs whose owner process is gone.
+    let ids: std::collections::BTreeSet<String> = crate::netns::list_kvpn_netns()?
+        .iter()
+        .filter_map(|n| {
+            let id = n.strip_prefix("kvpn-")?.get(..5)?;
+            (is_lab_id(id) && n.as_bytes().get(10) == Some(&b'-')).then(|| id.to_owned())
+        })
+        .collect();
+    for id in ids {
+        let Ok(text) = std::fs::read_to_string(owner_path(&id)) else {
+            continue;
+        };
+        let Ok(owner) = serde_json::from_str::<OwnerRecord>(&text) else {
+            continue;
+        };
+        let owner_alive = crate::process::proc_stat(owner.pid)
+            .is_some_and(|s| s.start_ticks == owner.start_ticks && s.state != 'Z');
+        if owner_alive {
+            continue;
+        }
+        tracing::info!(%id, owner = owner.pid, "tearing down an orphaned lab");
+        let node = Node::existing(&id, NODE, NODE_POD_CIDR);
+        let uplink = node.uplink(LAPTOP_UPLINK_IP, NODE_UPLINK_IP, UPLINK_PREFIX_LEN);
+        let mut lab = Lab {
+            name: format!("kvpn-{id}"),
+            laptop: Netns::from_name(&netns_name(&id, LAPTOP)),
+            id: id.clone(),
+            dir: owner.dir,
+            node,
+            uplink,
+            pods: Vec::new(),
+            services: Vec::new(),
+            node_ports: Vec::new(),
+            processes: Mutex::new(Vec::new()),
+            persist_as: None,
+            keep_dir: false,
+            manager_desc: String::new(),
+            teardown_on_drop: false,
+            down: false,
+        };
+        match lab.down() {
+            Ok(()) => reaped.push(id),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(reaped),
     }
 }
 

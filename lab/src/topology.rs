@@ -22,6 +22,15 @@ pub const POD_INTERFACE: &str = "eth0";
 /// Lets unprivileged processes (the manager) open ICMP echo sockets.
 const PING_GROUP_RANGE: (&str, &str) = ("net.ipv4.ping_group_range", "0 2147483647");
 
+/// The MAC of the interface holding `ip`: `0a:58` + the four address bytes, the
+/// convention of the Kubernetes bridge CNI plugin. A pod re-created with the same IP
+/// gets the same MAC, so neighbours' ARP entries for it stay right (a random MAC would
+/// leave them pointing at the old pod until they expire, up to ~45 s).
+pub fn mac_for(ip: Ipv4Addr) -> String {
+    let [a, b, c, d] = ip.octets();
+    format!("0a:58:{a:02x}:{b:02x}:{c:02x}:{d:02x}")
+}
+
 /// `kvpn-<id>-<role>`.
 pub fn netns_name(lab_id: &str, role: &str) -> String {
     format!("kvpn-{lab_id}-{role}")
@@ -73,7 +82,14 @@ impl Node {
         let gw = format!("{}/{}", node.gateway, pod_cidr.prefix_len());
         node.netns.ip_batch(&[
             "link set lo up".to_owned(),
-            format!("link add {} type bridge", node.bridge),
+            // A fixed bridge MAC: by default a bridge takes the lowest MAC of its ports
+            // and changes it when that port leaves, which would make every pod's ARP
+            // entry for the gateway stale when a pod is deleted.
+            format!(
+                "link add {} address {} type bridge",
+                node.bridge,
+                mac_for(node.gateway)
+            ),
             format!("addr add {gw} dev {}", node.bridge),
             format!("link set {} up", node.bridge),
         ])?;
@@ -183,14 +199,16 @@ impl Node {
         pod.netns.create_in_place()?;
         self.netns.ip_batch(&[
             format!(
-                "link add {} type veth peer name {POD_INTERFACE} netns {}",
+                "link add {} type veth peer name {POD_INTERFACE} address {} netns {}",
                 pod.host_veth,
+                mac_for(pod.ip),
                 pod.netns.name()
             ),
             format!("link set {} master {}", pod.host_veth, self.bridge),
             format!("link set {} type bridge_slave hairpin on", pod.host_veth),
             format!("link set {} up", pod.host_veth),
         ])?;
+        pod.netns.set_sysctls(&[PING_GROUP_RANGE])?;
         pod.netns.ip_batch(&[
             "link set lo up".to_owned(),
             format!(
@@ -200,8 +218,7 @@ impl Node {
             ),
             format!("link set {POD_INTERFACE} up"),
             format!("route add default via {}", self.gateway),
-        ])?;
-        pod.netns.set_sysctls(&[PING_GROUP_RANGE])
+        ])
     }
 
     /// Registers a pod that already exists (created by an earlier process) so address

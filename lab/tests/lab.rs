@@ -605,3 +605,97 @@ fn netns_helpers_enter_the_right_namespace() {
         format!("kvpn-{}-backend-2", lab.id())
     );
 }
+
+#[test]
+fn orphaned_lab_is_reaped_and_live_ones_are_not() {
+    let live = lab_without_manager();
+    let orphan = lab_without_manager();
+    let id = orphan.id().to_owned();
+    let pids: Vec<u32> = orphan.processes().iter().map(|p| p.pid).collect();
+    let dir = orphan.dir().to_owned();
+    // Pretend the orphan's builder died: its owner record names a finished process.
+    let mut gone = Command::new("true").spawn().expect("spawn true");
+    let dead_pid = gone.id();
+    gone.wait().expect("reap true");
+    let owner = kvpn_lab::state_dir()
+        .join("owners")
+        .join(format!("{id}.json"));
+    let text = std::fs::read_to_string(&owner).expect("owner record of a running lab");
+    assert!(
+        text.contains(&format!("\"pid\":{}", std::process::id())),
+        "{text}"
+    );
+    std::fs::write(
+        &owner,
+        format!(
+            "{{\"pid\":{dead_pid},\"start_ticks\":1,\"dir\":{:?}}}",
+            dir.display().to_string()
+        ),
+    )
+    .expect("rewrite owner");
+    std::mem::forget(orphan);
+
+    let reaped = kvpn_lab::reap_orphaned_labs().expect("reap");
+    assert!(reaped.contains(&id), "{reaped:?}");
+    assert!(
+        !reaped.iter().any(|r| r == live.id()),
+        "a live lab is not an orphan"
+    );
+    assert!(lab_netns(&id).expect("list").is_empty());
+    assert!(pids.iter().all(|&p| !alive(p)));
+    assert!(!owner.exists() && !dir.exists());
+    assert_eq!(lab_netns(live.id()).expect("list").len(), 5);
+    assert_eq!(
+        page(&live, MANAGER_POD, &format!("http://{BACKEND_2_IP}:8080/")).pod,
+        BACKEND_2_POD
+    );
+}
+
+#[test]
+fn pods_added_later_are_reachable_and_usable_by_role() {
+    let lab = lab_without_manager();
+    let ip = lab.node().free_pod_ip().expect("a free pod IP");
+    assert_eq!(
+        ip,
+        Ipv4Addr::new(10, 244, 1, 2),
+        "lowest free address after the gateway"
+    );
+    let pod = lab.node().add_pod("late", ip).expect("add pod");
+    assert!(
+        lab.node()
+            .add_pod("late", Ipv4Addr::new(10, 244, 1, 3))
+            .is_err(),
+        "name taken"
+    );
+    assert!(lab.node().add_pod("other", ip).is_err(), "IP taken");
+    lab.spawn_in(
+        "late",
+        "late-server",
+        Command::new(server()).args(["--name", "late"]),
+    )
+    .expect("spawn by role");
+    lab.wait_tcp(NODE, SocketAddr::from((ip, 8080)), Duration::from_secs(5))
+        .expect("ready");
+    assert_eq!(
+        page(&lab, BACKEND_1_POD, &format!("http://{ip}:8080/")).pod,
+        "late"
+    );
+    // Removing it and adding a pod with the same IP again works at once.
+    let pid = lab
+        .processes()
+        .iter()
+        .find(|p| p.name == "late-server")
+        .expect("tracked")
+        .pid;
+    lab.stop_process(pid, Duration::from_secs(3)).expect("stop");
+    lab.node().remove_pod(&pod).expect("remove");
+    assert!(!pod.netns.exists());
+    let again = lab.node().add_pod("late-2", ip).expect("same IP again");
+    let out = lab
+        .exec_in(BACKEND_1_POD, &["ping", "-c1", "-W2", &ip.to_string()])
+        .expect("ping");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(again.host_veth, pod.host_veth);
+    let link = lab.exec_in("late-2", &["ip", "-br", "link", "show", "eth0"]).expect("ip");
+    assert!(String::from_utf8_lossy(&link.stdout).contains("0a:58:0a:f4:01:02"), "{link:?}");
+}
