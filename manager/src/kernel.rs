@@ -186,11 +186,11 @@ impl KernelSide {
             },
             Request::UdpSend { flow, payload } => {
                 let Some(f) = self.udp.get(&flow) else { return };
-                let mut result = f.socket.try_send(&payload);
+                let mut result = send_now(&f.socket, &payload);
                 if matches!(&result, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused) {
                     // A pending ICMP error from an earlier datagram; report it and retry.
                     self.event(Event::UdpRefused { flow });
-                    result = f.socket.try_send(&payload);
+                    result = send_now(&f.socket, &payload);
                 }
                 if let Err(e) = result {
                     trace!(%flow, error = %e, "UDP send failed");
@@ -231,7 +231,7 @@ impl KernelSide {
             Request::PingSend { flow, seq, data } => {
                 let Some(f) = self.ping.get(&flow) else { return };
                 let msg = packet::ping_socket_request(f.v6, seq, &data);
-                if let Err(e) = f.socket.try_send(&msg) {
+                if let Err(e) = send_now(&f.socket, &msg) {
                     trace!(%flow, error = %e, "echo request send failed");
                     self.event(Event::SendFailed { flow });
                 }
@@ -241,6 +241,14 @@ impl KernelSide {
             }
         }
     }
+}
+
+/// One non-blocking send(2) on a connected datagram socket. Bypasses tokio's
+/// cached write readiness (unknown on a fresh socket, so `try_send` would
+/// report WouldBlock); a full socket buffer still fails with WouldBlock and
+/// the datagram is dropped, as a router would.
+fn send_now(socket: &UdpSocket, msg: &[u8]) -> io::Result<usize> {
+    socket2::SockRef::from(socket).send(msg)
 }
 
 fn dial_error(e: &io::Error) -> DialError {

@@ -1,0 +1,274 @@
+//! A scripted laptop for in-process tests: a smoltcp interface (the laptop's
+//! TCP/IP stack) whose packets travel as frames over an in-memory byte pipe to
+//! a real manager session (`run_session`), which dials real servers on
+//! loopback.
+
+#![allow(dead_code, reason = "each test binary uses a different part of the harness")]
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use kvpn_manager::device::QueueDevice;
+use kvpn_manager::metrics::Metrics;
+use kvpn_manager::session::{SessionConfig, SessionError, run_session};
+use kvpn_manager::DEFAULT_MTU;
+use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
+use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
+use smoltcp::socket::{tcp, udp};
+use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream, ReadHalf, WriteHalf};
+use tokio::task::JoinHandle;
+
+pub const LAPTOP_V4: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(100, 96, 0, 2));
+pub const LAPTOP_V6: IpAddr = IpAddr::V6(std::net::Ipv6Addr::new(0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0, 2));
+
+/// Pipe capacity per direction, bytes.
+const PIPE: usize = 4 << 20;
+
+pub struct Laptop {
+    pub iface: Interface,
+    pub device: QueueDevice,
+    pub sockets: SocketSet<'static>,
+    rd: ReadHalf<DuplexStream>,
+    wr: WriteHalf<DuplexStream>,
+    rbuf: Vec<u8>,
+    epoch: Instant,
+    /// Frames other than packets the manager sent (heartbeats).
+    pub other_frames: Vec<(Kind, Vec<u8>)>,
+    /// Raw IP packets received, when `keep_packets` is set.
+    pub keep_packets: bool,
+    pub packets: Vec<Vec<u8>>,
+    pub session: Option<JoinHandle<Result<Metrics, SessionError>>>,
+    pub manager_closed: bool,
+    pub tunnel_ip: IpAddr,
+}
+
+pub fn session_config() -> SessionConfig {
+    SessionConfig {
+        dial_timeout: Duration::from_secs(2),
+        allow_loopback: true,
+        ..SessionConfig::default()
+    }
+}
+
+/// Start a manager session on one end of a pipe; return the other end.
+pub fn spawn_session(config: SessionConfig) -> (DuplexStream, JoinHandle<Result<Metrics, SessionError>>) {
+    let (laptop_end, manager_end) = tokio::io::duplex(PIPE);
+    let session = tokio::spawn(async move { run_session(manager_end, &config).await });
+    (laptop_end, session)
+}
+
+pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
+    let hello = Hello {
+        version,
+        tunnel_ip,
+        token: Vec::new(),
+    }
+    .encode()
+    .expect("hello encodes");
+    let mut out = Vec::new();
+    frame::encode_into(Kind::Hello, &hello, &mut out).expect("fits");
+    out
+}
+
+impl Laptop {
+    /// A laptop with `tunnel_ip`, connected to a fresh manager session.
+    pub async fn connect(tunnel_ip: IpAddr) -> Self {
+        let (pipe, session) = spawn_session(session_config());
+        Self::with_pipe(tunnel_ip, pipe, Some(session)).await
+    }
+
+    pub async fn with_pipe(
+        tunnel_ip: IpAddr,
+        pipe: DuplexStream,
+        session: Option<JoinHandle<Result<Metrics, SessionError>>>,
+    ) -> Self {
+        let (rd, mut wr) = tokio::io::split(pipe);
+        wr.write_all(&hello_frame(tunnel_ip, PROTOCOL_VERSION))
+            .await
+            .expect("hello written");
+        let mut device = QueueDevice::new(DEFAULT_MTU);
+        let mut config = Config::new(HardwareAddress::Ip);
+        config.random_seed = 0x1a97_07;
+        let epoch = Instant::now();
+        let mut iface = Interface::new(config, &mut device, smoltcp::time::Instant::from_micros(0));
+        iface.update_ip_addrs(|a| {
+            let cidr = match tunnel_ip {
+                IpAddr::V4(_) => IpCidr::new(IpAddress::from(tunnel_ip), 16),
+                IpAddr::V6(_) => IpCidr::new(IpAddress::from(tunnel_ip), 64),
+            };
+            a.push(cidr).expect("address fits");
+        });
+        match tunnel_ip {
+            IpAddr::V4(_) => {
+                iface
+                    .routes_mut()
+                    .add_default_ipv4_route(std::net::Ipv4Addr::new(100, 96, 0, 1))
+                    .expect("route fits");
+            }
+            IpAddr::V6(_) => {
+                iface
+                    .routes_mut()
+                    .add_default_ipv6_route(std::net::Ipv6Addr::new(0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0, 1))
+                    .expect("route fits");
+            }
+        }
+        Self {
+            iface,
+            device,
+            sockets: SocketSet::new(Vec::new()),
+            rd,
+            wr,
+            rbuf: Vec::new(),
+            epoch,
+            other_frames: Vec::new(),
+            keep_packets: false,
+            packets: Vec::new(),
+            session,
+            manager_closed: false,
+            tunnel_ip,
+        }
+    }
+
+    fn now(&self) -> smoltcp::time::Instant {
+        smoltcp::time::Instant::from_micros(self.epoch.elapsed().as_micros() as i64)
+    }
+
+    pub fn tcp_socket(&mut self, rx: usize, tx: usize) -> SocketHandle {
+        let s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; rx]), tcp::SocketBuffer::new(vec![0; tx]));
+        self.sockets.add(s)
+    }
+
+    pub fn connect_tcp(&mut self, handle: SocketHandle, dst: std::net::SocketAddr, local_port: u16) {
+        // The tunnel IP as source explicitly: smoltcp would pick ::1 for ::1.
+        let local = std::net::SocketAddr::new(self.tunnel_ip, local_port);
+        let cx = self.iface.context();
+        self.sockets
+            .get_mut::<tcp::Socket>(handle)
+            .connect(cx, dst, local)
+            .expect("connect starts");
+    }
+
+    pub fn tcp(&mut self, handle: SocketHandle) -> &mut tcp::Socket<'static> {
+        self.sockets.get_mut::<tcp::Socket>(handle)
+    }
+
+    pub fn udp_socket(&mut self, port: u16) -> SocketHandle {
+        let mut s = udp::Socket::new(
+            udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 64], vec![0; 256 * 1024]),
+            udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 64], vec![0; 256 * 1024]),
+        );
+        s.bind(port).expect("bind");
+        self.sockets.add(s)
+    }
+
+    pub fn udp(&mut self, handle: SocketHandle) -> &mut udp::Socket<'static> {
+        self.sockets.get_mut::<udp::Socket>(handle)
+    }
+
+    /// Send raw bytes on the data channel (frames or garbage).
+    pub async fn send_raw(&mut self, bytes: &[u8]) {
+        self.wr.write_all(bytes).await.expect("pipe write");
+    }
+
+    /// Send one raw IP packet as a frame.
+    pub async fn send_packet(&mut self, packet: &[u8]) {
+        let mut out = Vec::new();
+        frame::encode_into(Kind::Packet, packet, &mut out).expect("fits");
+        self.send_raw(&out).await;
+    }
+
+    /// Close the laptop's sending side of the data channel.
+    pub async fn hang_up(&mut self) {
+        let _ = self.wr.shutdown().await;
+    }
+
+    /// Poll the stack, send its packets, wait up to `max_wait` for frames from
+    /// the manager and feed them in.
+    pub async fn step(&mut self, max_wait: Duration) {
+        let now = self.now();
+        self.iface.poll(now, &mut self.device, &mut self.sockets);
+        let mut out = Vec::new();
+        while let Some(p) = self.device.pop_tx() {
+            frame::encode_into(Kind::Packet, &p, &mut out).expect("MTU-sized packet fits a frame");
+        }
+        if !out.is_empty() {
+            self.wr.write_all(&out).await.expect("pipe write");
+        }
+        let wait = self
+            .iface
+            .poll_delay(now, &self.sockets)
+            .map(|d| Duration::from_micros(d.total_micros()))
+            .unwrap_or(max_wait)
+            .min(max_wait);
+        if self.manager_closed {
+            tokio::time::sleep(wait).await;
+        } else {
+            self.rbuf.reserve(256 * 1024);
+            if let Ok(r) = tokio::time::timeout(wait, self.rd.read_buf(&mut self.rbuf)).await {
+                match r {
+                    Ok(0) | Err(_) => self.manager_closed = true,
+                    Ok(_) => {}
+                }
+            }
+        }
+        let decoder = Decoder::default();
+        let mut used = 0;
+        while let Some((f, n)) = decoder.decode(&self.rbuf[used..]).expect("manager sends valid frames") {
+            used += n;
+            match f.kind {
+                Kind::Packet => {
+                    if self.keep_packets {
+                        self.packets.push(f.payload.to_vec());
+                    }
+                    self.device.push_rx(f.payload.to_vec());
+                }
+                other => self.other_frames.push((other, f.payload.to_vec())),
+            }
+        }
+        self.rbuf.drain(..used);
+        let now = self.now();
+        self.iface.poll(now, &mut self.device, &mut self.sockets);
+    }
+
+    /// Step until `done` returns true; false on timeout.
+    pub async fn run_until(&mut self, timeout: Duration, mut done: impl FnMut(&mut Self) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if done(self) {
+                return true;
+            }
+            self.step(Duration::from_millis(5)).await;
+        }
+        done(self)
+    }
+
+    /// End the session (laptop hangs up) and return the manager's counters.
+    pub async fn finish(mut self) -> Metrics {
+        self.hang_up().await;
+        let session = self.session.take().expect("session handle");
+        // Keep draining so the manager's writer never blocks on a full pipe.
+        let drain = async {
+            let mut buf = vec![0u8; 64 * 1024];
+            while let Ok(n) = self.rd.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        };
+        let (result, ()) = tokio::join!(
+            async {
+                tokio::time::timeout(Duration::from_secs(10), session)
+                    .await
+                    .expect("session ends after the laptop hangs up")
+            },
+            drain
+        );
+        result.expect("session task did not panic").expect("session ended cleanly")
+    }
+}
+
+/// Bytes whose content depends on position (detects reordering and loss).
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| ((i * 7 + seed as usize) % 251) as u8).collect()
+}
