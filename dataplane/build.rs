@@ -63,6 +63,12 @@ fn main() -> anyhow::Result<()> {
         root_dir: ebpf_dir,
         ..Default::default()
     };
+    // aya-build turns every stderr line of the nested cargo ("Compiling …") into a
+    // `cargo:warning`; a quiet nested cargo keeps only real compiler diagnostics,
+    // which reach aya-build through cargo's JSON messages.
+    // SAFETY: build scripts are single-threaded here; nothing reads the environment
+    // concurrently.
+    unsafe { env::set_var("CARGO_TERM_QUIET", "true") };
     aya_build::build_ebpf([package], aya_build::Toolchain::default()).with_context(|| {
         format!(
             "building the eBPF crate {EBPF_PACKAGE} failed (nightly + rust-src + bpf-linker needed: \
