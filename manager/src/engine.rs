@@ -1028,7 +1028,13 @@ impl Engine {
                     requests.push_back(Request::TcpGrant { flow: id, bytes: grant });
                 }
             }
-            if o.remote_eof && !o.fin_queued && o.overflow.is_empty() {
+            // In CLOSE-WAIT, hold the FIN until the laptop acknowledged all data:
+            // smoltcp 0.14 treats a pure window update in LAST-ACK as a
+            // duplicate ACK and ignores its window, so a slowly reading laptop
+            // would only be served by 1 s zero-window probes. In ESTABLISHED,
+            // close() leads to FIN-WAIT-1, which handles window updates.
+            let fin_may_go = state != tcp::State::CloseWait || socket.send_queue() == 0;
+            if o.remote_eof && !o.fin_queued && o.overflow.is_empty() && fin_may_go {
                 o.fin_queued = true;
                 socket.close();
                 again = true;

@@ -261,7 +261,11 @@ fn relays_both_ways_and_closes_in_order() {
     h.event(Event::TcpEof { flow: c.flow });
     let (got, fin, _) = h.receive(&mut c);
     assert_eq!(got, b"reply");
-    assert!(fin, "FIN after the data");
+    // In CLOSE-WAIT the FIN waits until the data is acknowledged (see service_tcp).
+    assert!(!fin, "FIN before the data was acknowledged");
+    h.ack(&mut c);
+    let (got, fin, _) = h.receive(&mut c);
+    assert!(got.is_empty() && fin, "FIN once the data was acknowledged");
     h.ack(&mut c);
     assert!(h.reqs().contains(&Request::TcpClose { flow: c.flow, reset: false }));
     assert_eq!(h.e.flow_counts(), (0, 0, 0));
@@ -710,4 +714,45 @@ proptest! {
         }
         prop_assert_eq!(live, open);
     }
+}
+
+/// A laptop that half-closed and reads slowly (zero window) is served by its
+/// window updates, not by 1 s zero-window probes, also after the destination
+/// closed (smoltcp ignores window updates in LAST-ACK, so the FIN is held).
+#[test]
+fn window_updates_after_destination_eof_resume_at_once() {
+    let mut h = Harness::new();
+    let (mut c, _) = h.open(40014, backend());
+    h.fin(&mut c);
+    h.reqs();
+    h.out();
+    h.event(Event::TcpData {
+        flow: c.flow,
+        data: vec![1; 100_000],
+    });
+    h.event(Event::TcpEof { flow: c.flow });
+    let mut received = 0;
+    let mut fin = false;
+    // The laptop advertises a zero window after each burst, then opens it.
+    for _ in 0..100 {
+        let (d, f, _) = h.receive(&mut c);
+        received += d.len();
+        fin |= f;
+        if fin {
+            break;
+        }
+        // Zero window...
+        h.send(tcp_segment_win(laptop(c.port), c.dst, c.snd_nxt, c.rcv_nxt, 0));
+        let sent: Vec<_> = h.out().iter().map(|p| seg(p)).collect();
+        assert!(sent.iter().all(|s| s.payload.is_empty()), "data into a zero window: {sent:?}");
+        if sent.iter().any(|s| s.fin) {
+            fin = true;
+            break;
+        }
+        // ...then a pure window update, no time passes.
+        h.send(tcp_segment_win(laptop(c.port), c.dst, c.snd_nxt, c.rcv_nxt, 20_000));
+    }
+    let last: Vec<_> = h.out().iter().map(|p| seg(p)).collect();
+    assert!(fin, "no FIN; received {received}; then {last:?}; flows {:?}; reqs {:?}", h.e.flow_counts(), h.reqs());
+    assert_eq!(received, 100_000);
 }

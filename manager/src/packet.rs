@@ -586,6 +586,16 @@ pub(crate) mod test_support {
         buf
     }
 
+    /// A pure ACK from the laptop advertising `window` bytes (no scaling).
+    pub fn tcp_segment_win(src: SocketAddr, dst: SocketAddr, seq: u32, ack: u32, window: u16) -> Vec<u8> {
+        let mut pkt = tcp_segment(src, dst, TcpControl::None, seq, Some(ack), &[]);
+        let off = ip_header_len(src.ip());
+        let mut tcp = TcpPacket::new_unchecked(&mut pkt[off..]);
+        tcp.set_window_len(window);
+        tcp.fill_checksum(&IpAddress::from(src.ip()), &IpAddress::from(dst.ip()));
+        pkt
+    }
+
     /// A parsed TCP segment the manager sent.
     #[derive(Debug, Clone)]
     pub struct Seg {
