@@ -45,6 +45,8 @@ if ! flock -n 9; then
     step "another build-kubernetes.sh holds $K8S_CACHE/.lock; waiting for it"
     flock 9
 fi
+# Scratch dirs of an interrupted kubectl unpack.
+rm -rf "$K8S_CACHE"/kubectl.??????
 
 export DEBIAN_FRONTEND=noninteractive
 apt_updated=0
