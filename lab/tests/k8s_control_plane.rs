@@ -95,13 +95,21 @@ async fn control_plane_serves_kubectl_kube_rs_rbac_and_stops_clean() {
     let cp = ControlPlane::start(ControlPlaneConfig::new(&dir, format!("kvpn-lab-{id}")))
         .await
         .expect("control plane starts (binaries from scripts/build-kubernetes.sh)");
-    eprintln!("control plane {} ready in {:?} at {}", cp.name(), t0.elapsed(), cp.server_url());
+    eprintln!(
+        "control plane {} ready in {:?} at {}",
+        cp.name(),
+        t0.elapsed(),
+        cp.server_url()
+    );
     let listen_ip = cp.listen_ip();
     let mut listening = listening_ports(listen_ip);
     listening.sort_unstable();
     let mut expected: Vec<u16> = cp.listen_addrs().iter().map(SocketAddr::port).collect();
     expected.sort_unstable();
-    assert_eq!(listening, expected, "exactly etcd client+peer and the apiserver listen on {listen_ip}");
+    assert_eq!(
+        listening, expected,
+        "exactly etcd client+peer and the apiserver listen on {listen_ip}"
+    );
 
     // --- kubectl with the admin kubeconfig ---------------------------------------
     let kubectl = k8s::kubectl_path();
@@ -119,7 +127,11 @@ async fn control_plane_serves_kubectl_kube_rs_rbac_and_stops_clean() {
         kubectl.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    for ns in ["namespace/default", "namespace/kube-system", "namespace/kvpn-system"] {
+    for ns in [
+        "namespace/default",
+        "namespace/kube-system",
+        "namespace/kvpn-system",
+    ] {
         assert!(stdout.lines().any(|l| l == ns), "{ns} missing in: {stdout}");
     }
 
@@ -127,7 +139,10 @@ async fn control_plane_serves_kubectl_kube_rs_rbac_and_stops_clean() {
     let admin = cp.admin_client().await.expect("admin client");
     let ns = format!("t-{id}");
     Api::<Namespace>::all(admin.clone())
-        .create(&PostParams::default(), &from_json(serde_json::json!({"metadata": {"name": ns}})))
+        .create(
+            &PostParams::default(),
+            &from_json(serde_json::json!({"metadata": {"name": ns}})),
+        )
         .await
         .expect("create namespace");
     // The serviceaccount controller gives every new namespace a token'd `default`.
@@ -146,44 +161,76 @@ async fn control_plane_serves_kubectl_kube_rs_rbac_and_stops_clean() {
     let dep = eventually("create deployment", Duration::from_secs(30), || {
         let deployments = deployments.clone();
         let dep = dep.clone();
-        async move { deployments.create(&PostParams::default(), &dep).await.map_err(|e| e.to_string()) }
+        async move {
+            deployments
+                .create(&PostParams::default(), &dep)
+                .await
+                .map_err(|e| e.to_string())
+        }
     })
     .await;
     let dep_uid = dep.metadata.uid.clone().expect("uid");
     let rss: Api<ReplicaSet> = Api::namespaced(admin.clone(), &ns);
-    let rs = eventually("deployment controller makes a ReplicaSet", Duration::from_secs(30), || {
-        let rss = rss.clone();
-        let dep_uid = dep_uid.clone();
-        async move {
-            let list = rss.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
-            list.items
-                .into_iter()
-                .find(|rs| {
-                    rs.metadata.owner_references.iter().flatten().any(|o| o.uid == dep_uid)
-                })
-                .ok_or_else(|| "no ReplicaSet owned by the Deployment".to_owned())
-        }
-    })
+    let rs = eventually(
+        "deployment controller makes a ReplicaSet",
+        Duration::from_secs(30),
+        || {
+            let rss = rss.clone();
+            let dep_uid = dep_uid.clone();
+            async move {
+                let list = rss
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                list.items
+                    .into_iter()
+                    .find(|rs| {
+                        rs.metadata
+                            .owner_references
+                            .iter()
+                            .flatten()
+                            .any(|o| o.uid == dep_uid)
+                    })
+                    .ok_or_else(|| "no ReplicaSet owned by the Deployment".to_owned())
+            }
+        },
+    )
     .await;
     let rs_uid = rs.metadata.uid.clone().expect("uid");
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
-    let pod = eventually("replicaset controller makes a Pod", Duration::from_secs(30), || {
-        let pods = pods.clone();
-        let rs_uid = rs_uid.clone();
-        async move {
-            let list = pods.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
-            list.items
-                .into_iter()
-                .find(|p| p.metadata.owner_references.iter().flatten().any(|o| o.uid == rs_uid))
-                .ok_or_else(|| "no Pod owned by the ReplicaSet".to_owned())
-        }
-    })
+    let pod = eventually(
+        "replicaset controller makes a Pod",
+        Duration::from_secs(30),
+        || {
+            let pods = pods.clone();
+            let rs_uid = rs_uid.clone();
+            async move {
+                let list = pods
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                list.items
+                    .into_iter()
+                    .find(|p| {
+                        p.metadata
+                            .owner_references
+                            .iter()
+                            .flatten()
+                            .any(|o| o.uid == rs_uid)
+                    })
+                    .ok_or_else(|| "no Pod owned by the ReplicaSet".to_owned())
+            }
+        },
+    )
     .await;
     let spec = pod.spec.as_ref().expect("pod spec");
     assert_eq!(spec.node_name, None, "nothing schedules pods yet");
     assert_eq!(spec.containers[0].image.as_deref(), Some("kvpn-lab-server"));
     let phase = pod.status.as_ref().and_then(|s| s.phase.clone());
-    assert!(matches!(phase.as_deref(), None | Some("Pending")), "phase {phase:?}");
+    assert!(
+        matches!(phase.as_deref(), None | Some("Pending")),
+        "phase {phase:?}"
+    );
 
     // --- Services: the service CIDR and the endpoints controller -----------------
     let services: Api<Service> = Api::namespaced(admin.clone(), &ns);
@@ -204,40 +251,73 @@ async fn control_plane_serves_kubectl_kube_rs_rbac_and_stops_clean() {
         "metadata": {"name": "web"},
         "spec": {"clusterIP": "10.96.0.100", "selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}
     }));
-    let web = services.create(&PostParams::default(), &web).await.expect("in-range ClusterIP");
-    assert_eq!(web.spec.and_then(|s| s.cluster_ip).as_deref(), Some("10.96.0.100"));
+    let web = services
+        .create(&PostParams::default(), &web)
+        .await
+        .expect("in-range ClusterIP");
+    assert_eq!(
+        web.spec.and_then(|s| s.cluster_ip).as_deref(),
+        Some("10.96.0.100")
+    );
     let endpoints: Api<Endpoints> = Api::namespaced(admin.clone(), &ns);
-    eventually("endpoints controller makes Endpoints for web", Duration::from_secs(30), || {
-        let endpoints = endpoints.clone();
-        async move {
-            endpoints
-                .get_opt("web")
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| "no Endpoints web yet".to_owned())
-        }
-    })
+    eventually(
+        "endpoints controller makes Endpoints for web",
+        Duration::from_secs(30),
+        || {
+            let endpoints = endpoints.clone();
+            async move {
+                endpoints
+                    .get_opt("web")
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| "no Endpoints web yet".to_owned())
+            }
+        },
+    )
     .await;
 
     // --- the restricted user ----------------------------------------------------------
     let user = cp.user_client().await.expect("user client");
-    let code = api_code(Api::<Secret>::namespaced(user.clone(), "kube-system").list(&ListParams::default()).await)
-        .expect("listing kube-system secrets must be an API error");
-    assert_eq!(code, 403, "secrets in kube-system are outside kvpn-user's Role");
-    let code = api_code(Api::<Deployment>::namespaced(user.clone(), &ns).create(&PostParams::default(), &dep).await)
-        .expect("creating outside kvpn-system must be an API error");
+    let code = api_code(
+        Api::<Secret>::namespaced(user.clone(), "kube-system")
+            .list(&ListParams::default())
+            .await,
+    )
+    .expect("listing kube-system secrets must be an API error");
+    assert_eq!(
+        code, 403,
+        "secrets in kube-system are outside kvpn-user's Role"
+    );
+    let code = api_code(
+        Api::<Deployment>::namespaced(user.clone(), &ns)
+            .create(&PostParams::default(), &dep)
+            .await,
+    )
+    .expect("creating outside kvpn-system must be an API error");
     assert_eq!(code, 403, "deployments outside kvpn-system");
     let cms: Api<ConfigMap> = Api::namespaced(user.clone(), k8s::KVPN_NAMESPACE);
-    let cm: ConfigMap = from_json(serde_json::json!({"metadata": {"name": format!("probe-{id}")}, "data": {"k": "v"}}));
-    cms.create(&PostParams::default(), &cm).await.expect("kvpn-user creates a ConfigMap in kvpn-system");
-    let code = api_code(cms.delete(&format!("probe-{id}"), &DeleteParams::default()).await)
-        .expect("delete must be an API error");
+    let cm: ConfigMap = from_json(
+        serde_json::json!({"metadata": {"name": format!("probe-{id}")}, "data": {"k": "v"}}),
+    );
+    cms.create(&PostParams::default(), &cm)
+        .await
+        .expect("kvpn-user creates a ConfigMap in kvpn-system");
+    let code = api_code(
+        cms.delete(&format!("probe-{id}"), &DeleteParams::default())
+            .await,
+    )
+    .expect("delete must be an API error");
     assert_eq!(code, 403, "kvpn-user's Role has no delete");
     let all_pods = Api::<Pod>::all(user.clone())
         .list(&ListParams::default())
         .await
         .expect("kvpn-user lists pods cluster-wide");
-    assert!(all_pods.items.iter().any(|p| p.metadata.uid == pod.metadata.uid));
+    assert!(
+        all_pods
+            .items
+            .iter()
+            .any(|p| p.metadata.uid == pod.metadata.uid)
+    );
 
     // --- the CA, reloaded from pki/, issues certificates the apiserver trusts -----------
     // (the kubelet stand-in's serving certificate will come from here)
@@ -263,9 +343,13 @@ async fn control_plane_serves_kubectl_kube_rs_rbac_and_stops_clean() {
         }),
     )
     .expect("write");
-    let probe_client = k8s::client_from_kubeconfig(&probe_kc).await.expect("probe client");
+    let probe_client = k8s::client_from_kubeconfig(&probe_kc)
+        .await
+        .expect("probe client");
     // GET /api is for authenticated users only (anonymous gets 403).
-    let req = http::Request::get("/api").body(Vec::new()).expect("request");
+    let req = http::Request::get("/api")
+        .body(Vec::new())
+        .expect("request");
     probe_client
         .request_text(req)
         .await
@@ -279,15 +363,33 @@ async fn control_plane_serves_kubectl_kube_rs_rbac_and_stops_clean() {
     cp.stop().expect("stop");
     eprintln!("stopped in {:?}", t_stop.elapsed());
     for r in &records {
-        assert!(!process::is_alive(r), "{} (pid {}) survived stop", r.name, r.pid);
+        assert!(
+            !process::is_alive(r),
+            "{} (pid {}) survived stop",
+            r.name,
+            r.pid
+        );
     }
-    assert_eq!(processes_mentioning(&dir), Vec::<i32>::new(), "processes still refer to {}", dir.display());
-    assert_eq!(listening_ports(listen_ip), Vec::<u16>::new(), "ports still listening on {listen_ip}");
+    assert_eq!(
+        processes_mentioning(&dir),
+        Vec::<i32>::new(),
+        "processes still refer to {}",
+        dir.display()
+    );
+    assert_eq!(
+        listening_ports(listen_ip),
+        Vec::<u16>::new(),
+        "ports still listening on {listen_ip}"
+    );
     for a in addrs {
-        let e = TcpStream::connect_timeout(&a, Duration::from_secs(1)).expect_err("nothing listens any more");
+        let e = TcpStream::connect_timeout(&a, Duration::from_secs(1))
+            .expect_err("nothing listens any more");
         assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{a}: {e}");
     }
-    assert!(!dir.join("control-plane.json").exists(), "state file removed on stop");
+    assert!(
+        !dir.join("control-plane.json").exists(),
+        "state file removed on stop"
+    );
     std::fs::remove_dir_all(&dir).expect("remove test dir");
 }
 
@@ -298,16 +400,30 @@ async fn a_process_dying_at_start_up_is_reported_with_its_log() {
     let mut config = ControlPlaneConfig::new(&dir, format!("kvpn-lab-{id}"));
     // A stand-in etcd that prints a line and exits: start must fail fast and say so.
     let fake = dir.with_extension("fake-etcd.sh");
-    std::fs::write(&fake, "#!/bin/sh\necho 'fake etcd: cannot start' >&2\nexit 3\n").expect("write");
-    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho 'fake etcd: cannot start' >&2\nexit 3\n",
+    )
+    .expect("write");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
     config.etcd = fake.clone();
     let t0 = Instant::now();
-    let err = ControlPlane::start(config).await.expect_err("fake etcd exits");
-    assert!(t0.elapsed() < Duration::from_secs(20), "failure took {:?}", t0.elapsed());
+    let err = ControlPlane::start(config)
+        .await
+        .expect_err("fake etcd exits");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "failure took {:?}",
+        t0.elapsed()
+    );
     let msg = err.to_string();
     assert!(msg.contains("etcd exited during start-up"), "{msg}");
     assert!(msg.contains("exit status: 3"), "{msg}");
-    assert!(msg.contains("fake etcd: cannot start"), "log tail in the error: {msg}");
+    assert!(
+        msg.contains("fake etcd: cannot start"),
+        "log tail in the error: {msg}"
+    );
     std::fs::remove_file(&fake).expect("rm fake");
     std::fs::remove_dir_all(&dir).expect("rm dir");
 }
@@ -320,8 +436,14 @@ async fn missing_binaries_name_the_build_script() {
     config.bin_dir = dir.join("no-such-bin");
     let err = ControlPlane::start(config).await.expect_err("no binaries");
     let msg = err.to_string();
-    assert!(msg.contains("kube-apiserver not found") && msg.contains("scripts/build-kubernetes.sh"), "{msg}");
-    assert!(!dir.exists(), "nothing created before the binaries are found");
+    assert!(
+        msg.contains("kube-apiserver not found") && msg.contains("scripts/build-kubernetes.sh"),
+        "{msg}"
+    );
+    assert!(
+        !dir.exists(),
+        "nothing created before the binaries are found"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -340,15 +462,28 @@ async fn detached_control_plane_is_stopped_from_its_folder() {
         assert!(process::is_alive(r), "{} stopped on detach", r.name);
     }
     // A second start in the same folder must refuse, not clobber a running cluster.
-    let err = ControlPlane::start(config).await.expect_err("folder in use");
+    let err = ControlPlane::start(config)
+        .await
+        .expect_err("folder in use");
     assert!(err.to_string().contains("still running"), "{err}");
-    assert!(records.iter().all(process::is_alive), "the refused start touched nothing");
+    assert!(
+        records.iter().all(process::is_alive),
+        "the refused start touched nothing"
+    );
 
     assert!(ControlPlane::stop_dir(&dir, Duration::from_secs(10)).expect("stop_dir"));
     for r in &records {
-        assert!(!process::is_alive(r), "{} (pid {}) survived stop_dir", r.name, r.pid);
+        assert!(
+            !process::is_alive(r),
+            "{} (pid {}) survived stop_dir",
+            r.name,
+            r.pid
+        );
     }
     assert_eq!(listening_ports(ip), Vec::<u16>::new());
-    assert!(!ControlPlane::stop_dir(&dir, Duration::from_secs(1)).expect("second stop_dir"), "nothing left to stop");
+    assert!(
+        !ControlPlane::stop_dir(&dir, Duration::from_secs(1)).expect("second stop_dir"),
+        "nothing left to stop"
+    );
     std::fs::remove_dir_all(&dir).expect("rm dir");
 }

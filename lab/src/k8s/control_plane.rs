@@ -223,7 +223,8 @@ pub async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client, Error> 
 
 /// etcd's `/health` over plain HTTP/1.0.
 fn etcd_healthy(addr: SocketAddr) -> Result<(), String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).map_err(|e| e.to_string())?;
+    let mut s =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(1)).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(Duration::from_secs(2)))
         .map_err(|e| e.to_string())?;
     s.write_all(b"GET /health HTTP/1.0\r\n\r\n")
@@ -233,7 +234,10 @@ fn etcd_healthy(addr: SocketAddr) -> Result<(), String> {
     if resp.contains("\"health\":\"true\"") {
         Ok(())
     } else {
-        Err(format!("/health answered: {}", resp.lines().last().unwrap_or("")))
+        Err(format!(
+            "/health answered: {}",
+            resp.lines().last().unwrap_or("")
+        ))
     }
 }
 
@@ -350,17 +354,29 @@ impl ControlPlane {
             .map(str::to_owned),
         );
         let issued = [
-            ("apiserver", ca.issue(&CertSpec::server("kube-apiserver", &sans))?),
+            (
+                "apiserver",
+                ca.issue(&CertSpec::server("kube-apiserver", &sans))?,
+            ),
             (
                 "apiserver-kubelet-client",
-                ca.issue(&CertSpec::client("kube-apiserver-kubelet-client", &["system:masters"]))?,
+                ca.issue(&CertSpec::client(
+                    "kube-apiserver-kubelet-client",
+                    &["system:masters"],
+                ))?,
             ),
-            (ADMIN_USER, ca.issue(&CertSpec::client(ADMIN_USER, &["system:masters"]))?),
+            (
+                ADMIN_USER,
+                ca.issue(&CertSpec::client(ADMIN_USER, &["system:masters"]))?,
+            ),
             (
                 "controller-manager",
                 ca.issue(&CertSpec::client("system:kube-controller-manager", &[]))?,
             ),
-            (RESTRICTED_USER, ca.issue(&CertSpec::client(RESTRICTED_USER, &[]))?),
+            (
+                RESTRICTED_USER,
+                ca.issue(&CertSpec::client(RESTRICTED_USER, &[]))?,
+            ),
         ];
         for (name, cert) in &issued {
             write_file(&self.pki(&format!("{name}.crt")), &cert.cert_pem, false)?;
@@ -402,7 +418,12 @@ impl ControlPlane {
         Ok(())
     }
 
-    fn spawn(&mut self, name: &'static str, program: &Path, args: Vec<String>) -> Result<usize, Error> {
+    fn spawn(
+        &mut self,
+        name: &'static str,
+        program: &Path,
+        args: Vec<String>,
+    ) -> Result<usize, Error> {
         let log = self.config.dir.join(format!("{name}.log"));
         tracing::debug!(name, program = %program.display(), ?args, "starting");
         let m = Managed::spawn(name, program, &args, &log, self.spawner.as_ref())?;
@@ -498,7 +519,10 @@ impl ControlPlane {
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
             format!("--service-account-signing-key-file={}", p("sa.key")),
             format!("--service-account-key-file={}", p("sa.pub")),
-            format!("--kubelet-client-certificate={}", p("apiserver-kubelet-client.crt")),
+            format!(
+                "--kubelet-client-certificate={}",
+                p("apiserver-kubelet-client.crt")
+            ),
             format!("--kubelet-client-key={}", p("apiserver-kubelet-client.key")),
             format!("--kubelet-certificate-authority={}", p("ca.crt")),
             "--kubelet-preferred-address-types=InternalIP".into(),
@@ -520,12 +544,13 @@ impl ControlPlane {
                     path: self.config.dir.clone(),
                     message: format!("building GET /readyz: {e}"),
                 })?;
-            let last_error = match tokio::time::timeout(Duration::from_secs(5), admin.request_text(req)).await {
-                Ok(Ok(body)) if body.trim() == "ok" => break,
-                Ok(Ok(body)) => format!("/readyz answered {body:?}"),
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => "GET /readyz timed out after 5 s".to_owned(),
-            };
+            let last_error =
+                match tokio::time::timeout(Duration::from_secs(5), admin.request_text(req)).await {
+                    Ok(Ok(body)) if body.trim() == "ok" => break,
+                    Ok(Ok(body)) => format!("/readyz answered {body:?}"),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "GET /readyz timed out after 5 s".to_owned(),
+                };
             if t0.elapsed() >= self.config.step_timeout {
                 return Err(self.not_ready(idx, t0.elapsed(), last_error));
             }
@@ -535,12 +560,19 @@ impl ControlPlane {
         Ok(())
     }
 
-    async fn start_controller_manager(&mut self, bin: &Path, admin: &kube::Client) -> Result<(), Error> {
+    async fn start_controller_manager(
+        &mut self,
+        bin: &Path,
+        admin: &kube::Client,
+    ) -> Result<(), Error> {
         let p = |f: &str| self.pki(f).display().to_string();
         let args = vec![
             format!(
                 "--kubeconfig={}",
-                self.config.dir.join("controller-manager.kubeconfig").display()
+                self.config
+                    .dir
+                    .join("controller-manager.kubeconfig")
+                    .display()
             ),
             "--leader-elect=false".into(),
             format!("--controllers={CONTROLLERS}"),
@@ -640,10 +672,14 @@ impl ControlPlane {
     /// Every listening address of this instance.
     pub fn listen_addrs(&self) -> Vec<SocketAddr> {
         let ip = self.listen_ip;
-        [self.ports.etcd_client, self.ports.etcd_peer, self.ports.apiserver]
-            .iter()
-            .map(|p| SocketAddr::from((ip, *p)))
-            .collect()
+        [
+            self.ports.etcd_client,
+            self.ports.etcd_peer,
+            self.ports.apiserver,
+        ]
+        .iter()
+        .map(|p| SocketAddr::from((ip, *p)))
+        .collect()
     }
 
     /// `https://<listen ip>:<apiserver port>`
@@ -689,7 +725,11 @@ impl ControlPlane {
             let path = self.pki(f);
             std::fs::read_to_string(&path).map_err(Error::io(format!("reading {}", path.display())))
         };
-        Ok(CertificateAuthority::load(&self.ca_name(), &read("ca.crt")?, &read("ca.key")?)?)
+        Ok(CertificateAuthority::load(
+            &self.ca_name(),
+            &read("ca.crt")?,
+            &read("ca.key")?,
+        )?)
     }
 
     /// The processes (etcd, kube-apiserver, kube-controller-manager) as recorded.
@@ -741,7 +781,9 @@ impl ControlPlane {
             self.stop_inner()?;
             return Err(Error::State {
                 path: self.config.dir.clone(),
-                message: "detach needs tie_to_process = false (tied processes die with this process)".into(),
+                message:
+                    "detach needs tie_to_process = false (tied processes die with this process)"
+                        .into(),
             });
         }
         self.done = true;
@@ -770,10 +812,12 @@ fn read_state(dir: &Path) -> Result<Option<State>, Error> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(format!("reading {}", path.display()))(e)),
     };
-    serde_json::from_str(&text).map(Some).map_err(|e| Error::State {
-        path,
-        message: e.to_string(),
-    })
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::State {
+            path,
+            message: e.to_string(),
+        })
 }
 
 /// The process names used here, as `&'static str` for error values.

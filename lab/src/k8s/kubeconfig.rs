@@ -80,9 +80,18 @@ mod tests {
             client_key_file: Path::new("/tmp/lab dir/pki/kvpn-user.key"),
             namespace: Some("kvpn-system"),
         });
-        assert!(text.contains("    server: \"https://127.1.2.3:6443\"\n"), "{text}");
-        assert!(text.contains("    certificate-authority: \"/tmp/lab dir/pki/ca.crt\"\n"), "{text}");
+        assert!(
+            text.contains("    server: \"https://127.1.2.3:6443\"\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("    certificate-authority: \"/tmp/lab dir/pki/ca.crt\"\n"),
+            "{text}"
+        );
         assert!(text.contains("    namespace: \"kvpn-system\"\n"), "{text}");
-        assert!(text.ends_with("current-context: \"kvpn-user@kvpn-lab-abcde\"\n"), "{text}");
+        assert!(
+            text.ends_with("current-context: \"kvpn-user@kvpn-lab-abcde\"\n"),
+            "{text}"
+        );
     }
 }

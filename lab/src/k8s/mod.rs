@@ -73,7 +73,9 @@ pub enum Error {
         log: PathBuf,
         log_tail: String,
     },
-    #[error("{name} not ready after {after:?} (last check: {last_error}); last lines of {log}:\n{log_tail}")]
+    #[error(
+        "{name} not ready after {after:?} (last check: {last_error}); last lines of {log}:\n{log_tail}"
+    )]
     NotReady {
         name: &'static str,
         after: Duration,

@@ -69,7 +69,8 @@ pub struct CertificateAuthority {
 
 impl std::fmt::Debug for CertificateAuthority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CertificateAuthority").finish_non_exhaustive()
+        f.debug_struct("CertificateAuthority")
+            .finish_non_exhaustive()
     }
 }
 
@@ -156,7 +157,10 @@ mod tests {
     fn issued_cert_is_pem_and_differs_from_the_ca() {
         let ca = CertificateAuthority::generate("kvpn-lab-ca test").expect("ca");
         let leaf = ca
-            .issue(&CertSpec::server("kube-apiserver", &["127.0.0.1".into(), "localhost".into()]))
+            .issue(&CertSpec::server(
+                "kube-apiserver",
+                &["127.0.0.1".into(), "localhost".into()],
+            ))
             .expect("leaf");
         assert!(leaf.cert_pem.starts_with("-----BEGIN CERTIFICATE-----"));
         assert!(leaf.key_pem.starts_with("-----BEGIN PRIVATE KEY-----"));
@@ -169,6 +173,8 @@ mod tests {
         let again = CertificateAuthority::load("kvpn-lab-ca reload", ca.cert_pem(), &ca.key_pem())
             .expect("load");
         assert_eq!(again.key_pem(), ca.key_pem());
-        again.issue(&CertSpec::client("someone", &["a"])).expect("issue");
+        again
+            .issue(&CertSpec::client("someone", &["a"]))
+            .expect("issue");
     }
 }

@@ -184,7 +184,11 @@ impl Managed {
             Some(s) => s.spawn(cmd),
             None => cmd.spawn(),
         }
-        .map_err(Error::io(format!("starting {} ({})", name, program.display())))?;
+        .map_err(Error::io(format!(
+            "starting {} ({})",
+            name,
+            program.display()
+        )))?;
         let pid = i32::try_from(child.id()).map_err(|_| Error::State {
             path: log.to_owned(),
             message: format!("pid {} of {name} does not fit an i32", child.id()),
@@ -279,7 +283,10 @@ mod tests {
         let mut p = Managed::spawn(
             "stubborn",
             Path::new("/bin/sh"),
-            &["-c".into(), "trap '' TERM; echo started; exec sleep 30".into()],
+            &[
+                "-c".into(),
+                "trap '' TERM; echo started; exec sleep 30".into(),
+            ],
             &log,
             Some(&spawner),
         )
@@ -289,7 +296,10 @@ mod tests {
         assert!(is_alive(&p.record));
         let t = Instant::now();
         p.stop(Duration::from_millis(500)).expect("stop");
-        assert!(t.elapsed() >= Duration::from_millis(500), "SIGTERM alone should not have ended it");
+        assert!(
+            t.elapsed() >= Duration::from_millis(500),
+            "SIGTERM alone should not have ended it"
+        );
         assert!(!is_alive(&p.record));
         assert!(log_tail(&log, 5).contains("started"));
         std::fs::remove_dir_all(&dir).expect("cleanup");
@@ -306,6 +316,9 @@ mod tests {
             log: PathBuf::new(),
         };
         assert!(!is_alive(&record));
-        assert!(is_alive(&ProcessRecord { start_time: st, ..record }));
+        assert!(is_alive(&ProcessRecord {
+            start_time: st,
+            ..record
+        }));
     }
 }

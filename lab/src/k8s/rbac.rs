@@ -45,7 +45,13 @@ fn meta(name: &str, namespace: Option<&str>) -> ObjectMeta {
     ObjectMeta {
         name: Some(name.to_owned()),
         namespace: namespace.map(str::to_owned),
-        labels: Some([("app.kubernetes.io/managed-by".to_owned(), "kvpn-lab".to_owned())].into()),
+        labels: Some(
+            [(
+                "app.kubernetes.io/managed-by".to_owned(),
+                "kvpn-lab".to_owned(),
+            )]
+            .into(),
+        ),
         ..Default::default()
     }
 }
@@ -81,10 +87,20 @@ pub fn objects() -> Objects {
             rules: Some(vec![
                 rule(
                     "",
-                    &["serviceaccounts", "secrets", "configmaps", "services", "pods"],
+                    &[
+                        "serviceaccounts",
+                        "secrets",
+                        "configmaps",
+                        "services",
+                        "pods",
+                    ],
                     NAMESPACED_VERBS,
                 ),
-                rule("rbac.authorization.k8s.io", &["roles", "rolebindings"], NAMESPACED_VERBS),
+                rule(
+                    "rbac.authorization.k8s.io",
+                    &["roles", "rolebindings"],
+                    NAMESPACED_VERBS,
+                ),
                 rule("apps", &["deployments"], NAMESPACED_VERBS),
                 rule("", &["pods/portforward"], &["create", "get"]),
             ]),
@@ -100,7 +116,11 @@ pub fn objects() -> Objects {
         },
         cluster_role: ClusterRole {
             metadata: meta(CLUSTER_ROLE, None),
-            rules: Some(vec![rule("", &["pods", "services", "endpoints"], &["get", "list", "watch"])]),
+            rules: Some(vec![rule(
+                "",
+                &["pods", "services", "endpoints"],
+                &["get", "list", "watch"],
+            )]),
             aggregation_rule: None,
         },
         cluster_role_binding: ClusterRoleBinding {
@@ -138,7 +158,9 @@ pub async fn apply(admin: &kube::Client) -> Result<(), Error> {
     Api::<ClusterRoleBinding>::all(admin.clone())
         .patch(CLUSTER_ROLE, &pp, &Patch::Apply(&o.cluster_role_binding))
         .await
-        .map_err(Error::kube(format!("applying ClusterRoleBinding {CLUSTER_ROLE}")))?;
+        .map_err(Error::kube(format!(
+            "applying ClusterRoleBinding {CLUSTER_ROLE}"
+        )))?;
     Ok(())
 }
 
@@ -149,11 +171,28 @@ mod tests {
     #[test]
     fn restricted_user_cannot_delete_or_touch_nodes() {
         let o = objects();
-        let rules = o.role.rules.iter().flatten().chain(o.cluster_role.rules.iter().flatten());
+        let rules = o
+            .role
+            .rules
+            .iter()
+            .flatten()
+            .chain(o.cluster_role.rules.iter().flatten());
         for r in rules {
             assert!(!r.verbs.iter().any(|v| v == "delete" || v == "*"), "{r:?}");
-            assert!(!r.resources.iter().flatten().any(|x| x == "nodes" || x == "*"), "{r:?}");
+            assert!(
+                !r.resources
+                    .iter()
+                    .flatten()
+                    .any(|x| x == "nodes" || x == "*"),
+                "{r:?}"
+            );
         }
-        assert_eq!(o.role_binding.subjects.as_deref().map(|s| s[0].name.as_str()), Some(RESTRICTED_USER));
+        assert_eq!(
+            o.role_binding
+                .subjects
+                .as_deref()
+                .map(|s| s[0].name.as_str()),
+            Some(RESTRICTED_USER)
+        );
     }
 }
