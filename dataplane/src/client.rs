@@ -16,7 +16,11 @@ pub async fn connect(socket: &Path) -> Result<DataplaneClient<Channel>, tonic::t
     let channel = Endpoint::from_static("http://kvpn-dataplane.invalid")
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let socket = socket.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(socket).await?)) }
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(
+                    tokio::net::UnixStream::connect(socket).await?,
+                ))
+            }
         }))
         .await?;
     Ok(DataplaneClient::new(channel))

@@ -21,7 +21,8 @@ use std::time::Duration;
 use ipnet::IpNet;
 use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
 use kvpn_proto::dataplane::{
-    ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, StatusRequest, StatusResponse,
+    ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, StatusRequest,
+    StatusResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -71,7 +72,11 @@ pub enum DaemonError {
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> DaemonError + 'a {
-    move |source| DaemonError::Io { what, path: path.to_owned(), source }
+    move |source| DaemonError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    }
 }
 
 /// The runtime directory: socket, pid file, log.
@@ -94,16 +99,24 @@ impl RuntimeDir {
         }
         let meta = fs::metadata(dir).map_err(io_err("cannot read runtime directory", dir))?;
         if !meta.is_dir() {
-            return Err(DaemonError::RuntimeDir { path: dir.to_owned(), why: "not a directory".to_owned() });
+            return Err(DaemonError::RuntimeDir {
+                path: dir.to_owned(),
+                why: "not a directory".to_owned(),
+            });
         }
         let mode = meta.permissions().mode();
         if mode & 0o002 != 0 && mode & 0o1000 == 0 {
             return Err(DaemonError::RuntimeDir {
                 path: dir.to_owned(),
-                why: format!("world-writable (mode {:o}) — use a directory only root can write to", mode & 0o7777),
+                why: format!(
+                    "world-writable (mode {:o}) — use a directory only root can write to",
+                    mode & 0o7777
+                ),
             });
         }
-        Ok(Self { dir: dir.to_owned() })
+        Ok(Self {
+            dir: dir.to_owned(),
+        })
     }
 
     /// The socket path.
@@ -140,9 +153,11 @@ impl RuntimeDir {
         let bound = tokio::net::UnixListener::bind(&path);
         nix::sys::stat::umask(old);
         let listener = bound.map_err(io_err("cannot bind socket", &path))?;
-        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(io_err("cannot set mode of socket", &path))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600))
+            .map_err(io_err("cannot set mode of socket", &path))?;
         let pid_file = self.pid_file();
-        fs::write(&pid_file, format!("{}\n", std::process::id())).map_err(io_err("cannot write pid file", &pid_file))?;
+        fs::write(&pid_file, format!("{}\n", std::process::id()))
+            .map_err(io_err("cannot write pid file", &pid_file))?;
         Ok(listener)
     }
 
@@ -177,25 +192,38 @@ fn invalid(msg: impl Into<String>) -> Status {
 }
 
 /// Parse a Connect request into session parameters.
-pub fn params_from_request(req: &ConnectRequest, heartbeat_interval: Duration) -> Result<SessionParams, Status> {
+pub fn params_from_request(
+    req: &ConnectRequest,
+    heartbeat_interval: Duration,
+) -> Result<SessionParams, Status> {
     if req.manager.is_empty() {
-        return Err(invalid("manager address is empty — give it as HOST:PORT, e.g. 172.31.255.1:10801"));
+        return Err(invalid(
+            "manager address is empty — give it as HOST:PORT, e.g. 172.31.255.1:10801",
+        ));
     }
-    let tunnel_ip: IpAddr = req
-        .tunnel_ip
-        .parse()
-        .map_err(|_| invalid(format!("invalid tunnel IP {:?} — give an address such as 100.96.0.2", req.tunnel_ip)))?;
+    let tunnel_ip: IpAddr = req.tunnel_ip.parse().map_err(|_| {
+        invalid(format!(
+            "invalid tunnel IP {:?} — give an address such as 100.96.0.2",
+            req.tunnel_ip
+        ))
+    })?;
     if req.routes.is_empty() {
         return Err(invalid("no routes given — pass at least one cluster CIDR"));
     }
     let mut routes = Vec::with_capacity(req.routes.len());
     for route in &req.routes {
-        let cidr: IpNet = route
-            .cidr
-            .parse()
-            .map_err(|_| invalid(format!("invalid CIDR {:?} — give it as ADDRESS/PREFIX, e.g. 10.244.0.0/16", route.cidr)))?;
-        let kind = session::kind_from_api(route.kind)
-            .ok_or_else(|| invalid(format!("route {} has no kind — set pod, service or extra", route.cidr)))?;
+        let cidr: IpNet = route.cidr.parse().map_err(|_| {
+            invalid(format!(
+                "invalid CIDR {:?} — give it as ADDRESS/PREFIX, e.g. 10.244.0.0/16",
+                route.cidr
+            ))
+        })?;
+        let kind = session::kind_from_api(route.kind).ok_or_else(|| {
+            invalid(format!(
+                "route {} has no kind — set pod, service or extra",
+                route.cidr
+            ))
+        })?;
         routes.push((cidr, kind));
     }
     let tun_name = if req.tun_name.is_empty() {
@@ -205,14 +233,30 @@ pub fn params_from_request(req: &ConnectRequest, heartbeat_interval: Duration) -
         Some(req.tun_name.clone())
     };
     let mtu = tun::validate_mtu(req.mtu).map_err(|e| invalid(e.to_string()))?;
-    Ok(SessionParams { manager: req.manager.clone(), routes, tunnel_ip, tun_name, mtu, heartbeat_interval })
+    Ok(SessionParams {
+        manager: req.manager.clone(),
+        routes,
+        tunnel_ip,
+        tun_name,
+        mtu,
+        heartbeat_interval,
+    })
 }
 
 impl Daemon {
     /// A daemon without sessions. `netlink` must be opened in the laptop's
     /// network namespace.
-    pub fn new(netlink: Netlink, classifiers: Arc<dyn ClassifierAttach>, heartbeat_interval: Duration) -> Self {
-        Self { netlink, classifiers, heartbeat_interval, sessions: Mutex::new(HashMap::new()) }
+    pub fn new(
+        netlink: Netlink,
+        classifiers: Arc<dyn ClassifierAttach>,
+        heartbeat_interval: Duration,
+    ) -> Self {
+        Self {
+            netlink,
+            classifiers,
+            heartbeat_interval,
+            sessions: Mutex::new(HashMap::new()),
+        }
     }
 
     fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
@@ -271,13 +315,21 @@ fn new_session_id() -> String {
     // RandomState is seeded from the OS's randomness once per process and
     // stepped per instance: unique, unpredictable enough for an id, no new crate.
     let mut hasher = std::hash::RandomState::new().build_hasher();
-    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
     format!("{:012x}", hasher.finish() >> 16)
 }
 
 #[tonic::async_trait]
 impl Dataplane for Daemon {
-    async fn connect(&self, request: Request<ConnectRequest>) -> Result<Response<ConnectResponse>, Status> {
+    async fn connect(
+        &self,
+        request: Request<ConnectRequest>,
+    ) -> Result<Response<ConnectResponse>, Status> {
         let params = params_from_request(request.get_ref(), self.heartbeat_interval)?;
         let id = new_session_id();
         let session = Session::start(id.clone(), params, &self.netlink, &*self.classifiers)
@@ -295,7 +347,10 @@ impl Dataplane for Daemon {
         Ok(Response::new(response))
     }
 
-    async fn disconnect(&self, request: Request<DisconnectRequest>) -> Result<Response<DisconnectResponse>, Status> {
+    async fn disconnect(
+        &self,
+        request: Request<DisconnectRequest>,
+    ) -> Result<Response<DisconnectResponse>, Status> {
         let id = &request.get_ref().session_id;
         let sessions: Vec<Session> = {
             let mut all = self.sessions();
@@ -304,7 +359,11 @@ impl Dataplane for Daemon {
             } else {
                 match all.remove(id) {
                     Some(s) => vec![s],
-                    None => return Err(Status::not_found(format!("no session {id} — `kvpn status` lists the sessions"))),
+                    None => {
+                        return Err(Status::not_found(format!(
+                            "no session {id} — `kvpn status` lists the sessions"
+                        )));
+                    }
                 }
             }
         };
@@ -324,7 +383,10 @@ impl Dataplane for Daemon {
         Ok(Response::new(DisconnectResponse { stopped }))
     }
 
-    async fn status(&self, _request: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
+    async fn status(
+        &self,
+        _request: Request<StatusRequest>,
+    ) -> Result<Response<StatusResponse>, Status> {
         let mut sessions: Vec<_> = self.sessions().values().map(Session::status).collect();
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
         Ok(Response::new(StatusResponse { sessions }))

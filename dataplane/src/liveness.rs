@@ -40,9 +40,12 @@ impl State {
 
 #[derive(Debug, Clone)]
 enum Transport {
-    /// Up since `since`; `ever_echoed` tells Connecting from Reconnecting while
-    /// the first echo of this transport is awaited.
-    Up { since: Instant, first_nonce: u64, last_echo: Option<Instant> },
+    /// Up since `since`; echoes count only for nonces sent since `first_nonce`.
+    Up {
+        since: Instant,
+        first_nonce: u64,
+        last_echo: Option<Instant>,
+    },
     /// Down, with the reason.
     Down { reason: String },
 }
@@ -54,6 +57,10 @@ pub struct Liveness {
     transport: Transport,
     /// Whether any transport of this session ever got an echo.
     ever_connected: bool,
+    /// Whether a transport of this session was up and ended.
+    lost_transport: bool,
+    /// Why the last transport ended, shown until the next one is connected.
+    last_loss: Option<String>,
     next_nonce: u64,
     next_due: Option<Instant>,
     last_sent: Option<(u64, Instant)>,
@@ -69,6 +76,8 @@ impl Liveness {
                 reason: "dialling the traffic manager".to_owned(),
             },
             ever_connected: false,
+            lost_transport: false,
+            last_loss: None,
             next_nonce: 1,
             next_due: None,
             last_sent: None,
@@ -93,8 +102,19 @@ impl Liveness {
 
     /// The transport ended for `reason`.
     pub fn handle_transport_down(&mut self, reason: impl Into<String>) {
-        self.transport = Transport::Down { reason: reason.into() };
+        let reason = reason.into();
+        if matches!(self.transport, Transport::Up { .. }) {
+            self.lost_transport = true;
+            self.last_loss = Some(reason.clone());
+        }
+        self.transport = Transport::Down { reason };
         self.next_due = None;
+    }
+
+    /// Connecting is only the first attempt; after a transport was lost or an
+    /// echo seen, the session is reconnecting until it is connected again.
+    fn past_first_transport(&self) -> bool {
+        self.ever_connected || self.lost_transport
     }
 
     /// When the next heartbeat is due (`None` while the transport is down).
@@ -123,7 +143,12 @@ impl Liveness {
             return false;
         };
         let nonce = u64::from_be_bytes(bytes);
-        let Transport::Up { first_nonce, last_echo, .. } = &mut self.transport else {
+        let Transport::Up {
+            first_nonce,
+            last_echo,
+            ..
+        } = &mut self.transport
+        else {
             return false;
         };
         let last = self.last_sent.map_or(0, |(n, _)| n);
@@ -153,9 +178,9 @@ impl Liveness {
     /// dropped and re-dialled.
     pub fn transport_dead(&self, now: Instant) -> bool {
         match &self.transport {
-            Transport::Up { since, last_echo, .. } => {
-                now.saturating_duration_since(last_echo.unwrap_or(*since)) > self.silence_limit()
-            }
+            Transport::Up {
+                since, last_echo, ..
+            } => now.saturating_duration_since(last_echo.unwrap_or(*since)) > self.silence_limit(),
             Transport::Down { .. } => false,
         }
     }
@@ -165,10 +190,18 @@ impl Liveness {
         let limit = self.silence_limit();
         match &self.transport {
             Transport::Down { reason } => {
-                let state = if self.ever_connected { State::Reconnecting } else { State::Connecting };
+                let state = if self.past_first_transport() {
+                    State::Reconnecting
+                } else {
+                    State::Connecting
+                };
                 (state, Some(reason.clone()))
             }
-            Transport::Up { since, last_echo: None, .. } => {
+            Transport::Up {
+                since,
+                last_echo: None,
+                ..
+            } => {
                 let waited = now.saturating_duration_since(*since);
                 if waited > limit {
                     (
@@ -178,13 +211,30 @@ impl Liveness {
                             waited.as_millis()
                         )),
                     )
-                } else if self.ever_connected {
-                    (State::Reconnecting, Some("transport re-established, waiting for the first heartbeat echo".to_owned()))
+                } else if self.past_first_transport() {
+                    (
+                        State::Reconnecting,
+                        Some(match &self.last_loss {
+                            Some(loss) => format!(
+                                "{loss}; transport re-established, waiting for the first heartbeat echo"
+                            ),
+                            None => {
+                                "transport re-established, waiting for the first heartbeat echo"
+                                    .to_owned()
+                            }
+                        }),
+                    )
                 } else {
-                    (State::Connecting, Some("waiting for the first heartbeat echo".to_owned()))
+                    (
+                        State::Connecting,
+                        Some("waiting for the first heartbeat echo".to_owned()),
+                    )
                 }
             }
-            Transport::Up { last_echo: Some(at), .. } => {
+            Transport::Up {
+                last_echo: Some(at),
+                ..
+            } => {
                 let silent = now.saturating_duration_since(*at);
                 if silent > limit {
                     (
@@ -213,13 +263,22 @@ mod tests {
         let t0 = Instant::now();
         let mut l = Liveness::new(I);
         assert_eq!(l.state(t0).0, State::Connecting);
-        assert_eq!(l.poll_heartbeat(t0), None, "no heartbeat without a transport");
+        assert_eq!(
+            l.poll_heartbeat(t0),
+            None,
+            "no heartbeat without a transport"
+        );
         l.handle_transport_up(t0);
-        let nonce = l.poll_heartbeat(t0).expect("first heartbeat is due at once");
+        let nonce = l
+            .poll_heartbeat(t0)
+            .expect("first heartbeat is due at once");
         assert_eq!(l.poll_heartbeat(t0), None, "only one per interval");
         assert_eq!(l.state(t0).0, State::Connecting);
         assert!(l.handle_echo(&nonce, t0 + Duration::from_millis(3)));
-        assert_eq!(l.state(t0 + Duration::from_millis(3)), (State::Connected, None));
+        assert_eq!(
+            l.state(t0 + Duration::from_millis(3)),
+            (State::Connected, None)
+        );
         assert_eq!(l.last_rtt(), Some(Duration::from_millis(3)));
         assert_eq!(l.poll_timeout(), Some(t0 + I));
     }
@@ -264,11 +323,35 @@ mod tests {
         l.handle_transport_down("transport closed by the traffic manager");
         assert!(!l.handle_echo(&old, t0), "no transport");
         l.handle_transport_up(t0 + I);
-        assert!(!l.handle_echo(&old, t0 + I), "echo of the previous transport");
+        assert!(
+            !l.handle_echo(&old, t0 + I),
+            "echo of the previous transport"
+        );
         assert!(!l.handle_echo(&[1, 2, 3], t0 + I), "wrong length");
         assert!(!l.handle_echo(&99u64.to_be_bytes(), t0 + I), "never sent");
         let fresh = l.poll_heartbeat(t0 + I).expect("due");
         assert!(l.handle_echo(&fresh, t0 + I));
+    }
+
+    #[test]
+    fn a_lost_transport_that_never_echoed_is_reconnecting_not_connecting() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(I);
+        l.handle_transport_down("connection refused");
+        assert_eq!(l.state(t0).0, State::Connecting, "first dial still failing");
+        l.handle_transport_up(t0);
+        assert_eq!(l.state(t0).0, State::Connecting);
+        l.handle_transport_down("no heartbeat echo from the traffic manager for 6001 ms");
+        assert_eq!(l.state(t0).0, State::Reconnecting);
+        l.handle_transport_up(t0 + I);
+        assert_eq!(
+            l.state(t0 + I).0,
+            State::Reconnecting,
+            "stays reconnecting until an echo"
+        );
+        let n = l.poll_heartbeat(t0 + I).expect("due");
+        assert!(l.handle_echo(&n, t0 + I));
+        assert_eq!(l.state(t0 + I).0, State::Connected);
     }
 
     #[test]
@@ -281,10 +364,17 @@ mod tests {
         l.handle_transport_down("connection reset by the traffic manager");
         assert_eq!(
             l.state(t0),
-            (State::Reconnecting, Some("connection reset by the traffic manager".to_owned()))
+            (
+                State::Reconnecting,
+                Some("connection reset by the traffic manager".to_owned())
+            )
         );
         assert_eq!(l.poll_timeout(), None);
         l.handle_transport_up(t0 + I);
-        assert_eq!(l.state(t0 + I).0, State::Reconnecting, "until the new transport echoes");
+        assert_eq!(
+            l.state(t0 + I).0,
+            State::Reconnecting,
+            "until the new transport echoes"
+        );
     }
 }

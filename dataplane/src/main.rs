@@ -37,7 +37,9 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(false)
         .init();
     if !nix::unistd::Uid::effective().is_root() {
-        tracing::warn!("not running as root: creating TUN devices, routes and eBPF programs will fail");
+        tracing::warn!(
+            "not running as root: creating TUN devices, routes and eBPF programs will fail"
+        );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -58,14 +60,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
 async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::Result<()> {
     let netlink = Netlink::new().context("cannot open a NETLINK_ROUTE socket")?;
-    let daemon = Arc::new(Daemon::new(netlink, Arc::new(EbpfClassifiers), HEARTBEAT_INTERVAL));
+    let daemon = Arc::new(Daemon::new(
+        netlink,
+        Arc::new(EbpfClassifiers),
+        HEARTBEAT_INTERVAL,
+    ));
     match daemon.sweep_leftovers().await {
         Ok(0) => {}
         Ok(n) => tracing::info!(routes = n, "removed routes left by an earlier daemon"),
         Err(e) => tracing::warn!(error = %e, "cannot sweep leftover kvpn routes"),
     }
-    let mut sigterm = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    let mut sigterm =
+        signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    let mut sigint =
+        signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
     let shutdown = async move {
         tokio::select! {
             _ = sigterm.recv() => tracing::info!("SIGTERM: tearing down all sessions"),
@@ -73,6 +81,9 @@ async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::
         }
     };
     tracing::info!(socket = %dir.socket().display(), pid = std::process::id(), "kvpn-dataplane serving");
-    daemon.serve(listener, shutdown).await.context("gRPC server failed")?;
+    daemon
+        .serve(listener, shutdown)
+        .await
+        .context("gRPC server failed")?;
     Ok(())
 }

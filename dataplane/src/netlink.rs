@@ -12,8 +12,12 @@ use futures::TryStreamExt as _;
 use ipnet::IpNet;
 use rtnetlink::packet_core::ErrorMessage;
 use rtnetlink::packet_route::AddressFamily;
-use rtnetlink::packet_route::link::{AfSpecInet, AfSpecUnspec, InetDevConf, LinkAttribute, LinkMessage};
-use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope};
+use rtnetlink::packet_route::link::{
+    AfSpecInet, AfSpecUnspec, InetDevConf, LinkAttribute, LinkMessage,
+};
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope,
+};
 use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
 
 /// Route protocol number tagging kvpn's routes (`rtm_protocol`). Values above
@@ -41,13 +45,22 @@ pub struct NetlinkError {
 impl NetlinkError {
     fn new(op: impl Into<String>, err: rtnetlink::Error) -> Self {
         let (cause, errno) = match &err {
-            rtnetlink::Error::NetlinkError(ErrorMessage { code: Some(code), .. }) => {
+            rtnetlink::Error::NetlinkError(ErrorMessage {
+                code: Some(code), ..
+            }) => {
                 let errno = -code.get();
-                (std::io::Error::from_raw_os_error(errno).to_string(), Some(errno))
+                (
+                    std::io::Error::from_raw_os_error(errno).to_string(),
+                    Some(errno),
+                )
             }
             other => (other.to_string(), None),
         };
-        Self { op: op.into(), cause, errno }
+        Self {
+            op: op.into(),
+            cause,
+            errno,
+        }
     }
 }
 
@@ -77,7 +90,12 @@ impl Netlink {
 
     /// The index of the interface called `name`, if there is one.
     pub async fn link_index(&self, name: &str) -> Result<Option<u32>, NetlinkError> {
-        let mut links = self.handle.link().get().match_name(name.to_owned()).execute();
+        let mut links = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_owned())
+            .execute();
         match links.try_next().await {
             Ok(Some(link)) => Ok(Some(link.header.index)),
             Ok(None) => Ok(None),
@@ -108,12 +126,22 @@ impl Netlink {
             .add(index, ip, len)
             .execute()
             .await
-            .map_err(|e| NetlinkError::new(format!("add address {ip}/{len} to interface #{index}"), e))
+            .map_err(|e| {
+                NetlinkError::new(format!("add address {ip}/{len} to interface #{index}"), e)
+            })
     }
 
-    fn route_message(index: u32, dst: IpNet, pref_src: Option<IpAddr>) -> Result<RouteMessage, NetlinkError> {
+    fn route_message(
+        index: u32,
+        dst: IpNet,
+        pref_src: Option<IpAddr>,
+    ) -> Result<RouteMessage, NetlinkError> {
         fn invalid(dst: IpNet) -> impl Fn(&dyn std::fmt::Display) -> NetlinkError {
-            move |e| NetlinkError { op: format!("build route {dst}"), cause: e.to_string(), errno: None }
+            move |e| NetlinkError {
+                op: format!("build route {dst}"),
+                cause: e.to_string(),
+                errno: None,
+            }
         }
         let mut builder = RouteMessageBuilder::<IpAddr>::new()
             .destination_prefix(dst.addr(), dst.prefix_len())
@@ -130,7 +158,12 @@ impl Netlink {
 
     /// Install `dst` in the main table through interface `index`, tagged with
     /// [`RTPROT_KVPN`], preferring `pref_src` (the tunnel IP) as source address.
-    pub async fn add_route(&self, index: u32, dst: IpNet, pref_src: Option<IpAddr>) -> Result<(), NetlinkError> {
+    pub async fn add_route(
+        &self,
+        index: u32,
+        dst: IpNet,
+        pref_src: Option<IpAddr>,
+    ) -> Result<(), NetlinkError> {
         let msg = Self::route_message(index, dst, pref_src)?;
         self.handle.route().add(msg).execute().await.map_err(|e| {
             let mut err = NetlinkError::new(format!("add route {dst} dev #{index}"), e);
@@ -165,13 +198,22 @@ impl Netlink {
                     Ok(Some(r)) => r,
                     Ok(None) => break,
                     // IPv6 disabled in this namespace: no IPv6 routes to list.
-                    Err(e) if family == AddressFamily::Inet6 && errno_of(&e) == Some(libc::EAFNOSUPPORT) => break,
+                    Err(e)
+                        if family == AddressFamily::Inet6
+                            && errno_of(&e) == Some(libc::EAFNOSUPPORT) =>
+                    {
+                        break;
+                    }
                     Err(e) => return Err(NetlinkError::new("list routes", e)),
                 };
-                if route.header.protocol != RouteProtocol::Other(RTPROT_KVPN) || table_of(&route) != u32::from(RouteHeader::RT_TABLE_MAIN) {
+                if route.header.protocol != RouteProtocol::Other(RTPROT_KVPN)
+                    || table_of(&route) != u32::from(RouteHeader::RT_TABLE_MAIN)
+                {
                     continue;
                 }
-                let Some(found) = parse_route(&route) else { continue };
+                let Some(found) = parse_route(&route) else {
+                    continue;
+                };
                 if index.is_none_or(|i| i == found.oif) {
                     out.push(found);
                 }
@@ -190,12 +232,9 @@ impl Netlink {
                 AfSpecInet::DevConfRequest(conf),
             ])]))
             .build();
-        self.handle
-            .link()
-            .set(msg)
-            .execute()
-            .await
-            .map_err(|e| NetlinkError::new(format!("set rp_filter={value} on interface #{index}"), e))
+        self.handle.link().set(msg).execute().await.map_err(|e| {
+            NetlinkError::new(format!("set rp_filter={value} on interface #{index}"), e)
+        })
     }
 
     /// The IPv4 rp_filter of interface `index`, read back through RTM_GETLINK.
@@ -231,7 +270,9 @@ impl Netlink {
 
 fn errno_of(err: &rtnetlink::Error) -> Option<i32> {
     match err {
-        rtnetlink::Error::NetlinkError(ErrorMessage { code: Some(code), .. }) => Some(-code.get()),
+        rtnetlink::Error::NetlinkError(ErrorMessage {
+            code: Some(code), ..
+        }) => Some(-code.get()),
         _ => None,
     }
 }
@@ -266,5 +307,8 @@ fn parse_route(route: &RouteMessage) -> Option<KvpnRoute> {
         (None, AddressFamily::Inet6) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
         (None, _) => return None,
     };
-    Some(KvpnRoute { dst: IpNet::new(dst, len).ok()?, oif: oif? })
+    Some(KvpnRoute {
+        dst: IpNet::new(dst, len).ok()?,
+        oif: oif?,
+    })
 }

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use kvpn_proto::frame::{self, Decoder, FrameError, Kind, HEADER_LEN};
+use kvpn_proto::frame::{self, Decoder, FrameError, HEADER_LEN, Kind};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -182,7 +182,11 @@ impl OutBatch {
     }
 
     fn used(&self) -> usize {
-        if self.count == 0 { 0 } else { self.ends[self.count - 1] }
+        if self.count == 0 {
+            0
+        } else {
+            self.ends[self.count - 1]
+        }
     }
 
     fn is_full(&self) -> bool {
@@ -261,8 +265,19 @@ where
         liveness.clone(),
         counters.clone(),
     ));
-    tasks.spawn(transport_reader(transport_rx, in_free_rx, in_full_tx, config));
-    tasks.spawn(tun_writer(tun, in_full_rx, in_free_tx, liveness.clone(), counters));
+    tasks.spawn(transport_reader(
+        transport_rx,
+        in_free_rx,
+        in_full_tx,
+        config,
+    ));
+    tasks.spawn(tun_writer(
+        tun,
+        in_full_rx,
+        in_free_tx,
+        liveness.clone(),
+        counters,
+    ));
 
     // Watchdog: a black-holed transport can block the writer forever, so the
     // silence check cannot live in the writer.
@@ -322,7 +337,11 @@ async fn tun_reader<T: PacketIo>(
                 Err(e) => return PumpExit::Tun(e),
             }
         }
-        tracing::trace!(packets = batch.count, bytes = batch.used(), "outbound batch read");
+        tracing::trace!(
+            packets = batch.count,
+            bytes = batch.used(),
+            "outbound batch read"
+        );
         if full_tx.send(batch).await.is_err() {
             return PumpExit::Task("outbound batch queue closed".to_owned());
         }
@@ -383,18 +402,19 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
                 let Some(batch) = batch else {
                     return PumpExit::Task("outbound batch queue closed".to_owned());
                 };
-                let mut iov = [IoSlice::new(&[]); 2 * BATCH_PACKETS];
-                for i in 0..batch.count {
-                    let packet = batch.packet(i);
-                    match frame::encode_header(Kind::Packet, packet.len()) {
-                        Ok(h) => headers[i] = h,
-                        // Unreachable without IFF_VNET_HDR: MAX_PACKET < MAX_PAYLOAD_LEN + 2.
+                for (i, header) in headers.iter_mut().enumerate().take(batch.count) {
+                    match frame::encode_header(Kind::Packet, batch.packet(i).len()) {
+                        Ok(h) => *header = h,
+                        // A TUN packet without IFF_VNET_HDR is at most 65535
+                        // bytes; only a 65535-byte one does not fit (MTU <= 65534
+                        // is enforced at Connect).
                         Err(e) => return PumpExit::Protocol(e),
                     }
                 }
-                for i in 0..batch.count {
-                    iov[2 * i] = IoSlice::new(&headers[i]);
-                    iov[2 * i + 1] = IoSlice::new(batch.packet(i));
+                let mut iov = [IoSlice::new(&[]); 2 * BATCH_PACKETS];
+                for (i, pair) in iov.chunks_exact_mut(2).enumerate().take(batch.count) {
+                    pair[0] = IoSlice::new(&headers[i]);
+                    pair[1] = IoSlice::new(batch.packet(i));
                 }
                 if let Err(e) = write_all_vectored(&mut writer, &mut iov[..2 * batch.count]).await {
                     return PumpExit::Transport(e);
@@ -504,11 +524,17 @@ async fn tun_writer<T: PacketIo>(
                     if lock(&liveness).handle_echo(frame.payload, Instant::now()) {
                         Counters::add(&counters.heartbeats_echoed, 1);
                     } else {
-                        tracing::debug!(len = frame.payload.len(), "unexpected heartbeat echo ignored");
+                        tracing::debug!(
+                            len = frame.payload.len(),
+                            "unexpected heartbeat echo ignored"
+                        );
                     }
                 }
                 Kind::Hello | Kind::Unknown(_) => {
-                    tracing::debug!(kind = frame.kind.to_u8(), "frame of a kind the client ignores");
+                    tracing::debug!(
+                        kind = frame.kind.to_u8(),
+                        "frame of a kind the client ignores"
+                    );
                 }
             }
         }
@@ -559,12 +585,18 @@ mod tests {
 
     impl<R: AsyncRead + Unpin> FrameReader<R> {
         fn new(inner: R) -> Self {
-            Self { inner, buf: Vec::new() }
+            Self {
+                inner,
+                buf: Vec::new(),
+            }
         }
 
         async fn next(&mut self) -> Option<(Kind, Vec<u8>)> {
             loop {
-                if let Some((f, used)) = Decoder::default().decode(&self.buf).expect("valid frames from the pump") {
+                if let Some((f, used)) = Decoder::default()
+                    .decode(&self.buf)
+                    .expect("valid frames from the pump")
+                {
                     let out = (f.kind, f.payload.to_vec());
                     self.buf.drain(..used);
                     return Some(out);
@@ -595,19 +627,33 @@ mod tests {
         // A Unix datagram queue holds 10 datagrams by default
         // (net.unix.max_dgram_qlen); queue them all before the pump starts.
         for seq in 0..10 {
-            app_side.send(&packet(seq, len_for(seq))).await.expect("queue packet");
+            app_side
+                .send(&packet(seq, len_for(seq)))
+                .await
+                .expect("queue packet");
         }
         let (pump_end, manager_end) = tokio::io::duplex(1 << 20);
         let (rx, tx) = tokio::io::split(pump_end);
         let counters = Arc::new(Counters::default());
-        let pump = tokio::spawn(run(Arc::new(tun_side), rx, tx, liveness_up(LONG), counters.clone(), PumpConfig::default()));
+        let pump = tokio::spawn(run(
+            Arc::new(tun_side),
+            rx,
+            tx,
+            liveness_up(LONG),
+            counters.clone(),
+            PumpConfig::default(),
+        ));
         let mut frames = FrameReader::new(manager_end);
         for seq in 0..10 {
             let got = frames.next_packet().await.expect("a packet frame");
             assert_eq!(got, packet(seq, len_for(seq)), "packet {seq}");
         }
         assert_eq!(Counters::get(&counters.tx_packets), 10);
-        assert_eq!(Counters::get(&counters.tx_batches), 1, "10 queued packets must leave in one vectored write");
+        assert_eq!(
+            Counters::get(&counters.tx_batches),
+            1,
+            "10 queued packets must leave in one vectored write"
+        );
         let bytes: usize = (0..10).map(len_for).sum();
         assert_eq!(Counters::get(&counters.tx_bytes), bytes as u64);
         pump.abort();
@@ -620,11 +666,21 @@ mod tests {
         let (pump_end, manager_end) = tokio::io::duplex(16 * 1024);
         let (rx, tx) = tokio::io::split(pump_end);
         let counters = Arc::new(Counters::default());
-        let pump = tokio::spawn(run(Arc::new(tun_side), rx, tx, liveness_up(LONG), counters.clone(), PumpConfig::default()));
+        let pump = tokio::spawn(run(
+            Arc::new(tun_side),
+            rx,
+            tx,
+            liveness_up(LONG),
+            counters.clone(),
+            PumpConfig::default(),
+        ));
         const N: u32 = 3000;
         let app = tokio::spawn(async move {
             for seq in 0..N {
-                app_side.send(&packet(seq, len_for(seq))).await.expect("send waits, never fails");
+                app_side
+                    .send(&packet(seq, len_for(seq)))
+                    .await
+                    .expect("send waits, never fails");
             }
             app_side
         });
@@ -649,15 +705,24 @@ mod tests {
         let (pump_end, mut manager_end) = tokio::io::duplex(7);
         let (rx, tx) = tokio::io::split(pump_end);
         let counters = Arc::new(Counters::default());
-        let pump = tokio::spawn(run(Arc::new(tun_side), rx, tx, liveness_up(LONG), counters.clone(), PumpConfig::default()));
+        let pump = tokio::spawn(run(
+            Arc::new(tun_side),
+            rx,
+            tx,
+            liveness_up(LONG),
+            counters.clone(),
+            PumpConfig::default(),
+        ));
         const N: u32 = 300;
         let manager = tokio::spawn(async move {
             let mut wire = Vec::new();
             for seq in 0..N {
-                frame::encode_into(Kind::Packet, &packet(seq, len_for(seq)), &mut wire).expect("fits");
+                frame::encode_into(Kind::Packet, &packet(seq, len_for(seq)), &mut wire)
+                    .expect("fits");
                 if seq % 7 == 0 {
                     // Frames the client must skip without losing sync.
-                    frame::encode_into(Kind::Unknown(99), b"from a newer manager", &mut wire).expect("fits");
+                    frame::encode_into(Kind::Unknown(99), b"from a newer manager", &mut wire)
+                        .expect("fits");
                     frame::encode_into(Kind::Heartbeat, &[9; 8], &mut wire).expect("fits");
                 }
             }
@@ -670,13 +735,20 @@ mod tests {
             if seq % 100 == 0 {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            let n = app_side.recv(&mut buf).await.expect("packet on the TUN side");
+            let n = app_side
+                .recv(&mut buf)
+                .await
+                .expect("packet on the TUN side");
             assert_eq!(&buf[..n], &packet(seq, len_for(seq))[..], "packet {seq}");
         }
         let _manager_end = manager.await.expect("manager task");
         assert_eq!(Counters::get(&counters.rx_packets), u64::from(N));
         assert_eq!(Counters::get(&counters.rx_invalid), 0);
-        assert_eq!(Counters::get(&counters.heartbeats_echoed), 0, "a nonce never sent is no echo");
+        assert_eq!(
+            Counters::get(&counters.heartbeats_echoed),
+            0,
+            "a nonce never sent is no echo"
+        );
         pump.abort();
     }
 
@@ -689,12 +761,23 @@ mod tests {
         let interval = Duration::from_millis(50);
         let liveness = liveness_up(interval);
         let counters = Arc::new(Counters::default());
-        let pump = tokio::spawn(run(Arc::new(tun_side), rx, tx, liveness.clone(), counters.clone(), PumpConfig::default()));
+        let pump = tokio::spawn(run(
+            Arc::new(tun_side),
+            rx,
+            tx,
+            liveness.clone(),
+            counters.clone(),
+            PumpConfig::default(),
+        ));
         // Test double of the manager: echo heartbeats unchanged.
         let echo = tokio::spawn(async move {
             let mut frames = FrameReader::new(manager_rx);
             while let Some((kind, payload)) = frames.next().await {
-                assert_eq!(kind, Kind::Heartbeat, "only heartbeats flow on an idle session");
+                assert_eq!(
+                    kind,
+                    Kind::Heartbeat,
+                    "only heartbeats flow on an idle session"
+                );
                 assert_eq!(payload.len(), 8, "8-byte nonce");
                 let mut out = Vec::new();
                 frame::encode_into(Kind::Heartbeat, &payload, &mut out).expect("fits");
@@ -705,7 +788,10 @@ mod tests {
         assert!(!pump.is_finished(), "an echoed session keeps pumping");
         let state = liveness.lock().expect("lock").state(Instant::now());
         assert_eq!(state, (State::Connected, None));
-        assert!(Counters::get(&counters.heartbeats_sent) >= 5, "one heartbeat per interval");
+        assert!(
+            Counters::get(&counters.heartbeats_sent) >= 5,
+            "one heartbeat per interval"
+        );
         assert!(Counters::get(&counters.heartbeats_echoed) >= 5);
         pump.abort();
         echo.abort();
@@ -722,15 +808,28 @@ mod tests {
         let started = Instant::now();
         let exit = tokio::time::timeout(
             Duration::from_secs(5),
-            run(Arc::new(tun_side), rx, tx, liveness.clone(), Arc::new(Counters::default()), PumpConfig::default()),
+            run(
+                Arc::new(tun_side),
+                rx,
+                tx,
+                liveness.clone(),
+                Arc::new(Counters::default()),
+                PumpConfig::default(),
+            ),
         )
         .await
         .expect("the pump must give up on a silent manager");
         let took = started.elapsed();
-        assert!(matches!(exit, PumpExit::Silent(ref r) if r.contains("no heartbeat echo")), "{exit:?}");
+        assert!(
+            matches!(exit, PumpExit::Silent(ref r) if r.contains("no heartbeat echo")),
+            "{exit:?}"
+        );
         assert!(took >= interval * 3, "not before three intervals: {took:?}");
         assert!(took < interval * 6, "soon after three intervals: {took:?}");
-        assert_eq!(liveness.lock().expect("lock").state(Instant::now()).0, State::Reconnecting);
+        assert_eq!(
+            liveness.lock().expect("lock").state(Instant::now()).0,
+            State::Reconnecting
+        );
     }
 
     #[tokio::test]
@@ -739,8 +838,19 @@ mod tests {
         let (pump_end, mut manager_end) = tokio::io::duplex(1 << 16);
         let (rx, tx) = tokio::io::split(pump_end);
         manager_end.write_all(&[0, 0, 1]).await.expect("write");
-        let exit = run(Arc::new(tun_side), rx, tx, liveness_up(LONG), Arc::new(Counters::default()), PumpConfig::default()).await;
-        assert!(matches!(exit, PumpExit::Protocol(FrameError::ZeroLength)), "{exit:?}");
+        let exit = run(
+            Arc::new(tun_side),
+            rx,
+            tx,
+            liveness_up(LONG),
+            Arc::new(Counters::default()),
+            PumpConfig::default(),
+        )
+        .await;
+        assert!(
+            matches!(exit, PumpExit::Protocol(FrameError::ZeroLength)),
+            "{exit:?}"
+        );
     }
 
     #[tokio::test]
@@ -749,7 +859,15 @@ mod tests {
         let (pump_end, manager_end) = tokio::io::duplex(1 << 16);
         let (rx, tx) = tokio::io::split(pump_end);
         drop(manager_end);
-        let exit = run(Arc::new(tun_side), rx, tx, liveness_up(LONG), Arc::new(Counters::default()), PumpConfig::default()).await;
+        let exit = run(
+            Arc::new(tun_side),
+            rx,
+            tx,
+            liveness_up(LONG),
+            Arc::new(Counters::default()),
+            PumpConfig::default(),
+        )
+        .await;
         assert!(
             matches!(exit, PumpExit::TransportClosed | PumpExit::Transport(_)),
             "{exit:?}"

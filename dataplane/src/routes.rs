@@ -30,7 +30,11 @@ pub struct RoutePlan {
 /// addresses as the input.
 pub fn normalise(cidrs: &[IpNet]) -> Vec<IpNet> {
     let tagged: Vec<(IpNet, RouteKind)> = cidrs.iter().map(|c| (*c, RouteKind::Extra)).collect();
-    plan(&tagged).kernel.into_iter().map(|(net, _)| net).collect()
+    plan(&tagged)
+        .kernel
+        .into_iter()
+        .map(|(net, _)| net)
+        .collect()
 }
 
 /// Plan the kernel routes and classifier entries for `routes`.
@@ -77,10 +81,18 @@ mod tests {
         // contradicts its rule: 10.32.0.0/12 spans 10.32.0.0-10.47.255.255, so
         // 10.42.2.0/24 is covered just like 10.32.1.0/24 and needs no route of
         // its own.
-        let got = normalise(&[net("10.42.2.5/24"), net("10.32.0.0/12"), net("10.32.1.0/24")]);
+        let got = normalise(&[
+            net("10.42.2.5/24"),
+            net("10.32.0.0/12"),
+            net("10.32.1.0/24"),
+        ]);
         assert_eq!(got, vec![net("10.32.0.0/12")]);
         // The shape the case means, with a pod CIDR outside the service CIDR.
-        let got = normalise(&[net("10.42.2.5/24"), net("10.96.0.0/12"), net("10.96.1.0/24")]);
+        let got = normalise(&[
+            net("10.42.2.5/24"),
+            net("10.96.0.0/12"),
+            net("10.96.1.0/24"),
+        ]);
         assert_eq!(got, vec![net("10.42.2.0/24"), net("10.96.0.0/12")]);
     }
 
@@ -94,7 +106,10 @@ mod tests {
         assert_eq!(p.kernel, vec![(net("10.0.0.0/8"), RouteKind::Pod)]);
         assert_eq!(
             p.classifier,
-            vec![(net("10.0.0.0/8"), RouteKind::Pod), (net("10.96.0.0/12"), RouteKind::Service)]
+            vec![
+                (net("10.0.0.0/8"), RouteKind::Pod),
+                (net("10.96.0.0/12"), RouteKind::Service)
+            ]
         );
     }
 
@@ -108,10 +123,15 @@ mod tests {
         prop_oneof![
             // Small v4 space so that overlaps are frequent.
             (any::<u8>(), any::<u8>(), 8u8..=32).prop_map(|(b, c, len)| {
-                IpNet::new(IpAddr::V4(Ipv4Addr::new(10, b & 0x3f, c, c ^ b)), len).expect("len <= 32")
+                IpNet::new(IpAddr::V4(Ipv4Addr::new(10, b & 0x3f, c, c ^ b)), len)
+                    .expect("len <= 32")
             }),
             (any::<u16>(), 16u8..=128).prop_map(|(w, len)| {
-                IpNet::new(IpAddr::V6(Ipv6Addr::new(0xfd00, w & 0xff, 0, 0, 0, 0, 0, w)), len).expect("len <= 128")
+                IpNet::new(
+                    IpAddr::V6(Ipv6Addr::new(0xfd00, w & 0xff, 0, 0, 0, 0, 0, w)),
+                    len,
+                )
+                .expect("len <= 128")
             }),
         ]
     }

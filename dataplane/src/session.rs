@@ -42,7 +42,11 @@ const REDIAL_BACKOFF: (Duration, Duration) = (Duration::from_millis(250), Durati
 /// without eBPF (they pass a test double), never to skip eBPF in the daemon.
 pub trait ClassifierAttach: Send + Sync + 'static {
     /// Attach to `ifname` and insert `entries`.
-    fn attach(&self, ifname: &str, entries: &[(IpNet, RouteKind)]) -> Result<Box<dyn AttachedClassifier>, BoxError>;
+    fn attach(
+        &self,
+        ifname: &str,
+        entries: &[(IpNet, RouteKind)],
+    ) -> Result<Box<dyn AttachedClassifier>, BoxError>;
 }
 
 /// An attached classifier; dropping it detaches it.
@@ -59,7 +63,11 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct EbpfClassifiers;
 
 impl ClassifierAttach for EbpfClassifiers {
-    fn attach(&self, ifname: &str, entries: &[(IpNet, RouteKind)]) -> Result<Box<dyn AttachedClassifier>, BoxError> {
+    fn attach(
+        &self,
+        ifname: &str,
+        entries: &[(IpNet, RouteKind)],
+    ) -> Result<Box<dyn AttachedClassifier>, BoxError> {
         let mut classifier = ebpf::Classifier::attach(ifname)?;
         for (cidr, kind) in entries {
             classifier.insert_route(*cidr, *kind)?;
@@ -229,7 +237,11 @@ pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, 
                 Err(e) => last = Some(dial_error(&addr.to_string(), &e)),
             }
         }
-        Err(last.unwrap_or_else(|| format!("the traffic manager address {target} resolved to no address — give it as HOST:PORT")))
+        Err(last.unwrap_or_else(|| {
+            format!(
+                "the traffic manager address {target} resolved to no address — give it as HOST:PORT"
+            )
+        }))
     };
     let stream = match tokio::time::timeout(timeout, attempt).await {
         Ok(result) => result?,
@@ -249,9 +261,13 @@ pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, 
 }
 
 fn hello_frame(tunnel_ip: IpAddr) -> Result<Vec<u8>, String> {
-    let payload = Hello { version: PROTOCOL_VERSION, tunnel_ip, token: Vec::new() }
-        .encode()
-        .map_err(|e| e.to_string())?;
+    let payload = Hello {
+        version: PROTOCOL_VERSION,
+        tunnel_ip,
+        token: Vec::new(),
+    }
+    .encode()
+    .map_err(|e| e.to_string())?;
     let mut out = Vec::with_capacity(frame::HEADER_LEN + payload.len());
     frame::encode_into(Kind::Hello, &payload, &mut out).map_err(|e| e.to_string())?;
     Ok(out)
@@ -289,7 +305,13 @@ impl Undo<'_> {
 
 /// Delete `routes` and the TUN device `ifindex` explicitly, close it, and check
 /// that neither the device nor any kvpn route through it remains.
-async fn remove_device(netlink: &Netlink, device: Arc<AsyncDevice>, ifindex: u32, name: &str, routes: &[IpNet]) -> TeardownReport {
+async fn remove_device(
+    netlink: &Netlink,
+    device: Arc<AsyncDevice>,
+    ifindex: u32,
+    name: &str,
+    routes: &[IpNet],
+) -> TeardownReport {
     let mut report = TeardownReport::default();
     for route in routes {
         match netlink.del_route(ifindex, *route).await {
@@ -312,12 +334,19 @@ async fn remove_device(netlink: &Netlink, device: Arc<AsyncDevice>, ifindex: u32
         let clean = matches!(link, Ok(false)) && matches!(&left, Ok(r) if r.is_empty());
         if clean || Instant::now() >= deadline {
             match link {
-                Ok(true) => report.leftovers.push(format!("TUN device {name} (#{ifindex}) still exists")),
+                Ok(true) => report
+                    .leftovers
+                    .push(format!("TUN device {name} (#{ifindex}) still exists")),
                 Ok(false) => {}
-                Err(e) => report.leftovers.push(format!("cannot check TUN device {name}: {e}")),
+                Err(e) => report
+                    .leftovers
+                    .push(format!("cannot check TUN device {name}: {e}")),
             }
             match left {
-                Ok(r) => report.leftovers.extend(r.iter().map(|r| format!("route {} dev #{} still installed", r.dst, r.oif))),
+                Ok(r) => report.leftovers.extend(
+                    r.iter()
+                        .map(|r| format!("route {} dev #{} still installed", r.dst, r.oif)),
+                ),
                 Err(e) => report.leftovers.push(format!("cannot list routes: {e}")),
             }
             break;
@@ -342,7 +371,9 @@ impl Session {
         classifiers: &dyn ClassifierAttach,
     ) -> Result<Session, ConnectError> {
         let span = tracing::info_span!("session", %id, manager = %params.manager);
-        Self::start_inner(id, params, netlink, classifiers).instrument(span).await
+        Self::start_inner(id, params, netlink, classifiers)
+            .instrument(span)
+            .await
     }
 
     async fn start_inner(
@@ -362,14 +393,21 @@ impl Session {
         if let Err(e) = stream.write_all(&hello).await {
             return Err(ConnectError::Step {
                 step: Step::SendHello,
-                message: format!("cannot send hello to the traffic manager at {}: {e}", params.manager),
+                message: format!(
+                    "cannot send hello to the traffic manager at {}: {e}",
+                    params.manager
+                ),
                 rollback: String::new(),
             });
         }
         tracing::info!("data connection to the traffic manager open, hello sent");
 
         let plan = routes::plan(&params.routes);
-        let mut undo = Undo { netlink, tun: None, routes: Vec::new() };
+        let mut undo = Undo {
+            netlink,
+            tun: None,
+            routes: Vec::new(),
+        };
         match Self::setup(&params, &plan, netlink, classifiers, &mut undo).await {
             Ok(classifier) => {
                 let Some((device, ifindex, tun_name)) = undo.tun.take() else {
@@ -380,11 +418,21 @@ impl Session {
                     });
                 };
                 let liveness = Arc::new(Mutex::new(Liveness::new(params.heartbeat_interval)));
-                let shared = Arc::new(Shared { liveness, counters: Arc::new(Counters::default()) });
+                let shared = Arc::new(Shared {
+                    liveness,
+                    counters: Arc::new(Counters::default()),
+                });
                 let (stop_tx, stop_rx) = watch::channel(false);
                 let supervisor = tokio::spawn(
-                    supervise(device.clone(), stream, params.manager.clone(), hello, shared.clone(), stop_rx)
-                        .instrument(tracing::info_span!("session", %id)),
+                    supervise(
+                        device.clone(),
+                        stream,
+                        params.manager.clone(),
+                        hello,
+                        shared.clone(),
+                        stop_rx,
+                    )
+                    .instrument(tracing::info_span!("session", %id)),
                 );
                 tracing::info!(tun = %tun_name, ifindex, routes = plan.kernel.len(), "session up");
                 Ok(Session {
@@ -405,7 +453,11 @@ impl Session {
                 drop(stream);
                 let rollback = undo.rollback().await;
                 tracing::warn!(%step, %message, %rollback, "connect failed");
-                Err(ConnectError::Step { step, message, rollback })
+                Err(ConnectError::Step {
+                    step,
+                    message,
+                    rollback,
+                })
             }
         }
     }
@@ -419,14 +471,22 @@ impl Session {
     ) -> Result<Option<Box<dyn AttachedClassifier>>, (Step, String)> {
         if let Some(name) = &params.tun_name {
             tun::validate_name(name).map_err(|e| step_err(Step::CreateTun, e))?;
-            if netlink.link_index(name).await.map_err(|e| step_err(Step::CreateTun, e))?.is_some() {
+            if netlink
+                .link_index(name)
+                .await
+                .map_err(|e| step_err(Step::CreateTun, e))?
+                .is_some()
+            {
                 return Err(step_err(
                     Step::CreateTun,
-                    format!("an interface named {name} already exists — choose another TUN name or remove it (`ip link del {name}`)"),
+                    format!(
+                        "an interface named {name} already exists — choose another TUN name or remove it (`ip link del {name}`)"
+                    ),
                 ));
             }
         }
-        let created = tun::create(params.tun_name.as_deref(), params.mtu).map_err(|e| step_err(Step::CreateTun, e))?;
+        let created = tun::create(params.tun_name.as_deref(), params.mtu)
+            .map_err(|e| step_err(Step::CreateTun, e))?;
         let ifindex = created.ifindex;
         let name = created.name.clone();
         undo.tun = Some((Arc::new(created.device), ifindex, created.name));
@@ -484,7 +544,11 @@ impl Session {
 
     /// The state and, unless connected, why.
     pub fn state(&self) -> (State, Option<String>) {
-        self.shared.liveness.lock().unwrap_or_else(PoisonError::into_inner).state(Instant::now())
+        self.shared
+            .liveness
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .state(Instant::now())
     }
 
     /// Pump counters.
@@ -494,7 +558,10 @@ impl Session {
 
     /// The classifier's counters (`None` without a classifier).
     pub fn classifier_stats(&self) -> Option<Result<Stats, BoxError>> {
-        let guard = self.classifier.lock().unwrap_or_else(PoisonError::into_inner);
+        let guard = self
+            .classifier
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         guard.as_ref().map(|c| c.stats())
     }
 
@@ -533,7 +600,10 @@ impl Session {
                 .plan
                 .kernel
                 .iter()
-                .map(|(cidr, kind)| api::Route { cidr: cidr.to_string(), kind: kind_to_api(*kind) as i32 })
+                .map(|(cidr, kind)| api::Route {
+                    cidr: cidr.to_string(),
+                    kind: kind_to_api(*kind) as i32,
+                })
                 .collect(),
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             tx_packets: Counters::get(&c.tx_packets),
@@ -551,19 +621,44 @@ impl Session {
     /// device, and verify that none of them remains.
     pub async fn teardown(mut self, netlink: &Netlink) -> TeardownReport {
         let _ = self.stop_tx.send(true);
-        if let Some(mut supervisor) = self.supervisor.take() {
-            if tokio::time::timeout(Duration::from_secs(2), &mut supervisor).await.is_err() {
-                supervisor.abort();
-                let _ = supervisor.await;
-            }
+        if let Some(mut supervisor) = self.supervisor.take()
+            && tokio::time::timeout(Duration::from_secs(2), &mut supervisor)
+                .await
+                .is_err()
+        {
+            supervisor.abort();
+            let _ = supervisor.await;
         }
         // Detach before the device goes, so the link is released cleanly.
-        drop(self.classifier.lock().unwrap_or_else(PoisonError::into_inner).take());
+        drop(
+            self.classifier
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+        // Verified while the device still exists: afterwards there is nothing
+        // to query. A failed query (no TCX before Linux 6.6) proves nothing
+        // either way and is only logged.
+        let still_attached = match ebpf::Classifier::is_attached_to(&self.tun_name) {
+            Ok(attached) => attached,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot query TCX attachments");
+                false
+            }
+        };
         let routes: Vec<IpNet> = self.plan.kernel.iter().map(|(n, _)| *n).collect();
-        let report = match self.tun.take() {
-            Some(device) => remove_device(netlink, device, self.ifindex, &self.tun_name, &routes).await,
+        let mut report = match self.tun.take() {
+            Some(device) => {
+                remove_device(netlink, device, self.ifindex, &self.tun_name, &routes).await
+            }
             None => TeardownReport::default(),
         };
+        if still_attached {
+            report.leftovers.push(format!(
+                "eBPF classifier still attached to {} after detaching",
+                self.tun_name
+            ));
+        }
         let c = self.counters();
         tracing::info!(
             id = %self.id,
@@ -628,7 +723,11 @@ async fn supervise(
     let mut next = Some(first);
     let mut backoff = REDIAL_BACKOFF.0;
     let set_down = |reason: String| {
-        shared.liveness.lock().unwrap_or_else(PoisonError::into_inner).handle_transport_down(reason);
+        shared
+            .liveness
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .handle_transport_down(reason);
     };
     loop {
         let stream = match next.take() {
@@ -657,7 +756,11 @@ async fn supervise(
             }
         };
         backoff = REDIAL_BACKOFF.0;
-        shared.liveness.lock().unwrap_or_else(PoisonError::into_inner).handle_transport_up(Instant::now());
+        shared
+            .liveness
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .handle_transport_up(Instant::now());
         let (transport_rx, transport_tx) = stream.into_split();
         let exit = tokio::select! {
             _ = stop_rx.changed() => return,

@@ -69,13 +69,19 @@ pub struct Tun {
 
 impl std::fmt::Debug for Tun {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tun").field("name", &self.name).field("ifindex", &self.ifindex).finish_non_exhaustive()
+        f.debug_struct("Tun")
+            .field("name", &self.name)
+            .field("ifindex", &self.ifindex)
+            .finish_non_exhaustive()
     }
 }
 
 /// Check an interface name the way the kernel does (`dev_valid_name`).
 pub fn validate_name(name: &str) -> Result<(), TunError> {
-    let bad = |why| TunError::BadName { name: name.to_owned(), why };
+    let bad = |why| TunError::BadName {
+        name: name.to_owned(),
+        why,
+    };
     if name.is_empty() {
         return Err(bad("empty"));
     }
@@ -85,7 +91,10 @@ pub fn validate_name(name: &str) -> Result<(), TunError> {
     if name == "." || name == ".." {
         return Err(bad("reserved"));
     }
-    if name.chars().any(|c| c == '/' || c == ':' || c == '%' || c.is_whitespace()) {
+    if name
+        .chars()
+        .any(|c| c == '/' || c == ':' || c == '%' || c.is_whitespace())
+    {
         return Err(bad("contains '/', ':', '%' or whitespace"));
     }
     Ok(())
@@ -112,14 +121,22 @@ pub fn create(name: Option<&str>, mtu: u16) -> Result<Tun, TunError> {
     let requested = name.unwrap_or(NAME_PATTERN);
     let create_err = |source: io::Error| {
         let hint = match source.raw_os_error() {
-            Some(libc::ENOENT) | Some(libc::ENODEV) => " — /dev/net/tun is missing: load the tun module (modprobe tun)",
-            Some(libc::EPERM) | Some(libc::EACCES) => " — kvpn-dataplane must run as root (CAP_NET_ADMIN)",
+            Some(libc::ENOENT) | Some(libc::ENODEV) => {
+                " — /dev/net/tun is missing: load the tun module (modprobe tun)"
+            }
+            Some(libc::EPERM) | Some(libc::EACCES) => {
+                " — kvpn-dataplane must run as root (CAP_NET_ADMIN)"
+            }
             Some(libc::EBUSY) | Some(libc::EEXIST) | Some(libc::EINVAL) => {
                 " — an interface with that name exists and is not a free TUN device: choose another name"
             }
             _ => "",
         };
-        TunError::Create { name: requested.to_owned(), source, hint }
+        TunError::Create {
+            name: requested.to_owned(),
+            source,
+            hint,
+        }
     };
     let device = DeviceBuilder::new()
         .name(requested)
@@ -130,7 +147,11 @@ pub fn create(name: Option<&str>, mtu: u16) -> Result<Tun, TunError> {
     let name = device.name().map_err(create_err)?;
     let ifindex = device.if_index().map_err(create_err)?;
     tracing::debug!(%name, ifindex, mtu, "TUN device created");
-    Ok(Tun { device, name, ifindex })
+    Ok(Tun {
+        device,
+        name,
+        ifindex,
+    })
 }
 
 #[cfg(test)]
@@ -151,7 +172,10 @@ mod tests {
         assert_eq!(validate_mtu(0).expect("default"), DEFAULT_MTU);
         assert_eq!(validate_mtu(1400).expect("in range"), 1400);
         assert!(validate_mtu(1279).is_err());
-        assert!(validate_mtu(65535).is_err(), "a 65535-byte packet does not fit a frame");
+        assert!(
+            validate_mtu(65535).is_err(),
+            "a 65535-byte packet does not fit a frame"
+        );
         assert_eq!(validate_mtu(65534).expect("fits a frame"), 65534);
     }
 }

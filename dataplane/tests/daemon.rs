@@ -51,7 +51,12 @@ impl Daemon {
             .open(dir.0.join("dataplane.log"))
             .expect("log file");
         let child = Command::new("ip")
-            .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kvpn-dataplane")])
+            .args([
+                "netns",
+                "exec",
+                &ns.name,
+                env!("CARGO_BIN_EXE_kvpn-dataplane"),
+            ])
             .arg("--runtime-dir")
             .arg(&dir.0)
             .args(["--log-level", "debug"])
@@ -68,7 +73,8 @@ impl Daemon {
     }
 
     fn signal(&self, sig: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).expect("signal the daemon");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig)
+            .expect("signal the daemon");
     }
 
     fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
@@ -77,7 +83,10 @@ impl Daemon {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
                 return status;
             }
-            assert!(Instant::now() < deadline, "daemon did not exit within {timeout:?}");
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not exit within {timeout:?}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -98,17 +107,27 @@ fn wait_for_socket(dir: &RuntimeDir, daemon: &mut Daemon) {
         if let Some(status) = daemon.child.try_wait().expect("try_wait") {
             panic!("daemon exited early with {status}: {}", dir.log());
         }
-        assert!(Instant::now() < deadline, "daemon socket did not appear: {}", dir.log());
+        assert!(
+            Instant::now() < deadline,
+            "daemon socket did not appear: {}",
+            dir.log()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
 }
 
 fn route(cidr: &str, kind: RouteKind) -> Route {
-    Route { cidr: cidr.to_owned(), kind: kind as i32 }
+    Route {
+        cidr: cidr.to_owned(),
+        kind: kind as i32,
+    }
 }
 
 #[test]
@@ -177,7 +196,12 @@ fn grpc_round_trip_over_the_unix_socket_and_clean_exit() {
 
     // A second daemon on the same runtime dir refuses to start.
     let second = Command::new("ip")
-        .args(["netns", "exec", &netns.name, env!("CARGO_BIN_EXE_kvpn-dataplane")])
+        .args([
+            "netns",
+            "exec",
+            &netns.name,
+            env!("CARGO_BIN_EXE_kvpn-dataplane"),
+        ])
         .arg("--runtime-dir")
         .arg(&dir.0)
         .output()
@@ -185,13 +209,23 @@ fn grpc_round_trip_over_the_unix_socket_and_clean_exit() {
     assert!(!second.status.success());
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(stderr.contains("already serving"), "{stderr}");
-    assert!(stderr.contains(&format!("pid {}", daemon.child.id())), "{stderr}");
+    assert!(
+        stderr.contains(&format!("pid {}", daemon.child.id())),
+        "{stderr}"
+    );
 
     daemon.signal(nix::sys::signal::Signal::SIGTERM);
     let status = daemon.wait(Duration::from_secs(5));
-    assert!(status.success(), "clean exit on SIGTERM: {status}\n{}", dir.log());
+    assert!(
+        status.success(),
+        "clean exit on SIGTERM: {status}\n{}",
+        dir.log()
+    );
     assert!(!dir.socket().exists(), "socket removed at exit");
-    assert!(!dir.0.join("dataplane.pid").exists(), "pid file removed at exit");
+    assert!(
+        !dir.0.join("dataplane.pid").exists(),
+        "pid file removed at exit"
+    );
 }
 
 #[test]
@@ -203,13 +237,21 @@ fn lc_01_stale_socket_after_sigkill_is_replaced() {
     wait_for_socket(&dir, &mut first);
     first.signal(nix::sys::signal::Signal::SIGKILL);
     first.wait(Duration::from_secs(5));
-    assert!(dir.socket().exists(), "SIGKILL leaves the socket file behind");
+    assert!(
+        dir.socket().exists(),
+        "SIGKILL leaves the socket file behind"
+    );
 
     let mut second = Daemon::spawn(&netns, &dir);
     wait_for_socket(&dir, &mut second);
     runtime().block_on(async {
-        let mut client = kvpn_dataplane::client::connect(&dir.socket()).await.expect("client");
-        client.status(StatusRequest {}).await.expect("the new daemon answers");
+        let mut client = kvpn_dataplane::client::connect(&dir.socket())
+            .await
+            .expect("client");
+        client
+            .status(StatusRequest {})
+            .await
+            .expect("the new daemon answers");
     });
     assert!(dir.log().contains("removing stale socket"), "{}", dir.log());
     second.signal(nix::sys::signal::Signal::SIGTERM);
@@ -217,7 +259,11 @@ fn lc_01_stale_socket_after_sigkill_is_replaced() {
 }
 
 fn nothing_left(ns: &Ns) {
-    assert_eq!(ns.kvpn_links(), Vec::<String>::new(), "no kvpn link may remain");
+    assert_eq!(
+        ns.kvpn_links(),
+        Vec::<String>::new(),
+        "no kvpn link may remain"
+    );
     assert_eq!(ns.kvpn_routes(), "", "no kvpn route may remain");
 }
 
@@ -241,12 +287,22 @@ fn connect_status_disconnect_and_sigterm_through_the_daemon() {
         let ns = netns.handle();
         netns.block_on(move || async move {
             let manager = FakeManager::start(true).await;
-            let mut client = kvpn_dataplane::client::connect(&socket).await.expect("client");
-            let resp = client.connect(request(&manager)).await.expect("connect").into_inner();
+            let mut client = kvpn_dataplane::client::connect(&socket)
+                .await
+                .expect("client");
+            let resp = client
+                .connect(request(&manager))
+                .await
+                .expect("connect")
+                .into_inner();
             assert_eq!(ns.kvpn_links(), vec![resp.tun_name]);
         });
         daemon.signal(nix::sys::signal::Signal::SIGTERM);
-        assert!(daemon.wait(Duration::from_secs(10)).success(), "{}", dir.log());
+        assert!(
+            daemon.wait(Duration::from_secs(10)).success(),
+            "{}",
+            dir.log()
+        );
         nothing_left(&netns);
         assert!(dir.log().contains("session torn down"), "{}", dir.log());
     }
@@ -255,7 +311,10 @@ fn connect_status_disconnect_and_sigterm_through_the_daemon() {
 fn request(manager: &FakeManager) -> ConnectRequest {
     ConnectRequest {
         manager: manager.addr.to_string(),
-        routes: vec![route("10.244.0.0/16", RouteKind::Pod), route("10.96.0.0/12", RouteKind::Service)],
+        routes: vec![
+            route("10.244.0.0/16", RouteKind::Pod),
+            route("10.96.0.0/12", RouteKind::Service),
+        ],
         tunnel_ip: "100.96.0.2".into(),
         tun_name: String::new(),
         mtu: 0,
@@ -264,23 +323,38 @@ fn request(manager: &FakeManager) -> ConnectRequest {
 
 async fn connect_and_check(ns: &Ns, socket: &Path) -> bool {
     let manager = FakeManager::start(true).await;
-    let mut client = kvpn_dataplane::client::connect(socket).await.expect("client");
+    let mut client = kvpn_dataplane::client::connect(socket)
+        .await
+        .expect("client");
     match client.connect(request(&manager)).await {
         Ok(resp) => {
+            eprintln!("eBPF classifier built in: checking the whole path");
             let resp = resp.into_inner();
             assert_eq!(resp.tun_name, "kvpn0");
-            let ping = ns.exec_async(&["ping", "-c", "2", "-i", "0.2", "-W", "2", "10.244.1.11"]).await;
+            let ping = ns
+                .exec_async(&["ping", "-c", "2", "-i", "0.2", "-W", "2", "10.244.1.11"])
+                .await;
             assert!(ping.status.success(), "ping through the daemon's TUN");
-            let status = client.status(StatusRequest {}).await.expect("status").into_inner();
+            let status = client
+                .status(StatusRequest {})
+                .await
+                .expect("status")
+                .into_inner();
             assert_eq!(status.sessions.len(), 1);
             let s = &status.sessions[0];
             assert_eq!(s.id, resp.session_id);
             assert_eq!(s.mtu, 9000);
             assert!(s.tx_packets >= 2 && s.rx_packets >= 2, "{s:?}");
-            let pod = s.ebpf.iter().find(|k| k.kind == RouteKind::Pod as i32).expect("pod counters");
+            let pod = s
+                .ebpf
+                .iter()
+                .find(|k| k.kind == RouteKind::Pod as i32)
+                .expect("pod counters");
             assert!(pod.packets >= 2, "{s:?}");
             let stopped = client
-                .disconnect(DisconnectRequest { session_id: resp.session_id.clone() })
+                .disconnect(DisconnectRequest {
+                    session_id: resp.session_id.clone(),
+                })
                 .await
                 .expect("disconnect")
                 .into_inner();
@@ -289,6 +363,7 @@ async fn connect_and_check(ns: &Ns, socket: &Path) -> bool {
             true
         }
         Err(err) => {
+            eprintln!("eBPF classifier not built in: checking that Connect fails cleanly");
             assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
             let msg = err.message();
             assert!(msg.contains("attach the eBPF classifier"), "{msg}");

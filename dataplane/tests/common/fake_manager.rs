@@ -25,6 +25,11 @@ pub struct Seen {
     pub packets: Mutex<Vec<Vec<u8>>>,
     pub connections: AtomicUsize,
     pub heartbeats: AtomicUsize,
+    /// Packet frames received and their payload bytes (also when not stored).
+    pub packet_count: AtomicUsize,
+    pub packet_bytes: AtomicUsize,
+    /// Store packets in `packets` and answer them (false: count only, a sink).
+    pub store: AtomicBool,
 }
 
 pub struct FakeManager {
@@ -44,12 +49,29 @@ impl Drop for FakeManager {
 impl FakeManager {
     /// Listen on 127.0.0.1 (of the calling thread's network namespace).
     pub async fn start(echo: bool) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind fake manager");
+        Self::start_with(echo, true).await
+    }
+
+    /// A sink for measurements: counts packets, stores and answers none.
+    pub async fn start_sink() -> Self {
+        Self::start_with(true, false).await
+    }
+
+    async fn start_with(echo: bool, store: bool) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind fake manager");
         let addr = listener.local_addr().expect("local addr");
         let seen = Arc::new(Seen::default());
+        seen.store.store(store, Ordering::SeqCst);
         let echo = Arc::new(AtomicBool::new(echo));
         let task = tokio::spawn(accept_loop(listener, seen.clone(), echo.clone()));
-        Self { addr, seen, echo, task }
+        Self {
+            addr,
+            seen,
+            echo,
+            task,
+        }
     }
 
     pub fn packets(&self) -> Vec<Vec<u8>> {
@@ -63,7 +85,9 @@ impl FakeManager {
 
 async fn accept_loop(listener: TcpListener, seen: Arc<Seen>, echo: Arc<AtomicBool>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else { return };
+        let Ok((stream, _)) = listener.accept().await else {
+            return;
+        };
         seen.connections.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(serve(stream, seen.clone(), echo.clone()));
     }
@@ -71,7 +95,7 @@ async fn accept_loop(listener: TcpListener, seen: Arc<Seen>, echo: Arc<AtomicBoo
 
 async fn serve(mut stream: tokio::net::TcpStream, seen: Arc<Seen>, echo: Arc<AtomicBool>) {
     let mut buf = Vec::new();
-    let mut chunk = vec![0u8; 65536];
+    let mut chunk = vec![0u8; 256 * 1024];
     let mut out = Vec::new();
     loop {
         let n = match stream.read(&mut chunk).await {
@@ -81,7 +105,10 @@ async fn serve(mut stream: tokio::net::TcpStream, seen: Arc<Seen>, echo: Arc<Ato
         buf.extend_from_slice(&chunk[..n]);
         let mut used_total = 0;
         out.clear();
-        while let Some((f, used)) = Decoder::default().decode(&buf[used_total..]).expect("the pump sends valid frames") {
+        while let Some((f, used)) = Decoder::default()
+            .decode(&buf[used_total..])
+            .expect("the pump sends valid frames")
+        {
             used_total += used;
             match f.kind {
                 Kind::Hello => {
@@ -95,6 +122,12 @@ async fn serve(mut stream: tokio::net::TcpStream, seen: Arc<Seen>, echo: Arc<Ato
                     }
                 }
                 Kind::Packet => {
+                    seen.packet_count.fetch_add(1, Ordering::Relaxed);
+                    seen.packet_bytes
+                        .fetch_add(f.payload.len(), Ordering::Relaxed);
+                    if !seen.store.load(Ordering::Relaxed) {
+                        continue;
+                    }
                     seen.packets.lock().expect("lock").push(f.payload.to_vec());
                     if let Some(reply) = answer(f.payload) {
                         frame::encode_into(Kind::Packet, &reply, &mut out).expect("fits");
@@ -125,10 +158,19 @@ pub fn answer(packet: &[u8]) -> Option<Vec<u8>> {
     match ip_repr.next_header {
         IpProtocol::Icmp => {
             let icmp = Icmpv4Packet::new_checked(ip.payload()).ok()?;
-            let Icmpv4Repr::EchoRequest { ident, seq_no, data } = Icmpv4Repr::parse(&icmp, &caps).ok()? else {
+            let Icmpv4Repr::EchoRequest {
+                ident,
+                seq_no,
+                data,
+            } = Icmpv4Repr::parse(&icmp, &caps).ok()?
+            else {
                 return None;
             };
-            let icmp_reply = Icmpv4Repr::EchoReply { ident, seq_no, data };
+            let icmp_reply = Icmpv4Repr::EchoReply {
+                ident,
+                seq_no,
+                data,
+            };
             let ip_reply = reply_ip(icmp_reply.buffer_len());
             let mut out = vec![0u8; ip_reply.buffer_len() + icmp_reply.buffer_len()];
             let mut p = Ipv4Packet::new_unchecked(&mut out[..]);
@@ -142,7 +184,10 @@ pub fn answer(packet: &[u8]) -> Option<Vec<u8>> {
             let udp = UdpPacket::new_checked(ip.payload()).ok()?;
             let repr = UdpRepr::parse(&udp, &src, &dst, &caps).ok()?;
             let data = udp.payload();
-            let udp_reply = UdpRepr { src_port: repr.dst_port, dst_port: repr.src_port };
+            let udp_reply = UdpRepr {
+                src_port: repr.dst_port,
+                dst_port: repr.src_port,
+            };
             let ip_reply = reply_ip(udp_reply.header_len() + data.len());
             let mut out = vec![0u8; ip_reply.buffer_len() + udp_reply.header_len() + data.len()];
             let mut p = Ipv4Packet::new_unchecked(&mut out[..]);
@@ -168,5 +213,10 @@ pub fn udp_dst(packet: &[u8]) -> Option<(std::net::Ipv4Addr, u16, Vec<u8>, std::
         return None;
     }
     let udp = UdpPacket::new_checked(ip.payload()).ok()?;
-    Some((ip.dst_addr(), udp.dst_port(), udp.payload().to_vec(), ip.src_addr()))
+    Some((
+        ip.dst_addr(),
+        udp.dst_port(),
+        udp.payload().to_vec(),
+        ip.src_addr(),
+    ))
 }

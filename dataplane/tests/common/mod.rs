@@ -31,7 +31,12 @@ fn unique_hex() -> String {
     use std::hash::{BuildHasher as _, Hasher as _};
     let mut h = std::hash::RandomState::new().build_hasher();
     h.write_u32(std::process::id());
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock after 1970").as_nanos());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_nanos(),
+    );
     format!("{:08x}", h.finish() as u32)
 }
 
@@ -89,7 +94,8 @@ impl Ns {
         let path = format!("/run/netns/{}", self.name);
         std::thread::spawn(move || {
             let ns = File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
-            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap_or_else(|e| panic!("setns {path}: {e}"));
+            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                .unwrap_or_else(|e| panic!("setns {path}: {e}"));
             f()
         })
         .join()
@@ -124,7 +130,8 @@ impl Ns {
     /// Names of links whose name starts with `kvpn`.
     pub fn kvpn_links(&self) -> Vec<String> {
         let out = self.exec_ok(&["ip", "-j", "link", "show"]);
-        let links: Vec<serde_json::Value> = serde_json::from_str(&out).expect("ip -j link prints JSON");
+        let links: Vec<serde_json::Value> =
+            serde_json::from_str(&out).expect("ip -j link prints JSON");
         links
             .iter()
             .filter_map(|l| l["ifname"].as_str())
@@ -143,13 +150,21 @@ impl Ns {
 
 impl Drop for TestNetns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.ns.name]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.ns.name])
+            .status();
     }
 }
 
 fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// These tests need root (network namespaces, TUN devices); CI runs them as root.
