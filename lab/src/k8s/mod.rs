@@ -21,6 +21,8 @@
 //! Debian's `etcd-server` (`/usr/bin/etcd`).
 
 pub mod control_plane;
+pub mod dns;
+pub mod kube_proxy;
 pub mod kubeconfig;
 pub mod pki;
 pub mod process;
