@@ -7,6 +7,7 @@
 
 pub mod cli;
 pub mod daemon;
+pub mod kubeconfig;
 pub mod lab;
 pub mod output;
 
