@@ -258,6 +258,16 @@ impl Netlink {
         Ok(None)
     }
 
+    /// Bring interface `index` up (RTM_SETLINK, IFF_UP).
+    pub async fn set_link_up(&self, index: u32) -> Result<(), NetlinkError> {
+        self.handle
+            .link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(|e| NetlinkError::new(format!("bring interface #{index} up"), e))
+    }
+
     /// Delete interface `index` (RTM_DELLINK). A missing interface is not an error.
     pub async fn delete_link(&self, index: u32) -> Result<(), NetlinkError> {
         match self.handle.link().del(index).execute().await {

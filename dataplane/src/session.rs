@@ -6,6 +6,9 @@
 //! the classifier ([`ClassifierAttach`]); state decisions live in
 //! [`crate::liveness`] and [`crate::routes`].
 //!
+//! Setup order: dial and hello, TUN device (down), tunnel IP, rp_filter, eBPF
+//! classifier, link up, routes, pump.
+//!
 //! Setup is all-or-nothing (case lc-03): when a step fails, the steps before it
 //! are undone (routes, TUN device) and the error names the failed step.
 
@@ -117,6 +120,8 @@ pub enum Step {
     SetRpFilter,
     /// The eBPF classifier.
     AttachClassifier,
+    /// Bringing the TUN device up.
+    LinkUp,
 }
 
 impl fmt::Display for Step {
@@ -129,6 +134,7 @@ impl fmt::Display for Step {
             Step::AddRoutes => "install routes",
             Step::SetRpFilter => "set rp_filter on the TUN device",
             Step::AttachClassifier => "attach the eBPF classifier",
+            Step::LinkUp => "bring the TUN device up",
         })
     }
 }
@@ -361,8 +367,8 @@ fn step_err(step: Step, message: impl fmt::Display) -> (Step, String) {
 }
 
 impl Session {
-    /// Run Connect: dial, hello, TUN, address, routes, rp_filter, classifier,
-    /// pump. Must run on a runtime whose threads are in the laptop's network
+    /// Run Connect: dial, hello, TUN (down), address, rp_filter, classifier,
+    /// link up, routes, pump. Must run on a runtime whose threads are in the laptop's network
     /// namespace.
     pub async fn start(
         id: String,
@@ -491,17 +497,14 @@ impl Session {
         let name = created.name.clone();
         undo.tun = Some((Arc::new(created.device), ifindex, created.name));
 
+        // Order matters: the device stays down until the classifier is attached,
+        // so that nothing (not even the kernel's own IPv6 router solicitations
+        // and MLD reports on a new device) reaches the tunnel unclassified.
+        // Routes need the device up (fib_check_nh: -ENETDOWN), so they go last.
         netlink
             .add_host_address(ifindex, params.tunnel_ip)
             .await
             .map_err(|e| step_err(Step::AddAddress, e))?;
-        for (cidr, _) in &plan.kernel {
-            netlink
-                .add_route(ifindex, *cidr, Some(params.tunnel_ip))
-                .await
-                .map_err(|e| step_err(Step::AddRoutes, e))?;
-            undo.routes.push(*cidr);
-        }
         netlink
             .set_rp_filter(ifindex, RP_FILTER_LOOSE)
             .await
@@ -516,9 +519,21 @@ impl Session {
             }
             Err(e) => return Err(step_err(Step::SetRpFilter, e)),
         }
+        // Dropped (detached) on an error return below, before the rollback.
         let classifier = classifiers
             .attach(&name, &plan.classifier)
             .map_err(|e| step_err(Step::AttachClassifier, error_chain(&*e)))?;
+        netlink
+            .set_link_up(ifindex)
+            .await
+            .map_err(|e| step_err(Step::LinkUp, e))?;
+        for (cidr, _) in &plan.kernel {
+            netlink
+                .add_route(ifindex, *cidr, Some(params.tunnel_ip))
+                .await
+                .map_err(|e| step_err(Step::AddRoutes, e))?;
+            undo.routes.push(*cidr);
+        }
         Ok(Some(classifier))
     }
 

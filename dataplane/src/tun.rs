@@ -3,7 +3,7 @@
 //!
 //! The device is layer 3 without packet information (each read is one raw
 //! IPv4/IPv6 packet), single queue, no IFF_VNET_HDR offloads yet, non-blocking
-//! (tokio), brought up with the requested MTU. It is not persistent: closing its
+//! (tokio), with the requested MTU, created down. It is not persistent: closing its
 //! last descriptor removes it with its addresses and routes.
 
 use std::io;
@@ -111,8 +111,8 @@ pub fn validate_mtu(mtu: u32) -> Result<u16, TunError> {
     }
 }
 
-/// Create a TUN device named `name` (or the first free `kvpnN`), set its MTU and
-/// bring it up. The caller checks beforehand that an explicit `name` is not taken:
+/// Create a TUN device named `name` (or the first free `kvpnN`) with MTU `mtu`,
+/// left down (the caller brings it up when it is ready for traffic). The caller checks beforehand that an explicit `name` is not taken:
 /// TUNSETIFF would otherwise attach to an existing persistent TUN device.
 pub fn create(name: Option<&str>, mtu: u16) -> Result<Tun, TunError> {
     if let Some(name) = name {
@@ -141,7 +141,8 @@ pub fn create(name: Option<&str>, mtu: u16) -> Result<Tun, TunError> {
     let device = DeviceBuilder::new()
         .name(requested)
         .mtu(mtu)
-        .enable(true)
+        // Left down: the session attaches the classifier before bringing it up.
+        .enable(false)
         .build_async()
         .map_err(create_err)?;
     let name = device.name().map_err(create_err)?;

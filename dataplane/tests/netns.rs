@@ -131,9 +131,12 @@ fn session_installs_normalised_routes_address_mtu_and_loose_rp_filter() {
         let manager = FakeManager::start(true).await;
         let netlink = Netlink::new().expect("netlink");
         let classifier = RecordingClassifier::default();
+        let mut routes = lab_routes();
+        // An IPv6 CIDR with host bits: installed truncated, without a source hint.
+        routes.push((net("fd00:10::1/64"), RouteKind::Extra));
         let session = Session::start(
             "t1".into(),
-            params(manager.addr, lab_routes(), Duration::from_secs(2)),
+            params(manager.addr, routes, Duration::from_secs(2)),
             &netlink,
             &classifier,
         )
@@ -160,6 +163,12 @@ fn session_installs_normalised_routes_address_mtu_and_loose_rp_filter() {
             assert_eq!(r["prefsrc"].as_str(), Some("100.96.0.2"), "{r}");
             assert_eq!(r["scope"].as_str(), Some("link"), "{r}");
         }
+        let v6: Vec<serde_json::Value> = serde_json::from_str(&ns.exec_ok(&[
+            "ip", "-6", "-j", "route", "show", "table", "main", "dev", &tun, "proto", "107",
+        ]))
+        .expect("JSON");
+        let v6: Vec<&str> = v6.iter().filter_map(|r| r["dst"].as_str()).collect();
+        assert_eq!(v6, ["fd00:10::/64"]);
         // The classifier gets every distinct prefix with its kind, covered ones too.
         let attached = classifier.attached.lock().expect("lock").clone();
         assert_eq!(attached.len(), 1);
@@ -171,7 +180,7 @@ fn session_installs_normalised_routes_address_mtu_and_loose_rp_filter() {
             "{:?}",
             attached[0].1
         );
-        assert_eq!(attached[0].1.len(), 4);
+        assert_eq!(attached[0].1.len(), 5);
 
         // Address /32, MTU, up.
         let link: serde_json::Value =
@@ -215,7 +224,7 @@ fn session_installs_normalised_routes_address_mtu_and_loose_rp_filter() {
         assert!(hello.token.is_empty());
 
         let report = session.teardown(&netlink).await;
-        assert_eq!(report.routes_removed, 3);
+        assert_eq!(report.routes_removed, 4);
         assert!(report.leftovers.is_empty(), "{:?}", report.leftovers);
         assert!(ns.routes_via(&tun).is_empty());
         assert_nothing_left(&ns);
@@ -416,6 +425,39 @@ fn lc_03_a_failing_step_rolls_back_tun_and_routes() {
 }
 
 #[test]
+fn lc_03_a_route_conflict_rolls_back_the_routes_already_installed() {
+    require_root();
+    let netns = TestNetns::new();
+    let ns = netns.handle();
+    // Somebody else's route for the pod CIDR (rt-05's shape). kvpn's routes go
+    // in in address order, so 10.42.2.0/24 and 10.96.0.0/12 are installed
+    // before 10.244.0.0/16 collides.
+    ns.exec_ok(&["ip", "route", "add", "10.244.0.0/16", "dev", "lo"]);
+    netns.block_on(move || async move {
+        let manager = FakeManager::start(true).await;
+        let netlink = Netlink::new().expect("netlink");
+        let err = Session::start(
+            "t9".into(),
+            params(manager.addr, lab_routes(), Duration::from_secs(2)),
+            &netlink,
+            &RecordingClassifier::default(),
+        )
+        .await
+        .expect_err("the pod CIDR route collides");
+        assert_eq!(err.step(), Step::AddRoutes, "{err}");
+        let msg = err.to_string();
+        eprintln!("Connect error: {msg}");
+        assert!(msg.contains("10.244.0.0/16"), "{msg}");
+        assert!(msg.contains("already exists"), "{msg}");
+        assert!(msg.contains("rolled back"), "{msg}");
+        assert_nothing_left(&ns);
+        // The other owner's route is untouched.
+        let theirs = ns.exec_ok(&["ip", "route", "show", "10.244.0.0/16"]);
+        assert!(theirs.contains("dev lo"), "{theirs}");
+    });
+}
+
+#[test]
 fn explicit_tun_name_is_used_and_a_taken_name_is_refused() {
     require_root();
     let netns = TestNetns::new();
@@ -523,6 +565,16 @@ fn real_ebpf_classifier_attaches_or_rolls_back() {
                     .expect("a classifier")
                     .expect("stats");
                 assert!(stats.kind(RouteKind::Pod).packets >= 2, "{stats:?}");
+                // Nothing reached the tunnel unclassified: every packet the pump
+                // sent passed the classifier (the kernel's own IPv6 chatter on a
+                // new device, MLD and router solicitations, must not slip in
+                // before the classifier is attached).
+                let passed: u64 = stats.per_kind.iter().map(|(_, c)| c.packets).sum();
+                assert_eq!(
+                    Counters::get(&session.counters().tx_packets),
+                    passed,
+                    "{stats:?}"
+                );
                 let status = session.status();
                 assert!(!status.ebpf.is_empty());
                 assert!(session.teardown(&netlink).await.leftovers.is_empty());
