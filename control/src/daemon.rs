@@ -154,15 +154,28 @@ pub async fn stop(runtime_dir: &Path) -> Result<()> {
         let _ = std::fs::remove_file(&pid_file);
         return Ok(());
     }
+    // Wait for the process itself to go: its socket may still exist (refusing
+    // connections) while it tears sessions down.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while connect_existing(runtime_dir).await?.is_some() {
+    while process_alive(pid) {
         if Instant::now() > deadline {
-            bail!("the root daemon (pid {pid}) did not stop within 10 s");
+            bail!("the root daemon (pid {pid}) did not stop within 10 s — see {}", runtime_dir.join("dataplane.log").display());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     crate::output::done(&format!("Stopped the root daemon (pid {pid})"));
     Ok(())
+}
+
+/// Whether `pid` still runs (a zombie counts as gone: it runs no code).
+fn process_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X'),
+        Err(_) => false,
+    }
 }
 
 /// Turn a gRPC status into an error whose text is the daemon's own message.
