@@ -505,6 +505,23 @@ impl Classifier {
         Ok(TcAction::from_return_value(result.return_value))
     }
 
+    /// Kernel ids of kvpn's TUN classifier programs attached (TCX egress) to `ifname`
+    /// in the calling thread's network namespace. Program ids are global and never
+    /// reused while the program lives, so tests use them to prove a program is gone.
+    pub fn attached_program_ids(ifname: &str) -> Result<Vec<u32>, EbpfError> {
+        let (_revision, programs) = SchedClassifier::query_tcx(ifname, TcAttachType::Egress)
+            .map_err(|source| EbpfError::Program {
+                name: common::PROGRAM_TUN_EGRESS,
+                action: "query TCX egress",
+                source,
+            })?;
+        Ok(programs
+            .iter()
+            .filter(|p| p.name_as_str() == Some(common::PROGRAM_TUN_EGRESS))
+            .map(|p| p.id())
+            .collect())
+    }
+
     /// Whether kvpn's classifier is attached (TCX egress) to `ifname`, in the calling
     /// thread's network namespace. For tests and leak checks after teardown.
     pub fn is_attached_to(ifname: &str) -> Result<bool, EbpfError> {

@@ -213,22 +213,28 @@ fn cluster_unreachable_before_connect_and_after_disconnect_with_nothing_left() {
     let before = curl(&f, &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/"));
     assert!(!before.status.success(), "the pod CIDR must be unreachable before connect");
     assert!(tun_links(&f).is_empty(), "a TUN device before connect: {}", tun_links(&f));
-    let bpf_before = text(&f.laptop(&["bpftool", "net", "show"]).stdout);
 
     f.connect();
     page(&f, &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/"));
     assert!(tun_links(&f).contains("kvpn"), "no kvpn TUN device while connected");
     assert!(!cluster_routes(&f).is_empty(), "no cluster routes while connected");
-    let bpf_connected = text(&f.laptop(&["bpftool", "net", "show"]).stdout);
-    assert!(bpf_connected.contains("kvpn"), "no eBPF attachment while connected: {bpf_connected}");
+    let tun = f.status_json()["sessions"][0]["tun_name"].as_str().expect("tun name").to_string();
+    let tun2 = tun.clone();
+    let prog_ids = f
+        .in_laptop(move || kvpn_dataplane::ebpf::Classifier::attached_program_ids(&tun2))
+        .unwrap_or_else(|e| panic!("query TCX on {tun}: {e}"));
+    assert!(!prog_ids.is_empty(), "no kvpn classifier attached to {tun} while connected");
 
     f.disconnect();
     let after = curl(&f, &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/"));
     assert!(!after.status.success(), "the pod CIDR must be unreachable after disconnect");
     assert!(tun_links(&f).is_empty(), "TUN device left after disconnect: {}", tun_links(&f));
     assert!(cluster_routes(&f).is_empty(), "routes left after disconnect: {}", cluster_routes(&f));
-    let bpf_after = text(&f.laptop(&["bpftool", "net", "show"]).stdout);
-    assert_eq!(bpf_after, bpf_before, "eBPF attachments left after disconnect");
+    // The classifier program itself is unloaded, not just detached (ids are global).
+    for id in prog_ids {
+        let out = f.laptop(&["bpftool", "prog", "show", "id", &id.to_string()]);
+        assert!(!out.status.success(), "eBPF program {id} still loaded after disconnect: {}", text(&out.stdout));
+    }
     let status = f.status_json();
     assert_eq!(status["sessions"].as_array().map(Vec::len), Some(0), "{status}");
 }
