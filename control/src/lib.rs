@@ -5,6 +5,7 @@
 //! starting the root daemon on demand. All I/O is the Unix socket to the root
 //! daemon and spawning it.
 
+pub mod cidr;
 pub mod cli;
 pub mod daemon;
 pub mod kubeconfig;

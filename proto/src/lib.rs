@@ -1,10 +1,13 @@
 //! kvpn's wire formats, in one versioned place.
 //!
+//! - [`cidr`]: CIDR math (normalise, infer, exclude) shared by the laptop side,
+//!   the root daemon and the traffic manager (pure, no I/O).
 //! - [`frame`]: the data-channel frame codec spoken between the root daemon's
 //!   pump and the traffic manager (pure, no I/O).
 //! - [`dataplane`]: the gRPC API of the root daemon (`kvpn-dataplane`), generated
 //!   by tonic from `proto/dataplane.proto`.
 
+pub mod cidr;
 pub mod frame;
 pub mod fuzzing;
 

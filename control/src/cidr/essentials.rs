@@ -1,0 +1,215 @@
+//! The laptop's essentials: addresses that must keep their current route even when a
+//! cluster CIDR covers them (case rt-02) — the API server, the SSH jump hosts, the
+//! laptop's nameservers and its default gateways. [`super::exclude`] punches them out
+//! of the cluster ranges before routes are installed.
+//!
+//! I/O: reads `/etc/resolv.conf` (and systemd-resolved's upstream list when the
+//! former only names its loopback stub), dumps routes over rtnetlink (no privileges
+//! needed), and resolves host names with the system resolver. The parsers are pure.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+use futures::TryStreamExt as _;
+use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteMessage, RouteType, RouteVia,
+};
+
+/// The system resolver's configuration.
+pub const RESOLV_CONF: &str = "/etc/resolv.conf";
+/// systemd-resolved's list of upstream servers, used when [`RESOLV_CONF`] names only
+/// its stub (127.0.0.53): the stub forwards there, so those must stay off the tunnel.
+pub const RESOLVED_UPSTREAM_CONF: &str = "/run/systemd/resolve/resolv.conf";
+
+/// Addresses to keep out of the tunnel, by why.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Essentials {
+    pub api_servers: Vec<IpAddr>,
+    pub ssh_hosts: Vec<IpAddr>,
+    pub nameservers: Vec<IpAddr>,
+    pub gateways: Vec<IpAddr>,
+    /// What could not be found out (unreadable file, netlink error, unresolvable
+    /// host), for progress output; the lists above then miss those addresses.
+    pub problems: Vec<String>,
+}
+
+impl Essentials {
+    /// Every address, sorted, without duplicates.
+    pub fn addresses(&self) -> Vec<IpAddr> {
+        let mut all: Vec<IpAddr> = self
+            .api_servers
+            .iter()
+            .chain(&self.ssh_hosts)
+            .chain(&self.nameservers)
+            .chain(&self.gateways)
+            .copied()
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+}
+
+/// Something the essentials could not be read from.
+#[derive(Debug, thiserror::Error)]
+pub enum EssentialsError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot list the laptop's routes over rtnetlink: {0}")]
+    Netlink(String),
+    #[error("cannot resolve host {host:?}: {source}")]
+    Resolve {
+        host: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The `nameserver` addresses of a resolv.conf text, in file order. Lenient like
+/// glibc: a bad line is skipped (and logged), the rest still counts. IPv6 zone ids
+/// (`fe80::1%eth0`) are dropped: a route exclusion works on the address.
+pub fn nameservers_from_resolv_conf(text: &[u8]) -> Vec<IpAddr> {
+    let (config, errors) = resolv_conf::Config::parse_with_errors(text);
+    for e in errors {
+        tracing::debug!(error = %e, "skipping a resolv.conf line");
+    }
+    config.nameservers.iter().map(IpAddr::from).collect()
+}
+
+/// The laptop's nameservers from `resolv_conf`; when one of them is a loopback stub
+/// and `upstream_conf` exists, its nameservers too.
+pub fn laptop_nameservers(
+    resolv_conf: &Path,
+    upstream_conf: &Path,
+) -> Result<Vec<IpAddr>, EssentialsError> {
+    let read = |p: &Path| {
+        std::fs::read(p).map_err(|source| EssentialsError::Read {
+            path: p.display().to_string(),
+            source,
+        })
+    };
+    let mut out = nameservers_from_resolv_conf(&read(resolv_conf)?);
+    if out.iter().any(IpAddr::is_loopback) && upstream_conf.exists() {
+        out.extend(nameservers_from_resolv_conf(&read(upstream_conf)?));
+    }
+    let mut seen = std::collections::HashSet::new();
+    out.retain(|ip| seen.insert(*ip));
+    Ok(out)
+}
+
+/// The gateways of the default routes among `routes` (an RTM_GETROUTE dump): every
+/// unicast route with prefix length 0, in any table, its `RTA_GATEWAY`, its
+/// `RTA_VIA` (an IPv4 route through an IPv6 next hop) and the gateways of each
+/// multipath next hop. A default route straight onto a link has no gateway and adds
+/// nothing.
+pub fn default_gateways_of(routes: &[RouteMessage]) -> Vec<IpAddr> {
+    fn gateway(attr: &RouteAttribute) -> Option<IpAddr> {
+        match attr {
+            RouteAttribute::Gateway(RouteAddress::Inet(a)) => Some(IpAddr::V4(*a)),
+            RouteAttribute::Gateway(RouteAddress::Inet6(a)) => Some(IpAddr::V6(*a)),
+            RouteAttribute::Via(RouteVia::Inet(a)) => Some(IpAddr::V4(*a)),
+            RouteAttribute::Via(RouteVia::Inet6(a)) => Some(IpAddr::V6(*a)),
+            _ => None,
+        }
+    }
+    let mut out = Vec::new();
+    for route in routes {
+        if route.header.destination_prefix_length != 0 || route.header.kind != RouteType::Unicast
+        {
+            continue;
+        }
+        for attr in &route.attributes {
+            match attr {
+                RouteAttribute::MultiPath(hops) => {
+                    out.extend(hops.iter().flat_map(|h| h.attributes.iter().filter_map(gateway)));
+                }
+                other => out.extend(gateway(other)),
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// The default gateways of the calling thread's network namespace, both families.
+/// Needs a tokio runtime (the netlink connection is spawned on it).
+pub async fn default_gateways() -> Result<Vec<IpAddr>, EssentialsError> {
+    let (connection, handle, _) =
+        rtnetlink::new_connection().map_err(|e| EssentialsError::Netlink(e.to_string()))?;
+    let task = tokio::spawn(connection);
+    let mut routes = Vec::new();
+    let mut result = Ok(());
+    for family in [AddressFamily::Inet, AddressFamily::Inet6] {
+        let mut query = RouteMessage::default();
+        query.header.address_family = family;
+        let mut stream = handle.route().get(query).execute();
+        loop {
+            match stream.try_next().await {
+                Ok(Some(r)) => routes.push(r),
+                Ok(None) => break,
+                // IPv6 disabled (case rt-08): no IPv6 routes to list.
+                Err(_) if family == AddressFamily::Inet6 => break,
+                Err(e) => {
+                    result = Err(EssentialsError::Netlink(e.to_string()));
+                    break;
+                }
+            }
+        }
+    }
+    task.abort();
+    result.map(|()| default_gateways_of(&routes))
+}
+
+/// The addresses of `host`: an IP literal (IPv6 possibly in brackets, as in a URL)
+/// as is, else the system resolver's answer.
+pub async fn resolve_host(host: &str) -> Result<Vec<IpAddr>, EssentialsError> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        return Ok(vec![ip]);
+    }
+    let addrs = tokio::net::lookup_host((bare, 0))
+        .await
+        .map_err(|source| EssentialsError::Resolve {
+            host: host.to_owned(),
+            source,
+        })?;
+    let mut ips: Vec<IpAddr> = addrs.map(|a| a.ip()).collect();
+    ips.sort_unstable();
+    ips.dedup();
+    Ok(ips)
+}
+
+/// Gather the essentials: `api_server_hosts` (the kubeconfig server's host, and a
+/// proxy's if one is used) and `ssh_hosts` (every jump host) resolved, the laptop's
+/// nameservers and default gateways. Never fails: what cannot be found out goes to
+/// [`Essentials::problems`].
+pub async fn gather(api_server_hosts: &[&str], ssh_hosts: &[&str]) -> Essentials {
+    let mut e = Essentials::default();
+    for (hosts, into_api) in [(api_server_hosts, true), (ssh_hosts, false)] {
+        for host in hosts {
+            match resolve_host(host).await {
+                Ok(ips) if into_api => e.api_servers.extend(ips),
+                Ok(ips) => e.ssh_hosts.extend(ips),
+                Err(err) => e.problems.push(err.to_string()),
+            }
+        }
+    }
+    match laptop_nameservers(Path::new(RESOLV_CONF), Path::new(RESOLVED_UPSTREAM_CONF)) {
+        Ok(ns) => e.nameservers = ns,
+        Err(err) => e.problems.push(err.to_string()),
+    }
+    match default_gateways().await {
+        Ok(gw) => e.gateways = gw,
+        Err(err) => e.problems.push(err.to_string()),
+    }
+    for p in &e.problems {
+        tracing::warn!(problem = %p, "an address to keep out of the tunnel is unknown");
+    }
+    e
+}
