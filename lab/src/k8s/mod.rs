@@ -24,6 +24,7 @@ pub mod control_plane;
 pub mod dns;
 pub mod kube_proxy;
 pub mod kubeconfig;
+pub mod kubelet;
 pub mod pki;
 pub mod process;
 pub mod rbac;
