@@ -23,12 +23,17 @@ cleanup() {
 }
 trap cleanup EXIT
 
-bold "1. Bring up the lab: a laptop, a node with pods, ClusterIPs, and the kvpn traffic manager"
+bold "1. Bring up the lab: a laptop, a node, a Kubernetes control plane, pods, ClusterIPs, and the kvpn traffic manager"
 kvpn lab down >/dev/null 2>&1
 show kvpn lab up || exit 1
+show laptop kubectl get pods -A -o wide
+# The two default/web pods (the kubelet stand-in hands out their IPs).
+web_pod() { laptop kubectl get pods -n default -l app=web -o "jsonpath={.items[$1].$2}"; }
+POD1=$(web_pod 0 status.podIP); POD2=$(web_pod 1 status.podIP); POD1_NAME=$(web_pod 0 metadata.name)
+[ -n "$POD1" ] && [ -n "$POD2" ] && [ -n "$POD1_NAME" ] || { echo "no web pods"; exit 1; }
 
 bold "2. Before connecting, the laptop has no route to the cluster"
-expect_fail show laptop curl -sS --max-time 2 http://10.244.1.11:8080/
+expect_fail show laptop curl -sS --max-time 2 http://$POD1:8080/
 
 bold "3. Connect: routes for the pod CIDR and service CIDR go through a TUN device"
 show laptop kvpn connect --manager 172.31.255.1:10801 --pod-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/12 || exit 1
@@ -36,7 +41,7 @@ show laptop ip -br addr show dev kvpn0
 show laptop ip route show dev kvpn0
 
 bold "4. A pod IP, over TCP"
-expect_ok show laptop curl -sS --max-time 5 http://10.244.1.11:8080/
+expect_ok show laptop curl -sS --max-time 5 http://$POD1:8080/
 
 bold "5. A ClusterIP (kube-proxy-style DNAT balances over both backends)"
 for i in 1 2 3 4; do
@@ -48,12 +53,12 @@ udp_echo() { reply=$(laptop bash -c 'echo "hello over UDP" | socat -t 2 - UDP:10
 expect_ok udp_echo
 
 bold "7. ICMP: a pod answers; an unused pod IP does not (no fake replies)"
-expect_ok show laptop ping -c 3 -i 0.2 -W 2 10.244.1.12
+expect_ok show laptop ping -c 3 -i 0.2 -W 2 $POD2
 expect_fail show laptop ping -c 1 -W 2 10.244.1.99
 
 bold "8. A 50 MB download through the tunnel, checked by sha256 against the same file fetched inside the pod"
-sum_tunnel() { laptop bash -c 'curl -sS --max-time 60 http://10.244.1.11:8080/big | sha256sum' | cut -d' ' -f1; }
-sum_pod() { kvpn lab exec backend-1 -- bash -c 'curl -sS --max-time 60 http://127.0.0.1:8080/big | sha256sum' | cut -d' ' -f1; }
+sum_tunnel() { laptop bash -c "curl -sS --max-time 60 http://$POD1:8080/big | sha256sum" | cut -d' ' -f1; }
+sum_pod() { kvpn lab exec "$POD1_NAME" -- bash -c 'curl -sS --max-time 60 http://127.0.0.1:8080/big | sha256sum' | cut -d' ' -f1; }
 check_download() {
     local start end a b
     start=$(date +%s.%N); a=$(sum_tunnel); end=$(date +%s.%N)
@@ -69,7 +74,7 @@ expect_ok show laptop kvpn status
 
 bold "10. Disconnect: the TUN device, routes and eBPF program are gone, and so is the cluster"
 expect_ok show laptop kvpn disconnect --all
-expect_fail show laptop curl -sS --max-time 2 http://10.244.1.11:8080/
+expect_fail show laptop curl -sS --max-time 2 http://$POD1:8080/
 show laptop ip -br link show type tun
 
 bold "11. Clean up"

@@ -108,15 +108,18 @@ pub struct DisconnectArgs {
 /// `kvpn lab` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum LabCommand {
-    /// Bring the lab up: laptop, node and pod network namespaces, services, manager.
+    /// Bring the lab up: laptop and node network namespaces, a Kubernetes control plane
+    /// (etcd, kube-apiserver, kube-controller-manager), kubelet/kube-proxy/DNS stand-ins,
+    /// the traffic manager and sample workloads; prints the kubeconfig paths.
     Up,
     /// Tear the lab down; nothing of it remains.
     Down,
     /// Show what runs where in the lab.
     Info,
-    /// Run a command inside one of the lab's network namespaces.
+    /// Run a command inside one of the lab's network namespaces (in `laptop`, KUBECONFIG
+    /// points at the lab's admin kubeconfig unless already set).
     Exec {
-        /// `laptop`, `node`, or a pod name (`manager`, `backend-1`, `backend-2`).
+        /// `laptop`, `node`, or a pod name (`kubectl get pods -A`).
         role: String,
         /// The command and its arguments (after `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]

@@ -1,62 +1,133 @@
-//! `kvpn lab`: the built-in lab (a cluster in network namespaces) for trying
-//! kvpn out. The lab itself lives in the kvpn-lab crate (lab-only code); this is
-//! its command-line face. The lab is persistent between commands: `up` records
-//! it under a name, `exec`/`info`/`down` find it by that name.
+//! `kvpn lab`: the built-in lab (a Kubernetes cluster in network namespaces) for trying
+//! kvpn out. The lab itself lives in the kvpn-lab crate (lab-only code,
+//! [`kvpn_lab::k8s::cluster`]); this is its command-line face. The lab is persistent
+//! between commands: `up` records it under a name and leaves its control plane and its
+//! node agent (`kvpn-lab-agent`) running; `exec`/`info`/`down` find it by that name.
+
+use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
-use kvpn_lab::{DEFAULT_LAB_NAME, Lab, LabOptions};
+use kvpn_lab::k8s::cluster::{self, K8sLabState};
+use kvpn_lab::k8s::{K8sLab, K8sLabOptions};
+use kvpn_lab::{DEFAULT_LAB_NAME, Lab, LabError, Netns};
 
 use crate::cli::LabCommand;
 use crate::output;
 
 /// Run a `kvpn lab` subcommand.
 pub async fn run(cmd: LabCommand) -> Result<()> {
-    tokio::task::spawn_blocking(move || run_blocking(cmd))
+    match cmd {
+        LabCommand::Up => up().await,
+        other => tokio::task::spawn_blocking(move || run_blocking(other))
+            .await
+            .context("lab task panicked")?,
+    }
+}
+
+async fn up() -> Result<()> {
+    output::step(
+        "Bringing the lab up: laptop and node network namespaces, etcd + kube-apiserver + \
+         kube-controller-manager, kubelet/kube-proxy/DNS stand-ins, sample workloads",
+    );
+    let started = std::time::Instant::now();
+    let lab = K8sLab::up(K8sLabOptions::default().persist_as(DEFAULT_LAB_NAME))
+        .await
+        .context("kvpn lab up failed")?;
+    output::info_block(&lab.info());
+    let admin = lab.laptop_admin_kubeconfig().to_owned();
+    let user = lab.laptop_user_kubeconfig().to_owned();
+    let state = tokio::task::spawn_blocking(move || lab.detach())
         .await
         .context("lab task panicked")?
+        .context("cannot record the lab's state")?;
+    output::done(&format!(
+        "Lab {DEFAULT_LAB_NAME} is up in {:.1} s (state {}).\n  \
+         kubeconfig (from the laptop netns): {}\n  \
+         restricted kubeconfig (user kvpn-user): {}\n  \
+         Run commands in it with `kvpn lab exec laptop -- kubectl get pods -A` (KUBECONFIG is set there), \
+         remove it with `kvpn lab down`",
+        started.elapsed().as_secs_f64(),
+        state.display(),
+        admin.display(),
+        user.display(),
+    ));
+    Ok(())
 }
 
 fn run_blocking(cmd: LabCommand) -> Result<()> {
     match cmd {
-        LabCommand::Up => {
-            output::step("Bringing the lab up: laptop, node and pod network namespaces, ClusterIP rules, manager and backend pods");
-            let lab = Lab::up(LabOptions::default().persist_as(DEFAULT_LAB_NAME))
-                .context("kvpn lab up failed")?;
-            output::info_block(&lab.info());
-            let state = lab.detach().context("cannot record the lab's state")?;
-            output::done(&format!(
-                "Lab {DEFAULT_LAB_NAME} is up (state {}); run commands in it with `kvpn lab exec laptop -- <cmd>`, remove it with `kvpn lab down`",
-                state.display()
-            ));
-            Ok(())
-        }
+        LabCommand::Up => Err(anyhow!("`kvpn lab up` runs on the async path")),
         LabCommand::Down => {
             output::step(&format!("Tearing the lab {DEFAULT_LAB_NAME} down"));
-            if kvpn_lab::down_named(DEFAULT_LAB_NAME).context("kvpn lab down failed")? {
-                output::done("Lab is down: its processes, network namespaces and nftables rules are gone");
+            if cluster::down_named(DEFAULT_LAB_NAME).context("kvpn lab down failed")? {
+                output::done(
+                    "Lab is down: its agent, control plane, pods, network namespaces, nftables rules and folder are gone",
+                );
             } else {
                 output::done(&format!("No lab named {DEFAULT_LAB_NAME} was up"));
             }
             Ok(())
         }
         LabCommand::Info => {
-            let lab = Lab::attach(DEFAULT_LAB_NAME).context("no lab to describe — bring one up with `kvpn lab up`")?;
-            output::info_block(&lab.info());
+            let lab = Lab::attach(DEFAULT_LAB_NAME)
+                .context("no lab to describe — bring one up with `kvpn lab up`")?;
+            match K8sLabState::read(lab.dir()).context("reading the lab's Kubernetes state")? {
+                Some(state) => output::info_block(&cluster::info_text(&lab, &state)),
+                None => output::info_block(&lab.info()),
+            }
             Ok(())
         }
         LabCommand::Exec { role, command } => {
-            let lab = Lab::attach(DEFAULT_LAB_NAME).context("no lab to run in — bring one up with `kvpn lab up`")?;
-            let (program, args) = command
-                .split_first()
-                .ok_or_else(|| anyhow!("kvpn lab exec {role}: no command given — e.g. `kvpn lab exec laptop -- curl http://10.244.1.11:8080/`"))?;
-            let status = lab
-                .command_in(&role, program)
-                .with_context(|| format!("kvpn lab exec: unknown role {role:?} (laptop, node, or a pod name from `kvpn lab info`)"))?
-                .args(args)
+            let lab = Lab::attach(DEFAULT_LAB_NAME)
+                .context("no lab to run in — bring one up with `kvpn lab up`")?;
+            let (program, args) = command.split_first().ok_or_else(|| {
+                anyhow!(
+                    "kvpn lab exec {role}: no command given — e.g. `kvpn lab exec laptop -- kubectl get pods -A`"
+                )
+            })?;
+            let netns = find_netns(&lab, &role)?;
+            let mut cmd: Command = netns.command(program);
+            cmd.args(args);
+            if role == kvpn_lab::LAPTOP
+                && std::env::var_os("KUBECONFIG").is_none()
+                && let Ok(Some(state)) = K8sLabState::read(lab.dir())
+            {
+                // What a developer's laptop has: a kubeconfig for the cluster.
+                cmd.env("KUBECONFIG", &state.laptop_admin_kubeconfig);
+            }
+            let status = cmd
                 .status()
                 .with_context(|| format!("cannot run {program:?} in the lab's {role} namespace"))?;
             // Hand the command's own exit code back, like `ip netns exec` does.
             std::process::exit(status.code().unwrap_or(1));
         }
+    }
+}
+
+/// The netns of `role`: `laptop`, `node`, a static pod, or a Kubernetes pod by its name
+/// (the kubelet stand-in names pod netns `kvpn-<id>-<pod>-<uid[..5]>`).
+fn find_netns(lab: &Lab, role: &str) -> Result<Netns> {
+    match lab.netns(role) {
+        Ok(n) => Ok(n),
+        Err(LabError::UnknownRole { .. }) => {
+            let prefix = format!("kvpn-{}-{role}-", lab.id());
+            let names = kvpn_lab::lab_netns(lab.id()).context("listing the lab's netns")?;
+            let matches: Vec<&String> = names
+                .iter()
+                .filter(|n| {
+                    n.strip_prefix(&prefix)
+                        .is_some_and(|uid| uid.len() == 5 && !uid.contains('-'))
+                })
+                .collect();
+            match matches.as_slice() {
+                [one] => Ok(Netns::from_name(one)),
+                _ => Err(anyhow!(
+                    "kvpn lab exec: unknown role {role:?} — use laptop, node, or a pod name from \
+                     `kvpn lab exec laptop -- kubectl get pods -A` (netns: {})",
+                    names.join(", ")
+                )),
+            }
+        }
+        Err(e) => Err(e).context("kvpn lab exec"),
     }
 }

@@ -77,6 +77,11 @@ pub struct LabOptions {
     /// Extra environment for every pod process (on top of this process's environment
     /// and `POD_NAME`, `POD_IP`).
     pub pod_env: Vec<(String, String)>,
+    /// The static pods (`manager`, `backend-1`, `backend-2`), ClusterIPs and the
+    /// manager's NodePort-like forward. False: only the laptop, the node, its bridge and
+    /// the uplink — what the Kubernetes lab ([`crate::k8s::cluster`]) builds on, whose
+    /// kubelet and kube-proxy stand-ins create pods and rules from the API.
+    pub static_workloads: bool,
 }
 
 impl Default for LabOptions {
@@ -91,6 +96,7 @@ impl Default for LabOptions {
             persist_as: None,
             ready_timeout: Duration::from_secs(10),
             pod_env: Vec::new(),
+            static_workloads: true,
         }
     }
 }
@@ -119,6 +125,15 @@ impl LabOptions {
 
     pub fn keep_dir(mut self, keep: bool) -> Self {
         self.keep_dir = keep;
+        self
+    }
+
+    /// Only the topology (laptop, node, bridge, uplink): no static pods, ClusterIPs or
+    /// NodePort (see [`LabOptions::static_workloads`]).
+    pub fn topology_only(mut self) -> Self {
+        self.static_workloads = false;
+        self.manager = ManagerProcess::None;
+        self.backends = false;
         self
     }
 
@@ -156,6 +171,7 @@ pub struct Lab {
     persist_as: Option<String>,
     keep_dir: bool,
     manager_desc: String,
+    static_workloads: bool,
     teardown_on_drop: bool,
     down: bool,
 }
@@ -171,6 +187,13 @@ struct LabState {
     pods: Vec<(String, Ipv4Addr)>,
     processes: Vec<ProcessRecord>,
     manager: String,
+    /// Absent in files of older versions, which always had the static workloads.
+    #[serde(default = "yes")]
+    static_workloads: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The ClusterIPs of the static lab, balanced over both backends.
@@ -281,12 +304,21 @@ impl Lab {
             node,
             uplink,
             pods: Vec::new(),
-            services: lab_services(),
-            node_ports: lab_node_ports(),
+            services: if options.static_workloads {
+                lab_services()
+            } else {
+                Vec::new()
+            },
+            node_ports: if options.static_workloads {
+                lab_node_ports()
+            } else {
+                Vec::new()
+            },
             processes: Mutex::new(Vec::new()),
             persist_as: options.persist_as.clone(),
             keep_dir: options.keep_dir,
             manager_desc: String::new(),
+            static_workloads: options.static_workloads,
             teardown_on_drop: true,
             down: false,
         };
@@ -311,6 +343,10 @@ impl Lab {
             LAPTOP_UPLINK_IP,
             UPLINK_PREFIX_LEN,
         )?;
+        if !options.static_workloads {
+            self.manager_desc = "no static pods (Kubernetes lab: see the kubelet stand-in)".into();
+            return Ok(());
+        }
         for (name, ip) in [
             (MANAGER_POD, MANAGER_POD_IP),
             (BACKEND_1_POD, BACKEND_1_IP),
@@ -476,8 +512,17 @@ impl Lab {
             node,
             uplink,
             pods,
-            services: lab_services(),
-            node_ports: lab_node_ports(),
+            services: if state.static_workloads {
+                lab_services()
+            } else {
+                Vec::new()
+            },
+            node_ports: if state.static_workloads {
+                lab_node_ports()
+            } else {
+                Vec::new()
+            },
+            static_workloads: state.static_workloads,
             processes: Mutex::new(
                 state
                     .processes
@@ -654,6 +699,12 @@ impl Lab {
 
     pub fn node_ports(&self) -> &[NodePort] {
         &self.node_ports
+    }
+
+    /// Whether the static pods, ClusterIPs and NodePort exist
+    /// ([`LabOptions::static_workloads`]).
+    pub fn has_static_workloads(&self) -> bool {
+        self.static_workloads
     }
 
     /// Where the laptop reaches the manager (`172.31.255.1:10801`).
@@ -836,6 +887,9 @@ impl Lab {
             self.uplink.node_ip,
             self.uplink.prefix_len
         );
+        if !self.static_workloads {
+            return s;
+        }
         let _ = writeln!(
             s,
             "  pods (pod CIDR {POD_CIDR}, this node {}):",
@@ -922,6 +976,7 @@ impl Lab {
                 .map(|p| p.record().clone())
                 .collect(),
             manager: self.manager_desc.clone(),
+            static_workloads: self.static_workloads,
         };
         let path = state_path(name);
         let io = |what: String| move |source| LabError::Io { what, source };
@@ -1063,6 +1118,7 @@ pub fn reap_orphaned_labs() -> Result<Vec<String>> {
             persist_as: None,
             keep_dir: false,
             manager_desc: String::new(),
+            static_workloads: false,
             teardown_on_drop: false,
             down: false,
         };

@@ -81,6 +81,9 @@ pub struct ControlPlaneConfig {
     /// True: the processes die with this process (tests). False: they outlive it
     /// (`kvpn lab up`) and are stopped with [`ControlPlane::stop_dir`].
     pub tie_to_process: bool,
+    /// More kube-apiserver flags, after the built-in ones (e.g. the lab's
+    /// `--service-node-port-range`).
+    pub apiserver_extra_args: Vec<String>,
 }
 
 impl ControlPlaneConfig {
@@ -99,6 +102,7 @@ impl ControlPlaneConfig {
             step_timeout: Duration::from_secs(120),
             stop_grace: Duration::from_secs(10),
             tie_to_process: true,
+            apiserver_extra_args: Vec::new(),
         }
     }
 }
@@ -506,7 +510,7 @@ impl ControlPlane {
     async fn start_apiserver(&mut self, bin: &Path) -> Result<(), Error> {
         let ip = self.listen_ip;
         let p = |f: &str| self.pki(f).display().to_string();
-        let args = vec![
+        let mut args = vec![
             format!("--bind-address={ip}"),
             format!("--secure-port={}", self.ports.apiserver),
             format!("--advertise-address={}", self.config.advertise_ip),
@@ -533,6 +537,7 @@ impl ControlPlane {
             format!("--cert-dir={}", p("apiserver-generated")),
             "--v=1".into(),
         ];
+        args.extend(self.config.apiserver_extra_args.iter().cloned());
         let idx = self.spawn("kube-apiserver", bin, args)?;
         let admin = self.admin_client().await?;
         let t0 = Instant::now();

@@ -20,6 +20,7 @@
 //! `scripts/build-kubernetes.sh`'s cache (see [`k8s_bin_dir`]), etcd from
 //! Debian's `etcd-server` (`/usr/bin/etcd`).
 
+pub mod cluster;
 pub mod control_plane;
 pub mod dns;
 pub mod kube_proxy;
@@ -28,10 +29,13 @@ pub mod kubelet;
 pub mod pki;
 pub mod process;
 pub mod rbac;
+pub mod relay;
+pub mod workloads;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use cluster::{K8sLab, K8sLabOptions};
 pub use control_plane::{ControlPlane, ControlPlaneConfig, Ports, client_from_kubeconfig};
 pub use pki::CertificateAuthority;
 

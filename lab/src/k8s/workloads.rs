@@ -1,0 +1,388 @@
+//! The lab's sample workloads (lab-only code), applied through the API server with
+//! server-side apply (field manager [`FIELD_MANAGER`]), so later features have
+//! realistic routes and DNS names to work on. [`objects`] is pure (the objects as
+//! JSON); [`apply`] and [`wait_ready`] do the API calls.
+//!
+//! | namespace | object | what |
+//! |---|---|---|
+//! | `default` | Deployment `web` | 2 × `kvpn/lab-server` (HTTP :8080, TCP echo :7007, UDP echo :7007), label `app=web` |
+//! | `default` | Service `web` | ClusterIP 10.96.0.100, `http` 80/TCP → 8080 (the skeleton's `web`) |
+//! | `default` | Service `echo` | ClusterIP 10.96.0.101, `echo` 7/TCP → 7007 |
+//! | `default` | Service `udp-echo` | ClusterIP 10.96.0.102, `echo-udp` 7/UDP → 7007 (UDP Service) |
+//! | `default` | Service `backend` | multi-port: `http` 8080/TCP and `echo` 7007/TCP |
+//! | `default` | Service `web-headless` | headless (`clusterIP: None`): one A record per `web` pod |
+//! | `dev` | Deployment `web` | 1 × `kvpn/lab-server`, label `app=web` |
+//! | `dev` | Service `web` | ClusterIP from the service CIDR, `http` 80/TCP → 8080: same name as `default/web` (case dns-03) |
+//! | `kvpn-system` | Deployment + Service `kvpn-manager` | the traffic manager on :10801, NodePort 10801 on the node's uplink address, so the laptop reaches it at `172.31.255.1:10801` ([`Workloads::manager`]) |
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::{Value, json};
+
+use super::{Error, KVPN_NAMESPACE};
+use crate::{
+    ECHO_CLUSTER_IP, ECHO_PORT, ECHO_SERVICE_PORT, HTTP_PORT, MANAGER_PORT, UDP_ECHO_CLUSTER_IP,
+    WEB_CLUSTER_IP, WEB_SERVICE_PORT,
+};
+
+/// Field manager of the lab's server-side applies.
+pub const FIELD_MANAGER: &str = "kvpn-lab";
+/// Image of the lab's test server (kubelet stand-in's image map: `kvpn-lab-server`).
+pub const LAB_SERVER_IMAGE: &str = "kvpn/lab-server:lab";
+/// Image of the traffic manager (kubelet stand-in's image map: `kvpn-manager`).
+pub const MANAGER_IMAGE: &str = "kvpn/manager:lab";
+/// The second sample namespace.
+pub const DEV_NAMESPACE: &str = "dev";
+/// Name of the manager's Deployment and Service in [`KVPN_NAMESPACE`].
+pub const MANAGER_NAME: &str = "kvpn-manager";
+/// Replicas of `default/web`.
+pub const WEB_REPLICAS: i32 = 2;
+
+/// Which sample objects to apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Workloads {
+    /// The sample namespaces, Deployments and Services (table above).
+    pub samples: bool,
+    /// The traffic manager Deployment + NodePort Service in `kvpn-system`.
+    pub manager: bool,
+}
+
+impl Default for Workloads {
+    fn default() -> Self {
+        Workloads {
+            samples: true,
+            manager: true,
+        }
+    }
+}
+
+/// One object to apply: its kind and the JSON.
+#[derive(Debug, Clone)]
+pub enum Object {
+    Namespace(Value),
+    Deployment(Value),
+    Service(Value),
+}
+
+impl Object {
+    /// `kind namespace/name`, for messages.
+    pub fn describe(&self) -> String {
+        let (kind, v) = match self {
+            Object::Namespace(v) => ("Namespace", v),
+            Object::Deployment(v) => ("Deployment", v),
+            Object::Service(v) => ("Service", v),
+        };
+        let ns = v["metadata"]["namespace"].as_str().unwrap_or("");
+        let name = v["metadata"]["name"].as_str().unwrap_or("");
+        if ns.is_empty() {
+            format!("{kind} {name}")
+        } else {
+            format!("{kind} {ns}/{name}")
+        }
+    }
+}
+
+fn lab_server_deployment(namespace: &str, name: &str, replicas: i32) -> Value {
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"namespace": namespace, "name": name, "labels": {"app": name}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [{
+                    "name": "server",
+                    "image": LAB_SERVER_IMAGE,
+                    "args": ["--name", "$(POD_NAME)"],
+                    "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                    "ports": [
+                        {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                        {"name": "echo", "containerPort": ECHO_PORT, "protocol": "TCP"},
+                        {"name": "echo-udp", "containerPort": ECHO_PORT, "protocol": "UDP"},
+                    ],
+                    "readinessProbe": {"tcpSocket": {"port": HTTP_PORT}, "periodSeconds": 1},
+                }]},
+            },
+        },
+    })
+}
+
+fn service(namespace: &str, name: &str, selector: &str, spec: Value) -> Value {
+    let mut spec = spec;
+    spec["selector"] = json!({"app": selector});
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"namespace": namespace, "name": name},
+        "spec": spec,
+    })
+}
+
+fn namespace(name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+}
+
+/// The objects of `which`, in apply order (namespaces first, Services with fixed
+/// ClusterIPs before any Service that gets one allocated).
+pub fn objects(which: Workloads) -> Vec<Object> {
+    let mut v = Vec::new();
+    if which.samples {
+        v.push(Object::Namespace(namespace(DEV_NAMESPACE)));
+        v.push(Object::Service(service(
+            "default",
+            "web",
+            "web",
+            json!({"clusterIP": WEB_CLUSTER_IP.to_string(), "ports": [
+                {"name": "http", "port": WEB_SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]}),
+        )));
+        v.push(Object::Service(service(
+            "default",
+            "echo",
+            "web",
+            json!({"clusterIP": ECHO_CLUSTER_IP.to_string(), "ports": [
+                {"name": "echo", "port": ECHO_SERVICE_PORT, "targetPort": ECHO_PORT, "protocol": "TCP"}]}),
+        )));
+        v.push(Object::Service(service(
+            "default",
+            "udp-echo",
+            "web",
+            json!({"clusterIP": UDP_ECHO_CLUSTER_IP.to_string(), "ports": [
+                {"name": "echo-udp", "port": ECHO_SERVICE_PORT, "targetPort": ECHO_PORT, "protocol": "UDP"}]}),
+        )));
+        v.push(Object::Service(service(
+            "default",
+            "backend",
+            "web",
+            json!({"ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT, "protocol": "TCP"},
+                {"name": "echo", "port": ECHO_PORT, "targetPort": ECHO_PORT, "protocol": "TCP"}]}),
+        )));
+        v.push(Object::Service(service(
+            "default",
+            "web-headless",
+            "web",
+            json!({"clusterIP": "None", "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT, "protocol": "TCP"}]}),
+        )));
+        v.push(Object::Service(service(
+            DEV_NAMESPACE,
+            "web",
+            "web",
+            json!({"ports": [
+                {"name": "http", "port": WEB_SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]}),
+        )));
+        v.push(Object::Deployment(lab_server_deployment(
+            "default",
+            "web",
+            WEB_REPLICAS,
+        )));
+        v.push(Object::Deployment(lab_server_deployment(
+            DEV_NAMESPACE,
+            "web",
+            1,
+        )));
+    }
+    if which.manager {
+        let labels = json!({"app.kubernetes.io/name": MANAGER_NAME});
+        v.push(Object::Namespace(namespace(KVPN_NAMESPACE)));
+        v.push(Object::Service(json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"namespace": KVPN_NAMESPACE, "name": MANAGER_NAME, "labels": labels},
+            "spec": {
+                "type": "NodePort",
+                "selector": labels,
+                "ports": [{"name": "data", "port": MANAGER_PORT, "targetPort": MANAGER_PORT,
+                           "nodePort": MANAGER_PORT, "protocol": "TCP"}],
+            },
+        })));
+        v.push(Object::Deployment(json!({
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"namespace": KVPN_NAMESPACE, "name": MANAGER_NAME, "labels": labels},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{
+                        "name": "manager",
+                        "image": MANAGER_IMAGE,
+                        "args": ["--listen", format!("0.0.0.0:{MANAGER_PORT}")],
+                        "ports": [{"name": "data", "containerPort": MANAGER_PORT, "protocol": "TCP"}],
+                        "readinessProbe": {"tcpSocket": {"port": MANAGER_PORT}, "periodSeconds": 1},
+                    }]},
+                },
+            },
+        })));
+    }
+    v
+}
+
+fn params() -> PatchParams {
+    PatchParams::apply(FIELD_MANAGER).force()
+}
+
+/// Applies the objects of `which` with server-side apply.
+pub async fn apply(client: &kube::Client, which: Workloads) -> Result<(), Error> {
+    for object in objects(which) {
+        let what = format!("applying {}", object.describe());
+        match &object {
+            Object::Namespace(v) => {
+                let name = v["metadata"]["name"].as_str().unwrap_or_default();
+                let api: Api<Namespace> = Api::all(client.clone());
+                api.patch(name, &params(), &Patch::Apply(v))
+                    .await
+                    .map_err(Error::kube(what))?;
+            }
+            Object::Deployment(v) => {
+                let ns = v["metadata"]["namespace"].as_str().unwrap_or("default");
+                let name = v["metadata"]["name"].as_str().unwrap_or_default();
+                let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+                api.patch(name, &params(), &Patch::Apply(v))
+                    .await
+                    .map_err(Error::kube(what))?;
+            }
+            Object::Service(v) => {
+                let ns = v["metadata"]["namespace"].as_str().unwrap_or("default");
+                let name = v["metadata"]["name"].as_str().unwrap_or_default();
+                let api: Api<Service> = Api::namespaced(client.clone(), ns);
+                api.patch(name, &params(), &Patch::Apply(v))
+                    .await
+                    .map_err(Error::kube(what))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Waits until every Deployment of `which` has all its replicas ready (bounded by
+/// `timeout`); the error names the Deployments still waiting.
+pub async fn wait_ready(
+    client: &kube::Client,
+    which: Workloads,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let deployments: Vec<(String, String)> = objects(which)
+        .iter()
+        .filter_map(|o| match o {
+            Object::Deployment(v) => Some((
+                v["metadata"]["namespace"].as_str()?.to_owned(),
+                v["metadata"]["name"].as_str()?.to_owned(),
+            )),
+            _ => None,
+        })
+        .collect();
+    let t0 = Instant::now();
+    loop {
+        let mut waiting = Vec::new();
+        for (ns, name) in &deployments {
+            let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+            let state = match api.get_opt(name).await {
+                Ok(Some(d)) => {
+                    let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+                    let ready = d
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.ready_replicas)
+                        .unwrap_or(0);
+                    (ready < want).then(|| format!("{ns}/{name} {ready}/{want} ready"))
+                }
+                Ok(None) => Some(format!("{ns}/{name} missing")),
+                Err(e) => Some(format!("{ns}/{name}: {e}")),
+            };
+            waiting.extend(state);
+        }
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        if t0.elapsed() >= timeout {
+            return Err(Error::State {
+                path: "sample workloads".into(),
+                message: format!(
+                    "not ready after {:?}: {} (see the kubelet stand-in's log and `kubectl get pods -A`)",
+                    t0.elapsed(),
+                    waiting.join(", ")
+                ),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_cover_the_required_shapes() {
+        let objs = objects(Workloads::default());
+        let services: Vec<&Value> = objs
+            .iter()
+            .filter_map(|o| match o {
+                Object::Service(v) => Some(v),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            services
+                .iter()
+                .any(|s| s["spec"]["clusterIP"] == json!("None")),
+            "headless"
+        );
+        assert!(
+            services
+                .iter()
+                .any(|s| s["spec"]["ports"].as_array().is_some_and(|p| p.len() >= 2)),
+            "multi-port"
+        );
+        assert!(
+            services
+                .iter()
+                .any(|s| s["spec"]["ports"][0]["protocol"] == json!("UDP")),
+            "UDP"
+        );
+        let webs: Vec<&str> = services
+            .iter()
+            .filter(|s| s["metadata"]["name"] == json!("web"))
+            .filter_map(|s| s["metadata"]["namespace"].as_str())
+            .collect();
+        assert_eq!(
+            webs,
+            vec!["default", DEV_NAMESPACE],
+            "same name in two namespaces"
+        );
+        // Namespaces come before anything inside them.
+        let first_dev = objs
+            .iter()
+            .position(|o| o.describe().contains(" dev/"))
+            .expect("dev objects");
+        assert!(
+            objs[..first_dev]
+                .iter()
+                .any(|o| o.describe() == "Namespace dev")
+        );
+    }
+
+    #[test]
+    fn every_object_parses_as_its_kind() {
+        for o in objects(Workloads::default()) {
+            match o {
+                Object::Namespace(v) => {
+                    serde_json::from_value::<Namespace>(v).expect("Namespace");
+                }
+                Object::Deployment(v) => {
+                    serde_json::from_value::<Deployment>(v).expect("Deployment");
+                }
+                Object::Service(v) => {
+                    serde_json::from_value::<Service>(v).expect("Service");
+                }
+            }
+        }
+    }
+}
