@@ -8,6 +8,7 @@
 pub mod cidr;
 pub mod cli;
 pub mod daemon;
+pub mod install;
 pub mod kubeconfig;
 pub mod lab;
 pub mod output;

@@ -7,9 +7,24 @@
 //! | namespace `kvpn-system` | rbac.authorization.k8s.io | roles, rolebindings | create, patch, get, list, watch |
 //! | namespace `kvpn-system` | apps | deployments | create, patch, get, list, watch |
 //! | namespace `kvpn-system` | core | pods/portforward | create, get (SPDY posts, websockets get) |
+//! | namespace `kvpn-system` | core | configmaps, secrets | update (see below) |
+//! | namespace `kvpn-system` | core, rbac, apps | the kinds above, only names `kvpn-manager`, `kvpn-manager-tls` | delete (`kvpn uninstall`) |
 //! | cluster-wide (ClusterRole `kvpn-user-read`) | core | pods, services, endpoints | get, list, watch |
+//! | cluster-wide | rbac.authorization.k8s.io | clusterroles, clusterrolebindings, only name `kvpn-manager-kvpn-system` | get, create, patch, delete |
 //!
-//! Not granted (on purpose, for now): delete anything, update (kvpn patches),
+//! Why each addition beyond "create/patch/get/list/watch in `kvpn-system`":
+//! - `update` on configmaps and secrets: the manager's own Role grants it `update` on
+//!   its ConfigMap and Secret (resourceVersion-checked lease writes), and RBAC lets a
+//!   user grant only what the user holds. kvpn itself never updates (it applies).
+//! - `delete` by name: `kvpn uninstall` removes what kvpn created. The names are
+//!   kvpn's fixed object names, so the user still cannot delete anything else.
+//! - clusterroles/clusterrolebindings by name: the manager's cluster-wide read of
+//!   pods, services and endpoints (route and DNS discovery in every namespace) is a
+//!   ClusterRole bound to its ServiceAccount. kvpn creates them with server-side
+//!   apply (a PATCH, so the apiserver knows the name when it checks `create`);
+//!   binding needs no `bind` verb because the user holds the same reads.
+//!
+//! Not granted (on purpose, for now): update or delete of anything else,
 //! namespaces, nodes, anything outside `kvpn-system` except the reads above.
 //! Because RBAC prevents escalation, the Roles kvpn itself creates in
 //! `kvpn-system` may only hold permissions from this list.
@@ -31,6 +46,19 @@ pub const ROLE: &str = "kvpn-user";
 pub const CLUSTER_ROLE: &str = "kvpn-user-read";
 
 const NAMESPACED_VERBS: &[&str] = &["create", "patch", "get", "list", "watch"];
+
+/// The names of the objects kvpn installs in `kvpn-system` (the control crate's
+/// `install::objects::{MANAGER, TLS_SECRET}`; its tests check they agree).
+pub const MANAGER_OBJECT_NAMES: &[&str] = &["kvpn-manager", "kvpn-manager-tls"];
+
+/// The manager's ClusterRole and ClusterRoleBinding name for `kvpn-system`
+/// (`install::objects::cluster_role_name`).
+pub const MANAGER_CLUSTER_ROLE: &str = "kvpn-manager-kvpn-system";
+
+fn named(mut rule: PolicyRule, names: &[&str]) -> PolicyRule {
+    rule.resource_names = Some(names.iter().map(|n| (*n).to_owned()).collect());
+    rule
+}
 
 fn rule(group: &str, resources: &[&str], verbs: &[&str]) -> PolicyRule {
     PolicyRule {
@@ -103,6 +131,27 @@ pub fn objects() -> Objects {
                 ),
                 rule("apps", &["deployments"], NAMESPACED_VERBS),
                 rule("", &["pods/portforward"], &["create", "get"]),
+                rule("", &["configmaps", "secrets"], &["update"]),
+                named(
+                    rule(
+                        "",
+                        &["serviceaccounts", "secrets", "configmaps", "services"],
+                        &["delete"],
+                    ),
+                    MANAGER_OBJECT_NAMES,
+                ),
+                named(
+                    rule(
+                        "rbac.authorization.k8s.io",
+                        &["roles", "rolebindings"],
+                        &["delete"],
+                    ),
+                    MANAGER_OBJECT_NAMES,
+                ),
+                named(
+                    rule("apps", &["deployments"], &["delete"]),
+                    MANAGER_OBJECT_NAMES,
+                ),
             ]),
         },
         role_binding: RoleBinding {
@@ -116,11 +165,21 @@ pub fn objects() -> Objects {
         },
         cluster_role: ClusterRole {
             metadata: meta(CLUSTER_ROLE, None),
-            rules: Some(vec![rule(
-                "",
-                &["pods", "services", "endpoints"],
-                &["get", "list", "watch"],
-            )]),
+            rules: Some(vec![
+                rule(
+                    "",
+                    &["pods", "services", "endpoints"],
+                    &["get", "list", "watch"],
+                ),
+                named(
+                    rule(
+                        "rbac.authorization.k8s.io",
+                        &["clusterroles", "clusterrolebindings"],
+                        &["get", "create", "patch", "delete"],
+                    ),
+                    &[MANAGER_CLUSTER_ROLE],
+                ),
+            ]),
             aggregation_rule: None,
         },
         cluster_role_binding: ClusterRoleBinding {
@@ -169,7 +228,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn restricted_user_cannot_delete_or_touch_nodes() {
+    fn restricted_user_deletes_only_kvpn_objects_and_never_touches_nodes() {
         let o = objects();
         let rules = o
             .role
@@ -178,7 +237,24 @@ mod tests {
             .flatten()
             .chain(o.cluster_role.rules.iter().flatten());
         for r in rules {
-            assert!(!r.verbs.iter().any(|v| v == "delete" || v == "*"), "{r:?}");
+            assert!(!r.verbs.iter().any(|v| v == "*"), "{r:?}");
+            if r.verbs.iter().any(|v| v == "delete") {
+                assert!(
+                    r.resource_names.as_ref().is_some_and(|n| !n.is_empty()),
+                    "delete only by name: {r:?}"
+                );
+            }
+            if r.resources
+                .iter()
+                .flatten()
+                .any(|x| x == "clusterroles" || x == "clusterrolebindings")
+            {
+                assert_eq!(
+                    r.resource_names.as_deref(),
+                    Some(&[MANAGER_CLUSTER_ROLE.to_owned()][..]),
+                    "{r:?}"
+                );
+            }
             assert!(
                 !r.resources
                     .iter()

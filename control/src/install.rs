@@ -1,0 +1,837 @@
+//! Installing, upgrading and removing the traffic manager in the cluster.
+//!
+//! [`ensure_manager`] makes sure the manager's objects ([`objects`]) exist at this
+//! kvpn's version in the manager namespace and waits for a ready manager pod;
+//! [`uninstall`] deletes every object kvpn created and waits until they are gone.
+//! Each step is reported through a [`Progress`] sink, like KubeVPN's output
+//! (`Creating Deployment kvpn-manager…`, then the pod's phase and container
+//! reasons while waiting).
+//!
+//! Rules (and why):
+//! - Writes are server-side apply with field manager `kvpn`, forced: kvpn owns these
+//!   objects, and a forced apply takes back fields someone edited by hand.
+//! - Each object carries the owner annotation `kvpn.dev/version`. An object is
+//!   (re)applied when it is missing or written by an older (or unparsable) version;
+//!   one written by this or a newer kvpn is left alone. So a second `connect` with
+//!   the same version writes nothing, an older manager is upgraded in place (its
+//!   pod template changes, the Deployment rolls), and a newer one is not downgraded.
+//! - The Deployment is also re-applied when its pod template differs from ours at
+//!   the same version (another `--image`, a new certificate).
+//! - The TLS Secret is generated only when missing or no longer valid for the
+//!   Service (e.g. a new ClusterIP), so upgrades keep the certificate clients pinned.
+//! - The Namespace is created only when it does not exist. A user who may not read
+//!   namespaces (403) is assumed to install into an existing one.
+//!
+//! I/O: the Kubernetes API through the given `kube::Client` only. The decisions
+//! about pods live in the pure [`wait`] core, certificate work in [`certs`].
+
+pub mod certs;
+pub mod objects;
+pub mod wait;
+
+use std::fmt::Debug;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tracing::{debug, info};
+
+use self::objects::{MANAGER, Spec, TLS_SECRET, compare_versions, version_of};
+use self::wait::{ReadyWait, Verdict, WaitConfig, WaitFailure};
+
+/// This kvpn's version: the owner annotation it writes and the manager it installs.
+pub const KVPN_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Default of `--manager-namespace`.
+pub const DEFAULT_NAMESPACE: &str = "kvpn-system";
+
+/// How often the manager's pods are listed while waiting. Pod status changes come
+/// from the kubelet's sync (about 1 s apart); polling at half that shows them
+/// promptly at two cheap list requests a second.
+const POLL_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Bound for [`uninstall`]'s wait until everything is gone (pods get their grace
+/// period, the namespace controller empties a namespace in a few seconds).
+pub const UNINSTALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The default manager image for a kvpn version (`--image` overrides it).
+pub fn default_image(version: &str) -> String {
+    format!("ghcr.io/kvpn/manager:{version}")
+}
+
+/// What to install where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstallOptions {
+    /// `--manager-namespace`.
+    pub namespace: String,
+    /// `--image`.
+    pub image: String,
+    /// The version written into `kvpn.dev/version` (this kvpn's, except in tests).
+    pub version: String,
+    /// Bounds of the wait for a ready pod.
+    pub wait: WaitConfig,
+    // The client-source policy (snat / preserve) joins here with [preserve-mode].
+}
+
+impl Default for InstallOptions {
+    /// Namespace `kvpn-system`, image `ghcr.io/kvpn/manager:<this version>`.
+    fn default() -> Self {
+        InstallOptions {
+            namespace: DEFAULT_NAMESPACE.to_owned(),
+            image: default_image(KVPN_VERSION),
+            version: KVPN_VERSION.to_owned(),
+            wait: WaitConfig::default(),
+        }
+    }
+}
+
+/// What [`ensure_manager`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// There was no manager Deployment; kvpn created it.
+    Installed,
+    /// A manager of an older (or unknown) version was upgraded in place.
+    Upgraded { from: Option<String> },
+    /// Same version, different pod template (image or certificate): re-applied.
+    Updated,
+    /// The manager was already at this version; nothing was written.
+    AlreadyInstalled,
+    /// A newer kvpn installed the manager; it was left as it is.
+    NewerInstalled { version: String },
+}
+
+/// The ready manager a client connects to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManagerInfo {
+    pub namespace: String,
+    /// The version of the running manager (its Deployment's owner annotation).
+    pub version: String,
+    pub image: String,
+    /// The ready pod (target of the port-forward) and its pod IP.
+    pub pod_name: String,
+    pub pod_ip: IpAddr,
+    /// The Service and its ClusterIP.
+    pub service: String,
+    pub cluster_ip: Option<IpAddr>,
+    pub data_port: u16,
+    pub grpc_port: u16,
+    /// The CA (PEM) that signed the manager's serving certificate.
+    pub ca_pem: String,
+    /// The DNS name the serving certificate is verified against.
+    pub server_name: String,
+    pub outcome: Outcome,
+}
+
+/// One line of progress for the user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProgressEvent {
+    /// A step starts: "Creating Deployment kvpn-manager".
+    Step(String),
+    /// A detail under the current step: a pod's state while waiting.
+    Detail(String),
+    /// Something finished: "Traffic manager ready: pod …".
+    Done(String),
+    /// Something the user should know but that does not stop kvpn.
+    Warning(String),
+}
+
+impl std::fmt::Display for ProgressEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProgressEvent::Step(s) => write!(f, "{s}…"),
+            ProgressEvent::Detail(s) => write!(f, "  {s}"),
+            ProgressEvent::Done(s) => write!(f, "{s}"),
+            ProgressEvent::Warning(s) => write!(f, "warning: {s}"),
+        }
+    }
+}
+
+/// Where progress goes: the CLI prints it, tests record it.
+pub trait Progress: Send + Sync {
+    fn report(&self, event: ProgressEvent);
+}
+
+impl<F: Fn(ProgressEvent) + Send + Sync> Progress for F {
+    fn report(&self, event: ProgressEvent) {
+        self(event);
+    }
+}
+
+/// Progress that is only logged (debug level).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Quiet;
+
+impl Progress for Quiet {
+    fn report(&self, event: ProgressEvent) {
+        debug!(%event, "install progress");
+    }
+}
+
+/// Progress kept in memory (tests, or a daemon forwarding it later).
+#[derive(Debug, Default)]
+pub struct Recorder(Mutex<Vec<ProgressEvent>>);
+
+impl Recorder {
+    pub fn events(&self) -> Vec<ProgressEvent> {
+        self.0.lock().map(|e| e.clone()).unwrap_or_default()
+    }
+
+    /// The events as the CLI would print them.
+    pub fn lines(&self) -> Vec<String> {
+        self.events().iter().map(ToString::to_string).collect()
+    }
+}
+
+impl Progress for Recorder {
+    fn report(&self, event: ProgressEvent) {
+        if let Ok(mut e) = self.0.lock() {
+            e.push(event);
+        }
+    }
+}
+
+/// Errors of install, upgrade and uninstall.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "not allowed to {verb} {object}: {message} — the kubeconfig's user needs `{verb}` on \
+         {resource} to manage the traffic manager; ask a cluster admin for it, or to install \
+         the manager once with their credentials"
+    )]
+    Forbidden {
+        verb: &'static str,
+        object: String,
+        resource: String,
+        message: String,
+    },
+    #[error("cannot {verb} {object}: {source}")]
+    Kube {
+        verb: &'static str,
+        object: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("generating the traffic manager's TLS certificate: {0}")]
+    Cert(#[from] rcgen::Error),
+    #[error("traffic manager cannot start: {what}: {reason}: {message} — {hint}")]
+    CannotStart {
+        /// "pod kvpn-manager-…" or "Deployment kvpn-manager".
+        what: String,
+        reason: String,
+        message: String,
+        hint: String,
+    },
+    #[error("traffic manager in {namespace} not ready after {}s: {last}", .after.as_secs())]
+    NotReady {
+        namespace: String,
+        after: Duration,
+        last: String,
+    },
+    #[error("Secret {namespace}/{TLS_SECRET} is unusable right after kvpn wrote it: {why}")]
+    BadSecret { namespace: String, why: String },
+    #[error("{object} still exists {}s after deleting it", .after.as_secs())]
+    DeleteTimeout { object: String, after: Duration },
+}
+
+/// "Deployment kvpn-system/kvpn-manager" or "ClusterRole kvpn-manager-x".
+fn object_name<K: k8s_openapi::Resource>(namespace: Option<&str>, name: &str) -> String {
+    match namespace {
+        Some(ns) => format!("{} {ns}/{name}", K::KIND),
+        None => format!("{} {name}", K::KIND),
+    }
+}
+
+fn api_error<K: k8s_openapi::Resource>(
+    verb: &'static str,
+    namespace: Option<&str>,
+    name: &str,
+) -> impl FnOnce(kube::Error) -> Error {
+    let object = object_name::<K>(namespace, name);
+    move |source| match source {
+        kube::Error::Api(s) if s.code == 403 => Error::Forbidden {
+            verb,
+            object,
+            resource: if K::GROUP.is_empty() {
+                K::URL_PATH_SEGMENT.to_owned()
+            } else {
+                format!("{}.{}", K::URL_PATH_SEGMENT, K::GROUP)
+            },
+            message: s.message,
+        },
+        source => Error::Kube {
+            verb,
+            object,
+            source,
+        },
+    }
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+/// A kind kvpn applies: k8s-openapi type usable with `Api`.
+trait Kind:
+    kube::Resource<DynamicType = ()>
+    + k8s_openapi::Resource
+    + Clone
+    + Debug
+    + Serialize
+    + DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Kind for K where
+    K: kube::Resource<DynamicType = ()>
+        + k8s_openapi::Resource
+        + Clone
+        + Debug
+        + Serialize
+        + DeserializeOwned
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// What happened to one object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Created,
+    Updated,
+    Kept,
+}
+
+/// The install shell: one manager namespace, one client.
+struct Installer<'a> {
+    client: &'a kube::Client,
+    spec: Spec,
+    progress: &'a dyn Progress,
+}
+
+impl Installer<'_> {
+    fn ns(&self) -> &str {
+        &self.spec.namespace
+    }
+
+    fn namespaced<K: Kind + kube::Resource<Scope = NamespaceResourceScope>>(&self) -> Api<K> {
+        Api::namespaced(self.client.clone(), self.ns())
+    }
+
+    async fn apply<K: Kind>(
+        &self,
+        api: &Api<K>,
+        namespace: Option<&str>,
+        obj: &K,
+    ) -> Result<K, Error> {
+        let name = obj.meta().name.clone().unwrap_or_default();
+        let pp = PatchParams::apply(objects::FIELD_MANAGER).force();
+        api.patch(&name, &pp, &Patch::Apply(obj))
+            .await
+            .map_err(api_error::<K>("patch", namespace, &name))
+    }
+
+    /// Applies `desired` when missing or written by an older kvpn (see the module docs).
+    async fn ensure<K: Kind>(
+        &self,
+        api: &Api<K>,
+        namespace: Option<&str>,
+        desired: &K,
+    ) -> Result<(K, Action), Error> {
+        let name = desired.meta().name.clone().unwrap_or_default();
+        let existing = api
+            .get_opt(&name)
+            .await
+            .map_err(api_error::<K>("get", namespace, &name))?;
+        let action = match &existing {
+            None => Action::Created,
+            Some(e) => {
+                match version_of(e.meta()).and_then(|v| compare_versions(v, &self.spec.version)) {
+                    Some(std::cmp::Ordering::Less) | None => Action::Updated,
+                    Some(_) => Action::Kept,
+                }
+            }
+        };
+        match (action, existing) {
+            (Action::Kept, Some(e)) => Ok((e, Action::Kept)),
+            (action, _) => {
+                let verb = if action == Action::Created {
+                    "Creating"
+                } else {
+                    "Updating"
+                };
+                self.progress
+                    .report(ProgressEvent::Step(format!("{verb} {} {name}", K::KIND)));
+                Ok((self.apply(api, namespace, desired).await?, action))
+            }
+        }
+    }
+
+    async fn ensure_namespace(&self) -> Result<(), Error> {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        match api.get_opt(self.ns()).await {
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => {
+                self.progress.report(ProgressEvent::Step(format!(
+                    "Creating Namespace {}",
+                    self.ns()
+                )));
+                self.apply(&api, None, &objects::namespace(&self.spec))
+                    .await
+                    .map(drop)
+            }
+            Err(e) if is_status(&e, 403) => {
+                debug!(
+                    namespace = self.ns(),
+                    "may not read namespaces; assuming it exists"
+                );
+                Ok(())
+            }
+            Err(e) => Err(api_error::<Namespace>("get", None, self.ns())(e)),
+        }
+    }
+
+    /// The TLS material: the stored Secret's when it is valid for the Service,
+    /// else new (and written).
+    async fn ensure_secret(&self, cluster_ip: Option<IpAddr>) -> Result<certs::TlsMaterial, Error> {
+        let api: Api<Secret> = self.namespaced();
+        let ns = Some(self.ns());
+        let ips: Vec<IpAddr> = cluster_ip.into_iter().collect();
+        let existing = api
+            .get_opt(TLS_SECRET)
+            .await
+            .map_err(api_error::<Secret>("get", ns, TLS_SECRET))?;
+        let step = match existing {
+            Some(s) => {
+                match certs::from_secret(&s)
+                    .and_then(|m| certs::check(&m, self.ns(), &ips).map(|()| m))
+                {
+                    Ok(m) => return Ok(m),
+                    Err(why) => format!("Replacing Secret {TLS_SECRET} ({why})"),
+                }
+            }
+            None => format!("Creating Secret {TLS_SECRET}"),
+        };
+        self.progress.report(ProgressEvent::Step(step));
+        let m = certs::generate(self.ns(), cluster_ip)?;
+        let secret = objects::tls_secret(&self.spec, &m.ca_pem, &m.cert_pem, &m.key_pem);
+        let written = self.apply(&api, ns, &secret).await?;
+        // Read back what the apiserver stored, so a later connect trusts exactly it.
+        certs::from_secret(&written)
+            .and_then(|w| certs::check(&w, self.ns(), &ips).map(|()| w))
+            .map_err(|why| Error::BadSecret {
+                namespace: self.ns().to_owned(),
+                why,
+            })
+    }
+
+    async fn run(&self, wait_config: WaitConfig) -> Result<ManagerInfo, Error> {
+        let ns = self.ns().to_owned();
+        let ours = self.spec.version.clone();
+        let deployments: Api<Deployment> = self.namespaced();
+        let existing = deployments
+            .get_opt(MANAGER)
+            .await
+            .map_err(api_error::<Deployment>("get", Some(&ns), MANAGER))?;
+        let installed = existing
+            .as_ref()
+            .map(|d| version_of(&d.metadata).map(str::to_owned));
+        let mut outcome = match &installed {
+            None => {
+                self.progress.report(ProgressEvent::Step(format!(
+                    "Installing traffic manager v{ours} into {ns}"
+                )));
+                Outcome::Installed
+            }
+            Some(v) => match v.as_deref().and_then(|v| compare_versions(v, &ours)) {
+                Some(std::cmp::Ordering::Equal) => Outcome::AlreadyInstalled,
+                Some(std::cmp::Ordering::Greater) => Outcome::NewerInstalled {
+                    version: v.clone().unwrap_or_default(),
+                },
+                _ => {
+                    self.progress.report(ProgressEvent::Step(format!(
+                        "Upgrading traffic manager {} → v{ours} in {ns}",
+                        v.as_deref()
+                            .map_or("(unknown version)".to_owned(), |v| format!("v{v}"))
+                    )));
+                    Outcome::Upgraded { from: v.clone() }
+                }
+            },
+        };
+
+        let nsd = Some(ns.as_str());
+        self.ensure_namespace().await?;
+        self.ensure(
+            &self.namespaced(),
+            nsd,
+            &objects::service_account(&self.spec),
+        )
+        .await?;
+        self.ensure(&self.namespaced(), nsd, &objects::role(&self.spec))
+            .await?;
+        self.ensure(&self.namespaced(), nsd, &objects::role_binding(&self.spec))
+            .await?;
+        let cluster_roles: Api<ClusterRole> = Api::all(self.client.clone());
+        self.ensure(&cluster_roles, None, &objects::cluster_role(&self.spec))
+            .await?;
+        let cluster_role_bindings: Api<ClusterRoleBinding> = Api::all(self.client.clone());
+        self.ensure(
+            &cluster_role_bindings,
+            None,
+            &objects::cluster_role_binding(&self.spec),
+        )
+        .await?;
+        self.ensure::<ConfigMap>(&self.namespaced(), nsd, &objects::config_map(&self.spec))
+            .await?;
+        let (service, _) = self
+            .ensure::<Service>(&self.namespaced(), nsd, &objects::service(&self.spec))
+            .await?;
+        let cluster_ip = service
+            .spec
+            .as_ref()
+            .and_then(|s| s.cluster_ip.as_deref())
+            .and_then(|ip| ip.parse::<IpAddr>().ok());
+        let tls = self.ensure_secret(cluster_ip).await?;
+
+        let desired = objects::deployment(&self.spec, &tls.ca_pem);
+        let deployment = match (existing, &outcome) {
+            (Some(e), Outcome::NewerInstalled { version }) => {
+                self.progress.report(ProgressEvent::Warning(format!(
+                    "traffic manager v{version} in {ns} is newer than this kvpn (v{ours}); \
+                     leaving it as it is"
+                )));
+                e
+            }
+            (Some(e), Outcome::AlreadyInstalled)
+                if objects::template_hash(&e) == objects::template_hash(&desired) =>
+            {
+                self.progress.report(ProgressEvent::Done(format!(
+                    "Traffic manager v{ours} already installed in {ns}"
+                )));
+                e
+            }
+            (existing, _) => {
+                let verb = if existing.is_some() {
+                    "Updating"
+                } else {
+                    "Creating"
+                };
+                if outcome == Outcome::AlreadyInstalled {
+                    outcome = Outcome::Updated;
+                }
+                self.progress
+                    .report(ProgressEvent::Step(format!("{verb} Deployment {MANAGER}")));
+                self.apply(&deployments, nsd, &desired).await?
+            }
+        };
+        let template_hash = objects::template_hash(&deployment).map(str::to_owned);
+        let (pod_name, pod_ip) = self.wait_ready(template_hash, wait_config).await?;
+        let container = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|s| s.containers.first());
+        let info = ManagerInfo {
+            namespace: ns.clone(),
+            version: version_of(&deployment.metadata)
+                .unwrap_or_default()
+                .to_owned(),
+            image: container.and_then(|c| c.image.clone()).unwrap_or_default(),
+            pod_name,
+            pod_ip,
+            service: MANAGER.to_owned(),
+            cluster_ip,
+            data_port: objects::DATA_PORT,
+            grpc_port: objects::GRPC_PORT,
+            ca_pem: tls.ca_pem,
+            server_name: objects::server_name(&ns),
+            outcome,
+        };
+        info!(namespace = %ns, pod = %info.pod_name, ip = %info.pod_ip, outcome = ?info.outcome, "traffic manager ready");
+        Ok(info)
+    }
+
+    /// Polls the manager's pods until one of `template_hash` is ready, reporting
+    /// each pod's state changes (see [`wait`]).
+    async fn wait_ready(
+        &self,
+        template_hash: Option<String>,
+        config: WaitConfig,
+    ) -> Result<(String, IpAddr), Error> {
+        let ns = self.ns().to_owned();
+        self.progress.report(ProgressEvent::Step(format!(
+            "Waiting for the traffic manager pod in {ns} to be ready"
+        )));
+        let pods: Api<Pod> = self.namespaced();
+        let deployments: Api<Deployment> = self.namespaced();
+        let lp = ListParams::default().labels(&objects::selector());
+        let mut wait = ReadyWait::new(template_hash, config, Instant::now());
+        loop {
+            let listed = pods.list(&lp).await;
+            let items = match listed {
+                Ok(l) => l.items,
+                Err(e) if is_status(&e, 403) => {
+                    return Err(api_error::<Pod>("list", Some(&ns), "(all)")(e));
+                }
+                Err(e) => {
+                    // A passing apiserver or network hiccup: keep waiting within the bound.
+                    debug!(error = %e, "listing manager pods failed; retrying");
+                    if Instant::now() >= wait.deadline() {
+                        return Err(api_error::<Pod>("list", Some(&ns), "(all)")(e));
+                    }
+                    tokio::time::sleep(POLL_INTERVAL).await;
+                    continue;
+                }
+            };
+            let deployment = deployments.get_opt(MANAGER).await.ok().flatten();
+            let verdict = wait.handle_snapshot(&items, deployment.as_ref(), Instant::now());
+            while let Some(line) = wait.poll_progress() {
+                self.progress.report(ProgressEvent::Detail(line));
+            }
+            match verdict {
+                Verdict::Waiting => tokio::time::sleep(POLL_INTERVAL).await,
+                Verdict::Ready { pod, ip } => {
+                    self.progress.report(ProgressEvent::Done(format!(
+                        "Traffic manager ready: pod {pod} (IP {ip}) in {ns}"
+                    )));
+                    return Ok((pod, ip));
+                }
+                Verdict::Failed(WaitFailure::CannotStart { pod, fatal }) => {
+                    let hint = wait::hint(&ns, pod.as_deref(), &fatal);
+                    return Err(Error::CannotStart {
+                        what: pod.map_or_else(
+                            || format!("Deployment {MANAGER}"),
+                            |p| format!("pod {p}"),
+                        ),
+                        reason: fatal.reason,
+                        message: fatal.message,
+                        hint,
+                    });
+                }
+                Verdict::Failed(WaitFailure::NotReady { after, last }) => {
+                    return Err(Error::NotReady {
+                        namespace: ns,
+                        after,
+                        last,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Makes sure the traffic manager runs in `opts.namespace` at `opts.version` and
+/// returns the ready pod to connect to (see the module docs for what is written
+/// when). Fails with [`Error::CannotStart`] (the pod's own reason) within
+/// `opts.wait.fatal_grace` of a fatal container state, or with
+/// [`Error::NotReady`] after `opts.wait.ready_timeout`.
+pub async fn ensure_manager(
+    client: &kube::Client,
+    opts: &InstallOptions,
+    progress: &dyn Progress,
+) -> Result<ManagerInfo, Error> {
+    let installer = Installer {
+        client,
+        spec: Spec {
+            namespace: opts.namespace.clone(),
+            image: opts.image.clone(),
+            version: opts.version.clone(),
+        },
+        progress,
+    };
+    installer.run(opts.wait).await
+}
+
+/// What [`uninstall`] removed, as "Kind name" strings in deletion order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UninstallReport {
+    pub deleted: Vec<String>,
+}
+
+/// Deletes `name` and waits (bounded by `deadline`) until it is gone; false when it
+/// was already gone.
+async fn delete_and_wait<K: Kind>(
+    api: &Api<K>,
+    namespace: Option<&str>,
+    name: &str,
+    deadline: Instant,
+    progress: &dyn Progress,
+) -> Result<bool, Error> {
+    progress.report(ProgressEvent::Step(format!("Deleting {} {name}", K::KIND)));
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => {}
+        Err(e) if is_status(&e, 404) => return Ok(false),
+        Err(e) => return Err(api_error::<K>("delete", namespace, name)(e)),
+    }
+    loop {
+        match api.get_opt(name).await {
+            Ok(None) => return Ok(true),
+            Ok(Some(_)) => {}
+            Err(e) if is_status(&e, 403) => return Err(api_error::<K>("get", namespace, name)(e)),
+            Err(e) => debug!(error = %e, "checking a deleted object; retrying"),
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::DeleteTimeout {
+                object: object_name::<K>(namespace, name),
+                after: UNINSTALL_TIMEOUT,
+            });
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// Deletes every object of `K` in `namespace` carrying kvpn's labels.
+async fn delete_labeled<K: Kind + kube::Resource<Scope = NamespaceResourceScope>>(
+    client: &kube::Client,
+    namespace: &str,
+    deadline: Instant,
+    progress: &dyn Progress,
+    report: &mut UninstallReport,
+) -> Result<(), Error> {
+    let api: Api<K> = Api::namespaced(client.clone(), namespace);
+    let list = api
+        .list(&ListParams::default().labels(&objects::selector()))
+        .await
+        .map_err(api_error::<K>("list", Some(namespace), "(all)"))?;
+    for obj in list.items {
+        let name = obj.meta().name.clone().unwrap_or_default();
+        if delete_and_wait(&api, Some(namespace), &name, deadline, progress).await? {
+            report.deleted.push(format!("{} {name}", K::KIND));
+        }
+    }
+    Ok(())
+}
+
+/// Deletes the cluster-scoped `name` of `K` if kvpn created it (label check).
+async fn delete_cluster_scoped<
+    K: Kind + kube::Resource<Scope = k8s_openapi::ClusterResourceScope>,
+>(
+    client: &kube::Client,
+    name: &str,
+    deadline: Instant,
+    progress: &dyn Progress,
+    report: &mut UninstallReport,
+) -> Result<(), Error> {
+    let api: Api<K> = Api::all(client.clone());
+    let Some(obj) = api
+        .get_opt(name)
+        .await
+        .map_err(api_error::<K>("get", None, name))?
+    else {
+        return Ok(());
+    };
+    let ours = obj
+        .meta()
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(objects::LABEL_MANAGED_BY))
+        .is_some_and(|v| v == objects::MANAGED_BY);
+    if !ours {
+        progress.report(ProgressEvent::Warning(format!(
+            "{} {name} was not created by kvpn; leaving it",
+            K::KIND
+        )));
+        return Ok(());
+    }
+    if delete_and_wait(&api, None, name, deadline, progress).await? {
+        report.deleted.push(format!("{} {name}", K::KIND));
+    }
+    Ok(())
+}
+
+/// Removes the traffic manager from `namespace`: every object kvpn created there
+/// (found by its labels), its ClusterRole and ClusterRoleBinding, and the
+/// namespace itself when kvpn created it. Waits (bounded by
+/// [`UNINSTALL_TIMEOUT`]) until each is gone, including the manager's pods.
+/// Idempotent: nothing left is not an error.
+pub async fn uninstall(
+    client: &kube::Client,
+    namespace: &str,
+    progress: &dyn Progress,
+) -> Result<UninstallReport, Error> {
+    let deadline = Instant::now() + UNINSTALL_TIMEOUT;
+    let mut report = UninstallReport::default();
+    let p = progress;
+    let r = &mut report;
+    delete_labeled::<Deployment>(client, namespace, deadline, p, r).await?;
+    delete_labeled::<Service>(client, namespace, deadline, p, r).await?;
+    delete_labeled::<ConfigMap>(client, namespace, deadline, p, r).await?;
+    delete_labeled::<Secret>(client, namespace, deadline, p, r).await?;
+    delete_labeled::<RoleBinding>(client, namespace, deadline, p, r).await?;
+    delete_labeled::<Role>(client, namespace, deadline, p, r).await?;
+    delete_labeled::<ServiceAccount>(client, namespace, deadline, p, r).await?;
+    let cluster_name = objects::cluster_role_name(namespace);
+    delete_cluster_scoped::<ClusterRoleBinding>(client, &cluster_name, deadline, p, r).await?;
+    delete_cluster_scoped::<ClusterRole>(client, &cluster_name, deadline, p, r).await?;
+
+    // The Deployment's pods go with it (garbage collector); wait for them.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let lp = ListParams::default().labels(&objects::selector());
+    let mut shown = Vec::<String>::new();
+    loop {
+        let items = pods
+            .list(&lp)
+            .await
+            .map_err(api_error::<Pod>("list", Some(namespace), "(all)"))?
+            .items;
+        if items.is_empty() {
+            break;
+        }
+        for pod in &items {
+            let name = pod.metadata.name.clone().unwrap_or_default();
+            if !shown.contains(&name) {
+                p.report(ProgressEvent::Detail(format!("Pod {name}: terminating")));
+                shown.push(name);
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::DeleteTimeout {
+                object: format!("pod {namespace}/{}", shown.join(", ")),
+                after: UNINSTALL_TIMEOUT,
+            });
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+
+    // The namespace, only when kvpn created it (and this user may see it).
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    match namespaces.get_opt(namespace).await {
+        Ok(Some(ns))
+            if ns
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(objects::LABEL_MANAGED_BY))
+                .is_some_and(|v| v == objects::MANAGED_BY) =>
+        {
+            if delete_and_wait(&namespaces, None, namespace, deadline, p).await? {
+                report.deleted.push(format!("Namespace {namespace}"));
+            }
+        }
+        Ok(_) => {}
+        Err(e) if is_status(&e, 403) => {
+            debug!(namespace, "may not read namespaces; leaving the namespace");
+        }
+        Err(e) => return Err(api_error::<Namespace>("get", None, namespace)(e)),
+    }
+
+    progress.report(ProgressEvent::Done(if report.deleted.is_empty() {
+        format!("No traffic manager objects in {namespace}: nothing to remove")
+    } else {
+        format!(
+            "Removed the traffic manager from {namespace} ({} objects)",
+            report.deleted.len()
+        )
+    }));
+    Ok(report)
+}

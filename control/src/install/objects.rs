@@ -1,0 +1,564 @@
+//! The traffic manager's Kubernetes objects, built as typed values (pure: no I/O).
+//!
+//! Every object carries the labels [`LABEL_NAME`]`=kvpn-manager` and
+//! [`LABEL_MANAGED_BY`]`=kvpn` and the owner annotation [`ANNOTATION_VERSION`] with
+//! the kvpn version that wrote it. The pod template additionally carries
+//! [`ANNOTATION_TEMPLATE_HASH`], a digest of the rest of the template, so the client
+//! can tell pods of the current template from older ones during a rollout without
+//! reading ReplicaSets (which a restricted user may not list).
+//!
+//! Names (all in the manager's namespace unless noted):
+//!
+//! | kind | name |
+//! |---|---|
+//! | ServiceAccount, Role, RoleBinding, Service, Deployment, ConfigMap | `kvpn-manager` |
+//! | Secret (`kubernetes.io/tls`) | `kvpn-manager-tls` |
+//! | ClusterRole, ClusterRoleBinding (cluster-scoped) | `kvpn-manager-<namespace>` |
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, Namespace,
+    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
+    SeccompProfile, Secret, SecretVolumeSource, SecurityContext, Service, ServiceAccount,
+    ServicePort, ServiceSpec, TCPSocketAction, Volume, VolumeMount,
+};
+use k8s_openapi::api::rbac::v1::{
+    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use sha2::{Digest, Sha256};
+
+/// Name of the ServiceAccount, Role, RoleBinding, Service, Deployment and ConfigMap.
+pub const MANAGER: &str = "kvpn-manager";
+/// Name of the TLS Secret.
+pub const TLS_SECRET: &str = "kvpn-manager-tls";
+/// The container's name in the pod.
+pub const CONTAINER: &str = "manager";
+/// `app.kubernetes.io/name`, value [`MANAGER`].
+pub const LABEL_NAME: &str = "app.kubernetes.io/name";
+/// `app.kubernetes.io/managed-by`, value [`MANAGED_BY`].
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const MANAGED_BY: &str = "kvpn";
+/// The kvpn version that wrote an object (owner annotation).
+pub const ANNOTATION_VERSION: &str = "kvpn.dev/version";
+/// Digest of the pod template (without this annotation), on the pod template.
+pub const ANNOTATION_TEMPLATE_HASH: &str = "kvpn.dev/template-hash";
+/// Digest of the TLS Secret's CA, on the pod template (a new certificate rolls the pod).
+pub const ANNOTATION_TLS_FINGERPRINT: &str = "kvpn.dev/tls-fingerprint";
+/// Data channel port (framed packets, TLS).
+pub const DATA_PORT: u16 = 10801;
+/// Control gRPC port (leases, routes, DNS).
+pub const GRPC_PORT: u16 = 10802;
+/// Where the TLS Secret is mounted in the manager container.
+pub const TLS_MOUNT: &str = "/etc/kvpn/tls";
+/// Field manager of every server-side apply kvpn does.
+pub const FIELD_MANAGER: &str = "kvpn";
+
+/// Label selector matching everything kvpn installs for the manager.
+pub fn selector() -> String {
+    format!("{LABEL_NAME}={MANAGER},{LABEL_MANAGED_BY}={MANAGED_BY}")
+}
+
+/// Name of the cluster-scoped ClusterRole and ClusterRoleBinding of the manager in
+/// `namespace` (one pair per manager namespace, so two installs never share one).
+pub fn cluster_role_name(namespace: &str) -> String {
+    format!("{MANAGER}-{namespace}")
+}
+
+/// The DNS names the serving certificate covers, shortest first.
+pub fn service_dns_names(namespace: &str) -> Vec<String> {
+    vec![
+        MANAGER.to_owned(),
+        format!("{MANAGER}.{namespace}"),
+        format!("{MANAGER}.{namespace}.svc"),
+        format!("{MANAGER}.{namespace}.svc.cluster.local"),
+    ]
+}
+
+/// The name a client verifies the manager's certificate against.
+pub fn server_name(namespace: &str) -> String {
+    format!("{MANAGER}.{namespace}.svc")
+}
+
+/// What the objects depend on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spec {
+    pub namespace: String,
+    pub image: String,
+    /// kvpn version written into [`ANNOTATION_VERSION`].
+    pub version: String,
+}
+
+fn labels() -> BTreeMap<String, String> {
+    [
+        (LABEL_NAME.to_owned(), MANAGER.to_owned()),
+        (LABEL_MANAGED_BY.to_owned(), MANAGED_BY.to_owned()),
+    ]
+    .into()
+}
+
+fn meta(spec: &Spec, name: &str, namespaced: bool) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.to_owned()),
+        namespace: namespaced.then(|| spec.namespace.clone()),
+        labels: Some(labels()),
+        annotations: Some([(ANNOTATION_VERSION.to_owned(), spec.version.clone())].into()),
+        ..Default::default()
+    }
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| (*s).to_owned()).collect()
+}
+
+fn rule(resources: &[&str], verbs: &[&str], names: Option<&[&str]>) -> PolicyRule {
+    PolicyRule {
+        api_groups: Some(vec![String::new()]),
+        resources: Some(strings(resources)),
+        verbs: strings(verbs),
+        resource_names: names.map(strings),
+        ..Default::default()
+    }
+}
+
+/// The namespace, created only when it does not exist yet.
+pub fn namespace(spec: &Spec) -> Namespace {
+    Namespace {
+        metadata: meta(spec, &spec.namespace, false),
+        ..Default::default()
+    }
+}
+
+pub fn service_account(spec: &Spec) -> ServiceAccount {
+    ServiceAccount {
+        metadata: meta(spec, MANAGER, true),
+        ..Default::default()
+    }
+}
+
+/// The manager's namespaced permissions: watch the workloads it routes to, and read
+/// and write its own ConfigMap (leases, detected CIDRs; `update` for
+/// resourceVersion-checked writes) and Secret (by name only).
+pub fn role(spec: &Spec) -> Role {
+    Role {
+        metadata: meta(spec, MANAGER, true),
+        rules: Some(vec![
+            rule(
+                &["pods", "services", "endpoints"],
+                &["get", "list", "watch"],
+                None,
+            ),
+            rule(
+                &["configmaps"],
+                &["get", "update", "patch"],
+                Some(&[MANAGER]),
+            ),
+            rule(
+                &["secrets"],
+                &["get", "update", "patch"],
+                Some(&[TLS_SECRET]),
+            ),
+        ]),
+    }
+}
+
+fn manager_subject(spec: &Spec) -> Subject {
+    Subject {
+        kind: "ServiceAccount".into(),
+        name: MANAGER.into(),
+        namespace: Some(spec.namespace.clone()),
+        api_group: None,
+    }
+}
+
+pub fn role_binding(spec: &Spec) -> RoleBinding {
+    RoleBinding {
+        metadata: meta(spec, MANAGER, true),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: MANAGER.into(),
+        },
+        subjects: Some(vec![manager_subject(spec)]),
+    }
+}
+
+/// Cluster-wide reads for the route and DNS watch (pods, services, endpoints in
+/// every namespace).
+pub fn cluster_role(spec: &Spec) -> ClusterRole {
+    ClusterRole {
+        metadata: meta(spec, &cluster_role_name(&spec.namespace), false),
+        rules: Some(vec![rule(
+            &["pods", "services", "endpoints"],
+            &["get", "list", "watch"],
+            None,
+        )]),
+        aggregation_rule: None,
+    }
+}
+
+pub fn cluster_role_binding(spec: &Spec) -> ClusterRoleBinding {
+    let name = cluster_role_name(&spec.namespace);
+    ClusterRoleBinding {
+        metadata: meta(spec, &name, false),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "ClusterRole".into(),
+            name,
+        },
+        subjects: Some(vec![manager_subject(spec)]),
+    }
+}
+
+/// Empty at install: the manager fills it (leases, detected CIDRs). Server-side
+/// apply only ever claims the metadata, so re-applying never wipes the data.
+pub fn config_map(spec: &Spec) -> ConfigMap {
+    ConfigMap {
+        metadata: meta(spec, MANAGER, true),
+        ..Default::default()
+    }
+}
+
+fn service_port(name: &str, port: u16) -> ServicePort {
+    ServicePort {
+        name: Some(name.to_owned()),
+        port: i32::from(port),
+        target_port: Some(IntOrString::Int(i32::from(port))),
+        protocol: Some("TCP".into()),
+        ..Default::default()
+    }
+}
+
+pub fn service(spec: &Spec) -> Service {
+    Service {
+        metadata: meta(spec, MANAGER, true),
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".into()),
+            selector: Some([(LABEL_NAME.to_owned(), MANAGER.to_owned())].into()),
+            ports: Some(vec![
+                service_port("data", DATA_PORT),
+                service_port("grpc", GRPC_PORT),
+            ]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The TLS Secret: `tls.crt`/`tls.key` (serving certificate and key, PEM) and
+/// `ca.crt` (the CA the client verifies against).
+pub fn tls_secret(spec: &Spec, ca_pem: &str, cert_pem: &str, key_pem: &str) -> Secret {
+    Secret {
+        metadata: meta(spec, TLS_SECRET, true),
+        type_: Some("kubernetes.io/tls".into()),
+        data: Some(
+            [
+                ("ca.crt", ca_pem),
+                ("tls.crt", cert_pem),
+                ("tls.key", key_pem),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), ByteString(v.as_bytes().to_vec())))
+            .collect(),
+        ),
+        ..Default::default()
+    }
+}
+
+fn env(name: &str, value: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value: Some(value.to_owned()),
+        value_from: None,
+    }
+}
+
+/// The pod template without [`ANNOTATION_TEMPLATE_HASH`]. `tls_fingerprint` (a digest
+/// of the Secret's CA) is an annotation so that a new certificate rolls the pod:
+/// kubelets refresh mounted Secrets only after a delay, and the lab's stand-in never.
+fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
+    let port = |name: &str, p: u16| ContainerPort {
+        name: Some(name.to_owned()),
+        container_port: i32::from(p),
+        protocol: Some("TCP".into()),
+        ..Default::default()
+    };
+    let container = Container {
+        name: CONTAINER.into(),
+        image: Some(spec.image.clone()),
+        args: Some(vec!["--listen".into(), format!("0.0.0.0:{DATA_PORT}")]),
+        ports: Some(vec![port("data", DATA_PORT), port("grpc", GRPC_PORT)]),
+        env: Some(vec![
+            env("KVPN_TLS_CERT", &format!("{TLS_MOUNT}/tls.crt")),
+            env("KVPN_TLS_KEY", &format!("{TLS_MOUNT}/tls.key")),
+            EnvVar {
+                name: "KVPN_NAMESPACE".into(),
+                value: None,
+                value_from: Some(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector {
+                        api_version: Some("v1".into()),
+                        field_path: "metadata.namespace".into(),
+                    }),
+                    ..Default::default()
+                }),
+            },
+        ]),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "tls".into(),
+            mount_path: TLS_MOUNT.into(),
+            read_only: Some(true),
+            ..Default::default()
+        }]),
+        readiness_probe: Some(Probe {
+            tcp_socket: Some(TCPSocketAction {
+                port: IntOrString::Int(i32::from(DATA_PORT)),
+                host: None,
+            }),
+            // A 1 s period makes the pod ready about a second after the manager
+            // listens; the probe is a bare TCP connect, cheap for the kubelet.
+            period_seconds: Some(1),
+            failure_threshold: Some(3),
+            ..Default::default()
+        }),
+        resources: Some(ResourceRequirements {
+            requests: Some(
+                [
+                    ("cpu".to_owned(), Quantity("100m".into())),
+                    ("memory".to_owned(), Quantity("64Mi".into())),
+                ]
+                .into(),
+            ),
+            ..Default::default()
+        }),
+        // SNAT mode needs no capability: the manager dials with ordinary sockets and
+        // uses unprivileged ICMP echo sockets.
+        security_context: Some(SecurityContext {
+            privileged: Some(false),
+            allow_privilege_escalation: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                add: None,
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(labels()),
+            annotations: Some(
+                [
+                    (ANNOTATION_VERSION.to_owned(), spec.version.clone()),
+                    (
+                        ANNOTATION_TLS_FINGERPRINT.to_owned(),
+                        tls_fingerprint.to_owned(),
+                    ),
+                ]
+                .into(),
+            ),
+            ..Default::default()
+        }),
+        spec: Some(PodSpec {
+            service_account_name: Some(MANAGER.into()),
+            // The manager reads its ConfigMap and watches pods and services.
+            automount_service_account_token: Some(true),
+            // The manager stops within a second of SIGTERM; a short grace keeps
+            // upgrades and uninstall quick.
+            termination_grace_period_seconds: Some(10),
+            security_context: Some(PodSecurityContext {
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    localhost_profile: None,
+                }),
+                ..Default::default()
+            }),
+            containers: vec![container],
+            volumes: Some(vec![Volume {
+                name: "tls".into(),
+                secret: Some(SecretVolumeSource {
+                    secret_name: Some(TLS_SECRET.into()),
+                    default_mode: Some(0o440),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+    }
+}
+
+/// Hex sha256 prefix (16 hex digits) of `bytes`.
+pub fn digest(bytes: &[u8]) -> String {
+    let d = Sha256::digest(bytes);
+    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// The Deployment, with [`ANNOTATION_TEMPLATE_HASH`] set on its pod template.
+/// `ca_pem` is the Secret's CA (see [`pod_template`] for why it matters).
+pub fn deployment(spec: &Spec, ca_pem: &str) -> Deployment {
+    let mut template = pod_template(spec, &digest(ca_pem.as_bytes()));
+    // Serialising k8s-openapi types cannot fail (string keys, no custom serialisers
+    // that error); an empty digest would only cost an extra rollout.
+    let hash = serde_json::to_vec(&template)
+        .map(|b| digest(&b))
+        .unwrap_or_default();
+    if let Some(annotations) = template
+        .metadata
+        .as_mut()
+        .and_then(|m| m.annotations.as_mut())
+    {
+        annotations.insert(ANNOTATION_TEMPLATE_HASH.to_owned(), hash);
+    }
+    Deployment {
+        metadata: meta(spec, MANAGER, true),
+        spec: Some(DeploymentSpec {
+            replicas: Some(1),
+            selector: LabelSelector {
+                match_labels: Some([(LABEL_NAME.to_owned(), MANAGER.to_owned())].into()),
+                match_expressions: None,
+            },
+            template,
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The template hash of a Deployment (ours or one read from the cluster).
+pub fn template_hash(d: &Deployment) -> Option<&str> {
+    d.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(ANNOTATION_TEMPLATE_HASH)
+        .map(String::as_str)
+}
+
+/// The owner annotation's version of an object's metadata.
+pub fn version_of(meta: &ObjectMeta) -> Option<&str> {
+    meta.annotations
+        .as_ref()?
+        .get(ANNOTATION_VERSION)
+        .map(String::as_str)
+}
+
+/// Order of two kvpn versions (`0.1.0`, `v0.2.0-dev`): numeric dot-separated
+/// components, a pre-release suffix ignored. None when either does not parse.
+pub fn compare_versions(a: &str, b: &str) -> Option<std::cmp::Ordering> {
+    fn parse(v: &str) -> Option<Vec<u64>> {
+        let v = v.strip_prefix('v').unwrap_or(v);
+        let core = v.split(['-', '+']).next()?;
+        core.split('.').map(|p| p.parse().ok()).collect()
+    }
+    let (a, b) = (parse(a)?, parse(b)?);
+    Some(a.cmp(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cmp::Ordering;
+
+    use super::*;
+
+    fn spec() -> Spec {
+        Spec {
+            namespace: "kvpn-system".into(),
+            image: "ghcr.io/kvpn/manager:0.1.0".into(),
+            version: "0.1.0".into(),
+        }
+    }
+
+    #[test]
+    fn versions_compare_numerically() {
+        assert_eq!(compare_versions("0.1.0", "0.1.0"), Some(Ordering::Equal));
+        assert_eq!(compare_versions("0.9.0", "0.10.0"), Some(Ordering::Less));
+        assert_eq!(
+            compare_versions("v1.0.0", "0.99.1"),
+            Some(Ordering::Greater)
+        );
+        assert_eq!(
+            compare_versions("0.2.0-dev", "0.2.0"),
+            Some(Ordering::Equal)
+        );
+        assert_eq!(compare_versions("latest", "0.2.0"), None);
+    }
+
+    #[test]
+    fn template_hash_follows_image_version_and_certificate() {
+        let base = deployment(&spec(), "CA1");
+        let h = template_hash(&base).expect("hash").to_owned();
+        assert_eq!(h.len(), 16);
+        assert_eq!(template_hash(&deployment(&spec(), "CA1")), Some(h.as_str()));
+        let mut other = spec();
+        other.image = "registry.example/kvpn/manager:0.1.0".into();
+        assert_ne!(template_hash(&deployment(&other, "CA1")), Some(h.as_str()));
+        let mut older = spec();
+        older.version = "0.0.9".into();
+        assert_ne!(template_hash(&deployment(&older, "CA1")), Some(h.as_str()));
+        assert_ne!(template_hash(&deployment(&spec(), "CA2")), Some(h.as_str()));
+    }
+
+    #[test]
+    fn deployment_is_unprivileged_with_probe_and_requests() {
+        let d = deployment(&spec(), "CA");
+        let ds = d.spec.expect("spec");
+        assert_eq!(ds.replicas, Some(1));
+        let pod = ds.template.spec.expect("pod spec");
+        let c = &pod.containers[0];
+        let sc = c.security_context.as_ref().expect("security context");
+        assert_eq!(sc.privileged, Some(false));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        let caps = sc.capabilities.as_ref().expect("caps");
+        assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]));
+        assert_eq!(caps.add, None);
+        let probe = c
+            .readiness_probe
+            .as_ref()
+            .and_then(|p| p.tcp_socket.as_ref());
+        assert_eq!(probe.map(|t| &t.port), Some(&IntOrString::Int(10801)));
+        let req = c
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.as_ref())
+            .expect("requests");
+        assert_eq!(req.get("cpu").map(|q| q.0.as_str()), Some("100m"));
+        assert_eq!(req.get("memory").map(|q| q.0.as_str()), Some("64Mi"));
+        assert_eq!(
+            c.args.as_deref(),
+            Some(&["--listen".to_owned(), "0.0.0.0:10801".to_owned()][..])
+        );
+        // The selector must match the template, or the apiserver refuses it.
+        let sel = ds.selector.match_labels.expect("selector");
+        let tl = ds.template.metadata.and_then(|m| m.labels).expect("labels");
+        assert!(sel.iter().all(|(k, v)| tl.get(k) == Some(v)));
+    }
+
+    #[test]
+    fn role_grants_own_configmap_and_secret_by_name_only() {
+        let r = role(&spec());
+        let rules = r.rules.expect("rules");
+        for rule in &rules {
+            let res = rule.resources.as_deref().unwrap_or_default();
+            if res.iter().any(|r| r == "configmaps" || r == "secrets") {
+                assert!(
+                    rule.resource_names.as_ref().is_some_and(|n| n.len() == 1),
+                    "{rule:?}"
+                );
+            }
+            assert!(
+                !rule
+                    .verbs
+                    .iter()
+                    .any(|v| v == "*" || v == "delete" || v == "create")
+            );
+        }
+    }
+}
