@@ -46,17 +46,79 @@ pub enum Command {
     Disconnect(DisconnectArgs),
     /// Stop the root daemon after disconnecting every session.
     Quit,
+    /// Remove the traffic manager and every object kvpn created in the cluster.
+    Uninstall(UninstallArgs),
+    /// (internal) The per-session agent that carries the data channel over port-forward.
+    #[command(hide = true)]
+    Agent(AgentArgs),
     /// The built-in lab: a cluster in network namespaces for trying kvpn out.
     #[command(subcommand)]
     Lab(LabCommand),
 }
 
+/// Which cluster: the kubeconfig flags shared by the Kubernetes commands.
+#[derive(Debug, Args, Clone, Default)]
+pub struct KubeArgs {
+    /// Kubeconfig file (default: $KUBECONFIG, a colon-separated list, else ~/.kube/config).
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context (default: its current-context).
+    #[arg(long)]
+    pub context: Option<String>,
+    /// Namespace whose services short names resolve in (default: the context's).
+    #[arg(short, long)]
+    pub namespace: Option<String>,
+    /// Namespace of the traffic manager.
+    #[arg(long, default_value = "kvpn-system")]
+    pub manager_namespace: String,
+}
+
+impl KubeArgs {
+    /// The kubeconfig flags as the kubeconfig module takes them.
+    pub fn flags(&self) -> crate::kubeconfig::KubeFlags {
+        crate::kubeconfig::KubeFlags {
+            kubeconfig: self.kubeconfig.clone(),
+            context: self.context.clone(),
+            namespace: self.namespace.clone(),
+        }
+    }
+}
+
+/// `kvpn uninstall` flags.
+#[derive(Debug, Args)]
+pub struct UninstallArgs {
+    /// Which cluster.
+    #[command(flatten)]
+    pub kube: KubeArgs,
+}
+
+/// `kvpn agent` flags (internal).
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// Which cluster.
+    #[command(flatten)]
+    pub kube: KubeArgs,
+    /// Pod port to forward.
+    #[arg(long, default_value_t = 10801)]
+    pub port: u16,
+    /// Where to write the listener address.
+    #[arg(long)]
+    pub state_file: PathBuf,
+}
+
 /// `kvpn connect` flags.
 #[derive(Debug, Args)]
 pub struct ConnectArgs {
-    /// Traffic manager data address, host:port (direct TCP transport).
+    /// Traffic manager data address, host:port: a direct TCP transport instead of
+    /// installing the manager and port-forwarding through the API server.
     #[arg(long, value_name = "HOST:PORT")]
-    pub manager: String,
+    pub manager: Option<String>,
+    /// Which cluster (used unless --manager is given).
+    #[command(flatten)]
+    pub kube: KubeArgs,
+    /// Traffic manager image to install or upgrade to.
+    #[arg(long)]
+    pub image: Option<String>,
     /// A pod CIDR to route through the tunnel (repeatable).
     #[arg(long = "pod-cidr", value_name = "CIDR")]
     pub pod_cidrs: Vec<IpNet>,
@@ -64,7 +126,7 @@ pub struct ConnectArgs {
     #[arg(long = "service-cidr", value_name = "CIDR")]
     pub service_cidrs: Vec<IpNet>,
     /// Any other CIDR to route through the tunnel (repeatable).
-    #[arg(long = "cidr", value_name = "CIDR")]
+    #[arg(long = "cidr", alias = "extra-cidr", value_name = "CIDR")]
     pub extra_cidrs: Vec<IpNet>,
     /// This machine's address inside the tunnel.
     #[arg(long, default_value = "100.96.0.2")]

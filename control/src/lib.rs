@@ -5,8 +5,10 @@
 //! starting the root daemon on demand. All I/O is the Unix socket to the root
 //! daemon and spawning it.
 
+pub mod agent;
 pub mod cidr;
 pub mod cli;
+pub mod connect;
 pub mod daemon;
 pub mod install;
 pub mod kubeconfig;
@@ -43,6 +45,16 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Status(args) => status(&runtime_dir, args).await,
         Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
+        Command::Uninstall(args) => uninstall(args).await,
+        Command::Agent(args) => {
+            agent::run(agent::AgentConfig {
+                flags: args.kube.flags(),
+                manager_namespace: args.kube.manager_namespace.clone(),
+                port: args.port,
+                state_file: args.state_file,
+            })
+            .await
+        }
         Command::Lab(cmd) => lab::run(cmd).await,
     }
 }
@@ -63,6 +75,9 @@ fn routes_of(args: &ConnectArgs) -> Vec<Route> {
 }
 
 async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()> {
+    let Some(manager) = args.manager.clone() else {
+        return connect::kube_connect(runtime_dir, &args).await;
+    };
     let routes = routes_of(&args);
     if routes.is_empty() {
         bail!(
@@ -70,16 +85,16 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
              (e.g. --pod-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/12)"
         );
     }
-    validate_manager_addr(&args.manager)?;
+    validate_manager_addr(&manager)?;
     output::step(&format!("Starting root daemon (socket {})", daemon::socket_path(runtime_dir).display()));
     let mut client = daemon::connect_or_start(runtime_dir).await?;
     output::step(&format!(
         "Connecting to traffic manager at {} (tunnel IP {})",
-        args.manager, args.tunnel_ip
+        manager, args.tunnel_ip
     ));
     let resp = client
         .connect(ConnectRequest {
-            manager: args.manager.clone(),
+            manager: manager.clone(),
             routes: routes.clone(),
             tunnel_ip: args.tunnel_ip.to_string(),
             tun_name: args.tun_name.clone().unwrap_or_default(),
@@ -141,8 +156,25 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
         output::done("No session to disconnect");
     } else {
         for id in resp.stopped {
+            connect::stop_agent(runtime_dir, &id);
             output::done(&format!("Disconnected session {id}: TUN device, routes and eBPF classifier removed"));
         }
+    }
+    Ok(())
+}
+
+async fn uninstall(args: crate::cli::UninstallArgs) -> Result<()> {
+    let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
+    let conn = kubeconfig::connect(&args.kube.flags(), &env).await?;
+    output::done(&format!("Using {}", conn.description));
+    let print = |e: install::ProgressEvent| output::info_block(&e.to_string());
+    let report = install::uninstall(&conn.client, &args.kube.manager_namespace, &print)
+        .await
+        .context("uninstall failed")?;
+    if report.deleted.is_empty() {
+        output::done("Nothing of kvpn's was installed");
+    } else {
+        output::done(&format!("Removed {} objects", report.deleted.len()));
     }
     Ok(())
 }
@@ -156,6 +188,7 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
             .context("disconnect before quit failed")?
             .into_inner();
         for id in resp.stopped {
+            connect::stop_agent(runtime_dir, &id);
             output::done(&format!("Disconnected session {id}"));
         }
     }

@@ -28,6 +28,11 @@ pub fn info_block(text: &str) {
     println!("{}", text.trim_end());
 }
 
+/// A warning, on stderr.
+pub fn warn(msg: &str) {
+    eprintln!("kvpn: warning: {msg}");
+}
+
 /// An error, on stderr.
 pub fn error(msg: &str) {
     eprintln!("kvpn: error: {msg}");

@@ -1,0 +1,186 @@
+//! The session agent: the unprivileged, per-session half of a Kubernetes
+//! connection. It holds the kube client (the user's kubeconfig, exec plugins)
+//! and offers the traffic manager's data port on a loopback listener, like
+//! `kubectl port-forward`: every TCP connection the root daemon makes to it
+//! becomes one `pods/portforward` stream through the API server to the
+//! *current* ready manager pod. So when the port-forward dies (pod rescheduled,
+//! API server restarted), the root daemon's redial gets a fresh one, and the TUN
+//! device, addresses and routes stay as they are (cases tr-08, tr-10).
+//!
+//! I/O: the loopback listener, the API server (list pods, port-forward) and a
+//! state file that tells the CLI the listener's address.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::ListParams;
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{info, warn};
+
+use crate::kubeconfig::{self, KubeFlags, UserEnv};
+
+/// Label selector of the traffic manager's pods.
+pub const MANAGER_SELECTOR: &str = "app.kubernetes.io/name=kvpn-manager";
+
+/// The manager's data port (frames, DESIGN.md).
+pub const MANAGER_DATA_PORT: u16 = 10801;
+
+/// What the agent needs.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Which cluster, as the user chose it.
+    pub flags: KubeFlags,
+    /// Namespace of the traffic manager.
+    pub manager_namespace: String,
+    /// Pod port to forward.
+    pub port: u16,
+    /// Where to write the listener's address once it listens.
+    pub state_file: PathBuf,
+}
+
+/// Whether a pod is a usable manager: running, Ready, not being deleted.
+pub fn pod_is_ready(pod: &Pod) -> bool {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The name of a ready manager pod (the newest, when a rollout runs two).
+pub async fn ready_manager_pod(api: &Api<Pod>) -> Result<String> {
+    let pods = api
+        .list(&ListParams::default().labels(MANAGER_SELECTOR))
+        .await
+        .context("cannot list the traffic manager's pods")?;
+    let mut ready: Vec<&Pod> = pods.items.iter().filter(|p| pod_is_ready(p)).collect();
+    ready.sort_by_key(|p| std::cmp::Reverse(p.metadata.creation_timestamp.clone()));
+    ready
+        .first()
+        .and_then(|p| p.metadata.name.clone())
+        .ok_or_else(|| anyhow!("no ready traffic manager pod ({MANAGER_SELECTOR}) — see `kubectl get pods -l {MANAGER_SELECTOR}`"))
+}
+
+async fn forward(api: Api<Pod>, port: u16, mut laptop: TcpStream) -> Result<()> {
+    let pod = ready_manager_pod(&api).await?;
+    let mut pf = api
+        .portforward(&pod, &[port])
+        .await
+        .with_context(|| format!("port-forward to pod {pod} port {port} failed"))?;
+    let mut remote = pf
+        .take_stream(port)
+        .ok_or_else(|| anyhow!("port-forward to {pod}: no stream for port {port}"))?;
+    info!(%pod, port, "port-forward open");
+    let result = tokio::io::copy_bidirectional(&mut laptop, &mut remote).await;
+    drop(remote);
+    pf.abort();
+    match result {
+        Ok((up, down)) => {
+            info!(%pod, up, down, "port-forward closed");
+            Ok(())
+        }
+        Err(e) => Err(anyhow!(e).context(format!("port-forward to {pod} broke"))),
+    }
+}
+
+fn write_state(path: &Path, addr: std::net::SocketAddr) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{addr}\n")).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Run the agent until SIGTERM/SIGINT.
+pub async fn run(config: AgentConfig) -> Result<()> {
+    let env = UserEnv::current().context("cannot read this process's environment")?;
+    let conn = kubeconfig::connect(&config.flags, &env).await?;
+    info!(cluster = %conn.description, "agent connected to the API server");
+    let api: Api<Pod> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("cannot listen on 127.0.0.1")?;
+    let addr = listener.local_addr()?;
+    write_state(&config.state_file, addr)?;
+    info!(%addr, "offering the manager's data port");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = accepted.context("accept failed")?;
+                let api = api.clone();
+                let port = config.port;
+                tokio::spawn(async move {
+                    if let Err(e) = forward(api, port, stream).await {
+                        warn!(%peer, "data channel: {e:#}");
+                    }
+                });
+            }
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+    }
+    let _ = std::fs::remove_file(&config.state_file);
+    info!("agent stopped");
+    Ok(())
+}
+
+/// Start an agent process (this executable, `kvpn agent …`) in the background
+/// and wait until it listens; returns its pid and listener address.
+pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::SocketAddr)> {
+    let _ = std::fs::remove_file(&config.state_file);
+    let exe = std::env::current_exe().context("cannot find the kvpn executable")?;
+    let log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("cannot open {}", log.display()))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("agent")
+        .arg("--manager-namespace")
+        .arg(&config.manager_namespace)
+        .arg("--state-file")
+        .arg(&config.state_file)
+        .arg("--port")
+        .arg(config.port.to_string());
+    if let Some(k) = &config.flags.kubeconfig {
+        cmd.arg("--kubeconfig").arg(k);
+    }
+    if let Some(c) = &config.flags.context {
+        cmd.arg("--context").arg(c);
+    }
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file)
+        .env("KVPN_LOG", "info");
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut child = cmd.spawn().context("cannot start the session agent")?;
+    let pid = child.id();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(&config.state_file) {
+            if let Ok(addr) = text.trim().parse() {
+                // Reap it later from nowhere: the agent is detached; its exit is
+                // observed through its pid file.
+                std::mem::forget(child);
+                return Ok((pid, addr));
+            }
+        }
+        if let Some(status) = child.try_wait()? {
+            let tail = std::fs::read_to_string(log).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(5).collect();
+            bail!(
+                "the session agent exited ({status}) before listening: {}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        if tokio::time::Instant::now() > deadline {
+            let _ = child.kill();
+            bail!("the session agent did not start within 30 s — see {}", log.display());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
