@@ -10,9 +10,10 @@
 //!    same settings in the kubeadm-config (`podSubnet`, `serviceSubnet`) and
 //!    kube-proxy (`clusterCIDR`) ConfigMaps;
 //! 2. the service CIDR from the API server itself: networking.k8s.io/v1 ServiceCIDR
-//!    objects (Kubernetes ≥ 1.33), and the error trick — a dry-run create of a Service
-//!    with an out-of-range ClusterIP, whose refusal names the range ("The range of
-//!    valid IPs is 10.96.0.0/12"); nothing is stored;
+//!    objects (Kubernetes ≥ 1.33), and the error trick — a create of a Service with
+//!    ClusterIP `0.0.0.0` (then `::`), whose refusal names the range ("The range of
+//!    valid IPs is 10.96.0.0/12"); a dry run first, for real only where the dry run
+//!    does not check the range (1.20); nothing is stored;
 //! 3. node `spec.podCIDRs`;
 //! 4. inference from pod IPs (hostNetwork pods excluded: theirs are node addresses)
 //!    and ClusterIPs that no source above covers, with [`infer_covering`]: a /24
@@ -40,8 +41,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service, ServicePort, Ser
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams, PostParams};
-use serde::{Deserialize, Serialize};
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 pub use kvpn_proto::cidr::{InferPolicy, exclude, infer_covering, normalise, uncovered};
 
@@ -90,7 +91,7 @@ pub enum Origin {
     ConfigMapKey { config_map: String, key: String },
     /// A networking.k8s.io/v1 ServiceCIDR object.
     ServiceCidrObject { name: String },
-    /// The API server's refusal of a Service with ClusterIP `probe_ip` (dry run).
+    /// The API server's refusal of a Service with ClusterIP `probe_ip`.
     ServiceCreateError { probe_ip: IpAddr },
     /// `spec.podCIDRs` of a node.
     NodePodCidr { node: String },
@@ -109,7 +110,7 @@ impl fmt::Display for Origin {
             }
             Origin::ServiceCidrObject { name } => write!(f, "ServiceCIDR {name}"),
             Origin::ServiceCreateError { probe_ip } => {
-                write!(f, "API server's answer to ClusterIP {probe_ip} (dry run)")
+                write!(f, "API server's refusal of ClusterIP {probe_ip}")
             }
             Origin::NodePodCidr { node } => write!(f, "podCIDRs of node {node}"),
             Origin::PodIps { count } => write!(f, "inferred from {count} pod IPs"),
@@ -139,7 +140,7 @@ impl fmt::Display for Step {
             Step::KubeadmConfig => "ConfigMap kube-system/kubeadm-config",
             Step::KubeProxyConfig => "ConfigMap kube-system/kube-proxy",
             Step::ServiceCidrObjects => "ServiceCIDR objects",
-            Step::ServiceCreateError => "service CIDR from a refused ClusterIP (dry run)",
+            Step::ServiceCreateError => "service CIDR from a refused ClusterIP",
             Step::NodePodCidrs => "node podCIDRs",
             Step::PodIps => "pod IPs",
             Step::ClusterIps => "ClusterIPs",
@@ -215,24 +216,24 @@ pub struct DetectOptions {
     pub namespace: String,
     /// Width of inferred prefixes (step 4).
     pub infer: InferPolicy,
-    /// ClusterIPs offered to the API server for the error trick, one family each;
-    /// the first refusal that names a range for a family ends that family's probing.
+    /// ClusterIPs offered to the API server for the error trick; the first refusal
+    /// that names a range for a family ends that family's probing. Only unspecified
+    /// addresses are ever offered outside a dry run.
     pub probe_ips: Vec<IpAddr>,
 }
 
 impl Default for DetectOptions {
-    /// Namespace [`DEFAULT_NAMESPACE`]; probes `0.0.0.0`, then `203.0.113.1`
-    /// (TEST-NET-3, RFC 5737) for IPv4 and `2001:db8::1` (RFC 3849) for IPv6.
-    /// Addresses no cluster uses as its service CIDR, so the API server refuses them
-    /// and names its range.
+    /// Namespace [`DEFAULT_NAMESPACE`]; probes `0.0.0.0` (IPv4) and `::` (IPv6):
+    /// no service CIDR can hold the unspecified address, so the API server always
+    /// refuses it and names its range, and the probe may safely be offered for real
+    /// where a dry run does not check the range (see `service_create_error`).
     fn default() -> Self {
         DetectOptions {
             namespace: DEFAULT_NAMESPACE.to_owned(),
             infer: InferPolicy::default(),
             probe_ips: vec![
                 IpAddr::from([0, 0, 0, 0]),
-                IpAddr::from([203, 0, 113, 1]),
-                IpAddr::from([0x2001, 0xdb8, 0, 0, 0, 0, 0, 1]),
+                IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 0]),
             ],
         }
     }
@@ -247,7 +248,10 @@ pub enum DetectError {
          (last error: {last}) — check that the kubeconfig's server is reachable, or give \
          --pod-cidr/--service-cidr"
     )]
-    Unreachable { last: String, attempts: Vec<Attempt> },
+    Unreachable {
+        last: String,
+        attempts: Vec<Attempt>,
+    },
 }
 
 // ---------------------------------------------------------------------------------
@@ -287,7 +291,12 @@ fn parse_cidr_list(value: &str) -> Vec<IpNet> {
     value
         .trim_matches(|c| c == '"' || c == '\'')
         .split(',')
-        .filter_map(|v| v.trim().trim_matches(|c| c == '"' || c == '\'').parse().ok())
+        .filter_map(|v| {
+            v.trim()
+                .trim_matches(|c| c == '"' || c == '\'')
+                .parse()
+                .ok()
+        })
         .collect()
 }
 
@@ -519,13 +528,20 @@ pub async fn detect_cidrs(
         client,
         "kubeadm-config",
         "ClusterConfiguration",
-        &[("podSubnet", CidrKind::Pod), ("serviceSubnet", CidrKind::Service)],
+        &[
+            ("podSubnet", CidrKind::Pod),
+            ("serviceSubnet", CidrKind::Service),
+        ],
     )
     .await;
     rec.record(Step::KubeadmConfig, result);
-    let result =
-        config_map_values(client, "kube-proxy", "config.conf", &[("clusterCIDR", CidrKind::Pod)])
-            .await;
+    let result = config_map_values(
+        client,
+        "kube-proxy",
+        "config.conf",
+        &[("clusterCIDR", CidrKind::Pod)],
+    )
+    .await;
     rec.record(Step::KubeProxyConfig, result);
 
     // 2. The service CIDR from the API server.
@@ -539,7 +555,10 @@ pub async fn detect_cidrs(
     rec.record(Step::NodePodCidrs, result);
 
     // 4. Inference for addresses nothing above covers.
-    for (step, kind) in [(Step::PodIps, CidrKind::Pod), (Step::ClusterIps, CidrKind::Service)] {
+    for (step, kind) in [
+        (Step::PodIps, CidrKind::Pod),
+        (Step::ClusterIps, CidrKind::Service),
+    ] {
         let ips = match kind {
             CidrKind::Pod => list_all(&Api::<Pod>::all(client.clone()))
                 .await
@@ -599,7 +618,11 @@ async fn component_flags(client: &kube::Client) -> Result<StepFound, kube::Error
     for pod in &pods {
         let name = pod.metadata.name.clone().unwrap_or_default();
         let Some(spec) = &pod.spec else { continue };
-        for c in spec.containers.iter().chain(spec.init_containers.iter().flatten()) {
+        for c in spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+        {
             let words = c.command.iter().flatten().chain(c.args.iter().flatten());
             for (kind, flag, cidr) in parse_component_flags(words.map(String::as_str)) {
                 found.push((
@@ -617,7 +640,10 @@ async fn component_flags(client: &kube::Client) -> Result<StepFound, kube::Error
     }
     Ok(StepFound {
         found,
-        note: format!("{} pods, none with {SERVICE_RANGE_FLAG} or {CLUSTER_CIDR_FLAG}", pods.len()),
+        note: format!(
+            "{} pods, none with {SERVICE_RANGE_FLAG} or {CLUSTER_CIDR_FLAG}",
+            pods.len()
+        ),
     })
 }
 
@@ -684,7 +710,13 @@ fn probe_service(ip: IpAddr) -> Service {
     Service {
         metadata: ObjectMeta {
             generate_name: Some("kvpn-cidr-probe-".to_owned()),
-            labels: Some([("app.kubernetes.io/name".to_owned(), "kvpn-cidr-probe".to_owned())].into()),
+            labels: Some(
+                [(
+                    "app.kubernetes.io/name".to_owned(),
+                    "kvpn-cidr-probe".to_owned(),
+                )]
+                .into(),
+            ),
             ..Default::default()
         },
         spec: Some(ServiceSpec {
@@ -701,59 +733,110 @@ fn probe_service(ip: IpAddr) -> Service {
     }
 }
 
+/// What the API server said to one probe Service.
+enum ProbeAnswer {
+    /// Refused, naming its range(s).
+    Ranges(Vec<IpNet>),
+    /// Refused for another reason (e.g. an IP family the cluster does not serve).
+    Refused(String),
+    /// Accepted: with a dry run, the range was not checked; otherwise a Service of
+    /// this name now exists.
+    Accepted(String),
+}
+
+async fn probe(api: &Api<Service>, ip: IpAddr, dry_run: bool) -> Result<ProbeAnswer, kube::Error> {
+    let params = PostParams {
+        dry_run,
+        field_manager: Some("kvpn".to_owned()),
+    };
+    match api.create(&params, &probe_service(ip)).await {
+        Ok(svc) => Ok(ProbeAnswer::Accepted(svc.metadata.name.unwrap_or_default())),
+        Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
+            let ranges = parse_valid_ranges(&s.message);
+            Ok(if ranges.is_empty() {
+                ProbeAnswer::Refused(s.message)
+            } else {
+                ProbeAnswer::Ranges(ranges)
+            })
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The error trick. Each probe IP is first offered in a dry run, which stores
+/// nothing. Kubernetes 1.20 skips the ClusterIP allocation in dry runs and accepts
+/// any address (seen in the lab), so when the dry run accepts the *unspecified*
+/// address (`0.0.0.0`, `::`) it is offered once more for real: no service CIDR can
+/// hold it, so the allocator refuses and nothing is stored. Should it be accepted
+/// anyway, the Service is deleted again (or the note says it could not be).
 async fn service_create_error(
     client: &kube::Client,
     opts: &DetectOptions,
 ) -> Result<StepFound, kube::Error> {
-    let params = PostParams {
-        dry_run: true,
-        field_manager: Some("kvpn".to_owned()),
-    };
+    let mut api = Api::<Service>::namespaced(client.clone(), &opts.namespace);
     let mut namespace = opts.namespace.clone();
     let mut found: Vec<(IpNet, Source)> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     let mut last_error: Option<kube::Error> = None;
     for ip in &opts.probe_ips {
-        if found.iter().any(|(n, _)| n.addr().is_ipv4() == ip.is_ipv4()) {
+        if found
+            .iter()
+            .any(|(n, _)| n.addr().is_ipv4() == ip.is_ipv4())
+        {
             continue; // this family's range is known
         }
-        let probe = probe_service(*ip);
-        let mut result = Api::<Service>::namespaced(client.clone(), &namespace)
-            .create(&params, &probe)
-            .await;
+        let mut answer = probe(&api, *ip, true).await;
         // kvpn's namespace may not exist before the first install.
-        if let Err(kube::Error::Api(s)) = &result
+        if let Err(kube::Error::Api(s)) = &answer
             && s.code == 404
             && namespace != "default"
         {
             tracing::debug!(%namespace, "namespace missing, probing the service CIDR in default");
             namespace = "default".to_owned();
-            result = Api::<Service>::namespaced(client.clone(), &namespace)
-                .create(&params, &probe)
-                .await;
+            api = Api::<Service>::namespaced(client.clone(), &namespace);
+            answer = probe(&api, *ip, true).await;
         }
-        match result {
-            Ok(_) => notes.push(format!("ClusterIP {ip} was accepted")),
-            Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
-                let ranges = parse_valid_ranges(&s.message);
-                if ranges.is_empty() {
-                    notes.push(format!("{ip}: {}", s.message));
-                }
-                found.extend(ranges.into_iter().map(|net| {
-                    (
+        if matches!(answer, Ok(ProbeAnswer::Accepted(_))) && ip.is_unspecified() {
+            tracing::debug!(%ip, "dry run accepted the ClusterIP unchecked, offering it for real");
+            answer = probe(&api, *ip, false).await;
+            if let Ok(ProbeAnswer::Accepted(name)) = &answer {
+                let deleted = api.delete(name, &Default::default()).await;
+                notes.push(match deleted {
+                    Ok(_) => format!(
+                        "ClusterIP {ip} was accepted (Service {namespace}/{name} deleted again)"
+                    ),
+                    Err(e) => format!(
+                        "ClusterIP {ip} was accepted and Service {namespace}/{name} could not be \
+                         deleted ({e}): delete it by hand"
+                    ),
+                });
+                continue;
+            }
+        }
+        match answer {
+            Ok(ProbeAnswer::Ranges(ranges)) => {
+                for net in ranges {
+                    if found.iter().any(|(n, _)| *n == net) {
+                        continue; // a second family's probe naming the same range
+                    }
+                    found.push((
                         net,
                         Source {
                             kind: CidrKind::Service,
                             origin: Origin::ServiceCreateError { probe_ip: *ip },
                         },
-                    )
-                }));
+                    ));
+                }
+            }
+            Ok(ProbeAnswer::Refused(message)) => notes.push(format!("{ip}: {message}")),
+            Ok(ProbeAnswer::Accepted(_)) => {
+                notes.push(format!("ClusterIP {ip} was accepted by a dry run"));
             }
             Err(e) => last_error = Some(e),
         }
     }
     match last_error {
-        // Every probe failed for the same reason (403, unreachable): report that.
+        // Every probe failed the same way (403, unreachable): report that.
         Some(e) if found.is_empty() && notes.is_empty() => Err(e),
         _ => Ok(StepFound {
             found,

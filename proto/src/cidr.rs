@@ -97,10 +97,7 @@ pub fn exclude(cidrs: &[IpNet], essentials: &[IpAddr]) -> Vec<IpNet> {
                 u128::from(u32::from(n.network())),
                 u128::from(u32::from(n.broadcast())),
             )),
-            IpNet::V6(n) => v6.push((
-                u128::from(n.network()),
-                u128::from(n.broadcast()),
-            )),
+            IpNet::V6(n) => v6.push((u128::from(n.network()), u128::from(n.broadcast()))),
         }
     }
     let mut holes_v4: Vec<u128> = Vec::new();
@@ -121,9 +118,7 @@ pub fn exclude(cidrs: &[IpNet], essentials: &[IpAddr]) -> Vec<IpNet> {
         out.extend(Ipv4Subnets::new(s, e, 0).map(IpNet::V4));
     }
     for (start, end) in punch(merge(v6), holes_v6) {
-        out.extend(
-            Ipv6Subnets::new(Ipv6Addr::from(start), Ipv6Addr::from(end), 0).map(IpNet::V6),
-        );
+        out.extend(Ipv6Subnets::new(Ipv6Addr::from(start), Ipv6Addr::from(end), 0).map(IpNet::V6));
     }
     out
 }

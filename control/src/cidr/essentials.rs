@@ -119,14 +119,16 @@ pub fn default_gateways_of(routes: &[RouteMessage]) -> Vec<IpAddr> {
     }
     let mut out = Vec::new();
     for route in routes {
-        if route.header.destination_prefix_length != 0 || route.header.kind != RouteType::Unicast
-        {
+        if route.header.destination_prefix_length != 0 || route.header.kind != RouteType::Unicast {
             continue;
         }
         for attr in &route.attributes {
             match attr {
                 RouteAttribute::MultiPath(hops) => {
-                    out.extend(hops.iter().flat_map(|h| h.attributes.iter().filter_map(gateway)));
+                    out.extend(
+                        hops.iter()
+                            .flat_map(|h| h.attributes.iter().filter_map(gateway)),
+                    );
                 }
                 other => out.extend(gateway(other)),
             }
@@ -173,12 +175,13 @@ pub async fn resolve_host(host: &str) -> Result<Vec<IpAddr>, EssentialsError> {
     if let Ok(ip) = bare.parse::<IpAddr>() {
         return Ok(vec![ip]);
     }
-    let addrs = tokio::net::lookup_host((bare, 0))
-        .await
-        .map_err(|source| EssentialsError::Resolve {
-            host: host.to_owned(),
-            source,
-        })?;
+    let addrs =
+        tokio::net::lookup_host((bare, 0))
+            .await
+            .map_err(|source| EssentialsError::Resolve {
+                host: host.to_owned(),
+                source,
+            })?;
     let mut ips: Vec<IpAddr> = addrs.map(|a| a.ip()).collect();
     ips.sort_unstable();
     ips.dedup();
