@@ -47,6 +47,11 @@ struct Cluster {
 
 impl Cluster {
     async fn up() -> Cluster {
+        Cluster::up_with(|_| {}).await
+    }
+
+    /// `prepare` runs on the lab before the control plane and kubelet start.
+    async fn up_with(prepare: impl FnOnce(&Lab)) -> Cluster {
         let lab = Lab::up(
             LabOptions {
                 backends: false,
@@ -55,6 +60,7 @@ impl Cluster {
             .without_manager(),
         )
         .expect("lab up");
+        prepare(&lab);
         let t0 = Instant::now();
         let cp = ControlPlane::start(ControlPlaneConfig::new(
             lab.dir().join("control-plane"),
@@ -493,7 +499,28 @@ async fn deployment_pods_run_scale_delete_and_port_forward() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_pods_report_kubelet_statuses_and_volumes_reach_processes() {
-    let mut c = Cluster::up().await;
+    // A pod netns recorded by an earlier, killed stand-in run in the same folder: the
+    // start removes it (its IP would otherwise be handed out twice).
+    let stale_ip = Ipv4Addr::new(10, 244, 1, 2);
+    let mut stale_netns = None;
+    let mut c = Cluster::up_with(|lab| {
+        let pod = lab
+            .node()
+            .add_pod("stale-0abcd", stale_ip)
+            .expect("stale pod netns");
+        let records = lab.dir().join("kubelet").join("sandboxes");
+        std::fs::create_dir_all(&records).expect("records dir");
+        std::fs::write(records.join("stale-0abcd"), stale_ip.to_string()).expect("record");
+        assert!(pod.netns.exists());
+        stale_netns = Some(pod.netns);
+    })
+    .await;
+    let stale_netns = stale_netns.expect("stale netns");
+    assert!(
+        !stale_netns.exists(),
+        "{} removed at start",
+        stale_netns.name()
+    );
     let id = c.lab.id().to_owned();
     let ns = c.namespace(&format!("kf-{id}")).await;
     let pods: Api<Pod> = Api::namespaced(c.client.clone(), &ns);
@@ -738,6 +765,65 @@ async fn failing_pods_report_kubelet_statuses_and_volumes_reach_processes() {
     assert_eq!(cond.reason.as_deref(), Some("ContainersNotReady"));
     assert!(container_status(&p)["state"]["running"].is_object());
 
+    // pods/log?follow=true streams new lines as the process writes them.
+    create(serde_json::json!({
+        "metadata": {"name": "ticker"},
+        "spec": {"containers": [{"name": "app", "image": "busybox",
+            "command": ["sh", "-c", "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.2; done"]}]}
+    }))
+    .await;
+    eventually("ticker running", Duration::from_secs(30), || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get("ticker").await.map_err(|e| e.to_string())?;
+            if phase(&p) == "Running" {
+                Ok(())
+            } else {
+                Err(phase(&p).to_owned())
+            }
+        }
+    })
+    .await;
+    let before = pods
+        .logs("ticker", &LogParams::default())
+        .await
+        .expect("logs");
+    let known = before.lines().count();
+    let follow = LogParams {
+        follow: true,
+        ..LogParams::default()
+    };
+    let stream = pods.log_stream("ticker", &follow).await.expect("follow");
+    let mut lines = futures::AsyncBufReadExt::lines(stream);
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(line) = futures::StreamExt::next(&mut lines).await {
+            seen.push(line.expect("line"));
+            if seen.len() >= known + 5 {
+                break;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "follow delivered only {} lines ({known} existed)",
+            seen.len()
+        )
+    });
+    let ticks: Vec<u32> = seen
+        .iter()
+        .filter_map(|l| l.strip_prefix("tick ").and_then(|n| n.parse().ok()))
+        .collect();
+    assert!(
+        ticks.windows(2).all(|w| w[1] == w[0] + 1),
+        "consecutive ticks: {ticks:?}"
+    );
+    assert!(
+        ticks.len() >= known + 5,
+        "new lines arrived while following: {ticks:?}"
+    );
+
     c.kubelet
         .take()
         .expect("kubelet")
@@ -748,7 +834,7 @@ async fn failing_pods_report_kubelet_statuses_and_volumes_reach_processes() {
         .expect("netns")
         .into_iter()
         .filter(|n| {
-            ["-nosuch-", "-crash-", "-nocmd-", "-files-"]
+            ["-nosuch-", "-crash-", "-nocmd-", "-files-", "-ticker-"]
                 .iter()
                 .any(|p| n.contains(p))
         })

@@ -38,13 +38,20 @@
 //! `127.x.y.z` address and pods' `hostIP` is that address too. Pods live in netns on
 //! the node bridge; each container process dies with the stand-in (`PDEATHSIG`).
 //! Files: `<lab folder>/kubelet/pods/<namespace>_<name>_<uid>/` (`volumes/`, `logs/`,
-//! `resolv.conf`, `hosts`); volumes are removed with the pod, logs are kept.
+//! `resolv.conf`, `hosts`) and `<dir>/sandboxes/` (one record per pod netns); volumes
+//! are removed with the pod, logs are kept.
 //!
-//! Not implemented: init containers (the pod waits with reason
-//! `PodInitializing`-like message), startup probes, `hostNetwork`, resource limits,
-//! image pull secrets, SPDY port-forward (so `kubectl port-forward` fails with a clear
-//! message; kube-rs's websocket port-forward works), exec/attach, Secret updates after
-//! start.
+//! A stand-in that was killed leaves its pods' netns behind (their processes die with
+//! it); the next start in the same folder removes them (`<dir>/sandboxes/`), then takes
+//! over the Node and restarts the pods bound to it in fresh netns.
+//!
+//! Not implemented: init containers (ignored, with a Warning event; the containers
+//! start anyway), startup probes, `hostNetwork` (such pods get their own netns too),
+//! resource limits, image pull secrets and pull policies, exec/attach, Secret updates
+//! after start, SPDY port-forward: kubectl ≥ 1.31 first tries websockets tunnelling
+//! SPDY (no `port` parameter, refused with 400), then falls back to SPDY, refused with
+//! 400 and a message naming the stand-in, so `kubectl port-forward` fails at once with
+//! that message; kube-rs's websocket port-forward works.
 
 pub mod images;
 pub mod node;
@@ -428,6 +435,30 @@ async fn run(
     for (name, ip) in &setup.existing_pods {
         node.adopt_pod(name, *ip);
     }
+    // Netns left by a stand-in that was killed (their processes died with it).
+    let node = match tokio::task::spawn_blocking({
+        let dir = setup.dir.clone();
+        move || {
+            let stale = pods::remove_stale_sandboxes(&dir, &node);
+            (node, stale)
+        }
+    })
+    .await
+    {
+        Ok((node, stale)) => {
+            if !stale.is_empty() {
+                tracing::info!(
+                    ?stale,
+                    "removed pod netns of an earlier kubelet stand-in run"
+                );
+            }
+            node
+        }
+        Err(e) => {
+            let _ = ready_tx.send(Err(format!("cleaning stale pod netns: {e}")));
+            return Err(e.to_string());
+        }
+    };
     let labels = node::node_labels(&setup.node_name, &setup.config.node_labels);
     let node_spec = node::NodeSpec {
         name: setup.node_name.clone(),

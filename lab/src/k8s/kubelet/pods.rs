@@ -583,6 +583,7 @@ impl PodWorker {
         match result {
             Ok(Ok(sandbox)) => {
                 tracing::debug!(pod = %self.r.name, %ip, netns = sandbox.netns.name(), "sandbox ready");
+                record_sandbox(&self.ctx.dir, &sandbox);
                 self.ctx.directory.insert(
                     &self.r.namespace,
                     &self.r.name,
@@ -1019,7 +1020,10 @@ impl PodWorker {
                 let setup_line = tail
                     .lines()
                     .rev()
-                    .find(|l| l.starts_with("kvpn lab kubelet stand-in:") && !l.contains("(optional, skipped)"))
+                    .find(|l| {
+                        l.starts_with("kvpn lab kubelet stand-in:")
+                            && !l.contains("(optional, skipped)")
+                    })
                     .map(str::to_owned);
                 let msg = match setup_line {
                     Some(line) => format!("failed to create containerd task: {line}"),
@@ -1275,7 +1279,7 @@ impl PodWorker {
             })
             .await;
             match removed {
-                Ok(Ok(())) => {}
+                Ok(Ok(())) => forget_sandbox(&self.ctx.dir, &self.role),
                 Ok(Err(e)) => {
                     tracing::warn!(pod = %self.r.name, error = %e, "removing the pod netns failed")
                 }
@@ -1499,6 +1503,60 @@ async fn run_probe(job: &ProbeJob) -> (bool, String) {
         }
         ProbeAction::Invalid(why) => (false, why.clone()),
     }
+}
+
+/// Folder of sandbox records: one file per pod netns the stand-in created (name = netns
+/// role, content = pod IP), removed with the netns. A stand-in that was killed leaves
+/// its records, and the next start removes those netns before handing out IPs.
+const SANDBOXES: &str = "sandboxes";
+
+fn record_sandbox(root: &Path, sandbox: &Sandbox) {
+    let dir = root.join(SANDBOXES);
+    let r = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(dir.join(&sandbox.name), sandbox.ip.to_string()));
+    if let Err(e) = r {
+        tracing::warn!(netns = sandbox.netns.name(), error = %e, "cannot record the sandbox");
+    }
+}
+
+fn forget_sandbox(root: &Path, role: &str) {
+    let _ = std::fs::remove_file(root.join(SANDBOXES).join(role));
+}
+
+/// Removes the netns recorded by an earlier run of the stand-in in `root` (blocking:
+/// `ip` commands). Processes still inside are killed first; they were started by that
+/// run's pods.
+pub(crate) fn remove_stale_sandboxes(root: &Path, node: &crate::Node) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(root.join(SANDBOXES)) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for e in entries.flatten() {
+        let role = e.file_name().to_string_lossy().into_owned();
+        let ip = std::fs::read_to_string(e.path())
+            .ok()
+            .and_then(|s| s.trim().parse::<Ipv4Addr>().ok());
+        let Some(ip) = ip else {
+            let _ = std::fs::remove_file(e.path());
+            continue;
+        };
+        let sandbox = node.adopt_pod(&role, ip);
+        for pid in sandbox.netns.pids() {
+            if let Ok(pid) = i32::try_from(pid) {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+            }
+        }
+        match node.remove_pod(&sandbox) {
+            Ok(()) => {
+                let _ = std::fs::remove_file(e.path());
+                removed.push(sandbox.netns.name().to_owned());
+            }
+            Err(err) => {
+                tracing::warn!(netns = sandbox.netns.name(), error = %err, "cannot remove a stale pod netns")
+            }
+        }
+    }
+    removed
 }
 
 /// The folder of a pod's files under the stand-in's folder.

@@ -16,7 +16,7 @@
 //! ([`PodDirectory`]).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,6 +34,8 @@ use super::{Error, portforward};
 
 /// Longest request head accepted (bytes).
 const MAX_HEAD: usize = 32 * 1024;
+/// How often a followed log file is checked for new bytes.
+const FOLLOW_POLL: Duration = Duration::from_millis(250);
 /// How long a client may take for the TLS handshake and the request head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -154,6 +156,7 @@ pub async fn serve(
     }
 }
 
+#[derive(Debug, Clone)]
 struct Head {
     method: String,
     path: String,
@@ -247,7 +250,12 @@ async fn connection(
     let out = match (head.method.as_str(), segments.as_slice()) {
         ("GET", ["healthz"]) => reply(200, "OK", "ok"),
         ("GET" | "POST", ["portForward", ns, pod] | ["portForward", ns, pod, _]) => {
-            return port_forward(tls, head.clone_for_pf(), ns, pod, rest, &pods).await;
+            return port_forward(tls, head.clone(), ns, pod, rest, &pods).await;
+        }
+        ("GET", ["containerLogs", ns, pod, container])
+            if query_param(&head.query, "follow") == Some("true") =>
+        {
+            return follow_logs(tls, &pods, ns, pod, container, &head.query).await;
         }
         ("GET", ["containerLogs", ns, pod, container]) => {
             logs(&pods, ns, pod, container, &head.query)
@@ -257,17 +265,6 @@ async fn connection(
     tls.write_all(&out).await.map_err(|e| e.to_string())?;
     let _ = tls.shutdown().await;
     Ok(())
-}
-
-impl Head {
-    fn clone_for_pf(&self) -> Head {
-        Head {
-            method: self.method.clone(),
-            path: self.path.clone(),
-            query: self.query.clone(),
-            headers: self.headers.clone(),
-        }
-    }
 }
 
 async fn port_forward<S>(
@@ -365,20 +362,27 @@ fn query_param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-fn logs(pods: &PodDirectory, ns: &str, pod: &str, container: &str, query: &str) -> Vec<u8> {
+/// The log file a `containerLogs` request asks for, or the error response.
+fn log_file(
+    pods: &PodDirectory,
+    ns: &str,
+    pod: &str,
+    container: &str,
+    query: &str,
+) -> Result<PathBuf, Vec<u8>> {
     let Some(entry) = pods.get(ns, pod) else {
-        return response(
+        return Err(response(
             404,
             "Not Found",
             &format!("pod {ns}/{pod} is not running on this node\n"),
-        );
+        ));
     };
     let Some(runs) = entry.logs.get(container) else {
-        return response(
+        return Err(response(
             400,
             "Bad Request",
             &format!("container \"{container}\" in pod \"{pod}\" is waiting to start\n"),
-        );
+        ));
     };
     let previous = query_param(query, "previous") == Some("true");
     let file = if previous {
@@ -386,13 +390,17 @@ fn logs(pods: &PodDirectory, ns: &str, pod: &str, container: &str, query: &str) 
     } else {
         runs.last()
     };
-    let Some(file) = file else {
-        return response(
+    file.cloned().ok_or_else(|| {
+        response(
             400,
             "Bad Request",
             &format!("previous terminated container \"{container}\" in pod \"{pod}\" not found\n"),
-        );
-    };
+        )
+    })
+}
+
+/// The log text with `tailLines` and `limitBytes` applied.
+fn log_text(file: &Path, query: &str) -> Vec<u8> {
     let mut text = std::fs::read(file).unwrap_or_default();
     if let Some(n) = query_param(query, "tailLines").and_then(|v| v.parse::<usize>().ok()) {
         let lines: Vec<&[u8]> = text.split_inclusive(|b| *b == b'\n').collect();
@@ -401,7 +409,75 @@ fn logs(pods: &PodDirectory, ns: &str, pod: &str, container: &str, query: &str) 
     if let Some(n) = query_param(query, "limitBytes").and_then(|v| v.parse::<usize>().ok()) {
         text.truncate(n);
     }
-    response(200, "OK", &String::from_utf8_lossy(&text))
+    text
+}
+
+fn logs(pods: &PodDirectory, ns: &str, pod: &str, container: &str, query: &str) -> Vec<u8> {
+    match log_file(pods, ns, pod, container, query) {
+        Ok(file) => response(200, "OK", &String::from_utf8_lossy(&log_text(&file, query))),
+        Err(resp) => resp,
+    }
+}
+
+/// `follow=true`: the log so far, then new lines as they are written, until the
+/// container's run ends (a newer log file appears), the pod leaves the node, or the
+/// client goes away. The body ends with the connection (no length).
+async fn follow_logs<S>(
+    io: S,
+    pods: &PodDirectory,
+    ns: &str,
+    pod: &str,
+    container: &str,
+    query: &str,
+) -> Result<(), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (mut rd, mut wr) = tokio::io::split(io);
+    let file = match log_file(pods, ns, pod, container, query) {
+        Ok(f) => f,
+        Err(resp) => return wr.write_all(&resp).await.map_err(|e| e.to_string()),
+    };
+    let start = log_text(&file, query);
+    let mut pos = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+    wr.write_all(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    wr.write_all(&start).await.map_err(|e| e.to_string())?;
+    let mut scratch = [0u8; 256];
+    loop {
+        wr.flush().await.map_err(|e| e.to_string())?;
+        tokio::select! {
+            _ = tokio::time::sleep(FOLLOW_POLL) => {}
+            r = rd.read(&mut scratch) => {
+                if matches!(r, Ok(0) | Err(_)) {
+                    return Ok(());
+                }
+            }
+        }
+        let grown = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(pos);
+        if grown > pos {
+            let mut f = tokio::fs::File::open(&file)
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::io::AsyncSeekExt::seek(&mut f, std::io::SeekFrom::Start(pos))
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut more = Vec::new();
+            f.read_to_end(&mut more).await.map_err(|e| e.to_string())?;
+            pos += more.len() as u64;
+            wr.write_all(&more).await.map_err(|e| e.to_string())?;
+        }
+        let current = pods
+            .get(ns, pod)
+            .and_then(|e| e.logs.get(container).and_then(|r| r.last().cloned()));
+        if current.as_deref() != Some(file.as_path()) {
+            let _ = wr.shutdown().await;
+            return Ok(());
+        }
+    }
 }
 
 #[cfg(test)]
