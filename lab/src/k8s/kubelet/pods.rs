@@ -202,6 +202,8 @@ fn on_pod(
     }
 }
 
+/// Binds `pod` to this node, retrying transient failures (not conflicts: the pod is
+/// bound already, nor a missing pod) with back-off while the stand-in runs.
 async fn bind(ctx: &Arc<Ctx>, pod: &Pod) {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
@@ -212,25 +214,37 @@ async fn bind(ctx: &Arc<Ctx>, pod: &Pod) {
         "metadata": {"name": name, "namespace": ns, "uid": uid_of(pod)},
         "target": {"apiVersion": "v1", "kind": "Node", "name": ctx.node_name},
     });
-    match api
-        .create_subresource::<_, Value>("binding", &name, &PostParams::default(), &body)
-        .await
-    {
-        Ok(_) => {
-            tracing::debug!(pod = %name, namespace = %ns, node = %ctx.node_name, "bound");
-            post_event(
-                ctx,
-                &PodRef::of(pod),
-                None,
-                "Normal",
-                "Scheduled",
-                format!("Successfully assigned {ns}/{name} to {}", ctx.node_name),
-                "default-scheduler",
-            );
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match api
+            .create_subresource::<_, Value>("binding", &name, &PostParams::default(), &body)
+            .await
+        {
+            Ok(_) => {
+                tracing::debug!(pod = %name, namespace = %ns, node = %ctx.node_name, "bound");
+                post_event(
+                    ctx,
+                    &PodRef::of(pod),
+                    None,
+                    "Normal",
+                    "Scheduled",
+                    format!("Successfully assigned {ns}/{name} to {}", ctx.node_name),
+                    "default-scheduler",
+                );
+                return;
+            }
+            // Conflict: already bound (another event got there first); 404: gone.
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => return,
+            Err(e) => {
+                tracing::warn!(pod = %name, namespace = %ns, error = %e, ?delay, "binding failed; retrying");
+            }
         }
-        // Conflict: already bound (another event got there first) — fine.
-        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
-        Err(e) => tracing::warn!(pod = %name, namespace = %ns, error = %e, "binding failed"),
+        let mut shutdown = ctx.shutdown.clone();
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = super::wait_true(&mut shutdown) => return,
+        }
+        delay = (delay * 2).min(Duration::from_secs(10));
     }
 }
 
