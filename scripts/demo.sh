@@ -23,9 +23,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-bold "1. Bring up the lab: a laptop, a node, a Kubernetes control plane, pods, ClusterIPs, and the kvpn traffic manager"
+bold "1. Bring up the lab: a laptop, a node, a Kubernetes control plane, pods, ClusterIPs, cluster DNS"
 kvpn lab down >/dev/null 2>&1
 show kvpn lab up || exit 1
+# The laptop's kubeconfig for the restricted user kvpn-user (only what kvpn needs).
+KUBECONFIG_USER=$(kvpn lab info | grep -o '/[^ ]*laptop-kvpn-user.kubeconfig' | head -n1)
+[ -n "$KUBECONFIG_USER" ] || { echo "no laptop kubeconfig"; exit 1; }
 show laptop kubectl get pods -A -o wide
 # The two default/web pods (the kubelet stand-in hands out their IPs).
 web_pod() { laptop kubectl get pods -n default -l app=web -o "jsonpath={.items[$1].$2}"; }
@@ -35,8 +38,9 @@ POD1=$(web_pod 0 status.podIP); POD2=$(web_pod 1 status.podIP); POD1_NAME=$(web_
 bold "2. Before connecting, the laptop has no route to the cluster"
 expect_fail show laptop curl -sS --max-time 2 http://$POD1:8080/
 
-bold "3. Connect: routes for the pod CIDR and service CIDR go through a TUN device"
-show laptop kvpn connect --manager 172.31.255.1:10801 --pod-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/12 || exit 1
+bold "3. Connect with only a kubeconfig: kvpn installs the traffic manager, detects the CIDRs, port-forwards through the API server"
+show laptop kvpn connect --kubeconfig "$KUBECONFIG_USER" || exit 1
+show laptop kubectl get deploy,svc,secret,configmap -n kvpn-system -l app.kubernetes.io/managed-by=kvpn
 show laptop ip -br addr show dev kvpn0
 show laptop ip route show dev kvpn0
 
@@ -77,8 +81,9 @@ expect_ok show laptop kvpn disconnect --all
 expect_fail show laptop curl -sS --max-time 2 http://$POD1:8080/
 show laptop ip -br link show type tun
 
-bold "11. Clean up"
+bold "11. Clean up: stop the daemons, remove kvpn's objects from the cluster, tear the lab down"
 show laptop kvpn quit
+expect_ok show laptop kvpn uninstall --kubeconfig "$KUBECONFIG_USER"
 show kvpn lab down
 trap - EXIT
 if [ "$failures" -ne 0 ]; then

@@ -27,10 +27,21 @@ pub async fn run(cmd: LabCommand) -> Result<()> {
 async fn up() -> Result<()> {
     output::step(
         "Bringing the lab up: laptop and node network namespaces, etcd + kube-apiserver + \
-         kube-controller-manager, kubelet/kube-proxy/DNS stand-ins, sample workloads",
+         kube-controller-manager, kubelet/kube-proxy/DNS stand-ins, sample workloads \
+         (the traffic manager is installed by `kvpn connect`)",
     );
     let started = std::time::Instant::now();
-    let lab = K8sLab::up(K8sLabOptions::default().persist_as(DEFAULT_LAB_NAME))
+    // No pre-installed traffic manager: `kvpn connect --kubeconfig …` installs it, as
+    // on a real cluster.
+    let workloads = kvpn_lab::k8s::workloads::Workloads {
+        manager: false,
+        ..Default::default()
+    };
+    let lab = K8sLab::up(
+        K8sLabOptions::default()
+            .persist_as(DEFAULT_LAB_NAME)
+            .workloads(workloads),
+    )
         .await
         .context("kvpn lab up failed")?;
     output::info_block(&lab.info());

@@ -24,8 +24,10 @@ use crate::cli::{Cli, Command, ConnectArgs, DisconnectArgs, StatusArgs};
 
 /// Set up `tracing` on stderr; `verbose` 0 = warnings, 1 = debug, 2+ = trace.
 pub fn init_tracing(verbose: u8) {
+    // kube_client logs every failed request at ERROR, also the ones kvpn expects
+    // and reports itself (readiness polls, forbidden probes): keep it quiet unless asked.
     let default = match verbose {
-        0 => "warn",
+        0 => "warn,kube_client=off",
         1 => "debug",
         _ => "trace",
     };
@@ -34,6 +36,7 @@ pub fn init_tracing(verbose: u8) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 

@@ -1,6 +1,15 @@
 //! Everything `kvpn` prints for the user. The only module allowed to write to stdout.
 #![allow(clippy::print_stdout, reason = "this module is the CLI's output")]
 
+use std::io::Write as _;
+
+/// `println!` that ignores a closed stdout (`kvpn status | head`) instead of panicking.
+macro_rules! println {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 use std::path::Path;
 
 use anyhow::Result;
