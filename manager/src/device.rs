@@ -8,7 +8,9 @@
 
 use std::collections::VecDeque;
 
-use smoltcp::phy::{Checksum, ChecksumCapabilities, Device, DeviceCapabilities, Medium, RxToken, TxToken};
+use smoltcp::phy::{
+    Checksum, ChecksumCapabilities, Device, DeviceCapabilities, Medium, RxToken, TxToken,
+};
 use smoltcp::time::Instant;
 
 /// Raw IP packets in both directions, as queues.

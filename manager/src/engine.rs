@@ -438,10 +438,18 @@ impl Engine {
         // any-IP: accept every destination, and reach the laptop through the
         // default routes (smoltcp only transmits to routable addresses).
         iface.set_any_ip(true);
-        if iface.routes_mut().add_default_ipv4_route(MANAGER_STACK_V4).is_err() {
+        if iface
+            .routes_mut()
+            .add_default_ipv4_route(MANAGER_STACK_V4)
+            .is_err()
+        {
             debug!("smoltcp route table full (ipv4 default)");
         }
-        if iface.routes_mut().add_default_ipv6_route(MANAGER_STACK_V6).is_err() {
+        if iface
+            .routes_mut()
+            .add_default_ipv6_route(MANAGER_STACK_V6)
+            .is_err()
+        {
             debug!("smoltcp route table full (ipv6 default)");
         }
         Self {
@@ -524,7 +532,11 @@ impl Engine {
             Parsed::Tcp(meta) => self.laptop_tcp(meta, buf),
             Parsed::Udp { src, dst, payload } => self.laptop_udp(src, dst, payload, now),
             Parsed::EchoRequest {
-                dst, ident, seq, data, ..
+                dst,
+                ident,
+                seq,
+                data,
+                ..
             } => self.laptop_echo(dst, ident, seq, data, now),
         }
     }
@@ -540,7 +552,10 @@ impl Engine {
                     if meta.rst {
                         // The laptop gave up on connect(): end the dial.
                         debug!(flow = %id, dst = %meta.dst, "laptop reset during dial");
-                        self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+                        self.requests.push_back(Request::TcpClose {
+                            flow: id,
+                            reset: true,
+                        });
                         self.remove_tcp(id);
                     } else if !meta.is_initial_syn() {
                         self.drop_packet(DropReason::TcpWhileDialing);
@@ -566,7 +581,10 @@ impl Engine {
             }) = self.tcp.get(&id)
                 && !o.kernel_closed
             {
-                self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+                self.requests.push_back(Request::TcpClose {
+                    flow: id,
+                    reset: true,
+                });
             }
             self.remove_tcp(id);
         }
@@ -595,7 +613,10 @@ impl Engine {
         );
         self.tcp_by_key.insert(key, id);
         self.metrics.tcp_dials += 1;
-        self.requests.push_back(Request::TcpDial { flow: id, dst: meta.dst });
+        self.requests.push_back(Request::TcpDial {
+            flow: id,
+            dst: meta.dst,
+        });
     }
 
     fn laptop_udp(&mut self, src: SocketAddr, dst: SocketAddr, payload: &[u8], now: Instant) {
@@ -611,7 +632,13 @@ impl Engine {
                 }
                 let id = self.next_id();
                 debug!(flow = %id, %dst, laptop_port = src.port(), "UDP flow opened");
-                self.udp.insert(id, UdpFlow { key, last_active: now });
+                self.udp.insert(
+                    id,
+                    UdpFlow {
+                        key,
+                        last_active: now,
+                    },
+                );
                 self.udp_by_key.insert(key, id);
                 self.metrics.udp_flows += 1;
                 self.requests.push_back(Request::UdpOpen { flow: id, dst });
@@ -638,7 +665,13 @@ impl Engine {
                 }
                 let id = self.next_id();
                 debug!(flow = %id, %dst, ident, "ping flow opened");
-                self.ping.insert(id, PingFlow { key, last_active: now });
+                self.ping.insert(
+                    id,
+                    PingFlow {
+                        key,
+                        last_active: now,
+                    },
+                );
                 self.ping_by_key.insert(key, id);
                 self.requests.push_back(Request::PingOpen { flow: id, dst });
                 id
@@ -674,7 +707,9 @@ impl Engine {
                 }
             }
             Event::UdpReply { flow, data } => {
-                let Some(f) = self.udp.get_mut(&flow) else { return };
+                let Some(f) = self.udp.get_mut(&flow) else {
+                    return;
+                };
                 f.last_active = now;
                 let laptop = SocketAddr::new(self.config.tunnel_ip, f.key.laptop_port);
                 let dst = f.key.dst;
@@ -710,7 +745,9 @@ impl Engine {
             }
             Event::SendFailed { .. } => self.drop_packet(DropReason::KernelSendFailed),
             Event::PingReply { flow, seq, data } => {
-                let Some(f) = self.ping.get_mut(&flow) else { return };
+                let Some(f) = self.ping.get_mut(&flow) else {
+                    return;
+                };
                 f.last_active = now;
                 let (dst, ident) = (f.key.dst, f.key.ident);
                 self.metrics.ping_replies += 1;
@@ -755,7 +792,10 @@ impl Engine {
                 };
                 if let Err(e) = socket.listen(endpoint) {
                     debug!(flow = %id, dst = %meta.dst, error = ?e, "cannot listen on destination endpoint");
-                    self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+                    self.requests.push_back(Request::TcpClose {
+                        flow: id,
+                        reset: true,
+                    });
                     self.remove_tcp(id);
                     self.metrics.tcp_refused += 1;
                     let rst = packet::tcp_rst_for_syn(&meta);
@@ -763,7 +803,9 @@ impl Engine {
                     return;
                 }
                 let handle = self.sockets.add(socket);
-                let Some(flow) = self.tcp.get_mut(&id) else { return };
+                let Some(flow) = self.tcp.get_mut(&id) else {
+                    return;
+                };
                 flow.state = TcpState::Open(OpenTcp {
                     handle,
                     granted: 0,
@@ -782,7 +824,10 @@ impl Engine {
             }
             Err(e) => {
                 debug!(flow = %id, dst = %meta.dst, error = ?e, "dial failed");
-                self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+                self.requests.push_back(Request::TcpClose {
+                    flow: id,
+                    reset: true,
+                });
                 self.remove_tcp(id);
                 let answer = match e {
                     DialError::Refused | DialError::Other => {
@@ -846,7 +891,10 @@ impl Engine {
         self.sockets.get_mut::<tcp::Socket>(o.handle).abort();
         if !o.kernel_closed {
             o.kernel_closed = true;
-            self.requests.push_back(Request::TcpClose { flow: id, reset: true });
+            self.requests.push_back(Request::TcpClose {
+                flow: id,
+                reset: true,
+            });
         }
     }
 
@@ -956,7 +1004,10 @@ impl Engine {
             let state = socket.state();
             if matches!(
                 state,
-                tcp::State::CloseWait | tcp::State::LastAck | tcp::State::Closing | tcp::State::TimeWait
+                tcp::State::CloseWait
+                    | tcp::State::LastAck
+                    | tcp::State::Closing
+                    | tcp::State::TimeWait
             ) {
                 o.laptop_fin_seen = true;
             }
@@ -966,7 +1017,8 @@ impl Engine {
             // elsewhere it goes to CLOSED without both FINs), or the stall timeout.
             let graceful_closed = o.fin_queued && o.laptop_fin_seen;
             let laptop_reset = !o.reset_by_remote
-                && (state == tcp::State::Listen || (state == tcp::State::Closed && !graceful_closed));
+                && (state == tcp::State::Listen
+                    || (state == tcp::State::Closed && !graceful_closed));
             if laptop_reset || (o.reset_by_remote && state == tcp::State::Closed) {
                 if laptop_reset {
                     debug!(flow = %id, ?state, "laptop reset the connection");
@@ -977,7 +1029,10 @@ impl Engine {
                 }
                 if !o.kernel_closed {
                     o.kernel_closed = true;
-                    requests.push_back(Request::TcpClose { flow: id, reset: true });
+                    requests.push_back(Request::TcpClose {
+                        flow: id,
+                        reset: true,
+                    });
                 }
                 // Keep the socket until smoltcp has sent its RST (if any).
                 if socket.remote_endpoint().is_none() {
@@ -1025,7 +1080,10 @@ impl Engine {
                 let grant = free.saturating_sub(o.granted);
                 if grant >= TCP_GRANT_MIN || (grant > 0 && o.granted == 0) {
                     o.granted += grant;
-                    requests.push_back(Request::TcpGrant { flow: id, bytes: grant });
+                    requests.push_back(Request::TcpGrant {
+                        flow: id,
+                        bytes: grant,
+                    });
                 }
             }
             // In CLOSE-WAIT, hold the FIN until the laptop acknowledged all data:
@@ -1049,7 +1107,10 @@ impl Engine {
                 metrics.tcp_closed += 1;
                 if !o.kernel_closed {
                     o.kernel_closed = true;
-                    requests.push_back(Request::TcpClose { flow: id, reset: false });
+                    requests.push_back(Request::TcpClose {
+                        flow: id,
+                        reset: false,
+                    });
                 }
                 let handle = o.handle;
                 if state == tcp::State::Closed {
@@ -1066,7 +1127,9 @@ impl Engine {
     }
 
     fn remove_tcp(&mut self, id: FlowId) {
-        let Some(flow) = self.tcp.remove(&id) else { return };
+        let Some(flow) = self.tcp.remove(&id) else {
+            return;
+        };
         if self.tcp_by_key.get(&flow.key) == Some(&id) {
             self.tcp_by_key.remove(&flow.key);
         }

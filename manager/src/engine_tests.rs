@@ -67,14 +67,27 @@ impl Harness {
 
     /// SYN, dial success, SYN-ACK, ACK. Returns the connection and the first grant.
     fn open(&mut self, port: u16, dst: SocketAddr) -> (Conn, usize) {
-        self.send(tcp_segment(laptop(port), dst, TcpControl::Syn, 1000, None, &[]));
-        assert!(self.out().is_empty(), "SYN must be held until the dial finished");
+        self.send(tcp_segment(
+            laptop(port),
+            dst,
+            TcpControl::Syn,
+            1000,
+            None,
+            &[],
+        ));
+        assert!(
+            self.out().is_empty(),
+            "SYN must be held until the dial finished"
+        );
         let reqs = self.reqs();
         let [Request::TcpDial { flow, dst: d }] = reqs[..] else {
             panic!("expected one dial, got {reqs:?}");
         };
         assert_eq!(d, dst);
-        self.event(Event::TcpDialed { flow, result: Ok(()) });
+        self.event(Event::TcpDialed {
+            flow,
+            result: Ok(()),
+        });
         let out = self.out();
         assert_eq!(out.len(), 1, "one SYN-ACK");
         let synack = seg(&out[0]);
@@ -98,7 +111,14 @@ impl Harness {
     }
 
     fn ack(&mut self, c: &mut Conn) {
-        self.send(tcp_segment(laptop(c.port), c.dst, TcpControl::None, c.snd_nxt, Some(c.rcv_nxt), &[]));
+        self.send(tcp_segment(
+            laptop(c.port),
+            c.dst,
+            TcpControl::None,
+            c.snd_nxt,
+            Some(c.rcv_nxt),
+            &[],
+        ));
     }
 
     fn data(&mut self, c: &mut Conn, payload: &[u8]) {
@@ -114,7 +134,14 @@ impl Harness {
     }
 
     fn fin(&mut self, c: &mut Conn) {
-        self.send(tcp_segment(laptop(c.port), c.dst, TcpControl::Fin, c.snd_nxt, Some(c.rcv_nxt), &[]));
+        self.send(tcp_segment(
+            laptop(c.port),
+            c.dst,
+            TcpControl::Fin,
+            c.snd_nxt,
+            Some(c.rcv_nxt),
+            &[],
+        ));
         c.snd_nxt = c.snd_nxt.wrapping_add(1);
     }
 
@@ -165,7 +192,14 @@ fn retransmitted_syn_is_absorbed_while_dialing() {
 #[test]
 fn refused_dial_answers_rst_and_closes_the_flow() {
     let mut h = Harness::new();
-    h.send(tcp_segment(laptop(40000), backend(), TcpControl::Syn, 1000, None, &[]));
+    h.send(tcp_segment(
+        laptop(40000),
+        backend(),
+        TcpControl::Syn,
+        1000,
+        None,
+        &[],
+    ));
     let flow = match h.reqs()[..] {
         [Request::TcpDial { flow, .. }] => flow,
         ref r => panic!("{r:?}"),
@@ -188,7 +222,14 @@ fn refused_dial_answers_rst_and_closes_the_flow() {
 #[test]
 fn timed_out_dial_answers_host_unreachable() {
     let mut h = Harness::new();
-    h.send(tcp_segment(laptop(40001), backend(), TcpControl::Syn, 5, None, &[]));
+    h.send(tcp_segment(
+        laptop(40001),
+        backend(),
+        TcpControl::Syn,
+        5,
+        None,
+        &[],
+    ));
     let flow = match h.reqs()[..] {
         [Request::TcpDial { flow, .. }] => flow,
         ref r => panic!("{r:?}"),
@@ -202,7 +243,10 @@ fn timed_out_dial_answers_host_unreachable() {
     let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
     assert_eq!(ip.src_addr(), backend().ip());
     let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
-    assert_eq!((icmp.msg_type(), icmp.msg_code()), (Icmpv4Message::DstUnreachable, 1));
+    assert_eq!(
+        (icmp.msg_type(), icmp.msg_code()),
+        (Icmpv4Message::DstUnreachable, 1)
+    );
     assert_eq!(h.e.metrics().tcp_unreachable, 1);
     assert_eq!(h.e.flow_counts(), (0, 0, 0));
 }
@@ -210,15 +254,32 @@ fn timed_out_dial_answers_host_unreachable() {
 #[test]
 fn laptop_reset_during_dial_cancels_it() {
     let mut h = Harness::new();
-    h.send(tcp_segment(laptop(40002), backend(), TcpControl::Syn, 1000, None, &[]));
+    h.send(tcp_segment(
+        laptop(40002),
+        backend(),
+        TcpControl::Syn,
+        1000,
+        None,
+        &[],
+    ));
     let flow = match h.reqs()[..] {
         [Request::TcpDial { flow, .. }] => flow,
         ref r => panic!("{r:?}"),
     };
-    h.send(tcp_segment(laptop(40002), backend(), TcpControl::Rst, 1001, None, &[]));
+    h.send(tcp_segment(
+        laptop(40002),
+        backend(),
+        TcpControl::Rst,
+        1001,
+        None,
+        &[],
+    ));
     assert_eq!(h.reqs(), [Request::TcpClose { flow, reset: true }]);
     // A late dial result changes nothing.
-    h.event(Event::TcpDialed { flow, result: Ok(()) });
+    h.event(Event::TcpDialed {
+        flow,
+        result: Ok(()),
+    });
     assert!(h.out().is_empty());
     assert_eq!(h.e.flow_counts(), (0, 0, 0));
 }
@@ -232,7 +293,10 @@ fn relays_both_ways_and_closes_in_order() {
     // Outbound: laptop data becomes a write to the destination.
     h.data(&mut c, b"ping");
     assert_eq!(writes(&h.reqs(), c.flow), b"ping");
-    h.event(Event::TcpWritten { flow: c.flow, bytes: 4 });
+    h.event(Event::TcpWritten {
+        flow: c.flow,
+        bytes: 4,
+    });
 
     // Inbound: destination data reaches the laptop.
     h.event(Event::TcpData {
@@ -248,8 +312,12 @@ fn relays_both_ways_and_closes_in_order() {
     h.data(&mut c, b"last");
     h.fin(&mut c);
     let reqs = h.reqs();
-    let pos_write = reqs.iter().position(|r| matches!(r, Request::TcpWrite { .. }));
-    let pos_shut = reqs.iter().position(|r| matches!(r, Request::TcpShutdownWrite { .. }));
+    let pos_write = reqs
+        .iter()
+        .position(|r| matches!(r, Request::TcpWrite { .. }));
+    let pos_shut = reqs
+        .iter()
+        .position(|r| matches!(r, Request::TcpShutdownWrite { .. }));
     assert!(pos_write < pos_shut && pos_shut.is_some(), "{reqs:?}");
     assert_eq!(writes(&reqs, c.flow), b"last");
 
@@ -267,7 +335,10 @@ fn relays_both_ways_and_closes_in_order() {
     let (got, fin, _) = h.receive(&mut c);
     assert!(got.is_empty() && fin, "FIN once the data was acknowledged");
     h.ack(&mut c);
-    assert!(h.reqs().contains(&Request::TcpClose { flow: c.flow, reset: false }));
+    assert!(h.reqs().contains(&Request::TcpClose {
+        flow: c.flow,
+        reset: false
+    }));
     assert_eq!(h.e.flow_counts(), (0, 0, 0));
     assert_eq!(h.e.metrics().tcp_closed, 1);
 }
@@ -345,7 +416,10 @@ fn grants_never_exceed_free_send_buffer() {
             }
         }
     }
-    assert_eq!(delivered, TCP_TX_BUFFER, "credit beyond the unacknowledged buffer");
+    assert_eq!(
+        delivered, TCP_TX_BUFFER,
+        "credit beyond the unacknowledged buffer"
+    );
     assert_eq!(credit, 0);
 }
 
@@ -371,15 +445,32 @@ fn write_window_bounds_outbound_reads() {
         bytes: TCP_WRITE_WINDOW,
     });
     let more = writes(&h.reqs(), c.flow).len();
-    assert_eq!(written + more, 50 * 8000, "buffered bytes released after the write");
+    assert_eq!(
+        written + more,
+        50 * 8000,
+        "buffered bytes released after the write"
+    );
 }
 
 #[test]
 fn laptop_reset_resets_the_destination() {
     let mut h = Harness::new();
     let (c, _) = h.open(40007, backend());
-    h.send(tcp_segment(laptop(c.port), c.dst, TcpControl::Rst, c.snd_nxt, None, &[]));
-    assert_eq!(h.reqs(), [Request::TcpClose { flow: c.flow, reset: true }]);
+    h.send(tcp_segment(
+        laptop(c.port),
+        c.dst,
+        TcpControl::Rst,
+        c.snd_nxt,
+        None,
+        &[],
+    ));
+    assert_eq!(
+        h.reqs(),
+        [Request::TcpClose {
+            flow: c.flow,
+            reset: true
+        }]
+    );
     assert_eq!(h.e.flow_counts(), (0, 0, 0));
     assert_eq!(h.e.metrics().tcp_reset_by_laptop, 1);
 }
@@ -391,7 +482,13 @@ fn destination_reset_resets_the_laptop() {
     h.event(Event::TcpReset { flow: c.flow });
     let (_, _, rst) = h.receive(&mut c);
     assert!(rst, "RST to the laptop");
-    assert_eq!(h.reqs(), [Request::TcpClose { flow: c.flow, reset: true }]);
+    assert_eq!(
+        h.reqs(),
+        [Request::TcpClose {
+            flow: c.flow,
+            reset: true
+        }]
+    );
     assert_eq!(h.e.flow_counts(), (0, 0, 0));
     assert_eq!(h.e.metrics().tcp_reset_by_remote, 1);
 }
@@ -419,17 +516,33 @@ fn time_wait_lingers_then_frees_and_allows_reuse() {
     assert!(fin);
     h.fin(&mut c);
     let reqs = h.reqs();
-    assert!(reqs.contains(&Request::TcpShutdownWrite { flow: c.flow }), "{reqs:?}");
-    assert!(reqs.contains(&Request::TcpClose { flow: c.flow, reset: false }), "{reqs:?}");
+    assert!(
+        reqs.contains(&Request::TcpShutdownWrite { flow: c.flow }),
+        "{reqs:?}"
+    );
+    assert!(
+        reqs.contains(&Request::TcpClose {
+            flow: c.flow,
+            reset: false
+        }),
+        "{reqs:?}"
+    );
     let out = h.out();
-    assert!(out.iter().any(|p| seg(p).ack_number == c.snd_nxt), "FIN acknowledged");
+    assert!(
+        out.iter().any(|p| seg(p).ack_number == c.snd_nxt),
+        "FIN acknowledged"
+    );
     assert_eq!(h.e.flow_counts(), (1, 0, 0), "TIME-WAIT socket lingers");
     // The same 4-tuple opens again: a new dial, the old socket goes.
     let (c2, _) = h.open(40011, backend());
     assert_ne!(c2.flow, c.flow);
     assert_eq!(h.e.flow_counts(), (1, 0, 0));
     h.advance(Duration::from_secs(30));
-    assert_eq!(h.e.flow_counts(), (1, 0, 0), "the open flow stays while idle");
+    assert_eq!(
+        h.e.flow_counts(),
+        (1, 0, 0),
+        "the open flow stays while idle"
+    );
 }
 
 #[test]
@@ -449,7 +562,14 @@ fn lingering_socket_expires() {
 #[test]
 fn stray_segment_gets_rst() {
     let mut h = Harness::new();
-    h.send(tcp_segment(laptop(40013), backend(), TcpControl::None, 55, Some(77), b"x"));
+    h.send(tcp_segment(
+        laptop(40013),
+        backend(),
+        TcpControl::None,
+        55,
+        Some(77),
+        b"x",
+    ));
     let out = h.out();
     assert_eq!(out.len(), 1);
     assert!(seg(&out[0]).rst);
@@ -459,8 +579,22 @@ fn stray_segment_gets_rst() {
 #[test]
 fn bad_source_and_forbidden_destinations_are_dropped() {
     let mut h = Harness::new();
-    h.send(tcp_segment(v4([100, 96, 0, 3], 1), backend(), TcpControl::Syn, 1, None, &[]));
-    h.send(tcp_segment(laptop(1), v4([127, 0, 0, 1], 22), TcpControl::Syn, 1, None, &[]));
+    h.send(tcp_segment(
+        v4([100, 96, 0, 3], 1),
+        backend(),
+        TcpControl::Syn,
+        1,
+        None,
+        &[],
+    ));
+    h.send(tcp_segment(
+        laptop(1),
+        v4([127, 0, 0, 1], 22),
+        TcpControl::Syn,
+        1,
+        None,
+        &[],
+    ));
     h.send(udp_datagram(laptop(1), v4([255, 255, 255, 255], 67), b"x").expect("builds"));
     assert!(h.reqs().is_empty());
     assert!(h.out().is_empty());
@@ -477,8 +611,22 @@ fn flow_limit_refuses_with_rst() {
         e: Engine::new(config, now),
         now,
     };
-    h.send(tcp_segment(laptop(1), backend(), TcpControl::Syn, 1, None, &[]));
-    h.send(tcp_segment(laptop(2), backend(), TcpControl::Syn, 1, None, &[]));
+    h.send(tcp_segment(
+        laptop(1),
+        backend(),
+        TcpControl::Syn,
+        1,
+        None,
+        &[],
+    ));
+    h.send(tcp_segment(
+        laptop(2),
+        backend(),
+        TcpControl::Syn,
+        1,
+        None,
+        &[],
+    ));
     assert_eq!(h.reqs().len(), 1);
     let out = h.out();
     assert_eq!(out.len(), 1);
@@ -496,7 +644,17 @@ fn udp_flow_relays_and_expires() {
     h.send(udp_datagram(laptop(5353), dst, b"two").expect("builds"));
     let reqs = h.reqs();
     let flow = match reqs[..] {
-        [Request::UdpOpen { flow, dst: d }, Request::UdpSend { flow: f1, ref payload }, Request::UdpSend { flow: f2, payload: ref p2 }] => {
+        [
+            Request::UdpOpen { flow, dst: d },
+            Request::UdpSend {
+                flow: f1,
+                ref payload,
+            },
+            Request::UdpSend {
+                flow: f2,
+                payload: ref p2,
+            },
+        ] => {
             assert_eq!((d, f1, f2), (dst, flow, flow));
             assert_eq!((&payload[..], &p2[..]), (&b"one"[..], &b"two"[..]));
             flow
@@ -513,7 +671,10 @@ fn udp_flow_relays_and_expires() {
     assert_eq!(ip.src_addr(), dst.ip());
     assert_eq!(ip.dst_addr(), laptop(5353).ip());
     let udp = UdpPacket::new_checked(ip.payload()).expect("udp");
-    assert_eq!((udp.src_port(), udp.dst_port(), udp.payload()), (7, 5353, &b"ONE"[..]));
+    assert_eq!(
+        (udp.src_port(), udp.dst_port(), udp.payload()),
+        (7, 5353, &b"ONE"[..])
+    );
 
     // The reply refreshed the flow; it expires 60 s after the last traffic.
     assert_eq!(h.e.poll_timeout(h.now), Some(h.now + UDP_IDLE_TIMEOUT));
@@ -539,7 +700,10 @@ fn udp_refused_answers_port_unreachable() {
     assert_eq!(out.len(), 1);
     let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
     let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
-    assert_eq!((icmp.msg_type(), icmp.msg_code()), (Icmpv4Message::DstUnreachable, 3));
+    assert_eq!(
+        (icmp.msg_type(), icmp.msg_code()),
+        (Icmpv4Message::DstUnreachable, 3)
+    );
     let quoted = Ipv4Packet::new_checked(icmp.data()).expect("quoted header");
     assert_eq!(quoted.dst_addr(), dst.ip());
     assert_eq!(&icmp.data()[20..24], &[0x17, 0x70, 0, 9]);
@@ -553,7 +717,14 @@ fn echo_reply_only_when_the_target_answers() {
     h.send(echo_request(laptop_ip, target, 0xbeef, 1, b"abc"));
     let reqs = h.reqs();
     let flow = match reqs[..] {
-        [Request::PingOpen { flow, dst }, Request::PingSend { flow: f, seq: 1, ref data }] => {
+        [
+            Request::PingOpen { flow, dst },
+            Request::PingSend {
+                flow: f,
+                seq: 1,
+                ref data,
+            },
+        ] => {
             assert_eq!((dst, f, &data[..]), (target, flow, &b"abc"[..]));
             flow
         }
@@ -568,10 +739,16 @@ fn echo_reply_only_when_the_target_answers() {
     let out = h.out();
     assert_eq!(out.len(), 1);
     let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
-    assert_eq!((ip.src_addr(), ip.dst_addr()), (v4([10, 244, 1, 11], 0).ip(), laptop_ip).into_v4());
+    assert_eq!(
+        (ip.src_addr(), ip.dst_addr()),
+        (v4([10, 244, 1, 11], 0).ip(), laptop_ip).into_v4()
+    );
     let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
     assert_eq!(icmp.msg_type(), Icmpv4Message::EchoReply);
-    assert_eq!((icmp.echo_ident(), icmp.echo_seq_no(), icmp.data()), (0xbeef, 1, &b"abc"[..]));
+    assert_eq!(
+        (icmp.echo_ident(), icmp.echo_seq_no(), icmp.data()),
+        (0xbeef, 1, &b"abc"[..])
+    );
     // A second ping with another identifier is another flow.
     h.send(echo_request(laptop_ip, target, 0xcafe, 1, b""));
     assert!(matches!(h.reqs()[0], Request::PingOpen { .. }));
@@ -596,7 +773,13 @@ impl IntoV4 for (IpAddr, IpAddr) {
 #[test]
 fn failed_socket_closes_the_flow() {
     let mut h = Harness::new();
-    h.send(echo_request(laptop(0).ip(), v4([10, 244, 1, 99], 0).ip(), 1, 1, b""));
+    h.send(echo_request(
+        laptop(0).ip(),
+        v4([10, 244, 1, 99], 0).ip(),
+        1,
+        1,
+        b"",
+    ));
     let flow = match h.reqs()[0] {
         Request::PingOpen { flow, .. } => flow,
         ref r => panic!("{r:?}"),
@@ -610,11 +793,14 @@ fn arbitrary_event() -> impl Strategy<Value = Event> {
     let flow = (0u64..6).prop_map(FlowId);
     let data = proptest::collection::vec(any::<u8>(), 0..2000);
     prop_oneof![
-        (flow.clone(), prop_oneof![
-            Just(Ok(())),
-            Just(Err(DialError::Refused)),
-            Just(Err(DialError::TimedOut))
-        ])
+        (
+            flow.clone(),
+            prop_oneof![
+                Just(Ok(())),
+                Just(Err(DialError::Refused)),
+                Just(Err(DialError::TimedOut))
+            ]
+        )
             .prop_map(|(flow, result)| Event::TcpDialed { flow, result }),
         (flow.clone(), data.clone()).prop_map(|(flow, data)| Event::TcpData { flow, data }),
         flow.clone().prop_map(|flow| Event::TcpEof { flow }),
@@ -623,7 +809,11 @@ fn arbitrary_event() -> impl Strategy<Value = Event> {
         (flow.clone(), data.clone()).prop_map(|(flow, data)| Event::UdpReply { flow, data }),
         flow.clone().prop_map(|flow| Event::UdpRefused { flow }),
         flow.clone().prop_map(|flow| Event::SocketFailed { flow }),
-        (flow, any::<u16>(), data).prop_map(|(flow, seq, data)| Event::PingReply { flow, seq, data }),
+        (flow, any::<u16>(), data).prop_map(|(flow, seq, data)| Event::PingReply {
+            flow,
+            seq,
+            data
+        }),
     ]
 }
 
@@ -638,14 +828,37 @@ fn arbitrary_packet() -> impl Strategy<Value = Vec<u8>> {
         Just(TcpControl::Psh)
     ];
     let valid = prop_oneof![
-        (port.clone(), control, any::<u32>(), any::<Option<u32>>(), proptest::collection::vec(any::<u8>(), 0..64))
-            .prop_map(|(p, c, seq, ack, payload)| tcp_segment(laptop(p), backend(), c, seq, ack, &payload)),
+        (
+            port.clone(),
+            control,
+            any::<u32>(),
+            any::<Option<u32>>(),
+            proptest::collection::vec(any::<u8>(), 0..64)
+        )
+            .prop_map(|(p, c, seq, ack, payload)| tcp_segment(
+                laptop(p),
+                backend(),
+                c,
+                seq,
+                ack,
+                &payload
+            )),
         (port, proptest::collection::vec(any::<u8>(), 0..64))
             .prop_map(|(p, payload)| udp_datagram(laptop(p), backend(), &payload).expect("builds")),
-        (any::<u16>(), any::<u16>()).prop_map(|(id, seq)| echo_request(laptop(0).ip(), backend().ip(), id % 3, seq, b"x")),
+        (any::<u16>(), any::<u16>()).prop_map(|(id, seq)| echo_request(
+            laptop(0).ip(),
+            backend().ip(),
+            id % 3,
+            seq,
+            b"x"
+        )),
     ];
-    (valid, proptest::collection::vec((any::<usize>(), any::<u8>()), 0..3), any::<bool>()).prop_map(
-        |(mut pkt, flips, truncate)| {
+    (
+        valid,
+        proptest::collection::vec((any::<usize>(), any::<u8>()), 0..3),
+        any::<bool>(),
+    )
+        .prop_map(|(mut pkt, flips, truncate)| {
             for (i, b) in flips {
                 let len = pkt.len();
                 pkt[i % len] ^= b;
@@ -654,8 +867,7 @@ fn arbitrary_packet() -> impl Strategy<Value = Vec<u8>> {
                 pkt.truncate(pkt.len() / 2);
             }
             pkt
-        },
-    )
+        })
 }
 
 #[derive(Debug, Clone)]
@@ -742,17 +954,37 @@ fn window_updates_after_destination_eof_resume_at_once() {
             break;
         }
         // Zero window...
-        h.send(tcp_segment_win(laptop(c.port), c.dst, c.snd_nxt, c.rcv_nxt, 0));
+        h.send(tcp_segment_win(
+            laptop(c.port),
+            c.dst,
+            c.snd_nxt,
+            c.rcv_nxt,
+            0,
+        ));
         let sent: Vec<_> = h.out().iter().map(|p| seg(p)).collect();
-        assert!(sent.iter().all(|s| s.payload.is_empty()), "data into a zero window: {sent:?}");
+        assert!(
+            sent.iter().all(|s| s.payload.is_empty()),
+            "data into a zero window: {sent:?}"
+        );
         if sent.iter().any(|s| s.fin) {
             fin = true;
             break;
         }
         // ...then a pure window update, no time passes.
-        h.send(tcp_segment_win(laptop(c.port), c.dst, c.snd_nxt, c.rcv_nxt, 20_000));
+        h.send(tcp_segment_win(
+            laptop(c.port),
+            c.dst,
+            c.snd_nxt,
+            c.rcv_nxt,
+            20_000,
+        ));
     }
     let last: Vec<_> = h.out().iter().map(|p| seg(p)).collect();
-    assert!(fin, "no FIN; received {received}; then {last:?}; flows {:?}; reqs {:?}", h.e.flow_counts(), h.reqs());
+    assert!(
+        fin,
+        "no FIN; received {received}; then {last:?}; flows {:?}; reqs {:?}",
+        h.e.flow_counts(),
+        h.reqs()
+    );
     assert_eq!(received, 100_000);
 }

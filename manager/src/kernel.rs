@@ -102,7 +102,11 @@ impl KernelSide {
 
     /// Kernel objects alive: (TCP incl. closing, UDP, ping).
     pub fn counts(&self) -> (usize, usize, usize) {
-        (self.tcp.len() + self.tcp_closing.len(), self.udp.len(), self.ping.len())
+        (
+            self.tcp.len() + self.tcp_closing.len(),
+            self.udp.len(),
+            self.ping.len(),
+        )
     }
 
     /// Forget TCP flows whose orderly close finished.
@@ -169,7 +173,8 @@ impl KernelSide {
             Request::UdpOpen { flow, dst } => match open_udp(dst) {
                 Ok(socket) => {
                     let socket = Arc::new(socket);
-                    let reader = tokio::spawn(udp_reader(flow, socket.clone(), self.events_tx.clone()));
+                    let reader =
+                        tokio::spawn(udp_reader(flow, socket.clone(), self.events_tx.clone()));
                     self.udp.insert(
                         flow,
                         DatagramFlow {
@@ -204,7 +209,12 @@ impl KernelSide {
                 Ok(socket) => {
                     let socket = Arc::new(socket);
                     let v6 = dst.is_ipv6();
-                    let reader = tokio::spawn(ping_reader(flow, socket.clone(), v6, self.events_tx.clone()));
+                    let reader = tokio::spawn(ping_reader(
+                        flow,
+                        socket.clone(),
+                        v6,
+                        self.events_tx.clone(),
+                    ));
                     self.ping.insert(
                         flow,
                         DatagramFlow {
@@ -229,7 +239,9 @@ impl KernelSide {
                 }
             },
             Request::PingSend { flow, seq, data } => {
-                let Some(f) = self.ping.get(&flow) else { return };
+                let Some(f) = self.ping.get(&flow) else {
+                    return;
+                };
                 let msg = packet::ping_socket_request(f.v6, seq, &data);
                 if let Err(e) = send_now(&f.socket, &msg) {
                     trace!(%flow, error = %e, "echo request send failed");
@@ -254,7 +266,9 @@ fn send_now(socket: &UdpSocket, msg: &[u8]) -> io::Result<usize> {
 fn dial_error(e: &io::Error) -> DialError {
     match e.kind() {
         io::ErrorKind::ConnectionRefused => DialError::Refused,
-        io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => DialError::Unreachable,
+        io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => {
+            DialError::Unreachable
+        }
         io::ErrorKind::TimedOut => DialError::TimedOut,
         _ => DialError::Other,
     }
@@ -308,7 +322,10 @@ async fn tcp_flow(
     if let Err(e) = stream.set_nodelay(true) {
         debug!(%flow, error = %e, "cannot set TCP_NODELAY");
     }
-    let _ = events.send(Event::TcpDialed { flow, result: Ok(()) });
+    let _ = events.send(Event::TcpDialed {
+        flow,
+        result: Ok(()),
+    });
     let (rd, mut wr) = stream.into_split();
     let _reader = AbortOnDrop(tokio::spawn(tcp_reader(flow, rd, grant_rx, events.clone())));
     let mut broken = false;
@@ -443,7 +460,12 @@ fn open_ping(dst: IpAddr) -> io::Result<UdpSocket> {
     UdpSocket::from_std(socket.into())
 }
 
-async fn ping_reader(flow: FlowId, socket: Arc<UdpSocket>, v6: bool, events: mpsc::UnboundedSender<Event>) {
+async fn ping_reader(
+    flow: FlowId,
+    socket: Arc<UdpSocket>,
+    v6: bool,
+    events: mpsc::UnboundedSender<Event>,
+) {
     let mut buf = vec![0u8; DATAGRAM_BUFFER];
     loop {
         match socket.recv(&mut buf).await {

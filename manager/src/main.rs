@@ -1,6 +1,7 @@
 //! `kvpn-manager`: the traffic manager binary. Listens for laptops' data
 //! channels and relays their traffic into the cluster (see the library docs).
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,6 +43,8 @@ async fn shutdown_signal() -> anyhow::Result<&'static str> {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Plain text when the log goes to a file or pipe (the lab, kubectl logs).
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -55,8 +58,16 @@ async fn main() -> anyhow::Result<()> {
     };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .with_context(|| format!("cannot listen on {} (is another manager running, or the port taken?)", args.listen))?;
-    info!(listen = %args.listen, mtu = kvpn_manager::DEFAULT_MTU, "kvpn-manager listening");
+        .with_context(|| {
+            format!(
+                "cannot listen on {} (is another manager running, or the port taken?)",
+                args.listen
+            )
+        })?;
+    let bound = listener
+        .local_addr()
+        .context("cannot read the listening address")?;
+    info!(listen = %bound, mtu = kvpn_manager::DEFAULT_MTU, "kvpn-manager listening");
     tokio::select! {
         () = server::serve(listener, Arc::new(config)) => Ok(()),
         sig = shutdown_signal() => {

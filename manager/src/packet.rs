@@ -353,7 +353,10 @@ fn ip_packet(
                 payload_len,
                 hop_limit: HOP_LIMIT,
             };
-            repr.emit(&mut Ipv4Packet::new_unchecked(&mut buf[..]), &ChecksumCapabilities::default());
+            repr.emit(
+                &mut Ipv4Packet::new_unchecked(&mut buf[..]),
+                &ChecksumCapabilities::default(),
+            );
         }
         (IpAddr::V6(s), IpAddr::V6(d)) => {
             let repr = Ipv6Repr {
@@ -394,7 +397,12 @@ pub fn tcp_rst_for_syn(syn: &TcpMeta) -> Result<Vec<u8>, BuildError> {
         timestamp: None,
         payload: &[],
     };
-    let (mut buf, off) = ip_packet(syn.dst.ip(), syn.src.ip(), IpProtocol::Tcp, repr.buffer_len())?;
+    let (mut buf, off) = ip_packet(
+        syn.dst.ip(),
+        syn.src.ip(),
+        IpProtocol::Tcp,
+        repr.buffer_len(),
+    )?;
     repr.emit(
         &mut TcpPacket::new_unchecked(&mut buf[off..]),
         &IpAddress::from(syn.dst.ip()),
@@ -406,7 +414,10 @@ pub fn tcp_rst_for_syn(syn: &TcpMeta) -> Result<Vec<u8>, BuildError> {
 
 /// An ICMP (or ICMPv6) destination-unreachable error about `offending`, sent
 /// from the offending packet's destination to its source.
-pub fn dst_unreachable(offending: &Offending<'_>, kind: Unreachable) -> Result<Vec<u8>, BuildError> {
+pub fn dst_unreachable(
+    offending: &Offending<'_>,
+    kind: Unreachable,
+) -> Result<Vec<u8>, BuildError> {
     let caps = ChecksumCapabilities::default();
     match (offending.src, offending.dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
@@ -424,8 +435,12 @@ pub fn dst_unreachable(offending: &Offending<'_>, kind: Unreachable) -> Result<V
                 },
                 data: offending.payload_head,
             };
-            let (mut buf, off) =
-                ip_packet(offending.dst, offending.src, IpProtocol::Icmp, repr.buffer_len())?;
+            let (mut buf, off) = ip_packet(
+                offending.dst,
+                offending.src,
+                IpProtocol::Icmp,
+                repr.buffer_len(),
+            )?;
             repr.emit(&mut Icmpv4Packet::new_unchecked(&mut buf[off..]), &caps);
             Ok(buf)
         }
@@ -444,9 +459,18 @@ pub fn dst_unreachable(offending: &Offending<'_>, kind: Unreachable) -> Result<V
                 },
                 data: offending.payload_head,
             };
-            let (mut buf, off) =
-                ip_packet(offending.dst, offending.src, IpProtocol::Icmpv6, repr.buffer_len())?;
-            repr.emit(&d, &s, &mut Icmpv6Packet::new_unchecked(&mut buf[off..]), &caps);
+            let (mut buf, off) = ip_packet(
+                offending.dst,
+                offending.src,
+                IpProtocol::Icmpv6,
+                repr.buffer_len(),
+            )?;
+            repr.emit(
+                &d,
+                &s,
+                &mut Icmpv6Packet::new_unchecked(&mut buf[off..]),
+                &caps,
+            );
             Ok(buf)
         }
         _ => Err(BuildError::FamilyMismatch),
@@ -455,7 +479,11 @@ pub fn dst_unreachable(offending: &Offending<'_>, kind: Unreachable) -> Result<V
 
 /// A UDP datagram `src -> dst` carrying `payload` (a reply from the real
 /// destination `src`, to the laptop's `dst`).
-pub fn udp_datagram(src: SocketAddr, dst: SocketAddr, payload: &[u8]) -> Result<Vec<u8>, BuildError> {
+pub fn udp_datagram(
+    src: SocketAddr,
+    dst: SocketAddr,
+    payload: &[u8],
+) -> Result<Vec<u8>, BuildError> {
     let udp_len = 8 + payload.len();
     if udp_len > usize::from(u16::MAX) {
         return Err(BuildError::TooLarge(udp_len));
@@ -503,7 +531,12 @@ pub fn echo_reply(
                 data,
             };
             let (mut buf, off) = ip_packet(src, dst, IpProtocol::Icmpv6, repr.buffer_len())?;
-            repr.emit(&s, &d, &mut Icmpv6Packet::new_unchecked(&mut buf[off..]), &caps);
+            repr.emit(
+                &s,
+                &d,
+                &mut Icmpv6Packet::new_unchecked(&mut buf[off..]),
+                &caps,
+            );
             Ok(buf)
         }
         _ => Err(BuildError::FamilyMismatch),
@@ -565,7 +598,8 @@ pub(crate) mod test_support {
             timestamp: None,
             payload,
         };
-        let (mut buf, off) = ip_packet(src.ip(), dst.ip(), IpProtocol::Tcp, repr.buffer_len()).expect("fits");
+        let (mut buf, off) =
+            ip_packet(src.ip(), dst.ip(), IpProtocol::Tcp, repr.buffer_len()).expect("fits");
         repr.emit(
             &mut TcpPacket::new_unchecked(&mut buf[off..]),
             &IpAddress::from(src.ip()),
@@ -580,14 +614,28 @@ pub(crate) mod test_support {
         let (IpAddr::V4(_), IpAddr::V4(_)) = (src, dst) else {
             panic!("echo_request builds IPv4 only");
         };
-        let repr = Icmpv4Repr::EchoRequest { ident, seq_no: seq, data };
-        let (mut buf, off) = ip_packet(src, dst, IpProtocol::Icmp, repr.buffer_len()).expect("fits");
-        repr.emit(&mut Icmpv4Packet::new_unchecked(&mut buf[off..]), &ChecksumCapabilities::default());
+        let repr = Icmpv4Repr::EchoRequest {
+            ident,
+            seq_no: seq,
+            data,
+        };
+        let (mut buf, off) =
+            ip_packet(src, dst, IpProtocol::Icmp, repr.buffer_len()).expect("fits");
+        repr.emit(
+            &mut Icmpv4Packet::new_unchecked(&mut buf[off..]),
+            &ChecksumCapabilities::default(),
+        );
         buf
     }
 
     /// A pure ACK from the laptop advertising `window` bytes (no scaling).
-    pub fn tcp_segment_win(src: SocketAddr, dst: SocketAddr, seq: u32, ack: u32, window: u16) -> Vec<u8> {
+    pub fn tcp_segment_win(
+        src: SocketAddr,
+        dst: SocketAddr,
+        seq: u32,
+        ack: u32,
+        window: u16,
+    ) -> Vec<u8> {
         let mut pkt = tcp_segment(src, dst, TcpControl::None, seq, Some(ack), &[]);
         let off = ip_header_len(src.ip());
         let mut tcp = TcpPacket::new_unchecked(&mut pkt[off..]);
@@ -638,7 +686,14 @@ mod tests {
 
     #[test]
     fn classifies_tcp_syn() {
-        let pkt = tcp_segment(v4([100, 96, 0, 2], 40000), v4([10, 244, 1, 11], 80), TcpControl::Syn, 1000, None, &[]);
+        let pkt = tcp_segment(
+            v4([100, 96, 0, 2], 40000),
+            v4([10, 244, 1, 11], 80),
+            TcpControl::Syn,
+            1000,
+            None,
+            &[],
+        );
         let Ok(Parsed::Tcp(meta)) = parse(&pkt) else {
             panic!("not TCP: {:?}", parse(&pkt));
         };
@@ -678,7 +733,10 @@ mod tests {
             (v4([10, 244, 1, 12], 7007), v4([100, 96, 0, 2], 5353)),
             (
                 SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 7)), 53),
-                SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2)), 40001),
+                SocketAddr::new(
+                    IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2)),
+                    40001,
+                ),
             ),
         ] {
             let pkt = udp_datagram(src, dst, b"hello").expect("builds");
@@ -692,7 +750,11 @@ mod tests {
             );
         }
         assert_eq!(
-            udp_datagram(v4([1, 2, 3, 4], 1), SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), 1), b""),
+            udp_datagram(
+                v4([1, 2, 3, 4], 1),
+                SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), 1),
+                b""
+            ),
             Err(BuildError::FamilyMismatch)
         );
         assert!(matches!(
@@ -715,7 +777,10 @@ mod tests {
         let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
         assert!(icmp.verify_checksum());
         assert_eq!(icmp.msg_type(), Icmpv4Message::EchoReply);
-        assert_eq!((icmp.echo_ident(), icmp.echo_seq_no(), icmp.data()), (0x1234, 7, &b"abc"[..]));
+        assert_eq!(
+            (icmp.echo_ident(), icmp.echo_seq_no(), icmp.data()),
+            (0x1234, 7, &b"abc"[..])
+        );
     }
 
     #[test]
@@ -727,8 +792,19 @@ mod tests {
             seq_no: 3,
             data: b"xy",
         };
-        let (mut buf, off) = ip_packet(IpAddr::V6(s), IpAddr::V6(d), IpProtocol::Icmpv6, repr.buffer_len()).expect("fits");
-        repr.emit(&s, &d, &mut Icmpv6Packet::new_unchecked(&mut buf[off..]), &ChecksumCapabilities::default());
+        let (mut buf, off) = ip_packet(
+            IpAddr::V6(s),
+            IpAddr::V6(d),
+            IpProtocol::Icmpv6,
+            repr.buffer_len(),
+        )
+        .expect("fits");
+        repr.emit(
+            &s,
+            &d,
+            &mut Icmpv6Packet::new_unchecked(&mut buf[off..]),
+            &ChecksumCapabilities::default(),
+        );
         assert_eq!(
             parse(&buf),
             Ok(Parsed::EchoRequest {
@@ -743,7 +819,14 @@ mod tests {
 
     #[test]
     fn host_unreachable_quotes_the_syn() {
-        let syn = tcp_segment(v4([100, 96, 0, 2], 40000), v4([10, 244, 1, 99], 80), TcpControl::Syn, 5, None, &[]);
+        let syn = tcp_segment(
+            v4([100, 96, 0, 2], 40000),
+            v4([10, 244, 1, 99], 80),
+            TcpControl::Syn,
+            5,
+            None,
+            &[],
+        );
         let off = Offending::from_packet(&syn).expect("parses");
         let err = dst_unreachable(&off, Unreachable::Host).expect("builds");
         let ip = Ipv4Packet::new_checked(&err[..]).expect("ipv4");
@@ -763,7 +846,8 @@ mod tests {
 
     #[test]
     fn fragments_and_garbage_are_dropped() {
-        let mut pkt = udp_datagram(v4([100, 96, 0, 2], 1), v4([10, 0, 0, 1], 2), b"x").expect("builds");
+        let mut pkt =
+            udp_datagram(v4([100, 96, 0, 2], 1), v4([10, 0, 0, 1], 2), b"x").expect("builds");
         assert!(parse(&pkt).is_ok());
         pkt[6] |= 0x20; // more fragments
         assert_eq!(parse(&pkt), Err(DropReason::Fragment));
@@ -774,11 +858,20 @@ mod tests {
 
     #[test]
     fn destinations() {
-        assert!(destination_allowed("10.244.1.11".parse().expect("ip"), false));
-        assert!(!destination_allowed("127.0.0.1".parse().expect("ip"), false));
+        assert!(destination_allowed(
+            "10.244.1.11".parse().expect("ip"),
+            false
+        ));
+        assert!(!destination_allowed(
+            "127.0.0.1".parse().expect("ip"),
+            false
+        ));
         assert!(destination_allowed("127.0.0.1".parse().expect("ip"), true));
         assert!(!destination_allowed("0.0.0.0".parse().expect("ip"), true));
-        assert!(!destination_allowed("255.255.255.255".parse().expect("ip"), true));
+        assert!(!destination_allowed(
+            "255.255.255.255".parse().expect("ip"),
+            true
+        ));
         assert!(!destination_allowed("224.0.0.1".parse().expect("ip"), true));
         assert!(!destination_allowed("::1".parse().expect("ip"), false));
     }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvpn_proto::frame::{self, Decoder, FrameError, Hello, HelloError, Kind, PROTOCOL_VERSION};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
-use tracing::{debug, info, trace, warn, Instrument};
+use tracing::{Instrument, debug, info, trace, warn};
 
 use crate::engine::{Engine, EngineConfig};
 use crate::kernel::{AbortOnDrop, KernelSide};
@@ -86,7 +86,9 @@ pub enum SessionError {
     #[error("invalid hello: {0}")]
     BadHello(#[from] HelloError),
     /// The laptop speaks another protocol version.
-    #[error("laptop speaks data-channel protocol version {got}, this manager speaks {want}; upgrade the older side")]
+    #[error(
+        "laptop speaks data-channel protocol version {got}, this manager speaks {want}; upgrade the older side"
+    )]
     Version {
         /// The laptop's version.
         got: u16,
@@ -260,9 +262,9 @@ where
             break Err(SessionError::Write);
         }
 
-        let timer = engine.poll_timeout(now).map(|t| {
-            tokio::time::Instant::now() + t.saturating_duration_since(Instant::now())
-        });
+        let timer = engine
+            .poll_timeout(now)
+            .map(|t| tokio::time::Instant::now() + t.saturating_duration_since(Instant::now()));
         rbuf.reserve(READ_CHUNK);
         tokio::select! {
             r = rd.read_buf(&mut rbuf) => match r {

@@ -14,8 +14,8 @@ use std::time::Duration;
 use common::{LAPTOP_V4, LAPTOP_V6, Laptop};
 use smoltcp::phy::ChecksumCapabilities;
 use smoltcp::wire::{
-    Icmpv4Message, Icmpv4Packet, Icmpv4Repr, Icmpv6Message, Icmpv6Packet, Icmpv6Repr, IpProtocol, Ipv4Packet,
-    Ipv4Repr, Ipv6Packet, Ipv6Repr,
+    Icmpv4Message, Icmpv4Packet, Icmpv4Repr, Icmpv6Message, Icmpv6Packet, Icmpv6Repr, IpProtocol,
+    Ipv4Packet, Ipv4Repr, Ipv6Packet, Ipv6Repr,
 };
 
 fn require_root() {
@@ -30,7 +30,11 @@ fn run(args: &[&str]) {
         .args(&args[1..])
         .output()
         .unwrap_or_else(|e| panic!("cannot run {args:?}: {e}"));
-    assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A uniquely named netns `kvpn-t<hex>`, deleted on drop (also on failure).
@@ -75,7 +79,9 @@ impl TestNetns {
 
 impl Drop for TestNetns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
     }
 }
 
@@ -114,7 +120,12 @@ fn echo_request_v6(src: Ipv6Addr, dst: Ipv6Addr, ident: u16, seq: u16, data: &[u
     };
     let mut buf = vec![0u8; ip.buffer_len() + icmp.buffer_len()];
     ip.emit(&mut Ipv6Packet::new_unchecked(&mut buf[..]));
-    icmp.emit(&src, &dst, &mut Icmpv6Packet::new_unchecked(&mut buf[40..]), &ChecksumCapabilities::default());
+    icmp.emit(
+        &src,
+        &dst,
+        &mut Icmpv6Packet::new_unchecked(&mut buf[40..]),
+        &ChecksumCapabilities::default(),
+    );
     buf
 }
 
@@ -127,7 +138,12 @@ fn echo_reply(p: &[u8]) -> Option<(IpAddr, u16, u16, Vec<u8>)> {
         let icmp = Icmpv4Packet::new_checked(ip.payload()).ok()?;
         assert!(icmp.verify_checksum(), "bad ICMP checksum");
         (icmp.msg_type() == Icmpv4Message::EchoReply).then(|| {
-            (IpAddr::V4(ip.src_addr()), icmp.echo_ident(), icmp.echo_seq_no(), icmp.data().to_vec())
+            (
+                IpAddr::V4(ip.src_addr()),
+                icmp.echo_ident(),
+                icmp.echo_seq_no(),
+                icmp.data().to_vec(),
+            )
         })
     } else {
         let ip = Ipv6Packet::new_checked(p).ok()?;
@@ -135,15 +151,28 @@ fn echo_reply(p: &[u8]) -> Option<(IpAddr, u16, u16, Vec<u8>)> {
             return None;
         }
         let icmp = Icmpv6Packet::new_checked(ip.payload()).ok()?;
-        assert!(icmp.verify_checksum(&ip.src_addr(), &ip.dst_addr()), "bad ICMPv6 checksum");
+        assert!(
+            icmp.verify_checksum(&ip.src_addr(), &ip.dst_addr()),
+            "bad ICMPv6 checksum"
+        );
         (icmp.msg_type() == Icmpv6Message::EchoReply).then(|| {
-            (IpAddr::V6(ip.src_addr()), icmp.echo_ident(), icmp.echo_seq_no(), icmp.payload().to_vec())
+            (
+                IpAddr::V6(ip.src_addr()),
+                icmp.echo_ident(),
+                icmp.echo_seq_no(),
+                icmp.payload().to_vec(),
+            )
         })
     }
 }
 
 /// Ping `target` through a fresh session; the echo replies that came back within `wait`.
-async fn ping(tunnel_ip: IpAddr, target: IpAddr, seqs: &[u16], wait: Duration) -> Vec<(IpAddr, u16, u16, Vec<u8>)> {
+async fn ping(
+    tunnel_ip: IpAddr,
+    target: IpAddr,
+    seqs: &[u16],
+    wait: Duration,
+) -> Vec<(IpAddr, u16, u16, Vec<u8>)> {
     let mut laptop = Laptop::connect(tunnel_ip).await;
     laptop.keep_packets = true;
     for &seq in seqs {
@@ -157,9 +186,15 @@ async fn ping(tunnel_ip: IpAddr, target: IpAddr, seqs: &[u16], wait: Duration) -
     }
     let n = seqs.len();
     laptop
-        .run_until(wait, |l| l.packets.iter().filter_map(|p| echo_reply(p)).count() >= n)
+        .run_until(wait, |l| {
+            l.packets.iter().filter_map(|p| echo_reply(p)).count() >= n
+        })
         .await;
-    let replies = laptop.packets.iter().filter_map(|p| echo_reply(p)).collect();
+    let replies = laptop
+        .packets
+        .iter()
+        .filter_map(|p| echo_reply(p))
+        .collect();
     let metrics = laptop.finish().await;
     assert_eq!(metrics.pings_sent, n as u64);
     replies
@@ -177,15 +212,35 @@ fn ping_succeeds_only_when_the_target_answers() {
     let ns = TestNetns::new();
     // A veth pair inside the netns: 192.0.2.1/24 on one end, nothing on the
     // other, so 192.0.2.99 is routed but never answers (like an unused pod IP).
-    let (a, b) = (format!("kva{}", &ns.name[6..14]), format!("kvb{}", &ns.name[6..14]));
-    run(&["ip", "-n", &ns.name, "link", "add", &a, "type", "veth", "peer", "name", &b]);
-    run(&["ip", "-n", &ns.name, "addr", "add", "192.0.2.1/24", "dev", &a]);
+    let (a, b) = (
+        format!("kva{}", &ns.name[6..14]),
+        format!("kvb{}", &ns.name[6..14]),
+    );
+    run(&[
+        "ip", "-n", &ns.name, "link", "add", &a, "type", "veth", "peer", "name", &b,
+    ]);
+    run(&[
+        "ip",
+        "-n",
+        &ns.name,
+        "addr",
+        "add",
+        "192.0.2.1/24",
+        "dev",
+        &a,
+    ]);
     run(&["ip", "-n", &ns.name, "link", "set", &a, "up"]);
     run(&["ip", "-n", &ns.name, "link", "set", &b, "up"]);
 
     // A fresh netns allows nobody to open ping sockets: no reply, even from loopback.
     ns.run(|| async {
-        let got = ping(LAPTOP_V4, IpAddr::V4(Ipv4Addr::LOCALHOST), &[1], Duration::from_secs(1)).await;
+        let got = ping(
+            LAPTOP_V4,
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            &[1],
+            Duration::from_secs(1),
+        )
+        .await;
         assert!(got.is_empty(), "reply without ping sockets: {got:?}");
     });
 
@@ -201,7 +256,11 @@ fn ping_succeeds_only_when_the_target_answers() {
     ns.run(|| async {
         let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
         let got = ping(LAPTOP_V4, lo, &[1, 2, 3], Duration::from_secs(5)).await;
-        assert_eq!(got, expected(lo, &[1, 2, 3]), "echo id/seq/payload must come back unchanged");
+        assert_eq!(
+            got,
+            expected(lo, &[1, 2, 3]),
+            "echo id/seq/payload must come back unchanged"
+        );
 
         let here = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
         let got = ping(LAPTOP_V4, here, &[7], Duration::from_secs(5)).await;
@@ -209,7 +268,10 @@ fn ping_succeeds_only_when_the_target_answers() {
 
         let silent = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 99));
         let got = ping(LAPTOP_V4, silent, &[1, 2], Duration::from_secs(2)).await;
-        assert!(got.is_empty(), "reply from an address nobody holds: {got:?}");
+        assert!(
+            got.is_empty(),
+            "reply from an address nobody holds: {got:?}"
+        );
 
         let unrouted = IpAddr::V4(Ipv4Addr::new(198, 51, 100, 7));
         let got = ping(LAPTOP_V4, unrouted, &[1], Duration::from_secs(1)).await;

@@ -31,7 +31,11 @@ async fn echo_server(ip: IpAddr) -> SocketAddr {
 }
 
 /// Send `data` on `h` and read as much back; returns what came back.
-async fn echo_through(laptop: &mut Laptop, h: smoltcp::iface::SocketHandle, data: &[u8]) -> Vec<u8> {
+async fn echo_through(
+    laptop: &mut Laptop,
+    h: smoltcp::iface::SocketHandle,
+    data: &[u8],
+) -> Vec<u8> {
     let mut sent = 0;
     let mut got = Vec::new();
     let ok = laptop
@@ -50,13 +54,20 @@ async fn echo_through(laptop: &mut Laptop, h: smoltcp::iface::SocketHandle, data
             got.len() >= data.len()
         })
         .await;
-    assert!(ok, "echo incomplete: sent {sent}, got {} of {}", got.len(), data.len());
+    assert!(
+        ok,
+        "echo incomplete: sent {sent}, got {} of {}",
+        got.len(),
+        data.len()
+    );
     got
 }
 
 async fn established(laptop: &mut Laptop, h: smoltcp::iface::SocketHandle) {
     let ok = laptop
-        .run_until(Duration::from_secs(5), |l| l.tcp(h).state() == tcp::State::Established)
+        .run_until(Duration::from_secs(5), |l| {
+            l.tcp(h).state() == tcp::State::Established
+        })
         .await;
     assert!(ok, "not established: {}", laptop.tcp(h).state());
 }
@@ -187,11 +198,20 @@ async fn half_close_then_reply_with_slow_reader() {
             closed && !s.may_recv() && !s.can_recv()
         })
         .await;
-    assert!(ok, "reply incomplete: {} of {REPLY} bytes, state {}", got.len(), laptop.tcp(h).state());
+    assert!(
+        ok,
+        "reply incomplete: {} of {REPLY} bytes, state {}",
+        got.len(),
+        laptop.tcp(h).state()
+    );
     assert_eq!(got.len(), REPLY);
     assert!(got == pattern(REPLY, 5), "reply bytes differ");
     let seen = server_task.await.expect("server task");
-    assert!(seen == request, "server saw {} of {REQUEST} request bytes", seen.len());
+    assert!(
+        seen == request,
+        "server saw {} of {REQUEST} request bytes",
+        seen.len()
+    );
     let metrics = laptop.finish().await;
     assert_eq!(metrics.tcp_reset_by_laptop + metrics.tcp_reset_by_remote, 0);
 }
@@ -215,10 +235,18 @@ async fn closed_port_is_refused_with_rst() {
             st == tcp::State::Closed
         })
         .await;
-    assert!(ok, "connect neither refused nor failed: {}", laptop.tcp(h).state());
+    assert!(
+        ok,
+        "connect neither refused nor failed: {}",
+        laptop.tcp(h).state()
+    );
     assert!(!ever_established, "connected before being refused");
     // smoltcp's first SYN retransmission is after 1 s; the RST must answer the first SYN.
-    assert!(start.elapsed() < Duration::from_millis(900), "refusal took {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_millis(900),
+        "refusal took {:?}",
+        start.elapsed()
+    );
     let metrics = laptop.finish().await;
     assert_eq!(metrics.tcp_refused, 1);
     assert_eq!(metrics.tcp_connected, 0);
@@ -272,10 +300,16 @@ async fn resets_propagate_and_stay_per_connection() {
 
     laptop.tcp(a).send_slice(b"reset-me").expect("send");
     let ok = laptop
-        .run_until(Duration::from_secs(5), |l| l.tcp(a).state() == tcp::State::Closed)
+        .run_until(Duration::from_secs(5), |l| {
+            l.tcp(a).state() == tcp::State::Closed
+        })
         .await;
     assert!(ok, "A not reset: {}", laptop.tcp(a).state());
-    assert_eq!(laptop.tcp(a).recv(|b| (b.len(), ())), Err(tcp::RecvError::InvalidState), "RST, not FIN");
+    assert_eq!(
+        laptop.tcp(a).recv(|b| (b.len(), ())),
+        Err(tcp::RecvError::InvalidState),
+        "RST, not FIN"
+    );
 
     assert!(echo_through(&mut laptop, b, b"b-still-works").await == b"b-still-works");
     let c = laptop.tcp_socket(65536, 65536);
@@ -285,7 +319,9 @@ async fn resets_propagate_and_stay_per_connection() {
 
     // Laptop aborts C: the server's read fails with a reset.
     laptop.tcp(c).abort();
-    laptop.run_until(Duration::from_millis(200), |_| false).await;
+    laptop
+        .run_until(Duration::from_millis(200), |_| false)
+        .await;
     let r = tokio::time::timeout(Duration::from_secs(5), reset_rx.recv())
         .await
         .expect("server saw the reset")
@@ -311,7 +347,10 @@ async fn udp_echo() {
     let h = laptop.udp_socket(5353);
     let big = pattern(4000, 9); // tr-02: a 4000-byte datagram comes back whole
     for msg in [&b"one"[..], &big[..], &b"three"[..]] {
-        laptop.udp(h).send_slice(msg, server_addr).expect("udp send");
+        laptop
+            .udp(h)
+            .send_slice(msg, server_addr)
+            .expect("udp send");
         let mut reply = None;
         let ok = laptop
             .run_until(Duration::from_secs(5), |l| {
@@ -324,10 +363,21 @@ async fn udp_echo() {
         assert!(ok, "no UDP echo for a {}-byte datagram", msg.len());
         let (data, from) = reply.expect("reply");
         assert_eq!(data, msg);
-        assert_eq!(SocketAddr::new(from.addr.into(), from.port), server_addr, "reply from the original destination");
+        assert_eq!(
+            SocketAddr::new(from.addr.into(), from.port),
+            server_addr,
+            "reply from the original destination"
+        );
     }
     let metrics = laptop.finish().await;
-    assert_eq!((metrics.udp_flows, metrics.udp_datagrams_out, metrics.udp_datagrams_in), (1, 3, 3));
+    assert_eq!(
+        (
+            metrics.udp_flows,
+            metrics.udp_datagrams_out,
+            metrics.udp_datagrams_in
+        ),
+        (1, 3, 3)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -339,7 +389,10 @@ async fn udp_to_closed_port_gets_port_unreachable() {
     let mut laptop = Laptop::connect(LAPTOP_V4).await;
     laptop.keep_packets = true;
     let h = laptop.udp_socket(5354);
-    laptop.udp(h).send_slice(b"anyone?", closed).expect("udp send");
+    laptop
+        .udp(h)
+        .send_slice(b"anyone?", closed)
+        .expect("udp send");
     let ok = laptop
         .run_until(Duration::from_secs(3), |l| {
             l.packets.iter().any(|p| {
@@ -361,23 +414,34 @@ async fn heartbeats_are_echoed() {
         .run_until(Duration::from_secs(3), |l| !l.other_frames.is_empty())
         .await;
     assert!(ok, "no heartbeat echo");
-    assert_eq!(laptop.other_frames[0], (Kind::Heartbeat, vec![1, 2, 3, 4, 5, 6, 7, 8]));
+    assert_eq!(
+        laptop.other_frames[0],
+        (Kind::Heartbeat, vec![1, 2, 3, 4, 5, 6, 7, 8])
+    );
     assert_eq!(laptop.finish().await.heartbeats, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_version_and_missing_hello_are_rejected() {
     let (mut pipe, session) = spawn_session(session_config());
-    pipe.write_all(&hello_frame(LAPTOP_V4, PROTOCOL_VERSION + 1)).await.expect("write");
+    pipe.write_all(&hello_frame(LAPTOP_V4, PROTOCOL_VERSION + 1))
+        .await
+        .expect("write");
     let r = session.await.expect("no panic");
-    assert!(matches!(r, Err(SessionError::Version { got, .. }) if got == PROTOCOL_VERSION + 1), "{r:?}");
+    assert!(
+        matches!(r, Err(SessionError::Version { got, .. }) if got == PROTOCOL_VERSION + 1),
+        "{r:?}"
+    );
 
     let (mut pipe, session) = spawn_session(session_config());
     let mut f = Vec::new();
     frame::encode_into(Kind::Packet, &[0x45, 0], &mut f).expect("fits");
     pipe.write_all(&f).await.expect("write");
     let r = session.await.expect("no panic");
-    assert!(matches!(r, Err(SessionError::NotHello(Kind::Packet))), "{r:?}");
+    assert!(
+        matches!(r, Err(SessionError::NotHello(Kind::Packet))),
+        "{r:?}"
+    );
 
     let (mut pipe, session) = spawn_session(session_config());
     pipe.write_all(&[0, 0, 2]).await.expect("write");
@@ -435,5 +499,8 @@ async fn garbage_frames_never_panic() {
     established(&mut laptop, h).await;
     assert!(echo_through(&mut laptop, h, b"alive").await == b"alive");
     let metrics = laptop.finish().await;
-    assert!(metrics.dropped_total() > 0, "garbage was not counted as dropped: {metrics}");
+    assert!(
+        metrics.dropped_total() > 0,
+        "garbage was not counted as dropped: {metrics}"
+    );
 }

@@ -3,15 +3,18 @@
 //! a real manager session (`run_session`), which dials real servers on
 //! loopback.
 
-#![allow(dead_code, reason = "each test binary uses a different part of the harness")]
+#![allow(
+    dead_code,
+    reason = "each test binary uses a different part of the harness"
+)]
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
+use kvpn_manager::DEFAULT_MTU;
 use kvpn_manager::device::QueueDevice;
 use kvpn_manager::metrics::Metrics;
 use kvpn_manager::session::{SessionConfig, SessionError, run_session};
-use kvpn_manager::DEFAULT_MTU;
 use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
 use smoltcp::socket::{tcp, udp};
@@ -20,7 +23,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream, ReadHalf, WriteHalf};
 use tokio::task::JoinHandle;
 
 pub const LAPTOP_V4: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(100, 96, 0, 2));
-pub const LAPTOP_V6: IpAddr = IpAddr::V6(std::net::Ipv6Addr::new(0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0, 2));
+pub const LAPTOP_V6: IpAddr = IpAddr::V6(std::net::Ipv6Addr::new(
+    0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0, 2,
+));
 
 /// Pipe capacity per direction, bytes.
 const PIPE: usize = 4 << 20;
@@ -52,7 +57,9 @@ pub fn session_config() -> SessionConfig {
 }
 
 /// Start a manager session on one end of a pipe; return the other end.
-pub fn spawn_session(config: SessionConfig) -> (DuplexStream, JoinHandle<Result<Metrics, SessionError>>) {
+pub fn spawn_session(
+    config: SessionConfig,
+) -> (DuplexStream, JoinHandle<Result<Metrics, SessionError>>) {
     let (laptop_end, manager_end) = tokio::io::duplex(PIPE);
     let session = tokio::spawn(async move { run_session(manager_end, &config).await });
     (laptop_end, session)
@@ -109,7 +116,9 @@ impl Laptop {
             IpAddr::V6(_) => {
                 iface
                     .routes_mut()
-                    .add_default_ipv6_route(std::net::Ipv6Addr::new(0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0, 1))
+                    .add_default_ipv6_route(std::net::Ipv6Addr::new(
+                        0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0, 1,
+                    ))
                     .expect("route fits");
             }
         }
@@ -135,11 +144,19 @@ impl Laptop {
     }
 
     pub fn tcp_socket(&mut self, rx: usize, tx: usize) -> SocketHandle {
-        let s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; rx]), tcp::SocketBuffer::new(vec![0; tx]));
+        let s = tcp::Socket::new(
+            tcp::SocketBuffer::new(vec![0; rx]),
+            tcp::SocketBuffer::new(vec![0; tx]),
+        );
         self.sockets.add(s)
     }
 
-    pub fn connect_tcp(&mut self, handle: SocketHandle, dst: std::net::SocketAddr, local_port: u16) {
+    pub fn connect_tcp(
+        &mut self,
+        handle: SocketHandle,
+        dst: std::net::SocketAddr,
+        local_port: u16,
+    ) {
         // The tunnel IP as source explicitly: smoltcp would pick ::1 for ::1.
         let local = std::net::SocketAddr::new(self.tunnel_ip, local_port);
         let cx = self.iface.context();
@@ -214,7 +231,10 @@ impl Laptop {
         }
         let decoder = Decoder::default();
         let mut used = 0;
-        while let Some((f, n)) = decoder.decode(&self.rbuf[used..]).expect("manager sends valid frames") {
+        while let Some((f, n)) = decoder
+            .decode(&self.rbuf[used..])
+            .expect("manager sends valid frames")
+        {
             used += n;
             match f.kind {
                 Kind::Packet => {
@@ -232,7 +252,11 @@ impl Laptop {
     }
 
     /// Step until `done` returns true; false on timeout.
-    pub async fn run_until(&mut self, timeout: Duration, mut done: impl FnMut(&mut Self) -> bool) -> bool {
+    pub async fn run_until(
+        &mut self,
+        timeout: Duration,
+        mut done: impl FnMut(&mut Self) -> bool,
+    ) -> bool {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             if done(self) {
@@ -264,11 +288,15 @@ impl Laptop {
             },
             drain
         );
-        result.expect("session task did not panic").expect("session ended cleanly")
+        result
+            .expect("session task did not panic")
+            .expect("session ended cleanly")
     }
 }
 
 /// Bytes whose content depends on position (detects reordering and loss).
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| ((i * 7 + seed as usize) % 251) as u8).collect()
+    (0..len)
+        .map(|i| ((i * 7 + seed as usize) % 251) as u8)
+        .collect()
 }
