@@ -38,7 +38,7 @@ use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::{debug, info};
@@ -234,8 +234,17 @@ pub enum Error {
         after: Duration,
         last: String,
     },
-    #[error("Secret {namespace}/{TLS_SECRET} is unusable right after kvpn wrote it: {why}")]
+    #[error("Secret {namespace}/{TLS_SECRET} is unusable: {why}")]
     BadSecret { namespace: String, why: String },
+    #[error(
+        "Secret {namespace}/{TLS_SECRET} changed under kvpn {rounds} times in a row (last: \
+         {last}) — other kvpn clients disagree about the Service; retry, or delete the Secret"
+    )]
+    SecretRace {
+        namespace: String,
+        rounds: usize,
+        last: String,
+    },
     #[error("{object} still exists {}s after deleting it", .after.as_secs())]
     DeleteTimeout { object: String, after: Duration },
 }
@@ -328,7 +337,9 @@ impl Installer<'_> {
         Api::namespaced(self.client.clone(), self.ns())
     }
 
-    async fn apply<K: Kind>(
+    /// One server-side apply; a 409 is returned as is (a resourceVersion
+    /// precondition in `obj` failed, or another writer created it first).
+    async fn apply_once<K: Kind>(
         &self,
         api: &Api<K>,
         namespace: Option<&str>,
@@ -339,6 +350,32 @@ impl Installer<'_> {
         api.patch(&name, &pp, &Patch::Apply(obj))
             .await
             .map_err(api_error::<K>("patch", namespace, &name))
+    }
+
+    /// Server-side apply, retried on 409: when two kvpn clients apply a missing
+    /// object at once, the apiserver turns both into creates and the second gets
+    /// "already exists" (seen here with 6 parallel installs); applying again is
+    /// an ordinary, idempotent update.
+    async fn apply<K: Kind>(
+        &self,
+        api: &Api<K>,
+        namespace: Option<&str>,
+        obj: &K,
+    ) -> Result<K, Error> {
+        const ATTEMPTS: u32 = 4;
+        let mut attempt = 1;
+        loop {
+            match self.apply_once(api, namespace, obj).await {
+                Err(Error::Kube { source, .. })
+                    if attempt < ATTEMPTS && is_status(&source, 409) =>
+                {
+                    debug!(error = %source, attempt, "apply raced with another writer; applying again");
+                    tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                    attempt += 1;
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Applies `desired` when missing or written by an older kvpn (see the module docs).
@@ -403,36 +440,78 @@ impl Installer<'_> {
 
     /// The TLS material: the stored Secret's when it is valid for the Service,
     /// else new (and written).
+    ///
+    /// Parallel connects must agree on one certificate (each returns the CA it will
+    /// trust), so writes are conditional: a new Secret is *created* (not applied;
+    /// the loser of a race gets 409 AlreadyExists), and a replacement is applied
+    /// with the old resourceVersion as a precondition (409 Conflict). After a lost
+    /// race the Secret is read again and checked like any other.
     async fn ensure_secret(&self, cluster_ip: Option<IpAddr>) -> Result<certs::TlsMaterial, Error> {
+        /// Rounds of read-check-write; each lost race means another kvpn wrote a
+        /// Secret that the next round accepts, so two suffice unless the writers
+        /// disagree about the ClusterIP.
+        const ROUNDS: usize = 4;
         let api: Api<Secret> = self.namespaced();
         let ns = Some(self.ns());
         let ips: Vec<IpAddr> = cluster_ip.into_iter().collect();
-        let existing = api
-            .get_opt(TLS_SECRET)
-            .await
-            .map_err(api_error::<Secret>("get", ns, TLS_SECRET))?;
-        let step = match existing {
-            Some(s) => {
-                match certs::from_secret(&s)
-                    .and_then(|m| certs::check(&m, self.ns(), &ips).map(|()| m))
-                {
+        let mut last_race = None;
+        for _ in 0..ROUNDS {
+            let existing = api
+                .get_opt(TLS_SECRET)
+                .await
+                .map_err(api_error::<Secret>("get", ns, TLS_SECRET))?;
+            let valid = |s: &Secret| {
+                certs::from_secret(s).and_then(|m| certs::check(&m, self.ns(), &ips).map(|()| m))
+            };
+            let replace = match &existing {
+                Some(s) => match valid(s) {
                     Ok(m) => return Ok(m),
-                    Err(why) => format!("Replacing Secret {TLS_SECRET} ({why})"),
+                    Err(why) => Some((why, s.metadata.resource_version.clone())),
+                },
+                None => None,
+            };
+            let m = certs::generate(self.ns(), cluster_ip)?;
+            let mut secret = objects::tls_secret(&self.spec, &m.ca_pem, &m.cert_pem, &m.key_pem);
+            let written = match replace {
+                Some((why, resource_version)) => {
+                    self.progress.report(ProgressEvent::Step(format!(
+                        "Replacing Secret {TLS_SECRET} ({why})"
+                    )));
+                    secret.metadata.resource_version = resource_version;
+                    self.apply_once(&api, ns, &secret).await
                 }
+                None => {
+                    self.progress
+                        .report(ProgressEvent::Step(format!("Creating Secret {TLS_SECRET}")));
+                    let pp = PostParams {
+                        field_manager: Some(objects::FIELD_MANAGER.to_owned()),
+                        ..PostParams::default()
+                    };
+                    api.create(&pp, &secret)
+                        .await
+                        .map_err(api_error::<Secret>("create", ns, TLS_SECRET))
+                }
+            };
+            match written {
+                // Read back what the apiserver stored, so the client trusts exactly it.
+                Ok(w) => {
+                    return valid(&w).map_err(|why| Error::BadSecret {
+                        namespace: self.ns().to_owned(),
+                        why,
+                    });
+                }
+                Err(Error::Kube { source, .. }) if is_status(&source, 409) => {
+                    debug!(error = %source, "another kvpn wrote the TLS Secret first; reading it");
+                    last_race = Some(source);
+                }
+                Err(e) => return Err(e),
             }
-            None => format!("Creating Secret {TLS_SECRET}"),
-        };
-        self.progress.report(ProgressEvent::Step(step));
-        let m = certs::generate(self.ns(), cluster_ip)?;
-        let secret = objects::tls_secret(&self.spec, &m.ca_pem, &m.cert_pem, &m.key_pem);
-        let written = self.apply(&api, ns, &secret).await?;
-        // Read back what the apiserver stored, so a later connect trusts exactly it.
-        certs::from_secret(&written)
-            .and_then(|w| certs::check(&w, self.ns(), &ips).map(|()| w))
-            .map_err(|why| Error::BadSecret {
-                namespace: self.ns().to_owned(),
-                why,
-            })
+        }
+        Err(Error::SecretRace {
+            namespace: self.ns().to_owned(),
+            rounds: ROUNDS,
+            last: last_race.map(|e| e.to_string()).unwrap_or_default(),
+        })
     }
 
     async fn run(&self, wait_config: WaitConfig) -> Result<ManagerInfo, Error> {
@@ -650,6 +729,51 @@ pub async fn ensure_manager(
         progress,
     };
     installer.run(opts.wait).await
+}
+
+/// The TLS step of [`ensure_manager`] alone: returns the manager's TLS material
+/// from its Secret when that is valid for the Service name and `cluster_ip`, else
+/// writes a new one (conditionally, so concurrent callers end with one Secret and
+/// all return it). The Service must exist for `cluster_ip` to be known.
+pub async fn ensure_tls_secret(
+    client: &kube::Client,
+    opts: &InstallOptions,
+    cluster_ip: Option<IpAddr>,
+    progress: &dyn Progress,
+) -> Result<certs::TlsMaterial, Error> {
+    let installer = Installer {
+        client,
+        spec: Spec {
+            namespace: opts.namespace.clone(),
+            image: opts.image.clone(),
+            version: opts.version.clone(),
+        },
+        progress,
+    };
+    installer.ensure_secret(cluster_ip).await
+}
+
+/// The manager's TLS material as stored in its Secret (None when there is no
+/// Secret), e.g. to verify the manager's certificate on a reconnect.
+pub async fn read_tls(
+    client: &kube::Client,
+    namespace: &str,
+) -> Result<Option<certs::TlsMaterial>, Error> {
+    let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let Some(secret) = api.get_opt(TLS_SECRET).await.map_err(api_error::<Secret>(
+        "get",
+        Some(namespace),
+        TLS_SECRET,
+    ))?
+    else {
+        return Ok(None);
+    };
+    certs::from_secret(&secret)
+        .map(Some)
+        .map_err(|why| Error::BadSecret {
+            namespace: namespace.to_owned(),
+            why,
+        })
 }
 
 /// What [`uninstall`] removed, as "Kind name" strings in deletion order.

@@ -251,14 +251,23 @@ async fn installed_objects(
         .await
         .expect("Deployment");
     get("Deployment", &dep.metadata, &mut rv, version);
-    // The Secret keeps the version that generated it (kept across upgrades).
+    // The Secret keeps the version that generated it (kept across upgrades), and is
+    // created with a plain create (parallel connects race for it), so its field
+    // manager entry is an Update.
     let secret = Api::<Secret>::namespaced(admin.clone(), ns)
         .get(TLS_SECRET)
         .await
         .expect("Secret");
+    assert!(has_kvpn_labels(&secret.metadata), "Secret labels");
     assert!(
-        has_kvpn_labels(&secret.metadata) && applied_by_kvpn(&secret.metadata),
-        "Secret meta"
+        secret
+            .metadata
+            .managed_fields
+            .iter()
+            .flatten()
+            .any(|m| m.manager.as_deref() == Some("kvpn")),
+        "Secret written by field manager kvpn: {:?}",
+        secret.metadata.managed_fields
     );
     rv.insert(
         "Secret".into(),
@@ -910,6 +919,118 @@ async fn restricted_user_installs_and_uninstalls_and_failures_carry_the_pods_rea
         !lines_with(&rec, ": Waiting: ErrImagePull: rpc error").is_empty(),
         "{:#?}",
         rec.lines()
+    );
+    install::uninstall(&user, ns, &install::Quiet)
+        .await
+        .expect("clean up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_installs_agree_on_one_certificate_and_one_rollout() {
+    let id = unique();
+    let scratch = Scratch::new("parallel", &id);
+    let cp = start_control_plane(&scratch, &id).await;
+    let admin = cp.admin_client().await.expect("admin client");
+    let user = cp.user_client().await.expect("restricted user client");
+    let ns = k8s::KVPN_NAMESPACE;
+    let _writer = status_writer(admin.clone(), ns, PodBehaviour::Ready);
+    const CLIENTS: usize = 6;
+    let t0 = Instant::now();
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let user = user.clone();
+            tokio::spawn(async move {
+                let rec = Recorder::default();
+                let r = install::ensure_manager(&user, &opts(ns, "0.1.0"), &rec).await;
+                (r, rec.lines())
+            })
+        })
+        .collect();
+    let mut infos = Vec::new();
+    for t in tasks {
+        let (r, lines) = t.await.expect("task");
+        infos.push(r.unwrap_or_else(|e| panic!("parallel install: {e}\n{}", lines.join("\n"))));
+    }
+    eprintln!("{CLIENTS} parallel installs took {:?}", t0.elapsed());
+    let secret = Api::<Secret>::namespaced(admin.clone(), ns)
+        .get(TLS_SECRET)
+        .await
+        .expect("secret");
+    let ca =
+        String::from_utf8(secret.data.as_ref().expect("data")["ca.crt"].0.clone()).expect("utf8");
+    for info in &infos {
+        assert_eq!(info.ca_pem, ca, "every client trusts the CA in the Secret");
+        assert_eq!(info.pod_name, infos[0].pod_name, "one manager pod");
+    }
+    let dep = Api::<Deployment>::namespaced(admin.clone(), ns)
+        .get(MANAGER)
+        .await
+        .expect("dep");
+    let fingerprint = dep
+        .spec
+        .and_then(|s| s.template.metadata)
+        .and_then(|m| m.annotations)
+        .and_then(|a| a.get(objects::ANNOTATION_TLS_FINGERPRINT).cloned());
+    assert_eq!(
+        fingerprint,
+        Some(objects::digest(ca.as_bytes())),
+        "the pod mounts that CA"
+    );
+    let replica_sets = Api::<k8s_openapi::api::apps::v1::ReplicaSet>::namespaced(admin.clone(), ns)
+        .list(&ListParams::default().labels(&objects::selector()))
+        .await
+        .expect("replica sets");
+    assert_eq!(
+        replica_sets.items.len(),
+        1,
+        "one pod template, no certificate churn"
+    );
+    install::uninstall(&user, ns, &install::Quiet)
+        .await
+        .expect("clean up");
+
+    // The Secret step alone, many at once on an empty namespace: every caller
+    // races for the create, the losers read the winner's Secret.
+    let ip: IpAddr = "10.96.0.77".parse().expect("ip");
+    let t0 = Instant::now();
+    let start = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let user = user.clone();
+            let start = start.clone();
+            tokio::spawn(async move {
+                let rec = Recorder::default();
+                start.wait().await;
+                let r = install::ensure_tls_secret(&user, &opts(ns, "0.1.0"), Some(ip), &rec).await;
+                (r, rec.lines())
+            })
+        })
+        .collect();
+    let mut creators = 0;
+    let mut cas = Vec::new();
+    for t in tasks {
+        let (r, lines) = t.await.expect("task");
+        creators += lines
+            .iter()
+            .filter(|l| l.contains("Creating Secret"))
+            .count();
+        cas.push(r.unwrap_or_else(|e| panic!("secret step: {e}")).ca_pem);
+    }
+    eprintln!(
+        "{CLIENTS} parallel Secret steps: {creators} create attempts, {:?}",
+        t0.elapsed()
+    );
+    let stored = install::read_tls(&user, ns)
+        .await
+        .expect("read")
+        .expect("a Secret");
+    assert!(
+        cas.iter().all(|c| *c == stored.ca_pem),
+        "all callers return the stored CA"
+    );
+    assert!(
+        creators >= 2,
+        "the callers raced ({creators} create attempts)"
     );
     install::uninstall(&user, ns, &install::Quiet)
         .await

@@ -18,7 +18,7 @@
 //! [`WaitConfig::fatal_grace`] (a registry hiccup gets one retry). Otherwise the
 //! wait fails after [`WaitConfig::ready_timeout`] with the last state seen.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
@@ -293,6 +293,10 @@ pub struct ReadyWait {
     started: Instant,
     /// Line last shown per pod.
     shown: BTreeMap<String, String>,
+    /// Every "Waiting: …" line shown per pod: the kubelet alternates ErrImagePull and
+    /// ImagePullBackOff (or CrashLoopBackOff and Running) every few seconds, and one
+    /// line per reason says it all.
+    shown_waiting: BTreeMap<String, BTreeSet<String>>,
     /// Since when each pod (or "" for the Deployment) has shown a fatal reason.
     fatal_since: BTreeMap<String, Instant>,
     /// The last ErrImagePull message per pod: ImagePullBackOff's own message only
@@ -312,6 +316,7 @@ impl ReadyWait {
             config,
             started: now,
             shown: BTreeMap::new(),
+            shown_waiting: BTreeMap::new(),
             fatal_since: BTreeMap::new(),
             pull_error: BTreeMap::new(),
             deployment_line: None,
@@ -366,7 +371,15 @@ impl ReadyWait {
                 format!("{} (previous template)", v.line)
             };
             if self.shown.get(&v.name) != Some(&line) {
-                self.progress.push_back(format!("Pod {}: {line}", v.name));
+                let repeat = line.starts_with("Waiting: ")
+                    && !self
+                        .shown_waiting
+                        .entry(v.name.clone())
+                        .or_default()
+                        .insert(line.clone());
+                if !repeat {
+                    self.progress.push_back(format!("Pod {}: {line}", v.name));
+                }
                 self.shown.insert(v.name.clone(), line);
             }
         }
@@ -380,6 +393,7 @@ impl ReadyWait {
             .collect();
         for name in gone {
             self.shown.remove(&name);
+            self.shown_waiting.remove(&name);
             self.fatal_since.remove(&name);
             self.progress.push_back(format!("Pod {name}: deleted"));
         }
@@ -595,6 +609,17 @@ mod tests {
             Verdict::Waiting
         );
         let t2 = t0 + Duration::from_secs(10);
+        // The kubelet alternates the two reasons; each is shown once.
+        let pull_again = pod(
+            "m-1",
+            HASH,
+            waiting("ErrImagePull", "pull access denied for does-not-exist"),
+        );
+        let t15 = t0 + Duration::from_secs(7);
+        assert_eq!(
+            w.handle_snapshot(&[pull_again], None, t15),
+            Verdict::Waiting
+        );
         let Verdict::Failed(WaitFailure::CannotStart { pod, fatal }) =
             w.handle_snapshot(&[backoff], None, t2)
         else {
