@@ -27,9 +27,9 @@
 //! - on deletion (deletionTimestamp): SIGTERM to the container's process group, SIGKILL
 //!   after the grace period (capped by [`KubeletConfig::max_grace`]), the netns is
 //!   removed, and the pod is deleted with grace 0 so it disappears;
-//! - serves the kubelet endpoint over TLS ([`server`]): websocket port-forward
-//!   (v4.channel.k8s.io, dialled to 127.0.0.1:port inside the pod netns) and container
-//!   logs.
+//! - serves the kubelet endpoint over TLS ([`server`]): port-forward over websockets
+//!   (v4.channel.k8s.io, kube-rs) and SPDY/3.1 (`kubectl port-forward`, [`spdy`]),
+//!   dialled to 127.0.0.1:port inside the pod netns, and container logs.
 //!
 //! Where things run: the stand-in's tasks run on their own tokio runtime on a thread
 //! of this process ([`Kubelet::start`]); its HTTPS endpoint listens in the host netns
@@ -48,10 +48,9 @@
 //! Not implemented: init containers (ignored, with a Warning event; the containers
 //! start anyway), startup probes, `hostNetwork` (such pods get their own netns too),
 //! resource limits, image pull secrets and pull policies, exec/attach, Secret updates
-//! after start, SPDY port-forward: kubectl ≥ 1.31 first tries websockets tunnelling
-//! SPDY (no `port` parameter, refused with 400), then falls back to SPDY, refused with
-//! 400 and a message naming the stand-in, so `kubectl port-forward` fails at once with
-//! that message; kube-rs's websocket port-forward works.
+//! after start, websocket-tunnelled SPDY port-forward (kubectl ≥ 1.30 tries it first;
+//! it carries no `port` parameter, is refused with 400, and kubectl falls back to plain
+//! SPDY, which [`spdy`] serves).
 
 pub mod images;
 pub mod node;
@@ -59,6 +58,7 @@ mod pods;
 pub mod portforward;
 pub mod runner;
 pub mod server;
+pub mod spdy;
 pub mod spec;
 pub mod status;
 

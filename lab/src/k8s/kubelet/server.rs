@@ -5,10 +5,11 @@
 //!
 //! Routes (HTTP/1.1, one request per connection):
 //! - `GET /healthz` → `ok`
-//! - `GET /portForward/{namespace}/{pod}[/{uid}]?port=…` with a websocket upgrade →
-//!   [`super::portforward`]. SPDY upgrades (what kubectl ≤ 1.30 sends, and what
-//!   kubectl ≥ 1.31 falls back to against a 1.20 API server) are refused with 400 and a
-//!   message: the stand-in speaks only the websocket protocol.
+//! - `GET|POST /portForward/{namespace}/{pod}[/{uid}]`: with a websocket upgrade and
+//!   `?port=…` → [`super::portforward`] (kube-rs); with `Upgrade: SPDY/3.1` →
+//!   [`super::spdy`] (kubectl; ports come in stream headers). A websocket upgrade
+//!   without `port` (kubectl ≥ 1.30 tunnelling SPDY) gets 400, on which kubectl falls
+//!   back to SPDY.
 //! - `GET /containerLogs/{namespace}/{pod}/{container}?tailLines=&limitBytes=&previous=`
 //!   → the container's log file (`follow` returns what is there and ends).
 //!
@@ -30,7 +31,7 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
-use super::{Error, portforward};
+use super::{Error, portforward, spdy};
 
 /// Longest request head accepted (bytes).
 const MAX_HEAD: usize = 32 * 1024;
@@ -279,14 +280,23 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let fail = |code: u16, reason: &str, body: String| response(code, reason, &body);
-    let is_ws = head
-        .header("upgrade")
-        .is_some_and(|u| u.eq_ignore_ascii_case("websocket"));
+    let upgrade = head.header("upgrade").unwrap_or("");
+    if upgrade
+        .split(',')
+        .any(|u| u.trim().eq_ignore_ascii_case(spdy::UPGRADE))
+    {
+        return spdy_port_forward(io, head, ns, pod, rest, pods).await;
+    }
+    let is_ws = upgrade.eq_ignore_ascii_case("websocket");
     let out = if !is_ws {
         Some(fail(
             400,
             "Bad Request",
-            "the kvpn lab kubelet stand-in serves port-forward over websockets only (v4.channel.k8s.io); SPDY is not implemented — use kube-rs Api::<Pod>::portforward\n".into(),
+            format!(
+                "port-forward needs an upgrade to websocket (v4.channel.k8s.io) or {} ({}); got {upgrade:?}\n",
+                spdy::UPGRADE,
+                spdy::PORT_FORWARD_PROTOCOL
+            ),
         ))
     } else {
         None
@@ -351,6 +361,54 @@ where
     let what = format!("{ns}/{pod}, uid {}", entry.uid);
     tracing::debug!(pod = %what, ?ports, protocol, "port-forward started");
     portforward::serve(ws, entry.netns, what, ports).await;
+    Ok(())
+}
+
+/// `kubectl port-forward`: the SPDY/3.1 upgrade, then [`spdy::serve`].
+async fn spdy_port_forward<S>(
+    mut io: S,
+    head: Head,
+    ns: &str,
+    pod: &str,
+    rest: Vec<u8>,
+    pods: &PodDirectory,
+) -> Result<(), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let offered = head
+        .headers
+        .iter()
+        .filter(|(k, _)| k.eq_ignore_ascii_case("x-stream-protocol-version"))
+        .map(|(_, v)| v.as_str());
+    let protocol = match spdy::negotiate(offered) {
+        Ok(p) => p,
+        Err(offered) => {
+            let body = format!(
+                "unable to upgrade: unable to negotiate protocol: client supports [{offered}], server supports [{}]\n",
+                spdy::PORT_FORWARD_PROTOCOL
+            );
+            io.write_all(&response(403, "Forbidden", &body))
+                .await
+                .map_err(|e| e.to_string())?;
+            return Ok(());
+        }
+    };
+    let Some(entry) = pods.get(ns, pod) else {
+        let body = format!("pod {ns}/{pod} is not running on this node\n");
+        io.write_all(&response(404, "Not Found", &body))
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(());
+    };
+    io.write_all(spdy::upgrade_response(protocol).as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    io.flush().await.map_err(|e| e.to_string())?;
+    let what = format!("{ns}/{pod}, uid {}", entry.uid);
+    tracing::debug!(pod = %what, "SPDY port-forward started");
+    spdy::serve(io, rest, entry.netns, what).await;
+    tracing::debug!(pod = %format!("{ns}/{pod}"), "SPDY port-forward ended");
     Ok(())
 }
 
