@@ -592,13 +592,13 @@ fn real_ebpf_classifier_attaches_or_rolls_back() {
     });
 }
 
-/// Outbound throughput of the pump on a real TUN device into a sink
-/// `FakeManager`, and the batch sizes it reaches. A measurement: run with
-/// `cargo test -p kvpn-dataplane --release --test netns -- --ignored --nocapture`.
-/// It checks that every packet the pump counts as sent reached the manager.
+/// Under load from two senders on a real TUN device, every packet the pump counts
+/// as sent reaches the (sink) `FakeManager`. It also prints throughput and batch
+/// sizes; for numbers worth comparing run it in release with
+/// `cargo test -p kvpn-dataplane --release --test netns -- outbound_pump --nocapture`
+/// (debug builds send fewer packets to stay quick). Speed is judged in bench/, not here.
 #[test]
-#[ignore = "measurement; run explicitly with --ignored --nocapture"]
-fn measure_outbound_pump_throughput_and_batching() {
+fn outbound_pump_delivers_every_packet_it_counts() {
     require_root();
     for payload in [1400usize, 8972] {
         let netns = TestNetns::new();
@@ -616,7 +616,7 @@ fn measure_outbound_pump_throughput_and_batching() {
             .expect("connect");
             // Two blocking senders on their own threads (in the namespace: they
             // are spawned from a runtime thread that entered it).
-            const PER_SENDER: usize = 200_000;
+            let per_sender: usize = if cfg!(debug_assertions) { 20_000 } else { 200_000 };
             let started = Instant::now();
             let senders: Vec<_> = (0..2)
                 .map(|i| {
@@ -624,7 +624,7 @@ fn measure_outbound_pump_throughput_and_batching() {
                         let sock = std::net::UdpSocket::bind("0.0.0.0:0").expect("udp");
                         let data = vec![0x5a; payload];
                         let mut sent = 0usize;
-                        for _ in 0..PER_SENDER {
+                        for _ in 0..per_sender {
                             // ENOBUFS when the TUN queue is full: the kernel's drop,
                             // before the pump; count only what the kernel accepted.
                             if sock.send_to(&data, ("10.244.1.11", 7000 + i)).is_ok() {
