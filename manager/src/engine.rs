@@ -90,11 +90,6 @@ pub const TCP_WRITE_CHUNK: usize = 64 * 1024;
 /// Smallest inbound credit worth a grant message, bytes (except the first).
 pub const TCP_GRANT_MIN: usize = 16 * 1024;
 
-/// A TCP flow whose laptop does not acknowledge anything for this long while
-/// data is outstanding (or during the handshake) is reset. Idle flows without
-/// outstanding data never time out (tr-09).
-pub const TCP_STALL_TIMEOUT: Duration = Duration::from_secs(120);
-
 /// UDP flows without traffic in either direction for this long are closed.
 pub const UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -783,9 +778,10 @@ impl Engine {
                 );
                 // The laptop's kernel does its own Nagle; delaying here only adds latency.
                 socket.set_nagle_enabled(false);
-                socket.set_timeout(Some(smoltcp::time::Duration::from_millis(
-                    TCP_STALL_TIMEOUT.as_millis() as u64,
-                )));
+                // No smoltcp timeout: despite its documentation it also fires on
+                // idle connections (after `timeout` without any segment), which
+                // would kill idle flows (tr-09). A laptop that vanishes ends its
+                // session (heartbeats), which resets its flows.
                 let endpoint = IpListenEndpoint {
                     addr: Some(IpAddress::from(meta.dst.ip())),
                     port: meta.dst.port(),

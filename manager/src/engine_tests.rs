@@ -988,3 +988,31 @@ fn window_updates_after_destination_eof_resume_at_once() {
     );
     assert_eq!(received, 100_000);
 }
+
+/// tr-09: an idle TCP flow still relays after 11 minutes without a segment.
+#[test]
+fn idle_tcp_flow_survives_eleven_minutes() {
+    let mut h = Harness::new();
+    let (mut c, _) = h.open(40015, backend());
+    h.data(&mut c, b"before");
+    let _ = h.reqs();
+    h.event(Event::TcpWritten { flow: c.flow, bytes: 6 });
+    h.out();
+    for _ in 0..(11 * 60 / 5) {
+        h.advance(Duration::from_secs(5));
+        for p in h.out() {
+            let s = seg(&p);
+            assert!(!s.rst, "idle flow reset after {:?}", h.now);
+        }
+        assert!(h.reqs().is_empty(), "idle flow produced requests");
+    }
+    h.data(&mut c, b"after");
+    assert_eq!(writes(&h.reqs(), c.flow), b"after");
+    h.event(Event::TcpData {
+        flow: c.flow,
+        data: b"reply".to_vec(),
+    });
+    let (got, _, rst) = h.receive(&mut c);
+    assert!(!rst);
+    assert_eq!(got, b"reply");
+}

@@ -186,7 +186,7 @@ async fn half_close_then_reply_with_slow_reader() {
                 s.close();
                 closed = true;
             }
-            if steps % 4 == 0 {
+            if steps.is_multiple_of(4) {
                 while s.can_recv() {
                     s.recv(|b| {
                         got.extend_from_slice(b);

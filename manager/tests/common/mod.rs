@@ -96,7 +96,7 @@ impl Laptop {
             .expect("hello written");
         let mut device = QueueDevice::new(DEFAULT_MTU);
         let mut config = Config::new(HardwareAddress::Ip);
-        config.random_seed = 0x1a97_07;
+        config.random_seed = 0x001a_9707;
         let epoch = Instant::now();
         let mut iface = Interface::new(config, &mut device, smoltcp::time::Instant::from_micros(0));
         iface.update_ip_addrs(|a| {
