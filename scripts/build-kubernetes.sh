@@ -65,24 +65,30 @@ is_ours() {
 # --- kubectl -----------------------------------------------------------------
 provide_kubectl() {
     local dest="$1"
+    # Debian's kubectl 1.20 (same version as the apiserver) is always unpacked into
+    # debian-kubectl/ next to bin/, so tests can drive the lab with both it and the
+    # machine's own kubectl (e.g. SPDY port-forward from kubectl 1.20).
+    local debian_dir
+    debian_dir="$(dirname "$dest")/debian-kubectl"
+    if ! [ -x "$debian_dir/kubectl" ]; then
+        step "unpacking Debian's kubernetes-client (dpkg-deb -x, not installed)"
+        local tmp
+        tmp="$(mktemp -d "$K8S_CACHE/kubectl.XXXXXX")"
+        # apt-get download drops privileges to _apt; let it write here.
+        chmod 0777 "$tmp"
+        apt_update
+        (cd "$tmp" && apt-get download -qq kubernetes-client)
+        dpkg-deb -x "$tmp"/kubernetes-client_*.deb "$tmp/root"
+        mkdir -p "$debian_dir"
+        install -m 0755 "$tmp/root/usr/bin/kubectl" "$debian_dir/kubectl.tmp"
+        mv -f "$debian_dir/kubectl.tmp" "$debian_dir/kubectl"
+        rm -rf "$tmp"
+    fi
     if [ "${KVPN_KUBECTL_FROM_DEBIAN:-0}" != 1 ] && [ -x /usr/bin/kubectl ]; then
         ln -sfn /usr/bin/kubectl "$dest/kubectl"
-        return
+    else
+        ln -sfn "$debian_dir/kubectl" "$dest/kubectl"
     fi
-    if [ -x "$dest/kubectl" ] && [ ! -L "$dest/kubectl" ]; then
-        return
-    fi
-    step "unpacking Debian's kubernetes-client (dpkg-deb -x, not installed)"
-    local tmp
-    tmp="$(mktemp -d "$K8S_CACHE/kubectl.XXXXXX")"
-    # apt-get download drops privileges to _apt; let it write here.
-    chmod 0777 "$tmp"
-    apt_update
-    (cd "$tmp" && apt-get download -qq kubernetes-client)
-    dpkg-deb -x "$tmp"/kubernetes-client_*.deb "$tmp/root"
-    install -m 0755 "$tmp/root/usr/bin/kubectl" "$dest/kubectl.tmp"
-    mv -f "$dest/kubectl.tmp" "$dest/kubectl"
-    rm -rf "$tmp"
 }
 
 # --- cached? -------------------------------------------------------------------
