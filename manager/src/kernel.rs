@@ -11,9 +11,11 @@
 //!   to the pinged address, plus a reader task. The kernel owns the echo
 //!   identifier on these sockets; the engine maps replies back to the laptop's.
 //!
-//! The event channel is unbounded, but its volume is bounded by the engine:
+//! TCP events go over an unbounded channel whose volume the engine bounds:
 //! inbound bytes by the grants (at most one smoltcp send buffer per flow),
-//! write confirmations by the write window, datagrams by the socket buffers.
+//! write confirmations by the write window. Datagram readers (UDP, ping) use a
+//! bounded channel instead: when the session falls behind they wait, their
+//! socket buffers fill and the kernel drops, as it would for any slow reader.
 
 use std::collections::HashMap;
 use std::io;
@@ -36,6 +38,9 @@ const TCP_READ_CHUNK: usize = 64 * 1024;
 
 /// Receive buffer for one datagram (the largest UDP payload over IPv4/IPv6).
 const DATAGRAM_BUFFER: usize = 65_536;
+
+/// Datagram events (UDP replies, echo replies) queued for the session loop.
+pub const DATAGRAM_QUEUE: usize = 1024;
 
 /// Aborts a task when dropped.
 #[derive(Debug)]
@@ -77,6 +82,7 @@ struct DatagramFlow {
 #[derive(Debug)]
 pub struct KernelSide {
     events_tx: mpsc::UnboundedSender<Event>,
+    datagrams_tx: mpsc::Sender<Event>,
     dial_timeout: Duration,
     tcp: HashMap<FlowId, TcpHandle>,
     /// Flows closing in order, still writing their last bytes.
@@ -87,10 +93,17 @@ pub struct KernelSide {
 }
 
 impl KernelSide {
-    /// Report events on `events_tx`; give up dials after `dial_timeout`.
-    pub fn new(events_tx: mpsc::UnboundedSender<Event>, dial_timeout: Duration) -> Self {
+    /// Report TCP and failure events on `events_tx`, received datagrams on
+    /// `datagrams_tx` (bounded, see [`DATAGRAM_QUEUE`]); give up dials after
+    /// `dial_timeout`.
+    pub fn new(
+        events_tx: mpsc::UnboundedSender<Event>,
+        datagrams_tx: mpsc::Sender<Event>,
+        dial_timeout: Duration,
+    ) -> Self {
         Self {
             events_tx,
+            datagrams_tx,
             dial_timeout,
             tcp: HashMap::new(),
             tcp_closing: Vec::new(),
@@ -174,7 +187,7 @@ impl KernelSide {
                 Ok(socket) => {
                     let socket = Arc::new(socket);
                     let reader =
-                        tokio::spawn(udp_reader(flow, socket.clone(), self.events_tx.clone()));
+                        tokio::spawn(udp_reader(flow, socket.clone(), self.datagrams_tx.clone()));
                     self.udp.insert(
                         flow,
                         DatagramFlow {
@@ -213,7 +226,7 @@ impl KernelSide {
                         flow,
                         socket.clone(),
                         v6,
-                        self.events_tx.clone(),
+                        self.datagrams_tx.clone(),
                     ));
                     self.ping.insert(
                         flow,
@@ -424,24 +437,23 @@ fn open_udp(dst: SocketAddr) -> io::Result<UdpSocket> {
     UdpSocket::from_std(socket)
 }
 
-async fn udp_reader(flow: FlowId, socket: Arc<UdpSocket>, events: mpsc::UnboundedSender<Event>) {
+async fn udp_reader(flow: FlowId, socket: Arc<UdpSocket>, events: mpsc::Sender<Event>) {
     let mut buf = vec![0u8; DATAGRAM_BUFFER];
     loop {
-        match socket.recv(&mut buf).await {
-            Ok(n) => {
-                let _ = events.send(Event::UdpReply {
-                    flow,
-                    data: buf[..n].to_vec(),
-                });
-            }
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                let _ = events.send(Event::UdpRefused { flow });
-            }
+        let event = match socket.recv(&mut buf).await {
+            Ok(n) => Event::UdpReply {
+                flow,
+                data: buf[..n].to_vec(),
+            },
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Event::UdpRefused { flow },
             Err(e) => {
                 debug!(%flow, error = %e, "UDP receive failed");
-                let _ = events.send(Event::SocketFailed { flow });
+                let _ = events.send(Event::SocketFailed { flow }).await;
                 return;
             }
+        };
+        if events.send(event).await.is_err() {
+            return;
         }
     }
 }
@@ -460,22 +472,20 @@ fn open_ping(dst: IpAddr) -> io::Result<UdpSocket> {
     UdpSocket::from_std(socket.into())
 }
 
-async fn ping_reader(
-    flow: FlowId,
-    socket: Arc<UdpSocket>,
-    v6: bool,
-    events: mpsc::UnboundedSender<Event>,
-) {
+async fn ping_reader(flow: FlowId, socket: Arc<UdpSocket>, v6: bool, events: mpsc::Sender<Event>) {
     let mut buf = vec![0u8; DATAGRAM_BUFFER];
     loop {
         match socket.recv(&mut buf).await {
             Ok(n) => {
                 if let Some((seq, data)) = packet::ping_socket_reply(v6, &buf[..n]) {
-                    let _ = events.send(Event::PingReply {
+                    let event = Event::PingReply {
                         flow,
                         seq,
                         data: data.to_vec(),
-                    });
+                    };
+                    if events.send(event).await.is_err() {
+                        return;
+                    }
                 }
             }
             // ICMP errors about earlier requests (the target is unreachable):
@@ -492,7 +502,7 @@ async fn ping_reader(
             }
             Err(e) => {
                 debug!(%flow, error = %e, "ping receive failed");
-                let _ = events.send(Event::SocketFailed { flow });
+                let _ = events.send(Event::SocketFailed { flow }).await;
                 return;
             }
         }

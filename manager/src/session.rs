@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, trace, warn};
 
 use crate::engine::{Engine, EngineConfig};
-use crate::kernel::{AbortOnDrop, KernelSide};
+use crate::kernel::{AbortOnDrop, DATAGRAM_QUEUE, KernelSide};
 use crate::metrics::Metrics;
 
 /// Bytes read from the laptop per read call.
@@ -233,7 +233,8 @@ where
     engine_config.allow_loopback = config.allow_loopback;
     let mut engine = Engine::new(engine_config, Instant::now());
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
-    let mut kernel = KernelSide::new(events_tx, config.dial_timeout);
+    let (datagrams_tx, mut datagrams_rx) = mpsc::channel(DATAGRAM_QUEUE);
+    let mut kernel = KernelSide::new(events_tx, datagrams_tx, config.dial_timeout);
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(WRITE_QUEUE_BATCHES);
     let _writer = AbortOnDrop(tokio::spawn(write_frames(wr, out_rx).in_current_span()));
     let mut out: Vec<u8> = Vec::new();
@@ -282,6 +283,16 @@ where
                 engine.handle_event(event, now);
                 for _ in 0..EVENTS_PER_ROUND {
                     match events_rx.try_recv() {
+                        Ok(event) => engine.handle_event(event, now),
+                        Err(_) => break,
+                    }
+                }
+            }
+            Some(event) = datagrams_rx.recv() => {
+                let now = Instant::now();
+                engine.handle_event(event, now);
+                for _ in 0..EVENTS_PER_ROUND {
+                    match datagrams_rx.try_recv() {
                         Ok(event) => engine.handle_event(event, now),
                         Err(_) => break,
                     }
