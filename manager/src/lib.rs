@@ -10,7 +10,7 @@
 //! - [`kernel`]: all I/O towards the cluster (TCP dials and splicing, UDP and
 //!   ICMP echo sockets).
 //! - [`session`]: the tokio shell of one data-channel session (frames in and
-//!   out); [`server`]: the :10801 listener.
+//!   out); [`server`]: the :10801 listener, plain TCP or TLS 1.3 ([`tls`]).
 
 pub mod device;
 pub mod engine;
@@ -19,5 +19,6 @@ pub mod metrics;
 pub mod packet;
 pub mod server;
 pub mod session;
+pub mod tls;
 
 pub use engine::DEFAULT_MTU;

@@ -3,6 +3,7 @@
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use anyhow::Context;
 use clap::Parser;
 use kvpn_manager::server;
 use kvpn_manager::session::SessionConfig;
-use tracing::info;
+use tracing::{info, warn};
 
 /// kvpn traffic manager: terminates laptops' tunnel packets and dials the real
 /// destinations in the cluster.
@@ -28,6 +29,14 @@ struct Args {
     /// a heartbeat every 2 s).
     #[arg(long, default_value_t = 60)]
     idle_timeout_secs: u64,
+    /// Serving certificate (PEM chain) for TLS 1.3 on the data channel. With
+    /// --tls-key, every data connection must be TLS; without both, the data
+    /// channel is plain TCP (static lab, `kvpn connect --manager`).
+    #[arg(long, env = "KVPN_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "KVPN_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 async fn shutdown_signal() -> anyhow::Result<&'static str> {
@@ -56,6 +65,13 @@ async fn main() -> anyhow::Result<()> {
         idle_timeout: Duration::from_secs(args.idle_timeout_secs),
         ..SessionConfig::default()
     };
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            kvpn_manager::tls::load_server_config(cert, key)
+                .context("cannot set up TLS for the data channel")?,
+        ),
+        _ => None,
+    };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| {
@@ -67,9 +83,23 @@ async fn main() -> anyhow::Result<()> {
     let bound = listener
         .local_addr()
         .context("cannot read the listening address")?;
-    info!(listen = %bound, mtu = kvpn_manager::DEFAULT_MTU, "kvpn-manager listening");
+    match (&tls, &args.tls_cert) {
+        (Some(_), Some(cert)) => info!(
+            listen = %bound,
+            mtu = kvpn_manager::DEFAULT_MTU,
+            security = "tls",
+            cert = %cert.display(),
+            "kvpn-manager listening; data channel is TLS 1.3"
+        ),
+        _ => warn!(
+            listen = %bound,
+            mtu = kvpn_manager::DEFAULT_MTU,
+            security = "plain",
+            "kvpn-manager listening; data channel is plain TCP, unencrypted (give --tls-cert and --tls-key for TLS)"
+        ),
+    }
     tokio::select! {
-        () = server::serve(listener, Arc::new(config)) => Ok(()),
+        () = server::serve(listener, Arc::new(config), tls) => Ok(()),
         sig = shutdown_signal() => {
             info!(signal = sig?, "shutting down");
             Ok(())

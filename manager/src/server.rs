@@ -1,11 +1,16 @@
 //! The data-channel listener: accepts laptops' connections on :10801 and runs
-//! one session task per connection. Plain TCP for now; TLS wraps the stream
-//! here later (sessions take any `AsyncRead + AsyncWrite`).
+//! one session task per connection, over TLS 1.3 when the manager has a serving
+//! certificate (the Kubernetes install always gives it one), else plain TCP
+//! (the static lab and `kvpn connect --manager`). Sessions take any
+//! `AsyncRead + AsyncWrite`, so TLS only wraps the stream here.
 
+use std::io;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::session::{SessionConfig, run_session};
@@ -26,8 +31,14 @@ fn tune(stream: &TcpStream) {
     }
 }
 
-/// Accept sessions on `listener` forever.
-pub async fn serve(listener: TcpListener, config: Arc<SessionConfig>) {
+/// Accept sessions on `listener` forever. With `tls`, every connection must
+/// complete a TLS handshake (within the hello timeout) before its session starts.
+pub async fn serve(
+    listener: TcpListener,
+    config: Arc<SessionConfig>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) {
+    let acceptor = tls.map(TlsAcceptor::from);
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(x) => x,
@@ -40,14 +51,57 @@ pub async fn serve(listener: TcpListener, config: Arc<SessionConfig>) {
         };
         tune(&stream);
         let config = config.clone();
-        let span = tracing::info_span!("conn", %peer);
+        let acceptor = acceptor.clone();
+        let security = if acceptor.is_some() { "tls" } else { "plain" };
+        let span = tracing::info_span!("conn", %peer, security);
         tokio::spawn(
             async move {
-                info!("data channel connected");
+                // Debug, not info: the readiness probe connects every few seconds.
+                debug!("data channel connected");
                 // run_session logs how the session ended.
-                let _ = run_session(stream, &config).await;
+                match acceptor {
+                    None => {
+                        let _ = run_session(stream, &config).await;
+                    }
+                    Some(acceptor) => {
+                        if let Some(tls) = accept_tls(&acceptor, stream, peer, &config).await {
+                            let _ = run_session(tls, &config).await;
+                        }
+                    }
+                }
             }
             .instrument(span),
         );
+    }
+}
+
+/// Run the server side of the TLS handshake; `None` (logged) when it fails.
+/// A connection closed before the handshake (the readiness probe, a port scan)
+/// is logged at debug only; other failures (wrong CA on the laptop, a plain-TCP
+/// client, a timeout) at info, as they point at a misconfigured laptop, not at
+/// the manager.
+async fn accept_tls(
+    acceptor: &TlsAcceptor,
+    stream: TcpStream,
+    peer: SocketAddr,
+    config: &SessionConfig,
+) -> Option<tokio_rustls::server::TlsStream<TcpStream>> {
+    match tokio::time::timeout(config.hello_timeout, acceptor.accept(stream)).await {
+        Ok(Ok(tls)) => {
+            debug!("TLS handshake done");
+            Some(tls)
+        }
+        Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            debug!(%peer, "connection closed before completing the TLS handshake (probe?)");
+            None
+        }
+        Ok(Err(e)) => {
+            info!(%peer, error = %e, "TLS handshake failed; is the laptop using the CA from Secret kvpn-manager-tls?");
+            None
+        }
+        Err(_) => {
+            info!(%peer, timeout = ?config.hello_timeout, "no TLS handshake in time; connection dropped");
+            None
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! One client session: the tokio shell around [`Engine`].
 //!
 //! Reads frames from the laptop's data channel (any `AsyncRead + AsyncWrite`
-//! byte stream: plain TCP now, TLS later), checks the hello, feeds packets to
+//! byte stream: TLS or plain TCP, see [`crate::server`]), checks the hello, feeds packets to
 //! the engine, echoes heartbeats, carries out the engine's requests through
 //! [`KernelSide`] and writes the engine's packets back as frames. A separate
 //! task writes to the laptop so that reading never waits on a slow reader;
@@ -206,6 +206,11 @@ where
     let mut rbuf: Vec<u8> = Vec::with_capacity(READ_CHUNK);
     let hello = match handshake(&mut rd, &mut rbuf, config.hello_timeout).await {
         Ok(h) => h,
+        // A bare TCP connect-and-close is the readiness probe: not worth a warning.
+        Err(e @ SessionError::ClosedBeforeHello) => {
+            debug!(error = %e, "connection closed before a hello");
+            return Err(e);
+        }
         Err(e) => {
             warn!(error = %e, "rejecting session");
             return Err(e);
