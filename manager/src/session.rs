@@ -95,6 +95,9 @@ pub enum SessionError {
         /// Ours.
         want: u16,
     },
+    /// The hello's tunnel IP cannot be a laptop's address.
+    #[error("hello carries tunnel IP {0}, which is not a unicast address; the laptop's lease is broken")]
+    BadTunnelIp(IpAddr),
     /// No frame (not even a heartbeat) for too long.
     #[error("no frame from the laptop for {0:?} (heartbeats stopped)")]
     Silent(Duration),
@@ -146,6 +149,11 @@ async fn handshake<R: AsyncRead + Unpin>(
             want: PROTOCOL_VERSION,
         });
     }
+    let ip = hello.tunnel_ip;
+    let broadcast = matches!(ip, IpAddr::V4(a) if a.is_broadcast());
+    if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() || broadcast {
+        return Err(SessionError::BadTunnelIp(ip));
+    }
     Ok(hello)
 }
 
@@ -187,7 +195,7 @@ fn handle_frames(
                 // Cannot fail: the payload came in a frame, so it fits one.
                 let _ = frame::encode_into(Kind::Heartbeat, f.payload, out);
             }
-            Kind::Hello => debug!("repeated hello ignored"),
+            Kind::Hello => trace!("repeated hello ignored"),
             Kind::Unknown(k) => trace!(kind = k, "frame of unknown kind skipped"),
         }
     }
