@@ -1,7 +1,8 @@
 //! ICMP echo through the manager, in a private network namespace (needs root,
 //! as CI runs): a ping succeeds only when the target answers (tr-03), echo
 //! identifier, sequence and payload come back unchanged, and without
-//! `net.ipv4.ping_group_range` the manager cannot ping at all.
+//! `net.ipv4.ping_group_range` the manager cannot ping at all. Also TCP to an
+//! address that never answers (ICMP host unreachable, tr-04).
 
 mod common;
 
@@ -280,5 +281,45 @@ fn ping_succeeds_only_when_the_target_answers() {
         let lo6 = IpAddr::V6(Ipv6Addr::LOCALHOST);
         let got = ping(LAPTOP_V6, lo6, &[5], Duration::from_secs(5)).await;
         assert_eq!(got, expected(lo6, &[5]), "ICMPv6 echo");
+    });
+}
+
+/// tr-04: a SYN to an address that never answers gets ICMP host unreachable
+/// (after the dial timeout or the kernel's failed neighbour resolution), never
+/// a SYN-ACK; a closed port on a live address gets RST.
+#[test]
+fn tcp_to_a_silent_address_gets_host_unreachable() {
+    require_root();
+    let ns = TestNetns::new();
+    let (a, b) = (format!("kva{}", &ns.name[6..14]), format!("kvb{}", &ns.name[6..14]));
+    run(&["ip", "-n", &ns.name, "link", "add", &a, "type", "veth", "peer", "name", &b]);
+    run(&["ip", "-n", &ns.name, "addr", "add", "192.0.2.1/24", "dev", &a]);
+    run(&["ip", "-n", &ns.name, "link", "set", &a, "up"]);
+    run(&["ip", "-n", &ns.name, "link", "set", &b, "up"]);
+    ns.run(|| async {
+        let mut laptop = Laptop::connect(LAPTOP_V4).await;
+        laptop.keep_packets = true;
+        let silent = laptop.tcp_socket(4096, 4096);
+        laptop.connect_tcp(silent, "192.0.2.99:80".parse().expect("addr"), 42000);
+        let closed = laptop.tcp_socket(4096, 4096);
+        laptop.connect_tcp(closed, "192.0.2.1:81".parse().expect("addr"), 42001);
+        let host_unreachable = |p: &Vec<u8>| {
+            let Ok(ip) = Ipv4Packet::new_checked(&p[..]) else { return false };
+            let Ok(icmp) = Icmpv4Packet::new_checked(ip.payload()) else { return false };
+            ip.next_header() == IpProtocol::Icmp
+                && ip.src_addr() == Ipv4Addr::new(192, 0, 2, 99)
+                && icmp.msg_type() == Icmpv4Message::DstUnreachable
+                && icmp.msg_code() == 1
+        };
+        // The test session's dial timeout is 2 s; ARP gives up after ~3 s.
+        let ok = laptop
+            .run_until(Duration::from_secs(6), |l| l.packets.iter().any(host_unreachable))
+            .await;
+        assert!(ok, "no ICMP host unreachable for the silent address");
+        use smoltcp::socket::tcp::State;
+        assert_eq!(laptop.tcp(closed).state(), State::Closed, "closed port not refused");
+        assert_ne!(laptop.tcp(silent).state(), State::Established);
+        let metrics = laptop.finish().await;
+        assert_eq!((metrics.tcp_unreachable, metrics.tcp_refused, metrics.tcp_connected), (1, 1, 0));
     });
 }
