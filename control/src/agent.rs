@@ -66,15 +66,52 @@ pub async fn ready_manager_pod(api: &Api<Pod>) -> Result<String> {
         .ok_or_else(|| anyhow!("no ready traffic manager pod ({MANAGER_SELECTOR}) — see `kubectl get pods -l {MANAGER_SELECTOR}`"))
 }
 
-async fn forward(api: Api<Pod>, port: u16, mut laptop: TcpStream) -> Result<()> {
-    let pod = ready_manager_pod(&api).await?;
+/// How long a new data connection waits for a ready manager pod (or a
+/// port-forward that opens) before the agent closes it. While the manager pod is
+/// replaced (killed, rolled) the root daemon's redial finds no ready pod; holding
+/// its connection until the new pod is ready (1–2 s in the lab) makes traffic
+/// resume at once instead of after the daemon's next backoff step. Shorter than
+/// the daemon's silence watchdog (3 heartbeats × 2 s), which would drop a
+/// connection that waits longer.
+const POD_WAIT: Duration = Duration::from_secs(4);
+
+/// Pause between pod lists while waiting: two cheap requests a second.
+const POD_POLL: Duration = Duration::from_millis(500);
+
+async fn open_port_forward(
+    api: &Api<Pod>,
+    port: u16,
+) -> Result<(String, kube::api::Portforwarder, tokio::io::DuplexStream)> {
+    let pod = ready_manager_pod(api).await?;
     let mut pf = api
         .portforward(&pod, &[port])
         .await
         .with_context(|| format!("port-forward to pod {pod} port {port} failed"))?;
-    let mut remote = pf
+    let remote = pf
         .take_stream(port)
         .ok_or_else(|| anyhow!("port-forward to {pod}: no stream for port {port}"))?;
+    Ok((pod, pf, remote))
+}
+
+async fn forward(api: Api<Pod>, port: u16, mut laptop: TcpStream) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + POD_WAIT;
+    let mut waited = false;
+    let (pod, pf, mut remote) = loop {
+        match open_port_forward(&api, port).await {
+            Ok(opened) => break opened,
+            Err(e) if tokio::time::Instant::now() + POD_POLL < deadline => {
+                if !waited {
+                    info!(
+                        "waiting up to {} s for the traffic manager: {e:#}",
+                        POD_WAIT.as_secs()
+                    );
+                    waited = true;
+                }
+                tokio::time::sleep(POD_POLL).await;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     info!(%pod, port, "port-forward open");
     let result = tokio::io::copy_bidirectional(&mut laptop, &mut remote).await;
     drop(remote);
@@ -90,7 +127,8 @@ async fn forward(api: Api<Pod>, port: u16, mut laptop: TcpStream) -> Result<()> 
 
 fn write_state(path: &Path, addr: std::net::SocketAddr) -> Result<()> {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, format!("{addr}\n")).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::write(&tmp, format!("{addr}\n"))
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
 }
 
@@ -179,7 +217,10 @@ pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::S
         }
         if tokio::time::Instant::now() > deadline {
             let _ = child.kill();
-            bail!("the session agent did not start within 30 s — see {}", log.display());
+            bail!(
+                "the session agent did not start within 30 s — see {}",
+                log.display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

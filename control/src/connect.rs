@@ -1,13 +1,20 @@
 //! `kvpn connect` through a kubeconfig: install or upgrade the traffic manager,
 //! detect the cluster's CIDRs, keep the laptop's essentials out of the tunnel,
 //! start the session agent (port-forward) and hand the session to the root daemon.
+//!
+//! Connect is idempotent: each session carries its [`Origin`] (cluster, API
+//! server, context, manager namespace, transport) in the root daemon, and a
+//! second `kvpn connect` to the same cluster and context finds it there and does
+//! nothing ([`match_session`]).
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use ipnet::IpNet;
-use kvpn_proto::dataplane::{ConnectRequest, Route, RouteKind};
+use kvpn_proto::dataplane::{
+    ConnectRequest, DisconnectRequest, Origin, Route, RouteKind, Session, StatusRequest,
+};
 
 use crate::agent::{self, AgentConfig};
 use crate::cidr::{self, DetectOptions};
@@ -38,15 +45,150 @@ fn record_agent(runtime_dir: &Path, session_id: &str, pid: u32) -> Result<()> {
         .with_context(|| format!("cannot record the agent of session {session_id}"))
 }
 
-/// Stop the agent of a session (if it had one).
-pub fn stop_agent(runtime_dir: &Path, session_id: &str) {
+/// `Origin.transport` of a session whose data channel rides `pods/portforward`.
+pub const TRANSPORT_PORT_FORWARD: &str = "port-forward";
+/// `Origin.transport` of a session dialling `--manager` directly.
+pub const TRANSPORT_DIRECT: &str = "direct";
+
+/// How long disconnect waits for a stopped agent to exit. It only closes its
+/// listener and port-forwards, which takes milliseconds.
+const AGENT_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The recorded agent pid of a session, if it still runs (a zombie or a
+/// recycled pid that is not a `kvpn agent` counts as gone).
+fn running_agent(runtime_dir: &Path, session_id: &str) -> Option<i32> {
     let path = agents_dir(runtime_dir).join(format!("{session_id}.pid"));
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        if let Ok(pid) = text.trim().parse::<i32>() {
-            // SAFETY: kill with a pid we started and recorded; no memory is involved.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
+    let pid = std::fs::read_to_string(path)
+        .ok()?
+        .trim()
+        .parse::<i32>()
+        .ok()?;
+    agent_alive(pid).then_some(pid)
+}
+
+fn agent_alive(pid: i32) -> bool {
+    let running = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X')
+    });
+    running
+        && std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| c.split(|b| *b == 0).any(|arg| arg == b"agent"))
+}
+
+/// Stop the agent of a session (if it had one) and wait, bounded, until it exited.
+pub async fn stop_agent(runtime_dir: &Path, session_id: &str) {
+    let path = agents_dir(runtime_dir).join(format!("{session_id}.pid"));
+    if let Some(pid) = running_agent(runtime_dir, session_id) {
+        // SAFETY: kill with a pid we started and recorded (checked to be a kvpn
+        // agent just now); no memory is involved.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let deadline = tokio::time::Instant::now() + AGENT_STOP_TIMEOUT;
+        while agent_alive(pid) {
+            if tokio::time::Instant::now() > deadline {
+                output::warn(&format!(
+                    "the session agent (pid {pid}) of session {session_id} did not exit within {} s",
+                    AGENT_STOP_TIMEOUT.as_secs()
+                ));
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        let _ = std::fs::remove_file(&path);
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// How an existing session relates to the cluster a connect asks for.
+#[derive(Debug, PartialEq)]
+pub enum SessionMatch<'a> {
+    /// No session leads to this cluster.
+    None,
+    /// A session to the same cluster, context and manager namespace: nothing to do.
+    Same(&'a Session),
+    /// A session to the same API server through another context or manager
+    /// namespace: a second one would install the same routes.
+    Conflict(&'a Session),
+}
+
+/// Find the session (of `sessions`, from Status) that leads where `wanted` does.
+/// The API server URL identifies the cluster; sessions without an origin
+/// (direct transport) never match.
+pub fn match_session<'a>(sessions: &'a [Session], wanted: &Origin) -> SessionMatch<'a> {
+    let mut conflict = None;
+    for s in sessions {
+        let Some(o) = &s.origin else { continue };
+        if o.transport != wanted.transport || o.server != wanted.server {
+            continue;
+        }
+        if o.cluster == wanted.cluster
+            && o.context == wanted.context
+            && o.manager_namespace == wanted.manager_namespace
+        {
+            return SessionMatch::Same(s);
+        }
+        conflict.get_or_insert(s);
+    }
+    conflict.map_or(SessionMatch::None, SessionMatch::Conflict)
+}
+
+/// Whether connect is already done: true after telling the user so. A session of
+/// the same cluster whose agent is gone can never recover; it is replaced.
+async fn already_connected(runtime_dir: &Path, wanted: &Origin) -> Result<bool> {
+    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+        return Ok(false);
+    };
+    let sessions = client
+        .status(StatusRequest {})
+        .await
+        .map_err(daemon::status_to_error)
+        .context("cannot ask the root daemon for its sessions")?
+        .into_inner()
+        .sessions;
+    match match_session(&sessions, wanted) {
+        SessionMatch::None => Ok(false),
+        SessionMatch::Conflict(s) => {
+            let o = s.origin.clone().unwrap_or_default();
+            bail!(
+                "already connected to {} through context {} (traffic manager in {}): session {} \
+                 on TUN device {} — a second session would route the same CIDRs; run \
+                 `kvpn disconnect {}` first",
+                o.server,
+                o.context,
+                o.manager_namespace,
+                s.id,
+                s.tun_name,
+                s.id
+            )
+        }
+        SessionMatch::Same(s) if running_agent(runtime_dir, &s.id).is_none() => {
+            output::warn(&format!(
+                "session {} of this cluster lost its port-forward agent; replacing it",
+                s.id
+            ));
+            client
+                .disconnect(DisconnectRequest {
+                    session_id: s.id.clone(),
+                })
+                .await
+                .map_err(daemon::status_to_error)
+                .with_context(|| format!("cannot disconnect the stale session {}", s.id))?;
+            stop_agent(runtime_dir, &s.id).await;
+            Ok(false)
+        }
+        SessionMatch::Same(s) => {
+            let reason = if s.reason.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", s.reason)
+            };
+            output::done(&format!(
+                "Already connected to {} (context {}) through {}: session {} on TUN device {}, \
+                 state {}{reason} — nothing to do",
+                wanted.cluster, wanted.context, wanted.transport, s.id, s.tun_name, s.state
+            ));
+            Ok(true)
+        }
     }
 }
 
@@ -56,7 +198,10 @@ fn host_of(server: &str) -> String {
     if let Some(v6) = authority.strip_prefix('[') {
         return v6.split(']').next().unwrap_or(v6).to_string();
     }
-    authority.rsplit_once(':').map_or(authority, |(h, _)| h).to_string()
+    authority
+        .rsplit_once(':')
+        .map_or(authority, |(h, _)| h)
+        .to_string()
 }
 
 /// `kvpn connect` without `--manager`.
@@ -65,6 +210,16 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     output::step("Reading kubeconfig and reaching the API server");
     let conn = kubeconfig::connect(&args.kube.flags(), &env).await?;
     output::done(&format!("Using {}", conn.description));
+    let origin = Origin {
+        transport: TRANSPORT_PORT_FORWARD.to_owned(),
+        cluster: conn.description.cluster.clone(),
+        server: conn.description.server.clone(),
+        context: conn.description.context.clone(),
+        manager_namespace: args.kube.manager_namespace.clone(),
+    };
+    if already_connected(runtime_dir, &origin).await? {
+        return Ok(());
+    }
 
     let mut opts = InstallOptions {
         namespace: args.kube.manager_namespace.clone(),
@@ -90,8 +245,18 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     for a in &detected.attempts {
         output::detail(&a.to_string());
     }
-    let pod: Vec<IpNet> = detected.pod.iter().chain(&args.pod_cidrs).copied().collect();
-    let service: Vec<IpNet> = detected.service.iter().chain(&args.service_cidrs).copied().collect();
+    let pod: Vec<IpNet> = detected
+        .pod
+        .iter()
+        .chain(&args.pod_cidrs)
+        .copied()
+        .collect();
+    let service: Vec<IpNet> = detected
+        .service
+        .iter()
+        .chain(&args.service_cidrs)
+        .copied()
+        .collect();
     if pod.is_empty() && service.is_empty() && args.extra_cidrs.is_empty() {
         bail!(
             "could not detect any pod or service CIDR of this cluster — give them with \
@@ -113,7 +278,10 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         (args.extra_cidrs.clone(), RouteKind::Extra),
     ] {
         for c in cidr::exclude(&cidrs, &keep_out) {
-            routes.push(Route { cidr: c.to_string(), kind: kind as i32 });
+            routes.push(Route {
+                cidr: c.to_string(),
+                kind: kind as i32,
+            });
         }
     }
 
@@ -136,11 +304,19 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         &log,
     )
     .await?;
-    output::done(&format!("Agent (pid {agent_pid}) forwards {addr} to the traffic manager"));
+    output::done(&format!(
+        "Agent (pid {agent_pid}) forwards {addr} to the traffic manager"
+    ));
 
-    output::step(&format!("Starting root daemon (socket {})", daemon::socket_path(runtime_dir).display()));
+    output::step(&format!(
+        "Starting root daemon (socket {})",
+        daemon::socket_path(runtime_dir).display()
+    ));
     let mut client = daemon::connect_or_start(runtime_dir).await?;
-    output::step(&format!("Connecting to the traffic manager (tunnel IP {})", args.tunnel_ip));
+    output::step(&format!(
+        "Connecting to the traffic manager (tunnel IP {})",
+        args.tunnel_ip
+    ));
     let resp = client
         .connect(ConnectRequest {
             manager: addr.to_string(),
@@ -148,6 +324,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             tunnel_ip: args.tunnel_ip.to_string(),
             tun_name: args.tun_name.clone().unwrap_or_default(),
             mtu: args.mtu.unwrap_or(0),
+            origin: Some(origin),
         })
         .await
         .map_err(daemon::status_to_error);
@@ -172,7 +349,56 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 
 #[cfg(test)]
 mod tests {
-    use super::host_of;
+    use super::{SessionMatch, host_of, match_session};
+    use kvpn_proto::dataplane::{Origin, Session};
+
+    fn origin(server: &str, context: &str, ns: &str) -> Origin {
+        Origin {
+            transport: "port-forward".into(),
+            cluster: "lab".into(),
+            server: server.into(),
+            context: context.into(),
+            manager_namespace: ns.into(),
+        }
+    }
+
+    fn session(id: &str, origin: Option<Origin>) -> Session {
+        Session {
+            id: id.into(),
+            origin,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn same_cluster_context_and_namespace_is_the_same_session() {
+        let a = origin("https://172.31.255.1:6443", "user@lab", "kvpn-system");
+        let sessions = vec![
+            session("direct", None),
+            session(
+                "other",
+                Some(origin("https://10.0.0.1:6443", "user@lab", "kvpn-system")),
+            ),
+            session("mine", Some(a.clone())),
+        ];
+        assert_eq!(
+            match_session(&sessions, &a),
+            SessionMatch::Same(&sessions[2])
+        );
+        let admin = origin("https://172.31.255.1:6443", "admin@lab", "kvpn-system");
+        assert_eq!(
+            match_session(&sessions, &admin),
+            SessionMatch::Conflict(&sessions[2])
+        );
+        let other_ns = origin("https://172.31.255.1:6443", "user@lab", "kvpn-2");
+        assert_eq!(
+            match_session(&sessions, &other_ns),
+            SessionMatch::Conflict(&sessions[2])
+        );
+        let elsewhere = origin("https://192.0.2.1:6443", "user@lab", "kvpn-system");
+        assert_eq!(match_session(&sessions, &elsewhere), SessionMatch::None);
+        assert_eq!(match_session(&[], &a), SessionMatch::None);
+    }
 
     #[test]
     fn host_of_server_urls() {

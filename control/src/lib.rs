@@ -16,9 +16,7 @@ pub mod lab;
 pub mod output;
 
 use anyhow::{Context, Result, bail};
-use kvpn_proto::dataplane::{
-    ConnectRequest, DisconnectRequest, Route, RouteKind, StatusRequest,
-};
+use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest, Route, RouteKind, StatusRequest};
 
 use crate::cli::{Cli, Command, ConnectArgs, DisconnectArgs, StatusArgs};
 
@@ -89,7 +87,10 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         );
     }
     validate_manager_addr(&manager)?;
-    output::step(&format!("Starting root daemon (socket {})", daemon::socket_path(runtime_dir).display()));
+    output::step(&format!(
+        "Starting root daemon (socket {})",
+        daemon::socket_path(runtime_dir).display()
+    ));
     let mut client = daemon::connect_or_start(runtime_dir).await?;
     output::step(&format!(
         "Connecting to traffic manager at {} (tunnel IP {})",
@@ -102,6 +103,10 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             tunnel_ip: args.tunnel_ip.to_string(),
             tun_name: args.tun_name.clone().unwrap_or_default(),
             mtu: args.mtu.unwrap_or(0),
+            origin: Some(kvpn_proto::dataplane::Origin {
+                transport: connect::TRANSPORT_DIRECT.to_owned(),
+                ..Default::default()
+            }),
         })
         .await
         .map_err(daemon::status_to_error)
@@ -125,8 +130,16 @@ fn validate_manager_addr(addr: &str) -> Result<()> {
         bail!("--manager {addr:?} has no host: write it as HOST:PORT, e.g. 172.31.255.1:10801");
     }
     port.parse::<u16>()
-        .map_err(|_| anyhow::anyhow!("--manager {addr:?}: port {port:?} is not a number from 1 to 65535"))
-        .and_then(|p| if p == 0 { bail!("--manager {addr:?}: port 0 is not a valid port") } else { Ok(()) })
+        .map_err(|_| {
+            anyhow::anyhow!("--manager {addr:?}: port {port:?} is not a number from 1 to 65535")
+        })
+        .and_then(|p| {
+            if p == 0 {
+                bail!("--manager {addr:?}: port 0 is not a valid port")
+            } else {
+                Ok(())
+            }
+        })
 }
 
 async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
@@ -148,7 +161,11 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
         output::done("Not connected: the root daemon is not running, nothing to disconnect");
         return Ok(());
     };
-    let session_id = if args.all { String::new() } else { args.id.unwrap_or_default() };
+    let session_id = if args.all {
+        String::new()
+    } else {
+        args.id.unwrap_or_default()
+    };
     let resp = client
         .disconnect(DisconnectRequest { session_id })
         .await
@@ -159,8 +176,10 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
         output::done("No session to disconnect");
     } else {
         for id in resp.stopped {
-            connect::stop_agent(runtime_dir, &id);
-            output::done(&format!("Disconnected session {id}: TUN device, routes and eBPF classifier removed"));
+            connect::stop_agent(runtime_dir, &id).await;
+            output::done(&format!(
+                "Disconnected session {id}: TUN device, routes and eBPF classifier removed"
+            ));
         }
     }
     Ok(())
@@ -185,13 +204,15 @@ async fn uninstall(args: crate::cli::UninstallArgs) -> Result<()> {
 async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
     if let Some(mut client) = daemon::connect_existing(runtime_dir).await? {
         let resp = client
-            .disconnect(DisconnectRequest { session_id: String::new() })
+            .disconnect(DisconnectRequest {
+                session_id: String::new(),
+            })
             .await
             .map_err(daemon::status_to_error)
             .context("disconnect before quit failed")?
             .into_inner();
         for id in resp.stopped {
-            connect::stop_agent(runtime_dir, &id);
+            connect::stop_agent(runtime_dir, &id).await;
             output::done(&format!("Disconnected session {id}"));
         }
     }

@@ -68,9 +68,24 @@ pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
     }
 }
 
+/// `null` for an empty string (an origin field that does not apply).
+fn text_or_null(s: &str) -> serde_json::Value {
+    if s.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::Value::String(s.to_owned())
+    }
+}
+
 fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
+    let origin = s.origin.clone().unwrap_or_default();
     serde_json::json!({
         "id": s.id,
+        "transport": text_or_null(&origin.transport),
+        "cluster": text_or_null(&origin.cluster),
+        "server": text_or_null(&origin.server),
+        "context": text_or_null(&origin.context),
+        "manager_namespace": text_or_null(&origin.manager_namespace),
         "manager": s.manager,
         "tunnel_ip": s.tunnel_ip,
         "tun_name": s.tun_name,
@@ -110,12 +125,12 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                 return Ok(());
             }
             println!(
-                "{:<10} {:<22} {:<14} {:<8} {:<13} {:>8} {:>12} {:>12}",
+                "{:<12} {:<22} {:<14} {:<8} {:<13} {:>8} {:>12} {:>12}",
                 "ID", "MANAGER", "TUNNEL IP", "TUN", "STATE", "UPTIME", "TX PKTS/B", "RX PKTS/B"
             );
             for s in &resp.sessions {
                 println!(
-                    "{:<10} {:<22} {:<14} {:<8} {:<13} {:>8} {:>12} {:>12}",
+                    "{:<12} {:<22} {:<14} {:<8} {:<13} {:>8} {:>12} {:>12}",
                     s.id,
                     s.manager,
                     s.tunnel_ip,
@@ -127,6 +142,16 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                 );
                 if !s.reason.is_empty() {
                     println!("    reason: {}", s.reason);
+                }
+                match &s.origin {
+                    Some(o) if !o.cluster.is_empty() => println!(
+                        "    cluster {} (context {}, {}) through {}, traffic manager in {}",
+                        o.cluster, o.context, o.server, o.transport, o.manager_namespace
+                    ),
+                    Some(o) if !o.transport.is_empty() => {
+                        println!("    transport {}", o.transport);
+                    }
+                    _ => {}
                 }
                 for r in &s.routes {
                     println!("    route {:<20} {}", r.cidr, kind_name(r.kind));

@@ -331,13 +331,15 @@ impl Dataplane for Daemon {
         request: Request<ConnectRequest>,
     ) -> Result<Response<ConnectResponse>, Status> {
         let params = params_from_request(request.get_ref(), self.heartbeat_interval)?;
+        let origin = request.get_ref().origin.clone();
         let id = new_session_id();
-        let session = Session::start(id.clone(), params, &self.netlink, &*self.classifiers)
+        let mut session = Session::start(id.clone(), params, &self.netlink, &*self.classifiers)
             .await
             .map_err(|e| match &e {
                 ConnectError::Unreachable(_) => Status::unavailable(e.to_string()),
                 ConnectError::Step { .. } => Status::failed_precondition(e.to_string()),
             })?;
+        session.set_origin(origin);
         let response = ConnectResponse {
             session_id: id.clone(),
             tun_name: session.tun_name().to_owned(),

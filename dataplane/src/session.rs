@@ -197,6 +197,8 @@ pub struct Session {
     stop_tx: watch::Sender<bool>,
     supervisor: Option<JoinHandle<()>>,
     tun: Option<Arc<AsyncDevice>>,
+    /// Which cluster this session leads to, as the client said (reported only).
+    origin: Option<kvpn_proto::dataplane::Origin>,
 }
 
 impl fmt::Debug for Session {
@@ -453,6 +455,7 @@ impl Session {
                     stop_tx,
                     supervisor: Some(supervisor),
                     tun: Some(device),
+                    origin: None,
                 })
             }
             Err((step, message)) => {
@@ -535,6 +538,12 @@ impl Session {
             undo.routes.push(*cidr);
         }
         Ok(Some(classifier))
+    }
+
+    /// Record which cluster the session leads to (from the Connect request);
+    /// Status reports it, nothing else reads it.
+    pub fn set_origin(&mut self, origin: Option<kvpn_proto::dataplane::Origin>) {
+        self.origin = origin;
     }
 
     /// The session id.
@@ -629,6 +638,7 @@ impl Session {
             ebpf_unrouted_packets: unrouted.packets,
             ebpf_unrouted_bytes: unrouted.bytes,
             mtu: u32::from(self.params.mtu),
+            origin: self.origin.clone(),
         }
     }
 
@@ -727,6 +737,14 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
 
 /// Keep the transport up: run the pump, and when it stops, re-dial with backoff
 /// and run it again on the same TUN device, until told to stop.
+///
+/// A transport that ends before the manager echoed a heartbeat on it counts as a
+/// failed dial: the next dial waits the backoff. Relays accept first and reach the
+/// manager afterwards (the port-forward agent on loopback accepts, then finds no
+/// ready manager pod and closes); re-dialling those at once would spin, and make
+/// the agent list pods hundreds of times a second. A transport that had proved
+/// itself (an echo, or one that lived to the silence watchdog) is re-dialled at
+/// once, so a killed transport recovers in well under tr-08's 3 s.
 async fn supervise(
     tun: Arc<AsyncDevice>,
     first: TcpStream,
@@ -770,7 +788,6 @@ async fn supervise(
                 }
             }
         };
-        backoff = REDIAL_BACKOFF.0;
         shared
             .liveness
             .lock()
@@ -788,7 +805,29 @@ async fn supervise(
                 PumpConfig::default(),
             ) => exit,
         };
-        tracing::warn!(reason = %exit, "transport lost, re-dialling the traffic manager");
+        let proven = matches!(exit, pump::PumpExit::Silent(_))
+            || shared
+                .liveness
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .state(Instant::now())
+                .0
+                == State::Connected;
         set_down(exit.to_string());
+        if proven {
+            tracing::warn!(reason = %exit, "transport lost, re-dialling the traffic manager");
+            backoff = REDIAL_BACKOFF.0;
+        } else {
+            tracing::warn!(
+                reason = %exit,
+                retry_in_ms = backoff.as_millis(),
+                "transport ended before the traffic manager answered; re-dialling after a pause"
+            );
+            tokio::select! {
+                _ = stop_rx.changed() => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(REDIAL_BACKOFF.1);
+        }
     }
 }

@@ -318,6 +318,7 @@ fn request(manager: &FakeManager) -> ConnectRequest {
         tunnel_ip: "100.96.0.2".into(),
         tun_name: String::new(),
         mtu: 0,
+        ..Default::default()
     }
 }
 

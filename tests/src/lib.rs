@@ -2,7 +2,10 @@
 //! real servers, the real traffic manager) plus the real `kvpn` CLI and root
 //! daemon running in its laptop netns. Every fixture has its own lab id and
 //! runtime folder, so tests run in parallel, and tears everything down on drop,
-//! also when the test fails.
+//! also when the test fails. [`kube_lab::KubeFixture`] does the same on the
+//! Kubernetes lab (real API server; `kvpn connect --kubeconfig`).
+
+pub mod kube_lab;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -36,7 +39,11 @@ impl Fixture {
         let lab = Lab::up(LabOptions::default()).unwrap_or_else(|e| panic!("lab up: {e:#}"));
         let runtime_dir = lab.dir().join("runtime");
         let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
-        Fixture { lab, runtime_dir, kvpn }
+        Fixture {
+            lab,
+            runtime_dir,
+            kvpn,
+        }
     }
 
     /// A fresh lab with `kvpn connect` done.
@@ -53,7 +60,8 @@ impl Fixture {
             .command_in(LAPTOP, &self.kvpn.to_string_lossy())
             .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
         cmd.args(args).env("KVPN_RUNTIME_DIR", &self.runtime_dir);
-        cmd.output().unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
+        cmd.output()
+            .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
     }
 
     /// `kvpn connect` to the lab's manager; panics with kvpn's output on failure.
@@ -62,30 +70,50 @@ impl Fixture {
         let mut all: Vec<&str> = vec!["connect"];
         all.extend(args.iter().map(String::as_str));
         let out = self.kvpn(&all);
-        assert!(out.status.success(), "kvpn connect failed:\n{}\n{}\ndaemon log:\n{}", text(&out.stdout), text(&out.stderr), self.daemon_log());
+        assert!(
+            out.status.success(),
+            "kvpn connect failed:\n{}\n{}\ndaemon log:\n{}",
+            text(&out.stdout),
+            text(&out.stderr),
+            self.daemon_log()
+        );
     }
 
     /// `kvpn disconnect --all`; panics on failure.
     pub fn disconnect(&self) {
         let out = self.kvpn(&["disconnect", "--all"]);
-        assert!(out.status.success(), "kvpn disconnect failed:\n{}\n{}", text(&out.stdout), text(&out.stderr));
+        assert!(
+            out.status.success(),
+            "kvpn disconnect failed:\n{}\n{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
     }
 
     /// `kvpn status -o json`, parsed.
     pub fn status_json(&self) -> serde_json::Value {
         let out = self.kvpn(&["status", "-o", "json"]);
-        assert!(out.status.success(), "kvpn status failed:\n{}", text(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("status JSON: {e}: {}", text(&out.stdout)))
+        assert!(
+            out.status.success(),
+            "kvpn status failed:\n{}",
+            text(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("status JSON: {e}: {}", text(&out.stdout)))
     }
 
     /// Runs a command in the laptop netns.
     pub fn laptop(&self, args: &[&str]) -> Output {
-        self.lab.exec_in(LAPTOP, args).unwrap_or_else(|e| panic!("laptop {args:?}: {e:#}"))
+        self.lab
+            .exec_in(LAPTOP, args)
+            .unwrap_or_else(|e| panic!("laptop {args:?}: {e:#}"))
     }
 
     /// Runs `f` on a thread inside the laptop netns (for sockets opened by the test).
     pub fn in_laptop<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
-        self.lab.run_in(LAPTOP, f).unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+        self.lab
+            .run_in(LAPTOP, f)
+            .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
     }
 
     /// The root daemon's log (for failure messages).

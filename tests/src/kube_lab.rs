@@ -1,0 +1,514 @@
+//! [`KubeFixture`]: the Kubernetes lab ([`K8sLab`]: real kube-apiserver, kubelet,
+//! kube-proxy and DNS stand-ins, sample workloads, *no* pre-installed traffic
+//! manager) plus the real `kvpn` CLI, session agent and root daemon running in
+//! its laptop netns, which reaches only the API server (172.31.255.1:6443).
+//!
+//! Each fixture has its own lab id and its own `KVPN_RUNTIME_DIR` (inside the lab
+//! folder), so tests run in parallel. Drop tears everything down, also when the
+//! test failed: `kvpn quit` (sessions, root daemon, agents), then any agent of this
+//! runtime folder still running (by pid), then the lab.
+//!
+//! I/O: processes in the laptop netns, the API server through the admin client,
+//! sockets opened on threads inside the laptop netns.
+
+use std::io::{Read as _, Write as _};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kvpn_lab::LAPTOP;
+use kvpn_lab::k8s::workloads::Workloads;
+use kvpn_lab::k8s::{K8sLab, K8sLabOptions};
+use kvpn_lab::protocol::PageInfo;
+
+use crate::text;
+
+/// Namespace of the traffic manager (kvpn's default `--manager-namespace`).
+pub const MANAGER_NAMESPACE: &str = "kvpn-system";
+/// Label selector of everything kvpn installs for the manager.
+pub const MANAGER_SELECTOR: &str =
+    "app.kubernetes.io/name=kvpn-manager,app.kubernetes.io/managed-by=kvpn";
+/// The version kvpn writes into `kvpn.dev/version` (the workspace's).
+pub const KVPN_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The laptop's kernel view of a TUN device: what must not change across
+/// transport reconnects (tr-08).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunState {
+    pub ifindex: u64,
+    /// `address/prefix` strings.
+    pub addresses: Vec<String>,
+    /// `dst` of each route through the device, sorted.
+    pub routes: Vec<String>,
+}
+
+/// One TCP socket of a process, as `ss` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpSocket {
+    /// `LISTEN`, `ESTAB`, `CLOSE-WAIT`, …
+    pub state: String,
+    pub local: String,
+    pub peer: String,
+}
+
+/// A Kubernetes lab plus kvpn on its laptop.
+pub struct KubeFixture {
+    // Field order: the lab goes before the runtime its node services were started on.
+    lab: Option<K8sLab>,
+    admin: kube::Client,
+    rt: tokio::runtime::Runtime,
+    runtime_dir: PathBuf,
+    kvpn: PathBuf,
+}
+
+impl KubeFixture {
+    /// A fresh Kubernetes lab with the sample workloads and without the traffic
+    /// manager (`kvpn connect` installs it).
+    pub fn new() -> Self {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("tokio runtime: {e}"));
+        let t0 = Instant::now();
+        let options = K8sLabOptions::default().workloads(Workloads {
+            manager: false,
+            ..Default::default()
+        });
+        let lab = rt
+            .block_on(K8sLab::up(options))
+            .unwrap_or_else(|e| panic!("Kubernetes lab up: {e}"));
+        eprintln!(
+            "Kubernetes lab {} up in {:.1} s",
+            lab.netns_lab().id(),
+            t0.elapsed().as_secs_f64()
+        );
+        let admin = rt
+            .block_on(lab.admin_client())
+            .unwrap_or_else(|e| panic!("admin client: {e}"));
+        let runtime_dir = lab.netns_lab().dir().join("kvpn-runtime");
+        let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
+        KubeFixture {
+            lab: Some(lab),
+            admin,
+            rt,
+            runtime_dir,
+            kvpn,
+        }
+    }
+
+    /// The lab.
+    pub fn lab(&self) -> &K8sLab {
+        // Only None inside drop.
+        self.lab
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("fixture without its lab"))
+    }
+
+    /// This fixture's `KVPN_RUNTIME_DIR`.
+    pub fn runtime_dir(&self) -> &Path {
+        &self.runtime_dir
+    }
+
+    /// The restricted user's kubeconfig for the laptop netns.
+    pub fn user_kubeconfig(&self) -> String {
+        self.lab()
+            .laptop_user_kubeconfig()
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// The lab's cluster name (the kubeconfigs' cluster).
+    pub fn cluster_name(&self) -> &str {
+        &self.lab().state().cluster_name
+    }
+
+    /// Runs `f` to completion on this fixture's runtime.
+    pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    /// The admin client (host netns, the apiserver's loopback address).
+    pub fn admin(&self) -> kube::Client {
+        self.admin.clone()
+    }
+
+    /// Runs `kvpn <args>` in the laptop netns with this fixture's runtime folder.
+    pub fn kvpn(&self, args: &[&str]) -> Output {
+        let mut cmd = self
+            .lab()
+            .netns_lab()
+            .command_in(LAPTOP, &self.kvpn.to_string_lossy())
+            .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+        cmd.args(args)
+            .env("KVPN_RUNTIME_DIR", &self.runtime_dir)
+            .env_remove("KUBECONFIG");
+        cmd.output()
+            .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
+    }
+
+    /// `kvpn <args>`, which must succeed; its stdout.
+    pub fn kvpn_ok(&self, args: &[&str]) -> String {
+        let out = self.kvpn(args);
+        assert!(
+            out.status.success(),
+            "kvpn {args:?} failed ({}):\n{}\n{}\n{}",
+            out.status,
+            text(&out.stdout),
+            text(&out.stderr),
+            self.diagnostics()
+        );
+        text(&out.stdout)
+    }
+
+    /// `kvpn connect --kubeconfig <restricted user's>`, which must succeed; its stdout.
+    pub fn connect_restricted(&self) -> String {
+        let kubeconfig = self.user_kubeconfig();
+        self.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig])
+    }
+
+    /// `kvpn status -o json`, parsed.
+    pub fn status_json(&self) -> serde_json::Value {
+        let out = self.kvpn_ok(&["status", "-o", "json"]);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("status JSON: {e}: {out}"))
+    }
+
+    /// The sessions of `kvpn status -o json`.
+    pub fn sessions(&self) -> Vec<serde_json::Value> {
+        self.status_json()["sessions"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The only session; panics unless there is exactly one.
+    pub fn session(&self) -> serde_json::Value {
+        let sessions = self.sessions();
+        assert_eq!(
+            sessions.len(),
+            1,
+            "exactly one session expected: {sessions:#?}"
+        );
+        sessions.into_iter().next().unwrap_or_default()
+    }
+
+    /// Polls the only session until its state is `state`; returns how long it took.
+    pub fn wait_state(&self, state: &str, within: Duration) -> Duration {
+        let t0 = Instant::now();
+        loop {
+            let s = self.session();
+            if s["state"] == state {
+                return t0.elapsed();
+            }
+            assert!(
+                t0.elapsed() < within,
+                "session not {state} within {within:?}: {s:#}\n{}",
+                self.diagnostics()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Runs a command in the laptop netns.
+    pub fn laptop(&self, args: &[&str]) -> Output {
+        self.lab()
+            .netns_lab()
+            .exec_in(LAPTOP, args)
+            .unwrap_or_else(|e| panic!("laptop {args:?}: {e:#}"))
+    }
+
+    /// One HTTP GET on a fresh connection from the laptop netns, each step bounded
+    /// by `timeout`; the parsed lab page.
+    pub fn http_get(&self, addr: SocketAddr, timeout: Duration) -> Result<PageInfo, String> {
+        self.lab()
+            .netns_lab()
+            .run_in(LAPTOP, move || -> Result<PageInfo, String> {
+                let mut s = TcpStream::connect_timeout(&addr, timeout)
+                    .map_err(|e| format!("connect {addr}: {e}"))?;
+                s.set_read_timeout(Some(timeout))
+                    .map_err(|e| e.to_string())?;
+                s.write_all(b"GET / HTTP/1.1\r\nHost: lab\r\nConnection: close\r\n\r\n")
+                    .map_err(|e| format!("send to {addr}: {e}"))?;
+                let mut out = String::new();
+                s.read_to_string(&mut out)
+                    .map_err(|e| format!("read from {addr}: {e}"))?;
+                let body = out.split_once("\r\n\r\n").map_or(out.as_str(), |(_, b)| b);
+                PageInfo::parse(body).ok_or_else(|| format!("not a lab page from {addr}: {out:?}"))
+            })
+            .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+    }
+
+    /// The lab page from `addr`; panics with diagnostics on failure.
+    pub fn page(&self, addr: SocketAddr) -> PageInfo {
+        self.http_get(addr, Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("GET {addr}: {e}\n{}", self.diagnostics()))
+    }
+
+    /// Retries GET `addr` (fresh connection, 500 ms bounds per attempt) until it
+    /// works; returns how long that took from `since`, or panics after `within`.
+    pub fn wait_http(
+        &self,
+        addr: SocketAddr,
+        since: Instant,
+        within: Duration,
+    ) -> (Duration, PageInfo) {
+        let mut last = String::new();
+        while since.elapsed() < within {
+            match self.http_get(addr, Duration::from_millis(500)) {
+                Ok(p) => return (since.elapsed(), p),
+                Err(e) => last = e,
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "GET {addr} did not work within {within:?}: {last}\n{}",
+            self.diagnostics()
+        )
+    }
+
+    /// The manager's pods (admin client), any state.
+    pub fn manager_pods(&self) -> Vec<Pod> {
+        self.pods(MANAGER_NAMESPACE, MANAGER_SELECTOR)
+    }
+
+    /// Pods of `namespace` matching `selector` (admin client).
+    pub fn pods(&self, namespace: &str, selector: &str) -> Vec<Pod> {
+        let api: Api<Pod> = Api::namespaced(self.admin(), namespace);
+        self.block_on(api.list(&ListParams::default().labels(selector)))
+            .unwrap_or_else(|e| panic!("list pods {namespace} {selector}: {e}"))
+            .items
+    }
+
+    /// Waits for a ready manager pod (Ready, not being deleted) for which `pred`
+    /// holds; returns it.
+    pub fn wait_manager_pod(&self, within: Duration, pred: impl Fn(&Pod) -> bool) -> Pod {
+        let t0 = Instant::now();
+        loop {
+            if let Some(p) = self
+                .manager_pods()
+                .into_iter()
+                .find(|p| pod_ready(p) && pred(p))
+            {
+                return p;
+            }
+            assert!(
+                t0.elapsed() < within,
+                "no matching ready manager pod within {within:?}: {:#?}",
+                self.manager_pods()
+                    .iter()
+                    .map(|p| (p.metadata.name.clone(), p.status.clone()))
+                    .collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Pids of the session agents (`kvpn agent`) of this fixture's runtime folder
+    /// (their `--state-file` lies in it), sorted.
+    pub fn agent_pids(&self) -> Vec<u32> {
+        let dir = self.runtime_dir.to_string_lossy().into_owned();
+        let mut pids: Vec<u32> = std::fs::read_dir("/proc")
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                    .filter(|pid| {
+                        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                            return false;
+                        };
+                        let args: Vec<String> = cmdline
+                            .split(|b| *b == 0)
+                            .map(|a| String::from_utf8_lossy(a).into_owned())
+                            .collect();
+                        let running = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                            .is_ok_and(|s| {
+                                s.rsplit_once(") ")
+                                    .and_then(|(_, r)| r.chars().next())
+                                    .is_some_and(|c| c != 'Z' && c != 'X')
+                            });
+                        running
+                            && args.iter().any(|a| a == "agent")
+                            && args.iter().any(|a| a.starts_with(&dir))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        pids.sort_unstable();
+        pids
+    }
+
+    /// TCP sockets of `pid` in the laptop netns, any state, as `ss` shows them.
+    pub fn tcp_sockets_of(&self, pid: u32) -> Vec<TcpSocket> {
+        let out = self.laptop(&["ss", "-Htanp"]);
+        let needle = format!("pid={pid},");
+        text(&out.stdout)
+            .lines()
+            .filter(|l| l.contains(&needle))
+            .filter_map(|l| {
+                // -H without a state filter: State Recv-Q Send-Q Local Peer Process.
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                Some(TcpSocket {
+                    state: (*cols.first()?).to_owned(),
+                    local: (*cols.get(3)?).to_owned(),
+                    peer: (*cols.get(4)?).to_owned(),
+                })
+            })
+            .collect()
+    }
+
+    /// Number of open file descriptors of `pid`.
+    pub fn fd_count(pid: u32) -> usize {
+        std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+    }
+
+    /// The TUN device `name` as the laptop's kernel sees it.
+    pub fn tun_state(&self, name: &str) -> TunState {
+        let addr = self.laptop(&["ip", "-j", "addr", "show", "dev", name]);
+        assert!(
+            addr.status.success(),
+            "ip addr show dev {name}: {}",
+            text(&addr.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&addr.stdout)
+            .unwrap_or_else(|e| panic!("ip -j addr: {e}: {}", text(&addr.stdout)));
+        let link = &v[0];
+        let addresses = link["addr_info"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|i| i["family"] == "inet" || i["scope"] != "link")
+                    .map(|i| format!("{}/{}", i["local"].as_str().unwrap_or(""), i["prefixlen"]))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let routes = self.laptop(&["ip", "-j", "route", "show", "dev", name]);
+        let r: serde_json::Value = serde_json::from_slice(&routes.stdout).unwrap_or_default();
+        let mut routes: Vec<String> = r
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|r| r["dst"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        routes.sort();
+        TunState {
+            ifindex: link["ifindex"].as_u64().unwrap_or(0),
+            addresses,
+            routes,
+        }
+    }
+
+    /// TUN devices in the laptop netns (names).
+    pub fn tun_devices(&self) -> Vec<String> {
+        let out = self.laptop(&["ip", "-j", "link", "show", "type", "tun"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|l| l["ifname"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The laptop's IPv4 routes (`ip route` lines).
+    pub fn laptop_routes(&self) -> Vec<String> {
+        text(
+            &self
+                .laptop(&["ip", "-4", "route", "show", "table", "all"])
+                .stdout,
+        )
+        .lines()
+        .filter(|l| !l.starts_with("local ") && !l.starts_with("broadcast "))
+        .map(str::to_owned)
+        .collect()
+    }
+
+    /// The root daemon's log and the agents' logs, for failure messages.
+    pub fn diagnostics(&self) -> String {
+        let mut s = String::new();
+        let daemon =
+            std::fs::read_to_string(self.runtime_dir.join("dataplane.log")).unwrap_or_default();
+        s.push_str("--- root daemon log (last 40 lines):\n");
+        s.push_str(&tail(&daemon, 40));
+        if let Ok(dir) = std::fs::read_dir(self.runtime_dir.join("agents")) {
+            for e in dir.flatten() {
+                if e.path().extension().is_some_and(|x| x == "log") {
+                    let log = std::fs::read_to_string(e.path()).unwrap_or_default();
+                    s.push_str(&format!("--- {} (last 20 lines):\n", e.path().display()));
+                    s.push_str(&tail(&log, 20));
+                }
+            }
+        }
+        s
+    }
+}
+
+impl Default for KubeFixture {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for KubeFixture {
+    fn drop(&mut self) {
+        if self.lab.is_none() {
+            return;
+        }
+        // Sessions, agents and the root daemon first; they live in the lab's netns.
+        let quit = self.kvpn(&["quit"]);
+        if !quit.status.success() {
+            eprintln!("kvpn quit: {}{}", text(&quit.stdout), text(&quit.stderr));
+        }
+        for pid in self.agent_pids() {
+            // An agent of this fixture's runtime folder that outlived `kvpn quit`
+            // (a test that failed between spawning and recording it).
+            // SAFETY: kill with a pid found by its command line naming our folder.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        if let Some(lab) = self.lab.take() {
+            let down = self
+                .rt
+                .block_on(async { tokio::task::spawn_blocking(move || lab.down()).await });
+            match down {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => eprintln!("Kubernetes lab down: {e}"),
+                Err(e) => eprintln!("Kubernetes lab down panicked: {e}"),
+            }
+        }
+    }
+}
+
+/// Whether a pod is Ready and not being deleted.
+pub fn pod_ready(p: &Pod) -> bool {
+    p.metadata.deletion_timestamp.is_none()
+        && p.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// A pod's IP.
+pub fn pod_ip(p: &Pod) -> IpAddr {
+    p.status
+        .as_ref()
+        .and_then(|s| s.pod_ip.as_deref())
+        .and_then(|ip| ip.parse().ok())
+        .unwrap_or_else(|| panic!("pod {:?} has no pod IP", p.metadata.name))
+}
+
+/// A pod's name.
+pub fn pod_name(p: &Pod) -> String {
+    p.metadata.name.clone().unwrap_or_default()
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    let start = lines.len().saturating_sub(n);
+    let mut out = lines[start..].join("\n");
+    out.push('\n');
+    out
+}
