@@ -39,7 +39,11 @@
 //! `(destination, echo identifier)` ping flow, closed after an idle timeout.
 //! Replies are built with `smoltcp::wire` ([`crate::packet`]) with the
 //! destination as source; echo replies carry the laptop's own identifier (the
-//! kernel rewrites it on ping sockets).
+//! kernel rewrites it on ping sockets). UDP and ICMP never reach smoltcp: its
+//! UDP sockets bind one port each (any-IP would need a socket per destination
+//! port before the first datagram), and for unknown ports or pings it would
+//! answer itself (port unreachable, echo reply), which would lie about the
+//! cluster.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
