@@ -130,7 +130,9 @@ fn open_tun(name: &str) -> OwnedFd {
 /// Move packets between the TUN device and the data channel as frames (the
 /// root daemon's job, minimally).
 async fn pump(tun: OwnedFd, channel: tokio::net::UnixStream) {
-    let tun = AsyncFd::new(tun).expect("register TUN");
+    // SAFETY: `tun` is an owned descriptor that moves into the AsyncFd, so it
+    // stays open (and is not reused) for as long as it is registered.
+    let tun = unsafe { AsyncFd::register(tun) }.unwrap_or_else(|e| panic!("register TUN: {e}"));
     let (mut rd, mut wr) = channel.into_split();
     let to_manager = async {
         let mut buf = vec![0u8; TUN_MTU + 64];
