@@ -325,6 +325,10 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             tun_name: args.tun_name.clone().unwrap_or_default(),
             mtu: args.mtu.unwrap_or(0),
             origin: Some(origin),
+            // TLS end to end through the port-forward: the root daemon verifies the
+            // manager against the CA from Secret kvpn-manager-tls, by its Service name.
+            tls_ca_pem: manager.ca_pem.clone(),
+            tls_server_name: manager.server_name.clone(),
         })
         .await
         .map_err(daemon::status_to_error);

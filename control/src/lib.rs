@@ -107,6 +107,9 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
                 transport: connect::TRANSPORT_DIRECT.to_owned(),
                 ..Default::default()
             }),
+            // Direct mode talks to a manager without a certificate (static lab).
+            tls_ca_pem: String::new(),
+            tls_server_name: String::new(),
         })
         .await
         .map_err(daemon::status_to_error)

@@ -90,6 +90,7 @@ fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
         "tunnel_ip": s.tunnel_ip,
         "tun_name": s.tun_name,
         "mtu": s.mtu,
+        "data_channel": text_or_null(&s.data_channel),
         "state": s.state,
         "reason": s.reason,
         "uptime_ms": s.uptime_ms,
@@ -151,6 +152,13 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                     Some(o) if !o.transport.is_empty() => {
                         println!("    transport {}", o.transport);
                     }
+                    _ => {}
+                }
+                match s.data_channel.as_str() {
+                    "tls" => {
+                        println!("    data channel tls (TLS 1.3, manager certificate verified)")
+                    }
+                    "plain" => println!("    data channel plain (unencrypted TCP)"),
                     _ => {}
                 }
                 for r in &s.routes {

@@ -28,6 +28,7 @@ use tonic::{Request, Response, Status};
 
 use crate::netlink::Netlink;
 use crate::session::{self, ClassifierAttach, ConnectError, Session, SessionParams};
+use crate::tls::TlsClient;
 use crate::tun;
 
 /// Default runtime directory (env `KVPN_RUNTIME_DIR`).
@@ -233,6 +234,8 @@ pub fn params_from_request(
         Some(req.tun_name.clone())
     };
     let mtu = tun::validate_mtu(req.mtu).map_err(|e| invalid(e.to_string()))?;
+    let tls = TlsClient::from_request(&req.tls_ca_pem, &req.tls_server_name)
+        .map_err(|e| invalid(e.to_string()))?;
     Ok(SessionParams {
         manager: req.manager.clone(),
         routes,
@@ -240,6 +243,7 @@ pub fn params_from_request(
         tun_name,
         mtu,
         heartbeat_interval,
+        tls,
     })
 }
 

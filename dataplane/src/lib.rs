@@ -7,7 +7,8 @@
 //! Pure cores (no I/O): [`routes`] (CIDR normalisation), [`liveness`] (heartbeats
 //! and session state). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
 //! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`session`]
-//! (TCP to the manager, setup and teardown), [`daemon`] (gRPC socket, pid file),
+//! (TCP to the manager, setup and teardown), [`tls`] (TLS on the data channel,
+//! verified against the CA from the Connect request), [`daemon`] (gRPC socket, pid file),
 //! [`client`] (gRPC client over the socket).
 //!
 //! Outbound means laptop → cluster, inbound cluster → laptop.
@@ -20,6 +21,7 @@ pub mod netlink;
 pub mod pump;
 pub mod routes;
 pub mod session;
+pub mod tls;
 pub mod tun;
 
 pub use tun::DEFAULT_MTU;

@@ -2,11 +2,11 @@
 //! IP, routes, rp_filter and eBPF classifier, run the pump under a supervisor that
 //! re-dials a lost transport, and tear everything down again.
 //!
-//! I/O: TCP to the manager, `/dev/net/tun`, rtnetlink ([`crate::netlink`]) and
+//! I/O: TCP (plain, or TLS via [`crate::tls`]) to the manager, `/dev/net/tun`, rtnetlink ([`crate::netlink`]) and
 //! the classifier ([`ClassifierAttach`]); state decisions live in
 //! [`crate::liveness`] and [`crate::routes`].
 //!
-//! Setup order: dial and hello, TUN device (down), tunnel IP, rp_filter, eBPF
+//! Setup order: dial, TLS handshake (when asked), hello, TUN device (down), tunnel IP, rp_filter, eBPF
 //! classifier, link up, routes, pump.
 //!
 //! Setup is all-or-nothing (case lc-03): when a step fails, the steps before it
@@ -31,6 +31,7 @@ use crate::liveness::{Liveness, State};
 use crate::netlink::{Netlink, RP_FILTER_LOOSE};
 use crate::pump::{self, Counters, PumpConfig};
 use crate::routes::{self, RoutePlan};
+use crate::tls::TlsClient;
 use crate::tun;
 
 /// How long dialling the manager may take before Connect gives up.
@@ -101,6 +102,9 @@ pub struct SessionParams {
     /// Heartbeat interval ([`crate::liveness::HEARTBEAT_INTERVAL`] in the daemon;
     /// shorter in tests).
     pub heartbeat_interval: Duration,
+    /// TLS on the data channel (the CA and name from the Connect request);
+    /// `None` = plain TCP.
+    pub tls: Option<TlsClient>,
 }
 
 /// A setup step of Connect, named in errors.
@@ -108,6 +112,8 @@ pub struct SessionParams {
 pub enum Step {
     /// TCP to the manager.
     DialManager,
+    /// The TLS handshake and the manager's certificate check.
+    TlsHandshake,
     /// The hello frame.
     SendHello,
     /// `/dev/net/tun`.
@@ -128,6 +134,7 @@ impl fmt::Display for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Step::DialManager => "dial the traffic manager",
+            Step::TlsHandshake => "TLS handshake with the traffic manager",
             Step::SendHello => "send hello to the traffic manager",
             Step::CreateTun => "create TUN device",
             Step::AddAddress => "add the tunnel IP to the TUN device",
@@ -281,13 +288,107 @@ fn hello_frame(tunnel_ip: IpAddr) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-async fn dial_and_hello(target: &str, hello: &[u8]) -> Result<TcpStream, String> {
-    let mut stream = dial_manager(target, DIAL_TIMEOUT).await?;
-    stream
-        .write_all(hello)
-        .await
-        .map_err(|e| format!("cannot send hello to the traffic manager at {target}: {e}"))?;
+/// The byte stream to the manager: plain TCP, or TLS over TCP.
+pub enum DataStream {
+    /// Unencrypted (direct mode, the static lab).
+    Plain(TcpStream),
+    /// TLS 1.3, the manager's certificate verified.
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl fmt::Debug for DataStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DataStream::Plain(_) => "DataStream::Plain",
+            DataStream::Tls(_) => "DataStream::Tls",
+        })
+    }
+}
+
+impl DataStream {
+    /// Wrap a dialled TCP stream in TLS when `tls` is given, within [`DIAL_TIMEOUT`].
+    /// Errors are user-facing sentences naming `target` (and "certificate" when
+    /// the manager's certificate does not verify).
+    pub async fn secure(
+        tcp: TcpStream,
+        tls: Option<&TlsClient>,
+        target: &str,
+    ) -> Result<DataStream, String> {
+        let Some(tls) = tls else {
+            return Ok(DataStream::Plain(tcp));
+        };
+        match tokio::time::timeout(DIAL_TIMEOUT, tls.handshake(tcp, target)).await {
+            Ok(Ok(stream)) => Ok(DataStream::Tls(Box::new(stream))),
+            Ok(Err(message)) => Err(message),
+            Err(_) => Err(format!(
+                "TLS handshake with the traffic manager at {target} did not finish within {} s — is the manager serving TLS?",
+                DIAL_TIMEOUT.as_secs()
+            )),
+        }
+    }
+
+    /// Send the hello frame (flushed through TLS).
+    async fn send_hello(&mut self, hello: &[u8], target: &str) -> Result<(), String> {
+        let result = match self {
+            DataStream::Plain(s) => s.write_all(hello).await,
+            DataStream::Tls(s) => match s.write_all(hello).await {
+                Ok(()) => s.flush().await,
+                Err(e) => Err(e),
+            },
+        };
+        result.map_err(|e| format!("cannot send hello to the traffic manager at {target}: {e}"))
+    }
+
+    /// "tls" or "plain", as Status reports it.
+    pub fn security(&self) -> &'static str {
+        match self {
+            DataStream::Plain(_) => "plain",
+            DataStream::Tls(_) => "tls",
+        }
+    }
+}
+
+async fn dial_and_hello(
+    target: &str,
+    hello: &[u8],
+    tls: Option<&TlsClient>,
+) -> Result<DataStream, String> {
+    let tcp = dial_manager(target, DIAL_TIMEOUT).await?;
+    let mut stream = DataStream::secure(tcp, tls, target).await?;
+    stream.send_hello(hello, target).await?;
     Ok(stream)
+}
+
+/// Run the pump on `stream` until it stops. TCP splits into owned halves; a TLS
+/// stream is shared by its halves through `tokio::io::split` (the TLS state is
+/// one object for both directions).
+async fn pump_on(stream: DataStream, tun: Arc<AsyncDevice>, shared: &Shared) -> pump::PumpExit {
+    match stream {
+        DataStream::Plain(tcp) => {
+            let (rx, tx) = tcp.into_split();
+            pump::run(
+                tun,
+                rx,
+                tx,
+                shared.liveness.clone(),
+                shared.counters.clone(),
+                PumpConfig::default(),
+            )
+            .await
+        }
+        DataStream::Tls(tls) => {
+            let (rx, tx) = tokio::io::split(*tls);
+            pump::run(
+                tun,
+                rx,
+                tx,
+                shared.liveness.clone(),
+                shared.counters.clone(),
+                PumpConfig::default(),
+            )
+            .await
+        }
+    }
 }
 
 /// Resources created so far during Connect, removed again on failure.
@@ -395,20 +496,27 @@ impl Session {
             message,
             rollback: String::new(),
         })?;
-        let mut stream = dial_manager(&params.manager, DIAL_TIMEOUT)
+        let tcp = dial_manager(&params.manager, DIAL_TIMEOUT)
             .await
             .map_err(ConnectError::Unreachable)?;
-        if let Err(e) = stream.write_all(&hello).await {
+        let mut stream = DataStream::secure(tcp, params.tls.as_ref(), &params.manager)
+            .await
+            .map_err(|message| ConnectError::Step {
+                step: Step::TlsHandshake,
+                message,
+                rollback: String::new(),
+            })?;
+        if let Err(message) = stream.send_hello(&hello, &params.manager).await {
             return Err(ConnectError::Step {
                 step: Step::SendHello,
-                message: format!(
-                    "cannot send hello to the traffic manager at {}: {e}",
-                    params.manager
-                ),
+                message,
                 rollback: String::new(),
             });
         }
-        tracing::info!("data connection to the traffic manager open, hello sent");
+        tracing::info!(
+            security = stream.security(),
+            "data connection to the traffic manager open, hello sent"
+        );
 
         let plan = routes::plan(&params.routes);
         let mut undo = Undo {
@@ -437,6 +545,7 @@ impl Session {
                         stream,
                         params.manager.clone(),
                         hello,
+                        params.tls.clone(),
                         shared.clone(),
                         stop_rx,
                     )
@@ -638,6 +747,12 @@ impl Session {
             ebpf_unrouted_packets: unrouted.packets,
             ebpf_unrouted_bytes: unrouted.bytes,
             mtu: u32::from(self.params.mtu),
+            data_channel: if self.params.tls.is_some() {
+                "tls"
+            } else {
+                "plain"
+            }
+            .to_owned(),
             origin: self.origin.clone(),
         }
     }
@@ -747,9 +862,10 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
 /// once, so a killed transport recovers in well under tr-08's 3 s.
 async fn supervise(
     tun: Arc<AsyncDevice>,
-    first: TcpStream,
+    first: DataStream,
     target: String,
     hello: Vec<u8>,
+    tls: Option<TlsClient>,
     shared: Arc<Shared>,
     mut stop_rx: watch::Receiver<bool>,
 ) {
@@ -768,7 +884,7 @@ async fn supervise(
             None => {
                 let dialled = tokio::select! {
                     _ = stop_rx.changed() => return,
-                    r = dial_and_hello(&target, &hello) => r,
+                    r = dial_and_hello(&target, &hello, tls.as_ref()) => r,
                 };
                 match dialled {
                     Ok(s) => {
@@ -793,17 +909,9 @@ async fn supervise(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .handle_transport_up(Instant::now());
-        let (transport_rx, transport_tx) = stream.into_split();
         let exit = tokio::select! {
             _ = stop_rx.changed() => return,
-            exit = pump::run(
-                tun.clone(),
-                transport_rx,
-                transport_tx,
-                shared.liveness.clone(),
-                shared.counters.clone(),
-                PumpConfig::default(),
-            ) => exit,
+            exit = pump_on(stream, tun.clone(), &shared) => exit,
         };
         let proven = matches!(exit, pump::PumpExit::Silent(_))
             || shared

@@ -85,6 +85,7 @@ fn params(
         tun_name: None,
         mtu: kvpn_dataplane::DEFAULT_MTU,
         heartbeat_interval: heartbeat,
+        tls: None,
     }
 }
 

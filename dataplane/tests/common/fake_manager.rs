@@ -4,7 +4,8 @@
 //! black hole), answers ICMP echo requests and echoes UDP datagrams back with
 //! addresses and ports swapped. It is not the real manager (no smoltcp stack,
 //! no dialing); it only lets the tests see what the pump sends and feed packets
-//! back into the TUN device.
+//! back into the TUN device. With a rustls server configuration it speaks TLS
+//! like the real manager does ([`test_pki`] makes a CA and a serving certificate).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -15,8 +16,9 @@ use smoltcp::phy::ChecksumCapabilities;
 use smoltcp::wire::{
     Icmpv4Packet, Icmpv4Repr, IpAddress, IpProtocol, Ipv4Packet, Ipv4Repr, UdpPacket, UdpRepr,
 };
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 /// What the fake manager saw, shared with the test.
 #[derive(Default)]
@@ -30,6 +32,10 @@ pub struct Seen {
     pub packet_bytes: AtomicUsize,
     /// Store packets in `packets` and answer them (false: count only, a sink).
     pub store: AtomicBool,
+    /// Completed TLS handshakes, and failed ones (the client refused the
+    /// certificate, or spoke no TLS).
+    pub tls_sessions: AtomicUsize,
+    pub tls_failures: AtomicUsize,
 }
 
 pub struct FakeManager {
@@ -37,6 +43,8 @@ pub struct FakeManager {
     pub seen: Arc<Seen>,
     /// Echo heartbeats (true) or swallow them like a black hole (false).
     pub echo: Arc<AtomicBool>,
+    /// Bumped by [`FakeManager::kick`]: every open connection closes.
+    kick_tx: watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -57,7 +65,21 @@ impl FakeManager {
         Self::start_with(true, false).await
     }
 
+    /// Like [`start`](Self::start), but every connection must be TLS with `tls`.
+    pub async fn start_tls(echo: bool, tls: Arc<rustls::ServerConfig>) -> Self {
+        Self::start_full(echo, true, Some(tls)).await
+    }
+
+    /// Like [`start_sink`](Self::start_sink), over TLS.
+    pub async fn start_sink_tls(tls: Arc<rustls::ServerConfig>) -> Self {
+        Self::start_full(true, false, Some(tls)).await
+    }
+
     async fn start_with(echo: bool, store: bool) -> Self {
+        Self::start_full(echo, store, None).await
+    }
+
+    async fn start_full(echo: bool, store: bool, tls: Option<Arc<rustls::ServerConfig>>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind fake manager");
@@ -65,13 +87,26 @@ impl FakeManager {
         let seen = Arc::new(Seen::default());
         seen.store.store(store, Ordering::SeqCst);
         let echo = Arc::new(AtomicBool::new(echo));
-        let task = tokio::spawn(accept_loop(listener, seen.clone(), echo.clone()));
+        let (kick_tx, kick_rx) = watch::channel(0u64);
+        let task = tokio::spawn(accept_loop(
+            listener,
+            seen.clone(),
+            echo.clone(),
+            tls.map(tokio_rustls::TlsAcceptor::from),
+            kick_rx,
+        ));
         Self {
             addr,
             seen,
             echo,
+            kick_tx,
             task,
         }
+    }
+
+    /// Close every open data connection (the laptop must re-dial).
+    pub fn kick(&self) {
+        self.kick_tx.send_modify(|n| *n += 1);
     }
 
     pub fn packets(&self) -> Vec<Vec<u8>> {
@@ -83,22 +118,53 @@ impl FakeManager {
     }
 }
 
-async fn accept_loop(listener: TcpListener, seen: Arc<Seen>, echo: Arc<AtomicBool>) {
+async fn accept_loop(
+    listener: TcpListener,
+    seen: Arc<Seen>,
+    echo: Arc<AtomicBool>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    kick_rx: watch::Receiver<u64>,
+) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             return;
         };
         seen.connections.fetch_add(1, Ordering::SeqCst);
-        tokio::spawn(serve(stream, seen.clone(), echo.clone()));
+        let (seen, echo, tls, mut kick_rx) =
+            (seen.clone(), echo.clone(), tls.clone(), kick_rx.clone());
+        kick_rx.mark_unchanged();
+        tokio::spawn(async move {
+            match tls {
+                None => serve(stream, seen, echo, kick_rx).await,
+                Some(acceptor) => match acceptor.accept(stream).await {
+                    Ok(tls) => {
+                        seen.tls_sessions.fetch_add(1, Ordering::SeqCst);
+                        serve(tls, seen, echo, kick_rx).await;
+                    }
+                    Err(_) => {
+                        seen.tls_failures.fetch_add(1, Ordering::SeqCst);
+                    }
+                },
+            }
+        });
     }
 }
 
-async fn serve(mut stream: tokio::net::TcpStream, seen: Arc<Seen>, echo: Arc<AtomicBool>) {
+async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    seen: Arc<Seen>,
+    echo: Arc<AtomicBool>,
+    mut kick_rx: watch::Receiver<u64>,
+) {
     let mut buf = Vec::new();
     let mut chunk = vec![0u8; 256 * 1024];
     let mut out = Vec::new();
     loop {
-        let n = match stream.read(&mut chunk).await {
+        let read = tokio::select! {
+            r = stream.read(&mut chunk) => r,
+            _ = kick_rx.changed() => return,
+        };
+        let n = match read {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
@@ -137,7 +203,9 @@ async fn serve(mut stream: tokio::net::TcpStream, seen: Arc<Seen>, echo: Arc<Ato
             }
         }
         buf.drain(..used_total);
-        if !out.is_empty() && stream.write_all(&out).await.is_err() {
+        if !out.is_empty()
+            && (stream.write_all(&out).await.is_err() || stream.flush().await.is_err())
+        {
             return;
         }
     }
@@ -219,4 +287,42 @@ pub fn udp_dst(packet: &[u8]) -> Option<(std::net::Ipv4Addr, u16, Vec<u8>, std::
         udp.payload().to_vec(),
         ip.src_addr(),
     ))
+}
+
+/// A test PKI: a CA (PEM) and the rustls server configuration of a manager
+/// whose certificate that CA signed for `server_name` (a DNS name or an IP).
+/// The CA's name is unique per call, as two installs' CAs are.
+pub fn test_pki(server_name: &str) -> (String, Arc<rustls::ServerConfig>) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    static SERIAL: AtomicUsize = AtomicUsize::new(0);
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name.push(
+        DnType::CommonName,
+        format!(
+            "kvpn dataplane test CA {} {}",
+            std::process::id(),
+            SERIAL.fetch_add(1, Ordering::Relaxed)
+        ),
+    );
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    let ca_pem = ca.self_signed(&ca_key).expect("CA cert").pem();
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().expect("leaf key");
+    let leaf = CertificateParams::new(vec![server_name.to_owned()]).expect("leaf params");
+    let cert = leaf.signed_by(&key, &issuer).expect("leaf cert");
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .expect("TLS 1.3")
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![CertificateDer::from_pem_slice(cert.pem().as_bytes()).expect("cert PEM")],
+        PrivateKeyDer::from_pem_slice(key.serialize_pem().as_bytes()).expect("key PEM"),
+    )
+    .expect("server config");
+    (ca_pem, Arc::new(config))
 }

@@ -1,0 +1,140 @@
+//! TLS client side of the data channel: the manager's certificate is verified
+//! against exactly one CA, the one the CLI read from Secret `kvpn-manager-tls`
+//! and passed in the Connect request (the root daemon itself reads no
+//! Kubernetes credentials), and against the name the CLI gave. TLS 1.3 only,
+//! rustls on ring. The handshake runs over whatever byte stream the session
+//! dialled (TCP to the manager, or to the port-forward agent on loopback).
+//!
+//! I/O: none here besides the handshake on the given stream.
+
+use std::fmt;
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// Rustls buffers at most this many bytes of outgoing TLS records per
+/// connection before `write` returns short. The rustls default (64 KiB) is a
+/// quarter of a pump batch (256 KiB), which would split each batch's vectored
+/// write into four write/flush rounds; 1 MiB takes a whole batch at once.
+const SEND_BUFFER_LIMIT: usize = 1024 * 1024;
+
+/// Why the TLS settings of a Connect request are unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsConfigError {
+    /// A CA but no server name, or the reverse.
+    #[error("tls_ca_pem and tls_server_name must be given together (both empty = plain TCP)")]
+    Incomplete,
+    /// The CA PEM holds no certificate or a malformed one.
+    #[error(
+        "tls_ca_pem holds no usable CA certificate: {0} — pass ca.crt of Secret kvpn-manager-tls"
+    )]
+    BadCa(String),
+    /// The server name is neither a DNS name nor an IP address.
+    #[error("tls_server_name {0:?} is not a valid DNS name or IP address")]
+    BadName(String),
+    /// rustls refused the configuration.
+    #[error("cannot configure TLS: {0}")]
+    Rustls(#[from] rustls::Error),
+}
+
+/// A verified-TLS client for one session: the CA it trusts and the name it checks.
+#[derive(Clone)]
+pub struct TlsClient {
+    connector: tokio_rustls::TlsConnector,
+    server_name: ServerName<'static>,
+}
+
+impl fmt::Debug for TlsClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsClient")
+            .field("server_name", &self.server_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsClient {
+    /// From the Connect request's fields. `Ok(None)` when both are empty (plain TCP).
+    pub fn from_request(ca_pem: &str, server_name: &str) -> Result<Option<Self>, TlsConfigError> {
+        match (ca_pem.trim().is_empty(), server_name.is_empty()) {
+            (true, true) => Ok(None),
+            (false, false) => Self::new(ca_pem.as_bytes(), server_name).map(Some),
+            _ => Err(TlsConfigError::Incomplete),
+        }
+    }
+
+    /// Trust only the certificates in `ca_pem`; verify the manager as `server_name`.
+    pub fn new(ca_pem: &[u8], server_name: &str) -> Result<Self, TlsConfigError> {
+        let mut roots = rustls::RootCertStore::empty();
+        let mut found = 0;
+        for cert in CertificateDer::pem_slice_iter(ca_pem) {
+            let cert = cert.map_err(|e| TlsConfigError::BadCa(e.to_string()))?;
+            roots
+                .add(cert)
+                .map_err(|e| TlsConfigError::BadCa(e.to_string()))?;
+            found += 1;
+        }
+        if found == 0 {
+            return Err(TlsConfigError::BadCa(
+                "no \"BEGIN CERTIFICATE\" block".to_owned(),
+            ));
+        }
+        let name = ServerName::try_from(server_name.to_owned())
+            .map_err(|_| TlsConfigError::BadName(server_name.to_owned()))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(Self {
+            connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+            server_name: name,
+        })
+    }
+
+    /// The name the manager's certificate is verified against.
+    pub fn server_name(&self) -> String {
+        self.server_name.to_str().into_owned()
+    }
+
+    /// Run the handshake on `stream`. The error is a user-facing sentence
+    /// naming `target`; a certificate problem says "certificate" and the fix.
+    pub async fn handshake<S>(
+        &self,
+        stream: S,
+        target: &str,
+    ) -> Result<tokio_rustls::client::TlsStream<S>, String>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let mut tls = self
+            .connector
+            .connect(self.server_name.clone(), stream)
+            .await
+            .map_err(|e| handshake_error(target, &self.server_name(), &e))?;
+        tls.get_mut().1.set_buffer_limit(Some(SEND_BUFFER_LIMIT));
+        Ok(tls)
+    }
+}
+
+fn handshake_error(target: &str, name: &str, e: &std::io::Error) -> String {
+    let rustls_error = e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>());
+    match rustls_error {
+        Some(rustls::Error::InvalidCertificate(cause)) => format!(
+            "the traffic manager at {target} presented a certificate that does not verify as {name}: {cause} — \
+             the manager's certificate must be signed by ca.crt of Secret kvpn-manager-tls and name {name}; \
+             reinstall the manager (`kvpn uninstall`, then connect) if the Secret was replaced"
+        ),
+        Some(other) => format!(
+            "TLS handshake with the traffic manager at {target} failed: {other} — is it a kvpn-manager with TLS (--tls-cert/--tls-key)?"
+        ),
+        None if e.kind() == std::io::ErrorKind::UnexpectedEof => format!(
+            "TLS handshake with the traffic manager at {target} failed: the connection closed before the manager's certificate arrived — \
+             is the manager serving TLS, and is it ready?"
+        ),
+        None => format!("TLS handshake with the traffic manager at {target} failed: {e}"),
+    }
+}
