@@ -75,6 +75,9 @@ expect_ok check_download
 
 bold "9. Status, with the eBPF classifier's per-kind counters"
 expect_ok show laptop kvpn status
+# The data channel is TLS 1.3 inside the port-forward; the manager's own log says so.
+manager_tls() { echo "$ kubectl logs -n kvpn-system deploy/kvpn-manager | grep tls"; laptop kubectl logs -n kvpn-system deploy/kvpn-manager | grep 'security=tls\|security="tls"'; }
+expect_ok manager_tls
 
 bold "10. Disconnect: the TUN device, routes and eBPF program are gone, and so is the cluster"
 expect_ok show laptop kvpn disconnect --all
