@@ -21,7 +21,8 @@ pub struct PathResult {
 
 /// Receiver throughput in Gbit/s from `iperf3 -J` output.
 pub fn iperf3_receiver_gbps(json: &str) -> Result<f64, String> {
-    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("iperf3 JSON: {e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| format!("iperf3 JSON: {e}"))?;
     if let Some(err) = v.get("error").and_then(|e| e.as_str()) {
         return Err(format!("iperf3: {err}"));
     }

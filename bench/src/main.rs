@@ -60,11 +60,21 @@ fn measure(lab: &Lab, path: &str, seconds: u32) -> Result<PathResult> {
     let target = BACKEND_1_IP.to_string();
     let secs = seconds.to_string();
     let port = IPERF_PORT.to_string();
-    let one = laptop_output(lab, &["iperf3", "-c", &target, "-p", &port, "-t", &secs, "-J"])?;
-    let four = laptop_output(lab, &["iperf3", "-c", &target, "-p", &port, "-t", &secs, "-P", "4", "-J"])?;
+    let one = laptop_output(
+        lab,
+        &["iperf3", "-c", &target, "-p", &port, "-t", &secs, "-J"],
+    )?;
+    let four = laptop_output(
+        lab,
+        &[
+            "iperf3", "-c", &target, "-p", &port, "-t", &secs, "-P", "4", "-J",
+        ],
+    )?;
     let ping = laptop_output(lab, &["ping", "-c", "50", "-i", "0.02", "-q", &target])?;
     let addr = SocketAddr::from((BACKEND_1_IP, ECHO_PORT));
-    let rr = lab.run_in(LAPTOP, move || request_response(addr, Duration::from_secs(3)))??;
+    let rr = lab.run_in(LAPTOP, move || {
+        request_response(addr, Duration::from_secs(3))
+    })??;
     let r = PathResult {
         path: path.to_string(),
         tcp_1_gbps: iperf3_receiver_gbps(&one).map_err(anyhow::Error::msg)?,
@@ -97,7 +107,11 @@ fn main() -> Result<()> {
     let mut iperf = Command::new("iperf3");
     iperf.args(["-s", "-p", &IPERF_PORT.to_string()]);
     lab.spawn_in(BACKEND_1_POD, "iperf3", &iperf)?;
-    lab.wait_tcp(BACKEND_1_POD, SocketAddr::from((BACKEND_1_IP, IPERF_PORT)), Duration::from_secs(5))?;
+    lab.wait_tcp(
+        BACKEND_1_POD,
+        SocketAddr::from((BACKEND_1_IP, IPERF_PORT)),
+        Duration::from_secs(5),
+    )?;
 
     lab.add_laptop_direct_routes()?;
     let raw = measure(&lab, "raw-veth", args.seconds);
@@ -114,25 +128,54 @@ fn main() -> Result<()> {
         "--service-cidr".into(),
         kvpn_lab::SERVICE_CIDR.to_string(),
     ]);
-    kvpn(&lab, &runtime, &connect.iter().map(String::as_str).collect::<Vec<_>>())?;
+    kvpn(
+        &lab,
+        &runtime,
+        &connect.iter().map(String::as_str).collect::<Vec<_>>(),
+    )?;
     let via = measure(&lab, "kvpn", args.seconds);
     let _ = kvpn(&lab, &runtime, &["quit"]);
     lab.down()?;
     let via = via?;
 
     println!();
-    println!("{:<28} {:>12} {:>12} {:>8}", "metric", "raw veth", "kvpn", "ratio");
+    println!(
+        "{:<28} {:>12} {:>12} {:>8}",
+        "metric", "raw veth", "kvpn", "ratio"
+    );
     let rows = [
-        ("TCP 1 stream (Gbit/s)", raw.tcp_1_gbps, via.tcp_1_gbps, via.tcp_1_gbps / raw.tcp_1_gbps),
-        ("TCP 4 streams (Gbit/s)", raw.tcp_4_gbps, via.tcp_4_gbps, via.tcp_4_gbps / raw.tcp_4_gbps),
-        ("ping RTT avg (ms)", raw.ping_avg_ms, via.ping_avg_ms, via.ping_avg_ms / raw.ping_avg_ms),
-        ("TCP req/resp (1/s)", raw.rr_per_sec, via.rr_per_sec, via.rr_per_sec / raw.rr_per_sec),
+        (
+            "TCP 1 stream (Gbit/s)",
+            raw.tcp_1_gbps,
+            via.tcp_1_gbps,
+            via.tcp_1_gbps / raw.tcp_1_gbps,
+        ),
+        (
+            "TCP 4 streams (Gbit/s)",
+            raw.tcp_4_gbps,
+            via.tcp_4_gbps,
+            via.tcp_4_gbps / raw.tcp_4_gbps,
+        ),
+        (
+            "ping RTT avg (ms)",
+            raw.ping_avg_ms,
+            via.ping_avg_ms,
+            via.ping_avg_ms / raw.ping_avg_ms,
+        ),
+        (
+            "TCP req/resp (1/s)",
+            raw.rr_per_sec,
+            via.rr_per_sec,
+            via.rr_per_sec / raw.rr_per_sec,
+        ),
     ];
     for (name, a, b, r) in rows {
         println!("{name:<28} {a:>12.3} {b:>12.3} {r:>7.3}x");
     }
     let json_path = args.json.unwrap_or_else(|| {
-        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target"));
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("target"));
         target.join("bench").join("kvpn-bench.json")
     });
     if let Some(dir) = json_path.parent() {

@@ -27,7 +27,12 @@ pub struct Cli {
     pub verbose: u8,
 
     /// Folder of the root daemon's socket, pid file and log.
-    #[arg(long, env = "KVPN_RUNTIME_DIR", default_value = "/run/kvpn", global = true)]
+    #[arg(
+        long,
+        env = "KVPN_RUNTIME_DIR",
+        default_value = "/run/kvpn",
+        global = true
+    )]
     pub runtime_dir: PathBuf,
 
     /// The command.

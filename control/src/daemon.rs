@@ -27,8 +27,8 @@ async fn channel(socket: &Path) -> std::io::Result<Channel> {
     UnixStream::connect(socket).await?;
     let socket = socket.to_path_buf();
     // The URI is required by tonic but unused: the connector dials the socket.
-    let endpoint = Endpoint::try_from("http://kvpn-dataplane.invalid")
-        .map_err(std::io::Error::other)?;
+    let endpoint =
+        Endpoint::try_from("http://kvpn-dataplane.invalid").map_err(std::io::Error::other)?;
     endpoint
         .connect_with_connector(tower::service_fn(move |_| {
             let socket = socket.clone();
@@ -55,7 +55,10 @@ pub async fn connect_existing(runtime_dir: &Path) -> Result<Option<DataplaneClie
             "cannot talk to the root daemon at {}: permission denied — run kvpn with sudo",
             socket.display()
         )),
-        Err(e) => Err(anyhow!(e).context(format!("cannot talk to the root daemon at {}", socket.display()))),
+        Err(e) => Err(anyhow!(e).context(format!(
+            "cannot talk to the root daemon at {}",
+            socket.display()
+        ))),
     }
 }
 
@@ -114,7 +117,9 @@ fn start(runtime_dir: &Path) -> Result<()> {
         .append(true)
         .open(&log_path)
         .with_context(|| format!("cannot open {}", log_path.display()))?;
-    let log2 = log.try_clone().context("cannot duplicate the log file handle")?;
+    let log2 = log
+        .try_clone()
+        .context("cannot duplicate the log file handle")?;
     let bin = dataplane_binary();
     let mut cmd = std::process::Command::new(&bin);
     cmd.arg("--runtime-dir")
@@ -137,7 +142,10 @@ fn start(runtime_dir: &Path) -> Result<()> {
 pub async fn stop(runtime_dir: &Path) -> Result<()> {
     let pid_file = pid_path(runtime_dir);
     let pid = match std::fs::read_to_string(&pid_file) {
-        Ok(s) => s.trim().parse::<i32>().with_context(|| format!("bad pid file {}", pid_file.display()))?,
+        Ok(s) => s
+            .trim()
+            .parse::<i32>()
+            .with_context(|| format!("bad pid file {}", pid_file.display()))?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             crate::output::done("The root daemon is not running");
             return Ok(());
@@ -159,7 +167,10 @@ pub async fn stop(runtime_dir: &Path) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while process_alive(pid) {
         if Instant::now() > deadline {
-            bail!("the root daemon (pid {pid}) did not stop within 10 s — see {}", runtime_dir.join("dataplane.log").display());
+            bail!(
+                "the root daemon (pid {pid}) did not stop within 10 s — see {}",
+                runtime_dir.join("dataplane.log").display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -42,8 +42,8 @@ async fn up() -> Result<()> {
             .persist_as(DEFAULT_LAB_NAME)
             .workloads(workloads),
     )
-        .await
-        .context("kvpn lab up failed")?;
+    .await
+    .context("kvpn lab up failed")?;
     output::info_block(&lab.info());
     let admin = lab.laptop_admin_kubeconfig().to_owned();
     let user = lab.laptop_user_kubeconfig().to_owned();

@@ -61,12 +61,12 @@ fn lab_up_exec_down_up_down() {
         );
         let out = String::from_utf8_lossy(&pods.stdout).into_owned();
         assert!(pods.status.success(), "{}", text(&pods));
-        assert!(
-            out.contains("web-") && out.contains("Running"),
-            "{out}"
-        );
+        assert!(out.contains("web-") && out.contains("Running"), "{out}");
         // The traffic manager is not pre-installed: `kvpn connect --kubeconfig` installs it.
-        assert!(!out.contains("kvpn-manager"), "lab up must leave the manager to kvpn connect: {out}");
+        assert!(
+            !out.contains("kvpn-manager"),
+            "lab up must leave the manager to kvpn connect: {out}"
+        );
         // A pod by its Kubernetes name: ClusterIP web from inside a dev pod.
         let dev_pod = out
             .lines()

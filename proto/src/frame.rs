@@ -146,7 +146,10 @@ impl Decoder {
         let Some(header) = buf.get(..HEADER_LEN) else {
             // Reject an invalid length as soon as the two length bytes are in.
             if let Some(len_bytes) = buf.get(..2) {
-                self.check_len(usize::from(u16::from_be_bytes([len_bytes[0], len_bytes[1]])))?;
+                self.check_len(usize::from(u16::from_be_bytes([
+                    len_bytes[0],
+                    len_bytes[1],
+                ])))?;
             }
             return Ok(None);
         };
@@ -259,8 +262,8 @@ pub enum HelloError {
 impl Hello {
     /// Encode to a payload.
     pub fn encode(&self) -> Result<Vec<u8>, HelloError> {
-        let token_len =
-            u8::try_from(self.token.len()).map_err(|_| HelloError::TokenTooLong(self.token.len()))?;
+        let token_len = u8::try_from(self.token.len())
+            .map_err(|_| HelloError::TokenTooLong(self.token.len()))?;
         let mut out = Vec::with_capacity(2 + 1 + 16 + 1 + self.token.len());
         out.extend_from_slice(&self.version.to_be_bytes());
         match self.tunnel_ip {
@@ -281,15 +284,28 @@ impl Hello {
     /// Decode a payload. Never panics.
     pub fn decode(buf: &[u8]) -> Result<Self, HelloError> {
         let trunc = || HelloError::Truncated(buf.len());
-        let version = u16::from_be_bytes(buf.get(..2).ok_or_else(trunc)?.try_into().map_err(|_| trunc())?);
+        let version = u16::from_be_bytes(
+            buf.get(..2)
+                .ok_or_else(trunc)?
+                .try_into()
+                .map_err(|_| trunc())?,
+        );
         let family = *buf.get(2).ok_or_else(trunc)?;
         let (tunnel_ip, rest) = match family {
             4 => {
-                let b: [u8; 4] = buf.get(3..7).ok_or_else(trunc)?.try_into().map_err(|_| trunc())?;
+                let b: [u8; 4] = buf
+                    .get(3..7)
+                    .ok_or_else(trunc)?
+                    .try_into()
+                    .map_err(|_| trunc())?;
                 (IpAddr::V4(Ipv4Addr::from(b)), &buf[7..])
             }
             6 => {
-                let b: [u8; 16] = buf.get(3..19).ok_or_else(trunc)?.try_into().map_err(|_| trunc())?;
+                let b: [u8; 16] = buf
+                    .get(3..19)
+                    .ok_or_else(trunc)?
+                    .try_into()
+                    .map_err(|_| trunc())?;
                 (IpAddr::V6(Ipv6Addr::from(b)), &buf[19..])
             }
             other => return Err(HelloError::BadFamily(other)),
@@ -337,9 +353,16 @@ mod tests {
         let mut out = Vec::new();
         encode_into(Kind::Heartbeat, &[1, 2, 3], &mut out).expect("encodes");
         for cut in 0..out.len() {
-            assert_eq!(Decoder::default().decode(&out[..cut]), Ok(None), "cut at {cut}");
+            assert_eq!(
+                Decoder::default().decode(&out[..cut]),
+                Ok(None),
+                "cut at {cut}"
+            );
         }
-        let (frame, used) = Decoder::default().decode(&out).expect("valid").expect("whole");
+        let (frame, used) = Decoder::default()
+            .decode(&out)
+            .expect("valid")
+            .expect("whole");
         assert_eq!(used, out.len());
         assert_eq!(frame.kind, Kind::Heartbeat);
         assert_eq!(frame.payload, &[1, 2, 3]);
@@ -347,8 +370,14 @@ mod tests {
 
     #[test]
     fn zero_length_is_rejected() {
-        assert_eq!(Decoder::default().decode(&[0, 0]), Err(FrameError::ZeroLength));
-        assert_eq!(Decoder::default().decode(&[0, 0, 1]), Err(FrameError::ZeroLength));
+        assert_eq!(
+            Decoder::default().decode(&[0, 0]),
+            Err(FrameError::ZeroLength)
+        );
+        assert_eq!(
+            Decoder::default().decode(&[0, 0, 1]),
+            Err(FrameError::ZeroLength)
+        );
     }
 
     #[test]
@@ -356,7 +385,10 @@ mod tests {
         let d = Decoder::with_max_len(1500);
         assert_eq!(
             d.decode(&[0x10, 0x00]),
-            Err(FrameError::Oversized { len: 4096, max: 1500 })
+            Err(FrameError::Oversized {
+                len: 4096,
+                max: 1500
+            })
         );
     }
 
@@ -372,7 +404,9 @@ mod tests {
     fn payload_too_large_for_encoder() {
         assert_eq!(
             encode_header(Kind::Packet, MAX_PAYLOAD_LEN + 1),
-            Err(FrameError::PayloadTooLarge { len: MAX_PAYLOAD_LEN + 1 })
+            Err(FrameError::PayloadTooLarge {
+                len: MAX_PAYLOAD_LEN + 1
+            })
         );
         assert!(encode_header(Kind::Packet, MAX_PAYLOAD_LEN).is_ok());
     }
@@ -385,7 +419,10 @@ mod tests {
             Hello::decode(&[0, 1, 4, 1, 2, 3, 4, 0, 9]),
             Err(HelloError::Trailing(1))
         );
-        assert_eq!(Hello::decode(&[0, 1, 4, 1, 2, 3, 4, 3, 9]), Err(HelloError::Truncated(9)));
+        assert_eq!(
+            Hello::decode(&[0, 1, 4, 1, 2, 3, 4, 3, 9]),
+            Err(HelloError::Truncated(9))
+        );
     }
 
     proptest! {

@@ -6,7 +6,8 @@ use std::path::Path;
 #[test]
 fn replay_frame_decode_corpus() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/frame_decode");
-    let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()));
+    let entries =
+        std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()));
     let mut n = 0;
     for entry in entries {
         let path = entry.expect("corpus entry").path();

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use kvpn_lab::protocol::PageInfo;
 use kvpn_lab::{
-    BACKEND_1_IP, BACKEND_1_POD, BACKEND_2_POD, ECHO_PORT, HTTP_PORT, UDP_ECHO_CLUSTER_IP,
-    ECHO_SERVICE_PORT, UNUSED_POD_IP, WEB_CLUSTER_IP,
+    BACKEND_1_IP, BACKEND_1_POD, BACKEND_2_POD, ECHO_PORT, ECHO_SERVICE_PORT, HTTP_PORT,
+    UDP_ECHO_CLUSTER_IP, UNUSED_POD_IP, WEB_CLUSTER_IP,
 };
 use kvpn_tests::{Fixture, text};
 
@@ -27,7 +27,8 @@ fn page(f: &Fixture, url: &str) -> PageInfo {
         f.daemon_log(),
         f.manager_log()
     );
-    PageInfo::parse(&text(&out.stdout)).unwrap_or_else(|| panic!("not a lab page: {:?}", text(&out.stdout)))
+    PageInfo::parse(&text(&out.stdout))
+        .unwrap_or_else(|| panic!("not a lab page: {:?}", text(&out.stdout)))
 }
 
 #[test]
@@ -56,11 +57,23 @@ fn download_50mb_matches_sha256() {
     let f = Fixture::connected();
     let len: u64 = 50 * 1024 * 1024;
     let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes={len}");
-    let out = f.laptop(&["bash", "-c", &format!("curl -sS --max-time 120 {url} | sha256sum")]);
-    assert!(out.status.success(), "download failed: {}", text(&out.stderr));
+    let out = f.laptop(&[
+        "bash",
+        "-c",
+        &format!("curl -sS --max-time 120 {url} | sha256sum"),
+    ]);
+    assert!(
+        out.status.success(),
+        "download failed: {}",
+        text(&out.stderr)
+    );
     let got = text(&out.stdout);
     let got = got.split_whitespace().next().unwrap_or_default();
-    assert_eq!(got, kvpn_lab::payload::sha256_hex(len), "sha256 of the 50 MB download");
+    assert_eq!(
+        got,
+        kvpn_lab::payload::sha256_hex(len),
+        "sha256 of the 50 MB download"
+    );
 }
 
 #[test]
@@ -68,14 +81,17 @@ fn udp_echo_round_trips() {
     let f = Fixture::connected();
     let echoed = f.in_laptop(|| {
         let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
-        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        sock.set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
         let target = SocketAddr::from((UDP_ECHO_CLUSTER_IP, ECHO_SERVICE_PORT));
         let mut results = Vec::new();
         for (i, size) in [16usize, 1200, 4000].into_iter().enumerate() {
             let msg: Vec<u8> = (0..size).map(|j| (i * 31 + j) as u8).collect();
             sock.send_to(&msg, target).expect("send");
             let mut buf = vec![0u8; 65536];
-            let got = sock.recv_from(&mut buf).map(|(n, from)| (buf[..n].to_vec(), from));
+            let got = sock
+                .recv_from(&mut buf)
+                .map(|(n, from)| (buf[..n].to_vec(), from));
             results.push((msg, got.map_err(|e| e.to_string())));
         }
         results
@@ -83,19 +99,57 @@ fn udp_echo_round_trips() {
     for (sent, got) in echoed {
         let (data, from) = got.unwrap_or_else(|e| panic!("no echo for {} bytes: {e}", sent.len()));
         assert_eq!(data, sent, "echo of {} bytes", sent.len());
-        assert_eq!(from, SocketAddr::from((UDP_ECHO_CLUSTER_IP, ECHO_SERVICE_PORT)), "reply source");
+        assert_eq!(
+            from,
+            SocketAddr::from((UDP_ECHO_CLUSTER_IP, ECHO_SERVICE_PORT)),
+            "reply source"
+        );
     }
 }
 
 #[test]
 fn tr_03_ping_means_the_target_answered() {
     let f = Fixture::connected();
-    let ok = f.laptop(&["ping", "-c", "3", "-i", "0.2", "-W", "2", &BACKEND_1_IP.to_string()]);
-    assert!(ok.status.success(), "ping to a pod failed: {}", text(&ok.stdout));
-    assert!(text(&ok.stdout).contains("3 received"), "{}", text(&ok.stdout));
-    let unused = f.laptop(&["ping", "-c", "2", "-i", "0.2", "-W", "2", &UNUSED_POD_IP.to_string()]);
-    assert!(!unused.status.success(), "ping to an unused pod IP must fail: {}", text(&unused.stdout));
-    assert!(text(&unused.stdout).contains("0 received"), "{}", text(&unused.stdout));
+    let ok = f.laptop(&[
+        "ping",
+        "-c",
+        "3",
+        "-i",
+        "0.2",
+        "-W",
+        "2",
+        &BACKEND_1_IP.to_string(),
+    ]);
+    assert!(
+        ok.status.success(),
+        "ping to a pod failed: {}",
+        text(&ok.stdout)
+    );
+    assert!(
+        text(&ok.stdout).contains("3 received"),
+        "{}",
+        text(&ok.stdout)
+    );
+    let unused = f.laptop(&[
+        "ping",
+        "-c",
+        "2",
+        "-i",
+        "0.2",
+        "-W",
+        "2",
+        &UNUSED_POD_IP.to_string(),
+    ]);
+    assert!(
+        !unused.status.success(),
+        "ping to an unused pod IP must fail: {}",
+        text(&unused.stdout)
+    );
+    assert!(
+        text(&unused.stdout).contains("0 received"),
+        "{}",
+        text(&unused.stdout)
+    );
 }
 
 #[test]
@@ -103,10 +157,17 @@ fn tr_04_closed_port_is_refused() {
     let f = Fixture::connected();
     let err = f.in_laptop(|| {
         let start = Instant::now();
-        let r = TcpStream::connect_timeout(&SocketAddr::from((BACKEND_1_IP, 9)), Duration::from_secs(5));
+        let r = TcpStream::connect_timeout(
+            &SocketAddr::from((BACKEND_1_IP, 9)),
+            Duration::from_secs(5),
+        );
         (r.err().map(|e| e.kind()), start.elapsed())
     });
-    assert_eq!(err.0, Some(std::io::ErrorKind::ConnectionRefused), "connect to a closed port");
+    assert_eq!(
+        err.0,
+        Some(std::io::ErrorKind::ConnectionRefused),
+        "connect to a closed port"
+    );
     assert!(err.1 < Duration::from_secs(3), "refusal took {:?}", err.1);
 }
 
@@ -117,7 +178,8 @@ fn tr_05_fin_with_data_in_flight_and_half_close() {
     // The server writes 5 MB then closes: all 5 MB arrive, then EOF within 1 s.
     let (n, eof_after_last) = f.in_laptop(move || {
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
         s.write_all(b"WRITE 5000000 CLOSE\n").expect("command");
         let mut buf = vec![0u8; 65536];
         let mut total = 0usize;
@@ -135,12 +197,16 @@ fn tr_05_fin_with_data_in_flight_and_half_close() {
         (total, last.elapsed())
     });
     assert_eq!(n, 5_000_000, "bytes before EOF");
-    assert!(eof_after_last < Duration::from_secs(1), "EOF came {eof_after_last:?} after the last byte");
+    assert!(
+        eof_after_last < Duration::from_secs(1),
+        "EOF came {eof_after_last:?} after the last byte"
+    );
 
     // Half-close: the client sends 1 MB and SHUT_WR, then reads slowly; the whole echo arrives.
     let echoed = f.in_laptop(move || {
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
         let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
         let mut w = s.try_clone().expect("clone");
         let sent = data.clone();
@@ -166,7 +232,11 @@ fn tr_05_fin_with_data_in_flight_and_half_close() {
         writer.join().expect("writer");
         (data, got)
     });
-    assert_eq!(echoed.1.len(), echoed.0.len(), "echoed length after half-close");
+    assert_eq!(
+        echoed.1.len(),
+        echoed.0.len(),
+        "echoed length after half-close"
+    );
     assert!(echoed.1 == echoed.0, "echoed bytes differ");
 }
 
@@ -194,11 +264,17 @@ fn ebpf_counters_show_pod_and_service_packets() {
     let svc1 = ebpf_packets(&after, "service");
     // One HTTP exchange is at least SYN, ACK, request, FIN from the laptop.
     assert!(pod1 >= pod0 + 4, "pod packets {pod0} -> {pod1}: {after}");
-    assert!(svc1 >= svc0 + 4, "service packets {svc0} -> {svc1}: {after}");
+    assert!(
+        svc1 >= svc0 + 4,
+        "service packets {svc0} -> {svc1}: {after}"
+    );
 }
 
 fn tun_links(f: &Fixture) -> String {
-    text(&f.laptop(&["ip", "-o", "link", "show", "type", "tun"]).stdout)
+    text(
+        &f.laptop(&["ip", "-o", "link", "show", "type", "tun"])
+            .stdout,
+    )
 }
 
 fn cluster_routes(f: &Fixture) -> String {
@@ -211,41 +287,95 @@ fn cluster_routes(f: &Fixture) -> String {
 fn cluster_unreachable_before_connect_and_after_disconnect_with_nothing_left() {
     let f = Fixture::new();
     let before = curl(&f, &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/"));
-    assert!(!before.status.success(), "the pod CIDR must be unreachable before connect");
-    assert!(tun_links(&f).is_empty(), "a TUN device before connect: {}", tun_links(&f));
+    assert!(
+        !before.status.success(),
+        "the pod CIDR must be unreachable before connect"
+    );
+    assert!(
+        tun_links(&f).is_empty(),
+        "a TUN device before connect: {}",
+        tun_links(&f)
+    );
 
     f.connect();
     page(&f, &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/"));
-    assert!(tun_links(&f).contains("kvpn"), "no kvpn TUN device while connected");
-    assert!(!cluster_routes(&f).is_empty(), "no cluster routes while connected");
-    let tun = f.status_json()["sessions"][0]["tun_name"].as_str().expect("tun name").to_string();
+    assert!(
+        tun_links(&f).contains("kvpn"),
+        "no kvpn TUN device while connected"
+    );
+    assert!(
+        !cluster_routes(&f).is_empty(),
+        "no cluster routes while connected"
+    );
+    let tun = f.status_json()["sessions"][0]["tun_name"]
+        .as_str()
+        .expect("tun name")
+        .to_string();
     let tun2 = tun.clone();
     let prog_ids = f
         .in_laptop(move || kvpn_dataplane::ebpf::Classifier::attached_program_ids(&tun2))
         .unwrap_or_else(|e| panic!("query TCX on {tun}: {e}"));
-    assert!(!prog_ids.is_empty(), "no kvpn classifier attached to {tun} while connected");
+    assert!(
+        !prog_ids.is_empty(),
+        "no kvpn classifier attached to {tun} while connected"
+    );
 
     f.disconnect();
     let after = curl(&f, &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/"));
-    assert!(!after.status.success(), "the pod CIDR must be unreachable after disconnect");
-    assert!(tun_links(&f).is_empty(), "TUN device left after disconnect: {}", tun_links(&f));
-    assert!(cluster_routes(&f).is_empty(), "routes left after disconnect: {}", cluster_routes(&f));
+    assert!(
+        !after.status.success(),
+        "the pod CIDR must be unreachable after disconnect"
+    );
+    assert!(
+        tun_links(&f).is_empty(),
+        "TUN device left after disconnect: {}",
+        tun_links(&f)
+    );
+    assert!(
+        cluster_routes(&f).is_empty(),
+        "routes left after disconnect: {}",
+        cluster_routes(&f)
+    );
     // The classifier program itself is unloaded, not just detached (ids are global).
     for id in prog_ids {
         let out = f.laptop(&["bpftool", "prog", "show", "id", &id.to_string()]);
-        assert!(!out.status.success(), "eBPF program {id} still loaded after disconnect: {}", text(&out.stdout));
+        assert!(
+            !out.status.success(),
+            "eBPF program {id} still loaded after disconnect: {}",
+            text(&out.stdout)
+        );
     }
     let status = f.status_json();
-    assert_eq!(status["sessions"].as_array().map(Vec::len), Some(0), "{status}");
+    assert_eq!(
+        status["sessions"].as_array().map(Vec::len),
+        Some(0),
+        "{status}"
+    );
 }
 
 #[test]
 fn bad_manager_address_is_named_in_the_error() {
     let f = Fixture::new();
     // Nothing listens on this port of the node: connect must fail fast and say why.
-    let out = f.kvpn(&["connect", "--manager", "172.31.255.1:10999", "--pod-cidr", "10.244.0.0/16"]);
-    assert!(!out.status.success(), "connect to a closed manager port must fail");
+    let out = f.kvpn(&[
+        "connect",
+        "--manager",
+        "172.31.255.1:10999",
+        "--pod-cidr",
+        "10.244.0.0/16",
+    ]);
+    assert!(
+        !out.status.success(),
+        "connect to a closed manager port must fail"
+    );
     let err = text(&out.stderr);
-    assert!(err.contains("172.31.255.1:10999"), "error should name the address: {err}");
-    assert!(tun_links(&f).is_empty(), "a failed connect must leave no TUN device: {}", tun_links(&f));
+    assert!(
+        err.contains("172.31.255.1:10999"),
+        "error should name the address: {err}"
+    );
+    assert!(
+        tun_links(&f).is_empty(),
+        "a failed connect must leave no TUN device: {}",
+        tun_links(&f)
+    );
 }

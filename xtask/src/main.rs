@@ -78,7 +78,9 @@ fn run(cmd: &mut Command) -> Result<()> {
     }
     cmd.env("PATH", path_with_tools());
     let shown = format!("{cmd:?}");
-    let status = cmd.status().with_context(|| format!("cannot run {shown}"))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot run {shown}"))?;
     if !status.success() {
         bail!("{shown} failed with {status}");
     }
@@ -96,7 +98,10 @@ fn target_dir() -> PathBuf {
 }
 
 fn build(release: bool) -> Result<PathBuf> {
-    println!("==> building kvpn ({})", if release { "release" } else { "debug" });
+    println!(
+        "==> building kvpn ({})",
+        if release { "release" } else { "debug" }
+    );
     let mut cmd = cargo();
     // Default members only: the eBPF crate is built by dataplane/build.rs for bpfel.
     cmd.args(["build", "--bins"]);
@@ -114,7 +119,9 @@ fn main() -> Result<()> {
         Task::Build { release } => build(release).map(|_| ()),
         Task::Demo => {
             let bin = build(false)?;
-            run(Command::new("bash").arg("scripts/demo.sh").env("KVPN_BIN_DIR", &bin))
+            run(Command::new("bash")
+                .arg("scripts/demo.sh")
+                .env("KVPN_BIN_DIR", &bin))
         }
         Task::Test { args } => {
             let bin = build(false)?;
@@ -133,7 +140,12 @@ fn main() -> Result<()> {
             run(&mut cmd)
         }
         Task::Fuzz { seconds } => {
-            if Command::new("cargo").args(["fuzz", "--version"]).output().map(|o| !o.status.success()).unwrap_or(true) {
+            if Command::new("cargo")
+                .args(["fuzz", "--version"])
+                .output()
+                .map(|o| !o.status.success())
+                .unwrap_or(true)
+            {
                 println!("==> installing cargo-fuzz");
                 run(cargo().args(["install", "cargo-fuzz", "--locked"]))?;
             }
