@@ -199,13 +199,13 @@ pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::S
     let pid = child.id();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        if let Ok(text) = std::fs::read_to_string(&config.state_file) {
-            if let Ok(addr) = text.trim().parse() {
-                // Reap it later from nowhere: the agent is detached; its exit is
-                // observed through its pid file.
-                std::mem::forget(child);
-                return Ok((pid, addr));
-            }
+        if let Ok(text) = std::fs::read_to_string(&config.state_file)
+            && let Ok(addr) = text.trim().parse()
+        {
+            // The agent is detached and outlives this process; nothing waits for it
+            // here (disconnect stops it by its recorded pid).
+            std::mem::forget(child);
+            return Ok((pid, addr));
         }
         if let Some(status) = child.try_wait()? {
             let tail = std::fs::read_to_string(log).unwrap_or_default();

@@ -192,8 +192,8 @@ fn within(what: &str, bound: Duration, mut check: impl FnMut() -> bool) -> Durat
     }
 }
 
-fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> impl Future<Output = T> {
-    async move { tokio::task::spawn_blocking(f).await.expect("blocking task") }
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.expect("blocking task")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,11 +27,11 @@ pub fn frame_decode(data: &[u8]) {
                 used,
                 "wire_len disagrees with consumed bytes"
             );
-            if frame.kind == Kind::Hello {
-                if let Ok(hello) = Hello::decode(frame.payload) {
-                    let again = hello.encode().expect("a decoded hello re-encodes");
-                    assert_eq!(again, frame.payload, "hello does not round-trip");
-                }
+            if frame.kind == Kind::Hello
+                && let Ok(hello) = Hello::decode(frame.payload)
+            {
+                let again = hello.encode().expect("a decoded hello re-encodes");
+                assert_eq!(again, frame.payload, "hello does not round-trip");
             }
             rest = &rest[used..];
         }

@@ -149,7 +149,9 @@ fn main() -> Result<()> {
                 println!("==> installing cargo-fuzz");
                 run(cargo().args(["install", "cargo-fuzz", "--locked"]))?;
             }
-            for target in ["frame_decode"] {
+            // One entry per cargo-fuzz target in fuzz/fuzz_targets/.
+            const TARGETS: &[&str] = &["frame_decode"];
+            for target in TARGETS {
                 println!("==> fuzzing {target} for {seconds}s");
                 run(Command::new("cargo")
                     .args(["+nightly", "fuzz", "run", target, "--"])
