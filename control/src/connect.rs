@@ -21,6 +21,7 @@ use crate::cidr::{self, DetectOptions};
 use crate::cli::ConnectArgs;
 use crate::install::{self, InstallOptions, ProgressEvent};
 use crate::kubeconfig::{self, UserEnv};
+use crate::lease;
 use crate::{daemon, output};
 
 /// Prints install progress the way the rest of the CLI does.
@@ -232,6 +233,41 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         .await
         .context("the traffic manager is not ready")?;
 
+    // The tunnel IP and session token come from the manager (item 4, tr-11): the
+    // same client id, kept per user and cluster, gets the same IP back.
+    output::step("Leasing a tunnel IP from the traffic manager");
+    let client_id = lease::client_id(
+        &env,
+        &conn.target.acting,
+        &conn.description.server,
+        &conn.description.cluster,
+    )?;
+    let leased = lease::lease(
+        &conn.client,
+        &args.kube.manager_namespace,
+        &manager.pod_name,
+        manager.grpc_port,
+        &client_id,
+    )
+    .await
+    .context("cannot lease a tunnel IP")?;
+    let tunnel_ip: IpAddr = leased.tunnel_ip.parse().with_context(|| {
+        format!(
+            "the traffic manager leased an invalid tunnel IP {:?}",
+            leased.tunnel_ip
+        )
+    })?;
+    let tunnel_pool: IpNet = leased.pool_cidr.parse().with_context(|| {
+        format!(
+            "the traffic manager sent an invalid tunnel pool {:?}",
+            leased.pool_cidr
+        )
+    })?;
+    output::done(&format!(
+        "Tunnel IP {tunnel_ip} (pool {tunnel_pool}; kept while connected, then for {} s)",
+        leased.expires_in_s
+    ));
+
     output::step("Detecting the cluster's pod and service CIDRs");
     let detected = cidr::detect_cidrs(
         &conn.client,
@@ -284,6 +320,13 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             });
         }
     }
+    // Other laptops' tunnel IPs (laptop-to-laptop through the manager). The
+    // laptop's own tunnel IP is in the local routing table, which wins, so the
+    // pool needs no hole for it.
+    routes.push(Route {
+        cidr: tunnel_pool.to_string(),
+        kind: RouteKind::Extra as i32,
+    });
 
     output::step(&format!(
         "Starting the port-forward agent for pod {} port {}",
@@ -314,17 +357,17 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     ));
     let mut client = daemon::connect_or_start(runtime_dir).await?;
     output::step(&format!(
-        "Connecting to the traffic manager (tunnel IP {})",
-        args.tunnel_ip
+        "Connecting to the traffic manager (tunnel IP {tunnel_ip})"
     ));
     let resp = client
         .connect(ConnectRequest {
             manager: addr.to_string(),
             routes: routes.clone(),
-            tunnel_ip: args.tunnel_ip.to_string(),
+            tunnel_ip: tunnel_ip.to_string(),
             tun_name: args.tun_name.clone().unwrap_or_default(),
             mtu: args.mtu.unwrap_or(0),
             origin: Some(origin),
+            session_token: leased.session_token.clone(),
             // TLS end to end through the port-forward: the root daemon verifies the
             // manager against the CA from Secret kvpn-manager-tls, by its Service name.
             tls_ca_pem: manager.ca_pem.clone(),

@@ -13,6 +13,7 @@ pub mod daemon;
 pub mod install;
 pub mod kubeconfig;
 pub mod lab;
+pub mod lease;
 pub mod output;
 
 use anyhow::{Context, Result, bail};
@@ -110,6 +111,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             // Direct mode talks to a manager without a certificate (static lab).
             tls_ca_pem: String::new(),
             tls_server_name: String::new(),
+            session_token: String::new(),
         })
         .await
         .map_err(daemon::status_to_error)

@@ -244,6 +244,7 @@ pub fn params_from_request(
         mtu,
         heartbeat_interval,
         tls,
+        session_token: req.session_token.as_bytes().to_vec(),
     })
 }
 

@@ -105,6 +105,9 @@ pub struct SessionParams {
     /// TLS on the data channel (the CA and name from the Connect request);
     /// `None` = plain TCP.
     pub tls: Option<TlsClient>,
+    /// Session token of the tunnel IP's lease, sent in the hello (empty for
+    /// managers without leases).
+    pub session_token: Vec<u8>,
 }
 
 /// A setup step of Connect, named in errors.
@@ -275,11 +278,11 @@ pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, 
     Ok(stream)
 }
 
-fn hello_frame(tunnel_ip: IpAddr) -> Result<Vec<u8>, String> {
+fn hello_frame(tunnel_ip: IpAddr, token: &[u8]) -> Result<Vec<u8>, String> {
     let payload = Hello {
         version: PROTOCOL_VERSION,
         tunnel_ip,
-        token: Vec::new(),
+        token: token.to_vec(),
     }
     .encode()
     .map_err(|e| e.to_string())?;
@@ -491,7 +494,7 @@ impl Session {
         netlink: &Netlink,
         classifiers: &dyn ClassifierAttach,
     ) -> Result<Session, ConnectError> {
-        let hello = hello_frame(params.tunnel_ip).map_err(|message| ConnectError::Step {
+        let hello = hello_frame(params.tunnel_ip, &params.session_token).map_err(|message| ConnectError::Step {
             step: Step::SendHello,
             message,
             rollback: String::new(),

@@ -86,6 +86,7 @@ fn params(
         mtu: kvpn_dataplane::DEFAULT_MTU,
         heartbeat_interval: heartbeat,
         tls: None,
+        session_token: Vec::new(),
     }
 }
 

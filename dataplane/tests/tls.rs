@@ -54,6 +54,7 @@ fn params(manager: SocketAddr, tls: Option<TlsClient>, heartbeat: Duration) -> S
         mtu: kvpn_dataplane::DEFAULT_MTU,
         heartbeat_interval: heartbeat,
         tls,
+        session_token: Vec::new(),
     }
 }
 

@@ -10,13 +10,21 @@
 //! - [`kernel`]: all I/O towards the cluster (TCP dials and splicing, UDP and
 //!   ICMP echo sockets).
 //! - [`session`]: the tokio shell of one data-channel session (frames in and
-//!   out); [`server`]: the :10801 listener, plain TCP or TLS 1.3 ([`tls`]).
+//!   out); [`server`]: the :10801 listener, plain TCP or TLS 1.3 ([`tls`]);
+//!   [`peers`]: live sessions by tunnel IP (laptop-to-laptop forwarding).
+//! - [`lease`]: the pure lease table (tunnel IPs from the pool, tokens,
+//!   expiry); [`leases`]: its shell (clock, randomness, the ConfigMap store);
+//!   [`grpc`]: the control gRPC API on :10802 (`Lease`).
 
 pub mod device;
 pub mod engine;
+pub mod grpc;
 pub mod kernel;
+pub mod lease;
+pub mod leases;
 pub mod metrics;
 pub mod packet;
+pub mod peers;
 pub mod server;
 pub mod session;
 pub mod tls;

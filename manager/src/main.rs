@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use kvpn_manager::server;
+use kvpn_manager::lease::LeaseTable;
+use kvpn_manager::leases::Leases;
 use kvpn_manager::session::SessionConfig;
+use kvpn_manager::{grpc, server};
 use tracing::{info, warn};
 
 /// kvpn traffic manager: terminates laptops' tunnel packets and dials the real
@@ -37,6 +39,83 @@ struct Args {
     /// Private key (PEM) of --tls-cert.
     #[arg(long, env = "KVPN_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Lease tunnel IPs (gRPC `Lease` on --grpc-listen) and require every
+    /// hello to carry its lease's session token. Off: any tunnel IP is accepted
+    /// (static lab, `kvpn connect --manager`). The Kubernetes install turns it on.
+    #[arg(long, env = "KVPN_LEASES")]
+    leases: bool,
+    /// Address of the control gRPC API (with --leases). The loopback default
+    /// makes it reachable only through pods/portforward.
+    #[arg(long, default_value = "127.0.0.1:10802")]
+    grpc_listen: SocketAddr,
+    /// Pool of tunnel IPs (IPv4); its first host address is the manager's own.
+    #[arg(long, default_value = "100.96.0.0/16")]
+    tunnel_pool: ipnet::Ipv4Net,
+    /// A lease without a data channel expires after this long: seconds, or
+    /// with a unit (90s, 30m, 1h).
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    lease_time: Duration,
+    /// ConfigMap (in the pod's namespace) the leases are stored in, when the
+    /// API server is reachable with the pod's service account.
+    #[arg(long, default_value = "kvpn-manager")]
+    lease_configmap: String,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number of seconds or e.g. 90s, 30m, 1h"))?;
+    let scale = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (s, m or h)")),
+    };
+    if n == 0 {
+        return Err("the lease time must be positive".into());
+    }
+    Ok(Duration::from_secs(n.saturating_mul(scale)))
+}
+
+/// Where the pod's service account lives (Kubernetes convention).
+const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// The lease store: the ConfigMap when this pod can reach the API server with
+/// its service account, else memory (warned).
+async fn open_leases(args: &Args) -> Arc<Leases> {
+    let table = LeaseTable::new(args.tunnel_pool, args.lease_time);
+    let in_cluster = async {
+        if std::env::var_os("KUBERNETES_SERVICE_HOST").is_none() {
+            anyhow::bail!("not in a cluster (KUBERNETES_SERVICE_HOST unset)");
+        }
+        let config = kube::Config::incluster()
+            .context("no in-cluster configuration (service-account token or CA missing?)")?;
+        let namespace = match std::env::var("KVPN_NAMESPACE") {
+            Ok(ns) if !ns.is_empty() => ns,
+            _ => std::fs::read_to_string(format!("{SERVICE_ACCOUNT_DIR}/namespace"))
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_else(|_| config.default_namespace.clone()),
+        };
+        let client = kube::Client::try_from(config).context("cannot build the API client")?;
+        let leases = tokio::time::timeout(
+            Duration::from_secs(10),
+            Leases::in_configmap(table.clone(), client, &namespace, &args.lease_configmap),
+        )
+        .await
+        .context("the API server did not answer within 10 s")?
+        .with_context(|| format!("cannot use ConfigMap {namespace}/{}", args.lease_configmap))?;
+        info!(configmap = %format!("{namespace}/{}", args.lease_configmap), "leases are stored in the ConfigMap (resourceVersion-checked writes)");
+        anyhow::Ok(leases)
+    };
+    match in_cluster.await {
+        Ok(leases) => leases,
+        Err(e) => {
+            warn!(reason = %format!("{e:#}"), "leases are kept in memory only: a restarted manager forgets them and laptops must lease again");
+            Leases::in_memory(table)
+        }
+    }
 }
 
 async fn shutdown_signal() -> anyhow::Result<&'static str> {
@@ -60,11 +139,46 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let config = SessionConfig {
+    let mut config = SessionConfig {
         dial_timeout: Duration::from_millis(args.dial_timeout_ms),
         idle_timeout: Duration::from_secs(args.idle_timeout_secs),
         ..SessionConfig::default()
     };
+    let mut grpc_task = None;
+    if args.leases {
+        let leases = open_leases(&args).await;
+        let grpc_listener = tokio::net::TcpListener::bind(args.grpc_listen)
+            .await
+            .with_context(|| format!("cannot listen on {} for gRPC", args.grpc_listen))?;
+        let grpc_addr = grpc_listener
+            .local_addr()
+            .context("cannot read the gRPC address")?;
+        info!(
+            grpc = %grpc_addr,
+            reach = grpc::describe(grpc_addr),
+            pool = %args.tunnel_pool,
+            lease_time_s = args.lease_time.as_secs(),
+            persistent = leases.persistent(),
+            "leases on: hellos must carry their lease's session token"
+        );
+        let maintained = leases.clone();
+        let interval = Leases::maintain_interval(args.lease_time);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                maintained.maintain().await;
+            }
+        });
+        grpc_task = Some(tokio::spawn(grpc::serve(grpc_listener, leases.clone())));
+        config.leases = Some(leases);
+        config.tunnel_pool = Some(args.tunnel_pool);
+    } else {
+        info!(
+            "leases off: any unicast tunnel IP is accepted (give --leases to require session tokens)"
+        );
+    }
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(
             kvpn_manager::tls::load_server_config(cert, key)
@@ -98,8 +212,19 @@ async fn main() -> anyhow::Result<()> {
             "kvpn-manager listening; data channel is plain TCP, unencrypted (give --tls-cert and --tls-key for TLS)"
         ),
     }
+    let grpc_failed = async {
+        match grpc_task {
+            Some(task) => match task.await {
+                Ok(Ok(())) => anyhow::bail!("the gRPC server stopped"),
+                Ok(Err(e)) => Err(anyhow::Error::new(e).context("the gRPC server failed")),
+                Err(e) => Err(anyhow::Error::new(e).context("the gRPC server task failed")),
+            },
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         () = server::serve(listener, Arc::new(config), tls) => Ok(()),
+        r = grpc_failed => r,
         sig = shutdown_signal() => {
             info!(signal = sig?, "shutting down");
             Ok(())

@@ -51,6 +51,11 @@ pub struct Metrics {
     pub ping_replies: u64,
     /// Heartbeat frames echoed (counted by the shell).
     pub heartbeats: u64,
+    /// Packets forwarded to another laptop's session (laptop-to-laptop,
+    /// counted by the shell; not in `packets_from_laptop`).
+    pub peer_packets: u64,
+    /// Bytes of those packets.
+    pub peer_bytes: u64,
 }
 
 impl Metrics {
@@ -81,7 +86,8 @@ impl fmt::Display for Metrics {
             f,
             "from_laptop={}p/{}B to_laptop={}p/{}B tcp: dials={} connected={} refused={} unreachable={} \
              reset_by_laptop={} reset_by_remote={} closed={} bytes_out={} bytes_in={} \
-             udp: flows={} expired={} out={} in={} icmp: sent={} replies={} heartbeats={} drops={}",
+             udp: flows={} expired={} out={} in={} icmp: sent={} replies={} heartbeats={} \
+             peer: {}p/{}B drops={}",
             self.packets_from_laptop,
             self.bytes_from_laptop,
             self.packets_to_laptop,
@@ -102,6 +108,8 @@ impl fmt::Display for Metrics {
             self.pings_sent,
             self.ping_replies,
             self.heartbeats,
+            self.peer_packets,
+            self.peer_bytes,
             self.dropped_total(),
         )?;
         for (reason, n) in DropReason::ALL.iter().zip(self.drops) {

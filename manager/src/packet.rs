@@ -49,11 +49,16 @@ pub enum DropReason {
     KernelSendFailed,
     /// A reply from the real destination is too large for one frame.
     ReplyTooLarge,
+    /// The destination is in the tunnel pool but no laptop with that tunnel IP
+    /// is connected (laptop-to-laptop).
+    NoSuchPeer,
+    /// The destination laptop's frame queue is full (laptop-to-laptop).
+    PeerQueueFull,
 }
 
 impl DropReason {
     /// Every reason, for iterating counters.
-    pub const ALL: [DropReason; 9] = [
+    pub const ALL: [DropReason; 11] = [
         DropReason::Malformed,
         DropReason::Fragment,
         DropReason::UnsupportedProtocol,
@@ -63,6 +68,8 @@ impl DropReason {
         DropReason::TooManyFlows,
         DropReason::KernelSendFailed,
         DropReason::ReplyTooLarge,
+        DropReason::NoSuchPeer,
+        DropReason::PeerQueueFull,
     ];
 
     /// A short snake_case name for logs and metrics.
@@ -77,6 +84,8 @@ impl DropReason {
             DropReason::TooManyFlows => "too_many_flows",
             DropReason::KernelSendFailed => "kernel_send_failed",
             DropReason::ReplyTooLarge => "reply_too_large",
+            DropReason::NoSuchPeer => "no_such_peer",
+            DropReason::PeerQueueFull => "peer_queue_full",
         }
     }
 }

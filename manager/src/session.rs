@@ -11,16 +11,23 @@ use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::io;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use ipnet::Ipv4Net;
 
 use kvpn_proto::frame::{self, Decoder, FrameError, Hello, HelloError, Kind, PROTOCOL_VERSION};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, trace, warn};
 
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::{Engine, EngineConfig, MANAGER_STACK_V4};
 use crate::kernel::{AbortOnDrop, DATAGRAM_QUEUE, KernelSide};
+use crate::lease::AttachError;
+use crate::leases::Leases;
 use crate::metrics::Metrics;
+use crate::packet::DropReason;
+use crate::peers::{self, Peers};
 
 /// Bytes read from the laptop per read call.
 const READ_CHUNK: usize = 256 * 1024;
@@ -48,6 +55,16 @@ pub struct SessionConfig {
     pub idle_timeout: Duration,
     /// Relay to loopback destinations (tests only).
     pub allow_loopback: bool,
+    /// Leases: when set, a hello must carry the session token of its tunnel
+    /// IP's lease, and the lease is renewed while the session lives. `None`:
+    /// any unicast tunnel IP is accepted (static lab, `--listen` only).
+    pub leases: Option<Arc<Leases>>,
+    /// The tunnel pool: a laptop's packet to an address in it that is no live
+    /// session is dropped ([`DropReason::NoSuchPeer`]) instead of dialed.
+    pub tunnel_pool: Option<Ipv4Net>,
+    /// The live sessions, for laptop-to-laptop forwarding. Sessions sharing a
+    /// `SessionConfig` (clones) share it.
+    pub peers: Peers,
 }
 
 impl Default for SessionConfig {
@@ -57,6 +74,9 @@ impl Default for SessionConfig {
             hello_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             allow_loopback: false,
+            leases: None,
+            tunnel_pool: None,
+            peers: Peers::default(),
         }
     }
 }
@@ -96,8 +116,13 @@ pub enum SessionError {
         want: u16,
     },
     /// The hello's tunnel IP cannot be a laptop's address.
-    #[error("hello carries tunnel IP {0}, which is not a unicast address; the laptop's lease is broken")]
+    #[error(
+        "hello carries tunnel IP {0}, which is not a unicast address; the laptop's lease is broken"
+    )]
     BadTunnelIp(IpAddr),
+    /// The hello's token is not valid for its tunnel IP.
+    #[error("hello refused: {0}")]
+    Lease(#[from] AttachError),
     /// No frame (not even a heartbeat) for too long.
     #[error("no frame from the laptop for {0:?} (heartbeats stopped)")]
     Silent(Duration),
@@ -177,19 +202,69 @@ async fn write_frames<W: AsyncWrite + Unpin>(mut wr: W, mut rx: mpsc::Receiver<V
     let _ = wr.shutdown().await;
 }
 
+/// Laptop-to-laptop: hand `packet` to the session whose tunnel IP is its
+/// destination. True when the packet was handled (forwarded or dropped), false
+/// when it is for the cluster (the engine's).
+fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -> bool {
+    let Some((src, dst)) = peers::addrs(packet) else {
+        return false;
+    };
+    // Wrong sources are the engine's to drop and count.
+    if src != engine.tunnel_ip() || dst == src {
+        return false;
+    }
+    let in_pool = match (config.tunnel_pool, dst) {
+        (Some(pool), IpAddr::V4(v4)) => {
+            if !pool.contains(&v4) {
+                return false;
+            }
+            v4 != MANAGER_STACK_V4
+        }
+        (Some(_), IpAddr::V6(_)) => false,
+        (None, _) => false,
+    };
+    let mut frame_bytes = Vec::with_capacity(frame::HEADER_LEN + packet.len());
+    if frame::encode_into(Kind::Packet, packet, &mut frame_bytes).is_err() {
+        return false;
+    }
+    match config.peers.try_send(dst, frame_bytes) {
+        Some(true) => {
+            let m = engine.metrics_mut();
+            m.peer_packets += 1;
+            m.peer_bytes += packet.len() as u64;
+            trace!(%dst, bytes = packet.len(), "packet forwarded to another laptop");
+            true
+        }
+        Some(false) => {
+            engine.metrics_mut().drop_packet(DropReason::PeerQueueFull);
+            true
+        }
+        None if in_pool => {
+            engine.metrics_mut().drop_packet(DropReason::NoSuchPeer);
+            true
+        }
+        None => false,
+    }
+}
+
 /// Handle every whole frame at the front of `buf`; returns the bytes used.
 fn handle_frames(
     buf: &[u8],
     engine: &mut Engine,
     out: &mut Vec<u8>,
     now: Instant,
+    config: &SessionConfig,
 ) -> Result<usize, SessionError> {
     let decoder = Decoder::default();
     let mut used = 0;
     while let Some((f, n)) = decoder.decode(&buf[used..])? {
         used += n;
         match f.kind {
-            Kind::Packet => engine.handle_laptop_packet(f.payload, now),
+            Kind::Packet => {
+                if !forward_to_peer(f.payload, engine, config) {
+                    engine.handle_laptop_packet(f.payload, now);
+                }
+            }
             Kind::Heartbeat => {
                 engine.metrics_mut().heartbeats += 1;
                 // Cannot fail: the payload came in a frame, so it fits one.
@@ -225,9 +300,25 @@ where
         }
     };
     let span = tracing::info_span!("session", tunnel_ip = %hello.tunnel_ip);
-    run_established(rd, wr, rbuf, hello.tunnel_ip, config)
-        .instrument(span)
-        .await
+    let tunnel_ip = hello.tunnel_ip;
+    async move {
+        if let Some(leases) = &config.leases {
+            match leases.attach(tunnel_ip, &hello.token).await {
+                Ok(client_id) => debug!(client_id, "hello carries the lease's token"),
+                Err(e) => {
+                    warn!(error = %e, token_bytes = hello.token.len(), "rejecting session: the hello's session token is not valid for its tunnel IP");
+                    return Err(SessionError::Lease(e));
+                }
+            }
+        }
+        let result = run_established(rd, wr, rbuf, tunnel_ip, config).await;
+        if let Some(leases) = &config.leases {
+            leases.detach(tunnel_ip).await;
+        }
+        result
+    }
+    .instrument(span)
+    .await
 }
 
 async fn run_established<R, W>(
@@ -250,12 +341,14 @@ where
     let mut kernel = KernelSide::new(events_tx, datagrams_tx, config.dial_timeout);
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(WRITE_QUEUE_BATCHES);
     let _writer = AbortOnDrop(tokio::spawn(write_frames(wr, out_rx).in_current_span()));
+    // Other laptops' packets for this tunnel IP go straight to the writer.
+    let _peer = config.peers.register(tunnel_ip, out_tx.clone());
     let mut out: Vec<u8> = Vec::new();
     let mut last_frame = tokio::time::Instant::now();
 
     let result: Result<(), SessionError> = loop {
         let now = Instant::now();
-        match handle_frames(&rbuf, &mut engine, &mut out, now) {
+        match handle_frames(&rbuf, &mut engine, &mut out, now, config) {
             Ok(used) => {
                 rbuf.drain(..used);
             }

@@ -291,7 +291,15 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
     let container = Container {
         name: CONTAINER.into(),
         image: Some(spec.image.clone()),
-        args: Some(vec!["--listen".into(), format!("0.0.0.0:{DATA_PORT}")]),
+        // --leases: tunnel IPs from the manager's Lease RPC (gRPC on the pod's
+        // loopback, reached through pods/portforward), hellos need the token.
+        args: Some(vec![
+            "--listen".into(),
+            format!("0.0.0.0:{DATA_PORT}"),
+            "--leases".into(),
+            "--grpc-listen".into(),
+            format!("127.0.0.1:{GRPC_PORT}"),
+        ]),
         ports: Some(vec![port("data", DATA_PORT), port("grpc", GRPC_PORT)]),
         env: Some(vec![
             env("KVPN_TLS_CERT", &format!("{TLS_MOUNT}/tls.crt")),
@@ -533,7 +541,15 @@ mod tests {
         assert_eq!(req.get("memory").map(|q| q.0.as_str()), Some("64Mi"));
         assert_eq!(
             c.args.as_deref(),
-            Some(&["--listen".to_owned(), "0.0.0.0:10801".to_owned()][..])
+            Some(
+                &[
+                    "--listen".to_owned(),
+                    "0.0.0.0:10801".to_owned(),
+                    "--leases".to_owned(),
+                    "--grpc-listen".to_owned(),
+                    "127.0.0.1:10802".to_owned(),
+                ][..]
+            )
         );
         // The selector must match the template, or the apiserver refuses it.
         let sel = ds.selector.match_labels.expect("selector");

@@ -1,0 +1,161 @@
+//! Laptop-to-laptop forwarding: the live sessions by tunnel IP.
+//!
+//! A packet from one laptop whose destination is another live session's tunnel
+//! IP is not terminated in smoltcp: it is framed and queued on that session's
+//! writer as it is (the manager is a router between tunnel IPs). The queue is
+//! the writer's bounded channel; when it is full the packet is dropped and
+//! counted ([`crate::packet::DropReason::PeerQueueFull`]) rather than making one
+//! laptop's reader wait on another laptop's writer (two laptops sending to each
+//! other would otherwise deadlock). TCP between laptops retransmits.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use tokio::sync::mpsc;
+
+/// One session's frame queue towards its laptop (batches of encoded frames).
+pub type FrameSender = mpsc::Sender<Vec<u8>>;
+
+#[derive(Debug, Default)]
+struct Inner {
+    sessions: RwLock<HashMap<IpAddr, (u64, FrameSender)>>,
+    next_generation: AtomicU64,
+}
+
+/// The registry of live sessions, shared by all sessions of a manager.
+#[derive(Debug, Clone, Default)]
+pub struct Peers {
+    inner: Arc<Inner>,
+}
+
+/// Removes its session from the registry when dropped (unless a newer session
+/// with the same tunnel IP replaced it).
+#[derive(Debug)]
+pub struct PeerRegistration {
+    peers: Peers,
+    ip: IpAddr,
+    generation: u64,
+}
+
+impl Peers {
+    /// Register the session of `ip`; the newest session of an IP wins (a
+    /// laptop that redials before the manager noticed the old channel died).
+    pub fn register(&self, ip: IpAddr, frames_tx: FrameSender) -> PeerRegistration {
+        let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut map) = self.inner.sessions.write() {
+            map.insert(ip, (generation, frames_tx));
+        }
+        PeerRegistration {
+            peers: self.clone(),
+            ip,
+            generation,
+        }
+    }
+
+    /// The frame queue of the live session with tunnel IP `ip`.
+    pub fn get(&self, ip: IpAddr) -> Option<FrameSender> {
+        self.inner
+            .sessions
+            .read()
+            .ok()
+            .and_then(|map| map.get(&ip).map(|(_, tx)| tx.clone()))
+    }
+
+    /// Queue `frames` on the live session of `ip`: `None` when there is none,
+    /// `Some(false)` when its queue is full or closing.
+    pub fn try_send(&self, ip: IpAddr, frames: Vec<u8>) -> Option<bool> {
+        let map = self.inner.sessions.read().ok()?;
+        let (_, tx) = map.get(&ip)?;
+        Some(tx.try_send(frames).is_ok())
+    }
+
+    /// Number of live sessions.
+    pub fn len(&self) -> usize {
+        self.inner.sessions.read().map_or(0, |m| m.len())
+    }
+
+    /// Whether no session is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Drop for PeerRegistration {
+    fn drop(&mut self) {
+        if let Ok(mut map) = self.peers.inner.sessions.write()
+            && map
+                .get(&self.ip)
+                .is_some_and(|(g, _)| *g == self.generation)
+        {
+            map.remove(&self.ip);
+        }
+    }
+}
+
+/// Source and destination of a raw IPv4/IPv6 packet (header only; `None` when
+/// too short or not IP).
+pub fn addrs(packet: &[u8]) -> Option<(IpAddr, IpAddr)> {
+    match packet.first()? >> 4 {
+        4 if packet.len() >= 20 => {
+            let src: [u8; 4] = packet.get(12..16)?.try_into().ok()?;
+            let dst: [u8; 4] = packet.get(16..20)?.try_into().ok()?;
+            Some((IpAddr::from(src), IpAddr::from(dst)))
+        }
+        6 if packet.len() >= 40 => {
+            let src: [u8; 16] = packet.get(8..24)?.try_into().ok()?;
+            let dst: [u8; 16] = packet.get(24..40)?.try_into().ok()?;
+            Some((IpAddr::from(src), IpAddr::from(dst)))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn newest_registration_wins_and_old_drop_keeps_it() {
+        let peers = Peers::default();
+        let ip: IpAddr = "100.96.0.2".parse().expect("ip");
+        let (tx1, _rx1) = mpsc::channel(1);
+        let (tx2, mut rx2) = mpsc::channel(1);
+        let old = peers.register(ip, tx1);
+        let new = peers.register(ip, tx2);
+        drop(old);
+        let tx = peers.get(ip).expect("still registered");
+        tx.try_send(vec![1]).expect("queue");
+        assert_eq!(rx2.try_recv().expect("newest got it"), vec![1]);
+        drop(new);
+        assert!(peers.get(ip).is_none());
+        assert!(peers.is_empty());
+    }
+
+    #[test]
+    fn addrs_of_v4_v6_and_garbage() {
+        let mut v4 = vec![0u8; 20];
+        v4[0] = 0x45;
+        v4[12..16].copy_from_slice(&[100, 96, 0, 2]);
+        v4[16..20].copy_from_slice(&[100, 96, 0, 3]);
+        assert_eq!(
+            addrs(&v4),
+            Some((
+                "100.96.0.2".parse().expect("ip"),
+                "100.96.0.3".parse().expect("ip")
+            ))
+        );
+        let mut v6 = vec![0u8; 40];
+        v6[0] = 0x60;
+        v6[23] = 2;
+        v6[39] = 3;
+        assert_eq!(
+            addrs(&v6),
+            Some(("::2".parse().expect("ip"), "::3".parse().expect("ip")))
+        );
+        assert_eq!(addrs(&v4[..19]), None);
+        assert_eq!(addrs(&[]), None);
+        assert_eq!(addrs(&[0x10; 40]), None);
+    }
+}
