@@ -6,6 +6,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // stream) themselves.
     tonic_prost_build::configure()
         .build_transport(false)
-        .compile_protos(&["proto/dataplane.proto", "proto/manager.proto"], &["proto"])?;
+        .compile_protos(
+            &["proto/dataplane.proto", "proto/manager.proto"],
+            &["proto"],
+        )?;
     Ok(())
 }

@@ -14,12 +14,14 @@ use ipnet::IpNet;
     version,
     about = "Put this machine on a Kubernetes cluster's network",
     long_about = "kvpn puts this machine on a Kubernetes cluster's network: after `kvpn connect`, \
-pod IPs, ClusterIPs and service names are reachable over TCP, UDP and ICMP, as if it were a pod.\n\n\
+pod IPs and ClusterIPs are reachable over TCP, UDP and ICMP, as if it were a pod \
+(cluster DNS names on the laptop are not there yet).\n\n\
 Traffic to the cluster's CIDRs is routed into a TUN device, classified by an eBPF program, \
 framed by the root daemon (kvpn-dataplane) and carried to the in-cluster traffic manager \
 (kvpn-manager), which terminates it in a userspace TCP/IP stack and dials the real destinations.\n\n\
-Try it on the built-in lab: `kvpn lab up`, then \
-`kvpn lab exec laptop -- kvpn connect --manager 172.31.255.1:10801 --pod-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/12`."
+Try it on the built-in lab: `kvpn lab up` (it prints the laptop's kubeconfigs), then \
+`kvpn lab exec laptop -- kvpn connect --kubeconfig <the printed laptop-kvpn-user.kubeconfig>`; \
+`kvpn lab exec laptop -- curl http://10.96.0.100/`."
 )]
 pub struct Cli {
     /// More log output on stderr (-v debug, -vv trace).
@@ -176,8 +178,9 @@ pub struct DisconnectArgs {
 #[derive(Debug, Subcommand)]
 pub enum LabCommand {
     /// Bring the lab up: laptop and node network namespaces, a Kubernetes control plane
-    /// (etcd, kube-apiserver, kube-controller-manager), kubelet/kube-proxy/DNS stand-ins,
-    /// the traffic manager and sample workloads; prints the kubeconfig paths.
+    /// (etcd, kube-apiserver, kube-controller-manager), kubelet/kube-proxy/DNS stand-ins
+    /// and sample workloads; prints the kubeconfig paths. The traffic manager is not
+    /// pre-installed: `kvpn connect --kubeconfig …` installs it.
     Up,
     /// Tear the lab down; nothing of it remains.
     Down,

@@ -100,6 +100,37 @@ pub async fn stop_agent(runtime_dir: &Path, session_id: &str) {
     let _ = std::fs::remove_file(&path);
 }
 
+/// Stop every recorded agent whose session is not in `live` (the root daemon's
+/// sessions): agents left behind when the root daemon was killed or stopped
+/// (lc-02). Returns the session ids whose agents were stopped.
+pub async fn sweep_agents(runtime_dir: &Path, live: &[String]) -> Vec<String> {
+    let mut swept = Vec::new();
+    let Ok(entries) = std::fs::read_dir(agents_dir(runtime_dir)) else {
+        return swept;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(id) = name.strip_suffix(".pid") else {
+            continue;
+        };
+        if live.iter().any(|l| l == id) {
+            continue;
+        }
+        let was_running = running_agent(runtime_dir, id).is_some();
+        stop_agent(runtime_dir, id).await;
+        if was_running {
+            swept.push(id.to_string());
+        }
+    }
+    swept
+}
+
+/// For a port-forward session: `Some(pid)` of its agent when it runs, `None` when
+/// it is gone (the session cannot carry traffic until `kvpn connect` replaces it).
+pub fn agent_of(runtime_dir: &Path, session_id: &str) -> Option<i32> {
+    running_agent(runtime_dir, session_id)
+}
+
 /// How an existing session relates to the cluster a connect asks for.
 #[derive(Debug, PartialEq)]
 pub enum SessionMatch<'a> {

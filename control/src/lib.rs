@@ -80,7 +80,23 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     let Some(manager) = args.manager.clone() else {
         return connect::kube_connect(runtime_dir, &args).await;
     };
-    let routes = routes_of(&args);
+    validate_tunnel_ip(args.tunnel_ip)?;
+    let mut routes = routes_of(&args);
+    // Never route the manager's own address into the tunnel that leads to it (rt-02):
+    // the session could never come up.
+    if let Some(ip) = manager_ip(&manager) {
+        routes = routes
+            .into_iter()
+            .flat_map(|r| {
+                let cidr: Vec<ipnet::IpNet> = r.cidr.parse().into_iter().collect();
+                let kind = r.kind;
+                cidr::exclude(&cidr, &[ip]).into_iter().map(move |c| Route {
+                    cidr: c.to_string(),
+                    kind,
+                })
+            })
+            .collect();
+    }
     if routes.is_empty() {
         bail!(
             "nothing to route: give at least one of --pod-cidr, --service-cidr or --cidr \
@@ -127,6 +143,27 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     Ok(())
 }
 
+/// The manager's IP when `HOST:PORT` names an address (not a DNS name).
+fn manager_ip(addr: &str) -> Option<std::net::IpAddr> {
+    addr.parse::<std::net::SocketAddr>().ok().map(|a| a.ip())
+}
+
+/// A tunnel IP must be a unicast address the laptop can own on the TUN device.
+fn validate_tunnel_ip(ip: std::net::IpAddr) -> Result<()> {
+    let bad = ip.is_loopback()
+        || ip.is_unspecified()
+        || ip.is_multicast()
+        || matches!(ip, std::net::IpAddr::V4(v4) if v4.is_broadcast() || v4.is_link_local());
+    if bad {
+        bail!(
+            "--tunnel-ip {ip} is not a usable unicast address (loopback, unspecified, \
+             multicast, broadcast and link-local are not) — pick one from the manager's \
+             tunnel pool, e.g. 100.96.0.2"
+        );
+    }
+    Ok(())
+}
+
 fn validate_manager_addr(addr: &str) -> Result<()> {
     let Some((host, port)) = addr.rsplit_once(':') else {
         bail!("--manager {addr:?} has no port: write it as HOST:PORT, e.g. 172.31.255.1:10801");
@@ -152,12 +189,26 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
         output::not_running(runtime_dir, args.output);
         return Ok(());
     };
-    let resp = client
+    let mut resp = client
         .status(StatusRequest {})
         .await
         .map_err(daemon::status_to_error)
         .context("status failed")?
         .into_inner();
+    // The root daemon cannot see the user-side agent: a port-forward session whose
+    // agent died can never carry traffic again, so say so instead of "reconnecting".
+    for s in &mut resp.sessions {
+        let port_forward = s
+            .origin
+            .as_ref()
+            .is_some_and(|o| o.transport == connect::TRANSPORT_PORT_FORWARD);
+        if port_forward && connect::agent_of(runtime_dir, &s.id).is_none() {
+            s.state = "failed".into();
+            s.reason = "its port-forward agent is gone — run `kvpn connect` again to replace \
+                        the session, or `kvpn disconnect` it"
+                .into();
+        }
+    }
     output::status(&resp, args.output)
 }
 
@@ -220,6 +271,12 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
             connect::stop_agent(runtime_dir, &id).await;
             output::done(&format!("Disconnected session {id}"));
         }
+    }
+    // Agents of sessions the root daemon no longer knows (it was killed, say).
+    for id in connect::sweep_agents(runtime_dir, &[]).await {
+        output::done(&format!(
+            "Stopped the leftover port-forward agent of session {id}"
+        ));
     }
     daemon::stop(runtime_dir).await
 }

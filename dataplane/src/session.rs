@@ -494,10 +494,12 @@ impl Session {
         netlink: &Netlink,
         classifiers: &dyn ClassifierAttach,
     ) -> Result<Session, ConnectError> {
-        let hello = hello_frame(params.tunnel_ip, &params.session_token).map_err(|message| ConnectError::Step {
-            step: Step::SendHello,
-            message,
-            rollback: String::new(),
+        let hello = hello_frame(params.tunnel_ip, &params.session_token).map_err(|message| {
+            ConnectError::Step {
+                step: Step::SendHello,
+                message,
+                rollback: String::new(),
+            }
         })?;
         let tcp = dial_manager(&params.manager, DIAL_TIMEOUT)
             .await

@@ -696,6 +696,11 @@ fn pods_added_later_are_reachable_and_usable_by_role() {
         .expect("ping");
     assert!(out.status.success(), "{out:?}");
     assert_eq!(again.host_veth, pod.host_veth);
-    let link = lab.exec_in("late-2", &["ip", "-br", "link", "show", "eth0"]).expect("ip");
-    assert!(String::from_utf8_lossy(&link.stdout).contains("0a:58:0a:f4:01:02"), "{link:?}");
+    let link = lab
+        .exec_in("late-2", &["ip", "-br", "link", "show", "eth0"])
+        .expect("ip");
+    assert!(
+        String::from_utf8_lossy(&link.stdout).contains("0a:58:0a:f4:01:02"),
+        "{link:?}"
+    );
 }

@@ -996,7 +996,10 @@ fn idle_tcp_flow_survives_eleven_minutes() {
     let (mut c, _) = h.open(40015, backend());
     h.data(&mut c, b"before");
     let _ = h.reqs();
-    h.event(Event::TcpWritten { flow: c.flow, bytes: 6 });
+    h.event(Event::TcpWritten {
+        flow: c.flow,
+        bytes: 6,
+    });
     h.out();
     for _ in 0..(11 * 60 / 5) {
         h.advance(Duration::from_secs(5));

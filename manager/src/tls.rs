@@ -15,7 +15,9 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     /// A PEM file cannot be read.
-    #[error("cannot read {what} {path}: {source} — check --tls-cert/--tls-key (KVPN_TLS_CERT/KVPN_TLS_KEY) and the mounted Secret")]
+    #[error(
+        "cannot read {what} {path}: {source} — check --tls-cert/--tls-key (KVPN_TLS_CERT/KVPN_TLS_KEY) and the mounted Secret"
+    )]
     Read {
         /// "certificate" or "private key".
         what: &'static str,
@@ -28,7 +30,9 @@ pub enum TlsError {
     #[error("no certificate in the certificate PEM{0} — expected a \"BEGIN CERTIFICATE\" block")]
     NoCertificate(String),
     /// The key PEM holds no usable private key.
-    #[error("no private key in the key PEM: {0} — expected a PKCS#8, PKCS#1 or SEC1 \"PRIVATE KEY\" block")]
+    #[error(
+        "no private key in the key PEM: {0} — expected a PKCS#8, PKCS#1 or SEC1 \"PRIVATE KEY\" block"
+    )]
     NoKey(String),
     /// rustls refused the pair (key does not match the certificate, unsupported key type).
     #[error("the certificate and key cannot be used for TLS: {0}")]

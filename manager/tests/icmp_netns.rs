@@ -291,9 +291,23 @@ fn ping_succeeds_only_when_the_target_answers() {
 fn tcp_to_a_silent_address_gets_host_unreachable() {
     require_root();
     let ns = TestNetns::new();
-    let (a, b) = (format!("kva{}", &ns.name[6..14]), format!("kvb{}", &ns.name[6..14]));
-    run(&["ip", "-n", &ns.name, "link", "add", &a, "type", "veth", "peer", "name", &b]);
-    run(&["ip", "-n", &ns.name, "addr", "add", "192.0.2.1/24", "dev", &a]);
+    let (a, b) = (
+        format!("kva{}", &ns.name[6..14]),
+        format!("kvb{}", &ns.name[6..14]),
+    );
+    run(&[
+        "ip", "-n", &ns.name, "link", "add", &a, "type", "veth", "peer", "name", &b,
+    ]);
+    run(&[
+        "ip",
+        "-n",
+        &ns.name,
+        "addr",
+        "add",
+        "192.0.2.1/24",
+        "dev",
+        &a,
+    ]);
     run(&["ip", "-n", &ns.name, "link", "set", &a, "up"]);
     run(&["ip", "-n", &ns.name, "link", "set", &b, "up"]);
     ns.run(|| async {
@@ -304,8 +318,12 @@ fn tcp_to_a_silent_address_gets_host_unreachable() {
         let closed = laptop.tcp_socket(4096, 4096);
         laptop.connect_tcp(closed, "192.0.2.1:81".parse().expect("addr"), 42001);
         let host_unreachable = |p: &Vec<u8>| {
-            let Ok(ip) = Ipv4Packet::new_checked(&p[..]) else { return false };
-            let Ok(icmp) = Icmpv4Packet::new_checked(ip.payload()) else { return false };
+            let Ok(ip) = Ipv4Packet::new_checked(&p[..]) else {
+                return false;
+            };
+            let Ok(icmp) = Icmpv4Packet::new_checked(ip.payload()) else {
+                return false;
+            };
             ip.next_header() == IpProtocol::Icmp
                 && ip.src_addr() == Ipv4Addr::new(192, 0, 2, 99)
                 && icmp.msg_type() == Icmpv4Message::DstUnreachable
@@ -313,13 +331,26 @@ fn tcp_to_a_silent_address_gets_host_unreachable() {
         };
         // The test session's dial timeout is 2 s; ARP gives up after ~3 s.
         let ok = laptop
-            .run_until(Duration::from_secs(6), |l| l.packets.iter().any(host_unreachable))
+            .run_until(Duration::from_secs(6), |l| {
+                l.packets.iter().any(host_unreachable)
+            })
             .await;
         assert!(ok, "no ICMP host unreachable for the silent address");
         use smoltcp::socket::tcp::State;
-        assert_eq!(laptop.tcp(closed).state(), State::Closed, "closed port not refused");
+        assert_eq!(
+            laptop.tcp(closed).state(),
+            State::Closed,
+            "closed port not refused"
+        );
         assert_ne!(laptop.tcp(silent).state(), State::Established);
         let metrics = laptop.finish().await;
-        assert_eq!((metrics.tcp_unreachable, metrics.tcp_refused, metrics.tcp_connected), (1, 1, 0));
+        assert_eq!(
+            (
+                metrics.tcp_unreachable,
+                metrics.tcp_refused,
+                metrics.tcp_connected
+            ),
+            (1, 1, 0)
+        );
     });
 }

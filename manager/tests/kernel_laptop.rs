@@ -30,7 +30,11 @@ fn run(args: &[&str]) {
         .args(&args[1..])
         .output()
         .unwrap_or_else(|e| panic!("cannot run {args:?}: {e}"));
-    assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Two netns `kvpn-t<hex>-l` (laptop) and `kvpn-t<hex>-c` (cluster), deleted on drop.
@@ -60,7 +64,16 @@ impl Netns {
             run(&["ip", "-n", n, "link", "set", "lo", "up"]);
         }
         // The cluster's "pods" live on the cluster netns's loopback.
-        run(&["ip", "-n", &ns.cluster, "addr", "add", "10.99.0.5/32", "dev", "lo"]);
+        run(&[
+            "ip",
+            "-n",
+            &ns.cluster,
+            "addr",
+            "add",
+            "10.99.0.5/32",
+            "dev",
+            "lo",
+        ]);
         run(&[
             "ip",
             "netns",
@@ -111,7 +124,12 @@ fn open_tun(name: &str) -> OwnedFd {
         _pad: [u8; 22],
     }
     // SAFETY: plain open(2) of a NUL-terminated path.
-    let fd = unsafe { libc::open(c"/dev/net/tun".as_ptr(), libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC) };
+    let fd = unsafe {
+        libc::open(
+            c"/dev/net/tun".as_ptr(),
+            libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
+    };
     assert!(fd >= 0, "open /dev/net/tun: {}", io::Error::last_os_error());
     // SAFETY: fd is a fresh, owned descriptor.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -139,7 +157,13 @@ async fn pump(tun: OwnedFd, channel: tokio::net::UnixStream) {
         loop {
             let mut guard = tun.readable().await.expect("TUN readable");
             // SAFETY: reading into an owned buffer of the given length.
-            let n = unsafe { libc::read(tun.get_ref().as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            let n = unsafe {
+                libc::read(
+                    tun.get_ref().as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            };
             if n < 0 {
                 let e = io::Error::last_os_error();
                 assert_eq!(e.kind(), io::ErrorKind::WouldBlock, "TUN read: {e}");
@@ -162,11 +186,20 @@ async fn pump(tun: OwnedFd, channel: tokio::net::UnixStream) {
                 Ok(_) => {}
             }
             let mut used = 0;
-            while let Some((f, n)) = Decoder::default().decode(&rbuf[used..]).expect("valid frames") {
+            while let Some((f, n)) = Decoder::default()
+                .decode(&rbuf[used..])
+                .expect("valid frames")
+            {
                 used += n;
                 if f.kind == Kind::Packet {
                     // SAFETY: writing a borrowed buffer of the given length.
-                    let w = unsafe { libc::write(tun.get_ref().as_raw_fd(), f.payload.as_ptr().cast(), f.payload.len()) };
+                    let w = unsafe {
+                        libc::write(
+                            tun.get_ref().as_raw_fd(),
+                            f.payload.as_ptr().cast(),
+                            f.payload.len(),
+                        )
+                    };
                     assert!(w >= 0, "TUN write: {}", io::Error::last_os_error());
                 }
             }
@@ -247,7 +280,9 @@ fn linux_laptop_through_the_manager() {
             _ = done_rx => Ok("test done".to_string()),
         }
     });
-    let (big, half, reset, udp) = ports_rx.recv_timeout(Duration::from_secs(10)).expect("servers up");
+    let (big, half, reset, udp) = ports_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("servers up");
 
     let tun_name = ns.tun.clone();
     let laptop_ns = ns.laptop.clone();
@@ -265,7 +300,10 @@ fn linux_laptop_through_the_manager() {
         laptop_end.set_nonblocking(true).expect("nonblocking");
         let mut channel = tokio::net::UnixStream::from_std(laptop_end).expect("register");
         channel
-            .write_all(&common::hello_frame(common::LAPTOP_V4, kvpn_proto::frame::PROTOCOL_VERSION))
+            .write_all(&common::hello_frame(
+                common::LAPTOP_V4,
+                kvpn_proto::frame::PROTOCOL_VERSION,
+            ))
             .await
             .expect("hello");
         tokio::spawn(pump(tun, channel));
@@ -285,9 +323,15 @@ async fn laptop_checks(laptop_ns: &str, big: u16, half: u16, reset: u16, udp: u1
 
     // tr-04: a closed port refuses at once; an address nobody holds is unreachable.
     let t = Instant::now();
-    let e = TcpStream::connect(server(1)).await.expect_err("closed port must refuse");
+    let e = TcpStream::connect(server(1))
+        .await
+        .expect_err("closed port must refuse");
     assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
-    assert!(t.elapsed() < Duration::from_millis(500), "refusal took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "refusal took {:?}",
+        t.elapsed()
+    );
     let e = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect("10.99.0.77:80"))
         .await
         .expect("unreachable address must fail, not hang")
@@ -307,7 +351,11 @@ async fn laptop_checks(laptop_ns: &str, big: u16, half: u16, reset: u16, udp: u1
     assert!(got == common::pattern(5 << 20, 1), "bytes differ");
     eprintln!(
         "Linux laptop, 5 MB download through the manager ({} build): {:.1} ms, {:.0} Mbit/s",
-        if cfg!(debug_assertions) { "debug" } else { "release" },
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
         elapsed.as_secs_f64() * 1e3,
         (5 << 20) as f64 * 8.0 / elapsed.as_secs_f64() / 1e6
     );
@@ -327,11 +375,22 @@ async fn laptop_checks(laptop_ns: &str, big: u16, half: u16, reset: u16, udp: u1
             break;
         }
         reply.extend_from_slice(&chunk[..n]);
-        assert!(Instant::now() < deadline, "reply too slow: {} bytes", reply.len());
+        assert!(
+            Instant::now() < deadline,
+            "reply too slow: {} bytes",
+            reply.len()
+        );
     }
     assert_eq!(reply.len(), 8 + (2 << 20));
-    assert_eq!(u64::from_be_bytes(reply[..8].try_into().expect("8 bytes")), 1 << 20, "server saw the whole request");
-    assert!(reply[8..] == common::pattern(2 << 20, 2), "reply bytes differ");
+    assert_eq!(
+        u64::from_be_bytes(reply[..8].try_into().expect("8 bytes")),
+        1 << 20,
+        "server saw the whole request"
+    );
+    assert!(
+        reply[8..] == common::pattern(2 << 20, 2),
+        "reply bytes differ"
+    );
 
     // tr-06: the server resets; the laptop sees ECONNRESET; others keep working.
     let mut s = TcpStream::connect(server(reset)).await.expect("connect");
@@ -342,7 +401,9 @@ async fn laptop_checks(laptop_ns: &str, big: u16, half: u16, reset: u16, udp: u1
         .expect("reset in time")
         .expect_err("reset, not EOF");
     assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}");
-    let mut s = TcpStream::connect(server(big)).await.expect("a new connection after a reset");
+    let mut s = TcpStream::connect(server(big))
+        .await
+        .expect("a new connection after a reset");
     let mut first = [0u8; 1024];
     s.read_exact(&mut first).await.expect("data after a reset");
 
@@ -360,13 +421,39 @@ async fn laptop_checks(laptop_ns: &str, big: u16, half: u16, reset: u16, udp: u1
     // tr-03: Linux's own ping accepts the manager's echo replies. (Async
     // process: the pump runs on this thread.)
     let out = tokio::process::Command::new("ip")
-        .args(["netns", "exec", laptop_ns, "ping", "-c", "2", "-i", "0.2", "-W", "2", "10.99.0.5"])
+        .args([
+            "netns",
+            "exec",
+            laptop_ns,
+            "ping",
+            "-c",
+            "2",
+            "-i",
+            "0.2",
+            "-W",
+            "2",
+            "10.99.0.5",
+        ])
         .output()
         .await
         .expect("run ping");
-    assert!(out.status.success(), "ping 10.99.0.5 failed: {}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "ping 10.99.0.5 failed: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let out = tokio::process::Command::new("ip")
-        .args(["netns", "exec", laptop_ns, "ping", "-c", "1", "-W", "2", "10.99.0.77"])
+        .args([
+            "netns",
+            "exec",
+            laptop_ns,
+            "ping",
+            "-c",
+            "1",
+            "-W",
+            "2",
+            "10.99.0.77",
+        ])
         .output()
         .await
         .expect("run ping");

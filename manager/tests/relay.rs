@@ -444,9 +444,12 @@ async fn wrong_version_and_missing_hello_are_rejected() {
     );
 
     let (mut pipe, session) = spawn_session(session_config());
-    pipe.write_all(&hello_frame(IpAddr::V4(Ipv4Addr::UNSPECIFIED), PROTOCOL_VERSION))
-        .await
-        .expect("write");
+    pipe.write_all(&hello_frame(
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        PROTOCOL_VERSION,
+    ))
+    .await
+    .expect("write");
     let r = session.await.expect("no panic");
     assert!(matches!(r, Err(SessionError::BadTunnelIp(_))), "{r:?}");
 

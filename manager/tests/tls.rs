@@ -200,7 +200,10 @@ async fn tls_listener_serves_trusting_laptops_and_refuses_the_rest() {
         hello_and_heartbeat(&mut tls).await,
         (Kind::Heartbeat, b"tls-echo".to_vec())
     );
-    assert!(!server.is_finished(), "the listener survived all of the above");
+    assert!(
+        !server.is_finished(),
+        "the listener survived all of the above"
+    );
     server.abort();
 }
 
@@ -220,7 +223,10 @@ fn tls_config_errors_name_the_problem() {
         std::path::Path::new("/nonexistent/kvpn/tls.key"),
     )
     .expect_err("missing file");
-    assert!(err.to_string().contains("/nonexistent/kvpn/tls.crt"), "{err}");
+    assert!(
+        err.to_string().contains("/nonexistent/kvpn/tls.crt"),
+        "{err}"
+    );
 }
 
 /// Kills the manager if the test fails before it exits.
@@ -249,10 +255,9 @@ fn binary_takes_tls_from_env_logs_it_and_probes_raise_no_warning() {
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock")
         .as_nanos();
-    let dir = TempDir(std::env::temp_dir().join(format!(
-        "kvpn-manager-tls-{}-{nanos}",
-        std::process::id()
-    )));
+    let dir = TempDir(
+        std::env::temp_dir().join(format!("kvpn-manager-tls-{}-{nanos}", std::process::id())),
+    );
     std::fs::create_dir_all(&dir.0).expect("temp dir");
     let (cert, key) = (dir.0.join("tls.crt"), dir.0.join("tls.key"));
     std::fs::write(&cert, &m.cert_pem).expect("write cert");
@@ -335,13 +340,21 @@ fn binary_takes_tls_from_env_logs_it_and_probes_raise_no_warning() {
         "{log:#?}"
     );
     let warnings: Vec<_> = log.iter().filter(|l| l.contains("WARN")).collect();
-    assert!(warnings.is_empty(), "probes and a clean session warned: {warnings:#?}");
+    assert!(
+        warnings.is_empty(),
+        "probes and a clean session warned: {warnings:#?}"
+    );
 }
 
 #[test]
 fn binary_refuses_a_certificate_without_a_key() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvpn-manager"))
-        .args(["--listen", "127.0.0.1:0", "--tls-cert", "/nonexistent/tls.crt"])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--tls-cert",
+            "/nonexistent/tls.crt",
+        ])
         .env_remove("KVPN_TLS_KEY")
         .output()
         .expect("run kvpn-manager");

@@ -43,7 +43,9 @@ fn leased_tunnel_ip_is_stored_in_the_configmap_and_comes_back_on_reconnect() {
         .to_owned();
     assert!(ip.starts_with("100.96."), "{ip}");
     assert!(
-        f.laptop_routes().iter().any(|r| r.starts_with("100.96.0.0/16")),
+        f.laptop_routes()
+            .iter()
+            .any(|r| r.starts_with("100.96.0.0/16")),
         "tunnel pool routed into the TUN: {:?}",
         f.laptop_routes()
     );
@@ -64,7 +66,11 @@ fn leased_tunnel_ip_is_stored_in_the_configmap_and_comes_back_on_reconnect() {
     f.kvpn_ok(&["disconnect", "--all"]);
     f.connect_restricted();
     f.wait_state("connected", Duration::from_secs(15));
-    assert_eq!(f.session()["tunnel_ip"], ip.as_str(), "same client id, same IP");
+    assert_eq!(
+        f.session()["tunnel_ip"],
+        ip.as_str(),
+        "same client id, same IP"
+    );
     f.wait_http(web(), std::time::Instant::now(), Duration::from_secs(10));
     let again = stored_leases(&f);
     assert_eq!(
@@ -72,5 +78,9 @@ fn leased_tunnel_ip_is_stored_in_the_configmap_and_comes_back_on_reconnect() {
         Some(1),
         "one lease, reused: {again}"
     );
-    assert_eq!(again[0]["token"], token.as_str(), "the live lease keeps its token");
+    assert_eq!(
+        again[0]["token"],
+        token.as_str(),
+        "the live lease keeps its token"
+    );
 }
