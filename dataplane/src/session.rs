@@ -784,12 +784,21 @@ impl Session {
         // Verified while the device still exists: afterwards there is nothing
         // to query. A failed query (no TCX before Linux 6.6) proves nothing
         // either way and is only logged.
-        let still_attached = match ebpf::Classifier::is_attached_to(&self.tun_name) {
-            Ok(attached) => attached,
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot query TCX attachments");
-                false
+        // The kernel may release the TCX link a moment after its last fd closes
+        // (seen once under heavy load), so poll briefly before calling it a leftover.
+        let detach_deadline = Instant::now() + Duration::from_secs(1);
+        let still_attached = loop {
+            let attached = match ebpf::Classifier::is_attached_to(&self.tun_name) {
+                Ok(attached) => attached,
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot query TCX attachments");
+                    false
+                }
+            };
+            if !attached || Instant::now() >= detach_deadline {
+                break attached;
             }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         };
         let routes: Vec<IpNet> = self.plan.kernel.iter().map(|(n, _)| *n).collect();
         let mut report = match self.tun.take() {
