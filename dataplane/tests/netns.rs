@@ -580,7 +580,11 @@ fn real_ebpf_classifier_attaches_or_rolls_back() {
                 let status = session.status();
                 assert!(!status.ebpf.is_empty());
                 let report = session.teardown(&netlink).await;
-                assert!(report.leftovers.is_empty(), "leftovers: {:?}", report.leftovers);
+                assert!(
+                    report.leftovers.is_empty(),
+                    "leftovers: {:?}",
+                    report.leftovers
+                );
             }
             Err(err) => {
                 eprintln!("eBPF classifier not built in: checking the rollback");
