@@ -525,15 +525,7 @@ impl Classifier {
     /// Whether kvpn's classifier is attached (TCX egress) to `ifname`, in the calling
     /// thread's network namespace. For tests and leak checks after teardown.
     pub fn is_attached_to(ifname: &str) -> Result<bool, EbpfError> {
-        let (_revision, programs) = SchedClassifier::query_tcx(ifname, TcAttachType::Egress)
-            .map_err(|source| EbpfError::Program {
-                name: common::PROGRAM_TUN_EGRESS,
-                action: "query TCX egress",
-                source,
-            })?;
-        Ok(programs
-            .iter()
-            .any(|p| p.name_as_str() == Some(common::PROGRAM_TUN_EGRESS)))
+        Ok(!Self::attached_program_ids(ifname)?.is_empty())
     }
 }
 
