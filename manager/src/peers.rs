@@ -63,12 +63,21 @@ impl Peers {
             .and_then(|map| map.get(&ip).map(|(_, tx)| tx.clone()))
     }
 
-    /// Queue `frames` on the live session of `ip`: `None` when there is none,
-    /// `Some(false)` when its queue is full or closing.
-    pub fn try_send(&self, ip: IpAddr, frames: Vec<u8>) -> Option<bool> {
+    /// Frame `packet` and queue it on the live session of `ip`: `None` when there
+    /// is none, `Some(false)` when its queue is full or closing (or the packet does
+    /// not fit a frame). The frame is only built once a peer is found, so packets
+    /// for the cluster (every packet the engine handles passes here first) cost a
+    /// map lookup and no allocation.
+    pub fn try_send(&self, ip: IpAddr, packet: &[u8]) -> Option<bool> {
         let map = self.inner.sessions.read().ok()?;
         let (_, tx) = map.get(&ip)?;
-        Some(tx.try_send(frames).is_ok())
+        let mut frame = Vec::with_capacity(kvpn_proto::frame::HEADER_LEN + packet.len());
+        if kvpn_proto::frame::encode_into(kvpn_proto::frame::Kind::Packet, packet, &mut frame)
+            .is_err()
+        {
+            return Some(false);
+        }
+        Some(tx.try_send(frame).is_ok())
     }
 
     /// Number of live sessions.

@@ -223,11 +223,7 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
         (Some(_), IpAddr::V6(_)) => false,
         (None, _) => false,
     };
-    let mut frame_bytes = Vec::with_capacity(frame::HEADER_LEN + packet.len());
-    if frame::encode_into(Kind::Packet, packet, &mut frame_bytes).is_err() {
-        return false;
-    }
-    match config.peers.try_send(dst, frame_bytes) {
+    match config.peers.try_send(dst, packet) {
         Some(true) => {
             let m = engine.metrics_mut();
             m.peer_packets += 1;
