@@ -68,12 +68,7 @@ fn running_agent(runtime_dir: &Path, session_id: &str) -> Option<i32> {
 }
 
 fn agent_alive(pid: i32) -> bool {
-    let running = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(") ")
-            .and_then(|(_, rest)| rest.chars().next())
-            .is_some_and(|state| state != 'Z' && state != 'X')
-    });
-    running
+    daemon::process_alive(pid)
         && std::fs::read(format!("/proc/{pid}/cmdline"))
             .is_ok_and(|c| c.split(|b| *b == 0).any(|arg| arg == b"agent"))
 }
@@ -236,6 +231,31 @@ fn host_of(server: &str) -> String {
         .to_string()
 }
 
+/// The routes of a session: each kind's CIDRs normalised, with every address of
+/// `keep_out` (API server, nameservers, gateways, the manager) cut out (rt-02).
+pub fn cluster_routes(
+    pod: &[IpNet],
+    service: &[IpNet],
+    extra: &[IpNet],
+    keep_out: &[IpAddr],
+) -> Vec<Route> {
+    [
+        (pod, RouteKind::Pod),
+        (service, RouteKind::Service),
+        (extra, RouteKind::Extra),
+    ]
+    .into_iter()
+    .flat_map(|(cidrs, kind)| {
+        cidr::exclude(cidrs, keep_out)
+            .into_iter()
+            .map(move |c| Route {
+                cidr: c.to_string(),
+                kind: kind as i32,
+            })
+    })
+    .collect()
+}
+
 /// `kvpn connect` without `--manager`.
 pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
@@ -338,19 +358,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         output::warn(p);
     }
     let keep_out: Vec<IpAddr> = essentials.addresses();
-    let mut routes = Vec::new();
-    for (cidrs, kind) in [
-        (pod, RouteKind::Pod),
-        (service, RouteKind::Service),
-        (args.extra_cidrs.clone(), RouteKind::Extra),
-    ] {
-        for c in cidr::exclude(&cidrs, &keep_out) {
-            routes.push(Route {
-                cidr: c.to_string(),
-                kind: kind as i32,
-            });
-        }
-    }
+    let mut routes = cluster_routes(&pod, &service, &args.extra_cidrs, &keep_out);
     // Other laptops' tunnel IPs (laptop-to-laptop through the manager). The
     // laptop's own tunnel IP is in the local routing table, which wins, so the
     // pool needs no hole for it.

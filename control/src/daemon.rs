@@ -179,7 +179,7 @@ pub async fn stop(runtime_dir: &Path) -> Result<()> {
 }
 
 /// Whether `pid` still runs (a zombie counts as gone: it runs no code).
-fn process_alive(pid: i32) -> bool {
+pub(crate) fn process_alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => stat
             .rsplit_once(") ")

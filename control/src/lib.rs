@@ -17,7 +17,7 @@ pub mod lease;
 pub mod output;
 
 use anyhow::{Context, Result, bail};
-use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest, Route, RouteKind, StatusRequest};
+use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest, StatusRequest};
 
 use crate::cli::{Cli, Command, ConnectArgs, DisconnectArgs, StatusArgs};
 
@@ -61,42 +61,20 @@ pub async fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn routes_of(args: &ConnectArgs) -> Vec<Route> {
-    let mut routes = Vec::new();
-    for (cidrs, kind) in [
-        (&args.pod_cidrs, RouteKind::Pod),
-        (&args.service_cidrs, RouteKind::Service),
-        (&args.extra_cidrs, RouteKind::Extra),
-    ] {
-        routes.extend(cidrs.iter().map(|c| Route {
-            cidr: c.to_string(),
-            kind: kind as i32,
-        }));
-    }
-    routes
-}
-
 async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()> {
     let Some(manager) = args.manager.clone() else {
         return connect::kube_connect(runtime_dir, &args).await;
     };
     validate_tunnel_ip(args.tunnel_ip)?;
-    let mut routes = routes_of(&args);
     // Never route the manager's own address into the tunnel that leads to it (rt-02):
     // the session could never come up.
-    if let Some(ip) = manager_ip(&manager) {
-        routes = routes
-            .into_iter()
-            .flat_map(|r| {
-                let cidr: Vec<ipnet::IpNet> = r.cidr.parse().into_iter().collect();
-                let kind = r.kind;
-                cidr::exclude(&cidr, &[ip]).into_iter().map(move |c| Route {
-                    cidr: c.to_string(),
-                    kind,
-                })
-            })
-            .collect();
-    }
+    let keep_out: Vec<std::net::IpAddr> = manager_ip(&manager).into_iter().collect();
+    let routes = connect::cluster_routes(
+        &args.pod_cidrs,
+        &args.service_cidrs,
+        &args.extra_cidrs,
+        &keep_out,
+    );
     if routes.is_empty() {
         bail!(
             "nothing to route: give at least one of --pod-cidr, --service-cidr or --cidr \
