@@ -31,6 +31,7 @@
 //! [`essentials`] reads resolv.conf and dumps routes over rtnetlink. Everything else
 //! here is pure.
 
+pub mod cache;
 pub mod essentials;
 
 use std::fmt;

@@ -135,6 +135,10 @@ pub struct ConnectArgs {
     /// Any other CIDR to route through the tunnel (repeatable).
     #[arg(long = "cidr", alias = "extra-cidr", value_name = "CIDR")]
     pub extra_cidrs: Vec<IpNet>,
+    /// Detect the cluster's pod and service CIDRs again instead of using the ones a
+    /// previous connect cached in the manager's ConfigMap (the cache is rewritten).
+    #[arg(long)]
+    pub redetect_cidrs: bool,
     /// This machine's address inside the tunnel.
     #[arg(long, default_value = "100.96.0.2")]
     pub tunnel_ip: IpAddr,

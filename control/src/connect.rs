@@ -256,6 +256,71 @@ pub fn cluster_routes(
     .collect()
 }
 
+/// The cluster's pod and service CIDRs: from the cache in the manager's ConfigMap
+/// when it holds a usable entry (and `redetect` is off), else detected with the
+/// user's credentials and cached for the next connect.
+async fn cluster_cidrs(
+    client: &kube::Client,
+    namespace: &str,
+    redetect: bool,
+) -> Result<(Vec<IpNet>, Vec<IpNet>)> {
+    if !redetect {
+        match cidr::cache::read(client, namespace).await {
+            Ok(Some(cached)) => {
+                output::step("Using the cluster's CIDRs cached by an earlier connect");
+                output::done(&format!(
+                    "pod {}, service {} (ConfigMap {namespace}/{}, key {}, detected {} s ago \
+                     by kvpn {}; --redetect-cidrs detects them again)",
+                    list(&cached.pod),
+                    list(&cached.service),
+                    install::objects::MANAGER,
+                    cidr::cache::CIDRS_KEY,
+                    cached.age_s(),
+                    cached.kvpn_version,
+                ));
+                return Ok((cached.pod, cached.service));
+            }
+            Ok(None) => {}
+            Err(e) => output::warn(&e.to_string()),
+        }
+    }
+    output::step("Detecting the cluster's pod and service CIDRs");
+    let detected = cidr::detect_cidrs(
+        client,
+        &DetectOptions {
+            namespace: namespace.to_owned(),
+            ..DetectOptions::default()
+        },
+    )
+    .await
+    .context("CIDR detection failed")?;
+    for a in &detected.attempts {
+        output::detail(&a.to_string());
+    }
+    if !detected.is_empty() {
+        let cached = cidr::cache::CachedCidrs::now(detected.pod.clone(), detected.service.clone());
+        match cidr::cache::write(client, namespace, &cached).await {
+            Ok(()) => output::detail(&format!(
+                "cached in ConfigMap {namespace}/{} for the next connect",
+                install::objects::MANAGER
+            )),
+            Err(e) => output::warn(&format!("{e} (the next connect detects again)")),
+        }
+    }
+    Ok((detected.pod, detected.service))
+}
+
+fn list(cidrs: &[IpNet]) -> String {
+    if cidrs.is_empty() {
+        return "none".to_owned();
+    }
+    cidrs
+        .iter()
+        .map(IpNet::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// `kvpn connect` without `--manager`.
 pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
@@ -319,27 +384,18 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         leased.expires_in_s
     ));
 
-    output::step("Detecting the cluster's pod and service CIDRs");
-    let detected = cidr::detect_cidrs(
+    let (detected_pod, detected_service) = cluster_cidrs(
         &conn.client,
-        &DetectOptions {
-            namespace: args.kube.manager_namespace.clone(),
-            ..DetectOptions::default()
-        },
+        &args.kube.manager_namespace,
+        args.redetect_cidrs,
     )
-    .await
-    .context("CIDR detection failed")?;
-    for a in &detected.attempts {
-        output::detail(&a.to_string());
-    }
-    let pod: Vec<IpNet> = detected
-        .pod
+    .await?;
+    let pod: Vec<IpNet> = detected_pod
         .iter()
         .chain(&args.pod_cidrs)
         .copied()
         .collect();
-    let service: Vec<IpNet> = detected
-        .service
+    let service: Vec<IpNet> = detected_service
         .iter()
         .chain(&args.service_cidrs)
         .copied()
