@@ -7,7 +7,7 @@ use serde::Serialize;
 /// One path's measurements.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct PathResult {
-    /// Which path: "raw-veth" or "kvpn".
+    /// Which path: "raw-veth", "kvpn-direct" or "kvpn-port-forward".
     pub path: String,
     /// iperf3 TCP, one stream, receiver side, Gbit/s.
     pub tcp_1_gbps: f64,
