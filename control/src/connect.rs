@@ -159,6 +159,49 @@ pub fn match_session<'a>(sessions: &'a [Session], wanted: &Origin) -> SessionMat
     conflict.map_or(SessionMatch::None, SessionMatch::Conflict)
 }
 
+/// Disconnect every port-forward session of this laptop that runs through the
+/// traffic manager in `manager_namespace` of the API server `server` (before that
+/// manager is uninstalled). Returns the stopped session ids.
+pub async fn disconnect_sessions_of(
+    runtime_dir: &Path,
+    server: &str,
+    manager_namespace: &str,
+) -> Result<Vec<String>> {
+    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+        return Ok(Vec::new());
+    };
+    let sessions = client
+        .status(StatusRequest {})
+        .await
+        .map_err(daemon::status_to_error)
+        .context("cannot ask the root daemon for its sessions")?
+        .into_inner()
+        .sessions;
+    let mut stopped = Vec::new();
+    for s in sessions {
+        let Some(o) = &s.origin else { continue };
+        if o.transport != TRANSPORT_PORT_FORWARD
+            || o.server != server
+            || o.manager_namespace != manager_namespace
+        {
+            continue;
+        }
+        let resp = client
+            .disconnect(DisconnectRequest {
+                session_id: s.id.clone(),
+            })
+            .await
+            .map_err(daemon::status_to_error)
+            .with_context(|| format!("cannot disconnect session {}", s.id))?
+            .into_inner();
+        for id in resp.stopped {
+            stop_agent(runtime_dir, &id).await;
+            stopped.push(id);
+        }
+    }
+    Ok(stopped)
+}
+
 /// Whether connect is already done: true after telling the user so. A session of
 /// the same cluster whose agent is gone can never recover; it is replaced.
 async fn already_connected(runtime_dir: &Path, wanted: &Origin) -> Result<bool> {

@@ -47,7 +47,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Status(args) => status(&runtime_dir, args).await,
         Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
-        Command::Uninstall(args) => uninstall(args).await,
+        Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Agent(args) => {
             agent::run(agent::AgentConfig {
                 flags: args.kube.flags(),
@@ -219,10 +219,23 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
     Ok(())
 }
 
-async fn uninstall(args: crate::cli::UninstallArgs) -> Result<()> {
+async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArgs) -> Result<()> {
     let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
     let conn = kubeconfig::connect(&args.kube.flags(), &env).await?;
     output::done(&format!("Using {}", conn.description));
+    // This laptop's sessions through the manager being removed would only hang in
+    // "reconnecting": end them first, and say so.
+    for id in connect::disconnect_sessions_of(
+        runtime_dir,
+        &conn.description.server,
+        &args.kube.manager_namespace,
+    )
+    .await?
+    {
+        output::done(&format!(
+            "Disconnected session {id} first: it runs through the traffic manager being removed"
+        ));
+    }
     let print = |e: install::ProgressEvent| output::info_block(&e.to_string());
     let report = install::uninstall(&conn.client, &args.kube.manager_namespace, &print)
         .await

@@ -321,7 +321,8 @@ fn restricted_connect_reaches_cluster_ip_and_pod_ips_and_is_idempotent() {
 
 /// Cases 2 and 5: disconnect leaves no TUN device, route or agent; an older
 /// manager (version annotation 0.0.1) is upgraded by the next connect (a new pod
-/// that the session then uses); uninstall removes every object kvpn created.
+/// that the session then uses); uninstall while connected disconnects the session
+/// first and removes every object kvpn created.
 #[test]
 fn disconnect_upgrade_of_an_older_manager_and_uninstall() {
     let f = KubeFixture::new();
@@ -402,16 +403,22 @@ fn disconnect_upgrade_of_an_older_manager_and_uninstall() {
         "traffic goes through the upgraded pod"
     );
 
-    // Disconnect and uninstall: nothing of kvpn's is left in the cluster.
-    f.kvpn_ok(&["disconnect", "--all"]);
+    // Uninstall while connected: the session through this manager is disconnected
+    // first (said so), then nothing of kvpn's is left in the cluster or the laptop.
+    let id = f.session()["id"].as_str().unwrap_or_default().to_owned();
+    let kubeconfig = f.user_kubeconfig();
+    let out = f.kvpn_ok(&["uninstall", "--kubeconfig", &kubeconfig]);
+    assert!(
+        out.contains(&format!("Disconnected session {id} first")),
+        "{out}"
+    );
+    assert!(out.contains("Removed"), "{out}");
+    assert_eq!(f.sessions().len(), 0, "session left after uninstall");
     assert_eq!(
         f.agent_pids(),
         Vec::<u32>::new(),
-        "agent left after disconnect"
+        "agent left after uninstall"
     );
-    let kubeconfig = f.user_kubeconfig();
-    let out = f.kvpn_ok(&["uninstall", "--kubeconfig", &kubeconfig]);
-    assert!(out.contains("Removed"), "{out}");
     // ReplicaSets go through the garbage collector after uninstall returns.
     let t1 = Instant::now();
     loop {
