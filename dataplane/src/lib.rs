@@ -5,7 +5,8 @@
 //! over gRPC on a root-owned Unix socket.
 //!
 //! Pure cores (no I/O): [`routes`] (CIDR normalisation), [`liveness`] (heartbeats
-//! and session state). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
+//! and session state), [`unreachable`] (ICMP unreachable answers while
+//! reconnecting, and their rate limit). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
 //! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`session`]
 //! (TCP to the manager, setup and teardown), [`tls`] (TLS on the data channel,
 //! verified against the CA from the Connect request), [`daemon`] (gRPC socket, pid file),
@@ -23,5 +24,6 @@ pub mod routes;
 pub mod session;
 pub mod tls;
 pub mod tun;
+pub mod unreachable;
 
 pub use tun::DEFAULT_MTU;

@@ -3,18 +3,34 @@
 //! draws randomness or touches a socket (the pump and the session supervisor
 //! drive it).
 //!
-//! The client sends a heartbeat frame every [`HEARTBEAT_INTERVAL`] with an 8-byte
-//! nonce; the manager echoes it unchanged. The session is *connected* while an
-//! echo arrived within [`MISSED_ECHOES_BEFORE_RECONNECT`] intervals on the current
-//! transport, and *reconnecting* (with a reason) otherwise.
+//! The client sends a heartbeat frame every [`HEARTBEAT_INTERVAL`] (1 s) with an
+//! 8-byte nonce; the manager echoes it unchanged. The session is *connected*
+//! while an echo arrived within [`MISSED_ECHOES_BEFORE_RECONNECT`] intervals
+//! ([`LIVENESS_WINDOW`], 3 s) on the current transport, and *reconnecting* (with
+//! a reason) otherwise. "Connected" is never claimed before the first echo.
+//!
+//! A black-holed transport (everything silently dropped, no RST, no FIN, case
+//! tr-10) therefore shows as reconnecting at most [`LIVENESS_WINDOW`] plus one
+//! watchdog tick (a quarter interval) after its last echo, i.e. within one
+//! heartbeat interval past the window; from then on the pump answers cluster
+//! packets with ICMP unreachable ([`crate::unreachable`]) instead of queueing
+//! them into the hole.
 
 use std::time::{Duration, Instant};
 
-/// Time between heartbeats (2 s, the shared data-channel convention).
-pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+/// Time between heartbeats: 1 s. Short, so that a silent transport is noticed
+/// within seconds (tr-10); one 11-byte frame a second costs nothing, and the
+/// manager's idle timeout (60 s) is far above it.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Heartbeat intervals without an echo after which the transport counts as dead.
+/// Three, so that one delayed echo (a GC pause in the API server, a busy
+/// laptop) does not drop a healthy transport.
 pub const MISSED_ECHOES_BEFORE_RECONNECT: u32 = 3;
+
+/// Silence after which the session is reconnecting: 3 s.
+pub const LIVENESS_WINDOW: Duration =
+    Duration::from_secs(HEARTBEAT_INTERVAL.as_secs() * MISSED_ECHOES_BEFORE_RECONNECT as u64);
 
 /// Session state as reported by Status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +188,30 @@ impl Liveness {
 
     fn silence_limit(&self) -> Duration {
         self.interval * MISSED_ECHOES_BEFORE_RECONNECT
+    }
+
+    /// The silence after which the session is reconnecting (interval ×
+    /// [`MISSED_ECHOES_BEFORE_RECONNECT`]).
+    pub fn window(&self) -> Duration {
+        self.silence_limit()
+    }
+
+    /// Whether the session is reconnecting at `now` (the state [`Self::state`]
+    /// reports), without building the reason. While it is, the pump answers
+    /// packets toward the cluster with ICMP unreachable.
+    pub fn is_reconnecting(&self, now: Instant) -> bool {
+        let limit = self.silence_limit();
+        match &self.transport {
+            Transport::Down { .. } => self.past_first_transport(),
+            Transport::Up {
+                since, last_echo, ..
+            } => match last_echo {
+                Some(at) => now.saturating_duration_since(*at) > limit,
+                None => {
+                    now.saturating_duration_since(*since) > limit || self.past_first_transport()
+                }
+            },
+        }
     }
 
     /// Whether the current transport has been silent for too long and should be
@@ -376,5 +416,44 @@ mod tests {
             State::Reconnecting,
             "until the new transport echoes"
         );
+    }
+
+    #[test]
+    fn is_reconnecting_agrees_with_state_through_a_black_hole() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(I);
+        let agree = |l: &Liveness, now: Instant| {
+            assert_eq!(
+                l.is_reconnecting(now),
+                l.state(now).0 == State::Reconnecting,
+                "{:?}",
+                l.state(now)
+            );
+        };
+        agree(&l, t0);
+        l.handle_transport_up(t0);
+        agree(&l, t0);
+        agree(&l, t0 + LIVENESS_WINDOW + Duration::from_millis(1));
+        let n = l.poll_heartbeat(t0).expect("due");
+        l.handle_echo(&n, t0);
+        // The hole opens right after the echo: connected for the whole window,
+        // reconnecting one millisecond after it.
+        for ms in [0u64, 1000, 2999, 3000, 3001, 4000] {
+            agree(&l, t0 + Duration::from_millis(ms));
+        }
+        assert!(!l.is_reconnecting(t0 + LIVENESS_WINDOW));
+        assert!(l.is_reconnecting(t0 + LIVENESS_WINDOW + Duration::from_millis(1)));
+        l.handle_transport_down("no heartbeat echo");
+        agree(&l, t0 + I * 4);
+        assert!(l.is_reconnecting(t0 + I * 4));
+        l.handle_transport_up(t0 + I * 5);
+        agree(&l, t0 + I * 5);
+        assert!(l.is_reconnecting(t0 + I * 5), "until the new transport echoes");
+        let n = l.poll_heartbeat(t0 + I * 5).expect("due");
+        l.handle_echo(&n, t0 + I * 5);
+        agree(&l, t0 + I * 5);
+        assert!(!l.is_reconnecting(t0 + I * 5));
+        assert_eq!(LIVENESS_WINDOW, Duration::from_secs(3));
+        assert_eq!(l.window(), LIVENESS_WINDOW);
     }
 }

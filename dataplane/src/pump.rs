@@ -30,6 +30,12 @@
 //! TUN stops the transport reads (TCP flow control reaches the manager). All
 //! buffers are allocated when the pump starts; per-packet work does not allocate.
 //!
+//! Failing fast (case tr-10): while the session is reconnecting
+//! ([`Liveness::is_reconnecting`]), `tun_reader` does not queue packets into the
+//! transport; each one is answered with an ICMP / ICMPv6 destination
+//! unreachable written back to the TUN ([`crate::unreachable`], rate-limited,
+//! counted). Between transports, when no pump runs, [`refuse`] does the same.
+//!
 //! The only I/O here goes through [`PacketIo`] (the TUN device) and the
 //! transport halves; liveness logic lives in [`crate::liveness`].
 
@@ -45,6 +51,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::liveness::Liveness;
+use crate::unreachable::{self, RateLimit};
 
 /// Most packets per outbound batch (one `writev` of 2 × 64 iovecs).
 pub const BATCH_PACKETS: usize = 64;
@@ -126,6 +133,13 @@ pub struct Counters {
     pub heartbeats_sent: AtomicU64,
     /// Heartbeat echoes accepted.
     pub heartbeats_echoed: AtomicU64,
+    /// Outbound packets read from the TUN while the session was reconnecting,
+    /// and therefore not sent to the manager.
+    pub refused_packets: AtomicU64,
+    /// ICMP / ICMPv6 destination-unreachable messages written to the TUN for them.
+    pub unreachable_sent: AtomicU64,
+    /// Refused packets left unanswered because of the rate limit.
+    pub unreachable_rate_limited: AtomicU64,
 }
 
 impl Counters {
@@ -226,6 +240,90 @@ fn lock(liveness: &Mutex<Liveness>) -> std::sync::MutexGuard<'_, Liveness> {
     liveness.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// The unreachable-message rate limit of one session, shared by the pumps of
+/// its transports and the [`refuse`] loop between them.
+#[derive(Debug, Default)]
+pub struct Refusal {
+    limit: Mutex<RateLimit>,
+}
+
+impl Refusal {
+    /// A session limit of `per_sec` messages per second, `burst` at once.
+    pub fn new(per_sec: u32, burst: u32) -> Self {
+        Self {
+            limit: Mutex::new(RateLimit::new(per_sec, burst)),
+        }
+    }
+
+    fn allow(&self, now: Instant) -> bool {
+        self.limit
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .allow(now)
+    }
+}
+
+/// Answer one outbound `packet` that will not reach the manager with an ICMP
+/// unreachable written to the TUN, if it is eligible and the rate limit allows.
+/// `out` is scratch space. Fails only when the TUN write fails.
+async fn refuse_packet<T: PacketIo>(
+    tun: &T,
+    packet: &[u8],
+    refusal: &Refusal,
+    counters: &Counters,
+    out: &mut Vec<u8>,
+) -> io::Result<()> {
+    Counters::add(&counters.refused_packets, 1);
+    if let Err(why) = unreachable::build(packet, out) {
+        tracing::trace!(%why, len = packet.len(), "refused packet left unanswered");
+        return Ok(());
+    }
+    if !refusal.allow(Instant::now()) {
+        Counters::add(&counters.unreachable_rate_limited, 1);
+        return Ok(());
+    }
+    match tun.send(out).await {
+        Ok(_) => {
+            Counters::add(&counters.unreachable_sent, 1);
+            Ok(())
+        }
+        // Same as tun_writer: a packet the TUN refuses is not fatal.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Read the TUN while no transport is up and answer every packet with an ICMP
+/// unreachable (rate-limited), so that connects toward the cluster fail at once
+/// with "No route to host" instead of hanging. Runs until cancelled; returns
+/// only when the TUN device fails.
+pub async fn refuse<T: PacketIo>(
+    tun: Arc<T>,
+    refusal: Arc<Refusal>,
+    counters: Arc<Counters>,
+) -> io::Error {
+    let mut buf = vec![0u8; MAX_PACKET];
+    let mut out = Vec::with_capacity(unreachable::MAX_V6_ERROR);
+    loop {
+        match tun.try_recv(&mut buf) {
+            Ok(0) => {}
+            Ok(n) => {
+                if let Err(e) = refuse_packet(&*tun, &buf[..n], &refusal, &counters, &mut out).await
+                {
+                    return e;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if let Err(e) = tun.readable().await {
+                    return e;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return e,
+        }
+    }
+}
+
 /// Run the pump on one transport until it fails. The caller owns the session:
 /// it marks the transport up in `liveness` before calling and re-dials after.
 ///
@@ -236,6 +334,7 @@ pub async fn run<T, R, W>(
     transport_tx: W,
     liveness: Arc<Mutex<Liveness>>,
     counters: Arc<Counters>,
+    refusal: Arc<Refusal>,
     config: PumpConfig,
 ) -> PumpExit
 where
@@ -257,7 +356,14 @@ where
     }
 
     let mut tasks = JoinSet::new();
-    tasks.spawn(tun_reader(tun.clone(), out_free_rx, out_full_tx));
+    tasks.spawn(tun_reader(
+        tun.clone(),
+        out_free_rx,
+        out_full_tx,
+        liveness.clone(),
+        refusal,
+        counters.clone(),
+    ));
     tasks.spawn(transport_writer(
         transport_tx,
         out_full_rx,
@@ -311,10 +417,19 @@ async fn tun_reader<T: PacketIo>(
     tun: Arc<T>,
     mut free_rx: mpsc::Receiver<OutBatch>,
     full_tx: mpsc::Sender<OutBatch>,
+    liveness: Arc<Mutex<Liveness>>,
+    refusal: Arc<Refusal>,
+    counters: Arc<Counters>,
 ) -> PumpExit {
+    let mut out = Vec::with_capacity(unreachable::MAX_V6_ERROR);
+    let mut held: Option<OutBatch> = None;
     loop {
-        let Some(mut batch) = free_rx.recv().await else {
-            return PumpExit::Task("outbound buffer queue closed".to_owned());
+        let mut batch = match held.take() {
+            Some(batch) => batch,
+            None => match free_rx.recv().await {
+                Some(batch) => batch,
+                None => return PumpExit::Task("outbound buffer queue closed".to_owned()),
+            },
         };
         batch.count = 0;
         while !batch.is_full() {
@@ -342,6 +457,19 @@ async fn tun_reader<T: PacketIo>(
             bytes = batch.used(),
             "outbound batch read"
         );
+        // One lock per batch, not per packet.
+        if lock(&liveness).is_reconnecting(Instant::now()) {
+            for i in 0..batch.count {
+                if let Err(e) =
+                    refuse_packet(&*tun, batch.packet(i), &refusal, &counters, &mut out).await
+                {
+                    return PumpExit::Tun(e);
+                }
+            }
+            // Still owned here: reuse it for the next read.
+            held = Some(batch);
+            continue;
+        }
         if full_tx.send(batch).await.is_err() {
             return PumpExit::Task("outbound batch queue closed".to_owned());
         }
@@ -641,6 +769,7 @@ mod tests {
             tx,
             liveness_up(LONG),
             counters.clone(),
+            Arc::new(Refusal::default()),
             PumpConfig::default(),
         ));
         let mut frames = FrameReader::new(manager_end);
@@ -672,6 +801,7 @@ mod tests {
             tx,
             liveness_up(LONG),
             counters.clone(),
+            Arc::new(Refusal::default()),
             PumpConfig::default(),
         ));
         const N: u32 = 3000;
@@ -711,6 +841,7 @@ mod tests {
             tx,
             liveness_up(LONG),
             counters.clone(),
+            Arc::new(Refusal::default()),
             PumpConfig::default(),
         ));
         const N: u32 = 300;
@@ -767,6 +898,7 @@ mod tests {
             tx,
             liveness.clone(),
             counters.clone(),
+            Arc::new(Refusal::default()),
             PumpConfig::default(),
         ));
         // Test double of the manager: echo heartbeats unchanged.
@@ -814,6 +946,7 @@ mod tests {
                 tx,
                 liveness.clone(),
                 Arc::new(Counters::default()),
+                Arc::new(Refusal::default()),
                 PumpConfig::default(),
             ),
         )
@@ -844,6 +977,7 @@ mod tests {
             tx,
             liveness_up(LONG),
             Arc::new(Counters::default()),
+            Arc::new(Refusal::default()),
             PumpConfig::default(),
         )
         .await;
@@ -865,6 +999,7 @@ mod tests {
             tx,
             liveness_up(LONG),
             Arc::new(Counters::default()),
+            Arc::new(Refusal::default()),
             PumpConfig::default(),
         )
         .await;
@@ -872,5 +1007,135 @@ mod tests {
             matches!(exit, PumpExit::TransportClosed | PumpExit::Transport(_)),
             "{exit:?}"
         );
+    }
+
+    /// An IPv4 UDP datagram from the laptop's tunnel IP to a ClusterIP.
+    fn udp_to_cluster(seq: u8) -> Vec<u8> {
+        use smoltcp::phy::ChecksumCapabilities;
+        use smoltcp::wire::{IpProtocol, Ipv4Address, Ipv4Packet, Ipv4Repr, UdpPacket, UdpRepr};
+        let (src, dst) = (Ipv4Address::new(100, 96, 0, 2), Ipv4Address::new(10, 96, 0, 102));
+        let body = [seq; 16];
+        let ip = Ipv4Repr {
+            src_addr: src,
+            dst_addr: dst,
+            next_header: IpProtocol::Udp,
+            payload_len: 8 + body.len(),
+            hop_limit: 64,
+        };
+        let mut buf = vec![0u8; 20 + 8 + body.len()];
+        let mut p = Ipv4Packet::new_unchecked(&mut buf[..]);
+        ip.emit(&mut p, &ChecksumCapabilities::default());
+        UdpRepr {
+            src_port: 40000 + u16::from(seq),
+            dst_port: 7,
+        }
+        .emit(
+            &mut UdpPacket::new_unchecked(p.payload_mut()),
+            &src.into(),
+            &dst.into(),
+            body.len(),
+            |b| b.copy_from_slice(&body),
+            &ChecksumCapabilities::default(),
+        );
+        buf
+    }
+
+    /// Checks `reply` is the host-unreachable answer to `original`.
+    fn assert_unreachable_for(reply: &[u8], original: &[u8]) {
+        use smoltcp::wire::{Icmpv4Message, Icmpv4Packet, Ipv4Packet};
+        let ip = Ipv4Packet::new_checked(reply).expect("IPv4 reply");
+        let orig = Ipv4Packet::new_checked(original).expect("IPv4 original");
+        assert_eq!(ip.src_addr(), orig.dst_addr());
+        assert_eq!(ip.dst_addr(), orig.src_addr());
+        let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("ICMP");
+        assert_eq!(icmp.msg_type(), Icmpv4Message::DstUnreachable);
+        assert_eq!(icmp.msg_code(), 1);
+        assert_eq!(icmp.data(), original);
+    }
+
+    #[tokio::test]
+    async fn reconnecting_session_answers_with_icmp_instead_of_queueing() {
+        let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
+        let (pump_end, manager_end) = tokio::io::duplex(1 << 16);
+        let (rx, tx) = tokio::io::split(pump_end);
+        // A transport re-established after a loss, no echo yet: reconnecting.
+        let mut l = Liveness::new(LONG);
+        l.handle_transport_up(Instant::now());
+        l.handle_transport_down("no heartbeat echo from the traffic manager for 3001 ms");
+        l.handle_transport_up(Instant::now());
+        let liveness = Arc::new(Mutex::new(l));
+        assert!(lock(&liveness).is_reconnecting(Instant::now()));
+        let counters = Arc::new(Counters::default());
+        let pump = tokio::spawn(run(
+            Arc::new(tun_side),
+            rx,
+            tx,
+            liveness.clone(),
+            counters.clone(),
+            Arc::new(Refusal::new(1000, 3)),
+            PumpConfig::default(),
+        ));
+        let mut buf = vec![0u8; 65536];
+        for seq in 0..5u8 {
+            app_side.send(&udp_to_cluster(seq)).await.expect("send");
+        }
+        // Burst of 3: three answers, two rate-limited.
+        for seq in 0..3u8 {
+            let n = tokio::time::timeout(Duration::from_secs(2), app_side.recv(&mut buf))
+                .await
+                .expect("an answer at once")
+                .expect("recv");
+            assert_unreachable_for(&buf[..n], &udp_to_cluster(seq));
+        }
+        wait_counter(&counters.unreachable_rate_limited, 2).await;
+        assert_eq!(Counters::get(&counters.refused_packets), 5);
+        assert_eq!(Counters::get(&counters.unreachable_sent), 3);
+        assert_eq!(Counters::get(&counters.tx_packets), 0, "nothing into the transport");
+
+        // The echo of the first heartbeat arrives: the same pump forwards again.
+        let mut frames = FrameReader::new(manager_end);
+        let (kind, nonce) = frames.next().await.expect("the first heartbeat");
+        assert_eq!(kind, Kind::Heartbeat, "only the heartbeat went out");
+        assert!(lock(&liveness).handle_echo(&nonce, Instant::now()));
+        app_side.send(&udp_to_cluster(9)).await.expect("send");
+        let got = frames.next_packet().await.expect("forwarded");
+        assert_eq!(got, udp_to_cluster(9));
+        assert_eq!(Counters::get(&counters.refused_packets), 5);
+        pump.abort();
+    }
+
+    async fn wait_counter(counter: &AtomicU64, want: u64) {
+        for _ in 0..200 {
+            if Counters::get(counter) >= want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("counter stuck at {}, wanted {want}", Counters::get(counter));
+    }
+
+    #[tokio::test]
+    async fn refuse_answers_every_packet_between_transports() {
+        let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
+        let counters = Arc::new(Counters::default());
+        let refuser = tokio::spawn(refuse(
+            Arc::new(tun_side),
+            Arc::new(Refusal::default()),
+            counters.clone(),
+        ));
+        let mut buf = vec![0u8; 65536];
+        for seq in 0..4u8 {
+            app_side.send(&udp_to_cluster(seq)).await.expect("send");
+            let n = tokio::time::timeout(Duration::from_secs(2), app_side.recv(&mut buf))
+                .await
+                .expect("an answer at once")
+                .expect("recv");
+            assert_unreachable_for(&buf[..n], &udp_to_cluster(seq));
+        }
+        // Not answerable: garbage is counted as refused, not answered.
+        app_side.send(&[0x45, 0, 0]).await.expect("send");
+        wait_counter(&counters.refused_packets, 5).await;
+        assert_eq!(Counters::get(&counters.unreachable_sent), 4);
+        refuser.abort();
     }
 }

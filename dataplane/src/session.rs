@@ -29,7 +29,7 @@ use tun_rs::AsyncDevice;
 use crate::ebpf::{self, RouteKind, Stats};
 use crate::liveness::{Liveness, State};
 use crate::netlink::{Netlink, RP_FILTER_LOOSE};
-use crate::pump::{self, Counters, PumpConfig};
+use crate::pump::{self, Counters, PumpConfig, Refusal};
 use crate::routes::{self, RoutePlan};
 use crate::tls::TlsClient;
 use crate::tun;
@@ -38,7 +38,9 @@ use crate::tun;
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// First and longest pause between re-dials after the transport is lost. Short,
-/// so that traffic recovers within 3 s of a transport restart (case tr-08).
+/// so that traffic recovers within 3 s of a transport restart (case tr-08), and
+/// within about [`DIAL_TIMEOUT`] + 2 s of a black hole healing (tr-10: a re-dial
+/// into the hole waits out the TLS handshake timeout, then at most 2 s).
 const REDIAL_BACKOFF: (Duration, Duration) = (Duration::from_millis(250), Duration::from_secs(2));
 
 /// Attaches the eBPF classifier to a TUN device. Production uses
@@ -192,6 +194,8 @@ pub struct TeardownReport {
 struct Shared {
     liveness: Arc<Mutex<Liveness>>,
     counters: Arc<Counters>,
+    /// Rate limit of the ICMP unreachable answers while reconnecting.
+    refusal: Arc<Refusal>,
 }
 
 /// A running session.
@@ -375,6 +379,7 @@ async fn pump_on(stream: DataStream, tun: Arc<AsyncDevice>, shared: &Shared) -> 
                 tx,
                 shared.liveness.clone(),
                 shared.counters.clone(),
+                shared.refusal.clone(),
                 PumpConfig::default(),
             )
             .await
@@ -387,6 +392,7 @@ async fn pump_on(stream: DataStream, tun: Arc<AsyncDevice>, shared: &Shared) -> 
                 tx,
                 shared.liveness.clone(),
                 shared.counters.clone(),
+                shared.refusal.clone(),
                 PumpConfig::default(),
             )
             .await
@@ -542,6 +548,7 @@ impl Session {
                 let shared = Arc::new(Shared {
                     liveness,
                     counters: Arc::new(Counters::default()),
+                    refusal: Arc::new(Refusal::default()),
                 });
                 let (stop_tx, stop_rx) = watch::channel(false);
                 let supervisor = tokio::spawn(
@@ -759,6 +766,30 @@ impl Session {
             }
             .to_owned(),
             origin: self.origin.clone(),
+            liveness: Some(self.liveness_status()),
+        }
+    }
+
+    fn liveness_status(&self) -> kvpn_proto::dataplane::Liveness {
+        let (interval, window, rtt) = {
+            let l = self
+                .shared
+                .liveness
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            (l.interval(), l.window(), l.last_rtt())
+        };
+        let ms = |d: Duration| u32::try_from(d.as_millis()).unwrap_or(u32::MAX);
+        let c = self.counters();
+        kvpn_proto::dataplane::Liveness {
+            heartbeat_interval_ms: ms(interval),
+            window_ms: ms(window),
+            heartbeats_sent: Counters::get(&c.heartbeats_sent),
+            heartbeats_echoed: Counters::get(&c.heartbeats_echoed),
+            last_rtt_us: rtt.map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+            refused_packets: Counters::get(&c.refused_packets),
+            unreachable_sent: Counters::get(&c.unreachable_sent),
+            unreachable_rate_limited: Counters::get(&c.unreachable_rate_limited),
         }
     }
 
@@ -864,8 +895,44 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
+/// The [`pump::refuse`] task that answers the TUN while no pump runs; aborted
+/// (and awaited, so that only one reader touches the TUN) before the next pump.
+struct Refuser(Option<JoinHandle<()>>);
+
+impl Refuser {
+    fn start(&mut self, tun: &Arc<AsyncDevice>, shared: &Shared) {
+        if self.0.is_some() {
+            return;
+        }
+        let (tun, refusal, counters) = (tun.clone(), shared.refusal.clone(), shared.counters.clone());
+        self.0 = Some(tokio::spawn(
+            async move {
+                let e = pump::refuse(tun, refusal, counters).await;
+                tracing::warn!(error = %e, "cannot read the TUN device while reconnecting");
+            }
+            .in_current_span(),
+        ));
+    }
+
+    async fn stop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Refuser {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
 /// Keep the transport up: run the pump, and when it stops, re-dial with backoff
-/// and run it again on the same TUN device, until told to stop.
+/// and run it again on the same TUN device, until told to stop. While no pump
+/// runs, [`Refuser`] answers packets toward the cluster with ICMP unreachable.
 ///
 /// A transport that ends before the manager echoed a heartbeat on it counts as a
 /// failed dial: the next dial waits the backoff. Relays accept first and reach the
@@ -885,6 +952,7 @@ async fn supervise(
 ) {
     let mut next = Some(first);
     let mut backoff = REDIAL_BACKOFF.0;
+    let mut refuser = Refuser(None);
     let set_down = |reason: String| {
         shared
             .liveness
@@ -918,6 +986,7 @@ async fn supervise(
                 }
             }
         };
+        refuser.stop().await;
         shared
             .liveness
             .lock()
@@ -936,6 +1005,7 @@ async fn supervise(
                 .0
                 == State::Connected;
         set_down(exit.to_string());
+        refuser.start(&tun, &shared);
         if proven {
             tracing::warn!(reason = %exit, "transport lost, re-dialling the traffic manager");
             backoff = REDIAL_BACKOFF.0;
