@@ -401,6 +401,81 @@ fn silent_manager_turns_reconnecting_and_recovers_when_echoes_return() {
     });
 }
 
+/// tr-10 at the netns level: behind a black-holed manager (accepts, never
+/// echoes), a reconnecting session answers connects toward the cluster with
+/// ICMP host unreachable through the real TUN, so `connect()` fails at once
+/// with EHOSTUNREACH instead of hanging; the kernel accepts the message (source
+/// = the unreachable destination, loose rp_filter) and Status counts it.
+#[test]
+fn tr_10_reconnecting_session_fails_connects_fast_with_host_unreachable() {
+    require_root();
+    let netns = TestNetns::new();
+    let ns = netns.handle();
+    netns.block_on(move || async move {
+        let manager = FakeManager::start(false).await;
+        let netlink = Netlink::new().expect("netlink");
+        let interval = Duration::from_millis(100);
+        let session = Session::start(
+            "t10".into(),
+            params(
+                manager.addr,
+                vec![(net("10.244.0.0/16"), RouteKind::Pod)],
+                interval,
+            ),
+            &netlink,
+            &RecordingClassifier::default(),
+        )
+        .await
+        .expect("connect");
+        wait_for("state reconnecting", Duration::from_secs(3), || {
+            session.state().0 == State::Reconnecting
+        })
+        .await;
+
+        for attempt in 0..3 {
+            let t0 = Instant::now();
+            let result = tokio::time::timeout(
+                Duration::from_secs(10),
+                tokio::net::TcpStream::connect("10.244.7.7:80"),
+            )
+            .await
+            .expect("connect must not hang while reconnecting");
+            let took = t0.elapsed();
+            let err = result.expect_err("no connection while the manager is silent");
+            eprintln!("attempt {attempt}: connect failed after {took:?}: {err}");
+            assert_eq!(
+                err.raw_os_error(),
+                Some(libc::EHOSTUNREACH),
+                "No route to host: {err}"
+            );
+            assert!(took < Duration::from_secs(1), "fails fast: {took:?}");
+        }
+        let ping = ns
+            .exec_async(&["ping", "-c", "1", "-W", "5", "10.244.7.7"])
+            .await;
+        let out = String::from_utf8_lossy(&ping.stdout);
+        assert!(!ping.status.success(), "{out}");
+        assert!(out.contains("Destination Host Unreachable"), "{out}");
+
+        let status = session.status();
+        let liveness = status.liveness.expect("liveness in Status");
+        assert_eq!(liveness.heartbeat_interval_ms, 100);
+        assert_eq!(liveness.window_ms, 300);
+        assert!(liveness.unreachable_sent >= 4, "{liveness:?}");
+        assert!(liveness.refused_packets >= liveness.unreachable_sent, "{liveness:?}");
+        let to_pod = manager
+            .packets()
+            .iter()
+            .filter(|p| p.len() >= 20 && p[0] >> 4 == 4 && p[16..20] == [10, 244, 7, 7])
+            .count();
+        assert_eq!(to_pod, 0, "nothing reached the manager while reconnecting");
+
+        let report = session.teardown(&netlink).await;
+        assert!(report.leftovers.is_empty(), "{:?}", report.leftovers);
+        assert_nothing_left(&ns);
+    });
+}
+
 #[test]
 fn lc_03_a_failing_step_rolls_back_tun_and_routes() {
     require_root();
