@@ -71,8 +71,10 @@ pub async fn ready_manager_pod(api: &Api<Pod>) -> Result<String> {
 /// replaced (killed, rolled) the root daemon's redial finds no ready pod; holding
 /// its connection until the new pod is ready (1–2 s in the lab) makes traffic
 /// resume at once instead of after the daemon's next backoff step. Shorter than
-/// the daemon's silence watchdog (3 heartbeats × 2 s), which would drop a
-/// connection that waits longer.
+/// the daemon's TLS handshake timeout (5 s), which would drop a connection that
+/// waits longer. It also bounds each attempt: when the API server is black-holed
+/// (tr-10) a list or port-forward request hangs, and the attempt is dropped
+/// (closing its API connection) instead of lingering after the daemon gave up.
 const POD_WAIT: Duration = Duration::from_secs(4);
 
 /// Pause between pod lists while waiting: two cheap requests a second.
@@ -97,7 +99,14 @@ async fn forward(api: Api<Pod>, port: u16, mut laptop: TcpStream) -> Result<()> 
     let deadline = tokio::time::Instant::now() + POD_WAIT;
     let mut waited = false;
     let (pod, pf, mut remote) = loop {
-        match open_port_forward(&api, port).await {
+        let attempt = tokio::time::timeout_at(deadline, open_port_forward(&api, port)).await;
+        let attempt = attempt.unwrap_or_else(|_| {
+            Err(anyhow!(
+                "no answer from the API server within {} s (list the manager pod, open the port-forward)",
+                POD_WAIT.as_secs()
+            ))
+        });
+        match attempt {
             Ok(opened) => break opened,
             Err(e) if tokio::time::Instant::now() + POD_POLL < deadline => {
                 if !waited {

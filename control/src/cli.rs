@@ -48,6 +48,13 @@ pub enum Command {
     /// Connect to a traffic manager and route cluster CIDRs through a TUN device.
     Connect(ConnectArgs),
     /// Show sessions: state, routes, counters.
+    ///
+    /// A session is "connected" once the traffic manager echoed a heartbeat
+    /// (one every 1 s) and "reconnecting" after 3 s without an echo. While it is
+    /// reconnecting, kvpn re-dials (pauses of at most 2 s) and answers packets to
+    /// cluster routes with ICMP host unreachable, so connections fail at once
+    /// with "No route to host" instead of hanging; traffic resumes on its own
+    /// when the path heals, on the same TUN device, addresses and routes.
     Status(StatusArgs),
     /// Tear a session down (TUN device, routes, eBPF classifier).
     Disconnect(DisconnectArgs),

@@ -51,6 +51,68 @@ pub const TRANSPORT_PORT_FORWARD: &str = "port-forward";
 /// `Origin.transport` of a session dialling `--manager` directly.
 pub const TRANSPORT_DIRECT: &str = "direct";
 
+/// How long connect waits for the traffic manager's first heartbeat echo before
+/// it reports the session as set up but not connected yet. The echo normally
+/// takes one round trip (milliseconds); through a port-forward whose agent waits
+/// for a manager pod, up to a few seconds.
+pub const FIRST_ECHO_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Wait until session `id` is connected, i.e. the manager echoed a heartbeat on
+/// it ("connected" is never claimed before that). `Ok(None)` once connected;
+/// `Ok(Some(session))` with its last state when `within` passed first.
+pub async fn wait_first_echo(
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
+        tonic::transport::Channel,
+    >,
+    id: &str,
+    within: std::time::Duration,
+) -> Result<Option<Session>> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let sessions = client
+            .status(StatusRequest {})
+            .await
+            .map_err(daemon::status_to_error)
+            .context("cannot ask the root daemon for the session's state")?
+            .into_inner()
+            .sessions;
+        let Some(session) = sessions.into_iter().find(|s| s.id == id) else {
+            bail!("session {id} disappeared from the root daemon right after connect — see its log");
+        };
+        if session.state == "connected" {
+            return Ok(None);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(Some(session));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Tell the user how the session stands after Connect: "Connected …" only after
+/// the first heartbeat echo, else what it is waiting for.
+pub async fn report_connected(
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
+        tonic::transport::Channel,
+    >,
+    id: &str,
+    connected_line: &str,
+) -> Result<()> {
+    match wait_first_echo(client, id, FIRST_ECHO_WAIT).await? {
+        None => output::done(connected_line),
+        Some(s) => output::warn(&format!(
+            "session {id} is set up on TUN device {} but the traffic manager has not answered a \
+             heartbeat within {} s (state {}: {}) — kvpn keeps re-dialling on its own; \
+             watch `kvpn status`, or `kvpn disconnect {id}` to give up",
+            s.tun_name,
+            FIRST_ECHO_WAIT.as_secs(),
+            s.state,
+            s.reason
+        )),
+    }
+    Ok(())
+}
+
 /// How long disconnect waits for a stopped agent to exit. It only closes its
 /// listener and port-forwards, which takes milliseconds.
 const AGENT_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
@@ -522,10 +584,16 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         }
     };
     record_agent(runtime_dir, &resp.session_id, agent_pid)?;
-    output::done(&format!(
-        "Connected to {} through port-forward: session {} on TUN device {} (ifindex {})",
-        conn.description.cluster, resp.session_id, resp.tun_name, resp.tun_ifindex
-    ));
+    output::step("Waiting for the traffic manager's first heartbeat echo");
+    report_connected(
+        &mut client,
+        &resp.session_id,
+        &format!(
+            "Connected to {} through port-forward: session {} on TUN device {} (ifindex {})",
+            conn.description.cluster, resp.session_id, resp.tun_name, resp.tun_ifindex
+        ),
+    )
+    .await?;
     for r in &routes {
         output::detail(&format!("route {} ({})", r.cidr, output::kind_name(r.kind)));
     }

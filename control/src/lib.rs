@@ -111,10 +111,15 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         .map_err(daemon::status_to_error)
         .context("connect failed")?
         .into_inner();
-    output::done(&format!(
-        "Connected: session {} on TUN device {} (ifindex {})",
-        resp.session_id, resp.tun_name, resp.tun_ifindex
-    ));
+    connect::report_connected(
+        &mut client,
+        &resp.session_id,
+        &format!(
+            "Connected: session {} on TUN device {} (ifindex {})",
+            resp.session_id, resp.tun_name, resp.tun_ifindex
+        ),
+    )
+    .await?;
     for r in &routes {
         output::detail(&format!("route {} ({})", r.cidr, output::kind_name(r.kind)));
     }

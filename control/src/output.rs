@@ -101,6 +101,16 @@ fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
         },
+        "liveness": s.liveness.as_ref().map(|l| serde_json::json!({
+            "heartbeat_interval_ms": l.heartbeat_interval_ms,
+            "window_ms": l.window_ms,
+            "heartbeats_sent": l.heartbeats_sent,
+            "heartbeats_echoed": l.heartbeats_echoed,
+            "last_rtt_us": l.last_rtt_us,
+            "refused_packets": l.refused_packets,
+            "unreachable_sent": l.unreachable_sent,
+            "unreachable_rate_limited": l.unreachable_rate_limited,
+        })),
     })
 }
 
@@ -143,6 +153,17 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                 );
                 if !s.reason.is_empty() {
                     println!("    reason: {}", s.reason);
+                }
+                if let Some(l) = &s.liveness {
+                    println!(
+                        "    heartbeat every {} ms, reconnecting after {} ms without an echo; \
+                         while reconnecting {} packets refused ({} ICMP unreachable sent, {} rate-limited)",
+                        l.heartbeat_interval_ms,
+                        l.window_ms,
+                        l.refused_packets,
+                        l.unreachable_sent,
+                        l.unreachable_rate_limited
+                    );
                 }
                 match &s.origin {
                     Some(o) if !o.cluster.is_empty() => println!(

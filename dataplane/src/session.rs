@@ -282,7 +282,10 @@ pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, 
     Ok(stream)
 }
 
-fn hello_frame(tunnel_ip: IpAddr, token: &[u8]) -> Result<Vec<u8>, String> {
+/// The hello frame a session sends first on every data connection: protocol
+/// version, the client's tunnel IP and its lease's session token. Public for
+/// lightweight clients in tests (tr-11); the error names what did not encode.
+pub fn hello_frame(tunnel_ip: IpAddr, token: &[u8]) -> Result<Vec<u8>, String> {
     let payload = Hello {
         version: PROTOCOL_VERSION,
         tunnel_ip,
