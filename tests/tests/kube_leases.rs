@@ -157,6 +157,18 @@ fn tr_11_twenty_parallel_clients_get_unique_leases() {
     );
     assert_eq!(report.replies, CLIENTS * 2, "every client pinged twice");
     assert_eq!(report.reconnected_ip, report.ips[0], "same client id, same IP");
+    // Stored with optimistic concurrency: 21 leases (the CLI's and the 20), no
+    // update lost, no IP twice.
+    let stored = stored_leases(&f);
+    let stored_ips: BTreeSet<&str> = stored
+        .as_array()
+        .unwrap_or_else(|| panic!("a list: {stored}"))
+        .iter()
+        .filter_map(|l| l["ip"].as_str())
+        .collect();
+    assert_eq!(stored_ips.len(), CLIENTS + 1, "{stored}");
+    assert_eq!(stored.as_array().map(Vec::len), Some(CLIENTS + 1), "{stored}");
+    assert!(stored_ips.contains(cli_ip.as_str()), "{stored}");
     eprintln!(
         "tr-11: {CLIENTS} clients leased, opened TLS data channels and pinged {backend} in {:.2} s \
          (slowest client {:.2} s); second round of pings with all open {:.2} s; \
