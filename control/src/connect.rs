@@ -77,7 +77,9 @@ pub async fn wait_first_echo(
             .into_inner()
             .sessions;
         let Some(session) = sessions.into_iter().find(|s| s.id == id) else {
-            bail!("session {id} disappeared from the root daemon right after connect — see its log");
+            bail!(
+                "session {id} disappeared from the root daemon right after connect — see its log"
+            );
         };
         if session.state == "connected" {
             return Ok(None);

@@ -448,7 +448,10 @@ mod tests {
         assert!(l.is_reconnecting(t0 + I * 4));
         l.handle_transport_up(t0 + I * 5);
         agree(&l, t0 + I * 5);
-        assert!(l.is_reconnecting(t0 + I * 5), "until the new transport echoes");
+        assert!(
+            l.is_reconnecting(t0 + I * 5),
+            "until the new transport echoes"
+        );
         let n = l.poll_heartbeat(t0 + I * 5).expect("due");
         l.handle_echo(&n, t0 + I * 5);
         agree(&l, t0 + I * 5);

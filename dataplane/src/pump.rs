@@ -1013,7 +1013,10 @@ mod tests {
     fn udp_to_cluster(seq: u8) -> Vec<u8> {
         use smoltcp::phy::ChecksumCapabilities;
         use smoltcp::wire::{IpProtocol, Ipv4Address, Ipv4Packet, Ipv4Repr, UdpPacket, UdpRepr};
-        let (src, dst) = (Ipv4Address::new(100, 96, 0, 2), Ipv4Address::new(10, 96, 0, 102));
+        let (src, dst) = (
+            Ipv4Address::new(100, 96, 0, 2),
+            Ipv4Address::new(10, 96, 0, 102),
+        );
         let body = [seq; 16];
         let ip = Ipv4Repr {
             src_addr: src,
@@ -1090,7 +1093,11 @@ mod tests {
         wait_counter(&counters.unreachable_rate_limited, 2).await;
         assert_eq!(Counters::get(&counters.refused_packets), 5);
         assert_eq!(Counters::get(&counters.unreachable_sent), 3);
-        assert_eq!(Counters::get(&counters.tx_packets), 0, "nothing into the transport");
+        assert_eq!(
+            Counters::get(&counters.tx_packets),
+            0,
+            "nothing into the transport"
+        );
 
         // The echo of the first heartbeat arrives: the same pump forwards again.
         let mut frames = FrameReader::new(manager_end);

@@ -907,7 +907,8 @@ impl Refuser {
         if self.0.is_some() {
             return;
         }
-        let (tun, refusal, counters) = (tun.clone(), shared.refusal.clone(), shared.counters.clone());
+        let (tun, refusal, counters) =
+            (tun.clone(), shared.refusal.clone(), shared.counters.clone());
         self.0 = Some(tokio::spawn(
             async move {
                 let e = pump::refuse(tun, refusal, counters).await;

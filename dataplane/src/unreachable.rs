@@ -154,7 +154,10 @@ fn v6_host(a: Ipv6Addr) -> bool {
 /// Walk the extension headers after the fixed IPv6 header. Returns the upper
 /// layer protocol and its offset in `payload`, or `None` for a non-initial
 /// fragment (no upper-layer header present).
-fn upper_layer(mut next: IpProtocol, payload: &[u8]) -> Result<Option<(IpProtocol, usize)>, Ineligible> {
+fn upper_layer(
+    mut next: IpProtocol,
+    payload: &[u8],
+) -> Result<Option<(IpProtocol, usize)>, Ineligible> {
     let mut off = 0usize;
     // A packet with more extension headers than this is treated as malformed
     // rather than walked further (nothing legitimate chains that many).
@@ -269,8 +272,8 @@ impl Default for RateLimit {
 mod tests {
     use smoltcp::phy::ChecksumCapabilities;
     use smoltcp::wire::{
-        Icmpv4Repr, Icmpv6Repr, IpAddress, TcpControl, TcpPacket, TcpRepr, TcpSeqNumber,
-        UdpPacket, UdpRepr,
+        Icmpv4Repr, Icmpv6Repr, IpAddress, TcpControl, TcpPacket, TcpRepr, TcpSeqNumber, UdpPacket,
+        UdpRepr,
     };
 
     use super::*;
@@ -415,14 +418,12 @@ mod tests {
         assert_eq!(icmp.msg_type(), Icmpv6Message::DstUnreachable);
         assert_eq!(icmp.msg_code(), ICMPV6_ADDRESS_UNREACHABLE);
         assert_eq!(icmp.payload(), &syn[..]);
-        let repr = Icmpv6Repr::parse(
-            &POD6,
-            &LAPTOP6,
-            &icmp,
-            &ChecksumCapabilities::default(),
-        )
-        .expect("parses");
-        assert!(matches!(repr, Icmpv6Repr::DstUnreachable { .. }), "{repr:?}");
+        let repr = Icmpv6Repr::parse(&POD6, &LAPTOP6, &icmp, &ChecksumCapabilities::default())
+            .expect("parses");
+        assert!(
+            matches!(repr, Icmpv6Repr::DstUnreachable { .. }),
+            "{repr:?}"
+        );
 
         // Jumbo: quoted up to the minimum MTU.
         let big = wrap(LAPTOP6.into(), POD6.into(), IpProtocol::Udp, &[7; 9000]);
@@ -452,7 +453,11 @@ mod tests {
                 "ICMP type {error_type}"
             );
         }
-        for (msg_type, verdict) in [(1u8, Err(Ineligible::IcmpError)), (137, Err(Ineligible::IcmpError)), (128, Ok(()))] {
+        for (msg_type, verdict) in [
+            (1u8, Err(Ineligible::IcmpError)),
+            (137, Err(Ineligible::IcmpError)),
+            (128, Ok(())),
+        ] {
             let msg = [msg_type, 0, 0, 0, 0, 0, 0, 0];
             let packet = wrap(LAPTOP6.into(), POD6.into(), IpProtocol::Icmpv6, &msg);
             assert_eq!(build(&packet, &mut out), verdict, "ICMPv6 type {msg_type}");
@@ -466,7 +471,10 @@ mod tests {
             tcp_syn(Ipv4Addr::UNSPECIFIED.into(), WEB.into()),
             tcp_syn(LAPTOP.into(), Ipv4Addr::BROADCAST.into()),
             tcp_syn(LAPTOP.into(), Ipv4Addr::new(224, 0, 0, 251).into()),
-            tcp_syn(LAPTOP6.into(), Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 2).into()),
+            tcp_syn(
+                LAPTOP6.into(),
+                Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 2).into(),
+            ),
             tcp_syn(Ipv6Addr::UNSPECIFIED.into(), POD6.into()),
         ];
         for packet in &cases {
@@ -513,7 +521,10 @@ mod tests {
         let burst = (0..20).filter(|_| limit.allow(t0)).count();
         assert_eq!(burst, 5, "the burst");
         assert!(!limit.allow(t0 + Duration::from_millis(50)), "half a token");
-        assert!(limit.allow(t0 + Duration::from_millis(100)), "one token per 100 ms");
+        assert!(
+            limit.allow(t0 + Duration::from_millis(100)),
+            "one token per 100 ms"
+        );
         assert!(!limit.allow(t0 + Duration::from_millis(100)));
         // A long pause refills to the burst, not beyond.
         let later = t0 + Duration::from_secs(60);

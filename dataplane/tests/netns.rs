@@ -462,7 +462,10 @@ fn tr_10_reconnecting_session_fails_connects_fast_with_host_unreachable() {
         assert_eq!(liveness.heartbeat_interval_ms, 100);
         assert_eq!(liveness.window_ms, 300);
         assert!(liveness.unreachable_sent >= 4, "{liveness:?}");
-        assert!(liveness.refused_packets >= liveness.unreachable_sent, "{liveness:?}");
+        assert!(
+            liveness.refused_packets >= liveness.unreachable_sent,
+            "{liveness:?}"
+        );
         let to_pod = manager
             .packets()
             .iter()

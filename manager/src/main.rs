@@ -28,7 +28,7 @@ struct Args {
     #[arg(long, default_value_t = 5000)]
     dial_timeout_ms: u64,
     /// End a session after this many seconds without any frame (laptops send
-    /// a heartbeat every 2 s).
+    /// a heartbeat every 1 s).
     #[arg(long, default_value_t = 60)]
     idle_timeout_secs: u64,
     /// Serving certificate (PEM chain) for TLS 1.3 on the data channel. With

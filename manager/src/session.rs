@@ -51,7 +51,7 @@ pub struct SessionConfig {
     /// The hello must arrive within this long after the connection opened.
     pub hello_timeout: Duration,
     /// End the session when no frame arrived for this long (the laptop sends
-    /// a heartbeat every 2 s).
+    /// a heartbeat every 1 s).
     pub idle_timeout: Duration,
     /// Relay to loopback destinations (tests only).
     pub allow_loopback: bool,

@@ -77,7 +77,9 @@ impl<'a> BlackHole<'a> {
 
     /// Packets the table dropped so far (both directions).
     fn dropped(&self) -> u64 {
-        let out = self.f.laptop(&["nft", "list", "table", "inet", &self.table]);
+        let out = self
+            .f
+            .laptop(&["nft", "list", "table", "inet", &self.table]);
         text(&out.stdout)
             .split("packets ")
             .skip(1)
@@ -87,7 +89,9 @@ impl<'a> BlackHole<'a> {
 
     fn heal(&mut self) {
         if self.open {
-            let out = self.f.laptop(&["nft", "delete", "table", "inet", &self.table]);
+            let out = self
+                .f
+                .laptop(&["nft", "delete", "table", "inet", &self.table]);
             assert!(out.status.success(), "nft delete: {}", text(&out.stderr));
             self.open = false;
         }
@@ -97,7 +101,9 @@ impl<'a> BlackHole<'a> {
 impl Drop for BlackHole<'_> {
     fn drop(&mut self) {
         if self.open {
-            let _ = self.f.laptop(&["nft", "delete", "table", "inet", &self.table]);
+            let _ = self
+                .f
+                .laptop(&["nft", "delete", "table", "inet", &self.table]);
         }
     }
 }
@@ -115,7 +121,11 @@ fn curl_web(f: &KubeFixture, max: u32) -> (Option<i32>, String, Duration) {
         &max.to_string(),
         &format!("http://{}/", web()),
     ]);
-    (out.status.code(), text(&out.stderr).trim().to_owned(), t0.elapsed())
+    (
+        out.status.code(),
+        text(&out.stderr).trim().to_owned(),
+        t0.elapsed(),
+    )
 }
 
 /// A plain TCP connect to the web ClusterIP from the laptop: the error and how
@@ -175,9 +185,14 @@ fn tr_10_black_hole_detection() {
             "reconnecting after {detected:?}, bound {RECONNECTING_WITHIN:?}\n{}",
             f.diagnostics()
         );
-        let reason = f.session()["reason"].as_str().unwrap_or_default().to_owned();
+        let reason = f.session()["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
         eprintln!("tr-10: reason: {reason}");
-        early.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+        early
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
     });
     eprintln!(
         "tr-10: curl started with the hole: exit {:?} after {:.2} s: {}",

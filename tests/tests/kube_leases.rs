@@ -116,7 +116,10 @@ fn tr_11_twenty_parallel_clients_get_unique_leases() {
         panic!("IPv4 backend expected: {backend}")
     };
     let material = f
-        .block_on(kvpn_control::install::read_tls(&f.admin(), MANAGER_NAMESPACE))
+        .block_on(kvpn_control::install::read_tls(
+            &f.admin(),
+            MANAGER_NAMESPACE,
+        ))
         .unwrap_or_else(|e| panic!("read the manager's TLS Secret: {e}"))
         .unwrap_or_else(|| panic!("no TLS Secret"));
     let tls = kvpn_dataplane::tls::TlsClient::new(
@@ -156,7 +159,10 @@ fn tr_11_twenty_parallel_clients_get_unique_leases() {
         "all from the pool 100.96.0.0/16: {ips:?}"
     );
     assert_eq!(report.replies, CLIENTS * 2, "every client pinged twice");
-    assert_eq!(report.reconnected_ip, report.ips[0], "same client id, same IP");
+    assert_eq!(
+        report.reconnected_ip, report.ips[0],
+        "same client id, same IP"
+    );
     // Stored with optimistic concurrency: 21 leases (the CLI's and the 20), no
     // update lost, no IP twice.
     let stored = stored_leases(&f);
@@ -167,7 +173,11 @@ fn tr_11_twenty_parallel_clients_get_unique_leases() {
         .filter_map(|l| l["ip"].as_str())
         .collect();
     assert_eq!(stored_ips.len(), CLIENTS + 1, "{stored}");
-    assert_eq!(stored.as_array().map(Vec::len), Some(CLIENTS + 1), "{stored}");
+    assert_eq!(
+        stored.as_array().map(Vec::len),
+        Some(CLIENTS + 1),
+        "{stored}"
+    );
     assert!(stored_ips.contains(cli_ip.as_str()), "{stored}");
     eprintln!(
         "tr-11: {CLIENTS} clients leased, opened TLS data channels and pinged {backend} in {:.2} s \
@@ -208,8 +218,8 @@ async fn twenty_clients(
         context: None,
         namespace: None,
     };
-    let env = kvpn_control::kubeconfig::UserEnv::current()
-        .unwrap_or_else(|e| panic!("environment: {e}"));
+    let env =
+        kvpn_control::kubeconfig::UserEnv::current().unwrap_or_else(|e| panic!("environment: {e}"));
     let kube = kvpn_control::kubeconfig::connect(&flags, &env)
         .await
         .unwrap_or_else(|e| panic!("restricted kubeconfig: {e}"))
@@ -294,7 +304,7 @@ mod light {
     use kvpn_dataplane::tls::TlsClient;
     use kvpn_proto::frame::{self, Decoder, Kind};
     use smoltcp::phy::ChecksumCapabilities;
-    use smoltcp::wire::{IpProtocol, Icmpv4Packet, Icmpv4Repr, Ipv4Packet, Ipv4Repr};
+    use smoltcp::wire::{Icmpv4Packet, Icmpv4Repr, IpProtocol, Ipv4Packet, Ipv4Repr};
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream};
     use tokio_rustls::client::TlsStream;
 
@@ -337,11 +347,9 @@ mod light {
             .handshake(stream, &format!("pod {pod} port {MANAGER_DATA_PORT}"))
             .await
             .map_err(|e| format!("{id}: {e}"))?;
-        let hello = kvpn_dataplane::session::hello_frame(
-            IpAddr::V4(ip),
-            leased.session_token.as_bytes(),
-        )
-        .map_err(|e| format!("{id}: hello: {e}"))?;
+        let hello =
+            kvpn_dataplane::session::hello_frame(IpAddr::V4(ip), leased.session_token.as_bytes())
+                .map_err(|e| format!("{id}: hello: {e}"))?;
         tls_stream
             .write_all(&hello)
             .await
@@ -381,24 +389,37 @@ mod light {
     impl Client {
         /// Ping `dst` through the manager; the round-trip time. Frames other
         /// than the matching echo reply are skipped.
-        pub async fn ping(&mut self, dst: Ipv4Addr, ident: u16, seq_no: u16) -> Result<Duration, String> {
+        pub async fn ping(
+            &mut self,
+            dst: Ipv4Addr,
+            ident: u16,
+            seq_no: u16,
+        ) -> Result<Duration, String> {
             let id = self.id.clone();
             let mut out = Vec::new();
-            frame::encode_into(Kind::Packet, &echo_request(self.ip, dst, ident, seq_no), &mut out)
-                .map_err(|e| format!("{id}: frame: {e}"))?;
+            frame::encode_into(
+                Kind::Packet,
+                &echo_request(self.ip, dst, ident, seq_no),
+                &mut out,
+            )
+            .map_err(|e| format!("{id}: frame: {e}"))?;
             let t0 = Instant::now();
             self.tls
                 .write_all(&out)
                 .await
                 .map_err(|e| format!("{id}: send echo request: {e}"))?;
-            self.tls.flush().await.map_err(|e| format!("{id}: flush: {e}"))?;
+            self.tls
+                .flush()
+                .await
+                .map_err(|e| format!("{id}: flush: {e}"))?;
             let wait = async {
                 loop {
                     while let Some((f, used)) = Decoder::default()
                         .decode(&self.buf)
                         .map_err(|e| format!("{id}: bad frame from the manager: {e}"))?
                     {
-                        let hit = f.kind == Kind::Packet && is_reply(f.payload, dst, self.ip, ident, seq_no);
+                        let hit = f.kind == Kind::Packet
+                            && is_reply(f.payload, dst, self.ip, ident, seq_no);
                         self.buf.drain(..used);
                         if hit {
                             return Ok(t0.elapsed());
