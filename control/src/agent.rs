@@ -52,16 +52,30 @@ pub fn pod_is_ready(pod: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-/// The name of a ready manager pod (the newest, when a rollout runs two).
+/// The ready manager pod to use among `pods`: while a rollout runs two, one of
+/// this kvpn's version (the one an upgrade just rolled out) before others, then
+/// the newest (creation timestamps have one-second resolution, so version first).
+pub fn pick_manager_pod(pods: &[Pod]) -> Option<&Pod> {
+    let ours = env!("CARGO_PKG_VERSION");
+    let version = |p: &Pod| {
+        p.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(crate::install::objects::ANNOTATION_VERSION))
+            .is_some_and(|v| v == ours)
+    };
+    pods.iter()
+        .filter(|p| pod_is_ready(p))
+        .max_by_key(|p| (version(p), p.metadata.creation_timestamp.clone()))
+}
+
+/// The name of a ready manager pod ([`pick_manager_pod`]).
 pub async fn ready_manager_pod(api: &Api<Pod>) -> Result<String> {
     let pods = api
         .list(&ListParams::default().labels(MANAGER_SELECTOR))
         .await
         .context("cannot list the traffic manager's pods")?;
-    let mut ready: Vec<&Pod> = pods.items.iter().filter(|p| pod_is_ready(p)).collect();
-    ready.sort_by_key(|p| std::cmp::Reverse(p.metadata.creation_timestamp.clone()));
-    ready
-        .first()
+    pick_manager_pod(&pods.items)
         .and_then(|p| p.metadata.name.clone())
         .ok_or_else(|| anyhow!("no ready traffic manager pod ({MANAGER_SELECTOR}) — see `kubectl get pods -l {MANAGER_SELECTOR}`"))
 }
@@ -232,5 +246,50 @@ pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::S
             );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, version: &str, created: &str, ready: bool) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": name,
+                "creationTimestamp": created,
+                "annotations": {"kvpn.dev/version": version},
+            },
+            "status": {"conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn picked(pods: &[Pod]) -> Option<String> {
+        pick_manager_pod(pods).and_then(|p| p.metadata.name.clone())
+    }
+
+    #[test]
+    fn during_a_rollout_this_versions_pod_wins_even_with_the_same_creation_second() {
+        let ours = env!("CARGO_PKG_VERSION");
+        let t = "2026-11-30T10:00:00Z";
+        let old = pod("old", "0.0.1", t, true);
+        let new = pod("new", ours, t, true);
+        assert_eq!(picked(&[new.clone(), old.clone()]), Some("new".into()));
+        assert_eq!(picked(&[old.clone(), new]), Some("new".into()));
+        // Not ready yet: the old one still serves.
+        let new_unready = pod("new", ours, "2026-11-30T10:00:05Z", false);
+        assert_eq!(picked(&[old, new_unready]), Some("old".into()));
+    }
+
+    #[test]
+    fn same_version_newest_wins_and_none_ready_is_none() {
+        let ours = env!("CARGO_PKG_VERSION");
+        let a = pod("a", ours, "2026-11-30T10:00:00Z", true);
+        let b = pod("b", ours, "2026-11-30T10:00:09Z", true);
+        assert_eq!(picked(&[a.clone(), b]), Some("b".into()));
+        let c = pod("c", ours, "2026-11-30T10:00:09Z", false);
+        assert_eq!(picked(&[c]), None);
+        assert_eq!(picked(&[a]), Some("a".into()));
     }
 }
