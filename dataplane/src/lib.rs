@@ -16,6 +16,7 @@
 
 pub mod client;
 pub mod daemon;
+pub mod dns;
 pub mod ebpf;
 pub mod liveness;
 pub mod netlink;

@@ -1,0 +1,685 @@
+//! The root daemon's DNS forwarder: UDP and TCP on one address of the laptop
+//! ([`super::DEFAULT_LISTEN_IP`] port 53 unless configured), answering cluster
+//! names through the cluster DNS and forwarding everything else, unchanged, to the
+//! laptop's own nameservers. [`super::names`] decides where a question goes,
+//! [`super::message`] builds the answers; this module does the I/O.
+//!
+//! - Names under the cluster domain and the rest of DNS are *relayed*: the client's
+//!   query bytes go out as they came (id, flags, EDNS OPT with the client's UDP size
+//!   and options) over the transport the client used, and the answer comes back as
+//!   it came, so EDNS, DNSSEC bits and TC pass through. A UDP answer larger than the
+//!   client accepts is replaced by an empty one with TC (case dns-08).
+//! - Cluster-relative spellings are expanded: each search-list expansion is asked
+//!   of the cluster DNS (in parallel, gated by its anchor, [`super::names`]), and
+//!   the first in search-list order that exists answers, as a CNAME from the asked
+//!   name plus the cluster's records.
+//! - The cluster DNS is plain UDP/TCP to its ClusterIP: the TUN device's routes
+//!   carry it, with the tunnel IP as source.
+//!
+//! Bounds: at most [`MAX_IN_FLIGHT`] questions at once (more UDP questions are
+//! dropped and counted; the client retries), [`MAX_TCP_CONNECTIONS`] TCP clients,
+//! idle TCP clients closed after [`TCP_IDLE_TIMEOUT`], each exchange with a server
+//! bounded by [`EXCHANGE_TIMEOUT`]. Nothing here panics on a packet: bytes that are
+//! not a query are dropped or answered FORMERR.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use hickory_proto::op::{Message, ResponseCode};
+use hickory_proto::rr::Name;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinHandle;
+
+use super::message::{self, Reject};
+use super::names::{self, Candidate, ClusterDns, ExistenceCache, Otherwise, Plan};
+
+/// Questions handled at once; beyond this UDP questions are dropped (counted).
+pub const MAX_IN_FLIGHT: usize = 1024;
+/// TCP clients at once; more are closed at accept.
+pub const MAX_TCP_CONNECTIONS: usize = 128;
+/// An idle TCP client is closed after this long (RFC 7766 suggests seconds).
+pub const TCP_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// One exchange with one server (cluster or upstream). glibc's default per-try
+/// timeout is 5 s; answering SERVFAIL earlier lets it try again in time.
+pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Anchors remembered (see [`names::ExistenceCache`]).
+const ANCHOR_CACHE_SIZE: usize = 4096;
+
+/// Errors starting the forwarder.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwarderError {
+    /// The listen address is taken or not local.
+    #[error(
+        "cannot listen for DNS on {addr} ({proto}): {source} — another DNS server may use it; set KVPN_DNS_IP to a free loopback address"
+    )]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// "udp" or "tcp".
+        proto: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Counters of the forwarder (monotonic).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Queries received over UDP.
+    pub udp_queries: AtomicU64,
+    /// Queries received over TCP.
+    pub tcp_queries: AtomicU64,
+    /// Relayed to the cluster DNS unchanged.
+    pub cluster: AtomicU64,
+    /// Answered from a search-list expansion.
+    pub expanded: AtomicU64,
+    /// Relayed to the laptop's upstream nameservers.
+    pub upstream: AtomicU64,
+    /// NXDOMAIN for a single label that exists nowhere in the cluster.
+    pub local_nxdomain: AtomicU64,
+    /// AAAA answered NOERROR/empty for an IPv4-only cluster.
+    pub empty_aaaa: AtomicU64,
+    /// FORMERR/NOTIMP answers, and dropped non-queries.
+    pub malformed: AtomicU64,
+    /// UDP answers cut to TC.
+    pub truncated: AtomicU64,
+    /// SERVFAIL answers (no server answered).
+    pub servfail: AtomicU64,
+    /// UDP questions dropped because [`MAX_IN_FLIGHT`] were in flight.
+    pub dropped: AtomicU64,
+}
+
+/// A copy of [`Counters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    /// See [`Counters`].
+    pub udp_queries: u64,
+    /// See [`Counters`].
+    pub tcp_queries: u64,
+    /// See [`Counters`].
+    pub cluster: u64,
+    /// See [`Counters`].
+    pub expanded: u64,
+    /// See [`Counters`].
+    pub upstream: u64,
+    /// See [`Counters`].
+    pub local_nxdomain: u64,
+    /// See [`Counters`].
+    pub empty_aaaa: u64,
+    /// See [`Counters`].
+    pub malformed: u64,
+    /// See [`Counters`].
+    pub truncated: u64,
+    /// See [`Counters`].
+    pub servfail: u64,
+    /// See [`Counters`].
+    pub dropped: u64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Counters {
+    /// A copy of the current values.
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CounterSnapshot {
+            udp_queries: g(&self.udp_queries),
+            tcp_queries: g(&self.tcp_queries),
+            cluster: g(&self.cluster),
+            expanded: g(&self.expanded),
+            upstream: g(&self.upstream),
+            local_nxdomain: g(&self.local_nxdomain),
+            empty_aaaa: g(&self.empty_aaaa),
+            malformed: g(&self.malformed),
+            truncated: g(&self.truncated),
+            servfail: g(&self.servfail),
+            dropped: g(&self.dropped),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Transport {
+    Udp,
+    Tcp,
+}
+
+struct Shared {
+    /// Most recent session first.
+    clusters: RwLock<Vec<ClusterDns>>,
+    upstreams: RwLock<Vec<SocketAddr>>,
+    anchors: Mutex<ExistenceCache>,
+    counters: Counters,
+    in_flight: Arc<Semaphore>,
+}
+
+/// A running forwarder. [`Forwarder::stop`] ends it; dropping it aborts its tasks.
+pub struct Forwarder {
+    shared: Arc<Shared>,
+    local: SocketAddr,
+    stop_tx: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Forwarder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forwarder")
+            .field("local", &self.local)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Forwarder {
+    /// Listen on `listen` (UDP and TCP; port 0 picks one, the same for both) and
+    /// forward non-cluster names to `upstreams`.
+    pub async fn start(
+        listen: SocketAddr,
+        upstreams: Vec<SocketAddr>,
+    ) -> Result<Forwarder, ForwarderError> {
+        let udp = UdpSocket::bind(listen)
+            .await
+            .map_err(|source| ForwarderError::Bind {
+                addr: listen,
+                proto: "udp",
+                source,
+            })?;
+        let local = udp.local_addr().map_err(|source| ForwarderError::Bind {
+            addr: listen,
+            proto: "udp",
+            source,
+        })?;
+        let tcp = TcpListener::bind(local)
+            .await
+            .map_err(|source| ForwarderError::Bind {
+                addr: local,
+                proto: "tcp",
+                source,
+            })?;
+        let shared = Arc::new(Shared {
+            clusters: RwLock::new(Vec::new()),
+            upstreams: RwLock::new(upstreams),
+            anchors: Mutex::new(ExistenceCache::new(ANCHOR_CACHE_SIZE)),
+            counters: Counters::default(),
+            in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+        });
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let tasks = vec![
+            tokio::spawn(serve_udp(Arc::new(udp), shared.clone(), stop_rx.clone())),
+            tokio::spawn(serve_tcp(tcp, shared.clone(), stop_rx)),
+        ];
+        tracing::info!(%local, upstreams = ?shared.upstreams.read().unwrap_or_else(PoisonError::into_inner), "DNS forwarder listening");
+        Ok(Forwarder {
+            shared,
+            local,
+            stop_tx,
+            tasks,
+        })
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The clusters whose names it answers, most recent session first.
+    pub fn set_clusters(&self, clusters: Vec<ClusterDns>) {
+        *self
+            .shared
+            .clusters
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = clusters;
+    }
+
+    /// The laptop's own nameservers.
+    pub fn set_upstreams(&self, upstreams: Vec<SocketAddr>) {
+        *self
+            .shared
+            .upstreams
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = upstreams;
+    }
+
+    /// Its counters.
+    pub fn counters(&self) -> CounterSnapshot {
+        self.shared.counters.snapshot()
+    }
+
+    /// Stop listening; questions in flight are abandoned.
+    pub async fn stop(mut self) {
+        let _ = self.stop_tx.send(true);
+        for t in self.tasks.drain(..) {
+            if tokio::time::timeout(Duration::from_secs(1), t)
+                .await
+                .is_err()
+            {
+                tracing::debug!("DNS listener did not stop within 1 s; aborted");
+            }
+        }
+        tracing::info!(local = %self.local, counters = ?self.counters(), "DNS forwarder stopped");
+    }
+}
+
+async fn serve_udp(
+    socket: Arc<UdpSocket>,
+    shared: Arc<Shared>,
+    mut stop_rx: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 65535];
+    loop {
+        let (n, src) = tokio::select! {
+            _ = stop_rx.changed() => return,
+            r = socket.recv_from(&mut buf) => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // ICMP errors from earlier sends surface here; keep serving.
+                    tracing::debug!(error = %e, "DNS UDP receive error");
+                    continue;
+                }
+            },
+        };
+        bump(&shared.counters.udp_queries);
+        let Ok(permit) = shared.in_flight.clone().try_acquire_owned() else {
+            bump(&shared.counters.dropped);
+            continue;
+        };
+        let raw = buf[..n].to_vec();
+        let (socket, shared) = (socket.clone(), shared.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            if let Some(answer) = handle(&shared, &raw, Transport::Udp).await
+                && let Err(e) = socket.send_to(&answer, src).await
+            {
+                tracing::debug!(%src, error = %e, "cannot send DNS answer");
+            }
+        });
+    }
+}
+
+async fn serve_tcp(listener: TcpListener, shared: Arc<Shared>, mut stop_rx: watch::Receiver<bool>) {
+    let connections = Arc::new(Semaphore::new(MAX_TCP_CONNECTIONS));
+    loop {
+        let (stream, src) = tokio::select! {
+            _ = stop_rx.changed() => return,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::debug!(error = %e, "DNS TCP accept error");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            tracing::debug!(%src, "too many DNS TCP clients; closing");
+            continue;
+        };
+        let shared = shared.clone();
+        let stop_rx = stop_rx.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            serve_tcp_client(stream, &shared, stop_rx).await;
+        });
+    }
+}
+
+/// RFC 1035 §4.2.2 / RFC 7766: two-byte length, then the message; several queries
+/// per connection, answered in order.
+async fn serve_tcp_client(
+    mut stream: TcpStream,
+    shared: &Shared,
+    mut stop_rx: watch::Receiver<bool>,
+) {
+    loop {
+        let mut len = [0u8; 2];
+        let read = async {
+            stream.read_exact(&mut len).await?;
+            let mut raw = vec![0u8; usize::from(u16::from_be_bytes(len))];
+            stream.read_exact(&mut raw).await?;
+            Ok::<_, std::io::Error>(raw)
+        };
+        let raw = tokio::select! {
+            _ = stop_rx.changed() => return,
+            r = tokio::time::timeout(TCP_IDLE_TIMEOUT, read) => match r {
+                Ok(Ok(raw)) => raw,
+                _ => return,
+            },
+        };
+        bump(&shared.counters.tcp_queries);
+        let Some(answer) = handle(shared, &raw, Transport::Tcp).await else {
+            continue;
+        };
+        let Ok(n) = u16::try_from(answer.len()) else {
+            tracing::debug!(bytes = answer.len(), "DNS answer too large for TCP framing");
+            return;
+        };
+        let mut out = Vec::with_capacity(answer.len() + 2);
+        out.extend_from_slice(&n.to_be_bytes());
+        out.extend_from_slice(&answer);
+        if stream.write_all(&out).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn encode(shared: &Shared, msg: &Message, limit: Option<usize>) -> Option<Vec<u8>> {
+    match message::encode_fitting(msg, limit) {
+        Ok((bytes, truncated)) => {
+            if truncated {
+                bump(&shared.counters.truncated);
+            }
+            Some(bytes)
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot encode a DNS answer");
+            None
+        }
+    }
+}
+
+/// Answer one query (raw bytes); `None` = say nothing.
+async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec<u8>> {
+    let query = match message::decode_query(raw) {
+        Ok(q) => q,
+        Err(Reject::Drop) => {
+            bump(&shared.counters.malformed);
+            return None;
+        }
+        Err(Reject::Respond(bytes)) => {
+            bump(&shared.counters.malformed);
+            return Some(bytes);
+        }
+    };
+    let limit = match transport {
+        Transport::Udp => Some(message::udp_limit(&query)),
+        Transport::Tcp => None,
+    };
+    let question = query.queries.first()?.clone();
+    let clusters = shared
+        .clusters
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    let planned = names::classify_all(&question, clusters.iter());
+    tracing::trace!(name = %question.name(), qtype = %question.query_type(), plan = ?planned.as_ref().map(|p| &p.0), "DNS question");
+    match planned {
+        None | Some((Plan::Upstream, _)) => upstream(shared, raw, &query, transport, limit).await,
+        Some((Plan::Cluster, cluster)) => {
+            bump(&shared.counters.cluster);
+            relay(shared, &cluster.servers, raw, &query, transport, limit).await
+        }
+        Some((Plan::EmptyAaaa, _)) => {
+            bump(&shared.counters.empty_aaaa);
+            encode(
+                shared,
+                &message::local_answer(&query, ResponseCode::NoError),
+                limit,
+            )
+        }
+        Some((
+            Plan::Search {
+                candidates,
+                otherwise,
+            },
+            cluster,
+        )) => {
+            let cluster = cluster.clone();
+            match search(shared, &cluster, &query, &candidates, transport).await {
+                Found::Answer(expanded, answer) => {
+                    bump(&shared.counters.expanded);
+                    encode(
+                        shared,
+                        &message::expanded_answer(&query, &expanded, &answer),
+                        limit,
+                    )
+                }
+                Found::Failed => {
+                    bump(&shared.counters.servfail);
+                    encode(
+                        shared,
+                        &message::local_answer(&query, ResponseCode::ServFail),
+                        limit,
+                    )
+                }
+                Found::Nothing => match otherwise {
+                    Otherwise::NxDomain => {
+                        bump(&shared.counters.local_nxdomain);
+                        encode(
+                            shared,
+                            &message::local_answer(&query, ResponseCode::NXDomain),
+                            limit,
+                        )
+                    }
+                    Otherwise::Upstream => upstream(shared, raw, &query, transport, limit).await,
+                },
+            }
+        }
+    }
+}
+
+async fn upstream(
+    shared: &Shared,
+    raw: &[u8],
+    query: &Message,
+    transport: Transport,
+    limit: Option<usize>,
+) -> Option<Vec<u8>> {
+    bump(&shared.counters.upstream);
+    let servers = shared
+        .upstreams
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    relay(shared, &servers, raw, query, transport, limit).await
+}
+
+/// Send `raw` to each server in turn until one answers; its answer unchanged, or
+/// TC when it exceeds `limit`, or SERVFAIL when nobody answered.
+async fn relay(
+    shared: &Shared,
+    servers: &[SocketAddr],
+    raw: &[u8],
+    query: &Message,
+    transport: Transport,
+    limit: Option<usize>,
+) -> Option<Vec<u8>> {
+    // One server: a second try, as a stub resolver would.
+    let tries = servers.len().max(2).min(servers.len() * 2);
+    for server in servers.iter().cycle().take(tries) {
+        match exchange(*server, raw, transport).await {
+            Ok(answer) => {
+                if let Some(limit) = limit
+                    && answer.len() > limit
+                {
+                    return encode(shared, &message::truncated_for(query), Some(limit));
+                }
+                return Some(answer);
+            }
+            Err(e) => tracing::debug!(%server, error = %e, "DNS server did not answer"),
+        }
+    }
+    bump(&shared.counters.servfail);
+    encode(
+        shared,
+        &message::local_answer(query, ResponseCode::ServFail),
+        limit,
+    )
+}
+
+fn unspecified_for(server: SocketAddr) -> SocketAddr {
+    match server.ip() {
+        IpAddr::V4(_) => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+        IpAddr::V6(_) => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0),
+    }
+}
+
+/// One query to one server within [`EXCHANGE_TIMEOUT`]: a fresh socket (random
+/// source port), the answer whose id matches.
+async fn exchange(
+    server: SocketAddr,
+    raw: &[u8],
+    transport: Transport,
+) -> std::io::Result<Vec<u8>> {
+    let id = message::message_id(raw);
+    let attempt = async {
+        match transport {
+            Transport::Udp => {
+                let socket = UdpSocket::bind(unspecified_for(server)).await?;
+                socket.connect(server).await?;
+                socket.send(raw).await?;
+                let mut buf = vec![0u8; 65535];
+                loop {
+                    let n = socket.recv(&mut buf).await?;
+                    if message::message_id(&buf[..n]) == id {
+                        buf.truncate(n);
+                        return Ok(buf);
+                    }
+                }
+            }
+            Transport::Tcp => {
+                let mut stream = TcpStream::connect(server).await?;
+                let len = u16::try_from(raw.len())
+                    .map_err(|_| std::io::Error::other("query too large for TCP"))?;
+                let mut out = Vec::with_capacity(raw.len() + 2);
+                out.extend_from_slice(&len.to_be_bytes());
+                out.extend_from_slice(raw);
+                stream.write_all(&out).await?;
+                let mut len = [0u8; 2];
+                stream.read_exact(&mut len).await?;
+                let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
+                stream.read_exact(&mut buf).await?;
+                if message::message_id(&buf) != id {
+                    return Err(std::io::Error::other("answer with another id"));
+                }
+                Ok(buf)
+            }
+        }
+    };
+    tokio::time::timeout(EXCHANGE_TIMEOUT, attempt)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in time"))?
+}
+
+/// A query of ours to the cluster DNS, decoded; `None` when no server answered
+/// with a parsable message of the same id.
+async fn ask_cluster(
+    cluster: &ClusterDns,
+    query: &Message,
+    transport: Transport,
+) -> Option<Message> {
+    let raw = query.to_vec().ok()?;
+    for server in &cluster.servers {
+        match exchange(*server, &raw, transport).await {
+            Ok(answer) => match Message::from_vec(&answer) {
+                Ok(m) => return Some(m),
+                Err(e) => {
+                    tracing::debug!(%server, error = %e, "unparsable answer from the cluster DNS")
+                }
+            },
+            Err(e) => tracing::debug!(%server, error = %e, "cluster DNS did not answer"),
+        }
+    }
+    None
+}
+
+/// Whether `anchor` exists in the cluster: cached, else asked. `None`: unknown
+/// (no answer, or SERVFAIL/REFUSED).
+async fn anchor_exists(shared: &Shared, cluster: &ClusterDns, anchor: &Name) -> Option<bool> {
+    if let Some(known) = shared
+        .anchors
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(anchor, Instant::now())
+    {
+        return Some(known);
+    }
+    let answer = ask_cluster(cluster, &message::existence_query(anchor), Transport::Udp).await?;
+    let exists = message::name_exists(answer.metadata.response_code)?;
+    shared
+        .anchors
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(anchor, exists, message::cache_ttl(&answer), Instant::now());
+    Some(exists)
+}
+
+enum Tried {
+    /// The expansion cannot exist (its anchor does not, or NXDOMAIN).
+    Absent,
+    /// The cluster's answer (NOERROR).
+    Present(Message),
+    /// No usable answer.
+    Failed,
+}
+
+async fn try_candidate(
+    shared: &Shared,
+    cluster: &ClusterDns,
+    query: &Message,
+    candidate: &Candidate,
+    transport: Transport,
+) -> Tried {
+    if let Some(anchor) = &candidate.anchor
+        && anchor_exists(shared, cluster, anchor).await == Some(false)
+    {
+        return Tried::Absent;
+    }
+    let Some(qtype) = query.queries.first().map(|q| q.query_type()) else {
+        return Tried::Failed;
+    };
+    let ours = message::cluster_query(query, &candidate.name, qtype);
+    match ask_cluster(cluster, &ours, transport).await {
+        Some(answer) => match message::name_exists(answer.metadata.response_code) {
+            Some(true) => Tried::Present(answer),
+            Some(false) => Tried::Absent,
+            None => Tried::Failed,
+        },
+        None => Tried::Failed,
+    }
+}
+
+enum Found {
+    Answer(Name, Message),
+    Nothing,
+    Failed,
+}
+
+/// Ask every expansion at once; the first in search-list order decides. An
+/// expansion that failed before any existing one means SERVFAIL: answering from a
+/// later search domain could pick the wrong namespace's Service.
+async fn search(
+    shared: &Shared,
+    cluster: &ClusterDns,
+    query: &Message,
+    candidates: &[Candidate],
+    transport: Transport,
+) -> Found {
+    let tried = futures::future::join_all(
+        candidates
+            .iter()
+            .map(|c| try_candidate(shared, cluster, query, c, transport)),
+    )
+    .await;
+    for (candidate, result) in candidates.iter().zip(tried) {
+        match result {
+            Tried::Absent => continue,
+            Tried::Present(answer) => return Found::Answer(candidate.name.clone(), answer),
+            Tried::Failed => return Found::Failed,
+        }
+    }
+    Found::Nothing
+}

@@ -1,0 +1,404 @@
+//! The forwarder against two real DNS servers on loopback sockets (a cluster DNS
+//! and the laptop's upstream, both small hickory-proto responders that log every
+//! question), without root.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hickory_proto::op::{Edns, Message, OpCode, Query, ResponseCode};
+use hickory_proto::rr::rdata::{A, SOA};
+use hickory_proto::rr::{Name, RData, Record, RecordType};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+
+use super::forwarder::Forwarder;
+use super::names::ClusterDns;
+
+type Zone = fn(&Query) -> (ResponseCode, Vec<Record>);
+
+fn name(s: &str) -> Name {
+    Name::from_ascii(s).expect("name")
+}
+
+fn a(owner: &Name, ip: Ipv4Addr) -> Record {
+    Record::from_rdata(owner.clone(), 5, RData::A(A(ip)))
+}
+
+/// The cluster: web in dev and default, big (300 endpoints) in dev.
+fn cluster_zone(q: &Query) -> (ResponseCode, Vec<Record>) {
+    let n = q.name().to_lowercase().to_ascii();
+    let exists_empty = [
+        "dev.svc.cluster.local.",
+        "default.svc.cluster.local.",
+        "svc.cluster.local.",
+        "cluster.local.",
+    ];
+    if !name("cluster.local.").zone_of(q.name()) {
+        return (ResponseCode::Refused, Vec::new());
+    }
+    let ip = match n.as_str() {
+        "web.dev.svc.cluster.local." => Some(Ipv4Addr::new(10, 96, 0, 200)),
+        "web.default.svc.cluster.local." => Some(Ipv4Addr::new(10, 96, 0, 100)),
+        "big.dev.svc.cluster.local." => {
+            if q.query_type() != RecordType::A {
+                return (ResponseCode::NoError, Vec::new());
+            }
+            let all = (0..300u32)
+                .map(|i| a(q.name(), Ipv4Addr::from(0x0af4_0000 + i)))
+                .collect();
+            return (ResponseCode::NoError, all);
+        }
+        _ if exists_empty.contains(&n.as_str()) => return (ResponseCode::NoError, Vec::new()),
+        _ => return (ResponseCode::NXDomain, Vec::new()),
+    };
+    match (ip, q.query_type()) {
+        (Some(ip), RecordType::A) => (ResponseCode::NoError, vec![a(q.name(), ip)]),
+        _ => (ResponseCode::NoError, Vec::new()),
+    }
+}
+
+/// The laptop's own DNS: corp.test and a public-looking name.
+fn upstream_zone(q: &Query) -> (ResponseCode, Vec<Record>) {
+    match (q.name().to_lowercase().to_ascii().as_str(), q.query_type()) {
+        ("host.corp.test.", RecordType::A) => (
+            ResponseCode::NoError,
+            vec![a(q.name(), Ipv4Addr::new(192, 0, 2, 10))],
+        ),
+        ("www.example.com.", RecordType::A) => (
+            ResponseCode::NoError,
+            vec![a(q.name(), Ipv4Addr::new(192, 0, 2, 20))],
+        ),
+        _ => (ResponseCode::NXDomain, Vec::new()),
+    }
+}
+
+fn answer(raw: &[u8], zone: Zone, log: &Mutex<Vec<String>>, udp: bool) -> Option<Vec<u8>> {
+    let q = Message::from_vec(raw).ok()?;
+    let question = q.queries.first()?.clone();
+    log.lock()
+        .expect("log")
+        .push(question.name().to_lowercase().to_ascii());
+    let (rcode, records) = zone(&question);
+    let mut m = Message::response(q.metadata.id, OpCode::Query);
+    m.metadata.response_code = rcode;
+    m.add_query(question);
+    m.add_answers(records);
+    if rcode == ResponseCode::NXDomain {
+        m.add_authority(Record::from_rdata(
+            name("cluster.local."),
+            5,
+            RData::SOA(SOA::new(
+                name("ns.cluster.local."),
+                name("h.cluster.local."),
+                1,
+                1,
+                1,
+                1,
+                5,
+            )),
+        ));
+    }
+    if let Some(e) = &q.edns {
+        let mut ours = Edns::new();
+        ours.set_max_payload(1232);
+        m.set_edns(ours);
+        let _ = e;
+    }
+    let bytes = m.to_vec().ok()?;
+    let limit = q
+        .edns
+        .as_ref()
+        .map_or(512, |e| usize::from(e.max_payload()));
+    if udp && bytes.len() > limit {
+        return m.truncate().to_vec().ok();
+    }
+    Some(bytes)
+}
+
+/// A DNS server on 127.0.0.1 (UDP and TCP, same port) answering from `zone`.
+async fn server(zone: Zone) -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let udp = UdpSocket::bind("127.0.0.1:0").await.expect("udp");
+    let addr = udp.local_addr().expect("addr");
+    let tcp = TcpListener::bind(addr).await.expect("tcp");
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let l = log.clone();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65535];
+        while let Ok((n, src)) = udp.recv_from(&mut buf).await {
+            if let Some(out) = answer(&buf[..n], zone, &l, true) {
+                let _ = udp.send_to(&out, src).await;
+            }
+        }
+    });
+    let l = log.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = tcp.accept().await {
+            let l = l.clone();
+            tokio::spawn(async move {
+                let mut len = [0u8; 2];
+                while s.read_exact(&mut len).await.is_ok() {
+                    let mut raw = vec![0u8; usize::from(u16::from_be_bytes(len))];
+                    if s.read_exact(&mut raw).await.is_err() {
+                        return;
+                    }
+                    let Some(out) = answer(&raw, zone, &l, false) else {
+                        return;
+                    };
+                    let n = u16::try_from(out.len()).expect("fits");
+                    let _ = s.write_all(&n.to_be_bytes()).await;
+                    let _ = s.write_all(&out).await;
+                }
+            });
+        }
+    });
+    (addr, log)
+}
+
+async fn ask_raw(server: SocketAddr, raw: &[u8], tcp: bool) -> Option<Vec<u8>> {
+    if tcp {
+        let mut s = TcpStream::connect(server).await.expect("connect");
+        let n = u16::try_from(raw.len()).expect("small");
+        s.write_all(&n.to_be_bytes()).await.expect("write");
+        s.write_all(raw).await.expect("write");
+        let mut len = [0u8; 2];
+        s.read_exact(&mut len).await.ok()?;
+        let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        s.read_exact(&mut buf).await.ok()?;
+        Some(buf)
+    } else {
+        let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+        s.send_to(raw, server).await.expect("send");
+        let mut buf = vec![0u8; 65535];
+        match tokio::time::timeout(Duration::from_secs(1), s.recv_from(&mut buf)).await {
+            Ok(Ok((n, _))) => Some(buf[..n].to_vec()),
+            _ => None,
+        }
+    }
+}
+
+async fn ask(server: SocketAddr, q: &str, t: RecordType, edns: Option<u16>, tcp: bool) -> Message {
+    let mut m = Message::query();
+    m.metadata.recursion_desired = true;
+    let mut n = name(q);
+    n.set_fqdn(true);
+    m.add_query(Query::query(n, t));
+    if let Some(size) = edns {
+        let mut e = Edns::new();
+        e.set_max_payload(size);
+        m.set_edns(e);
+    }
+    let raw = ask_raw(server, &m.to_vec().expect("encode"), tcp)
+        .await
+        .unwrap_or_else(|| panic!("no answer to {q} {t}"));
+    let answer = Message::from_vec(&raw).expect("decode");
+    assert_eq!(answer.metadata.id, m.metadata.id);
+    assert_eq!(answer.queries, m.queries, "question echoed as asked");
+    answer
+}
+
+fn a_records(m: &Message) -> Vec<Ipv4Addr> {
+    m.answers
+        .iter()
+        .filter_map(|r| match &r.data {
+            RData::A(a) => Some(a.0),
+            _ => None,
+        })
+        .collect()
+}
+
+async fn setup() -> (Forwarder, Arc<Mutex<Vec<String>>>, Arc<Mutex<Vec<String>>>) {
+    let (cluster_addr, cluster_log) = server(cluster_zone).await;
+    let (upstream_addr, upstream_log) = server(upstream_zone).await;
+    let f = Forwarder::start("127.0.0.1:0".parse().expect("addr"), vec![upstream_addr])
+        .await
+        .expect("forwarder");
+    let cluster = ClusterDns::new(
+        &[cluster_addr.to_string()],
+        "cluster.local",
+        &[
+            "dev.svc.cluster.local".into(),
+            "svc.cluster.local".into(),
+            "cluster.local".into(),
+        ],
+        false,
+    )
+    .expect("config");
+    f.set_clusters(vec![cluster]);
+    (f, cluster_log, upstream_log)
+}
+
+#[tokio::test]
+async fn every_spelling_resolves_connected_namespace_first_and_never_leaks() {
+    let (f, cluster_log, upstream_log) = setup().await;
+    let fwd = f.local_addr();
+    let dev = Ipv4Addr::new(10, 96, 0, 200);
+    for spelling in [
+        "web",
+        "web.",
+        "web.dev",
+        "web.dev.",
+        "web.dev.svc",
+        "web.dev.svc.",
+        "web.dev.svc.cluster.local",
+        "web.dev.svc.cluster.local.",
+        "WEB.Dev",
+    ] {
+        for edns in [None, Some(1232)] {
+            let m = ask(fwd, spelling, RecordType::A, edns, false).await;
+            assert_eq!(
+                m.metadata.response_code,
+                ResponseCode::NoError,
+                "{spelling}"
+            );
+            assert_eq!(a_records(&m), vec![dev], "{spelling} {edns:?}");
+            assert_eq!(m.edns.is_some(), edns.is_some(), "EDNS answered with EDNS");
+            let m = ask(fwd, spelling, RecordType::AAAA, edns, false).await;
+            assert_eq!(
+                m.metadata.response_code,
+                ResponseCode::NoError,
+                "{spelling} AAAA"
+            );
+            assert!(m.answers.is_empty(), "{spelling} AAAA: {:?}", m.answers);
+        }
+    }
+    // The other namespace by its svc.ns spelling.
+    let m = ask(fwd, "web.default", RecordType::A, None, false).await;
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(10, 96, 0, 100)]);
+    // A short name: the CNAME says which Service answered.
+    let m = ask(fwd, "web", RecordType::A, None, false).await;
+    assert_eq!(
+        m.answers[0].data,
+        RData::CNAME(hickory_proto::rr::rdata::CNAME(name(
+            "web.dev.svc.cluster.local."
+        )))
+    );
+    // dns-01: a missing short name is NXDOMAIN, fast, and never asked upstream.
+    let t0 = Instant::now();
+    let m = ask(fwd, "fluent", RecordType::A, None, false).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
+    assert!(
+        t0.elapsed() < Duration::from_millis(200),
+        "{:?}",
+        t0.elapsed()
+    );
+    let upstream = upstream_log.lock().expect("log").clone();
+    assert!(
+        upstream.is_empty(),
+        "cluster names leaked upstream: {upstream:?}"
+    );
+
+    // dns-05: the laptop's names go upstream unchanged, the cluster sees at most
+    // the anchors of their last label.
+    let m = ask(fwd, "host.corp.test", RecordType::A, None, false).await;
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(192, 0, 2, 10)]);
+    let m = ask(fwd, "www.example.com", RecordType::A, Some(4096), true).await;
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(192, 0, 2, 20)]);
+    let m = ask(fwd, "nope.corp.test", RecordType::A, None, false).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
+    let upstream = upstream_log.lock().expect("log").clone();
+    assert_eq!(
+        upstream,
+        vec!["host.corp.test.", "www.example.com.", "nope.corp.test."]
+    );
+    let cluster = cluster_log.lock().expect("log").clone();
+    assert!(
+        cluster.iter().all(|n| n.ends_with(".cluster.local.")
+            && !n.contains("corp.test")
+            && !n.contains("example.com")),
+        "{cluster:?}"
+    );
+    // The anchor cache: a second corp.test name costs the cluster nothing.
+    let before = cluster_log.lock().expect("log").len();
+    let _ = ask(fwd, "other.corp.test", RecordType::A, None, false).await;
+    assert_eq!(cluster_log.lock().expect("log").len(), before);
+    let c = f.counters();
+    assert!(
+        c.expanded > 0 && c.upstream == 4 && c.local_nxdomain == 1,
+        "{c:?}"
+    );
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn aaaa_of_cluster_names_is_empty_at_once_on_ipv4_clusters() {
+    let (f, cluster_log, _) = setup().await;
+    let before = cluster_log.lock().expect("log").len();
+    let m = ask(
+        f.local_addr(),
+        "web.dev.svc.cluster.local.",
+        RecordType::AAAA,
+        None,
+        false,
+    )
+    .await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert!(m.answers.is_empty());
+    assert_eq!(
+        cluster_log.lock().expect("log").len(),
+        before,
+        "not even asked"
+    );
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn big_answers_carry_tc_over_udp_and_everything_over_tcp() {
+    let (f, _, _) = setup().await;
+    let fwd = f.local_addr();
+    for spelling in ["big.dev.svc.cluster.local.", "big"] {
+        for edns in [None, Some(1232)] {
+            let m = ask(fwd, spelling, RecordType::A, edns, false).await;
+            assert!(m.metadata.truncation, "{spelling} {edns:?} over UDP");
+            assert!(a_records(&m).len() < 300);
+        }
+        let m = ask(fwd, spelling, RecordType::A, None, true).await;
+        assert!(!m.metadata.truncation);
+        assert_eq!(a_records(&m).len(), 300, "{spelling} over TCP");
+    }
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_queries_get_formerr_and_the_forwarder_keeps_serving() {
+    let (f, _, _) = setup().await;
+    let fwd = f.local_addr();
+    let raw = [0xbe, 0xef, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 0xc0];
+    let answer = ask_raw(fwd, &raw, false).await.expect("FORMERR");
+    let m = Message::from_vec(&answer).expect("decode");
+    assert_eq!(m.metadata.id, 0xbeef);
+    assert_eq!(m.metadata.response_code, ResponseCode::FormErr);
+    let tcp = ask_raw(fwd, &raw, true).await.expect("FORMERR over TCP");
+    assert_eq!(
+        Message::from_vec(&tcp)
+            .expect("decode")
+            .metadata
+            .response_code,
+        ResponseCode::FormErr
+    );
+    assert!(
+        ask_raw(fwd, &[1, 2, 3], false).await.is_none(),
+        "too short: dropped"
+    );
+    let m = ask(fwd, "web", RecordType::A, None, false).await;
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(10, 96, 0, 200)]);
+    assert_eq!(f.counters().malformed, 3);
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn no_upstream_answer_is_servfail_not_a_hang() {
+    // An upstream that accepts TCP (the kernel's backlog) and never answers.
+    let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let f = Forwarder::start(
+        "127.0.0.1:0".parse().expect("addr"),
+        vec![silent.local_addr().expect("addr")],
+    )
+    .await
+    .expect("forwarder");
+    let t0 = Instant::now();
+    let m = ask(f.local_addr(), "www.example.com", RecordType::A, None, true).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+    assert!(t0.elapsed() < Duration::from_secs(6));
+    f.stop().await;
+}

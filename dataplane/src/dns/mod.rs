@@ -1,0 +1,373 @@
+//! Split DNS on the laptop (issue dns-fidelity item 1, cases dns-01…dns-09):
+//! cluster names go to the cluster DNS through the tunnel, every other name keeps
+//! going to the laptop's own resolvers, unchanged.
+//!
+//! Two ways, chosen when the first session with cluster DNS starts ([`Mode`]):
+//! - **systemd-resolved** manages the laptop's DNS (resolv.conf names only its
+//!   stub and `resolvectl` answers): per-link DNS on each session's TUN device
+//!   ([`resolved`]); resolv.conf is not touched.
+//! - otherwise, the **forwarder** ([`forwarder`]) owned by this daemon listens on
+//!   [`DEFAULT_LISTEN_IP`]:53 (env `KVPN_DNS_IP`), a loopback address no common
+//!   local stub uses (systemd-resolved has 127.0.0.53/54, dnsmasq and unbound
+//!   127.0.0.1), and resolv.conf (env `KVPN_RESOLV_CONF`, default
+//!   `/etc/resolv.conf`) names it, restored byte for byte afterwards
+//!   ([`resolv_conf`]). The forwarder's upstreams are the nameservers of the
+//!   resolv.conf as it was before kvpn changed it.
+//!
+//! One forwarder serves every session of the daemon (most recent session first).
+//! resolv.conf is restored when the last such session ends, and at daemon start
+//! when a backup is left over from a daemon that was killed ([`Dns::repair`]).
+//!
+//! Pure cores: [`names`] (where a question goes), [`message`] (answers, sizes),
+//! parts of [`resolv_conf`] and [`resolved`]. I/O: [`forwarder`] (sockets),
+//! [`resolv_conf::ResolvConf`] (files), [`resolved::run`] (`resolvectl`).
+
+pub mod forwarder;
+#[cfg(test)]
+mod forwarder_tests;
+pub mod message;
+pub mod names;
+pub mod resolv_conf;
+pub mod resolved;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use tokio::sync::Mutex;
+
+pub use names::ClusterDns;
+
+use forwarder::{CounterSnapshot, Forwarder};
+use resolv_conf::{ResolvConf, Restored};
+
+/// Where the forwarder listens unless `KVPN_DNS_IP` says otherwise.
+pub const DEFAULT_LISTEN_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 153));
+/// resolv.conf can only name port 53.
+pub const DNS_PORT: u16 = 53;
+
+/// How the daemon sets up split DNS (env `KVPN_DNS_MODE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// systemd-resolved where it manages DNS, else the forwarder.
+    Auto,
+    /// Always the forwarder and resolv.conf.
+    Forwarder,
+    /// Always systemd-resolved.
+    Resolved,
+    /// Leave the laptop's DNS alone.
+    Off,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "" | "auto" => Ok(Mode::Auto),
+            "forwarder" => Ok(Mode::Forwarder),
+            "resolved" | "systemd-resolved" => Ok(Mode::Resolved),
+            "off" => Ok(Mode::Off),
+            other => Err(format!(
+                "invalid KVPN_DNS_MODE {other:?} — use auto, forwarder, resolved or off"
+            )),
+        }
+    }
+}
+
+/// Where split DNS lives on this laptop.
+#[derive(Debug, Clone)]
+pub struct DnsSettings {
+    /// How.
+    pub mode: Mode,
+    /// The resolv.conf to manage.
+    pub resolv_conf: PathBuf,
+    /// The forwarder's address (port [`DNS_PORT`], or 0 in tests).
+    pub listen: SocketAddr,
+    /// The runtime directory (the resolv.conf backup lives there).
+    pub runtime_dir: PathBuf,
+}
+
+impl DnsSettings {
+    /// Defaults, overridden by `KVPN_DNS_MODE`, `KVPN_RESOLV_CONF` and `KVPN_DNS_IP`.
+    pub fn from_env(runtime_dir: &Path) -> Result<Self, String> {
+        let mode = std::env::var("KVPN_DNS_MODE").unwrap_or_default().parse()?;
+        let resolv_conf = std::env::var_os("KVPN_RESOLV_CONF")
+            .filter(|p| !p.is_empty())
+            .map_or_else(|| PathBuf::from(resolv_conf::DEFAULT_PATH), PathBuf::from);
+        let ip = match std::env::var("KVPN_DNS_IP") {
+            Ok(s) if !s.is_empty() => s.parse().map_err(|_| {
+                format!("invalid KVPN_DNS_IP {s:?} — give a local address such as 127.0.0.153")
+            })?,
+            _ => DEFAULT_LISTEN_IP,
+        };
+        Ok(DnsSettings {
+            mode,
+            resolv_conf,
+            listen: SocketAddr::new(ip, DNS_PORT),
+            runtime_dir: runtime_dir.to_owned(),
+        })
+    }
+}
+
+/// Errors of split DNS.
+#[derive(Debug, thiserror::Error)]
+pub enum DnsError {
+    /// The forwarder cannot start.
+    #[error(transparent)]
+    Forwarder(#[from] forwarder::ForwarderError),
+    /// resolv.conf cannot be changed or restored.
+    #[error(transparent)]
+    ResolvConf(#[from] resolv_conf::ResolvConfError),
+    /// systemd-resolved refused the link settings.
+    #[error("systemd-resolved: {0}")]
+    Resolved(String),
+}
+
+struct SessionDns {
+    id: String,
+    tun: String,
+    cluster: ClusterDns,
+}
+
+enum Active {
+    Forwarder(Forwarder),
+    Resolved,
+}
+
+#[derive(Default)]
+struct State {
+    /// Most recent first.
+    sessions: Vec<SessionDns>,
+    active: Option<Active>,
+}
+
+/// Split DNS for the daemon's sessions.
+pub struct Dns {
+    settings: DnsSettings,
+    resolv: ResolvConf,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for Dns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dns")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The laptop's nameservers from resolv.conf bytes, as forwarder upstreams: port 53,
+/// never the forwarder itself; none listed means 127.0.0.1 as for the resolver.
+pub fn upstreams_from(original: &[u8], forwarder: SocketAddr) -> Vec<SocketAddr> {
+    let mut list: Vec<SocketAddr> = resolv_conf::parse(original)
+        .nameservers
+        .into_iter()
+        .map(|ip| SocketAddr::new(ip, DNS_PORT))
+        .filter(|s| *s != forwarder)
+        .collect();
+    if list.is_empty() {
+        let localhost = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DNS_PORT);
+        if localhost != forwarder {
+            list.push(localhost);
+        }
+    }
+    list
+}
+
+impl Dns {
+    /// Split DNS as `settings` say; nothing changes until a session asks.
+    pub fn new(settings: DnsSettings) -> Self {
+        let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir);
+        Dns {
+            settings,
+            resolv,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &DnsSettings {
+        &self.settings
+    }
+
+    /// At daemon start: put back a resolv.conf that a killed daemon left changed.
+    pub fn repair(&self) -> Result<Restored, DnsError> {
+        Ok(self.resolv.restore()?)
+    }
+
+    /// The forwarder's counters (`None` without a forwarder).
+    pub async fn counters(&self) -> Option<CounterSnapshot> {
+        match &self.state.lock().await.active {
+            Some(Active::Forwarder(f)) => Some(f.counters()),
+            _ => None,
+        }
+    }
+
+    fn original(&self) -> Result<Vec<u8>, DnsError> {
+        if let Some(b) = self.resolv.backup()? {
+            return Ok(b.original);
+        }
+        match std::fs::read(self.resolv.path()) {
+            Ok(b) => Ok(b),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(source) => Err(resolv_conf::ResolvConfError::Io {
+                what: "cannot read",
+                path: self.resolv.path().to_owned(),
+                source,
+            }
+            .into()),
+        }
+    }
+
+    fn write_resolv_conf(&self, state: &State, listen: IpAddr) -> Result<(), DnsError> {
+        let search = state
+            .sessions
+            .first()
+            .map(|s| s.cluster.search_text())
+            .unwrap_or_default();
+        self.resolv.apply(|original| {
+            resolv_conf::render(listen, &search, &resolv_conf::parse(original))
+        })?;
+        Ok(())
+    }
+
+    /// Add a session's cluster DNS; the TUN device `tun` carries its traffic.
+    /// Returns a one-line description for the user.
+    pub async fn add_session(
+        &self,
+        id: &str,
+        tun: &str,
+        cluster: ClusterDns,
+    ) -> Result<String, DnsError> {
+        let mut state = self.state.lock().await;
+        if self.settings.mode == Mode::Off {
+            return Ok("off (KVPN_DNS_MODE=off): the laptop's DNS is unchanged".to_owned());
+        }
+        if state.active.is_none() {
+            let original = self.original()?;
+            let use_resolved = match self.settings.mode {
+                Mode::Resolved => true,
+                Mode::Forwarder | Mode::Off => false,
+                Mode::Auto => {
+                    resolved::uses_stub(&resolv_conf::parse(&original)) && resolved::available()
+                }
+            };
+            if use_resolved {
+                state.active = Some(Active::Resolved);
+            } else {
+                let upstreams = upstreams_from(&original, self.settings.listen);
+                let forwarder = Forwarder::start(self.settings.listen, upstreams).await?;
+                state.active = Some(Active::Forwarder(forwarder));
+            }
+        }
+        state.sessions.insert(
+            0,
+            SessionDns {
+                id: id.to_owned(),
+                tun: tun.to_owned(),
+                cluster: cluster.clone(),
+            },
+        );
+        let result = match &state.active {
+            Some(Active::Resolved) => resolved::run(&resolved::link_commands(tun, &cluster))
+                .map(|()| {
+                    format!(
+                        "systemd-resolved: {} on {tun} for ~{}, search {}",
+                        cluster
+                            .servers
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        cluster.domain_text(),
+                        cluster.search_text().join(" ")
+                    )
+                })
+                .map_err(DnsError::Resolved),
+            Some(Active::Forwarder(f)) => {
+                f.set_clusters(state.sessions.iter().map(|s| s.cluster.clone()).collect());
+                let local = f.local_addr();
+                self.write_resolv_conf(&state, local.ip()).map(|()| {
+                    format!(
+                        "forwarder on {local} (cluster DNS {}, search {}); {} names it",
+                        cluster
+                            .servers
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        cluster.search_text().join(" "),
+                        self.resolv.path().display()
+                    )
+                })
+            }
+            None => Ok(String::new()),
+        };
+        if result.is_err() {
+            drop(state);
+            let _ = self.remove_session(id).await;
+        }
+        result
+    }
+
+    /// Remove a session's cluster DNS; the last one restores the laptop's DNS.
+    /// Returns what could not be undone.
+    pub async fn remove_session(&self, id: &str) -> Vec<String> {
+        let mut state = self.state.lock().await;
+        let Some(pos) = state.sessions.iter().position(|s| s.id == id) else {
+            return Vec::new();
+        };
+        let gone = state.sessions.remove(pos);
+        let mut leftovers = Vec::new();
+        match &state.active {
+            Some(Active::Resolved) => {
+                // The link usually goes with the TUN device; revert anyway.
+                if let Err(e) = resolved::run(&[resolved::revert_command(&gone.tun)]) {
+                    tracing::debug!(error = %e, "systemd-resolved revert");
+                }
+            }
+            Some(Active::Forwarder(f)) if !state.sessions.is_empty() => {
+                f.set_clusters(state.sessions.iter().map(|s| s.cluster.clone()).collect());
+                let ip = f.local_addr().ip();
+                if let Err(e) = self.write_resolv_conf(&state, ip) {
+                    leftovers.push(e.to_string());
+                }
+            }
+            _ => {}
+        }
+        if state.sessions.is_empty() {
+            if let Some(Active::Forwarder(_)) = &state.active
+                && let Err(e) = self.resolv.restore()
+            {
+                leftovers.push(format!(
+                    "resolv.conf {} not restored: {e}",
+                    self.resolv.path().display()
+                ));
+            }
+            if let Some(Active::Forwarder(f)) = state.active.take() {
+                f.stop().await;
+            }
+            state.active = None;
+        }
+        leftovers
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstreams_skip_the_forwarder_and_default_to_localhost() {
+        let fwd: SocketAddr = "127.0.0.153:53".parse().expect("addr");
+        assert_eq!(
+            upstreams_from(b"nameserver 127.0.0.153\nnameserver 10.0.0.2\n", fwd),
+            vec!["10.0.0.2:53".parse::<SocketAddr>().expect("addr")]
+        );
+        assert_eq!(
+            upstreams_from(b"# nothing\n", fwd),
+            vec!["127.0.0.1:53".parse::<SocketAddr>().expect("addr")]
+        );
+        assert_eq!("off".parse::<Mode>(), Ok(Mode::Off));
+        assert!("maybe".parse::<Mode>().is_err());
+    }
+}

@@ -1,0 +1,548 @@
+//! Which resolver a question belongs to (pure: no I/O, no clock of its own).
+//!
+//! A question is one of:
+//! - a name under the cluster domain (`web.dev.svc.cluster.local`): the cluster DNS
+//!   answers it, unchanged;
+//! - a cluster-relative spelling (`web`, `web.dev`, `web.dev.svc`,
+//!   `_http._tcp.web.dev`): the search list of the connected namespace expands it
+//!   (`dev.svc.cluster.local`, `svc.cluster.local`, `cluster.local`, in that order)
+//!   and the first expansion that exists in the cluster answers it, as a pod's
+//!   resolver would. A single label never goes to the laptop's upstream: none of
+//!   the expansions existing means NXDOMAIN (case dns-01). Longer names that expand
+//!   to nothing in the cluster (`example.com`, `web.dev` when there is no namespace
+//!   `dev`) are the laptop's and go upstream unchanged;
+//! - everything else: the laptop's upstream nameservers, unchanged (case dns-05).
+//!
+//! An expansion `a.b.<search domain>` of a multi-label name can only exist when its
+//! ancestor `b.<search domain>` exists (RFC 8020: a name that does not exist has no
+//! descendants). The forwarder asks for that ancestor (the *anchor*) first and caches
+//! the answer in [`ExistenceCache`], so `www.example.com` costs a cluster round trip
+//! for `com.<domain>` once per TTL, not three per query.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use hickory_proto::op::Query;
+use hickory_proto::rr::{DNSClass, Name, RecordType};
+
+/// Names with more labels than this are never expanded: `hostname.svc.ns.svc` and
+/// `_port._proto.svc.ns` have 4, the longest cluster-relative spellings in use.
+pub const MAX_RELATIVE_LABELS: u8 = 4;
+
+/// Bounds on how long an anchor's existence is cached: at least 1 s, so a burst of
+/// queries costs one round trip, and at most 30 s, so a namespace created while
+/// connected becomes resolvable by its short spelling within half a minute.
+pub const ANCHOR_TTL_BOUNDS: (Duration, Duration) =
+    (Duration::from_secs(1), Duration::from_secs(30));
+
+/// Why a cluster DNS configuration is unusable.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// No cluster DNS server was given.
+    #[error(
+        "no cluster DNS server given — pass the ClusterIP of the cluster's DNS Service (e.g. kube-system/kube-dns 10.96.0.10)"
+    )]
+    NoServer,
+    /// A server address does not parse.
+    #[error(
+        "invalid cluster DNS server {0:?} — give an IP address, optionally with :port (e.g. 10.96.0.10 or 10.96.0.10:53)"
+    )]
+    Server(String),
+    /// The cluster domain or a search domain is not a domain name.
+    #[error(
+        "invalid DNS domain {0:?} — give a domain such as cluster.local or dev.svc.cluster.local"
+    )]
+    Domain(String),
+}
+
+/// The cluster's DNS as a session knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterDns {
+    /// The cluster DNS servers (ClusterIP of kube-dns, port 53), reached through the
+    /// TUN device's routes.
+    pub servers: Vec<SocketAddr>,
+    /// The cluster domain, lower case, fully qualified (`cluster.local.`).
+    pub domain: Name,
+    /// The search list, connected namespace first (`dev.svc.cluster.local.`, …),
+    /// lower case, fully qualified.
+    pub search: Vec<Name>,
+    /// Whether the cluster has IPv6 Service or pod ranges. Without them, AAAA
+    /// questions for names under the cluster domain are answered NOERROR/empty at
+    /// once (case dns-09).
+    pub ipv6: bool,
+}
+
+fn fqdn(text: &str) -> Result<Name, ConfigError> {
+    let trimmed = text.trim().trim_end_matches('.');
+    if trimmed.is_empty() {
+        return Err(ConfigError::Domain(text.to_owned()));
+    }
+    let mut name = Name::from_ascii(trimmed)
+        .map_err(|_| ConfigError::Domain(text.to_owned()))?
+        .to_lowercase();
+    name.set_fqdn(true);
+    Ok(name)
+}
+
+/// Parse `10.96.0.10`, `10.96.0.10:53`, `fd00::a` or `[fd00::a]:53`.
+pub fn parse_server(text: &str) -> Result<SocketAddr, ConfigError> {
+    let text = text.trim();
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    text.parse::<std::net::IpAddr>()
+        .map(|ip| SocketAddr::new(ip, 53))
+        .map_err(|_| ConfigError::Server(text.to_owned()))
+}
+
+impl ClusterDns {
+    /// Validate a configuration. An empty search list becomes `svc.<domain>`,
+    /// `<domain>` (no namespace is known then).
+    pub fn new(
+        servers: &[String],
+        domain: &str,
+        search: &[String],
+        ipv6: bool,
+    ) -> Result<Self, ConfigError> {
+        let servers = servers
+            .iter()
+            .map(|s| parse_server(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        if servers.is_empty() {
+            return Err(ConfigError::NoServer);
+        }
+        let domain = fqdn(if domain.trim().is_empty() {
+            "cluster.local"
+        } else {
+            domain
+        })?;
+        let mut list = Vec::new();
+        for s in search {
+            let name = fqdn(s)?;
+            if !list.contains(&name) {
+                list.push(name);
+            }
+        }
+        if list.is_empty() {
+            let svc = Name::from_ascii("svc")
+                .and_then(|n| n.append_domain(&domain))
+                .map_err(|_| ConfigError::Domain(domain.to_string()))?;
+            list = vec![svc, domain.clone()];
+        }
+        Ok(ClusterDns {
+            servers,
+            domain,
+            search: list,
+            ipv6,
+        })
+    }
+
+    /// The search list as text, without trailing dots (`dev.svc.cluster.local`, …).
+    pub fn search_text(&self) -> Vec<String> {
+        self.search
+            .iter()
+            .map(|n| n.to_ascii().trim_end_matches('.').to_owned())
+            .collect()
+    }
+
+    /// The cluster domain as text, without trailing dot.
+    pub fn domain_text(&self) -> String {
+        self.domain.to_ascii().trim_end_matches('.').to_owned()
+    }
+}
+
+/// One expansion of a cluster-relative name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// The expanded name, as asked of the cluster DNS.
+    pub name: Name,
+    /// The ancestor that must exist for `name` to exist (`None` for single labels,
+    /// where the candidate is asked directly).
+    pub anchor: Option<Name>,
+}
+
+/// What to do when no expansion exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Otherwise {
+    /// Answer NXDOMAIN (single labels: never sent upstream unexpanded).
+    NxDomain,
+    /// Forward the question unchanged to the laptop's upstream nameservers.
+    Upstream,
+}
+
+/// Where a question goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// Under the cluster domain: to the cluster DNS, unchanged.
+    Cluster,
+    /// AAAA under the cluster domain of an IPv4-only cluster: NOERROR without
+    /// answers, at once (case dns-09).
+    EmptyAaaa,
+    /// A cluster-relative spelling: try the candidates in order.
+    Search {
+        /// Expansions in search-list order.
+        candidates: Vec<Candidate>,
+        /// When none exists.
+        otherwise: Otherwise,
+    },
+    /// Not the cluster's: to the laptop's upstream nameservers, unchanged.
+    Upstream,
+}
+
+/// Question types a search-list expansion applies to: those an application asks
+/// for by service name. `NS`, `SOA`, `DS`… of a single label are questions about a
+/// top-level domain and go upstream.
+fn expandable(qtype: RecordType) -> bool {
+    matches!(
+        qtype,
+        RecordType::A
+            | RecordType::AAAA
+            | RecordType::SRV
+            | RecordType::CNAME
+            | RecordType::TXT
+            | RecordType::ANY
+    )
+}
+
+/// Classify one question for one cluster.
+pub fn classify(query: &Query, cluster: &ClusterDns) -> Plan {
+    if query.query_class() != DNSClass::IN {
+        return Plan::Upstream;
+    }
+    let mut name = query.name().to_lowercase();
+    name.set_fqdn(true);
+    if name.is_root() || name.is_localhost() {
+        return Plan::Upstream;
+    }
+    if cluster.domain.zone_of(&name) {
+        return if query.query_type() == RecordType::AAAA && !cluster.ipv6 {
+            Plan::EmptyAaaa
+        } else {
+            Plan::Cluster
+        };
+    }
+    let labels = name.num_labels();
+    if labels > MAX_RELATIVE_LABELS || !expandable(query.query_type()) {
+        return Plan::Upstream;
+    }
+    // The last label: its expansion under each search domain is the anchor.
+    let last = name.trim_to(1);
+    let mut candidates = Vec::new();
+    for domain in &cluster.search {
+        // Too long once expanded (255 bytes): that expansion cannot exist.
+        let Ok(expanded) = name.clone().append_domain(domain) else {
+            continue;
+        };
+        let anchor = if labels >= 2 {
+            match last.clone().append_domain(domain) {
+                Ok(a) => Some(a),
+                Err(_) => continue,
+            }
+        } else {
+            None
+        };
+        candidates.push(Candidate {
+            name: expanded,
+            anchor,
+        });
+    }
+    Plan::Search {
+        candidates,
+        otherwise: if labels == 1 {
+            Otherwise::NxDomain
+        } else {
+            Otherwise::Upstream
+        },
+    }
+}
+
+/// Classify against several clusters (most recent session first): a name under
+/// some cluster's domain belongs to that cluster; otherwise the first cluster that
+/// would expand it does.
+pub fn classify_all<'a>(
+    query: &Query,
+    clusters: impl IntoIterator<Item = &'a ClusterDns> + Clone,
+) -> Option<(Plan, &'a ClusterDns)> {
+    let plans = || {
+        clusters
+            .clone()
+            .into_iter()
+            .map(|c| (classify(query, c), c))
+    };
+    plans()
+        .find(|(plan, _)| matches!(plan, Plan::Cluster | Plan::EmptyAaaa))
+        .or_else(|| plans().find(|(plan, _)| *plan != Plan::Upstream))
+}
+
+/// Whether names exist in the cluster, with expiry. Pure: the caller passes `now`.
+/// Bounded: when full, expired entries go, and if that frees nothing, everything.
+#[derive(Debug)]
+pub struct ExistenceCache {
+    entries: HashMap<Name, (bool, Instant)>,
+    capacity: usize,
+}
+
+impl ExistenceCache {
+    /// A cache of at most `capacity` names.
+    pub fn new(capacity: usize) -> Self {
+        ExistenceCache {
+            entries: HashMap::new(),
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// `Some(exists)` while a fresh answer is cached.
+    pub fn get(&self, name: &Name, now: Instant) -> Option<bool> {
+        self.entries
+            .get(&name.to_lowercase())
+            .and_then(|(exists, until)| (now < *until).then_some(*exists))
+    }
+
+    /// Remember an answer for `ttl`, clamped to [`ANCHOR_TTL_BOUNDS`].
+    pub fn insert(&mut self, name: &Name, exists: bool, ttl: Duration, now: Instant) {
+        if self.entries.len() >= self.capacity {
+            self.entries.retain(|_, (_, until)| now < *until);
+            if self.entries.len() >= self.capacity {
+                self.entries.clear();
+            }
+        }
+        let ttl = ttl.clamp(ANCHOR_TTL_BOUNDS.0, ANCHOR_TTL_BOUNDS.1);
+        self.entries
+            .insert(name.to_lowercase(), (exists, now + ttl));
+    }
+
+    /// Number of entries (fresh or not).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(ns: &str) -> ClusterDns {
+        ClusterDns::new(
+            &["10.96.0.10".to_owned()],
+            "cluster.local",
+            &[
+                format!("{ns}.svc.cluster.local"),
+                "svc.cluster.local".to_owned(),
+                "cluster.local".to_owned(),
+            ],
+            false,
+        )
+        .expect("valid config")
+    }
+
+    fn q(name: &str, t: RecordType) -> Query {
+        Query::query(Name::from_ascii(name).expect("name"), t)
+    }
+
+    fn names(plan: &Plan) -> Vec<(String, Option<String>)> {
+        match plan {
+            Plan::Search { candidates, .. } => candidates
+                .iter()
+                .map(|c| (c.name.to_ascii(), c.anchor.as_ref().map(Name::to_ascii)))
+                .collect(),
+            other => panic!("not a search plan: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn config_parses_servers_and_defaults_the_search_list() {
+        let c = ClusterDns::new(
+            &["10.96.0.10".into(), "[fd00::a]:5353".into()],
+            "Cluster.Local.",
+            &[],
+            true,
+        )
+        .expect("valid");
+        assert_eq!(
+            c.servers,
+            vec![
+                "10.96.0.10:53".parse::<SocketAddr>().expect("addr"),
+                "[fd00::a]:5353".parse().expect("addr")
+            ]
+        );
+        assert_eq!(c.domain.to_ascii(), "cluster.local.");
+        assert_eq!(c.search_text(), vec!["svc.cluster.local", "cluster.local"]);
+        assert_eq!(
+            ClusterDns::new(&[], "cluster.local", &[], false),
+            Err(ConfigError::NoServer)
+        );
+        assert!(matches!(
+            ClusterDns::new(&["dns.example".into()], "cluster.local", &[], false),
+            Err(ConfigError::Server(_))
+        ));
+        assert!(matches!(
+            ClusterDns::new(&["10.96.0.10".into()], "a..b", &[], false),
+            Err(ConfigError::Domain(_))
+        ));
+    }
+
+    #[test]
+    fn cluster_domain_names_go_to_the_cluster_with_or_without_trailing_dot() {
+        let c = cluster("dev");
+        for n in [
+            "web.dev.svc.cluster.local",
+            "web.dev.svc.cluster.local.",
+            "WEB.Dev.SVC.Cluster.Local.",
+            "cluster.local.",
+            "10-244-1-11.dev.pod.cluster.local",
+        ] {
+            assert_eq!(classify(&q(n, RecordType::A), &c), Plan::Cluster, "{n}");
+            assert_eq!(classify(&q(n, RecordType::SRV), &c), Plan::Cluster, "{n}");
+        }
+    }
+
+    #[test]
+    fn aaaa_on_an_ipv4_only_cluster_is_answered_empty() {
+        let mut c = cluster("dev");
+        let aaaa = q("web.dev.svc.cluster.local.", RecordType::AAAA);
+        assert_eq!(classify(&aaaa, &c), Plan::EmptyAaaa);
+        c.ipv6 = true;
+        assert_eq!(classify(&aaaa, &c), Plan::Cluster);
+    }
+
+    #[test]
+    fn single_labels_expand_connected_namespace_first_and_never_go_upstream() {
+        let c = cluster("dev");
+        for n in ["web", "web."] {
+            let plan = classify(&q(n, RecordType::A), &c);
+            assert_eq!(
+                names(&plan),
+                vec![
+                    ("web.dev.svc.cluster.local.".to_owned(), None),
+                    ("web.svc.cluster.local.".to_owned(), None),
+                    ("web.cluster.local.".to_owned(), None),
+                ]
+            );
+            assert!(matches!(
+                plan,
+                Plan::Search {
+                    otherwise: Otherwise::NxDomain,
+                    ..
+                }
+            ));
+        }
+        // AAAA expands as well (the cluster answers NODATA for IPv4 Services).
+        assert!(matches!(
+            classify(&q("web", RecordType::AAAA), &c),
+            Plan::Search { .. }
+        ));
+    }
+
+    #[test]
+    fn multi_label_spellings_expand_with_anchors_and_fall_back_upstream() {
+        let c = cluster("dev");
+        let plan = classify(&q("web.dev.", RecordType::A), &c);
+        assert_eq!(
+            names(&plan),
+            vec![
+                (
+                    "web.dev.dev.svc.cluster.local.".to_owned(),
+                    Some("dev.dev.svc.cluster.local.".to_owned())
+                ),
+                (
+                    "web.dev.svc.cluster.local.".to_owned(),
+                    Some("dev.svc.cluster.local.".to_owned())
+                ),
+                (
+                    "web.dev.cluster.local.".to_owned(),
+                    Some("dev.cluster.local.".to_owned())
+                ),
+            ]
+        );
+        assert!(matches!(
+            plan,
+            Plan::Search {
+                otherwise: Otherwise::Upstream,
+                ..
+            }
+        ));
+        let plan = classify(&q("web.dev.svc", RecordType::A), &c);
+        assert_eq!(names(&plan)[2].0, "web.dev.svc.cluster.local.");
+        assert_eq!(
+            names(&plan)[2].1.as_deref(),
+            Some("svc.cluster.local."),
+            "anchor of svc.ns.svc is svc.<domain>"
+        );
+        let plan = classify(&q("_http._tcp.web.dev", RecordType::SRV), &c);
+        assert_eq!(names(&plan)[1].0, "_http._tcp.web.dev.svc.cluster.local.");
+    }
+
+    #[test]
+    fn the_rest_goes_upstream_unchanged() {
+        let c = cluster("dev");
+        for (n, t) in [
+            ("a.b.c.d.example.com.", RecordType::A),
+            (".", RecordType::NS),
+            ("localhost.", RecordType::A),
+            ("com.", RecordType::NS),
+            ("com.", RecordType::DS),
+            ("example.com.", RecordType::MX),
+            ("1.0.96.10.in-addr.arpa.", RecordType::PTR),
+        ] {
+            assert_eq!(classify(&q(n, t), &c), Plan::Upstream, "{n} {t}");
+        }
+        let mut chaos = q("version.bind.", RecordType::TXT);
+        chaos.set_query_class(DNSClass::CH);
+        assert_eq!(classify(&chaos, &c), Plan::Upstream);
+    }
+
+    #[test]
+    fn several_clusters_most_recent_first() {
+        let dev = cluster("dev");
+        let other =
+            ClusterDns::new(&["10.0.0.10".into()], "other.example", &[], false).expect("valid");
+        let (plan, c) =
+            classify_all(&q("x.other.example.", RecordType::A), [&dev, &other]).expect("other's");
+        assert_eq!(plan, Plan::Cluster);
+        assert_eq!(c, &other);
+        let (_, c) = classify_all(&q("web", RecordType::A), [&dev, &other]).expect("dev's");
+        assert_eq!(c, &dev);
+        // A long public name: nobody's.
+        assert!(classify_all(&q("a.b.c.d.e.example.", RecordType::A), [&dev, &other]).is_none());
+    }
+
+    #[test]
+    fn existence_cache_expires_clamps_and_stays_bounded() {
+        let t0 = Instant::now();
+        let mut cache = ExistenceCache::new(2);
+        let dev = Name::from_ascii("dev.svc.cluster.local.").expect("name");
+        let com = Name::from_ascii("com.svc.cluster.local.").expect("name");
+        cache.insert(&dev, true, Duration::from_secs(5), t0);
+        cache.insert(&com, false, Duration::from_secs(3600), t0);
+        assert_eq!(cache.get(&dev, t0), Some(true));
+        assert_eq!(
+            cache.get(
+                &Name::from_ascii("DEV.svc.cluster.local.").expect("name"),
+                t0
+            ),
+            Some(true),
+            "case-insensitive"
+        );
+        assert_eq!(cache.get(&com, t0 + Duration::from_secs(29)), Some(false));
+        assert_eq!(
+            cache.get(&com, t0 + Duration::from_secs(31)),
+            None,
+            "TTL capped at 30 s"
+        );
+        assert_eq!(cache.get(&dev, t0 + Duration::from_secs(6)), None);
+        // Zero TTL still caches for a second.
+        let x = Name::from_ascii("x.").expect("name");
+        cache.insert(&x, true, Duration::ZERO, t0 + Duration::from_secs(100));
+        assert!(cache.len() <= 2);
+        assert_eq!(
+            cache.get(&x, t0 + Duration::from_millis(100_500)),
+            Some(true)
+        );
+    }
+}

@@ -1,0 +1,730 @@
+//! The laptop's `resolv.conf` while the forwarder serves (resolver(5)).
+//!
+//! On the first session with cluster DNS, the exact bytes of the file (through a
+//! symlink if it is one), whether it is a symlink and its target, its mode and owner
+//! are saved to a backup file in `$KVPN_RUNTIME_DIR` *before* anything changes; then
+//! the file is replaced by one that names the forwarder only, with the cluster
+//! search domains before the laptop's own and the laptop's options kept. When the
+//! last such session ends, and at the next daemon start after a crash (the backup
+//! file drives the repair), the original comes back byte for byte and a symlink is
+//! a symlink again (case dns-06). If somebody else rewrote the file meanwhile (a
+//! DHCP client, NetworkManager), their version stays and the backup is dropped.
+//!
+//! A symlinked `resolv.conf` is replaced by a regular file rather than written
+//! through, so the target (owned by systemd-resolved, NetworkManager, …) is never
+//! touched. Where the path is a mount point (containers, `ip netns exec`'s bind
+//! mount of `/etc/netns/<name>/resolv.conf`), rename fails with EBUSY and the file
+//! is written in place instead.
+//!
+//! Pure: [`parse`], [`render`], [`Backup::encode`]/[`Backup::decode`]. I/O:
+//! [`ResolvConf`] (the file and its backup).
+
+use std::ffi::OsString;
+use std::fs;
+use std::io::{self, Write as _};
+use std::net::IpAddr;
+use std::os::unix::ffi::OsStringExt as _;
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Default path (env `KVPN_RESOLV_CONF` overrides it).
+pub const DEFAULT_PATH: &str = "/etc/resolv.conf";
+/// Backup file name in the runtime directory.
+pub const BACKUP_NAME: &str = "resolv.conf.kvpn-backup";
+/// First line of a backup file.
+const BACKUP_MAGIC: &str = "kvpn resolv.conf backup v1";
+
+/// Errors of resolv.conf handling.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolvConfError {
+    /// File system I/O failed.
+    #[error(
+        "{what} {path}: {source} — check that the root daemon runs as root and the file system is writable"
+    )]
+    Io {
+        /// What was attempted.
+        what: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// The backup file is damaged.
+    #[error("backup {path} is damaged ({why}) — restore {target} by hand and remove the backup")]
+    BadBackup {
+        /// The backup file.
+        path: PathBuf,
+        /// The resolv.conf it belongs to.
+        target: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// The symlink's target is not UTF-8 (kvpn could not restore it faithfully).
+    #[error("{path} is a symlink to a non-UTF-8 path — kvpn leaves such a resolv.conf alone")]
+    OddSymlink {
+        /// The path.
+        path: PathBuf,
+    },
+}
+
+// --- pure: parse and render ----------------------------------------------------
+
+/// What kvpn reads from a resolv.conf.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resolv {
+    /// `nameserver` lines, in order (a `%scope` suffix is dropped).
+    pub nameservers: Vec<IpAddr>,
+    /// The search list: the last `search` or `domain` line wins, as in glibc.
+    pub search: Vec<String>,
+    /// `options` lines, verbatim (without the keyword), in order.
+    pub options: Vec<String>,
+    /// `sortlist` lines, verbatim (without the keyword).
+    pub sortlist: Vec<String>,
+}
+
+/// Parse resolv.conf bytes. Never fails: unknown or broken lines are skipped, as
+/// the resolver does.
+pub fn parse(bytes: &[u8]) -> Resolv {
+    let text = String::from_utf8_lossy(bytes);
+    let mut r = Resolv::default();
+    for line in text.lines() {
+        let line = line.trim_end_matches('\r');
+        if line.starts_with(['#', ';']) {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let Some(keyword) = words.next() else {
+            continue;
+        };
+        let rest: Vec<&str> = words.take_while(|w| !w.starts_with(['#', ';'])).collect();
+        match keyword {
+            "nameserver" => {
+                if let Some(ip) = rest
+                    .first()
+                    .and_then(|w| w.split('%').next())
+                    .and_then(|w| w.parse().ok())
+                {
+                    r.nameservers.push(ip);
+                }
+            }
+            "search" | "domain" => r.search = rest.iter().map(|s| (*s).to_owned()).collect(),
+            "options" if !rest.is_empty() => r.options.push(rest.join(" ")),
+            "sortlist" if !rest.is_empty() => r.sortlist.push(rest.join(" ")),
+            _ => {}
+        }
+    }
+    r
+}
+
+/// The resolv.conf kvpn writes: the forwarder as the only nameserver (any other
+/// would let cluster names leak upstream when the forwarder is slow), the cluster
+/// search domains first and then the laptop's (duplicates dropped), and the
+/// laptop's options and sortlist.
+pub fn render(forwarder: IpAddr, cluster_search: &[String], original: &Resolv) -> String {
+    let mut out = String::from(
+        "# Written by kvpn: cluster names resolve through kvpn's DNS forwarder, all\n\
+         # other names through this laptop's own nameservers. The original file comes\n\
+         # back byte for byte when kvpn disconnects.\n",
+    );
+    out.push_str(&format!("nameserver {forwarder}\n"));
+    let mut search: Vec<&str> = Vec::new();
+    for s in cluster_search.iter().chain(&original.search) {
+        let s = s.trim_end_matches('.');
+        if !s.is_empty() && !search.iter().any(|x| x.eq_ignore_ascii_case(s)) {
+            search.push(s);
+        }
+    }
+    if !search.is_empty() {
+        out.push_str(&format!("search {}\n", search.join(" ")));
+    }
+    for o in &original.options {
+        out.push_str(&format!("options {o}\n"));
+    }
+    for s in &original.sortlist {
+        out.push_str(&format!("sortlist {s}\n"));
+    }
+    out
+}
+
+// --- pure: the backup file -----------------------------------------------------
+
+/// What the path was before kvpn changed it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// A regular file.
+    File,
+    /// A symlink to `target` (as `readlink` gave it).
+    Symlink {
+        /// The link's target.
+        target: String,
+    },
+    /// Nothing.
+    Absent,
+}
+
+/// Header of the backup file (one JSON line).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct BackupHeader {
+    path: PathBuf,
+    kind: Kind,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    original_len: usize,
+    written: String,
+}
+
+/// The saved original and what kvpn wrote in its place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backup {
+    /// The resolv.conf path.
+    pub path: PathBuf,
+    /// What it was.
+    pub kind: Kind,
+    /// Permission bits of the regular file (0o644 otherwise).
+    pub mode: u32,
+    /// Owner of the regular file.
+    pub uid: u32,
+    /// Group of the regular file.
+    pub gid: u32,
+    /// The exact bytes a reader saw (through the symlink); empty when absent.
+    pub original: Vec<u8>,
+    /// What kvpn wrote last.
+    pub written: String,
+}
+
+impl Backup {
+    /// `magic\n{json}\n<original bytes>`: the bytes stay exact whatever they hold.
+    pub fn encode(&self) -> Vec<u8> {
+        let header = BackupHeader {
+            path: self.path.clone(),
+            kind: self.kind.clone(),
+            mode: self.mode,
+            uid: self.uid,
+            gid: self.gid,
+            original_len: self.original.len(),
+            written: self.written.clone(),
+        };
+        let mut out = format!("{BACKUP_MAGIC}\n").into_bytes();
+        // Serialising a struct of strings and numbers cannot fail.
+        out.extend(serde_json::to_vec(&header).unwrap_or_default());
+        out.push(b'\n');
+        out.extend_from_slice(&self.original);
+        out
+    }
+
+    /// Inverse of [`Backup::encode`]; the error says what is wrong.
+    pub fn decode(bytes: &[u8]) -> Result<Backup, String> {
+        let rest = bytes
+            .strip_prefix(format!("{BACKUP_MAGIC}\n").as_bytes())
+            .ok_or("no kvpn backup header")?;
+        let nl = rest
+            .iter()
+            .position(|b| *b == b'\n')
+            .ok_or("header line not terminated")?;
+        let header: BackupHeader =
+            serde_json::from_slice(&rest[..nl]).map_err(|e| format!("header: {e}"))?;
+        let original = &rest[nl + 1..];
+        if original.len() != header.original_len {
+            return Err(format!(
+                "{} bytes of the original saved, header says {}",
+                original.len(),
+                header.original_len
+            ));
+        }
+        Ok(Backup {
+            path: header.path,
+            kind: header.kind,
+            mode: header.mode,
+            uid: header.uid,
+            gid: header.gid,
+            original: original.to_vec(),
+            written: header.written,
+        })
+    }
+}
+
+// --- I/O -----------------------------------------------------------------------
+
+/// How a restore ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restored {
+    /// No backup: nothing to do.
+    NothingToDo,
+    /// The original is back.
+    Original,
+    /// Somebody else changed the file after kvpn wrote it; theirs was kept.
+    KeptOthers,
+}
+
+/// A resolv.conf and its backup in the runtime directory.
+#[derive(Debug, Clone)]
+pub struct ResolvConf {
+    path: PathBuf,
+    backup: PathBuf,
+}
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ResolvConfError + 'a {
+    move |source| ResolvConfError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_else(|| OsString::from("resolv.conf"));
+    name.push(suffix);
+    let mut hidden = OsString::from(".");
+    hidden.push(name);
+    path.with_file_name(hidden)
+}
+
+fn sync_dir(path: &Path) {
+    if let Some(dir) = path.parent()
+        && let Ok(d) = fs::File::open(dir)
+    {
+        let _ = d.sync_all();
+    }
+}
+
+/// Write `bytes` to `path` atomically (temp file in the same directory, fsync,
+/// rename); where rename cannot replace the path (a mount point: EBUSY; another
+/// file system: EXDEV), write in place.
+fn replace_with_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), ResolvConfError> {
+    let tmp = sibling(path, ".kvpn-tmp");
+    let _ = fs::remove_file(&tmp);
+    let write_tmp = || -> io::Result<()> {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.set_permissions(fs::Permissions::from_mode(mode))?;
+        f.sync_all()
+    };
+    write_tmp().map_err(io("cannot write", &tmp))?;
+    match fs::rename(&tmp, path) {
+        Ok(()) => {
+            sync_dir(path);
+            Ok(())
+        }
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EXDEV)) => {
+            let _ = fs::remove_file(&tmp);
+            tracing::debug!(path = %path.display(), error = %e, "cannot rename over resolv.conf; writing it in place");
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .truncate(true)
+                .open(path)
+                .map_err(io("cannot open", path))?;
+            f.write_all(bytes).map_err(io("cannot write", path))?;
+            f.sync_all().map_err(io("cannot sync", path))
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(ResolvConfError::Io {
+                what: "cannot replace",
+                path: path.to_owned(),
+                source: e,
+            })
+        }
+    }
+}
+
+fn replace_with_symlink(path: &Path, target: &str) -> Result<(), ResolvConfError> {
+    let tmp = sibling(path, ".kvpn-tmp");
+    let _ = fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp).map_err(io("cannot create symlink", &tmp))?;
+    fs::rename(&tmp, path).map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        ResolvConfError::Io {
+            what: "cannot put the symlink back at",
+            path: path.to_owned(),
+            source: e,
+        }
+    })?;
+    sync_dir(path);
+    Ok(())
+}
+
+impl ResolvConf {
+    /// `path` (normally [`DEFAULT_PATH`]) with its backup in `runtime_dir`.
+    pub fn new(path: impl Into<PathBuf>, runtime_dir: &Path) -> Self {
+        ResolvConf {
+            path: path.into(),
+            backup: runtime_dir.join(BACKUP_NAME),
+        }
+    }
+
+    /// The resolv.conf path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The backup file path.
+    pub fn backup_path(&self) -> &Path {
+        &self.backup
+    }
+
+    /// The backup, if one exists.
+    pub fn backup(&self) -> Result<Option<Backup>, ResolvConfError> {
+        let bytes = match fs::read(&self.backup) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io("cannot read", &self.backup)(e)),
+        };
+        Backup::decode(&bytes)
+            .map(Some)
+            .map_err(|why| ResolvConfError::BadBackup {
+                path: self.backup.clone(),
+                target: self.path.clone(),
+                why,
+            })
+    }
+
+    fn save_backup(&self, backup: &Backup) -> Result<(), ResolvConfError> {
+        replace_with_file(&self.backup, &backup.encode(), 0o600)
+    }
+
+    /// What the path holds now, as a backup of it would record it.
+    fn snapshot(&self) -> Result<Backup, ResolvConfError> {
+        let (kind, mode, uid, gid) = match fs::symlink_metadata(&self.path) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let target =
+                    fs::read_link(&self.path).map_err(io("cannot read link", &self.path))?;
+                let target =
+                    String::from_utf8(target.into_os_string().into_vec()).map_err(|_| {
+                        ResolvConfError::OddSymlink {
+                            path: self.path.clone(),
+                        }
+                    })?;
+                (Kind::Symlink { target }, 0o644, 0, 0)
+            }
+            Ok(meta) => (Kind::File, meta.mode() & 0o7777, meta.uid(), meta.gid()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => (Kind::Absent, 0o644, 0, 0),
+            Err(e) => return Err(io("cannot inspect", &self.path)(e)),
+        };
+        let original = match kind {
+            Kind::Absent => Vec::new(),
+            // A dangling symlink reads as nothing, as the resolver sees it.
+            _ => match fs::read(&self.path) {
+                Ok(b) => b,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+                Err(e) => return Err(io("cannot read", &self.path)(e)),
+            },
+        };
+        Ok(Backup {
+            path: self.path.clone(),
+            kind,
+            mode,
+            uid,
+            gid,
+            original,
+            written: String::new(),
+        })
+    }
+
+    /// Save the original (unless a backup exists already: then it *is* the
+    /// original) and write `render(original bytes)` in its place. Returns the
+    /// original bytes.
+    pub fn apply(&self, render: impl FnOnce(&[u8]) -> String) -> Result<Vec<u8>, ResolvConfError> {
+        let mut backup = match self.backup()? {
+            Some(b) => b,
+            None => self.snapshot()?,
+        };
+        let content = render(&backup.original);
+        backup.written = content.clone();
+        // The backup reaches the disk before the file changes: a crash in between
+        // leaves a backup whose `written` does not match, which restore handles.
+        self.save_backup(&backup)?;
+        let mode = if backup.kind == Kind::File {
+            backup.mode
+        } else {
+            0o644
+        };
+        replace_with_file(&self.path, content.as_bytes(), mode)?;
+        if backup.kind == Kind::File {
+            let _ = nix::unistd::chown(
+                &self.path,
+                Some(nix::unistd::Uid::from_raw(backup.uid)),
+                Some(nix::unistd::Gid::from_raw(backup.gid)),
+            );
+        }
+        tracing::info!(path = %self.path.display(), backup = %self.backup.display(), "resolv.conf now names kvpn's DNS forwarder");
+        Ok(backup.original)
+    }
+
+    /// Put the original back (see the module header) and remove the backup.
+    pub fn restore(&self) -> Result<Restored, ResolvConfError> {
+        let Some(backup) = self.backup()? else {
+            return Ok(Restored::NothingToDo);
+        };
+        let current = match fs::symlink_metadata(&self.path) {
+            Ok(m) if m.file_type().is_file() => fs::read(&self.path).ok(),
+            Ok(_) => None,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Some(Vec::new()),
+            Err(e) => return Err(io("cannot inspect", &self.path)(e)),
+        };
+        let ours = current.as_deref() == Some(backup.written.as_bytes());
+        // Killed between saving the backup and writing the file: the file is still
+        // the original.
+        let untouched = self.snapshot().is_ok_and(|now| {
+            now.kind == backup.kind && now.original == backup.original && now.kind != Kind::Absent
+        });
+        let outcome = if ours {
+            match &backup.kind {
+                Kind::File => {
+                    replace_with_file(&self.path, &backup.original, backup.mode)?;
+                    let _ = nix::unistd::chown(
+                        &self.path,
+                        Some(nix::unistd::Uid::from_raw(backup.uid)),
+                        Some(nix::unistd::Gid::from_raw(backup.gid)),
+                    );
+                }
+                Kind::Symlink { target } => replace_with_symlink(&self.path, target)?,
+                Kind::Absent => match fs::remove_file(&self.path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io("cannot remove", &self.path)(e)),
+                },
+            }
+            tracing::info!(path = %self.path.display(), "resolv.conf restored");
+            Restored::Original
+        } else if untouched {
+            Restored::Original
+        } else {
+            tracing::warn!(
+                path = %self.path.display(),
+                "resolv.conf was changed by something else while kvpn was connected; keeping that version instead of kvpn's backup"
+            );
+            Restored::KeptOthers
+        };
+        match fs::remove_file(&self.backup) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("cannot remove", &self.backup)(e)),
+        }
+        sync_dir(&self.backup);
+        Ok(outcome)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ORIGINAL: &[u8] = b"# laptop\r\nnameserver 192.168.1.1\nnameserver fe80::1%eth0\n\
+        search corp.test lab.test\noptions ndots:2 timeout:1\noptions edns0 # trust-ad\n\
+        sortlist 10.0.0.0/255.0.0.0\nunknown line\n\tnameserver\t10.0.0.53";
+
+    #[test]
+    fn parse_reads_what_the_resolver_reads() {
+        let r = parse(ORIGINAL);
+        assert_eq!(
+            r.nameservers,
+            vec![
+                "192.168.1.1".parse::<IpAddr>().expect("ip"),
+                "fe80::1".parse().expect("ip"),
+                "10.0.0.53".parse().expect("ip")
+            ]
+        );
+        assert_eq!(r.search, vec!["corp.test", "lab.test"]);
+        assert_eq!(r.options, vec!["ndots:2 timeout:1", "edns0"]);
+        assert_eq!(r.sortlist, vec!["10.0.0.0/255.0.0.0"]);
+        // domain and search: the last wins.
+        assert_eq!(parse(b"search a b\ndomain c\n").search, vec!["c"]);
+        assert_eq!(parse(b"").nameservers, Vec::<IpAddr>::new());
+        assert_eq!(parse(&[0xff, 0xfe, b'\n']).search, Vec::<String>::new());
+    }
+
+    #[test]
+    fn render_names_the_forwarder_only_and_prepends_the_cluster_search() {
+        let text = render(
+            "127.0.0.153".parse().expect("ip"),
+            &[
+                "dev.svc.cluster.local".into(),
+                "svc.cluster.local".into(),
+                "cluster.local.".into(),
+                "corp.test".into(),
+            ],
+            &parse(ORIGINAL),
+        );
+        let r = parse(text.as_bytes());
+        assert_eq!(
+            r.nameservers,
+            vec!["127.0.0.153".parse::<IpAddr>().expect("ip")]
+        );
+        assert_eq!(
+            r.search,
+            vec![
+                "dev.svc.cluster.local",
+                "svc.cluster.local",
+                "cluster.local",
+                "corp.test",
+                "lab.test"
+            ]
+        );
+        assert_eq!(r.options, parse(ORIGINAL).options);
+        assert_eq!(r.sortlist, parse(ORIGINAL).sortlist);
+        assert!(text.starts_with("# Written by kvpn"));
+    }
+
+    #[test]
+    fn backup_round_trips_any_bytes() {
+        for (kind, original) in [
+            (Kind::File, ORIGINAL.to_vec()),
+            (
+                Kind::Symlink {
+                    target: "../run/systemd/resolve/stub-resolv.conf".into(),
+                },
+                b"nameserver 127.0.0.53\n".to_vec(),
+            ),
+            (Kind::Absent, Vec::new()),
+            (Kind::File, vec![0, 10, 255, 13, 10]),
+        ] {
+            let b = Backup {
+                path: "/etc/resolv.conf".into(),
+                kind,
+                mode: 0o644,
+                uid: 0,
+                gid: 0,
+                original,
+                written: "nameserver 127.0.0.153\n".into(),
+            };
+            assert_eq!(Backup::decode(&b.encode()), Ok(b.clone()));
+            let mut cut = b.encode();
+            if !b.original.is_empty() {
+                cut.pop();
+                assert!(Backup::decode(&cut).is_err(), "a short backup is refused");
+            }
+        }
+        assert!(Backup::decode(b"nameserver 1.1.1.1\n").is_err());
+    }
+
+    fn scratch(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "kvpn-resolv-{tag}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("scratch dir");
+        dir
+    }
+
+    fn render_test(original: &[u8]) -> String {
+        render(
+            "127.0.0.153".parse().expect("ip"),
+            &["dev.svc.cluster.local".into()],
+            &parse(original),
+        )
+    }
+
+    #[test]
+    fn apply_and_restore_a_regular_file_byte_for_byte() {
+        let dir = scratch("file");
+        let path = dir.join("resolv.conf");
+        fs::write(&path, ORIGINAL).expect("write");
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o640)).expect("chmod");
+        let rc = ResolvConf::new(&path, &dir);
+        assert_eq!(rc.apply(render_test).expect("apply"), ORIGINAL);
+        let ours = fs::read_to_string(&path).expect("read");
+        assert!(ours.contains("nameserver 127.0.0.153"));
+        assert!(rc.backup_path().exists());
+        // A second session: the backup keeps the original, not kvpn's file.
+        assert_eq!(rc.apply(render_test).expect("apply again"), ORIGINAL);
+        assert_eq!(rc.restore().expect("restore"), Restored::Original);
+        assert_eq!(fs::read(&path).expect("read"), ORIGINAL);
+        assert_eq!(
+            fs::metadata(&path).expect("meta").permissions().mode() & 0o777,
+            0o640
+        );
+        assert!(!rc.backup_path().exists());
+        assert_eq!(rc.restore().expect("again"), Restored::NothingToDo);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn apply_and_restore_a_symlink_and_leave_its_target_alone() {
+        let dir = scratch("link");
+        let target = dir.join("stub-resolv.conf");
+        fs::write(
+            &target,
+            b"nameserver 127.0.0.53\noptions edns0 trust-ad\nsearch .",
+        )
+        .expect("write");
+        let path = dir.join("resolv.conf");
+        std::os::unix::fs::symlink("stub-resolv.conf", &path).expect("symlink");
+        let rc = ResolvConf::new(&path, &dir);
+        rc.apply(render_test).expect("apply");
+        assert!(
+            !fs::symlink_metadata(&path)
+                .expect("meta")
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(
+            fs::read(&target).expect("target"),
+            b"nameserver 127.0.0.53\noptions edns0 trust-ad\nsearch .",
+            "the symlink's target is untouched"
+        );
+        assert_eq!(rc.restore().expect("restore"), Restored::Original);
+        assert!(
+            fs::symlink_metadata(&path)
+                .expect("meta")
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(
+            fs::read_link(&path).expect("link"),
+            Path::new("stub-resolv.conf")
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_absent_file_is_absent_again_and_others_changes_are_kept() {
+        let dir = scratch("absent");
+        let path = dir.join("resolv.conf");
+        let rc = ResolvConf::new(&path, &dir);
+        rc.apply(render_test).expect("apply");
+        assert!(path.exists());
+        assert_eq!(rc.restore().expect("restore"), Restored::Original);
+        assert!(!path.exists());
+
+        fs::write(&path, b"nameserver 10.0.0.1\n").expect("write");
+        rc.apply(render_test).expect("apply");
+        fs::write(&path, b"nameserver 10.9.9.9\n# DHCP renewed\n").expect("write");
+        assert_eq!(rc.restore().expect("restore"), Restored::KeptOthers);
+        assert_eq!(
+            fs::read(&path).expect("read"),
+            b"nameserver 10.9.9.9\n# DHCP renewed\n"
+        );
+        assert!(!rc.backup_path().exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_crash_between_backup_and_write_restores_cleanly() {
+        let dir = scratch("crash");
+        let path = dir.join("resolv.conf");
+        fs::write(&path, ORIGINAL).expect("write");
+        let rc = ResolvConf::new(&path, &dir);
+        // What apply writes first, without the second step.
+        let mut b = rc.snapshot().expect("snapshot");
+        b.written = render_test(ORIGINAL);
+        rc.save_backup(&b).expect("backup");
+        assert_eq!(rc.restore().expect("restore"), Restored::Original);
+        assert_eq!(fs::read(&path).expect("read"), ORIGINAL);
+        assert!(!rc.backup_path().exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
