@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use ipnet::IpNet;
 use kvpn_proto::dataplane::{
-    ConnectRequest, DisconnectRequest, Origin, Route, RouteKind, Session, StatusRequest,
+    ClusterDns, ConnectRequest, DisconnectRequest, Origin, Route, RouteKind, Session, StatusRequest,
 };
 
 use crate::agent::{self, AgentConfig};
@@ -428,6 +428,44 @@ fn list(cidrs: &[IpNet]) -> String {
         .join(", ")
 }
 
+/// Namespace and name of the cluster DNS Service (kube-dns, also CoreDNS's name).
+const CLUSTER_DNS_SERVICE: (&str, &str) = ("kube-system", "kube-dns");
+/// The cluster domain kvpn assumes (the API does not tell it).
+const CLUSTER_DOMAIN: &str = "cluster.local";
+
+/// The cluster DNS for `namespace`: the ClusterIPs of Service kube-system/kube-dns,
+/// the cluster domain and the pod search list (namespace first). `Err` says why
+/// there is none, for a warning.
+async fn cluster_dns(client: &kube::Client, namespace: &str) -> Result<ClusterDns, String> {
+    use k8s_openapi::api::core::v1::Service;
+    let (ns, name) = CLUSTER_DNS_SERVICE;
+    let api: kube::Api<Service> = kube::Api::namespaced(client.clone(), ns);
+    let svc = api
+        .get(name)
+        .await
+        .map_err(|e| format!("cannot read Service {ns}/{name}: {e}"))?;
+    let spec = svc.spec.unwrap_or_default();
+    let mut servers: Vec<String> = spec.cluster_ips.unwrap_or_default();
+    if servers.is_empty()
+        && let Some(ip) = spec.cluster_ip
+    {
+        servers.push(ip);
+    }
+    servers.retain(|ip| ip.parse::<IpAddr>().is_ok());
+    if servers.is_empty() {
+        return Err(format!("Service {ns}/{name} has no ClusterIP"));
+    }
+    Ok(ClusterDns {
+        servers,
+        domain: CLUSTER_DOMAIN.to_owned(),
+        search: vec![
+            format!("{namespace}.svc.{CLUSTER_DOMAIN}"),
+            format!("svc.{CLUSTER_DOMAIN}"),
+            CLUSTER_DOMAIN.to_owned(),
+        ],
+    })
+}
+
 /// `kvpn connect` without `--manager`.
 pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
@@ -530,6 +568,16 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         kind: RouteKind::Extra as i32,
     });
 
+    let dns = match cluster_dns(&conn.client, &conn.description.namespace).await {
+        Ok(dns) => Some(dns),
+        Err(why) => {
+            output::warn(&format!(
+                "cluster names will not resolve on this laptop: {why}"
+            ));
+            None
+        }
+    };
+
     output::step(&format!(
         "Starting the port-forward agent for pod {} port {}",
         manager.pod_name, manager.data_port
@@ -574,6 +622,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             // manager against the CA from Secret kvpn-manager-tls, by its Service name.
             tls_ca_pem: manager.ca_pem.clone(),
             tls_server_name: manager.server_name.clone(),
+            dns,
         })
         .await
         .map_err(daemon::status_to_error);
@@ -598,6 +647,11 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     .await?;
     for r in &routes {
         output::detail(&format!("route {} ({})", r.cidr, output::kind_name(r.kind)));
+    }
+    match resp.dns.strip_prefix("not configured: ") {
+        Some(why) => output::warn(&format!("cluster DNS not set up on this laptop: {why}")),
+        None if !resp.dns.is_empty() => output::detail(&format!("DNS: {}", resp.dns)),
+        None => {}
     }
     Ok(())
 }

@@ -106,6 +106,8 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             tls_ca_pem: String::new(),
             tls_server_name: String::new(),
             session_token: String::new(),
+            // Direct mode knows no Kubernetes API to ask for the cluster DNS.
+            dns: None,
         })
         .await
         .map_err(daemon::status_to_error)

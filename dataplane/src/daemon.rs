@@ -26,6 +26,7 @@ use kvpn_proto::dataplane::{
 };
 use tonic::{Request, Response, Status};
 
+use crate::dns::{ClusterDns, Dns};
 use crate::netlink::Netlink;
 use crate::session::{self, ClassifierAttach, ConnectError, Session, SessionParams};
 use crate::tls::TlsClient;
@@ -120,6 +121,11 @@ impl RuntimeDir {
         })
     }
 
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
     /// The socket path.
     pub fn socket(&self) -> PathBuf {
         self.dir.join(SOCKET_NAME)
@@ -180,6 +186,9 @@ pub struct Daemon {
     classifiers: Arc<dyn ClassifierAttach>,
     heartbeat_interval: Duration,
     sessions: Mutex<HashMap<String, Session>>,
+    /// Split DNS for sessions whose Connect carries cluster DNS (`None`: the
+    /// laptop's DNS is never touched, as in tests without it).
+    dns: Option<Arc<Dns>>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -261,6 +270,53 @@ impl Daemon {
             classifiers,
             heartbeat_interval,
             sessions: Mutex::new(HashMap::new()),
+            dns: None,
+        }
+    }
+
+    /// Set up split DNS with `dns` for sessions that ask for it.
+    pub fn with_dns(mut self, dns: Arc<Dns>) -> Self {
+        self.dns = Some(dns);
+        self
+    }
+
+    /// Give `session`'s cluster DNS to split DNS; the line for the user.
+    async fn start_dns(&self, session: &Session, req: &ConnectRequest) -> String {
+        let Some(api) = req.dns.as_ref().filter(|d| !d.servers.is_empty()) else {
+            return String::new();
+        };
+        let Some(dns) = &self.dns else {
+            return "not configured: this daemon runs without split DNS".to_owned();
+        };
+        // IPv4-only clusters get AAAA answered empty at once (dns-09).
+        let ipv6 = session.routes().iter().any(|(cidr, kind)| {
+            matches!(cidr, IpNet::V6(_))
+                && matches!(
+                    kind,
+                    crate::ebpf::RouteKind::Pod | crate::ebpf::RouteKind::Service
+                )
+        });
+        let cluster = match ClusterDns::new(&api.servers, &api.domain, &api.search, ipv6) {
+            Ok(c) => c,
+            Err(e) => return format!("not configured: {e}"),
+        };
+        match dns
+            .add_session(session.id(), session.tun_name(), cluster)
+            .await
+        {
+            Ok(line) => line,
+            Err(e) => {
+                tracing::warn!(session = session.id(), error = %e, "split DNS not set up");
+                format!("not configured: {e}")
+            }
+        }
+    }
+
+    /// Take a session out of split DNS (before its TUN device goes).
+    async fn stop_dns(&self, id: &str) -> Vec<String> {
+        match &self.dns {
+            Some(dns) => dns.remove_session(id).await,
+            None => Vec::new(),
         }
     }
 
@@ -290,6 +346,7 @@ impl Daemon {
         let sessions: Vec<Session> = self.sessions().drain().map(|(_, s)| s).collect();
         let mut leftovers = Vec::new();
         for session in sessions {
+            leftovers.extend(self.stop_dns(session.id()).await);
             leftovers.extend(session.teardown(&self.netlink).await.leftovers);
         }
         leftovers
@@ -345,10 +402,12 @@ impl Dataplane for Daemon {
                 ConnectError::Step { .. } => Status::failed_precondition(e.to_string()),
             })?;
         session.set_origin(origin);
+        let dns = self.start_dns(&session, request.get_ref()).await;
         let response = ConnectResponse {
             session_id: id.clone(),
             tun_name: session.tun_name().to_owned(),
             tun_ifindex: session.ifindex(),
+            dns,
         };
         self.sessions().insert(id, session);
         Ok(Response::new(response))
@@ -378,6 +437,7 @@ impl Dataplane for Daemon {
         let mut leftovers = Vec::new();
         for session in sessions {
             stopped.push(session.id().to_owned());
+            leftovers.extend(self.stop_dns(session.id()).await);
             leftovers.extend(session.teardown(&self.netlink).await.leftovers);
         }
         if !leftovers.is_empty() {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::Parser;
 use kvpn_dataplane::daemon::{DEFAULT_RUNTIME_DIR, Daemon, RuntimeDir};
+use kvpn_dataplane::dns::{Dns, DnsSettings, resolv_conf::Restored};
 use kvpn_dataplane::liveness::HEARTBEAT_INTERVAL;
 use kvpn_dataplane::netlink::Netlink;
 use kvpn_dataplane::session::EbpfClassifiers;
@@ -60,11 +61,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
 async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::Result<()> {
     let netlink = Netlink::new().context("cannot open a NETLINK_ROUTE socket")?;
-    let daemon = Arc::new(Daemon::new(
-        netlink,
-        Arc::new(EbpfClassifiers),
-        HEARTBEAT_INTERVAL,
-    ));
+    let settings = DnsSettings::from_env(dir.path()).map_err(anyhow::Error::msg)?;
+    let dns = Arc::new(Dns::new(settings));
+    // A resolv.conf left changed by a daemon that was killed (case dns-06).
+    match dns.repair() {
+        Ok(Restored::NothingToDo) => {}
+        Ok(outcome) => {
+            tracing::info!(?outcome, path = %dns.settings().resolv_conf.display(), "repaired resolv.conf left by an earlier daemon")
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot repair resolv.conf left by an earlier daemon"),
+    }
+    let daemon =
+        Arc::new(Daemon::new(netlink, Arc::new(EbpfClassifiers), HEARTBEAT_INTERVAL).with_dns(dns));
     match daemon.sweep_leftovers().await {
         Ok(0) => {}
         Ok(n) => tracing::info!(routes = n, "removed routes left by an earlier daemon"),

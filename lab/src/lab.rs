@@ -261,6 +261,10 @@ pub fn down_named(name: &str) -> Result<bool> {
     }
 }
 
+/// The laptop netns's `/etc/resolv.conf` until a test writes its own: a nameserver
+/// on the laptop's loopback (none runs there unless a test starts one).
+pub const LAPTOP_RESOLV_CONF: &str = "# kvpn lab laptop: ip netns exec binds /etc/netns/<laptop netns>/resolv.conf here\nnameserver 127.0.0.1\n";
+
 impl Lab {
     /// Builds a lab: netns, bridge, pods, uplink, nftables, processes; waits until each
     /// started process answers on its port (bounded by `ready_timeout`). On any error
@@ -343,6 +347,11 @@ impl Lab {
             LAPTOP_UPLINK_IP,
             UPLINK_PREFIX_LEN,
         )?;
+        // The laptop's own resolv.conf: programs in the laptop netns run through `ip
+        // netns exec`, which binds it over /etc/resolv.conf, so nothing kvpn does to
+        // the laptop's DNS can reach this machine's real /etc/resolv.conf.
+        self.laptop
+            .write_etc_file("resolv.conf", LAPTOP_RESOLV_CONF.as_bytes())?;
         if !options.static_workloads {
             self.manager_desc = "no static pods (Kubernetes lab: see the kubelet stand-in)".into();
             return Ok(());

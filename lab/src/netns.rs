@@ -1,6 +1,7 @@
 //! Named network namespaces (`ip netns`, files under `/run/netns`).
 //!
 //! I/O: runs `ip` (iproute2) for creation, deletion and link/address/route changes,
+//! writes and removes `/etc/netns/<name>/` (files `ip netns exec` binds over `/etc`),
 //! enters a netns on a scratch thread with `setns(2)` to open sockets or write
 //! `/proc/sys/net/*` inside it, and scans `/proc/<pid>/ns/net` to find the processes
 //! living in a netns.
@@ -18,6 +19,9 @@ use crate::{LabError, Result};
 
 /// Directory where `ip netns add` keeps its bind mounts.
 pub const NETNS_RUN_DIR: &str = "/run/netns";
+/// `ip netns exec <name>` bind-mounts each file of `/etc/netns/<name>/` over the
+/// same name in `/etc` for the program it runs (e.g. `resolv.conf`).
+pub const NETNS_ETC_DIR: &str = "/etc/netns";
 /// Prefix of every netns kvpn creates.
 pub const NETNS_PREFIX: &str = "kvpn-";
 
@@ -57,6 +61,28 @@ impl Netns {
 
     pub fn exists(&self) -> bool {
         self.path().exists()
+    }
+
+    /// `/etc/netns/<name>`: files here replace those of `/etc` for programs started
+    /// with [`Netns::command`] (`ip netns exec`).
+    pub fn etc_dir(&self) -> PathBuf {
+        Path::new(NETNS_ETC_DIR).join(&self.name)
+    }
+
+    /// Writes `/etc/netns/<name>/<file>`, which programs started with
+    /// [`Netns::command`] see as `/etc/<file>`. Removed by [`Netns::delete`].
+    pub fn write_etc_file(&self, file: &str, bytes: &[u8]) -> Result<PathBuf> {
+        let dir = self.etc_dir();
+        std::fs::create_dir_all(&dir).map_err(|source| LabError::Io {
+            what: format!("cannot create {}", dir.display()),
+            source,
+        })?;
+        let path = dir.join(file);
+        std::fs::write(&path, bytes).map_err(|source| LabError::Io {
+            what: format!("cannot write {}", path.display()),
+            source,
+        })?;
+        Ok(path)
     }
 
     /// A command that runs `program` inside this netns (`ip netns exec <name> program`).
@@ -160,6 +186,18 @@ impl Netns {
     /// Deletes the netns (`ip netns delete`). Idempotent: a missing netns is fine. The
     /// kernel frees the namespace, and with it its veths, once no process is left in it.
     pub fn delete(&self) -> Result<()> {
+        // `ip netns delete` leaves /etc/netns/<name> behind; the name is validated
+        // to start with `kvpn-`, so this never reaches another netns's files.
+        if self.name.starts_with(NETNS_PREFIX)
+            && !self.name.contains('/')
+            && let Err(source) = std::fs::remove_dir_all(self.etc_dir())
+            && source.kind() != std::io::ErrorKind::NotFound
+        {
+            return Err(LabError::Io {
+                what: format!("cannot remove {}", self.etc_dir().display()),
+                source,
+            });
+        }
         if !self.exists() {
             return Ok(());
         }

@@ -113,6 +113,17 @@ impl KubeFixture {
         &self.runtime_dir
     }
 
+    /// The laptop netns's resolv.conf (`/etc/netns/<laptop netns>/resolv.conf`,
+    /// seen as /etc/resolv.conf by programs in the laptop netns); the root daemon
+    /// of this fixture manages it (env `KVPN_RESOLV_CONF`).
+    pub fn laptop_resolv_conf(&self) -> PathBuf {
+        self.lab()
+            .netns_lab()
+            .laptop_netns()
+            .etc_dir()
+            .join("resolv.conf")
+    }
+
     /// The restricted user's kubeconfig for the laptop netns.
     pub fn user_kubeconfig(&self) -> String {
         self.lab()
@@ -143,8 +154,11 @@ impl KubeFixture {
             .netns_lab()
             .command_in(LAPTOP, &self.kvpn.to_string_lossy())
             .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+        // The root daemon manages the laptop netns's own resolv.conf (what `ip
+        // netns exec` shows as /etc/resolv.conf there), never this machine's.
         cmd.args(args)
             .env("KVPN_RUNTIME_DIR", &self.runtime_dir)
+            .env("KVPN_RESOLV_CONF", self.laptop_resolv_conf())
             .env_remove("KUBECONFIG");
         cmd.output()
             .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
