@@ -653,7 +653,7 @@ async fn try_candidate(
 }
 
 enum Found {
-    Answer(Name, Message),
+    Answer(Name, Box<Message>),
     Nothing,
     Failed,
 }
@@ -677,7 +677,9 @@ async fn search(
     for (candidate, result) in candidates.iter().zip(tried) {
         match result {
             Tried::Absent => continue,
-            Tried::Present(answer) => return Found::Answer(candidate.name.clone(), answer),
+            Tried::Present(answer) => {
+                return Found::Answer(candidate.name.clone(), Box::new(answer));
+            }
             Tried::Failed => return Found::Failed,
         }
     }
