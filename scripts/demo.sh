@@ -52,15 +52,22 @@ for i in 1 2 3 4; do
     expect_ok show laptop curl -sS --max-time 5 http://10.96.0.100/
 done
 
-bold "6. UDP echo through the ClusterIP of the udp-echo service"
+bold "6. Service names: kvpn's DNS forwarder sends cluster names to the cluster DNS, everything else to the laptop's own nameservers"
+show laptop cat /etc/resolv.conf
+dig_web() { out=$(laptop dig +short web.default.svc.cluster.local); echo "$ dig +short web.default.svc.cluster.local"; echo "$out"; [ "$out" = "10.96.0.100" ]; }
+expect_ok dig_web
+expect_ok show laptop getent hosts web.default
+expect_ok show laptop curl -sS --max-time 5 http://web.default/
+
+bold "7. UDP echo through the ClusterIP of the udp-echo service"
 udp_echo() { reply=$(laptop bash -c 'echo "hello over UDP" | socat -t 2 - UDP:10.96.0.102:7'); echo "reply: ${reply:-<none>}"; [ "$reply" = "hello over UDP" ]; }
 expect_ok udp_echo
 
-bold "7. ICMP: a pod answers; an unused pod IP does not (no fake replies)"
+bold "8. ICMP: a pod answers; an unused pod IP does not (no fake replies)"
 expect_ok show laptop ping -c 3 -i 0.2 -W 2 $POD2
 expect_fail show laptop ping -c 1 -W 2 10.244.1.99
 
-bold "8. A 50 MB download through the tunnel, checked by sha256 against the same file fetched inside the pod"
+bold "9. A 50 MB download through the tunnel, checked by sha256 against the same file fetched inside the pod"
 sum_tunnel() { laptop bash -c "curl -sS --max-time 60 http://$POD1:8080/big | sha256sum" | cut -d' ' -f1; }
 sum_pod() { kvpn lab exec "$POD1_NAME" -- bash -c 'curl -sS --max-time 60 http://127.0.0.1:8080/big | sha256sum' | cut -d' ' -f1; }
 check_download() {
@@ -73,18 +80,20 @@ check_download() {
 }
 expect_ok check_download
 
-bold "9. Status, with the eBPF classifier's per-kind counters"
+bold "10. Status, with the eBPF classifier's per-kind counters"
 expect_ok show laptop kvpn status
 # The data channel is TLS 1.3 inside the port-forward; the manager's own log says so.
 manager_tls() { echo "$ kubectl logs -n kvpn-system deploy/kvpn-manager | grep tls"; laptop kubectl logs -n kvpn-system deploy/kvpn-manager | grep 'security=tls\|security="tls"'; }
 expect_ok manager_tls
 
-bold "10. Disconnect: the TUN device, routes and eBPF program are gone, and so is the cluster"
+bold "11. Disconnect: the TUN device, routes, eBPF program and DNS settings are gone, and so is the cluster"
 expect_ok show laptop kvpn disconnect --all
 expect_fail show laptop curl -sS --max-time 2 http://$POD1:8080/
 show laptop ip -br link show type tun
+# The laptop's resolv.conf is back, byte for byte.
+show laptop cat /etc/resolv.conf
 
-bold "11. Clean up: stop the daemons, remove kvpn's objects from the cluster, tear the lab down"
+bold "12. Clean up: stop the daemons, remove kvpn's objects from the cluster, tear the lab down"
 show laptop kvpn quit
 expect_ok show laptop kvpn uninstall --kubeconfig "$KUBECONFIG_USER"
 show kvpn lab down
