@@ -710,7 +710,10 @@ mod tests {
         ];
         let pool = "100.96.0.0/16".parse().expect("cidr");
         let (s, net) = super::session_routing(&sessions, &pool).expect("routed by b");
-        assert_eq!((s.id.as_str(), net.to_string().as_str()), ("b", "100.96.0.0/16"));
+        assert_eq!(
+            (s.id.as_str(), net.to_string().as_str()),
+            ("b", "100.96.0.0/16")
+        );
         let narrower = "100.96.3.0/24".parse().expect("cidr");
         assert_eq!(
             super::session_routing(&sessions, &narrower).map(|(s, _)| s.id.as_str()),

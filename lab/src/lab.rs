@@ -338,7 +338,11 @@ impl Lab {
         }
         // The id is claimed with the first netns of the lab: its laptop, or its node
         // when the laptop is another lab's.
-        let claim_role = if options.laptop.is_some() { NODE } else { LAPTOP };
+        let claim_role = if options.laptop.is_some() {
+            NODE
+        } else {
+            LAPTOP
+        };
         let (id, claimed) = claim_id(claim_role)?;
         let own_laptop = options.laptop.is_none();
         let laptop = options.laptop.clone().unwrap_or(claimed);
@@ -725,7 +729,9 @@ impl Lab {
         // 5. Verify.
         let mut leftovers: Vec<String> = lab_netns(&self.id).unwrap_or_default();
         if !self.own_laptop && self.laptop.exists() {
-            let link = self.laptop.ip(&["link", "show", "dev", &self.uplink.laptop_if]);
+            let link = self
+                .laptop
+                .ip(&["link", "show", "dev", &self.uplink.laptop_if]);
             if link.is_ok() {
                 leftovers.push(format!(
                     "uplink {} in {}",
@@ -816,18 +822,17 @@ impl Lab {
         }
         let netns = Netns::create(&netns_name(&self.id, role))?;
         let net = self.addressing.extra_laptop_uplink(n);
-        let uplink = match self.node.connect_extra_laptop(
-            &netns,
-            n,
-            net,
-            self.addressing.node_uplink_ip(),
-        ) {
-            Ok(u) => u,
-            Err(e) => {
-                let _ = netns.delete();
-                return Err(e);
-            }
-        };
+        let uplink =
+            match self
+                .node
+                .connect_extra_laptop(&netns, n, net, self.addressing.node_uplink_ip())
+            {
+                Ok(u) => u,
+                Err(e) => {
+                    let _ = netns.delete();
+                    return Err(e);
+                }
+            };
         let laptop = ExtraLaptop {
             role: role.to_owned(),
             netns,
@@ -1474,7 +1479,11 @@ mod tests {
                 "{}",
                 svc.name
             );
-            assert!(crate::SERVICE_CIDR.contains(&svc.cluster_ip), "{}", svc.name);
+            assert!(
+                crate::SERVICE_CIDR.contains(&svc.cluster_ip),
+                "{}",
+                svc.name
+            );
         }
     }
 }

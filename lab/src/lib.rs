@@ -39,8 +39,8 @@ use std::path::PathBuf;
 use ipnet::Ipv4Net;
 
 pub use lab::{
-    DEFAULT_LAB_NAME, ExtraLaptop, Lab, LabOptions, ManagerProcess, ProcessInfo, down_named, reap_orphaned_labs,
-    state_dir, state_path,
+    DEFAULT_LAB_NAME, ExtraLaptop, Lab, LabOptions, ManagerProcess, ProcessInfo, down_named,
+    reap_orphaned_labs, state_dir, state_path,
 };
 pub use netns::{Netns, lab_netns, list_kvpn_netns, run_in_netns};
 pub use nft::{NodePort, Protocol, Service};

@@ -87,10 +87,14 @@ impl Addressing {
             || self.pod_cidr.contains(&self.uplink)
             || self.service_cidr.contains(&self.uplink)
         {
-            return Err(invalid("the uplink must be a /30 outside the pod and service CIDRs"));
+            return Err(invalid(
+                "the uplink must be a /30 outside the pod and service CIDRs",
+            ));
         }
         if self.service_cidr.prefix_len() > 24 {
-            return Err(invalid("the service CIDR must be a /24 or wider (fixed ClusterIPs up to .102)"));
+            return Err(invalid(
+                "the service CIDR must be a /24 or wider (fixed ClusterIPs up to .102)",
+            ));
         }
         Ok(())
     }
@@ -418,7 +422,10 @@ impl Node {
         self.plumb_uplink(
             laptop,
             &uplink,
-            &[format!("route add {main_node_ip}/32 via {node_ip} dev {}", uplink.laptop_if)],
+            &[format!(
+                "route add {main_node_ip}/32 via {node_ip} dev {}",
+                uplink.laptop_if
+            )],
         )?;
         Ok(uplink)
     }
@@ -435,12 +442,18 @@ impl Node {
                 uplink.laptop_if,
                 laptop.name()
             ),
-            format!("addr add {}/{prefix_len} dev {}", uplink.node_ip, uplink.node_if),
+            format!(
+                "addr add {}/{prefix_len} dev {}",
+                uplink.node_ip, uplink.node_if
+            ),
             format!("link set {} up", uplink.node_if),
         ])?;
         let mut lines = vec![
             "link set lo up".to_owned(),
-            format!("addr add {}/{prefix_len} dev {}", uplink.laptop_ip, uplink.laptop_if),
+            format!(
+                "addr add {}/{prefix_len} dev {}",
+                uplink.laptop_ip, uplink.laptop_if
+            ),
             format!("link set {} up", uplink.laptop_if),
         ];
         lines.extend(laptop_extra.iter().cloned());

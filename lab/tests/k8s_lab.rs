@@ -504,14 +504,20 @@ async fn second_cluster_on_the_same_laptop_and_a_second_laptop() {
     )
     .await
     .unwrap_or_else(|e| panic!("lab B up on A's laptop: {e}"));
-    eprintln!("two Kubernetes labs up in {:.1} s", t0.elapsed().as_secs_f64());
+    eprintln!(
+        "two Kubernetes labs up in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
     let laptop = a.netns_lab().laptop_netns().clone();
     assert_eq!(b.netns_lab().laptop_netns(), &laptop, "B uses A's laptop");
     assert_eq!(*a.addressing(), Addressing::default());
     assert_eq!(*b.addressing(), second);
 
     // Both uplinks in the one laptop netns, each its own /30 and name.
-    let (ua, ub) = (a.netns_lab().uplink().clone(), b.netns_lab().uplink().clone());
+    let (ua, ub) = (
+        a.netns_lab().uplink().clone(),
+        b.netns_lab().uplink().clone(),
+    );
     assert_ne!(ua.laptop_if, ub.laptop_if);
     assert_eq!(
         addresses_on(&laptop, &ua.laptop_if),
@@ -547,7 +553,11 @@ async fn second_cluster_on_the_same_laptop_and_a_second_laptop() {
     assert!(o.status.success(), "{}", text(&o));
     for p in &b_web {
         let name = p.metadata.name.as_deref().expect("name");
-        assert!(String::from_utf8_lossy(&o.stdout).contains(name), "{}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(name),
+            "{}",
+            text(&o)
+        );
     }
     let o = kubectl(
         &laptop,
@@ -566,10 +576,19 @@ async fn second_cluster_on_the_same_laptop_and_a_second_laptop() {
     // B's Services come from its own service CIDR.
     let services: Api<Service> = Api::namespaced(b_client.clone(), "default");
     let ip_of = |s: Service| s.spec.and_then(|s| s.cluster_ip).unwrap_or_default();
-    assert_eq!(ip_of(services.get("web").await.expect("web")), "10.112.0.100");
-    assert_eq!(ip_of(services.get("kubernetes").await.expect("kubernetes")), "10.112.0.1");
+    assert_eq!(
+        ip_of(services.get("web").await.expect("web")),
+        "10.112.0.100"
+    );
+    assert_eq!(
+        ip_of(services.get("kubernetes").await.expect("kubernetes")),
+        "10.112.0.1"
+    );
     let dns: Api<Service> = Api::namespaced(b_client.clone(), "kube-system");
-    assert_eq!(ip_of(dns.get("kube-dns").await.expect("kube-dns")), "10.112.0.10");
+    assert_eq!(
+        ip_of(dns.get("kube-dns").await.expect("kube-dns")),
+        "10.112.0.10"
+    );
     let dev_web: Api<Service> = Api::namespaced(b_client.clone(), "dev");
     let dev_ip: Ipv4Addr = ip_of(dev_web.get("web").await.expect("dev/web"))
         .parse()
@@ -582,7 +601,12 @@ async fn second_cluster_on_the_same_laptop_and_a_second_laptop() {
         .expect("B's web ClusterIP from a B pod");
     assert!(page.starts_with("HTTP/1.1 200"), "{page}");
     let fqdn = getent_in_pod(&b_pod, &["hosts", "echo.default.svc.cluster.local"]);
-    assert_eq!(first_ip(&fqdn), Some(second.echo_cluster_ip()), "{}", text(&fqdn));
+    assert_eq!(
+        first_ip(&fqdn),
+        Some(second.echo_cluster_ip()),
+        "{}",
+        text(&fqdn)
+    );
     let env = environ_of_pod(&b_pod);
     assert!(
         env.contains("KUBERNETES_SERVICE_HOST=10.112.0.1\n"),
@@ -606,7 +630,10 @@ async fn second_cluster_on_the_same_laptop_and_a_second_laptop() {
         SocketAddrV4::new(kvpn_lab::WEB_CLUSTER_IP, 80),
     ] {
         let direct = http_get(&laptop, target);
-        assert!(direct.is_err(), "laptop reached {target} directly: {direct:?}");
+        assert!(
+            direct.is_err(),
+            "laptop reached {target} directly: {direct:?}"
+        );
     }
 
     // A second laptop on A: own /30, the API server at A's address, nothing else.
@@ -633,7 +660,10 @@ async fn second_cluster_on_the_same_laptop_and_a_second_laptop() {
         SocketAddrV4::new(kvpn_lab::WEB_CLUSTER_IP, 80),
     ] {
         let direct = http_get(&laptop2.netns, target);
-        assert!(direct.is_err(), "laptop2 reached {target} directly: {direct:?}");
+        assert!(
+            direct.is_err(),
+            "laptop2 reached {target} directly: {direct:?}"
+        );
     }
 
     // B down: its netns and its link in the shared laptop go, the laptop stays and
@@ -650,7 +680,11 @@ async fn second_cluster_on_the_same_laptop_and_a_second_laptop() {
         .expect("B down");
     assert_no_residue(&b_id, &b_dir, b_api);
     assert!(laptop.exists(), "A's laptop survives B's down");
-    assert_eq!(addresses_on(&laptop, &ub.laptop_if), None, "B's uplink gone");
+    assert_eq!(
+        addresses_on(&laptop, &ub.laptop_if),
+        None,
+        "B's uplink gone"
+    );
     assert_eq!(
         addresses_on(&laptop, &ua.laptop_if),
         Some(vec!["172.31.255.2/30".to_owned()]),

@@ -29,8 +29,8 @@ use kube::api::{Api, ListParams};
 use kvpn_lab::k8s::cluster::K8sLaptop;
 use kvpn_lab::k8s::workloads::Workloads;
 use kvpn_lab::k8s::{K8sLab, K8sLabOptions};
-use kvpn_lab::{Addressing, LAPTOP, Netns};
 use kvpn_lab::protocol::PageInfo;
+use kvpn_lab::{Addressing, LAPTOP, Netns};
 
 use crate::text;
 
@@ -644,8 +644,8 @@ pub fn agent_pids_of(runtime_dir: &Path) -> Vec<u32> {
                         .split(|b| *b == 0)
                         .map(|a| String::from_utf8_lossy(a).into_owned())
                         .collect();
-                    let running = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                        .is_ok_and(|s| {
+                    let running =
+                        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
                             s.rsplit_once(") ")
                                 .and_then(|(_, r)| r.chars().next())
                                 .is_some_and(|c| c != 'Z' && c != 'X')

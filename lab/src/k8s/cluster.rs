@@ -50,10 +50,10 @@ use super::kubelet::{ClusterDns as KubeletDns, Kubelet, KubeletConfig, KubeletSe
 use super::relay::{API_PORT, ApiRelay};
 use super::workloads::{self, Workloads};
 use super::{ControlPlane, ControlPlaneConfig, KVPN_NAMESPACE, RESTRICTED_USER};
+use crate::LabError;
 use crate::lab::{Lab, LabOptions};
 use crate::netns::Netns;
 use crate::topology::{Addressing, Uplink};
-use crate::LabError;
 
 /// The lab's file describing its Kubernetes parts (in the lab folder).
 pub const STATE_FILE: &str = "k8s-lab.json";
@@ -531,8 +531,7 @@ impl K8sLab {
         this.state.admin_kubeconfig = cp.admin_kubeconfig();
         this.control_plane = Some(cp);
         let lab_dir = this.lab()?.dir().to_owned();
-        let (admin, user) =
-            write_laptop_kubeconfigs(&lab_dir, &cp_dir, &cluster_name, node_ip)?;
+        let (admin, user) = write_laptop_kubeconfigs(&lab_dir, &cp_dir, &cluster_name, node_ip)?;
         this.state.laptop_admin_kubeconfig = admin;
         this.state.laptop_user_kubeconfig = user;
         this.state.write(&lab_dir)?;
