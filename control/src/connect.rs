@@ -466,6 +466,31 @@ async fn cluster_dns(client: &kube::Client, namespace: &str) -> Result<ClusterDn
     })
 }
 
+/// The first session of `sessions` with a route overlapping `cidr` (equal, wider or
+/// narrower), with that route.
+pub fn session_routing<'a>(sessions: &'a [Session], cidr: &IpNet) -> Option<(&'a Session, IpNet)> {
+    sessions.iter().find_map(|s| {
+        s.routes.iter().find_map(|r| {
+            let net: IpNet = r.cidr.parse().ok()?;
+            (net.contains(cidr) || cidr.contains(&net)).then_some((s, net))
+        })
+    })
+}
+
+/// The root daemon's sessions, or none when it is not running.
+async fn current_sessions(runtime_dir: &Path) -> Result<Vec<Session>> {
+    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+        return Ok(Vec::new());
+    };
+    Ok(client
+        .status(StatusRequest {})
+        .await
+        .map_err(daemon::status_to_error)
+        .context("cannot ask the root daemon for its sessions")?
+        .into_inner()
+        .sessions)
+}
+
 /// `kvpn connect` without `--manager`.
 pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
@@ -562,11 +587,21 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     let mut routes = cluster_routes(&pod, &service, &args.extra_cidrs, &keep_out);
     // Other laptops' tunnel IPs (laptop-to-laptop through the manager). The
     // laptop's own tunnel IP is in the local routing table, which wins, so the
-    // pool needs no hole for it.
-    routes.push(Route {
-        cidr: tunnel_pool.to_string(),
-        kind: RouteKind::Extra as i32,
-    });
+    // pool needs no hole for it. Two clusters whose managers use the same pool
+    // (the default) cannot both own it: the session that routes it first keeps
+    // it, and this one reaches the cluster but not the laptops behind it.
+    match session_routing(&current_sessions(runtime_dir).await?, &tunnel_pool) {
+        None => routes.push(Route {
+            cidr: tunnel_pool.to_string(),
+            kind: RouteKind::Extra as i32,
+        }),
+        Some((s, net)) => output::warn(&format!(
+            "the tunnel pool {tunnel_pool} overlaps {net}, routed through session {} on {}: \
+             other laptops of this cluster stay reachable only through that session \
+             (run one of the traffic managers with another `kvpn-manager --tunnel-pool`)",
+            s.id, s.tun_name
+        )),
+    }
 
     let dns = match cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(dns) => Some(dns),
@@ -707,6 +742,42 @@ mod tests {
         let elsewhere = origin("https://192.0.2.1:6443", "user@lab", "kvpn-system");
         assert_eq!(match_session(&sessions, &elsewhere), SessionMatch::None);
         assert_eq!(match_session(&[], &a), SessionMatch::None);
+    }
+
+    #[test]
+    fn a_pool_routed_by_another_session_is_found() {
+        use kvpn_proto::dataplane::Route;
+        let with_routes = |id: &str, cidrs: &[&str]| Session {
+            id: id.into(),
+            routes: cidrs
+                .iter()
+                .map(|c| Route {
+                    cidr: (*c).into(),
+                    kind: 0,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let sessions = vec![
+            with_routes("a", &["10.244.0.0/16", "10.96.0.0/12"]),
+            with_routes("b", &["10.248.1.0/24", "100.96.0.0/16"]),
+        ];
+        let pool = "100.96.0.0/16".parse().expect("cidr");
+        let (s, net) = super::session_routing(&sessions, &pool).expect("routed by b");
+        assert_eq!(
+            (s.id.as_str(), net.to_string().as_str()),
+            ("b", "100.96.0.0/16")
+        );
+        let narrower = "100.96.3.0/24".parse().expect("cidr");
+        assert_eq!(
+            super::session_routing(&sessions, &narrower).map(|(s, _)| s.id.as_str()),
+            Some("b")
+        );
+        let wider = "100.64.0.0/10".parse().expect("cidr");
+        assert!(super::session_routing(&sessions, &wider).is_some());
+        let other = "100.97.0.0/16".parse().expect("cidr");
+        assert!(super::session_routing(&sessions, &other).is_none());
+        assert!(super::session_routing(&[], &pool).is_none());
     }
 
     #[test]

@@ -27,12 +27,12 @@ use serde::{Deserialize, Serialize};
 use crate::netns::{Netns, lab_netns};
 use crate::nft::{self, NodePort, Protocol, Service};
 use crate::process::{Process, ProcessRecord, log_tail};
-use crate::topology::{Node, Pod, Uplink, netns_name};
+use crate::topology::{Addressing, Node, Pod, Uplink, netns_name};
 use crate::{
     BACKEND_1_IP, BACKEND_1_POD, BACKEND_2_IP, BACKEND_2_POD, ECHO_CLUSTER_IP, ECHO_PORT,
     ECHO_SERVICE_PORT, HTTP_PORT, LAPTOP, LAPTOP_UPLINK_IP, LabError, MANAGER_POD, MANAGER_POD_IP,
-    MANAGER_PORT, NFT_TABLE, NODE, NODE_POD_CIDR, NODE_UPLINK_IP, POD_CIDR, Result, SERVICE_CIDR,
-    UDP_ECHO_CLUSTER_IP, UPLINK_PREFIX_LEN, WEB_CLUSTER_IP, WEB_SERVICE_PORT, bin_path,
+    MANAGER_PORT, NFT_TABLE, NODE, NODE_POD_CIDR, NODE_UPLINK_IP, Result, UDP_ECHO_CLUSTER_IP,
+    UPLINK_PREFIX_LEN, WEB_CLUSTER_IP, WEB_SERVICE_PORT, bin_path,
 };
 
 /// Name of the persistent lab that `kvpn lab up` / `kvpn lab down` manage when no name
@@ -82,6 +82,13 @@ pub struct LabOptions {
     /// the uplink — what the Kubernetes lab ([`crate::k8s::cluster`]) builds on, whose
     /// kubelet and kube-proxy stand-ins create pods and rules from the API.
     pub static_workloads: bool,
+    /// The address plan (pod range of the node, uplink). The static workloads need
+    /// the default plan.
+    pub addressing: Addressing,
+    /// Put this lab's uplink into an existing laptop netns (another lab's) instead of
+    /// a laptop netns of its own: one laptop on two clusters. The lab then owns only
+    /// its uplink veth there (`kv<id>lp`), removed on down; the netns stays.
+    pub laptop: Option<Netns>,
 }
 
 impl Default for LabOptions {
@@ -97,6 +104,8 @@ impl Default for LabOptions {
             ready_timeout: Duration::from_secs(10),
             pod_env: Vec::new(),
             static_workloads: true,
+            addressing: Addressing::default(),
+            laptop: None,
         }
     }
 }
@@ -141,6 +150,27 @@ impl LabOptions {
         self.pod_env.push((key.to_owned(), value.to_owned()));
         self
     }
+
+    /// See [`LabOptions::addressing`].
+    pub fn addressing(mut self, addressing: Addressing) -> Self {
+        self.addressing = addressing;
+        self
+    }
+
+    /// See [`LabOptions::laptop`]: the uplink goes into `laptop`, an existing netns.
+    pub fn attach_laptop(mut self, laptop: Netns) -> Self {
+        self.laptop = Some(laptop);
+        self
+    }
+}
+
+/// A laptop netns added to a lab with [`Lab::add_laptop`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtraLaptop {
+    /// The role (`kvpn-<id>-<role>` is the netns name).
+    pub role: String,
+    pub netns: Netns,
+    pub uplink: Uplink,
 }
 
 /// A process of the lab, as [`Lab::processes`] reports it.
@@ -172,6 +202,10 @@ pub struct Lab {
     keep_dir: bool,
     manager_desc: String,
     static_workloads: bool,
+    addressing: Addressing,
+    /// False when the laptop netns is another lab's ([`LabOptions::laptop`]).
+    own_laptop: bool,
+    extra_laptops: Vec<ExtraLaptop>,
     teardown_on_drop: bool,
     down: bool,
 }
@@ -190,6 +224,12 @@ struct LabState {
     /// Absent in files of older versions, which always had the static workloads.
     #[serde(default = "yes")]
     static_workloads: bool,
+    /// Absent in older files, which always had the default plan.
+    #[serde(default)]
+    addressing: Addressing,
+    /// The netns of another lab this lab's uplink lives in, if any.
+    #[serde(default)]
+    foreign_laptop: Option<String>,
 }
 
 fn yes() -> bool {
@@ -288,14 +328,39 @@ impl Lab {
                 Err(e) => return Err(e),
             }
         }
-        let (id, laptop) = claim_id()?;
+        let addressing = options.addressing;
+        addressing.validate()?;
+        if options.static_workloads && addressing != Addressing::default() {
+            return Err(LabError::Invalid {
+                what: "lab options",
+                value: format!("{addressing:?}"),
+                why: "the static workloads use the default addressing; use the Kubernetes lab for another plan",
+            });
+        }
+        if let Some(foreign) = &options.laptop {
+            check_foreign_laptop(foreign, &addressing)?;
+        }
+        // The id is claimed with the first netns of the lab: its laptop, or its node
+        // when the laptop is another lab's.
+        let claim_role = if options.laptop.is_some() {
+            NODE
+        } else {
+            LAPTOP
+        };
+        let (id, claimed) = claim_id(claim_role)?;
+        let own_laptop = options.laptop.is_none();
+        let laptop = options.laptop.clone().unwrap_or(claimed);
         let dir = options
             .dir_root
             .clone()
             .unwrap_or_else(std::env::temp_dir)
             .join(format!("kvpn-lab-{id}"));
-        let node = Node::existing(&id, NODE, NODE_POD_CIDR);
-        let uplink = node.uplink(LAPTOP_UPLINK_IP, NODE_UPLINK_IP, UPLINK_PREFIX_LEN);
+        let node = Node::existing(&id, NODE, addressing.node_pod_cidr);
+        let uplink = node.uplink(
+            addressing.laptop_uplink_ip(),
+            addressing.node_uplink_ip(),
+            UPLINK_PREFIX_LEN,
+        );
         // From here on the lab tears itself down on error (drop).
         let mut lab = Lab {
             name: options
@@ -323,6 +388,9 @@ impl Lab {
             keep_dir: options.keep_dir,
             manager_desc: String::new(),
             static_workloads: options.static_workloads,
+            addressing,
+            own_laptop,
+            extra_laptops: Vec::new(),
             teardown_on_drop: true,
             down: false,
         };
@@ -340,11 +408,17 @@ impl Lab {
             what: format!("cannot create lab folder {}", self.dir.display()),
             source,
         })?;
-        self.node = Node::create(&self.id, NODE, NODE_POD_CIDR)?;
+        let node_cidr = self.addressing.node_pod_cidr;
+        self.node = if self.own_laptop {
+            Node::create(&self.id, NODE, node_cidr)?
+        } else {
+            // The node netns is the id's claim (see `up`).
+            Node::create_in_existing(&self.id, NODE, node_cidr)?
+        };
         self.uplink = self.node.connect_laptop(
             &self.laptop,
-            NODE_UPLINK_IP,
-            LAPTOP_UPLINK_IP,
+            self.addressing.node_uplink_ip(),
+            self.addressing.laptop_uplink_ip(),
             UPLINK_PREFIX_LEN,
         )?;
         // The laptop's own resolv.conf: programs in the laptop netns run through `ip
@@ -506,16 +580,29 @@ impl Lab {
                 why: "written by another kvpn version or corrupted; remove it and the kvpn-* netns by hand",
             });
         }
-        let node = Node::existing(&state.id, NODE, NODE_POD_CIDR);
+        let addressing = state.addressing;
+        let node = Node::existing(&state.id, NODE, addressing.node_pod_cidr);
         let pods = state
             .pods
             .iter()
             .map(|(n, ip)| node.adopt_pod(n, *ip))
             .collect();
-        let uplink = node.uplink(LAPTOP_UPLINK_IP, NODE_UPLINK_IP, UPLINK_PREFIX_LEN);
+        let uplink = node.uplink(
+            addressing.laptop_uplink_ip(),
+            addressing.node_uplink_ip(),
+            UPLINK_PREFIX_LEN,
+        );
         Ok(Lab {
             name: state.name,
-            laptop: Netns::from_name(&netns_name(&state.id, LAPTOP)),
+            laptop: Netns::from_name(
+                &state
+                    .foreign_laptop
+                    .clone()
+                    .unwrap_or_else(|| netns_name(&state.id, LAPTOP)),
+            ),
+            addressing,
+            own_laptop: state.foreign_laptop.is_none(),
+            extra_laptops: Vec::new(),
             id: state.id,
             dir: state.dir,
             node,
@@ -614,7 +701,13 @@ impl Lab {
                 netns.iter().all(|n| n.pids().is_empty())
             });
         }
-        // 3. Pods (veth first, see Node::remove_pod), then every lab netns.
+        // 3. The uplink in another lab's laptop netns (that netns stays), pods (veth
+        //    first, see Node::remove_pod), then every lab netns.
+        if !self.own_laptop
+            && let Err(e) = self.node.remove_uplink(&self.uplink)
+        {
+            first_error.get_or_insert(e);
+        }
         for pod in &self.pods {
             if let Err(e) = self.node.remove_pod(pod) {
                 first_error.get_or_insert(e);
@@ -644,6 +737,18 @@ impl Lab {
         self.down = true;
         // 5. Verify.
         let mut leftovers: Vec<String> = lab_netns(&self.id).unwrap_or_default();
+        if !self.own_laptop && self.laptop.exists() {
+            let link = self
+                .laptop
+                .ip(&["link", "show", "dev", &self.uplink.laptop_if]);
+            if link.is_ok() {
+                leftovers.push(format!(
+                    "uplink {} in {}",
+                    self.uplink.laptop_if,
+                    self.laptop.name()
+                ));
+            }
+        }
         leftovers.extend(self.lock_processes().iter_mut().filter_map(|p| {
             p.is_alive()
                 .then(|| format!("process {} (pid {})", p.name(), p.pid()))
@@ -678,8 +783,79 @@ impl Lab {
         &self.dir
     }
 
+    /// The laptop netns (another lab's, with [`LabOptions::laptop`]).
     pub fn laptop_netns(&self) -> &Netns {
         &self.laptop
+    }
+
+    /// The address plan.
+    pub fn addressing(&self) -> &Addressing {
+        &self.addressing
+    }
+
+    /// Laptops added with [`Lab::add_laptop`].
+    pub fn extra_laptops(&self) -> &[ExtraLaptop] {
+        &self.extra_laptops
+    }
+
+    /// Adds a laptop netns `kvpn-<id>-<role>` with its own uplink: the next free /30
+    /// after the lab's uplink ([`Addressing::extra_laptop_uplink`]), veth `kv<id>u<n>`
+    /// ↔ `kv<id>l<n>`, and one host route to the node's main uplink address (API relay,
+    /// NodePorts), so the same laptop kubeconfigs work there. Like the first laptop it
+    /// has no route to the pod or service CIDR. Removed with the lab.
+    pub fn add_laptop(&mut self, role: &str) -> Result<ExtraLaptop> {
+        let valid = role.starts_with(LAPTOP)
+            && role != LAPTOP
+            && role.len() <= 20
+            && role
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !valid || self.extra_laptops.iter().any(|l| l.role == role) {
+            return Err(LabError::Invalid {
+                what: "laptop role",
+                value: role.to_owned(),
+                why: "use `laptop` followed by up to 14 of a-z, 0-9, `-` (e.g. laptop2), once per lab",
+            });
+        }
+        let n = u8::try_from(self.extra_laptops.len() + 1).map_err(|_| LabError::Invalid {
+            what: "laptop role",
+            value: role.to_owned(),
+            why: "too many extra laptops",
+        })?;
+        if n > 9 {
+            return Err(LabError::Invalid {
+                what: "laptop role",
+                value: role.to_owned(),
+                why: "at most 9 extra laptops per lab (interface names kv<id>u<n>)",
+            });
+        }
+        let netns = Netns::create(&netns_name(&self.id, role))?;
+        // Its own resolv.conf, like the first laptop's: kvpn's DNS setup there must
+        // never reach this machine's /etc/resolv.conf.
+        if let Err(e) = netns.write_etc_file("resolv.conf", LAPTOP_RESOLV_CONF.as_bytes()) {
+            let _ = netns.delete();
+            return Err(e);
+        }
+        let net = self.addressing.extra_laptop_uplink(n);
+        let uplink =
+            match self
+                .node
+                .connect_extra_laptop(&netns, n, net, self.addressing.node_uplink_ip())
+            {
+                Ok(u) => u,
+                Err(e) => {
+                    let _ = netns.delete();
+                    return Err(e);
+                }
+            };
+        let laptop = ExtraLaptop {
+            role: role.to_owned(),
+            netns,
+            uplink,
+        };
+        tracing::info!(id = %self.id, role, net = %net, "extra laptop added");
+        self.extra_laptops.push(laptop.clone());
+        Ok(laptop)
     }
 
     pub fn node(&self) -> &Node {
@@ -846,22 +1022,24 @@ impl Lab {
     /// (the laptop must reach the cluster only through kvpn). Undo with
     /// [`Lab::remove_laptop_direct_routes`].
     pub fn add_laptop_direct_routes(&self) -> Result<()> {
+        let (pod, svc, via) = (
+            self.addressing.pod_cidr,
+            self.addressing.service_cidr,
+            self.addressing.node_uplink_ip(),
+        );
         self.laptop.ip_batch(&[
-            format!("route add {POD_CIDR} via {NODE_UPLINK_IP}"),
-            format!("route add {SERVICE_CIDR} via {NODE_UPLINK_IP}"),
+            format!("route add {pod} via {via}"),
+            format!("route add {svc} via {via}"),
         ])
     }
 
     /// Removes the routes of [`Lab::add_laptop_direct_routes`]; missing ones are fine.
     pub fn remove_laptop_direct_routes(&self) -> Result<()> {
-        for cidr in [POD_CIDR, SERVICE_CIDR] {
-            let _ = self.laptop.ip(&[
-                "route",
-                "del",
-                &cidr.to_string(),
-                "via",
-                &NODE_UPLINK_IP.to_string(),
-            ]);
+        let via = self.addressing.node_uplink_ip().to_string();
+        for cidr in [self.addressing.pod_cidr, self.addressing.service_cidr] {
+            let _ = self
+                .laptop
+                .ip(&["route", "del", &cidr.to_string(), "via", &via]);
         }
         Ok(())
     }
@@ -901,7 +1079,8 @@ impl Lab {
         }
         let _ = writeln!(
             s,
-            "  pods (pod CIDR {POD_CIDR}, this node {}):",
+            "  pods (pod CIDR {}, this node {}):",
+            self.addressing.pod_cidr,
             self.node.pod_cidr()
         );
         let mut processes = self.lock_processes();
@@ -934,7 +1113,8 @@ impl Lab {
         }
         let _ = writeln!(
             s,
-            "  services (service CIDR {SERVICE_CIDR}; nftables table ip {NFT_TABLE} in the node netns):"
+            "  services (service CIDR {}; nftables table ip {NFT_TABLE} in the node netns):",
+            self.addressing.service_cidr
         );
         for svc in &self.services {
             let eps: Vec<String> = svc
@@ -986,6 +1166,8 @@ impl Lab {
                 .collect(),
             manager: self.manager_desc.clone(),
             static_workloads: self.static_workloads,
+            addressing: self.addressing,
+            foreign_laptop: (!self.own_laptop).then(|| self.laptop.name().to_owned()),
         };
         let path = state_path(name);
         let io = |what: String| move |source| LabError::Io { what, source };
@@ -1128,6 +1310,9 @@ pub fn reap_orphaned_labs() -> Result<Vec<String>> {
             keep_dir: false,
             manager_desc: String::new(),
             static_workloads: false,
+            addressing: Addressing::default(),
+            own_laptop: true,
+            extra_laptops: Vec::new(),
             teardown_on_drop: false,
             down: false,
         };
@@ -1144,16 +1329,52 @@ pub fn reap_orphaned_labs() -> Result<Vec<String>> {
     }
 }
 
-/// Picks a fresh id and claims it by creating its laptop netns (`ip netns add` fails if
-/// another lab raced us to the same id).
-fn claim_id() -> Result<(String, Netns)> {
+/// Checks that `laptop` (another lab's laptop netns) exists and holds no address in
+/// `addressing`'s uplink, pod or service CIDR, which would make this lab's uplink
+/// ambiguous there.
+fn check_foreign_laptop(laptop: &Netns, addressing: &Addressing) -> Result<()> {
+    if !laptop.exists() {
+        return Err(LabError::Invalid {
+            what: "laptop netns",
+            value: laptop.name().to_owned(),
+            why: "does not exist (bring the first lab up before attaching a second one to its laptop)",
+        });
+    }
+    let out = laptop.exec(&["ip", "-4", "-o", "addr", "show"])?;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(addr) = line
+            .split_whitespace()
+            .skip_while(|w| *w != "inet")
+            .nth(1)
+            .and_then(|a| a.split('/').next())
+            .and_then(|a| a.parse::<Ipv4Addr>().ok())
+        else {
+            continue;
+        };
+        if addressing.uplink.contains(&addr)
+            || addressing.pod_cidr.contains(&addr)
+            || addressing.service_cidr.contains(&addr)
+        {
+            return Err(LabError::Invalid {
+                what: "laptop netns",
+                value: format!("{} (has {addr})", laptop.name()),
+                why: "already holds an address of this lab's uplink, pod or service CIDR: give the second lab another addressing (Addressing::second)",
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Picks a fresh id and claims it by creating its netns of `role` (`ip netns add` fails
+/// if another lab raced us to the same id).
+fn claim_id(role: &str) -> Result<(String, Netns)> {
     const TRIES: u32 = 32;
     for _ in 0..TRIES {
         let id = random_id()?;
         if !lab_netns(&id)?.is_empty() {
             continue;
         }
-        match Netns::create(&netns_name(&id, LAPTOP)) {
+        match Netns::create(&netns_name(&id, role)) {
             Ok(netns) => return Ok((id, netns)),
             Err(LabError::CommandFailed { stderr, .. }) if stderr.contains("exists") => continue,
             Err(e) => return Err(e),
@@ -1273,7 +1494,11 @@ mod tests {
                 "{}",
                 svc.name
             );
-            assert!(SERVICE_CIDR.contains(&svc.cluster_ip), "{}", svc.name);
+            assert!(
+                crate::SERVICE_CIDR.contains(&svc.cluster_ip),
+                "{}",
+                svc.name
+            );
         }
     }
 }

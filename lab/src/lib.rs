@@ -39,13 +39,13 @@ use std::path::PathBuf;
 use ipnet::Ipv4Net;
 
 pub use lab::{
-    DEFAULT_LAB_NAME, Lab, LabOptions, ManagerProcess, ProcessInfo, down_named, reap_orphaned_labs,
-    state_dir, state_path,
+    DEFAULT_LAB_NAME, ExtraLaptop, Lab, LabOptions, ManagerProcess, ProcessInfo, down_named,
+    reap_orphaned_labs, state_dir, state_path,
 };
 pub use netns::{Netns, lab_netns, list_kvpn_netns, run_in_netns};
 pub use nft::{NodePort, Protocol, Service};
 pub use process::Process;
-pub use topology::{Node, Pod, Uplink};
+pub use topology::{Addressing, Node, Pod, Uplink};
 
 /// Everything that can go wrong while building, using or tearing down a lab.
 #[derive(Debug, thiserror::Error)]

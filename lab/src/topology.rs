@@ -3,6 +3,10 @@
 //! [`Uplink`]. Used by the static pods of [`crate::Lab`] and by the kubelet stand-in of
 //! the Kubernetes lab, which adds and removes pods at run time.
 //!
+//! [`Addressing`] is the lab cluster's address plan (pod CIDR, service CIDR, uplink):
+//! the default is the shared brief's; [`Addressing::second`] gives a second cluster
+//! that can run next to the first, even with its uplink in the first lab's laptop netns.
+//!
 //! I/O: `ip` commands and `/proc/sys` writes inside the lab's netns (see
 //! [`crate::netns`]). Nothing is created in the machine's root netns: veths are created
 //! from inside the node netns with their peer placed directly into the pod's netns.
@@ -12,9 +16,132 @@ use std::net::Ipv4Addr;
 use std::sync::Mutex;
 
 use ipnet::Ipv4Net;
+use serde::{Deserialize, Serialize};
 
 use crate::netns::Netns;
 use crate::{LabError, Result};
+
+/// The address plan of one lab cluster. Every address the lab hands out derives from
+/// these four ranges: ClusterIPs are fixed offsets into the service CIDR (like
+/// kubeadm's `kubernetes` = first address and kube-dns = `.10`), the node and laptop
+/// uplink addresses are the first two hosts of the uplink /30, extra laptops
+/// ([`Addressing::extra_laptop_uplink`]) take the following /30s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Addressing {
+    /// The cluster's pod CIDR.
+    pub pod_cidr: Ipv4Net,
+    /// The node's share of the pod CIDR (its bridge; the gateway is the first host).
+    pub node_pod_cidr: Ipv4Net,
+    /// The service CIDR (`--service-cluster-ip-range`).
+    pub service_cidr: Ipv4Net,
+    /// The laptop↔node uplink (a /30: node = first host, laptop = second).
+    pub uplink: Ipv4Net,
+}
+
+impl Default for Addressing {
+    /// The shared brief's plan: pod CIDR 10.244.0.0/16 (node 10.244.1.0/24), service
+    /// CIDR 10.96.0.0/12, uplink 172.31.255.0/30.
+    fn default() -> Self {
+        Addressing {
+            pod_cidr: crate::POD_CIDR,
+            node_pod_cidr: crate::NODE_POD_CIDR,
+            service_cidr: crate::SERVICE_CIDR,
+            uplink: Ipv4Net::new_assert(Ipv4Addr::new(172, 31, 255, 0), crate::UPLINK_PREFIX_LEN),
+        }
+    }
+}
+
+/// Offset of a ClusterIP into the service CIDR.
+fn offset(net: Ipv4Net, n: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(net.network()).saturating_add(n))
+}
+
+impl Addressing {
+    /// A second cluster disjoint from the default one: pod CIDR 10.248.0.0/16 (node
+    /// 10.248.1.0/24), service CIDR 10.112.0.0/12, uplink 172.31.254.0/30.
+    pub fn second() -> Self {
+        Addressing {
+            pod_cidr: Ipv4Net::new_assert(Ipv4Addr::new(10, 248, 0, 0), 16),
+            node_pod_cidr: Ipv4Net::new_assert(Ipv4Addr::new(10, 248, 1, 0), 24),
+            service_cidr: Ipv4Net::new_assert(Ipv4Addr::new(10, 112, 0, 0), 12),
+            uplink: Ipv4Net::new_assert(Ipv4Addr::new(172, 31, 254, 0), crate::UPLINK_PREFIX_LEN),
+        }
+    }
+
+    /// Checks the plan: the node range inside the pod CIDR, pod and service CIDRs
+    /// disjoint, the uplink a /30 outside both.
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |why: &'static str| LabError::Invalid {
+            what: "lab addressing",
+            value: format!("{self:?}"),
+            why,
+        };
+        if !self.pod_cidr.contains(&self.node_pod_cidr) {
+            return Err(invalid("the node's pod range must lie inside the pod CIDR"));
+        }
+        if self.pod_cidr.contains(&self.service_cidr) || self.service_cidr.contains(&self.pod_cidr)
+        {
+            return Err(invalid("the pod and service CIDRs must be disjoint"));
+        }
+        if self.uplink.prefix_len() != crate::UPLINK_PREFIX_LEN
+            || self.pod_cidr.contains(&self.uplink)
+            || self.service_cidr.contains(&self.uplink)
+        {
+            return Err(invalid(
+                "the uplink must be a /30 outside the pod and service CIDRs",
+            ));
+        }
+        if self.service_cidr.prefix_len() > 24 {
+            return Err(invalid(
+                "the service CIDR must be a /24 or wider (fixed ClusterIPs up to .102)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The node's uplink address (API relay :6443, NodePorts).
+    pub fn node_uplink_ip(&self) -> Ipv4Addr {
+        offset(self.uplink, 1)
+    }
+
+    /// The laptop's uplink address.
+    pub fn laptop_uplink_ip(&self) -> Ipv4Addr {
+        offset(self.uplink, 2)
+    }
+
+    /// The `kubernetes` Service's ClusterIP: the service CIDR's first host.
+    pub fn kubernetes_service_ip(&self) -> Ipv4Addr {
+        offset(self.service_cidr, 1)
+    }
+
+    /// The `kube-system/kube-dns` ClusterIP (`.10`).
+    pub fn dns_service_ip(&self) -> Ipv4Addr {
+        offset(self.service_cidr, 10)
+    }
+
+    /// ClusterIP of `default/web` (`.100`, TCP 80 → 8080).
+    pub fn web_cluster_ip(&self) -> Ipv4Addr {
+        offset(self.service_cidr, 100)
+    }
+
+    /// ClusterIP of `default/echo` (`.101`, TCP 7 → 7007).
+    pub fn echo_cluster_ip(&self) -> Ipv4Addr {
+        offset(self.service_cidr, 101)
+    }
+
+    /// ClusterIP of `default/udp-echo` (`.102`, UDP 7 → 7007).
+    pub fn udp_echo_cluster_ip(&self) -> Ipv4Addr {
+        offset(self.service_cidr, 102)
+    }
+
+    /// The uplink /30 of extra laptop number `n` (1 = the first extra laptop): the
+    /// `n`-th /30 after [`Addressing::uplink`].
+    pub fn extra_laptop_uplink(&self, n: u8) -> Ipv4Net {
+        let step = 1u32 << (32 - u32::from(crate::UPLINK_PREFIX_LEN));
+        let base = u32::from(self.uplink.network()).saturating_add(step * u32::from(n));
+        Ipv4Net::new_assert(Ipv4Addr::from(base), crate::UPLINK_PREFIX_LEN)
+    }
+}
 
 /// Name of the pod's interface inside its netns, as in Kubernetes.
 pub const POD_INTERFACE: &str = "eth0";
@@ -79,6 +206,21 @@ impl Node {
     pub fn create(lab_id: &str, role: &str, pod_cidr: Ipv4Net) -> Result<Node> {
         let node = Node::existing(lab_id, role, pod_cidr);
         Netns::create(node.netns.name())?;
+        node.plumb()?;
+        Ok(node)
+    }
+
+    /// Like [`Node::create`] in a netns `kvpn-<lab_id>-<role>` that already exists
+    /// (created by the caller to claim the lab id) and is still empty.
+    pub fn create_in_existing(lab_id: &str, role: &str, pod_cidr: Ipv4Net) -> Result<Node> {
+        let node = Node::existing(lab_id, role, pod_cidr);
+        node.plumb()?;
+        Ok(node)
+    }
+
+    fn plumb(&self) -> Result<()> {
+        let node = self;
+        let pod_cidr = self.pod_cidr;
         let gw = format!("{}/{}", node.gateway, pod_cidr.prefix_len());
         node.netns.ip_batch(&[
             "link set lo up".to_owned(),
@@ -107,7 +249,7 @@ impl Node {
                 }
                 other => other,
             })?;
-        Ok(node)
+        Ok(())
     }
 
     /// A handle to a node created earlier (e.g. by another process), without touching
@@ -251,6 +393,48 @@ impl Node {
         prefix_len: u8,
     ) -> Result<Uplink> {
         let uplink = self.uplink(laptop_ip, node_ip, prefix_len);
+        self.plumb_uplink(laptop, &uplink, &[])?;
+        Ok(uplink)
+    }
+
+    /// Connects an extra laptop netns (number `n` ≥ 1, see
+    /// [`Addressing::extra_laptop_uplink`]) with its own veth pair `kv<id>u<n>` (node)
+    /// ↔ `kv<id>l<n>` (laptop) in `net` (node = first host, laptop = second), plus one
+    /// host route on the laptop to `main_node_ip` (the node's main uplink address, where
+    /// the API relay and the NodePorts listen) through its own node address. Nothing
+    /// else: this laptop, too, reaches no pod or service CIDR.
+    pub fn connect_extra_laptop(
+        &self,
+        laptop: &Netns,
+        n: u8,
+        net: Ipv4Net,
+        main_node_ip: Ipv4Addr,
+    ) -> Result<Uplink> {
+        let node_ip = Ipv4Addr::from(u32::from(net.network()).saturating_add(1));
+        let laptop_ip = Ipv4Addr::from(u32::from(net.network()).saturating_add(2));
+        let uplink = Uplink {
+            node_if: format!("kv{}u{n}", self.lab_id),
+            node_ip,
+            laptop_if: format!("kv{}l{n}", self.lab_id),
+            laptop_ip,
+            prefix_len: net.prefix_len(),
+        };
+        self.plumb_uplink(
+            laptop,
+            &uplink,
+            &[format!(
+                "route add {main_node_ip}/32 via {node_ip} dev {}",
+                uplink.laptop_if
+            )],
+        )?;
+        Ok(uplink)
+    }
+
+    /// Creates the veth pair of `uplink` (node side in this node's netns, peer moved
+    /// into `laptop`), addresses it, brings it up, then runs `laptop_extra` (`ip` lines)
+    /// in the laptop netns. On failure the pair is deleted again.
+    fn plumb_uplink(&self, laptop: &Netns, uplink: &Uplink, laptop_extra: &[String]) -> Result<()> {
+        let prefix_len = uplink.prefix_len;
         self.netns.ip_batch(&[
             format!(
                 "link add {} type veth peer name {} netns {}",
@@ -258,15 +442,42 @@ impl Node {
                 uplink.laptop_if,
                 laptop.name()
             ),
-            format!("addr add {node_ip}/{prefix_len} dev {}", uplink.node_if),
+            format!(
+                "addr add {}/{prefix_len} dev {}",
+                uplink.node_ip, uplink.node_if
+            ),
             format!("link set {} up", uplink.node_if),
         ])?;
-        laptop.ip_batch(&[
+        let mut lines = vec![
             "link set lo up".to_owned(),
-            format!("addr add {laptop_ip}/{prefix_len} dev {}", uplink.laptop_if),
+            format!(
+                "addr add {}/{prefix_len} dev {}",
+                uplink.laptop_ip, uplink.laptop_if
+            ),
             format!("link set {} up", uplink.laptop_if),
-        ])?;
-        Ok(uplink)
+        ];
+        lines.extend(laptop_extra.iter().cloned());
+        if let Err(e) = laptop.ip_batch(&lines) {
+            let _ = self.remove_uplink(uplink);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Deletes the uplink's veth pair from the node side (which removes the laptop's
+    /// end too, at once). Idempotent; needs the node netns.
+    pub fn remove_uplink(&self, uplink: &Uplink) -> Result<()> {
+        if !self.netns.exists() {
+            return Ok(());
+        }
+        match self.netns.ip(&["link", "del", &uplink.node_if]) {
+            Err(LabError::CommandFailed { stderr, .. })
+                if stderr.contains("Cannot find device") =>
+            {
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     /// The uplink's names and addresses, without touching the system.

@@ -447,3 +447,263 @@ async fn persistent_lab_up_down_up() {
     }
     let _ = std::fs::remove_dir_all(&state_dir);
 }
+
+/// The IPv4 addresses (`a.b.c.d/len`) on `dev` in `netns`, or None if there is no such
+/// device.
+fn addresses_on(netns: &Netns, dev: &str) -> Option<Vec<String>> {
+    let o = run(netns
+        .command("ip")
+        .args(["-4", "-o", "addr", "show", "dev", dev]));
+    o.status.success().then(|| {
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| {
+                let mut w = l.split_whitespace().skip_while(|w| *w != "inet");
+                w.nth(1).map(str::to_owned)
+            })
+            .collect()
+    })
+}
+
+/// `env` of the first process in `netns`.
+fn environ_of_pod(netns: &Netns) -> String {
+    let pid = *netns
+        .pids()
+        .first()
+        .unwrap_or_else(|| panic!("no process in {}", netns.name()));
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', "\n"))
+        .unwrap_or_default()
+}
+
+/// Two clusters on one laptop ([kube-connect] item 7) and two laptops on one cluster
+/// (item 8), as the lab provides them: a second Kubernetes lab with
+/// `Addressing::second()` whose uplink lives in the first lab's laptop netns, and a
+/// second laptop netns on the first lab. Each reaches its API server with its own
+/// kubeconfig, neither reaches a pod or ClusterIP directly, the second cluster's
+/// objects use its own CIDRs, and taking it down removes only its own link from the
+/// shared laptop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_cluster_on_the_same_laptop_and_a_second_laptop() {
+    use kvpn_lab::Addressing;
+    use kvpn_lab::k8s::workloads::Workloads;
+    let no_manager = Workloads {
+        manager: false,
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut a = K8sLab::up(K8sLabOptions::default().workloads(no_manager))
+        .await
+        .unwrap_or_else(|e| panic!("lab A up: {e}"));
+    let second = Addressing::second();
+    let b = K8sLab::up(
+        K8sLabOptions::default()
+            .workloads(no_manager)
+            .addressing(second)
+            .laptop_of(&a),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("lab B up on A's laptop: {e}"));
+    eprintln!(
+        "two Kubernetes labs up in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let laptop = a.netns_lab().laptop_netns().clone();
+    assert_eq!(b.netns_lab().laptop_netns(), &laptop, "B uses A's laptop");
+    assert_eq!(*a.addressing(), Addressing::default());
+    assert_eq!(*b.addressing(), second);
+
+    // Both uplinks in the one laptop netns, each its own /30 and name.
+    let (ua, ub) = (
+        a.netns_lab().uplink().clone(),
+        b.netns_lab().uplink().clone(),
+    );
+    assert_ne!(ua.laptop_if, ub.laptop_if);
+    assert_eq!(
+        addresses_on(&laptop, &ua.laptop_if),
+        Some(vec!["172.31.255.2/30".to_owned()])
+    );
+    assert_eq!(
+        addresses_on(&laptop, &ub.laptop_if),
+        Some(vec!["172.31.254.2/30".to_owned()])
+    );
+    let b_kubeconfig = std::fs::read_to_string(b.laptop_user_kubeconfig()).expect("B kubeconfig");
+    assert!(
+        b_kubeconfig.contains("https://172.31.254.1:6443"),
+        "{b_kubeconfig}"
+    );
+
+    // kubectl from the shared laptop reaches each cluster with its own kubeconfig.
+    let b_client = b.admin_client().await.expect("B admin client");
+    let b_web = pods_in(&b_client, "default", "app=web");
+    assert_eq!(b_web.len(), 2, "B's default/web pods");
+    for p in &b_web {
+        assert!(
+            second.node_pod_cidr.contains(&pod_ip(p)),
+            "B pod IP {} in {}",
+            pod_ip(p),
+            second.node_pod_cidr
+        );
+    }
+    let o = kubectl(
+        &laptop,
+        b.laptop_admin_kubeconfig(),
+        &["get", "pods", "-n", "default", "-o", "wide"],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    for p in &b_web {
+        let name = p.metadata.name.as_deref().expect("name");
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(name),
+            "{}",
+            text(&o)
+        );
+    }
+    let o = kubectl(
+        &laptop,
+        b.laptop_user_kubeconfig(),
+        &["get", "deployments", "-n", "kvpn-system"],
+    );
+    assert!(o.status.success(), "B restricted: {}", text(&o));
+    let o = kubectl(&laptop, a.laptop_admin_kubeconfig(), &["get", "nodes"]);
+    assert!(o.status.success(), "A from the shared laptop: {}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains(&format!("kvpn-{}-node", a.netns_lab().id())),
+        "{}",
+        text(&o)
+    );
+
+    // B's Services come from its own service CIDR.
+    let services: Api<Service> = Api::namespaced(b_client.clone(), "default");
+    let ip_of = |s: Service| s.spec.and_then(|s| s.cluster_ip).unwrap_or_default();
+    assert_eq!(
+        ip_of(services.get("web").await.expect("web")),
+        "10.112.0.100"
+    );
+    assert_eq!(
+        ip_of(services.get("kubernetes").await.expect("kubernetes")),
+        "10.112.0.1"
+    );
+    let dns: Api<Service> = Api::namespaced(b_client.clone(), "kube-system");
+    assert_eq!(
+        ip_of(dns.get("kube-dns").await.expect("kube-dns")),
+        "10.112.0.10"
+    );
+    let dev_web: Api<Service> = Api::namespaced(b_client.clone(), "dev");
+    let dev_ip: Ipv4Addr = ip_of(dev_web.get("web").await.expect("dev/web"))
+        .parse()
+        .expect("dev/web ClusterIP");
+    assert!(second.service_cidr.contains(&dev_ip), "allocated {dev_ip}");
+
+    // Inside B: ClusterIP, DNS and the `kubernetes` Service at B's addresses.
+    let b_pod = pod_netns(&b, &b_web[0]);
+    let page = http_get(&b_pod, SocketAddrV4::new(second.web_cluster_ip(), 80))
+        .expect("B's web ClusterIP from a B pod");
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    let fqdn = getent_in_pod(&b_pod, &["hosts", "echo.default.svc.cluster.local"]);
+    assert_eq!(
+        first_ip(&fqdn),
+        Some(second.echo_cluster_ip()),
+        "{}",
+        text(&fqdn)
+    );
+    let env = environ_of_pod(&b_pod);
+    assert!(
+        env.contains("KUBERNETES_SERVICE_HOST=10.112.0.1\n"),
+        "pod env: {env}"
+    );
+    let o = run(b_pod
+        .command("curl")
+        .args(["-sS", "--max-time", "10", "--cacert"])
+        .arg(b.state().control_plane_dir.join("pki/ca.crt"))
+        .args([
+            "--resolve",
+            "kubernetes.default.svc:443:10.112.0.1",
+            "https://kubernetes.default.svc/version",
+        ]));
+    assert!(o.status.success(), "B's kubernetes Service: {}", text(&o));
+
+    // The shared laptop still reaches no pod or ClusterIP of either cluster.
+    for target in [
+        SocketAddrV4::new(pod_ip(&b_web[0]), 8080),
+        SocketAddrV4::new(second.web_cluster_ip(), 80),
+        SocketAddrV4::new(kvpn_lab::WEB_CLUSTER_IP, 80),
+    ] {
+        let direct = http_get(&laptop, target);
+        assert!(
+            direct.is_err(),
+            "laptop reached {target} directly: {direct:?}"
+        );
+    }
+
+    // A second laptop on A: own /30, the API server at A's address, nothing else.
+    let laptop2 = a.add_laptop("laptop2").expect("add laptop2");
+    assert_eq!(
+        laptop2.netns.name(),
+        format!("kvpn-{}-laptop2", a.netns_lab().id())
+    );
+    assert_eq!(
+        addresses_on(&laptop2.netns, &laptop2.uplink.laptop_if),
+        Some(vec!["172.31.255.6/30".to_owned()])
+    );
+    assert!(a.add_laptop("laptop2").is_err(), "the same role twice");
+    let o = kubectl(
+        &laptop2.netns,
+        &laptop2.user_kubeconfig,
+        &["get", "deployments", "-n", "kvpn-system"],
+    );
+    assert!(o.status.success(), "laptop2 → A's API server: {}", text(&o));
+    let a_client = a.admin_client().await.expect("A admin client");
+    let a_web = pods_in(&a_client, "default", "app=web");
+    for target in [
+        SocketAddrV4::new(pod_ip(&a_web[0]), 8080),
+        SocketAddrV4::new(kvpn_lab::WEB_CLUSTER_IP, 80),
+    ] {
+        let direct = http_get(&laptop2.netns, target);
+        assert!(
+            direct.is_err(),
+            "laptop2 reached {target} directly: {direct:?}"
+        );
+    }
+
+    // B down: its netns and its link in the shared laptop go, the laptop stays and
+    // still reaches A.
+    let (b_id, b_dir, b_api) = (
+        b.netns_lab().id().to_owned(),
+        b.netns_lab().dir().to_owned(),
+        b.state().apiserver,
+    );
+    drop(b_client);
+    tokio::task::spawn_blocking(move || b.down())
+        .await
+        .expect("join")
+        .expect("B down");
+    assert_no_residue(&b_id, &b_dir, b_api);
+    assert!(laptop.exists(), "A's laptop survives B's down");
+    assert_eq!(
+        addresses_on(&laptop, &ub.laptop_if),
+        None,
+        "B's uplink gone"
+    );
+    assert_eq!(
+        addresses_on(&laptop, &ua.laptop_if),
+        Some(vec!["172.31.255.2/30".to_owned()]),
+        "A's uplink stays"
+    );
+    let o = kubectl(&laptop, a.laptop_admin_kubeconfig(), &["get", "nodes"]);
+    assert!(o.status.success(), "A after B's down: {}", text(&o));
+
+    // A down: laptop2 goes with it.
+    let (a_id, a_dir, a_api) = (
+        a.netns_lab().id().to_owned(),
+        a.netns_lab().dir().to_owned(),
+        a.state().apiserver,
+    );
+    drop(a_client);
+    tokio::task::spawn_blocking(move || a.down())
+        .await
+        .expect("join")
+        .expect("A down");
+    assert_no_residue(&a_id, &a_dir, a_api);
+    assert!(!laptop2.netns.exists(), "laptop2 netns left behind");
+}

@@ -8,6 +8,13 @@
 //! test failed: `kvpn quit` (sessions, root daemon, agents), then any agent of this
 //! runtime folder still running (by pid), then the lab.
 //!
+//! More than one of each: [`KubeFixture::add_cluster`] brings up a second cluster
+//! (its own addressing) whose uplink is in this fixture's laptop netns, so one
+//! laptop can connect to both; [`KubeFixture::add_laptop`] adds a second laptop
+//! netns on the first cluster ([`Laptop`]: its own root daemon, runtime folder and
+//! kvpn config folder, hence its own client id and lease). Drop quits kvpn on
+//! every laptop first, then takes the extra clusters down, then the first.
+//!
 //! I/O: processes in the laptop netns, the API server through the admin client,
 //! sockets opened on threads inside the laptop netns.
 
@@ -19,10 +26,11 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
-use kvpn_lab::LAPTOP;
+use kvpn_lab::k8s::cluster::K8sLaptop;
 use kvpn_lab::k8s::workloads::Workloads;
 use kvpn_lab::k8s::{K8sLab, K8sLabOptions};
 use kvpn_lab::protocol::PageInfo;
+use kvpn_lab::{Addressing, LAPTOP, Netns};
 
 use crate::text;
 
@@ -54,9 +62,116 @@ pub struct TcpSocket {
     pub peer: String,
 }
 
+/// Another laptop netns on the fixture's first cluster, with kvpn of its own.
+pub struct Laptop {
+    /// Its netns, uplink and kubeconfigs.
+    pub lab: K8sLaptop,
+    runtime_dir: PathBuf,
+    config_dir: PathBuf,
+    kvpn: PathBuf,
+}
+
+impl Laptop {
+    /// Its `KVPN_RUNTIME_DIR`.
+    pub fn runtime_dir(&self) -> &Path {
+        &self.runtime_dir
+    }
+
+    /// Its netns.
+    pub fn netns(&self) -> &Netns {
+        &self.lab.netns
+    }
+
+    /// Runs `kvpn <args>` in this laptop's netns with its runtime folder and its
+    /// own kvpn config folder (`XDG_CONFIG_HOME`, not under sudo: another machine).
+    pub fn kvpn(&self, args: &[&str]) -> Output {
+        let mut cmd = self.lab.netns.command(&self.kvpn);
+        cmd.args(args)
+            .env("KVPN_RUNTIME_DIR", &self.runtime_dir)
+            .env(
+                "KVPN_RESOLV_CONF",
+                self.lab.netns.etc_dir().join("resolv.conf"),
+            )
+            .env("XDG_CONFIG_HOME", &self.config_dir)
+            .env_remove("SUDO_USER")
+            .env_remove("KUBECONFIG");
+        cmd.output()
+            .unwrap_or_else(|e| panic!("run kvpn {args:?} on {}: {e}", self.lab.role))
+    }
+
+    /// `kvpn <args>`, which must succeed; its stdout.
+    pub fn kvpn_ok(&self, args: &[&str]) -> String {
+        let out = self.kvpn(args);
+        assert!(
+            out.status.success(),
+            "kvpn {args:?} on {} failed ({}):\n{}\n{}\n{}",
+            self.lab.role,
+            out.status,
+            text(&out.stdout),
+            text(&out.stderr),
+            diagnostics_of(&self.runtime_dir)
+        );
+        text(&out.stdout)
+    }
+
+    /// `kvpn connect --kubeconfig <restricted user's>`; its stdout.
+    pub fn connect_restricted(&self) -> String {
+        let kubeconfig = self.lab.user_kubeconfig.to_string_lossy().into_owned();
+        self.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig])
+    }
+
+    /// The sessions of `kvpn status -o json`.
+    pub fn sessions(&self) -> Vec<serde_json::Value> {
+        let out = self.kvpn_ok(&["status", "-o", "json"]);
+        let v: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("status JSON: {e}: {out}"));
+        v["sessions"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Runs a command in this laptop's netns.
+    pub fn exec(&self, args: &[&str]) -> Output {
+        self.lab
+            .netns
+            .exec(args)
+            .unwrap_or_else(|e| panic!("{} {args:?}: {e:#}", self.lab.role))
+    }
+
+    /// Runs `f` on a thread inside this laptop's netns (sockets opened there stay
+    /// there).
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        self.lab
+            .netns
+            .run(f)
+            .unwrap_or_else(|e| panic!("{} netns: {e:#}", self.lab.role))
+    }
+
+    /// The root daemon's and agents' logs.
+    pub fn diagnostics(&self) -> String {
+        diagnostics_of(&self.runtime_dir)
+    }
+
+    /// `kvpn quit`, then SIGKILL to any agent of its runtime folder still running.
+    fn quit(&self) {
+        let quit = self.kvpn(&["quit"]);
+        if !quit.status.success() {
+            eprintln!(
+                "kvpn quit on {}: {}{}",
+                self.lab.role,
+                text(&quit.stdout),
+                text(&quit.stderr)
+            );
+        }
+        kill_agents_of(&self.runtime_dir);
+    }
+}
+
 /// A Kubernetes lab plus kvpn on its laptop.
 pub struct KubeFixture {
-    // Field order: the lab goes before the runtime its node services were started on.
+    // Field order: laptops, then the extra clusters (their uplinks live in the first
+    // lab's laptop netns), then the first lab, then the runtime their node services
+    // were started on. Drop does it explicitly in that order anyway.
+    laptops: Vec<Laptop>,
+    clusters: Vec<K8sLab>,
     lab: Option<K8sLab>,
     admin: kube::Client,
     rt: tokio::runtime::Runtime,
@@ -92,6 +207,8 @@ impl KubeFixture {
         let runtime_dir = lab.netns_lab().dir().join("kvpn-runtime");
         let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
         KubeFixture {
+            laptops: Vec::new(),
+            clusters: Vec::new(),
             lab: Some(lab),
             admin,
             rt,
@@ -122,6 +239,70 @@ impl KubeFixture {
             .laptop_netns()
             .etc_dir()
             .join("resolv.conf")
+    }
+
+    /// Brings up another cluster with `addressing` (which must differ from the first
+    /// cluster's: e.g. [`Addressing::second`]), without a traffic manager, whose
+    /// uplink is in this fixture's laptop netns; returns its index for
+    /// [`KubeFixture::cluster`]. It is taken down before the first one.
+    pub fn add_cluster(&mut self, addressing: Addressing) -> usize {
+        let t0 = Instant::now();
+        let options = K8sLabOptions::default()
+            .workloads(Workloads {
+                manager: false,
+                ..Default::default()
+            })
+            .addressing(addressing)
+            .laptop_of(self.lab());
+        let lab = self
+            .rt
+            .block_on(K8sLab::up(options))
+            .unwrap_or_else(|e| panic!("second Kubernetes lab up: {e}"));
+        eprintln!(
+            "Kubernetes lab {} (on laptop {}) up in {:.1} s",
+            lab.netns_lab().id(),
+            lab.netns_lab().laptop_netns().name(),
+            t0.elapsed().as_secs_f64()
+        );
+        self.clusters.push(lab);
+        self.clusters.len() - 1
+    }
+
+    /// The extra cluster `i` of [`KubeFixture::add_cluster`].
+    pub fn cluster(&self, i: usize) -> &K8sLab {
+        self.clusters
+            .get(i)
+            .unwrap_or_else(|| panic!("no extra cluster {i}"))
+    }
+
+    /// Adds a laptop netns `role` (e.g. `laptop2`) on the first cluster, with its
+    /// own uplink, runtime folder and kvpn config folder.
+    pub fn add_laptop(&mut self, role: &str) -> &Laptop {
+        let lab = self
+            .lab
+            .as_mut()
+            .unwrap_or_else(|| unreachable!("fixture without its lab"));
+        let added = lab
+            .add_laptop(role)
+            .unwrap_or_else(|e| panic!("add laptop {role}: {e}"));
+        let base = lab.netns_lab().dir().join(role);
+        self.laptops.push(Laptop {
+            lab: added,
+            runtime_dir: base.join("kvpn-runtime"),
+            config_dir: base.join("config"),
+            kvpn: self.kvpn.clone(),
+        });
+        self.laptops
+            .last()
+            .unwrap_or_else(|| unreachable!("just pushed"))
+    }
+
+    /// The laptop `role` of [`KubeFixture::add_laptop`].
+    pub fn laptop_of(&self, role: &str) -> &Laptop {
+        self.laptops
+            .iter()
+            .find(|l| l.lab.role == role)
+            .unwrap_or_else(|| panic!("no laptop {role}"))
     }
 
     /// The restricted user's kubeconfig for the laptop netns.
@@ -323,34 +504,7 @@ impl KubeFixture {
     /// Pids of the session agents (`kvpn agent`) of this fixture's runtime folder
     /// (their `--state-file` lies in it), sorted.
     pub fn agent_pids(&self) -> Vec<u32> {
-        let dir = self.runtime_dir.to_string_lossy().into_owned();
-        let mut pids: Vec<u32> = std::fs::read_dir("/proc")
-            .map(|d| {
-                d.flatten()
-                    .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                    .filter(|pid| {
-                        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-                            return false;
-                        };
-                        let args: Vec<String> = cmdline
-                            .split(|b| *b == 0)
-                            .map(|a| String::from_utf8_lossy(a).into_owned())
-                            .collect();
-                        let running = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                            .is_ok_and(|s| {
-                                s.rsplit_once(") ")
-                                    .and_then(|(_, r)| r.chars().next())
-                                    .is_some_and(|c| c != 'Z' && c != 'X')
-                            });
-                        running
-                            && args.iter().any(|a| a == "agent")
-                            && args.iter().any(|a| a.starts_with(&dir))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        pids.sort_unstable();
-        pids
+        agent_pids_of(&self.runtime_dir)
     }
 
     /// TCP sockets of `pid` in the laptop netns, any state, as `ss` shows them.
@@ -441,21 +595,12 @@ impl KubeFixture {
         .collect()
     }
 
-    /// The root daemon's log and the agents' logs, for failure messages.
+    /// The root daemon's log and the agents' logs (of every laptop), for failure
+    /// messages.
     pub fn diagnostics(&self) -> String {
-        let mut s = String::new();
-        let daemon =
-            std::fs::read_to_string(self.runtime_dir.join("dataplane.log")).unwrap_or_default();
-        s.push_str("--- root daemon log (last 40 lines):\n");
-        s.push_str(&tail(&daemon, 40));
-        if let Ok(dir) = std::fs::read_dir(self.runtime_dir.join("agents")) {
-            for e in dir.flatten() {
-                if e.path().extension().is_some_and(|x| x == "log") {
-                    let log = std::fs::read_to_string(e.path()).unwrap_or_default();
-                    s.push_str(&format!("--- {} (last 20 lines):\n", e.path().display()));
-                    s.push_str(&tail(&log, 20));
-                }
-            }
+        let mut s = diagnostics_of(&self.runtime_dir);
+        for l in &self.laptops {
+            s.push_str(&l.diagnostics());
         }
         s
     }
@@ -472,18 +617,23 @@ impl Drop for KubeFixture {
         if self.lab.is_none() {
             return;
         }
-        // Sessions, agents and the root daemon first; they live in the lab's netns.
+        // Sessions, agents and root daemons first; they live in the labs' netns.
+        for l in &self.laptops {
+            l.quit();
+        }
         let quit = self.kvpn(&["quit"]);
         if !quit.status.success() {
             eprintln!("kvpn quit: {}{}", text(&quit.stdout), text(&quit.stderr));
         }
-        for pid in self.agent_pids() {
-            // An agent of this fixture's runtime folder that outlived `kvpn quit`
-            // (a test that failed between spawning and recording it).
-            // SAFETY: kill with a pid found by its command line naming our folder.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        }
-        if let Some(lab) = self.lab.take() {
+        kill_agents_of(&self.runtime_dir);
+        // Extra clusters before the first: their uplinks are in its laptop netns.
+        let labs: Vec<K8sLab> = self
+            .clusters
+            .drain(..)
+            .rev()
+            .chain(self.lab.take())
+            .collect();
+        for lab in labs {
             let down = self
                 .rt
                 .block_on(async { tokio::task::spawn_blocking(move || lab.down()).await });
@@ -494,6 +644,69 @@ impl Drop for KubeFixture {
             }
         }
     }
+}
+
+/// Pids of the running session agents (`kvpn agent`) whose command line names a
+/// path inside `runtime_dir` (their `--state-file`), sorted.
+pub fn agent_pids_of(runtime_dir: &Path) -> Vec<u32> {
+    let dir = format!("{}/", runtime_dir.to_string_lossy());
+    let mut pids: Vec<u32> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|pid| {
+                    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                        return false;
+                    };
+                    let args: Vec<String> = cmdline
+                        .split(|b| *b == 0)
+                        .map(|a| String::from_utf8_lossy(a).into_owned())
+                        .collect();
+                    let running =
+                        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                            s.rsplit_once(") ")
+                                .and_then(|(_, r)| r.chars().next())
+                                .is_some_and(|c| c != 'Z' && c != 'X')
+                        });
+                    running
+                        && args.iter().any(|a| a == "agent")
+                        && args.iter().any(|a| a.starts_with(&dir))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    pids.sort_unstable();
+    pids
+}
+
+/// SIGKILL to every agent of `runtime_dir` still running (one that outlived
+/// `kvpn quit`, e.g. after a test failed between spawning and recording it).
+fn kill_agents_of(runtime_dir: &Path) {
+    for pid in agent_pids_of(runtime_dir) {
+        // SAFETY: kill with a pid found by its command line naming our folder.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+}
+
+/// The root daemon's log and the agents' logs of `runtime_dir`, for failure messages.
+pub fn diagnostics_of(runtime_dir: &Path) -> String {
+    let mut s = String::new();
+    let daemon = std::fs::read_to_string(runtime_dir.join("dataplane.log")).unwrap_or_default();
+    s.push_str(&format!(
+        "--- root daemon log {} (last 40 lines):\n",
+        runtime_dir.display()
+    ));
+    s.push_str(&tail(&daemon, 40));
+    if let Ok(dir) = std::fs::read_dir(runtime_dir.join("agents")) {
+        for e in dir.flatten() {
+            if e.path().extension().is_some_and(|x| x == "log") {
+                let log = std::fs::read_to_string(e.path()).unwrap_or_default();
+                s.push_str(&format!("--- {} (last 20 lines):\n", e.path().display()));
+                s.push_str(&tail(&log, 20));
+            }
+        }
+    }
+    s
 }
 
 /// Whether a pod is Ready and not being deleted.

@@ -10,9 +10,8 @@
 //! the hello and ping a backend pod from their tunnel IP with raw ICMP echo
 //! frames. No TUN device per client: the frames are what a session's pump sends.
 //!
-//! Missing: two laptop netns on one lab pinging each other (the lab has one
-//! laptop netns); laptop-to-laptop is covered in process by
-//! manager/tests/leases.rs.
+//! Two laptop netns on one lab reaching each other's tunnel IPs: kube_multi.rs
+//! (and in process: manager/tests/leases.rs).
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

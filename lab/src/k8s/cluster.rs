@@ -22,6 +22,13 @@
 //!   [`down_named`] stops the agent (which removes its pods and rules), then the control
 //!   plane, then the lab (every `kvpn-<id>-*` netns, the state file, the folder).
 //!
+//! Addressing: [`K8sLabOptions::addressing`] picks the address plan (default: the
+//! shared brief's; [`Addressing::second`] for a second cluster). With
+//! [`K8sLabOptions::laptop_of`] the lab's uplink goes into another lab's laptop netns
+//! (one laptop, two clusters: its own /30 and interface names, its own kubeconfigs,
+//! removed alone on down); [`K8sLab::add_laptop`] adds another laptop netns to a lab
+//! (two laptops, one cluster).
+//!
 //! Files in the lab folder: `k8s-lab.json` (where the control plane is, the agent's
 //! pid), `laptop-admin.kubeconfig` and `laptop-kvpn-user.kubeconfig` (server
 //! `https://172.31.255.1:6443`, for the laptop netns), the control plane's folder, and
@@ -43,8 +50,10 @@ use super::kubelet::{ClusterDns as KubeletDns, Kubelet, KubeletConfig, KubeletSe
 use super::relay::{API_PORT, ApiRelay};
 use super::workloads::{self, Workloads};
 use super::{ControlPlane, ControlPlaneConfig, KVPN_NAMESPACE, RESTRICTED_USER};
+use crate::LabError;
 use crate::lab::{Lab, LabOptions};
-use crate::{LabError, NODE_UPLINK_IP};
+use crate::netns::Netns;
+use crate::topology::{Addressing, Uplink};
 
 /// The lab's file describing its Kubernetes parts (in the lab folder).
 pub const STATE_FILE: &str = "k8s-lab.json";
@@ -149,6 +158,41 @@ impl K8sLabOptions {
         self.workloads = workloads;
         self
     }
+
+    /// The address plan of this cluster (pod CIDR, service CIDR and the ClusterIPs
+    /// derived from it, uplink). Default: [`Addressing::default`].
+    pub fn addressing(mut self, addressing: Addressing) -> Self {
+        self.lab.addressing = addressing;
+        self
+    }
+
+    /// Put this lab's uplink into `other`'s laptop netns: one laptop on two clusters.
+    /// Needs an addressing whose uplink, pod and service CIDRs differ from `other`'s
+    /// (e.g. [`Addressing::second`]); checked by `up`.
+    pub fn laptop_of(self, other: &K8sLab) -> Self {
+        self.attach_laptop(other.netns_lab().laptop_netns().clone())
+    }
+
+    /// Put this lab's uplink into the existing netns `laptop` (see
+    /// [`LabOptions::laptop`]).
+    pub fn attach_laptop(mut self, laptop: Netns) -> Self {
+        self.lab.laptop = Some(laptop);
+        self
+    }
+}
+
+/// A laptop netns added to a Kubernetes lab with [`K8sLab::add_laptop`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct K8sLaptop {
+    /// Its role in the lab (netns `kvpn-<id>-<role>`).
+    pub role: String,
+    pub netns: Netns,
+    /// Its own uplink (a /30 of its own; a host route to the node's main uplink
+    /// address, where the API relay listens).
+    pub uplink: Uplink,
+    /// Kubeconfigs usable from it (the API server at the node's main uplink address).
+    pub admin_kubeconfig: PathBuf,
+    pub user_kubeconfig: PathBuf,
 }
 
 /// `k8s-lab.json`: what another process needs to find and stop the Kubernetes parts.
@@ -165,6 +209,9 @@ pub struct K8sLabState {
     pub workloads_manager: bool,
     /// The agent (persistent labs): pid and start time in clock ticks since boot.
     pub agent: Option<(u32, u64)>,
+    /// The address plan (absent in older files: the default one).
+    #[serde(default)]
+    pub addressing: Addressing,
 }
 
 impl K8sLabState {
@@ -230,21 +277,28 @@ impl NodeServices {
         };
         let mut ports = vec![API_PORT];
         ports.push(state.apiserver.port());
+        let node_ip = lab.uplink().node_ip;
         services.relay = Some(ApiRelay::start(
             lab.node_netns(),
-            NODE_UPLINK_IP,
+            node_ip,
             &ports,
             state.apiserver,
         )?);
         services.proxy = Some(KubeProxy::start(
             KubeProxyConfig::new(&state.admin_kubeconfig, lab.node_netns().clone())
-                .node_ip(NODE_UPLINK_IP),
+                .node_ip(node_ip),
         )?);
-        let dns = ClusterDns::deploy(
-            lab.node(),
-            &state.admin_kubeconfig,
-            ClusterDnsOptions::default(),
-        )?;
+        let a = &state.addressing;
+        let mut dns_options = ClusterDnsOptions {
+            service_ip: a.dns_service_ip(),
+            ..ClusterDnsOptions::default()
+        };
+        dns_options.zone.dns_ip = std::net::IpAddr::V4(a.dns_service_ip());
+        dns_options.zone.reverse_cidrs = vec![
+            ipnet::IpNet::V4(a.service_cidr),
+            ipnet::IpNet::V4(a.pod_cidr),
+        ];
+        let dns = ClusterDns::deploy(lab.node(), &state.admin_kubeconfig, dns_options)?;
         let dns_pod = (dns.pod().name.clone(), dns.pod().ip);
         let cluster_dns = KubeletDns {
             nameserver: dns.service_ip(),
@@ -338,6 +392,7 @@ fn kubelet_setup(
     existing_pods.push(dns_pod);
     let config = KubeletConfig {
         cluster_dns: Some(cluster_dns),
+        kubernetes_service_ip: Some(state.addressing.kubernetes_service_ip()),
         ..KubeletConfig::default()
     };
     Ok(KubeletSetup {
@@ -368,20 +423,22 @@ pub struct K8sLab {
     persistent: bool,
 }
 
-fn uplink_url() -> String {
-    format!("https://{NODE_UPLINK_IP}:{API_PORT}")
+fn uplink_url(node_ip: Ipv4Addr) -> String {
+    format!("https://{node_ip}:{API_PORT}")
 }
 
-/// Writes the laptop kubeconfigs (server `https://172.31.255.1:6443`) next to the
-/// control plane's, with the same CA and client certificates.
+/// Writes the laptop kubeconfigs (server `https://<node uplink IP>:6443`, by default
+/// `https://172.31.255.1:6443`) next to the control plane's, with the same CA and
+/// client certificates.
 fn write_laptop_kubeconfigs(
     lab_dir: &Path,
     cp_dir: &Path,
     cluster: &str,
+    node_ip: Ipv4Addr,
 ) -> Result<(PathBuf, PathBuf), Error> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let pki = cp_dir.join("pki");
-    let server = uplink_url();
+    let server = uplink_url(node_ip);
     let mut out = Vec::new();
     for (file, cert, user, namespace) in [
         (LAPTOP_ADMIN_KUBECONFIG, ADMIN_USER, ADMIN_USER, None),
@@ -437,7 +494,9 @@ impl K8sLab {
         }
         .topology_only();
         let persistent = lab_options.persist_as.is_some();
+        let addressing = lab_options.addressing;
         let lab = blocking(move || Lab::up(lab_options).map_err(Error::from)).await?;
+        let node_ip = lab.uplink().node_ip;
         let cp_dir = lab.dir().join("control-plane");
         let cluster_name = format!("kvpn-lab-{}", lab.id());
         let mut this = K8sLab {
@@ -452,13 +511,16 @@ impl K8sLab {
                 laptop_user_kubeconfig: PathBuf::new(),
                 workloads_manager: options.workloads.manager,
                 agent: None,
+                addressing,
             },
             lab: Some(lab),
             persistent,
         };
         // From here on an early return drops `this`, which tears down what exists.
         let mut config = ControlPlaneConfig::new(&cp_dir, &cluster_name);
-        config.advertise_ip = NODE_UPLINK_IP;
+        config.advertise_ip = node_ip;
+        config.service_cidr = addressing.service_cidr.to_string();
+        config.kubernetes_service_ip = addressing.kubernetes_service_ip();
         config.tie_to_process = !persistent;
         config.step_timeout = options.control_plane_step_timeout;
         config
@@ -469,7 +531,7 @@ impl K8sLab {
         this.state.admin_kubeconfig = cp.admin_kubeconfig();
         this.control_plane = Some(cp);
         let lab_dir = this.lab()?.dir().to_owned();
-        let (admin, user) = write_laptop_kubeconfigs(&lab_dir, &cp_dir, &cluster_name)?;
+        let (admin, user) = write_laptop_kubeconfigs(&lab_dir, &cp_dir, &cluster_name, node_ip)?;
         this.state.laptop_admin_kubeconfig = admin;
         this.state.laptop_user_kubeconfig = user;
         this.state.write(&lab_dir)?;
@@ -501,7 +563,7 @@ impl K8sLab {
         }
 
         let client = this.admin_client().await?;
-        workloads::apply(&client, options.workloads).await?;
+        workloads::apply(&client, options.workloads, &addressing).await?;
         workloads::wait_ready(&client, options.workloads, options.ready_timeout).await?;
         tracing::info!(elapsed_ms = t0.elapsed().as_millis(), "Kubernetes lab up");
         Ok(this)
@@ -526,7 +588,32 @@ impl K8sLab {
         &self.state
     }
 
-    /// Kubeconfig of the admin for the laptop netns (`https://172.31.255.1:6443`).
+    /// The address plan (pod and service CIDRs, ClusterIPs, uplink).
+    pub fn addressing(&self) -> &Addressing {
+        &self.state.addressing
+    }
+
+    /// Adds a second (third, …) laptop netns `kvpn-<id>-<role>` (role `laptop2`, …)
+    /// with its own uplink (see [`Lab::add_laptop`]); it reaches the API server at the
+    /// same address as the first laptop, so the lab's laptop kubeconfigs work there.
+    /// Removed with the lab.
+    pub fn add_laptop(&mut self, role: &str) -> Result<K8sLaptop, Error> {
+        let name = self.state.cluster_name.clone();
+        let lab = self.lab.as_mut().ok_or_else(|| Error::State {
+            name,
+            message: "already torn down".into(),
+        })?;
+        let extra = lab.add_laptop(role)?;
+        Ok(K8sLaptop {
+            role: extra.role,
+            netns: extra.netns,
+            uplink: extra.uplink,
+            admin_kubeconfig: self.state.laptop_admin_kubeconfig.clone(),
+            user_kubeconfig: self.state.laptop_user_kubeconfig.clone(),
+        })
+    }
+
+    /// Kubeconfig of the admin for the laptop netns (`https://<node uplink IP>:6443`).
     pub fn laptop_admin_kubeconfig(&self) -> &Path {
         &self.state.laptop_admin_kubeconfig
     }
@@ -615,6 +702,8 @@ impl Drop for K8sLab {
 pub fn info_text(lab: &Lab, state: &K8sLabState) -> String {
     use std::fmt::Write as _;
     let mut s = lab.info();
+    let a = &state.addressing;
+    let node_ip = lab.uplink().node_ip;
     let _ = writeln!(
         s,
         "  control plane (host netns, {}): etcd, kube-apiserver https://{}, kube-controller-manager; folder {}",
@@ -624,8 +713,9 @@ pub fn info_text(lab: &Lab, state: &K8sLabState) -> String {
     );
     let _ = writeln!(
         s,
-        "  apiserver relay: {NODE_UPLINK_IP}:{API_PORT} in the node netns -> {} (laptop and pods; `kubernetes` Service 10.96.0.1:443)",
-        state.apiserver
+        "  apiserver relay: {node_ip}:{API_PORT} in the node netns -> {} (laptop and pods; `kubernetes` Service {}:443)",
+        state.apiserver,
+        a.kubernetes_service_ip()
     );
     let where_ = match state.agent {
         Some((pid, _)) => format!(
@@ -636,16 +726,20 @@ pub fn info_text(lab: &Lab, state: &K8sLabState) -> String {
     };
     let _ = writeln!(
         s,
-        "  node services {where_}: kubelet stand-in (pods = kvpn-{}-<pod>-<uid> netns), kube-proxy stand-in (nftables table ip kvpn_proxy in the node netns), cluster DNS (pod kube-dns, Service 10.96.0.10)",
-        lab.id()
+        "  node services {where_}: kubelet stand-in (pods = kvpn-{}-<pod>-<uid> netns), kube-proxy stand-in (nftables table ip kvpn_proxy in the node netns), cluster DNS (pod kube-dns, Service {})",
+        lab.id(),
+        a.dns_service_ip()
     );
     let _ = writeln!(
         s,
-        "  workloads: default/web (2 pods; Services web 10.96.0.100:80, echo 10.96.0.101:7, udp-echo 10.96.0.102:7/udp, backend :8080+:7007, web-headless), dev/web{}",
+        "  workloads: default/web (2 pods; Services web {}:80, echo {}:7, udp-echo {}:7/udp, backend :8080+:7007, web-headless), dev/web{}",
+        a.web_cluster_ip(),
+        a.echo_cluster_ip(),
+        a.udp_echo_cluster_ip(),
         if state.workloads_manager {
-            "; kvpn-system/kvpn-manager (NodePort 172.31.255.1:10801 from the laptop)"
+            format!("; kvpn-system/kvpn-manager (NodePort {node_ip}:10801 from the laptop)")
         } else {
-            ""
+            String::new()
         }
     );
     let _ = writeln!(

@@ -71,6 +71,9 @@ pub struct ControlPlaneConfig {
     pub advertise_ip: Ipv4Addr,
     /// `--service-cluster-ip-range`.
     pub service_cidr: String,
+    /// The `kubernetes` Service's ClusterIP (the service CIDR's first address), named
+    /// in the apiserver's serving certificate.
+    pub kubernetes_service_ip: Ipv4Addr,
     /// Directory with kube-apiserver and kube-controller-manager.
     pub bin_dir: PathBuf,
     pub etcd: PathBuf,
@@ -97,6 +100,7 @@ impl ControlPlaneConfig {
             listen_ip: None,
             advertise_ip: Ipv4Addr::new(172, 31, 255, 1),
             service_cidr: SERVICE_CIDR.to_owned(),
+            kubernetes_service_ip: KUBERNETES_SERVICE_IP,
             bin_dir: k8s_bin_dir(),
             etcd: PathBuf::from("/usr/bin/etcd"),
             step_timeout: Duration::from_secs(120),
@@ -344,7 +348,7 @@ impl ControlPlane {
         let mut sans = vec![
             self.listen_ip.to_string(),
             "127.0.0.1".to_owned(),
-            KUBERNETES_SERVICE_IP.to_string(),
+            self.config.kubernetes_service_ip.to_string(),
             self.config.advertise_ip.to_string(),
             "localhost".to_owned(),
         ];

@@ -14,6 +14,9 @@
 //! | `dev` | Deployment `web` | 1 × `kvpn/lab-server`, label `app=web` |
 //! | `dev` | Service `web` | ClusterIP from the service CIDR, `http` 80/TCP → 8080: same name as `default/web` (case dns-03) |
 //! | `kvpn-system` | Deployment + Service `kvpn-manager` | the traffic manager on :10801, NodePort 10801 on the node's uplink address, so the laptop reaches it at `172.31.255.1:10801` ([`Workloads::manager`]) |
+//!
+//! The ClusterIPs are those of the default [`Addressing`]; [`objects_for`] takes them
+//! from another plan (`.100`, `.101`, `.102` of its service CIDR).
 
 use std::time::{Duration, Instant};
 
@@ -23,10 +26,8 @@ use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
 
 use super::{Error, KVPN_NAMESPACE};
-use crate::{
-    ECHO_CLUSTER_IP, ECHO_PORT, ECHO_SERVICE_PORT, HTTP_PORT, MANAGER_PORT, UDP_ECHO_CLUSTER_IP,
-    WEB_CLUSTER_IP, WEB_SERVICE_PORT,
-};
+use crate::topology::Addressing;
+use crate::{ECHO_PORT, ECHO_SERVICE_PORT, HTTP_PORT, MANAGER_PORT, WEB_SERVICE_PORT};
 
 /// Field manager of the lab's server-side applies.
 pub const FIELD_MANAGER: &str = "kvpn-lab";
@@ -127,9 +128,14 @@ fn namespace(name: &str) -> Value {
     json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
 }
 
-/// The objects of `which`, in apply order (namespaces first, Services with fixed
-/// ClusterIPs before any Service that gets one allocated).
+/// The objects of `which` with the default addressing, in apply order (namespaces
+/// first, Services with fixed ClusterIPs before any Service that gets one allocated).
 pub fn objects(which: Workloads) -> Vec<Object> {
+    objects_for(which, &Addressing::default())
+}
+
+/// [`objects`] with the fixed ClusterIPs of `addressing`.
+pub fn objects_for(which: Workloads, addressing: &Addressing) -> Vec<Object> {
     let mut v = Vec::new();
     if which.samples {
         v.push(Object::Namespace(namespace(DEV_NAMESPACE)));
@@ -137,21 +143,21 @@ pub fn objects(which: Workloads) -> Vec<Object> {
             "default",
             "web",
             "web",
-            json!({"clusterIP": WEB_CLUSTER_IP.to_string(), "ports": [
+            json!({"clusterIP": addressing.web_cluster_ip().to_string(), "ports": [
                 {"name": "http", "port": WEB_SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]}),
         )));
         v.push(Object::Service(service(
             "default",
             "echo",
             "web",
-            json!({"clusterIP": ECHO_CLUSTER_IP.to_string(), "ports": [
+            json!({"clusterIP": addressing.echo_cluster_ip().to_string(), "ports": [
                 {"name": "echo", "port": ECHO_SERVICE_PORT, "targetPort": ECHO_PORT, "protocol": "TCP"}]}),
         )));
         v.push(Object::Service(service(
             "default",
             "udp-echo",
             "web",
-            json!({"clusterIP": UDP_ECHO_CLUSTER_IP.to_string(), "ports": [
+            json!({"clusterIP": addressing.udp_echo_cluster_ip().to_string(), "ports": [
                 {"name": "echo-udp", "port": ECHO_SERVICE_PORT, "targetPort": ECHO_PORT, "protocol": "UDP"}]}),
         )));
         v.push(Object::Service(service(
@@ -228,9 +234,13 @@ fn params() -> PatchParams {
     PatchParams::apply(FIELD_MANAGER).force()
 }
 
-/// Applies the objects of `which` with server-side apply.
-pub async fn apply(client: &kube::Client, which: Workloads) -> Result<(), Error> {
-    for object in objects(which) {
+/// Applies the objects of `which` (ClusterIPs of `addressing`) with server-side apply.
+pub async fn apply(
+    client: &kube::Client,
+    which: Workloads,
+    addressing: &Addressing,
+) -> Result<(), Error> {
+    for object in objects_for(which, addressing) {
         let what = format!("applying {}", object.describe());
         match &object {
             Object::Namespace(v) => {
@@ -367,6 +377,29 @@ mod tests {
                 .iter()
                 .any(|o| o.describe() == "Namespace dev")
         );
+    }
+
+    #[test]
+    fn cluster_ips_follow_the_addressing() {
+        let ip_of = |objs: &[Object], name: &str| -> Option<String> {
+            objs.iter().find_map(|o| match o {
+                Object::Service(v)
+                    if v["metadata"]["name"] == json!(name)
+                        && v["metadata"]["namespace"] == json!("default") =>
+                {
+                    v["spec"]["clusterIP"].as_str().map(str::to_owned)
+                }
+                _ => None,
+            })
+        };
+        let default = objects(Workloads::default());
+        assert_eq!(ip_of(&default, "web").as_deref(), Some("10.96.0.100"));
+        assert_eq!(ip_of(&default, "echo").as_deref(), Some("10.96.0.101"));
+        assert_eq!(ip_of(&default, "udp-echo").as_deref(), Some("10.96.0.102"));
+        let second = objects_for(Workloads::default(), &Addressing::second());
+        assert_eq!(ip_of(&second, "web").as_deref(), Some("10.112.0.100"));
+        assert_eq!(ip_of(&second, "echo").as_deref(), Some("10.112.0.101"));
+        assert_eq!(ip_of(&second, "udp-echo").as_deref(), Some("10.112.0.102"));
     }
 
     #[test]

@@ -162,6 +162,9 @@ pub struct KubeletConfig {
     pub pod_env: Vec<(String, String)>,
     /// Extra node labels.
     pub node_labels: Vec<(String, String)>,
+    /// The `kubernetes` Service's ClusterIP for the containers' `KUBERNETES_SERVICE_*`
+    /// environment; None: [`crate::k8s::KUBERNETES_SERVICE_IP`].
+    pub kubernetes_service_ip: Option<Ipv4Addr>,
 }
 
 impl Default for KubeletConfig {
@@ -177,6 +180,7 @@ impl Default for KubeletConfig {
             cluster_dns: None,
             pod_env: Vec::new(),
             node_labels: Vec::new(),
+            kubernetes_service_ip: None,
         }
     }
 }

@@ -797,7 +797,11 @@ impl PodWorker {
     }
 
     fn base_env(&self) -> Vec<(String, String)> {
-        let svc = crate::k8s::KUBERNETES_SERVICE_IP;
+        let svc = self
+            .ctx
+            .config
+            .kubernetes_service_ip
+            .unwrap_or(crate::k8s::KUBERNETES_SERVICE_IP);
         let mut env: Vec<(String, String)> = vec![
             (
                 "PATH".into(),
