@@ -358,6 +358,7 @@ pub fn cluster_routes(
             .map(move |c| Route {
                 cidr: c.to_string(),
                 kind: kind as i32,
+                watched: false,
             })
     })
     .collect()
@@ -528,6 +529,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     routes.push(Route {
         cidr: tunnel_pool.to_string(),
         kind: RouteKind::Extra as i32,
+        watched: false,
     });
 
     output::step(&format!(
@@ -545,6 +547,9 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             manager_namespace: args.kube.manager_namespace.clone(),
             port: manager.data_port,
             state_file,
+            grpc_port: Some(manager.grpc_port),
+            keep_out: keep_out.clone(),
+            runtime_dir: runtime_dir.to_owned(),
         },
         &log,
     )

@@ -22,7 +22,7 @@ use ipnet::IpNet;
 use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
 use kvpn_proto::dataplane::{
     ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, StatusRequest,
-    StatusResponse,
+    StatusResponse, UpdateRoutesRequest, UpdateRoutesResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -397,5 +397,33 @@ impl Dataplane for Daemon {
         let mut sessions: Vec<_> = self.sessions().values().map(Session::status).collect();
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
         Ok(Response::new(StatusResponse { sessions }))
+    }
+
+    async fn update_routes(
+        &self,
+        request: Request<UpdateRoutesRequest>,
+    ) -> Result<Response<UpdateRoutesResponse>, Status> {
+        let req = request.get_ref();
+        let handle = self
+            .sessions()
+            .get(&req.session_id)
+            .map(Session::watch_handle)
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "no session {} — `kvpn status` lists the sessions",
+                    req.session_id
+                ))
+            })?;
+        let resp = handle
+            .update(&self.netlink, req)
+            .await
+            .map_err(|e| match e {
+                crate::watched::UpdateError::Invalid(m) => Status::invalid_argument(m),
+                crate::watched::UpdateError::Apply(m) => Status::internal(format!(
+                    "session {}: {m}",
+                    req.session_id
+                )),
+            })?;
+        Ok(Response::new(resp))
     }
 }
