@@ -30,7 +30,7 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kvpn_proto::dataplane::{
-    ClusterDns, ClusterService, Route, RouteKind, RouteSource, StatusRequest, UpdateRoutesRequest,
+    ClusterDns, ClusterService, Route, RouteSource, StatusRequest, UpdateRoutesRequest,
 };
 use kvpn_proto::manager::manager_client::ManagerClient;
 use kvpn_proto::manager::{RoutesUpdate, ServiceRecord, WatchRoutesRequest};
@@ -463,6 +463,7 @@ pub async fn run(client: kube::Client, cfg: WatchConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvpn_proto::dataplane::RouteKind;
     use kvpn_proto::manager::{ServiceKey, ServicePort};
 
     fn nets(s: &[&str]) -> Vec<IpNet> {
