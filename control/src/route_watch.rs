@@ -206,7 +206,10 @@ impl RouteWatchState {
             .map(route)
             .collect();
         let (services_upsert, services_remove) = if self.resync {
-            (self.services.values().map(service_for_daemon).collect(), Vec::new())
+            (
+                self.services.values().map(service_for_daemon).collect(),
+                Vec::new(),
+            )
         } else {
             (
                 self.services_upsert.values().cloned().collect(),
@@ -398,7 +401,9 @@ async fn watch_once(
                         }
                     }
                 }
-                Ok(None) => return WatchEnd::Broken("the traffic manager ended the route watch".into()),
+                Ok(None) => {
+                    return WatchEnd::Broken("the traffic manager ended the route watch".into());
+                }
                 Err(s) => return end_of(&s),
             }
         }
@@ -436,13 +441,20 @@ pub async fn run(client: kube::Client, cfg: WatchConfig) {
         let (req, pause) = match &end {
             WatchEnd::Refused(reason) => {
                 warn!(%reason, "no route watch: routing the connect-time CIDRs only");
-                (source_request(&session_id, MODE_CIDR_ONLY, reason), FALLBACK_RETRY)
+                (
+                    source_request(&session_id, MODE_CIDR_ONLY, reason),
+                    FALLBACK_RETRY,
+                )
             }
             WatchEnd::Broken(reason) => {
                 warn!(%reason, retry_in_ms = backoff.as_millis(), "route watch broken; re-subscribing");
                 let req = if !ever_watched {
                     // Never watched yet: nothing to keep, say what is happening.
-                    source_request(&session_id, MODE_CIDR_ONLY, &format!("route watch not started: {reason}"))
+                    source_request(
+                        &session_id,
+                        MODE_CIDR_ONLY,
+                        &format!("route watch not started: {reason}"),
+                    )
                 } else {
                     source_request(&session_id, MODE_WATCH, &format!("reconnecting: {reason}"))
                 };
@@ -495,7 +507,11 @@ mod tests {
             dns: Some(kvpn_proto::manager::ClusterDns {
                 servers: vec!["10.96.0.10".into()],
                 domain: "cluster.local".into(),
-                search: vec!["default.svc.cluster.local".into(), "svc.cluster.local".into(), "cluster.local".into()],
+                search: vec![
+                    "default.svc.cluster.local".into(),
+                    "svc.cluster.local".into(),
+                    "cluster.local".into(),
+                ],
             }),
             pod_cidr_source: "pod IPs".into(),
             ..Default::default()
@@ -514,8 +530,14 @@ mod tests {
         assert!(req.services_replace);
         assert_eq!(req.services_upsert.len(), 1);
         assert_eq!(req.services_upsert[0].ports, vec!["http:80/TCP"]);
-        assert_eq!(req.dns.as_ref().map(|d| d.servers.clone()), Some(vec!["10.96.0.10".to_owned()]));
-        assert_eq!(req.route_source.as_ref().map(|s| s.mode.as_str()), Some(MODE_WATCH));
+        assert_eq!(
+            req.dns.as_ref().map(|d| d.servers.clone()),
+            Some(vec!["10.96.0.10".to_owned()])
+        );
+        assert_eq!(
+            req.route_source.as_ref().map(|s| s.mode.as_str()),
+            Some(MODE_WATCH)
+        );
         st.acknowledge();
 
         // Another node's pods, and a ClusterIP outside the detected service CIDR.
@@ -526,19 +548,40 @@ mod tests {
         });
         let req = st.request("s1", "");
         // 10.244.7.53 (a laptop nameserver, say) stays out of the tunnel.
-        assert!(!req.add.iter().any(|r| r.cidr.parse::<IpNet>().expect("cidr").contains(&"10.244.7.53".parse::<IpAddr>().expect("ip"))));
-        assert!(req.add.iter().any(|r| r.cidr == "10.244.7.0/27" && r.kind == RouteKind::Pod as i32), "{:?}", cidrs(&req.add));
-        assert!(req.add.iter().any(|r| r.cidr == "192.168.200.5/32" && r.kind == RouteKind::Service as i32));
+        assert!(!req.add.iter().any(|r| {
+            r.cidr
+                .parse::<IpNet>()
+                .expect("cidr")
+                .contains(&"10.244.7.53".parse::<IpAddr>().expect("ip"))
+        }));
+        assert!(
+            req.add
+                .iter()
+                .any(|r| r.cidr == "10.244.7.0/27" && r.kind == RouteKind::Pod as i32),
+            "{:?}",
+            cidrs(&req.add)
+        );
+        assert!(
+            req.add
+                .iter()
+                .any(|r| r.cidr == "192.168.200.5/32" && r.kind == RouteKind::Service as i32)
+        );
         assert!(!req.services_replace);
         assert_eq!(req.services_upsert.len(), 1, "only the new Service");
         assert!(req.dns.is_none(), "DNS unchanged");
         st.acknowledge();
-        assert!(st.request("s1", "").add.is_empty(), "nothing new after the ack");
+        assert!(
+            st.request("s1", "").add.is_empty(),
+            "nothing new after the ack"
+        );
 
         // The pods and the Service go: their routes go.
         st.handle_update(&RoutesUpdate {
             pod_cidrs_removed: vec!["10.244.7.0/24".into()],
-            services_removed: vec![ServiceKey { namespace: "team".into(), name: "odd".into() }],
+            services_removed: vec![ServiceKey {
+                namespace: "team".into(),
+                name: "odd".into(),
+            }],
             ..Default::default()
         });
         let req = st.request("s1", "");
@@ -586,6 +629,9 @@ mod tests {
             services_upserted: vec![svc("a", "b", "nonsense")],
             ..Default::default()
         });
-        assert_eq!(st.desired().keys().copied().collect::<Vec<_>>(), nets(&["10.244.9.0/24"]));
+        assert_eq!(
+            st.desired().keys().copied().collect::<Vec<_>>(),
+            nets(&["10.244.9.0/24"])
+        );
     }
 }

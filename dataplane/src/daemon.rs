@@ -419,10 +419,9 @@ impl Dataplane for Daemon {
             .await
             .map_err(|e| match e {
                 crate::watched::UpdateError::Invalid(m) => Status::invalid_argument(m),
-                crate::watched::UpdateError::Apply(m) => Status::internal(format!(
-                    "session {}: {m}",
-                    req.session_id
-                )),
+                crate::watched::UpdateError::Apply(m) => {
+                    Status::internal(format!("session {}: {m}", req.session_id))
+                }
             })?;
         Ok(Response::new(resp))
     }

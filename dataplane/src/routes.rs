@@ -192,7 +192,10 @@ mod tests {
         );
         assert_eq!(p.add, vec![(net("10.244.7.0/24"), RouteKind::Pod)]);
         assert_eq!(p.covered, vec![net("10.96.5.5/32")]);
-        assert!(p.remove.is_empty(), "never a Connect route, never an unknown one");
+        assert!(
+            p.remove.is_empty(),
+            "never a Connect route, never an unknown one"
+        );
 
         let p = plan_update(&connect, &watched, &[], &[net("10.244.9.0/24")]);
         assert_eq!(p.remove, vec![net("10.244.9.0/24")]);

@@ -60,7 +60,10 @@ pub enum UpdateError {
     Apply(String),
 }
 
-fn parse_routes(routes: &[api::Route], need_kind: bool) -> Result<Vec<(IpNet, RouteKind)>, UpdateError> {
+fn parse_routes(
+    routes: &[api::Route],
+    need_kind: bool,
+) -> Result<Vec<(IpNet, RouteKind)>, UpdateError> {
     routes
         .iter()
         .map(|r| {
@@ -134,7 +137,9 @@ impl WatchHandle {
             // as unrouted.
             if let Some(c) = lock(&self.classifier).as_mut() {
                 c.insert_route(*net, *kind).map_err(|e| {
-                    UpdateError::Apply(format!("cannot add the eBPF classifier entry for {net}: {e}"))
+                    UpdateError::Apply(format!(
+                        "cannot add the eBPF classifier entry for {net}: {e}"
+                    ))
                 })?;
             }
             if let Err(e) = netlink

@@ -76,7 +76,9 @@ fn parse_service_ref(s: &str) -> Result<(String, String), String> {
         Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
             Ok((ns.to_owned(), name.to_owned()))
         }
-        _ => Err(format!("{s:?}: expected NAMESPACE/NAME, e.g. kube-system/kube-dns")),
+        _ => Err(format!(
+            "{s:?}: expected NAMESPACE/NAME, e.g. kube-system/kube-dns"
+        )),
     }
 }
 

@@ -136,7 +136,11 @@ enum RawEvent<K> {
 }
 
 impl<K> RawEvent<K> {
-    fn map<T>(self, reduce: impl Fn(K) -> T, key: impl Fn(K) -> crate::routes::Key) -> WatchEvent<T> {
+    fn map<T>(
+        self,
+        reduce: impl Fn(K) -> T,
+        key: impl Fn(K) -> crate::routes::Key,
+    ) -> WatchEvent<T> {
         match self {
             RawEvent::Apply(k) => WatchEvent::Apply(reduce(k)),
             RawEvent::Delete(k) => WatchEvent::Delete(key(k)),
@@ -197,7 +201,10 @@ pub fn pod_info(pod: &Pod) -> PodInfo {
         Some("Succeeded" | "Failed")
     );
     let mut ips = Vec::new();
-    if !host_network && !finished && let Some(s) = status {
+    if !host_network
+        && !finished
+        && let Some(s) = status
+    {
         for ip in s.pod_ips.iter().flatten() {
             if let Ok(a) = ip.ip.parse() {
                 ips.push(a);
@@ -371,7 +378,8 @@ async fn publish(
             }
         }
         Input::Working(resource) => {
-            failures.retain(|f| !matches!(f, Failure::Forbidden { resource: r, .. } if *r == resource));
+            failures
+                .retain(|f| !matches!(f, Failure::Forbidden { resource: r, .. } if *r == resource));
         }
     };
     while let Some(first) = events_rx.recv().await {
@@ -430,7 +438,10 @@ mod tests {
         }));
         let info = pod_info(&p);
         assert_eq!(info.ips.len(), 2);
-        assert_eq!((info.namespace.as_str(), info.name.as_str()), ("default", "a"));
+        assert_eq!(
+            (info.namespace.as_str(), info.name.as_str()),
+            ("default", "a")
+        );
         let host: Pod = from_json(serde_json::json!({
             "metadata": {"name": "h", "namespace": "kube-system"},
             "spec": {"containers": [], "hostNetwork": true},
@@ -446,7 +457,10 @@ mod tests {
             "metadata": {"name": "o", "namespace": "default"},
             "status": {"phase": "Running", "podIP": "10.244.1.41"}
         }));
-        assert_eq!(pod_info(&old).ips, vec!["10.244.1.41".parse::<std::net::IpAddr>().expect("ip")]);
+        assert_eq!(
+            pod_info(&old).ips,
+            vec!["10.244.1.41".parse::<std::net::IpAddr>().expect("ip")]
+        );
     }
 
     #[test]
@@ -457,9 +471,16 @@ mod tests {
                      "ports": [{"name": "http", "port": 80, "protocol": "TCP"}, {"port": 53}]}
         }));
         let info = service_info(&s);
-        assert_eq!(info.cluster_ips, vec!["10.96.0.100".parse::<std::net::IpAddr>().expect("ip")]);
+        assert_eq!(
+            info.cluster_ips,
+            vec!["10.96.0.100".parse::<std::net::IpAddr>().expect("ip")]
+        );
         assert_eq!(info.ports.len(), 2);
-        assert!(info.ports.iter().any(|p| p.port == 53 && p.protocol == "TCP" && p.name.is_empty()));
+        assert!(
+            info.ports
+                .iter()
+                .any(|p| p.port == 53 && p.protocol == "TCP" && p.name.is_empty())
+        );
         let headless: Service = from_json(serde_json::json!({
             "metadata": {"name": "db", "namespace": "default"},
             "spec": {"clusterIP": "None", "clusterIPs": ["None"]}
@@ -479,8 +500,13 @@ mod tests {
             "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24", "fd00:1::/64"]}
         }));
         assert_eq!(node_info(&n).pod_cidrs.len(), 2);
-        let old: Node = from_json(serde_json::json!({"metadata": {"name": "n2"}, "spec": {"podCIDR": "10.244.2.0/24"}}));
-        assert_eq!(node_info(&old).pod_cidrs, vec!["10.244.2.0/24".parse::<ipnet::IpNet>().expect("cidr")]);
+        let old: Node = from_json(
+            serde_json::json!({"metadata": {"name": "n2"}, "spec": {"podCIDR": "10.244.2.0/24"}}),
+        );
+        assert_eq!(
+            node_info(&old).pod_cidrs,
+            vec!["10.244.2.0/24".parse::<ipnet::IpNet>().expect("cidr")]
+        );
     }
 
     #[test]
@@ -490,16 +516,30 @@ mod tests {
         let f = failure("services", &e).expect("a 403 is a failure");
         let s = f.to_status();
         assert_eq!(s.code(), tonic::Code::PermissionDenied);
-        assert!(s.message().contains("may not list services"), "{}", s.message());
+        assert!(
+            s.message().contains("may not list services"),
+            "{}",
+            s.message()
+        );
         let not_found = kube::core::Status::failure("gone", "NotFound").with_code(404);
-        assert_eq!(failure("pods", &watcher::Error::InitialListFailed(kube::Error::Api(not_found.boxed()))), None);
+        assert_eq!(
+            failure(
+                "pods",
+                &watcher::Error::InitialListFailed(kube::Error::Api(not_found.boxed()))
+            ),
+            None
+        );
     }
 
     #[tokio::test]
     async fn publisher_debounces_and_reports_failures() {
         let (events_tx, events_rx) = mpsc::channel(16);
         let (published_tx, mut rx) = watch::channel(Published::default());
-        tokio::spawn(publish(Discovery::new(DiscoveryConfig::default()), events_rx, published_tx));
+        tokio::spawn(publish(
+            Discovery::new(DiscoveryConfig::default()),
+            events_rx,
+            published_tx,
+        ));
         for input in [
             Input::NodesUnreadable("forbidden".into()),
             Input::Pod(WatchEvent::Init),
@@ -526,14 +566,24 @@ mod tests {
         rx.changed().await.expect("published");
         let v = rx.borrow_and_update().view.clone().expect("view");
         assert_eq!(v.pod_cidrs.len(), 1);
-        assert!(!rx.has_changed().expect("open"), "one publication for both pods");
+        assert!(
+            !rx.has_changed().expect("open"),
+            "one publication for both pods"
+        );
         events_tx
-            .send(Input::Failed(Failure::Forbidden { resource: "pods", verb: "watch", message: "no".into() }))
+            .send(Input::Failed(Failure::Forbidden {
+                resource: "pods",
+                verb: "watch",
+                message: "no".into(),
+            }))
             .await
             .expect("publisher runs");
         rx.changed().await.expect("published");
         assert!(rx.borrow_and_update().failure.is_some());
-        events_tx.send(Input::Working("pods")).await.expect("publisher runs");
+        events_tx
+            .send(Input::Working("pods"))
+            .await
+            .expect("publisher runs");
         rx.changed().await.expect("published");
         assert!(rx.borrow_and_update().failure.is_none());
     }

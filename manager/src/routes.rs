@@ -171,7 +171,9 @@ impl<T: PartialEq> Table<T> {
             }
             WatchEvent::InitApply(obj) => {
                 let key = key_of(&obj);
-                self.relist.get_or_insert_with(BTreeMap::new).insert(key, obj);
+                self.relist
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(key, obj);
                 false
             }
             WatchEvent::InitDone => {
@@ -383,7 +385,13 @@ pub fn delta(old: Option<&View>, new: &View, namespace: &str) -> Option<api::Rou
         .collect();
     let dns_changed = old.dns_servers != new.dns_servers || old.domain != new.domain;
     let source_changed = old.pod_cidr_source != new.pod_cidr_source;
-    if added.is_empty() && removed.is_empty() && upserted.is_empty() && gone.is_empty() && !dns_changed && !source_changed {
+    if added.is_empty()
+        && removed.is_empty()
+        && upserted.is_empty()
+        && gone.is_empty()
+        && !dns_changed
+        && !source_changed
+    {
         return None;
     }
     Some(api::RoutesUpdate {
@@ -442,7 +450,11 @@ mod tests {
     }
 
     /// A discovery whose three watches each listed `pods`/`services`/`nodes`.
-    fn listed(nodes: Option<Vec<NodeInfo>>, pods: Vec<PodInfo>, services: Vec<ServiceInfo>) -> Discovery {
+    fn listed(
+        nodes: Option<Vec<NodeInfo>>,
+        pods: Vec<PodInfo>,
+        services: Vec<ServiceInfo>,
+    ) -> Discovery {
         let mut d = Discovery::new(DiscoveryConfig::default());
         match nodes {
             Some(nodes) => {
@@ -499,16 +511,31 @@ mod tests {
         let v = d.view().expect("view");
         assert_eq!(
             v.pod_cidrs,
-            vec![net("10.244.1.0/24"), net("10.244.7.0/24"), net("fd00:10:244::/64")]
+            vec![
+                net("10.244.1.0/24"),
+                net("10.244.7.0/24"),
+                net("fd00:10:244::/64")
+            ]
         );
-        assert!(v.pod_cidr_source.starts_with("pod IPs"), "{}", v.pod_cidr_source);
-        assert!(v.pod_cidr_source.contains("forbidden"), "{}", v.pod_cidr_source);
+        assert!(
+            v.pod_cidr_source.starts_with("pod IPs"),
+            "{}",
+            v.pod_cidr_source
+        );
+        assert!(
+            v.pod_cidr_source.contains("forbidden"),
+            "{}",
+            v.pod_cidr_source
+        );
     }
 
     #[test]
     fn node_pod_cidrs_win_and_only_stray_pod_ips_are_inferred() {
         let d = listed(
-            Some(vec![node("n1", &["10.244.0.0/24"]), node("n2", &["10.244.1.0/24"])]),
+            Some(vec![
+                node("n1", &["10.244.0.0/24"]),
+                node("n2", &["10.244.1.0/24"]),
+            ]),
             vec![
                 pod("default", "a", &["10.244.1.11"]),
                 pod("default", "stray", &["10.250.3.3"]),
@@ -517,15 +544,31 @@ mod tests {
         );
         let v = d.view().expect("view");
         // The two sibling node ranges merge; the stray pod gets its own /24.
-        assert_eq!(v.pod_cidrs, vec![net("10.244.0.0/23"), net("10.250.3.0/24")]);
-        assert!(v.pod_cidr_source.contains("1 pod IP"), "{}", v.pod_cidr_source);
+        assert_eq!(
+            v.pod_cidrs,
+            vec![net("10.244.0.0/23"), net("10.250.3.0/24")]
+        );
+        assert!(
+            v.pod_cidr_source.contains("1 pod IP"),
+            "{}",
+            v.pod_cidr_source
+        );
     }
 
     #[test]
     fn dns_servers_follow_the_kube_dns_service() {
-        let mut d = listed(None, vec![], vec![svc("default", "web", &["10.96.0.100"], 80)]);
+        let mut d = listed(
+            None,
+            vec![],
+            vec![svc("default", "web", &["10.96.0.100"], 80)],
+        );
         assert!(d.view().expect("view").dns_servers.is_empty());
-        assert!(d.handle_service(WatchEvent::Apply(svc("kube-system", "kube-dns", &["10.96.0.10"], 53))));
+        assert!(d.handle_service(WatchEvent::Apply(svc(
+            "kube-system",
+            "kube-dns",
+            &["10.96.0.10"],
+            53
+        ))));
         let v = d.view().expect("view");
         assert_eq!(v.dns_servers, vec![ip("10.96.0.10")]);
         assert_eq!(v.domain, "cluster.local");
@@ -534,9 +577,16 @@ mod tests {
         assert_eq!(dns.servers, vec!["10.96.0.10"]);
         assert_eq!(
             dns.search,
-            vec!["team-a.svc.cluster.local", "svc.cluster.local", "cluster.local"]
+            vec![
+                "team-a.svc.cluster.local",
+                "svc.cluster.local",
+                "cluster.local"
+            ]
         );
-        assert_eq!(search_list("", "corp.example")[0], "default.svc.corp.example");
+        assert_eq!(
+            search_list("", "corp.example")[0],
+            "default.svc.corp.example"
+        );
     }
 
     #[test]
@@ -553,7 +603,11 @@ mod tests {
         assert_eq!(snap.services_upserted.len(), 1);
         assert_eq!(snap.services_upserted[0].cluster_ips, vec!["10.96.0.100"]);
         assert_eq!(snap.services_upserted[0].ports[0].port, 80);
-        assert_eq!(delta(Some(&v1), &v1, "default"), None, "no change, no message");
+        assert_eq!(
+            delta(Some(&v1), &v1, "default"),
+            None,
+            "no change, no message"
+        );
 
         // A pod on another node's range, a new Service, the old one gone.
         assert!(d.handle_pod(WatchEvent::Apply(pod("team", "x", &["10.244.7.5"]))));
@@ -582,17 +636,30 @@ mod tests {
     fn a_relist_replaces_the_table_at_init_done_only() {
         let mut d = listed(
             None,
-            vec![pod("default", "a", &["10.244.1.11"]), pod("default", "gone", &["10.244.9.9"])],
+            vec![
+                pod("default", "a", &["10.244.1.11"]),
+                pod("default", "gone", &["10.244.9.9"]),
+            ],
             vec![],
         );
         let before = d.view().expect("view");
-        assert_eq!(before.pod_cidrs, vec![net("10.244.1.0/24"), net("10.244.9.0/24")]);
+        assert_eq!(
+            before.pod_cidrs,
+            vec![net("10.244.1.0/24"), net("10.244.9.0/24")]
+        );
         // The watch restarts; "gone" was deleted while it was down.
         assert!(!d.handle_pod(WatchEvent::Init));
         assert!(!d.handle_pod(WatchEvent::InitApply(pod("default", "a", &["10.244.1.11"]))));
-        assert_eq!(d.view().expect("view"), before, "the old table holds until InitDone");
+        assert_eq!(
+            d.view().expect("view"),
+            before,
+            "the old table holds until InitDone"
+        );
         assert!(d.handle_pod(WatchEvent::InitDone));
-        assert_eq!(d.view().expect("view").pod_cidrs, vec![net("10.244.1.0/24")]);
+        assert_eq!(
+            d.view().expect("view").pod_cidrs,
+            vec![net("10.244.1.0/24")]
+        );
         // An identical re-list changes nothing.
         d.handle_pod(WatchEvent::Init);
         d.handle_pod(WatchEvent::InitApply(pod("default", "a", &["10.244.1.11"])));

@@ -180,11 +180,7 @@ fn cut(ranges: Vec<(u128, u128)>, holes: &[(u128, u128)]) -> Vec<(u128, u128)> {
                 out.push((c, h_start - 1));
             }
             // `h_end == u128::MAX` (or the range's end) closes the range.
-            cur = if h_end >= end {
-                None
-            } else {
-                Some(h_end + 1)
-            };
+            cur = if h_end >= end { None } else { Some(h_end + 1) };
         }
         if let Some(c) = cur {
             out.push((c, end));
@@ -284,7 +280,10 @@ mod tests {
             subtract(&nets(&["10.0.0.0/30"]), &nets(&["10.0.0.1/32"])),
             nets(&["10.0.0.0/32", "10.0.0.2/31"])
         );
-        assert_eq!(subtract(&nets(&["0.0.0.0/0"]), &nets(&["0.0.0.0/0"])), vec![]);
+        assert_eq!(
+            subtract(&nets(&["0.0.0.0/0"]), &nets(&["0.0.0.0/0"])),
+            vec![]
+        );
         assert_eq!(
             subtract(&nets(&["::/0"]), &nets(&["8000::/1"])),
             nets(&["::/1"])

@@ -7,7 +7,8 @@
 //!   with an IP outside every CIDR the session routes (a pod on a second Node
 //!   with podCIDR 10.244.77.0/24, which connect never saw) gets its pod CIDR
 //!   routed through the same TUN device and classified by the eBPF program
-//!   without reconnecting, and the route goes when the pod goes.
+//!   without reconnecting, and the route goes when the pod goes; after the
+//!   manager pod is replaced, the agent's watch follows the new one.
 //! - Without the manager's RBAC for the watch (its ClusterRole exists but grants
 //!   nothing), `status` says "cidr-only" with the reason, and the ClusterIPs of
 //!   the connect-time service CIDR still work.
@@ -24,7 +25,7 @@ use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::rbac::v1::ClusterRole;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kvpn_lab::LAPTOP;
-use kvpn_tests::kube_lab::{KVPN_VERSION, KubeFixture, MANAGER_NAMESPACE};
+use kvpn_tests::kube_lab::{KVPN_VERSION, KubeFixture, MANAGER_NAMESPACE, pod_name};
 
 /// The pod CIDR of the second Node: outside the lab node's 10.244.1.0/24 that
 /// connect detects from pod IPs.
@@ -100,7 +101,11 @@ fn routes_and_dns_follow_the_cluster_without_reconnecting() {
     assert_eq!(s["dns"]["domain"], "cluster.local");
     assert_eq!(
         strings(&s["dns"]["search"]),
-        vec!["dev.svc.cluster.local", "svc.cluster.local", "cluster.local"]
+        vec![
+            "dev.svc.cluster.local",
+            "svc.cluster.local",
+            "cluster.local"
+        ]
     );
     assert!(
         strings(&source["pod_cidrs"]).contains(&"10.244.1.0/24".to_owned()),
@@ -140,20 +145,29 @@ fn routes_and_dns_follow_the_cluster_without_reconnecting() {
         .spec
         .and_then(|s| s.cluster_ip)
         .expect("a ClusterIP");
-    let (_, _) = wait_session(&f, "Service watched-late in status", Duration::from_secs(15), |s| {
-        s["services"].as_array()?.iter().find(|v| {
-            v["name"] == "watched-late"
-                && strings(&v["cluster_ips"]) == [cluster_ip.clone()]
-                && strings(&v["ports"]) == ["http:8282/TCP"]
-        })?;
-        Some(())
-    });
+    let (_, _) = wait_session(
+        &f,
+        "Service watched-late in status",
+        Duration::from_secs(15),
+        |s| {
+            s["services"].as_array()?.iter().find(|v| {
+                v["name"] == "watched-late"
+                    && strings(&v["cluster_ips"]) == [cluster_ip.clone()]
+                    && strings(&v["ports"]) == ["http:8282/TCP"]
+            })?;
+            Some(())
+        },
+    );
     eprintln!(
         "Service watched-late ({cluster_ip}) in status {:?} after creation",
         t0.elapsed()
     );
     let ip: IpAddr = cluster_ip.parse().expect("ClusterIP parses");
-    let (took, page) = f.wait_http(SocketAddr::new(ip, 8282), Instant::now(), Duration::from_secs(15));
+    let (took, page) = f.wait_http(
+        SocketAddr::new(ip, 8282),
+        Instant::now(),
+        Duration::from_secs(15),
+    );
     assert!(page.pod.starts_with("web-"), "answered by {page:?}");
     eprintln!("  and reachable {took:?} later");
 
@@ -196,10 +210,16 @@ fn routes_and_dns_follow_the_cluster_without_reconnecting() {
         }})),
     ))
     .unwrap_or_else(|e| panic!("set the pod IP of far-away: {e}"));
-    let (route, took) = wait_session(&f, "watched route for the far pod", Duration::from_secs(15), |s| {
-        watched_route(s, FAR_POD_CIDR)
-    });
-    eprintln!("route {FAR_POD_CIDR} added {took:?} after the pod got its IP ({:?} since the patch)", t0.elapsed());
+    let (route, took) = wait_session(
+        &f,
+        "watched route for the far pod",
+        Duration::from_secs(15),
+        |s| watched_route(s, FAR_POD_CIDR),
+    );
+    eprintln!(
+        "route {FAR_POD_CIDR} added {took:?} after the pod got its IP ({:?} since the patch)",
+        t0.elapsed()
+    );
     assert_eq!(route["kind"], "pod");
     assert!(
         f.tun_state(&tun).routes.contains(&FAR_POD_CIDR.to_owned()),
@@ -236,9 +256,63 @@ fn routes_and_dns_follow_the_cluster_without_reconnecting() {
     let ((), took) = wait_session(&f, "watched route removed", Duration::from_secs(15), |s| {
         watched_route(s, FAR_POD_CIDR).is_none().then_some(())
     });
-    eprintln!("route {FAR_POD_CIDR} removed {took:?} after the pod was deleted ({:?})", t0.elapsed());
+    eprintln!(
+        "route {FAR_POD_CIDR} removed {took:?} after the pod was deleted ({:?})",
+        t0.elapsed()
+    );
     assert!(
         !f.tun_state(&tun).routes.contains(&FAR_POD_CIDR.to_owned()),
+        "{:?}",
+        f.tun_state(&tun)
+    );
+
+    // The manager pod is replaced: the agent subscribes to the new one.
+    let old = pod_name(&f.wait_manager_pod(Duration::from_secs(5), |_| true));
+    let managers: Api<Pod> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
+    f.block_on(managers.delete(&old, &DeleteParams::default()))
+        .unwrap_or_else(|e| panic!("delete manager pod {old}: {e}"));
+    let t0 = Instant::now();
+    let new = pod_name(&f.wait_manager_pod(Duration::from_secs(60), |p| pod_name(p) != old));
+    eprintln!("manager pod {old} replaced by {new} in {:?}", t0.elapsed());
+    let again: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "far-again", "namespace": "default"},
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{"name": "c", "image": "kvpn/lab-server:lab"}]
+        }
+    }))
+    .expect("pod object");
+    f.block_on(pods.create(&PostParams::default(), &again))
+        .unwrap_or_else(|e| panic!("create pod far-again: {e}"));
+    f.block_on(pods.patch_status(
+        "far-again",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"status": {
+            "phase": "Running",
+            "podIP": "10.244.78.5",
+            "podIPs": [{"ip": "10.244.78.5"}],
+        }})),
+    ))
+    .unwrap_or_else(|e| panic!("set the pod IP of far-again: {e}"));
+    let (_, took) = wait_session(
+        &f,
+        "watched route through the new manager",
+        Duration::from_secs(30),
+        |s| {
+            watched_route(s, "10.244.78.0/24")?;
+            (s["route_source"]["mode"] == "watch" && s["route_source"]["reason"].is_null())
+                .then_some(())
+        },
+    );
+    eprintln!(
+        "route 10.244.78.0/24 added through the new manager pod {took:?} after its IP was set"
+    );
+    assert!(
+        f.tun_state(&tun)
+            .routes
+            .contains(&"10.244.78.0/24".to_owned()),
         "{:?}",
         f.tun_state(&tun)
     );
@@ -291,6 +365,9 @@ fn without_the_watch_rbac_the_session_routes_its_cidrs_only() {
         "{s:#}"
     );
     // The connect-time service CIDR still carries the ClusterIPs.
-    let page = f.page(SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 100)), 80));
+    let page = f.page(SocketAddr::new(
+        IpAddr::V4(Ipv4Addr::new(10, 96, 0, 100)),
+        80,
+    ));
     assert!(page.pod.starts_with("web-"), "answered by {page:?}");
 }
