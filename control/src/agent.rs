@@ -7,8 +7,13 @@
 //! API server restarted), the root daemon's redial gets a fresh one, and the TUN
 //! device, addresses and routes stay as they are (cases tr-08, tr-10).
 //!
-//! I/O: the loopback listener, the API server (list pods, port-forward) and a
-//! state file that tells the CLI the listener's address.
+//! It also runs the session's route watch ([`crate::route_watch`]): the
+//! manager's `WatchRoutes` stream, through a port-forward to its gRPC port,
+//! turned into `UpdateRoutes` calls on the root daemon.
+//!
+//! I/O: the loopback listener, the API server (list pods, port-forward), the
+//! root daemon's socket (route watch) and a state file that tells the CLI the
+//! listener's address.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -39,6 +44,13 @@ pub struct AgentConfig {
     pub port: u16,
     /// Where to write the listener's address once it listens.
     pub state_file: PathBuf,
+    /// The manager's gRPC port (route watch); `None` = no route watch.
+    pub grpc_port: Option<u16>,
+    /// Addresses the route watch never routes into the tunnel (API server,
+    /// nameservers, gateways: what connect kept out).
+    pub keep_out: Vec<std::net::IpAddr>,
+    /// The root daemon's runtime folder (the route watch's UpdateRoutes).
+    pub runtime_dir: PathBuf,
 }
 
 /// Whether a pod is a usable manager: running, Ready, not being deleted.
@@ -167,6 +179,19 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let addr = listener.local_addr()?;
     write_state(&config.state_file, addr)?;
     info!(%addr, "offering the manager's data port");
+    let route_watch = config.grpc_port.map(|grpc_port| {
+        tokio::spawn(crate::route_watch::run(
+            conn.client.clone(),
+            crate::route_watch::WatchConfig {
+                manager_namespace: config.manager_namespace.clone(),
+                grpc_port,
+                namespace: conn.description.namespace.clone(),
+                keep_out: config.keep_out.clone(),
+                runtime_dir: config.runtime_dir.clone(),
+                data_addr: addr,
+            },
+        ))
+    });
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
         tokio::select! {
@@ -183,6 +208,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
         }
+    }
+    if let Some(task) = route_watch {
+        task.abort();
     }
     let _ = std::fs::remove_file(&config.state_file);
     info!("agent stopped");
@@ -206,7 +234,18 @@ pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::S
         .arg("--state-file")
         .arg(&config.state_file)
         .arg("--port")
-        .arg(config.port.to_string());
+        .arg(config.port.to_string())
+        .arg("--runtime-dir")
+        .arg(&config.runtime_dir);
+    if let Some(port) = config.grpc_port {
+        cmd.arg("--grpc-port").arg(port.to_string());
+    }
+    for ip in &config.keep_out {
+        cmd.arg("--keep-out").arg(ip.to_string());
+    }
+    if let Some(ns) = &config.flags.namespace {
+        cmd.arg("--namespace").arg(ns);
+    }
     if let Some(k) = &config.flags.kubeconfig {
         cmd.arg("--kubeconfig").arg(k);
     }

@@ -118,6 +118,12 @@ pub struct AgentArgs {
     /// Where to write the listener address.
     #[arg(long)]
     pub state_file: PathBuf,
+    /// The manager's gRPC port: watch routes through it (without it, no route watch).
+    #[arg(long)]
+    pub grpc_port: Option<u16>,
+    /// An address the route watch must never route into the tunnel (repeatable).
+    #[arg(long = "keep-out", value_name = "IP")]
+    pub keep_out: Vec<IpAddr>,
 }
 
 /// `kvpn connect` flags.

@@ -358,6 +358,7 @@ pub fn cluster_routes(
             .map(move |c| Route {
                 cidr: c.to_string(),
                 kind: kind as i32,
+                watched: false,
             })
     })
     .collect()
@@ -594,6 +595,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         None => routes.push(Route {
             cidr: tunnel_pool.to_string(),
             kind: RouteKind::Extra as i32,
+            watched: false,
         }),
         Some((s, net)) => output::warn(&format!(
             "the tunnel pool {tunnel_pool} overlaps {net}, routed through session {} on {}: \
@@ -628,6 +630,9 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             manager_namespace: args.kube.manager_namespace.clone(),
             port: manager.data_port,
             state_file,
+            grpc_port: Some(manager.grpc_port),
+            keep_out: keep_out.clone(),
+            runtime_dir: runtime_dir.to_owned(),
         },
         &log,
     )

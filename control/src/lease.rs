@@ -107,6 +107,41 @@ pub fn client_id(
     load_or_create_client_id(&client_id_path(&dir, server, cluster), owner)
 }
 
+/// One HTTP/2 (gRPC) connection to `pod`'s `port` over one `pods/portforward`
+/// stream. Keep the [`kube::api::Portforwarder`] while using the channel; abort
+/// it when done. HTTP/2 keepalive pings (every 10 s, 5 s to answer) find a
+/// port-forward that died silently.
+pub async fn grpc_channel(
+    api: &Api<Pod>,
+    pod: &str,
+    port: u16,
+) -> Result<(kube::api::Portforwarder, tonic::transport::Channel)> {
+    let mut pf = api
+        .portforward(pod, &[port])
+        .await
+        .with_context(|| format!("port-forward to pod {pod} port {port} failed"))?;
+    let stream = pf
+        .take_stream(port)
+        .ok_or_else(|| anyhow!("port-forward to {pod}: no stream for port {port}"))?;
+    // One HTTP/2 connection over the one forwarded stream.
+    let slot = Arc::new(Mutex::new(Some(stream)));
+    let channel = tonic::transport::Endpoint::from_static("http://kvpn-manager.grpc")
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true)
+        .connect_with_connector(tower::service_fn(move |_| {
+            let stream = slot.lock().ok().and_then(|mut s| s.take());
+            async move {
+                stream.map(TokioIo::new).ok_or_else(|| {
+                    std::io::Error::other("the port-forward stream was already used")
+                })
+            }
+        }))
+        .await
+        .with_context(|| format!("cannot open HTTP/2 to pod {pod} port {port}"))?;
+    Ok((pf, channel))
+}
+
 /// Call `Lease` on the manager pod `pod` (namespace `namespace`) through a
 /// port-forward to its gRPC `port`.
 pub async fn lease(
@@ -118,26 +153,7 @@ pub async fn lease(
 ) -> Result<LeaseResponse> {
     let exchange = async {
         let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
-        let mut pf = api
-            .portforward(pod, &[port])
-            .await
-            .with_context(|| format!("port-forward to pod {pod} port {port} failed"))?;
-        let stream = pf
-            .take_stream(port)
-            .ok_or_else(|| anyhow!("port-forward to {pod}: no stream for port {port}"))?;
-        // One HTTP/2 connection over the one forwarded stream.
-        let slot = Arc::new(Mutex::new(Some(stream)));
-        let channel = tonic::transport::Endpoint::from_static("http://kvpn-manager.grpc")
-            .connect_with_connector(tower::service_fn(move |_| {
-                let stream = slot.lock().ok().and_then(|mut s| s.take());
-                async move {
-                    stream.map(TokioIo::new).ok_or_else(|| {
-                        std::io::Error::other("the port-forward stream was already used")
-                    })
-                }
-            }))
-            .await
-            .with_context(|| format!("cannot open HTTP/2 to pod {pod} port {port}"))?;
+        let (pf, channel) = grpc_channel(&api, pod, port).await?;
         let response = ManagerClient::new(channel)
             .lease(LeaseRequest {
                 client_id: client_id.to_owned(),

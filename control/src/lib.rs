@@ -15,6 +15,7 @@ pub mod kubeconfig;
 pub mod lab;
 pub mod lease;
 pub mod output;
+pub mod route_watch;
 
 use anyhow::{Context, Result, bail};
 use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest, StatusRequest};
@@ -54,6 +55,9 @@ pub async fn run(cli: Cli) -> Result<()> {
                 manager_namespace: args.kube.manager_namespace.clone(),
                 port: args.port,
                 state_file: args.state_file,
+                grpc_port: args.grpc_port,
+                keep_out: args.keep_out,
+                runtime_dir: runtime_dir.clone(),
             })
             .await
         }

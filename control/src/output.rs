@@ -94,7 +94,24 @@ fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
         "state": s.state,
         "reason": s.reason,
         "uptime_ms": s.uptime_ms,
-        "routes": s.routes.iter().map(|r| serde_json::json!({"cidr": r.cidr, "kind": kind_name(r.kind)})).collect::<Vec<_>>(),
+        "routes": s.routes.iter().map(|r| serde_json::json!({"cidr": r.cidr, "kind": kind_name(r.kind), "watched": r.watched})).collect::<Vec<_>>(),
+        "route_source": s.route_source.as_ref().map(|r| serde_json::json!({
+            "mode": r.mode,
+            "reason": text_or_null(&r.reason),
+            "pod_cidr_source": text_or_null(&r.pod_cidr_source),
+            "pod_cidrs": r.pod_cidrs,
+        })),
+        "dns": s.dns.as_ref().map(|d| serde_json::json!({
+            "servers": d.servers,
+            "domain": d.domain,
+            "search": d.search,
+        })),
+        "services": s.services.iter().map(|v| serde_json::json!({
+            "namespace": v.namespace,
+            "name": v.name,
+            "cluster_ips": v.cluster_ips,
+            "ports": v.ports,
+        })).collect::<Vec<_>>(),
         "tx": {"packets": s.tx_packets, "bytes": s.tx_bytes},
         "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
         "ebpf": {
@@ -182,8 +199,35 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                     "plain" => println!("    data channel plain (unencrypted TCP)"),
                     _ => {}
                 }
+                match &s.route_source {
+                    Some(r) if r.reason.is_empty() => println!(
+                        "    routes from {} ({} Services; pod CIDRs from {})",
+                        r.mode,
+                        s.services.len(),
+                        r.pod_cidr_source
+                    ),
+                    Some(r) => println!("    routes from {}: {}", r.mode, r.reason),
+                    None => {}
+                }
+                if let Some(d) = &s.dns {
+                    println!(
+                        "    cluster DNS {} domain {} search {}",
+                        if d.servers.is_empty() {
+                            "(no kube-dns Service)".to_owned()
+                        } else {
+                            d.servers.join(",")
+                        },
+                        d.domain,
+                        d.search.join(" ")
+                    );
+                }
                 for r in &s.routes {
-                    println!("    route {:<20} {}", r.cidr, kind_name(r.kind));
+                    println!(
+                        "    route {:<20} {}{}",
+                        r.cidr,
+                        kind_name(r.kind),
+                        if r.watched { " (watched)" } else { "" }
+                    );
                 }
                 for k in &s.ebpf {
                     println!(

@@ -22,7 +22,7 @@ use ipnet::IpNet;
 use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
 use kvpn_proto::dataplane::{
     ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, StatusRequest,
-    StatusResponse,
+    StatusResponse, UpdateRoutesRequest, UpdateRoutesResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -282,14 +282,37 @@ impl Daemon {
 
     /// Give `session`'s cluster DNS to split DNS; the line for the user.
     async fn start_dns(&self, session: &Session, req: &ConnectRequest) -> String {
-        let Some(api) = req.dns.as_ref().filter(|d| !d.servers.is_empty()) else {
+        match req.dns.as_ref() {
+            Some(api) => {
+                self.apply_dns(
+                    session.id(),
+                    session.tun_name(),
+                    session.routes().to_vec(),
+                    api,
+                )
+                .await
+            }
+            None => String::new(),
+        }
+    }
+
+    /// Set up (or replace) split DNS of session `id` with `api`; the line for the
+    /// user. `routes` tell whether the cluster has IPv6.
+    async fn apply_dns(
+        &self,
+        id: &str,
+        tun: &str,
+        routes: Vec<(IpNet, crate::ebpf::RouteKind)>,
+        api: &kvpn_proto::dataplane::ClusterDns,
+    ) -> String {
+        if api.servers.is_empty() {
             return String::new();
-        };
+        }
         let Some(dns) = &self.dns else {
             return "not configured: this daemon runs without split DNS".to_owned();
         };
         // IPv4-only clusters get AAAA answered empty at once (dns-09).
-        let ipv6 = session.routes().iter().any(|(cidr, kind)| {
+        let ipv6 = routes.iter().any(|(cidr, kind)| {
             matches!(cidr, IpNet::V6(_))
                 && matches!(
                     kind,
@@ -300,13 +323,13 @@ impl Daemon {
             Ok(c) => c,
             Err(e) => return format!("not configured: {e}"),
         };
-        match dns
-            .add_session(session.id(), session.tun_name(), cluster)
-            .await
-        {
+        if dns.has_session(id, &cluster).await {
+            return String::new();
+        }
+        match dns.add_session(id, tun, cluster).await {
             Ok(line) => line,
             Err(e) => {
-                tracing::warn!(session = session.id(), error = %e, "split DNS not set up");
+                tracing::warn!(session = id, error = %e, "split DNS not set up");
                 format!("not configured: {e}")
             }
         }
@@ -457,5 +480,46 @@ impl Dataplane for Daemon {
         let mut sessions: Vec<_> = self.sessions().values().map(Session::status).collect();
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
         Ok(Response::new(StatusResponse { sessions }))
+    }
+
+    async fn update_routes(
+        &self,
+        request: Request<UpdateRoutesRequest>,
+    ) -> Result<Response<UpdateRoutesResponse>, Status> {
+        let req = request.get_ref();
+        let handle = self
+            .sessions()
+            .get(&req.session_id)
+            .map(Session::watch_handle)
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "no session {} — `kvpn status` lists the sessions",
+                    req.session_id
+                ))
+            })?;
+        // The manager's view of the cluster DNS (its domain flag, the kube-dns
+        // Service) replaces what the CLI guessed at connect.
+        if let Some(api) = req.dns.as_ref() {
+            let found = self
+                .sessions()
+                .get(&req.session_id)
+                .map(|s| (s.tun_name().to_owned(), s.routes().to_vec()));
+            if let Some((tun, routes)) = found {
+                let line = self.apply_dns(&req.session_id, &tun, routes, api).await;
+                if !line.is_empty() {
+                    tracing::info!(session = %req.session_id, dns = %line, "split DNS updated from the route watch");
+                }
+            }
+        }
+        let resp = handle
+            .update(&self.netlink, req)
+            .await
+            .map_err(|e| match e {
+                crate::watched::UpdateError::Invalid(m) => Status::invalid_argument(m),
+                crate::watched::UpdateError::Apply(m) => {
+                    Status::internal(format!("session {}: {m}", req.session_id))
+                }
+            })?;
+        Ok(Response::new(resp))
     }
 }

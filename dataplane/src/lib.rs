@@ -26,5 +26,6 @@ pub mod session;
 pub mod tls;
 pub mod tun;
 pub mod unreachable;
+pub mod watched;
 
 pub use tun::DEFAULT_MTU;

@@ -6,8 +6,13 @@
 //! one is not installed as a kernel route of its own (`10.32.1.0/24` under
 //! `10.32.0.0/12`). Adjacent siblings are *not* merged into their supernet: each
 //! installed route stays attributable to a CIDR the user or the cluster named.
+//!
+//! Watched routes ([`plan_update`]): what the session agent adds and removes
+//! while the session runs (UpdateRoutes, from the manager's route watch). A
+//! watched route that a Connect route covers is not installed; removals touch
+//! only watched routes.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 use ipnet::IpNet;
 
@@ -63,6 +68,58 @@ pub fn plan(routes: &[(IpNet, RouteKind)]) -> RoutePlan {
     RoutePlan { kernel, classifier }
 }
 
+/// What an UpdateRoutes request changes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UpdatePlan {
+    /// Watched routes to delete (kernel route and classifier entry).
+    pub remove: Vec<IpNet>,
+    /// Watched routes to install (classifier entry, then kernel route).
+    pub add: Vec<(IpNet, RouteKind)>,
+    /// Requested additions a Connect route already covers: nothing to do.
+    pub covered: Vec<IpNet>,
+}
+
+/// Plan an UpdateRoutes request: `remove` first (only CIDRs in `watched`), then
+/// `add` (skipping CIDRs a `connect` kernel route covers and ones already
+/// watched). Host bits are ignored; each CIDR appears at most once in the plan.
+pub fn plan_update(
+    connect: &[(IpNet, RouteKind)],
+    watched: &BTreeMap<IpNet, RouteKind>,
+    add: &[(IpNet, RouteKind)],
+    remove: &[IpNet],
+) -> UpdatePlan {
+    let mut plan = UpdatePlan::default();
+    let mut after: BTreeMap<IpNet, RouteKind> = watched.clone();
+    for net in remove {
+        let net = net.trunc();
+        if after.remove(&net).is_some() {
+            plan.remove.push(net);
+        }
+    }
+    for (net, kind) in add {
+        let net = net.trunc();
+        if connect.iter().any(|(c, _)| c.contains(&net)) {
+            if !plan.covered.contains(&net) {
+                plan.covered.push(net);
+            }
+            continue;
+        }
+        if after.contains_key(&net) {
+            continue;
+        }
+        after.insert(net, *kind);
+        // Removed and added again in one request: nothing to do for it.
+        if let Some(i) = plan.remove.iter().position(|r| *r == net)
+            && watched.get(&net) == Some(kind)
+        {
+            plan.remove.remove(i);
+            continue;
+        }
+        plan.add.push((net, *kind));
+    }
+    plan
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -111,6 +168,54 @@ mod tests {
                 (net("10.96.0.0/12"), RouteKind::Service)
             ]
         );
+    }
+
+    #[test]
+    fn watched_routes_skip_what_connect_covers_and_remove_only_their_own() {
+        let connect = plan(&[
+            (net("10.244.1.0/24"), RouteKind::Pod),
+            (net("10.96.0.0/12"), RouteKind::Service),
+        ])
+        .kernel;
+        let mut watched = BTreeMap::new();
+        watched.insert(net("10.244.9.0/24"), RouteKind::Pod);
+        let p = plan_update(
+            &connect,
+            &watched,
+            &[
+                (net("10.244.7.5/24"), RouteKind::Pod),
+                (net("10.96.5.5/32"), RouteKind::Service),
+                (net("10.244.9.0/24"), RouteKind::Pod),
+                (net("10.244.7.0/24"), RouteKind::Pod),
+            ],
+            &[net("10.96.0.0/12"), net("10.244.8.0/24")],
+        );
+        assert_eq!(p.add, vec![(net("10.244.7.0/24"), RouteKind::Pod)]);
+        assert_eq!(p.covered, vec![net("10.96.5.5/32")]);
+        assert!(
+            p.remove.is_empty(),
+            "never a Connect route, never an unknown one"
+        );
+
+        let p = plan_update(&connect, &watched, &[], &[net("10.244.9.0/24")]);
+        assert_eq!(p.remove, vec![net("10.244.9.0/24")]);
+        // Removed and re-added with the same kind in one request: a no-op.
+        let p = plan_update(
+            &connect,
+            &watched,
+            &[(net("10.244.9.0/24"), RouteKind::Pod)],
+            &[net("10.244.9.0/24")],
+        );
+        assert_eq!(p, UpdatePlan::default());
+        // Re-added with another kind: replaced.
+        let p = plan_update(
+            &connect,
+            &watched,
+            &[(net("10.244.9.0/24"), RouteKind::Extra)],
+            &[net("10.244.9.0/24")],
+        );
+        assert_eq!(p.remove, vec![net("10.244.9.0/24")]);
+        assert_eq!(p.add, vec![(net("10.244.9.0/24"), RouteKind::Extra)]);
     }
 
     #[test]

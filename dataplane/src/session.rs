@@ -33,6 +33,7 @@ use crate::pump::{self, Counters, PumpConfig, Refusal};
 use crate::routes::{self, RoutePlan};
 use crate::tls::TlsClient;
 use crate::tun;
+use crate::watched::{ClassifierSlot, WatchHandle, Watched};
 
 /// How long dialling the manager may take before Connect gives up.
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -59,6 +60,15 @@ pub trait ClassifierAttach: Send + Sync + 'static {
 pub trait AttachedClassifier: Send {
     /// Its counters.
     fn stats(&self) -> Result<Stats, BoxError>;
+    /// Add (or replace) the entry `cidr -> kind` (watched routes, UpdateRoutes).
+    fn insert_route(&mut self, cidr: IpNet, kind: RouteKind) -> Result<(), BoxError> {
+        let _ = kind;
+        Err(format!("this classifier cannot add {cidr}").into())
+    }
+    /// Remove the entry for exactly `cidr`.
+    fn remove_route(&mut self, cidr: IpNet) -> Result<(), BoxError> {
+        Err(format!("this classifier cannot remove {cidr}").into())
+    }
 }
 
 /// A boxed error from a classifier.
@@ -85,6 +95,12 @@ impl ClassifierAttach for EbpfClassifiers {
 impl AttachedClassifier for ebpf::Classifier {
     fn stats(&self) -> Result<Stats, BoxError> {
         Ok(ebpf::Classifier::stats(self)?)
+    }
+    fn insert_route(&mut self, cidr: IpNet, kind: RouteKind) -> Result<(), BoxError> {
+        Ok(ebpf::Classifier::insert_route(self, cidr, kind)?)
+    }
+    fn remove_route(&mut self, cidr: IpNet) -> Result<(), BoxError> {
+        Ok(ebpf::Classifier::remove_route(self, cidr)?)
     }
 }
 
@@ -207,7 +223,10 @@ pub struct Session {
     ifindex: u32,
     started: Instant,
     shared: Arc<Shared>,
-    classifier: Mutex<Option<Box<dyn AttachedClassifier>>>,
+    classifier: ClassifierSlot,
+    /// Watched routes and cluster information (UpdateRoutes).
+    watched: Arc<Mutex<Watched>>,
+    watched_update: Arc<tokio::sync::Mutex<()>>,
     stop_tx: watch::Sender<bool>,
     supervisor: Option<JoinHandle<()>>,
     tun: Option<Arc<AsyncDevice>>,
@@ -575,7 +594,9 @@ impl Session {
                     ifindex,
                     started: Instant::now(),
                     shared,
-                    classifier: Mutex::new(classifier),
+                    classifier: Arc::new(Mutex::new(classifier)),
+                    watched: Arc::default(),
+                    watched_update: Arc::default(),
                     stop_tx,
                     supervisor: Some(supervisor),
                     tun: Some(device),
@@ -690,6 +711,25 @@ impl Session {
         &self.plan.kernel
     }
 
+    /// What UpdateRoutes needs of this session (shared handles, no lock held).
+    pub fn watch_handle(&self) -> WatchHandle {
+        WatchHandle {
+            ifindex: self.ifindex,
+            tunnel_ip: self.params.tunnel_ip,
+            connect: self.plan.kernel.clone(),
+            classifier: self.classifier.clone(),
+            state: self.watched.clone(),
+            update_lock: self.watched_update.clone(),
+        }
+    }
+
+    fn watched(&self) -> Watched {
+        self.watched
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// The state and, unless connected, why.
     pub fn state(&self) -> (State, Option<String>) {
         self.shared
@@ -737,6 +777,7 @@ impl Session {
             }
             None => (Vec::new(), ebpf::Counter::default()),
         };
+        let watched = self.watched();
         api::Session {
             id: self.id.clone(),
             manager: self.params.manager.clone(),
@@ -748,9 +789,12 @@ impl Session {
                 .plan
                 .kernel
                 .iter()
-                .map(|(cidr, kind)| api::Route {
+                .map(|(cidr, kind)| (cidr, kind, false))
+                .chain(watched.routes.iter().map(|(cidr, kind)| (cidr, kind, true)))
+                .map(|(cidr, kind, watched)| api::Route {
                     cidr: cidr.to_string(),
                     kind: kind_to_api(*kind) as i32,
+                    watched,
                 })
                 .collect(),
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
@@ -770,6 +814,9 @@ impl Session {
             .to_owned(),
             origin: self.origin.clone(),
             liveness: Some(self.liveness_status()),
+            route_source: watched.source,
+            dns: watched.dns,
+            services: watched.services.into_values().collect(),
         }
     }
 
@@ -834,7 +881,13 @@ impl Session {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        let routes: Vec<IpNet> = self.plan.kernel.iter().map(|(n, _)| *n).collect();
+        let routes: Vec<IpNet> = self
+            .plan
+            .kernel
+            .iter()
+            .map(|(n, _)| *n)
+            .chain(self.watched().routes.into_keys())
+            .collect();
         let mut report = match self.tun.take() {
             Some(device) => {
                 remove_device(netlink, device, self.ifindex, &self.tun_name, &routes).await

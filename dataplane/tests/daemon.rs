@@ -127,6 +127,7 @@ fn route(cidr: &str, kind: RouteKind) -> Route {
     Route {
         cidr: cidr.to_owned(),
         kind: kind as i32,
+        watched: false,
     }
 }
 
@@ -374,4 +375,145 @@ async fn connect_and_check(ns: &Ns, socket: &Path) -> bool {
             false
         }
     }
+}
+
+/// UpdateRoutes through the daemon with the real eBPF classifier: a watched
+/// route is installed as a kernel route (proto 107) and classifier entry (a
+/// ping through it counts as pod traffic), a route a Connect route covers is
+/// not, a Connect route is never removed, the route source, DNS settings and
+/// Services show in Status, and Disconnect removes watched routes too.
+#[test]
+fn update_routes_adds_and_removes_watched_routes() {
+    require_root();
+    let netns = TestNetns::new();
+    let ns = netns.handle();
+    let dir = RuntimeDir::new(&netns);
+    let mut daemon = Daemon::spawn(&netns, &dir);
+    wait_for_socket(&dir, &mut daemon);
+    let socket = dir.socket();
+    netns.block_on(move || async move {
+        use kvpn_proto::dataplane::{ClusterDns, ClusterService, RouteSource, UpdateRoutesRequest};
+        let manager = FakeManager::start(true).await;
+        let mut client = kvpn_dataplane::client::connect(&socket)
+            .await
+            .expect("client");
+        let resp = match client.connect(request(&manager)).await {
+            Ok(r) => r.into_inner(),
+            Err(e) => {
+                // Built with AYA_BUILD_SKIP: covered by the test above.
+                assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+                return;
+            }
+        };
+        let id = resp.session_id.clone();
+        let unknown = client
+            .update_routes(UpdateRoutesRequest {
+                session_id: "nope".into(),
+                ..Default::default()
+            })
+            .await
+            .expect_err("unknown session");
+        assert_eq!(unknown.code(), tonic::Code::NotFound);
+
+        let updated = client
+            .update_routes(UpdateRoutesRequest {
+                session_id: id.clone(),
+                add: vec![
+                    route("10.77.0.0/24", RouteKind::Pod),
+                    route("10.96.5.5/32", RouteKind::Service),
+                ],
+                remove: vec![route("10.244.0.0/16", RouteKind::Pod)],
+                route_source: Some(RouteSource {
+                    mode: "watch".into(),
+                    ..Default::default()
+                }),
+                dns: Some(ClusterDns {
+                    servers: vec!["10.96.0.10".into()],
+                    domain: "cluster.local".into(),
+                    search: vec!["default.svc.cluster.local".into()],
+                }),
+                services_replace: true,
+                services_upsert: vec![ClusterService {
+                    namespace: "default".into(),
+                    name: "web".into(),
+                    cluster_ips: vec!["10.96.0.100".into()],
+                    ports: vec!["http:80/TCP".into()],
+                }],
+                ..Default::default()
+            })
+            .await
+            .expect("update routes")
+            .into_inner();
+        assert_eq!(updated.added, vec!["10.77.0.0/24"]);
+        assert_eq!(updated.covered, vec!["10.96.5.5/32"]);
+        assert!(
+            updated.removed.is_empty(),
+            "a Connect route is never removed"
+        );
+        let routes = ns.kvpn_routes();
+        assert!(routes.contains("10.77.0.0/24 dev kvpn0"), "{routes}");
+        assert!(routes.contains("10.244.0.0/16 dev kvpn0"), "{routes}");
+        assert!(!routes.contains("10.96.5.5"), "{routes}");
+
+        let ping = ns
+            .exec_async(&["ping", "-c", "2", "-i", "0.2", "-W", "2", "10.77.0.5"])
+            .await;
+        assert!(ping.status.success(), "ping through the watched route");
+        let status = client
+            .status(StatusRequest {})
+            .await
+            .expect("status")
+            .into_inner();
+        let s = &status.sessions[0];
+        assert!(
+            s.routes
+                .iter()
+                .any(|r| r.cidr == "10.77.0.0/24" && r.watched && r.kind == RouteKind::Pod as i32),
+            "{s:?}"
+        );
+        assert_eq!(
+            s.route_source.as_ref().map(|r| r.mode.as_str()),
+            Some("watch")
+        );
+        assert_eq!(
+            s.dns.as_ref().map(|d| d.servers.clone()),
+            Some(vec!["10.96.0.10".to_owned()])
+        );
+        assert_eq!(s.services.len(), 1);
+        let pod = s
+            .ebpf
+            .iter()
+            .find(|k| k.kind == RouteKind::Pod as i32)
+            .expect("pod counters");
+        // No Connect entry covers 10.77.0.5: without the watched entry the pings
+        // would be dropped as unrouted instead.
+        assert!(pod.packets >= 2, "classified as pod traffic: {s:?}");
+
+        let removed = client
+            .update_routes(UpdateRoutesRequest {
+                session_id: id.clone(),
+                add: vec![route("10.78.0.0/24", RouteKind::Pod)],
+                remove: vec![route("10.77.0.0/24", RouteKind::Pod)],
+                ..Default::default()
+            })
+            .await
+            .expect("update routes")
+            .into_inner();
+        assert_eq!(removed.removed, vec!["10.77.0.0/24"]);
+        let routes = ns.kvpn_routes();
+        assert!(!routes.contains("10.77.0.0/24"), "{routes}");
+        assert!(routes.contains("10.78.0.0/24 dev kvpn0"), "{routes}");
+        let status = client
+            .status(StatusRequest {})
+            .await
+            .expect("status")
+            .into_inner();
+        assert_eq!(status.sessions[0].services.len(), 1, "services unchanged");
+
+        client
+            .disconnect(DisconnectRequest { session_id: id })
+            .await
+            .expect("disconnect");
+        nothing_left(&ns);
+    });
 }

@@ -1,4 +1,5 @@
-//! The manager's control gRPC service (:10802): `Lease`.
+//! The manager's control gRPC service (:10802): `Lease` and `WatchRoutes` (the
+//! route and DNS discovery stream, fed by [`crate::route_watch`]).
 //!
 //! Plain HTTP/2, not TLS, and by default bound to the pod's loopback
 //! (`127.0.0.1:10802`): the only way in is `pods/portforward`, which the kubelet
@@ -8,39 +9,131 @@
 //! token it hands out is only useful on the data channel, which is TLS.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvpn_proto::manager::manager_server::{Manager, ManagerServer};
-use kvpn_proto::manager::{LeaseRequest, LeaseResponse};
+use kvpn_proto::manager::{LeaseRequest, LeaseResponse, RoutesUpdate, WatchRoutesRequest};
 use tokio::net::TcpListener;
+use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::lease::LeaseError;
 use crate::leases::{LeaseServiceError, Leases};
+use crate::route_watch::{Failure, Published, RouteWatch};
+use crate::routes::{self, View};
 
-/// The `Manager` service over a lease table.
+/// How long a new `WatchRoutes` call waits for the watches' first lists before
+/// it answers UNAVAILABLE. Listing every pod and Service of a large cluster
+/// takes a few seconds; the lab's takes ~50 ms.
+const FIRST_VIEW_WAIT: Duration = Duration::from_secs(10);
+
+/// The `Manager` service over a lease table and the route watch.
 #[derive(Debug, Clone)]
 pub struct ManagerService {
     leases: Arc<Leases>,
+    routes: RouteWatch,
     pool: String,
     manager_ip: String,
 }
 
 impl ManagerService {
-    /// A service handing out leases from `leases`.
-    pub async fn new(leases: Arc<Leases>) -> Self {
+    /// A service handing out leases from `leases` and routes from `routes`.
+    pub async fn new(leases: Arc<Leases>, routes: RouteWatch) -> Self {
         let t = leases.table_snapshot().await;
         Self {
             pool: t.pool().to_string(),
             manager_ip: t.manager_ip().to_string(),
             leases,
+            routes,
+        }
+    }
+}
+
+/// The failure that ends streams: only a lasting one (RBAC, no API). A failing
+/// API server is retried by the watches, and streams keep their last view.
+fn fatal(p: &Published) -> Option<&Failure> {
+    p.failure.as_ref()
+}
+
+/// Send `namespace`'s updates of `rx` to `tx` until either side is gone.
+async fn stream_updates(
+    mut rx: tokio::sync::watch::Receiver<Published>,
+    tx: mpsc::Sender<Result<RoutesUpdate, Status>>,
+    namespace: String,
+) {
+    let mut last: Option<Arc<View>> = None;
+    loop {
+        let current = rx.borrow_and_update().clone();
+        if let Some(f) = fatal(&current) {
+            let _ = tx.send(Err(f.to_status())).await;
+            return;
+        }
+        if let Some(view) = current.view {
+            if let Some(update) = routes::delta(last.as_deref(), &view, &namespace)
+                && tx.send(Ok(update)).await.is_err()
+            {
+                return;
+            }
+            last = Some(view);
+        }
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { return },
+            () = tx.closed() => {
+                debug!(%namespace, "WatchRoutes client gone");
+                return;
+            }
         }
     }
 }
 
 #[tonic::async_trait]
 impl Manager for ManagerService {
+    type WatchRoutesStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<RoutesUpdate, Status>> + Send + 'static>>;
+
+    async fn watch_routes(
+        &self,
+        request: Request<WatchRoutesRequest>,
+    ) -> Result<Response<Self::WatchRoutesStream>, Status> {
+        let namespace = request.into_inner().namespace;
+        let mut rx = self.routes.subscribe();
+        let first = tokio::time::timeout(FIRST_VIEW_WAIT, async {
+            loop {
+                {
+                    let p = rx.borrow_and_update();
+                    if p.view.is_some() || p.failure.is_some() {
+                        return Ok(());
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return Err(Status::unavailable("the route watch stopped"));
+                }
+            }
+        })
+        .await
+        .map_err(|_| {
+            Status::unavailable(format!(
+                "the route watch has not finished listing pods and Services within {} s — retry",
+                FIRST_VIEW_WAIT.as_secs()
+            ))
+        })?;
+        first?;
+        if let Some(f) = fatal(&rx.borrow()) {
+            warn!(error = %f.to_status().message(), "WatchRoutes refused");
+            return Err(f.to_status());
+        }
+        // Small: a slow client makes the sender wait, and the next delta is then
+        // computed from the newest view (the watch channel keeps only that).
+        let (tx, out_rx) = mpsc::channel(4);
+        tokio::spawn(stream_updates(rx, tx, namespace));
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out_rx),
+        )))
+    }
+
     async fn lease(
         &self,
         request: Request<LeaseRequest>,
@@ -73,8 +166,9 @@ impl Manager for ManagerService {
 pub async fn serve(
     listener: TcpListener,
     leases: Arc<Leases>,
+    routes: RouteWatch,
 ) -> Result<(), tonic::transport::Error> {
-    let service = ManagerService::new(leases).await;
+    let service = ManagerService::new(leases, routes).await;
     tonic::transport::Server::builder()
         .add_service(ManagerServer::new(service))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))

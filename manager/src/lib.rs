@@ -14,7 +14,10 @@
 //!   [`peers`]: live sessions by tunnel IP (laptop-to-laptop forwarding).
 //! - [`lease`]: the pure lease table (tunnel IPs from the pool, tokens,
 //!   expiry); [`leases`]: its shell (clock, randomness, the ConfigMap store);
-//!   [`grpc`]: the control gRPC API on :10802 (`Lease`).
+//!   [`grpc`]: the control gRPC API on :10802 (`Lease`, `WatchRoutes`).
+//! - [`routes`]: the pure route and DNS discovery core (watch events in, pod
+//!   CIDRs, Services and cluster DNS out, deltas per client); [`route_watch`]:
+//!   its shell (kube-runtime watches, debounce, subscribers).
 
 pub mod device;
 pub mod engine;
@@ -25,6 +28,8 @@ pub mod leases;
 pub mod metrics;
 pub mod packet;
 pub mod peers;
+pub mod route_watch;
+pub mod routes;
 pub mod server;
 pub mod session;
 pub mod tls;

@@ -11,6 +11,8 @@ use anyhow::Context;
 use clap::Parser;
 use kvpn_manager::lease::LeaseTable;
 use kvpn_manager::leases::Leases;
+use kvpn_manager::route_watch::RouteWatch;
+use kvpn_manager::routes::DiscoveryConfig;
 use kvpn_manager::session::SessionConfig;
 use kvpn_manager::{grpc, server};
 use tracing::{info, warn};
@@ -59,6 +61,25 @@ struct Args {
     /// API server is reachable with the pod's service account.
     #[arg(long, default_value = "kvpn-manager")]
     lease_configmap: String,
+    /// The cluster domain that `WatchRoutes` reports (the kubelet's
+    /// --cluster-domain).
+    #[arg(long, env = "KVPN_CLUSTER_DOMAIN", default_value = "cluster.local")]
+    cluster_domain: String,
+    /// The cluster DNS Service, NAMESPACE/NAME: its ClusterIPs are the DNS
+    /// servers `WatchRoutes` reports.
+    #[arg(long, env = "KVPN_DNS_SERVICE", default_value = "kube-system/kube-dns", value_parser = parse_service_ref)]
+    dns_service: (String, String),
+}
+
+fn parse_service_ref(s: &str) -> Result<(String, String), String> {
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok((ns.to_owned(), name.to_owned()))
+        }
+        _ => Err(format!(
+            "{s:?}: expected NAMESPACE/NAME, e.g. kube-system/kube-dns"
+        )),
+    }
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -82,23 +103,32 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 /// Where the pod's service account lives (Kubernetes convention).
 const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
+/// The API client of this pod's service account and the pod's namespace.
+fn in_cluster_client() -> anyhow::Result<(kube::Client, String)> {
+    if std::env::var_os("KUBERNETES_SERVICE_HOST").is_none() {
+        anyhow::bail!("not in a cluster (KUBERNETES_SERVICE_HOST unset)");
+    }
+    let config = kube::Config::incluster()
+        .context("no in-cluster configuration (service-account token or CA missing?)")?;
+    let namespace = match std::env::var("KVPN_NAMESPACE") {
+        Ok(ns) if !ns.is_empty() => ns,
+        _ => std::fs::read_to_string(format!("{SERVICE_ACCOUNT_DIR}/namespace"))
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_else(|_| config.default_namespace.clone()),
+    };
+    let client = kube::Client::try_from(config).context("cannot build the API client")?;
+    Ok((client, namespace))
+}
+
 /// The lease store: the ConfigMap when this pod can reach the API server with
 /// its service account, else memory (warned).
-async fn open_leases(args: &Args) -> Arc<Leases> {
+async fn open_leases(args: &Args, api: &anyhow::Result<(kube::Client, String)>) -> Arc<Leases> {
     let table = LeaseTable::new(args.tunnel_pool, args.lease_time);
     let in_cluster = async {
-        if std::env::var_os("KUBERNETES_SERVICE_HOST").is_none() {
-            anyhow::bail!("not in a cluster (KUBERNETES_SERVICE_HOST unset)");
-        }
-        let config = kube::Config::incluster()
-            .context("no in-cluster configuration (service-account token or CA missing?)")?;
-        let namespace = match std::env::var("KVPN_NAMESPACE") {
-            Ok(ns) if !ns.is_empty() => ns,
-            _ => std::fs::read_to_string(format!("{SERVICE_ACCOUNT_DIR}/namespace"))
-                .map(|s| s.trim().to_owned())
-                .unwrap_or_else(|_| config.default_namespace.clone()),
+        let (client, namespace) = match api {
+            Ok((client, namespace)) => (client.clone(), namespace.clone()),
+            Err(e) => anyhow::bail!("{e:#}"),
         };
-        let client = kube::Client::try_from(config).context("cannot build the API client")?;
         let leases = tokio::time::timeout(
             Duration::from_secs(10),
             Leases::in_configmap(table.clone(), client, &namespace, &args.lease_configmap),
@@ -146,7 +176,22 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut grpc_task = None;
     if args.leases {
-        let leases = open_leases(&args).await;
+        let api = in_cluster_client();
+        let leases = open_leases(&args, &api).await;
+        let routes = match &api {
+            Ok((client, _)) => RouteWatch::spawn(
+                client.clone(),
+                DiscoveryConfig {
+                    cluster_domain: args.cluster_domain.clone(),
+                    dns_service: args.dns_service.clone(),
+                    ..DiscoveryConfig::default()
+                },
+            ),
+            Err(e) => {
+                warn!(reason = %format!("{e:#}"), "no route watch: WatchRoutes answers FAILED_PRECONDITION and laptops keep the CIDRs they detected");
+                RouteWatch::unavailable(format!("{e:#}"))
+            }
+        };
         let grpc_listener = tokio::net::TcpListener::bind(args.grpc_listen)
             .await
             .with_context(|| format!("cannot listen on {} for gRPC", args.grpc_listen))?;
@@ -171,7 +216,11 @@ async fn main() -> anyhow::Result<()> {
                 maintained.maintain().await;
             }
         });
-        grpc_task = Some(tokio::spawn(grpc::serve(grpc_listener, leases.clone())));
+        grpc_task = Some(tokio::spawn(grpc::serve(
+            grpc_listener,
+            leases.clone(),
+            routes,
+        )));
         config.leases = Some(leases);
         config.tunnel_pool = Some(args.tunnel_pool);
     } else {

@@ -34,7 +34,11 @@ async fn grpc_server(leases: Arc<Leases>) -> String {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(kvpn_manager::grpc::serve(listener, leases));
+    tokio::spawn(kvpn_manager::grpc::serve(
+        listener,
+        leases,
+        kvpn_manager::route_watch::RouteWatch::unavailable("not in a cluster (test)".into()),
+    ));
     format!("http://{addr}")
 }
 

@@ -12,6 +12,8 @@
 //! - [`infer_covering`]: prefixes for a cluster whose ranges are unknown, built from
 //!   the pod IPs or ClusterIPs seen, never wider than [`InferPolicy`] allows.
 //!   Case rt-01.
+//! - [`subtract`]: the part of some prefixes that other prefixes do not cover
+//!   (the routes a watch adds beyond the CIDRs a session already routes).
 //! - [`exclude`]: punch single addresses (API server, nameservers, default gateways,
 //!   SSH hosts) out of the cluster ranges so the kernel never routes them into the
 //!   TUN device. Case rt-02.
@@ -123,6 +125,70 @@ pub fn exclude(cidrs: &[IpNet], essentials: &[IpAddr]) -> Vec<IpNet> {
     out
 }
 
+/// The addresses of `cidrs` that none of `minus` covers, as the minimal sorted
+/// list of disjoint prefixes. IPv4 and IPv6 never cover each other.
+///
+/// `{10.244.0.0/16} − {10.244.1.0/24}` → `{10.244.0.0/24, 10.244.2.0/23,
+/// 10.244.4.0/22, …, 10.244.128.0/17}`; `{10.244.7.0/24} − {10.244.0.0/16}` → `{}`.
+pub fn subtract(cidrs: &[IpNet], minus: &[IpNet]) -> Vec<IpNet> {
+    let (v4, v6) = ranges(cidrs);
+    let (m4, m6) = ranges(minus);
+    let mut out: Vec<IpNet> = Vec::new();
+    for (start, end) in cut(merge(v4), &merge(m4)) {
+        // Both ends came from u32 addresses, so they fit.
+        let (s, e) = (
+            Ipv4Addr::from(u32::try_from(start).unwrap_or(u32::MAX)),
+            Ipv4Addr::from(u32::try_from(end).unwrap_or(u32::MAX)),
+        );
+        out.extend(Ipv4Subnets::new(s, e, 0).map(IpNet::V4));
+    }
+    for (start, end) in cut(merge(v6), &merge(m6)) {
+        out.extend(Ipv6Subnets::new(Ipv6Addr::from(start), Ipv6Addr::from(end), 0).map(IpNet::V6));
+    }
+    out
+}
+
+/// Inclusive address ranges of `cidrs`, split by family.
+type Ranges = Vec<(u128, u128)>;
+
+fn ranges(cidrs: &[IpNet]) -> (Ranges, Ranges) {
+    let mut v4 = Vec::new();
+    let mut v6 = Vec::new();
+    for c in cidrs {
+        match c {
+            IpNet::V4(n) => v4.push((
+                u128::from(u32::from(n.network())),
+                u128::from(u32::from(n.broadcast())),
+            )),
+            IpNet::V6(n) => v6.push((u128::from(n.network()), u128::from(n.broadcast()))),
+        }
+    }
+    (v4, v6)
+}
+
+/// `ranges` minus `holes` (both sorted, disjoint, merged).
+fn cut(ranges: Vec<(u128, u128)>, holes: &[(u128, u128)]) -> Vec<(u128, u128)> {
+    let mut out = Vec::with_capacity(ranges.len());
+    for (start, end) in ranges {
+        let mut cur = Some(start);
+        for &(h_start, h_end) in holes {
+            let Some(c) = cur else { break };
+            if h_end < c || h_start > end {
+                continue;
+            }
+            if h_start > c {
+                out.push((c, h_start - 1));
+            }
+            // `h_end == u128::MAX` (or the range's end) closes the range.
+            cur = if h_end >= end { None } else { Some(h_end + 1) };
+        }
+        if let Some(c) = cur {
+            out.push((c, end));
+        }
+    }
+    out
+}
+
 /// Sorted, disjoint, non-adjacent inclusive ranges covering the same addresses.
 fn merge(mut ranges: Vec<(u128, u128)>) -> Vec<(u128, u128)> {
     ranges.sort_unstable();
@@ -185,4 +251,68 @@ fn v6_net(addr: Ipv6Addr, len: u8) -> Ipv6Net {
     Ipv6Net::new(addr, len)
         .map(|n| n.trunc())
         .unwrap_or_else(|_| Ipv6Net::from(addr))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn nets(s: &[&str]) -> Vec<IpNet> {
+        s.iter().map(|c| c.parse().expect("test CIDR")).collect()
+    }
+
+    #[test]
+    fn subtract_keeps_only_what_is_not_covered() {
+        assert_eq!(
+            subtract(&nets(&["10.244.7.0/24"]), &nets(&["10.244.0.0/16"])),
+            vec![]
+        );
+        assert_eq!(
+            subtract(
+                &nets(&["10.244.1.0/24", "10.244.7.0/24", "fd00::/64"]),
+                &nets(&["10.244.1.0/24", "10.96.0.0/12"])
+            ),
+            nets(&["10.244.7.0/24", "fd00::/64"])
+        );
+        // A hole in the middle splits the prefix along prefix boundaries.
+        assert_eq!(
+            subtract(&nets(&["10.0.0.0/30"]), &nets(&["10.0.0.1/32"])),
+            nets(&["10.0.0.0/32", "10.0.0.2/31"])
+        );
+        assert_eq!(
+            subtract(&nets(&["0.0.0.0/0"]), &nets(&["0.0.0.0/0"])),
+            vec![]
+        );
+        assert_eq!(
+            subtract(&nets(&["::/0"]), &nets(&["8000::/1"])),
+            nets(&["::/1"])
+        );
+    }
+
+    fn arb_net() -> impl Strategy<Value = IpNet> {
+        (any::<u8>(), any::<u8>(), 8u8..=32).prop_map(|(b, c, len)| {
+            IpNet::new(IpAddr::V4(Ipv4Addr::new(10, b & 0x0f, c, b ^ c)), len)
+                .expect("len <= 32")
+                .trunc()
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn subtract_covers_exactly_the_difference(
+            a in proptest::collection::vec(arb_net(), 0..8),
+            m in proptest::collection::vec(arb_net(), 0..8),
+            probes in proptest::collection::vec((any::<u8>(), any::<u8>(), any::<u8>()), 0..64),
+        ) {
+            let out = subtract(&a, &m);
+            prop_assert_eq!(normalise(&out), out.clone());
+            let mut ips: Vec<IpAddr> = a.iter().chain(&m).flat_map(|n| [n.network(), n.broadcast()]).collect();
+            ips.extend(probes.iter().map(|(x, y, z)| IpAddr::V4(Ipv4Addr::new(10, x & 0x0f, *y, *z))));
+            for ip in ips {
+                let want = a.iter().any(|n| n.contains(&ip)) && !m.iter().any(|n| n.contains(&ip));
+                prop_assert_eq!(out.iter().any(|n| n.contains(&ip)), want, "{}", ip);
+            }
+        }
+    }
 }

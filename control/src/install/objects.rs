@@ -189,7 +189,10 @@ pub fn role_binding(spec: &Spec) -> RoleBinding {
 }
 
 /// Cluster-wide reads for the route and DNS watch (pods, services, endpoints in
-/// every namespace).
+/// every namespace). Not nodes: RBAC lets a user grant only what it holds, and
+/// users who may not read nodes (the lab's restricted user) could not install
+/// the role. The manager reads node podCIDRs only where someone granted it
+/// separately; otherwise its pod CIDRs come from pod IPs.
 pub fn cluster_role(spec: &Spec) -> ClusterRole {
     ClusterRole {
         metadata: meta(spec, &cluster_role_name(&spec.namespace), false),

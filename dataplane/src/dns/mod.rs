@@ -259,6 +259,9 @@ impl Dns {
                 state.active = Some(Active::Forwarder(forwarder));
             }
         }
+        // A session's settings again (the route watch reports the manager's view):
+        // replace its entry.
+        state.sessions.retain(|s| s.id != id);
         state.sessions.insert(
             0,
             SessionDns {
@@ -307,6 +310,16 @@ impl Dns {
             let _ = self.remove_session(id).await;
         }
         result
+    }
+
+    /// Whether `id` is set up with exactly `cluster` already (then a repeated
+    /// report of the same settings needs no work).
+    pub async fn has_session(&self, id: &str, cluster: &ClusterDns) -> bool {
+        let state = self.state.lock().await;
+        state
+            .sessions
+            .iter()
+            .any(|s| s.id == id && &s.cluster == cluster)
     }
 
     /// Remove a session's cluster DNS; the last one restores the laptop's DNS.

@@ -1,0 +1,177 @@
+//! A session's watched routes and cluster information: what the session agent
+//! reports through UpdateRoutes from the traffic manager's route watch (routes
+//! added and removed while the session runs, where the routes come from, the
+//! cluster DNS settings and Services).
+//!
+//! I/O: rtnetlink route add/delete through the session's TUN device (protocol
+//! [`crate::netlink::RTPROT_KVPN`], like Connect's routes) and the session's
+//! eBPF classifier (LPM entries). The decisions are [`routes::plan_update`]'s.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use ipnet::IpNet;
+use kvpn_proto::dataplane as api;
+
+use crate::ebpf::RouteKind;
+use crate::netlink::Netlink;
+use crate::routes;
+use crate::session::{AttachedClassifier, kind_from_api};
+
+/// What the route watch reported for one session.
+#[derive(Debug, Default, Clone)]
+pub struct Watched {
+    /// Watched routes installed (kernel route and classifier entry).
+    pub routes: BTreeMap<IpNet, RouteKind>,
+    /// Where the routes come from; `None` until reported.
+    pub source: Option<api::RouteSource>,
+    /// The cluster DNS settings; `None` until reported.
+    pub dns: Option<api::ClusterDns>,
+    /// Services by namespace/name.
+    pub services: BTreeMap<(String, String), api::ClusterService>,
+}
+
+/// The shared classifier slot of a session (`None` without a classifier).
+pub type ClassifierSlot = Arc<Mutex<Option<Box<dyn AttachedClassifier>>>>;
+
+/// Everything UpdateRoutes needs of a session, cloned out of the session table
+/// so that no lock is held across netlink calls.
+#[derive(Clone)]
+pub struct WatchHandle {
+    pub ifindex: u32,
+    pub tunnel_ip: IpAddr,
+    /// The Connect routes (kernel routes).
+    pub connect: Vec<(IpNet, RouteKind)>,
+    pub classifier: ClassifierSlot,
+    pub state: Arc<Mutex<Watched>>,
+    /// Serialises UpdateRoutes calls of one session.
+    pub update_lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// Why an UpdateRoutes request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError {
+    /// A CIDR or kind in the request is invalid.
+    #[error("{0}")]
+    Invalid(String),
+    /// Installing or removing a route failed; earlier changes of the request stay.
+    #[error("{0}")]
+    Apply(String),
+}
+
+fn parse_routes(
+    routes: &[api::Route],
+    need_kind: bool,
+) -> Result<Vec<(IpNet, RouteKind)>, UpdateError> {
+    routes
+        .iter()
+        .map(|r| {
+            let cidr: IpNet = r.cidr.parse().map_err(|_| {
+                UpdateError::Invalid(format!(
+                    "invalid CIDR {:?} — give it as ADDRESS/PREFIX, e.g. 10.244.7.0/24",
+                    r.cidr
+                ))
+            })?;
+            let kind = match kind_from_api(r.kind) {
+                Some(k) => k,
+                None if !need_kind => RouteKind::Extra,
+                None => {
+                    return Err(UpdateError::Invalid(format!(
+                        "route {} has no kind — set pod, service or extra",
+                        r.cidr
+                    )));
+                }
+            };
+            Ok((cidr, kind))
+        })
+        .collect()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The state stays consistent even if a Status call panicked mid-read.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl WatchHandle {
+    /// Apply an UpdateRoutes request: removals, then additions, then the
+    /// reported source, DNS settings and Services.
+    pub async fn update(
+        &self,
+        netlink: &Netlink,
+        req: &api::UpdateRoutesRequest,
+    ) -> Result<api::UpdateRoutesResponse, UpdateError> {
+        let add = parse_routes(&req.add, true)?;
+        let remove: Vec<IpNet> = parse_routes(&req.remove, false)?
+            .into_iter()
+            .map(|(c, _)| c)
+            .collect();
+        let _serial = self.update_lock.lock().await;
+        let plan = {
+            let st = lock(&self.state);
+            routes::plan_update(&self.connect, &st.routes, &add, &remove)
+        };
+        let mut resp = api::UpdateRoutesResponse {
+            covered: plan.covered.iter().map(ToString::to_string).collect(),
+            ..Default::default()
+        };
+        for net in &plan.remove {
+            // Kernel route first: the classifier must never lack an entry for a
+            // prefix the kernel still routes into the TUN device.
+            match netlink.del_route(self.ifindex, *net).await {
+                Ok(()) => {}
+                Err(e) if e.errno == Some(libc::ESRCH) => {}
+                Err(e) => return Err(UpdateError::Apply(e.to_string())),
+            }
+            if let Some(c) = lock(&self.classifier).as_mut()
+                && let Err(e) = c.remove_route(*net)
+            {
+                tracing::warn!(cidr = %net, error = %e, "cannot remove the classifier entry of a watched route");
+            }
+            lock(&self.state).routes.remove(net);
+            resp.removed.push(net.to_string());
+            tracing::info!(cidr = %net, "watched route removed");
+        }
+        for (net, kind) in &plan.add {
+            // Classifier entry first, so nothing the new route carries is dropped
+            // as unrouted.
+            if let Some(c) = lock(&self.classifier).as_mut() {
+                c.insert_route(*net, *kind).map_err(|e| {
+                    UpdateError::Apply(format!(
+                        "cannot add the eBPF classifier entry for {net}: {e}"
+                    ))
+                })?;
+            }
+            if let Err(e) = netlink
+                .add_route(self.ifindex, *net, Some(self.tunnel_ip))
+                .await
+            {
+                if let Some(c) = lock(&self.classifier).as_mut() {
+                    let _ = c.remove_route(*net);
+                }
+                return Err(UpdateError::Apply(e.to_string()));
+            }
+            lock(&self.state).routes.insert(*net, *kind);
+            resp.added.push(net.to_string());
+            tracing::info!(cidr = %net, ?kind, "watched route added");
+        }
+        let mut st = lock(&self.state);
+        if let Some(source) = &req.route_source {
+            st.source = Some(source.clone());
+        }
+        if let Some(dns) = &req.dns {
+            st.dns = Some(dns.clone());
+        }
+        if req.services_replace {
+            st.services.clear();
+        }
+        for s in &req.services_remove {
+            st.services.remove(&(s.namespace.clone(), s.name.clone()));
+        }
+        for s in &req.services_upsert {
+            st.services
+                .insert((s.namespace.clone(), s.name.clone()), s.clone());
+        }
+        Ok(resp)
+    }
+}
