@@ -759,6 +759,7 @@ mod tests {
                 .map(|c| Route {
                     cidr: (*c).into(),
                     kind: 0,
+                    watched: false,
                 })
                 .collect(),
             ..Default::default()
