@@ -127,7 +127,10 @@ fn main() -> Result<()> {
             let bin = build(false)?;
             println!("==> running every test");
             let mut cmd = cargo();
-            cmd.args(["test"]).env("KVPN_BIN_DIR", &bin);
+            // Every test binary runs even after one fails, so one failure never
+            // hides another; the exit status still says something failed.
+            cmd.args(["test", "--no-fail-fast"])
+                .env("KVPN_BIN_DIR", &bin);
             if !args.is_empty() {
                 cmd.args(&args);
             }
