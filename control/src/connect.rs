@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use ipnet::IpNet;
 use kvpn_proto::dataplane::{
-    ClusterDns, ConnectRequest, DisconnectRequest, Origin, Route, RouteKind, Session, StatusRequest,
+    ClusterDns, ConnectRequest, DisconnectRequest, Origin, Route, RouteKind, Session,
 };
 
 use crate::agent::{self, AgentConfig};
@@ -69,13 +69,8 @@ pub async fn wait_first_echo(
 ) -> Result<Option<Session>> {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        let sessions = client
-            .status(StatusRequest {})
-            .await
-            .map_err(daemon::status_to_error)
-            .context("cannot ask the root daemon for the session's state")?
-            .into_inner()
-            .sessions;
+        let sessions =
+            daemon::sessions(client, "cannot ask the root daemon for the session's state").await?;
         let Some(session) = sessions.into_iter().find(|s| s.id == id) else {
             bail!(
                 "session {id} disappeared from the root daemon right after connect — see its log"
@@ -234,13 +229,8 @@ pub async fn disconnect_sessions_of(
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
         return Ok(Vec::new());
     };
-    let sessions = client
-        .status(StatusRequest {})
-        .await
-        .map_err(daemon::status_to_error)
-        .context("cannot ask the root daemon for its sessions")?
-        .into_inner()
-        .sessions;
+    let sessions =
+        daemon::sessions(&mut client, "cannot ask the root daemon for its sessions").await?;
     let mut stopped = Vec::new();
     for s in sessions {
         let Some(o) = &s.origin else { continue };
@@ -272,13 +262,8 @@ async fn already_connected(runtime_dir: &Path, wanted: &Origin) -> Result<bool> 
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
         return Ok(false);
     };
-    let sessions = client
-        .status(StatusRequest {})
-        .await
-        .map_err(daemon::status_to_error)
-        .context("cannot ask the root daemon for its sessions")?
-        .into_inner()
-        .sessions;
+    let sessions =
+        daemon::sessions(&mut client, "cannot ask the root daemon for its sessions").await?;
     match match_session(&sessions, wanted) {
         SessionMatch::None => Ok(false),
         SessionMatch::Conflict(s) => {
@@ -483,13 +468,7 @@ async fn current_sessions(runtime_dir: &Path) -> Result<Vec<Session>> {
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
         return Ok(Vec::new());
     };
-    Ok(client
-        .status(StatusRequest {})
-        .await
-        .map_err(daemon::status_to_error)
-        .context("cannot ask the root daemon for its sessions")?
-        .into_inner()
-        .sessions)
+    daemon::sessions(&mut client, "cannot ask the root daemon for its sessions").await
 }
 
 /// `kvpn connect` without `--manager`.

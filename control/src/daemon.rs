@@ -38,6 +38,21 @@ async fn channel(socket: &Path) -> std::io::Result<Channel> {
         .map_err(std::io::Error::other)
 }
 
+/// The root daemon's sessions (`Status`), with `what` saying why we asked, for
+/// the error.
+pub async fn sessions(
+    client: &mut DataplaneClient<Channel>,
+    what: &'static str,
+) -> Result<Vec<kvpn_proto::dataplane::Session>> {
+    Ok(client
+        .status(kvpn_proto::dataplane::StatusRequest {})
+        .await
+        .map_err(status_to_error)
+        .context(what)?
+        .into_inner()
+        .sessions)
+}
+
 /// A client for a root daemon that is already running, or `None` when none answers.
 pub async fn connect_existing(runtime_dir: &Path) -> Result<Option<DataplaneClient<Channel>>> {
     let socket = socket_path(runtime_dir);

@@ -29,9 +29,7 @@ use anyhow::{Context, Result, anyhow};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kvpn_proto::dataplane::{
-    ClusterDns, ClusterService, Route, RouteSource, StatusRequest, UpdateRoutesRequest,
-};
+use kvpn_proto::dataplane::{ClusterDns, ClusterService, Route, RouteSource, UpdateRoutesRequest};
 use kvpn_proto::manager::manager_client::ManagerClient;
 use kvpn_proto::manager::{RoutesUpdate, ServiceRecord, WatchRoutesRequest};
 use tracing::{info, warn};
@@ -308,12 +306,9 @@ async fn find_session(cfg: &WatchConfig) -> (String, Vec<IpNet>) {
             let mut client = daemon::connect_existing(&cfg.runtime_dir)
                 .await?
                 .ok_or_else(|| anyhow!("the root daemon is not running"))?;
-            let sessions = client
-                .status(StatusRequest {})
-                .await
-                .map_err(daemon::status_to_error)?
-                .into_inner()
-                .sessions;
+            let sessions =
+                daemon::sessions(&mut client, "cannot ask the root daemon for its sessions")
+                    .await?;
             anyhow::Ok(sessions.into_iter().find(|s| s.manager == wanted))
         }
         .await;
