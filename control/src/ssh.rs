@@ -284,7 +284,7 @@ pub fn resolve_hops(
         let mut out = Vec::new();
         expand(
             alias,
-            None,
+            flags.ssh_username.clone(),
             None,
             lookup,
             default_user,
@@ -301,7 +301,10 @@ pub fn resolve_hops(
         // An address is still looked up (like `ssh host`): the config may give its
         // User, Port or IdentityFile; its ProxyJump is not followed (--ssh-jump is).
         let entry = lookup.lookup(&host);
-        let user = user
+        let user = flags
+            .ssh_username
+            .clone()
+            .or(user)
             .or_else(|| entry.user.clone())
             .or_else(|| default_user.map(str::to_owned))
             .ok_or_else(|| Error::NoUser { host: host.clone() })?;
@@ -696,6 +699,18 @@ mod tests {
         )
         .expect_err("no user");
         assert!(e.to_string().contains("--ssh-username"), "{e}");
+        // --ssh-username alone is enough, with no USER in the environment.
+        let named = resolve_hops(
+            &HopFlags {
+                ssh_addr: Some("h".into()),
+                ssh_username: Some("ops".into()),
+                ..Default::default()
+            },
+            &NoConfig,
+            None,
+        )
+        .expect("user from the flag");
+        assert_eq!(named[0].user, "ops");
     }
 
     #[test]
