@@ -132,6 +132,10 @@ struct HostKeyCheck {
 }
 
 impl HostKeyCheck {
+    #[allow(
+        clippy::result_large_err,
+        reason = "once per hop and connect; the error carries what the user must see"
+    )]
     fn decide(&self, key: &PublicKey) -> Result<(), ConnectError> {
         let text = match std::fs::read_to_string(&self.known_hosts) {
             Ok(t) => t,
@@ -369,10 +373,14 @@ pub async fn connect(plan: &SshPlan, agent_sock: Option<&Path>) -> Result<SshCha
 
 /// A key file read for login: usable directly, or only through the agent.
 enum KeyFile {
-    Plain(PrivateKey),
+    Plain(Box<PrivateKey>),
     Encrypted(PublicKey),
 }
 
+#[allow(
+    clippy::result_large_err,
+    reason = "once per key file and connect; the error carries what the user must see"
+)]
 fn read_key_file(path: &Path) -> Result<KeyFile, ConnectError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConnectError::KeyFile {
         path: path.to_owned(),
@@ -383,10 +391,10 @@ fn read_key_file(path: &Path) -> Result<KeyFile, ConnectError> {
         if key.is_encrypted() {
             return Ok(KeyFile::Encrypted(key.public_key().clone()));
         }
-        return Ok(KeyFile::Plain(key));
+        return Ok(KeyFile::Plain(Box::new(key)));
     }
     match russh::keys::decode_secret_key(&text, None) {
-        Ok(key) => Ok(KeyFile::Plain(key)),
+        Ok(key) => Ok(KeyFile::Plain(Box::new(key))),
         Err(russh::keys::Error::KeyIsEncrypted) => {
             // A legacy PEM key: its public half is in `<path>.pub`, if anywhere.
             let pub_path = PathBuf::from(format!("{}.pub", path.display()));
@@ -487,7 +495,7 @@ async fn authenticate(
         match key {
             KeyFile::Plain(k) => {
                 tried.push(format!("key file {}", path.display()));
-                let k = PrivateKeyWithHashAlg::new(Arc::new(k), rsa_hash);
+                let k = PrivateKeyWithHashAlg::new(Arc::new(*k), rsa_hash);
                 if session
                     .authenticate_publickey(&hop.user, k)
                     .await
