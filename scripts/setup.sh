@@ -22,7 +22,7 @@ APT_PACKAGES=(
     protobuf-compiler bpftool socat tcpdump
     dnsmasq-base
     etcd-server golang-1.19-go rsync
-    openssh-server openssh-client
+    openssh-server openssh-client openssl
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

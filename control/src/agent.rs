@@ -25,7 +25,7 @@ use kube::api::ListParams;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
-use crate::kubeconfig::{self, KubeFlags, UserEnv};
+use crate::kubeconfig::{KubeFlags, UserEnv};
 
 /// Label selector of the traffic manager's pods.
 pub const MANAGER_SELECTOR: &str = "app.kubernetes.io/name=kvpn-manager";
@@ -38,6 +38,9 @@ pub const MANAGER_DATA_PORT: u16 = 10801;
 pub struct AgentConfig {
     /// Which cluster, as the user chose it.
     pub flags: KubeFlags,
+    /// The SSH path to the API server, when it is behind a jump host (the agent
+    /// opens its own SSH connections; passed in [`crate::ssh::PLAN_ENV`]).
+    pub ssh: Option<crate::ssh::SshPlan>,
     /// Namespace of the traffic manager.
     pub manager_namespace: String,
     /// Pod port to forward.
@@ -170,8 +173,9 @@ fn write_state(path: &Path, addr: std::net::SocketAddr) -> Result<()> {
 /// Run the agent until SIGTERM/SIGINT.
 pub async fn run(config: AgentConfig) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
-    let conn = kubeconfig::connect(&config.flags, &env).await?;
-    info!(cluster = %conn.description, "agent connected to the API server");
+    let (conn, _ssh_tunnel) =
+        crate::ssh::connect_kube(&config.flags, config.ssh.as_ref(), &env).await?;
+    info!(cluster = %conn.description, ssh = ?config.ssh.as_ref().map(|p| p.describe()), "agent connected to the API server");
     let api: Api<Pod> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
@@ -252,6 +256,10 @@ pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::S
     if let Some(c) = &config.flags.context {
         cmd.arg("--context").arg(c);
     }
+    match &config.ssh {
+        Some(plan) => cmd.env(crate::ssh::PLAN_ENV, plan.to_env()),
+        None => cmd.env_remove(crate::ssh::PLAN_ENV),
+    };
     cmd.stdin(std::process::Stdio::null())
         .stdout(log_file.try_clone()?)
         .stderr(log_file)

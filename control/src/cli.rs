@@ -85,6 +85,9 @@ pub struct KubeArgs {
     /// Namespace of the traffic manager.
     #[arg(long, default_value = "kvpn-system")]
     pub manager_namespace: String,
+    /// SSH jump hosts to the API server.
+    #[command(flatten, next_help_heading = "SSH jump host to the API server")]
+    pub ssh: crate::ssh::SshArgs,
 }
 
 impl KubeArgs {

@@ -20,7 +20,7 @@ use crate::agent::{self, AgentConfig};
 use crate::cidr::{self, DetectOptions};
 use crate::cli::ConnectArgs;
 use crate::install::{self, InstallOptions, ProgressEvent};
-use crate::kubeconfig::{self, UserEnv};
+use crate::kubeconfig::UserEnv;
 use crate::lease;
 use crate::{daemon, output};
 
@@ -474,8 +474,23 @@ async fn current_sessions(runtime_dir: &Path) -> Result<Vec<Session>> {
 /// `kvpn connect` without `--manager`.
 pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
-    output::step("Reading kubeconfig and reaching the API server");
-    let conn = kubeconfig::connect(&args.kube.flags(), &env).await?;
+    let plan = crate::ssh::plan_for(&args.kube.ssh, &env)?;
+    match &plan {
+        Some(p) => output::step(&format!(
+            "Reading kubeconfig and reaching the API server through SSH: {}",
+            p.describe()
+        )),
+        None => output::step("Reading kubeconfig and reaching the API server"),
+    }
+    // Kept for the whole connect: install, lease, CIDR detection and DNS go through it.
+    let (conn, ssh_tunnel) =
+        crate::ssh::connect_kube(&args.kube.flags(), plan.as_ref(), &env).await?;
+    if let Some(t) = &ssh_tunnel {
+        output::done(&format!(
+            "SSH forward {} leads to the API server",
+            t.local_addr()
+        ));
+    }
     output::done(&format!("Using {}", conn.description));
     let origin = Origin {
         transport: TRANSPORT_PORT_FORWARD.to_owned(),
@@ -559,7 +574,13 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 
     // Never route the API server, the nameservers or the gateway into the tunnel (rt-02).
     let api_host = host_of(&conn.description.server);
-    let essentials = cidr::essentials::gather(&[api_host.as_str()], &[]).await;
+    // With a jump host, the laptop talks to its first hop directly: keep that out too.
+    let first_hop: Vec<&str> = plan
+        .iter()
+        .flat_map(|p| p.hops.first())
+        .map(|h| h.host.as_str())
+        .collect();
+    let essentials = cidr::essentials::gather(&[api_host.as_str()], &first_hop).await;
     for p in &essentials.problems {
         output::warn(p);
     }
@@ -606,6 +627,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     let (agent_pid, addr) = agent::spawn(
         &AgentConfig {
             flags: args.kube.flags(),
+            ssh: plan.clone(),
             manager_namespace: args.kube.manager_namespace.clone(),
             port: manager.data_port,
             state_file,

@@ -168,6 +168,12 @@ pub enum Error {
         #[source]
         source: KubeconfigError,
     },
+    #[error("cannot send the API server {server} through the SSH forward {via}: {cause}")]
+    Via {
+        server: String,
+        via: std::net::SocketAddr,
+        cause: String,
+    },
     #[error(
         "exec auth plugin {command} of user {user:?} failed: {source} — run it by hand to see why (often: log in again with your cloud CLI)"
     )]
@@ -1086,6 +1092,10 @@ pub struct KubeTarget {
     pub config_dir: Option<PathBuf>,
     /// The exec plugin's resolved program and how it runs, if the user has one.
     pub plugin: Option<(PathBuf, PluginRun)>,
+    /// A loopback forward that leads to the API server (an SSH jump host,
+    /// `crate::ssh`): the client dials it instead of the server's address and
+    /// keeps the server's host name for TLS, so its certificate still verifies.
+    pub api_via: Option<std::net::SocketAddr>,
     auth: String,
 }
 
@@ -1161,6 +1171,7 @@ impl KubeTarget {
             acting,
             config_dir,
             plugin,
+            api_via: None,
             auth,
         })
     }
@@ -1205,6 +1216,29 @@ impl KubeTarget {
                 source,
             })?;
         config.default_namespace = self.selection.namespace.clone();
+        if let Some(via) = self.api_via {
+            let original = config.cluster_url.clone();
+            let host = original.host().unwrap_or_default();
+            let host = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned();
+            let rewritten = format!(
+                "{}://{via}{}",
+                original.scheme_str().unwrap_or("https"),
+                original.path()
+            )
+            .parse()
+            .map_err(|e| Error::Via {
+                server: self.selection.server.clone(),
+                via,
+                cause: format!("{e}"),
+            })?;
+            config.cluster_url = rewritten;
+            if config.tls_server_name.is_none() {
+                config.tls_server_name = Some(host);
+            }
+        }
         Ok(config)
     }
 

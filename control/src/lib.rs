@@ -16,6 +16,7 @@ pub mod lab;
 pub mod lease;
 pub mod output;
 pub mod route_watch;
+pub mod ssh;
 
 use anyhow::{Context, Result, bail};
 use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest, StatusRequest};
@@ -50,8 +51,15 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Quit => quit(&runtime_dir).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Agent(args) => {
+            // The CLI hands the resolved SSH path over in the environment (it may
+            // hold passwords, which must not show in the process list).
+            let ssh = match std::env::var(ssh::PLAN_ENV) {
+                Ok(v) => Some(ssh::SshPlan::from_env(&v)?),
+                Err(_) => None,
+            };
             agent::run(agent::AgentConfig {
                 flags: args.kube.flags(),
+                ssh,
                 manager_namespace: args.kube.manager_namespace.clone(),
                 port: args.port,
                 state_file: args.state_file,
@@ -232,7 +240,14 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
 
 async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArgs) -> Result<()> {
     let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
-    let conn = kubeconfig::connect(&args.kube.flags(), &env).await?;
+    let plan = ssh::plan_for(&args.kube.ssh, &env)?;
+    if let Some(p) = &plan {
+        output::step(&format!(
+            "Opening the SSH path to the API server: {}",
+            p.describe()
+        ));
+    }
+    let (conn, _tunnel) = ssh::connect_kube(&args.kube.flags(), plan.as_ref(), &env).await?;
     output::done(&format!("Using {}", conn.description));
     // This laptop's sessions through the manager being removed would only hang in
     // "reconnecting": end them first, and say so.

@@ -6,6 +6,7 @@
 //! Kubernetes lab (real API server; `kvpn connect --kubeconfig`).
 
 pub mod kube_lab;
+pub mod ssh_lab;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};

@@ -1,0 +1,770 @@
+//! SSH jump hosts for the API server (issue [ssh] items 1–2): when the API server is
+//! reachable only from a bastion, `kvpn connect --ssh-addr …` (or `--ssh-alias`, with
+//! `--ssh-jump` or ProxyJump chains) opens an SSH connection through every hop, offers
+//! one loopback listener whose connections become `direct-tcpip` channels to the API
+//! server, and the kube client talks to that listener with the kubeconfig's own TLS
+//! server name, so the API server's certificate still verifies.
+//!
+//! Who uses it: the CLI for the duration of `kvpn connect`/`uninstall` (install, CIDR
+//! detection, lease) and the session agent for its whole life (port-forwards, route
+//! watch). The agent opens its own SSH connection from the [`SshPlan`] the CLI
+//! resolved, passed in the environment (never on the command line: passwords).
+//!
+//! Parts: [`resolve_plan`] (pure: flags + `~/.ssh/config` lookups → the ordered hops,
+//! ProxyJump cycle detection, case ssh-01), [`known_hosts`] (pure host-key decisions,
+//! case ssh-03), [`client`] (russh: dial hop by hop, host keys, authentication with
+//! ssh-agent, key files and passwords, case ssh-02) and [`tunnel`] (the loopback
+//! listener, keepalives and reconnect).
+//!
+//! GSSAPI/Kerberos is not offered: russh has only the hook, and no well-kept Rust
+//! GSSAPI binding was picked yet.
+
+pub mod client;
+pub mod config;
+pub mod known_hosts;
+pub mod tunnel;
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Parser};
+use serde::{Deserialize, Serialize};
+
+pub use tunnel::SshTunnel;
+
+/// Default SSH port.
+pub const SSH_PORT: u16 = 22;
+
+/// The longest hop chain accepted (a guard against configs that grow without a cycle).
+pub const MAX_HOPS: usize = 16;
+
+/// Environment variable that carries a resolved [`SshPlan`] (JSON) to the session agent.
+pub const PLAN_ENV: &str = "KVPN_SSH_PLAN";
+
+/// Flags of one SSH hop, as given on the command line or inside `--ssh-jump`.
+#[derive(Debug, Args, Clone, Default, PartialEq, Eq)]
+pub struct HopFlags {
+    /// SSH jump host for the API server, HOST[:PORT] (port 22 by default).
+    #[arg(long, value_name = "HOST[:PORT]")]
+    pub ssh_addr: Option<String>,
+    /// SSH user (default: the config's User, else the current user).
+    #[arg(long, value_name = "USER")]
+    pub ssh_username: Option<String>,
+    /// SSH password (keys from ssh-agent and key files are tried first).
+    #[arg(long, value_name = "PASSWORD")]
+    pub ssh_password: Option<String>,
+    /// SSH private key file (a passphrase-protected one must be loaded in ssh-agent).
+    #[arg(long, value_name = "PATH")]
+    pub ssh_keyfile: Option<PathBuf>,
+    /// A `Host` alias of the SSH config (HostName, User, Port, IdentityFile, ProxyJump).
+    #[arg(long, value_name = "ALIAS", conflicts_with = "ssh_addr")]
+    pub ssh_alias: Option<String>,
+    /// The hop before this one, as its own --ssh-* flags in one string, e.g.
+    /// --ssh-jump "--ssh-addr bastion:22 --ssh-username ops" (nests for longer chains).
+    #[arg(long, value_name = "FLAGS", allow_hyphen_values = true)]
+    pub ssh_jump: Option<String>,
+}
+
+impl HopFlags {
+    /// Whether any hop is asked for.
+    pub fn is_set(&self) -> bool {
+        self.ssh_addr.is_some() || self.ssh_alias.is_some()
+    }
+}
+
+/// The SSH flags of a command: the last hop (with its `--ssh-jump` chain) and the
+/// settings shared by every hop.
+#[derive(Debug, Args, Clone, Default)]
+pub struct SshArgs {
+    #[command(flatten)]
+    pub hop: HopFlags,
+    /// SSH config file for --ssh-alias and ProxyJump (default ~/.ssh/config).
+    #[arg(long, env = "KVPN_SSH_CONFIG", value_name = "PATH")]
+    pub ssh_config: Option<PathBuf>,
+    /// known_hosts file the jump hosts' keys are checked against (default ~/.ssh/known_hosts).
+    #[arg(long, env = "KVPN_SSH_KNOWN_HOSTS", value_name = "PATH")]
+    pub ssh_known_hosts: Option<PathBuf>,
+    /// Accept and record the key of a jump host not yet in known_hosts (a changed key
+    /// is always refused).
+    #[arg(long)]
+    pub ssh_accept_new: bool,
+}
+
+/// `--ssh-jump`'s value parsed as flags.
+#[derive(Debug, Parser)]
+#[command(name = "--ssh-jump", no_binary_name = true)]
+struct JumpFlags {
+    #[command(flatten)]
+    hop: HopFlags,
+}
+
+/// One SSH server on the way to the API server.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hop {
+    /// What the user called it (alias, or host:port), for messages.
+    pub label: String,
+    /// Where to connect: a name or address as the *previous* hop resolves it.
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    /// Key files to offer, in order (explicit flag first, then the config's).
+    pub identity_files: Vec<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub password: Option<String>,
+}
+
+impl Hop {
+    /// `user@host:port`, for messages.
+    pub fn display(&self) -> String {
+        let what = format!("{}@{}:{}", self.user, self.host, self.port);
+        if self.label == format!("{}:{}", self.host, self.port) {
+            what
+        } else {
+            format!("{} ({what})", self.label)
+        }
+    }
+}
+
+/// Everything needed to open the SSH path: the hops in dialling order (the first
+/// one is dialled from the laptop, the last one dials the API server) and the
+/// host-key policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SshPlan {
+    pub hops: Vec<Hop>,
+    pub known_hosts: PathBuf,
+    pub accept_new: bool,
+}
+
+impl SshPlan {
+    /// `a -> b -> c`, for messages.
+    pub fn describe(&self) -> String {
+        self.hops
+            .iter()
+            .map(Hop::display)
+            .collect::<Vec<_>>()
+            .join(" -> ")
+    }
+
+    /// The plan for the session agent's environment ([`PLAN_ENV`]).
+    pub fn to_env(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The plan from [`PLAN_ENV`]'s value.
+    pub fn from_env(value: &str) -> Result<Self, Error> {
+        serde_json::from_str(value).map_err(|e| Error::BadPlan(e.to_string()))
+    }
+}
+
+/// What the SSH config says about one `Host` (the fields kvpn uses).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostEntry {
+    pub host_name: Option<String>,
+    pub user: Option<String>,
+    pub port: Option<u16>,
+    pub identity_files: Vec<PathBuf>,
+    /// `ProxyJump` hops; `None` when unset, empty for `ProxyJump none`.
+    pub proxy_jump: Option<Vec<String>>,
+}
+
+/// Errors of SSH option handling and the SSH path. Each names the hop, the cause
+/// and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{flag} {value:?}: {why}")]
+    BadFlag {
+        flag: &'static str,
+        value: String,
+        why: String,
+    },
+    #[error(
+        "--ssh-jump {value:?}: {why} — give the previous hop's flags, e.g. --ssh-jump \"--ssh-addr bastion:22 --ssh-username ops\""
+    )]
+    BadJump { value: String, why: String },
+    #[error("ProxyJump cycle: {chain} — fix the ProxyJump lines of {config}")]
+    Cycle { chain: String, config: String },
+    #[error(
+        "the SSH chain is longer than {MAX_HOPS} hops ({chain}) — check the ProxyJump lines of {config}"
+    )]
+    TooLong { chain: String, config: String },
+    #[error("SSH config {path}: {why} — fix the file or pass another with --ssh-config")]
+    Config { path: PathBuf, why: String },
+    #[error(
+        "SSH alias {alias:?} has no HostName in {config} and is not an address — add `Host {alias}` with a HostName, or use --ssh-addr"
+    )]
+    UnknownAlias { alias: String, config: String },
+    #[error(
+        "cannot tell which user to log in as on {host}: no --ssh-username, no User in the SSH config and no USER/LOGNAME — pass --ssh-username"
+    )]
+    NoUser { host: String },
+    #[error("the session agent's SSH settings are unreadable ({0}) — run `kvpn connect` again")]
+    BadPlan(String),
+}
+
+/// Where the hops are looked up: `Host` entries by name.
+pub trait HostLookup {
+    /// The entry for `name`, or a default (all `None`) when no `Host` matches.
+    fn lookup(&self, name: &str) -> HostEntry;
+    /// The config file, for messages.
+    fn describe(&self) -> String;
+}
+
+/// No SSH config (the file does not exist).
+pub struct NoConfig;
+
+impl HostLookup for NoConfig {
+    fn lookup(&self, _name: &str) -> HostEntry {
+        HostEntry::default()
+    }
+    fn describe(&self) -> String {
+        "(no SSH config file)".into()
+    }
+}
+
+/// `host[:port]` / `[v6]:port` / `user@host:port` (a ProxyJump or --ssh-addr value).
+pub fn parse_destination(s: &str) -> Option<(Option<String>, String, Option<u16>)> {
+    let s = s.trim();
+    let s = s.strip_prefix("ssh://").unwrap_or(s);
+    let (user, rest) = match s.rsplit_once('@') {
+        Some((u, r)) if !u.is_empty() => (Some(u.to_owned()), r),
+        Some(_) => return None,
+        None => (None, s),
+    };
+    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+        let (h, after) = v6.split_once(']')?;
+        match after.strip_prefix(':') {
+            Some(p) => (h.to_owned(), Some(p.parse::<u16>().ok()?)),
+            None if after.is_empty() => (h.to_owned(), None),
+            None => return None,
+        }
+    } else if rest.matches(':').count() > 1 {
+        // A bare IPv6 address.
+        (rest.to_owned(), None)
+    } else {
+        match rest.split_once(':') {
+            Some((h, p)) => (h.to_owned(), Some(p.parse::<u16>().ok()?)),
+            None => (rest.to_owned(), None),
+        }
+    };
+    if host.is_empty() || port == Some(0) || host.contains(char::is_whitespace) {
+        return None;
+    }
+    Some((user, host, port))
+}
+
+/// Resolves the flags of the last hop (and, through `--ssh-jump` and ProxyJump, every
+/// hop before it) into the hops in dialling order. Pure: `lookup` is the SSH config,
+/// `default_user` the login user when nothing else names one.
+pub fn resolve_hops(
+    flags: &HopFlags,
+    lookup: &dyn HostLookup,
+    default_user: Option<&str>,
+) -> Result<Vec<Hop>, Error> {
+    let mut hops = match &flags.ssh_jump {
+        Some(jump) => {
+            let words = shlex::split(jump).ok_or_else(|| Error::BadJump {
+                value: jump.clone(),
+                why: "unbalanced quotes".into(),
+            })?;
+            let parsed = JumpFlags::try_parse_from(words).map_err(|e| Error::BadJump {
+                value: jump.clone(),
+                why: e.to_string().lines().next().unwrap_or_default().to_owned(),
+            })?;
+            if !parsed.hop.is_set() {
+                return Err(Error::BadJump {
+                    value: jump.clone(),
+                    why: "it names no host (--ssh-addr or --ssh-alias)".into(),
+                });
+            }
+            resolve_hops(&parsed.hop, lookup, default_user)?
+        }
+        None => Vec::new(),
+    };
+    let mut own = if let Some(alias) = &flags.ssh_alias {
+        let mut stack = Vec::new();
+        let mut out = Vec::new();
+        expand(
+            alias,
+            flags.ssh_username.clone(),
+            None,
+            lookup,
+            default_user,
+            &mut stack,
+            &mut out,
+        )?;
+        out
+    } else if let Some(addr) = &flags.ssh_addr {
+        let (user, host, port) = parse_destination(addr).ok_or_else(|| Error::BadFlag {
+            flag: "--ssh-addr",
+            value: addr.clone(),
+            why: "not HOST[:PORT] — e.g. bastion.example.com:22 or 10.0.0.5".into(),
+        })?;
+        // An address is still looked up (like `ssh host`): the config may give its
+        // User, Port or IdentityFile; its ProxyJump is not followed (--ssh-jump is).
+        let entry = lookup.lookup(&host);
+        let user = flags
+            .ssh_username
+            .clone()
+            .or(user)
+            .or_else(|| entry.user.clone())
+            .or_else(|| default_user.map(str::to_owned))
+            .ok_or_else(|| Error::NoUser { host: host.clone() })?;
+        let port = port.or(entry.port).unwrap_or(SSH_PORT);
+        vec![Hop {
+            label: format!("{host}:{port}"),
+            host: entry.host_name.unwrap_or(host),
+            port,
+            user,
+            identity_files: entry.identity_files,
+            password: None,
+        }]
+    } else {
+        Vec::new()
+    };
+    // The flags of this hop override the config's for the hop they describe (the last).
+    if let Some(last) = own.last_mut() {
+        if let Some(u) = &flags.ssh_username {
+            last.user = u.clone();
+        }
+        if let Some(k) = &flags.ssh_keyfile {
+            last.identity_files.insert(0, k.clone());
+        }
+        last.password = flags.ssh_password.clone();
+    }
+    hops.append(&mut own);
+    if hops.len() > MAX_HOPS {
+        return Err(Error::TooLong {
+            chain: hops
+                .iter()
+                .map(|h| h.label.clone())
+                .collect::<Vec<_>>()
+                .join(" -> "),
+            config: lookup.describe(),
+        });
+    }
+    Ok(hops)
+}
+
+/// Appends the hops that reach `name` (its ProxyJump chain, recursively, then itself)
+/// to `out`. `stack` holds the names being expanded, for cycle detection.
+fn expand(
+    name: &str,
+    user_override: Option<String>,
+    port_override: Option<u16>,
+    lookup: &dyn HostLookup,
+    default_user: Option<&str>,
+    stack: &mut Vec<String>,
+    out: &mut Vec<Hop>,
+) -> Result<(), Error> {
+    if stack.iter().any(|s| s == name) {
+        let mut chain = stack.clone();
+        chain.push(name.to_owned());
+        return Err(Error::Cycle {
+            chain: chain.join(" -> "),
+            config: lookup.describe(),
+        });
+    }
+    if stack.len() + out.len() >= MAX_HOPS {
+        return Err(Error::TooLong {
+            chain: stack.join(" -> "),
+            config: lookup.describe(),
+        });
+    }
+    let entry = lookup.lookup(name);
+    stack.push(name.to_owned());
+    if let Some(jumps) = &entry.proxy_jump {
+        for j in jumps {
+            if j.eq_ignore_ascii_case("none") {
+                continue;
+            }
+            let (u, h, p) = parse_destination(j).ok_or_else(|| Error::Config {
+                path: PathBuf::from(lookup.describe()),
+                why: format!("ProxyJump {j:?} of Host {name} is not [USER@]HOST[:PORT]"),
+            })?;
+            expand(&h, u, p, lookup, default_user, stack, out)?;
+        }
+    }
+    stack.pop();
+    let host = entry.host_name.clone().unwrap_or_else(|| name.to_owned());
+    let user = user_override
+        .or(entry.user.clone())
+        .or_else(|| default_user.map(str::to_owned))
+        .ok_or_else(|| Error::NoUser { host: host.clone() })?;
+    let port = port_override.or(entry.port).unwrap_or(SSH_PORT);
+    out.push(Hop {
+        label: name.to_owned(),
+        host,
+        port,
+        user,
+        identity_files: entry.identity_files,
+        password: None,
+    });
+    Ok(())
+}
+
+/// The SSH plan of `args`, or `None` when no SSH hop is asked for. Reads the SSH
+/// config (`--ssh-config`, else `<home>/.ssh/config` when it exists).
+pub fn resolve_plan(
+    args: &SshArgs,
+    home: Option<&Path>,
+    default_user: Option<&str>,
+) -> Result<Option<SshPlan>, Error> {
+    if !args.hop.is_set() {
+        if let Some(j) = &args.hop.ssh_jump {
+            return Err(Error::BadJump {
+                value: j.clone(),
+                why: "--ssh-jump needs --ssh-addr or --ssh-alias for the last hop".into(),
+            });
+        }
+        return Ok(None);
+    }
+    let config_path = args
+        .ssh_config
+        .clone()
+        .or_else(|| home.map(|h| h.join(".ssh/config")));
+    let hops = match config_path {
+        Some(path) if path.exists() || args.ssh_config.is_some() => {
+            let cfg = config::FileConfig::read(&path, home)?;
+            resolve_hops(&args.hop, &cfg, default_user)?
+        }
+        _ => resolve_hops(&args.hop, &NoConfig, default_user)?,
+    };
+    let known_hosts = args
+        .ssh_known_hosts
+        .clone()
+        .or_else(|| home.map(|h| h.join(".ssh/known_hosts")))
+        .ok_or_else(|| Error::BadFlag {
+            flag: "--ssh-known-hosts",
+            value: String::new(),
+            why: "no home folder to find ~/.ssh/known_hosts in — pass --ssh-known-hosts".into(),
+        })?;
+    Ok(Some(SshPlan {
+        hops,
+        known_hosts,
+        accept_new: args.ssh_accept_new,
+    }))
+}
+
+/// The API server's host and port from a kubeconfig server URL (`https://h:6443`,
+/// `https://[fd00::1]`, port 443 when none is given).
+pub fn server_host_port(server: &str) -> Option<(String, u16)> {
+    let (scheme, rest) = server.split_once("://").unwrap_or(("https", server));
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let default_port = if scheme.eq_ignore_ascii_case("http") {
+        80
+    } else {
+        443
+    };
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (h, after) = v6.split_once(']')?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p.parse().ok()?,
+            None => default_port,
+        };
+        (h.to_owned(), port)
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, p)) => (h.to_owned(), p.parse().ok()?),
+            None => (authority.to_owned(), default_port),
+        }
+    };
+    (!host.is_empty()).then_some((host, port))
+}
+
+/// The user kvpn logs in as when nothing names one: the invoking user under sudo,
+/// else `USER`/`LOGNAME`.
+fn default_user(env: &crate::kubeconfig::UserEnv) -> Option<String> {
+    if let Some(u) = crate::kubeconfig::sudo_user(env) {
+        return Some(u.to_owned());
+    }
+    ["USER", "LOGNAME"]
+        .iter()
+        .find_map(|v| env.var(v).map(|s| s.to_string_lossy().into_owned()))
+        .filter(|s| !s.is_empty())
+}
+
+/// [`resolve_plan`] in the user's environment (their home's `~/.ssh`, their name).
+pub fn plan_for(
+    args: &SshArgs,
+    env: &crate::kubeconfig::UserEnv,
+) -> anyhow::Result<Option<SshPlan>> {
+    use anyhow::Context as _;
+    if !args.hop.is_set() && args.hop.ssh_jump.is_none() {
+        return Ok(None);
+    }
+    let acting =
+        crate::kubeconfig::ActingUser::detect(env).context("cannot tell whose ~/.ssh to use")?;
+    let mut plan = resolve_plan(args, acting.home(), default_user(env).as_deref())?;
+    if let (Some(plan), Some(home)) = (plan.as_mut(), acting.home()) {
+        // No key named for a hop: ssh's default identities, those that exist.
+        for hop in &mut plan.hops {
+            if hop.identity_files.is_empty() {
+                hop.identity_files = ["id_ed25519", "id_ecdsa", "id_rsa"]
+                    .iter()
+                    .map(|f| home.join(".ssh").join(f))
+                    .filter(|p| p.exists())
+                    .collect();
+            }
+        }
+    }
+    Ok(plan)
+}
+
+/// A kube client for `flags`, through the SSH path of `plan` when there is one.
+/// The returned tunnel must live as long as the client is used.
+pub async fn connect_kube(
+    flags: &crate::kubeconfig::KubeFlags,
+    plan: Option<&SshPlan>,
+    env: &crate::kubeconfig::UserEnv,
+) -> anyhow::Result<(crate::kubeconfig::KubeConnection, Option<SshTunnel>)> {
+    use anyhow::Context as _;
+    let Some(plan) = plan else {
+        return Ok((crate::kubeconfig::connect(flags, env).await?, None));
+    };
+    let mut target = crate::kubeconfig::KubeTarget::resolve(flags, env)?;
+    let server = target.selection.server.clone();
+    let api = server_host_port(&server).ok_or_else(|| {
+        anyhow::anyhow!("cannot tell the API server's host and port from {server:?}")
+    })?;
+    let agent_sock = env.var("SSH_AUTH_SOCK").map(PathBuf::from);
+    let tunnel = SshTunnel::start(plan.clone(), agent_sock, api.clone())
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the API server {}:{} through SSH ({})",
+                api.0,
+                api.1,
+                plan.describe()
+            )
+        })?;
+    target.api_via = Some(tunnel.local_addr());
+    let conn = crate::kubeconfig::connect_target(target).await?;
+    Ok((conn, Some(tunnel)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    struct Map(BTreeMap<&'static str, HostEntry>);
+
+    impl HostLookup for Map {
+        fn lookup(&self, name: &str) -> HostEntry {
+            self.0.get(name).cloned().unwrap_or_default()
+        }
+        fn describe(&self) -> String {
+            "/t/ssh_config".into()
+        }
+    }
+
+    fn entry(host: &str, user: &str, port: u16, jump: Option<&str>) -> HostEntry {
+        HostEntry {
+            host_name: Some(host.into()),
+            user: Some(user.into()),
+            port: Some(port),
+            identity_files: vec![PathBuf::from(format!("/k/{user}"))],
+            proxy_jump: jump.map(|j| j.split(',').map(str::to_owned).collect()),
+        }
+    }
+
+    fn alias(a: &str) -> HopFlags {
+        HopFlags {
+            ssh_alias: Some(a.into()),
+            ..Default::default()
+        }
+    }
+
+    fn labels(hops: &[Hop]) -> Vec<String> {
+        hops.iter()
+            .map(|h| format!("{}={}@{}:{}", h.label, h.user, h.host, h.port))
+            .collect()
+    }
+
+    #[test]
+    fn ssh_01_alias_with_proxyjump_chain_of_three_never_resolves_alias_names() {
+        let cfg = Map(BTreeMap::from([
+            ("target", entry("10.3.0.2", "t", 2203, Some("b2"))),
+            ("b2", entry("10.2.0.2", "u2", 2202, Some("b1"))),
+            ("b1", entry("10.1.0.2", "u1", 2201, None)),
+        ]));
+        let hops = resolve_hops(&alias("target"), &cfg, Some("me")).expect("chain");
+        assert_eq!(
+            labels(&hops),
+            [
+                "b1=u1@10.1.0.2:2201",
+                "b2=u2@10.2.0.2:2202",
+                "target=t@10.3.0.2:2203"
+            ]
+        );
+        assert_eq!(hops[0].identity_files, [PathBuf::from("/k/u1")]);
+    }
+
+    #[test]
+    fn ssh_01_proxyjump_list_and_inline_user_port() {
+        let cfg = Map(BTreeMap::from([
+            ("target", entry("10.3.0.2", "t", 22, Some("a,ops@b:2222"))),
+            ("a", entry("10.1.0.2", "ua", 22, None)),
+        ]));
+        let hops = resolve_hops(&alias("target"), &cfg, Some("me")).expect("chain");
+        // `b` is not in the config: its name is dialled as written, through `a`.
+        assert_eq!(
+            labels(&hops),
+            ["a=ua@10.1.0.2:22", "b=ops@b:2222", "target=t@10.3.0.2:22"]
+        );
+    }
+
+    #[test]
+    fn proxyjump_cycles_are_refused_naming_the_chain() {
+        let cfg = Map(BTreeMap::from([
+            ("a", entry("10.1.0.2", "u", 22, Some("b"))),
+            ("b", entry("10.2.0.2", "u", 22, Some("c"))),
+            ("c", entry("10.3.0.2", "u", 22, Some("a"))),
+        ]));
+        let e = resolve_hops(&alias("a"), &cfg, Some("me")).expect_err("cycle");
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Cycle { .. }), "{msg}");
+        assert!(msg.contains("a -> b -> c -> a"), "{msg}");
+        assert!(msg.contains("/t/ssh_config"), "{msg}");
+        let self_loop = Map(BTreeMap::from([("s", entry("h", "u", 22, Some("s")))]));
+        assert!(matches!(
+            resolve_hops(&alias("s"), &self_loop, None),
+            Err(Error::Cycle { .. })
+        ));
+    }
+
+    #[test]
+    fn a_diamond_is_not_a_cycle() {
+        // target jumps through a and b, both of which jump through c: c appears twice
+        // in the chain (as OpenSSH would dial it), but nothing loops.
+        let cfg = Map(BTreeMap::from([
+            ("target", entry("10.9.0.2", "t", 22, Some("a,b"))),
+            ("a", entry("10.1.0.2", "u", 22, Some("c"))),
+            ("b", entry("10.2.0.2", "u", 22, Some("c"))),
+            ("c", entry("10.3.0.2", "u", 22, None)),
+        ]));
+        let hops = resolve_hops(&alias("target"), &cfg, None).expect("no cycle");
+        assert_eq!(hops.len(), 5);
+    }
+
+    #[test]
+    fn nested_ssh_jump_flags_build_the_chain_first_hop_first() {
+        let flags = HopFlags {
+            ssh_addr: Some("10.3.0.2:2203".into()),
+            ssh_username: Some("t".into()),
+            ssh_password: Some("pw".into()),
+            ssh_jump: Some(
+                "--ssh-addr 10.2.0.2:2202 --ssh-username u2 --ssh-keyfile '/k/my key' \
+                 --ssh-jump \"--ssh-addr 10.1.0.2 --ssh-username u1\""
+                    .into(),
+            ),
+            ..Default::default()
+        };
+        let hops = resolve_hops(&flags, &NoConfig, Some("me")).expect("chain");
+        assert_eq!(
+            labels(&hops),
+            [
+                "10.1.0.2:22=u1@10.1.0.2:22",
+                "10.2.0.2:2202=u2@10.2.0.2:2202",
+                "10.3.0.2:2203=t@10.3.0.2:2203"
+            ]
+        );
+        assert_eq!(hops[1].identity_files, [PathBuf::from("/k/my key")]);
+        assert_eq!(hops[2].password.as_deref(), Some("pw"));
+        assert_eq!(hops[0].password, None);
+    }
+
+    #[test]
+    fn bad_flags_say_what_to_write() {
+        let bad = HopFlags {
+            ssh_addr: Some("host:99999".into()),
+            ..Default::default()
+        };
+        let e = resolve_hops(&bad, &NoConfig, Some("me")).expect_err("bad port");
+        assert!(e.to_string().contains("HOST[:PORT]"), "{e}");
+        let bad_jump = HopFlags {
+            ssh_addr: Some("h".into()),
+            ssh_jump: Some("--ssh-username x".into()),
+            ..Default::default()
+        };
+        let e = resolve_hops(&bad_jump, &NoConfig, Some("me")).expect_err("no host");
+        assert!(e.to_string().contains("names no host"), "{e}");
+        let e = resolve_hops(
+            &HopFlags {
+                ssh_addr: Some("h".into()),
+                ..Default::default()
+            },
+            &NoConfig,
+            None,
+        )
+        .expect_err("no user");
+        assert!(e.to_string().contains("--ssh-username"), "{e}");
+        // --ssh-username alone is enough, with no USER in the environment.
+        let named = resolve_hops(
+            &HopFlags {
+                ssh_addr: Some("h".into()),
+                ssh_username: Some("ops".into()),
+                ..Default::default()
+            },
+            &NoConfig,
+            None,
+        )
+        .expect("user from the flag");
+        assert_eq!(named[0].user, "ops");
+    }
+
+    #[test]
+    fn api_server_host_and_port() {
+        assert_eq!(
+            server_host_port("https://172.31.255.1:6443"),
+            Some(("172.31.255.1".into(), 6443))
+        );
+        assert_eq!(
+            server_host_port("https://api.example.com/x"),
+            Some(("api.example.com".into(), 443))
+        );
+        assert_eq!(
+            server_host_port("https://[fd00::1]:6443"),
+            Some(("fd00::1".into(), 6443))
+        );
+        assert_eq!(server_host_port("http://h"), Some(("h".into(), 80)));
+        assert_eq!(server_host_port("https://h:x"), None);
+    }
+
+    #[test]
+    fn destinations() {
+        assert_eq!(
+            parse_destination("ops@[fd00::1]:2222"),
+            Some((Some("ops".into()), "fd00::1".into(), Some(2222)))
+        );
+        assert_eq!(
+            parse_destination("fd00::1"),
+            Some((None, "fd00::1".into(), None))
+        );
+        assert_eq!(
+            parse_destination("h:22"),
+            Some((None, "h".into(), Some(22)))
+        );
+        assert_eq!(parse_destination("h:0"), None);
+        assert_eq!(parse_destination("@h"), None);
+        assert_eq!(parse_destination(""), None);
+    }
+
+    #[test]
+    fn the_plan_round_trips_through_the_agent_environment() {
+        let plan = SshPlan {
+            hops: vec![Hop {
+                label: "b".into(),
+                host: "10.0.0.1".into(),
+                port: 2222,
+                user: "root".into(),
+                identity_files: vec![],
+                password: Some("pw".into()),
+            }],
+            known_hosts: "/t/kh".into(),
+            accept_new: true,
+        };
+        assert_eq!(SshPlan::from_env(&plan.to_env()).expect("parse"), plan);
+        assert!(SshPlan::from_env("{").is_err());
+    }
+}

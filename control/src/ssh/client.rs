@@ -1,0 +1,541 @@
+//! The SSH client (russh): dial the hops of an [`SshPlan`] one after the other (the
+//! first over TCP from the laptop, each next one through a `direct-tcpip` channel of
+//! the previous), check every host key against known_hosts ([`super::known_hosts`])
+//! and log in.
+//!
+//! Authentication per hop, in this order: the `--ssh-password` of that hop, then
+//! ssh-agent (`SSH_AUTH_SOCK`) identities, then the hop's key files. A
+//! passphrase-protected key file is used only through the agent (its public half is
+//! readable without the passphrase, so the agent's copy is found): kvpn never asks
+//! for a passphrase and never waits for input, so without an agent holding it the
+//! connect fails at once and says so (case ssh-02).
+//!
+//! I/O: TCP to the first hop, the ssh-agent socket, key files, the known_hosts file.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use russh::client::{self, Handle};
+use russh::keys::agent::AgentIdentity;
+use russh::keys::agent::client::AgentClient;
+use russh::keys::{PrivateKey, PrivateKeyWithHashAlg, PublicKey, PublicKeyOrCertificate};
+use tracing::{debug, info, warn};
+
+use super::known_hosts::{self, KnownHosts, Verdict};
+use super::{Hop, SshPlan};
+
+/// How long one hop may take to answer (TCP or channel open, key exchange, login).
+pub const HOP_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// SSH keepalive: a `keepalive@openssh.com` request after this much silence from the
+/// server, and the connection is closed after [`KEEPALIVE_MAX`] unanswered ones, so
+/// a black-holed jump host is noticed within about 30 s (a killed sshd or a reset is
+/// noticed at once, by the TCP connection closing).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// See [`KEEPALIVE_INTERVAL`].
+pub const KEEPALIVE_MAX: usize = 3;
+
+/// Why the SSH path could not be opened. Each names the hop, the cause and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("cannot reach SSH host {hop}: {cause} — check the address and that sshd runs there")]
+    Unreachable { hop: String, cause: String },
+    #[error("SSH host {hop} did not answer within {} s ({stage})", HOP_TIMEOUT.as_secs())]
+    Timeout { hop: String, stage: &'static str },
+    #[error(
+        "SSH host {hop} is not in {known_hosts}: its {key_type} key is {fingerprint} — \
+         verify it, then add it (ssh-keyscan -p {port} {host} >> {known_hosts}) or pass \
+         --ssh-accept-new to record it"
+    )]
+    UnknownHost {
+        hop: String,
+        host: String,
+        port: u16,
+        key_type: String,
+        fingerprint: String,
+        known_hosts: String,
+    },
+    #[error(
+        "HOST KEY OF {hop} HAS CHANGED: it showed a {key_type} key {fingerprint}, but \
+         {known_hosts}:{line} lists another {expected} key for it — someone may be \
+         intercepting the connection; if the host was really re-keyed, remove line {line} \
+         of {known_hosts}"
+    )]
+    HostKeyChanged {
+        hop: String,
+        key_type: String,
+        fingerprint: String,
+        expected: String,
+        known_hosts: String,
+        line: usize,
+    },
+    #[error(
+        "SSH host {hop} showed a {key_type} key ({fingerprint}) but {known_hosts}:{line} \
+         lists only a {listed} key for it — refusing; if the host was re-keyed, fix line \
+         {line} of {known_hosts}"
+    )]
+    HostKeyOtherType {
+        hop: String,
+        key_type: String,
+        fingerprint: String,
+        listed: String,
+        known_hosts: String,
+        line: usize,
+    },
+    #[error("SSH host {hop} showed a key marked @revoked in {known_hosts}:{line} — refusing")]
+    HostKeyRevoked {
+        hop: String,
+        known_hosts: String,
+        line: usize,
+    },
+    #[error("cannot record the key of {hop} in {known_hosts}: {cause}")]
+    RecordKey {
+        hop: String,
+        known_hosts: String,
+        cause: String,
+    },
+    #[error(
+        "key file {path} is protected by a passphrase and no ssh-agent holds it ({agent}) — \
+         kvpn never prompts: load it with `ssh-add {path}` and make sure SSH_AUTH_SOCK \
+         is set"
+    )]
+    EncryptedKey { path: PathBuf, agent: String },
+    #[error("cannot read key file {path}: {cause} — check --ssh-keyfile / IdentityFile")]
+    KeyFile { path: PathBuf, cause: String },
+    #[error("SSH login to {hop} failed: tried {tried} — {fix}")]
+    AuthFailed {
+        hop: String,
+        tried: String,
+        fix: String,
+    },
+    #[error("SSH host {hop}: {cause}")]
+    Ssh { hop: String, cause: String },
+    #[error(
+        "SSH host {hop} refused to open a channel to {target}: {cause} — can {hop} reach {target}?"
+    )]
+    Channel {
+        hop: String,
+        target: String,
+        cause: String,
+    },
+}
+
+/// The russh handler of one hop: checks the host key, remembers why it refused.
+struct HostKeyCheck {
+    hop: String,
+    host: String,
+    port: u16,
+    known_hosts: PathBuf,
+    accept_new: bool,
+    refused: Arc<Mutex<Option<ConnectError>>>,
+}
+
+impl HostKeyCheck {
+    #[allow(
+        clippy::result_large_err,
+        reason = "once per hop and connect; the error carries what the user must see"
+    )]
+    fn decide(&self, key: &PublicKey) -> Result<(), ConnectError> {
+        let text = match std::fs::read_to_string(&self.known_hosts) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => {
+                return Err(ConnectError::Ssh {
+                    hop: self.hop.clone(),
+                    cause: format!("cannot read {}: {e}", self.known_hosts.display()),
+                });
+            }
+        };
+        let file = KnownHosts::parse(&self.known_hosts, &text);
+        let kh = self.known_hosts.display().to_string();
+        let key_type = key.algorithm().as_str().to_owned();
+        let fingerprint = key.fingerprint(russh::keys::HashAlg::Sha256).to_string();
+        match file.check(&self.host, self.port, key) {
+            Verdict::Known { line } => {
+                debug!(hop = %self.hop, line, "host key known");
+                Ok(())
+            }
+            Verdict::Unknown if self.accept_new => {
+                known_hosts::append_line(
+                    &self.known_hosts,
+                    &known_hosts::entry_line(&self.host, self.port, key),
+                )
+                .map_err(|e| ConnectError::RecordKey {
+                    hop: self.hop.clone(),
+                    known_hosts: kh.clone(),
+                    cause: e.to_string(),
+                })?;
+                warn!(hop = %self.hop, %fingerprint, "recorded the new host key in {kh} (--ssh-accept-new)");
+                Ok(())
+            }
+            Verdict::Unknown => Err(ConnectError::UnknownHost {
+                hop: self.hop.clone(),
+                host: self.host.clone(),
+                port: self.port,
+                key_type,
+                fingerprint,
+                known_hosts: kh,
+            }),
+            Verdict::Changed { line, expected } => Err(ConnectError::HostKeyChanged {
+                hop: self.hop.clone(),
+                key_type,
+                fingerprint,
+                expected,
+                known_hosts: kh,
+                line,
+            }),
+            Verdict::OtherType { line, listed } => Err(ConnectError::HostKeyOtherType {
+                hop: self.hop.clone(),
+                key_type,
+                fingerprint,
+                listed,
+                known_hosts: kh,
+                line,
+            }),
+            Verdict::Revoked { line } => Err(ConnectError::HostKeyRevoked {
+                hop: self.hop.clone(),
+                known_hosts: kh,
+                line,
+            }),
+        }
+    }
+}
+
+impl client::Handler for HostKeyCheck {
+    type Error = russh::Error;
+
+    async fn check_server_key(
+        &mut self,
+        server_public_key: &PublicKeyOrCertificate,
+    ) -> Result<bool, Self::Error> {
+        let key = match server_public_key {
+            PublicKeyOrCertificate::PublicKey { key, .. } => key.clone(),
+            // Not asked for (no certificate algorithms are advertised).
+            PublicKeyOrCertificate::Certificate(c) => PublicKey::from(c.public_key().clone()),
+        };
+        match self.decide(&key) {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                if let Ok(mut slot) = self.refused.lock() {
+                    *slot = Some(e);
+                }
+                Ok(false)
+            }
+        }
+    }
+}
+
+/// An open SSH path: one session per hop (each carried by the previous one), the
+/// last one dials onwards.
+pub struct SshChain {
+    // Kept alive: each carries the next hop's TCP stream.
+    sessions: Vec<Handle<HostKeyCheck>>,
+    /// The last hop, for messages.
+    pub last_hop: String,
+}
+
+impl SshChain {
+    /// Whether any SSH connection of the path died.
+    pub fn is_closed(&self) -> bool {
+        self.sessions.iter().any(Handle::is_closed)
+    }
+
+    /// A `direct-tcpip` channel from the last hop to `host`:`port`, as a byte stream.
+    pub async fn open(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<russh::ChannelStream<client::Msg>, ConnectError> {
+        let last = self.sessions.last().ok_or_else(|| ConnectError::Ssh {
+            hop: "(none)".into(),
+            cause: "the SSH path has no hop".into(),
+        })?;
+        let channel = tokio::time::timeout(
+            HOP_TIMEOUT,
+            last.channel_open_direct_tcpip(host, u32::from(port), "127.0.0.1", 0),
+        )
+        .await
+        .map_err(|_| ConnectError::Timeout {
+            hop: self.last_hop.clone(),
+            stage: "opening a channel",
+        })?
+        .map_err(|e| ConnectError::Channel {
+            hop: self.last_hop.clone(),
+            target: format!("{host}:{port}"),
+            cause: e.to_string(),
+        })?;
+        Ok(channel.into_stream())
+    }
+
+    /// Says goodbye on every hop, last first.
+    pub async fn close(&self) {
+        for s in self.sessions.iter().rev() {
+            let _ = s
+                .disconnect(russh::Disconnect::ByApplication, "", "en")
+                .await;
+        }
+    }
+}
+
+fn ssh_config(known: &KnownHosts, hop: &Hop) -> Arc<client::Config> {
+    let mut preferred = russh::Preferred::default();
+    let listed = known.listed_algorithms(&hop.host, hop.port);
+    preferred.key = known_hosts::prefer_listed(&preferred.key, &listed).into();
+    Arc::new(client::Config {
+        preferred,
+        keepalive_interval: Some(KEEPALIVE_INTERVAL),
+        keepalive_max: KEEPALIVE_MAX,
+        nodelay: true,
+        ..Default::default()
+    })
+}
+
+/// Opens the whole path of `plan`: every hop dialled, its host key checked and
+/// logged in. `agent_sock` is the user's `SSH_AUTH_SOCK`.
+pub async fn connect(plan: &SshPlan, agent_sock: Option<&Path>) -> Result<SshChain, ConnectError> {
+    let known_text = std::fs::read_to_string(&plan.known_hosts).unwrap_or_default();
+    let known = KnownHosts::parse(&plan.known_hosts, &known_text);
+    let mut sessions: Vec<Handle<HostKeyCheck>> = Vec::new();
+    let mut last_hop = String::new();
+    for hop in &plan.hops {
+        let name = hop.display();
+        let refused = Arc::new(Mutex::new(None));
+        let handler = HostKeyCheck {
+            hop: name.clone(),
+            host: hop.host.clone(),
+            port: hop.port,
+            known_hosts: plan.known_hosts.clone(),
+            accept_new: plan.accept_new,
+            refused: refused.clone(),
+        };
+        let config = ssh_config(&known, hop);
+        let handshake = async {
+            match sessions.last() {
+                None => {
+                    let tcp = tokio::net::TcpStream::connect((hop.host.as_str(), hop.port))
+                        .await
+                        .map_err(|e| ConnectError::Unreachable {
+                            hop: name.clone(),
+                            cause: e.to_string(),
+                        })?;
+                    client::connect_stream(config, tcp, handler).await
+                }
+                Some(prev) => {
+                    let channel = prev
+                        .channel_open_direct_tcpip(
+                            hop.host.clone(),
+                            u32::from(hop.port),
+                            "127.0.0.1",
+                            0,
+                        )
+                        .await
+                        .map_err(|e| ConnectError::Channel {
+                            hop: last_hop.clone(),
+                            target: format!("{}:{}", hop.host, hop.port),
+                            cause: e.to_string(),
+                        })?;
+                    client::connect_stream(config, channel.into_stream(), handler).await
+                }
+            }
+            .map_err(|e| {
+                refused
+                    .lock()
+                    .ok()
+                    .and_then(|mut r| r.take())
+                    .unwrap_or_else(|| ConnectError::Ssh {
+                        hop: name.clone(),
+                        cause: format!("SSH handshake failed: {e}"),
+                    })
+            })
+        };
+        let mut session = tokio::time::timeout(HOP_TIMEOUT, handshake)
+            .await
+            .map_err(|_| ConnectError::Timeout {
+                hop: name.clone(),
+                stage: "connecting and key exchange",
+            })??;
+        tokio::time::timeout(
+            HOP_TIMEOUT,
+            authenticate(&mut session, hop, &name, agent_sock),
+        )
+        .await
+        .map_err(|_| ConnectError::Timeout {
+            hop: name.clone(),
+            stage: "login",
+        })??;
+        info!(hop = %name, "SSH hop up");
+        sessions.push(session);
+        last_hop = name;
+    }
+    Ok(SshChain { sessions, last_hop })
+}
+
+/// A key file read for login: usable directly, or only through the agent.
+enum KeyFile {
+    Plain(Box<PrivateKey>),
+    Encrypted(PublicKey),
+}
+
+#[allow(
+    clippy::result_large_err,
+    reason = "once per key file and connect; the error carries what the user must see"
+)]
+fn read_key_file(path: &Path) -> Result<KeyFile, ConnectError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConnectError::KeyFile {
+        path: path.to_owned(),
+        cause: e.to_string(),
+    })?;
+    // OpenSSH-format keys keep the public half in clear, also when encrypted.
+    if let Ok(key) = PrivateKey::from_openssh(text.as_bytes()) {
+        if key.is_encrypted() {
+            return Ok(KeyFile::Encrypted(key.public_key().clone()));
+        }
+        return Ok(KeyFile::Plain(Box::new(key)));
+    }
+    match russh::keys::decode_secret_key(&text, None) {
+        Ok(key) => Ok(KeyFile::Plain(Box::new(key))),
+        Err(russh::keys::Error::KeyIsEncrypted) => {
+            // A legacy PEM key: its public half is in `<path>.pub`, if anywhere.
+            let pub_path = PathBuf::from(format!("{}.pub", path.display()));
+            match russh::keys::load_public_key(&pub_path) {
+                Ok(public) => Ok(KeyFile::Encrypted(public)),
+                Err(_) => Err(ConnectError::EncryptedKey {
+                    path: path.to_owned(),
+                    agent: format!(
+                        "and there is no {} to match it in an agent",
+                        pub_path.display()
+                    ),
+                }),
+            }
+        }
+        Err(e) => Err(ConnectError::KeyFile {
+            path: path.to_owned(),
+            cause: e.to_string(),
+        }),
+    }
+}
+
+async fn authenticate(
+    session: &mut Handle<HostKeyCheck>,
+    hop: &Hop,
+    name: &str,
+    agent_sock: Option<&Path>,
+) -> Result<(), ConnectError> {
+    let ssh_err = |e: russh::Error| ConnectError::Ssh {
+        hop: name.to_owned(),
+        cause: e.to_string(),
+    };
+    let mut tried: Vec<String> = Vec::new();
+    if let Some(pw) = &hop.password {
+        tried.push("password".into());
+        if session
+            .authenticate_password(&hop.user, pw)
+            .await
+            .map_err(ssh_err)?
+            .success()
+        {
+            return Ok(());
+        }
+    }
+    // The agent, when there is one.
+    let mut agent = None;
+    let mut agent_state = "SSH_AUTH_SOCK is not set".to_owned();
+    if let Some(sock) = agent_sock {
+        match AgentClient::connect_uds(sock).await {
+            Ok(mut a) => match a.request_identities().await {
+                Ok(ids) => {
+                    agent_state =
+                        format!("the agent at {} holds {} keys", sock.display(), ids.len());
+                    agent = Some((a, ids));
+                }
+                Err(e) => agent_state = format!("the agent at {} failed: {e}", sock.display()),
+            },
+            Err(e) => agent_state = format!("cannot reach the agent at {}: {e}", sock.display()),
+        }
+    }
+    let rsa_hash = session
+        .best_supported_rsa_hash()
+        .await
+        .map_err(ssh_err)?
+        .flatten();
+    if let Some((a, ids)) = agent.as_mut() {
+        for id in ids.iter() {
+            let AgentIdentity::PublicKey { key, comment } = id else {
+                continue;
+            };
+            tried.push(format!(
+                "agent key {}",
+                if comment.is_empty() {
+                    key.algorithm().as_str().to_owned()
+                } else {
+                    comment.clone()
+                }
+            ));
+            match session
+                .authenticate_publickey_with(&hop.user, key.clone(), rsa_hash, a)
+                .await
+            {
+                Ok(r) if r.success() => return Ok(()),
+                Ok(_) => {}
+                Err(e) => debug!(hop = %name, "agent signature failed: {e}"),
+            }
+        }
+    }
+    for path in &hop.identity_files {
+        let key = match read_key_file(path) {
+            Ok(k) => k,
+            // A default or config IdentityFile that does not exist is skipped, as ssh does.
+            Err(ConnectError::KeyFile { cause, .. }) if !path.exists() => {
+                debug!(hop = %name, path = %path.display(), "{cause}");
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        match key {
+            KeyFile::Plain(k) => {
+                tried.push(format!("key file {}", path.display()));
+                let k = PrivateKeyWithHashAlg::new(Arc::new(*k), rsa_hash);
+                if session
+                    .authenticate_publickey(&hop.user, k)
+                    .await
+                    .map_err(ssh_err)?
+                    .success()
+                {
+                    return Ok(());
+                }
+            }
+            KeyFile::Encrypted(public) => {
+                let held = agent.as_ref().is_some_and(|(_, ids)| {
+                    ids.iter().any(|id| matches!(id, AgentIdentity::PublicKey { key, .. } if key.key_data() == public.key_data()))
+                });
+                if !held {
+                    return Err(ConnectError::EncryptedKey {
+                        path: path.clone(),
+                        agent: agent_state,
+                    });
+                }
+                // Already offered with the agent's keys above, and refused.
+                tried.push(format!("key file {} (through the agent)", path.display()));
+            }
+        }
+    }
+    if tried.is_empty() {
+        return Err(ConnectError::AuthFailed {
+            hop: name.to_owned(),
+            tried: "nothing".into(),
+            fix: format!(
+                "no password, no usable key file and no agent ({agent_state}): pass \
+                 --ssh-keyfile or --ssh-password, or load a key into ssh-agent"
+            ),
+        });
+    }
+    Err(ConnectError::AuthFailed {
+        hop: name.to_owned(),
+        tried: tried.join(", "),
+        fix: format!(
+            "check the user ({}) and the credentials for this host",
+            hop.user
+        ),
+    })
+}

@@ -1,0 +1,461 @@
+//! SSH jump hosts for the API server ([ssh] items 1–2, cases ssh-01, ssh-02, ssh-03)
+//! end to end: the Kubernetes lab's laptop cannot reach the API server
+//! (172.31.255.1:6443 rejected by nftables), bastion netns run the real OpenSSH sshd,
+//! and `kvpn connect --ssh-…` installs the manager, leases, detects CIDRs and carries
+//! the session's port-forwards through the SSH path. Traffic to the web ClusterIP
+//! then works from the laptop.
+//!
+//! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`), the
+//! Kubernetes binaries of `scripts/build-kubernetes.sh` and openssh-server/-client.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use kvpn_lab::{WEB_CLUSTER_IP, WEB_SERVICE_PORT};
+use kvpn_tests::kube_lab::KubeFixture;
+use kvpn_tests::ssh_lab::{PASSWORD, SshLab};
+use kvpn_tests::text;
+
+fn web() -> SocketAddr {
+    SocketAddr::from((WEB_CLUSTER_IP, WEB_SERVICE_PORT))
+}
+
+fn ok(out: Output, what: &str, fx: &KubeFixture, lab: &SshLab) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}\n{}\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr),
+        fx.diagnostics(),
+        lab.logs()
+    );
+    text(&out.stdout)
+}
+
+fn fails(out: Output, what: &str) -> String {
+    assert!(
+        !out.status.success(),
+        "{what} should fail but succeeded:\n{}",
+        text(&out.stdout)
+    );
+    text(&out.stderr)
+}
+
+fn args(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn disconnect(fx: &KubeFixture, lab: &SshLab) {
+    ok(
+        lab.kvpn(fx, &["disconnect", "--all"], None),
+        "disconnect",
+        fx,
+        lab,
+    );
+}
+
+/// `kvpn connect --kubeconfig <user's> <extra>`.
+fn connect(fx: &KubeFixture, lab: &SshLab, extra: &[&str], agent: Option<&Path>) -> Output {
+    let kubeconfig = fx.user_kubeconfig();
+    let mut args = vec!["connect", "--kubeconfig", kubeconfig.as_str()];
+    args.extend_from_slice(extra);
+    lab.kvpn(fx, &args, agent)
+}
+
+#[test]
+fn password_login_through_a_bastion_and_reconnect_after_the_ssh_connection_is_killed() {
+    let mut fx = KubeFixture::new();
+    let lab = SshLab::new(&mut fx, 1);
+    assert!(
+        !lab.laptop_reaches_api_directly(&fx),
+        "the laptop must not reach the API server except through SSH"
+    );
+    // Without SSH the API server is out of reach.
+    let direct = fails(connect(&fx, &lab, &[], None), "connect without SSH");
+    assert!(direct.contains("172.31.255.1"), "{direct}");
+
+    let kh = lab.known_hosts_all();
+    let b = &lab.bastions[0];
+    let ssh_addr = b.ssh_addr();
+    let kh_s = kh.to_string_lossy().into_owned();
+    let t0 = Instant::now();
+    let out = ok(
+        connect(
+            &fx,
+            &lab,
+            &[
+                "--ssh-addr",
+                &ssh_addr,
+                "--ssh-username",
+                "root",
+                "--ssh-password",
+                PASSWORD,
+                "--ssh-known-hosts",
+                &kh_s,
+            ],
+            None,
+        ),
+        "connect through the bastion with a password",
+        &fx,
+        &lab,
+    );
+    eprintln!(
+        "connect through 1 bastion (password) took {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(out.contains("Connected"), "{out}");
+    let page = fx.page(web());
+    assert!(!page.pod.is_empty(), "{page:?}");
+    assert!(
+        b.log().contains("Accepted password for root"),
+        "sshd saw no password login:\n{}",
+        b.log()
+    );
+
+    // The agent's SSH connection is the only one left (the CLI exited).
+    let before = b.connection_pids();
+    assert!(
+        !before.is_empty(),
+        "no SSH connection of the agent on the bastion:\n{}",
+        b.log()
+    );
+    for pid in &before {
+        // SAFETY: kill by pid a child process of the sshd this test started.
+        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+    }
+    let killed = Instant::now();
+    let (took, page) = fx.wait_http(web(), killed, Duration::from_secs(30));
+    eprintln!(
+        "traffic through the web ClusterIP again {:.2} s after the SSH connection was killed",
+        took.as_secs_f64()
+    );
+    assert!(!page.pod.is_empty());
+    let after = b.connection_pids();
+    assert!(
+        after.iter().all(|p| !before.contains(p)) && !after.is_empty(),
+        "a new SSH connection must replace the killed one: before {before:?}, after {after:?}"
+    );
+    fx.wait_state("connected", Duration::from_secs(15));
+    let agent_log = fx.diagnostics();
+    assert!(
+        agent_log.contains("SSH connection died"),
+        "the agent never noticed the SSH connection dying:\n{agent_log}"
+    );
+}
+
+#[test]
+fn key_file_and_agent_held_encrypted_key_and_ssh_02_without_agent_fails_at_once() {
+    let mut fx = KubeFixture::new();
+    let mut lab = SshLab::new(&mut fx, 1);
+    let kh = lab.known_hosts_all().to_string_lossy().into_owned();
+    let ssh_addr = lab.bastions[0].ssh_addr();
+    let key = lab.key.to_string_lossy().into_owned();
+    let enc = lab.encrypted_key.to_string_lossy().into_owned();
+    let base = |k: &str| -> Vec<String> {
+        [
+            "--ssh-addr",
+            &ssh_addr,
+            "--ssh-username",
+            "root",
+            "--ssh-keyfile",
+            k,
+            "--ssh-known-hosts",
+            &kh,
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect()
+    };
+
+    // A plain key file.
+    let plain = base(&key);
+    ok(
+        connect(&fx, &lab, &args(&plain), None),
+        "connect with a key file",
+        &fx,
+        &lab,
+    );
+    assert!(!fx.page(web()).pod.is_empty());
+    assert!(
+        lab.bastions[0]
+            .log()
+            .contains("Accepted publickey for root"),
+        "{}",
+        lab.bastions[0].log()
+    );
+    disconnect(&fx, &lab);
+
+    // ssh-02: a passphrase-protected key, no agent, no terminal: fails at once, clearly.
+    let encrypted = base(&enc);
+    let t0 = Instant::now();
+    let err = fails(
+        connect(&fx, &lab, &args(&encrypted), None),
+        "connect with an encrypted key and no agent",
+    );
+    let took = t0.elapsed();
+    eprintln!(
+        "ssh-02: encrypted key without agent refused after {:.2} s",
+        took.as_secs_f64()
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "must fail at once, took {took:?}"
+    );
+    assert!(
+        err.contains("passphrase") && err.contains("ssh-add") && err.contains(&enc),
+        "{err}"
+    );
+    assert!(err.contains("SSH_AUTH_SOCK is not set"), "{err}");
+
+    // The same key loaded into ssh-agent (ssh-add with the passphrase): works.
+    let sock = lab.start_agent();
+    ok(
+        connect(&fx, &lab, &args(&encrypted), Some(&sock)),
+        "connect with an agent-held encrypted key",
+        &fx,
+        &lab,
+    );
+    assert!(!fx.page(web()).pod.is_empty());
+    let log = lab.bastions[0].log();
+    assert!(
+        log.matches("Accepted publickey for root").count() >= 2,
+        "the agent's key never logged in:\n{log}"
+    );
+}
+
+#[test]
+fn ssh_01_alias_with_a_three_hop_proxyjump_chain_and_a_cycle_refused() {
+    let mut fx = KubeFixture::new();
+    let lab = SshLab::new(&mut fx, 3);
+    // Each bastion is reachable only from the one before it.
+    let b2 = lab.bastions[1].addr.clone();
+    let reach = fx.laptop(&["ping", "-c1", "-W1", &b2]);
+    assert!(
+        !reach.status.success(),
+        "the laptop must not reach hop 2 ({b2}) directly"
+    );
+
+    let kh = lab.known_hosts_all().to_string_lossy().into_owned();
+    let key = lab.key.display().to_string();
+    let [h1, h2, h3] = [0, 1, 2].map(|i| lab.bastions[i].addr.clone());
+    // Alias names that no DNS knows: only the config gives their addresses.
+    let config = format!(
+        "Host kvpn-target-x9\n  HostName {h3}\n  Port 2222\n  User root\n  ProxyJump kvpn-hop2-x9\n\
+         \nHost kvpn-hop2-x9\n  HostName {h2}\n  Port 2222\n  ProxyJump kvpn-hop1-x9\n\
+         \nHost kvpn-hop1-x9\n  HostName {h1}\n  Port 2222\n\
+         \nHost kvpn-list-x9\n  HostName {h3}\n  Port 2222\n  ProxyJump kvpn-bare1-x9,kvpn-bare2-x9\n\
+         \nHost kvpn-bare1-x9\n  HostName {h1}\n  Port 2222\n\
+         \nHost kvpn-bare2-x9\n  HostName {h2}\n  Port 2222\n\
+         \nHost kvpn-loop-a\n  HostName {h1}\n  ProxyJump kvpn-loop-b\n\
+         \nHost kvpn-loop-b\n  HostName {h2}\n  ProxyJump kvpn-loop-a\n\
+         \nHost *\n  User root\n  IdentityFile {key}\n"
+    );
+    let cfg = lab.dir.join("ssh_config");
+    std::fs::write(&cfg, config).unwrap_or_else(|e| panic!("{e}"));
+    let cfg = cfg.to_string_lossy().into_owned();
+
+    let t0 = Instant::now();
+    let out = ok(
+        connect(
+            &fx,
+            &lab,
+            &[
+                "--ssh-alias",
+                "kvpn-target-x9",
+                "--ssh-config",
+                &cfg,
+                "--ssh-known-hosts",
+                &kh,
+            ],
+            None,
+        ),
+        "connect through a 3-hop ProxyJump chain",
+        &fx,
+        &lab,
+    );
+    eprintln!(
+        "connect through 3 bastions (ProxyJump chain) took {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(out.contains("Connected"), "{out}");
+    assert!(!fx.page(web()).pod.is_empty());
+    for b in &lab.bastions {
+        assert!(
+            b.log().contains("Accepted publickey for root") && !b.connection_pids().is_empty(),
+            "hop {} was not used:\n{}",
+            b.netns,
+            b.log()
+        );
+    }
+    disconnect(&fx, &lab);
+
+    // `ProxyJump a,b`.
+    ok(
+        connect(
+            &fx,
+            &lab,
+            &[
+                "--ssh-alias",
+                "kvpn-list-x9",
+                "--ssh-config",
+                &cfg,
+                "--ssh-known-hosts",
+                &kh,
+            ],
+            None,
+        ),
+        "connect with ProxyJump a,b",
+        &fx,
+        &lab,
+    );
+    assert!(!fx.page(web()).pod.is_empty());
+    disconnect(&fx, &lab);
+
+    // A cycle is refused before anything is dialled.
+    let t0 = Instant::now();
+    let err = fails(
+        connect(
+            &fx,
+            &lab,
+            &[
+                "--ssh-alias",
+                "kvpn-loop-a",
+                "--ssh-config",
+                &cfg,
+                "--ssh-known-hosts",
+                &kh,
+            ],
+            None,
+        ),
+        "connect with a ProxyJump cycle",
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert!(
+        err.contains("ProxyJump cycle")
+            && err.contains("kvpn-loop-a -> kvpn-loop-b -> kvpn-loop-a"),
+        "{err}"
+    );
+    assert!(err.contains(&cfg), "{err}");
+}
+
+#[test]
+fn ssh_03_hashed_known_hosts_unknown_host_accept_new_and_changed_key() {
+    let mut fx = KubeFixture::new();
+    let lab = SshLab::new(&mut fx, 1);
+    let b = &lab.bastions[0];
+    let ssh_addr = b.ssh_addr();
+    let key = lab.key.to_string_lossy().into_owned();
+    let with_kh = |kh: &Path, extra: &[&str]| -> Output {
+        let kh = kh.to_string_lossy().into_owned();
+        let mut a = vec![
+            "--ssh-addr",
+            ssh_addr.as_str(),
+            "--ssh-username",
+            "root",
+            "--ssh-keyfile",
+            key.as_str(),
+            "--ssh-known-hosts",
+            kh.as_str(),
+        ];
+        a.extend_from_slice(extra);
+        connect(&fx, &lab, &a, None)
+    };
+
+    // Only the ed25519 key, hashed by ssh-keygen -H, while sshd offers ed25519,
+    // ECDSA and RSA host keys.
+    let hashed = lab.known_hosts(
+        "known_hosts_hashed",
+        &[format!(
+            "{} {}",
+            b.known_hosts_name(),
+            b.host_key("ssh-ed25519")
+        )],
+    );
+    let h = std::process::Command::new("ssh-keygen")
+        .arg("-H")
+        .arg("-f")
+        .arg(&hashed)
+        .output()
+        .unwrap_or_else(|e| panic!("ssh-keygen -H: {e}"));
+    assert!(h.status.success(), "{}", text(&h.stderr));
+    let content = std::fs::read_to_string(&hashed).unwrap_or_default();
+    assert!(
+        content.starts_with("|1|") && !content.contains(&b.addr),
+        "{content}"
+    );
+    ok(
+        with_kh(&hashed, &[]),
+        "connect with a hashed known_hosts",
+        &fx,
+        &lab,
+    );
+    assert!(!fx.page(web()).pod.is_empty());
+    disconnect(&fx, &lab);
+
+    // Only the ECDSA key listed: kvpn asks for that type first and succeeds.
+    let ecdsa = lab.known_hosts(
+        "known_hosts_ecdsa",
+        &[format!(
+            "{} {}",
+            b.known_hosts_name(),
+            b.host_key("ecdsa-sha2-nistp256")
+        )],
+    );
+    ok(
+        with_kh(&ecdsa, &[]),
+        "connect with only the ECDSA key known",
+        &fx,
+        &lab,
+    );
+    disconnect(&fx, &lab);
+
+    // Unknown host: refused, the file untouched.
+    let empty = lab.known_hosts("known_hosts_empty", &[]);
+    let err = fails(with_kh(&empty, &[]), "connect to an unknown host");
+    assert!(
+        err.contains("is not in") && err.contains("SHA256:") && err.contains("--ssh-accept-new"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&empty).unwrap_or_default(), "");
+
+    // --ssh-accept-new records it (and connects).
+    ok(
+        with_kh(&empty, &["--ssh-accept-new"]),
+        "connect with --ssh-accept-new",
+        &fx,
+        &lab,
+    );
+    let recorded = std::fs::read_to_string(&empty).unwrap_or_default();
+    assert!(
+        recorded.starts_with(&b.known_hosts_name()) && recorded.lines().count() == 1,
+        "{recorded}"
+    );
+    disconnect(&fx, &lab);
+
+    // A changed key (another ed25519 key on line 2): refused, naming file and line,
+    // also with --ssh-accept-new.
+    let other = lab.dir.join("other_host_key");
+    let g = std::process::Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&other)
+        .output()
+        .unwrap_or_else(|e| panic!("ssh-keygen: {e}"));
+    assert!(g.status.success());
+    let other_pub = std::fs::read_to_string(other.with_extension("pub")).unwrap_or_default();
+    let other_pub: Vec<&str> = other_pub.split_whitespace().take(2).collect();
+    let changed = lab.known_hosts(
+        "known_hosts_changed",
+        &[
+            "# the bastion".to_owned(),
+            format!("{} {}", b.known_hosts_name(), other_pub.join(" ")),
+        ],
+    );
+    for extra in [&[][..], &["--ssh-accept-new"][..]] {
+        let err = fails(with_kh(&changed, extra), "connect with a changed host key");
+        let at = format!("{}:2", changed.display());
+        assert!(err.contains("HAS CHANGED") && err.contains(&at), "{err}");
+    }
+}
