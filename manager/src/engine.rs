@@ -34,6 +34,34 @@
 //! - RST: a laptop RST closes the kernel socket with SO_LINGER 0 (RST); a
 //!   destination RST aborts the smoltcp socket (RST to the laptop).
 //!
+//! - Idle flows: an established flow without a segment or kernel event in
+//!   either direction for [`TCP_IDLE_TIMEOUT`] (5 days, Linux conntrack's
+//!   `nf_conntrack_tcp_timeout_established`) is reset both ways. Nothing
+//!   shorter: smoltcp's own timeout and keep-alive stay off, so a flow idle
+//!   for hours (a database shell left open) lives on (tr-09).
+//!
+//! # MTU, MSS and fragments
+//! The manager's stack MTU is [`DEFAULT_MTU`], equal to the laptop's default
+//! TUN MTU. Every transport is a byte stream (TCP, TLS, port-forward, SSH),
+//! which segments the frames by its own path MTU, so the inner MTU does not
+//! depend on the path between laptop and manager (tr-01): it only bounds the
+//! packet size, and a large one cuts per-packet work.
+//! - TCP MSS: smoltcp advertises `DEFAULT_MTU - 40` in its SYN-ACK and sends
+//!   segments no larger than the laptop's advertised MSS (RFC 6691), so a
+//!   laptop with a smaller TUN MTU is served with smaller segments. The far
+//!   side is a separate kernel TCP connection with its own MSS and PMTUD.
+//! - Fragments from the laptop (its kernel fragments UDP/ICMP larger than the
+//!   TUN MTU) are reassembled with bounded memory and time ([`crate::frag`])
+//!   before they are classified; the kernel side then sends the whole
+//!   datagram, fragmenting it for the pod's path as its own kernel does.
+//! - A laptop packet larger than [`DEFAULT_MTU`] that must not be fragmented
+//!   (IPv4 with DF, or IPv6) is answered with ICMP "fragmentation needed" /
+//!   ICMPv6 "Packet Too Big" carrying [`DEFAULT_MTU`] (RFC 1191, RFC 8201),
+//!   so PMTUD on the laptop converges (a TUN configured larger than the
+//!   manager's stack).
+//! - Replies the manager builds (UDP, echo) larger than [`DEFAULT_MTU`] are
+//!   fragmented to it, as the sending host would; the laptop reassembles.
+//!
 //! # UDP and ICMP echo
 //! One kernel socket per `(laptop port, destination)` UDP flow and per
 //! `(destination, echo identifier)` ping flow, closed after an idle timeout.
@@ -43,7 +71,9 @@
 //! UDP sockets bind one port each (any-IP would need a socket per destination
 //! port before the first datagram), and for unknown ports or pings it would
 //! answer itself (port unreachable, echo reply), which would lie about the
-//! cluster.
+//! cluster. ICMP errors the kernel socket reports for a UDP flow (port or
+//! host unreachable from the cluster) are answered to the laptop with the
+//! same ICMP error, so its connected socket sees ECONNREFUSED / EHOSTUNREACH.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -56,6 +86,7 @@ use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpListenEndpoint, IpProt
 use tracing::{debug, trace};
 
 use crate::device::QueueDevice;
+use crate::frag::{self, Reassembler, Reassembly};
 use crate::metrics::Metrics;
 use crate::packet::{self, DropReason, Offending, Parsed, TcpMeta, Unreachable};
 
@@ -100,6 +131,16 @@ pub const UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Ping flows without traffic for this long are closed.
 pub const PING_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// TCP flows without a segment or kernel event in either direction for this
+/// long are reset: Linux conntrack's established timeout
+/// (`nf_conntrack_tcp_timeout_established`, 432000 s), far above the 2 h
+/// after which TCP keep-alive starts probing.
+pub const TCP_IDLE_TIMEOUT: Duration = Duration::from_secs(5 * 24 * 3600);
+
+/// How often idle TCP flows are looked for: the timeout is days, so a minute
+/// of slack costs nothing and keeps the per-round timer work constant.
+pub const TCP_IDLE_SWEEP: Duration = Duration::from_secs(60);
+
 /// Bound on smoltcp poll/service rounds per [`Engine::poll`]; each round either
 /// makes progress or stops, this only guards against a livelock.
 const MAX_POLL_ROUNDS: usize = 16;
@@ -117,6 +158,8 @@ pub struct EngineConfig {
     pub udp_idle_timeout: Duration,
     /// Idle timeout of ping flows.
     pub ping_idle_timeout: Duration,
+    /// Idle timeout of TCP flows (no segment or event either way).
+    pub tcp_idle_timeout: Duration,
     /// Most concurrent TCP flows (including dials in progress).
     pub max_tcp_flows: usize,
     /// Most concurrent UDP flows.
@@ -134,6 +177,7 @@ impl EngineConfig {
             allow_loopback: false,
             udp_idle_timeout: UDP_IDLE_TIMEOUT,
             ping_idle_timeout: PING_IDLE_TIMEOUT,
+            tcp_idle_timeout: TCP_IDLE_TIMEOUT,
             max_tcp_flows: 16_384,
             max_udp_flows: 4096,
             max_ping_flows: 1024,
@@ -292,6 +336,12 @@ pub enum Event {
         /// The flow.
         flow: FlowId,
     },
+    /// The UDP destination is unreachable (EHOSTUNREACH / ENETUNREACH: ICMP
+    /// host or net unreachable from the cluster, or no neighbour answered).
+    UdpUnreachable {
+        /// The flow.
+        flow: FlowId,
+    },
     /// The UDP or ping socket could not be opened or failed.
     SocketFailed {
         /// The flow.
@@ -323,6 +373,8 @@ struct TcpKey {
 struct TcpFlow {
     key: TcpKey,
     state: TcpState,
+    /// Last segment from the laptop or event from the kernel side.
+    last_active: Instant,
 }
 
 #[derive(Debug)]
@@ -394,6 +446,11 @@ pub struct Engine {
     ping_by_key: HashMap<PingKey, FlowId>,
     requests: VecDeque<Request>,
     metrics: Metrics,
+    frags: Reassembler,
+    /// Identification of the next fragmented packet to the laptop.
+    next_frag_ident: u32,
+    /// When idle TCP flows are looked for next.
+    next_tcp_sweep: Instant,
 }
 
 impl fmt::Debug for Engine {
@@ -466,6 +523,9 @@ impl Engine {
             ping_by_key: HashMap::new(),
             requests: VecDeque::new(),
             metrics: Metrics::default(),
+            frags: Reassembler::default(),
+            next_frag_ident: 1,
+            next_tcp_sweep: now + TCP_IDLE_SWEEP,
         }
     }
 
@@ -502,6 +562,14 @@ impl Engine {
 
     fn send_to_laptop(&mut self, packet: Result<Vec<u8>, packet::BuildError>) {
         match packet {
+            Ok(p) if p.len() > DEFAULT_MTU => {
+                let ident = self.next_frag_ident;
+                self.next_frag_ident = self.next_frag_ident.wrapping_add(1);
+                self.metrics.packets_fragmented += 1;
+                for f in frag::fragment(p, DEFAULT_MTU, ident) {
+                    self.device.push_tx(f);
+                }
+            }
             Ok(p) => self.device.push_tx(p),
             Err(e) => {
                 trace!(error = %e, "reply not built");
@@ -516,6 +584,34 @@ impl Engine {
     pub fn handle_laptop_packet(&mut self, buf: &[u8], now: Instant) {
         self.metrics.packets_from_laptop += 1;
         self.metrics.bytes_from_laptop += buf.len() as u64;
+        // Checked before reassembly so nobody else's fragments are buffered.
+        if frag::source(buf).is_some_and(|src| src != self.config.tunnel_ip) {
+            return self.drop_packet(DropReason::BadSource);
+        }
+        if buf.len() > DEFAULT_MTU && frag::must_not_fragment(buf) {
+            // Cannot fail: DEFAULT_MTU is a u16 constant.
+            let mtu = u16::try_from(DEFAULT_MTU).unwrap_or(u16::MAX);
+            trace!(bytes = buf.len(), mtu, "packet over the stack MTU: too big");
+            if let Some(icmp) = packet::too_big(buf, mtu) {
+                self.metrics.too_big_sent += 1;
+                self.device.push_tx(icmp);
+            }
+            return;
+        }
+        let reassembled;
+        let buf = match self.frags.push(buf, now) {
+            Reassembly::Whole => buf,
+            Reassembly::Pending => return,
+            Reassembly::Complete(p) => {
+                self.metrics.datagrams_reassembled += 1;
+                reassembled = p;
+                &reassembled[..]
+            }
+            Reassembly::Dropped(why) => {
+                trace!(?why, "fragment discarded");
+                return self.drop_packet(DropReason::Fragment);
+            }
+        };
         let parsed = match packet::parse(buf) {
             Ok(p) => p,
             Err(reason) => return self.drop_packet(reason),
@@ -528,7 +624,7 @@ impl Engine {
             return self.drop_packet(DropReason::ForbiddenDestination);
         }
         match parsed {
-            Parsed::Tcp(meta) => self.laptop_tcp(meta, buf),
+            Parsed::Tcp(meta) => self.laptop_tcp(meta, buf, now),
             Parsed::Udp { src, dst, payload } => self.laptop_udp(src, dst, payload, now),
             Parsed::EchoRequest {
                 dst,
@@ -540,12 +636,15 @@ impl Engine {
         }
     }
 
-    fn laptop_tcp(&mut self, meta: TcpMeta, buf: &[u8]) {
+    fn laptop_tcp(&mut self, meta: TcpMeta, buf: &[u8], now: Instant) {
         let key = TcpKey {
             laptop_port: meta.src.port(),
             dst: meta.dst,
         };
         if let Some(&id) = self.tcp_by_key.get(&key) {
+            if let Some(flow) = self.tcp.get_mut(&id) {
+                flow.last_active = now;
+            }
             let replace = match self.tcp.get(&id).map(|f| &f.state) {
                 Some(TcpState::Dialing { .. }) => {
                     if meta.rst {
@@ -608,6 +707,7 @@ impl Engine {
                     syn: buf.to_vec(),
                     meta,
                 },
+                last_active: now,
             },
         );
         self.tcp_by_key.insert(key, id);
@@ -690,6 +790,13 @@ impl Engine {
     /// A report from the kernel side. Events for flows that no longer exist
     /// are ignored. Call [`Engine::poll`] after a batch.
     pub fn handle_event(&mut self, event: Event, now: Instant) {
+        if let Event::TcpData { flow, .. }
+        | Event::TcpEof { flow }
+        | Event::TcpWritten { flow, .. } = &event
+            && let Some(f) = self.tcp.get_mut(flow)
+        {
+            f.last_active = now;
+        }
         match event {
             Event::TcpDialed { flow, result } => self.tcp_dialed(flow, result),
             Event::TcpData { flow, data } => self.tcp_data(flow, &data),
@@ -716,23 +823,8 @@ impl Engine {
                 let reply = packet::udp_datagram(dst, laptop, &data);
                 self.send_to_laptop(reply);
             }
-            Event::UdpRefused { flow } => {
-                let Some(f) = self.udp.get(&flow) else { return };
-                let (laptop_port, dst) = (f.key.laptop_port, f.key.dst);
-                let mut head = [0u8; 8];
-                head[0..2].copy_from_slice(&laptop_port.to_be_bytes());
-                head[2..4].copy_from_slice(&dst.port().to_be_bytes());
-                head[4..6].copy_from_slice(&8u16.to_be_bytes());
-                let offending = Offending {
-                    src: self.config.tunnel_ip,
-                    dst: dst.ip(),
-                    protocol: IpProtocol::Udp,
-                    payload_len: 8,
-                    payload_head: &head,
-                };
-                let err = packet::dst_unreachable(&offending, Unreachable::Port);
-                self.send_to_laptop(err);
-            }
+            Event::UdpRefused { flow } => self.udp_icmp_error(flow, Unreachable::Port),
+            Event::UdpUnreachable { flow } => self.udp_icmp_error(flow, Unreachable::Host),
             Event::SocketFailed { flow } => {
                 if self.udp.contains_key(&flow) {
                     self.remove_udp(flow);
@@ -754,6 +846,27 @@ impl Engine {
                 self.send_to_laptop(reply);
             }
         }
+    }
+
+    /// The cluster answered a UDP flow with an ICMP error: the same error to
+    /// the laptop, quoting a UDP header with the flow's ports.
+    fn udp_icmp_error(&mut self, flow: FlowId, kind: Unreachable) {
+        let Some(f) = self.udp.get(&flow) else { return };
+        let (laptop_port, dst) = (f.key.laptop_port, f.key.dst);
+        let mut head = [0u8; 8];
+        head[0..2].copy_from_slice(&laptop_port.to_be_bytes());
+        head[2..4].copy_from_slice(&dst.port().to_be_bytes());
+        head[4..6].copy_from_slice(&8u16.to_be_bytes());
+        let offending = Offending {
+            src: self.config.tunnel_ip,
+            dst: dst.ip(),
+            protocol: IpProtocol::Udp,
+            payload_len: 8,
+            payload_head: &head,
+        };
+        self.metrics.udp_icmp_errors += 1;
+        let err = packet::dst_unreachable(&offending, kind);
+        self.send_to_laptop(err);
     }
 
     fn open_tcp(&mut self, flow: FlowId) -> Option<&mut OpenTcp> {
@@ -874,6 +987,29 @@ impl Engine {
         }
     }
 
+    /// Reset an idle flow both ways (RST to the laptop, RST to the destination).
+    fn tcp_expire(&mut self, id: FlowId) {
+        let Some(TcpFlow {
+            state: TcpState::Open(o),
+            ..
+        }) = self.tcp.get_mut(&id)
+        else {
+            return;
+        };
+        debug!(flow = %id, "TCP flow idle too long, resetting it");
+        self.metrics.tcp_idle_expired += 1;
+        // Handled like a destination reset from here on.
+        o.reset_by_remote = true;
+        self.sockets.get_mut::<tcp::Socket>(o.handle).abort();
+        if !o.kernel_closed {
+            o.kernel_closed = true;
+            self.requests.push_back(Request::TcpClose {
+                flow: id,
+                reset: true,
+            });
+        }
+    }
+
     fn tcp_remote_reset(&mut self, id: FlowId) {
         let Some(TcpFlow {
             state: TcpState::Open(o),
@@ -898,8 +1034,33 @@ impl Engine {
         }
     }
 
-    /// Expire idle UDP and ping flows and run the stack's timers.
+    /// Expire idle flows and incomplete fragmented datagrams, and run the
+    /// stack's timers.
     pub fn handle_timeout(&mut self, now: Instant) {
+        for expired in self.frags.handle_timeout(now) {
+            self.metrics.drop_packet(DropReason::Fragment);
+            if let Some(icmp) = expired
+                .first
+                .as_deref()
+                .and_then(packet::reassembly_time_exceeded)
+            {
+                self.device.push_tx(icmp);
+            }
+        }
+        if now >= self.next_tcp_sweep {
+            self.next_tcp_sweep = now + TCP_IDLE_SWEEP;
+            let idle = self.config.tcp_idle_timeout;
+            let expired: Vec<FlowId> = self
+                .tcp
+                .iter()
+                .filter(|(_, f)| matches!(f.state, TcpState::Open(_)))
+                .filter(|(_, f)| now.saturating_duration_since(f.last_active) >= idle)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in expired {
+                self.tcp_expire(id);
+            }
+        }
         let udp_idle = self.config.udp_idle_timeout;
         let expired: Vec<FlowId> = self
             .udp
@@ -956,7 +1117,7 @@ impl Engine {
     }
 
     /// When [`Engine::handle_timeout`] must run next (smoltcp retransmissions,
-    /// delayed ACKs, TIME-WAIT, idle flows), if ever.
+    /// delayed ACKs, TIME-WAIT, idle flows, fragment reassembly), if ever.
     pub fn poll_timeout(&mut self, now: Instant) -> Option<Instant> {
         let stack = self
             .iface
@@ -972,7 +1133,12 @@ impl Engine {
             .values()
             .map(|f| f.last_active + self.config.ping_idle_timeout)
             .min();
-        [stack, udp, ping].into_iter().flatten().min()
+        let tcp_sweep = (!self.tcp.is_empty()).then_some(self.next_tcp_sweep);
+        let frags = self.frags.poll_timeout();
+        [stack, udp, ping, tcp_sweep, frags]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     // ----- TCP service ----------------------------------------------------

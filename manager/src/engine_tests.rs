@@ -808,6 +808,7 @@ fn arbitrary_event() -> impl Strategy<Value = Event> {
         (flow.clone(), 0usize..100_000).prop_map(|(flow, bytes)| Event::TcpWritten { flow, bytes }),
         (flow.clone(), data.clone()).prop_map(|(flow, data)| Event::UdpReply { flow, data }),
         flow.clone().prop_map(|flow| Event::UdpRefused { flow }),
+        flow.clone().prop_map(|flow| Event::UdpUnreachable { flow }),
         flow.clone().prop_map(|flow| Event::SocketFailed { flow }),
         (flow, any::<u16>(), data).prop_map(|(flow, seq, data)| Event::PingReply {
             flow,

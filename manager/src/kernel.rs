@@ -205,9 +205,11 @@ impl KernelSide {
             Request::UdpSend { flow, payload } => {
                 let Some(f) = self.udp.get(&flow) else { return };
                 let mut result = send_now(&f.socket, &payload);
-                if matches!(&result, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused) {
+                if let Err(e) = &result
+                    && let Some(event) = udp_icmp_event(flow, e)
+                {
                     // A pending ICMP error from an earlier datagram; report it and retry.
-                    self.event(Event::UdpRefused { flow });
+                    self.event(event);
                     result = send_now(&f.socket, &payload);
                 }
                 if let Err(e) = result {
@@ -274,6 +276,18 @@ impl KernelSide {
 /// the datagram is dropped, as a router would.
 fn send_now(socket: &UdpSocket, msg: &[u8]) -> io::Result<usize> {
     socket2::SockRef::from(socket).send(msg)
+}
+
+/// The event for an ICMP error the kernel reported on a connected UDP socket
+/// (a later send or recv fails with it once), if `e` is one.
+fn udp_icmp_event(flow: FlowId, e: &io::Error) -> Option<Event> {
+    match e.kind() {
+        io::ErrorKind::ConnectionRefused => Some(Event::UdpRefused { flow }),
+        io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => {
+            Some(Event::UdpUnreachable { flow })
+        }
+        _ => None,
+    }
 }
 
 fn dial_error(e: &io::Error) -> DialError {
@@ -445,12 +459,14 @@ async fn udp_reader(flow: FlowId, socket: Arc<UdpSocket>, events: mpsc::Sender<E
                 flow,
                 data: buf[..n].to_vec(),
             },
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Event::UdpRefused { flow },
-            Err(e) => {
-                debug!(%flow, error = %e, "UDP receive failed");
-                let _ = events.send(Event::SocketFailed { flow }).await;
-                return;
-            }
+            Err(e) => match udp_icmp_event(flow, &e) {
+                Some(event) => event,
+                None => {
+                    debug!(%flow, error = %e, "UDP receive failed");
+                    let _ = events.send(Event::SocketFailed { flow }).await;
+                    return;
+                }
+            },
         };
         if events.send(event).await.is_err() {
             return;

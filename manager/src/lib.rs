@@ -4,9 +4,9 @@
 //! see the manager pod's IP).
 //!
 //! Layout:
-//! - [`packet`], [`device`], [`engine`], [`metrics`]: the pure core — packet
-//!   classification and construction, the per-session flow table with its
-//!   smoltcp interface. No I/O, no clock (`now` is passed in).
+//! - [`packet`], [`frag`], [`device`], [`engine`], [`metrics`]: the pure core — packet
+//!   classification and construction, fragment reassembly, the per-session
+//!   flow table with its smoltcp interface. No I/O, no clock (`now` is passed in).
 //! - [`kernel`]: all I/O towards the cluster (TCP dials and splicing, UDP and
 //!   ICMP echo sockets).
 //! - [`session`]: the tokio shell of one data-channel session (frames in and
@@ -21,6 +21,7 @@
 
 pub mod device;
 pub mod engine;
+pub mod frag;
 pub mod grpc;
 pub mod kernel;
 pub mod lease;

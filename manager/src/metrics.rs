@@ -49,6 +49,16 @@ pub struct Metrics {
     pub pings_sent: u64,
     /// ICMP echo replies relayed to the laptop.
     pub ping_replies: u64,
+    /// Fragmented datagrams from the laptop reassembled.
+    pub datagrams_reassembled: u64,
+    /// Packets to the laptop that were fragmented (over the stack MTU).
+    pub packets_fragmented: u64,
+    /// ICMP "fragmentation needed" / "packet too big" sent to the laptop.
+    pub too_big_sent: u64,
+    /// ICMP unreachable errors from the cluster relayed for UDP flows.
+    pub udp_icmp_errors: u64,
+    /// TCP flows reset after the idle timeout.
+    pub tcp_idle_expired: u64,
     /// Heartbeat frames echoed (counted by the shell).
     pub heartbeats: u64,
     /// Packets forwarded to another laptop's session (laptop-to-laptop,
@@ -85,8 +95,9 @@ impl fmt::Display for Metrics {
         write!(
             f,
             "from_laptop={}p/{}B to_laptop={}p/{}B tcp: dials={} connected={} refused={} unreachable={} \
-             reset_by_laptop={} reset_by_remote={} closed={} bytes_out={} bytes_in={} \
-             udp: flows={} expired={} out={} in={} icmp: sent={} replies={} heartbeats={} \
+             reset_by_laptop={} reset_by_remote={} closed={} idle_expired={} bytes_out={} bytes_in={} \
+             udp: flows={} expired={} out={} in={} icmp_errors={} icmp: sent={} replies={} \
+             mtu: reassembled={} fragmented={} too_big={} heartbeats={} \
              peer: {}p/{}B drops={}",
             self.packets_from_laptop,
             self.bytes_from_laptop,
@@ -99,14 +110,19 @@ impl fmt::Display for Metrics {
             self.tcp_reset_by_laptop,
             self.tcp_reset_by_remote,
             self.tcp_closed,
+            self.tcp_idle_expired,
             self.tcp_bytes_out,
             self.tcp_bytes_in,
             self.udp_flows,
             self.udp_expired,
             self.udp_datagrams_out,
             self.udp_datagrams_in,
+            self.udp_icmp_errors,
             self.pings_sent,
             self.ping_replies,
+            self.datagrams_reassembled,
+            self.packets_fragmented,
+            self.too_big_sent,
             self.heartbeats,
             self.peer_packets,
             self.peer_bytes,

@@ -21,17 +21,26 @@ use smoltcp::wire::{
 /// Hop limit (TTL) of packets the manager builds, as a Linux host would.
 pub const HOP_LIMIT: u8 = 64;
 
-/// Largest IP packet the manager builds for the client, bytes. A frame carries
-/// at most 65534 payload bytes; larger replies are dropped and counted.
-pub const MAX_BUILT_PACKET: usize = kvpn_proto::frame::MAX_PAYLOAD_LEN;
+/// Largest IP packet the manager builds for the client, bytes: the IP limit.
+/// Packets over the stack MTU are fragmented before they are framed
+/// ([`crate::frag::fragment`]), so each fits a frame (at most 65534 bytes).
+pub const MAX_BUILT_PACKET: usize = 65_535;
+
+/// Most bytes of an ICMPv4 error (IP header included): RFC 1812 §4.3.2.3
+/// quotes as much of the offending packet as fits in 576 bytes.
+pub const MAX_ICMPV4_ERROR: usize = 576;
+
+/// Most bytes of an ICMPv6 error (IP header included): the IPv6 minimum MTU
+/// (RFC 4443 §2.4 (c)).
+pub const MAX_ICMPV6_ERROR: usize = 1280;
 
 /// Why a client packet was not handled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DropReason {
     /// Not a well-formed IPv4/IPv6 packet, or a truncated TCP/UDP/ICMP header.
     Malformed,
-    /// An IPv4 fragment: the manager does not reassemble (the laptop's TUN MTU
-    /// equals the manager's, so well-behaved senders do not fragment).
+    /// An IPv4/IPv6 fragment that was discarded: overlapping, malformed, or
+    /// beyond the reassembly limits ([`crate::frag`]).
     Fragment,
     /// Neither TCP, UDP nor an ICMP echo request (e.g. IPv6 extension headers,
     /// SCTP, ICMP errors from the laptop).
@@ -169,6 +178,8 @@ pub fn parse(buf: &[u8]) -> Result<Parsed<'_>, DropReason> {
 
 fn parse_v4(buf: &[u8]) -> Result<Parsed<'_>, DropReason> {
     let pkt = Ipv4Packet::new_checked(buf).map_err(|_| DropReason::Malformed)?;
+    // Fragments are reassembled before parsing (crate::frag); one here is a bug
+    // or a packet the reassembler gave up on.
     if pkt.more_frags() || pkt.frag_offset() != 0 {
         return Err(DropReason::Fragment);
     }
@@ -484,6 +495,70 @@ pub fn dst_unreachable(
         }
         _ => Err(BuildError::FamilyMismatch),
     }
+}
+
+/// An ICMP error about the raw packet `offending`, from its destination to
+/// its source: `v4_type_code` or `v6_type_code` by family, the 4 bytes after
+/// the checksum (`rest`: unused, next-hop MTU or MTU), then as much of the
+/// offending packet as the family's error size allows. `None` if `offending`
+/// is not an IPv4/IPv6 packet.
+fn icmp_error_raw(
+    offending: &[u8],
+    v4_type_code: (u8, u8),
+    v6_type_code: (u8, u8),
+    rest: [u8; 4],
+) -> Option<Vec<u8>> {
+    let (src, dst) = match offending.first().map(|b| b >> 4) {
+        Some(4) => {
+            let pkt = Ipv4Packet::new_checked(offending).ok()?;
+            (IpAddr::V4(pkt.src_addr()), IpAddr::V4(pkt.dst_addr()))
+        }
+        Some(6) => {
+            let pkt = Ipv6Packet::new_checked(offending).ok()?;
+            (IpAddr::V6(pkt.src_addr()), IpAddr::V6(pkt.dst_addr()))
+        }
+        _ => return None,
+    };
+    let (max, proto, (ty, code)) = match src {
+        IpAddr::V4(_) => (MAX_ICMPV4_ERROR, IpProtocol::Icmp, v4_type_code),
+        IpAddr::V6(_) => (MAX_ICMPV6_ERROR, IpProtocol::Icmpv6, v6_type_code),
+    };
+    let quote = &offending[..offending.len().min(max - ip_header_len(src) - 8)];
+    let (mut buf, off) = ip_packet(dst, src, proto, 8 + quote.len()).ok()?;
+    let icmp = &mut buf[off..];
+    icmp[0] = ty;
+    icmp[1] = code;
+    icmp[4..8].copy_from_slice(&rest);
+    icmp[8..].copy_from_slice(quote);
+    match (dst, src) {
+        (IpAddr::V4(_), _) => Icmpv4Packet::new_unchecked(icmp).fill_checksum(),
+        (IpAddr::V6(d), IpAddr::V6(s)) => Icmpv6Packet::new_unchecked(icmp).fill_checksum(&d, &s),
+        _ => return None,
+    }
+    Some(buf)
+}
+
+/// "Fragmentation needed and DF set" (ICMP type 3 code 4 with the next-hop
+/// MTU, RFC 1191 §4) or ICMPv6 "Packet Too Big" (RFC 4443 §3.2, RFC 8201)
+/// about `offending`, a packet larger than `mtu` bytes that must not be
+/// fragmented on the way. The laptop's kernel lowers its path MTU towards the
+/// destination and TCP there resends smaller segments.
+pub fn too_big(offending: &[u8], mtu: u16) -> Option<Vec<u8>> {
+    // IPv4: 16 unused bits, then the 16-bit next-hop MTU; IPv6: a 32-bit MTU.
+    let rest = if offending.first().map(|b| b >> 4) == Some(6) {
+        u32::from(mtu).to_be_bytes()
+    } else {
+        let [hi, lo] = mtu.to_be_bytes();
+        [0, 0, hi, lo]
+    };
+    icmp_error_raw(offending, (3, 4), (2, 0), rest)
+}
+
+/// "Fragment reassembly time exceeded" (ICMP type 11 code 1, ICMPv6 type 3
+/// code 1; RFC 792, RFC 4443 §3.3) quoting the first fragment `first` of a
+/// datagram that never completed.
+pub fn reassembly_time_exceeded(first: &[u8]) -> Option<Vec<u8>> {
+    icmp_error_raw(first, (11, 1), (3, 1), [0; 4])
 }
 
 /// A UDP datagram `src -> dst` carrying `payload` (a reply from the real
