@@ -853,6 +853,14 @@ fn arbitrary_packet() -> impl Strategy<Value = Vec<u8>> {
             seq,
             b"x"
         )),
+        // One fragment of a 3000-byte datagram (of two possible ones).
+        (0usize..3, any::<u32>()).prop_map(|(i, id)| {
+            let whole = udp_datagram(laptop(1), backend(), &[5u8; 3000]).expect("builds");
+            crate::frag::fragment(whole, 1500, id % 2).swap_remove(i)
+        }),
+        // Over the stack MTU, with DF.
+        (0usize..100).prop_map(|n| udp_datagram(laptop(2), backend(), &vec![6u8; 9000 + n])
+            .expect("builds")),
     ];
     (
         valid,
@@ -1019,4 +1027,277 @@ fn idle_tcp_flow_survives_eleven_minutes() {
     let (got, _, rst) = h.receive(&mut c);
     assert!(!rst);
     assert_eq!(got, b"reply");
+}
+
+// ----- MTU, MSS, fragments (tr-01, tr-02) ---------------------------------
+
+fn icmp_v4(pkt: &[u8]) -> (u8, u8, [u8; 4], Vec<u8>) {
+    let ip = Ipv4Packet::new_checked(pkt).expect("ipv4");
+    let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
+    assert!(icmp.verify_checksum(), "ICMP checksum");
+    let raw = ip.payload();
+    (
+        raw[0],
+        raw[1],
+        [raw[4], raw[5], raw[6], raw[7]],
+        raw[8..].to_vec(),
+    )
+}
+
+/// tr-02: a 20000-byte datagram the laptop's kernel fragmented reaches the
+/// kernel side whole; fragments alone send nothing.
+#[test]
+fn fragmented_udp_from_the_laptop_is_sent_whole() {
+    let mut h = Harness::new();
+    let dst = v4([10, 96, 0, 102], 7);
+    let data: Vec<u8> = (0..20_000u32).map(|i| (i % 253) as u8).collect();
+    let whole = udp_datagram(laptop(7000), dst, &data).expect("builds");
+    let frags = crate::frag::fragment(whole, 1500, 42);
+    let (last, rest) = frags.split_last().expect("fragments");
+    for f in rest {
+        h.send(f.clone());
+    }
+    assert!(h.reqs().is_empty(), "nothing before the datagram is complete");
+    h.send(last.clone());
+    let reqs = h.reqs();
+    let [Request::UdpOpen { dst: d, .. }, Request::UdpSend { payload, .. }] = &reqs[..] else {
+        panic!("{reqs:?}");
+    };
+    assert_eq!(*d, dst);
+    assert_eq!(payload, &data);
+    assert_eq!(h.e.metrics().datagrams_reassembled, 1);
+}
+
+/// A fragmented datagram that never completes is answered with ICMP
+/// "fragment reassembly time exceeded" quoting its first fragment.
+#[test]
+fn incomplete_datagram_times_out_with_icmp() {
+    let mut h = Harness::new();
+    let dst = v4([10, 96, 0, 102], 7);
+    let whole = udp_datagram(laptop(7001), dst, &[7u8; 4000]).expect("builds");
+    let frags = crate::frag::fragment(whole, 1500, 43);
+    h.send(frags[0].clone());
+    assert_eq!(
+        h.e.poll_timeout(h.now),
+        Some(h.now + crate::frag::REASSEMBLY_TIMEOUT_V4)
+    );
+    h.advance(crate::frag::REASSEMBLY_TIMEOUT_V4);
+    let out = h.out();
+    assert_eq!(out.len(), 1, "{out:?}");
+    let (ty, code, _, quote) = icmp_v4(&out[0]);
+    assert_eq!((ty, code), (11, 1));
+    assert_eq!(&quote[20..22], &7001u16.to_be_bytes(), "quotes the UDP ports");
+    assert!(h.reqs().is_empty());
+}
+
+/// PMTUD: a DF packet over the stack MTU gets "fragmentation needed" with
+/// next-hop MTU 9000 (RFC 1191) and is not relayed; without DF it is.
+#[test]
+fn oversize_df_packet_gets_fragmentation_needed() {
+    let mut h = Harness::new();
+    let dst = v4([10, 96, 0, 102], 7);
+    let big = udp_datagram(laptop(7002), dst, &[1u8; 12_000]).expect("builds");
+    assert!(Ipv4Packet::new_checked(&big[..]).expect("ipv4").dont_frag());
+    h.send(big.clone());
+    assert!(h.reqs().is_empty(), "a too-big DF packet is not relayed");
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
+    assert_eq!((ip.src_addr(), ip.dst_addr()), (ip_v4(dst), ip_v4(laptop(0))));
+    assert!(out[0].len() <= crate::packet::MAX_ICMPV4_ERROR);
+    let (ty, code, rest, quote) = icmp_v4(&out[0]);
+    assert_eq!((ty, code), (3, 4));
+    assert_eq!(u16::from_be_bytes([rest[2], rest[3]]), 9000, "next-hop MTU");
+    assert_eq!(&quote[..], &big[..quote.len()], "quotes the offending packet");
+    assert_eq!(h.e.metrics().too_big_sent, 1);
+
+    let mut no_df = big;
+    let mut ip = Ipv4Packet::new_unchecked(&mut no_df[..]);
+    ip.set_dont_frag(false);
+    ip.fill_checksum();
+    h.send(no_df);
+    let reqs = h.reqs();
+    assert!(
+        matches!(&reqs[..], [Request::UdpOpen { .. }, Request::UdpSend { payload, .. }] if payload.len() == 12_000),
+        "{reqs:?}"
+    );
+}
+
+/// RFC 8201: an IPv6 packet over the stack MTU gets "Packet Too Big".
+#[test]
+fn oversize_v6_packet_gets_packet_too_big() {
+    let me = std::net::Ipv6Addr::new(0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0, 2);
+    let pod = std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 9);
+    let mut h = Harness::new();
+    h.e = Engine::new(EngineConfig::new(IpAddr::V6(me), 7), h.now);
+    let big = udp_datagram(
+        SocketAddr::new(IpAddr::V6(me), 7003),
+        SocketAddr::new(IpAddr::V6(pod), 7),
+        &[2u8; 10_000],
+    )
+    .expect("builds");
+    h.send(big);
+    assert!(h.reqs().is_empty());
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    assert!(out[0].len() <= crate::packet::MAX_ICMPV6_ERROR);
+    let ip = smoltcp::wire::Ipv6Packet::new_checked(&out[0][..]).expect("ipv6");
+    assert_eq!((ip.src_addr(), ip.dst_addr()), (pod, me));
+    let icmp = smoltcp::wire::Icmpv6Packet::new_checked(ip.payload()).expect("icmpv6");
+    assert!(icmp.verify_checksum(&pod, &me));
+    assert_eq!(icmp.msg_type(), smoltcp::wire::Icmpv6Message::PktTooBig);
+    assert_eq!(icmp.pkt_too_big_mtu(), 9000);
+}
+
+/// tr-02 inbound: a reply over the stack MTU reaches the laptop as fragments
+/// of at most 9000 bytes that reassemble to it, up to the largest datagram.
+#[test]
+fn large_udp_reply_is_fragmented_to_the_mtu() {
+    let mut h = Harness::new();
+    let dst = v4([10, 96, 0, 102], 7);
+    h.send(udp_datagram(laptop(7004), dst, b"q").expect("builds"));
+    let Request::UdpOpen { flow, .. } = h.reqs()[0] else {
+        panic!("no open");
+    };
+    for n in [4000usize, 20_000, 65_507] {
+        let data: Vec<u8> = (0..n).map(|i| (i % 249) as u8).collect();
+        h.event(Event::UdpReply {
+            flow,
+            data: data.clone(),
+        });
+        let out = h.out();
+        assert!(out.iter().all(|p| p.len() <= DEFAULT_MTU), "fragment sizes");
+        assert_eq!(out.len(), n.div_ceil(8976).max(1), "{n} bytes");
+        let mut r = crate::frag::Reassembler::default();
+        let whole: Vec<Vec<u8>> = out
+            .iter()
+            .filter_map(|p| match r.push(p, h.now) {
+                crate::frag::Reassembly::Complete(w) => Some(w),
+                crate::frag::Reassembly::Whole => Some(p.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(whole.len(), 1);
+        let Ok(crate::packet::Parsed::Udp { src, payload, .. }) = crate::packet::parse(&whole[0])
+        else {
+            panic!("not UDP");
+        };
+        assert_eq!(src, dst);
+        assert_eq!(payload, &data[..]);
+    }
+    assert_eq!(h.e.metrics().dropped(DropReason::ReplyTooLarge), 0);
+}
+
+/// MSS: the SYN-ACK advertises the stack's MTU minus 40, and segments to the
+/// laptop respect the laptop's smaller MSS (a TUN with a smaller MTU).
+#[test]
+fn mss_is_clamped_both_ways() {
+    let mut h = Harness::new();
+    let dst = backend();
+    h.send(tcp_syn_mss(laptop(7005), dst, 5000, 1360));
+    let Request::TcpDial { flow, .. } = h.reqs()[0] else {
+        panic!("no dial");
+    };
+    h.event(Event::TcpDialed {
+        flow,
+        result: Ok(()),
+    });
+    let out = h.out();
+    assert_eq!(mss_option(&out[0]), Some(9000 - 40), "SYN-ACK MSS");
+    let synack = seg(&out[0]);
+    let mut c = Conn {
+        flow,
+        port: 7005,
+        dst,
+        snd_nxt: 5001,
+        rcv_nxt: synack.seq.wrapping_add(1),
+    };
+    h.ack(&mut c);
+    h.reqs();
+    h.event(Event::TcpData {
+        flow,
+        data: vec![9u8; 20_000],
+    });
+    let mut got = 0;
+    for p in h.out() {
+        let s = seg(&p);
+        assert!(s.payload.len() <= 1360, "segment of {} bytes", s.payload.len());
+        got += s.payload.len();
+    }
+    assert!(got > 0);
+}
+
+// ----- idle TCP flows (tr-09) ---------------------------------------------
+
+/// tr-09's 11-minute case, and more: an established flow idle for 2 h 15 min
+/// (past TCP keep-alive's first probe) and then 4 days after fresh traffic
+/// still relays; only 5 days of silence (conntrack's established timeout)
+/// reset it, both ways, and free it.
+#[test]
+fn idle_tcp_timeout_is_conntracks_five_days() {
+    let mut h = Harness::new();
+    let (mut c, _) = h.open(40016, backend());
+    h.out();
+    h.reqs();
+    // 2 h 15 min of silence, in 1-minute steps so every sweep runs.
+    for _ in 0..135 {
+        h.advance(Duration::from_secs(60));
+    }
+    assert!(h.reqs().is_empty(), "an idle flow must not be closed");
+    assert!(h.out().iter().all(|p| !seg(p).rst));
+    h.data(&mut c, b"still there");
+    assert_eq!(writes(&h.reqs(), c.flow), b"still there");
+    // Traffic restarted the clock: 4 days later it still works.
+    h.advance(Duration::from_secs(4 * 24 * 3600));
+    assert!(h.reqs().is_empty());
+    h.event(Event::TcpData {
+        flow: c.flow,
+        data: b"reply".to_vec(),
+    });
+    let (got, _, rst) = h.receive(&mut c);
+    assert!(!rst);
+    assert_eq!(got, b"reply");
+    h.ack(&mut c);
+    h.reqs();
+    // 5 days of silence: reset both ways.
+    h.advance(TCP_IDLE_TIMEOUT - Duration::from_secs(60));
+    assert!(h.reqs().is_empty(), "not before the timeout");
+    h.advance(Duration::from_secs(120));
+    assert_eq!(
+        h.reqs(),
+        [Request::TcpClose {
+            flow: c.flow,
+            reset: true
+        }]
+    );
+    let (_, _, rst) = h.receive(&mut c);
+    assert!(rst, "the laptop gets an RST");
+    assert_eq!(h.e.metrics().tcp_idle_expired, 1);
+    assert_eq!(h.e.flow_counts(), (0, 0, 0));
+}
+
+/// ICMP host unreachable from the cluster for a UDP flow reaches the laptop
+/// as ICMP host unreachable (EHOSTUNREACH on its connected socket).
+#[test]
+fn udp_host_unreachable_is_relayed() {
+    let mut h = Harness::new();
+    let dst = v4([10, 244, 1, 99], 53);
+    h.send(udp_datagram(laptop(7006), dst, b"x").expect("builds"));
+    let Request::UdpOpen { flow, .. } = h.reqs()[0] else {
+        panic!("no open");
+    };
+    h.event(Event::UdpUnreachable { flow });
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    let (ty, code, _, quote) = icmp_v4(&out[0]);
+    assert_eq!((ty, code), (3, 1));
+    assert_eq!(&quote[20..24], &[0x1b, 0x5e, 0, 53]);
+    assert_eq!(h.e.metrics().udp_icmp_errors, 1);
+}
+
+fn ip_v4(a: SocketAddr) -> std::net::Ipv4Addr {
+    match a.ip() {
+        IpAddr::V4(v) => v,
+        IpAddr::V6(_) => panic!("not IPv4"),
+    }
 }

@@ -508,17 +508,9 @@ fn icmp_error_raw(
     v6_type_code: (u8, u8),
     rest: [u8; 4],
 ) -> Option<Vec<u8>> {
-    let (src, dst) = match offending.first().map(|b| b >> 4) {
-        Some(4) => {
-            let pkt = Ipv4Packet::new_checked(offending).ok()?;
-            (IpAddr::V4(pkt.src_addr()), IpAddr::V4(pkt.dst_addr()))
-        }
-        Some(6) => {
-            let pkt = Ipv6Packet::new_checked(offending).ok()?;
-            (IpAddr::V6(pkt.src_addr()), IpAddr::V6(pkt.dst_addr()))
-        }
-        _ => return None,
-    };
+    // Only the addresses are read: the quote may be a truncated packet (the
+    // head of a first fragment), whose length fields point past its end.
+    let (src, dst) = crate::peers::addrs(offending)?;
     let (max, proto, (ty, code)) = match src {
         IpAddr::V4(_) => (MAX_ICMPV4_ERROR, IpProtocol::Icmp, v4_type_code),
         IpAddr::V6(_) => (MAX_ICMPV6_ERROR, IpProtocol::Icmpv6, v6_type_code),
@@ -691,6 +683,47 @@ pub(crate) mod test_support {
             &ChecksumCapabilities::default(),
         );
         buf
+    }
+
+    /// A SYN carrying an MSS option.
+    pub fn tcp_syn_mss(src: SocketAddr, dst: SocketAddr, seq: u32, mss: u16) -> Vec<u8> {
+        let repr = TcpRepr {
+            src_port: src.port(),
+            dst_port: dst.port(),
+            control: TcpControl::Syn,
+            seq_number: TcpSeqNumber(seq as i32),
+            ack_number: None,
+            window_len: 65535,
+            window_scale: None,
+            max_seg_size: Some(mss),
+            sack_permitted: false,
+            sack_ranges: [None, None, None],
+            timestamp: None,
+            payload: &[],
+        };
+        let (mut buf, off) =
+            ip_packet(src.ip(), dst.ip(), IpProtocol::Tcp, repr.buffer_len()).expect("fits");
+        repr.emit(
+            &mut TcpPacket::new_unchecked(&mut buf[off..]),
+            &IpAddress::from(src.ip()),
+            &IpAddress::from(dst.ip()),
+            &ChecksumCapabilities::default(),
+        );
+        buf
+    }
+
+    /// The MSS option of a TCP/IPv4 segment, if any.
+    pub fn mss_option(buf: &[u8]) -> Option<u16> {
+        let ip = Ipv4Packet::new_checked(buf).expect("ipv4");
+        let tcp = TcpPacket::new_checked(ip.payload()).expect("tcp");
+        let repr = TcpRepr::parse(
+            &tcp,
+            &IpAddress::from(ip.src_addr()),
+            &IpAddress::from(ip.dst_addr()),
+            &ChecksumCapabilities::ignored(),
+        )
+        .expect("valid TCP");
+        repr.max_seg_size
     }
 
     /// An ICMP echo request `src -> dst`.
@@ -976,6 +1009,8 @@ mod tests {
         fn parse_never_panics(buf in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = parse(&buf);
             let _ = Offending::from_packet(&buf);
+            let _ = too_big(&buf, 9000);
+            let _ = reassembly_time_exceeded(&buf);
         }
 
         /// Valid IPv4/IPv6 headers with arbitrary transport bytes reach the
@@ -999,6 +1034,10 @@ mod tests {
             if let Some(o) = Offending::from_packet(&buf) {
                 let _ = dst_unreachable(&o, Unreachable::Host);
             }
+            let err = too_big(&buf, 1280).expect("a valid IP header can be quoted");
+            let max = if six { MAX_ICMPV6_ERROR } else { MAX_ICMPV4_ERROR };
+            prop_assert!(err.len() <= max);
+            let _ = reassembly_time_exceeded(&buf[..buf.len().min(off + 8)]);
         }
     }
 }
