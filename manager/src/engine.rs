@@ -790,9 +790,8 @@ impl Engine {
     /// A report from the kernel side. Events for flows that no longer exist
     /// are ignored. Call [`Engine::poll`] after a batch.
     pub fn handle_event(&mut self, event: Event, now: Instant) {
-        if let Event::TcpData { flow, .. }
-        | Event::TcpEof { flow }
-        | Event::TcpWritten { flow, .. } = &event
+        if let Event::TcpData { flow, .. } | Event::TcpEof { flow } | Event::TcpWritten { flow, .. } =
+            &event
             && let Some(f) = self.tcp.get_mut(flow)
         {
             f.last_active = now;

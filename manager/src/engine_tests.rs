@@ -1057,10 +1057,17 @@ fn fragmented_udp_from_the_laptop_is_sent_whole() {
     for f in rest {
         h.send(f.clone());
     }
-    assert!(h.reqs().is_empty(), "nothing before the datagram is complete");
+    assert!(
+        h.reqs().is_empty(),
+        "nothing before the datagram is complete"
+    );
     h.send(last.clone());
     let reqs = h.reqs();
-    let [Request::UdpOpen { dst: d, .. }, Request::UdpSend { payload, .. }] = &reqs[..] else {
+    let [
+        Request::UdpOpen { dst: d, .. },
+        Request::UdpSend { payload, .. },
+    ] = &reqs[..]
+    else {
         panic!("{reqs:?}");
     };
     assert_eq!(*d, dst);
@@ -1086,7 +1093,11 @@ fn incomplete_datagram_times_out_with_icmp() {
     assert_eq!(out.len(), 1, "{out:?}");
     let (ty, code, _, quote) = icmp_v4(&out[0]);
     assert_eq!((ty, code), (11, 1));
-    assert_eq!(&quote[20..22], &7001u16.to_be_bytes(), "quotes the UDP ports");
+    assert_eq!(
+        &quote[20..22],
+        &7001u16.to_be_bytes(),
+        "quotes the UDP ports"
+    );
     assert!(h.reqs().is_empty());
 }
 
@@ -1103,12 +1114,19 @@ fn oversize_df_packet_gets_fragmentation_needed() {
     let out = h.out();
     assert_eq!(out.len(), 1);
     let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
-    assert_eq!((ip.src_addr(), ip.dst_addr()), (ip_v4(dst), ip_v4(laptop(0))));
+    assert_eq!(
+        (ip.src_addr(), ip.dst_addr()),
+        (ip_v4(dst), ip_v4(laptop(0)))
+    );
     assert!(out[0].len() <= crate::packet::MAX_ICMPV4_ERROR);
     let (ty, code, rest, quote) = icmp_v4(&out[0]);
     assert_eq!((ty, code), (3, 4));
     assert_eq!(u16::from_be_bytes([rest[2], rest[3]]), 9000, "next-hop MTU");
-    assert_eq!(&quote[..], &big[..quote.len()], "quotes the offending packet");
+    assert_eq!(
+        &quote[..],
+        &big[..quote.len()],
+        "quotes the offending packet"
+    );
     assert_eq!(h.e.metrics().too_big_sent, 1);
 
     let mut no_df = big;
@@ -1221,7 +1239,11 @@ fn mss_is_clamped_both_ways() {
     let mut got = 0;
     for p in h.out() {
         let s = seg(&p);
-        assert!(s.payload.len() <= 1360, "segment of {} bytes", s.payload.len());
+        assert!(
+            s.payload.len() <= 1360,
+            "segment of {} bytes",
+            s.payload.len()
+        );
         got += s.payload.len();
     }
     assert!(got > 0);

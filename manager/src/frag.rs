@@ -172,8 +172,10 @@ impl Reassembler {
         // (RFC 6946): rebuild it without the Fragment header.
         if frag.offset == 0 && !frag.more {
             return match frag.head {
-                Some(head) => build(head, &[(0, frag.data.to_vec())], frag.data.len())
-                    .map_or(Reassembly::Dropped(FragDrop::Malformed), Reassembly::Complete),
+                Some(head) => build(head, &[(0, frag.data.to_vec())], frag.data.len()).map_or(
+                    Reassembly::Dropped(FragDrop::Malformed),
+                    Reassembly::Complete,
+                ),
                 None => Reassembly::Dropped(FragDrop::Malformed),
             };
         }
@@ -266,8 +268,10 @@ impl Reassembler {
         self.cost -= d.cost;
         d.pieces.sort_by_key(|(o, _)| *o);
         match (d.head, d.total) {
-            (Some(head), Some(total)) => build(head, &d.pieces, total)
-                .map_or(Reassembly::Dropped(FragDrop::Malformed), Reassembly::Complete),
+            (Some(head), Some(total)) => build(head, &d.pieces, total).map_or(
+                Reassembly::Dropped(FragDrop::Malformed),
+                Reassembly::Complete,
+            ),
             _ => Reassembly::Dropped(FragDrop::Malformed),
         }
     }
@@ -361,8 +365,8 @@ fn parse_fragment(buf: &[u8]) -> Result<Option<Fragment<'_>>, FragDrop> {
             }
             let payload: &[u8] = pkt.payload();
             let ext = Ipv6ExtHeader::new_checked(payload).map_err(|_| FragDrop::Malformed)?;
-            let fh = Ipv6FragmentHeader::new_checked(ext.payload())
-                .map_err(|_| FragDrop::Malformed)?;
+            let fh =
+                Ipv6FragmentHeader::new_checked(ext.payload()).map_err(|_| FragDrop::Malformed)?;
             let data = payload
                 .get(IPV6_FRAG_HEADER_LEN..)
                 .ok_or(FragDrop::Malformed)?;

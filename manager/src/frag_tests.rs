@@ -21,8 +21,12 @@ fn payload(n: usize) -> Vec<u8> {
 }
 
 fn datagram_v4(n: usize) -> Vec<u8> {
-    packet::udp_datagram(v4([100, 96, 0, 2], 40000), v4([10, 96, 0, 102], 7), &payload(n))
-        .expect("builds")
+    packet::udp_datagram(
+        v4([100, 96, 0, 2], 40000),
+        v4([10, 96, 0, 102], 7),
+        &payload(n),
+    )
+    .expect("builds")
 }
 
 fn datagram_v6(n: usize) -> Vec<u8> {
@@ -93,7 +97,10 @@ fn large_udp_v6_reassembles() {
     let Some(Reassembly::Complete(got)) = out.pop() else {
         panic!("not complete: {out:?}");
     };
-    assert_eq!(got, whole, "IPv6 reassembly restores the packet byte for byte");
+    assert_eq!(
+        got, whole,
+        "IPv6 reassembly restores the packet byte for byte"
+    );
 }
 
 #[test]
@@ -107,10 +114,7 @@ fn atomic_v6_fragment_is_a_whole_packet() {
     frag.extend_from_slice(&[17, 0, 0, 0, 0, 0, 0, 1]);
     frag.extend_from_slice(&whole[40..]);
     let mut r = Reassembler::default();
-    assert_eq!(
-        r.push(&frag, Instant::now()),
-        Reassembly::Complete(whole)
-    );
+    assert_eq!(r.push(&frag, Instant::now()), Reassembly::Complete(whole));
 }
 
 #[test]
