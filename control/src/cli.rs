@@ -14,14 +14,14 @@ use ipnet::IpNet;
     version,
     about = "Put this machine on a Kubernetes cluster's network",
     long_about = "kvpn puts this machine on a Kubernetes cluster's network: after `kvpn connect`, \
-pod IPs and ClusterIPs are reachable over TCP, UDP and ICMP, as if it were a pod \
-(cluster DNS names on the laptop are not there yet).\n\n\
+pod IPs, ClusterIPs and service names (`web.default`) are reachable over TCP, UDP and ICMP, \
+as if it were a pod.\n\n\
 Traffic to the cluster's CIDRs is routed into a TUN device, classified by an eBPF program, \
 framed by the root daemon (kvpn-dataplane) and carried to the in-cluster traffic manager \
 (kvpn-manager), which terminates it in a userspace TCP/IP stack and dials the real destinations.\n\n\
 Try it on the built-in lab: `kvpn lab up` (it prints the laptop's kubeconfigs), then \
 `kvpn lab exec laptop -- kvpn connect --kubeconfig <the printed laptop-kvpn-user.kubeconfig>`; \
-`kvpn lab exec laptop -- curl http://10.96.0.100/`."
+`kvpn lab exec laptop -- curl http://web.default/`."
 )]
 pub struct Cli {
     /// More log output on stderr (-v debug, -vv trace).
@@ -134,11 +134,8 @@ pub struct AgentArgs {
 pub struct ConnectArgs {
     /// Traffic manager data address, host:port: a direct TCP transport instead of
     /// installing the manager and port-forwarding through the API server.
-    #[arg(long, value_name = "HOST:PORT")]
+    #[arg(long, value_name = "HOST:PORT", conflicts_with_all = ["kubeconfig", "context"])]
     pub manager: Option<String>,
-    /// Which cluster (used unless --manager is given).
-    #[command(flatten)]
-    pub kube: KubeArgs,
     /// Traffic manager image to install or upgrade to.
     #[arg(long)]
     pub image: Option<String>,
@@ -149,13 +146,14 @@ pub struct ConnectArgs {
     #[arg(long = "service-cidr", value_name = "CIDR")]
     pub service_cidrs: Vec<IpNet>,
     /// Any other CIDR to route through the tunnel (repeatable).
-    #[arg(long = "cidr", alias = "extra-cidr", value_name = "CIDR")]
+    #[arg(long = "cidr", visible_alias = "extra-cidr", value_name = "CIDR")]
     pub extra_cidrs: Vec<IpNet>,
     /// Detect the cluster's pod and service CIDRs again instead of using the ones a
     /// previous connect cached in the manager's ConfigMap (the cache is rewritten).
     #[arg(long)]
     pub redetect_cidrs: bool,
-    /// This machine's address inside the tunnel.
+    /// This machine's address inside the tunnel, with --manager only (with a
+    /// kubeconfig the traffic manager leases one).
     #[arg(long, default_value = "100.96.0.2")]
     pub tunnel_ip: IpAddr,
     /// TUN device name (default: the first free kvpnN).
@@ -164,6 +162,10 @@ pub struct ConnectArgs {
     /// TUN MTU in bytes (default: the root daemon's, 9000 for byte-stream transports).
     #[arg(long)]
     pub mtu: Option<u32>,
+    /// Which cluster (used unless --manager is given). Last, so its SSH help
+    /// heading covers only the SSH flags.
+    #[command(flatten)]
+    pub kube: KubeArgs,
 }
 
 /// Output formats.

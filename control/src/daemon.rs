@@ -167,12 +167,9 @@ pub async fn stop(runtime_dir: &Path) -> Result<()> {
         }
         Err(e) => return Err(anyhow!(e).context(format!("cannot read {}", pid_file.display()))),
     };
-    let status = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status()
-        .context("cannot run kill")?;
-    if !status.success() {
+    // SAFETY: kill(2) with a pid and a signal number has no memory preconditions.
+    let sent = unsafe { libc::kill(pid, libc::SIGTERM) } == 0;
+    if !sent || !process_alive(pid) {
         crate::output::done(&format!("The root daemon (pid {pid}) was not running"));
         let _ = std::fs::remove_file(&pid_file);
         return Ok(());
@@ -191,6 +188,47 @@ pub async fn stop(runtime_dir: &Path) -> Result<()> {
     }
     crate::output::done(&format!("Stopped the root daemon (pid {pid})"));
     Ok(())
+}
+
+/// What a killed root daemon leaves that matters to the user: the backup of the
+/// resolv.conf it changed (named like the daemon's `BACKUP_NAME`).
+const DNS_BACKUP: &str = "resolv.conf.kvpn-backup";
+
+/// Whether a root daemon of `runtime_dir` died with the laptop's DNS still
+/// pointing at its forwarder.
+pub fn dns_left_changed(runtime_dir: &Path) -> bool {
+    runtime_dir.join(DNS_BACKUP).exists()
+}
+
+/// With no root daemon answering: undo what a killed one left (resolv.conf from
+/// its backup, kvpn's routes) by running `kvpn-dataplane --repair`. Returns
+/// whether there was something to undo.
+pub fn repair_leftovers(runtime_dir: &Path) -> Result<bool> {
+    if !dns_left_changed(runtime_dir) {
+        return Ok(false);
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "the root daemon died and left this machine's resolv.conf pointing at its DNS \
+             forwarder; restoring it needs root — run `sudo kvpn quit`"
+        );
+    }
+    let bin = dataplane_binary();
+    let out = std::process::Command::new(&bin)
+        .arg("--runtime-dir")
+        .arg(runtime_dir)
+        .arg("--repair")
+        .output()
+        .with_context(|| format!("cannot run {} --repair", bin.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} --repair failed: {}",
+            bin.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(true)
 }
 
 /// Whether `pid` still runs (a zombie counts as gone: it runs no code).

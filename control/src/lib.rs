@@ -211,6 +211,12 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
 
 async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Result<()> {
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+        if daemon::repair_leftovers(runtime_dir)? {
+            output::done(
+                "The root daemon had died with this machine's DNS pointing at it: \
+                 resolv.conf restored and kvpn's routes removed",
+            );
+        }
         output::done("Not connected: the root daemon is not running, nothing to disconnect");
         return Ok(());
     };
@@ -288,6 +294,15 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
             connect::stop_agent(runtime_dir, &id).await;
             output::done(&format!("Disconnected session {id}"));
         }
+    }
+    // What a killed root daemon left: resolv.conf pointing at its forwarder, routes.
+    if daemon::connect_existing(runtime_dir).await?.is_none()
+        && daemon::repair_leftovers(runtime_dir)?
+    {
+        output::done(
+            "The root daemon had died with this machine's DNS pointing at it: resolv.conf \
+             restored and kvpn's routes removed",
+        );
     }
     // Agents of sessions the root daemon no longer knows (it was killed, say).
     for id in connect::sweep_agents(runtime_dir, &[]).await {

@@ -66,6 +66,13 @@ pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
             crate::daemon::socket_path(runtime_dir).display()
         ),
     }
+    if crate::daemon::dns_left_changed(runtime_dir) {
+        warn(
+            "the root daemon died and left this machine's resolv.conf pointing at its DNS \
+             forwarder, so name lookups fail — run `kvpn quit` (or `kvpn disconnect`) to \
+             restore it",
+        );
+    }
 }
 
 /// `null` for an empty string (an origin field that does not apply).

@@ -26,6 +26,12 @@ struct Args {
     /// such as `kvpn_dataplane=debug`.
     #[arg(long, env = "KVPN_LOG_LEVEL", default_value = "info")]
     log_level: String,
+    /// Do not serve: undo what a killed daemon of this runtime folder left (restore
+    /// resolv.conf from its backup, delete kvpn's routes) and exit. Refused while a
+    /// daemon serves on the socket (it repaired when it started). `kvpn quit` and
+    /// `kvpn disconnect` run this when no daemon answers.
+    #[arg(long)]
+    repair: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -51,6 +57,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    if args.repair {
+        return repair(&args.runtime_dir).await;
+    }
     let dir = RuntimeDir::prepare(&args.runtime_dir)?;
     let listener = dir.bind()?;
     let result = serve(&dir, listener).await;
@@ -59,25 +68,58 @@ async fn run(args: Args) -> anyhow::Result<()> {
     result
 }
 
-async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::Result<()> {
+/// The daemon with its DNS, after undoing what an earlier (killed) daemon of
+/// `runtime_dir` left: resolv.conf (case dns-06) and kvpn's routes (lc-02).
+/// Errors: what could not be undone.
+async fn repaired_daemon(
+    runtime_dir: &std::path::Path,
+) -> anyhow::Result<(Arc<Daemon>, Vec<String>)> {
     let netlink = Netlink::new().context("cannot open a NETLINK_ROUTE socket")?;
-    let settings = DnsSettings::from_env(dir.path()).map_err(anyhow::Error::msg)?;
+    let settings = DnsSettings::from_env(runtime_dir).map_err(anyhow::Error::msg)?;
     let dns = Arc::new(Dns::new(settings));
-    // A resolv.conf left changed by a daemon that was killed (case dns-06).
+    let mut failed = Vec::new();
     match dns.repair() {
         Ok(Restored::NothingToDo) => {}
         Ok(outcome) => {
             tracing::info!(?outcome, path = %dns.settings().resolv_conf.display(), "repaired resolv.conf left by an earlier daemon")
         }
-        Err(e) => tracing::warn!(error = %e, "cannot repair resolv.conf left by an earlier daemon"),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot repair resolv.conf left by an earlier daemon");
+            failed.push(format!("resolv.conf: {e}"));
+        }
     }
     let daemon =
         Arc::new(Daemon::new(netlink, Arc::new(EbpfClassifiers), HEARTBEAT_INTERVAL).with_dns(dns));
     match daemon.sweep_leftovers().await {
         Ok(0) => {}
         Ok(n) => tracing::info!(routes = n, "removed routes left by an earlier daemon"),
-        Err(e) => tracing::warn!(error = %e, "cannot sweep leftover kvpn routes"),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot sweep leftover kvpn routes");
+            failed.push(format!("routes: {e}"));
+        }
     }
+    Ok((daemon, failed))
+}
+
+/// `--repair`: undo an earlier daemon's leftovers without serving.
+async fn repair(runtime_dir: &std::path::Path) -> anyhow::Result<()> {
+    let socket = runtime_dir.join(kvpn_dataplane::daemon::SOCKET_NAME);
+    if tokio::net::UnixStream::connect(&socket).await.is_ok() {
+        anyhow::bail!(
+            "a root daemon serves on {} — it repaired leftovers when it started; stop it \
+             with `kvpn quit` instead",
+            socket.display()
+        );
+    }
+    let (_daemon, failed) = repaired_daemon(runtime_dir).await?;
+    if !failed.is_empty() {
+        anyhow::bail!("could not undo: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
+async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::Result<()> {
+    let (daemon, _failed) = repaired_daemon(dir.path()).await?;
     let mut sigterm =
         signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut sigint =
