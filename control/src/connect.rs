@@ -323,14 +323,64 @@ fn host_of(server: &str) -> String {
         .to_string()
 }
 
-/// The routes of a session: each kind's CIDRs normalised, with every address of
-/// `keep_out` (API server, nameservers, gateways, the manager) cut out (rt-02).
+/// Ranges no cluster route may take, with why: the host's own (loopback, "this
+/// network"), link-local (DHCP, cloud metadata, IPv6 neighbour discovery) and
+/// multicast/broadcast (RFC 6890 special-purpose registries). A broad `--cidr`
+/// such as 0.0.0.0/0 is routed around them.
+pub const NEVER_ROUTED: &[(&str, &str)] = &[
+    ("0.0.0.0/8", "\"this network\""),
+    ("127.0.0.0/8", "loopback"),
+    ("169.254.0.0/16", "link-local"),
+    ("224.0.0.0/4", "multicast"),
+    ("255.255.255.255/32", "broadcast"),
+    ("::/128", "unspecified"),
+    ("::1/128", "loopback"),
+    ("fe80::/10", "link-local"),
+    ("ff00::/8", "multicast"),
+];
+
+fn never_routed() -> Vec<IpNet> {
+    NEVER_ROUTED
+        .iter()
+        .filter_map(|(c, _)| c.parse().ok())
+        .collect()
+}
+
+/// The [`NEVER_ROUTED`] ranges that `cidrs` overlap, as "127.0.0.0/8 (loopback)",
+/// for a warning.
+pub fn never_routed_overlaps(cidrs: &[IpNet]) -> Vec<String> {
+    NEVER_ROUTED
+        .iter()
+        .filter(|(c, _)| {
+            c.parse::<IpNet>()
+                .is_ok_and(|n| cidrs.iter().any(|x| x.contains(&n) || n.contains(x)))
+        })
+        .map(|(c, why)| format!("{c} ({why})"))
+        .collect()
+}
+
+/// Says which [`NEVER_ROUTED`] ranges the user's or the cluster's CIDRs covered.
+pub fn warn_never_routed(cidrs: &[IpNet]) {
+    let hit = never_routed_overlaps(cidrs);
+    if !hit.is_empty() {
+        output::warn(&format!(
+            "not routing {} through the tunnel: they are this machine's own, whatever \
+             the cluster CIDRs say",
+            hit.join(", ")
+        ));
+    }
+}
+
+/// The routes of a session: each kind's CIDRs normalised, without the
+/// [`NEVER_ROUTED`] ranges, and with every address of `keep_out` (API server,
+/// nameservers, gateways, the manager) cut out (rt-02).
 pub fn cluster_routes(
     pod: &[IpNet],
     service: &[IpNet],
     extra: &[IpNet],
     keep_out: &[IpAddr],
 ) -> Vec<Route> {
+    let never = never_routed();
     [
         (pod, RouteKind::Pod),
         (service, RouteKind::Service),
@@ -338,7 +388,7 @@ pub fn cluster_routes(
     ]
     .into_iter()
     .flat_map(|(cidrs, kind)| {
-        cidr::exclude(cidrs, keep_out)
+        cidr::exclude(&kvpn_proto::cidr::subtract(cidrs, &never), keep_out)
             .into_iter()
             .map(move |c| Route {
                 cidr: c.to_string(),
@@ -585,6 +635,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         output::warn(p);
     }
     let keep_out: Vec<IpAddr> = essentials.addresses();
+    warn_never_routed(&[&pod[..], &service, &args.extra_cidrs].concat());
     let mut routes = cluster_routes(&pod, &service, &args.extra_cidrs, &keep_out);
     // Other laptops' tunnel IPs (laptop-to-laptop through the manager). The
     // laptop's own tunnel IP is in the local routing table, which wins, so the
@@ -792,5 +843,63 @@ mod tests {
         assert_eq!(host_of("https://172.31.255.1:6443"), "172.31.255.1");
         assert_eq!(host_of("https://api.example.com"), "api.example.com");
         assert_eq!(host_of("https://[fd00::1]:6443/prefix"), "fd00::1");
+    }
+}
+
+#[cfg(test)]
+mod never_routed_tests {
+    use super::{cluster_routes, never_routed_overlaps};
+    use ipnet::IpNet;
+    use std::net::IpAddr;
+
+    fn nets(s: &[&str]) -> Vec<IpNet> {
+        s.iter()
+            .map(|c| c.parse().unwrap_or_else(|e| panic!("{c}: {e}")))
+            .collect()
+    }
+
+    fn routed(routes: &[kvpn_proto::dataplane::Route], ip: &str) -> bool {
+        let ip: IpAddr = ip.parse().unwrap_or_else(|e| panic!("{ip}: {e}"));
+        routes.iter().any(|r| {
+            r.cidr
+                .parse::<IpNet>()
+                .is_ok_and(|n: IpNet| n.contains(&ip))
+        })
+    }
+
+    #[test]
+    fn a_default_route_as_cidr_keeps_loopback_link_local_and_multicast_off_the_tunnel() {
+        let all = nets(&["0.0.0.0/0", "::/0"]);
+        let routes = cluster_routes(&[], &[], &all, &[]);
+        for off in [
+            "127.0.0.1",
+            "127.0.0.153",
+            "127.0.1.1",
+            "169.254.169.254",
+            "224.0.0.251",
+            "255.255.255.255",
+            "0.1.2.3",
+            "::1",
+            "fe80::1",
+            "ff02::fb",
+        ] {
+            assert!(!routed(&routes, off), "{off} routed: {routes:?}");
+        }
+        for on in ["10.1.2.3", "1.1.1.1", "100.64.0.1", "2001:db8::1"] {
+            assert!(routed(&routes, on), "{on} not routed");
+        }
+        let hit = never_routed_overlaps(&all);
+        assert_eq!(hit.len(), 9, "{hit:?}");
+        assert!(hit.contains(&"127.0.0.0/8 (loopback)".to_owned()));
+    }
+
+    #[test]
+    fn ordinary_cluster_cidrs_are_untouched_and_not_warned_about() {
+        let pod = nets(&["10.244.0.0/16"]);
+        let svc = nets(&["10.96.0.0/12"]);
+        let routes = cluster_routes(&pod, &svc, &[], &[]);
+        let cidrs: Vec<&str> = routes.iter().map(|r| r.cidr.as_str()).collect();
+        assert_eq!(cidrs, ["10.244.0.0/16", "10.96.0.0/12"]);
+        assert!(never_routed_overlaps(&[pod, svc].concat()).is_empty());
     }
 }

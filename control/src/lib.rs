@@ -81,6 +81,9 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     // Never route the manager's own address into the tunnel that leads to it (rt-02):
     // the session could never come up.
     let keep_out: Vec<std::net::IpAddr> = manager_ip(&manager).into_iter().collect();
+    connect::warn_never_routed(
+        &[&args.pod_cidrs[..], &args.service_cidrs, &args.extra_cidrs].concat(),
+    );
     let routes = connect::cluster_routes(
         &args.pod_cidrs,
         &args.service_cidrs,

@@ -59,7 +59,10 @@ fn status_warns_and_quit_restores_resolv_conf_after_the_daemon_was_killed() {
 
     let out = f.kvpn_ok(&["quit"]);
     assert!(out.contains("resolv.conf restored"), "{out}");
-    assert!(!out.contains("No such process"), "no raw shell output: {out}");
+    assert!(
+        !out.contains("No such process"),
+        "no raw shell output: {out}"
+    );
     assert_eq!(
         std::fs::read(&path).unwrap_or_default(),
         before,
