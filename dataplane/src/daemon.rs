@@ -282,7 +282,7 @@ impl Daemon {
 
     /// Give `session`'s cluster DNS to split DNS; the line for the user.
     async fn start_dns(&self, session: &Session, req: &ConnectRequest) -> String {
-        match req.dns.as_ref() {
+        let mut line = match req.dns.as_ref() {
             Some(api) => {
                 self.apply_dns(
                     session.id(),
@@ -293,6 +293,46 @@ impl Daemon {
                 .await
             }
             None => String::new(),
+        };
+        if req.hosts_file {
+            let hosts = match (&self.dns, req.dns.as_ref()) {
+                (Some(dns), Some(api)) => {
+                    dns.enable_hosts(session.id(), &api.search, &api.domain)
+                        .await
+                }
+                (Some(_), None) => {
+                    "hosts file: no entries (the session has no cluster DNS settings)".to_owned()
+                }
+                (None, _) => "hosts file: not written (this daemon runs without split DNS)".to_owned(),
+            };
+            if line.is_empty() {
+                line = hosts;
+            } else if !line.starts_with("not configured: ") {
+                line = format!("{line}; {hosts}");
+            }
+        }
+        line
+    }
+
+    /// Give session `id`'s Services (as the route watch reports them) to its
+    /// hosts-file entries, if it asked for them; `dns` is the session's newest
+    /// cluster DNS settings (the connected namespace may come with them).
+    async fn update_hosts(
+        &self,
+        id: &str,
+        dns_settings: Option<&kvpn_proto::dataplane::ClusterDns>,
+        services: Vec<kvpn_proto::dataplane::ClusterService>,
+    ) {
+        let Some(dns) = &self.dns else { return };
+        if !dns.hosts_enabled(id).await {
+            return;
+        }
+        if let Some(api) = dns_settings {
+            dns.enable_hosts(id, &api.search, &api.domain).await;
+        }
+        match dns.set_hosts_services(id, services).await {
+            Ok(n) => tracing::debug!(session = id, entries = n, "hosts file updated"),
+            Err(e) => tracing::warn!(session = id, error = %e, "hosts file not updated"),
         }
     }
 
@@ -520,6 +560,15 @@ impl Dataplane for Daemon {
                     Status::internal(format!("session {}: {m}", req.session_id))
                 }
             })?;
+        if req.services_replace || !req.services_upsert.is_empty() || !req.services_remove.is_empty()
+        {
+            let services: Vec<_> = {
+                let st = handle.state.lock().unwrap_or_else(PoisonError::into_inner);
+                st.services.values().cloned().collect()
+            };
+            self.update_hosts(&req.session_id, req.dns.as_ref(), services)
+                .await;
+        }
         Ok(Response::new(resp))
     }
 }
