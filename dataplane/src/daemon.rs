@@ -359,8 +359,18 @@ impl Daemon {
                     crate::ebpf::RouteKind::Pod | crate::ebpf::RouteKind::Service
                 )
         });
+        // PTR names of the cluster's pod and service addresses go to the cluster DNS.
+        let reverse = routes
+            .iter()
+            .filter(|(_, kind)| {
+                matches!(
+                    kind,
+                    crate::ebpf::RouteKind::Pod | crate::ebpf::RouteKind::Service
+                )
+            })
+            .map(|(cidr, _)| *cidr);
         let cluster = match ClusterDns::new(&api.servers, &api.domain, &api.search, ipv6) {
-            Ok(c) => c,
+            Ok(c) => c.with_reverse(reverse),
             Err(e) => return format!("not configured: {e}"),
         };
         if dns.has_session(id, &cluster).await {
@@ -517,7 +527,26 @@ impl Dataplane for Daemon {
         &self,
         _request: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
+        let dns_counters = match &self.dns {
+            Some(dns) => dns.counters().await.map(|c| kvpn_proto::dataplane::DnsCounters {
+                udp_queries: c.udp_queries,
+                tcp_queries: c.tcp_queries,
+                cluster: c.cluster,
+                expanded: c.expanded,
+                upstream: c.upstream,
+                nxdomain: c.local_nxdomain,
+                empty_aaaa: c.empty_aaaa,
+                truncated: c.truncated,
+                dropped: c.dropped,
+                servfail: c.servfail,
+                malformed: c.malformed,
+            }),
+            None => None,
+        };
         let mut sessions: Vec<_> = self.sessions().values().map(Session::status).collect();
+        for s in &mut sessions {
+            s.dns_counters = dns_counters;
+        }
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
         Ok(Response::new(StatusResponse { sessions }))
     }

@@ -14,7 +14,13 @@
 //!   the first in search-list order that exists answers, as a CNAME from the asked
 //!   name plus the cluster's records.
 //! - The cluster DNS is plain UDP/TCP to its ClusterIP: the TUN device's routes
-//!   carry it, with the tunnel IP as source.
+//!   carry it, with the tunnel IP as source. UDP to the cluster DNS goes over one
+//!   long-lived socket per server ([`UdpMux`], queries told apart by a message id
+//!   of the forwarder's choosing): a fresh socket per question would be a new UDP
+//!   flow in the traffic manager each time, and a burst of questions (10,000 in a
+//!   minute, measured) filled the manager's flow table (4096 flows, 60 s idle
+//!   timeout), so questions were dropped. The laptop's upstreams get a fresh socket
+//!   (random source port) per question, as before.
 //!
 //! Bounds: at most [`MAX_IN_FLIGHT`] questions at once (more UDP questions are
 //! dropped and counted; the client retries), [`MAX_TCP_CONNECTIONS`] TCP clients,
@@ -31,7 +37,7 @@ use hickory_proto::op::{Message, ResponseCode};
 use hickory_proto::rr::Name;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Semaphore, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::message::{self, Reject};
@@ -158,6 +164,143 @@ struct Shared {
     anchors: Mutex<ExistenceCache>,
     counters: Counters,
     in_flight: Arc<Semaphore>,
+    cluster_udp: UdpMux,
+}
+
+/// One connected UDP socket to one server, with the questions waiting on it.
+struct MuxSocket {
+    socket: UdpSocket,
+    /// Our message id → the original id and who waits.
+    pending: Mutex<std::collections::HashMap<u16, oneshot::Sender<Vec<u8>>>>,
+}
+
+/// UDP exchanges with the cluster DNS servers over one long-lived socket each
+/// (see the module header). The id of each query is replaced by a free one
+/// drawn at random, and the client's id is put back into the answer.
+#[derive(Default)]
+struct UdpMux {
+    sockets: Mutex<std::collections::HashMap<SocketAddr, Arc<MuxSocket>>>,
+    readers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for UdpMux {
+    fn drop(&mut self) {
+        for r in self
+            .readers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
+            r.abort();
+        }
+    }
+}
+
+fn random_u16() -> u16 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    // RandomState is seeded from the OS once per process and stepped per instance.
+    let mut h = std::hash::RandomState::new().build_hasher();
+    h.write_u8(0);
+    (h.finish() >> 48) as u16
+}
+
+impl UdpMux {
+    async fn socket(&self, server: SocketAddr) -> std::io::Result<Arc<MuxSocket>> {
+        if let Some(s) = self
+            .sockets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&server)
+        {
+            return Ok(s.clone());
+        }
+        let socket = UdpSocket::bind(unspecified_for(server)).await?;
+        socket.connect(server).await?;
+        let mux = Arc::new(MuxSocket {
+            socket,
+            pending: Mutex::new(std::collections::HashMap::new()),
+        });
+        let mut sockets = self.sockets.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = sockets.get(&server) {
+            // Another question made one meanwhile; ours goes unused.
+            return Ok(s.clone());
+        }
+        sockets.insert(server, mux.clone());
+        let reader = mux.clone();
+        self.readers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(tokio::spawn(async move {
+                let mut buf = vec![0u8; 65535];
+                loop {
+                    let n = match reader.socket.recv(&mut buf).await {
+                        Ok(n) => n,
+                        Err(e) => {
+                            // ICMP errors of earlier sends (port unreachable) land
+                            // here; the questions time out on their own.
+                            tracing::debug!(%server, error = %e, "cluster DNS socket receive error");
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            continue;
+                        }
+                    };
+                    let Some(id) = message::message_id(&buf[..n]) else {
+                        continue;
+                    };
+                    let waiter = reader
+                        .pending
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .remove(&id);
+                    if let Some(tx) = waiter {
+                        let _ = tx.send(buf[..n].to_vec());
+                    }
+                }
+            }));
+        Ok(mux)
+    }
+
+    /// One UDP exchange with `server`; the answer carries `raw`'s id.
+    async fn exchange(&self, server: SocketAddr, raw: &[u8]) -> std::io::Result<Vec<u8>> {
+        if raw.len() < 2 {
+            return Err(std::io::Error::other("query too short"));
+        }
+        let mux = self.socket(server).await?;
+        let (tx, rx) = oneshot::channel();
+        let ours = {
+            let mut pending = mux.pending.lock().unwrap_or_else(PoisonError::into_inner);
+            // At most MAX_IN_FLIGHT questions (times their expansions) wait: a free
+            // id is found within a few draws.
+            let mut id = random_u16();
+            let mut draws = 0;
+            while pending.contains_key(&id) {
+                id = random_u16();
+                draws += 1;
+                if draws > 64 {
+                    return Err(std::io::Error::other("no free DNS message id"));
+                }
+            }
+            pending.insert(id, tx);
+            id
+        };
+        let mut query = raw.to_vec();
+        query[..2].copy_from_slice(&ours.to_be_bytes());
+        let result = async {
+            mux.socket.send(&query).await?;
+            rx.await
+                .map_err(|_| std::io::Error::other("cluster DNS socket closed"))
+        };
+        let result = tokio::time::timeout(EXCHANGE_TIMEOUT, result).await;
+        mux.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&ours);
+        let mut answer = result
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in time"))??;
+        if answer.len() >= 2 {
+            answer[..2].copy_from_slice(&raw[..2]);
+        }
+        Ok(answer)
+    }
 }
 
 /// A running forwarder. [`Forwarder::stop`] ends it; dropping it aborts its tasks.
@@ -216,6 +359,7 @@ impl Forwarder {
             anchors: Mutex::new(ExistenceCache::new(ANCHOR_CACHE_SIZE)),
             counters: Counters::default(),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+            cluster_udp: UdpMux::default(),
         });
         let (stop_tx, stop_rx) = watch::channel(false);
         let tasks = vec![
@@ -420,7 +564,7 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
         None | Some((Plan::Upstream, _)) => upstream(shared, raw, &query, transport, limit).await,
         Some((Plan::Cluster, cluster)) => {
             bump(&shared.counters.cluster);
-            relay(shared, &cluster.servers, raw, &query, transport, limit).await
+            relay(shared, &cluster.servers, raw, &query, transport, limit, true).await
         }
         Some((Plan::EmptyAaaa, _)) => {
             bump(&shared.counters.empty_aaaa);
@@ -484,7 +628,7 @@ async fn upstream(
         .read()
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
-    relay(shared, &servers, raw, query, transport, limit).await
+    relay(shared, &servers, raw, query, transport, limit, false).await
 }
 
 /// Send `raw` to each server in turn until one answers; its answer unchanged, or
@@ -496,11 +640,17 @@ async fn relay(
     query: &Message,
     transport: Transport,
     limit: Option<usize>,
+    to_cluster: bool,
 ) -> Option<Vec<u8>> {
     // One server: a second try, as a stub resolver would.
     let tries = servers.len().max(2).min(servers.len() * 2);
     for server in servers.iter().cycle().take(tries) {
-        match exchange(*server, raw, transport).await {
+        let answer = if to_cluster && transport == Transport::Udp {
+            shared.cluster_udp.exchange(*server, raw).await
+        } else {
+            exchange(*server, raw, transport).await
+        };
+        match answer {
             Ok(answer) => {
                 if let Some(limit) = limit
                     && answer.len() > limit
@@ -577,13 +727,18 @@ async fn exchange(
 /// A query of ours to the cluster DNS, decoded; `None` when no server answered
 /// with a parsable message of the same id.
 async fn ask_cluster(
+    shared: &Shared,
     cluster: &ClusterDns,
     query: &Message,
     transport: Transport,
 ) -> Option<Message> {
     let raw = query.to_vec().ok()?;
     for server in &cluster.servers {
-        match exchange(*server, &raw, transport).await {
+        let answer = match transport {
+            Transport::Udp => shared.cluster_udp.exchange(*server, &raw).await,
+            Transport::Tcp => exchange(*server, &raw, transport).await,
+        };
+        match answer {
             Ok(answer) => match Message::from_vec(&answer) {
                 Ok(m) => return Some(m),
                 Err(e) => {
@@ -607,7 +762,7 @@ async fn anchor_exists(shared: &Shared, cluster: &ClusterDns, anchor: &Name) -> 
     {
         return Some(known);
     }
-    let answer = ask_cluster(cluster, &message::existence_query(anchor), Transport::Udp).await?;
+    let answer = ask_cluster(shared, cluster, &message::existence_query(anchor), Transport::Udp).await?;
     let exists = message::name_exists(answer.metadata.response_code)?;
     shared
         .anchors
@@ -642,7 +797,7 @@ async fn try_candidate(
         return Tried::Failed;
     };
     let ours = message::cluster_query(query, &candidate.name, qtype);
-    match ask_cluster(cluster, &ours, transport).await {
+    match ask_cluster(shared, cluster, &ours, transport).await {
         Some(answer) => match message::name_exists(answer.metadata.response_code) {
             Some(true) => Tried::Present(answer),
             Some(false) => Tried::Absent,
