@@ -469,6 +469,21 @@ fn dns_static_musl_and_go_resolvers_resolve_cluster_names() {
         text(&curl.stderr)
     );
 
+    // PTR of a ClusterIP: the cluster DNS answers it, the laptop's resolver never sees it.
+    let ptr = dig(&f, &["-x", &web]);
+    assert_eq!(
+        ptr.typed("PTR"),
+        vec!["web.default.svc.cluster.local.".to_owned()],
+        "{}",
+        ptr.raw
+    );
+    let reverse: Vec<String> = upstream
+        .queries()
+        .into_iter()
+        .filter(|q| q.ends_with("in-addr.arpa"))
+        .collect();
+    assert!(reverse.is_empty(), "PTR of cluster addresses went upstream: {reverse:?}");
+
     let names = [
         "web.default.svc.cluster.local",
         "web.default.svc.cluster.local.",
