@@ -104,7 +104,9 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         manager, args.tunnel_ip
     ));
     if args.hosts {
-        output::warn("--hosts needs the route watch of a port-forward session; a --manager session writes no hosts-file entries");
+        output::warn(
+            "--hosts needs the route watch of a port-forward session; a --manager session writes no hosts-file entries",
+        );
     }
     let resp = client
         .connect(ConnectRequest {

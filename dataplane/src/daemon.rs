@@ -303,7 +303,9 @@ impl Daemon {
                 (Some(_), None) => {
                     "hosts file: no entries (the session has no cluster DNS settings)".to_owned()
                 }
-                (None, _) => "hosts file: not written (this daemon runs without split DNS)".to_owned(),
+                (None, _) => {
+                    "hosts file: not written (this daemon runs without split DNS)".to_owned()
+                }
             };
             if line.is_empty() {
                 line = hosts;
@@ -528,19 +530,22 @@ impl Dataplane for Daemon {
         _request: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
         let dns_counters = match &self.dns {
-            Some(dns) => dns.counters().await.map(|c| kvpn_proto::dataplane::DnsCounters {
-                udp_queries: c.udp_queries,
-                tcp_queries: c.tcp_queries,
-                cluster: c.cluster,
-                expanded: c.expanded,
-                upstream: c.upstream,
-                nxdomain: c.local_nxdomain,
-                empty_aaaa: c.empty_aaaa,
-                truncated: c.truncated,
-                dropped: c.dropped,
-                servfail: c.servfail,
-                malformed: c.malformed,
-            }),
+            Some(dns) => dns
+                .counters()
+                .await
+                .map(|c| kvpn_proto::dataplane::DnsCounters {
+                    udp_queries: c.udp_queries,
+                    tcp_queries: c.tcp_queries,
+                    cluster: c.cluster,
+                    expanded: c.expanded,
+                    upstream: c.upstream,
+                    nxdomain: c.local_nxdomain,
+                    empty_aaaa: c.empty_aaaa,
+                    truncated: c.truncated,
+                    dropped: c.dropped,
+                    servfail: c.servfail,
+                    malformed: c.malformed,
+                }),
             None => None,
         };
         let mut sessions: Vec<_> = self.sessions().values().map(Session::status).collect();
@@ -589,7 +594,9 @@ impl Dataplane for Daemon {
                     Status::internal(format!("session {}: {m}", req.session_id))
                 }
             })?;
-        if req.services_replace || !req.services_upsert.is_empty() || !req.services_remove.is_empty()
+        if req.services_replace
+            || !req.services_upsert.is_empty()
+            || !req.services_remove.is_empty()
         {
             let services: Vec<_> = {
                 let st = handle.state.lock().unwrap_or_else(PoisonError::into_inner);

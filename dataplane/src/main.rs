@@ -77,7 +77,9 @@ async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::
         Ok(outcome) => {
             tracing::info!(?outcome, path = %dns.settings().hosts.display(), "removed hosts-file entries left by an earlier daemon")
         }
-        Err(e) => tracing::warn!(error = %e, "cannot repair the hosts file left by an earlier daemon"),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot repair the hosts file left by an earlier daemon")
+        }
     }
     let daemon =
         Arc::new(Daemon::new(netlink, Arc::new(EbpfClassifiers), HEARTBEAT_INTERVAL).with_dns(dns));

@@ -9,7 +9,6 @@
 //! The forwarder path is what runs here (this machine has no systemd-resolved);
 //! the systemd-resolved path (dns-04) is unit-tested only.
 
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 

@@ -82,7 +82,11 @@ fn dns_07_hosts_file_edge_cases() {
         )),
         "CRLF entries like the file's own: {text_now:?}"
     );
-    for spelling in ["web.default", "web.default.svc", "web.default.svc.cluster.local"] {
+    for spelling in [
+        "web.default",
+        "web.default.svc",
+        "web.default.svc.cluster.local",
+    ] {
         assert_eq!(hosts_lookup(&f, spelling).as_deref(), Some(web.as_str()));
     }
     // The laptop's own lines still work: localhost and the last line, which kvpn
@@ -131,7 +135,11 @@ fn dns_07_hosts_file_edge_cases() {
     ]);
     wait_hosts(&f, "web", &web);
     kill_daemon_and_agents(&f);
-    assert_ne!(bytes(), LAPTOP_HOSTS, "a killed daemon cannot restore anything");
+    assert_ne!(
+        bytes(),
+        LAPTOP_HOSTS,
+        "a killed daemon cannot restore anything"
+    );
     restart_daemon(&f);
     let t0 = Instant::now();
     // The file comes back first, then the backup goes.
@@ -235,8 +243,7 @@ fn dns_query_load_10000_mixed_names_no_errors_no_cluster_leak() {
 
     let file_arg = file.to_string_lossy().into_owned();
     let out = f.laptop(&[
-        "dnsperf", "-s", FORWARDER, "-d", &file_arg, "-n", "1", "-c", "4", "-q", "100", "-t",
-        "5",
+        "dnsperf", "-s", FORWARDER, "-d", &file_arg, "-n", "1", "-c", "4", "-q", "100", "-t", "5",
     ]);
     let perf = parse_dnsperf(&text(&out.stdout));
     assert!(
@@ -252,7 +259,13 @@ fn dns_query_load_10000_mixed_names_no_errors_no_cluster_leak() {
         .iter()
         .filter(|(c, _)| c != "NOERROR" && c != "NXDOMAIN")
         .collect();
-    assert!(bad.is_empty(), "SERVFAIL/REFUSED/...: {bad:?}\n{}", perf.raw);
+    assert!(
+        bad.is_empty(),
+        "SERVFAIL/REFUSED/...: {bad:?}\n{}\nforwarder counters: {}\n{}",
+        perf.raw,
+        f.session()["dns_counters"],
+        f.diagnostics()
+    );
     let nx: u64 = perf
         .rcodes
         .iter()
@@ -364,9 +377,9 @@ func main() {
 "#;
 
 fn run_checked(cmd: &mut Command, what: &str) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: {e} (scripts/setup.sh installs musl-tools and golang-1.19-go)"));
+    let out = cmd.output().unwrap_or_else(|e| {
+        panic!("{what}: {e} (scripts/setup.sh installs musl-tools and golang-1.19-go)")
+    });
     assert!(
         out.status.success(),
         "{what}: {}{}",
@@ -419,7 +432,12 @@ fn build_go(dir: &Path) -> PathBuf {
 }
 
 /// `(name, Ok(addresses) or Err(message))` per line of the programs' output.
-fn lookups(f: &KubeFixture, program: &Path, names: &[&str], env: &[&str]) -> Vec<(String, Result<Vec<String>, String>)> {
+fn lookups(
+    f: &KubeFixture,
+    program: &Path,
+    names: &[&str],
+    env: &[&str],
+) -> Vec<(String, Result<Vec<String>, String>)> {
     let mut args: Vec<String> = vec!["env".into()];
     args.extend(env.iter().map(|s| (*s).to_owned()));
     args.push(program.to_string_lossy().into_owned());
@@ -452,7 +470,10 @@ fn dns_static_musl_and_go_resolvers_resolve_cluster_names() {
     let t0 = Instant::now();
     let musl = build_musl(&dir);
     let go = build_go(&dir);
-    eprintln!("built the musl and Go resolvers in {:.1} s", t0.elapsed().as_secs_f64());
+    eprintln!(
+        "built the musl and Go resolvers in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
 
     connect_default(&f);
     let web = cluster_ip(&f, "default", "web");
@@ -482,7 +503,10 @@ fn dns_static_musl_and_go_resolvers_resolve_cluster_names() {
         .into_iter()
         .filter(|q| q.ends_with("in-addr.arpa"))
         .collect();
-    assert!(reverse.is_empty(), "PTR of cluster addresses went upstream: {reverse:?}");
+    assert!(
+        reverse.is_empty(),
+        "PTR of cluster addresses went upstream: {reverse:?}"
+    );
 
     let names = [
         "web.default.svc.cluster.local",

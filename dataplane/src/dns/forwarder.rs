@@ -183,12 +183,26 @@ struct MuxSocket {
 }
 
 /// UDP exchanges with the cluster DNS servers over one long-lived socket each
-/// (see the module header). The id of each query is replaced by a free one
-/// drawn at random, and the client's id is put back into the answer.
-#[derive(Default)]
+/// (see the module header). The id of each query is replaced by the next free
+/// one of a sequence with a random start, and the client's id is put back into
+/// the answer. Sequential ids keep an id from coming back for 65,536 questions,
+/// so a late duplicate answer (to a resent question) never meets a newer
+/// question with the same id; guessing them needs a place on the cluster path,
+/// inside the authenticated tunnel.
 struct UdpMux {
     sockets: Mutex<std::collections::HashMap<SocketAddr, Arc<MuxSocket>>>,
     readers: Mutex<Vec<JoinHandle<()>>>,
+    next_id: std::sync::atomic::AtomicU16,
+}
+
+impl Default for UdpMux {
+    fn default() -> Self {
+        UdpMux {
+            sockets: Mutex::default(),
+            readers: Mutex::default(),
+            next_id: std::sync::atomic::AtomicU16::new(random_u16()),
+        }
+    }
 }
 
 impl Drop for UdpMux {
@@ -284,13 +298,13 @@ impl UdpMux {
         let ours = {
             let mut pending = mux.pending.lock().unwrap_or_else(PoisonError::into_inner);
             // At most MAX_IN_FLIGHT questions (times their expansions) wait: a free
-            // id is found within a few draws.
-            let mut id = random_u16();
-            let mut draws = 0;
+            // id is found within a few steps.
+            let mut id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let mut steps = 0;
             while pending.contains_key(&id) {
-                id = random_u16();
-                draws += 1;
-                if draws > 64 {
+                id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                steps += 1;
+                if steps > 4096 {
                     return Err(std::io::Error::other("no free DNS message id"));
                 }
             }
@@ -299,9 +313,19 @@ impl UdpMux {
         };
         let mut query = raw.to_vec();
         query[..2].copy_from_slice(&ours.to_be_bytes());
+        let send = || async {
+            match mux.socket.send(&query).await {
+                // An ICMP error of an earlier datagram surfaces on the next send
+                // of a connected socket; this datagram was not sent yet.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    mux.socket.send(&query).await
+                }
+                other => other,
+            }
+        };
         let result = async {
             let start = tokio::time::Instant::now();
-            mux.socket.send(&query).await?;
+            send().await?;
             let mut rx = rx;
             for delay in CLUSTER_UDP_RESEND {
                 match tokio::time::timeout_at(start + delay, &mut rx).await {
@@ -311,7 +335,7 @@ impl UdpMux {
                     }
                     Err(_) => {
                         tracing::trace!(%server, "no answer from the cluster DNS yet; sending again");
-                        mux.socket.send(&query).await?;
+                        send().await?;
                     }
                 }
             }
@@ -323,8 +347,9 @@ impl UdpMux {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&ours);
-        let mut answer = result
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in time"))??;
+        let mut answer = result.map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in time")
+        })??;
         if answer.len() >= 2 {
             answer[..2].copy_from_slice(&raw[..2]);
         }
@@ -593,7 +618,16 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
         None | Some((Plan::Upstream, _)) => upstream(shared, raw, &query, transport, limit).await,
         Some((Plan::Cluster, cluster)) => {
             bump(&shared.counters.cluster);
-            relay(shared, &cluster.servers, raw, &query, transport, limit, true).await
+            relay(
+                shared,
+                &cluster.servers,
+                raw,
+                &query,
+                transport,
+                limit,
+                true,
+            )
+            .await
         }
         Some((Plan::EmptyAaaa, _)) => {
             bump(&shared.counters.empty_aaaa);
@@ -791,7 +825,13 @@ async fn anchor_exists(shared: &Shared, cluster: &ClusterDns, anchor: &Name) -> 
     {
         return Some(known);
     }
-    let answer = ask_cluster(shared, cluster, &message::existence_query(anchor), Transport::Udp).await?;
+    let answer = ask_cluster(
+        shared,
+        cluster,
+        &message::existence_query(anchor),
+        Transport::Udp,
+    )
+    .await?;
     let exists = message::name_exists(answer.metadata.response_code)?;
     shared
         .anchors

@@ -465,6 +465,10 @@ async fn cluster_questions_share_one_socket_keep_their_ids_and_survive_loss() {
     let mut heard: Vec<u16> = ports.lock().expect("ports").clone();
     heard.sort_unstable();
     heard.dedup();
-    assert_eq!(heard.len(), 1, "one socket toward the cluster DNS: {heard:?}");
+    assert_eq!(
+        heard.len(),
+        1,
+        "one socket toward the cluster DNS: {heard:?}"
+    );
     assert!(f.counters().servfail == 0, "{:?}", f.counters());
 }

@@ -373,7 +373,11 @@ mod tests {
                 "every original byte stays in place: {:?}",
                 String::from_utf8_lossy(&with)
             );
-            assert_eq!(remove_block(&with), original, "removal gives the exact bytes");
+            assert_eq!(
+                remove_block(&with),
+                original,
+                "removal gives the exact bytes"
+            );
             // Every original line is still a line of its own.
             let text = String::from_utf8_lossy(&with).into_owned();
             for line in String::from_utf8_lossy(original).split('\n') {

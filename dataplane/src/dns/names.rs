@@ -573,7 +573,10 @@ mod tests {
         );
         // Without the cluster's ranges, reverse names stay the laptop's.
         assert_eq!(
-            classify(&q("100.0.96.10.in-addr.arpa.", RecordType::PTR), &cluster("dev")),
+            classify(
+                &q("100.0.96.10.in-addr.arpa.", RecordType::PTR),
+                &cluster("dev")
+            ),
             Plan::Upstream
         );
     }

@@ -268,7 +268,10 @@ pub struct ResolvConf {
     backup: PathBuf,
 }
 
-pub(crate) fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ResolvConfError + 'a {
+pub(crate) fn io<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> ResolvConfError + 'a {
     move |source| ResolvConfError::Io {
         what,
         path: path.to_owned(),
@@ -298,7 +301,11 @@ fn sync_dir(path: &Path) {
 /// Write `bytes` to `path` atomically (temp file in the same directory, fsync,
 /// rename); where rename cannot replace the path (a mount point: EBUSY; another
 /// file system: EXDEV), write in place.
-pub(crate) fn replace_with_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), ResolvConfError> {
+pub(crate) fn replace_with_file(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+) -> Result<(), ResolvConfError> {
     let tmp = sibling(path, ".kvpn-tmp");
     let _ = fs::remove_file(&tmp);
     let write_tmp = || -> io::Result<()> {
@@ -366,7 +373,11 @@ impl ResolvConf {
 
     /// Another file of `/etc` managed the same way (the hosts file), with its
     /// backup `backup_name` in `runtime_dir`.
-    pub fn with_backup_name(path: impl Into<PathBuf>, runtime_dir: &Path, backup_name: &str) -> Self {
+    pub fn with_backup_name(
+        path: impl Into<PathBuf>,
+        runtime_dir: &Path,
+        backup_name: &str,
+    ) -> Self {
         ResolvConf {
             path: path.into(),
             backup: runtime_dir.join(backup_name),
