@@ -12,7 +12,7 @@
 //!
 //! ```text
 //! # >>> kvpn: cluster Services, removed when kvpn disconnects >>>
-//! 10.96.0.100	web web.dev web.dev.svc web.dev.svc.cluster.local
+//! 10.96.0.100<TAB>web web.dev web.dev.svc web.dev.svc.cluster.local
 //! # <<< kvpn <<<
 //! ```
 //!
