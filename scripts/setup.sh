@@ -20,7 +20,7 @@ fi
 APT_PACKAGES=(
     iproute2 nftables iperf3 curl dnsutils iputils-ping procps psmisc bc
     protobuf-compiler bpftool socat tcpdump
-    dnsmasq-base
+    dnsmasq-base dnsperf musl-tools
     etcd-server golang-1.19-go rsync
     openssh-server openssh-client openssl
 )

@@ -162,6 +162,13 @@ pub struct ConnectArgs {
     /// TUN MTU in bytes (default: the root daemon's, 9000 for byte-stream transports).
     #[arg(long)]
     pub mtu: Option<u32>,
+    /// Also add hosts-file entries (`svc svc.ns svc.ns.svc svc.ns.svc.<domain>`) for
+    /// the Services of the connected namespace, kept up to date by the route watch,
+    /// for programs that do not use DNS. The root daemon writes one marked block to
+    /// /etc/hosts (env KVPN_HOSTS of the root daemon) and takes it out byte for byte
+    /// on disconnect. Off by default: split DNS already resolves these names.
+    #[arg(long)]
+    pub hosts: bool,
     /// Which cluster (used unless --manager is given). Last, so its SSH help
     /// heading covers only the SSH flags.
     #[command(flatten)]

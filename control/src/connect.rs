@@ -715,6 +715,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             tls_ca_pem: manager.ca_pem.clone(),
             tls_server_name: manager.server_name.clone(),
             dns,
+            hosts_file: args.hosts,
         })
         .await
         .map_err(daemon::status_to_error);

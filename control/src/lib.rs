@@ -106,6 +106,11 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         "Connecting to traffic manager at {} (tunnel IP {})",
         manager, args.tunnel_ip
     ));
+    if args.hosts {
+        output::warn(
+            "--hosts needs the route watch of a port-forward session; a --manager session writes no hosts-file entries",
+        );
+    }
     let resp = client
         .connect(ConnectRequest {
             manager: manager.clone(),
@@ -123,6 +128,8 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             session_token: String::new(),
             // Direct mode knows no Kubernetes API to ask for the cluster DNS.
             dns: None,
+            // Without the route watch there are no Services to write.
+            hosts_file: false,
         })
         .await
         .map_err(daemon::status_to_error)

@@ -113,6 +113,19 @@ fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
             "domain": d.domain,
             "search": d.search,
         })),
+        "dns_counters": s.dns_counters.as_ref().map(|c| serde_json::json!({
+            "udp_queries": c.udp_queries,
+            "tcp_queries": c.tcp_queries,
+            "cluster": c.cluster,
+            "expanded": c.expanded,
+            "upstream": c.upstream,
+            "nxdomain": c.nxdomain,
+            "empty_aaaa": c.empty_aaaa,
+            "truncated": c.truncated,
+            "dropped": c.dropped,
+            "servfail": c.servfail,
+            "malformed": c.malformed,
+        })),
         "services": s.services.iter().map(|v| serde_json::json!({
             "namespace": v.namespace,
             "name": v.name,
@@ -226,6 +239,22 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                         },
                         d.domain,
                         d.search.join(" ")
+                    );
+                }
+                if let Some(c) = &s.dns_counters {
+                    println!(
+                        "    DNS forwarder {} queries ({} UDP, {} TCP): {} cluster, {} expanded, {} upstream, {} NXDOMAIN, {} empty AAAA, {} truncated, {} dropped, {} SERVFAIL",
+                        c.udp_queries + c.tcp_queries,
+                        c.udp_queries,
+                        c.tcp_queries,
+                        c.cluster,
+                        c.expanded,
+                        c.upstream,
+                        c.nxdomain,
+                        c.empty_aaaa,
+                        c.truncated,
+                        c.dropped,
+                        c.servfail
                     );
                 }
                 for r in &s.routes {

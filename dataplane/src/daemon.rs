@@ -282,7 +282,7 @@ impl Daemon {
 
     /// Give `session`'s cluster DNS to split DNS; the line for the user.
     async fn start_dns(&self, session: &Session, req: &ConnectRequest) -> String {
-        match req.dns.as_ref() {
+        let mut line = match req.dns.as_ref() {
             Some(api) => {
                 self.apply_dns(
                     session.id(),
@@ -293,6 +293,48 @@ impl Daemon {
                 .await
             }
             None => String::new(),
+        };
+        if req.hosts_file {
+            let hosts = match (&self.dns, req.dns.as_ref()) {
+                (Some(dns), Some(api)) => {
+                    dns.enable_hosts(session.id(), &api.search, &api.domain)
+                        .await
+                }
+                (Some(_), None) => {
+                    "hosts file: no entries (the session has no cluster DNS settings)".to_owned()
+                }
+                (None, _) => {
+                    "hosts file: not written (this daemon runs without split DNS)".to_owned()
+                }
+            };
+            if line.is_empty() {
+                line = hosts;
+            } else if !line.starts_with("not configured: ") {
+                line = format!("{line}; {hosts}");
+            }
+        }
+        line
+    }
+
+    /// Give session `id`'s Services (as the route watch reports them) to its
+    /// hosts-file entries, if it asked for them; `dns` is the session's newest
+    /// cluster DNS settings (the connected namespace may come with them).
+    async fn update_hosts(
+        &self,
+        id: &str,
+        dns_settings: Option<&kvpn_proto::dataplane::ClusterDns>,
+        services: Vec<kvpn_proto::dataplane::ClusterService>,
+    ) {
+        let Some(dns) = &self.dns else { return };
+        if !dns.hosts_enabled(id).await {
+            return;
+        }
+        if let Some(api) = dns_settings {
+            dns.enable_hosts(id, &api.search, &api.domain).await;
+        }
+        match dns.set_hosts_services(id, services).await {
+            Ok(n) => tracing::debug!(session = id, entries = n, "hosts file updated"),
+            Err(e) => tracing::warn!(session = id, error = %e, "hosts file not updated"),
         }
     }
 
@@ -319,8 +361,18 @@ impl Daemon {
                     crate::ebpf::RouteKind::Pod | crate::ebpf::RouteKind::Service
                 )
         });
+        // PTR names of the cluster's pod and service addresses go to the cluster DNS.
+        let reverse = routes
+            .iter()
+            .filter(|(_, kind)| {
+                matches!(
+                    kind,
+                    crate::ebpf::RouteKind::Pod | crate::ebpf::RouteKind::Service
+                )
+            })
+            .map(|(cidr, _)| *cidr);
         let cluster = match ClusterDns::new(&api.servers, &api.domain, &api.search, ipv6) {
-            Ok(c) => c,
+            Ok(c) => c.with_reverse(reverse),
             Err(e) => return format!("not configured: {e}"),
         };
         if dns.has_session(id, &cluster).await {
@@ -477,7 +529,29 @@ impl Dataplane for Daemon {
         &self,
         _request: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
+        let dns_counters = match &self.dns {
+            Some(dns) => dns
+                .counters()
+                .await
+                .map(|c| kvpn_proto::dataplane::DnsCounters {
+                    udp_queries: c.udp_queries,
+                    tcp_queries: c.tcp_queries,
+                    cluster: c.cluster,
+                    expanded: c.expanded,
+                    upstream: c.upstream,
+                    nxdomain: c.local_nxdomain,
+                    empty_aaaa: c.empty_aaaa,
+                    truncated: c.truncated,
+                    dropped: c.dropped,
+                    servfail: c.servfail,
+                    malformed: c.malformed,
+                }),
+            None => None,
+        };
         let mut sessions: Vec<_> = self.sessions().values().map(Session::status).collect();
+        for s in &mut sessions {
+            s.dns_counters = dns_counters;
+        }
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
         Ok(Response::new(StatusResponse { sessions }))
     }
@@ -520,6 +594,17 @@ impl Dataplane for Daemon {
                     Status::internal(format!("session {}: {m}", req.session_id))
                 }
             })?;
+        if req.services_replace
+            || !req.services_upsert.is_empty()
+            || !req.services_remove.is_empty()
+        {
+            let services: Vec<_> = {
+                let st = handle.state.lock().unwrap_or_else(PoisonError::into_inner);
+                st.services.values().cloned().collect()
+            };
+            self.update_hosts(&req.session_id, req.dns.as_ref(), services)
+                .await;
+        }
         Ok(Response::new(resp))
     }
 }

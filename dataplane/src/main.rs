@@ -88,6 +88,16 @@ async fn repaired_daemon(
             failed.push(format!("resolv.conf: {e}"));
         }
     }
+    // Hosts-file entries left by a daemon that was killed (case dns-07).
+    match dns.repair_hosts() {
+        Ok(Restored::NothingToDo) => {}
+        Ok(outcome) => {
+            tracing::info!(?outcome, path = %dns.settings().hosts.display(), "removed hosts-file entries left by an earlier daemon")
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot repair the hosts file left by an earlier daemon")
+        }
+    }
     let daemon =
         Arc::new(Daemon::new(netlink, Arc::new(EbpfClassifiers), HEARTBEAT_INTERVAL).with_dns(dns));
     match daemon.sweep_leftovers().await {

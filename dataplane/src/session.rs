@@ -817,6 +817,8 @@ impl Session {
             route_source: watched.source,
             dns: watched.dns,
             services: watched.services.into_values().collect(),
+            // Filled in by the daemon (the forwarder is shared by all sessions).
+            dns_counters: None,
         }
     }
 

@@ -92,6 +92,7 @@ impl Laptop {
                 "KVPN_RESOLV_CONF",
                 self.lab.netns.etc_dir().join("resolv.conf"),
             )
+            .env("KVPN_HOSTS", self.lab.netns.etc_dir().join("hosts"))
             .env("XDG_CONFIG_HOME", &self.config_dir)
             .env_remove("SUDO_USER")
             .env_remove("KUBECONFIG");
@@ -241,6 +242,18 @@ impl KubeFixture {
             .join("resolv.conf")
     }
 
+    /// The laptop netns's hosts file (`/etc/netns/<laptop netns>/hosts`, seen as
+    /// /etc/hosts by programs started in the laptop netns once it exists); the root
+    /// daemon of this fixture writes `kvpn connect --hosts` entries there (env
+    /// `KVPN_HOSTS`), never to this machine's /etc/hosts.
+    pub fn laptop_hosts(&self) -> PathBuf {
+        self.lab()
+            .netns_lab()
+            .laptop_netns()
+            .etc_dir()
+            .join("hosts")
+    }
+
     /// Brings up another cluster with `addressing` (which must differ from the first
     /// cluster's: e.g. [`Addressing::second`]), without a traffic manager, whose
     /// uplink is in this fixture's laptop netns; returns its index for
@@ -335,11 +348,13 @@ impl KubeFixture {
             .netns_lab()
             .command_in(LAPTOP, &self.kvpn.to_string_lossy())
             .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
-        // The root daemon manages the laptop netns's own resolv.conf (what `ip
-        // netns exec` shows as /etc/resolv.conf there), never this machine's.
+        // The root daemon manages the laptop netns's own resolv.conf and hosts
+        // file (what `ip netns exec` shows as /etc/resolv.conf and /etc/hosts
+        // there), never this machine's.
         cmd.args(args)
             .env("KVPN_RUNTIME_DIR", &self.runtime_dir)
             .env("KVPN_RESOLV_CONF", self.laptop_resolv_conf())
+            .env("KVPN_HOSTS", self.laptop_hosts())
             .env_remove("KUBECONFIG");
         cmd.output()
             .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))

@@ -5,6 +5,7 @@
 //! also when the test fails. [`kube_lab::KubeFixture`] does the same on the
 //! Kubernetes lab (real API server; `kvpn connect --kubeconfig`).
 
+pub mod dns_lab;
 pub mod kube_lab;
 pub mod ssh_lab;
 

@@ -9,273 +9,14 @@
 //! The forwarder path is what runs here (this machine has no systemd-resolved);
 //! the systemd-resolved path (dns-04) is unit-tested only.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Endpoints, Service};
+use k8s_openapi::api::core::v1::Endpoints;
 use kube::api::{Api, PostParams};
-use kvpn_lab::LAPTOP;
+use kvpn_tests::dns_lab::*;
 use kvpn_tests::kube_lab::KubeFixture;
 use kvpn_tests::text;
-
-const CLUSTER_DNS: &str = "10.96.0.10";
-const FORWARDER: &str = "127.0.0.153";
-/// What the laptop's own dnsmasq answers.
-const CORP_HOST: (&str, &str) = ("host.corp.test", "192.0.2.10");
-const PUBLIC_HOST: (&str, &str) = ("www.example.com", "192.0.2.20");
-/// The laptop's resolv.conf before connect: CRLF, a tab, no trailing newline.
-const LAPTOP_RESOLV: &[u8] =
-    b"# laptop's own resolver\r\nnameserver 127.0.0.1\nsearch corp.test\noptions\tedns0 timeout:2";
-
-/// One `dig` answer, parsed from its default output.
-#[derive(Debug)]
-struct Dig {
-    status: String,
-    flags: Vec<String>,
-    /// (type, data) of each answer record.
-    answers: Vec<(String, String)>,
-    query_ms: u64,
-    raw: String,
-}
-
-impl Dig {
-    fn a(&self) -> Vec<String> {
-        self.typed("A")
-    }
-    fn typed(&self, t: &str) -> Vec<String> {
-        self.answers
-            .iter()
-            .filter(|(ty, _)| ty == t)
-            .map(|(_, d)| d.clone())
-            .collect()
-    }
-    fn tc(&self) -> bool {
-        self.flags.iter().any(|f| f == "tc")
-    }
-}
-
-fn parse_dig(out: &str) -> Dig {
-    let mut d = Dig {
-        status: String::new(),
-        flags: Vec::new(),
-        answers: Vec::new(),
-        query_ms: u64::MAX,
-        raw: out.to_owned(),
-    };
-    let mut in_answer = false;
-    for line in out.lines() {
-        if let Some(rest) = line.split("status: ").nth(1) {
-            d.status = rest.split(',').next().unwrap_or("").to_owned();
-        } else if let Some(rest) = line.strip_prefix(";; flags:") {
-            d.flags = rest
-                .split(';')
-                .next()
-                .unwrap_or("")
-                .split_whitespace()
-                .map(str::to_owned)
-                .collect();
-        } else if let Some(rest) = line.strip_prefix(";; Query time: ") {
-            d.query_ms = rest
-                .split_whitespace()
-                .next()
-                .and_then(|n| n.parse().ok())
-                .unwrap_or(u64::MAX);
-        } else if line.starts_with(";; ANSWER SECTION:") {
-            in_answer = true;
-        } else if in_answer {
-            if line.trim().is_empty() {
-                in_answer = false;
-            } else {
-                let cols: Vec<&str> = line.split_whitespace().collect();
-                if cols.len() >= 5 {
-                    d.answers.push((cols[3].to_owned(), cols[4..].join(" ")));
-                }
-            }
-        }
-    }
-    d
-}
-
-fn dig(f: &KubeFixture, args: &[&str]) -> Dig {
-    let mut all = vec!["dig", "+time=2", "+tries=1"];
-    all.extend_from_slice(args);
-    let out = f.laptop(&all);
-    let d = parse_dig(&text(&out.stdout));
-    assert!(
-        !d.status.is_empty(),
-        "dig {args:?} got no answer:\n{}{}\n{}",
-        d.raw,
-        text(&out.stderr),
-        f.diagnostics()
-    );
-    d
-}
-
-fn getent(f: &KubeFixture, name: &str) -> Option<String> {
-    let out = f.laptop(&["getent", "hosts", name]);
-    out.status.success().then(|| {
-        text(&out.stdout)
-            .split_whitespace()
-            .next()
-            .unwrap_or("")
-            .to_owned()
-    })
-}
-
-/// The laptop's own resolver: dnsmasq on 127.0.0.1:53 in the laptop netns,
-/// logging every query.
-struct Upstream {
-    log: PathBuf,
-}
-
-impl Upstream {
-    fn start(f: &KubeFixture) -> Upstream {
-        let lab = f.lab().netns_lab();
-        let log = lab.dir().join("laptop-dnsmasq-queries.log");
-        let mut cmd = Command::new("dnsmasq");
-        cmd.args([
-            "--keep-in-foreground",
-            "--conf-file=/dev/null",
-            "--no-resolv",
-            "--no-hosts",
-            "--bind-interfaces",
-            "--listen-address=127.0.0.1",
-            "--port=53",
-            "--user=root",
-            "--pid-file=",
-            "--log-queries",
-            "--local=/corp.test/",
-            "--local=/example.com/",
-        ])
-        .arg(format!("--log-facility={}", log.display()))
-        .arg(format!("--host-record={},{}", CORP_HOST.0, CORP_HOST.1))
-        .arg(format!("--host-record={},{}", PUBLIC_HOST.0, PUBLIC_HOST.1));
-        lab.spawn_in(LAPTOP, "laptop-dnsmasq", &cmd)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "dnsmasq in the laptop netns: {e:#} (scripts/setup.sh installs dnsmasq-base)"
-                )
-            });
-        let up = Upstream { log };
-        let t0 = Instant::now();
-        loop {
-            let out = f.laptop(&["dig", "+time=1", "+tries=1", "@127.0.0.1", CORP_HOST.0]);
-            if parse_dig(&text(&out.stdout)).a() == vec![CORP_HOST.1.to_owned()] {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "laptop dnsmasq not answering: {}",
-                std::fs::read_to_string(&up.log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        up
-    }
-
-    /// Names it was asked, lower case, in order.
-    fn queries(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.log)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| {
-                let rest = l.split("query[").nth(1)?;
-                let name = rest.split("] ").nth(1)?.split_whitespace().next()?;
-                Some(name.to_ascii_lowercase())
-            })
-            .collect()
-    }
-
-    /// Panics if a cluster name reached the laptop's resolver.
-    fn assert_no_cluster_names(&self, f: &KubeFixture, short: &[&str]) {
-        let leaked: Vec<String> = self
-            .queries()
-            .into_iter()
-            .filter(|q| {
-                q.ends_with("cluster.local")
-                    || short.contains(&q.as_str())
-                    || short
-                        .iter()
-                        .any(|s| q.starts_with(&format!("{s}.")) && !q.ends_with("corp.test"))
-            })
-            .collect();
-        assert!(
-            leaked.is_empty(),
-            "cluster names reached the laptop's upstream: {leaked:?}\n{}",
-            f.diagnostics()
-        );
-    }
-}
-
-fn service(f: &KubeFixture, ns: &str, body: serde_json::Value) {
-    let api: Api<Service> = Api::namespaced(f.admin(), ns);
-    let svc: Service = serde_json::from_value(body).unwrap_or_else(|e| panic!("service JSON: {e}"));
-    f.block_on(api.create(&PostParams::default(), &svc))
-        .unwrap_or_else(|e| panic!("create service in {ns}: {e}"));
-}
-
-fn cluster_ip(f: &KubeFixture, ns: &str, name: &str) -> String {
-    let api: Api<Service> = Api::namespaced(f.admin(), ns);
-    let svc = f
-        .block_on(api.get(name))
-        .unwrap_or_else(|e| panic!("get service {ns}/{name}: {e}"));
-    svc.spec
-        .and_then(|s| s.cluster_ip)
-        .unwrap_or_else(|| panic!("{ns}/{name} has no ClusterIP"))
-}
-
-/// Waits until the cluster DNS (through the tunnel) knows `fqdn`.
-fn wait_cluster_name(f: &KubeFixture, fqdn: &str) {
-    let t0 = Instant::now();
-    loop {
-        let d = dig(f, &[&format!("@{CLUSTER_DNS}"), "+tcp", fqdn]);
-        if d.status == "NOERROR" && !d.answers.is_empty() {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "cluster DNS does not know {fqdn}: {}",
-            d.raw
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn write_laptop_resolv(f: &KubeFixture, bytes: &[u8]) -> PathBuf {
-    let path = f.laptop_resolv_conf();
-    std::fs::write(&path, bytes).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
-    path
-}
-
-/// `kvpn connect` with the restricted user, connected to namespace `default`.
-fn connect_default(f: &KubeFixture) -> String {
-    let kubeconfig = f.user_kubeconfig();
-    f.kvpn_ok(&[
-        "connect",
-        "--kubeconfig",
-        &kubeconfig,
-        "--namespace",
-        "default",
-    ])
-}
-
-fn median(mut v: Vec<u64>) -> u64 {
-    v.sort_unstable();
-    v.get(v.len() / 2).copied().unwrap_or(u64::MAX)
-}
-
-/// Median of dig's query time for `name` over `n` queries, and its answers.
-fn latency(f: &KubeFixture, name: &str, n: usize) -> (u64, Vec<String>) {
-    let mut times = Vec::new();
-    let mut a = Vec::new();
-    for _ in 0..n {
-        let d = dig(f, &[name]);
-        times.push(d.query_ms);
-        a = d.a();
-    }
-    (median(times), a)
-}
 
 #[test]
 fn dns_01_02_03_short_names_every_spelling_connected_namespace_first() {
@@ -533,46 +274,16 @@ fn dns_06_resolv_conf_restored_exactly_after_disconnect_and_after_sigkill() {
     // SIGKILL of the daemons while connected, then a fresh root daemon repairs it.
     connect_default(&f);
     assert!(!is_symlink(&path));
-    let pid_file = f.runtime_dir().join("dataplane.pid");
-    let pid: i32 = std::fs::read_to_string(&pid_file)
-        .ok()
-        .and_then(|p| p.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no daemon pid in {}", pid_file.display()));
-    for p in std::iter::once(pid).chain(f.agent_pids().into_iter().map(|p| p as i32)) {
-        // SAFETY: pids of this fixture's root daemon (its pid file) and agents.
-        unsafe { libc::kill(p, libc::SIGKILL) };
-    }
-    let alive = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-            s.rsplit_once(") ")
-                .is_some_and(|(_, r)| !r.starts_with('Z'))
-        })
-    };
-    // A killed multi-threaded process shows as a zombie while its other threads
-    // still hold its descriptors: wait until the socket refuses connections too.
-    let socket = f.runtime_dir().join("dataplane.sock");
-    let t0 = Instant::now();
-    while alive(pid) || std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "daemon {pid} survived SIGKILL"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let pid = kill_daemon_and_agents(&f);
     assert!(
         !is_symlink(&path),
         "a killed daemon cannot restore anything"
     );
-    let daemon = kvpn_lab::bin_path("kvpn-dataplane").unwrap_or_else(|e| panic!("{e:#}"));
-    let mut cmd = Command::new(daemon);
-    cmd.env("KVPN_RUNTIME_DIR", f.runtime_dir())
-        .env("KVPN_RESOLV_CONF", &path);
-    f.lab()
-        .netns_lab()
-        .spawn_in(LAPTOP, "dataplane-restarted", &cmd)
-        .unwrap_or_else(|e| panic!("restart the root daemon: {e:#}"));
+    restart_daemon(&f);
+    // The link comes back first, then the backup goes.
+    let backup = f.runtime_dir().join("resolv.conf.kvpn-backup");
     let t0 = Instant::now();
-    while !is_symlink(&path) {
+    while !is_symlink(&path) || backup.exists() {
         assert!(
             t0.elapsed() < Duration::from_secs(10),
             "the restarted daemon did not repair {}: now {:?}\nsockets: {}\nprocess {pid}: {:?}\nits log:\n{}",
@@ -586,10 +297,6 @@ fn dns_06_resolv_conf_restored_exactly_after_disconnect_and_after_sigkill() {
         std::thread::sleep(Duration::from_millis(50));
     }
     check_original("after SIGKILL and restart");
-    assert!(
-        !f.runtime_dir().join("resolv.conf.kvpn-backup").exists(),
-        "backup removed after the repair"
-    );
     // And the laptop's own DNS works as before.
     let d = dig(&f, &[CORP_HOST.0]);
     assert_eq!(d.a(), vec![CORP_HOST.1.to_owned()]);

@@ -14,7 +14,13 @@
 //!   the first in search-list order that exists answers, as a CNAME from the asked
 //!   name plus the cluster's records.
 //! - The cluster DNS is plain UDP/TCP to its ClusterIP: the TUN device's routes
-//!   carry it, with the tunnel IP as source.
+//!   carry it, with the tunnel IP as source. UDP to the cluster DNS goes over one
+//!   long-lived socket per server ([`UdpMux`], queries told apart by a message id
+//!   of the forwarder's choosing): a fresh socket per question would be a new UDP
+//!   flow in the traffic manager each time, and a burst of questions (10,000 in a
+//!   minute, measured) filled the manager's flow table (4096 flows, 60 s idle
+//!   timeout), so questions were dropped. The laptop's upstreams get a fresh socket
+//!   (random source port) per question, as before.
 //!
 //! Bounds: at most [`MAX_IN_FLIGHT`] questions at once (more UDP questions are
 //! dropped and counted; the client retries), [`MAX_TCP_CONNECTIONS`] TCP clients,
@@ -31,7 +37,7 @@ use hickory_proto::op::{Message, ResponseCode};
 use hickory_proto::rr::Name;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Semaphore, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::message::{self, Reject};
@@ -46,6 +52,14 @@ pub const TCP_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// One exchange with one server (cluster or upstream). glibc's default per-try
 /// timeout is 5 s; answering SERVFAIL earlier lets it try again in time.
 pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(2);
+/// UDP questions to the cluster DNS are sent again after these delays (from the
+/// first send) while unanswered, within [`EXCHANGE_TIMEOUT`]. A burst of
+/// questions (dnsperf, 100 outstanding, each name expanded up to three times)
+/// lost a few datagrams in 10,000 on the way (socket buffers of the cluster
+/// path), which without a second send became SERVFAIL.
+const CLUSTER_UDP_RESEND: [Duration; 2] = [Duration::from_millis(300), Duration::from_millis(900)];
+/// Receive buffer of a cluster DNS socket: answers to a burst arrive together.
+const CLUSTER_UDP_RCVBUF: usize = 1 << 20;
 /// Anchors remembered (see [`names::ExistenceCache`]).
 const ANCHOR_CACHE_SIZE: usize = 4096;
 
@@ -158,6 +172,189 @@ struct Shared {
     anchors: Mutex<ExistenceCache>,
     counters: Counters,
     in_flight: Arc<Semaphore>,
+    cluster_udp: UdpMux,
+}
+
+/// One connected UDP socket to one server, with the questions waiting on it.
+struct MuxSocket {
+    socket: UdpSocket,
+    /// Our message id → the original id and who waits.
+    pending: Mutex<std::collections::HashMap<u16, oneshot::Sender<Vec<u8>>>>,
+}
+
+/// UDP exchanges with the cluster DNS servers over one long-lived socket each
+/// (see the module header). The id of each query is replaced by the next free
+/// one of a sequence with a random start, and the client's id is put back into
+/// the answer. Sequential ids keep an id from coming back for 65,536 questions,
+/// so a late duplicate answer (to a resent question) never meets a newer
+/// question with the same id; guessing them needs a place on the cluster path,
+/// inside the authenticated tunnel.
+struct UdpMux {
+    sockets: Mutex<std::collections::HashMap<SocketAddr, Arc<MuxSocket>>>,
+    readers: Mutex<Vec<JoinHandle<()>>>,
+    next_id: std::sync::atomic::AtomicU16,
+}
+
+impl Default for UdpMux {
+    fn default() -> Self {
+        UdpMux {
+            sockets: Mutex::default(),
+            readers: Mutex::default(),
+            next_id: std::sync::atomic::AtomicU16::new(random_u16()),
+        }
+    }
+}
+
+impl Drop for UdpMux {
+    fn drop(&mut self) {
+        for r in self
+            .readers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
+            r.abort();
+        }
+    }
+}
+
+fn random_u16() -> u16 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    // RandomState is seeded from the OS once per process and stepped per instance.
+    let mut h = std::hash::RandomState::new().build_hasher();
+    h.write_u8(0);
+    (h.finish() >> 48) as u16
+}
+
+impl UdpMux {
+    async fn socket(&self, server: SocketAddr) -> std::io::Result<Arc<MuxSocket>> {
+        if let Some(s) = self
+            .sockets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&server)
+        {
+            return Ok(s.clone());
+        }
+        let socket = UdpSocket::bind(unspecified_for(server)).await?;
+        socket.connect(server).await?;
+        if let Err(e) = nix::sys::socket::setsockopt(
+            &socket,
+            nix::sys::socket::sockopt::RcvBuf,
+            &CLUSTER_UDP_RCVBUF,
+        ) {
+            tracing::debug!(error = %e, "cannot enlarge the cluster DNS socket's receive buffer");
+        }
+        let mux = Arc::new(MuxSocket {
+            socket,
+            pending: Mutex::new(std::collections::HashMap::new()),
+        });
+        let mut sockets = self.sockets.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = sockets.get(&server) {
+            // Another question made one meanwhile; ours goes unused.
+            return Ok(s.clone());
+        }
+        sockets.insert(server, mux.clone());
+        let reader = mux.clone();
+        self.readers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(tokio::spawn(async move {
+                let mut buf = vec![0u8; 65535];
+                loop {
+                    let n = match reader.socket.recv(&mut buf).await {
+                        Ok(n) => n,
+                        Err(e) => {
+                            // ICMP errors of earlier sends (port unreachable) land
+                            // here; the questions time out on their own.
+                            tracing::debug!(%server, error = %e, "cluster DNS socket receive error");
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            continue;
+                        }
+                    };
+                    let Some(id) = message::message_id(&buf[..n]) else {
+                        continue;
+                    };
+                    let waiter = reader
+                        .pending
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .remove(&id);
+                    if let Some(tx) = waiter {
+                        let _ = tx.send(buf[..n].to_vec());
+                    }
+                }
+            }));
+        Ok(mux)
+    }
+
+    /// One UDP exchange with `server`; the answer carries `raw`'s id.
+    async fn exchange(&self, server: SocketAddr, raw: &[u8]) -> std::io::Result<Vec<u8>> {
+        if raw.len() < 2 {
+            return Err(std::io::Error::other("query too short"));
+        }
+        let mux = self.socket(server).await?;
+        let (tx, rx) = oneshot::channel();
+        let ours = {
+            let mut pending = mux.pending.lock().unwrap_or_else(PoisonError::into_inner);
+            // At most MAX_IN_FLIGHT questions (times their expansions) wait: a free
+            // id is found within a few steps.
+            let mut id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let mut steps = 0;
+            while pending.contains_key(&id) {
+                id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                steps += 1;
+                if steps > 4096 {
+                    return Err(std::io::Error::other("no free DNS message id"));
+                }
+            }
+            pending.insert(id, tx);
+            id
+        };
+        let mut query = raw.to_vec();
+        query[..2].copy_from_slice(&ours.to_be_bytes());
+        let send = || async {
+            match mux.socket.send(&query).await {
+                // An ICMP error of an earlier datagram surfaces on the next send
+                // of a connected socket; this datagram was not sent yet.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    mux.socket.send(&query).await
+                }
+                other => other,
+            }
+        };
+        let result = async {
+            let start = tokio::time::Instant::now();
+            send().await?;
+            let mut rx = rx;
+            for delay in CLUSTER_UDP_RESEND {
+                match tokio::time::timeout_at(start + delay, &mut rx).await {
+                    Ok(answer) => {
+                        return answer
+                            .map_err(|_| std::io::Error::other("cluster DNS socket closed"));
+                    }
+                    Err(_) => {
+                        tracing::trace!(%server, "no answer from the cluster DNS yet; sending again");
+                        send().await?;
+                    }
+                }
+            }
+            rx.await
+                .map_err(|_| std::io::Error::other("cluster DNS socket closed"))
+        };
+        let result = tokio::time::timeout(EXCHANGE_TIMEOUT, result).await;
+        mux.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&ours);
+        let mut answer = result.map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in time")
+        })??;
+        if answer.len() >= 2 {
+            answer[..2].copy_from_slice(&raw[..2]);
+        }
+        Ok(answer)
+    }
 }
 
 /// A running forwarder. [`Forwarder::stop`] ends it; dropping it aborts its tasks.
@@ -216,6 +413,7 @@ impl Forwarder {
             anchors: Mutex::new(ExistenceCache::new(ANCHOR_CACHE_SIZE)),
             counters: Counters::default(),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+            cluster_udp: UdpMux::default(),
         });
         let (stop_tx, stop_rx) = watch::channel(false);
         let tasks = vec![
@@ -420,7 +618,16 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
         None | Some((Plan::Upstream, _)) => upstream(shared, raw, &query, transport, limit).await,
         Some((Plan::Cluster, cluster)) => {
             bump(&shared.counters.cluster);
-            relay(shared, &cluster.servers, raw, &query, transport, limit).await
+            relay(
+                shared,
+                &cluster.servers,
+                raw,
+                &query,
+                transport,
+                limit,
+                true,
+            )
+            .await
         }
         Some((Plan::EmptyAaaa, _)) => {
             bump(&shared.counters.empty_aaaa);
@@ -484,7 +691,7 @@ async fn upstream(
         .read()
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
-    relay(shared, &servers, raw, query, transport, limit).await
+    relay(shared, &servers, raw, query, transport, limit, false).await
 }
 
 /// Send `raw` to each server in turn until one answers; its answer unchanged, or
@@ -496,11 +703,17 @@ async fn relay(
     query: &Message,
     transport: Transport,
     limit: Option<usize>,
+    to_cluster: bool,
 ) -> Option<Vec<u8>> {
     // One server: a second try, as a stub resolver would.
     let tries = servers.len().max(2).min(servers.len() * 2);
     for server in servers.iter().cycle().take(tries) {
-        match exchange(*server, raw, transport).await {
+        let answer = if to_cluster && transport == Transport::Udp {
+            shared.cluster_udp.exchange(*server, raw).await
+        } else {
+            exchange(*server, raw, transport).await
+        };
+        match answer {
             Ok(answer) => {
                 if let Some(limit) = limit
                     && answer.len() > limit
@@ -577,13 +790,18 @@ async fn exchange(
 /// A query of ours to the cluster DNS, decoded; `None` when no server answered
 /// with a parsable message of the same id.
 async fn ask_cluster(
+    shared: &Shared,
     cluster: &ClusterDns,
     query: &Message,
     transport: Transport,
 ) -> Option<Message> {
     let raw = query.to_vec().ok()?;
     for server in &cluster.servers {
-        match exchange(*server, &raw, transport).await {
+        let answer = match transport {
+            Transport::Udp => shared.cluster_udp.exchange(*server, &raw).await,
+            Transport::Tcp => exchange(*server, &raw, transport).await,
+        };
+        match answer {
             Ok(answer) => match Message::from_vec(&answer) {
                 Ok(m) => return Some(m),
                 Err(e) => {
@@ -607,7 +825,13 @@ async fn anchor_exists(shared: &Shared, cluster: &ClusterDns, anchor: &Name) -> 
     {
         return Some(known);
     }
-    let answer = ask_cluster(cluster, &message::existence_query(anchor), Transport::Udp).await?;
+    let answer = ask_cluster(
+        shared,
+        cluster,
+        &message::existence_query(anchor),
+        Transport::Udp,
+    )
+    .await?;
     let exists = message::name_exists(answer.metadata.response_code)?;
     shared
         .anchors
@@ -642,7 +866,7 @@ async fn try_candidate(
         return Tried::Failed;
     };
     let ours = message::cluster_query(query, &candidate.name, qtype);
-    match ask_cluster(cluster, &ours, transport).await {
+    match ask_cluster(shared, cluster, &ours, transport).await {
         Some(answer) => match message::name_exists(answer.metadata.response_code) {
             Some(true) => Tried::Present(answer),
             Some(false) => Tried::Absent,

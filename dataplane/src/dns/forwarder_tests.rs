@@ -402,3 +402,73 @@ async fn no_upstream_answer_is_servfail_not_a_hang() {
     assert!(t0.elapsed() < Duration::from_secs(6));
     f.stop().await;
 }
+
+/// A cluster DNS on UDP that ignores the first copy of every datagram (a lossy
+/// path) and records the source ports it heard from.
+async fn lossy_cluster() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
+    let udp = UdpSocket::bind("127.0.0.1:0").await.expect("udp");
+    let addr = udp.local_addr().expect("addr");
+    let ports = Arc::new(Mutex::new(Vec::new()));
+    let p = ports.clone();
+    tokio::spawn(async move {
+        let log = Mutex::new(Vec::new());
+        let mut seen = std::collections::HashSet::new();
+        let mut buf = vec![0u8; 65535];
+        while let Ok((n, src)) = udp.recv_from(&mut buf).await {
+            p.lock().expect("ports").push(src.port());
+            if seen.insert(buf[..n].to_vec()) {
+                continue;
+            }
+            if let Some(out) = answer(&buf[..n], cluster_zone, &log, true) {
+                let _ = udp.send_to(&out, src).await;
+            }
+        }
+    });
+    (addr, ports)
+}
+
+#[tokio::test]
+async fn cluster_questions_share_one_socket_keep_their_ids_and_survive_loss() {
+    let (cluster_addr, ports) = lossy_cluster().await;
+    let (upstream_addr, _upstream_log) = server(upstream_zone).await;
+    let f = Forwarder::start("127.0.0.1:0".parse().expect("addr"), vec![upstream_addr])
+        .await
+        .expect("forwarder");
+    let cluster = ClusterDns::new(
+        &[cluster_addr.to_string()],
+        "cluster.local",
+        &[
+            "dev.svc.cluster.local".into(),
+            "svc.cluster.local".into(),
+            "cluster.local".into(),
+        ],
+        false,
+    )
+    .expect("config");
+    f.set_clusters(vec![cluster]);
+    let fwd = f.local_addr();
+    // 200 questions at once, all with the same message id (`ask` checks that the
+    // answer carries it and the question as asked).
+    let asks = (0..200).map(|i| async move {
+        let q = if i % 2 == 0 {
+            "web.dev.svc.cluster.local."
+        } else {
+            "web"
+        };
+        let m = ask(fwd, q, RecordType::A, None, false).await;
+        (q, m.metadata.response_code, a_records(&m))
+    });
+    for (q, rcode, a) in futures::future::join_all(asks).await {
+        assert_eq!(rcode, ResponseCode::NoError, "{q}");
+        assert_eq!(a, vec![Ipv4Addr::new(10, 96, 0, 200)], "{q}");
+    }
+    let mut heard: Vec<u16> = ports.lock().expect("ports").clone();
+    heard.sort_unstable();
+    heard.dedup();
+    assert_eq!(
+        heard.len(),
+        1,
+        "one socket toward the cluster DNS: {heard:?}"
+    );
+    assert!(f.counters().servfail == 0, "{:?}", f.counters());
+}

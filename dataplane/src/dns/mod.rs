@@ -18,13 +18,20 @@
 //! resolv.conf is restored when the last such session ends, and at daemon start
 //! when a backup is left over from a daemon that was killed ([`Dns::repair`]).
 //!
+//! Optional, off by default (`kvpn connect --hosts`): hosts-file entries for the
+//! connected namespace's Services, from the route watch's Service list ([`hosts`];
+//! file env `KVPN_HOSTS`, default `/etc/hosts`), removed byte for byte when the last
+//! such session ends and repaired at daemon start like resolv.conf.
+//!
 //! Pure cores: [`names`] (where a question goes), [`message`] (answers, sizes),
-//! parts of [`resolv_conf`] and [`resolved`]. I/O: [`forwarder`] (sockets),
-//! [`resolv_conf::ResolvConf`] (files), [`resolved::run`] (`resolvectl`).
+//! parts of [`resolv_conf`], [`hosts`] and [`resolved`]. I/O: [`forwarder`]
+//! (sockets), [`resolv_conf::ResolvConf`] and [`hosts::HostsFile`] (files),
+//! [`resolved::run`] (`resolvectl`).
 
 pub mod forwarder;
 #[cfg(test)]
 mod forwarder_tests;
+pub mod hosts;
 pub mod message;
 pub mod names;
 pub mod resolv_conf;
@@ -38,6 +45,8 @@ use tokio::sync::Mutex;
 pub use names::ClusterDns;
 
 use forwarder::{CounterSnapshot, Forwarder};
+use hosts::HostsFile;
+use kvpn_proto::dataplane::ClusterService;
 use resolv_conf::{ResolvConf, Restored};
 
 /// Where the forwarder listens unless `KVPN_DNS_IP` says otherwise.
@@ -84,10 +93,13 @@ pub struct DnsSettings {
     pub listen: SocketAddr,
     /// The runtime directory (the resolv.conf backup lives there).
     pub runtime_dir: PathBuf,
+    /// The hosts file for `kvpn connect --hosts` entries.
+    pub hosts: PathBuf,
 }
 
 impl DnsSettings {
-    /// Defaults, overridden by `KVPN_DNS_MODE`, `KVPN_RESOLV_CONF` and `KVPN_DNS_IP`.
+    /// Defaults, overridden by `KVPN_DNS_MODE`, `KVPN_RESOLV_CONF`, `KVPN_DNS_IP`
+    /// and `KVPN_HOSTS`.
     pub fn from_env(runtime_dir: &Path) -> Result<Self, String> {
         let mode = std::env::var("KVPN_DNS_MODE").unwrap_or_default().parse()?;
         let resolv_conf = std::env::var_os("KVPN_RESOLV_CONF")
@@ -99,11 +111,15 @@ impl DnsSettings {
             })?,
             _ => DEFAULT_LISTEN_IP,
         };
+        let hosts = std::env::var_os("KVPN_HOSTS")
+            .filter(|p| !p.is_empty())
+            .map_or_else(|| PathBuf::from(hosts::DEFAULT_PATH), PathBuf::from);
         Ok(DnsSettings {
             mode,
             resolv_conf,
             listen: SocketAddr::new(ip, DNS_PORT),
             runtime_dir: runtime_dir.to_owned(),
+            hosts,
         })
     }
 }
@@ -133,17 +149,29 @@ enum Active {
     Resolved,
 }
 
+/// A session that asked for hosts-file entries (`kvpn connect --hosts`).
+struct HostsSession {
+    id: String,
+    /// The connected namespace (`None` until known: no entries then).
+    namespace: Option<String>,
+    domain: String,
+    services: Vec<ClusterService>,
+}
+
 #[derive(Default)]
 struct State {
     /// Most recent first.
     sessions: Vec<SessionDns>,
     active: Option<Active>,
+    /// Most recent first.
+    hosts: Vec<HostsSession>,
 }
 
 /// Split DNS for the daemon's sessions.
 pub struct Dns {
     settings: DnsSettings,
     resolv: ResolvConf,
+    hosts: HostsFile,
     state: Mutex<State>,
 }
 
@@ -177,9 +205,11 @@ impl Dns {
     /// Split DNS as `settings` say; nothing changes until a session asks.
     pub fn new(settings: DnsSettings) -> Self {
         let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir);
+        let hosts = HostsFile::new(&settings.hosts, &settings.runtime_dir);
         Dns {
             settings,
             resolv,
+            hosts,
             state: Mutex::new(State::default()),
         }
     }
@@ -192,6 +222,100 @@ impl Dns {
     /// At daemon start: put back a resolv.conf that a killed daemon left changed.
     pub fn repair(&self) -> Result<Restored, DnsError> {
         Ok(self.resolv.restore()?)
+    }
+
+    /// At daemon start: take out hosts-file entries a killed daemon left.
+    pub fn repair_hosts(&self) -> Result<Restored, DnsError> {
+        Ok(self.hosts.restore()?)
+    }
+
+    /// Session `id` wants hosts-file entries for the Services of the namespace its
+    /// cluster search list is connected to (`search`, `domain` as in ClusterDns).
+    /// Entries appear once [`Dns::set_hosts_services`] reports Services. Returns
+    /// a one-line description for the user.
+    pub async fn enable_hosts(&self, id: &str, search: &[String], domain: &str) -> String {
+        let domain = if domain.trim().is_empty() {
+            "cluster.local"
+        } else {
+            domain.trim().trim_end_matches('.')
+        };
+        let namespace = hosts::connected_namespace(search, domain);
+        let mut state = self.state.lock().await;
+        let services = state
+            .hosts
+            .iter()
+            .position(|h| h.id == id)
+            .map(|i| state.hosts.remove(i).services)
+            .unwrap_or_default();
+        let line = match &namespace {
+            Some(ns) => format!(
+                "hosts file {}: entries for the Services of namespace {ns} (from the route watch)",
+                self.hosts.path().display()
+            ),
+            None => format!(
+                "hosts file {}: no entries (the connected namespace is unknown)",
+                self.hosts.path().display()
+            ),
+        };
+        state.hosts.insert(
+            0,
+            HostsSession {
+                id: id.to_owned(),
+                namespace,
+                domain: domain.to_owned(),
+                services,
+            },
+        );
+        if let Err(e) = self.write_hosts(&state) {
+            tracing::warn!(error = %e, "hosts file not updated");
+            return format!("{line}; not written: {e}");
+        }
+        line
+    }
+
+    /// Whether session `id` asked for hosts-file entries.
+    pub async fn hosts_enabled(&self, id: &str) -> bool {
+        self.state.lock().await.hosts.iter().any(|h| h.id == id)
+    }
+
+    /// The Services the route watch reports for session `id` (all of them; the
+    /// connected namespace's get entries). No-op unless the session asked for
+    /// hosts-file entries. Returns the number of entries of this session.
+    pub async fn set_hosts_services(
+        &self,
+        id: &str,
+        services: Vec<ClusterService>,
+    ) -> Result<usize, DnsError> {
+        let mut state = self.state.lock().await;
+        let Some(h) = state.hosts.iter_mut().find(|h| h.id == id) else {
+            return Ok(0);
+        };
+        h.services = services;
+        let n = h
+            .namespace
+            .as_deref()
+            .map_or(0, |ns| hosts::entries_for(ns, &h.domain, &h.services).len());
+        self.write_hosts(&state)?;
+        Ok(n)
+    }
+
+    /// The hosts file's block for every hosts session, most recent first; a name
+    /// an earlier (more recent) session has is not repeated.
+    fn write_hosts(&self, state: &State) -> Result<(), DnsError> {
+        let mut all: Vec<hosts::HostEntry> = Vec::new();
+        let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
+        for h in &state.hosts {
+            let Some(ns) = &h.namespace else { continue };
+            let mut mine = hosts::entries_for(ns, &h.domain, &h.services);
+            mine.retain(|e| !seen.contains(&e.names[0]));
+            all.extend(mine);
+            // Short names of this session (all its addresses) are taken now.
+            for e in &all {
+                seen.insert(e.names[0].clone());
+            }
+        }
+        self.hosts.apply(&all)?;
+        Ok(())
     }
 
     /// The forwarder's counters (`None` without a forwarder).
@@ -326,11 +450,25 @@ impl Dns {
     /// Returns what could not be undone.
     pub async fn remove_session(&self, id: &str) -> Vec<String> {
         let mut state = self.state.lock().await;
+        let mut leftovers = Vec::new();
+        if let Some(pos) = state.hosts.iter().position(|h| h.id == id) {
+            state.hosts.remove(pos);
+            let result = if state.hosts.is_empty() {
+                self.hosts.restore().map(drop).map_err(DnsError::from)
+            } else {
+                self.write_hosts(&state)
+            };
+            if let Err(e) = result {
+                leftovers.push(format!(
+                    "hosts file {} not restored: {e}",
+                    self.hosts.path().display()
+                ));
+            }
+        }
         let Some(pos) = state.sessions.iter().position(|s| s.id == id) else {
-            return Vec::new();
+            return leftovers;
         };
         let gone = state.sessions.remove(pos);
-        let mut leftovers = Vec::new();
         match &state.active {
             Some(Active::Resolved) => {
                 // The link usually goes with the TUN device; revert anyway.

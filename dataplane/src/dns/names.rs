@@ -11,6 +11,9 @@
 //!   the expansions existing means NXDOMAIN (case dns-01). Longer names that expand
 //!   to nothing in the cluster (`example.com`, `web.dev` when there is no namespace
 //!   `dev`) are the laptop's and go upstream unchanged;
+//! - a reverse name (`100.0.96.10.in-addr.arpa`, `….ip6.arpa`) of an address in the
+//!   cluster's pod or service CIDRs ([`ClusterDns::reverse`]): the cluster DNS answers
+//!   it, so `dig -x <ClusterIP>` gives the Service's name;
 //! - everything else: the laptop's upstream nameservers, unchanged (case dns-05).
 //!
 //! An expansion `a.b.<search domain>` of a multi-label name can only exist when its
@@ -20,7 +23,7 @@
 //! for `com.<domain>` once per TTL, not three per query.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use hickory_proto::op::Query;
@@ -71,6 +74,9 @@ pub struct ClusterDns {
     /// questions for names under the cluster domain are answered NOERROR/empty at
     /// once (case dns-09).
     pub ipv6: bool,
+    /// The cluster's pod and service CIDRs: PTR names of addresses in them go to
+    /// the cluster DNS ([`ClusterDns::with_reverse`]; empty: none do).
+    pub reverse: Vec<ipnet::IpNet>,
 }
 
 fn fqdn(text: &str) -> Result<Name, ConfigError> {
@@ -135,7 +141,17 @@ impl ClusterDns {
             domain,
             search: list,
             ipv6,
+            reverse: Vec::new(),
         })
+    }
+
+    /// The same, with reverse names of addresses in `cidrs` (the cluster's pod and
+    /// service CIDRs) answered by the cluster DNS.
+    pub fn with_reverse(mut self, cidrs: impl IntoIterator<Item = ipnet::IpNet>) -> Self {
+        self.reverse = cidrs.into_iter().collect();
+        self.reverse.sort();
+        self.reverse.dedup();
+        self
     }
 
     /// The search list as text, without trailing dots (`dev.svc.cluster.local`, …).
@@ -205,6 +221,50 @@ fn expandable(qtype: RecordType) -> bool {
     )
 }
 
+/// The address a full reverse name stands for: `d.c.b.a.in-addr.arpa.` (RFC 1035
+/// 3.5) or 32 nibbles under `ip6.arpa.` (RFC 3596 2.5); `None` for anything else,
+/// also for the shorter zone names (`96.10.in-addr.arpa.`).
+pub fn reverse_ip(name: &Name) -> Option<IpAddr> {
+    let text = name.to_ascii().to_ascii_lowercase();
+    let text = text.trim_end_matches('.');
+    if let Some(rest) = text.strip_suffix(".in-addr.arpa") {
+        let octets: Vec<u8> = rest
+            .split('.')
+            .map(|l| {
+                // No leading zeros or signs: "010" is not how a reverse name is spelt.
+                if l.is_empty() || l.len() > 3 || (l.len() > 1 && l.starts_with('0')) {
+                    None
+                } else {
+                    l.parse().ok()
+                }
+            })
+            .collect::<Option<_>>()?;
+        let [d, c, b, a] = octets.as_slice() else {
+            return None;
+        };
+        return Some(IpAddr::V4(Ipv4Addr::new(*a, *b, *c, *d)));
+    }
+    let rest = text.strip_suffix(".ip6.arpa")?;
+    let nibbles: Vec<u8> = rest
+        .split('.')
+        .map(|l| {
+            let mut chars = l.chars();
+            match (chars.next(), chars.next()) {
+                (Some(c), None) => c.to_digit(16).and_then(|d| u8::try_from(d).ok()),
+                _ => None,
+            }
+        })
+        .collect::<Option<_>>()?;
+    if nibbles.len() != 32 {
+        return None;
+    }
+    let mut bits: u128 = 0;
+    for n in nibbles.iter().rev() {
+        bits = (bits << 4) | u128::from(*n);
+    }
+    Some(IpAddr::V6(Ipv6Addr::from(bits)))
+}
+
 /// Classify one question for one cluster.
 pub fn classify(query: &Query, cluster: &ClusterDns) -> Plan {
     if query.query_class() != DNSClass::IN {
@@ -221,6 +281,12 @@ pub fn classify(query: &Query, cluster: &ClusterDns) -> Plan {
         } else {
             Plan::Cluster
         };
+    }
+    if !cluster.reverse.is_empty()
+        && let Some(ip) = reverse_ip(&name)
+        && cluster.reverse.iter().any(|net| net.contains(&ip))
+    {
+        return Plan::Cluster;
     }
     let labels = name.num_labels();
     if labels > MAX_RELATIVE_LABELS || !expandable(query.query_type()) {
@@ -476,6 +542,43 @@ mod tests {
         );
         let plan = classify(&q("_http._tcp.web.dev", RecordType::SRV), &c);
         assert_eq!(names(&plan)[1].0, "_http._tcp.web.dev.svc.cluster.local.");
+    }
+
+    #[test]
+    fn ptr_of_cluster_addresses_goes_to_the_cluster() {
+        let c = cluster("dev").with_reverse([
+            "10.96.0.0/12".parse().expect("cidr"),
+            "10.244.0.0/16".parse().expect("cidr"),
+            "fd00:10:96::/112".parse().expect("cidr"),
+        ]);
+        for n in [
+            "100.0.96.10.in-addr.arpa.",
+            "11.1.244.10.IN-ADDR.ARPA",
+            "a.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.6.9.0.0.0.1.0.0.0.0.d.f.ip6.arpa.",
+        ] {
+            assert_eq!(classify(&q(n, RecordType::PTR), &c), Plan::Cluster, "{n}");
+        }
+        for n in [
+            "1.1.168.192.in-addr.arpa.",
+            "96.10.in-addr.arpa.",
+            "1.0.0.96.10.in-addr.arpa.",
+            "100.0.96.010.in-addr.arpa.",
+            "x.0.96.10.in-addr.arpa.",
+        ] {
+            assert_eq!(classify(&q(n, RecordType::PTR), &c), Plan::Upstream, "{n}");
+        }
+        assert_eq!(
+            reverse_ip(&Name::from_ascii("4.3.2.1.in-addr.arpa.").expect("name")),
+            Some("1.2.3.4".parse().expect("ip"))
+        );
+        // Without the cluster's ranges, reverse names stay the laptop's.
+        assert_eq!(
+            classify(
+                &q("100.0.96.10.in-addr.arpa.", RecordType::PTR),
+                &cluster("dev")
+            ),
+            Plan::Upstream
+        );
     }
 
     #[test]

@@ -268,7 +268,10 @@ pub struct ResolvConf {
     backup: PathBuf,
 }
 
-fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ResolvConfError + 'a {
+pub(crate) fn io<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> ResolvConfError + 'a {
     move |source| ResolvConfError::Io {
         what,
         path: path.to_owned(),
@@ -298,7 +301,11 @@ fn sync_dir(path: &Path) {
 /// Write `bytes` to `path` atomically (temp file in the same directory, fsync,
 /// rename); where rename cannot replace the path (a mount point: EBUSY; another
 /// file system: EXDEV), write in place.
-fn replace_with_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), ResolvConfError> {
+pub(crate) fn replace_with_file(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+) -> Result<(), ResolvConfError> {
     let tmp = sibling(path, ".kvpn-tmp");
     let _ = fs::remove_file(&tmp);
     let write_tmp = || -> io::Result<()> {
@@ -339,7 +346,7 @@ fn replace_with_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), ResolvC
     }
 }
 
-fn replace_with_symlink(path: &Path, target: &str) -> Result<(), ResolvConfError> {
+pub(crate) fn replace_with_symlink(path: &Path, target: &str) -> Result<(), ResolvConfError> {
     let tmp = sibling(path, ".kvpn-tmp");
     let _ = fs::remove_file(&tmp);
     std::os::unix::fs::symlink(target, &tmp).map_err(io("cannot create symlink", &tmp))?;
@@ -361,6 +368,19 @@ impl ResolvConf {
         ResolvConf {
             path: path.into(),
             backup: runtime_dir.join(BACKUP_NAME),
+        }
+    }
+
+    /// Another file of `/etc` managed the same way (the hosts file), with its
+    /// backup `backup_name` in `runtime_dir`.
+    pub fn with_backup_name(
+        path: impl Into<PathBuf>,
+        runtime_dir: &Path,
+        backup_name: &str,
+    ) -> Self {
+        ResolvConf {
+            path: path.into(),
+            backup: runtime_dir.join(backup_name),
         }
     }
 
@@ -390,12 +410,12 @@ impl ResolvConf {
             })
     }
 
-    fn save_backup(&self, backup: &Backup) -> Result<(), ResolvConfError> {
+    pub(crate) fn save_backup(&self, backup: &Backup) -> Result<(), ResolvConfError> {
         replace_with_file(&self.backup, &backup.encode(), 0o600)
     }
 
     /// What the path holds now, as a backup of it would record it.
-    fn snapshot(&self) -> Result<Backup, ResolvConfError> {
+    pub(crate) fn snapshot(&self) -> Result<Backup, ResolvConfError> {
         let (kind, mode, uid, gid) = match fs::symlink_metadata(&self.path) {
             Ok(meta) if meta.file_type().is_symlink() => {
                 let target =
