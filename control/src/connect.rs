@@ -256,6 +256,28 @@ pub async fn disconnect_sessions_of(
     Ok(stopped)
 }
 
+/// The flags of `args` that only shape a new session (routes, DNS, device), for
+/// the warning when the session already exists.
+pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
+    let mut given = Vec::new();
+    for (set, flag) in [
+        (!args.pod_cidrs.is_empty(), "--pod-cidr"),
+        (!args.service_cidrs.is_empty(), "--service-cidr"),
+        (!args.extra_cidrs.is_empty(), "--cidr"),
+        (args.redetect_cidrs, "--redetect-cidrs"),
+        (args.kube.namespace.is_some(), "--namespace"),
+        (args.image.is_some(), "--image"),
+        (args.tun_name.is_some(), "--tun-name"),
+        (args.mtu.is_some(), "--mtu"),
+        (args.hosts, "--hosts"),
+    ] {
+        if set {
+            given.push(flag);
+        }
+    }
+    given
+}
+
 /// Whether connect is already done: true after telling the user so. A session of
 /// the same cluster whose agent is gone can never recover; it is replaced.
 async fn already_connected(runtime_dir: &Path, wanted: &Origin) -> Result<bool> {
@@ -550,6 +572,14 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         manager_namespace: args.kube.manager_namespace.clone(),
     };
     if already_connected(runtime_dir, &origin).await? {
+        let ignored = session_flags_given(args);
+        if !ignored.is_empty() {
+            output::warn(&format!(
+                "{} not applied: they shape a new session and this one already exists — \
+                 `kvpn disconnect` it, then connect again with them",
+                ignored.join(", ")
+            ));
+        }
         return Ok(());
     }
 

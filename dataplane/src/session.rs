@@ -634,7 +634,8 @@ impl Session {
                 return Err(step_err(
                     Step::CreateTun,
                     format!(
-                        "an interface named {name} already exists — choose another TUN name or remove it (`ip link del {name}`)"
+                        "an interface named {name} already exists — choose another --tun-name \
+                         (or leave it out for the first free kvpnN)"
                     ),
                 ));
             }

@@ -307,6 +307,30 @@ fn restricted_connect_reaches_cluster_ip_and_pod_ips_and_is_idempotent() {
         "no second TUN device"
     );
     assert_eq!(f.agent_pids(), agents, "no second agent");
+    // Flags that would shape a new session are not silently dropped.
+    let third = f.kvpn(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--cidr",
+        "10.1.0.0/16",
+        "-n",
+        "default",
+    ]);
+    let third_err = text(&third.stderr);
+    assert!(third.status.success(), "{third_err}");
+    assert!(
+        third_err.contains("--cidr, --namespace not applied")
+            && third_err.contains("kvpn disconnect"),
+        "the ignored flags are named with the fix: {third_err}"
+    );
+    assert!(
+        !f.laptop_routes()
+            .iter()
+            .any(|r| r.starts_with("10.1.0.0/16")),
+        "{:?}",
+        f.laptop_routes()
+    );
     assert_eq!(
         pod_name(&ready_manager(&f)),
         pod_name(&manager),
