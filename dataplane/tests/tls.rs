@@ -113,6 +113,12 @@ fn tls_session_pings_through_the_fake_manager_and_redials_with_tls() {
         .await;
         assert_eq!(manager.seen.tls_failures.load(Ordering::SeqCst), 0);
         assert_eq!(manager.hellos().len(), 2);
+        // Until the new transport's first heartbeat echo the session is
+        // reconnecting and refuses packets with ICMP unreachable (tr-10).
+        wait_for("connected again", Duration::from_secs(5), || {
+            session.state().0 == State::Connected
+        })
+        .await;
         let ping = ns
             .exec_async(&["ping", "-c", "2", "-i", "0.2", "-W", "2", "10.244.1.11"])
             .await;
