@@ -538,7 +538,7 @@ mod tests {
         dual.handle_update(&update);
         assert_eq!(
             cidrs(&dual.request("s1", "").add),
-            ["10.244.7.0/24", "fd00:10:244:7::/64", "fd00:10:96::100/128"]
+            ["10.244.7.0/24", "fd00:10:96::100/128", "fd00:10:244:7::/64"]
         );
         let mut v4 = RouteWatchState::new(vec![], vec![]).ipv4_only(true);
         v4.handle_update(&update);

@@ -138,8 +138,20 @@ fn add_edge_pod(f: &Fixture) {
 fn rt_04_network_and_broadcast_addresses_are_pods() {
     let f = Fixture::new();
     add_edge_pod(&f);
-    let mut args = lab_connect_args();
-    args.extend(["--pod-cidr".to_owned(), EDGE_RANGE.to_owned()]);
+    // The node's own range and the edge range as two pod CIDRs (the lab's default
+    // 10.244.0.0/16 would cover the /24, which is then not installed on its own).
+    let args: Vec<String> = [
+        "--manager",
+        &kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string(),
+        "--pod-cidr",
+        &kvpn_lab::NODE_POD_CIDR.to_string(),
+        "--pod-cidr",
+        EDGE_RANGE,
+        "--service-cidr",
+        &kvpn_lab::SERVICE_CIDR.to_string(),
+    ]
+    .map(str::to_owned)
+    .into();
     connect_with(&f, &args);
     let tun = tun_name(&f);
 
