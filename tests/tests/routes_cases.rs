@@ -10,6 +10,10 @@
 //!   through the TUN device, and the manager connection keeps working.
 //! - rt-08: on a laptop with IPv6 disabled, connect succeeds IPv4-only with exactly
 //!   one warning, and traffic works.
+//!
+//! rt-06 and rt-08 run again on the Kubernetes lab ([`KubeFixture`]): there the
+//! manager connection is a port-forward through the kube API, and the root daemon
+//! also runs the cluster DNS forwarder.
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
@@ -20,6 +24,8 @@ use kvpn_lab::{
     BACKEND_1_IP, BACKEND_1_POD, ECHO_PORT, ECHO_SERVICE_PORT, HTTP_PORT, NODE, NODE_BRIDGE_IP,
     UDP_ECHO_CLUSTER_IP, WEB_CLUSTER_IP,
 };
+use kvpn_tests::dns_lab::getent;
+use kvpn_tests::kube_lab::KubeFixture;
 use kvpn_tests::{Fixture, lab_connect_args, text};
 
 /// GET `url` from the laptop; panics with the logs if it fails.
@@ -231,6 +237,12 @@ fn rp_filter_drops(f: &Fixture) -> u64 {
     let netstat = f.in_laptop(|| {
         std::fs::read_to_string("/proc/net/netstat").expect("read /proc/net/netstat")
     });
+    netstat_counter(&netstat, "IPReversePathFilter")
+}
+
+/// Counter `name` of the `TcpExt:` rows of /proc/net/netstat (a names line, then
+/// a values line).
+fn netstat_counter(netstat: &str, name: &str) -> u64 {
     let lines: Vec<&str> = netstat.lines().collect();
     for pair in lines.chunks(2) {
         let [names, values] = pair else { continue };
@@ -238,12 +250,12 @@ fn rp_filter_drops(f: &Fixture) -> u64 {
             continue;
         }
         for (n, v) in names.split_whitespace().zip(values.split_whitespace()) {
-            if n == "IPReversePathFilter" {
+            if n == name {
                 return v.parse().unwrap_or_else(|e| panic!("{n}={v}: {e}"));
             }
         }
     }
-    panic!("no TcpExt IPReversePathFilter in /proc/net/netstat:\n{netstat}");
+    panic!("no TcpExt {name} in /proc/net/netstat:\n{netstat}");
 }
 
 /// HTTP to a pod and a ClusterIP, TCP echo, UDP echo through a ClusterIP, ping, and
@@ -424,4 +436,120 @@ fn rt_08_ipv6_disabled() {
     assert_eq!(warnings(&all).len(), 1, "a single warning:\n{all}");
     let p = page(&f, &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/"));
     assert_eq!(p.pod, BACKEND_1_POD);
+}
+
+// --- the same on the Kubernetes lab: kube API, port-forward, cluster DNS ------------
+
+fn kube_web() -> SocketAddr {
+    SocketAddr::from((WEB_CLUSTER_IP, kvpn_lab::WEB_SERVICE_PORT))
+}
+
+/// The web Service's name resolves on the laptop to its ClusterIP (cluster DNS
+/// through the root daemon's forwarder and the tunnel).
+fn kube_dns_works(f: &KubeFixture) {
+    assert_eq!(
+        getent(f, "web.default.svc.cluster.local").as_deref(),
+        Some(WEB_CLUSTER_IP.to_string().as_str()),
+        "cluster DNS on the laptop\n{}",
+        f.diagnostics()
+    );
+}
+
+fn kube_laptop_entries(f: &KubeFixture) -> Vec<String> {
+    f.lab()
+        .netns_lab()
+        .laptop_netns()
+        .run(|| {
+            std::fs::read_dir("/proc/sys/net/ipv4/conf")
+                .expect("read /proc/sys/net/ipv4/conf")
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+}
+
+fn kube_strict_everywhere(f: &KubeFixture) {
+    let laptop = f.lab().netns_lab().laptop_netns();
+    for entry in kube_laptop_entries(f) {
+        laptop
+            .set_sysctls(&[(&format!("net.ipv4.conf.{entry}.rp_filter"), "1")])
+            .unwrap_or_else(|e| panic!("rp_filter on {entry}: {e:#}"));
+    }
+}
+
+fn kube_rp_filter_drops(f: &KubeFixture) -> u64 {
+    let netstat = f
+        .lab()
+        .netns_lab()
+        .laptop_netns()
+        .run(|| std::fs::read_to_string("/proc/net/netstat").expect("read /proc/net/netstat"))
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    netstat_counter(&netstat, "IPReversePathFilter")
+}
+
+#[test]
+fn rt_06_strict_rp_filter_kube_api_port_forward_and_dns() {
+    let f = KubeFixture::new();
+    kube_strict_everywhere(&f);
+    f.connect_restricted();
+    // Strict on the TUN device too (see rt_06_strict_rp_filter).
+    kube_strict_everywhere(&f);
+    let drops0 = kube_rp_filter_drops(&f);
+    let page = f.page(kube_web());
+    assert!(page.pod.starts_with("web-"), "answered by {page:?}");
+    kube_dns_works(&f);
+    // The data channel runs through the kube API (port-forward): its heartbeats
+    // keep being echoed, so the API traffic over the strict uplink works.
+    let echoed = |s: &serde_json::Value| {
+        s["liveness"]["heartbeats_echoed"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("heartbeats_echoed in {s}"))
+    };
+    let before = echoed(&f.session());
+    std::thread::sleep(Duration::from_secs(4));
+    let after = f.session();
+    assert_eq!(after["state"], "connected", "{after}");
+    assert!(
+        echoed(&after) >= before + 2,
+        "heartbeat echoes {before} -> {}: {after}",
+        echoed(&after)
+    );
+    // A second connect asks the kube API again (it finds the session and is done).
+    f.connect_restricted();
+    assert_eq!(f.sessions().len(), 1);
+    assert_eq!(
+        kube_rp_filter_drops(&f) - drops0,
+        0,
+        "reverse-path drops\n{}",
+        f.diagnostics()
+    );
+}
+
+#[test]
+fn rt_08_ipv6_disabled_kube_connect() {
+    let f = KubeFixture::new();
+    f.lab()
+        .netns_lab()
+        .laptop_netns()
+        .set_sysctls(&[
+            ("net.ipv6.conf.all.disable_ipv6", "1"),
+            ("net.ipv6.conf.default.disable_ipv6", "1"),
+        ])
+        .unwrap_or_else(|e| panic!("disable IPv6 on the laptop: {e:#}"));
+    let kubeconfig = f.user_kubeconfig();
+    let out = f.kvpn(&["connect", "--kubeconfig", &kubeconfig]);
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        out.status.success(),
+        "connect with IPv6 disabled failed:\n{all}\n{}",
+        f.diagnostics()
+    );
+    let about = lines_about_ipv6(&all);
+    assert_eq!(about.len(), 1, "one line about IPv6:\n{all}");
+    assert!(about[0].starts_with("kvpn: warning:"), "{:?}", about[0]);
+    assert_eq!(warnings(&all).len(), 1, "a single warning:\n{all}");
+    let page = f.page(kube_web());
+    assert!(page.pod.starts_with("web-"), "answered by {page:?}");
+    kube_dns_works(&f);
 }
