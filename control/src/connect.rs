@@ -421,6 +421,59 @@ pub fn cluster_routes(
     .collect()
 }
 
+/// Why IPv6 is off in the calling thread's network namespace (case rt-08), or
+/// `None` when the TUN device can carry IPv6. Off means: the kernel has no IPv6
+/// at all (`ipv6.disable=1` boot flag: no `/proc/sys/net/ipv6`), or
+/// `disable_ipv6=1` for all interfaces or for new ones (the TUN device is new,
+/// so `default` is what it gets). The kernel then refuses IPv6 routes on the TUN
+/// device, so kvpn connects IPv4-only instead of failing.
+pub fn laptop_ipv6_off() -> Option<String> {
+    let base = Path::new("/proc/sys/net/ipv6");
+    if !base.exists() {
+        return Some("the kernel has no IPv6 (booted with ipv6.disable=1)".to_owned());
+    }
+    ["all", "default"].into_iter().find_map(|scope| {
+        let path = base.join("conf").join(scope).join("disable_ipv6");
+        std::fs::read_to_string(&path)
+            .ok()
+            .filter(|v| v.trim() == "1")
+            .map(|_| format!("net.ipv6.conf.{scope}.disable_ipv6=1"))
+    })
+}
+
+/// `routes` without their IPv6 ones, and those IPv6 CIDRs (as "fd00::/56 (pod)"),
+/// for an IPv4-only session.
+pub fn split_ipv6_routes(routes: Vec<Route>) -> (Vec<Route>, Vec<String>) {
+    let (v6, v4): (Vec<Route>, Vec<Route>) = routes
+        .into_iter()
+        .partition(|r| r.cidr.parse::<IpNet>().is_ok_and(|n| n.addr().is_ipv6()));
+    let dropped = v6
+        .iter()
+        .map(|r| format!("{} ({})", r.cidr, output::kind_name(r.kind)))
+        .collect();
+    (v4, dropped)
+}
+
+/// On a laptop with IPv6 off ([`laptop_ipv6_off`]), keep only the IPv4 routes and
+/// say so in exactly one warning (rt-08); otherwise `routes` unchanged.
+pub fn ipv4_only_if_ipv6_off(routes: Vec<Route>) -> Vec<Route> {
+    let Some(why) = laptop_ipv6_off() else {
+        return routes;
+    };
+    let (v4, dropped) = split_ipv6_routes(routes);
+    let what = if dropped.is_empty() {
+        "(all cluster ranges are IPv4)".to_owned()
+    } else {
+        format!("and not routing {}", dropped.join(", "))
+    };
+    output::warn(&format!(
+        "IPv6 is disabled on this laptop ({why}): connecting IPv4-only {what} — to reach \
+         IPv6 cluster ranges, set net.ipv6.conf.all.disable_ipv6=0 and \
+         net.ipv6.conf.default.disable_ipv6=0, then reconnect"
+    ));
+    v4
+}
+
 /// The cluster's pod and service CIDRs: from the cache in the manager's ConfigMap
 /// when it holds a usable entry (and `redetect` is off), else detected with the
 /// user's credentials and cached for the next connect.
@@ -686,6 +739,8 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         )),
     }
 
+    let routes = ipv4_only_if_ipv6_off(routes);
+
     let dns = match cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(dns) => Some(dns),
         Err(why) => {
@@ -922,6 +977,20 @@ mod never_routed_tests {
         let hit = never_routed_overlaps(&all);
         assert_eq!(hit.len(), 9, "{hit:?}");
         assert!(hit.contains(&"127.0.0.0/8 (loopback)".to_owned()));
+    }
+
+    #[test]
+    fn ipv6_routes_are_split_off_and_named_with_their_kind() {
+        let routes = cluster_routes(
+            &nets(&["10.244.0.0/16", "fd00:10:244::/56"]),
+            &nets(&["10.96.0.0/12"]),
+            &nets(&["2001:db8::/64"]),
+            &[],
+        );
+        let (v4, dropped) = super::split_ipv6_routes(routes);
+        let cidrs: Vec<&str> = v4.iter().map(|r| r.cidr.as_str()).collect();
+        assert_eq!(cidrs, ["10.244.0.0/16", "10.96.0.0/12"]);
+        assert_eq!(dropped, ["fd00:10:244::/56 (pod)", "2001:db8::/64 (extra)"]);
     }
 
     #[test]

@@ -90,6 +90,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         &args.extra_cidrs,
         &keep_out,
     );
+    let routes = connect::ipv4_only_if_ipv6_off(routes);
     if routes.is_empty() {
         bail!(
             "nothing to route: give at least one of --pod-cidr, --service-cidr or --cidr \

@@ -71,6 +71,9 @@ pub struct RouteWatchState {
     services_upsert: BTreeMap<(String, String), ClusterService>,
     services_remove: BTreeSet<(String, String)>,
     dns_changed: bool,
+    /// IPv6 is off on the laptop (rt-08): IPv6 pod CIDRs and ClusterIPs of the
+    /// watch are not asked for (the kernel would refuse them on the TUN device).
+    ipv4_only: bool,
 }
 
 fn service_for_daemon(s: &ServiceRecord) -> ClusterService {
@@ -115,7 +118,14 @@ impl RouteWatchState {
             services_upsert: BTreeMap::new(),
             services_remove: BTreeSet::new(),
             dns_changed: false,
+            ipv4_only: false,
         }
+    }
+
+    /// Leave IPv6 routes out (a laptop with IPv6 off, rt-08).
+    pub fn ipv4_only(mut self, on: bool) -> Self {
+        self.ipv4_only = on;
+        self
     }
 
     /// Take in one message of the stream (malformed CIDRs and IPs are skipped
@@ -176,7 +186,9 @@ impl RouteWatchState {
         let svc_needed = kvpn_proto::cidr::subtract(&cluster_ips, &self.connect);
         let mut out = BTreeMap::new();
         for r in connect::cluster_routes(&pod_needed, &svc_needed, &[], &self.keep_out) {
-            if let Ok(net) = r.cidr.parse::<IpNet>() {
+            if let Ok(net) = r.cidr.parse::<IpNet>()
+                && !(self.ipv4_only && net.addr().is_ipv6())
+            {
                 out.entry(net).or_insert(r.kind);
             }
         }
@@ -423,7 +435,8 @@ fn end_of(s: &tonic::Status) -> WatchEnd {
 pub async fn run(client: kube::Client, cfg: WatchConfig) {
     let (session_id, connect_routes) = find_session(&cfg).await;
     info!(session = %session_id, routes = connect_routes.len(), "route watch for session");
-    let mut state = RouteWatchState::new(connect_routes, cfg.keep_out.clone());
+    let mut state = RouteWatchState::new(connect_routes, cfg.keep_out.clone())
+        .ipv4_only(connect::laptop_ipv6_off().is_some());
     let mut backoff = RECONNECT_BACKOFF.0;
     let mut ever_watched = false;
     loop {
@@ -511,6 +524,25 @@ mod tests {
             pod_cidr_source: "pod IPs".into(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn an_ipv4_only_laptop_asks_for_no_ipv6_routes() {
+        let update = RoutesUpdate {
+            snapshot: true,
+            pod_cidrs_added: vec!["10.244.7.0/24".into(), "fd00:10:244:7::/64".into()],
+            services_upserted: vec![svc("default", "web6", "fd00:10:96::100")],
+            ..Default::default()
+        };
+        let mut dual = RouteWatchState::new(vec![], vec![]);
+        dual.handle_update(&update);
+        assert_eq!(
+            cidrs(&dual.request("s1", "").add),
+            ["10.244.7.0/24", "fd00:10:96::100/128", "fd00:10:244:7::/64"]
+        );
+        let mut v4 = RouteWatchState::new(vec![], vec![]).ipv4_only(true);
+        v4.handle_update(&update);
+        assert_eq!(cidrs(&v4.request("s1", "").add), ["10.244.7.0/24"]);
     }
 
     #[test]
