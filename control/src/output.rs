@@ -125,6 +125,7 @@ fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
             "dropped": c.dropped,
             "servfail": c.servfail,
             "malformed": c.malformed,
+            "unreachable": c.unreachable,
         })),
         "services": s.services.iter().map(|v| serde_json::json!({
             "namespace": v.namespace,
@@ -243,7 +244,7 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                 }
                 if let Some(c) = &s.dns_counters {
                     println!(
-                        "    DNS forwarder {} queries ({} UDP, {} TCP): {} cluster, {} expanded, {} upstream, {} NXDOMAIN, {} empty AAAA, {} truncated, {} dropped, {} SERVFAIL",
+                        "    DNS forwarder {} queries ({} UDP, {} TCP): {} cluster, {} expanded, {} upstream, {} NXDOMAIN, {} empty AAAA, {} truncated, {} dropped, {} SERVFAIL ({} while the session was down)",
                         c.udp_queries + c.tcp_queries,
                         c.udp_queries,
                         c.tcp_queries,
@@ -254,7 +255,8 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                         c.empty_aaaa,
                         c.truncated,
                         c.dropped,
-                        c.servfail
+                        c.servfail,
+                        c.unreachable
                     );
                 }
                 for r in &s.routes {

@@ -288,6 +288,7 @@ impl Daemon {
                     session.id(),
                     session.tun_name(),
                     session.routes().to_vec(),
+                    session.dns_reach(),
                     api,
                 )
                 .await
@@ -345,6 +346,7 @@ impl Daemon {
         id: &str,
         tun: &str,
         routes: Vec<(IpNet, crate::ebpf::RouteKind)>,
+        reach: crate::dns::Reach,
         api: &kvpn_proto::dataplane::ClusterDns,
     ) -> String {
         if api.servers.is_empty() {
@@ -378,7 +380,7 @@ impl Daemon {
         if dns.has_session(id, &cluster).await {
             return String::new();
         }
-        match dns.add_session(id, tun, cluster).await {
+        match dns.add_session(id, tun, cluster, reach).await {
             Ok(line) => line,
             Err(e) => {
                 tracing::warn!(session = id, error = %e, "split DNS not set up");
@@ -545,6 +547,7 @@ impl Dataplane for Daemon {
                     dropped: c.dropped,
                     servfail: c.servfail,
                     malformed: c.malformed,
+                    unreachable: c.unreachable,
                 }),
             None => None,
         };
@@ -577,9 +580,11 @@ impl Dataplane for Daemon {
             let found = self
                 .sessions()
                 .get(&req.session_id)
-                .map(|s| (s.tun_name().to_owned(), s.routes().to_vec()));
-            if let Some((tun, routes)) = found {
-                let line = self.apply_dns(&req.session_id, &tun, routes, api).await;
+                .map(|s| (s.tun_name().to_owned(), s.routes().to_vec(), s.dns_reach()));
+            if let Some((tun, routes, reach)) = found {
+                let line = self
+                    .apply_dns(&req.session_id, &tun, routes, reach, api)
+                    .await;
                 if !line.is_empty() {
                     tracing::info!(session = %req.session_id, dns = %line, "split DNS updated from the route watch");
                 }

@@ -740,6 +740,21 @@ impl Session {
             .state(Instant::now())
     }
 
+    /// Whether the session is connected now, for split DNS: the opposite of
+    /// [`Liveness::is_reconnecting`], the test by which the pump answers packets
+    /// toward the cluster with ICMP unreachable, read at each call (no task, no
+    /// timer), so DNS and TCP fail fast from the same instant. It holds the
+    /// liveness state, not the session.
+    pub fn dns_reach(&self) -> crate::dns::Reach {
+        let liveness = self.shared.liveness.clone();
+        crate::dns::Reach::new(move || {
+            !liveness
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_reconnecting(Instant::now())
+        })
+    }
+
     /// Pump counters.
     pub fn counters(&self) -> &Counters {
         &self.shared.counters

@@ -22,6 +22,13 @@
 //!   timeout), so questions were dropped. The laptop's upstreams get a fresh socket
 //!   (random source port) per question, as before.
 //!
+//! - While a cluster's session is not connected ([`Reach`]), its names are
+//!   answered SERVFAIL here, at once, with the RFC 8914 extended error 22 "No
+//!   Reachable Authority" when the client sent EDNS; nothing goes into the tunnel
+//!   (the root daemon answers packets toward the cluster with ICMP unreachable
+//!   then, so a question would only wait out the resends and
+//!   [`EXCHANGE_TIMEOUT`]). [`super::names::while_unreachable`] decides which.
+//!
 //! Bounds: at most [`MAX_IN_FLIGHT`] questions at once (more UDP questions are
 //! dropped and counted; the client retries), [`MAX_TCP_CONNECTIONS`] TCP clients,
 //! idle TCP clients closed after [`TCP_IDLE_TIMEOUT`], each exchange with a server
@@ -102,8 +109,12 @@ pub struct Counters {
     pub malformed: AtomicU64,
     /// UDP answers cut to TC.
     pub truncated: AtomicU64,
-    /// SERVFAIL answers (no server answered).
+    /// SERVFAIL answers (no server answered, or the cluster's session is not
+    /// connected).
     pub servfail: AtomicU64,
+    /// SERVFAIL answered at once because the cluster's session was not connected
+    /// (also counted in `servfail`).
+    pub unreachable: AtomicU64,
     /// UDP questions dropped because [`MAX_IN_FLIGHT`] were in flight.
     pub dropped: AtomicU64,
 }
@@ -132,6 +143,8 @@ pub struct CounterSnapshot {
     /// See [`Counters`].
     pub servfail: u64,
     /// See [`Counters`].
+    pub unreachable: u64,
+    /// See [`Counters`].
     pub dropped: u64,
 }
 
@@ -154,6 +167,7 @@ impl Counters {
             malformed: g(&self.malformed),
             truncated: g(&self.truncated),
             servfail: g(&self.servfail),
+            unreachable: g(&self.unreachable),
             dropped: g(&self.dropped),
         }
     }
@@ -165,9 +179,45 @@ enum Transport {
     Tcp,
 }
 
+/// Whether a session's data channel to its cluster is connected, asked once per
+/// question that would go to that cluster. The root daemon's sessions answer
+/// from their liveness state (the same test the pump uses to answer packets with
+/// ICMP unreachable), so DNS and TCP fail fast from the same instant, with no
+/// task or timer in between.
+#[derive(Clone)]
+pub struct Reach(Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl Reach {
+    /// Connected whenever `connected` says so.
+    pub fn new(connected: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Reach(Arc::new(connected))
+    }
+
+    /// Always connected (sessions without liveness, tests).
+    pub fn always() -> Self {
+        Reach::new(|| true)
+    }
+
+    /// Whether the cluster can be reached now.
+    pub fn connected(&self) -> bool {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Reach {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Reach").field(&self.connected()).finish()
+    }
+}
+
+/// The text of the extended DNS error in answers for a cluster whose session is
+/// not connected.
+pub const UNREACHABLE_TEXT: &str =
+    "kvpn: the session to this cluster is reconnecting; the cluster DNS was not asked";
+
 struct Shared {
-    /// Most recent session first.
-    clusters: RwLock<Vec<ClusterDns>>,
+    /// Most recent session first, each with whether its cluster is reachable.
+    clusters: RwLock<Vec<(ClusterDns, Reach)>>,
     upstreams: RwLock<Vec<SocketAddr>>,
     anchors: Mutex<ExistenceCache>,
     counters: Counters,
@@ -434,8 +484,10 @@ impl Forwarder {
         self.local
     }
 
-    /// The clusters whose names it answers, most recent session first.
-    pub fn set_clusters(&self, clusters: Vec<ClusterDns>) {
+    /// The clusters whose names it answers, most recent session first, each with
+    /// whether its session is connected: questions for a cluster that is not are
+    /// answered SERVFAIL at once ([`names::while_unreachable`]).
+    pub fn set_clusters(&self, clusters: Vec<(ClusterDns, Reach)>) {
         *self
             .shared
             .clusters
@@ -612,9 +664,40 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
         .read()
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
-    let planned = names::classify_all(&question, clusters.iter());
+    let planned =
+        names::classify_all(&question, clusters.iter().map(|(c, _)| c)).map(|(plan, cluster)| {
+            let connected = clusters
+                .iter()
+                .find(|(c, _)| std::ptr::eq(c, cluster))
+                .is_none_or(|(_, reach)| reach.connected());
+            if connected {
+                (plan, cluster)
+            } else {
+                let anchors = shared
+                    .anchors
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                (
+                    names::while_unreachable(plan, |a| anchors.last_known(a)),
+                    cluster,
+                )
+            }
+        });
     tracing::trace!(name = %question.name(), qtype = %question.query_type(), plan = ?planned.as_ref().map(|p| &p.0), "DNS question");
     match planned {
+        Some((Plan::Unreachable, _)) => {
+            bump(&shared.counters.servfail);
+            bump(&shared.counters.unreachable);
+            encode(
+                shared,
+                &message::servfail_with_ede(
+                    &query,
+                    message::EDE_NO_REACHABLE_AUTHORITY,
+                    UNREACHABLE_TEXT,
+                ),
+                limit,
+            )
+        }
         None | Some((Plan::Upstream, _)) => upstream(shared, raw, &query, transport, limit).await,
         Some((Plan::Cluster, cluster)) => {
             bump(&shared.counters.cluster);

@@ -12,7 +12,7 @@ use hickory_proto::rr::{Name, RData, Record, RecordType};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
-use super::forwarder::Forwarder;
+use super::forwarder::{Forwarder, Reach};
 use super::names::ClusterDns;
 
 type Zone = fn(&Query) -> (ResponseCode, Vec<Record>);
@@ -208,6 +208,10 @@ fn a_records(m: &Message) -> Vec<Ipv4Addr> {
 }
 
 async fn setup() -> (Forwarder, Arc<Mutex<Vec<String>>>, Arc<Mutex<Vec<String>>>) {
+    setup_with(Reach::always()).await
+}
+
+async fn setup_with(reach: Reach) -> (Forwarder, Arc<Mutex<Vec<String>>>, Arc<Mutex<Vec<String>>>) {
     let (cluster_addr, cluster_log) = server(cluster_zone).await;
     let (upstream_addr, upstream_log) = server(upstream_zone).await;
     let f = Forwarder::start("127.0.0.1:0".parse().expect("addr"), vec![upstream_addr])
@@ -224,7 +228,7 @@ async fn setup() -> (Forwarder, Arc<Mutex<Vec<String>>>, Arc<Mutex<Vec<String>>>
         false,
     )
     .expect("config");
-    f.set_clusters(vec![cluster]);
+    f.set_clusters(vec![(cluster, reach)]);
     (f, cluster_log, upstream_log)
 }
 
@@ -445,7 +449,7 @@ async fn cluster_questions_share_one_socket_keep_their_ids_and_survive_loss() {
         false,
     )
     .expect("config");
-    f.set_clusters(vec![cluster]);
+    f.set_clusters(vec![(cluster, Reach::always())]);
     let fwd = f.local_addr();
     // 200 questions at once, all with the same message id (`ask` checks that the
     // answer carries it and the question as asked).
@@ -471,4 +475,111 @@ async fn cluster_questions_share_one_socket_keep_their_ids_and_survive_loss() {
         "one socket toward the cluster DNS: {heard:?}"
     );
     assert!(f.counters().servfail == 0, "{:?}", f.counters());
+}
+
+#[tokio::test]
+async fn while_the_session_is_down_cluster_names_fail_at_once_and_upstream_names_resolve() {
+    let connected = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let flag = connected.clone();
+    let (f, cluster_log, upstream_log) = setup_with(Reach::new(move || {
+        flag.load(std::sync::atomic::Ordering::Relaxed)
+    }))
+    .await;
+    let fwd = f.local_addr();
+    let dev = Ipv4Addr::new(10, 96, 0, 200);
+    // Connected: the cluster answers, and says that namespace dev exists.
+    assert_eq!(
+        a_records(&ask(fwd, "web.dev", RecordType::A, None, false).await),
+        vec![dev]
+    );
+
+    connected.store(false, std::sync::atomic::Ordering::Relaxed);
+    let asked_before = cluster_log.lock().expect("log").len();
+    let upstream_before = upstream_log.lock().expect("log").len();
+    let t0 = Instant::now();
+    let mut answered = 0;
+    for name in [
+        "web.dev.svc.cluster.local",
+        "nosuch.dev.svc.cluster.local",
+        "web",
+        "nosuchsvc",
+        // Namespace dev existed when the cluster was last asked.
+        "web.dev",
+    ] {
+        for edns in [None, Some(1232)] {
+            for tcp in [false, true] {
+                let m = ask(fwd, name, RecordType::A, edns, tcp).await;
+                assert_eq!(
+                    m.metadata.response_code,
+                    ResponseCode::ServFail,
+                    "{name} {edns:?} tcp={tcp}"
+                );
+                assert!(m.answers.is_empty());
+                let ede = super::message::extended_errors(&m);
+                if edns.is_some() {
+                    assert_eq!(ede.len(), 1, "{name}: {m:?}");
+                    assert_eq!(ede[0].0, super::message::EDE_NO_REACHABLE_AUTHORITY);
+                    assert!(ede[0].1.contains("reconnecting"), "{ede:?}");
+                } else {
+                    assert!(m.edns.is_none() && ede.is_empty(), "no OPT without EDNS");
+                }
+                answered += 1;
+            }
+        }
+    }
+    // AAAA of an IPv4-only cluster never needed the cluster.
+    let m = ask(
+        fwd,
+        "web.dev.svc.cluster.local",
+        RecordType::AAAA,
+        None,
+        false,
+    )
+    .await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    let took = t0.elapsed();
+    eprintln!("{answered} cluster questions answered SERVFAIL in {took:?} while down");
+    assert_eq!(
+        cluster_log.lock().expect("log").len(),
+        asked_before,
+        "nothing sent to the cluster DNS while its session is down"
+    );
+    // Without a cluster round trip the answers are local; far below the 300 ms
+    // first resend of a cluster question.
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    // The laptop's names are not affected.
+    let m = ask(fwd, "host.corp.test", RecordType::A, None, false).await;
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(192, 0, 2, 10)]);
+    let m = ask(fwd, "www.example.com", RecordType::A, Some(1232), false).await;
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(192, 0, 2, 20)]);
+    assert_eq!(
+        upstream_log.lock().expect("log")[upstream_before..],
+        ["host.corp.test.".to_owned(), "www.example.com.".to_owned()],
+        "only the laptop's names went upstream"
+    );
+    let c = f.counters();
+    assert_eq!(c.unreachable, answered, "{c:?}");
+    assert_eq!(c.servfail, answered, "{c:?}");
+
+    // Connected again: cluster names resolve at once.
+    connected.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        a_records(&ask(fwd, "web", RecordType::A, None, false).await),
+        vec![dev]
+    );
+    assert_eq!(
+        a_records(
+            &ask(
+                fwd,
+                "web.dev.svc.cluster.local",
+                RecordType::A,
+                Some(1232),
+                true
+            )
+            .await
+        ),
+        vec![dev]
+    );
+    assert_eq!(f.counters().unreachable, answered);
+    f.stop().await;
 }

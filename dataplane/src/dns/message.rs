@@ -14,6 +14,7 @@ use hickory_proto::op::{
     Edns, Header, Message, MessageType, Metadata, OpCode, Query, ResponseCode,
 };
 use hickory_proto::rr::rdata::CNAME;
+use hickory_proto::rr::rdata::opt::{EdnsCode, EdnsOption};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use hickory_proto::serialize::binary::{BinDecodable as _, BinDecoder};
 
@@ -113,6 +114,46 @@ pub fn local_answer(query: &Message, rcode: ResponseCode) -> Message {
         m.set_edns(e);
     }
     m
+}
+
+/// EDNS option code of an extended DNS error (RFC 8914 §2).
+pub const EDE_OPTION: u16 = 15;
+
+/// Extended DNS error INFO-CODE 22, "No Reachable Authority" (RFC 8914 §4.23):
+/// the servers that hold the name cannot be reached.
+pub const EDE_NO_REACHABLE_AUTHORITY: u16 = 22;
+
+/// SERVFAIL for `query`, made here without asking anyone: its question, no
+/// records, and when the client sent EDNS an OPT record carrying the extended
+/// DNS error `info_code` with `text` (RFC 8914: INFO-CODE, then UTF-8 text).
+pub fn servfail_with_ede(query: &Message, info_code: u16, text: &str) -> Message {
+    let mut m = local_answer(query, ResponseCode::ServFail);
+    if let Some(e) = m.edns.as_mut() {
+        let mut data = Vec::with_capacity(2 + text.len());
+        data.extend_from_slice(&info_code.to_be_bytes());
+        data.extend_from_slice(text.as_bytes());
+        e.options_mut()
+            .insert(EdnsOption::Unknown(EDE_OPTION, data));
+    }
+    m
+}
+
+/// The extended DNS errors in `msg` (RFC 8914): (INFO-CODE, EXTRA-TEXT).
+pub fn extended_errors(msg: &Message) -> Vec<(u16, String)> {
+    let Some(e) = &msg.edns else {
+        return Vec::new();
+    };
+    e.options()
+        .get_all(EdnsCode::from(EDE_OPTION))
+        .into_iter()
+        .filter_map(|o| match o {
+            EdnsOption::Unknown(EDE_OPTION, data) if data.len() >= 2 => Some((
+                u16::from_be_bytes([data[0], data[1]]),
+                String::from_utf8_lossy(&data[2..]).into_owned(),
+            )),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The query the forwarder sends to the cluster DNS for `name`/`qtype` on behalf of
@@ -392,6 +433,27 @@ mod tests {
         );
         let t = truncated_for(&query("x.", RecordType::A, Some(1232)));
         assert!(t.metadata.truncation && t.answers.is_empty() && t.edns.is_some());
+    }
+
+    #[test]
+    fn servfail_carries_an_extended_error_only_with_edns() {
+        let q = query("web.default.svc.cluster.local.", RecordType::A, Some(1232));
+        let m = servfail_with_ede(&q, EDE_NO_REACHABLE_AUTHORITY, "session down");
+        let back = Message::from_vec(&m.to_vec().expect("encode")).expect("decode");
+        assert_eq!(back.metadata.id, 777);
+        assert_eq!(back.metadata.response_code, ResponseCode::ServFail);
+        assert_eq!(back.queries, q.queries);
+        assert!(back.answers.is_empty());
+        assert_eq!(
+            extended_errors(&back),
+            vec![(22, "session down".to_owned())]
+        );
+        let plain = query("web.", RecordType::A, None);
+        let m = servfail_with_ede(&plain, EDE_NO_REACHABLE_AUTHORITY, "session down");
+        let back = Message::from_vec(&m.to_vec().expect("encode")).expect("decode");
+        assert_eq!(back.metadata.response_code, ResponseCode::ServFail);
+        assert!(back.edns.is_none(), "no OPT without EDNS");
+        assert!(extended_errors(&back).is_empty());
     }
 
     #[test]

@@ -15,6 +15,10 @@
 //!   resolv.conf as it was before kvpn changed it.
 //!
 //! One forwarder serves every session of the daemon (most recent session first).
+//! While a session is not connected (reconnecting: its transport is down or
+//! silent), the forwarder answers the names of its cluster SERVFAIL at once, with
+//! an RFC 8914 extended error, instead of sending them into the tunnel (see
+//! [`names::while_unreachable`]); each session hands in a [`Reach`] for that.
 //! resolv.conf is restored when the last such session ends, and at daemon start
 //! when a backup is left over from a daemon that was killed ([`Dns::repair`]).
 //!
@@ -44,6 +48,7 @@ use tokio::sync::Mutex;
 
 pub use names::ClusterDns;
 
+pub use forwarder::Reach;
 use forwarder::{CounterSnapshot, Forwarder};
 use hosts::HostsFile;
 use kvpn_proto::dataplane::ClusterService;
@@ -142,6 +147,9 @@ struct SessionDns {
     id: String,
     tun: String,
     cluster: ClusterDns,
+    /// Whether the session is connected (the forwarder fails its cluster's names
+    /// at once while it is not).
+    reach: Reach,
 }
 
 enum Active {
@@ -199,6 +207,16 @@ pub fn upstreams_from(original: &[u8], forwarder: SocketAddr) -> Vec<SocketAddr>
         }
     }
     list
+}
+
+/// The forwarder's view of the sessions: cluster DNS and reachability, most
+/// recent first.
+fn clusters_of(state: &State) -> Vec<(ClusterDns, Reach)> {
+    state
+        .sessions
+        .iter()
+        .map(|s| (s.cluster.clone(), s.reach.clone()))
+        .collect()
 }
 
 impl Dns {
@@ -354,13 +372,16 @@ impl Dns {
         Ok(())
     }
 
-    /// Add a session's cluster DNS; the TUN device `tun` carries its traffic.
-    /// Returns a one-line description for the user.
+    /// Add a session's cluster DNS; the TUN device `tun` carries its traffic and
+    /// `reach` says whether its data channel is connected (while it is not, the
+    /// forwarder answers the cluster's names SERVFAIL at once instead of sending
+    /// them into the tunnel). Returns a one-line description for the user.
     pub async fn add_session(
         &self,
         id: &str,
         tun: &str,
         cluster: ClusterDns,
+        reach: Reach,
     ) -> Result<String, DnsError> {
         let mut state = self.state.lock().await;
         if self.settings.mode == Mode::Off {
@@ -392,6 +413,7 @@ impl Dns {
                 id: id.to_owned(),
                 tun: tun.to_owned(),
                 cluster: cluster.clone(),
+                reach,
             },
         );
         let result = match &state.active {
@@ -411,7 +433,7 @@ impl Dns {
                 })
                 .map_err(DnsError::Resolved),
             Some(Active::Forwarder(f)) => {
-                f.set_clusters(state.sessions.iter().map(|s| s.cluster.clone()).collect());
+                f.set_clusters(clusters_of(&state));
                 let local = f.local_addr();
                 self.write_resolv_conf(&state, local.ip()).map(|()| {
                     format!(
@@ -477,7 +499,7 @@ impl Dns {
                 }
             }
             Some(Active::Forwarder(f)) if !state.sessions.is_empty() => {
-                f.set_clusters(state.sessions.iter().map(|s| s.cluster.clone()).collect());
+                f.set_clusters(clusters_of(&state));
                 let ip = f.local_addr().ip();
                 if let Err(e) = self.write_resolv_conf(&state, ip) {
                     leftovers.push(e.to_string());

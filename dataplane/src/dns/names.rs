@@ -16,6 +16,9 @@
 //!   it, so `dig -x <ClusterIP>` gives the Service's name;
 //! - everything else: the laptop's upstream nameservers, unchanged (case dns-05).
 //!
+//! While a cluster's session is not connected, [`while_unreachable`] turns the
+//! questions that would go to that cluster into an immediate SERVFAIL.
+//!
 //! An expansion `a.b.<search domain>` of a multi-label name can only exist when its
 //! ancestor `b.<search domain>` exists (RFC 8020: a name that does not exist has no
 //! descendants). The forwarder asks for that ancestor (the *anchor*) first and caches
@@ -204,6 +207,10 @@ pub enum Plan {
     },
     /// Not the cluster's: to the laptop's upstream nameservers, unchanged.
     Upstream,
+    /// The cluster's, but its session is not connected (reconnecting: the data
+    /// channel is down or silent): SERVFAIL at once, nothing sent
+    /// ([`while_unreachable`]).
+    Unreachable,
 }
 
 /// Question types a search-list expansion applies to: those an application asks
@@ -341,6 +348,49 @@ pub fn classify_all<'a>(
         .or_else(|| plans().find(|(plan, _)| *plan != Plan::Upstream))
 }
 
+/// What `plan` (for a cluster) becomes while that cluster's session is not
+/// connected: the tunnel is down or silent, and the root daemon already answers
+/// packets toward the cluster with ICMP unreachable, so a question sent to the
+/// cluster DNS would only wait out its timeouts (4 s of resends for `dig`, tens
+/// of seconds for glibc walking its search list). Instead:
+/// - names under the cluster domain, reverse names of cluster addresses and
+///   single labels (which can only be cluster names, case dns-01):
+///   [`Plan::Unreachable`];
+/// - AAAA under the domain of an IPv4-only cluster stays [`Plan::EmptyAaaa`]: it
+///   never needed the cluster, and the client's A question fails at once anyway;
+/// - a longer cluster-relative spelling (`web.dev`, `www.example.com`) is the
+///   cluster's when the last answer the cluster gave about one of its anchors
+///   (`last_known`, however old: the cluster cannot be asked now) said the anchor
+///   exists; then [`Plan::Unreachable`]. Otherwise it goes to the laptop's
+///   upstream as it would if no expansion existed, so the rest of DNS keeps
+///   working while the cluster is away (case dns-05);
+/// - everything else is unchanged.
+pub fn while_unreachable(plan: Plan, last_known: impl Fn(&Name) -> Option<bool>) -> Plan {
+    match plan {
+        Plan::Cluster | Plan::Unreachable => Plan::Unreachable,
+        Plan::EmptyAaaa => Plan::EmptyAaaa,
+        Plan::Upstream => Plan::Upstream,
+        Plan::Search {
+            otherwise: Otherwise::NxDomain,
+            ..
+        } => Plan::Unreachable,
+        Plan::Search {
+            candidates,
+            otherwise: Otherwise::Upstream,
+        } => {
+            let cluster_name = candidates.iter().any(|c| match &c.anchor {
+                Some(anchor) => last_known(anchor) == Some(true),
+                None => true,
+            });
+            if cluster_name {
+                Plan::Unreachable
+            } else {
+                Plan::Upstream
+            }
+        }
+    }
+}
+
 /// Whether names exist in the cluster, with expiry. Pure: the caller passes `now`.
 /// Bounded: when full, expired entries go, and if that frees nothing, everything.
 #[derive(Debug)]
@@ -376,6 +426,15 @@ impl ExistenceCache {
         let ttl = ttl.clamp(ANCHOR_TTL_BOUNDS.0, ANCHOR_TTL_BOUNDS.1);
         self.entries
             .insert(name.to_lowercase(), (exists, now + ttl));
+    }
+
+    /// The last answer remembered for `name`, expired or not (`None`: never
+    /// asked, or forgotten when the cache filled up). For guesses while the
+    /// cluster cannot be asked ([`while_unreachable`]).
+    pub fn last_known(&self, name: &Name) -> Option<bool> {
+        self.entries
+            .get(&name.to_lowercase())
+            .map(|(exists, _)| *exists)
     }
 
     /// Number of entries (fresh or not).
@@ -613,6 +672,77 @@ mod tests {
         assert_eq!(c, &dev);
         // A long public name: nobody's.
         assert!(classify_all(&q("a.b.c.d.e.example.", RecordType::A), [&dev, &other]).is_none());
+    }
+
+    #[test]
+    fn while_the_session_is_down_cluster_names_fail_at_once_and_the_rest_stays_upstream() {
+        let c = cluster("default").with_reverse(["10.96.0.0/12".parse().expect("cidr")]);
+        let t0 = Instant::now();
+        let mut cache = ExistenceCache::new(16);
+        let anchor = |s: &str| Name::from_ascii(s).expect("name");
+        // What the cluster said before the hole: namespace default exists, no
+        // namespace or Service `com`; answers long expired by now.
+        for present in ["default.svc.cluster.local.", "svc.cluster.local."] {
+            cache.insert(&anchor(present), true, Duration::from_secs(5), t0);
+        }
+        for absent in [
+            "default.default.svc.cluster.local.",
+            "default.cluster.local.",
+            "com.default.svc.cluster.local.",
+            "com.svc.cluster.local.",
+            "com.cluster.local.",
+        ] {
+            cache.insert(&anchor(absent), false, Duration::from_secs(5), t0);
+        }
+        let later = t0 + Duration::from_secs(3600);
+        assert_eq!(
+            cache.get(&anchor("default.svc.cluster.local."), later),
+            None,
+            "expired for normal use"
+        );
+        let down = |n: &str, t: RecordType| {
+            while_unreachable(classify(&q(n, t), &c), |a| cache.last_known(a))
+        };
+        for (n, t) in [
+            ("web.default.svc.cluster.local.", RecordType::A),
+            ("web.default.svc.cluster.local", RecordType::SRV),
+            ("cluster.local.", RecordType::SOA),
+            ("100.0.96.10.in-addr.arpa.", RecordType::PTR),
+            // Single labels can only be cluster names.
+            ("web", RecordType::A),
+            ("nosuchsvc.", RecordType::AAAA),
+            // The last known answer says namespace `default` exists.
+            ("web.default", RecordType::A),
+            ("web.default.svc", RecordType::A),
+        ] {
+            assert_eq!(down(n, t), Plan::Unreachable, "{n} {t}");
+        }
+        // Answered without the cluster anyway (dns-09).
+        assert_eq!(
+            down("web.default.svc.cluster.local.", RecordType::AAAA),
+            Plan::EmptyAaaa
+        );
+        for (n, t) in [
+            // Anchors known not to exist, or never asked: the laptop's.
+            ("www.example.com.", RecordType::A),
+            ("host.corp.test.", RecordType::A),
+            ("web.nosuchns.", RecordType::A),
+            // Never the cluster's.
+            ("a.b.c.d.example.com.", RecordType::A),
+            ("1.1.168.192.in-addr.arpa.", RecordType::PTR),
+            ("example.com.", RecordType::MX),
+        ] {
+            assert_eq!(down(n, t), Plan::Upstream, "{n} {t}");
+        }
+        // Connected: the same questions are planned as before (not Unreachable).
+        assert!(matches!(
+            classify(&q("web.default", RecordType::A), &c),
+            Plan::Search { .. }
+        ));
+        assert_eq!(
+            classify(&q("web.default.svc.cluster.local.", RecordType::A), &c),
+            Plan::Cluster
+        );
     }
 
     #[test]
