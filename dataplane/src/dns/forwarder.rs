@@ -438,25 +438,36 @@ impl Forwarder {
         listen: SocketAddr,
         upstreams: Vec<SocketAddr>,
     ) -> Result<Forwarder, ForwarderError> {
-        let udp = UdpSocket::bind(listen)
-            .await
-            .map_err(|source| ForwarderError::Bind {
+        // UDP and TCP on the same port. With port 0 (tests) the kernel picks the
+        // UDP port, and that TCP port may be taken (e.g. as the local port of some
+        // connection): pick again a few times.
+        let mut tries = if listen.port() == 0 { 16 } else { 1 };
+        let (udp, local, tcp) = loop {
+            tries -= 1;
+            let udp = UdpSocket::bind(listen)
+                .await
+                .map_err(|source| ForwarderError::Bind {
+                    addr: listen,
+                    proto: "udp",
+                    source,
+                })?;
+            let local = udp.local_addr().map_err(|source| ForwarderError::Bind {
                 addr: listen,
                 proto: "udp",
                 source,
             })?;
-        let local = udp.local_addr().map_err(|source| ForwarderError::Bind {
-            addr: listen,
-            proto: "udp",
-            source,
-        })?;
-        let tcp = TcpListener::bind(local)
-            .await
-            .map_err(|source| ForwarderError::Bind {
-                addr: local,
-                proto: "tcp",
-                source,
-            })?;
+            match TcpListener::bind(local).await {
+                Ok(tcp) => break (udp, local, tcp),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries > 0 => {}
+                Err(source) => {
+                    return Err(ForwarderError::Bind {
+                        addr: local,
+                        proto: "tcp",
+                        source,
+                    });
+                }
+            }
+        };
         let shared = Arc::new(Shared {
             clusters: RwLock::new(Vec::new()),
             upstreams: RwLock::new(upstreams),

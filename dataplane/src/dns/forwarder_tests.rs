@@ -118,9 +118,18 @@ fn answer(raw: &[u8], zone: Zone, log: &Mutex<Vec<String>>, udp: bool) -> Option
 
 /// A DNS server on 127.0.0.1 (UDP and TCP, same port) answering from `zone`.
 async fn server(zone: Zone) -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
-    let udp = UdpSocket::bind("127.0.0.1:0").await.expect("udp");
-    let addr = udp.local_addr().expect("addr");
-    let tcp = TcpListener::bind(addr).await.expect("tcp");
+    // The same port for UDP and TCP: the kernel's pick for UDP may be taken for
+    // TCP, so pick again until both fit.
+    let mut tries = 0;
+    let (udp, addr, tcp) = loop {
+        let udp = UdpSocket::bind("127.0.0.1:0").await.expect("udp");
+        let addr = udp.local_addr().expect("addr");
+        match TcpListener::bind(addr).await {
+            Ok(tcp) => break (udp, addr, tcp),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 16 => tries += 1,
+            Err(e) => panic!("tcp: {e}"),
+        }
+    };
     let log = Arc::new(Mutex::new(Vec::new()));
     let l = log.clone();
     tokio::spawn(async move {
