@@ -754,3 +754,77 @@ fn tail(s: &str, n: usize) -> String {
     out.push('\n');
     out
 }
+
+/// The lab API server's port on the node's uplink address.
+pub const API_SERVER_PORT: u16 = 6443;
+
+/// An nftables table in the laptop netns that drops all traffic between the
+/// laptop and the API server (the port-forward's path: a silent black hole, no
+/// RST, no FIN; cases tr-10 and the DNS fail-fast test); removed by
+/// [`BlackHole::heal`] or on drop.
+pub struct BlackHole<'a> {
+    f: &'a KubeFixture,
+    table: String,
+    open: bool,
+}
+
+impl<'a> BlackHole<'a> {
+    pub fn open(f: &'a KubeFixture) -> Self {
+        let table = format!("kvpn_bh_{}", f.lab().netns_lab().id());
+        let script = format!(
+            "table inet {table} {{\n\
+             \tchain output {{ type filter hook output priority -10; policy accept;\n\
+             \t\tip daddr {} tcp dport {} counter drop\n\
+             \t}}\n\
+             \tchain input {{ type filter hook input priority -10; policy accept;\n\
+             \t\tip saddr {} tcp sport {} counter drop\n\
+             \t}}\n\
+             }}\n",
+            kvpn_lab::NODE_UPLINK_IP,
+            API_SERVER_PORT,
+            kvpn_lab::NODE_UPLINK_IP,
+            API_SERVER_PORT
+        );
+        let path = f.lab().netns_lab().dir().join(format!("{table}.nft"));
+        std::fs::write(&path, script).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+        let out = f.laptop(&["nft", "-f", &path.to_string_lossy()]);
+        assert!(out.status.success(), "nft -f: {}", text(&out.stderr));
+        BlackHole {
+            f,
+            table,
+            open: true,
+        }
+    }
+
+    /// Packets the table dropped so far (both directions).
+    pub fn dropped(&self) -> u64 {
+        let out = self
+            .f
+            .laptop(&["nft", "list", "table", "inet", &self.table]);
+        text(&out.stdout)
+            .split("packets ")
+            .skip(1)
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    }
+
+    pub fn heal(&mut self) {
+        if self.open {
+            let out = self
+                .f
+                .laptop(&["nft", "delete", "table", "inet", &self.table]);
+            assert!(out.status.success(), "nft delete: {}", text(&out.stderr));
+            self.open = false;
+        }
+    }
+}
+
+impl Drop for BlackHole<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = self
+                .f
+                .laptop(&["nft", "delete", "table", "inet", &self.table]);
+        }
+    }
+}

@@ -18,8 +18,8 @@
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use kvpn_lab::{LAPTOP, NODE_UPLINK_IP, WEB_CLUSTER_IP, WEB_SERVICE_PORT};
-use kvpn_tests::kube_lab::KubeFixture;
+use kvpn_lab::{LAPTOP, WEB_CLUSTER_IP, WEB_SERVICE_PORT};
+use kvpn_tests::kube_lab::{BlackHole, KubeFixture};
 use kvpn_tests::text;
 
 /// How long the path stays black-holed.
@@ -36,76 +36,8 @@ const FAIL_FAST_WITHIN: Duration = Duration::from_secs(2);
 /// handshake timeout, then at most the 2 s backoff cap, then a port-forward.
 const RECOVER_WITHIN: Duration = Duration::from_secs(15);
 
-/// The API server port the port-forwards ride.
-const API_PORT: u16 = 6443;
-
 fn web() -> SocketAddr {
     SocketAddr::from((WEB_CLUSTER_IP, WEB_SERVICE_PORT))
-}
-
-/// An nftables table in the laptop netns that drops all traffic between the
-/// laptop and the API server; removed by [`BlackHole::heal`] or on drop.
-struct BlackHole<'a> {
-    f: &'a KubeFixture,
-    table: String,
-    open: bool,
-}
-
-impl<'a> BlackHole<'a> {
-    fn open(f: &'a KubeFixture) -> Self {
-        let table = format!("kvpn_bh_{}", f.lab().netns_lab().id());
-        let script = format!(
-            "table inet {table} {{\n\
-             \tchain output {{ type filter hook output priority -10; policy accept;\n\
-             \t\tip daddr {NODE_UPLINK_IP} tcp dport {API_PORT} counter drop\n\
-             \t}}\n\
-             \tchain input {{ type filter hook input priority -10; policy accept;\n\
-             \t\tip saddr {NODE_UPLINK_IP} tcp sport {API_PORT} counter drop\n\
-             \t}}\n\
-             }}\n"
-        );
-        let path = f.lab().netns_lab().dir().join(format!("{table}.nft"));
-        std::fs::write(&path, script).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
-        let out = f.laptop(&["nft", "-f", &path.to_string_lossy()]);
-        assert!(out.status.success(), "nft -f: {}", text(&out.stderr));
-        BlackHole {
-            f,
-            table,
-            open: true,
-        }
-    }
-
-    /// Packets the table dropped so far (both directions).
-    fn dropped(&self) -> u64 {
-        let out = self
-            .f
-            .laptop(&["nft", "list", "table", "inet", &self.table]);
-        text(&out.stdout)
-            .split("packets ")
-            .skip(1)
-            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-            .sum()
-    }
-
-    fn heal(&mut self) {
-        if self.open {
-            let out = self
-                .f
-                .laptop(&["nft", "delete", "table", "inet", &self.table]);
-            assert!(out.status.success(), "nft delete: {}", text(&out.stderr));
-            self.open = false;
-        }
-    }
-}
-
-impl Drop for BlackHole<'_> {
-    fn drop(&mut self) {
-        if self.open {
-            let _ = self
-                .f
-                .laptop(&["nft", "delete", "table", "inet", &self.table]);
-        }
-    }
 }
 
 /// `curl` to the web ClusterIP from the laptop, bounded by `max` seconds: (exit

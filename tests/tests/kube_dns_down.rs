@@ -15,13 +15,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvpn_lab::NODE_UPLINK_IP;
 use kvpn_tests::dns_lab::*;
-use kvpn_tests::kube_lab::KubeFixture;
+use kvpn_tests::kube_lab::{BlackHole, KubeFixture};
 use kvpn_tests::text;
-
-/// The API server port the port-forwards ride.
-const API_PORT: u16 = 6443;
 
 /// Status shows reconnecting within the liveness window (3 s) plus a heartbeat
 /// interval; generous here, kube_blackhole.rs holds the tight bound.
@@ -36,59 +32,6 @@ const GETENT_WITHIN: Duration = Duration::from_secs(1);
 /// After healing: a re-dial in flight may wait out its 5 s TLS handshake
 /// timeout, then the 2 s backoff cap, then a port-forward.
 const RECOVER_WITHIN: Duration = Duration::from_secs(20);
-
-/// An nftables table in the laptop netns that drops all traffic between the
-/// laptop and the API server; removed by [`BlackHole::heal`] or on drop.
-struct BlackHole<'a> {
-    f: &'a KubeFixture,
-    table: String,
-    open: bool,
-}
-
-impl<'a> BlackHole<'a> {
-    fn open(f: &'a KubeFixture) -> Self {
-        let table = format!("kvpn_dnsbh_{}", f.lab().netns_lab().id());
-        let script = format!(
-            "table inet {table} {{\n\
-             \tchain output {{ type filter hook output priority -10; policy accept;\n\
-             \t\tip daddr {NODE_UPLINK_IP} tcp dport {API_PORT} counter drop\n\
-             \t}}\n\
-             \tchain input {{ type filter hook input priority -10; policy accept;\n\
-             \t\tip saddr {NODE_UPLINK_IP} tcp sport {API_PORT} counter drop\n\
-             \t}}\n\
-             }}\n"
-        );
-        let path = f.lab().netns_lab().dir().join(format!("{table}.nft"));
-        std::fs::write(&path, script).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
-        let out = f.laptop(&["nft", "-f", &path.to_string_lossy()]);
-        assert!(out.status.success(), "nft -f: {}", text(&out.stderr));
-        BlackHole {
-            f,
-            table,
-            open: true,
-        }
-    }
-
-    fn heal(&mut self) {
-        if self.open {
-            let out = self
-                .f
-                .laptop(&["nft", "delete", "table", "inet", &self.table]);
-            assert!(out.status.success(), "nft delete: {}", text(&out.stderr));
-            self.open = false;
-        }
-    }
-}
-
-impl Drop for BlackHole<'_> {
-    fn drop(&mut self) {
-        if self.open {
-            let _ = self
-                .f
-                .laptop(&["nft", "delete", "table", "inet", &self.table]);
-        }
-    }
-}
 
 /// `dig` with exactly `args` in the laptop netns: the parsed answer and the wall
 /// clock time of the whole process.
