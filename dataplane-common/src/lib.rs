@@ -18,6 +18,9 @@ pub const MAP_ROUTES_V4: &str = "KVPN_ROUTES_V4";
 pub const MAP_ROUTES_V6: &str = "KVPN_ROUTES_V6";
 /// Name of the per-CPU counter array (index: `COUNTER_*` → [`CounterValue`]).
 pub const MAP_COUNTERS: &str = "KVPN_COUNTERS";
+/// Name of the per-CPU per-route counter array (index: [`RouteEntry::slot`] →
+/// [`CounterValue`]), read by `kvpn top`.
+pub const MAP_ROUTE_COUNTERS: &str = "KVPN_ROUTE_CNT";
 /// Name of the load-time global holding the L2 header length in bytes in front of
 /// the IP header: 0 on a TUN device (L3, the skb starts at the IP header), 14 for
 /// Ethernet (BPF_PROG_TEST_RUN feeds TC programs an Ethernet frame).
@@ -92,15 +95,24 @@ pub struct RouteEntry {
     /// One of `ROUTE_KIND_*`.
     pub kind: u8,
     /// Zero. Explicit padding so the value has no uninitialised bytes.
-    pub reserved: [u8; 3],
+    pub reserved: u8,
+    /// Index of this entry's counters in the per-route counter array (host
+    /// order; `< MAX_ROUTES`, else the entry is counted per kind only).
+    pub slot: u16,
 }
 
 impl RouteEntry {
-    /// An entry of `kind` (one of `ROUTE_KIND_*`).
+    /// An entry of `kind` (one of `ROUTE_KIND_*`) counted in per-route slot 0.
     pub const fn new(kind: u8) -> Self {
+        Self::with_slot(kind, 0)
+    }
+
+    /// An entry of `kind` counted in per-route slot `slot`.
+    pub const fn with_slot(kind: u8, slot: u16) -> Self {
         Self {
             kind,
-            reserved: [0; 3],
+            reserved: 0,
+            slot,
         }
     }
 }
@@ -133,6 +145,11 @@ mod user {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn route_slots_fit_the_slot_field() {
+        assert!(MAX_ROUTES <= u32::from(u16::MAX) + 1);
+    }
 
     #[test]
     fn layouts_match_the_kernel_side() {
@@ -179,6 +196,7 @@ mod tests {
             MAP_ROUTES_V4,
             MAP_ROUTES_V6,
             MAP_COUNTERS,
+            MAP_ROUTE_COUNTERS,
         ] {
             assert!(name.len() <= 15, "{name} is longer than 15 bytes");
         }

@@ -1,6 +1,6 @@
 //! TC classifier on the TUN device's egress: every packet the laptop's kernel routes into
 //! the TUN (outbound, toward the cluster) is looked up by destination in the route tries
-//! and counted per route kind; packets that match no route — routed into the TUN by
+//! and counted per route kind and per route entry (`kvpn top`); packets that match no route — routed into the TUN by
 //! mistake — and packets that are not parseable IP are dropped and counted.
 //!
 //! Verdicts. kvpn attaches this program with TCX (kernel >= 6.6), where the kernel only
@@ -38,6 +38,10 @@ static KVPN_ROUTES_V6: LpmTrie<Ipv6Prefix, RouteEntry> = LpmTrie::with_max_entri
 
 #[map]
 static KVPN_COUNTERS: PerCpuArray<CounterValue> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
+
+/// Per route entry (index: `RouteEntry::slot`), for `kvpn top`.
+#[map]
+static KVPN_ROUTE_CNT: PerCpuArray<CounterValue> = PerCpuArray::with_max_entries(MAX_ROUTES, 0);
 
 const PASS: i32 = TC_ACT_OK as i32;
 const DROP: i32 = TC_ACT_SHOT as i32;
@@ -96,7 +100,13 @@ fn try_kvpn_tun_egress(ctx: &TcContext) -> Result<i32, Error> {
     match entry {
         Some(entry) => {
             let slot = counter_slot(entry.kind).ok_or(Error::BadRouteKind)?;
-            count(slot, ip_len(ctx))?;
+            let len = ip_len(ctx);
+            count(slot, len)?;
+            // Per-entry counters are for display: a slot out of range (userspace
+            // never writes one) leaves the packet counted per kind only.
+            if let Some(counter) = KVPN_ROUTE_CNT.get_ptr_mut(u32::from(entry.slot)) {
+                add(counter, len);
+            }
             Ok(PASS)
         }
         None => {
@@ -115,11 +125,18 @@ fn ip_len(ctx: &TcContext) -> u64 {
 #[inline(always)]
 fn count(slot: u32, bytes: u64) -> Result<(), Error> {
     let counter = KVPN_COUNTERS.get_ptr_mut(slot).ok_or(Error::CounterSlot)?;
-    // SAFETY: the pointer is this CPU's value of `slot`, valid for the program's run;
-    // TC runs with preemption off (BH disabled), so nothing else writes it meanwhile.
+    add(counter, bytes);
+    Ok(())
+}
+
+/// Add one packet of `bytes` to a per-CPU counter value.
+#[inline(always)]
+fn add(counter: *mut CounterValue, bytes: u64) {
+    // SAFETY: `counter` comes from `PerCpuArray::get_ptr_mut`: this CPU's value of a
+    // slot, valid for the program's run; TC runs with preemption off (BH disabled), so
+    // nothing else writes it meanwhile.
     unsafe {
         (*counter).packets = (*counter).packets.wrapping_add(1);
         (*counter).bytes = (*counter).bytes.wrapping_add(bytes);
     }
-    Ok(())
 }

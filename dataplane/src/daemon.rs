@@ -1,9 +1,17 @@
 //! The root daemon: the session registry behind the gRPC API
 //! (`kvpn.dataplane.v1.Dataplane`) and the runtime directory it serves from.
 //!
-//! I/O: the Unix socket `$KVPN_RUNTIME_DIR/dataplane.sock` (root-owned, mode
-//! 0600), the pid file `dataplane.pid` next to it, and what sessions do
-//! ([`crate::session`]).
+//! I/O: the Unix socket `$KVPN_RUNTIME_DIR/dataplane.sock` (root-owned; mode
+//! 0600, or 0666 when a non-root uid is allowed), the pid file `dataplane.pid`
+//! next to it, and what sessions do ([`crate::session`]).
+//!
+//! Peer credentials: every call is checked against the caller's `SO_PEERCRED`
+//! (taken by tonic when the connection is accepted). Root and the one allowed uid
+//! (`--allow-uid`, by default the `SUDO_UID` the daemon was started with) may use
+//! the API; anyone else gets PERMISSION_DENIED naming their uid and how to allow
+//! it, and is counted ([`Daemon::refused_peers`], Status) and logged. The socket
+//! mode only decides who reaches that check: with a non-root uid allowed it is
+//! 0666, so that a refused user gets the explanation instead of a bare EACCES.
 //!
 //! Stale sockets (case lc-01): a socket file nobody answers on is what a killed
 //! daemon leaves; it is removed at start. A socket somebody answers on means a
@@ -15,6 +23,7 @@ use std::io;
 use std::net::IpAddr;
 use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -22,7 +31,7 @@ use ipnet::IpNet;
 use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
 use kvpn_proto::dataplane::{
     ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, StatusRequest,
-    StatusResponse, UpdateRoutesRequest, UpdateRoutesResponse,
+    StatusResponse, TopRequest, TopResponse, UpdateRoutesRequest, UpdateRoutesResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -139,6 +148,16 @@ impl RuntimeDir {
     /// Bind the gRPC socket: remove a stale one, refuse if a daemon answers,
     /// create it with mode 0600 and write the pid file.
     pub fn bind(&self) -> Result<tokio::net::UnixListener, DaemonError> {
+        self.bind_for(None)
+    }
+
+    /// [`Self::bind`] for a daemon that also serves the non-root `allowed_uid`:
+    /// the socket is made 0666 afterwards, so that uid (and only it, by the peer
+    /// credential check) can call; every other uid is refused with a reason.
+    pub fn bind_for(
+        &self,
+        allowed_uid: Option<u32>,
+    ) -> Result<tokio::net::UnixListener, DaemonError> {
         let path = self.socket();
         if fs::symlink_metadata(&path).is_ok() {
             match std::os::unix::net::UnixStream::connect(&path) {
@@ -160,7 +179,11 @@ impl RuntimeDir {
         let bound = tokio::net::UnixListener::bind(&path);
         nix::sys::stat::umask(old);
         let listener = bound.map_err(io_err("cannot bind socket", &path))?;
-        fs::set_permissions(&path, fs::Permissions::from_mode(0o600))
+        let mode = match allowed_uid {
+            Some(uid) if uid != 0 => 0o666,
+            _ => 0o600,
+        };
+        fs::set_permissions(&path, fs::Permissions::from_mode(mode))
             .map_err(io_err("cannot set mode of socket", &path))?;
         let pid_file = self.pid_file();
         fs::write(&pid_file, format!("{}\n", std::process::id()))
@@ -189,6 +212,15 @@ pub struct Daemon {
     /// Split DNS for sessions whose Connect carries cluster DNS (`None`: the
     /// laptop's DNS is never touched, as in tests without it).
     dns: Option<Arc<Dns>>,
+    /// The non-root uid allowed to call besides root (`None`: root only).
+    allowed_uid: Option<u32>,
+    /// Calls refused by the peer credential check.
+    refused_peers: AtomicU64,
+    /// The clock of Top's `sampled_at_us`.
+    started: std::time::Instant,
+    /// Where TUN devices are recorded for the sweep after a crash (`None`:
+    /// nothing recorded, as in tests without a runtime directory).
+    record: Option<crate::sweep::Record>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -271,7 +303,63 @@ impl Daemon {
             heartbeat_interval,
             sessions: Mutex::new(HashMap::new()),
             dns: None,
+            allowed_uid: None,
+            refused_peers: AtomicU64::new(0),
+            started: std::time::Instant::now(),
+            record: None,
         }
+    }
+
+    /// Also accept calls from `uid` (root is always accepted).
+    pub fn with_allowed_uid(mut self, uid: Option<u32>) -> Self {
+        self.allowed_uid = uid.filter(|&u| u != 0);
+        self
+    }
+
+    /// Record the TUN devices of sessions in `record` (the runtime directory),
+    /// for [`crate::sweep`] after a crash.
+    pub fn with_record(mut self, record: crate::sweep::Record) -> Self {
+        self.record = Some(record);
+        self
+    }
+
+    /// Calls refused because of the caller's uid, since start.
+    pub fn refused_peers(&self) -> u64 {
+        self.refused_peers.load(Ordering::Relaxed)
+    }
+
+    /// The peer credential check of every call: root and the allowed uid pass.
+    /// A call without credentials (not over a Unix socket: in-process tests)
+    /// is refused too, since nothing vouches for it.
+    fn check_peer(&self, request: Request<()>) -> Result<Request<()>, Status> {
+        let cred = request
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|info| info.peer_cred);
+        let Some(cred) = cred else {
+            self.refused_peers.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("refused a call without peer credentials");
+            return Err(Status::permission_denied(
+                "the root daemon could not read the caller's credentials (SO_PEERCRED) — \
+                 call it over its Unix socket",
+            ));
+        };
+        let uid = cred.uid();
+        if uid == 0 || Some(uid) == self.allowed_uid {
+            return Ok(request);
+        }
+        let n = self.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
+        let pid = cred.pid().map_or_else(String::new, |p| format!(" (pid {p})"));
+        tracing::warn!(uid, pid = cred.pid(), refused = n, "refused a call from a uid that is not allowed");
+        let allowed = match self.allowed_uid {
+            Some(a) => format!("root and uid {a}"),
+            None => "only root".to_owned(),
+        };
+        Err(Status::permission_denied(format!(
+            "the root daemon kvpn-dataplane refuses uid {uid}{pid}: it accepts {allowed} — \
+             run kvpn as that user or with sudo, or restart the root daemon with \
+             `kvpn-dataplane --allow-uid {uid}` (started through sudo it allows SUDO_UID)"
+        )))
     }
 
     /// Set up split DNS with `dns` for sessions that ask for it.
@@ -280,8 +368,10 @@ impl Daemon {
         self
     }
 
-    /// Give `session`'s cluster DNS to split DNS; the line for the user.
-    async fn start_dns(&self, session: &Session, req: &ConnectRequest) -> String {
+    /// Give `session`'s cluster DNS to split DNS; the line for the user. An
+    /// error is a privileged step that failed (resolv.conf, the forwarder's
+    /// sockets, systemd-resolved): Connect rolls the session back (case lc-03).
+    async fn start_dns(&self, session: &Session, req: &ConnectRequest) -> Result<String, String> {
         let mut line = match req.dns.as_ref() {
             Some(api) => {
                 self.apply_dns(
@@ -291,7 +381,7 @@ impl Daemon {
                     session.dns_reach(),
                     api,
                 )
-                .await
+                .await?
             }
             None => String::new(),
         };
@@ -314,7 +404,7 @@ impl Daemon {
                 line = format!("{line}; {hosts}");
             }
         }
-        line
+        Ok(line)
     }
 
     /// Give session `id`'s Services (as the route watch reports them) to its
@@ -340,7 +430,9 @@ impl Daemon {
     }
 
     /// Set up (or replace) split DNS of session `id` with `api`; the line for the
-    /// user. `routes` tell whether the cluster has IPv6.
+    /// user, which starts with "not configured: " when the settings cannot be
+    /// used. `routes` tell whether the cluster has IPv6. An error names a
+    /// privileged step that failed (resolv.conf, forwarder, systemd-resolved).
     async fn apply_dns(
         &self,
         id: &str,
@@ -348,12 +440,12 @@ impl Daemon {
         routes: Vec<(IpNet, crate::ebpf::RouteKind)>,
         reach: crate::dns::Reach,
         api: &kvpn_proto::dataplane::ClusterDns,
-    ) -> String {
+    ) -> Result<String, String> {
         if api.servers.is_empty() {
-            return String::new();
+            return Ok(String::new());
         }
         let Some(dns) = &self.dns else {
-            return "not configured: this daemon runs without split DNS".to_owned();
+            return Ok("not configured: this daemon runs without split DNS".to_owned());
         };
         // IPv4-only clusters get AAAA answered empty at once (dns-09).
         let ipv6 = routes.iter().any(|(cidr, kind)| {
@@ -375,18 +467,15 @@ impl Daemon {
             .map(|(cidr, _)| *cidr);
         let cluster = match ClusterDns::new(&api.servers, &api.domain, &api.search, ipv6) {
             Ok(c) => c.with_reverse(reverse),
-            Err(e) => return format!("not configured: {e}"),
+            Err(e) => return Ok(format!("not configured: {e}")),
         };
         if dns.has_session(id, &cluster).await {
-            return String::new();
+            return Ok(String::new());
         }
-        match dns.add_session(id, tun, cluster, reach).await {
-            Ok(line) => line,
-            Err(e) => {
-                tracing::warn!(session = id, error = %e, "split DNS not set up");
-                format!("not configured: {e}")
-            }
-        }
+        dns.add_session(id, tun, cluster, reach).await.map_err(|e| {
+            tracing::warn!(session = id, error = %e, "split DNS not set up");
+            e.to_string()
+        })
     }
 
     /// Take a session out of split DNS (before its TUN device goes).
@@ -402,20 +491,43 @@ impl Daemon {
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Delete routes tagged as kvpn's that no session of this daemon owns: what
-    /// a killed daemon may leave (case lc-02). Runs at start, before serving.
-    pub async fn sweep_leftovers(&self) -> Result<usize, crate::netlink::NetlinkError> {
-        let owned: Vec<u32> = self.sessions().values().map(Session::ifindex).collect();
-        let mut removed = 0;
-        for route in self.netlink.kvpn_routes(None).await? {
-            if owned.contains(&route.oif) {
-                continue;
-            }
-            self.netlink.del_route(route.oif, route.dst).await?;
-            tracing::info!(dst = %route.dst, oif = route.oif, "removed leftover kvpn route");
-            removed += 1;
+    /// Delete what a killed daemon of this runtime directory left (case lc-02):
+    /// its recorded TUN devices and their routes ([`crate::sweep`]). Runs at
+    /// start, before serving; without a record there is nothing in scope.
+    pub async fn sweep_leftovers(&self) -> Result<crate::sweep::SweepReport, crate::sweep::SweepError> {
+        match &self.record {
+            Some(record) => crate::sweep::sweep(&self.netlink, record).await,
+            None => Ok(crate::sweep::SweepReport::default()),
         }
-        Ok(removed)
+    }
+
+    fn record_tun(&self, session: &Session) {
+        if let Some(record) = &self.record
+            && let Err(e) = record.add(session.tun_name(), session.ifindex())
+        {
+            tracing::warn!(path = %record.path().display(), error = %e, "cannot record the TUN device for the sweep after a crash");
+        }
+    }
+
+    fn forget_tun(&self, ifindex: u32) {
+        if let Some(record) = &self.record
+            && let Err(e) = record.remove(ifindex)
+        {
+            tracing::warn!(path = %record.path().display(), error = %e, "cannot update the TUN record");
+        }
+    }
+
+    /// Tear a session down (DNS first, then the session) and forget its TUN
+    /// device; what was left behind.
+    async fn stop_session(&self, session: Session) -> Vec<String> {
+        let mut leftovers = self.stop_dns(session.id()).await;
+        let ifindex = session.ifindex();
+        let report = session.teardown(&self.netlink).await;
+        if report.leftovers.is_empty() {
+            self.forget_tun(ifindex);
+        }
+        leftovers.extend(report.leftovers);
+        leftovers
     }
 
     /// Tear down every session (SIGINT/SIGTERM). Returns what was left behind.
@@ -423,8 +535,7 @@ impl Daemon {
         let sessions: Vec<Session> = self.sessions().drain().map(|(_, s)| s).collect();
         let mut leftovers = Vec::new();
         for session in sessions {
-            leftovers.extend(self.stop_dns(session.id()).await);
-            leftovers.extend(session.teardown(&self.netlink).await.leftovers);
+            leftovers.extend(self.stop_session(session).await);
         }
         leftovers
     }
@@ -437,8 +548,13 @@ impl Daemon {
         shutdown: impl std::future::Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        let checker = self.clone();
+        let service = tonic::service::interceptor::InterceptedService::new(
+            DataplaneServer::from_arc(self.clone()),
+            move |request: Request<()>| checker.check_peer(request),
+        );
         let result = tonic::transport::Server::builder()
-            .add_service(DataplaneServer::from_arc(self.clone()))
+            .add_service(service)
             .serve_with_incoming_shutdown(incoming, shutdown)
             .await;
         let leftovers = self.shutdown().await;
@@ -479,7 +595,27 @@ impl Dataplane for Daemon {
                 ConnectError::Step { .. } => Status::failed_precondition(e.to_string()),
             })?;
         session.set_origin(origin);
-        let dns = self.start_dns(&session, request.get_ref()).await;
+        self.record_tun(&session);
+        let dns = match self.start_dns(&session, request.get_ref()).await {
+            Ok(line) => line,
+            Err(message) => {
+                // Case lc-03: the session is not half set up; undo TUN, routes
+                // and classifier, and name the step.
+                let leftovers = self.stop_session(session).await;
+                let rollback = if leftovers.is_empty() {
+                    " (rolled back: TUN device, routes and eBPF classifier removed)".to_owned()
+                } else {
+                    format!(" (rollback incomplete: {})", leftovers.join("; "))
+                };
+                let e = ConnectError::Step {
+                    step: session::Step::ConfigureDns,
+                    message,
+                    rollback,
+                };
+                tracing::warn!(error = %e, "connect failed");
+                return Err(Status::failed_precondition(e.to_string()));
+            }
+        };
         let response = ConnectResponse {
             session_id: id.clone(),
             tun_name: session.tun_name().to_owned(),
@@ -514,8 +650,7 @@ impl Dataplane for Daemon {
         let mut leftovers = Vec::new();
         for session in sessions {
             stopped.push(session.id().to_owned());
-            leftovers.extend(self.stop_dns(session.id()).await);
-            leftovers.extend(session.teardown(&self.netlink).await.leftovers);
+            leftovers.extend(self.stop_session(session).await);
         }
         if !leftovers.is_empty() {
             return Err(Status::internal(format!(
@@ -556,7 +691,19 @@ impl Dataplane for Daemon {
             s.dns_counters = dns_counters;
         }
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
-        Ok(Response::new(StatusResponse { sessions }))
+        Ok(Response::new(StatusResponse {
+            sessions,
+            refused_peers: self.refused_peers(),
+        }))
+    }
+
+    async fn top(&self, _request: Request<TopRequest>) -> Result<Response<TopResponse>, Status> {
+        let mut sessions: Vec<_> = self.sessions().values().map(Session::top).collect();
+        sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
+        Ok(Response::new(TopResponse {
+            sampled_at_us: u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            sessions,
+        }))
     }
 
     async fn update_routes(
@@ -582,9 +729,11 @@ impl Dataplane for Daemon {
                 .get(&req.session_id)
                 .map(|s| (s.tun_name().to_owned(), s.routes().to_vec(), s.dns_reach()));
             if let Some((tun, routes, reach)) = found {
+                // The session runs already: a failure here is reported, not fatal.
                 let line = self
                     .apply_dns(&req.session_id, &tun, routes, reach, api)
-                    .await;
+                    .await
+                    .unwrap_or_else(|e| format!("not configured: {e}"));
                 if !line.is_empty() {
                     tracing::info!(session = %req.session_id, dns = %line, "split DNS updated from the route watch");
                 }

@@ -212,6 +212,11 @@ pub struct Classifier {
     routes_v4: LpmTrie<MapData, Ipv4Prefix, RouteEntry>,
     routes_v6: LpmTrie<MapData, Ipv6Prefix, RouteEntry>,
     counters: PerCpuArray<MapData, CounterValue>,
+    route_counters: PerCpuArray<MapData, CounterValue>,
+    /// Per-route counter slot of each entry (truncated CIDR).
+    slots: std::collections::HashMap<IpNet, u16>,
+    /// Slots not in use, lowest last.
+    free_slots: Vec<u16>,
     ebpf: Ebpf,
     ifname: Option<String>,
     l2_hdr_len: u32,
@@ -321,11 +326,19 @@ impl Classifier {
             .map_err(|source| map_error(common::MAP_ROUTES_V6, "open", source))?;
         let counters = PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_COUNTERS)?)
             .map_err(|source| map_error(common::MAP_COUNTERS, "open", source))?;
+        let route_counters =
+            PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_ROUTE_COUNTERS)?)
+                .map_err(|source| map_error(common::MAP_ROUTE_COUNTERS, "open", source))?;
+        // MAX_ROUTES fits u16 (a dataplane-common test checks it).
+        let max_slot = u16::try_from(common::MAX_ROUTES.saturating_sub(1)).unwrap_or(u16::MAX);
         Ok(Self {
             link: None,
             routes_v4,
             routes_v6,
             counters,
+            route_counters,
+            slots: std::collections::HashMap::new(),
+            free_slots: (0..=max_slot).rev().collect(),
             ebpf,
             ifname: None,
             l2_hdr_len,
@@ -353,9 +366,30 @@ impl Classifier {
     }
 
     /// Add (or replace) a route entry `cidr -> kind`. Host bits of `cidr` are ignored.
+    /// A new entry gets a per-route counter slot starting at zero; replacing an
+    /// entry keeps its slot and counts.
     pub fn insert_route(&mut self, cidr: IpNet, kind: RouteKind) -> Result<(), EbpfError> {
-        let entry = RouteEntry::new(kind.to_raw());
-        match cidr.trunc() {
+        let cidr = cidr.trunc();
+        let (slot, fresh) = match self.slots.get(&cidr) {
+            Some(&slot) => (slot, false),
+            None => {
+                let slot = self.free_slots.pop().ok_or_else(|| EbpfError::Map {
+                    map: common::MAP_ROUTE_COUNTERS,
+                    action: format!("allocate a counter slot for {cidr}"),
+                    source: MapError::OutOfBounds {
+                        index: common::MAX_ROUTES,
+                        max_entries: common::MAX_ROUTES,
+                    },
+                })?;
+                (slot, true)
+            }
+        };
+        if fresh && let Err(e) = self.zero_slot(slot) {
+            self.free_slots.push(slot);
+            return Err(e);
+        }
+        let entry = RouteEntry::with_slot(kind.to_raw(), slot);
+        let result = match cidr {
             IpNet::V4(net) => self
                 .routes_v4
                 .insert(&v4_key(net.network(), net.prefix_len()), entry, 0)
@@ -368,7 +402,56 @@ impl Classifier {
                 .map_err(|source| {
                     map_error(common::MAP_ROUTES_V6, format!("insert {net}"), source)
                 }),
+        };
+        match result {
+            Ok(()) => {
+                self.slots.insert(cidr, slot);
+                Ok(())
+            }
+            Err(e) => {
+                if fresh {
+                    self.free_slots.push(slot);
+                }
+                Err(e)
+            }
         }
+    }
+
+    fn zero_slot(&mut self, slot: u16) -> Result<(), EbpfError> {
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| EbpfError::Map {
+            map: common::MAP_ROUTE_COUNTERS,
+            action: format!("count possible CPUs to zero slot {slot}"),
+            source: MapError::IoError(e),
+        })?;
+        let zeros = aya::maps::PerCpuValues::try_from(vec![CounterValue::default(); cpus])
+            .map_err(|e| EbpfError::Map {
+                map: common::MAP_ROUTE_COUNTERS,
+                action: format!("zero slot {slot}"),
+                source: MapError::IoError(e),
+            })?;
+        self.route_counters
+            .set(u32::from(slot), zeros, 0)
+            .map_err(|source| map_error(common::MAP_ROUTE_COUNTERS, format!("zero slot {slot}"), source))
+    }
+
+    /// Counters of each route entry (packets the classifier passed because this
+    /// entry was the longest match), with its kind, sorted by CIDR.
+    pub fn route_stats(&self) -> Result<Vec<(IpNet, RouteKind, Counter)>, EbpfError> {
+        let kinds: std::collections::HashMap<IpNet, RouteKind> = self.routes()?.into_iter().collect();
+        let mut out = Vec::with_capacity(self.slots.len());
+        for (cidr, slot) in &self.slots {
+            let Some(kind) = kinds.get(cidr) else { continue };
+            let values = self.route_counters.get(&u32::from(*slot), 0).map_err(|source| {
+                map_error(common::MAP_ROUTE_COUNTERS, format!("read slot {slot} ({cidr})"), source)
+            })?;
+            let counter = values.iter().fold(Counter::default(), |sum, cpu| Counter {
+                packets: sum.packets.wrapping_add(cpu.packets),
+                bytes: sum.bytes.wrapping_add(cpu.bytes),
+            });
+            out.push((*cidr, *kind, counter));
+        }
+        out.sort_by_key(|(cidr, _, _)| *cidr);
+        Ok(out)
     }
 
     /// Remove a route entry (exact CIDR; host bits ignored). A CIDR without an entry is
@@ -388,7 +471,12 @@ impl Classifier {
             ),
         };
         match result {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                if let Some(slot) = self.slots.remove(&cidr) {
+                    self.free_slots.push(slot);
+                }
+                Ok(())
+            }
             Err(MapError::SyscallError(SyscallError { io_error, .. }))
                 if io_error.raw_os_error() == Some(libc::ENOENT) =>
             {

@@ -9,7 +9,8 @@
 //! reconnecting, and their rate limit). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
 //! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`session`]
 //! (TCP to the manager, setup and teardown), [`tls`] (TLS on the data channel,
-//! verified against the CA from the Connect request), [`daemon`] (gRPC socket, pid file),
+//! verified against the CA from the Connect request), [`daemon`] (gRPC socket, pid file,
+//! peer credentials), [`sweep`] (what a killed daemon left),
 //! [`client`] (gRPC client over the socket).
 //!
 //! Outbound means laptop → cluster, inbound cluster → laptop.
@@ -23,6 +24,7 @@ pub mod netlink;
 pub mod pump;
 pub mod routes;
 pub mod session;
+pub mod sweep;
 pub mod tls;
 pub mod tun;
 pub mod unreachable;

@@ -13,6 +13,7 @@ use kvpn_dataplane::dns::{Dns, DnsSettings, resolv_conf::Restored};
 use kvpn_dataplane::liveness::HEARTBEAT_INTERVAL;
 use kvpn_dataplane::netlink::Netlink;
 use kvpn_dataplane::session::EbpfClassifiers;
+use kvpn_dataplane::sweep::{Record, SweepReport};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// kvpn's root daemon: TUN device, routes, eBPF classifier and packet pump.
@@ -32,6 +33,11 @@ struct Args {
     /// `kvpn disconnect` run this when no daemon answers.
     #[arg(long)]
     repair: bool,
+    /// The one non-root uid allowed to use the gRPC socket (the user daemon's);
+    /// root is always allowed, every other uid is refused (SO_PEERCRED). Default:
+    /// SUDO_UID when started through sudo, else root only.
+    #[arg(long, env = "KVPN_ALLOW_UID")]
+    allow_uid: Option<u32>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -60,19 +66,26 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if args.repair {
         return repair(&args.runtime_dir).await;
     }
+    let allowed_uid = args.allow_uid.or_else(|| {
+        std::env::var("SUDO_UID")
+            .ok()
+            .and_then(|u| u.trim().parse().ok())
+    });
     let dir = RuntimeDir::prepare(&args.runtime_dir)?;
-    let listener = dir.bind()?;
-    let result = serve(&dir, listener).await;
+    let listener = dir.bind_for(allowed_uid)?;
+    let result = serve(&dir, listener, allowed_uid).await;
     dir.cleanup();
     tracing::info!("kvpn-dataplane stopped");
     result
 }
 
 /// The daemon with its DNS, after undoing what an earlier (killed) daemon of
-/// `runtime_dir` left: resolv.conf (case dns-06) and kvpn's routes (lc-02).
+/// `runtime_dir` left: resolv.conf (case dns-06), hosts-file lines (dns-07), and
+/// its recorded TUN devices with their routes (lc-02, [`kvpn_dataplane::sweep`]).
 /// Errors: what could not be undone.
 async fn repaired_daemon(
     runtime_dir: &std::path::Path,
+    allowed_uid: Option<u32>,
 ) -> anyhow::Result<(Arc<Daemon>, Vec<String>)> {
     let netlink = Netlink::new().context("cannot open a NETLINK_ROUTE socket")?;
     let settings = DnsSettings::from_env(runtime_dir).map_err(anyhow::Error::msg)?;
@@ -98,14 +111,22 @@ async fn repaired_daemon(
             tracing::warn!(error = %e, "cannot repair the hosts file left by an earlier daemon")
         }
     }
-    let daemon =
-        Arc::new(Daemon::new(netlink, Arc::new(EbpfClassifiers), HEARTBEAT_INTERVAL).with_dns(dns));
+    let daemon = Arc::new(
+        Daemon::new(netlink, Arc::new(EbpfClassifiers), HEARTBEAT_INTERVAL)
+            .with_dns(dns)
+            .with_allowed_uid(allowed_uid)
+            .with_record(Record::new(runtime_dir)),
+    );
     match daemon.sweep_leftovers().await {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(routes = n, "removed routes left by an earlier daemon"),
+        Ok(report) if report == SweepReport::default() => {}
+        Ok(report) => tracing::info!(
+            tuns = ?report.tuns,
+            routes = report.routes,
+            "removed TUN devices and routes left by an earlier daemon"
+        ),
         Err(e) => {
-            tracing::warn!(error = %e, "cannot sweep leftover kvpn routes");
-            failed.push(format!("routes: {e}"));
+            tracing::warn!(error = %e, "cannot sweep leftover TUN devices and routes");
+            failed.push(format!("TUN devices and routes: {e}"));
         }
     }
     Ok((daemon, failed))
@@ -121,15 +142,19 @@ async fn repair(runtime_dir: &std::path::Path) -> anyhow::Result<()> {
             socket.display()
         );
     }
-    let (_daemon, failed) = repaired_daemon(runtime_dir).await?;
+    let (_daemon, failed) = repaired_daemon(runtime_dir, None).await?;
     if !failed.is_empty() {
         anyhow::bail!("could not undo: {}", failed.join("; "));
     }
     Ok(())
 }
 
-async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::Result<()> {
-    let (daemon, _failed) = repaired_daemon(dir.path()).await?;
+async fn serve(
+    dir: &RuntimeDir,
+    listener: tokio::net::UnixListener,
+    allowed_uid: Option<u32>,
+) -> anyhow::Result<()> {
+    let (daemon, _failed) = repaired_daemon(dir.path(), allowed_uid).await?;
     let mut sigterm =
         signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut sigint =
@@ -140,7 +165,7 @@ async fn serve(dir: &RuntimeDir, listener: tokio::net::UnixListener) -> anyhow::
             _ = sigint.recv() => tracing::info!("SIGINT: tearing down all sessions"),
         }
     };
-    tracing::info!(socket = %dir.socket().display(), pid = std::process::id(), "kvpn-dataplane serving");
+    tracing::info!(socket = %dir.socket().display(), pid = std::process::id(), allowed_uid, "kvpn-dataplane serving");
     daemon
         .serve(listener, shutdown)
         .await

@@ -7,7 +7,8 @@
 //! [`crate::liveness`] and [`crate::routes`].
 //!
 //! Setup order: dial, TLS handshake (when asked), hello, TUN device (down), tunnel IP, rp_filter, eBPF
-//! classifier, link up, routes, pump.
+//! classifier, link up, routes, pump; then the daemon configures DNS
+//! ([`Step::ConfigureDns`]).
 //!
 //! Setup is all-or-nothing (case lc-03): when a step fails, the steps before it
 //! are undone (routes, TUN device) and the error names the failed step.
@@ -69,6 +70,10 @@ pub trait AttachedClassifier: Send {
     fn remove_route(&mut self, cidr: IpNet) -> Result<(), BoxError> {
         Err(format!("this classifier cannot remove {cidr}").into())
     }
+    /// Counters of each entry (`kvpn top`); none for classifiers without them.
+    fn route_stats(&self) -> Result<Vec<(IpNet, RouteKind, ebpf::Counter)>, BoxError> {
+        Ok(Vec::new())
+    }
 }
 
 /// A boxed error from a classifier.
@@ -101,6 +106,9 @@ impl AttachedClassifier for ebpf::Classifier {
     }
     fn remove_route(&mut self, cidr: IpNet) -> Result<(), BoxError> {
         Ok(ebpf::Classifier::remove_route(self, cidr)?)
+    }
+    fn route_stats(&self) -> Result<Vec<(IpNet, RouteKind, ebpf::Counter)>, BoxError> {
+        Ok(ebpf::Classifier::route_stats(self)?)
     }
 }
 
@@ -149,6 +157,9 @@ pub enum Step {
     AttachClassifier,
     /// Bringing the TUN device up.
     LinkUp,
+    /// Split DNS for the cluster (resolv.conf and the forwarder, or
+    /// systemd-resolved); run by the daemon after the session is up.
+    ConfigureDns,
 }
 
 impl fmt::Display for Step {
@@ -163,6 +174,7 @@ impl fmt::Display for Step {
             Step::SetRpFilter => "set rp_filter on the TUN device",
             Step::AttachClassifier => "attach the eBPF classifier",
             Step::LinkUp => "bring the TUN device up",
+            Step::ConfigureDns => "configure DNS",
         })
     }
 }
@@ -835,6 +847,78 @@ impl Session {
             services: watched.services.into_values().collect(),
             // Filled in by the daemon (the forwarder is shared by all sessions).
             dns_counters: None,
+        }
+    }
+
+    /// The session's classifier entries with their counters (`kvpn top`).
+    pub fn top(&self) -> kvpn_proto::dataplane::TopSession {
+        use kvpn_proto::dataplane as api;
+        let watched = self.watched();
+        let stats = {
+            let guard = self
+                .classifier
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            guard.as_ref().map(|c| (c.route_stats(), c.stats()))
+        };
+        let (entries, unrouted) = match stats {
+            Some((Ok(entries), kinds)) => (
+                entries,
+                kinds.map(|k| k.unrouted).unwrap_or_default(),
+            ),
+            Some((Err(e), _)) => {
+                tracing::warn!(error = %e, "cannot read the per-route eBPF counters");
+                (Vec::new(), ebpf::Counter::default())
+            }
+            None => (Vec::new(), ebpf::Counter::default()),
+        };
+        let routes: Vec<(IpNet, bool)> = self
+            .plan
+            .classifier
+            .iter()
+            .map(|(c, _)| (*c, false))
+            .chain(watched.routes.keys().map(|c| (*c, true)))
+            .collect();
+        let entries = entries
+            .into_iter()
+            .map(|(cidr, kind, counter)| {
+                let (source, services, parent) = match watched.service_entries.get(&cidr) {
+                    Some(names) => (
+                        "service",
+                        names.clone(),
+                        routes
+                            .iter()
+                            .filter(|(r, _)| *r != cidr && r.contains(&cidr))
+                            .max_by_key(|(r, _)| r.prefix_len())
+                            .map(|(r, _)| r.to_string())
+                            .unwrap_or_default(),
+                    ),
+                    None if watched.routes.contains_key(&cidr) => ("watch", Vec::new(), String::new()),
+                    None => ("connect", Vec::new(), String::new()),
+                };
+                api::TopEntry {
+                    cidr: cidr.to_string(),
+                    kind: kind_to_api(kind) as i32,
+                    source: source.to_owned(),
+                    services,
+                    parent,
+                    packets: counter.packets,
+                    bytes: counter.bytes,
+                }
+            })
+            .collect();
+        let c = self.counters();
+        api::TopSession {
+            id: self.id.clone(),
+            tun_name: self.tun_name.clone(),
+            origin: self.origin.clone(),
+            entries,
+            unrouted_packets: unrouted.packets,
+            unrouted_bytes: unrouted.bytes,
+            tx_packets: Counters::get(&c.tx_packets),
+            tx_bytes: Counters::get(&c.tx_bytes),
+            rx_packets: Counters::get(&c.rx_packets),
+            rx_bytes: Counters::get(&c.rx_bytes),
         }
     }
 

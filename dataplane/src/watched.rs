@@ -30,6 +30,50 @@ pub struct Watched {
     pub dns: Option<api::ClusterDns>,
     /// Services by namespace/name.
     pub services: BTreeMap<(String, String), api::ClusterService>,
+    /// Classifier entries of single ClusterIPs (`/32`, `/128`), so that `kvpn top`
+    /// counts each Service on its own: the address → its Services
+    /// ("namespace/name"). No kernel routes: the Service route covers them.
+    pub service_entries: BTreeMap<IpNet, Vec<String>>,
+}
+
+/// At most this many ClusterIP entries per classifier, so that Services never
+/// take the trie's room from routes ([`kvpn_dataplane_common::MAX_ROUTES`] = 1024
+/// entries; a cluster has a handful of routes).
+pub const MAX_SERVICE_ENTRIES: usize = 512;
+
+/// The ClusterIP entries `services` call for: each ClusterIP inside a Service
+/// route of `routes` (the longest covering one not being the address itself),
+/// with its Services, at most [`MAX_SERVICE_ENTRIES`] (the lowest addresses).
+pub fn service_entries<'a>(
+    routes: &[(IpNet, RouteKind)],
+    services: impl IntoIterator<Item = &'a api::ClusterService>,
+) -> BTreeMap<IpNet, Vec<String>> {
+    let mut out: BTreeMap<IpNet, Vec<String>> = BTreeMap::new();
+    for svc in services {
+        for ip in &svc.cluster_ips {
+            let Ok(ip) = ip.parse::<IpAddr>() else { continue };
+            let host = IpNet::from(ip);
+            let covering = routes
+                .iter()
+                .filter(|(net, _)| net.contains(&ip))
+                .max_by_key(|(net, _)| net.prefix_len());
+            match covering {
+                Some((net, RouteKind::Service)) if *net != host => {}
+                _ => continue,
+            }
+            out.entry(host)
+                .or_default()
+                .push(format!("{}/{}", svc.namespace, svc.name));
+        }
+    }
+    while out.len() > MAX_SERVICE_ENTRIES {
+        out.pop_last();
+    }
+    for names in out.values_mut() {
+        names.sort();
+        names.dedup();
+    }
+    out
 }
 
 /// The shared classifier slot of a session (`None` without a classifier).
@@ -94,6 +138,40 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl WatchHandle {
+    /// Make the classifier's ClusterIP entries `wanted`. Best effort: they only
+    /// feed `kvpn top`, so a failure is logged and the entry left out.
+    fn sync_service_entries(&self, st: &mut Watched, wanted: BTreeMap<IpNet, Vec<String>>) {
+        let mut classifier = lock(&self.classifier);
+        let Some(c) = classifier.as_mut() else {
+            st.service_entries = wanted;
+            return;
+        };
+        for net in st.service_entries.keys() {
+            if !wanted.contains_key(net)
+                && !st.routes.contains_key(net)
+                && let Err(e) = c.remove_route(*net)
+            {
+                tracing::debug!(cidr = %net, error = %e, "cannot remove a ClusterIP entry");
+            }
+        }
+        let mut installed = BTreeMap::new();
+        for (net, names) in wanted {
+            if st.service_entries.contains_key(&net) {
+                installed.insert(net, names);
+                continue;
+            }
+            match c.insert_route(net, RouteKind::Service) {
+                Ok(()) => {
+                    installed.insert(net, names);
+                }
+                Err(e) => {
+                    tracing::debug!(cidr = %net, error = %e, "cannot add a ClusterIP entry");
+                }
+            }
+        }
+        st.service_entries = installed;
+    }
+
     /// Apply an UpdateRoutes request: removals, then additions, then the
     /// reported source, DNS settings and Services.
     pub async fn update(
@@ -156,6 +234,10 @@ impl WatchHandle {
             tracing::info!(cidr = %net, ?kind, "watched route added");
         }
         let mut st = lock(&self.state);
+        // A watched route that replaced a ClusterIP entry owns it now.
+        for net in &plan.add {
+            st.service_entries.remove(&net.0);
+        }
         if let Some(source) = &req.route_source {
             st.source = Some(source.clone());
         }
@@ -172,6 +254,73 @@ impl WatchHandle {
             st.services
                 .insert((s.namespace.clone(), s.name.clone()), s.clone());
         }
+        let services_changed = req.services_replace
+            || !req.services_remove.is_empty()
+            || !req.services_upsert.is_empty();
+        if services_changed || !plan.add.is_empty() || !plan.remove.is_empty() {
+            let routes: Vec<(IpNet, RouteKind)> = self
+                .connect
+                .iter()
+                .copied()
+                .chain(st.routes.iter().map(|(n, k)| (*n, *k)))
+                .collect();
+            let wanted = service_entries(&routes, st.services.values());
+            self.sync_service_entries(&mut st, wanted);
+        }
         Ok(resp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(ns: &str, name: &str, ips: &[&str]) -> api::ClusterService {
+        api::ClusterService {
+            namespace: ns.into(),
+            name: name.into(),
+            cluster_ips: ips.iter().map(|s| (*s).to_owned()).collect(),
+            ports: vec![],
+        }
+    }
+
+    fn net(s: &str) -> IpNet {
+        s.parse().expect("CIDR")
+    }
+
+    #[test]
+    fn cluster_ips_inside_service_routes_get_entries() {
+        let routes = vec![
+            (net("10.244.0.0/16"), RouteKind::Pod),
+            (net("10.96.0.0/12"), RouteKind::Service),
+        ];
+        let services = [
+            svc("default", "web", &["10.96.0.100"]),
+            svc("default", "web-alias", &["10.96.0.100"]),
+            svc("default", "headless", &[]),
+            svc("other", "outside", &["192.168.7.7"]),
+            svc("other", "in-pod-range", &["10.244.3.3"]),
+            svc("other", "garbage", &["not-an-ip"]),
+        ];
+        let entries = service_entries(&routes, services.iter());
+        assert_eq!(
+            entries.into_iter().collect::<Vec<_>>(),
+            vec![(
+                net("10.96.0.100/32"),
+                vec!["default/web".to_owned(), "default/web-alias".to_owned()]
+            )]
+        );
+    }
+
+    #[test]
+    fn service_entries_are_capped() {
+        let routes = vec![(net("10.96.0.0/12"), RouteKind::Service)];
+        let services: Vec<_> = (0..MAX_SERVICE_ENTRIES + 10)
+            .map(|i| {
+                let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 96, 0, 0)) + 1 + i as u32);
+                svc("ns", &format!("s{i}"), &[&ip.to_string()])
+            })
+            .collect();
+        assert_eq!(service_entries(&routes, services.iter()).len(), MAX_SERVICE_ENTRIES);
     }
 }
