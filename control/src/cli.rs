@@ -58,6 +58,9 @@ pub enum Command {
     Status(StatusArgs),
     /// Tear a session down (TUN device, routes, eBPF classifier).
     Disconnect(DisconnectArgs),
+    /// Live packet and byte rates per route and per Service, from the eBPF
+    /// classifier's counters (outbound: laptop → cluster), refreshed every second.
+    Top(TopArgs),
     /// Stop the root daemon after disconnecting every session.
     Quit,
     /// Remove the traffic manager and every object kvpn created in the cluster.
@@ -191,6 +194,20 @@ pub struct StatusArgs {
     /// Output format.
     #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
+}
+
+/// `kvpn top` flags.
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// Output format (json: one document per refresh, on its own line).
+    #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+    /// Print one refresh (two samples one interval apart) and exit.
+    #[arg(long)]
+    pub once: bool,
+    /// Seconds between samples.
+    #[arg(long, default_value_t = 1.0)]
+    pub interval: f64,
 }
 
 /// `kvpn disconnect` flags.

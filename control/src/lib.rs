@@ -17,6 +17,7 @@ pub mod lease;
 pub mod output;
 pub mod route_watch;
 pub mod ssh;
+pub mod top;
 
 use anyhow::{Context, Result, bail};
 use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest, StatusRequest};
@@ -48,6 +49,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Connect(args) => connect(&runtime_dir, args).await,
         Command::Status(args) => status(&runtime_dir, args).await,
         Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
+        Command::Top(args) => top::run(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Agent(args) => {
