@@ -60,7 +60,9 @@ fn totals(resp: &TopResponse) -> HashMap<(String, String), (u64, u64)> {
             own.0 += e.packets;
             own.1 += e.bytes;
             if !e.parent.is_empty() {
-                let parent = out.entry((s.id.clone(), e.parent.clone())).or_insert((0, 0));
+                let parent = out
+                    .entry((s.id.clone(), e.parent.clone()))
+                    .or_insert((0, 0));
                 parent.0 += e.packets;
                 parent.1 += e.bytes;
             }
@@ -233,7 +235,12 @@ mod tests {
         TopEntry {
             cidr: cidr.into(),
             kind: kind as i32,
-            source: if parent.is_empty() { "connect" } else { "service" }.into(),
+            source: if parent.is_empty() {
+                "connect"
+            } else {
+                "service"
+            }
+            .into(),
             services: if parent.is_empty() {
                 vec![]
             } else {
@@ -270,7 +277,13 @@ mod tests {
             3_000_000,
             vec![
                 entry("10.96.0.0/12", RouteKind::Service, "", 30, 3_000),
-                entry("10.96.0.100/32", RouteKind::Service, "10.96.0.0/12", 25, 40_500),
+                entry(
+                    "10.96.0.100/32",
+                    RouteKind::Service,
+                    "10.96.0.0/12",
+                    25,
+                    40_500,
+                ),
             ],
         );
         let rows = rates(&before, &now);
@@ -290,7 +303,10 @@ mod tests {
 
     #[test]
     fn new_and_reset_entries_do_not_go_negative() {
-        let before = resp(0, vec![entry("10.244.0.0/16", RouteKind::Pod, "", 100, 100)]);
+        let before = resp(
+            0,
+            vec![entry("10.244.0.0/16", RouteKind::Pod, "", 100, 100)],
+        );
         let now = resp(
             1_000_000,
             vec![

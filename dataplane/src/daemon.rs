@@ -349,8 +349,15 @@ impl Daemon {
             return Ok(request);
         }
         let n = self.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
-        let pid = cred.pid().map_or_else(String::new, |p| format!(" (pid {p})"));
-        tracing::warn!(uid, pid = cred.pid(), refused = n, "refused a call from a uid that is not allowed");
+        let pid = cred
+            .pid()
+            .map_or_else(String::new, |p| format!(" (pid {p})"));
+        tracing::warn!(
+            uid,
+            pid = cred.pid(),
+            refused = n,
+            "refused a call from a uid that is not allowed"
+        );
         let allowed = match self.allowed_uid {
             Some(a) => format!("root and uid {a}"),
             None => "only root".to_owned(),
@@ -494,7 +501,9 @@ impl Daemon {
     /// Delete what a killed daemon of this runtime directory left (case lc-02):
     /// its recorded TUN devices and their routes ([`crate::sweep`]). Runs at
     /// start, before serving; without a record there is nothing in scope.
-    pub async fn sweep_leftovers(&self) -> Result<crate::sweep::SweepReport, crate::sweep::SweepError> {
+    pub async fn sweep_leftovers(
+        &self,
+    ) -> Result<crate::sweep::SweepReport, crate::sweep::SweepError> {
         match &self.record {
             Some(record) => crate::sweep::sweep(&self.netlink, record).await,
             None => Ok(crate::sweep::SweepReport::default()),

@@ -431,19 +431,35 @@ impl Classifier {
             })?;
         self.route_counters
             .set(u32::from(slot), zeros, 0)
-            .map_err(|source| map_error(common::MAP_ROUTE_COUNTERS, format!("zero slot {slot}"), source))
+            .map_err(|source| {
+                map_error(
+                    common::MAP_ROUTE_COUNTERS,
+                    format!("zero slot {slot}"),
+                    source,
+                )
+            })
     }
 
     /// Counters of each route entry (packets the classifier passed because this
     /// entry was the longest match), with its kind, sorted by CIDR.
     pub fn route_stats(&self) -> Result<Vec<(IpNet, RouteKind, Counter)>, EbpfError> {
-        let kinds: std::collections::HashMap<IpNet, RouteKind> = self.routes()?.into_iter().collect();
+        let kinds: std::collections::HashMap<IpNet, RouteKind> =
+            self.routes()?.into_iter().collect();
         let mut out = Vec::with_capacity(self.slots.len());
         for (cidr, slot) in &self.slots {
-            let Some(kind) = kinds.get(cidr) else { continue };
-            let values = self.route_counters.get(&u32::from(*slot), 0).map_err(|source| {
-                map_error(common::MAP_ROUTE_COUNTERS, format!("read slot {slot} ({cidr})"), source)
-            })?;
+            let Some(kind) = kinds.get(cidr) else {
+                continue;
+            };
+            let values = self
+                .route_counters
+                .get(&u32::from(*slot), 0)
+                .map_err(|source| {
+                    map_error(
+                        common::MAP_ROUTE_COUNTERS,
+                        format!("read slot {slot} ({cidr})"),
+                        source,
+                    )
+                })?;
             let counter = values.iter().fold(Counter::default(), |sum, cpu| Counter {
                 packets: sum.packets.wrapping_add(cpu.packets),
                 bytes: sum.bytes.wrapping_add(cpu.bytes),

@@ -862,10 +862,7 @@ impl Session {
             guard.as_ref().map(|c| (c.route_stats(), c.stats()))
         };
         let (entries, unrouted) = match stats {
-            Some((Ok(entries), kinds)) => (
-                entries,
-                kinds.map(|k| k.unrouted).unwrap_or_default(),
-            ),
+            Some((Ok(entries), kinds)) => (entries, kinds.map(|k| k.unrouted).unwrap_or_default()),
             Some((Err(e), _)) => {
                 tracing::warn!(error = %e, "cannot read the per-route eBPF counters");
                 (Vec::new(), ebpf::Counter::default())
@@ -893,7 +890,9 @@ impl Session {
                             .map(|(r, _)| r.to_string())
                             .unwrap_or_default(),
                     ),
-                    None if watched.routes.contains_key(&cidr) => ("watch", Vec::new(), String::new()),
+                    None if watched.routes.contains_key(&cidr) => {
+                        ("watch", Vec::new(), String::new())
+                    }
                     None => ("connect", Vec::new(), String::new()),
                 };
                 api::TopEntry {

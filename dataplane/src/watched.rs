@@ -51,7 +51,9 @@ pub fn service_entries<'a>(
     let mut out: BTreeMap<IpNet, Vec<String>> = BTreeMap::new();
     for svc in services {
         for ip in &svc.cluster_ips {
-            let Ok(ip) = ip.parse::<IpAddr>() else { continue };
+            let Ok(ip) = ip.parse::<IpAddr>() else {
+                continue;
+            };
             let host = IpNet::from(ip);
             let covering = routes
                 .iter()
@@ -317,10 +319,15 @@ mod tests {
         let routes = vec![(net("10.96.0.0/12"), RouteKind::Service)];
         let services: Vec<_> = (0..MAX_SERVICE_ENTRIES + 10)
             .map(|i| {
-                let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 96, 0, 0)) + 1 + i as u32);
+                let ip = std::net::Ipv4Addr::from(
+                    u32::from(std::net::Ipv4Addr::new(10, 96, 0, 0)) + 1 + i as u32,
+                );
                 svc("ns", &format!("s{i}"), &[&ip.to_string()])
             })
             .collect();
-        assert_eq!(service_entries(&routes, services.iter()).len(), MAX_SERVICE_ENTRIES);
+        assert_eq!(
+            service_entries(&routes, services.iter()).len(),
+            MAX_SERVICE_ENTRIES
+        );
     }
 }

@@ -60,6 +60,10 @@ impl Daemon {
             .arg("--runtime-dir")
             .arg(&dir.0)
             .args(["--log-level", "debug"])
+            // Root only: a SUDO_UID from the test's own sudo would be allowed too
+            // (and make the socket 0666).
+            .env_remove("SUDO_UID")
+            .env_remove("KVPN_ALLOW_UID")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -31,8 +31,7 @@ fn unique_id() -> String {
 }
 
 fn run(cmd: &mut Command) -> Output {
-    cmd.output()
-        .unwrap_or_else(|e| panic!("run {cmd:?}: {e}"))
+    cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"))
 }
 
 fn run_ok(cmd: &mut Command) -> String {
@@ -55,7 +54,8 @@ struct StandaloneDaemon {
 
 impl StandaloneDaemon {
     fn new(id: &str) -> Self {
-        let ns = Netns::create(&format!("kvpn-{id}-rootd")).unwrap_or_else(|e| panic!("netns: {e:#}"));
+        let ns =
+            Netns::create(&format!("kvpn-{id}-rootd")).unwrap_or_else(|e| panic!("netns: {e:#}"));
         let dir = std::env::temp_dir().join(format!("kvpn-{id}-rootd-run"));
         std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("runtime dir: {e}"));
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
@@ -121,7 +121,8 @@ impl Drop for StandaloneDaemon {
             // SAFETY: the pid of the daemon this test started.
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
             let t0 = Instant::now();
-            while child.try_wait().ok().flatten().is_none() && t0.elapsed() < Duration::from_secs(5) {
+            while child.try_wait().ok().flatten().is_none() && t0.elapsed() < Duration::from_secs(5)
+            {
                 std::thread::sleep(Duration::from_millis(20));
             }
             let _ = child.kill();
@@ -167,20 +168,33 @@ fn root_socket_checks_peer_uid_and_sweeps_only_its_own_tun_devices() {
 
     let sock = std::fs::metadata(d.dir.join("dataplane.sock")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(sock.uid(), 0, "socket owned by root");
-    assert_eq!(sock.permissions().mode() & 0o777, 0o666, "socket reachable by the allowed uid");
+    assert_eq!(
+        sock.permissions().mode() & 0o777,
+        0o666,
+        "socket reachable by the allowed uid"
+    );
 
     // Another uid: refused, with its uid and the fix in the message.
     let refused = d.top_as(OTHER_UID);
     let err = text(&refused.stderr);
-    assert!(!refused.status.success(), "uid {OTHER_UID} was served: {}", text(&refused.stdout));
     assert!(
-        err.contains(&format!("refuses uid {OTHER_UID}")) && err.contains(&format!("--allow-uid {OTHER_UID}")),
+        !refused.status.success(),
+        "uid {OTHER_UID} was served: {}",
+        text(&refused.stdout)
+    );
+    assert!(
+        err.contains(&format!("refuses uid {OTHER_UID}"))
+            && err.contains(&format!("--allow-uid {OTHER_UID}")),
         "refusal does not name the uid and the fix: {err}"
     );
     // The allowed uid and root: served (no sessions yet, so no rows).
     for uid in [ALLOWED_UID, 0] {
         let out = d.top_as(uid);
-        assert!(out.status.success(), "uid {uid} refused: {}", text(&out.stderr));
+        assert!(
+            out.status.success(),
+            "uid {uid} refused: {}",
+            text(&out.stderr)
+        );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("top JSON: {e}: {}", text(&out.stdout)));
         assert_eq!(v["rows"], serde_json::json!([]), "{v}");
@@ -188,16 +202,33 @@ fn root_socket_checks_peer_uid_and_sweeps_only_its_own_tun_devices() {
     // Calls are served only after the sweep (the socket is bound before it, so
     // that a second daemon cannot start meanwhile): the answers above prove it ran.
     let links = d.ip(&["-o", "link", "show"]);
-    assert!(!links.contains(&format!("{ours}:")), "recorded TUN device not swept:\n{links}\n{}", d.log());
-    assert!(links.contains(&format!("{theirs}:")), "another daemon's TUN device was touched:\n{links}");
+    assert!(
+        !links.contains(&format!("{ours}:")),
+        "recorded TUN device not swept:\n{links}\n{}",
+        d.log()
+    );
+    assert!(
+        links.contains(&format!("{theirs}:")),
+        "another daemon's TUN device was touched:\n{links}"
+    );
     let routes = d.ip(&["route", "show", "proto", "107"]);
-    assert!(!routes.contains("10.77.1.0/24"), "route through the swept device: {routes}");
-    assert!(routes.contains("10.77.2.0/24"), "another daemon's route was removed: {routes}");
-    assert!(!d.dir.join("tuns").exists(), "record not cleared after the sweep");
+    assert!(
+        !routes.contains("10.77.1.0/24"),
+        "route through the swept device: {routes}"
+    );
+    assert!(
+        routes.contains("10.77.2.0/24"),
+        "another daemon's route was removed: {routes}"
+    );
+    assert!(
+        !d.dir.join("tuns").exists(),
+        "record not cleared after the sweep"
+    );
 
     let log = d.log();
     assert_eq!(
-        log.matches("refused a call from a uid that is not allowed").count(),
+        log.matches("refused a call from a uid that is not allowed")
+            .count(),
         1,
         "the refusal is logged once (and only the refused call): {log}"
     );
@@ -206,18 +237,21 @@ fn root_socket_checks_peer_uid_and_sweeps_only_its_own_tun_devices() {
     d.ip(&["link", "del", &theirs]);
 }
 
-/// Program ids of kvpn's classifier attached in the laptop netns (`bpftool net`).
+/// Program ids of kvpn's classifier attached (TCX egress) to the TUN devices of the
+/// laptop netns. (This bpftool's `net show` does not list TCX links.)
 fn classifier_prog_ids(f: &KubeFixture) -> Vec<u32> {
-    let out = text(&f.laptop(&["bpftool", "net", "show"]).stdout);
-    out.lines()
-        .filter(|l| l.contains("kvpn_tun_egress"))
-        .filter_map(|l| {
-            l.split_whitespace()
-                .skip_while(|w| *w != "prog_id")
-                .nth(1)
-                .and_then(|n| n.parse().ok())
+    let tuns = f.tun_devices();
+    f.lab()
+        .netns_lab()
+        .run_in(LAPTOP, move || {
+            tuns.iter()
+                .flat_map(|t| {
+                    kvpn_dataplane::ebpf::Classifier::attached_program_ids(t)
+                        .unwrap_or_else(|e| panic!("query TCX of {t}: {e}"))
+                })
+                .collect()
         })
-        .collect()
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
 }
 
 fn prog_exists(id: u32) -> bool {
@@ -229,8 +263,14 @@ fn prog_exists(id: u32) -> bool {
 
 /// kvpn's routes (protocol 107) in the laptop netns, both families.
 fn kvpn_routes(f: &KubeFixture) -> String {
-    let v4 = text(&f.laptop(&["ip", "route", "show", "table", "all", "proto", "107"]).stdout);
-    let v6 = text(&f.laptop(&["ip", "-6", "route", "show", "table", "all", "proto", "107"]).stdout);
+    let v4 = text(
+        &f.laptop(&["ip", "route", "show", "table", "all", "proto", "107"])
+            .stdout,
+    );
+    let v6 = text(
+        &f.laptop(&["ip", "-6", "route", "show", "table", "all", "proto", "107"])
+            .stdout,
+    );
     format!("{v4}{v6}")
 }
 
@@ -292,7 +332,14 @@ fn iperf3_client(f: &KubeFixture, ip: &str, seconds: u32) -> Child {
         .netns_lab()
         .command_in(LAPTOP, "iperf3")
         .unwrap_or_else(|e| panic!("{e:#}"))
-        .args(["-c", ip, "-p", &IPERF_PORT.to_string(), "-t", &seconds.to_string()])
+        .args([
+            "-c",
+            ip,
+            "-p",
+            &IPERF_PORT.to_string(),
+            "-t",
+            &seconds.to_string(),
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -358,19 +405,30 @@ fn top_rates_then_sigkill_mid_traffic_recovers_and_sweeps() {
         .unwrap_or_else(|| panic!("no route row for {pod_ip}: {rows:#?}"));
     let bps = route["bytes_per_sec"].as_f64().unwrap_or(0.0);
     let pps = route["packets_per_sec"].as_f64().unwrap_or(0.0);
-    eprintln!("kvpn top during iperf3: {} {} B/s {} pkt/s", route["cidr"], bps, pps);
-    assert!(bps > 0.0 && pps > 0.0, "no rate on the pod route during iperf3: {route:#}");
+    eprintln!(
+        "kvpn top during iperf3: {} {} B/s {} pkt/s",
+        route["cidr"], bps, pps
+    );
+    assert!(
+        bps > 0.0 && pps > 0.0,
+        "no rate on the pod route during iperf3: {route:#}"
+    );
+    eprintln!("{}", f.kvpn_ok(&["top", "--once"]));
 
     // 2. A Service by its ClusterIP: its own row once the route watch reported it.
     let web_ip = cluster_ip(&f, "default", "web");
-    let web: std::net::SocketAddr = format!("{web_ip}:80").parse().unwrap_or_else(|e| panic!("{e}"));
+    let web: std::net::SocketAddr = format!("{web_ip}:80")
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}"));
     let t0 = Instant::now();
     let service_row = loop {
         let _ = f.http_get(web, Duration::from_secs(3));
         let rows = top_once(&f);
         if let Some(r) = rows.iter().find(|r| {
             r["cidr"] == format!("{web_ip}/32")
-                && r["services"].as_array().is_some_and(|s| s.iter().any(|n| n == "default/web"))
+                && r["services"]
+                    .as_array()
+                    .is_some_and(|s| s.iter().any(|n| n == "default/web"))
         }) && r["packets"].as_u64().unwrap_or(0) > 0
         {
             break r.clone();
@@ -385,16 +443,31 @@ fn top_rates_then_sigkill_mid_traffic_recovers_and_sweeps() {
 
     // 3. SIGKILL mid-traffic; the stale root-owned socket stays behind.
     let prog_ids = classifier_prog_ids(&f);
-    assert!(!prog_ids.is_empty(), "no classifier attached: {}", text(&f.laptop(&["bpftool", "net", "show"]).stdout));
+    assert!(
+        !prog_ids.is_empty(),
+        "no classifier attached to {:?}",
+        f.tun_devices()
+    );
+    assert!(
+        prog_ids.iter().all(|id| prog_exists(*id)),
+        "bpftool does not see {prog_ids:?}"
+    );
     kill_daemon_and_agents(&f);
     drop(client);
     let socket = f.runtime_dir().join("dataplane.sock");
-    assert!(socket.exists(), "a SIGKILLed daemon cannot remove its socket");
+    assert!(
+        socket.exists(),
+        "a SIGKILLed daemon cannot remove its socket"
+    );
 
     // lc-01: the next connect recovers by itself.
     connect_default(&f);
     let page = f.page(web);
-    assert_eq!(page.pod_ip.to_string().split('.').next(), Some("10"), "web after recovery: {page:?}");
+    assert_eq!(
+        page.pod_ip.to_string().split('.').next(),
+        Some("10"),
+        "web after recovery: {page:?}"
+    );
 
     // lc-02: SIGKILL again, the restarted daemon sweeps before anything else.
     let prog_ids_2 = classifier_prog_ids(&f);
@@ -418,7 +491,10 @@ fn top_rates_then_sigkill_mid_traffic_recovers_and_sweeps() {
     }
     assert!(classifier_prog_ids(&f).is_empty());
     for leftover in ["tuns", "resolv.conf.kvpn-backup"] {
-        assert!(!f.runtime_dir().join(leftover).exists(), "{leftover} left in the runtime folder");
+        assert!(
+            !f.runtime_dir().join(leftover).exists(),
+            "{leftover} left in the runtime folder"
+        );
     }
 }
 
@@ -448,17 +524,51 @@ fn failing_dns_step_rolls_back_and_names_the_step() {
     let before = residue(&f);
     let guard = Immutable::set(&f.laptop_resolv_conf());
     let kubeconfig = f.user_kubeconfig();
-    let out = f.kvpn(&["connect", "--kubeconfig", &kubeconfig, "--namespace", "default"]);
+    let out = f.kvpn(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--namespace",
+        "default",
+    ]);
     let err = text(&out.stderr);
-    assert!(!out.status.success(), "connect succeeded with an immutable resolv.conf: {}", text(&out.stdout));
-    assert!(err.contains("step \"configure DNS\""), "error does not name the step: {err}");
-    assert!(err.contains("rolled back"), "error does not say it rolled back: {err}");
-    assert_eq!(residue(&f), before, "connect left something behind:\n{err}\n{}", f.diagnostics());
-    assert!(classifier_prog_ids(&f).is_empty(), "classifier still attached");
+    assert!(
+        !out.status.success(),
+        "connect succeeded with an immutable resolv.conf: {}",
+        text(&out.stdout)
+    );
+    assert!(
+        err.contains("step \"configure DNS\""),
+        "error does not name the step: {err}"
+    );
+    assert!(
+        err.contains("rolled back"),
+        "error does not say it rolled back: {err}"
+    );
+    assert_eq!(
+        residue(&f),
+        before,
+        "connect left something behind:\n{err}\n{}",
+        f.diagnostics()
+    );
+    assert!(
+        classifier_prog_ids(&f).is_empty(),
+        "classifier still attached"
+    );
     assert!(!f.runtime_dir().join("resolv.conf.kvpn-backup").exists());
-    assert!(!f.runtime_dir().join("tuns").exists(), "rolled-back TUN still recorded");
-    let sessions: Vec<_> = f.sessions().into_iter().filter(|s| s["tun_name"].is_string()).collect();
-    assert!(sessions.is_empty(), "a session survived the rollback: {sessions:#?}");
+    assert!(
+        !f.runtime_dir().join("tuns").exists(),
+        "rolled-back TUN still recorded"
+    );
+    let sessions: Vec<_> = f
+        .sessions()
+        .into_iter()
+        .filter(|s| s["tun_name"].is_string())
+        .collect();
+    assert!(
+        sessions.is_empty(),
+        "a session survived the rollback: {sessions:#?}"
+    );
     drop(guard);
     connect_default(&f);
     assert_eq!(f.sessions().len(), 1);
