@@ -512,3 +512,77 @@ fn full_size_packets_count_all_their_bytes() {
     }
     assert_eq!(stats(&c).kind(RouteKind::Pod), counter(10, 15_000));
 }
+
+/// `kvpn top`'s source: each entry counts the packets for which it was the longest
+/// match; a more specific entry (a ClusterIP) takes its packets from the covering
+/// route; replacing an entry keeps its counts, removing and re-adding starts at zero.
+#[test]
+fn per_entry_counters_count_longest_matches() {
+    let mut c = classifier();
+    let v4 = |cidr: &str| net(cidr);
+    c.insert_route(v4("10.96.0.0/12"), RouteKind::Service)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    c.insert_route(v4("10.96.0.100/32"), RouteKind::Service)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    c.insert_route(v4("10.244.0.0/16"), RouteKind::Pod)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    let to_web = v4_frame(PROTO_UDP, Ipv4Addr::new(10, 96, 0, 100), &udp(53, 100));
+    let to_other = v4_frame(PROTO_UDP, Ipv4Addr::new(10, 96, 0, 7), &udp(53, 20));
+    let to_pod = v4_frame(PROTO_TCP, Ipv4Addr::new(10, 244, 1, 11), &tcp_syn(80));
+    for _ in 0..3 {
+        assert_eq!(run(&c, &to_web), TcAction::Pass);
+    }
+    assert_eq!(run(&c, &to_other), TcAction::Pass);
+    assert_eq!(run(&c, &to_pod), TcAction::Pass);
+    let per_entry = |c: &Classifier| -> Vec<(IpNet, RouteKind, Counter)> {
+        c.route_stats().unwrap_or_else(|e| panic!("{e:?}"))
+    };
+    assert_eq!(
+        per_entry(&c),
+        vec![
+            (
+                v4("10.96.0.0/12"),
+                RouteKind::Service,
+                counter(1, ip_len(&to_other))
+            ),
+            (
+                v4("10.96.0.100/32"),
+                RouteKind::Service,
+                counter(3, 3 * ip_len(&to_web))
+            ),
+            (
+                v4("10.244.0.0/16"),
+                RouteKind::Pod,
+                counter(1, ip_len(&to_pod))
+            ),
+        ]
+    );
+    // The per-kind counter still sees all four service packets.
+    assert_eq!(stats(&c).kind(RouteKind::Service).packets, 4);
+
+    // Replacing keeps the counts; removing and adding again starts from zero.
+    c.insert_route(v4("10.244.0.0/16"), RouteKind::Pod)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    c.remove_route(v4("10.96.0.100/32"))
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    assert_eq!(run(&c, &to_web), TcAction::Pass);
+    c.insert_route(v4("10.96.0.100/32"), RouteKind::Service)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    let after = per_entry(&c);
+    assert_eq!(
+        after,
+        vec![
+            (
+                v4("10.96.0.0/12"),
+                RouteKind::Service,
+                counter(2, ip_len(&to_other) + ip_len(&to_web))
+            ),
+            (v4("10.96.0.100/32"), RouteKind::Service, counter(0, 0)),
+            (
+                v4("10.244.0.0/16"),
+                RouteKind::Pod,
+                counter(1, ip_len(&to_pod))
+            ),
+        ]
+    );
+}
