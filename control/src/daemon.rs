@@ -67,8 +67,12 @@ pub async fn connect_existing(runtime_dir: &Path) -> Result<Option<DataplaneClie
             Ok(None)
         }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(anyhow!(
-            "cannot talk to the root daemon at {}: permission denied — run kvpn with sudo",
-            socket.display()
+            "cannot talk to the root daemon at {}: permission denied (uid {}) — the socket \
+             admits only root and the uid the daemon was started for; run kvpn with sudo, \
+             or restart the root daemon with `kvpn-dataplane --allow-uid {}`",
+            socket.display(),
+            nix_uid(),
+            nix_uid()
         )),
         Err(e) => Err(anyhow!(e).context(format!(
             "cannot talk to the root daemon at {}",
@@ -242,7 +246,14 @@ pub(crate) fn process_alive(pid: i32) -> bool {
     }
 }
 
-/// Turn a gRPC status into an error whose text is the daemon's own message.
+/// This process's real uid.
+fn nix_uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// Turn a gRPC status into an error whose text is the daemon's own message
+/// (PERMISSION_DENIED from the peer credential check names the uid and the fix).
 pub fn status_to_error(s: tonic::Status) -> anyhow::Error {
     anyhow!("{}", s.message())
 }
