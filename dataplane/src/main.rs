@@ -28,7 +28,8 @@ struct Args {
     #[arg(long, env = "KVPN_LOG_LEVEL", default_value = "info")]
     log_level: String,
     /// Do not serve: undo what a killed daemon of this runtime folder left (restore
-    /// resolv.conf from its backup, delete kvpn's routes) and exit. Refused while a
+    /// resolv.conf from its backup, remove its hosts-file block, delete the TUN
+    /// devices it recorded and their routes) and exit. Refused while a
     /// daemon serves on the socket (it repaired when it started). `kvpn quit` and
     /// `kvpn disconnect` run this when no daemon answers.
     #[arg(long)]
