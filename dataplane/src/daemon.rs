@@ -358,13 +358,16 @@ impl Daemon {
             refused = n,
             "refused a call from a uid that is not allowed"
         );
-        let allowed = match self.allowed_uid {
-            Some(a) => format!("root and uid {a}"),
-            None => "only root".to_owned(),
+        let (allowed, run_as) = match self.allowed_uid {
+            Some(a) => (
+                format!("root and uid {a}"),
+                format!("as uid {a} or with sudo"),
+            ),
+            None => ("only root".to_owned(), "with sudo".to_owned()),
         };
         Err(Status::permission_denied(format!(
             "the root daemon kvpn-dataplane refuses uid {uid}{pid}: it accepts {allowed} — \
-             run kvpn as that user or with sudo, or restart the root daemon with \
+             run kvpn {run_as}, or restart the root daemon with \
              `kvpn-dataplane --allow-uid {uid}` (started through sudo it allows SUDO_UID)"
         )))
     }

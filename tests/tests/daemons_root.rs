@@ -233,6 +233,24 @@ fn root_socket_checks_peer_uid_and_sweeps_only_its_own_tun_devices() {
         "the refusal is logged once (and only the refused call): {log}"
     );
     assert!(log.contains(&format!("uid={OTHER_UID}")), "{log}");
+    // And counted: Status (as root) reports the one refused call.
+    let socket = d.dir.join("dataplane.sock");
+    let refused = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("runtime: {e}"))
+        .block_on(async {
+            let mut client = kvpn_dataplane::client::connect(&socket)
+                .await
+                .unwrap_or_else(|e| panic!("connect {}: {e}", socket.display()));
+            client
+                .status(kvpn_proto::dataplane::StatusRequest {})
+                .await
+                .unwrap_or_else(|e| panic!("status: {e}"))
+                .into_inner()
+                .refused_peers
+        });
+    assert_eq!(refused, 1, "refused calls counted in Status");
     assert!(log.contains("removing stale socket"), "{log}");
     d.ip(&["link", "del", &theirs]);
 }
