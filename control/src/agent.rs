@@ -54,6 +54,9 @@ pub struct AgentConfig {
     pub keep_out: Vec<std::net::IpAddr>,
     /// The root daemon's runtime folder (the route watch's UpdateRoutes).
     pub runtime_dir: PathBuf,
+    /// SOCKS mode: run this SOCKS session here ([`crate::socks`]), its data
+    /// channel dialling the agent's own listener.
+    pub socks: Option<crate::socks::SocksConfig>,
 }
 
 /// Whether a pod is a usable manager: running, Ready, not being deleted.
@@ -181,6 +184,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         .await
         .context("cannot listen on 127.0.0.1")?;
     let addr = listener.local_addr()?;
+    let socks = match config.socks.clone() {
+        Some(c) => Some(crate::socks::start(c, addr.to_string()).await?),
+        None => None,
+    };
     write_state(&config.state_file, addr)?;
     info!(%addr, "offering the manager's data port");
     let route_watch = config.grpc_port.map(|grpc_port| {
@@ -215,6 +222,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     }
     if let Some(task) = route_watch {
         task.abort();
+    }
+    if let Some(s) = socks {
+        s.stop().await;
     }
     let _ = std::fs::remove_file(&config.state_file);
     info!("agent stopped");
@@ -259,6 +269,10 @@ pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::S
     match &config.ssh {
         Some(plan) => cmd.env(crate::ssh::PLAN_ENV, plan.to_env()),
         None => cmd.env_remove(crate::ssh::PLAN_ENV),
+    };
+    match &config.socks {
+        Some(s) => cmd.env(crate::socks::CONFIG_ENV, s.to_env()?),
+        None => cmd.env_remove(crate::socks::CONFIG_ENV),
     };
     cmd.stdin(std::process::Stdio::null())
         .stdout(log_file.try_clone()?)

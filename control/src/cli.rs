@@ -172,6 +172,14 @@ pub struct ConnectArgs {
     /// on disconnect. Off by default: split DNS already resolves these names.
     #[arg(long)]
     pub hosts: bool,
+    /// SOCKS5 mode: no TUN device, no root daemon, no root. A SOCKS5 server
+    /// (CONNECT and UDP ASSOCIATE; domain names resolve through the cluster DNS,
+    /// as in `curl --socks5-hostname`) carries flows through the traffic manager.
+    #[arg(long, conflicts_with = "manager")]
+    pub socks: bool,
+    /// Where the SOCKS5 server listens (with --socks).
+    #[arg(long, value_name = "IP:PORT", requires = "socks")]
+    pub socks_listen: Option<String>,
     /// Which cluster (used unless --manager is given). Last, so its SSH help
     /// heading covers only the SSH flags.
     #[command(flatten)]

@@ -25,7 +25,7 @@ use crate::lease;
 use crate::{daemon, output};
 
 /// Prints install progress the way the rest of the CLI does.
-fn print_progress(event: ProgressEvent) {
+pub(crate) fn print_progress(event: ProgressEvent) {
     match event {
         ProgressEvent::Step(s) => output::step(&s),
         ProgressEvent::Detail(s) => output::detail(&s),
@@ -34,12 +34,12 @@ fn print_progress(event: ProgressEvent) {
     }
 }
 
-fn agents_dir(runtime_dir: &Path) -> PathBuf {
+pub(crate) fn agents_dir(runtime_dir: &Path) -> PathBuf {
     runtime_dir.join("agents")
 }
 
 /// Record which agent serves a session, so disconnect can stop it.
-fn record_agent(runtime_dir: &Path, session_id: &str, pid: u32) -> Result<()> {
+pub(crate) fn record_agent(runtime_dir: &Path, session_id: &str, pid: u32) -> Result<()> {
     let dir = agents_dir(runtime_dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     std::fs::write(dir.join(format!("{session_id}.pid")), format!("{pid}\n"))
@@ -547,7 +547,10 @@ const CLUSTER_DOMAIN: &str = "cluster.local";
 /// The cluster DNS for `namespace`: the ClusterIPs of Service kube-system/kube-dns,
 /// the cluster domain and the pod search list (namespace first). `Err` says why
 /// there is none, for a warning.
-async fn cluster_dns(client: &kube::Client, namespace: &str) -> Result<ClusterDns, String> {
+pub(crate) async fn cluster_dns(
+    client: &kube::Client,
+    namespace: &str,
+) -> Result<ClusterDns, String> {
     use k8s_openapi::api::core::v1::Service;
     let (ns, name) = CLUSTER_DNS_SERVICE;
     let api: kube::Api<Service> = kube::Api::namespaced(client.clone(), ns);
@@ -617,6 +620,9 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         ));
     }
     output::done(&format!("Using {}", conn.description));
+    if args.socks {
+        return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), &env).await;
+    }
     let origin = Origin {
         transport: TRANSPORT_PORT_FORWARD.to_owned(),
         cluster: conn.description.cluster.clone(),
@@ -770,6 +776,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             grpc_port: Some(manager.grpc_port),
             keep_out: keep_out.clone(),
             runtime_dir: runtime_dir.to_owned(),
+            socks: None,
         },
         &log,
     )

@@ -16,6 +16,7 @@ pub mod lab;
 pub mod lease;
 pub mod output;
 pub mod route_watch;
+pub mod socks;
 pub mod ssh;
 pub mod top;
 
@@ -68,6 +69,10 @@ pub async fn run(cli: Cli) -> Result<()> {
                 grpc_port: args.grpc_port,
                 keep_out: args.keep_out,
                 runtime_dir: runtime_dir.clone(),
+                socks: match std::env::var(socks::CONFIG_ENV) {
+                    Ok(v) => Some(socks::SocksConfig::from_env(&v)?),
+                    Err(_) => None,
+                },
             })
             .await
         }
@@ -195,9 +200,14 @@ fn validate_manager_addr(addr: &str) -> Result<()> {
 }
 
 async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
+    // SOCKS sessions run without the root daemon.
+    let socks = socks::cli::sessions(runtime_dir);
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
-        output::not_running(runtime_dir, args.output);
-        return Ok(());
+        if socks.is_empty() {
+            output::not_running(runtime_dir, args.output);
+            return Ok(());
+        }
+        return output::status(&Default::default(), &socks, args.output);
     };
     let mut resp = client
         .status(StatusRequest {})
@@ -219,11 +229,34 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
                 .into();
         }
     }
-    output::status(&resp, args.output)
+    output::status(&resp, &socks, args.output)
 }
 
 async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Result<()> {
+    // SOCKS sessions first: they need no root daemon.
+    let socks_ids: Vec<String> = match &args.id {
+        Some(id) => vec![id.clone()],
+        None => socks::cli::sessions(runtime_dir)
+            .into_iter()
+            .map(|s| s.id)
+            .collect(),
+    };
+    let mut socks_stopped = 0;
+    for id in &socks_ids {
+        if socks::cli::disconnect(runtime_dir, id).await {
+            output::done(&format!(
+                "Disconnected SOCKS session {id}: proxy and data channel stopped"
+            ));
+            socks_stopped += 1;
+        }
+    }
+    if args.id.is_some() && socks_stopped > 0 {
+        return Ok(());
+    }
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+        if socks_stopped > 0 {
+            return Ok(());
+        }
         if daemon::repair_leftovers(runtime_dir)? {
             output::done(
                 "The root daemon had died with this machine's DNS pointing at it: \

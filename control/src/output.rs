@@ -161,16 +161,93 @@ fn uptime(ms: u64) -> String {
     }
 }
 
-/// `kvpn status` output.
-pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
+/// A SOCKS session in `kvpn status -o json`: the TUN sessions' keys where they
+/// apply (`tun_name` null), plus `socks_listen` and `open_flows`.
+fn socks_json(s: &crate::socks::SocksStatus) -> serde_json::Value {
+    serde_json::json!({
+        "id": s.id,
+        "transport": s.transport,
+        "cluster": text_or_null(&s.origin.cluster),
+        "server": text_or_null(&s.origin.server),
+        "context": text_or_null(&s.origin.context),
+        "manager_namespace": text_or_null(&s.origin.manager_namespace),
+        "socks_listen": s.socks_listen,
+        "tunnel_ip": s.tunnel_ip,
+        "tun_name": serde_json::Value::Null,
+        "data_channel": "tls",
+        "state": s.state,
+        "reason": s.reason,
+        "uptime_ms": s.uptime_ms,
+        "open_flows": s.open_flows,
+        "dns": {"servers": s.dns_servers},
+        "pid": s.pid,
+        "tx": {"packets": s.tx_packets, "bytes": s.tx_bytes},
+        "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
+    })
+}
+
+fn socks_table(sessions: &[crate::socks::SocksStatus]) {
+    println!(
+        "{:<13} {:<8} {:<22} {:<14} {:<13} {:>8} {:>12} {:>12}",
+        "ID", "MODE", "LISTEN", "TUNNEL IP", "STATE", "UPTIME", "TX PKTS/B", "RX PKTS/B"
+    );
+    for s in sessions {
+        println!(
+            "{:<13} {:<8} {:<22} {:<14} {:<13} {:>8} {:>12} {:>12}",
+            s.id,
+            s.transport,
+            s.socks_listen,
+            s.tunnel_ip,
+            s.state,
+            uptime(s.uptime_ms),
+            format!("{}/{}", s.tx_packets, s.tx_bytes),
+            format!("{}/{}", s.rx_packets, s.rx_bytes),
+        );
+        if !s.reason.is_empty() {
+            println!("    reason: {}", s.reason);
+        }
+        println!(
+            "    cluster {} (context {}, {}) through port-forward, traffic manager in {}; no TUN device",
+            s.origin.cluster, s.origin.context, s.origin.server, s.origin.manager_namespace
+        );
+        println!(
+            "    {} open flows; names resolve through the cluster DNS {}",
+            s.open_flows,
+            if s.dns_servers.is_empty() {
+                "(none: IP addresses only)".to_owned()
+            } else {
+                s.dns_servers.join(",")
+            }
+        );
+    }
+}
+
+/// `kvpn status` output: the root daemon's sessions and the SOCKS sessions.
+pub fn status(
+    resp: &StatusResponse,
+    socks: &[crate::socks::SocksStatus],
+    format: OutputFormat,
+) -> Result<()> {
     match format {
         OutputFormat::Json => {
-            let v = serde_json::json!({"sessions": resp.sessions.iter().map(session_json).collect::<Vec<_>>()});
+            let sessions: Vec<_> = resp
+                .sessions
+                .iter()
+                .map(session_json)
+                .chain(socks.iter().map(socks_json))
+                .collect();
+            let v = serde_json::json!({ "sessions": sessions });
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         OutputFormat::Table => {
-            if resp.sessions.is_empty() {
+            if resp.sessions.is_empty() && socks.is_empty() {
                 println!("Not connected (the root daemon runs, with no session)");
+                return Ok(());
+            }
+            if !socks.is_empty() {
+                socks_table(socks);
+            }
+            if resp.sessions.is_empty() {
                 return Ok(());
             }
             println!(

@@ -1,0 +1,329 @@
+//! SOCKS5 mode: `kvpn connect --socks [--socks-listen 127.0.0.1:1080]` puts a
+//! SOCKS5 server on the laptop instead of a TUN device. No root daemon, no
+//! routes, no root: the unprivileged session process (today the session agent,
+//! `kvpn agent`; the user daemon once it hosts sessions) owns a laptop-side
+//! TCP/IP stack ([`stack`], smoltcp) with the leased tunnel IP and carries its
+//! packets over the same data channel a TUN session uses ([`channel`]: TLS
+//! over the API-server port-forward, hello with the lease token, heartbeats).
+//! SOCKS CONNECT becomes a TCP flow on that stack, UDP ASSOCIATE a UDP flow,
+//! and domain names are resolved by the cluster DNS the way a pod of the
+//! connected namespace resolves them ([`dns`]); see [`server`].
+//!
+//! This module: the session task ([`start`] → [`SocksTask`]) the session
+//! process hosts, its status record (a JSON file next to the agent's pid file,
+//! rewritten every second, read by `kvpn status`), and the CLI side of
+//! connect, status and disconnect for SOCKS sessions.
+//!
+//! I/O: the status file; the rest lives in the submodules.
+
+pub mod channel;
+pub mod cli;
+pub mod dns;
+pub mod server;
+pub mod stack;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, anyhow, bail};
+use kvpn_dataplane::liveness::{HEARTBEAT_INTERVAL, Liveness};
+use kvpn_dataplane::tls::TlsClient;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use self::dns::{ClusterDnsConfig, Resolver};
+use self::stack::Stack;
+
+/// `Origin.transport` / the `transport` column of a SOCKS session.
+pub const TRANSPORT_SOCKS: &str = "socks";
+
+/// The default SOCKS listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:1080";
+
+/// Environment variable that hands a [`SocksConfig`] (JSON) to the session
+/// process: it holds the lease's session token, which must not show in the
+/// process list.
+pub const CONFIG_ENV: &str = "KVPN_SOCKS";
+
+/// Which cluster a SOCKS session leads to (shown by `kvpn status`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SocksOrigin {
+    /// Kubeconfig cluster name.
+    pub cluster: String,
+    /// API server URL.
+    pub server: String,
+    /// Kubeconfig context.
+    pub context: String,
+    /// Namespace of the traffic manager.
+    pub manager_namespace: String,
+}
+
+/// Everything the session process needs to run a SOCKS session.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SocksConfig {
+    /// Session id (`socks-` and 6 hex digits).
+    pub id: String,
+    /// Where the SOCKS server listens.
+    pub listen: SocketAddr,
+    /// The leased tunnel IP.
+    pub tunnel_ip: IpAddr,
+    /// The lease's session token (hello frame).
+    pub session_token: String,
+    /// CA of Secret `kvpn-manager-tls` (PEM) and the name the manager's
+    /// certificate must carry; both empty = plain TCP.
+    pub tls_ca_pem: String,
+    /// See `tls_ca_pem`.
+    pub tls_server_name: String,
+    /// The cluster DNS.
+    pub dns: ClusterDnsConfig,
+    /// Which cluster.
+    pub origin: SocksOrigin,
+    /// Where to keep the status record.
+    pub status_file: PathBuf,
+}
+
+impl SocksConfig {
+    /// For [`CONFIG_ENV`].
+    pub fn to_env(&self) -> Result<String> {
+        serde_json::to_string(self).context("cannot encode the SOCKS session settings")
+    }
+
+    /// From [`CONFIG_ENV`].
+    pub fn from_env(text: &str) -> Result<Self> {
+        serde_json::from_str(text).context("cannot read the SOCKS session settings from KVPN_SOCKS")
+    }
+}
+
+/// The status record of a SOCKS session (`kvpn status`, JSON file).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SocksStatus {
+    /// Session id.
+    pub id: String,
+    /// Always [`TRANSPORT_SOCKS`].
+    pub transport: String,
+    /// The SOCKS listen address.
+    pub socks_listen: String,
+    /// Tunnel IP.
+    pub tunnel_ip: String,
+    /// Which cluster.
+    pub origin: SocksOrigin,
+    /// "connecting", "connected", "reconnecting", or "failed" (session process gone).
+    pub state: String,
+    /// Why it is not connected.
+    pub reason: String,
+    /// Milliseconds since the session started.
+    pub uptime_ms: u64,
+    /// Packets/bytes to the manager.
+    pub tx_packets: u64,
+    /// Bytes to the manager.
+    pub tx_bytes: u64,
+    /// Packets from the manager.
+    pub rx_packets: u64,
+    /// Bytes from the manager.
+    pub rx_bytes: u64,
+    /// Sockets open on the laptop-side stack (TCP and UDP flows, DNS queries).
+    pub open_flows: u64,
+    /// The cluster DNS servers SOCKS names are resolved with.
+    pub dns_servers: Vec<String>,
+    /// The session process's pid.
+    pub pid: u32,
+    /// When this record was written, Unix ms.
+    pub written_unix_ms: u64,
+}
+
+/// A running SOCKS session; [`SocksTask::stop`] ends it.
+#[derive(Debug)]
+pub struct SocksTask {
+    stop_tx: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    status_file: PathBuf,
+}
+
+impl SocksTask {
+    /// Stop the server, the data channel and the status record.
+    pub async fn stop(self) {
+        let _ = self.stop_tx.send(true);
+        for t in &self.tasks {
+            t.abort();
+        }
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        let _ = std::fs::remove_file(&self.status_file);
+    }
+}
+
+/// Start a SOCKS session whose data channel dials `data_target` (the session
+/// agent's loopback listener, `host:port`). Binds the SOCKS listener before it
+/// returns, so a taken port is an error here.
+pub async fn start(config: SocksConfig, data_target: String) -> Result<SocksTask> {
+    let listener = TcpListener::bind(config.listen).await.with_context(|| {
+        format!(
+            "cannot listen for SOCKS5 on {} — is another proxy using it? pick another with --socks-listen",
+            config.listen
+        )
+    })?;
+    let tls = TlsClient::from_request(&config.tls_ca_pem, &config.tls_server_name)
+        .context("the traffic manager's TLS settings are unusable")?;
+    let now = Instant::now();
+    let stack = Stack::new(config.tunnel_ip, rand::random(), now);
+    let liveness = Arc::new(Mutex::new(Liveness::new(HEARTBEAT_INTERVAL)));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let channel = tokio::spawn(channel::run(
+        stack.clone(),
+        channel::ChannelConfig {
+            target: data_target,
+            tls,
+            tunnel_ip: config.tunnel_ip,
+            token: config.session_token.as_bytes().to_vec(),
+            heartbeat_interval: HEARTBEAT_INTERVAL,
+        },
+        liveness.clone(),
+        stop_rx,
+    ));
+    let server = server::Server {
+        stack: stack.clone(),
+        resolver: Resolver::new(stack.clone(), config.dns.clone()),
+    };
+    tracing::info!(listen = %config.listen, tunnel_ip = %config.tunnel_ip, "SOCKS5 server listening");
+    let serve = tokio::spawn(server.serve(listener));
+    let status_file = config.status_file.clone();
+    let status = tokio::spawn(async move {
+        loop {
+            let record = snapshot(&config, &stack, &liveness, now);
+            if let Err(e) = write_status(&config.status_file, &record) {
+                tracing::warn!(error = %e, "cannot write the SOCKS session's status record");
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+    Ok(SocksTask {
+        stop_tx,
+        tasks: vec![channel, serve, status],
+        status_file,
+    })
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+fn snapshot(
+    config: &SocksConfig,
+    stack: &Stack,
+    liveness: &Mutex<Liveness>,
+    started: Instant,
+) -> SocksStatus {
+    let now = Instant::now();
+    let (state, reason) = liveness
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .state(now);
+    let c = stack.counters();
+    SocksStatus {
+        id: config.id.clone(),
+        transport: TRANSPORT_SOCKS.to_owned(),
+        socks_listen: config.listen.to_string(),
+        tunnel_ip: config.tunnel_ip.to_string(),
+        origin: config.origin.clone(),
+        state: state.as_str().to_owned(),
+        reason: reason.unwrap_or_default(),
+        uptime_ms: u64::try_from(now.duration_since(started).as_millis()).unwrap_or(u64::MAX),
+        tx_packets: c.tx_packets,
+        tx_bytes: c.tx_bytes,
+        rx_packets: c.rx_packets,
+        rx_bytes: c.rx_bytes,
+        open_flows: stack.open_flows() as u64,
+        dns_servers: config.dns.servers.iter().map(|s| s.to_string()).collect(),
+        pid: std::process::id(),
+        written_unix_ms: unix_ms(),
+    }
+}
+
+fn write_status(path: &Path, record: &SocksStatus) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(record)?)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The status record file of session `id` in the agents folder.
+pub fn status_path(agents_dir: &Path, id: &str) -> PathBuf {
+    agents_dir.join(format!("{id}.socks.json"))
+}
+
+/// The SOCKS sessions recorded in `agents_dir`, sorted by id. A session whose
+/// process is gone is reported "failed" (its record is left for `kvpn
+/// disconnect` to clear).
+pub fn sessions(agents_dir: &Path, alive: impl Fn(&str) -> bool) -> Vec<SocksStatus> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(agents_dir) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.ends_with(".socks.json") {
+            continue;
+        }
+        let Ok(text) = std::fs::read(entry.path()) else {
+            continue;
+        };
+        let Ok(mut s) = serde_json::from_slice::<SocksStatus>(&text) else {
+            continue;
+        };
+        if !alive(&s.id) {
+            s.state = "failed".to_owned();
+            s.reason = "its session process is gone — `kvpn disconnect` it and connect again"
+                .to_owned();
+        }
+        out.push(s);
+    }
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
+/// A new session id.
+pub fn new_id() -> String {
+    format!("socks-{:06x}", rand::random::<u32>() & 0xff_ffff)
+}
+
+/// Parse `--socks-listen`.
+pub fn parse_listen(text: &str) -> Result<SocketAddr> {
+    text.parse().map_err(|_| {
+        anyhow!("--socks-listen {text:?} is not HOST:PORT with an IP address, e.g. 127.0.0.1:1080")
+    })
+}
+
+/// Wait (bounded) until the session's record says connected; the error names
+/// the reason it last gave.
+pub async fn wait_connected(status_file: &Path, wait: Duration) -> Result<SocksStatus> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut last: Option<SocksStatus> = None;
+    loop {
+        if let Ok(text) = std::fs::read(status_file)
+            && let Ok(s) = serde_json::from_slice::<SocksStatus>(&text)
+        {
+            if s.state == "connected" {
+                return Ok(s);
+            }
+            last = Some(s);
+        }
+        if tokio::time::Instant::now() > deadline {
+            let why = last
+                .map(|s| format!("{}: {}", s.state, s.reason))
+                .unwrap_or_else(|| "no status record".to_owned());
+            bail!(
+                "the SOCKS session did not connect to the traffic manager within {} s ({why})",
+                wait.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
