@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fast_socks5::server::{SocksServerError, Socks5ServerProtocol};
-use fast_socks5::util::target_addr::TargetAddr;
+use fast_socks5::util::target_addr::{AddrError, TargetAddr, read_address};
 use fast_socks5::{ReplyError, Socks5Command};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
@@ -258,8 +258,8 @@ struct BadRequest {
 }
 
 /// Greeting (no authentication) and request. On error the client has been sent
-/// nothing yet unless `fast-socks5` replied itself (it does for an unknown
-/// command or address type, and for a greeting without the no-auth method).
+/// nothing yet unless `fast-socks5` replied itself (for a greeting without the
+/// no-auth method).
 async fn read_request(stream: &mut TcpStream) -> Result<(Socks5Command, TargetAddr), BadRequest> {
     // Peek at the version first: a SOCKS4 client gets a SOCKS4 rejection.
     let mut first = [0u8; 1];
@@ -278,8 +278,8 @@ async fn read_request(stream: &mut TcpStream) -> Result<(Socks5Command, TargetAd
         }
         _ => {}
     }
-    let proto = match Socks5ServerProtocol::accept_no_auth(&mut *stream).await {
-        Ok(p) => p,
+    match Socks5ServerProtocol::accept_no_auth(&mut *stream).await {
+        Ok(_authenticated) => {}
         Err(SocksServerError::AuthMethodUnacceptable(methods)) => {
             return Err(BadRequest {
                 reply: None,
@@ -294,22 +294,49 @@ async fn read_request(stream: &mut TcpStream) -> Result<(Socks5Command, TargetAd
                 reason: format!("bad SOCKS5 greeting: {e}"),
             });
         }
-    };
-    match proto.read_command().await {
-        Ok((_proto, cmd, target)) => Ok((cmd, target)),
-        // fast-socks5 already sent "command not supported" / "address type not supported"
-        // (or general failure for an unreadable address).
-        Err(e @ (SocksServerError::UnknownCommand(_) | SocksServerError::AddrError(_))) => {
-            Err(BadRequest {
-                reply: None,
-                reason: format!("bad SOCKS5 request: {e}"),
-            })
-        }
-        Err(e) => Err(BadRequest {
-            reply: Some(reply(ReplyError::GeneralFailure, None)),
-            reason: format!("bad SOCKS5 request: {e}"),
-        }),
     }
+    // The request is read here rather than by `read_command`, which answers a
+    // truncated address with "connection refused"; a malformed request gets
+    // "general failure" (or "address type not supported") instead.
+    let mut head = [0u8; 4];
+    if let Err(e) = stream.read_exact(&mut head).await {
+        return Err(BadRequest {
+            reply: Some(reply(ReplyError::GeneralFailure, None)),
+            reason: format!("truncated SOCKS5 request: {e}"),
+        });
+    }
+    let [version, cmd, _rsv, atyp] = head;
+    if version != 5 {
+        return Err(BadRequest {
+            reply: Some(reply(ReplyError::GeneralFailure, None)),
+            reason: format!("SOCKS5 request with version {version}"),
+        });
+    }
+    let target = match read_address(&mut *stream, atyp).await {
+        Ok(t) => t,
+        Err(e) => {
+            let code = match e {
+                AddrError::IncorrectAddressType => ReplyError::AddressTypeNotSupported,
+                _ => ReplyError::GeneralFailure,
+            };
+            return Err(BadRequest {
+                reply: Some(reply(code, None)),
+                reason: format!("bad address in the SOCKS5 request: {e}"),
+            });
+        }
+    };
+    let cmd = match cmd {
+        1 => Socks5Command::TCPConnect,
+        2 => Socks5Command::TCPBind,
+        3 => Socks5Command::UDPAssociate,
+        other => {
+            return Err(BadRequest {
+                reply: Some(reply(ReplyError::CommandNotSupported, None)),
+                reason: format!("unknown SOCKS5 command {other}"),
+            });
+        }
+    };
+    Ok((cmd, target))
 }
 
 /// A SOCKS5 reply with `code` and the bound address (`0.0.0.0:0` when none).
