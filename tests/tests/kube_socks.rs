@@ -9,7 +9,7 @@
 //! Needs the workspace binaries (`KVPN_BIN_DIR`) and the Kubernetes binaries.
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream, UdpSocket};
 use std::path::Path;
 use std::time::Duration;
 
@@ -323,8 +323,11 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
             // BIND: "command not supported".
             let (_s, code, _) = socks_request(2, &ipv4_target(WEB_CLUSTER_IP, 80));
             assert_eq!(code, 7);
-            // A closed port: "connection refused".
-            let (_s, code, _) = socks_request(1, &ipv4_target(WEB_CLUSTER_IP, 81));
+            // A closed port of a pod (it answers RST): "connection refused".
+            let IpAddr::V4(pod_v4) = ip else {
+                panic!("IPv4 pod IP expected: {ip}")
+            };
+            let (_s, code, _) = socks_request(1, &ipv4_target(pod_v4, 81));
             assert_eq!(code, 5, "connection refused");
         })
         .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
