@@ -303,6 +303,17 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     output::done(&format!("Using {}", conn.description));
     // This laptop's sessions through the manager being removed would only hang in
     // "reconnecting": end them first, and say so.
+    for s in socks::cli::sessions(runtime_dir) {
+        if s.origin.server == conn.description.server
+            && s.origin.manager_namespace == args.kube.manager_namespace
+            && socks::cli::disconnect(runtime_dir, &s.id).await
+        {
+            output::done(&format!(
+                "Disconnected SOCKS session {} first: it runs through the traffic manager being removed",
+                s.id
+            ));
+        }
+    }
     for id in connect::disconnect_sessions_of(
         runtime_dir,
         &conn.description.server,

@@ -13,6 +13,7 @@
 //! I/O: the SOCKS listener, its client connections, one laptop UDP socket per
 //! UDP association.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -129,9 +130,13 @@ impl Server {
         let mut conn = match self.stack.tcp_connect(addr) {
             Ok(c) => c,
             Err(e) => {
-                let _ = stream
-                    .write_all(&reply(ReplyError::GeneralFailure, None))
-                    .await;
+                // InvalidInput: an address the tunnel cannot carry (IPv6 on an
+                // IPv4 tunnel IP, unspecified, multicast).
+                let code = match e.kind() {
+                    std::io::ErrorKind::InvalidInput => ReplyError::NetworkUnreachable,
+                    _ => ReplyError::GeneralFailure,
+                };
+                let _ = stream.write_all(&reply(code, None)).await;
                 return Err(format!("cannot open a flow to {addr}: {e}"));
             }
         };
@@ -200,6 +205,9 @@ impl Server {
             .map_err(|e| format!("cannot send the SOCKS reply: {e}"))?;
         tracing::debug!(%peer, %relay_addr, "UDP ASSOCIATE");
         let mut client: Option<SocketAddr> = None;
+        // Names this association resolved: a client sending many datagrams to
+        // one name (a DNS client, a game) must not cost a lookup each.
+        let mut names: HashMap<(String, u16), SocketAddr> = HashMap::new();
         let mut from_client = vec![0u8; 65536];
         let mut from_cluster = vec![0u8; 65536];
         let mut ctl = [0u8; 64];
@@ -212,7 +220,7 @@ impl Server {
                         continue;
                     }
                     client = Some(src);
-                    if let Err(e) = self.forward(&tunnel, &from_client[..n]).await {
+                    if let Err(e) = self.forward(&tunnel, &from_client[..n], &mut names).await {
                         tracing::debug!(%src, error = %e, "UDP datagram dropped");
                     }
                 }
@@ -235,14 +243,33 @@ impl Server {
         }
     }
 
-    async fn forward(&self, tunnel: &UdpConn, datagram: &[u8]) -> Result<(), String> {
+    async fn forward(
+        &self,
+        tunnel: &UdpConn,
+        datagram: &[u8],
+        names: &mut HashMap<(String, u16), SocketAddr>,
+    ) -> Result<(), String> {
         let (frag, target, payload) = fast_socks5::parse_udp_request(datagram)
             .await
             .map_err(|e| format!("bad SOCKS5 UDP header: {e}"))?;
         if frag != 0 {
             return Err("fragmented SOCKS5 UDP datagrams are not supported".to_owned());
         }
-        let to = self.resolve(&target).await?;
+        let to = match target {
+            TargetAddr::Ip(addr) => addr,
+            TargetAddr::Domain(name, port) => match names.get(&(name.clone(), port)) {
+                Some(addr) => *addr,
+                None => {
+                    let addr = self.resolve(&TargetAddr::Domain(name.clone(), port)).await?;
+                    // Bounded: a client cycling through names cannot grow it forever.
+                    if names.len() >= 256 {
+                        names.clear();
+                    }
+                    names.insert((name, port), addr);
+                    addr
+                }
+            },
+        };
         tunnel
             .send_to(payload, to)
             .await
