@@ -91,7 +91,10 @@ fn ipv4_target(ip: Ipv4Addr, port: u16) -> Vec<u8> {
 }
 
 fn domain_target(name: &str, port: u16) -> Vec<u8> {
-    let mut t = vec![3, u8::try_from(name.len()).unwrap_or_else(|e| panic!("{e}"))];
+    let mut t = vec![
+        3,
+        u8::try_from(name.len()).unwrap_or_else(|e| panic!("{e}")),
+    ];
     t.extend_from_slice(name.as_bytes());
     t.extend_from_slice(&port.to_be_bytes());
     t
@@ -188,7 +191,9 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
     assert_eq!(f.tun_devices(), Vec::<String>::new(), "no TUN device");
     let routes = f.laptop_routes();
     assert!(
-        !routes.iter().any(|r| r.starts_with("10.96.") || r.starts_with("10.244.")),
+        !routes
+            .iter()
+            .any(|r| r.starts_with("10.96.") || r.starts_with("10.244.")),
         "no cluster routes: {routes:?}"
     );
     assert!(
@@ -274,7 +279,10 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
                 b"kvpn socks udp",
             );
             assert_eq!(echoed, b"kvpn socks udp");
-            assert_eq!(from, ipv4_target(UDP_ECHO_CLUSTER_IP, ECHO_SERVICE_PORT)[1..]);
+            assert_eq!(
+                from,
+                ipv4_target(UDP_ECHO_CLUSTER_IP, ECHO_SERVICE_PORT)[1..]
+            );
             let (_, echoed) = udp_exchange(
                 relay,
                 &domain_target("udp-echo.default", ECHO_SERVICE_PORT),
@@ -303,7 +311,11 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
         .run_in(LAPTOP, || {
             // SOCKS4 CONNECT: a SOCKS4 "request rejected".
             let r = raw_exchange(&[4, 1, 0, 80, 10, 96, 0, 100, 0], false);
-            assert_eq!(r.get(..2), Some(&[0u8, 0x5b][..]), "SOCKS4 rejection: {r:?}");
+            assert_eq!(
+                r.get(..2),
+                Some(&[0u8, 0x5b][..]),
+                "SOCKS4 rejection: {r:?}"
+            );
             // Another version: "no acceptable methods".
             assert_eq!(raw_exchange(&[9, 1, 0], false), [5, 0xff]);
             // A truncated greeting.
@@ -332,7 +344,11 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
         })
         .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
     let (ok, _, err) = curl(&f, &["--socks5-hostname", LISTEN, "http://web.default/"]);
-    assert!(ok, "the server survives bad input: {err}\n{}", f.diagnostics());
+    assert!(
+        ok,
+        "the server survives bad input: {err}\n{}",
+        f.diagnostics()
+    );
 
     // Throughput: the same download through SOCKS and through a TUN session.
     const BIG: u64 = 200 * 1024 * 1024;

@@ -211,3 +211,117 @@ where
         r = outbound => r,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpn_dataplane::liveness::State;
+    use smoltcp::wire::{IpProtocol, Ipv4Packet};
+
+    /// Read frames from `rd` until one of `kind` arrives; returns its payload.
+    async fn next_frame<R: AsyncRead + Unpin>(
+        rd: &mut R,
+        buf: &mut Vec<u8>,
+        kind: Kind,
+    ) -> Vec<u8> {
+        let decoder = frame::Decoder::default();
+        loop {
+            if let Some((f, used)) = decoder
+                .decode(buf)
+                .unwrap_or_else(|e| panic!("bad frame from the client: {e}"))
+            {
+                let (k, payload) = (f.kind, f.payload.to_vec());
+                buf.drain(..used);
+                if k == kind {
+                    return payload;
+                }
+                continue;
+            }
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(5), rd.read(&mut chunk))
+                .await
+                .unwrap_or_else(|_| panic!("no {kind:?} frame within 5 s"))
+                .unwrap_or_else(|e| panic!("read: {e}"));
+            assert!(n > 0, "the client closed before a {kind:?} frame");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    #[tokio::test]
+    async fn heartbeats_are_echoed_into_liveness_and_stack_packets_become_frames() {
+        let now = Instant::now();
+        let stack = Stack::new(
+            "100.96.0.9".parse().unwrap_or_else(|e| panic!("{e}")),
+            3,
+            now,
+        );
+        let liveness: SharedLiveness =
+            Arc::new(Mutex::new(Liveness::new(Duration::from_millis(200))));
+        lock(&liveness).handle_transport_up(now);
+        let (client_side, manager_side) = tokio::io::duplex(1 << 20);
+        let carried = {
+            let stack = stack.clone();
+            let liveness = liveness.clone();
+            tokio::spawn(async move { carry_on(client_side, &stack, &liveness).await })
+        };
+        let (mut rd, mut wr) = tokio::io::split(manager_side);
+        let mut buf = Vec::new();
+
+        // The first heartbeat is due at once; echoing it makes the session connected.
+        let nonce = next_frame(&mut rd, &mut buf, Kind::Heartbeat).await;
+        assert_eq!(nonce.len(), 8);
+        let mut echo = Vec::new();
+        frame::encode_into(Kind::Heartbeat, &nonce, &mut echo).unwrap_or_else(|e| panic!("{e}"));
+        wr.write_all(&echo).await.unwrap_or_else(|e| panic!("{e}"));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while lock(&liveness).state(Instant::now()).0 != State::Connected {
+            assert!(Instant::now() < deadline, "the echo did not count");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        // A SOCKS CONNECT's SYN leaves as one Packet frame from the tunnel IP.
+        let conn = stack
+            .tcp_connect("10.244.1.11:8080".parse().unwrap_or_else(|e| panic!("{e}")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let syn = next_frame(&mut rd, &mut buf, Kind::Packet).await;
+        let v4 = Ipv4Packet::new_checked(&syn[..]).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(v4.src_addr().to_string(), "100.96.0.9");
+        assert_eq!(v4.dst_addr().to_string(), "10.244.1.11");
+        assert_eq!(v4.next_header(), IpProtocol::Tcp);
+        drop(conn);
+
+        // The manager going away ends the transport with a reason.
+        drop(rd);
+        drop(wr);
+        let reason = tokio::time::timeout(Duration::from_secs(5), carried)
+            .await
+            .unwrap_or_else(|_| panic!("carry_on did not end"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            reason.contains("closed") || reason.contains("failed"),
+            "{reason}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_silent_manager_ends_the_transport_after_the_liveness_window() {
+        let now = Instant::now();
+        let stack = Stack::new(
+            "100.96.0.9".parse().unwrap_or_else(|e| panic!("{e}")),
+            3,
+            now,
+        );
+        // 20 ms heartbeats: the window is 3 intervals.
+        let liveness: SharedLiveness =
+            Arc::new(Mutex::new(Liveness::new(Duration::from_millis(20))));
+        lock(&liveness).handle_transport_up(now);
+        let (client_side, _manager_side) = tokio::io::duplex(1 << 20);
+        let reason = tokio::time::timeout(
+            Duration::from_secs(5),
+            carry_on(client_side, &stack, &liveness),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("a silent transport was not given up"));
+        assert!(reason.contains("no heartbeat echo"), "{reason}");
+    }
+}

@@ -15,9 +15,9 @@ use super::dns::ClusterDnsConfig;
 use super::{SocksConfig, SocksOrigin, SocksStatus};
 use crate::agent::{self, AgentConfig};
 use crate::cli::ConnectArgs;
+use crate::connect as tun_connect;
 use crate::install::{self, InstallOptions};
 use crate::kubeconfig::{KubeConnection, UserEnv};
-use crate::connect as tun_connect;
 use crate::{lease, output};
 
 /// The SOCKS sessions of this runtime folder, with "failed" for those whose

@@ -280,8 +280,8 @@ pub fn sessions(agents_dir: &Path, alive: impl Fn(&str) -> bool) -> Vec<SocksSta
         };
         if !alive(&s.id) {
             s.state = "failed".to_owned();
-            s.reason = "its session process is gone — `kvpn disconnect` it and connect again"
-                .to_owned();
+            s.reason =
+                "its session process is gone — `kvpn disconnect` it and connect again".to_owned();
         }
         out.push(s);
     }

@@ -18,7 +18,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fast_socks5::server::{SocksServerError, Socks5ServerProtocol};
+use fast_socks5::server::{Socks5ServerProtocol, SocksServerError};
 use fast_socks5::util::target_addr::{AddrError, TargetAddr, read_address};
 use fast_socks5::{ReplyError, Socks5Command};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -86,7 +86,9 @@ impl Server {
                 return Err(bad.reason);
             }
             Err(_) => {
-                let _ = stream.write_all(&reply(ReplyError::GeneralFailure, None)).await;
+                let _ = stream
+                    .write_all(&reply(ReplyError::GeneralFailure, None))
+                    .await;
                 return Err(format!(
                     "no complete SOCKS5 request within {} s",
                     REQUEST_TIMEOUT.as_secs()
@@ -260,7 +262,9 @@ impl Server {
             TargetAddr::Domain(name, port) => match names.get(&(name.clone(), port)) {
                 Some(addr) => *addr,
                 None => {
-                    let addr = self.resolve(&TargetAddr::Domain(name.clone(), port)).await?;
+                    let addr = self
+                        .resolve(&TargetAddr::Domain(name.clone(), port))
+                        .await?;
                     // Bounded: a client cycling through names cannot grow it forever.
                     if names.len() >= 256 {
                         names.clear();
@@ -401,9 +405,7 @@ mod tests {
 
     #[test]
     fn replies_and_udp_headers_follow_rfc_1928() {
-        let a: SocketAddr = "100.96.0.2:40000"
-            .parse()
-            .unwrap_or_else(|e| panic!("{e}"));
+        let a: SocketAddr = "100.96.0.2:40000".parse().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             reply(ReplyError::Succeeded, Some(a)),
             [5, 0, 0, 1, 100, 96, 0, 2, 0x9c, 0x40]
