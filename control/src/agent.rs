@@ -45,6 +45,10 @@ pub struct AgentConfig {
     pub manager_namespace: String,
     /// Pod port to forward.
     pub port: u16,
+    /// The SSH data-plane bypass ([`crate::ssh::bypass`]): the manager Service's
+    /// ClusterIP and data port, reached with `direct-tcpip` through the agent's SSH
+    /// path instead of a port-forward; `None` = port-forward.
+    pub ssh_direct: Option<std::net::SocketAddr>,
     /// Where to write the listener's address once it listens.
     pub state_file: PathBuf,
     /// The manager's gRPC port (route watch); `None` = no route watch.
@@ -173,8 +177,20 @@ fn write_state(path: &Path, addr: std::net::SocketAddr) -> Result<()> {
 /// Run the agent until SIGTERM/SIGINT.
 pub async fn run(config: AgentConfig) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
-    let (conn, _ssh_tunnel) =
-        crate::ssh::connect_kube(&config.flags, config.ssh.as_ref(), &env).await?;
+    // The agent's SSH connection carries the session: short keepalives (both data paths).
+    let ssh = config.ssh.clone().map(|mut plan| {
+        plan.keepalive_ms
+            .get_or_insert(crate::ssh::bypass::SESSION_KEEPALIVE.as_millis() as u64);
+        plan
+    });
+    let (conn, ssh_tunnel) = crate::ssh::connect_kube(&config.flags, ssh.as_ref(), &env).await?;
+    let ssh_direct = match (config.ssh_direct, &ssh_tunnel) {
+        (Some(target), Some(tunnel)) => Some((tunnel.dialer(), target)),
+        (Some(target), None) => {
+            bail!("--ssh-direct {target} needs an SSH path (--ssh-addr or --ssh-alias)")
+        }
+        (None, _) => None,
+    };
     info!(cluster = %conn.description, ssh = ?config.ssh.as_ref().map(|p| p.describe()), "agent connected to the API server");
     let api: Api<Pod> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
     let listener = TcpListener::bind("127.0.0.1:0")
@@ -182,7 +198,12 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         .context("cannot listen on 127.0.0.1")?;
     let addr = listener.local_addr()?;
     write_state(&config.state_file, addr)?;
-    info!(%addr, "offering the manager's data port");
+    match &ssh_direct {
+        Some((dialer, target)) => {
+            info!(%addr, %target, via = %dialer.last_hop(), "offering the manager's data port (ssh-direct)")
+        }
+        None => info!(%addr, "offering the manager's data port (port-forward)"),
+    }
     let route_watch = config.grpc_port.map(|grpc_port| {
         tokio::spawn(crate::route_watch::run(
             conn.client.clone(),
@@ -201,6 +222,16 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         tokio::select! {
             accepted = listener.accept() => {
                 let (stream, peer) = accepted.context("accept failed")?;
+                if let Some((dialer, target)) = &ssh_direct {
+                    let (dialer, target) = (dialer.clone(), *target);
+                    tokio::spawn(async move {
+                        match crate::ssh::bypass::forward(&dialer, target, stream).await {
+                            Ok((up, down)) => info!(%peer, up, down, "ssh-direct data channel closed"),
+                            Err(e) => warn!(%peer, "data channel: {e}"),
+                        }
+                    });
+                    continue;
+                }
                 let api = api.clone();
                 let port = config.port;
                 tokio::spawn(async move {
@@ -241,6 +272,9 @@ pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::S
         .arg(config.port.to_string())
         .arg("--runtime-dir")
         .arg(&config.runtime_dir);
+    if let Some(target) = config.ssh_direct {
+        cmd.arg("--ssh-direct").arg(target.to_string());
+    }
     if let Some(port) = config.grpc_port {
         cmd.arg("--grpc-port").arg(port.to_string());
     }

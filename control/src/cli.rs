@@ -124,6 +124,10 @@ pub struct AgentArgs {
     /// Where to write the listener address.
     #[arg(long)]
     pub state_file: PathBuf,
+    /// The SSH data-plane bypass: carry data connections to this ClusterIP:PORT
+    /// through the SSH path instead of port-forwarding.
+    #[arg(long, value_name = "IP:PORT")]
+    pub ssh_direct: Option<std::net::SocketAddr>,
     /// The manager's gRPC port: watch routes through it (without it, no route watch).
     #[arg(long)]
     pub grpc_port: Option<u16>,

@@ -617,12 +617,13 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         ));
     }
     output::done(&format!("Using {}", conn.description));
-    let origin = Origin {
+    let mut origin = Origin {
         transport: TRANSPORT_PORT_FORWARD.to_owned(),
         cluster: conn.description.cluster.clone(),
         server: conn.description.server.clone(),
         context: conn.description.context.clone(),
         manager_namespace: args.kube.manager_namespace.clone(),
+        data_path: String::new(),
     };
     if already_connected(runtime_dir, &origin).await? {
         let ignored = session_flags_given(args);
@@ -646,6 +647,28 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     let manager = install::ensure_manager(&conn.client, &opts, &print_progress)
         .await
         .context("the traffic manager is not ready")?;
+    // With a jump host: can it reach the manager's ClusterIP (the SSH data-plane bypass)?
+    let data_path = if let Some(t) = &ssh_tunnel {
+        output::step(&format!(
+            "Probing whether {} reaches the traffic manager's ClusterIP",
+            t.dialer().last_hop()
+        ));
+        let path = crate::ssh::bypass::choose(Some(t), manager.cluster_ip, manager.data_port).await;
+        match &path {
+            crate::ssh::bypass::DataPath::SshDirect { .. } => output::done(&format!(
+                "Data channel: {} (bypasses the API server)",
+                path.describe()
+            )),
+            crate::ssh::bypass::DataPath::PortForward { .. } => output::detail(&format!(
+                "Data channel: {} (the SSH host does not reach the ClusterIP)",
+                path.describe()
+            )),
+        }
+        path
+    } else {
+        crate::ssh::bypass::DataPath::PortForward { ssh: None }
+    };
+    origin.data_path = data_path.describe();
 
     // The tunnel IP and session token come from the manager (item 4, tr-11): the
     // same client id, kept per user and cluster, gets the same IP back.
@@ -751,10 +774,15 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         }
     };
 
-    output::step(&format!(
-        "Starting the port-forward agent for pod {} port {}",
-        manager.pod_name, manager.data_port
-    ));
+    match data_path.ssh_direct_target() {
+        Some(target) => output::step(&format!(
+            "Starting the session agent (ssh-direct to {target})"
+        )),
+        None => output::step(&format!(
+            "Starting the port-forward agent for pod {} port {}",
+            manager.pod_name, manager.data_port
+        )),
+    }
     std::fs::create_dir_all(agents_dir(runtime_dir))
         .with_context(|| format!("cannot create {}", agents_dir(runtime_dir).display()))?;
     let nonce = std::process::id();
@@ -766,6 +794,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             ssh: plan.clone(),
             manager_namespace: args.kube.manager_namespace.clone(),
             port: manager.data_port,
+            ssh_direct: data_path.ssh_direct_target(),
             state_file,
             grpc_port: Some(manager.grpc_port),
             keep_out: keep_out.clone(),
@@ -818,8 +847,12 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         &mut client,
         &resp.session_id,
         &format!(
-            "Connected to {} through port-forward: session {} on TUN device {} (ifindex {})",
-            conn.description.cluster, resp.session_id, resp.tun_name, resp.tun_ifindex
+            "Connected to {} through {}: session {} on TUN device {} (ifindex {})",
+            conn.description.cluster,
+            data_path.kind(),
+            resp.session_id,
+            resp.tun_name,
+            resp.tun_ifindex
         ),
     )
     .await?;
@@ -846,6 +879,7 @@ mod tests {
             server: server.into(),
             context: context.into(),
             manager_namespace: ns.into(),
+            data_path: String::new(),
         }
     }
 

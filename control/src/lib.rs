@@ -64,6 +64,7 @@ pub async fn run(cli: Cli) -> Result<()> {
                 ssh,
                 manager_namespace: args.kube.manager_namespace.clone(),
                 port: args.port,
+                ssh_direct: args.ssh_direct,
                 state_file: args.state_file,
                 grpc_port: args.grpc_port,
                 keep_out: args.keep_out,

@@ -89,6 +89,7 @@ fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
     serde_json::json!({
         "id": s.id,
         "transport": text_or_null(&origin.transport),
+        "data_path": text_or_null(&origin.data_path),
         "cluster": text_or_null(&origin.cluster),
         "server": text_or_null(&origin.server),
         "context": text_or_null(&origin.context),
@@ -206,7 +207,15 @@ pub fn status(resp: &StatusResponse, format: OutputFormat) -> Result<()> {
                 match &s.origin {
                     Some(o) if !o.cluster.is_empty() => println!(
                         "    cluster {} (context {}, {}) through {}, traffic manager in {}",
-                        o.cluster, o.context, o.server, o.transport, o.manager_namespace
+                        o.cluster,
+                        o.context,
+                        o.server,
+                        if o.data_path.is_empty() {
+                            &o.transport
+                        } else {
+                            &o.data_path
+                        },
+                        o.manager_namespace
                     ),
                     Some(o) if !o.transport.is_empty() => {
                         println!("    transport {}", o.transport);

@@ -278,13 +278,13 @@ impl SshChain {
     }
 }
 
-fn ssh_config(known: &KnownHosts, hop: &Hop) -> Arc<client::Config> {
+fn ssh_config(known: &KnownHosts, hop: &Hop, keepalive: Duration) -> Arc<client::Config> {
     let mut preferred = russh::Preferred::default();
     let listed = known.listed_algorithms(&hop.host, hop.port);
     preferred.key = known_hosts::prefer_listed(&preferred.key, &listed).into();
     Arc::new(client::Config {
         preferred,
-        keepalive_interval: Some(KEEPALIVE_INTERVAL),
+        keepalive_interval: Some(keepalive),
         keepalive_max: KEEPALIVE_MAX,
         nodelay: true,
         ..Default::default()
@@ -309,7 +309,7 @@ pub async fn connect(plan: &SshPlan, agent_sock: Option<&Path>) -> Result<SshCha
             accept_new: plan.accept_new,
             refused: refused.clone(),
         };
-        let config = ssh_config(&known, hop);
+        let config = ssh_config(&known, hop, plan.keepalive_interval());
         let handshake = async {
             match sessions.last() {
                 None => {
