@@ -5,7 +5,10 @@
 //! becomes one `pods/portforward` stream through the API server to the
 //! *current* ready manager pod. So when the port-forward dies (pod rescheduled,
 //! API server restarted), the root daemon's redial gets a fresh one, and the TUN
-//! device, addresses and routes stay as they are (cases tr-08, tr-10).
+//! device, addresses and routes stay as they are (cases tr-08, tr-10). With the
+//! SSH data-plane bypass (`--ssh-direct`, [`crate::ssh::bypass`]) each connection
+//! becomes a `direct-tcpip` channel from the SSH host to the manager's ClusterIP
+//! instead.
 //!
 //! It also runs the session's route watch ([`crate::route_watch`]): the
 //! manager's `WatchRoutes` stream, through a port-forward to its gRPC port,

@@ -16,6 +16,10 @@
 //! ssh-agent, key files and passwords, case ssh-02) and [`tunnel`] (the loopback
 //! listener, keepalives and reconnect).
 //!
+//! [`bypass`] is item 4, the SSH data-plane bypass: when the last hop reaches the
+//! traffic manager Service's ClusterIP, the session agent carries the data channel
+//! over `direct-tcpip` channels to it instead of port-forwarding.
+//!
 //! GSSAPI/Kerberos is not offered: russh has only the hook, and no well-kept Rust
 //! GSSAPI binding was picked yet.
 

@@ -13,6 +13,10 @@
 //! of their own. Root's password inside a bastion comes from a `shadow` file in the
 //! bastion's `/etc/netns/<name>/` (bind-mounted by `ip netns exec` for sshd only).
 //!
+//! [`SshLab::on_node`] instead runs one sshd in the lab's node netns (a jump host that
+//! is a cluster node and reaches ClusterIPs, for the SSH data-plane bypass), and
+//! [`SshLab::black_hole_ssh`] silently drops the laptop's SSH traffic.
+//!
 //! Everything is removed on drop: sshd (by pid), ssh-agent (by pid), the links, the
 //! netns made here and the nftables table.
 
@@ -341,72 +345,68 @@ impl Credentials {
     /// sshd in `name` on `addr`:[`SSHD_PORT`], its files in `bdir`.
     fn start_sshd(&self, name: &str, b_ip: &str, bdir: &Path, own: bool) -> Bastion {
         let (authorized, hash) = (&self.authorized, &self.hash);
-        {
-            std::fs::create_dir_all(bdir).unwrap_or_else(|e| panic!("mkdir: {e}"));
-            let mut host_keys = Vec::new();
-            let mut key_args = Vec::new();
-            for (ty, extra) in [
-                ("ed25519", vec![]),
-                ("ecdsa", vec!["-b", "256"]),
-                ("rsa", vec!["-b", "2048"]),
-            ] {
-                let path = bdir.join(format!("ssh_host_{ty}_key"));
-                run(Command::new("ssh-keygen")
-                    .args(["-q", "-t", ty, "-N", ""])
-                    .args(&extra)
-                    .arg("-f")
-                    .arg(&path));
-                let public =
-                    std::fs::read_to_string(path.with_extension("pub")).unwrap_or_default();
-                let mut parts = public.split_whitespace();
-                host_keys.push((
-                    parts.next().unwrap_or_default().to_owned(),
-                    parts.next().unwrap_or_default().to_owned(),
-                ));
-                key_args.push("-h".to_owned());
-                key_args.push(path.to_string_lossy().into_owned());
-            }
-            std::fs::write(bdir.join("authorized_keys"), &authorized)
-                .unwrap_or_else(|e| panic!("{e}"));
-            let config = format!(
-                "Port {SSHD_PORT}\nListenAddress {b_ip}\nPidFile {pid}\nAuthorizedKeysFile {ak}\n\
-                 StrictModes no\nPermitRootLogin yes\nPasswordAuthentication yes\n\
-                 KbdInteractiveAuthentication no\nUsePAM no\nAllowTcpForwarding yes\n\
-                 PermitOpen any\nMaxAuthTries 10\nLogLevel VERBOSE\n",
-                pid = bdir.join("sshd.pid").display(),
-                ak = bdir.join("authorized_keys").display(),
-            );
-            std::fs::write(bdir.join("sshd_config"), config).unwrap_or_else(|e| panic!("{e}"));
-            let ns = Netns::from_name(name);
-            ns.write_etc_file(
-                "shadow",
-                format!("root:{hash}:20000:0:99999:7:::\n").as_bytes(),
-            )
-            .unwrap_or_else(|e| panic!("shadow: {e:#}"));
-            let sshd = ns
-                .command("/usr/sbin/sshd")
-                .arg("-D")
+        std::fs::create_dir_all(bdir).unwrap_or_else(|e| panic!("mkdir: {e}"));
+        let mut host_keys = Vec::new();
+        let mut key_args = Vec::new();
+        for (ty, extra) in [
+            ("ed25519", vec![]),
+            ("ecdsa", vec!["-b", "256"]),
+            ("rsa", vec!["-b", "2048"]),
+        ] {
+            let path = bdir.join(format!("ssh_host_{ty}_key"));
+            run(Command::new("ssh-keygen")
+                .args(["-q", "-t", ty, "-N", ""])
+                .args(&extra)
                 .arg("-f")
-                .arg(bdir.join("sshd_config"))
-                .args(&key_args)
-                .arg("-E")
-                .arg(bdir.join("sshd.log"))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| panic!("sshd in {name}: {e}"));
-            let bastion = Bastion {
-                netns: name.to_owned(),
-                addr: b_ip.to_owned(),
-                host_keys,
-                dir: bdir.to_owned(),
-                sshd: Some(sshd),
-                own_netns: own,
-            };
-            wait_listening(&bastion);
-            bastion
+                .arg(&path));
+            let public = std::fs::read_to_string(path.with_extension("pub")).unwrap_or_default();
+            let mut parts = public.split_whitespace();
+            host_keys.push((
+                parts.next().unwrap_or_default().to_owned(),
+                parts.next().unwrap_or_default().to_owned(),
+            ));
+            key_args.push("-h".to_owned());
+            key_args.push(path.to_string_lossy().into_owned());
         }
+        std::fs::write(bdir.join("authorized_keys"), authorized).unwrap_or_else(|e| panic!("{e}"));
+        let config = format!(
+            "Port {SSHD_PORT}\nListenAddress {b_ip}\nPidFile {pid}\nAuthorizedKeysFile {ak}\n\
+             StrictModes no\nPermitRootLogin yes\nPasswordAuthentication yes\n\
+             KbdInteractiveAuthentication no\nUsePAM no\nAllowTcpForwarding yes\n\
+             PermitOpen any\nMaxAuthTries 10\nLogLevel VERBOSE\n",
+            pid = bdir.join("sshd.pid").display(),
+            ak = bdir.join("authorized_keys").display(),
+        );
+        std::fs::write(bdir.join("sshd_config"), config).unwrap_or_else(|e| panic!("{e}"));
+        let ns = Netns::from_name(name);
+        ns.write_etc_file(
+            "shadow",
+            format!("root:{hash}:20000:0:99999:7:::\n").as_bytes(),
+        )
+        .unwrap_or_else(|e| panic!("shadow: {e:#}"));
+        let sshd = ns
+            .command("/usr/sbin/sshd")
+            .arg("-D")
+            .arg("-f")
+            .arg(bdir.join("sshd_config"))
+            .args(&key_args)
+            .arg("-E")
+            .arg(bdir.join("sshd.log"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("sshd in {name}: {e}"));
+        let bastion = Bastion {
+            netns: name.to_owned(),
+            addr: b_ip.to_owned(),
+            host_keys,
+            dir: bdir.to_owned(),
+            sshd: Some(sshd),
+            own_netns: own,
+        };
+        wait_listening(&bastion);
+        bastion
     }
 }
 

@@ -128,11 +128,18 @@ fn transports_lost(fx: &KubeFixture) -> usize {
 /// reconnects, SSH is redialled and traffic comes back within the bounds.
 fn ssh_loss_and_recovery(fx: &KubeFixture, lab: &SshLab, direct: Option<SocketAddr>) {
     let b = &lab.bastions[0];
-    let path = fx.session()["data_path"].as_str().unwrap_or_default().to_owned();
+    let path = fx.session()["data_path"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
 
     // 1. Kill the sshd child serving the agent's SSH connection.
     let before = b.connection_pids();
-    assert!(!before.is_empty(), "no SSH connection of the agent:\n{}", b.log());
+    assert!(
+        !before.is_empty(),
+        "no SSH connection of the agent:\n{}",
+        b.log()
+    );
     let lost_before = transports_lost(fx);
     for pid in &before {
         // SAFETY: kill by pid a child process of the sshd this test started.
@@ -301,7 +308,10 @@ fn a_bastion_that_cannot_reach_clusterips_falls_back_to_port_forward() {
     );
     let table = ok(lab.kvpn(&fx, &["status"], None), "status", &fx, &lab);
     assert!(
-        table.contains(&format!("through port-forward via ssh root@{}", b.ssh_addr())),
+        table.contains(&format!(
+            "through port-forward via ssh root@{}",
+            b.ssh_addr()
+        )),
         "{table}"
     );
     let body = curl_web(&fx);
