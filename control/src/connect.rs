@@ -323,10 +323,17 @@ async fn already_connected(runtime_dir: &Path, wanted: &Origin) -> Result<bool> 
             } else {
                 format!(" ({})", s.reason)
             };
+            // The data path the session took (ssh-direct or port-forward), when known.
+            let path = s
+                .origin
+                .as_ref()
+                .map(|o| o.data_path.as_str())
+                .filter(|p| !p.is_empty())
+                .unwrap_or(&wanted.transport);
             output::done(&format!(
                 "Already connected to {} (context {}) through {}: session {} on TUN device {}, \
                  state {}{reason} — nothing to do",
-                wanted.cluster, wanted.context, wanted.transport, s.id, s.tun_name, s.state
+                wanted.cluster, wanted.context, path, s.id, s.tun_name, s.state
             ));
             Ok(true)
         }

@@ -116,6 +116,20 @@ fn curl_web(fx: &KubeFixture) -> String {
     body
 }
 
+/// The session agents' logs, whole.
+fn agent_logs(fx: &KubeFixture) -> String {
+    let mut all = String::new();
+    for e in std::fs::read_dir(fx.runtime_dir().join("agents"))
+        .unwrap_or_else(|e| panic!("agents folder: {e}"))
+        .flatten()
+    {
+        if e.path().extension().is_some_and(|x| x == "log") {
+            all.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
+        }
+    }
+    all
+}
+
 /// How many times the root daemon's log says a data channel was lost.
 fn transports_lost(fx: &KubeFixture) -> usize {
     std::fs::read_to_string(fx.runtime_dir().join("dataplane.log"))
@@ -252,6 +266,17 @@ fn sshd_on_a_node_reaches_the_manager_clusterip_so_the_data_channel_bypasses_the
 
     let body = curl_web(&fx);
     eprintln!("ssh-direct: curl {} -> {}", web(), body.trim());
+    // A second connect finds the session and names its data path.
+    let again = ok(
+        kvpn_ssh(&fx, &lab, "connect"),
+        "second connect through the node's sshd",
+        &fx,
+        &lab,
+    );
+    assert!(
+        again.contains("Already connected") && again.contains("through ssh-direct via"),
+        "{again}"
+    );
     // The data channel is sshd's own TCP connection to the manager's ClusterIP.
     let conns = b.connections_to(target);
     assert!(
@@ -262,6 +287,13 @@ fn sshd_on_a_node_reaches_the_manager_clusterip_so_the_data_channel_bypasses_the
 
     ssh_loss_and_recovery(&fx, &lab, Some(target));
     curl_web(&fx);
+    // No data connection ever took a port-forward through the API server.
+    let logs = agent_logs(&fx);
+    assert!(
+        logs.contains("offering the manager's data port (ssh-direct)"),
+        "{logs}"
+    );
+    assert!(!logs.contains("port-forward open"), "{logs}");
 
     // Uninstall through the jump host: the session first, then the manager.
     let out = ok(
@@ -322,4 +354,7 @@ fn a_bastion_that_cannot_reach_clusterips_falls_back_to_port_forward() {
 
     ssh_loss_and_recovery(&fx, &lab, None);
     curl_web(&fx);
+    let logs = agent_logs(&fx);
+    assert!(logs.contains("port-forward open"), "{logs}");
+    assert!(!logs.contains("ssh-direct"), "{logs}");
 }
