@@ -61,8 +61,8 @@ pub fn kind_name(kind: i32) -> &'static str {
 /// `kvpn status` when no root daemon runs.
 pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
     match format {
-        OutputFormat::Json => println!("{{\"sessions\":[]}}"),
-        OutputFormat::Yaml => println!("sessions: []"),
+        OutputFormat::Json => println!("{{\"root_daemon\":{{\"running\":false}},\"sessions\":[]}}"),
+        OutputFormat::Yaml => println!("root_daemon:\n  running: false\nsessions: []"),
         OutputFormat::Table => println!(
             "Not connected (no root daemon answers on {})",
             crate::daemon::socket_path(runtime_dir).display()
