@@ -450,3 +450,78 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpn_proto::dataplane::Origin;
+
+    fn root(id: &str, transport: &str, state: &str) -> Session {
+        Session {
+            id: id.into(),
+            state: state.into(),
+            origin: Some(Origin {
+                transport: transport.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn user(id: &str, state: &str, reason: &str) -> UserSession {
+        UserSession {
+            id: id.into(),
+            state: state.into(),
+            reason: reason.into(),
+            namespace: "dev".into(),
+            tun_name: "kvpn9".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn both_halves_merge_and_a_missing_or_lost_half_is_said() {
+        let rows = merge_sessions(
+            vec![
+                root("a", "port-forward", "connected"),
+                root("b", "port-forward", "reconnecting"),
+                root("c", "direct", "connected"),
+                root("d", "port-forward", "reconnecting"),
+            ],
+            vec![
+                user("a", "running", ""),
+                user("d", "restoring", ""),
+                user("z", "lost", "the root daemon no longer has this session"),
+            ],
+        );
+        let view: Vec<(&str, &str, &str)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.session.id.as_str(),
+                    r.session.state.as_str(),
+                    r.namespace.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            view,
+            [
+                ("a", "connected", "dev"),
+                ("b", "failed", ""),
+                ("c", "connected", ""),
+                ("d", "reconnecting", "dev"),
+                ("z", "lost", "dev"),
+            ]
+        );
+        assert!(rows[1].session.reason.contains("kvpn connect"), "{rows:?}");
+        assert!(rows[2].user.is_none() && rows[2].session.reason.is_empty());
+        assert!(rows[3].session.reason.contains("bringing the port-forward back"));
+        assert_eq!(rows[4].session.tun_name, "kvpn9");
+        assert!(rows[4].session.reason.contains("no longer has"));
+        let doc = status_document(&rows, true);
+        assert_eq!(doc["sessions"][4]["user_daemon"]["state"], "lost");
+        assert_eq!(doc["sessions"][2]["user_daemon"], serde_json::Value::Null);
+        assert_eq!(doc["root_daemon"]["running"], true);
+    }
+}
