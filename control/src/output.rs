@@ -305,11 +305,22 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
                     t.to_owned()
                 }
             };
-            let mut table: Vec<[String; 11]> = vec![[
-                "ID", "CLUSTER", "CONTEXT", "NAMESPACE", "TRANSPORT", "TUNNEL IP", "TUN", "STATE",
-                "UPTIME", "TX PKTS/B", "RX PKTS/B",
-            ]
-            .map(str::to_owned)];
+            let mut table: Vec<[String; 11]> = vec![
+                [
+                    "ID",
+                    "CLUSTER",
+                    "CONTEXT",
+                    "NAMESPACE",
+                    "TRANSPORT",
+                    "TUNNEL IP",
+                    "TUN",
+                    "STATE",
+                    "UPTIME",
+                    "TX PKTS/B",
+                    "RX PKTS/B",
+                ]
+                .map(str::to_owned),
+            ];
             for r in rows {
                 let s = &r.session;
                 let o = s.origin.clone().unwrap_or_default();
@@ -328,7 +339,13 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
                 ]);
             }
             let widths: Vec<usize> = (0..11)
-                .map(|c| table.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+                .map(|c| {
+                    table
+                        .iter()
+                        .map(|r| r[c].chars().count())
+                        .max()
+                        .unwrap_or(0)
+                })
                 .collect();
             let line = |cells: &[String; 11]| {
                 cells
@@ -516,7 +533,12 @@ mod tests {
         );
         assert!(rows[1].session.reason.contains("kvpn connect"), "{rows:?}");
         assert!(rows[2].user.is_none() && rows[2].session.reason.is_empty());
-        assert!(rows[3].session.reason.contains("bringing the port-forward back"));
+        assert!(
+            rows[3]
+                .session
+                .reason
+                .contains("bringing the port-forward back")
+        );
         assert_eq!(rows[4].session.tun_name, "kvpn9");
         assert!(rows[4].session.reason.contains("no longer has"));
         let doc = status_document(&rows, true);

@@ -173,14 +173,18 @@ fn start(root_runtime_dir: &Path, paths: &Paths) -> Result<std::process::Child> 
         .arg(root_runtime_dir)
         .arg("daemon")
         .stdin(std::process::Stdio::null())
-        .stdout(log.try_clone().context("cannot duplicate the log file handle")?)
+        .stdout(
+            log.try_clone()
+                .context("cannot duplicate the log file handle")?,
+        )
         .stderr(log);
     if std::env::var_os("KVPN_LOG").is_none() {
         cmd.env("KVPN_LOG", "info");
     }
     // Detach from the CLI's process group so the daemon outlives it and its terminal.
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    cmd.spawn().context("cannot start the user daemon (kvpn daemon)")
+    cmd.spawn()
+        .context("cannot start the user daemon (kvpn daemon)")
 }
 
 /// Create `dir` (and parents); a folder of our own (not the root daemon's) gets
@@ -268,7 +272,10 @@ mod tests {
     #[test]
     fn user_dir_is_the_root_runtime_dir_for_root_or_an_explicit_one() {
         let p = Path::new;
-        assert_eq!(user_dir(p("/run/kvpn"), 0, Some(p("/run/user/0"))), p("/run/kvpn"));
+        assert_eq!(
+            user_dir(p("/run/kvpn"), 0, Some(p("/run/user/0"))),
+            p("/run/kvpn")
+        );
         assert_eq!(
             user_dir(p("/tmp/lab/kvpn-runtime"), 1000, Some(p("/run/user/1000"))),
             p("/tmp/lab/kvpn-runtime")

@@ -688,7 +688,11 @@ fn port_forward_killed_five_times_recovers_each_time_on_the_same_tun() {
         fds <= fds0 + 1,
         "agent file descriptors: {fds0} before, {fds} after five kills"
     );
-    assert_eq!(f.user_daemon_pids(), agents, "the same user daemon survived");
+    assert_eq!(
+        f.user_daemon_pids(),
+        agents,
+        "the same user daemon survived"
+    );
     let daemon_pid: u32 = std::fs::read_to_string(f.runtime_dir().join("dataplane.pid"))
         .ok()
         .and_then(|p| p.trim().parse().ok())

@@ -19,8 +19,8 @@ use serde_json::Value;
 /// "boolean", "object", "array", "null").
 fn documented() -> BTreeMap<String, BTreeSet<String>> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/status.md");
-    let doc = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let doc =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     let mut fields = BTreeMap::new();
     for line in doc.lines() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
@@ -31,13 +31,19 @@ fn documented() -> BTreeMap<String, BTreeSet<String>> {
         let Some(field) = field.strip_prefix('`').and_then(|f| f.strip_suffix('`')) else {
             continue;
         };
-        if !(field == "root_daemon" || field.starts_with("root_daemon.") || field.starts_with("sessions")) {
+        if !(field == "root_daemon"
+            || field.starts_with("root_daemon.")
+            || field.starts_with("sessions"))
+        {
             continue;
         }
         let types: BTreeSet<String> = ty.split(" or ").map(str::to_owned).collect();
         fields.insert(field.to_owned(), types);
     }
-    assert!(fields.len() > 40, "docs/status.md lists its fields: {fields:?}");
+    assert!(
+        fields.len() > 40,
+        "docs/status.md lists its fields: {fields:?}"
+    );
     fields
 }
 
@@ -145,7 +151,10 @@ fn sigkill_and_wait(pid: u32) {
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     let t0 = Instant::now();
     while alive(pid) {
-        assert!(t0.elapsed() < Duration::from_secs(5), "{pid} survived SIGKILL");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{pid} survived SIGKILL"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -232,7 +241,11 @@ fn two_sessions_one_user_daemon_schema_sigkill_restore_and_quit() {
     // The split: one user daemon for both sessions, no per-session agents, one
     // loopback listener per session, where the root daemon dials.
     let daemons = f.user_daemon_pids();
-    assert_eq!(daemons.len(), 1, "one user daemon for two sessions: {daemons:?}");
+    assert_eq!(
+        daemons.len(),
+        1,
+        "one user daemon for two sessions: {daemons:?}"
+    );
     assert!(f.agent_pids().is_empty(), "no `kvpn agent` processes");
     let mut listeners = f.session_listeners();
     listeners.sort();
@@ -244,11 +257,24 @@ fn two_sessions_one_user_daemon_schema_sigkill_restore_and_quit() {
     assert_eq!(listeners, dialled, "one listener per session");
     let socket = f.runtime_dir().join("user.sock");
     let meta = std::fs::metadata(&socket).unwrap_or_else(|e| panic!("{}: {e}", socket.display()));
-    assert!(meta.file_type().is_socket(), "{} is a socket", socket.display());
-    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "user daemon socket mode");
+    assert!(
+        meta.file_type().is_socket(),
+        "{} is a socket",
+        socket.display()
+    );
+    assert_eq!(
+        meta.permissions().mode() & 0o777,
+        0o600,
+        "user daemon socket mode"
+    );
     let pid_file = std::fs::read_to_string(f.runtime_dir().join("user.pid")).unwrap_or_default();
     assert_eq!(pid_file.trim(), daemons[0].to_string(), "pid file");
-    assert_eq!(records(&f).len(), 2, "two session records: {:?}", records(&f));
+    assert_eq!(
+        records(&f).len(),
+        2,
+        "two session records: {:?}",
+        records(&f)
+    );
 
     // Status: JSON and YAML are the same document and follow docs/status.md.
     let json = f.status_json();
@@ -283,7 +309,16 @@ fn two_sessions_one_user_daemon_schema_sigkill_restore_and_quit() {
         assert_eq!(s["user_daemon"]["restores"], 0, "{s:#}");
     }
     let table = f.kvpn_ok(&["status"]);
-    for col in ["ID", "CLUSTER", "CONTEXT", "NAMESPACE", "TRANSPORT", "TUNNEL IP", "TUN", "STATE"] {
+    for col in [
+        "ID",
+        "CLUSTER",
+        "CONTEXT",
+        "NAMESPACE",
+        "TRANSPORT",
+        "TUNNEL IP",
+        "TUN",
+        "STATE",
+    ] {
         assert!(table.contains(col), "table column {col}: {table}");
     }
     assert!(
@@ -300,7 +335,11 @@ fn two_sessions_one_user_daemon_schema_sigkill_restore_and_quit() {
     let curl = CurlLoop::start(&f, a_web);
     let t0 = Instant::now();
     while !curl.results().iter().any(|(_, ok)| *ok) {
-        assert!(t0.elapsed() < Duration::from_secs(10), "curl loop never succeeded: {:?}", curl.results());
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "curl loop never succeeded: {:?}",
+            curl.results()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let killed_at = unix_ns();
@@ -310,7 +349,11 @@ fn two_sessions_one_user_daemon_schema_sigkill_restore_and_quit() {
     // The next command starts it again; it brings both sessions back.
     let t_status = Instant::now();
     let after = f.sessions();
-    assert_eq!(after.len(), 2, "both sessions listed after the restart: {after:#?}");
+    assert_eq!(
+        after.len(),
+        2,
+        "both sessions listed after the restart: {after:#?}"
+    );
     let new = f.user_daemon_pids();
     assert_eq!(new.len(), 1, "one new user daemon: {new:?}");
     assert_ne!(new, daemons, "a new process");
@@ -329,21 +372,36 @@ fn two_sessions_one_user_daemon_schema_sigkill_restore_and_quit() {
         .iter()
         .map(|s| f.tun_state(s["tun_name"].as_str().unwrap_or_default()))
         .collect();
-    assert_eq!(tun_after, tun_before, "same TUN devices, addresses and routes");
+    assert_eq!(
+        tun_after, tun_before,
+        "same TUN devices, addresses and routes"
+    );
     let mut listeners2 = f.session_listeners();
     listeners2.sort();
     assert_eq!(listeners2, listeners, "the same loopback addresses again");
     // The curl loop sees traffic again after the restart.
     let t1 = Instant::now();
     let first_ok_after = loop {
-        if let Some((t, _)) = curl.results().into_iter().find(|(t, ok)| *ok && *t > killed_at) {
+        if let Some((t, _)) = curl
+            .results()
+            .into_iter()
+            .find(|(t, ok)| *ok && *t > killed_at)
+        {
             break t;
         }
-        assert!(t1.elapsed() < Duration::from_secs(10), "curl loop never recovered: {:?}", curl.results());
+        assert!(
+            t1.elapsed() < Duration::from_secs(10),
+            "curl loop never recovered: {:?}",
+            curl.results()
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     let outage_ms = (first_ok_after - killed_at) / 1_000_000;
-    let failed = curl.results().iter().filter(|(t, ok)| !ok && *t > killed_at).count();
+    let failed = curl
+        .results()
+        .iter()
+        .filter(|(t, ok)| !ok && *t > killed_at)
+        .count();
     drop(curl);
     eprintln!(
         "user daemon SIGKILL: next `kvpn status` {:.0} ms after the kill; HTTP back {:.0} ms after that \
@@ -368,7 +426,10 @@ fn two_sessions_one_user_daemon_schema_sigkill_restore_and_quit() {
         .map(|s| s["id"].as_str().unwrap_or_default().to_owned())
         .unwrap_or_else(|| panic!("no session of cluster b: {sessions2:#?}"));
     let out = f.kvpn_ok(&["disconnect", &b_id]);
-    assert!(out.contains(&format!("Disconnected session {b_id}")), "{out}");
+    assert!(
+        out.contains(&format!("Disconnected session {b_id}")),
+        "{out}"
+    );
     assert_eq!(f.sessions().len(), 1);
     assert_eq!(f.session_listeners().len(), 1, "one listener left");
     assert_eq!(records(&f).len(), 1, "one record left: {:?}", records(&f));
@@ -381,18 +442,31 @@ fn two_sessions_one_user_daemon_schema_sigkill_restore_and_quit() {
         .unwrap_or_else(|| panic!("root daemon pid file"));
     let out = f.kvpn_ok(&["quit"]);
     assert!(out.contains("Disconnected session"), "{out}");
-    assert!(f.user_daemon_pids().is_empty(), "user daemon left after quit");
+    assert!(
+        f.user_daemon_pids().is_empty(),
+        "user daemon left after quit"
+    );
     assert!(!alive(root_pid), "root daemon left after quit");
     assert!(!socket.exists(), "user daemon socket left");
-    assert!(!f.runtime_dir().join("dataplane.sock").exists(), "root daemon socket left");
+    assert!(
+        !f.runtime_dir().join("dataplane.sock").exists(),
+        "root daemon socket left"
+    );
     assert!(records(&f).is_empty(), "records left: {:?}", records(&f));
-    assert!(f.tun_devices().is_empty(), "TUN devices left: {:?}", f.tun_devices());
+    assert!(
+        f.tun_devices().is_empty(),
+        "TUN devices left: {:?}",
+        f.tun_devices()
+    );
     // A status afterwards starts nothing.
     let st = f.kvpn_ok(&["status", "-o", "json"]);
     let st: Value = serde_json::from_str(&st).unwrap_or_else(|e| panic!("{e}: {st}"));
     assert_eq!(st["sessions"], serde_json::json!([]));
     assert_eq!(st["root_daemon"]["running"], false);
-    assert!(f.user_daemon_pids().is_empty(), "status started a user daemon");
+    assert!(
+        f.user_daemon_pids().is_empty(),
+        "status started a user daemon"
+    );
 }
 
 /// When the root daemon died too, a restarted user daemon cannot bring the
@@ -417,7 +491,11 @@ fn sigkill_of_both_daemons_reports_the_session_lost_never_half_alive() {
     let s = loop {
         let out = f.kvpn(&["status", "-o", "json"]);
         let doc: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!("status JSON: {e}: {}{}", text(&out.stdout), text(&out.stderr))
+            panic!(
+                "status JSON: {e}: {}{}",
+                text(&out.stdout),
+                text(&out.stderr)
+            )
         });
         let sessions = doc["sessions"].as_array().cloned().unwrap_or_default();
         assert_eq!(sessions.len(), 1, "{doc:#}");
@@ -438,8 +516,15 @@ fn sigkill_of_both_daemons_reports_the_session_lost_never_half_alive() {
         "the reason names the cause and the fix: {reason}"
     );
     assert_eq!(s["user_daemon"]["state"], "lost", "{s:#}");
-    assert!(f.session_listeners().is_empty(), "a lost session listens nowhere");
-    assert!(records(&f).is_empty(), "its record is gone: {:?}", records(&f));
+    assert!(
+        f.session_listeners().is_empty(),
+        "a lost session listens nowhere"
+    );
+    assert!(
+        records(&f).is_empty(),
+        "its record is gone: {:?}",
+        records(&f)
+    );
     let out = f.kvpn_ok(&["disconnect", &id]);
     assert!(out.contains(&format!("Disconnected session {id}")), "{out}");
     let st = f.kvpn(&["status", "-o", "json"]);

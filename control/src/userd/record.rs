@@ -189,8 +189,9 @@ impl Store {
             }
             match std::fs::read(&path)
                 .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<SessionRecord>(&b).map_err(|e| e.to_string()))
-            {
+                .and_then(|b| {
+                    serde_json::from_slice::<SessionRecord>(&b).map_err(|e| e.to_string())
+                }) {
                 Ok(r) if r.version == RECORD_VERSION => records.push(r),
                 Ok(r) => problems.push(format!(
                     "{}: record version {} (this kvpn reads {RECORD_VERSION})",
@@ -207,9 +208,7 @@ impl Store {
     /// Whether any record (readable or not) is there.
     pub fn any(&self) -> bool {
         std::fs::read_dir(&self.dir).is_ok_and(|mut d| {
-            d.any(|e| {
-                e.is_ok_and(|e| e.path().extension().is_some_and(|x| x == "json"))
-            })
+            d.any(|e| e.is_ok_and(|e| e.path().extension().is_some_and(|x| x == "json")))
         })
     }
 
@@ -219,7 +218,10 @@ impl Store {
             return Ok(());
         };
         for e in entries.flatten() {
-            if e.path().extension().is_some_and(|x| x == "json" || x == "tmp") {
+            if e.path()
+                .extension()
+                .is_some_and(|x| x == "json" || x == "tmp")
+            {
                 std::fs::remove_file(e.path())?;
             }
         }

@@ -140,7 +140,10 @@ fn agent_config(
         keep_out: req
             .keep_out
             .iter()
-            .map(|ip| ip.parse().with_context(|| format!("bad keep-out address {ip:?}")))
+            .map(|ip| {
+                ip.parse()
+                    .with_context(|| format!("bad keep-out address {ip:?}"))
+            })
             .collect::<Result<_>>()?,
         runtime_dir: root_runtime_dir.to_path_buf(),
     })
@@ -245,7 +248,9 @@ impl UserDaemonState {
             return;
         }
         let opened = async {
-            let req = record.request().map_err(|e| anyhow!("unreadable record: {e}"))?;
+            let req = record
+                .request()
+                .map_err(|e| anyhow!("unreadable record: {e}"))?;
             let config = agent_config(&req, &self.root_runtime_dir, record.data_addr)?;
             agent::open_session(config).await
         }
@@ -368,6 +373,21 @@ impl UserDaemon for UserDaemonState {
             }
         };
         let id = resp.session_id.clone();
+        // A lost session of the same cluster is replaced by this one: stop listing it.
+        let origin = req.connect.as_ref().and_then(|c| c.origin.clone());
+        self.sessions().retain(|old_id, e| {
+            let replaced = e.state == STATE_LOST
+                && e.record
+                    .request()
+                    .ok()
+                    .and_then(|r| r.connect)
+                    .and_then(|c| c.origin)
+                    == origin;
+            if replaced {
+                info!(session = %old_id, replaced_by = %id, "lost session replaced");
+            }
+            !replaced
+        });
         let record = SessionRecord::new(&id, addr, &resp.tun_name, now_unix_ms(), &req);
         if let Err(e) = self.store.save(&record) {
             warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not bring it back");
@@ -417,7 +437,9 @@ impl UserDaemon for UserDaemonState {
     }
 
     async fn quit(&self, _request: Request<QuitRequest>) -> Result<Response<QuitResponse>, Status> {
-        let stopped = UserDaemonState::disconnect(self, "").await.map_err(internal)?;
+        let stopped = UserDaemonState::disconnect(self, "")
+            .await
+            .map_err(internal)?;
         info!(?stopped, "quit");
         self.quit.cancel();
         Ok(Response::new(QuitResponse { stopped }))
@@ -449,7 +471,9 @@ fn lock(paths: &Paths) -> Result<Option<std::fs::File>> {
 /// Bind the socket with mode 0600 (removing one a killed daemon left).
 fn bind(paths: &Paths) -> Result<tokio::net::UnixListener> {
     match std::fs::remove_file(&paths.socket) {
-        Ok(()) => info!(socket = %paths.socket.display(), "removed the socket a stopped user daemon left"),
+        Ok(()) => {
+            info!(socket = %paths.socket.display(), "removed the socket a stopped user daemon left")
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => {
             return Err(anyhow!(e).context(format!("cannot remove {}", paths.socket.display())));
