@@ -28,7 +28,8 @@ pub struct Cli {
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
 
-    /// Folder of the root daemon's socket, pid file and log.
+    /// Folder of the root daemon's socket, pid file and log (and, for root or when
+    /// given, of the user daemon's; else that is $XDG_RUNTIME_DIR/kvpn).
     #[arg(
         long,
         env = "KVPN_RUNTIME_DIR",
@@ -56,18 +57,21 @@ pub enum Command {
     /// with "No route to host" instead of hanging; traffic resumes on its own
     /// when the path heals, on the same TUN device, addresses and routes.
     Status(StatusArgs),
-    /// Tear a session down (TUN device, routes, eBPF classifier).
+    /// Tear a session down (TUN device, routes, eBPF classifier, port-forward).
     Disconnect(DisconnectArgs),
     /// Live packet and byte rates per route and per Service, from the eBPF
     /// classifier's counters (outbound: laptop → cluster), refreshed every second.
     Top(TopArgs),
-    /// Stop the root daemon after disconnecting every session.
+    /// Disconnect every session, then stop the user daemon and the root daemon.
     Quit,
+    /// Print the user daemon's and the root daemon's logs.
+    Logs(LogsArgs),
     /// Remove the traffic manager and every object kvpn created in the cluster.
     Uninstall(UninstallArgs),
-    /// (internal) The per-session agent that carries the data channel over port-forward.
+    /// (internal) The user daemon: holds every session's port-forwards, route
+    /// watch and SSH connections; started on demand by the other commands.
     #[command(hide = true)]
-    Agent(AgentArgs),
+    Daemon,
     /// The built-in lab: a cluster in network namespaces for trying kvpn out.
     #[command(subcommand)]
     Lab(LabCommand),
@@ -110,30 +114,6 @@ pub struct UninstallArgs {
     /// Which cluster.
     #[command(flatten)]
     pub kube: KubeArgs,
-}
-
-/// `kvpn agent` flags (internal).
-#[derive(Debug, Args)]
-pub struct AgentArgs {
-    /// Which cluster.
-    #[command(flatten)]
-    pub kube: KubeArgs,
-    /// Pod port to forward.
-    #[arg(long, default_value_t = 10801)]
-    pub port: u16,
-    /// Where to write the listener address.
-    #[arg(long)]
-    pub state_file: PathBuf,
-    /// The SSH data-plane bypass: carry data connections to this ClusterIP:PORT
-    /// through the SSH path instead of port-forwarding.
-    #[arg(long, value_name = "IP:PORT")]
-    pub ssh_direct: Option<std::net::SocketAddr>,
-    /// The manager's gRPC port: watch routes through it (without it, no route watch).
-    #[arg(long)]
-    pub grpc_port: Option<u16>,
-    /// An address the route watch must never route into the tunnel (repeatable).
-    #[arg(long = "keep-out", value_name = "IP")]
-    pub keep_out: Vec<IpAddr>,
 }
 
 /// `kvpn connect` flags.
@@ -188,8 +168,10 @@ pub enum OutputFormat {
     /// A table for people.
     #[default]
     Table,
-    /// JSON for programs.
+    /// JSON for programs (schema: docs/status.md).
     Json,
+    /// YAML, the same document as JSON.
+    Yaml,
 }
 
 /// `kvpn status` flags.
@@ -222,6 +204,17 @@ pub struct DisconnectArgs {
     /// Disconnect every session.
     #[arg(long, conflicts_with = "id")]
     pub all: bool,
+}
+
+/// `kvpn logs` flags.
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// Lines of each log to print (from its end); 0 = all.
+    #[arg(short = 'n', long, default_value_t = 200)]
+    pub lines: usize,
+    /// Keep printing what the daemons log, until interrupted.
+    #[arg(short, long)]
+    pub follow: bool,
 }
 
 /// `kvpn lab` subcommands.

@@ -1,9 +1,11 @@
-//! kvpn CLI (and, later, the user daemon).
+//! kvpn CLI and user daemon.
 //!
-//! Owns flag parsing ([`cli`]), everything printed for the user ([`output`]) and
-//! the client side of the root daemon's gRPC API ([`daemon`]), including
-//! starting the root daemon on demand. All I/O is the Unix socket to the root
-//! daemon and spawning it.
+//! Owns flag parsing ([`cli`]), everything printed for the user ([`output`]),
+//! the client side of the root daemon's gRPC API ([`daemon`]) and the user
+//! daemon ([`userd`]: client and server), including starting both daemons on
+//! demand. The CLI's I/O is the two daemons' Unix sockets, spawning them and
+//! reading their logs; the Kubernetes and SSH I/O lives in the modules named
+//! after them.
 
 pub mod agent;
 pub mod cidr;
@@ -18,11 +20,12 @@ pub mod output;
 pub mod route_watch;
 pub mod ssh;
 pub mod top;
+pub mod userd;
 
 use anyhow::{Context, Result, bail};
-use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest, StatusRequest};
+use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest};
 
-use crate::cli::{Cli, Command, ConnectArgs, DisconnectArgs, StatusArgs};
+use crate::cli::{Cli, Command, ConnectArgs, DisconnectArgs, LogsArgs, StatusArgs};
 
 /// Set up `tracing` on stderr; `verbose` 0 = warnings, 1 = debug, 2+ = trace.
 pub fn init_tracing(verbose: u8) {
@@ -52,26 +55,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Top(args) => top::run(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
-        Command::Agent(args) => {
-            // The CLI hands the resolved SSH path over in the environment (it may
-            // hold passwords, which must not show in the process list).
-            let ssh = match std::env::var(ssh::PLAN_ENV) {
-                Ok(v) => Some(ssh::SshPlan::from_env(&v)?),
-                Err(_) => None,
-            };
-            agent::run(agent::AgentConfig {
-                flags: args.kube.flags(),
-                ssh,
-                manager_namespace: args.kube.manager_namespace.clone(),
-                port: args.port,
-                ssh_direct: args.ssh_direct,
-                state_file: args.state_file,
-                grpc_port: args.grpc_port,
-                keep_out: args.keep_out,
-                runtime_dir: runtime_dir.clone(),
-            })
-            .await
-        }
+        Command::Logs(args) => logs(&runtime_dir, args).await,
+        Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(cmd) => lab::run(cmd).await,
     }
 }
@@ -196,66 +181,142 @@ fn validate_manager_addr(addr: &str) -> Result<()> {
 }
 
 async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
-    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+    // The user daemon merges its sessions with the root daemon's; after a crash
+    // this starts it again, and it brings its sessions back (or reports them lost).
+    let (root_running, rows) = match userd::connect_if_needed(runtime_dir).await? {
+        Some(mut user) => {
+            let st = user
+                .status(kvpn_proto::userd::StatusRequest {})
+                .await
+                .map_err(daemon::status_to_error)
+                .context("status failed")?
+                .into_inner();
+            (
+                st.root_running,
+                output::merge_sessions(st.root_sessions, st.user_sessions),
+            )
+        }
+        None => match daemon::connect_existing(runtime_dir).await? {
+            Some(mut client) => {
+                let sessions = daemon::sessions(&mut client, "status failed").await?;
+                (true, output::merge_sessions(sessions, Vec::new()))
+            }
+            None => (false, Vec::new()),
+        },
+    };
+    if !root_running && rows.is_empty() {
         output::not_running(runtime_dir, args.output);
         return Ok(());
-    };
-    let mut resp = client
-        .status(StatusRequest {})
-        .await
-        .map_err(daemon::status_to_error)
-        .context("status failed")?
-        .into_inner();
-    // The root daemon cannot see the user-side agent: a port-forward session whose
-    // agent died can never carry traffic again, so say so instead of "reconnecting".
-    for s in &mut resp.sessions {
-        let port_forward = s
-            .origin
-            .as_ref()
-            .is_some_and(|o| o.transport == connect::TRANSPORT_PORT_FORWARD);
-        if port_forward && connect::agent_of(runtime_dir, &s.id).is_none() {
-            s.state = "failed".into();
-            s.reason = "its port-forward agent is gone — run `kvpn connect` again to replace \
-                        the session, or `kvpn disconnect` it"
-                .into();
-        }
     }
-    output::status(&resp, args.output)
+    output::status(&rows, root_running, args.output)?;
+    if !root_running {
+        output::warn_dns_left_changed(runtime_dir);
+    }
+    Ok(())
 }
 
 async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Result<()> {
-    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
-        if daemon::repair_leftovers(runtime_dir)? {
-            output::done(
-                "The root daemon had died with this machine's DNS pointing at it: \
-                 resolv.conf restored and kvpn's routes removed",
-            );
-        }
-        output::done("Not connected: the root daemon is not running, nothing to disconnect");
-        return Ok(());
-    };
     let session_id = if args.all {
         String::new()
     } else {
         args.id.unwrap_or_default()
     };
-    let resp = client
-        .disconnect(DisconnectRequest { session_id })
-        .await
-        .map_err(daemon::status_to_error)
-        .context("disconnect failed")?
-        .into_inner();
-    if resp.stopped.is_empty() {
-        output::done("No session to disconnect");
+    let stopped = if let Some(mut user) = userd::connect_if_needed(runtime_dir).await? {
+        user.disconnect(kvpn_proto::userd::DisconnectRequest { session_id })
+            .await
+            .map_err(daemon::status_to_error)
+            .context("disconnect failed")?
+            .into_inner()
+            .stopped
     } else {
-        for id in resp.stopped {
-            connect::stop_agent(runtime_dir, &id).await;
-            output::done(&format!(
-                "Disconnected session {id}: TUN device, routes and eBPF classifier removed"
-            ));
-        }
+        let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+            if daemon::repair_leftovers(runtime_dir)? {
+                output::done(
+                    "The root daemon had died with this machine's DNS pointing at it: \
+                     resolv.conf restored and kvpn's routes removed",
+                );
+            }
+            output::done("Not connected: the root daemon is not running, nothing to disconnect");
+            return Ok(());
+        };
+        client
+            .disconnect(DisconnectRequest { session_id })
+            .await
+            .map_err(daemon::status_to_error)
+            .context("disconnect failed")?
+            .into_inner()
+            .stopped
+    };
+    if stopped.is_empty() {
+        output::done("No session to disconnect");
+    }
+    for id in stopped {
+        output::done(&format!(
+            "Disconnected session {id}: TUN device, routes, eBPF classifier and port-forward removed"
+        ));
     }
     Ok(())
+}
+
+/// `kvpn logs`: the last lines of both daemons' logs, then (`--follow`) what
+/// they append, polled.
+async fn logs(runtime_dir: &std::path::Path, args: LogsArgs) -> Result<()> {
+    let logs = [
+        ("user daemon", userd::Paths::current(runtime_dir).log),
+        ("root daemon", runtime_dir.join("dataplane.log")),
+    ];
+    let mut offsets = [0u64; 2];
+    for (i, (what, path)) in logs.iter().enumerate() {
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                offsets[i] = bytes.len() as u64;
+                let text = String::from_utf8_lossy(&bytes);
+                let lines: Vec<&str> = text.lines().collect();
+                let from = if args.lines == 0 {
+                    0
+                } else {
+                    lines.len().saturating_sub(args.lines)
+                };
+                output::info_block(&format!("==> {what} log {} <==", path.display()));
+                if from < lines.len() {
+                    output::info_block(&lines[from..].join("\n"));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => output::info_block(&format!(
+                "==> {what} log {}: none yet (the daemon has not run) <==",
+                path.display()
+            )),
+            Err(e) => output::warn(&format!("cannot read {}: {e}", path.display())),
+        }
+    }
+    if !args.follow {
+        return Ok(());
+    }
+    loop {
+        for (i, (_, path)) in logs.iter().enumerate() {
+            let Ok(bytes) = std::fs::read(path) else {
+                continue;
+            };
+            let len = bytes.len() as u64;
+            if len < offsets[i] {
+                // Truncated or replaced: start over.
+                offsets[i] = 0;
+            }
+            if len > offsets[i] {
+                let start = usize::try_from(offsets[i]).unwrap_or(0);
+                let new = String::from_utf8_lossy(&bytes[start..]);
+                let tag = if i == 0 { "user" } else { "root" };
+                for line in new.lines() {
+                    output::info_block(&format!("[{tag}] {line}"));
+                }
+                offsets[i] = len;
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(std::time::Duration::from_millis(250)) => {}
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        }
+    }
 }
 
 async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArgs) -> Result<()> {
@@ -295,6 +356,10 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
 }
 
 async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
+    // The user daemon first: it disconnects its sessions (both halves) and exits.
+    for id in userd::quit(runtime_dir).await? {
+        output::done(&format!("Disconnected session {id}"));
+    }
     if let Some(mut client) = daemon::connect_existing(runtime_dir).await? {
         let resp = client
             .disconnect(DisconnectRequest {
@@ -305,7 +370,6 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
             .context("disconnect before quit failed")?
             .into_inner();
         for id in resp.stopped {
-            connect::stop_agent(runtime_dir, &id).await;
             output::done(&format!("Disconnected session {id}"));
         }
     }
@@ -317,12 +381,6 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
             "The root daemon had died with this machine's DNS pointing at it: resolv.conf \
              restored and kvpn's routes removed",
         );
-    }
-    // Agents of sessions the root daemon no longer knows (it was killed, say).
-    for id in connect::sweep_agents(runtime_dir, &[]).await {
-        output::done(&format!(
-            "Stopped the leftover port-forward agent of session {id}"
-        ));
     }
     daemon::stop(runtime_dir).await
 }

@@ -486,6 +486,7 @@ impl SshLab {
             .env("KVPN_RUNTIME_DIR", fx.runtime_dir())
             .env("KVPN_RESOLV_CONF", fx.laptop_resolv_conf())
             .env("HOME", self.home())
+            .env("XDG_STATE_HOME", fx.state_dir())
             .env_remove("KUBECONFIG")
             .env_remove("KVPN_SSH_CONFIG")
             .env_remove("KVPN_SSH_KNOWN_HOSTS")

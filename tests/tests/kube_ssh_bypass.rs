@@ -116,18 +116,10 @@ fn curl_web(fx: &KubeFixture) -> String {
     body
 }
 
-/// The session agents' logs, whole.
+/// The user daemon's log (it hosts the sessions' SSH and port-forward sides), whole.
 fn agent_logs(fx: &KubeFixture) -> String {
-    let mut all = String::new();
-    for e in std::fs::read_dir(fx.runtime_dir().join("agents"))
-        .unwrap_or_else(|e| panic!("agents folder: {e}"))
-        .flatten()
-    {
-        if e.path().extension().is_some_and(|x| x == "log") {
-            all.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
-        }
-    }
-    all
+    std::fs::read_to_string(fx.runtime_dir().join("user.log"))
+        .unwrap_or_else(|e| panic!("user daemon log: {e}"))
 }
 
 /// How many times the root daemon's log says a data channel was lost.
