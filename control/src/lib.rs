@@ -3,13 +3,15 @@
 //! Owns flag parsing ([`cli`]), everything printed for the user ([`output`]) and
 //! the client side of the root daemon's gRPC API ([`daemon`]), including
 //! starting the root daemon on demand. All I/O is the Unix socket to the root
-//! daemon and spawning it.
+//! daemon and spawning it. [`fuzzing`]: entry points of the cargo-fuzz targets
+//! and the corpus replay (SSH config, known_hosts, CIDRs, kubeconfig, manager messages).
 
 pub mod agent;
 pub mod cidr;
 pub mod cli;
 pub mod connect;
 pub mod daemon;
+pub mod fuzzing;
 pub mod install;
 pub mod kubeconfig;
 pub mod lab;
