@@ -96,7 +96,12 @@ pub fn known_hosts(data: &[u8]) {
         .lines()
         .filter_map(|l| l.split_whitespace().next())
         .flat_map(|p| p.split(','))
-        .map(|p| p.trim_start_matches(['!', '[']).split(']').next().unwrap_or(p))
+        .map(|p| {
+            p.trim_start_matches(['!', '['])
+                .split(']')
+                .next()
+                .unwrap_or(p)
+        })
         .take(16)
         .chain(["10.0.0.1", "bastion"])
         .collect();

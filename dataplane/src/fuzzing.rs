@@ -20,7 +20,12 @@ use crate::dns::names::{self, ClusterDns, Plan};
 /// CIDRs) and a dual-stack one with another domain and the default search
 /// list.
 fn clusters() -> Vec<ClusterDns> {
-    let search = ["dev.svc.cluster.local", "svc.cluster.local", "cluster.local"].map(String::from);
+    let search = [
+        "dev.svc.cluster.local",
+        "svc.cluster.local",
+        "cluster.local",
+    ]
+    .map(String::from);
     let mut out = Vec::new();
     if let Ok(c) = ClusterDns::new(&["10.96.0.10".into()], "cluster.local", &search, false) {
         let cidrs = ["10.244.0.0/16", "10.96.0.0/12"]
@@ -84,7 +89,11 @@ pub fn dns_query(data: &[u8]) {
         Ok(q) => q,
         Err(Reject::Drop) => return,
         Err(Reject::Respond(bytes)) => {
-            assert!(bytes.len() <= 65_535, "error answer of {} bytes", bytes.len());
+            assert!(
+                bytes.len() <= 65_535,
+                "error answer of {} bytes",
+                bytes.len()
+            );
             return;
         }
     };
@@ -144,20 +153,26 @@ pub fn dns_answer(data: &[u8]) {
         };
         let _ = message::extended_errors(&answer);
         let ttl = message::cache_ttl(&answer);
-        assert!(ttl <= Duration::from_secs(u64::from(u32::MAX)), "TTL {ttl:?}");
+        assert!(
+            ttl <= Duration::from_secs(u64::from(u32::MAX)),
+            "TTL {ttl:?}"
+        );
         if let Some(exists) = message::name_exists(answer.metadata.response_code) {
             anchors.insert(&expanded, exists, ttl, now);
-            assert_eq!(anchors.get(&expanded, now), Some(exists), "cache lost an answer");
+            assert_eq!(
+                anchors.get(&expanded, now),
+                Some(exists),
+                "cache lost an answer"
+            );
             if exists {
                 let reply = message::expanded_answer(&query, &expanded, &answer);
                 encode(&reply, Some(limit));
                 encode(&reply, None);
             }
         }
-        let _ = names::while_unreachable(
-            names::classify(&question, &clusters[0]),
-            |n| anchors.last_known(n),
-        );
+        let _ = names::while_unreachable(names::classify(&question, &clusters[0]), |n| {
+            anchors.last_known(n)
+        });
     }
 }
 
@@ -177,7 +192,9 @@ pub fn dns_cluster_config(data: &[u8]) {
     for s in &servers {
         let _ = names::parse_server(s);
     }
-    let (domain, search) = rest.split_first().map_or(("", &[][..]), |(d, s)| (d.as_str(), s));
+    let (domain, search) = rest
+        .split_first()
+        .map_or(("", &[][..]), |(d, s)| (d.as_str(), s));
     let Ok(cluster) = ClusterDns::new(&servers, domain, search, true) else {
         return;
     };

@@ -10,8 +10,11 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
+/// A target's entry function: one fuzz input.
+type Entry = fn(&[u8]);
+
 /// Every fuzz target and its entry function.
-const TARGETS: &[(&str, fn(&[u8]))] = &[
+const TARGETS: &[(&str, Entry)] = &[
     ("frame_decode", kvpn_proto::fuzzing::frame_decode),
     ("packet_parse", kvpn_manager::fuzzing::packet_parse),
     ("frag_reassembly", kvpn_manager::fuzzing::frag_reassembly),
@@ -19,7 +22,10 @@ const TARGETS: &[(&str, fn(&[u8]))] = &[
     ("lease_hello", kvpn_manager::fuzzing::lease_hello),
     ("dns_query", kvpn_dataplane::fuzzing::dns_query),
     ("dns_answer", kvpn_dataplane::fuzzing::dns_answer),
-    ("dns_cluster_config", kvpn_dataplane::fuzzing::dns_cluster_config),
+    (
+        "dns_cluster_config",
+        kvpn_dataplane::fuzzing::dns_cluster_config,
+    ),
     ("ssh_config", kvpn_control::fuzzing::ssh_config),
     ("known_hosts", kvpn_control::fuzzing::known_hosts),
     ("cidr_flags", kvpn_control::fuzzing::cidr_flags),
