@@ -6,12 +6,15 @@
 //! demand. The CLI's I/O is the two daemons' Unix sockets, spawning them and
 //! reading their logs; the Kubernetes and SSH I/O lives in the modules named
 //! after them.
+//! [`fuzzing`]: entry points of the cargo-fuzz targets and the corpus replay
+//! (SSH config, known_hosts, CIDRs, kubeconfig, manager messages).
 
 pub mod agent;
 pub mod cidr;
 pub mod cli;
 pub mod connect;
 pub mod daemon;
+pub mod fuzzing;
 pub mod install;
 pub mod kubeconfig;
 pub mod lab;

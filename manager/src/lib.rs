@@ -15,6 +15,7 @@
 //! - [`lease`]: the pure lease table (tunnel IPs from the pool, tokens,
 //!   expiry); [`leases`]: its shell (clock, randomness, the ConfigMap store);
 //!   [`grpc`]: the control gRPC API on :10802 (`Lease`, `WatchRoutes`).
+//! - [`fuzzing`]: entry points of the cargo-fuzz targets and the corpus replay.
 //! - [`routes`]: the pure route and DNS discovery core (watch events in, pod
 //!   CIDRs, Services and cluster DNS out, deltas per client); [`route_watch`]:
 //!   its shell (kube-runtime watches, debounce, subscribers).
@@ -22,6 +23,7 @@
 pub mod device;
 pub mod engine;
 pub mod frag;
+pub mod fuzzing;
 pub mod grpc;
 pub mod kernel;
 pub mod lease;
