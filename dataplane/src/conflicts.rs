@@ -35,6 +35,8 @@ use crate::ebpf::RouteKind;
 
 /// `rtm_table` of the main table (include/uapi/linux/rtnetlink.h RT_TABLE_MAIN).
 pub const TABLE_MAIN: u32 = 254;
+/// `rtm_table` of the local table (RT_TABLE_LOCAL).
+pub const TABLE_LOCAL: u32 = 255;
 
 /// A route of the laptop as read from the kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,7 +109,7 @@ pub fn table_name(t: u32) -> String {
     match t {
         253 => "default".into(),
         TABLE_MAIN => "main".into(),
-        255 => "local".into(),
+        TABLE_LOCAL => "local".into(),
         other => other.to_string(),
     }
 }
@@ -197,6 +199,20 @@ pub fn find(
             }
         }
     }
+    // The local table's entries for a device's own addresses (local,
+    // broadcast) add nothing when the same device's prefix route conflicts
+    // already: one line per owner.
+    let prefix_routes: Vec<(IpNet, IpNet, String)> = out
+        .iter()
+        .filter(|c| c.laptop.table != TABLE_LOCAL)
+        .map(|c| (c.cluster, c.laptop.dst, c.laptop.dev.clone()))
+        .collect();
+    out.retain(|c| {
+        c.laptop.table != TABLE_LOCAL
+            || !prefix_routes.iter().any(|(cluster, dst, dev)| {
+                *cluster == c.cluster && *dev == c.laptop.dev && dst.contains(&c.laptop.dst)
+            })
+    });
     out.sort_by(|a, b| {
         (a.cluster, a.laptop.dst, a.laptop.table, &a.laptop.dev).cmp(&(
             b.cluster,
@@ -290,6 +306,27 @@ mod tests {
         let msg = refusal(&got);
         assert!(msg.contains("--allow-route-conflict"), "{msg}");
         assert!(msg.contains("br-kvpnx"), "{msg}");
+    }
+
+    #[test]
+    fn local_entries_of_a_conflicting_device_collapse_into_its_prefix_route() {
+        let ranges = [(net("10.96.0.0/12"), RouteKind::Service)];
+        let mut local = route("10.96.255.1/32", "br", 2, TABLE_LOCAL);
+        local.kind = 2;
+        let mut other = route("10.100.0.1/32", "eth9", 2, TABLE_LOCAL);
+        other.kind = 2;
+        let routes = [route("10.96.0.0/12", "br", 2, TABLE_MAIN), local, other];
+        let got: Vec<String> = find(&ranges, &routes, 107, None)
+            .iter()
+            .map(|c| c.laptop.describe())
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                "10.96.0.0/12 dev br (proto kernel, table main)",
+                "local 10.100.0.1/32 dev eth9 (proto kernel, table local)",
+            ]
+        );
     }
 
     #[test]
