@@ -333,7 +333,15 @@ mod tests {
     fn own_tun_routes_are_not_conflicts() {
         let mut r = route("10.96.0.0/12", "kvpn3", 2, 255);
         r.oif = 42;
-        assert!(find(&[(net("10.96.0.0/12"), RouteKind::Service)], &[r], 107, Some(42)).is_empty());
+        assert!(
+            find(
+                &[(net("10.96.0.0/12"), RouteKind::Service)],
+                &[r],
+                107,
+                Some(42)
+            )
+            .is_empty()
+        );
     }
 
     #[test]

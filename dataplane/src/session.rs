@@ -916,7 +916,14 @@ impl Session {
         let mut seen = std::collections::BTreeSet::new();
         conflicts::find(&ranges, laptop, RTPROT_KVPN, Some(self.ifindex))
             .into_iter()
-            .filter(|c| seen.insert((c.cluster, c.laptop.clone().dst, c.laptop.table, c.laptop.dev.clone())))
+            .filter(|c| {
+                seen.insert((
+                    c.cluster,
+                    c.laptop.clone().dst,
+                    c.laptop.table,
+                    c.laptop.dev.clone(),
+                ))
+            })
             .map(|c| {
                 let handling = if watched.refused.contains_key(&c.cluster) {
                     "refused"

@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use ipnet::IpNet;
 use kvpn_proto::dataplane as api;
 
-use crate::ebpf::RouteKind;
 use crate::conflicts;
+use crate::ebpf::RouteKind;
 use crate::netlink::{Netlink, RTPROT_KVPN};
 use crate::routes;
 use crate::session::{AttachedClassifier, kind_from_api};

@@ -528,7 +528,9 @@ fn lc_03_a_route_conflict_is_refused_before_anything_is_installed() {
         let msg = err.to_string();
         assert!(msg.contains("check route conflicts"), "{msg}");
         assert!(
-            msg.contains("pod CIDR 10.244.0.0/16 overlaps 10.244.0.0/16 dev lo (proto boot, table main)"),
+            msg.contains(
+                "pod CIDR 10.244.0.0/16 overlaps 10.244.0.0/16 dev lo (proto boot, table main)"
+            ),
             "{msg}"
         );
         assert!(msg.contains("--allow-route-conflict"), "{msg}");

@@ -69,7 +69,10 @@ fn wait_conflicts(
 fn bridge(f: &KubeFixture, name: &str, addr: &str) {
     let (p, q) = (format!("{name}p"), format!("{name}q"));
     laptop_ok(f, &["ip", "link", "add", name, "type", "bridge"]);
-    laptop_ok(f, &["ip", "link", "add", &p, "type", "veth", "peer", "name", &q]);
+    laptop_ok(
+        f,
+        &["ip", "link", "add", &p, "type", "veth", "peer", "name", &q],
+    );
     laptop_ok(f, &["ip", "link", "set", &p, "master", name]);
     for dev in [name, &p, &q] {
         laptop_ok(f, &["ip", "link", "set", dev, "up"]);
@@ -133,7 +136,10 @@ fn rt_05_route_conflicts_are_refused_or_steered_and_shown_in_status() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    eprintln!("ClusterIP {web_ip} pinned through {tun} {:?} after connect", t0.elapsed());
+    eprintln!(
+        "ClusterIP {web_ip} pinned through {tun} {:?} after connect",
+        t0.elapsed()
+    );
     let page = f.page(SocketAddr::from((WEB_CLUSTER_IP, WEB_SERVICE_PORT)));
     assert!(page.pod.starts_with("web-"), "{page:?}");
     let backend = pod_ip(&f.pods("default", "app=web")[0]);
@@ -182,20 +188,37 @@ fn rt_05_route_conflicts_are_refused_or_steered_and_shown_in_status() {
     // gone after it is removed.
     laptop_ok(
         &f,
-        &["ip", "route", "add", "10.111.5.0/24", "dev", "lo", "proto", "static"],
+        &[
+            "ip",
+            "route",
+            "add",
+            "10.111.5.0/24",
+            "dev",
+            "lo",
+            "proto",
+            "static",
+        ],
     );
-    let took = wait_conflicts(&f, "the late route in status", Duration::from_secs(5), |c| {
-        c.iter().any(|x| {
-            x["laptop_cidr"] == "10.111.5.0/24"
-                && x["laptop_dev"] == "lo"
-                && x["laptop_proto"] == "static"
-        })
-    });
+    let took = wait_conflicts(
+        &f,
+        "the late route in status",
+        Duration::from_secs(5),
+        |c| {
+            c.iter().any(|x| {
+                x["laptop_cidr"] == "10.111.5.0/24"
+                    && x["laptop_dev"] == "lo"
+                    && x["laptop_proto"] == "static"
+            })
+        },
+    );
     eprintln!("late conflicting route shown after {took:?}");
     laptop_ok(&f, &["ip", "route", "del", "10.111.5.0/24", "dev", "lo"]);
-    let took = wait_conflicts(&f, "the late route gone from status", Duration::from_secs(5), |c| {
-        c.len() == 2 && !c.iter().any(|x| x["laptop_cidr"] == "10.111.5.0/24")
-    });
+    let took = wait_conflicts(
+        &f,
+        "the late route gone from status",
+        Duration::from_secs(5),
+        |c| c.len() == 2 && !c.iter().any(|x| x["laptop_cidr"] == "10.111.5.0/24"),
+    );
     eprintln!("removed route gone from status after {took:?}");
 
     f.kvpn_ok(&["disconnect"]);
