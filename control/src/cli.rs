@@ -156,6 +156,14 @@ pub struct ConnectArgs {
     /// on disconnect. Off by default: split DNS already resolves these names.
     #[arg(long)]
     pub hosts: bool,
+    /// Connect even where a cluster range overlaps a route the laptop already has
+    /// (case rt-05: e.g. a docker bridge owning the service CIDR). The laptop's
+    /// route stays untouched; only cluster-bound traffic goes through kvpn: a
+    /// cluster range equal to the laptop's route is not installed, and the known
+    /// ClusterIPs inside the laptop's route get /32 routes through the TUN device.
+    /// `kvpn status` lists the conflicts. Default: refuse such a connect.
+    #[arg(long)]
+    pub allow_route_conflict: bool,
     /// Which cluster (used unless --manager is given). Last, so its SSH help
     /// heading covers only the SSH flags.
     #[command(flatten)]

@@ -774,6 +774,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
                 tls_server_name: manager.server_name.clone(),
                 dns,
                 hosts_file: args.hosts,
+                allow_route_conflict: args.allow_route_conflict,
             }),
         })
         .await

@@ -122,6 +122,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             dns: None,
             // Without the route watch there are no Services to write.
             hosts_file: false,
+            allow_route_conflict: args.allow_route_conflict,
         })
         .await
         .map_err(daemon::status_to_error)

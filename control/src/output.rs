@@ -245,6 +245,17 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "cluster_ips": v.cluster_ips,
             "ports": v.ports,
         })).collect::<Vec<_>>(),
+        "conflicts": s.conflicts.iter().map(|c| serde_json::json!({
+            "cidr": c.cidr,
+            "kind": kind_name(c.kind),
+            "laptop_cidr": c.laptop_cidr,
+            "laptop_dev": c.laptop_dev,
+            "laptop_proto": c.laptop_proto,
+            "laptop_table": c.laptop_table,
+            "message": c.message,
+            "handling": c.handling,
+            "pinned": c.pinned,
+        })).collect::<Vec<_>>(),
         "tx": {"packets": s.tx_packets, "bytes": s.tx_bytes},
         "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
         "ebpf": {
@@ -457,6 +468,18 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
                         r.cidr,
                         kind_name(r.kind),
                         if r.watched { " (watched)" } else { "" }
+                    );
+                }
+                for c in &s.conflicts {
+                    println!(
+                        "    conflict {} [{}{}]",
+                        c.message,
+                        c.handling,
+                        if c.pinned.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", pinned {}", c.pinned.join(" "))
+                        }
                     );
                 }
                 for k in &s.ebpf {

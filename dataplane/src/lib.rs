@@ -17,6 +17,7 @@
 //! Outbound means laptop → cluster, inbound cluster → laptop.
 
 pub mod client;
+pub mod conflicts;
 pub mod daemon;
 pub mod dns;
 pub mod ebpf;
