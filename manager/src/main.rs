@@ -214,7 +214,9 @@ fn fix_mmap_threshold() {
         // SAFETY: mallopt only changes allocator parameters.
         let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) } == 1;
         if !ok {
-            warn!("cannot fix the malloc mmap threshold; idle TCP flows may cost 1 MiB resident each");
+            warn!(
+                "cannot fix the malloc mmap threshold; idle TCP flows may cost 1 MiB resident each"
+            );
         }
     }
 }
