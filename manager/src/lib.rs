@@ -6,7 +6,8 @@
 //! Layout:
 //! - [`packet`], [`frag`], [`device`], [`engine`], [`metrics`]: the pure core — packet
 //!   classification and construction, fragment reassembly, the per-session
-//!   flow table with its smoltcp interface. No I/O, no clock (`now` is passed in).
+//!   flow table with its smoltcp interface; [`limit`]: the per-client token
+//!   buckets (new flows, ICMP errors). No I/O, no clock (`now` is passed in).
 //! - [`kernel`]: all I/O towards the cluster (TCP dials and splicing, UDP and
 //!   ICMP echo sockets).
 //! - [`session`]: the tokio shell of one data-channel session (frames in and
@@ -28,6 +29,7 @@ pub mod grpc;
 pub mod kernel;
 pub mod lease;
 pub mod leases;
+pub mod limit;
 pub mod metrics;
 pub mod packet;
 pub mod peers;
