@@ -81,8 +81,7 @@ impl SshHost {
             .arg(&key));
         let authorized = std::fs::read_to_string(key.with_extension("pub"))
             .unwrap_or_else(|e| panic!("pub key: {e}"));
-        std::fs::write(dir.join("authorized_keys"), &authorized)
-            .unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(dir.join("authorized_keys"), &authorized).unwrap_or_else(|e| panic!("{e}"));
         run(Command::new("chmod")
             .arg("644")
             .arg(dir.join("authorized_keys")));
@@ -274,7 +273,8 @@ impl PtyProc {
     pub fn spawn(mut cmd: Command, rows: u16, cols: u16) -> Self {
         let pty = nix::pty::openpty(Some(&winsize(rows, cols)), None)
             .unwrap_or_else(|e| panic!("openpty: {e}"));
-        let dup = |fd: &OwnedFd| -> OwnedFd { fd.try_clone().unwrap_or_else(|e| panic!("dup: {e}")) };
+        let dup =
+            |fd: &OwnedFd| -> OwnedFd { fd.try_clone().unwrap_or_else(|e| panic!("dup: {e}")) };
         cmd.stdin(Stdio::from(dup(&pty.slave)))
             .stdout(Stdio::from(dup(&pty.slave)))
             .stderr(Stdio::from(dup(&pty.slave)));
@@ -355,7 +355,8 @@ impl PtyProc {
 
     /// The pty's local modes as the program left them.
     pub fn termios(&self) -> nix::sys::termios::Termios {
-        nix::sys::termios::tcgetattr(self.slave.as_fd()).unwrap_or_else(|e| panic!("tcgetattr: {e}"))
+        nix::sys::termios::tcgetattr(self.slave.as_fd())
+            .unwrap_or_else(|e| panic!("tcgetattr: {e}"))
     }
 
     /// Waits for the process to exit within `within`.
@@ -365,7 +366,11 @@ impl PtyProc {
         }
         let t0 = Instant::now();
         loop {
-            if let Some(s) = self.child.try_wait().unwrap_or_else(|e| panic!("wait: {e}")) {
+            if let Some(s) = self
+                .child
+                .try_wait()
+                .unwrap_or_else(|e| panic!("wait: {e}"))
+            {
                 self.status = Some(s);
                 // Let the reader thread drain what is left.
                 std::thread::sleep(Duration::from_millis(100));

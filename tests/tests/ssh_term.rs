@@ -33,7 +33,9 @@ fn one_off(host: &SshHost, flags: &[String], command: &str, input: &str) -> Outp
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn kvpn ssh: {e}"));
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn kvpn ssh: {e}"));
     if let Some(mut stdin) = child.stdin.take() {
         use std::io::Write as _;
         stdin
@@ -163,10 +165,7 @@ fn one_off_commands_through_a_proxyjump_chain_pass_output_input_exit_codes_and_s
 }
 
 fn tun_state(host: &SshHost) -> (String, String) {
-    (
-        SshHost::addrs(&host.laptop()),
-        SshHost::addrs(&host.node()),
-    )
+    (SshHost::addrs(&host.laptop()), SshHost::addrs(&host.node()))
 }
 
 fn ping(netns: &kvpn_lab::Netns, ip: &str) -> Output {
@@ -193,7 +192,9 @@ fn no_tunnel_left(host: &SshHost) {
             "a kvpn ssh TUN device is left on the {side}:\n{links}"
         );
         assert!(
-            !addrs.lines().any(|l| l.contains("198.19.") && !l.contains(" lo ")),
+            !addrs
+                .lines()
+                .any(|l| l.contains("198.19.") && !l.contains(" lo ")),
             "a tunnel address is left on the {side}:\n{addrs}"
         );
     }
@@ -226,9 +227,17 @@ fn full_mode_joins_laptop_and_host_with_a_tunnel_pinging_both_ways_and_leaves_no
     // Both ways, between the tunnel IPs only (the uplink is not in the way: the
     // addresses exist only on the TUN devices).
     let there = ping(&host.laptop(), "198.19.0.2");
-    assert!(there.status.success(), "laptop -> host:\n{}", describe(&there));
+    assert!(
+        there.status.success(),
+        "laptop -> host:\n{}",
+        describe(&there)
+    );
     let back = ping(&host.node(), "198.19.0.1");
-    assert!(back.status.success(), "host -> laptop:\n{}", describe(&back));
+    assert!(
+        back.status.success(),
+        "host -> laptop:\n{}",
+        describe(&back)
+    );
     for (what, out) in [("laptop -> host", &there), ("host -> laptop", &back)] {
         if let Some(rtt) = text(&out.stdout).lines().find(|l| l.contains("rtt")) {
             eprintln!("ping {what} over the SSH tunnel: {rtt}");
@@ -282,6 +291,7 @@ fn full_mode_takes_the_next_pair_when_the_host_holds_the_first_and_refuses_non_r
     let out = one_off(&host, &flags, "true", "");
     assert!(!out.status.success(), "{}", describe(&out));
     let err = text(&out.stderr);
+    eprintln!("non-root full mode refused with: {}", err.trim());
     assert!(
         err.contains("needs root") && err.contains("--lite"),
         "the refusal must say root is needed and offer --lite:\n{err}"
@@ -293,4 +303,56 @@ fn full_mode_takes_the_next_pair_when_the_host_holds_the_first_and_refuses_non_r
     let out = one_off(&host, &flags, "id -u", "");
     assert!(out.status.success(), "{}", describe(&out));
     assert_eq!(text(&out.stdout).trim(), "4242", "{}", describe(&out));
+}
+
+/// Waits until no tunnel is left (liveness bound `within`).
+fn wait_no_tunnel(host: &SshHost, within: Duration) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let gone = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| no_tunnel_left(host)));
+        if gone.is_ok() {
+            return t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < within,
+            "the tunnel was not removed within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_signalled_session_restores_the_terminal_and_removes_the_tunnel() {
+    let host = SshHost::new();
+    let mut args = strings(&["ssh", "--remote-kvpn"]);
+    args.push(host.kvpn.to_string_lossy().into_owned());
+    args.extend(host.ssh_flags("root", &host.addr()));
+
+    // SIGTERM: an orderly end, exit 128+15, terminal restored, nothing left.
+    let mut p = PtyProc::spawn(host.kvpn_command(&args), 30, 100);
+    let at = p.expect("tunnel up", 0, Duration::from_secs(30));
+    p.send("echo KV$((6*7))\r");
+    p.expect("KV42", at, Duration::from_secs(20));
+    assert!(is_raw(&p));
+    // SAFETY: kill by pid a process this test started.
+    unsafe { libc::kill(p.pid() as i32, libc::SIGTERM) };
+    let status = p.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(128 + 15), "{}", p.output());
+    assert!(!is_raw(&p), "terminal restored after SIGTERM");
+    no_tunnel_left(&host);
+
+    // SIGKILL: kvpn cannot clean up, but both peer agents see their stdin close
+    // (pipe on the laptop, SSH connection on the host) and take their TUN with them.
+    let mut p = PtyProc::spawn(host.kvpn_command(&args), 30, 100);
+    p.expect("tunnel up", 0, Duration::from_secs(30));
+    let (laptop, node) = tun_state(&host);
+    assert!(laptop.contains("198.19.0.1") && node.contains("198.19.0.2"));
+    // SAFETY: as above.
+    unsafe { libc::kill(p.pid() as i32, libc::SIGKILL) };
+    p.wait(Duration::from_secs(10));
+    let took = wait_no_tunnel(&host, Duration::from_secs(15));
+    eprintln!(
+        "both TUN devices gone {:.2} s after kvpn ssh was killed",
+        took.as_secs_f64()
+    );
 }
