@@ -135,7 +135,7 @@ pub async fn run(args: PeerArgs) -> i32 {
                 ),
                 _ => (EXIT_TUN, "cannot set the TUN device up"),
             };
-            eprintln!("kvpn ssh-peer: cannot create a TUN device: {e} — {hint}");
+            eprintln!("kvpn ssh-peer: cannot create a TUN device: {e} ({hint})");
             return code;
         }
     };

@@ -384,21 +384,18 @@ impl PeerFailure {
             ),
             _ => "use --lite for only the terminal".into(),
         };
+        // The agent's own message when it left one, else what was seen.
+        let what = match (self.stderr.trim(), self.code) {
+            ("", Some(_)) => peer::describe_exit(self.code).to_owned(),
+            ("", None) => self.why,
+            (said, _) => said.to_owned(),
+        };
+        let code = self
+            .code
+            .map(|c| format!(" (exit {c})"))
+            .unwrap_or_default();
         anyhow!(
-            "the tunnel's peer agent ({remote_kvpn} ssh-peer) did not start on {host}: {}{}{} — {fix}",
-            if self.code.is_some() {
-                peer::describe_exit(self.code)
-            } else {
-                self.why.as_str()
-            },
-            self.code
-                .map(|c| format!(" (exit {c})"))
-                .unwrap_or_default(),
-            if self.stderr.trim().is_empty() {
-                String::new()
-            } else {
-                format!(": {}", self.stderr.trim())
-            },
+            "the tunnel's peer agent ({remote_kvpn} ssh-peer) did not start on {host}{code}: {what} — {fix}"
         )
     }
 }
