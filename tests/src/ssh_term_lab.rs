@@ -40,6 +40,8 @@ pub struct SshHost {
     pub known_hosts: PathBuf,
     /// The kvpn binary (world-executable copy, for the unprivileged login too).
     pub kvpn: PathBuf,
+    /// Root's home on the SSH host (inside [`SshHost::dir`]).
+    pub root_home: PathBuf,
     /// The lab (last: dropped after sshd).
     pub lab: Lab,
 }
@@ -105,10 +107,18 @@ impl SshHost {
 
         // Accounts inside the node: the host's plus the unprivileged test user.
         let node = Netns::from_name(lab.node_netns().name());
-        let mut passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
-        if !passwd.ends_with('\n') {
-            passwd.push('\n');
-        }
+        // Root's home moves into the test folder, so what a session leaves in it
+        // (`--upload-kvpn`'s copy under ~/.cache) goes with the lab.
+        let root_home = dir.join("roothome");
+        std::fs::create_dir_all(&root_home).unwrap_or_else(|e| panic!("mkdir: {e}"));
+        let mut passwd: String = std::fs::read_to_string("/etc/passwd")
+            .unwrap_or_default()
+            .lines()
+            .map(|l| match l.strip_prefix("root:") {
+                Some(_) => format!("root:x:0:0:root:{}:/bin/bash\n", root_home.display()),
+                None => format!("{l}\n"),
+            })
+            .collect();
         passwd.push_str(&format!(
             "{USER}:x:4242:4242:kvpn test:{}:/bin/sh\n",
             dir.display()
@@ -150,6 +160,7 @@ impl SshHost {
             key,
             known_hosts,
             kvpn,
+            root_home,
             lab,
         };
         host.wait_listening();

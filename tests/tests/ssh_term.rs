@@ -262,16 +262,37 @@ fn full_mode_takes_the_next_pair_when_the_host_holds_the_first_and_refuses_non_r
     host.node()
         .ip(&["addr", "add", "198.19.0.2/32", "dev", "lo"])
         .unwrap_or_else(|e| panic!("address on lo: {e:#}"));
-    let mut flags = strings(&["--remote-kvpn"]);
-    flags.push(host.kvpn.to_string_lossy().into_owned());
+    // This time kvpn copies itself to the host (--upload-kvpn).
+    let mut flags = strings(&["--upload-kvpn"]);
     flags.extend(host.ssh_flags("root", &host.addr()));
+    let t0 = Instant::now();
     let out = one_off(
         &host,
         &flags,
         "ip -o -4 addr show | grep kvssh; ping -n -c 2 -i 0.2 -W 2 198.19.0.5",
         "",
     );
+    eprintln!(
+        "full-mode one-off command with kvpn copied to the host took {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
     assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        text(&out.stderr).contains("copying kvpn"),
+        "{}",
+        describe(&out)
+    );
+    let cached: Vec<_> = std::fs::read_dir(host.root_home.join(".cache/kvpn"))
+        .unwrap_or_else(|e| panic!("no upload cache on the host: {e}"))
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(cached.len(), 1, "one copy, no temporary left: {cached:?}");
+    assert_eq!(
+        std::fs::read(&cached[0]).ok(),
+        std::fs::read(&host.kvpn).ok(),
+        "the copy on the host is this kvpn"
+    );
     assert!(
         text(&out.stderr).contains("this machine 198.19.0.5"),
         "{}",
@@ -279,6 +300,20 @@ fn full_mode_takes_the_next_pair_when_the_host_holds_the_first_and_refuses_non_r
     );
     assert!(
         text(&out.stdout).contains("198.19.0.6 peer 198.19.0.5"),
+        "{}",
+        describe(&out)
+    );
+    no_tunnel_left(&host);
+    // The same build is not copied twice.
+    let t0 = Instant::now();
+    let out = one_off(&host, &flags, "ping -n -c 1 -W 2 198.19.0.5", "");
+    eprintln!(
+        "the same with kvpn already on the host: {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        !text(&out.stderr).contains("copying kvpn"),
         "{}",
         describe(&out)
     );

@@ -6,7 +6,7 @@
 //! point-to-point tunnel from 198.19.0.0/16 ([`super::peer`]): the peer agent
 //! (`kvpn ssh-peer`) runs on the SSH host through an `exec` channel of the same SSH
 //! connection (the host needs kvpn — `--remote-kvpn PATH`, default `kvpn` on its
-//! PATH — and the login must be root, since it creates a TUN device), and a second
+//! PATH, or `--upload-kvpn` copies this one there — and the login must be root, since it creates a TUN device), and a second
 //! one runs on the laptop as a root child process (through `sudo` when `kvpn` is
 //! not root). This process only splices the two frame streams; both TUN devices
 //! disappear when their agent exits, which happens when the session ends however
@@ -60,6 +60,11 @@ pub struct SshCommandArgs {
     /// a path, or a name looked up on the remote PATH.
     #[arg(long, value_name = "PATH", default_value = "kvpn")]
     pub remote_kvpn: String,
+    /// Copy this kvpn binary to the SSH host for the peer agent (into
+    /// `${XDG_CACHE_HOME:-~/.cache}/kvpn/` there, named by its SHA-256, so only
+    /// the first session of a build copies it) instead of using --remote-kvpn.
+    #[arg(long, conflicts_with = "remote_kvpn")]
+    pub upload_kvpn: bool,
     /// This machine's tunnel IP (default: the first free pair of 198.19.0.0/16,
     /// .1 here and .2 there in the first /30).
     #[arg(long, value_name = "IP", requires = "remote_tunnel_ip")]
@@ -195,6 +200,11 @@ impl Tunnel {
         env: &UserEnv,
     ) -> Result<Tunnel> {
         let host = chain.last_hop.clone();
+        let remote_kvpn = if args.upload_kvpn {
+            upload_kvpn(chain).await?
+        } else {
+            args.remote_kvpn.clone()
+        };
         let explicit = args.tunnel_ip.zip(args.remote_tunnel_ip);
         let used: BTreeSet<Ipv4Addr> = peer::local_ipv4s();
         let mut next = 0;
@@ -210,7 +220,7 @@ impl Tunnel {
                     "--tunnel-ip {laptop_ip} is already on an interface of this machine — pick another"
                 );
             }
-            match start_remote(chain, &args.remote_kvpn, remote_ip, laptop_ip, args.mtu).await {
+            match start_remote(chain, &remote_kvpn, remote_ip, laptop_ip, args.mtu).await {
                 Ok((ch, hello, leftover)) => break (laptop_ip, remote_ip, ch, hello, leftover),
                 Err(PeerFailure {
                     code: Some(peer::EXIT_ADDRESS_IN_USE),
@@ -219,7 +229,7 @@ impl Tunnel {
                     debug!(%remote_ip, "tunnel IP taken on the SSH host; next pair");
                     next = n + 1;
                 }
-                Err(f) => return Err(f.into_error(&host, &args.remote_kvpn)),
+                Err(f) => return Err(f.into_error(&host, &remote_kvpn)),
             }
         };
         let (mut remote_rx, remote_tx) = remote_channel.split();
@@ -380,7 +390,8 @@ impl PeerFailure {
                  (--ssh-username root), or use --lite for only the terminal"
             ),
             Some(127) | Some(126) => format!(
-                "install kvpn on {host} (on its PATH) or pass --remote-kvpn PATH, or use --lite for only the terminal"
+                "install kvpn on {host} (on its PATH) or pass --remote-kvpn PATH, or copy this one there \
+                 with --upload-kvpn, or use --lite for only the terminal"
             ),
             _ => "use --lite for only the terminal".into(),
         };
@@ -398,6 +409,92 @@ impl PeerFailure {
             "the tunnel's peer agent ({remote_kvpn} ssh-peer) did not start on {host}{code}: {what} — {fix}"
         )
     }
+}
+
+/// The remote folder `--upload-kvpn` copies kvpn into (a shell expression).
+const UPLOAD_DIR: &str = "\"${XDG_CACHE_HOME:-$HOME/.cache}/kvpn\"";
+
+/// Copies this kvpn binary to the SSH host unless a copy of the same build is
+/// there already; returns its path there.
+async fn upload_kvpn(chain: &SshChain) -> Result<String> {
+    use sha2::Digest as _;
+    let exe = std::env::current_exe().context("cannot find this kvpn binary to copy")?;
+    let bytes = tokio::fs::read(&exe)
+        .await
+        .with_context(|| format!("cannot read {}", exe.display()))?;
+    let digest = sha2::Sha256::digest(&bytes);
+    let name = format!(
+        "kvpn-{}",
+        digest[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    );
+    let host = &chain.last_hop;
+    let check = format!(
+        "f={UPLOAD_DIR}/{name}; if [ -x \"$f\" ]; then echo \"have $f\"; else echo \"none $f\"; fi"
+    );
+    let (status, out, err) = exec_capture(chain, &check, None).await?;
+    let line = out.lines().next().unwrap_or_default().to_owned();
+    if let Some(path) = line.strip_prefix("have ") {
+        debug!(%path, "kvpn already on the SSH host");
+        return Ok(path.to_owned());
+    }
+    if status != Some(0) || !line.starts_with("none ") {
+        bail!(
+            "cannot look for kvpn on {host} (exit {status:?}): {}{}",
+            out.trim(),
+            err.trim()
+        );
+    }
+    eprintln!(
+        "kvpn ssh: copying kvpn ({} MB) to {host}…",
+        bytes.len() / 1_000_000
+    );
+    let store = format!(
+        "d={UPLOAD_DIR}; mkdir -p \"$d\" && t=\"$d/{name}.$$\" && cat > \"$t\" && chmod 755 \"$t\" \
+         && mv -f \"$t\" \"$d/{name}\" && echo \"$d/{name}\""
+    );
+    let (status, out, err) = exec_capture(chain, &store, Some(bytes)).await?;
+    match (status, out.lines().next()) {
+        (Some(0), Some(path)) if !path.is_empty() => Ok(path.to_owned()),
+        _ => bail!(
+            "cannot copy kvpn to {host} (exit {status:?}): {} — check the disk space and \
+             permissions of ~/.cache there, or install kvpn there and pass --remote-kvpn",
+            err.trim()
+        ),
+    }
+}
+
+/// Runs `command` on the last hop with `input` as its stdin; returns its exit
+/// status, stdout and stderr.
+async fn exec_capture(
+    chain: &SshChain,
+    command: &str,
+    input: Option<Vec<u8>>,
+) -> Result<(Option<u32>, String, String)> {
+    let mut channel = chain.open_session().await?;
+    channel.exec(true, command).await?;
+    if let Some(bytes) = input {
+        channel.data(&bytes[..]).await?;
+    }
+    channel.eof().await?;
+    let (mut out, mut err, mut status) = (Vec::new(), Vec::new(), None);
+    while let Some(msg) = channel.wait().await {
+        match msg {
+            ChannelMsg::Data { data } => out.extend_from_slice(&data),
+            ChannelMsg::ExtendedData { data, .. } => err.extend_from_slice(&data),
+            ChannelMsg::ExitStatus { exit_status } => status = Some(exit_status),
+            ChannelMsg::Failure => bail!("the SSH server refused to run a command"),
+            ChannelMsg::Close => break,
+            _ => {}
+        }
+    }
+    Ok((
+        status,
+        String::from_utf8_lossy(&out).into_owned(),
+        String::from_utf8_lossy(&err).into_owned(),
+    ))
 }
 
 /// Starts the peer agent on the SSH host and waits for its hello. Returns the
