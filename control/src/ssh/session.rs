@@ -6,8 +6,8 @@
 //! point-to-point tunnel from 198.19.0.0/16 ([`super::peer`]): the peer agent
 //! (`kvpn ssh-peer`) runs on the SSH host through an `exec` channel of the same SSH
 //! connection (the host needs kvpn — `--remote-kvpn PATH`, default `kvpn` on its
-//! PATH, or `--upload-kvpn` copies this one there — and the login must be root, since it creates a TUN device), and a second
-//! one runs on the laptop as a root child process (through `sudo` when `kvpn` is
+//! PATH, or `--upload-kvpn` copies this one there — and the login must be root,
+//! since it creates a TUN device), and a second one runs on the laptop as a root child process (through `sudo` when `kvpn` is
 //! not root). This process only splices the two frame streams; both TUN devices
 //! disappear when their agent exits, which happens when the session ends however
 //! it ends (the agents exit at EOF on stdin). `--lite` gives only the terminal.
