@@ -68,6 +68,16 @@ pub enum Command {
     Logs(LogsArgs),
     /// Remove the traffic manager and every object kvpn created in the cluster.
     Uninstall(UninstallArgs),
+    /// An interactive shell (or one command, after `--`) on an SSH host, reached
+    /// with the --ssh-* flags (ProxyJump chains, known_hosts checks). Full mode (the
+    /// default) also joins this machine and the host with a tunnel (198.19.0.0/16,
+    /// a TUN device on each side; root needed on both, and kvpn on the host:
+    /// --remote-kvpn); --lite gives only the terminal. The exit code is the remote
+    /// command's (128+n when a signal killed it).
+    Ssh(crate::ssh::session::SshCommandArgs),
+    /// (internal) The tunnel end of `kvpn ssh` (TUN device, frames on stdin/stdout).
+    #[command(hide = true)]
+    SshPeer(crate::ssh::peer::PeerArgs),
     /// (internal) The user daemon: holds every session's port-forwards, route
     /// watch and SSH connections; started on demand by the other commands.
     #[command(hide = true)]

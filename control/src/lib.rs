@@ -61,6 +61,13 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(cmd) => lab::run(cmd).await,
+        // Both end with the remote side's exit code, after their own cleanup
+        // (terminal restored, tunnel closed, SSH disconnected).
+        Command::Ssh(args) => {
+            let code = ssh::session::run(args).await?;
+            std::process::exit(code)
+        }
+        Command::SshPeer(args) => std::process::exit(ssh::peer::run(args).await),
     }
 }
 

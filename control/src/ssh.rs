@@ -27,6 +27,9 @@ pub mod bypass;
 pub mod client;
 pub mod config;
 pub mod known_hosts;
+pub mod peer;
+pub mod session;
+pub mod terminal;
 pub mod tunnel;
 
 use std::path::{Path, PathBuf};

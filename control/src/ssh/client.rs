@@ -268,6 +268,24 @@ impl SshChain {
         Ok(channel.into_stream())
     }
 
+    /// A `session` channel on the last hop: a shell or a command there (`kvpn ssh`).
+    pub async fn open_session(&self) -> Result<russh::Channel<client::Msg>, ConnectError> {
+        let last = self.sessions.last().ok_or_else(|| ConnectError::Ssh {
+            hop: "(none)".into(),
+            cause: "the SSH path has no hop".into(),
+        })?;
+        tokio::time::timeout(HOP_TIMEOUT, last.channel_open_session())
+            .await
+            .map_err(|_| ConnectError::Timeout {
+                hop: self.last_hop.clone(),
+                stage: "opening a session channel",
+            })?
+            .map_err(|e| ConnectError::Ssh {
+                hop: self.last_hop.clone(),
+                cause: format!("cannot open a session channel: {e}"),
+            })
+    }
+
     /// Says goodbye on every hop, last first.
     pub async fn close(&self) {
         for s in self.sessions.iter().rev() {
