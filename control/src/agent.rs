@@ -1,21 +1,23 @@
 //! The session agent: the unprivileged, per-session half of a Kubernetes
-//! connection. It holds the kube client (the user's kubeconfig, exec plugins)
+//! connection, run as tasks of the user daemon ([`crate::userd`]). It holds the kube client (the user's kubeconfig, exec plugins)
 //! and offers the traffic manager's data port on a loopback listener, like
 //! `kubectl port-forward`: every TCP connection the root daemon makes to it
 //! becomes one `pods/portforward` stream through the API server to the
 //! *current* ready manager pod. So when the port-forward dies (pod rescheduled,
 //! API server restarted), the root daemon's redial gets a fresh one, and the TUN
-//! device, addresses and routes stay as they are (cases tr-08, tr-10).
+//! device, addresses and routes stay as they are (cases tr-08, tr-10). With the
+//! SSH data-plane bypass (`--ssh-direct`, [`crate::ssh::bypass`]) each connection
+//! becomes a `direct-tcpip` channel from the SSH host to the manager's ClusterIP
+//! instead.
 //!
 //! It also runs the session's route watch ([`crate::route_watch`]): the
 //! manager's `WatchRoutes` stream, through a port-forward to its gRPC port,
 //! turned into `UpdateRoutes` calls on the root daemon.
 //!
-//! I/O: the loopback listener, the API server (list pods, port-forward), the
-//! root daemon's socket (route watch) and a state file that tells the CLI the
-//! listener's address.
+//! I/O: the loopback listener, the API server (list pods, port-forward) and the
+//! root daemon's socket (route watch).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -23,6 +25,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
 use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::kubeconfig::{KubeFlags, UserEnv};
@@ -45,8 +48,16 @@ pub struct AgentConfig {
     pub manager_namespace: String,
     /// Pod port to forward.
     pub port: u16,
-    /// Where to write the listener's address once it listens.
-    pub state_file: PathBuf,
+    /// The SSH data-plane bypass ([`crate::ssh::bypass`]): the manager Service's
+    /// ClusterIP and data port, reached with `direct-tcpip` through the agent's SSH
+    /// path instead of a port-forward; `None` = port-forward.
+    pub ssh_direct: Option<std::net::SocketAddr>,
+    /// The user's environment (kubeconfig lookup, exec plugins, ~/.ssh, ssh-agent):
+    /// the CLI's, sent with the session.
+    pub env: UserEnv,
+    /// Where to listen for the root daemon's data connections: 127.0.0.1:0 for a
+    /// new session, the recorded address for a restored one.
+    pub listen: std::net::SocketAddr,
     /// The manager's gRPC port (route watch); `None` = no route watch.
     pub grpc_port: Option<u16>,
     /// Addresses the route watch never routes into the tunnel (API server,
@@ -54,9 +65,6 @@ pub struct AgentConfig {
     pub keep_out: Vec<std::net::IpAddr>,
     /// The root daemon's runtime folder (the route watch's UpdateRoutes).
     pub runtime_dir: PathBuf,
-    /// SOCKS mode: run this SOCKS session here ([`crate::socks`]), its data
-    /// channel dialling the agent's own listener.
-    pub socks: Option<crate::socks::SocksConfig>,
 }
 
 /// Whether a pod is a usable manager: running, Ready, not being deleted.
@@ -166,148 +174,144 @@ async fn forward(api: Api<Pod>, port: u16, mut laptop: TcpStream) -> Result<()> 
     }
 }
 
-fn write_state(path: &Path, addr: std::net::SocketAddr) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, format!("{addr}\n"))
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+/// A session's user-side half, connected to the API server and listening:
+/// [`open_session`] made it, [`OpenSession::run`] serves it.
+pub struct OpenSession {
+    config: AgentConfig,
+    conn: crate::kubeconfig::KubeConnection,
+    /// The SSH connection to the API server (with a jump host); held for the
+    /// session's life.
+    _ssh_tunnel: Option<crate::ssh::SshTunnel>,
+    listener: TcpListener,
+    addr: std::net::SocketAddr,
+    /// The SSH data-plane bypass: data connections ride `direct-tcpip` to this
+    /// ClusterIP:port through the session's SSH path; `None` = port-forward.
+    ssh_direct: Option<(crate::ssh::tunnel::SshDialer, std::net::SocketAddr)>,
 }
 
-/// Run the agent until SIGTERM/SIGINT.
-pub async fn run(config: AgentConfig) -> Result<()> {
-    let env = UserEnv::current().context("cannot read this process's environment")?;
-    let (conn, _ssh_tunnel) =
-        crate::ssh::connect_kube(&config.flags, config.ssh.as_ref(), &env).await?;
-    info!(cluster = %conn.description, ssh = ?config.ssh.as_ref().map(|p| p.describe()), "agent connected to the API server");
-    let api: Api<Pod> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .context("cannot listen on 127.0.0.1")?;
-    let addr = listener.local_addr()?;
-    let socks = match config.socks.clone() {
-        Some(c) => Some(crate::socks::start(c, addr.to_string()).await?),
-        None => None,
-    };
-    write_state(&config.state_file, addr)?;
-    info!(%addr, "offering the manager's data port");
-    let route_watch = config.grpc_port.map(|grpc_port| {
-        tokio::spawn(crate::route_watch::run(
-            conn.client.clone(),
-            crate::route_watch::WatchConfig {
-                manager_namespace: config.manager_namespace.clone(),
-                grpc_port,
-                namespace: conn.description.namespace.clone(),
-                keep_out: config.keep_out.clone(),
-                runtime_dir: config.runtime_dir.clone(),
-                data_addr: addr,
-            },
-        ))
-    });
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, peer) = accepted.context("accept failed")?;
-                let api = api.clone();
-                let port = config.port;
-                tokio::spawn(async move {
-                    if let Err(e) = forward(api, port, stream).await {
-                        warn!(%peer, "data channel: {e:#}");
-                    }
-                });
+impl OpenSession {
+    /// The loopback address the root daemon dials for the data channel.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// Serve the session until `cancel` fires: accept the root daemon's data
+    /// connections (one port-forward each) and run the route watch.
+    pub async fn run(self, cancel: CancellationToken) -> Result<()> {
+        let OpenSession {
+            config,
+            conn,
+            _ssh_tunnel,
+            listener,
+            addr,
+            ssh_direct,
+        } = self;
+        let api: Api<Pod> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
+        match &ssh_direct {
+            Some((dialer, target)) => {
+                info!(%addr, %target, via = %dialer.last_hop(), cluster = %conn.description, "offering the manager's data port (ssh-direct)")
             }
-            _ = term.recv() => break,
-            _ = tokio::signal::ctrl_c() => break,
+            None => {
+                info!(%addr, cluster = %conn.description, "offering the manager's data port (port-forward)")
+            }
         }
+        let route_watch = config.grpc_port.map(|grpc_port| {
+            tokio::spawn(crate::route_watch::run(
+                conn.client.clone(),
+                crate::route_watch::WatchConfig {
+                    manager_namespace: config.manager_namespace.clone(),
+                    grpc_port,
+                    namespace: conn.description.namespace.clone(),
+                    keep_out: config.keep_out.clone(),
+                    runtime_dir: config.runtime_dir.clone(),
+                    data_addr: addr,
+                },
+            ))
+        });
+        // Data connections in flight end with the session too.
+        let mut forwards = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let (stream, peer) = match accepted {
+                        Ok(a) => a,
+                        Err(e) => {
+                            // EMFILE and the like: the listener itself stays usable.
+                            warn!(%addr, "accept failed: {e}");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    };
+                    if let Some((dialer, target)) = &ssh_direct {
+                        let (dialer, target) = (dialer.clone(), *target);
+                        forwards.spawn(async move {
+                            match crate::ssh::bypass::forward(&dialer, target, stream).await {
+                                Ok((up, down)) => info!(%peer, up, down, "ssh-direct data channel closed"),
+                                Err(e) => warn!(%peer, "data channel: {e}"),
+                            }
+                        });
+                        continue;
+                    }
+                    let api = api.clone();
+                    let port = config.port;
+                    forwards.spawn(async move {
+                        if let Err(e) = forward(api, port, stream).await {
+                            warn!(%peer, "data channel: {e:#}");
+                        }
+                    });
+                }
+                Some(_) = forwards.join_next(), if !forwards.is_empty() => {}
+                () = cancel.cancelled() => break,
+            }
+        }
+        if let Some(task) = route_watch {
+            task.abort();
+        }
+        forwards.abort_all();
+        info!(%addr, "session stopped");
+        Ok(())
     }
-    if let Some(task) = route_watch {
-        task.abort();
-    }
-    if let Some(s) = socks {
-        s.stop().await;
-    }
-    let _ = std::fs::remove_file(&config.state_file);
-    info!("agent stopped");
-    Ok(())
 }
 
-/// Start an agent process (this executable, `kvpn agent …`) in the background
-/// and wait until it listens; returns its pid and listener address.
-pub async fn spawn(config: &AgentConfig, log: &Path) -> Result<(u32, std::net::SocketAddr)> {
-    let _ = std::fs::remove_file(&config.state_file);
-    let exe = std::env::current_exe().context("cannot find the kvpn executable")?;
-    let log_file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .with_context(|| format!("cannot open {}", log.display()))?;
-    let mut cmd = std::process::Command::new(exe);
-    cmd.arg("agent")
-        .arg("--manager-namespace")
-        .arg(&config.manager_namespace)
-        .arg("--state-file")
-        .arg(&config.state_file)
-        .arg("--port")
-        .arg(config.port.to_string())
-        .arg("--runtime-dir")
-        .arg(&config.runtime_dir);
-    if let Some(port) = config.grpc_port {
-        cmd.arg("--grpc-port").arg(port.to_string());
-    }
-    for ip in &config.keep_out {
-        cmd.arg("--keep-out").arg(ip.to_string());
-    }
-    if let Some(ns) = &config.flags.namespace {
-        cmd.arg("--namespace").arg(ns);
-    }
-    if let Some(k) = &config.flags.kubeconfig {
-        cmd.arg("--kubeconfig").arg(k);
-    }
-    if let Some(c) = &config.flags.context {
-        cmd.arg("--context").arg(c);
-    }
-    match &config.ssh {
-        Some(plan) => cmd.env(crate::ssh::PLAN_ENV, plan.to_env()),
-        None => cmd.env_remove(crate::ssh::PLAN_ENV),
+/// Connect to the API server (through the SSH path, if any) with the session's
+/// user environment and listen on `config.listen`: the first half of a session,
+/// whose errors the CLI shows. A restarted user daemon passes the address the
+/// root daemon already dials.
+pub async fn open_session(config: AgentConfig) -> Result<OpenSession> {
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    // The session's SSH connection carries it: short keepalives (both data paths).
+    let ssh = config.ssh.clone().map(|mut plan| {
+        plan.keepalive_ms
+            .get_or_insert(crate::ssh::bypass::SESSION_KEEPALIVE.as_millis() as u64);
+        plan
+    });
+    let (conn, ssh_tunnel) =
+        crate::ssh::connect_kube(&config.flags, ssh.as_ref(), &config.env).await?;
+    let ssh_direct = match (config.ssh_direct, &ssh_tunnel) {
+        (Some(target), Some(tunnel)) => Some((tunnel.dialer(), target)),
+        (Some(target), None) => {
+            bail!("ssh-direct {target} needs an SSH path (--ssh-addr or --ssh-alias)")
+        }
+        (None, _) => None,
     };
-    match &config.socks {
-        Some(s) => cmd.env(crate::socks::CONFIG_ENV, s.to_env()?),
-        None => cmd.env_remove(crate::socks::CONFIG_ENV),
-    };
-    cmd.stdin(std::process::Stdio::null())
-        .stdout(log_file.try_clone()?)
-        .stderr(log_file)
-        .env("KVPN_LOG", "info");
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let mut child = cmd.spawn().context("cannot start the session agent")?;
-    let pid = child.id();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(text) = std::fs::read_to_string(&config.state_file)
-            && let Ok(addr) = text.trim().parse()
-        {
-            // The agent is detached and outlives this process; nothing waits for it
-            // here (disconnect stops it by its recorded pid).
-            std::mem::forget(child);
-            return Ok((pid, addr));
-        }
-        if let Some(status) = child.try_wait()? {
-            let tail = std::fs::read_to_string(log).unwrap_or_default();
-            let tail: Vec<&str> = tail.lines().rev().take(5).collect();
-            bail!(
-                "the session agent exited ({status}) before listening: {}",
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            );
-        }
-        if tokio::time::Instant::now() > deadline {
-            let _ = child.kill();
-            bail!(
-                "the session agent did not start within 30 s — see {}",
-                log.display()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    info!(cluster = %conn.description, ssh = ?config.ssh.as_ref().map(|p| p.describe()), "connected to the API server");
+    Ok(OpenSession {
+        config,
+        conn,
+        _ssh_tunnel: ssh_tunnel,
+        listener,
+        addr,
+        ssh_direct,
+    })
+}
+
+/// A whole session's user-side half: [`open_session`], then
+/// [`OpenSession::run`] until `cancel`.
+pub async fn run_session(config: AgentConfig, cancel: CancellationToken) -> Result<()> {
+    open_session(config).await?.run(cancel).await
 }
 
 #[cfg(test)]

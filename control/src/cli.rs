@@ -28,7 +28,8 @@ pub struct Cli {
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
 
-    /// Folder of the root daemon's socket, pid file and log.
+    /// Folder of the root daemon's socket, pid file and log (and, for root or when
+    /// given, of the user daemon's; else that is $XDG_RUNTIME_DIR/kvpn).
     #[arg(
         long,
         env = "KVPN_RUNTIME_DIR",
@@ -56,18 +57,31 @@ pub enum Command {
     /// with "No route to host" instead of hanging; traffic resumes on its own
     /// when the path heals, on the same TUN device, addresses and routes.
     Status(StatusArgs),
-    /// Tear a session down (TUN device, routes, eBPF classifier).
+    /// Tear a session down (TUN device, routes, eBPF classifier, port-forward).
     Disconnect(DisconnectArgs),
     /// Live packet and byte rates per route and per Service, from the eBPF
     /// classifier's counters (outbound: laptop → cluster), refreshed every second.
     Top(TopArgs),
-    /// Stop the root daemon after disconnecting every session.
+    /// Disconnect every session, then stop the user daemon and the root daemon.
     Quit,
+    /// Print the user daemon's and the root daemon's logs.
+    Logs(LogsArgs),
     /// Remove the traffic manager and every object kvpn created in the cluster.
     Uninstall(UninstallArgs),
-    /// (internal) The per-session agent that carries the data channel over port-forward.
+    /// An interactive shell (or one command, after `--`) on an SSH host, reached
+    /// with the --ssh-* flags (ProxyJump chains, known_hosts checks). Full mode (the
+    /// default) also joins this machine and the host with a tunnel (198.19.0.0/16,
+    /// a TUN device on each side; root needed on both, and kvpn on the host:
+    /// --remote-kvpn); --lite gives only the terminal. The exit code is the remote
+    /// command's (128+n when a signal killed it).
+    Ssh(crate::ssh::session::SshCommandArgs),
+    /// (internal) The tunnel end of `kvpn ssh` (TUN device, frames on stdin/stdout).
     #[command(hide = true)]
-    Agent(AgentArgs),
+    SshPeer(crate::ssh::peer::PeerArgs),
+    /// (internal) The user daemon: holds every session's port-forwards, route
+    /// watch and SSH connections; started on demand by the other commands.
+    #[command(hide = true)]
+    Daemon,
     /// The built-in lab: a cluster in network namespaces for trying kvpn out.
     #[command(subcommand)]
     Lab(LabCommand),
@@ -110,26 +124,6 @@ pub struct UninstallArgs {
     /// Which cluster.
     #[command(flatten)]
     pub kube: KubeArgs,
-}
-
-/// `kvpn agent` flags (internal).
-#[derive(Debug, Args)]
-pub struct AgentArgs {
-    /// Which cluster.
-    #[command(flatten)]
-    pub kube: KubeArgs,
-    /// Pod port to forward.
-    #[arg(long, default_value_t = 10801)]
-    pub port: u16,
-    /// Where to write the listener address.
-    #[arg(long)]
-    pub state_file: PathBuf,
-    /// The manager's gRPC port: watch routes through it (without it, no route watch).
-    #[arg(long)]
-    pub grpc_port: Option<u16>,
-    /// An address the route watch must never route into the tunnel (repeatable).
-    #[arg(long = "keep-out", value_name = "IP")]
-    pub keep_out: Vec<IpAddr>,
 }
 
 /// `kvpn connect` flags.
@@ -180,6 +174,14 @@ pub struct ConnectArgs {
     /// Where the SOCKS5 server listens (with --socks).
     #[arg(long, value_name = "IP:PORT", requires = "socks")]
     pub socks_listen: Option<String>,
+    /// Connect even where a cluster range overlaps a route the laptop already has
+    /// (case rt-05: e.g. a docker bridge owning the service CIDR). The laptop's
+    /// route stays untouched; only cluster-bound traffic goes through kvpn: a
+    /// cluster range equal to the laptop's route is not installed, and the known
+    /// ClusterIPs inside the laptop's route get /32 routes through the TUN device.
+    /// `kvpn status` lists the conflicts. Default: refuse such a connect.
+    #[arg(long)]
+    pub allow_route_conflict: bool,
     /// Which cluster (used unless --manager is given). Last, so its SSH help
     /// heading covers only the SSH flags.
     #[command(flatten)]
@@ -192,8 +194,10 @@ pub enum OutputFormat {
     /// A table for people.
     #[default]
     Table,
-    /// JSON for programs.
+    /// JSON for programs (schema: docs/status.md).
     Json,
+    /// YAML, the same document as JSON.
+    Yaml,
 }
 
 /// `kvpn status` flags.
@@ -226,6 +230,17 @@ pub struct DisconnectArgs {
     /// Disconnect every session.
     #[arg(long, conflicts_with = "id")]
     pub all: bool,
+}
+
+/// `kvpn logs` flags.
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// Lines of each log to print (from its end); 0 = all.
+    #[arg(short = 'n', long, default_value_t = 200)]
+    pub lines: usize,
+    /// Keep printing what the daemons log, until interrupted.
+    #[arg(short, long)]
+    pub follow: bool,
 }
 
 /// `kvpn lab` subcommands.

@@ -1,6 +1,7 @@
 //! `kvpn connect` through a kubeconfig: install or upgrade the traffic manager,
 //! detect the cluster's CIDRs, keep the laptop's essentials out of the tunnel,
-//! start the session agent (port-forward) and hand the session to the root daemon.
+//! and hand the session to the user daemon ([`crate::userd`]: port-forward,
+//! route watch), which asks the root daemon for the TUN device and routes.
 //!
 //! Connect is idempotent: each session carries its [`Origin`] (cluster, API
 //! server, context, manager namespace, transport) in the root daemon, and a
@@ -8,7 +9,7 @@
 //! nothing ([`match_session`]).
 
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use ipnet::IpNet;
@@ -16,13 +17,15 @@ use kvpn_proto::dataplane::{
     ClusterDns, ConnectRequest, DisconnectRequest, Origin, Route, RouteKind, Session,
 };
 
-use crate::agent::{self, AgentConfig};
 use crate::cidr::{self, DetectOptions};
 use crate::cli::ConnectArgs;
 use crate::install::{self, InstallOptions, ProgressEvent};
 use crate::kubeconfig::UserEnv;
 use crate::lease;
-use crate::{daemon, output};
+use crate::{daemon, output, userd};
+use kvpn_proto::userd::StartSessionRequest;
+use kvpn_proto::userd::user_daemon_client::UserDaemonClient;
+use std::os::unix::ffi::OsStrExt as _;
 
 /// Prints install progress the way the rest of the CLI does.
 pub(crate) fn print_progress(event: ProgressEvent) {
@@ -32,18 +35,6 @@ pub(crate) fn print_progress(event: ProgressEvent) {
         ProgressEvent::Done(s) => output::done(&s),
         ProgressEvent::Warning(s) => output::warn(&s),
     }
-}
-
-pub(crate) fn agents_dir(runtime_dir: &Path) -> PathBuf {
-    runtime_dir.join("agents")
-}
-
-/// Record which agent serves a session, so disconnect can stop it.
-pub(crate) fn record_agent(runtime_dir: &Path, session_id: &str, pid: u32) -> Result<()> {
-    let dir = agents_dir(runtime_dir);
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    std::fs::write(dir.join(format!("{session_id}.pid")), format!("{pid}\n"))
-        .with_context(|| format!("cannot record the agent of session {session_id}"))
 }
 
 /// `Origin.transport` of a session whose data channel rides `pods/portforward`.
@@ -110,81 +101,6 @@ pub async fn report_connected(
     Ok(())
 }
 
-/// How long disconnect waits for a stopped agent to exit. It only closes its
-/// listener and port-forwards, which takes milliseconds.
-const AGENT_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// The recorded agent pid of a session, if it still runs (a zombie or a
-/// recycled pid that is not a `kvpn agent` counts as gone).
-fn running_agent(runtime_dir: &Path, session_id: &str) -> Option<i32> {
-    let path = agents_dir(runtime_dir).join(format!("{session_id}.pid"));
-    let pid = std::fs::read_to_string(path)
-        .ok()?
-        .trim()
-        .parse::<i32>()
-        .ok()?;
-    agent_alive(pid).then_some(pid)
-}
-
-fn agent_alive(pid: i32) -> bool {
-    daemon::process_alive(pid)
-        && std::fs::read(format!("/proc/{pid}/cmdline"))
-            .is_ok_and(|c| c.split(|b| *b == 0).any(|arg| arg == b"agent"))
-}
-
-/// Stop the agent of a session (if it had one) and wait, bounded, until it exited.
-pub async fn stop_agent(runtime_dir: &Path, session_id: &str) {
-    let path = agents_dir(runtime_dir).join(format!("{session_id}.pid"));
-    if let Some(pid) = running_agent(runtime_dir, session_id) {
-        // SAFETY: kill with a pid we started and recorded (checked to be a kvpn
-        // agent just now); no memory is involved.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-        let deadline = tokio::time::Instant::now() + AGENT_STOP_TIMEOUT;
-        while agent_alive(pid) {
-            if tokio::time::Instant::now() > deadline {
-                output::warn(&format!(
-                    "the session agent (pid {pid}) of session {session_id} did not exit within {} s",
-                    AGENT_STOP_TIMEOUT.as_secs()
-                ));
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    }
-    let _ = std::fs::remove_file(&path);
-}
-
-/// Stop every recorded agent whose session is not in `live` (the root daemon's
-/// sessions): agents left behind when the root daemon was killed or stopped
-/// (lc-02). Returns the session ids whose agents were stopped.
-pub async fn sweep_agents(runtime_dir: &Path, live: &[String]) -> Vec<String> {
-    let mut swept = Vec::new();
-    let Ok(entries) = std::fs::read_dir(agents_dir(runtime_dir)) else {
-        return swept;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(id) = name.strip_suffix(".pid") else {
-            continue;
-        };
-        if live.iter().any(|l| l == id) {
-            continue;
-        }
-        let was_running = running_agent(runtime_dir, id).is_some();
-        stop_agent(runtime_dir, id).await;
-        if was_running {
-            swept.push(id.to_string());
-        }
-    }
-    swept
-}
-
-/// For a port-forward session: `Some(pid)` of its agent when it runs, `None` when
-/// it is gone (the session cannot carry traffic until `kvpn connect` replaces it).
-pub fn agent_of(runtime_dir: &Path, session_id: &str) -> Option<i32> {
-    running_agent(runtime_dir, session_id)
-}
-
 /// How an existing session relates to the cluster a connect asks for.
 #[derive(Debug, PartialEq)]
 pub enum SessionMatch<'a> {
@@ -231,6 +147,7 @@ pub async fn disconnect_sessions_of(
     };
     let sessions =
         daemon::sessions(&mut client, "cannot ask the root daemon for its sessions").await?;
+    let mut user = userd::connect_if_needed(runtime_dir).await?;
     let mut stopped = Vec::new();
     for s in sessions {
         let Some(o) = &s.origin else { continue };
@@ -240,18 +157,30 @@ pub async fn disconnect_sessions_of(
         {
             continue;
         }
-        let resp = client
-            .disconnect(DisconnectRequest {
-                session_id: s.id.clone(),
-            })
-            .await
-            .map_err(daemon::status_to_error)
-            .with_context(|| format!("cannot disconnect session {}", s.id))?
-            .into_inner();
-        for id in resp.stopped {
-            stop_agent(runtime_dir, &id).await;
-            stopped.push(id);
-        }
+        let ids = match &mut user {
+            Some(user) => {
+                user.disconnect(kvpn_proto::userd::DisconnectRequest {
+                    session_id: s.id.clone(),
+                })
+                .await
+                .map_err(daemon::status_to_error)
+                .with_context(|| format!("cannot disconnect session {}", s.id))?
+                .into_inner()
+                .stopped
+            }
+            None => {
+                client
+                    .disconnect(DisconnectRequest {
+                        session_id: s.id.clone(),
+                    })
+                    .await
+                    .map_err(daemon::status_to_error)
+                    .with_context(|| format!("cannot disconnect session {}", s.id))?
+                    .into_inner()
+                    .stopped
+            }
+        };
+        stopped.extend(ids);
     }
     Ok(stopped)
 }
@@ -279,14 +208,19 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
 }
 
 /// Whether connect is already done: true after telling the user so. A session of
-/// the same cluster whose agent is gone can never recover; it is replaced.
-async fn already_connected(runtime_dir: &Path, wanted: &Origin) -> Result<bool> {
-    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
-        return Ok(false);
-    };
-    let sessions =
-        daemon::sessions(&mut client, "cannot ask the root daemon for its sessions").await?;
-    match match_session(&sessions, wanted) {
+/// the same cluster whose user-side half (port-forward, route watch) is gone or
+/// lost can never carry traffic again; it is replaced.
+async fn already_connected(
+    user: &mut UserDaemonClient<tonic::transport::Channel>,
+    wanted: &Origin,
+) -> Result<bool> {
+    let status = user
+        .status(kvpn_proto::userd::StatusRequest {})
+        .await
+        .map_err(daemon::status_to_error)
+        .context("cannot ask the user daemon for its sessions")?
+        .into_inner();
+    match match_session(&status.root_sessions, wanted) {
         SessionMatch::None => Ok(false),
         SessionMatch::Conflict(s) => {
             let o = s.origin.clone().unwrap_or_default();
@@ -302,19 +236,23 @@ async fn already_connected(runtime_dir: &Path, wanted: &Origin) -> Result<bool> 
                 s.id
             )
         }
-        SessionMatch::Same(s) if running_agent(runtime_dir, &s.id).is_none() => {
+        SessionMatch::Same(s)
+            if !status.user_sessions.iter().any(|u| {
+                u.id == s.id
+                    && (u.state == userd::server::STATE_RUNNING
+                        || u.state == userd::server::STATE_RESTORING)
+            }) =>
+        {
             output::warn(&format!(
-                "session {} of this cluster lost its port-forward agent; replacing it",
+                "session {} of this cluster lost its port-forward; replacing it",
                 s.id
             ));
-            client
-                .disconnect(DisconnectRequest {
-                    session_id: s.id.clone(),
-                })
-                .await
-                .map_err(daemon::status_to_error)
-                .with_context(|| format!("cannot disconnect the stale session {}", s.id))?;
-            stop_agent(runtime_dir, &s.id).await;
+            user.disconnect(kvpn_proto::userd::DisconnectRequest {
+                session_id: s.id.clone(),
+            })
+            .await
+            .map_err(daemon::status_to_error)
+            .with_context(|| format!("cannot disconnect the stale session {}", s.id))?;
             Ok(false)
         }
         SessionMatch::Same(s) => {
@@ -323,10 +261,17 @@ async fn already_connected(runtime_dir: &Path, wanted: &Origin) -> Result<bool> 
             } else {
                 format!(" ({})", s.reason)
             };
+            // The data path the session took (ssh-direct or port-forward), when known.
+            let path = s
+                .origin
+                .as_ref()
+                .map(|o| o.data_path.as_str())
+                .filter(|p| !p.is_empty())
+                .unwrap_or(&wanted.transport);
             output::done(&format!(
                 "Already connected to {} (context {}) through {}: session {} on TUN device {}, \
                  state {}{reason} — nothing to do",
-                wanted.cluster, wanted.context, wanted.transport, s.id, s.tun_name, s.state
+                wanted.cluster, wanted.context, path, s.id, s.tun_name, s.state
             ));
             Ok(true)
         }
@@ -623,14 +568,16 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     if args.socks {
         return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), &env).await;
     }
-    let origin = Origin {
+    let mut origin = Origin {
         transport: TRANSPORT_PORT_FORWARD.to_owned(),
         cluster: conn.description.cluster.clone(),
         server: conn.description.server.clone(),
         context: conn.description.context.clone(),
         manager_namespace: args.kube.manager_namespace.clone(),
+        data_path: String::new(),
     };
-    if already_connected(runtime_dir, &origin).await? {
+    let mut user = userd::connect_or_start(runtime_dir).await?;
+    if already_connected(&mut user, &origin).await? {
         let ignored = session_flags_given(args);
         if !ignored.is_empty() {
             output::warn(&format!(
@@ -652,6 +599,28 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     let manager = install::ensure_manager(&conn.client, &opts, &print_progress)
         .await
         .context("the traffic manager is not ready")?;
+    // With a jump host: can it reach the manager's ClusterIP (the SSH data-plane bypass)?
+    let data_path = if let Some(t) = &ssh_tunnel {
+        output::step(&format!(
+            "Probing whether {} reaches the traffic manager's ClusterIP",
+            t.dialer().last_hop()
+        ));
+        let path = crate::ssh::bypass::choose(Some(t), manager.cluster_ip, manager.data_port).await;
+        match &path {
+            crate::ssh::bypass::DataPath::SshDirect { .. } => output::done(&format!(
+                "Data channel: {} (bypasses the API server)",
+                path.describe()
+            )),
+            crate::ssh::bypass::DataPath::PortForward { .. } => output::detail(&format!(
+                "Data channel: {} (the SSH host does not reach the ClusterIP)",
+                path.describe()
+            )),
+        }
+        path
+    } else {
+        crate::ssh::bypass::DataPath::PortForward { ssh: None }
+    };
+    origin.data_path = data_path.describe();
 
     // The tunnel IP and session token come from the manager (item 4, tr-11): the
     // same client id, kept per user and cluster, gets the same IP back.
@@ -758,75 +727,83 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     };
 
     output::step(&format!(
-        "Starting the port-forward agent for pod {} port {}",
-        manager.pod_name, manager.data_port
-    ));
-    std::fs::create_dir_all(agents_dir(runtime_dir))
-        .with_context(|| format!("cannot create {}", agents_dir(runtime_dir).display()))?;
-    let nonce = std::process::id();
-    let state_file = agents_dir(runtime_dir).join(format!("agent-{nonce}.addr"));
-    let log = agents_dir(runtime_dir).join(format!("agent-{nonce}.log"));
-    let (agent_pid, addr) = agent::spawn(
-        &AgentConfig {
-            flags: args.kube.flags(),
-            ssh: plan.clone(),
-            manager_namespace: args.kube.manager_namespace.clone(),
-            port: manager.data_port,
-            state_file,
-            grpc_port: Some(manager.grpc_port),
-            keep_out: keep_out.clone(),
-            runtime_dir: runtime_dir.to_owned(),
-            socks: None,
-        },
-        &log,
-    )
-    .await?;
-    output::done(&format!(
-        "Agent (pid {agent_pid}) forwards {addr} to the traffic manager"
-    ));
-
-    output::step(&format!(
         "Starting root daemon (socket {})",
         daemon::socket_path(runtime_dir).display()
     ));
     let mut client = daemon::connect_or_start(runtime_dir).await?;
-    output::step(&format!(
-        "Connecting to the traffic manager (tunnel IP {tunnel_ip})"
-    ));
-    let resp = client
-        .connect(ConnectRequest {
-            manager: addr.to_string(),
-            routes: routes.clone(),
-            tunnel_ip: tunnel_ip.to_string(),
-            tun_name: args.tun_name.clone().unwrap_or_default(),
-            mtu: args.mtu.unwrap_or(0),
-            origin: Some(origin),
-            session_token: leased.session_token.clone(),
-            // TLS end to end through the port-forward: the root daemon verifies the
-            // manager against the CA from Secret kvpn-manager-tls, by its Service name.
-            tls_ca_pem: manager.ca_pem.clone(),
-            tls_server_name: manager.server_name.clone(),
-            dns,
-            hosts_file: args.hosts,
+    match data_path.ssh_direct_target() {
+        Some(target) => output::step(&format!(
+            "Connecting to the traffic manager (tunnel IP {tunnel_ip}) through SSH \
+             (ssh-direct to {target})"
+        )),
+        None => output::step(&format!(
+            "Connecting to the traffic manager (tunnel IP {tunnel_ip}) through a port-forward \
+             to pod {} port {}",
+            manager.pod_name, manager.data_port
+        )),
+    }
+    let started = user
+        .start_session(StartSessionRequest {
+            env: userd::env_of(&env),
+            cwd: env.cwd.as_os_str().as_bytes().to_vec(),
+            euid: env.euid,
+            kubeconfig: args
+                .kube
+                .kubeconfig
+                .as_ref()
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            context: args.kube.context.clone().unwrap_or_default(),
+            namespace: args.kube.namespace.clone().unwrap_or_default(),
+            ssh_plan_json: plan.as_ref().map(|p| p.to_env()).unwrap_or_default(),
+            manager_namespace: args.kube.manager_namespace.clone(),
+            data_port: u32::from(manager.data_port),
+            grpc_port: u32::from(manager.grpc_port),
+            keep_out: keep_out.iter().map(ToString::to_string).collect(),
+            connected_namespace: conn.description.namespace.clone(),
+            ssh_direct: data_path
+                .ssh_direct_target()
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
+            connect: Some(ConnectRequest {
+                // The user daemon's loopback listener; it fills this in.
+                manager: String::new(),
+                routes: routes.clone(),
+                tunnel_ip: tunnel_ip.to_string(),
+                tun_name: args.tun_name.clone().unwrap_or_default(),
+                mtu: args.mtu.unwrap_or(0),
+                origin: Some(origin),
+                session_token: leased.session_token.clone(),
+                // TLS end to end through the port-forward: the root daemon verifies the
+                // manager against the CA from Secret kvpn-manager-tls, by its Service name.
+                tls_ca_pem: manager.ca_pem.clone(),
+                tls_server_name: manager.server_name.clone(),
+                dns,
+                hosts_file: args.hosts,
+                allow_route_conflict: args.allow_route_conflict,
+            }),
+            socks: None,
         })
         .await
-        .map_err(daemon::status_to_error);
-    let resp = match resp {
-        Ok(r) => r.into_inner(),
-        Err(e) => {
-            // SAFETY: kill with the pid of the agent we just started.
-            unsafe { libc::kill(agent_pid as i32, libc::SIGTERM) };
-            return Err(e.context("connect failed"));
-        }
-    };
-    record_agent(runtime_dir, &resp.session_id, agent_pid)?;
+        .map_err(daemon::status_to_error)
+        .context("connect failed")?
+        .into_inner();
+    let resp = started.connect.unwrap_or_default();
+    output::done(&format!(
+        "The user daemon (pid {}) forwards {} to the traffic manager",
+        started.daemon_pid, started.data_addr
+    ));
     output::step("Waiting for the traffic manager's first heartbeat echo");
     report_connected(
         &mut client,
         &resp.session_id,
         &format!(
-            "Connected to {} through port-forward: session {} on TUN device {} (ifindex {})",
-            conn.description.cluster, resp.session_id, resp.tun_name, resp.tun_ifindex
+            "Connected to {} through {}: session {} on TUN device {} (ifindex {})",
+            conn.description.cluster,
+            data_path.kind(),
+            resp.session_id,
+            resp.tun_name,
+            resp.tun_ifindex
         ),
     )
     .await?;
@@ -853,6 +830,7 @@ mod tests {
             server: server.into(),
             context: context.into(),
             manager_namespace: ns.into(),
+            data_path: String::new(),
         }
     }
 

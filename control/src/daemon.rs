@@ -22,7 +22,7 @@ fn pid_path(runtime_dir: &Path) -> PathBuf {
     runtime_dir.join("dataplane.pid")
 }
 
-async fn channel(socket: &Path) -> std::io::Result<Channel> {
+pub(crate) async fn channel(socket: &Path) -> std::io::Result<Channel> {
     // Fail fast when nobody listens; tonic's connector would otherwise retry.
     UnixStream::connect(socket).await?;
     let socket = socket.to_path_buf();

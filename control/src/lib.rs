@@ -1,15 +1,20 @@
-//! kvpn CLI (and, later, the user daemon).
+//! kvpn CLI and user daemon.
 //!
-//! Owns flag parsing ([`cli`]), everything printed for the user ([`output`]) and
-//! the client side of the root daemon's gRPC API ([`daemon`]), including
-//! starting the root daemon on demand. All I/O is the Unix socket to the root
-//! daemon and spawning it.
+//! Owns flag parsing ([`cli`]), everything printed for the user ([`output`]),
+//! the client side of the root daemon's gRPC API ([`daemon`]) and the user
+//! daemon ([`userd`]: client and server), including starting both daemons on
+//! demand. The CLI's I/O is the two daemons' Unix sockets, spawning them and
+//! reading their logs; the Kubernetes and SSH I/O lives in the modules named
+//! after them.
+//! [`fuzzing`]: entry points of the cargo-fuzz targets and the corpus replay
+//! (SSH config, known_hosts, CIDRs, kubeconfig, manager messages).
 
 pub mod agent;
 pub mod cidr;
 pub mod cli;
 pub mod connect;
 pub mod daemon;
+pub mod fuzzing;
 pub mod install;
 pub mod kubeconfig;
 pub mod lab;
@@ -19,11 +24,12 @@ pub mod route_watch;
 pub mod socks;
 pub mod ssh;
 pub mod top;
+pub mod userd;
 
 use anyhow::{Context, Result, bail};
-use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest, StatusRequest};
+use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest};
 
-use crate::cli::{Cli, Command, ConnectArgs, DisconnectArgs, StatusArgs};
+use crate::cli::{Cli, Command, ConnectArgs, DisconnectArgs, LogsArgs, StatusArgs};
 
 /// Set up `tracing` on stderr; `verbose` 0 = warnings, 1 = debug, 2+ = trace.
 pub fn init_tracing(verbose: u8) {
@@ -53,30 +59,16 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Top(args) => top::run(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
-        Command::Agent(args) => {
-            // The CLI hands the resolved SSH path over in the environment (it may
-            // hold passwords, which must not show in the process list).
-            let ssh = match std::env::var(ssh::PLAN_ENV) {
-                Ok(v) => Some(ssh::SshPlan::from_env(&v)?),
-                Err(_) => None,
-            };
-            agent::run(agent::AgentConfig {
-                flags: args.kube.flags(),
-                ssh,
-                manager_namespace: args.kube.manager_namespace.clone(),
-                port: args.port,
-                state_file: args.state_file,
-                grpc_port: args.grpc_port,
-                keep_out: args.keep_out,
-                runtime_dir: runtime_dir.clone(),
-                socks: match std::env::var(socks::CONFIG_ENV) {
-                    Ok(v) => Some(socks::SocksConfig::from_env(&v)?),
-                    Err(_) => None,
-                },
-            })
-            .await
-        }
+        Command::Logs(args) => logs(&runtime_dir, args).await,
+        Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(cmd) => lab::run(cmd).await,
+        // Both end with the remote side's exit code, after their own cleanup
+        // (terminal restored, tunnel closed, SSH disconnected).
+        Command::Ssh(args) => {
+            let code = ssh::session::run(args).await?;
+            std::process::exit(code)
+        }
+        Command::SshPeer(args) => std::process::exit(ssh::peer::run(args).await),
     }
 }
 
@@ -138,6 +130,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             dns: None,
             // Without the route watch there are no Services to write.
             hosts_file: false,
+            allow_route_conflict: args.allow_route_conflict,
         })
         .await
         .map_err(daemon::status_to_error)
@@ -200,94 +193,148 @@ fn validate_manager_addr(addr: &str) -> Result<()> {
 }
 
 async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
-    // SOCKS sessions run without the root daemon.
-    let socks = socks::cli::sessions(runtime_dir);
-    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
-        if socks.is_empty() {
-            output::not_running(runtime_dir, args.output);
-            return Ok(());
+    // The user daemon merges its sessions with the root daemon's; after a crash
+    // this starts it again, and it brings its sessions back (or reports them lost).
+    let (root_running, rows) = match userd::connect_if_needed(runtime_dir).await? {
+        Some(mut user) => {
+            let st = user
+                .status(kvpn_proto::userd::StatusRequest {})
+                .await
+                .map_err(daemon::status_to_error)
+                .context("status failed")?
+                .into_inner();
+            (
+                st.root_running,
+                output::merge_sessions(st.root_sessions, st.user_sessions),
+            )
         }
-        return output::status(&Default::default(), &socks, args.output);
+        None => match daemon::connect_existing(runtime_dir).await? {
+            Some(mut client) => {
+                let sessions = daemon::sessions(&mut client, "status failed").await?;
+                (true, output::merge_sessions(sessions, Vec::new()))
+            }
+            None => (false, Vec::new()),
+        },
     };
-    let mut resp = client
-        .status(StatusRequest {})
-        .await
-        .map_err(daemon::status_to_error)
-        .context("status failed")?
-        .into_inner();
-    // The root daemon cannot see the user-side agent: a port-forward session whose
-    // agent died can never carry traffic again, so say so instead of "reconnecting".
-    for s in &mut resp.sessions {
-        let port_forward = s
-            .origin
-            .as_ref()
-            .is_some_and(|o| o.transport == connect::TRANSPORT_PORT_FORWARD);
-        if port_forward && connect::agent_of(runtime_dir, &s.id).is_none() {
-            s.state = "failed".into();
-            s.reason = "its port-forward agent is gone — run `kvpn connect` again to replace \
-                        the session, or `kvpn disconnect` it"
-                .into();
-        }
+    if !root_running && rows.is_empty() {
+        output::not_running(runtime_dir, args.output);
+        return Ok(());
     }
-    output::status(&resp, &socks, args.output)
+    output::status(&rows, root_running, args.output)?;
+    if !root_running {
+        output::warn_dns_left_changed(runtime_dir);
+    }
+    Ok(())
 }
 
 async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Result<()> {
-    // SOCKS sessions first: they need no root daemon.
-    let socks_ids: Vec<String> = match &args.id {
-        Some(id) => vec![id.clone()],
-        None => socks::cli::sessions(runtime_dir)
-            .into_iter()
-            .map(|s| s.id)
-            .collect(),
-    };
-    let mut socks_stopped = 0;
-    for id in &socks_ids {
-        if socks::cli::disconnect(runtime_dir, id).await {
-            output::done(&format!(
-                "Disconnected SOCKS session {id}: proxy and data channel stopped"
-            ));
-            socks_stopped += 1;
-        }
-    }
-    if args.id.is_some() && socks_stopped > 0 {
-        return Ok(());
-    }
-    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
-        if socks_stopped > 0 {
-            return Ok(());
-        }
-        if daemon::repair_leftovers(runtime_dir)? {
-            output::done(
-                "The root daemon had died with this machine's DNS pointing at it: \
-                 resolv.conf restored and kvpn's routes removed",
-            );
-        }
-        output::done("Not connected: the root daemon is not running, nothing to disconnect");
-        return Ok(());
-    };
     let session_id = if args.all {
         String::new()
     } else {
         args.id.unwrap_or_default()
     };
-    let resp = client
-        .disconnect(DisconnectRequest { session_id })
-        .await
-        .map_err(daemon::status_to_error)
-        .context("disconnect failed")?
-        .into_inner();
-    if resp.stopped.is_empty() {
-        output::done("No session to disconnect");
+    let stopped = if let Some(mut user) = userd::connect_if_needed(runtime_dir).await? {
+        user.disconnect(kvpn_proto::userd::DisconnectRequest { session_id })
+            .await
+            .map_err(daemon::status_to_error)
+            .context("disconnect failed")?
+            .into_inner()
+            .stopped
     } else {
-        for id in resp.stopped {
-            connect::stop_agent(runtime_dir, &id).await;
+        let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+            if daemon::repair_leftovers(runtime_dir)? {
+                output::done(
+                    "The root daemon had died with this machine's DNS pointing at it: \
+                     resolv.conf restored and kvpn's routes removed",
+                );
+            }
+            output::done("Not connected: the root daemon is not running, nothing to disconnect");
+            return Ok(());
+        };
+        client
+            .disconnect(DisconnectRequest { session_id })
+            .await
+            .map_err(daemon::status_to_error)
+            .context("disconnect failed")?
+            .into_inner()
+            .stopped
+    };
+    if stopped.is_empty() {
+        output::done("No session to disconnect");
+    }
+    for id in stopped {
+        if id.starts_with(socks::ID_PREFIX) {
             output::done(&format!(
-                "Disconnected session {id}: TUN device, routes and eBPF classifier removed"
+                "Disconnected SOCKS session {id}: proxy, data channel and port-forward stopped"
+            ));
+        } else {
+            output::done(&format!(
+                "Disconnected session {id}: TUN device, routes, eBPF classifier and port-forward removed"
             ));
         }
     }
     Ok(())
+}
+
+/// `kvpn logs`: the last lines of both daemons' logs, then (`--follow`) what
+/// they append, polled.
+async fn logs(runtime_dir: &std::path::Path, args: LogsArgs) -> Result<()> {
+    let logs = [
+        ("user daemon", userd::Paths::current(runtime_dir).log),
+        ("root daemon", runtime_dir.join("dataplane.log")),
+    ];
+    let mut offsets = [0u64; 2];
+    for (i, (what, path)) in logs.iter().enumerate() {
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                offsets[i] = bytes.len() as u64;
+                let text = String::from_utf8_lossy(&bytes);
+                let lines: Vec<&str> = text.lines().collect();
+                let from = if args.lines == 0 {
+                    0
+                } else {
+                    lines.len().saturating_sub(args.lines)
+                };
+                output::info_block(&format!("==> {what} log {} <==", path.display()));
+                if from < lines.len() {
+                    output::info_block(&lines[from..].join("\n"));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => output::info_block(&format!(
+                "==> {what} log {}: none yet (the daemon has not run) <==",
+                path.display()
+            )),
+            Err(e) => output::warn(&format!("cannot read {}: {e}", path.display())),
+        }
+    }
+    if !args.follow {
+        return Ok(());
+    }
+    loop {
+        for (i, (_, path)) in logs.iter().enumerate() {
+            let Ok(bytes) = std::fs::read(path) else {
+                continue;
+            };
+            let len = bytes.len() as u64;
+            if len < offsets[i] {
+                // Truncated or replaced: start over.
+                offsets[i] = 0;
+            }
+            if len > offsets[i] {
+                let start = usize::try_from(offsets[i]).unwrap_or(0);
+                let new = String::from_utf8_lossy(&bytes[start..]);
+                let tag = if i == 0 { "user" } else { "root" };
+                for line in new.lines() {
+                    output::info_block(&format!("[{tag}] {line}"));
+                }
+                offsets[i] = len;
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(std::time::Duration::from_millis(250)) => {}
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        }
+    }
 }
 
 async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArgs) -> Result<()> {
@@ -303,17 +350,6 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     output::done(&format!("Using {}", conn.description));
     // This laptop's sessions through the manager being removed would only hang in
     // "reconnecting": end them first, and say so.
-    for s in socks::cli::sessions(runtime_dir) {
-        if s.origin.server == conn.description.server
-            && s.origin.manager_namespace == args.kube.manager_namespace
-            && socks::cli::disconnect(runtime_dir, &s.id).await
-        {
-            output::done(&format!(
-                "Disconnected SOCKS session {} first: it runs through the traffic manager being removed",
-                s.id
-            ));
-        }
-    }
     for id in connect::disconnect_sessions_of(
         runtime_dir,
         &conn.description.server,
@@ -323,6 +359,17 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     {
         output::done(&format!(
             "Disconnected session {id} first: it runs through the traffic manager being removed"
+        ));
+    }
+    for id in socks::cli::disconnect_sessions_of(
+        runtime_dir,
+        &conn.description.server,
+        &args.kube.manager_namespace,
+    )
+    .await?
+    {
+        output::done(&format!(
+            "Disconnected SOCKS session {id} first: it runs through the traffic manager being removed"
         ));
     }
     let print = |e: install::ProgressEvent| output::info_block(&e.to_string());
@@ -338,6 +385,10 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
 }
 
 async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
+    // The user daemon first: it disconnects its sessions (both halves) and exits.
+    for id in userd::quit(runtime_dir).await? {
+        output::done(&format!("Disconnected session {id}"));
+    }
     if let Some(mut client) = daemon::connect_existing(runtime_dir).await? {
         let resp = client
             .disconnect(DisconnectRequest {
@@ -348,7 +399,6 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
             .context("disconnect before quit failed")?
             .into_inner();
         for id in resp.stopped {
-            connect::stop_agent(runtime_dir, &id).await;
             output::done(&format!("Disconnected session {id}"));
         }
     }
@@ -360,12 +410,6 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
             "The root daemon had died with this machine's DNS pointing at it: resolv.conf \
              restored and kvpn's routes removed",
         );
-    }
-    // Agents of sessions the root daemon no longer knows (it was killed, say).
-    for id in connect::sweep_agents(runtime_dir, &[]).await {
-        output::done(&format!(
-            "Stopped the leftover port-forward agent of session {id}"
-        ));
     }
     daemon::stop(runtime_dir).await
 }

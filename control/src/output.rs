@@ -13,7 +13,8 @@ macro_rules! println {
 use std::path::Path;
 
 use anyhow::Result;
-use kvpn_proto::dataplane::{RouteKind, StatusResponse};
+use kvpn_proto::dataplane::{RouteKind, Session};
+use kvpn_proto::userd::UserSession;
 
 use crate::cli::OutputFormat;
 
@@ -60,12 +61,19 @@ pub fn kind_name(kind: i32) -> &'static str {
 /// `kvpn status` when no root daemon runs.
 pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
     match format {
-        OutputFormat::Json => println!("{{\"sessions\":[]}}"),
+        OutputFormat::Json => println!("{{\"root_daemon\":{{\"running\":false}},\"sessions\":[]}}"),
+        OutputFormat::Yaml => println!("root_daemon:\n  running: false\nsessions: []"),
         OutputFormat::Table => println!(
             "Not connected (no root daemon answers on {})",
             crate::daemon::socket_path(runtime_dir).display()
         ),
     }
+    warn_dns_left_changed(runtime_dir);
+}
+
+/// The warning about a resolv.conf a killed root daemon left pointing at its
+/// forwarder, if it did.
+pub fn warn_dns_left_changed(runtime_dir: &Path) {
     if crate::daemon::dns_left_changed(runtime_dir) {
         warn(
             "the root daemon died and left this machine's resolv.conf pointing at its DNS \
@@ -84,11 +92,134 @@ fn text_or_null(s: &str) -> serde_json::Value {
     }
 }
 
-fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
+/// One row of `kvpn status`: a session as the root daemon and the user daemon
+/// see it, with the state both halves together are in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatusRow {
+    /// The root daemon's session (TUN device, routes, counters); for a session
+    /// only the user daemon knows (`lost`), one built from its record with zero
+    /// counters. `state` and `reason` are the merged ones.
+    pub session: Session,
+    /// The namespace short names resolve in (empty when unknown: direct sessions).
+    pub namespace: String,
+    /// The user daemon's half; `None` for direct sessions and for port-forward
+    /// sessions whose user half is gone.
+    pub user: Option<UserSession>,
+}
+
+/// `state` of a session whose user-side half is gone for good.
+pub const STATE_LOST: &str = "lost";
+
+/// Merge the root daemon's sessions with the user daemon's halves (pure; the
+/// order is the root daemon's, then user-only sessions by id).
+pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusRow> {
+    let mut rows: Vec<StatusRow> = root
+        .into_iter()
+        .map(|mut s| {
+            let u = user.iter().find(|u| u.id == s.id).cloned();
+            let port_forward = s
+                .origin
+                .as_ref()
+                .is_some_and(|o| o.transport == crate::connect::TRANSPORT_PORT_FORWARD);
+            match &u {
+                None if port_forward => {
+                    s.state = "failed".into();
+                    s.reason = "its port-forward (user daemon half) is gone — run `kvpn connect` \
+                                again to replace the session, or `kvpn disconnect` it"
+                        .into();
+                }
+                Some(u) if u.state == STATE_LOST => {
+                    s.state = STATE_LOST.into();
+                    s.reason = u.reason.clone();
+                }
+                Some(u)
+                    if u.state == crate::userd::server::STATE_RESTORING
+                        && s.state != "connected" =>
+                {
+                    s.reason = format!(
+                        "the user daemon restarted and is bringing the port-forward back{}",
+                        if s.reason.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({})", s.reason)
+                        }
+                    );
+                }
+                _ => {}
+            }
+            StatusRow {
+                namespace: u.as_ref().map(|u| u.namespace.clone()).unwrap_or_default(),
+                session: s,
+                user: u,
+            }
+        })
+        .collect();
+    let mut user_only: Vec<&UserSession> = user
+        .iter()
+        .filter(|u| !rows.iter().any(|r| r.session.id == u.id))
+        .collect();
+    user_only.sort_by(|a, b| a.id.cmp(&b.id));
+    for u in user_only {
+        let socks = u.socks.clone().unwrap_or_default();
+        let (state, reason) = if u.state == STATE_LOST {
+            (STATE_LOST.to_owned(), u.reason.clone())
+        } else if u.socks.is_some() {
+            // SOCKS sessions have no root daemon half: their own state.
+            (socks.state.clone(), socks.reason.clone())
+        } else {
+            (
+                "failed".to_owned(),
+                "the root daemon does not have this session".to_owned(),
+            )
+        };
+        rows.push(StatusRow {
+            session: Session {
+                id: u.id.clone(),
+                manager: u.data_addr.clone(),
+                tunnel_ip: u.tunnel_ip.clone(),
+                tun_name: u.tun_name.clone(),
+                state,
+                reason,
+                origin: u.origin.clone(),
+                uptime_ms: u.uptime_ms,
+                data_channel: if u.socks.is_some() {
+                    "tls".to_owned()
+                } else {
+                    String::new()
+                },
+                tx_packets: socks.tx_packets,
+                tx_bytes: socks.tx_bytes,
+                rx_packets: socks.rx_packets,
+                rx_bytes: socks.rx_bytes,
+                ..Session::default()
+            },
+            namespace: u.namespace.clone(),
+            user: Some(u.clone()),
+        });
+    }
+    rows
+}
+
+fn session_json(row: &StatusRow) -> serde_json::Value {
+    let s = &row.session;
     let origin = s.origin.clone().unwrap_or_default();
     serde_json::json!({
         "id": s.id,
+        "namespace": text_or_null(&row.namespace),
+        "user_daemon": row.user.as_ref().map(|u| serde_json::json!({
+            "state": u.state,
+            "reason": text_or_null(&u.reason),
+            "data_addr": u.data_addr,
+            "uptime_ms": u.uptime_ms,
+            "restores": u.restores,
+        })),
+        "socks": row.user.as_ref().and_then(|u| u.socks.as_ref()).map(|x| serde_json::json!({
+            "listen": x.listen,
+            "open_flows": x.open_flows,
+            "dns_servers": x.dns_servers,
+        })),
         "transport": text_or_null(&origin.transport),
+        "data_path": text_or_null(&origin.data_path),
         "cluster": text_or_null(&origin.cluster),
         "server": text_or_null(&origin.server),
         "context": text_or_null(&origin.context),
@@ -133,6 +264,17 @@ fn session_json(s: &kvpn_proto::dataplane::Session) -> serde_json::Value {
             "cluster_ips": v.cluster_ips,
             "ports": v.ports,
         })).collect::<Vec<_>>(),
+        "conflicts": s.conflicts.iter().map(|c| serde_json::json!({
+            "cidr": c.cidr,
+            "kind": kind_name(c.kind),
+            "laptop_cidr": c.laptop_cidr,
+            "laptop_dev": c.laptop_dev,
+            "laptop_proto": c.laptop_proto,
+            "laptop_table": c.laptop_table,
+            "message": c.message,
+            "handling": c.handling,
+            "pinned": c.pinned,
+        })).collect::<Vec<_>>(),
         "tx": {"packets": s.tx_packets, "bytes": s.tx_bytes},
         "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
         "ebpf": {
@@ -161,113 +303,120 @@ fn uptime(ms: u64) -> String {
     }
 }
 
-/// A SOCKS session in `kvpn status -o json`: the TUN sessions' keys where they
-/// apply (`tun_name` null), plus `socks_listen` and `open_flows`.
-fn socks_json(s: &crate::socks::SocksStatus) -> serde_json::Value {
+/// The status document of `-o json` / `-o yaml` (schema: docs/status.md).
+pub fn status_document(rows: &[StatusRow], root_running: bool) -> serde_json::Value {
     serde_json::json!({
-        "id": s.id,
-        "transport": s.transport,
-        "cluster": text_or_null(&s.origin.cluster),
-        "server": text_or_null(&s.origin.server),
-        "context": text_or_null(&s.origin.context),
-        "manager_namespace": text_or_null(&s.origin.manager_namespace),
-        "socks_listen": s.socks_listen,
-        "tunnel_ip": s.tunnel_ip,
-        "tun_name": serde_json::Value::Null,
-        "data_channel": "tls",
-        "state": s.state,
-        "reason": s.reason,
-        "uptime_ms": s.uptime_ms,
-        "open_flows": s.open_flows,
-        "dns": {"servers": s.dns_servers},
-        "pid": s.pid,
-        "tx": {"packets": s.tx_packets, "bytes": s.tx_bytes},
-        "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
+        "root_daemon": {"running": root_running},
+        "sessions": rows.iter().map(session_json).collect::<Vec<_>>(),
     })
 }
 
-fn socks_table(sessions: &[crate::socks::SocksStatus]) {
-    println!(
-        "{:<13} {:<8} {:<22} {:<14} {:<13} {:>8} {:>12} {:>12}",
-        "ID", "MODE", "LISTEN", "TUNNEL IP", "STATE", "UPTIME", "TX PKTS/B", "RX PKTS/B"
-    );
-    for s in sessions {
-        println!(
-            "{:<13} {:<8} {:<22} {:<14} {:<13} {:>8} {:>12} {:>12}",
-            s.id,
-            s.transport,
-            s.socks_listen,
-            s.tunnel_ip,
-            s.state,
-            uptime(s.uptime_ms),
-            format!("{}/{}", s.tx_packets, s.tx_bytes),
-            format!("{}/{}", s.rx_packets, s.rx_bytes),
-        );
-        if !s.reason.is_empty() {
-            println!("    reason: {}", s.reason);
-        }
-        println!(
-            "    cluster {} (context {}, {}) through port-forward, traffic manager in {}; no TUN device",
-            s.origin.cluster, s.origin.context, s.origin.server, s.origin.manager_namespace
-        );
-        println!(
-            "    {} open flows; names resolve through the cluster DNS {}",
-            s.open_flows,
-            if s.dns_servers.is_empty() {
-                "(none: IP addresses only)".to_owned()
-            } else {
-                s.dns_servers.join(",")
-            }
-        );
-    }
-}
-
-/// `kvpn status` output: the root daemon's sessions and the SOCKS sessions.
-pub fn status(
-    resp: &StatusResponse,
-    socks: &[crate::socks::SocksStatus],
-    format: OutputFormat,
-) -> Result<()> {
+/// `kvpn status` output.
+pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> Result<()> {
     match format {
         OutputFormat::Json => {
-            let sessions: Vec<_> = resp
-                .sessions
-                .iter()
-                .map(session_json)
-                .chain(socks.iter().map(socks_json))
-                .collect();
-            let v = serde_json::json!({ "sessions": sessions });
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&status_document(rows, root_running))?
+            );
+        }
+        OutputFormat::Yaml => {
+            let text = serde_yaml_ng::to_string(&status_document(rows, root_running))?;
+            println!("{}", text.trim_end());
         }
         OutputFormat::Table => {
-            if resp.sessions.is_empty() && socks.is_empty() {
+            if rows.is_empty() {
                 println!("Not connected (the root daemon runs, with no session)");
                 return Ok(());
             }
-            if !socks.is_empty() {
-                socks_table(socks);
-            }
-            if resp.sessions.is_empty() {
-                return Ok(());
-            }
-            println!(
-                "{:<12} {:<22} {:<14} {:<8} {:<13} {:>8} {:>12} {:>12}",
-                "ID", "MANAGER", "TUNNEL IP", "TUN", "STATE", "UPTIME", "TX PKTS/B", "RX PKTS/B"
-            );
-            for s in &resp.sessions {
-                println!(
-                    "{:<12} {:<22} {:<14} {:<8} {:<13} {:>8} {:>12} {:>12}",
-                    s.id,
-                    s.manager,
-                    s.tunnel_ip,
-                    s.tun_name,
-                    s.state,
+            let dash = |t: &str| {
+                if t.is_empty() {
+                    "-".to_owned()
+                } else {
+                    t.to_owned()
+                }
+            };
+            let mut table: Vec<[String; 11]> = vec![
+                [
+                    "ID",
+                    "CLUSTER",
+                    "CONTEXT",
+                    "NAMESPACE",
+                    "TRANSPORT",
+                    "TUNNEL IP",
+                    "TUN",
+                    "STATE",
+                    "UPTIME",
+                    "TX PKTS/B",
+                    "RX PKTS/B",
+                ]
+                .map(str::to_owned),
+            ];
+            for r in rows {
+                let s = &r.session;
+                let o = s.origin.clone().unwrap_or_default();
+                table.push([
+                    s.id.clone(),
+                    dash(&o.cluster),
+                    dash(&o.context),
+                    dash(&r.namespace),
+                    dash(&o.transport),
+                    dash(&s.tunnel_ip),
+                    dash(&s.tun_name),
+                    s.state.clone(),
                     uptime(s.uptime_ms),
                     format!("{}/{}", s.tx_packets, s.tx_bytes),
                     format!("{}/{}", s.rx_packets, s.rx_bytes),
-                );
+                ]);
+            }
+            let widths: Vec<usize> = (0..11)
+                .map(|c| {
+                    table
+                        .iter()
+                        .map(|r| r[c].chars().count())
+                        .max()
+                        .unwrap_or(0)
+                })
+                .collect();
+            let line = |cells: &[String; 11]| {
+                cells
+                    .iter()
+                    .zip(&widths)
+                    .map(|(c, w)| format!("{c:<w$}"))
+                    .collect::<Vec<_>>()
+                    .join("  ")
+                    .trim_end()
+                    .to_owned()
+            };
+            println!("{}", line(&table[0]));
+            for (r, cells) in rows.iter().zip(&table[1..]) {
+                println!("{}", line(cells));
+                let s = &r.session;
+                if !s.manager.is_empty() {
+                    println!("    data channel to {}", s.manager);
+                }
+                if let Some(x) = r.user.as_ref().and_then(|u| u.socks.as_ref()) {
+                    println!(
+                        "    SOCKS5 proxy on {}, no TUN device; {} open flows; names resolve through the cluster DNS {}",
+                        x.listen,
+                        x.open_flows,
+                        if x.dns_servers.is_empty() {
+                            "(none: IP addresses only)".to_owned()
+                        } else {
+                            x.dns_servers.join(",")
+                        }
+                    );
+                }
                 if !s.reason.is_empty() {
                     println!("    reason: {}", s.reason);
+                }
+                if let Some(u) = &r.user
+                    && u.restores > 0
+                {
+                    println!(
+                        "    port-forward brought back {} time(s) by a restarted user daemon",
+                        u.restores
+                    );
                 }
                 if let Some(l) = &s.liveness {
                     println!(
@@ -283,7 +432,15 @@ pub fn status(
                 match &s.origin {
                     Some(o) if !o.cluster.is_empty() => println!(
                         "    cluster {} (context {}, {}) through {}, traffic manager in {}",
-                        o.cluster, o.context, o.server, o.transport, o.manager_namespace
+                        o.cluster,
+                        o.context,
+                        o.server,
+                        if o.data_path.is_empty() {
+                            &o.transport
+                        } else {
+                            &o.data_path
+                        },
+                        o.manager_namespace
                     ),
                     Some(o) if !o.transport.is_empty() => {
                         println!("    transport {}", o.transport);
@@ -344,6 +501,18 @@ pub fn status(
                         if r.watched { " (watched)" } else { "" }
                     );
                 }
+                for c in &s.conflicts {
+                    println!(
+                        "    conflict {} [{}{}]",
+                        c.message,
+                        c.handling,
+                        if c.pinned.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", pinned {}", c.pinned.join(" "))
+                        }
+                    );
+                }
                 for k in &s.ebpf {
                     println!(
                         "    eBPF {:<8} {:>10} packets {:>14} bytes",
@@ -360,4 +529,84 @@ pub fn status(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpn_proto::dataplane::Origin;
+
+    fn root(id: &str, transport: &str, state: &str) -> Session {
+        Session {
+            id: id.into(),
+            state: state.into(),
+            origin: Some(Origin {
+                transport: transport.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn user(id: &str, state: &str, reason: &str) -> UserSession {
+        UserSession {
+            id: id.into(),
+            state: state.into(),
+            reason: reason.into(),
+            namespace: "dev".into(),
+            tun_name: "kvpn9".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn both_halves_merge_and_a_missing_or_lost_half_is_said() {
+        let rows = merge_sessions(
+            vec![
+                root("a", "port-forward", "connected"),
+                root("b", "port-forward", "reconnecting"),
+                root("c", "direct", "connected"),
+                root("d", "port-forward", "reconnecting"),
+            ],
+            vec![
+                user("a", "running", ""),
+                user("d", "restoring", ""),
+                user("z", "lost", "the root daemon no longer has this session"),
+            ],
+        );
+        let view: Vec<(&str, &str, &str)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.session.id.as_str(),
+                    r.session.state.as_str(),
+                    r.namespace.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            view,
+            [
+                ("a", "connected", "dev"),
+                ("b", "failed", ""),
+                ("c", "connected", ""),
+                ("d", "reconnecting", "dev"),
+                ("z", "lost", "dev"),
+            ]
+        );
+        assert!(rows[1].session.reason.contains("kvpn connect"), "{rows:?}");
+        assert!(rows[2].user.is_none() && rows[2].session.reason.is_empty());
+        assert!(
+            rows[3]
+                .session
+                .reason
+                .contains("bringing the port-forward back")
+        );
+        assert_eq!(rows[4].session.tun_name, "kvpn9");
+        assert!(rows[4].session.reason.contains("no longer has"));
+        let doc = status_document(&rows, true);
+        assert_eq!(doc["sessions"][4]["user_daemon"]["state"], "lost");
+        assert_eq!(doc["sessions"][2]["user_daemon"], serde_json::Value::Null);
+        assert_eq!(doc["root_daemon"]["running"], true);
+    }
 }

@@ -16,12 +16,20 @@
 //! ssh-agent, key files and passwords, case ssh-02) and [`tunnel`] (the loopback
 //! listener, keepalives and reconnect).
 //!
+//! [`bypass`] is item 4, the SSH data-plane bypass: when the last hop reaches the
+//! traffic manager Service's ClusterIP, the session agent carries the data channel
+//! over `direct-tcpip` channels to it instead of port-forwarding.
+//!
 //! GSSAPI/Kerberos is not offered: russh has only the hook, and no well-kept Rust
 //! GSSAPI binding was picked yet.
 
+pub mod bypass;
 pub mod client;
 pub mod config;
 pub mod known_hosts;
+pub mod peer;
+pub mod session;
+pub mod terminal;
 pub mod tunnel;
 
 use std::path::{Path, PathBuf};
@@ -29,7 +37,7 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Parser};
 use serde::{Deserialize, Serialize};
 
-pub use tunnel::SshTunnel;
+pub use tunnel::{SshDialer, SshTunnel};
 
 /// Default SSH port.
 pub const SSH_PORT: u16 = 22;
@@ -132,6 +140,11 @@ pub struct SshPlan {
     pub hops: Vec<Hop>,
     pub known_hosts: PathBuf,
     pub accept_new: bool,
+    /// SSH keepalive interval in ms; `None` = [`client::KEEPALIVE_INTERVAL`]. The
+    /// session agent shortens it ([`bypass::SESSION_KEEPALIVE`]) so a black-holed
+    /// jump host is given up and redialled within seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keepalive_ms: Option<u64>,
 }
 
 impl SshPlan {
@@ -142,6 +155,12 @@ impl SshPlan {
             .map(Hop::display)
             .collect::<Vec<_>>()
             .join(" -> ")
+    }
+
+    /// The SSH keepalive interval of every hop.
+    pub fn keepalive_interval(&self) -> std::time::Duration {
+        self.keepalive_ms
+            .map_or(client::KEEPALIVE_INTERVAL, std::time::Duration::from_millis)
     }
 
     /// The plan for the session agent's environment ([`PLAN_ENV`]).
@@ -441,6 +460,7 @@ pub fn resolve_plan(
         hops,
         known_hosts,
         accept_new: args.ssh_accept_new,
+        keepalive_ms: None,
     }))
 }
 
@@ -763,6 +783,7 @@ mod tests {
             }],
             known_hosts: "/t/kh".into(),
             accept_new: true,
+            keepalive_ms: Some(2000),
         };
         assert_eq!(SshPlan::from_env(&plan.to_env()).expect("parse"), plan);
         assert!(SshPlan::from_env("{").is_err());

@@ -209,6 +209,11 @@ pub async fn run(runtime_dir: &Path, args: TopArgs) -> Result<()> {
         let rows = rates(&before, &now);
         match args.output {
             OutputFormat::Json => crate::output::info_block(&json(&rows, interval).to_string()),
+            // One YAML document per sample.
+            OutputFormat::Yaml => crate::output::info_block(&format!(
+                "---\n{}",
+                serde_yaml_ng::to_string(&json(&rows, interval))?
+            )),
             OutputFormat::Table => {
                 // Redraw in place on a terminal; append otherwise (a pipe, a log).
                 let clear = if terminal && !args.once {

@@ -286,6 +286,7 @@ pub fn params_from_request(
         heartbeat_interval,
         tls,
         session_token: req.session_token.as_bytes().to_vec(),
+        allow_route_conflict: req.allow_route_conflict,
     })
 }
 
@@ -698,7 +699,24 @@ impl Dataplane for Daemon {
                 }),
             None => None,
         };
-        let mut sessions: Vec<_> = self.sessions().values().map(Session::status).collect();
+        // Read at every call, so a laptop route added after connect shows at
+        // once (rt-05); a dump of the routing tables is cheap next to a CLI call.
+        let laptop = match self.netlink.laptop_routes().await {
+            Ok(routes) => routes,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the laptop's routes for conflict checks");
+                Vec::new()
+            }
+        };
+        let mut sessions: Vec<_> = self
+            .sessions()
+            .values()
+            .map(|s| {
+                let mut status = s.status();
+                status.conflicts = s.conflict_status(&laptop);
+                status
+            })
+            .collect();
         for s in &mut sessions {
             s.dns_counters = dns_counters;
         }

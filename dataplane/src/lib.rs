@@ -11,14 +11,17 @@
 //! (TCP to the manager, setup and teardown), [`tls`] (TLS on the data channel,
 //! verified against the CA from the Connect request), [`daemon`] (gRPC socket, pid file,
 //! peer credentials), [`sweep`] (what a killed daemon left),
-//! [`client`] (gRPC client over the socket).
+//! [`client`] (gRPC client over the socket). [`fuzzing`]: entry points of the cargo-fuzz
+//! targets and the corpus replay (DNS forwarder decisions without sockets).
 //!
 //! Outbound means laptop → cluster, inbound cluster → laptop.
 
 pub mod client;
+pub mod conflicts;
 pub mod daemon;
 pub mod dns;
 pub mod ebpf;
+pub mod fuzzing;
 pub mod liveness;
 pub mod netlink;
 pub mod pump;

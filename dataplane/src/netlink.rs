@@ -20,6 +20,8 @@ use rtnetlink::packet_route::route::{
 };
 use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
 
+use crate::conflicts::LaptopRoute;
+
 /// Route protocol number tagging kvpn's routes (`rtm_protocol`). Values above
 /// RTPROT_STATIC (4) are free for routing daemons (include/uapi/linux/rtnetlink.h);
 /// 107 is not in iproute2's `rt_protos` list.
@@ -222,6 +224,63 @@ impl Netlink {
         Ok(out)
     }
 
+    /// Every route of the laptop in every table, both families, with its
+    /// device name (for route-conflict checks, [`crate::conflicts`]).
+    pub async fn laptop_routes(&self) -> Result<Vec<LaptopRoute>, NetlinkError> {
+        let mut names = std::collections::HashMap::new();
+        let mut links = self.handle.link().get().execute();
+        loop {
+            match links.try_next().await {
+                Ok(Some(link)) => {
+                    if let Some(name) = link.attributes.iter().find_map(|a| match a {
+                        LinkAttribute::IfName(n) => Some(n.clone()),
+                        _ => None,
+                    }) {
+                        names.insert(link.header.index, name);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => return Err(NetlinkError::new("list interfaces", e)),
+            }
+        }
+        let mut out = Vec::new();
+        for family in [AddressFamily::Inet, AddressFamily::Inet6] {
+            let mut query = RouteMessage::default();
+            query.header.address_family = family;
+            let mut routes = self.handle.route().get(query).execute();
+            loop {
+                let route = match routes.try_next().await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => break,
+                    Err(e)
+                        if family == AddressFamily::Inet6
+                            && errno_of(&e) == Some(libc::EAFNOSUPPORT) =>
+                    {
+                        break;
+                    }
+                    Err(e) => return Err(NetlinkError::new("list routes", e)),
+                };
+                let (dst, oif) = match parse_route(&route) {
+                    Some(found) => (found.dst, found.oif),
+                    None => match route_dst(&route) {
+                        // Blackhole/unreachable routes have no output device.
+                        Some(dst) => (dst, 0),
+                        None => continue,
+                    },
+                };
+                out.push(LaptopRoute {
+                    dst: dst.trunc(),
+                    dev: names.get(&oif).cloned().unwrap_or_default(),
+                    oif,
+                    protocol: u8::from(route.header.protocol),
+                    table: table_of(&route),
+                    kind: u8::from(route.header.kind),
+                });
+            }
+        }
+        Ok(out)
+    }
+
     /// Set the IPv4 rp_filter of interface `index` through RTM_SETLINK with
     /// IFLA_AF_SPEC / AF_INET / IFLA_INET_CONF (what `/proc/sys/net/ipv4/conf/<dev>/rp_filter` shows).
     pub async fn set_rp_filter(&self, index: u32, value: i32) -> Result<(), NetlinkError> {
@@ -296,6 +355,21 @@ fn table_of(route: &RouteMessage) -> u32 {
             _ => None,
         })
         .unwrap_or(u32::from(route.header.table))
+}
+
+fn route_dst(route: &RouteMessage) -> Option<IpNet> {
+    let dst = route.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Destination(RouteAddress::Inet(a)) => Some(IpAddr::V4(*a)),
+        RouteAttribute::Destination(RouteAddress::Inet6(a)) => Some(IpAddr::V6(*a)),
+        _ => None,
+    });
+    let dst = match (dst, route.header.address_family) {
+        (Some(a), _) => a,
+        (None, AddressFamily::Inet) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        (None, AddressFamily::Inet6) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        (None, _) => return None,
+    };
+    IpNet::new(dst, route.header.destination_prefix_length).ok()
 }
 
 fn parse_route(route: &RouteMessage) -> Option<KvpnRoute> {

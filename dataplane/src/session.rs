@@ -27,9 +27,10 @@ use tokio::task::JoinHandle;
 use tracing::Instrument as _;
 use tun_rs::AsyncDevice;
 
+use crate::conflicts::{self, LaptopRoute};
 use crate::ebpf::{self, RouteKind, Stats};
 use crate::liveness::{Liveness, State};
-use crate::netlink::{Netlink, RP_FILTER_LOOSE};
+use crate::netlink::{Netlink, RP_FILTER_LOOSE, RTPROT_KVPN};
 use crate::pump::{self, Counters, PumpConfig, Refusal};
 use crate::routes::{self, RoutePlan};
 use crate::tls::TlsClient;
@@ -134,11 +135,16 @@ pub struct SessionParams {
     /// Session token of the tunnel IP's lease, sent in the hello (empty for
     /// managers without leases).
     pub session_token: Vec<u8>,
+    /// Connect despite route conflicts with the laptop (case rt-05,
+    /// [`crate::conflicts`]); `false` = refuse them.
+    pub allow_route_conflict: bool,
 }
 
 /// A setup step of Connect, named in errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
+    /// Comparing the cluster ranges with the laptop's routes (case rt-05).
+    CheckRouteConflicts,
     /// TCP to the manager.
     DialManager,
     /// The TLS handshake and the manager's certificate check.
@@ -165,6 +171,7 @@ pub enum Step {
 impl fmt::Display for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            Step::CheckRouteConflicts => "check route conflicts",
             Step::DialManager => "dial the traffic manager",
             Step::TlsHandshake => "TLS handshake with the traffic manager",
             Step::SendHello => "send hello to the traffic manager",
@@ -534,6 +541,28 @@ impl Session {
         netlink: &Netlink,
         classifiers: &dyn ClassifierAttach,
     ) -> Result<Session, ConnectError> {
+        // Before anything else, so that a refusal leaves nothing behind.
+        let laptop = netlink
+            .laptop_routes()
+            .await
+            .map_err(|e| ConnectError::Step {
+                step: Step::CheckRouteConflicts,
+                message: format!("cannot read the laptop's routes: {e}"),
+                rollback: String::new(),
+            })?;
+        let found = conflicts::find(&params.routes, &laptop, RTPROT_KVPN, None);
+        if !found.is_empty() {
+            if !params.allow_route_conflict {
+                return Err(ConnectError::Step {
+                    step: Step::CheckRouteConflicts,
+                    message: conflicts::refusal(&found),
+                    rollback: String::new(),
+                });
+            }
+            for c in &found {
+                tracing::warn!(conflict = %c, "route conflict allowed: steering only cluster-bound traffic");
+            }
+        }
         let hello = hello_frame(params.tunnel_ip, &params.session_token).map_err(|message| {
             ConnectError::Step {
                 step: Step::SendHello,
@@ -564,12 +593,20 @@ impl Session {
         );
 
         let plan = routes::plan(&params.routes);
+        // Equal to a main-table laptop route: the laptop keeps it (override only).
+        let not_installed: Vec<(IpNet, RouteKind)> = plan
+            .kernel
+            .iter()
+            .filter(|(net, _)| found.iter().any(|c| c.cluster == *net && c.exact_in_main()))
+            .copied()
+            .collect();
         let mut undo = Undo {
             netlink,
             tun: None,
             routes: Vec::new(),
         };
-        match Self::setup(&params, &plan, netlink, classifiers, &mut undo).await {
+        let skip: Vec<IpNet> = not_installed.iter().map(|(n, _)| *n).collect();
+        match Self::setup(&params, &plan, &skip, netlink, classifiers, &mut undo).await {
             Ok(classifier) => {
                 let Some((device, ifindex, tun_name)) = undo.tun.take() else {
                     return Err(ConnectError::Step {
@@ -607,7 +644,10 @@ impl Session {
                     started: Instant::now(),
                     shared,
                     classifier: Arc::new(Mutex::new(classifier)),
-                    watched: Arc::default(),
+                    watched: Arc::new(Mutex::new(Watched {
+                        not_installed: not_installed.into_iter().collect(),
+                        ..Watched::default()
+                    })),
                     watched_update: Arc::default(),
                     stop_tx,
                     supervisor: Some(supervisor),
@@ -631,6 +671,7 @@ impl Session {
     async fn setup(
         params: &SessionParams,
         plan: &RoutePlan,
+        not_installed: &[IpNet],
         netlink: &Netlink,
         classifiers: &dyn ClassifierAttach,
         undo: &mut Undo<'_>,
@@ -689,6 +730,9 @@ impl Session {
             .await
             .map_err(|e| step_err(Step::LinkUp, e))?;
         for (cidr, _) in &plan.kernel {
+            if not_installed.contains(cidr) {
+                continue;
+            }
             netlink
                 .add_route(ifindex, *cidr, Some(params.tunnel_ip))
                 .await
@@ -730,6 +774,7 @@ impl Session {
             ifindex: self.ifindex,
             tunnel_ip: self.params.tunnel_ip,
             connect: self.plan.kernel.clone(),
+            allow_route_conflict: self.params.allow_route_conflict,
             classifier: self.classifier.clone(),
             state: self.watched.clone(),
             update_lock: self.watched_update.clone(),
@@ -847,7 +892,67 @@ impl Session {
             services: watched.services.into_values().collect(),
             // Filled in by the daemon (the forwarder is shared by all sessions).
             dns_counters: None,
+            // Filled in by the daemon (it reads the laptop's routes once for all).
+            conflicts: Vec::new(),
         }
+    }
+
+    /// The session's cluster ranges that overlap `laptop` routes now (case
+    /// rt-05), as Status shows them.
+    pub fn conflict_status(
+        &self,
+        laptop: &[LaptopRoute],
+    ) -> Vec<kvpn_proto::dataplane::RouteConflict> {
+        let watched = self.watched();
+        let ranges: Vec<(IpNet, RouteKind)> = self
+            .plan
+            .kernel
+            .iter()
+            .copied()
+            .chain(watched.routes.iter().map(|(n, k)| (*n, *k)))
+            .chain(watched.refused.iter().map(|(n, k)| (*n, *k)))
+            .chain(watched.not_installed.iter().map(|(n, k)| (*n, *k)))
+            .collect();
+        let mut seen = std::collections::BTreeSet::new();
+        conflicts::find(&ranges, laptop, RTPROT_KVPN, Some(self.ifindex))
+            .into_iter()
+            .filter(|c| {
+                seen.insert((
+                    c.cluster,
+                    c.laptop.clone().dst,
+                    c.laptop.table,
+                    c.laptop.dev.clone(),
+                ))
+            })
+            .map(|c| {
+                let handling = if watched.refused.contains_key(&c.cluster) {
+                    "refused"
+                } else if watched.not_installed.contains_key(&c.cluster) {
+                    "not installed"
+                } else if self.params.allow_route_conflict {
+                    "steered"
+                } else {
+                    "unhandled"
+                };
+                let contested = c.contested();
+                kvpn_proto::dataplane::RouteConflict {
+                    cidr: c.cluster.to_string(),
+                    kind: kind_to_api(c.kind) as i32,
+                    laptop_cidr: c.laptop.dst.to_string(),
+                    laptop_dev: c.laptop.dev.clone(),
+                    laptop_proto: conflicts::protocol_name(c.laptop.protocol),
+                    laptop_table: conflicts::table_name(c.laptop.table),
+                    message: c.to_string(),
+                    handling: handling.to_owned(),
+                    pinned: watched
+                        .pinned
+                        .iter()
+                        .filter(|p| contested.contains(*p))
+                        .map(ToString::to_string)
+                        .collect(),
+                }
+            })
+            .collect()
     }
 
     /// The session's classifier entries with their counters (`kvpn top`).
@@ -982,12 +1087,15 @@ impl Session {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
+        let watched = self.watched();
         let routes: Vec<IpNet> = self
             .plan
             .kernel
             .iter()
             .map(|(n, _)| *n)
-            .chain(self.watched().routes.into_keys())
+            .filter(|n| !watched.not_installed.contains_key(n))
+            .chain(watched.routes.into_keys())
+            .chain(watched.pinned)
             .collect();
         let mut report = match self.tun.take() {
             Some(device) => {

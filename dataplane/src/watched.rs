@@ -7,15 +7,16 @@
 //! [`crate::netlink::RTPROT_KVPN`], like Connect's routes) and the session's
 //! eBPF classifier (LPM entries). The decisions are [`routes::plan_update`]'s.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ipnet::IpNet;
 use kvpn_proto::dataplane as api;
 
+use crate::conflicts;
 use crate::ebpf::RouteKind;
-use crate::netlink::Netlink;
+use crate::netlink::{Netlink, RTPROT_KVPN};
 use crate::routes;
 use crate::session::{AttachedClassifier, kind_from_api};
 
@@ -34,6 +35,16 @@ pub struct Watched {
     /// counts each Service on its own: the address → its Services
     /// ("namespace/name"). No kernel routes: the Service route covers them.
     pub service_entries: BTreeMap<IpNet, Vec<String>>,
+    /// Cluster ranges (Connect or watched) not installed as kernel routes
+    /// because a main-table laptop route has the same prefix (override only,
+    /// [`crate::conflicts`]); their classifier entries exist.
+    pub not_installed: BTreeMap<IpNet, RouteKind>,
+    /// Watched additions refused because they overlap a laptop route and the
+    /// session has no override.
+    pub refused: BTreeMap<IpNet, RouteKind>,
+    /// Host routes (`/32`, `/128`) of ClusterIPs inside conflicting laptop
+    /// routes, installed through the TUN device (override only).
+    pub pinned: BTreeSet<IpNet>,
 }
 
 /// At most this many ClusterIP entries per classifier, so that Services never
@@ -89,6 +100,8 @@ pub struct WatchHandle {
     pub tunnel_ip: IpAddr,
     /// The Connect routes (kernel routes).
     pub connect: Vec<(IpNet, RouteKind)>,
+    /// Steer around route conflicts instead of refusing them (rt-05).
+    pub allow_route_conflict: bool,
     pub classifier: ClassifierSlot,
     pub state: Arc<Mutex<Watched>>,
     /// Serialises UpdateRoutes calls of one session.
@@ -174,6 +187,61 @@ impl WatchHandle {
         st.service_entries = installed;
     }
 
+    /// Make the pinned host routes (override of a route conflict) the known
+    /// ClusterIPs inside the laptop routes that conflict with the session's
+    /// ranges. Best effort: a failure is logged and the address stays with
+    /// the laptop's route.
+    async fn sync_pinned(&self, netlink: &Netlink, laptop: &[conflicts::LaptopRoute]) {
+        let (wanted, current) = {
+            let st = lock(&self.state);
+            let ranges: Vec<(IpNet, RouteKind)> = self
+                .connect
+                .iter()
+                .copied()
+                .chain(st.routes.iter().map(|(n, k)| (*n, *k)))
+                .chain(st.not_installed.iter().map(|(n, k)| (*n, *k)))
+                .collect();
+            let found = conflicts::find(&ranges, laptop, RTPROT_KVPN, Some(self.ifindex));
+            let ips: Vec<IpAddr> = st
+                .services
+                .values()
+                .flat_map(|s| s.cluster_ips.iter().filter_map(|ip| ip.parse().ok()))
+                .collect();
+            let mut wanted = conflicts::pinned_hosts(&found, ips.iter());
+            while wanted.len() > MAX_SERVICE_ENTRIES {
+                wanted.pop_last();
+            }
+            (wanted, st.pinned.clone())
+        };
+        let mut now = current.clone();
+        for net in current.difference(&wanted) {
+            match netlink.del_route(self.ifindex, *net).await {
+                Ok(()) => {}
+                Err(e) if e.errno == Some(libc::ESRCH) => {}
+                Err(e) => {
+                    tracing::warn!(cidr = %net, error = %e, "cannot delete a pinned ClusterIP route");
+                    continue;
+                }
+            }
+            now.remove(net);
+        }
+        for net in wanted.difference(&current) {
+            match netlink
+                .add_route(self.ifindex, *net, Some(self.tunnel_ip))
+                .await
+            {
+                Ok(()) => {
+                    tracing::info!(cidr = %net, "ClusterIP pinned through the TUN device past a conflicting laptop route");
+                    now.insert(*net);
+                }
+                Err(e) => {
+                    tracing::warn!(cidr = %net, error = %e, "cannot pin a ClusterIP route");
+                }
+            }
+        }
+        lock(&self.state).pinned = now;
+    }
+
     /// Apply an UpdateRoutes request: removals, then additions, then the
     /// reported source, DNS settings and Services.
     pub async fn update(
@@ -181,18 +249,69 @@ impl WatchHandle {
         netlink: &Netlink,
         req: &api::UpdateRoutesRequest,
     ) -> Result<api::UpdateRoutesResponse, UpdateError> {
-        let add = parse_routes(&req.add, true)?;
+        let mut add = parse_routes(&req.add, true)?;
         let remove: Vec<IpNet> = parse_routes(&req.remove, false)?
             .into_iter()
             .map(|(c, _)| c)
             .collect();
         let _serial = self.update_lock.lock().await;
+        let laptop = netlink
+            .laptop_routes()
+            .await
+            .map_err(|e| UpdateError::Apply(format!("cannot check route conflicts: {e}")))?;
+        let mut conflict_msgs = Vec::new();
+        {
+            let mut st = lock(&self.state);
+            for net in &remove {
+                st.refused.remove(&net.trunc());
+                if st.not_installed.remove(&net.trunc()).is_some()
+                    && let Some(c) = lock(&self.classifier).as_mut()
+                    && let Err(e) = c.remove_route(net.trunc())
+                {
+                    tracing::warn!(cidr = %net, error = %e, "cannot remove a classifier entry");
+                }
+            }
+            // Additions a Connect route covers were checked at Connect.
+            let fresh: Vec<(IpNet, RouteKind)> = add
+                .iter()
+                .filter(|(n, _)| !self.connect.iter().any(|(c, _)| c.contains(n)))
+                .copied()
+                .collect();
+            let found = conflicts::find(&fresh, &laptop, RTPROT_KVPN, Some(self.ifindex));
+            add.retain(|(net, kind)| {
+                let net = net.trunc();
+                let mine: Vec<&conflicts::Conflict> =
+                    found.iter().filter(|c| c.cluster == net).collect();
+                if mine.is_empty() {
+                    return true;
+                }
+                if !self.allow_route_conflict {
+                    for c in &mine {
+                        tracing::warn!(conflict = %c, "watched route refused: it overlaps a laptop route");
+                        conflict_msgs.push(c.to_string());
+                    }
+                    st.refused.insert(net, *kind);
+                    return false;
+                }
+                if mine.iter().any(|c| c.exact_in_main()) {
+                    if let Some(c) = lock(&self.classifier).as_mut()
+                        && let Err(e) = c.insert_route(net, *kind)
+                    {
+                        tracing::warn!(cidr = %net, error = %e, "cannot add a classifier entry");
+                    }
+                    st.not_installed.insert(net, *kind);
+                    return false;
+                }
+                true
+            });
+        }
         let plan = {
             let st = lock(&self.state);
             routes::plan_update(&self.connect, &st.routes, &add, &remove)
         };
         let mut resp = api::UpdateRoutesResponse {
             covered: plan.covered.iter().map(ToString::to_string).collect(),
+            conflicts: conflict_msgs,
             ..Default::default()
         };
         for net in &plan.remove {
@@ -235,39 +354,44 @@ impl WatchHandle {
             resp.added.push(net.to_string());
             tracing::info!(cidr = %net, ?kind, "watched route added");
         }
-        let mut st = lock(&self.state);
-        // A watched route that replaced a ClusterIP entry owns it now.
-        for net in &plan.add {
-            st.service_entries.remove(&net.0);
+        {
+            let mut st = lock(&self.state);
+            // A watched route that replaced a ClusterIP entry owns it now.
+            for net in &plan.add {
+                st.service_entries.remove(&net.0);
+            }
+            if let Some(source) = &req.route_source {
+                st.source = Some(source.clone());
+            }
+            if let Some(dns) = &req.dns {
+                st.dns = Some(dns.clone());
+            }
+            if req.services_replace {
+                st.services.clear();
+            }
+            for s in &req.services_remove {
+                st.services.remove(&(s.namespace.clone(), s.name.clone()));
+            }
+            for s in &req.services_upsert {
+                st.services
+                    .insert((s.namespace.clone(), s.name.clone()), s.clone());
+            }
+            let services_changed = req.services_replace
+                || !req.services_remove.is_empty()
+                || !req.services_upsert.is_empty();
+            if services_changed || !plan.add.is_empty() || !plan.remove.is_empty() {
+                let routes: Vec<(IpNet, RouteKind)> = self
+                    .connect
+                    .iter()
+                    .copied()
+                    .chain(st.routes.iter().map(|(n, k)| (*n, *k)))
+                    .collect();
+                let wanted = service_entries(&routes, st.services.values());
+                self.sync_service_entries(&mut st, wanted);
+            }
         }
-        if let Some(source) = &req.route_source {
-            st.source = Some(source.clone());
-        }
-        if let Some(dns) = &req.dns {
-            st.dns = Some(dns.clone());
-        }
-        if req.services_replace {
-            st.services.clear();
-        }
-        for s in &req.services_remove {
-            st.services.remove(&(s.namespace.clone(), s.name.clone()));
-        }
-        for s in &req.services_upsert {
-            st.services
-                .insert((s.namespace.clone(), s.name.clone()), s.clone());
-        }
-        let services_changed = req.services_replace
-            || !req.services_remove.is_empty()
-            || !req.services_upsert.is_empty();
-        if services_changed || !plan.add.is_empty() || !plan.remove.is_empty() {
-            let routes: Vec<(IpNet, RouteKind)> = self
-                .connect
-                .iter()
-                .copied()
-                .chain(st.routes.iter().map(|(n, k)| (*n, *k)))
-                .collect();
-            let wanted = service_entries(&routes, st.services.values());
-            self.sync_service_entries(&mut st, wanted);
+        if self.allow_route_conflict {
+            self.sync_pinned(netlink, &laptop).await;
         }
         Ok(resp)
     }

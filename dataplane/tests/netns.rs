@@ -87,6 +87,7 @@ fn params(
         heartbeat_interval: heartbeat,
         tls: None,
         session_token: Vec::new(),
+        allow_route_conflict: false,
     }
 }
 
@@ -505,13 +506,12 @@ fn lc_03_a_failing_step_rolls_back_tun_and_routes() {
 }
 
 #[test]
-fn lc_03_a_route_conflict_rolls_back_the_routes_already_installed() {
+fn lc_03_a_route_conflict_is_refused_before_anything_is_installed() {
     require_root();
     let netns = TestNetns::new();
     let ns = netns.handle();
-    // Somebody else's route for the pod CIDR (rt-05's shape). kvpn's routes go
-    // in in address order, so 10.42.2.0/24 and 10.96.0.0/12 are installed
-    // before 10.244.0.0/16 collides.
+    // Somebody else's route for the pod CIDR (rt-05's shape): refused at the
+    // conflict check, before the TUN device or any route exists.
     ns.exec_ok(&["ip", "route", "add", "10.244.0.0/16", "dev", "lo"]);
     netns.block_on(move || async move {
         let manager = FakeManager::start(true).await;
@@ -524,12 +524,16 @@ fn lc_03_a_route_conflict_rolls_back_the_routes_already_installed() {
         )
         .await
         .expect_err("the pod CIDR route collides");
-        assert_eq!(err.step(), Step::AddRoutes, "{err}");
+        assert_eq!(err.step(), Step::CheckRouteConflicts, "{err}");
         let msg = err.to_string();
-        eprintln!("Connect error: {msg}");
-        assert!(msg.contains("10.244.0.0/16"), "{msg}");
-        assert!(msg.contains("already exists"), "{msg}");
-        assert!(msg.contains("rolled back"), "{msg}");
+        assert!(msg.contains("check route conflicts"), "{msg}");
+        assert!(
+            msg.contains(
+                "pod CIDR 10.244.0.0/16 overlaps 10.244.0.0/16 dev lo (proto boot, table main)"
+            ),
+            "{msg}"
+        );
+        assert!(msg.contains("--allow-route-conflict"), "{msg}");
         assert_nothing_left(&ns);
         // The other owner's route is untouched.
         let theirs = ns.exec_ok(&["ip", "route", "show", "10.244.0.0/16"]);

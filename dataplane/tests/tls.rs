@@ -55,6 +55,7 @@ fn params(manager: SocketAddr, tls: Option<TlsClient>, heartbeat: Duration) -> S
         heartbeat_interval: heartbeat,
         tls,
         session_token: Vec::new(),
+        allow_route_conflict: false,
     }
 }
 

@@ -87,6 +87,7 @@ use tracing::{debug, trace};
 
 use crate::device::QueueDevice;
 use crate::frag::{self, Reassembler, Reassembly};
+use crate::limit::{self, TokenBucket};
 use crate::metrics::Metrics;
 use crate::packet::{self, DropReason, Offending, Parsed, TcpMeta, Unreachable};
 
@@ -141,6 +142,12 @@ pub const TCP_IDLE_TIMEOUT: Duration = Duration::from_secs(5 * 24 * 3600);
 /// of slack costs nothing and keeps the per-round timer work constant.
 pub const TCP_IDLE_SWEEP: Duration = Duration::from_secs(60);
 
+/// Default per-client flow cap (all kinds): 16384 TCP flows at the smoltcp
+/// buffers' worst case (1 MiB each, only touched pages resident) is far more
+/// than a pod should give one laptop, but a laptop running a test suite or a
+/// crawler against the cluster stays well under it.
+pub const DEFAULT_MAX_FLOWS: usize = 16_384;
+
 /// Bound on smoltcp poll/service rounds per [`Engine::poll`]; each round either
 /// makes progress or stops, this only guards against a livelock.
 const MAX_POLL_ROUNDS: usize = 16;
@@ -160,12 +167,26 @@ pub struct EngineConfig {
     pub ping_idle_timeout: Duration,
     /// Idle timeout of TCP flows (no segment or event either way).
     pub tcp_idle_timeout: Duration,
+    /// Most concurrent flows of all kinds (TCP including dials and TIME-WAIT,
+    /// UDP, ping): the per-client flow cap (`kvpn-manager --max-flows-per-client`).
+    /// A new flow beyond it is refused: TCP with RST, UDP with ICMP
+    /// "communication administratively prohibited", ping dropped; counted in
+    /// [`Metrics::flows_refused_cap`].
+    pub max_flows: usize,
     /// Most concurrent TCP flows (including dials in progress).
     pub max_tcp_flows: usize,
     /// Most concurrent UDP flows.
     pub max_udp_flows: usize,
     /// Most concurrent ping flows.
     pub max_ping_flows: usize,
+    /// New flows per second, sustained (0: unlimited); see [`crate::limit`].
+    pub new_flows_per_sec: u32,
+    /// New flows at once (token bucket size).
+    pub new_flow_burst: u32,
+    /// ICMP errors to the laptop per second, sustained (0: unlimited).
+    pub icmp_errors_per_sec: u32,
+    /// ICMP errors at once.
+    pub icmp_error_burst: u32,
 }
 
 impl EngineConfig {
@@ -178,9 +199,14 @@ impl EngineConfig {
             udp_idle_timeout: UDP_IDLE_TIMEOUT,
             ping_idle_timeout: PING_IDLE_TIMEOUT,
             tcp_idle_timeout: TCP_IDLE_TIMEOUT,
-            max_tcp_flows: 16_384,
+            max_flows: DEFAULT_MAX_FLOWS,
+            max_tcp_flows: DEFAULT_MAX_FLOWS,
             max_udp_flows: 4096,
             max_ping_flows: 1024,
+            new_flows_per_sec: limit::NEW_FLOWS_PER_SEC,
+            new_flow_burst: limit::NEW_FLOW_BURST,
+            icmp_errors_per_sec: limit::ICMP_ERRORS_PER_SEC,
+            icmp_error_burst: limit::ICMP_ERROR_BURST,
         }
     }
 }
@@ -451,6 +477,20 @@ pub struct Engine {
     next_frag_ident: u32,
     /// When idle TCP flows are looked for next.
     next_tcp_sweep: Instant,
+    /// New flows (TCP dials, UDP and ping sockets) this laptop may open.
+    new_flows: TokenBucket,
+    /// ICMP errors the manager may send this laptop.
+    icmp_errors: TokenBucket,
+}
+
+/// Whether a new flow may be opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admit {
+    Yes,
+    /// Over the flow cap (refused with an answer).
+    Cap,
+    /// Over the new-flow rate (dropped silently; TCP retransmits its SYN).
+    RateLimited,
 }
 
 impl fmt::Debug for Engine {
@@ -509,7 +549,6 @@ impl Engine {
             debug!("smoltcp route table full (ipv6 default)");
         }
         Self {
-            config,
             epoch: now,
             iface,
             device,
@@ -526,6 +565,9 @@ impl Engine {
             frags: Reassembler::default(),
             next_frag_ident: 1,
             next_tcp_sweep: now + TCP_IDLE_SWEEP,
+            new_flows: TokenBucket::new(config.new_flows_per_sec, config.new_flow_burst, now),
+            icmp_errors: TokenBucket::new(config.icmp_errors_per_sec, config.icmp_error_burst, now),
+            config,
         }
     }
 
@@ -547,6 +589,39 @@ impl Engine {
     /// Live flows: (TCP, UDP, ping). TCP includes dials and TIME-WAIT sockets.
     pub fn flow_counts(&self) -> (usize, usize, usize) {
         (self.tcp.len(), self.udp.len(), self.ping.len())
+    }
+
+    /// Live flows of all kinds (what the flow cap counts).
+    pub fn flows(&self) -> usize {
+        self.tcp.len() + self.udp.len() + self.ping.len()
+    }
+
+    /// The per-client flow cap.
+    pub fn max_flows(&self) -> usize {
+        self.config.max_flows
+    }
+
+    /// Admission of a new flow whose kind has `kind_len` of `kind_max` flows.
+    fn admit(&mut self, kind_len: usize, kind_max: usize, now: Instant) -> Admit {
+        if self.flows() >= self.config.max_flows || kind_len >= kind_max {
+            self.metrics.flows_refused_cap += 1;
+            self.drop_packet(DropReason::TooManyFlows);
+            return Admit::Cap;
+        }
+        if !self.new_flows.take(now) {
+            self.metrics.flows_rate_limited += 1;
+            return Admit::RateLimited;
+        }
+        Admit::Yes
+    }
+
+    /// Send an ICMP error to the laptop unless the ICMP error bucket is empty.
+    fn send_icmp_error(&mut self, packet: Result<Vec<u8>, packet::BuildError>, now: Instant) {
+        if self.icmp_errors.take(now) {
+            self.send_to_laptop(packet);
+        } else {
+            self.metrics.icmp_rate_limited += 1;
+        }
     }
 
     fn next_id(&mut self) -> FlowId {
@@ -691,11 +766,18 @@ impl Engine {
             self.device.push_rx(buf.to_vec());
             return;
         }
-        if self.tcp.len() >= self.config.max_tcp_flows {
-            self.drop_packet(DropReason::TooManyFlows);
-            let rst = packet::tcp_rst_for_syn(&meta);
-            self.send_to_laptop(rst);
-            return;
+        match self.admit(self.tcp.len(), self.config.max_tcp_flows, now) {
+            Admit::Yes => {}
+            Admit::Cap => {
+                debug!(dst = %meta.dst, flows = self.flows(), cap = self.config.max_flows, "flow cap reached, refusing SYN with RST");
+                let rst = packet::tcp_rst_for_syn(&meta);
+                // An answer per refused SYN, but no faster than ICMP errors.
+                return self.send_icmp_error(rst, now);
+            }
+            Admit::RateLimited => {
+                trace!(dst = %meta.dst, "new-flow rate exceeded, SYN dropped");
+                return;
+            }
         }
         let id = self.next_id();
         debug!(flow = %id, dst = %meta.dst, laptop_port = meta.src.port(), "SYN held, dialing");
@@ -726,8 +808,25 @@ impl Engine {
         let id = match self.udp_by_key.get(&key) {
             Some(&id) => id,
             None => {
-                if self.udp.len() >= self.config.max_udp_flows {
-                    return self.drop_packet(DropReason::TooManyFlows);
+                match self.admit(self.udp.len(), self.config.max_udp_flows, now) {
+                    Admit::Yes => {}
+                    Admit::Cap => {
+                        let mut head = [0u8; 8];
+                        head[0..2].copy_from_slice(&src.port().to_be_bytes());
+                        head[2..4].copy_from_slice(&dst.port().to_be_bytes());
+                        let len = u16::try_from(8 + payload.len()).unwrap_or(u16::MAX);
+                        head[4..6].copy_from_slice(&len.to_be_bytes());
+                        let offending = Offending {
+                            src: src.ip(),
+                            dst: dst.ip(),
+                            protocol: IpProtocol::Udp,
+                            payload_len: 8,
+                            payload_head: &head,
+                        };
+                        let err = packet::dst_unreachable(&offending, Unreachable::AdminProhibited);
+                        return self.send_icmp_error(err, now);
+                    }
+                    Admit::RateLimited => return,
                 }
                 let id = self.next_id();
                 debug!(flow = %id, %dst, laptop_port = src.port(), "UDP flow opened");
@@ -759,8 +858,8 @@ impl Engine {
         let id = match self.ping_by_key.get(&key) {
             Some(&id) => id,
             None => {
-                if self.ping.len() >= self.config.max_ping_flows {
-                    return self.drop_packet(DropReason::TooManyFlows);
+                if self.admit(self.ping.len(), self.config.max_ping_flows, now) != Admit::Yes {
+                    return;
                 }
                 let id = self.next_id();
                 debug!(flow = %id, %dst, ident, "ping flow opened");
@@ -822,8 +921,8 @@ impl Engine {
                 let reply = packet::udp_datagram(dst, laptop, &data);
                 self.send_to_laptop(reply);
             }
-            Event::UdpRefused { flow } => self.udp_icmp_error(flow, Unreachable::Port),
-            Event::UdpUnreachable { flow } => self.udp_icmp_error(flow, Unreachable::Host),
+            Event::UdpRefused { flow } => self.udp_icmp_error(flow, Unreachable::Port, now),
+            Event::UdpUnreachable { flow } => self.udp_icmp_error(flow, Unreachable::Host, now),
             Event::SocketFailed { flow } => {
                 if self.udp.contains_key(&flow) {
                     self.remove_udp(flow);
@@ -849,7 +948,7 @@ impl Engine {
 
     /// The cluster answered a UDP flow with an ICMP error: the same error to
     /// the laptop, quoting a UDP header with the flow's ports.
-    fn udp_icmp_error(&mut self, flow: FlowId, kind: Unreachable) {
+    fn udp_icmp_error(&mut self, flow: FlowId, kind: Unreachable, now: Instant) {
         let Some(f) = self.udp.get(&flow) else { return };
         let (laptop_port, dst) = (f.key.laptop_port, f.key.dst);
         let mut head = [0u8; 8];
@@ -865,7 +964,7 @@ impl Engine {
         };
         self.metrics.udp_icmp_errors += 1;
         let err = packet::dst_unreachable(&offending, kind);
-        self.send_to_laptop(err);
+        self.send_icmp_error(err, now);
     }
 
     fn open_tcp(&mut self, flow: FlowId) -> Option<&mut OpenTcp> {

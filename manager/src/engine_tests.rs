@@ -1323,3 +1323,118 @@ fn ip_v4(a: SocketAddr) -> std::net::Ipv4Addr {
         IpAddr::V6(_) => panic!("not IPv4"),
     }
 }
+
+fn harness_with(config: impl FnOnce(&mut EngineConfig)) -> Harness {
+    let now = Instant::now();
+    let mut c = EngineConfig::new(IpAddr::V4(LAPTOP.into()), 1);
+    config(&mut c);
+    Harness {
+        e: Engine::new(c, now),
+        now,
+    }
+}
+
+fn syn(port: u16) -> Vec<u8> {
+    tcp_segment(laptop(port), backend(), TcpControl::Syn, 1, None, &[])
+}
+
+#[test]
+fn flow_cap_counts_every_kind_and_refuses_udp_with_admin_prohibited() {
+    let mut h = harness_with(|c| c.max_flows = 2);
+    h.send(syn(1));
+    h.send(udp_datagram(laptop(53), v4([10, 96, 0, 10], 53), b"q").expect("builds"));
+    assert_eq!(h.e.flows(), 2);
+    let reqs = h.reqs();
+    assert_eq!(reqs.len(), 3, "dial, UDP open, UDP send: {reqs:?}");
+    assert!(h.out().is_empty());
+
+    // Third flow of either kind: refused with an answer, counted.
+    h.send(syn(2));
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    assert!(seg(&out[0]).rst, "SYN over the cap gets RST");
+    h.send(udp_datagram(laptop(54), v4([10, 96, 0, 10], 53), b"q").expect("builds"));
+    let out = h.out();
+    assert_eq!(out.len(), 1);
+    let ip = Ipv4Packet::new_checked(&out[0][..]).expect("ipv4");
+    let icmp = Icmpv4Packet::new_checked(ip.payload()).expect("icmp");
+    assert_eq!(icmp.msg_type(), Icmpv4Message::DstUnreachable);
+    assert_eq!(
+        icmp.msg_code(),
+        13,
+        "communication administratively prohibited"
+    );
+    assert!(h.reqs().is_empty(), "nothing dialed or opened over the cap");
+    let m = h.e.metrics();
+    assert_eq!(m.flows_refused_cap, 2);
+    assert_eq!(m.dropped(DropReason::TooManyFlows), 2);
+    assert_eq!(h.e.max_flows(), 2);
+
+    // Datagrams of the existing UDP flow still pass.
+    h.send(udp_datagram(laptop(53), v4([10, 96, 0, 10], 53), b"again").expect("builds"));
+    assert!(matches!(h.reqs()[..], [Request::UdpSend { .. }]));
+}
+
+#[test]
+fn new_flow_rate_limit_drops_beyond_the_burst_and_refills() {
+    let mut h = harness_with(|c| {
+        c.new_flows_per_sec = 10;
+        c.new_flow_burst = 5;
+    });
+    for port in 1..=8 {
+        h.send(syn(port));
+    }
+    let dials = h
+        .reqs()
+        .iter()
+        .filter(|r| matches!(r, Request::TcpDial { .. }))
+        .count();
+    assert_eq!(dials, 5, "the burst");
+    assert!(h.out().is_empty(), "rate-limited SYNs are dropped silently");
+    assert_eq!(h.e.metrics().flows_rate_limited, 3);
+    // A retransmitted SYN of a dialing flow is not a new flow.
+    h.send(syn(1));
+    assert!(h.reqs().is_empty());
+    assert_eq!(h.e.metrics().flows_rate_limited, 3);
+
+    // UDP to many ports: same bucket. 100 ms refills one token.
+    h.now += Duration::from_millis(100);
+    h.send(udp_datagram(laptop(9), v4([10, 244, 1, 11], 1), b"x").expect("builds"));
+    h.send(udp_datagram(laptop(9), v4([10, 244, 1, 11], 2), b"x").expect("builds"));
+    let opens = h
+        .reqs()
+        .iter()
+        .filter(|r| matches!(r, Request::UdpOpen { .. }))
+        .count();
+    assert_eq!(opens, 1);
+    assert_eq!(h.e.metrics().flows_rate_limited, 4);
+
+    // The SYN the laptop retransmits a second later gets through.
+    h.now += Duration::from_secs(1);
+    h.send(syn(6));
+    assert!(matches!(h.reqs()[..], [Request::TcpDial { .. }]));
+}
+
+#[test]
+fn icmp_errors_to_the_laptop_are_rate_limited() {
+    let mut h = harness_with(|c| {
+        c.icmp_errors_per_sec = 10;
+        c.icmp_error_burst = 3;
+    });
+    let mut flows = Vec::new();
+    for port in 1..=6 {
+        h.send(udp_datagram(laptop(7000), v4([10, 244, 1, 11], port), b"x").expect("builds"));
+        for r in h.reqs() {
+            if let Request::UdpOpen { flow, .. } = r {
+                flows.push(flow);
+            }
+        }
+    }
+    assert_eq!(flows.len(), 6);
+    for flow in flows {
+        h.event(Event::UdpRefused { flow });
+    }
+    assert_eq!(h.out().len(), 3, "the ICMP burst");
+    let m = h.e.metrics();
+    assert_eq!((m.udp_icmp_errors, m.icmp_rate_limited), (6, 3));
+}

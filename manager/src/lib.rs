@@ -6,7 +6,8 @@
 //! Layout:
 //! - [`packet`], [`frag`], [`device`], [`engine`], [`metrics`]: the pure core — packet
 //!   classification and construction, fragment reassembly, the per-session
-//!   flow table with its smoltcp interface. No I/O, no clock (`now` is passed in).
+//!   flow table with its smoltcp interface; [`limit`]: the per-client token
+//!   buckets (new flows, ICMP errors). No I/O, no clock (`now` is passed in).
 //! - [`kernel`]: all I/O towards the cluster (TCP dials and splicing, UDP and
 //!   ICMP echo sockets).
 //! - [`session`]: the tokio shell of one data-channel session (frames in and
@@ -15,6 +16,7 @@
 //! - [`lease`]: the pure lease table (tunnel IPs from the pool, tokens,
 //!   expiry); [`leases`]: its shell (clock, randomness, the ConfigMap store);
 //!   [`grpc`]: the control gRPC API on :10802 (`Lease`, `WatchRoutes`).
+//! - [`fuzzing`]: entry points of the cargo-fuzz targets and the corpus replay.
 //! - [`routes`]: the pure route and DNS discovery core (watch events in, pod
 //!   CIDRs, Services and cluster DNS out, deltas per client); [`route_watch`]:
 //!   its shell (kube-runtime watches, debounce, subscribers).
@@ -22,10 +24,12 @@
 pub mod device;
 pub mod engine;
 pub mod frag;
+pub mod fuzzing;
 pub mod grpc;
 pub mod kernel;
 pub mod lease;
 pub mod leases;
+pub mod limit;
 pub mod metrics;
 pub mod packet;
 pub mod peers;

@@ -66,6 +66,18 @@ pub struct Metrics {
     pub peer_packets: u64,
     /// Bytes of those packets.
     pub peer_bytes: u64,
+    /// New flows refused because the session was at its flow cap (also
+    /// counted as `drop_too_many_flows`).
+    pub flows_refused_cap: u64,
+    /// New flows dropped by the new-flow rate limit (first packet dropped;
+    /// TCP retransmits its SYN).
+    pub flows_rate_limited: u64,
+    /// ICMP errors (and flow-cap RSTs) not sent because of the ICMP error
+    /// rate limit.
+    pub icmp_rate_limited: u64,
+    /// Times the session loop waited because the writer's queue towards the
+    /// laptop was full (backpressure; counted by the shell).
+    pub write_queue_full: u64,
 }
 
 impl Metrics {
@@ -98,7 +110,8 @@ impl fmt::Display for Metrics {
              reset_by_laptop={} reset_by_remote={} closed={} idle_expired={} bytes_out={} bytes_in={} \
              udp: flows={} expired={} out={} in={} icmp_errors={} icmp: sent={} replies={} \
              mtu: reassembled={} fragmented={} too_big={} heartbeats={} \
-             peer: {}p/{}B drops={}",
+             peer: {}p/{}B limits: refused_cap={} rate_limited={} icmp_rate_limited={} \
+             write_queue_full={} drops={}",
             self.packets_from_laptop,
             self.bytes_from_laptop,
             self.packets_to_laptop,
@@ -126,6 +139,10 @@ impl fmt::Display for Metrics {
             self.heartbeats,
             self.peer_packets,
             self.peer_bytes,
+            self.flows_refused_cap,
+            self.flows_rate_limited,
+            self.icmp_rate_limited,
+            self.write_queue_full,
             self.dropped_total(),
         )?;
         for (reason, n) in DropReason::ALL.iter().zip(self.drops) {

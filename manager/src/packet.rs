@@ -295,6 +295,9 @@ pub enum Unreachable {
     /// A UDP destination answered "port unreachable" (the kernel socket saw
     /// ECONNREFUSED): the laptop's connected UDP socket sees ECONNREFUSED.
     Port,
+    /// The manager refuses the flow by policy (the per-client flow cap):
+    /// ICMP type 3 code 13 / ICMPv6 type 1 code 1 (RFC 1812 §5.2.7.1, RFC 4443).
+    AdminProhibited,
 }
 
 /// The IP header and first transport bytes of a packet an ICMP error refers to.
@@ -445,6 +448,7 @@ pub fn dst_unreachable(
                 reason: match kind {
                     Unreachable::Host => Icmpv4DstUnreachable::HostUnreachable,
                     Unreachable::Port => Icmpv4DstUnreachable::PortUnreachable,
+                    Unreachable::AdminProhibited => Icmpv4DstUnreachable::CommProhibited,
                 },
                 header: Ipv4Repr {
                     src_addr: s,
@@ -469,6 +473,7 @@ pub fn dst_unreachable(
                 reason: match kind {
                     Unreachable::Host => Icmpv6DstUnreachable::AddrUnreachable,
                     Unreachable::Port => Icmpv6DstUnreachable::PortUnreachable,
+                    Unreachable::AdminProhibited => Icmpv6DstUnreachable::AdminProhibit,
                 },
                 header: Ipv6Repr {
                     src_addr: s,

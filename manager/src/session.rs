@@ -65,6 +65,15 @@ pub struct SessionConfig {
     /// The live sessions, for laptop-to-laptop forwarding. Sessions sharing a
     /// `SessionConfig` (clones) share it.
     pub peers: Peers,
+    /// Per-client flow cap (all kinds), see [`EngineConfig::max_flows`].
+    pub max_flows: usize,
+    /// New flows per second per client (0: unlimited), see [`crate::limit`].
+    pub new_flows_per_sec: u32,
+    /// New flows at once per client.
+    pub new_flow_burst: u32,
+    /// How often a live session logs its flow counts, limits and the
+    /// manager's memory (the manager's metrics log, `session stats`).
+    pub stats_interval: Duration,
 }
 
 impl Default for SessionConfig {
@@ -77,6 +86,10 @@ impl Default for SessionConfig {
             leases: None,
             tunnel_pool: None,
             peers: Peers::default(),
+            max_flows: crate::engine::DEFAULT_MAX_FLOWS,
+            new_flows_per_sec: crate::limit::NEW_FLOWS_PER_SEC,
+            new_flow_burst: crate::limit::NEW_FLOW_BURST,
+            stats_interval: Duration::from_secs(10),
         }
     }
 }
@@ -273,6 +286,53 @@ fn handle_frames(
     Ok(used)
 }
 
+/// The manager's memory from `/proc/self/status`: (resident, peak resident),
+/// bytes. None off Linux or when unreadable.
+pub fn process_memory() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kib: u64 = line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// One `session stats` line: the flow table against the cap, the limits that
+/// bit, the kernel side's sockets and the manager process's memory. This is
+/// the manager's metrics log (`kubectl logs` of the manager pod).
+fn log_stats(engine: &Engine, kernel: &KernelSide, peak_flows: usize) {
+    let (tcp, udp, ping) = engine.flow_counts();
+    let (k_tcp, k_udp, k_ping) = kernel.counts();
+    let m = engine.metrics();
+    let (rss, peak_rss) = process_memory().unwrap_or_default();
+    info!(
+        flows = engine.flows(),
+        max_flows = engine.max_flows(),
+        peak_flows,
+        tcp,
+        udp,
+        ping,
+        kernel_tcp = k_tcp,
+        kernel_udp = k_udp,
+        kernel_ping = k_ping,
+        refused_cap = m.flows_refused_cap,
+        rate_limited = m.flows_rate_limited,
+        icmp_rate_limited = m.icmp_rate_limited,
+        write_queue_full = m.write_queue_full,
+        tcp_dials = m.tcp_dials,
+        tcp_closed = m.tcp_closed,
+        manager_rss_bytes = rss,
+        manager_peak_rss_bytes = peak_rss,
+        "session stats"
+    );
+}
+
 /// Run one client session on `stream` until the laptop closes it or it fails.
 ///
 /// Returns the session's counters when the laptop closed the stream; logs a
@@ -331,6 +391,12 @@ where
     info!("session started");
     let mut engine_config = EngineConfig::new(tunnel_ip, random_seed());
     engine_config.allow_loopback = config.allow_loopback;
+    engine_config.max_flows = config.max_flows;
+    engine_config.max_tcp_flows = config.max_flows;
+    engine_config.max_udp_flows = engine_config.max_udp_flows.min(config.max_flows);
+    engine_config.max_ping_flows = engine_config.max_ping_flows.min(config.max_flows);
+    engine_config.new_flows_per_sec = config.new_flows_per_sec;
+    engine_config.new_flow_burst = config.new_flow_burst;
     let mut engine = Engine::new(engine_config, Instant::now());
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let (datagrams_tx, mut datagrams_rx) = mpsc::channel(DATAGRAM_QUEUE);
@@ -341,6 +407,12 @@ where
     let _peer = config.peers.register(tunnel_ip, out_tx.clone());
     let mut out: Vec<u8> = Vec::new();
     let mut last_frame = tokio::time::Instant::now();
+    let mut stats = tokio::time::interval_at(
+        tokio::time::Instant::now() + config.stats_interval,
+        config.stats_interval,
+    );
+    stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut peak_flows = 0usize;
 
     let result: Result<(), SessionError> = loop {
         let now = Instant::now();
@@ -361,8 +433,21 @@ where
                 debug!(bytes = packet.len(), "packet too large for a frame");
             }
         }
-        if !out.is_empty() && out_tx.send(std::mem::take(&mut out)).await.is_err() {
-            break Err(SessionError::Write);
+        peak_flows = peak_flows.max(engine.flows());
+        if !out.is_empty() {
+            let batch = std::mem::take(&mut out);
+            let sent = match out_tx.try_send(batch) {
+                Ok(()) => Ok(()),
+                Err(mpsc::error::TrySendError::Full(batch)) => {
+                    // Backpressure: stop reading the laptop until the writer drains.
+                    engine.metrics_mut().write_queue_full += 1;
+                    out_tx.send(batch).await.map_err(|_| ())
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
+            };
+            if sent.is_err() {
+                break Err(SessionError::Write);
+            }
         }
 
         let timer = engine
@@ -406,8 +491,10 @@ where
             _ = tokio::time::sleep_until(last_frame + config.idle_timeout) => {
                 break Err(SessionError::Silent(config.idle_timeout));
             }
+            _ = stats.tick() => log_stats(&engine, &kernel, peak_flows),
         }
     };
+    log_stats(&engine, &kernel, peak_flows);
     let (tcp, udp, ping) = engine.flow_counts();
     let metrics = engine.metrics().clone();
     match &result {

@@ -39,3 +39,45 @@ pub fn frame_decode(data: &[u8]) {
     let _ = decode_exact(data);
     let _ = Hello::decode(data);
 }
+
+/// Split a fuzz input into several byte strings, each prefixed by a 2-byte
+/// big-endian length (a short last chunk takes what is left). Targets that
+/// feed a sequence of packets or messages use this shape, so corpus files can
+/// be written by hand: `len_be16 bytes len_be16 bytes …`.
+pub fn chunks(data: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    let mut rest = data;
+    while let Some((len, tail)) = rest.split_first_chunk::<2>() {
+        let n = usize::from(u16::from_be_bytes(*len)).min(tail.len());
+        out.push(&tail[..n]);
+        rest = &tail[n..];
+    }
+    out
+}
+
+/// Encode `parts` in the [`chunks`] shape (for writing seed inputs).
+pub fn join_chunks<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for p in parts {
+        let p = &p[..p.len().min(usize::from(u16::MAX))];
+        // Cannot fail: clamped to u16::MAX just above.
+        let len = u16::try_from(p.len()).unwrap_or(u16::MAX);
+        out.extend_from_slice(&len.to_be_bytes());
+        out.extend_from_slice(p);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_round_trip_and_clamp_a_short_tail() {
+        let parts: [&[u8]; 3] = [b"abc", b"", b"xy"];
+        let joined = join_chunks(parts);
+        assert_eq!(chunks(&joined), parts.to_vec());
+        assert_eq!(chunks(&[0, 5, b'a', b'b']), vec![&b"ab"[..]]);
+        assert!(chunks(&[7]).is_empty());
+    }
+}

@@ -278,17 +278,17 @@ pub fn latency(f: &KubeFixture, name: &str, n: usize) -> (u64, Vec<String>) {
     (median(times), a)
 }
 
-/// SIGKILL to the fixture's root daemon and session agents (by pid: the daemon's
-/// pid file and the agents of its runtime folder); returns once the daemon is
-/// gone and its socket refuses connections. Returns the daemon's pid.
+/// SIGKILL to the fixture's root daemon and user daemon (by pid: the daemon's
+/// pid file and the user daemon of its runtime folder); returns once the daemon
+/// is gone and its socket refuses connections. Returns the daemon's pid.
 pub fn kill_daemon_and_agents(f: &KubeFixture) -> i32 {
     let pid_file = f.runtime_dir().join("dataplane.pid");
     let pid: i32 = std::fs::read_to_string(&pid_file)
         .ok()
         .and_then(|p| p.trim().parse().ok())
         .unwrap_or_else(|| panic!("no daemon pid in {}", pid_file.display()));
-    for p in std::iter::once(pid).chain(f.agent_pids().into_iter().map(|p| p as i32)) {
-        // SAFETY: pids of this fixture's root daemon (its pid file) and agents.
+    for p in std::iter::once(pid).chain(f.user_daemon_pids().into_iter().map(|p| p as i32)) {
+        // SAFETY: pids of this fixture's root daemon (its pid file) and user daemon.
         unsafe { libc::kill(p, libc::SIGKILL) };
     }
     let alive = |pid: i32| {

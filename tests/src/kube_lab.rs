@@ -1,12 +1,14 @@
 //! [`KubeFixture`]: the Kubernetes lab ([`K8sLab`]: real kube-apiserver, kubelet,
 //! kube-proxy and DNS stand-ins, sample workloads, *no* pre-installed traffic
-//! manager) plus the real `kvpn` CLI, session agent and root daemon running in
+//! manager) plus the real `kvpn` CLI, user daemon and root daemon running in
 //! its laptop netns, which reaches only the API server (172.31.255.1:6443).
 //!
-//! Each fixture has its own lab id and its own `KVPN_RUNTIME_DIR` (inside the lab
-//! folder), so tests run in parallel. Drop tears everything down, also when the
-//! test failed: `kvpn quit` (sessions, root daemon, agents), then any agent of this
-//! runtime folder still running (by pid), then the lab.
+//! Each fixture has its own lab id, its own `KVPN_RUNTIME_DIR` (inside the lab
+//! folder; the user daemon's socket and log live there too) and its own
+//! `XDG_STATE_HOME` (the user daemon's session records), so tests run in
+//! parallel. Drop tears everything down, also when the test failed: `kvpn quit`
+//! (sessions, user daemon, root daemon), then any user daemon of this runtime
+//! folder still running (by pid), then the lab.
 //!
 //! More than one of each: [`KubeFixture::add_cluster`] brings up a second cluster
 //! (its own addressing) whose uplink is in this fixture's laptop netns, so one
@@ -68,6 +70,7 @@ pub struct Laptop {
     pub lab: K8sLaptop,
     runtime_dir: PathBuf,
     config_dir: PathBuf,
+    state_dir: PathBuf,
     kvpn: PathBuf,
 }
 
@@ -94,6 +97,7 @@ impl Laptop {
             )
             .env("KVPN_HOSTS", self.lab.netns.etc_dir().join("hosts"))
             .env("XDG_CONFIG_HOME", &self.config_dir)
+            .env("XDG_STATE_HOME", &self.state_dir)
             .env_remove("SUDO_USER")
             .env_remove("KUBECONFIG");
         cmd.output()
@@ -146,12 +150,12 @@ impl Laptop {
             .unwrap_or_else(|e| panic!("{} netns: {e:#}", self.lab.role))
     }
 
-    /// The root daemon's and agents' logs.
+    /// The root daemon's and the user daemon's logs.
     pub fn diagnostics(&self) -> String {
         diagnostics_of(&self.runtime_dir)
     }
 
-    /// `kvpn quit`, then SIGKILL to any agent of its runtime folder still running.
+    /// `kvpn quit`, then SIGKILL to any user daemon of its runtime folder still running.
     fn quit(&self) {
         let quit = self.kvpn(&["quit"]);
         if !quit.status.success() {
@@ -162,7 +166,7 @@ impl Laptop {
                 text(&quit.stderr)
             );
         }
-        kill_agents_of(&self.runtime_dir);
+        kill_user_daemons_of(&self.runtime_dir);
     }
 }
 
@@ -177,6 +181,7 @@ pub struct KubeFixture {
     admin: kube::Client,
     rt: tokio::runtime::Runtime,
     runtime_dir: PathBuf,
+    state_dir: PathBuf,
     kvpn: PathBuf,
 }
 
@@ -206,6 +211,7 @@ impl KubeFixture {
             .block_on(lab.admin_client())
             .unwrap_or_else(|e| panic!("admin client: {e}"));
         let runtime_dir = lab.netns_lab().dir().join("kvpn-runtime");
+        let state_dir = lab.netns_lab().dir().join("kvpn-state");
         let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
         KubeFixture {
             laptops: Vec::new(),
@@ -214,6 +220,7 @@ impl KubeFixture {
             admin,
             rt,
             runtime_dir,
+            state_dir,
             kvpn,
         }
     }
@@ -229,6 +236,12 @@ impl KubeFixture {
     /// This fixture's `KVPN_RUNTIME_DIR`.
     pub fn runtime_dir(&self) -> &Path {
         &self.runtime_dir
+    }
+
+    /// This fixture's `XDG_STATE_HOME` (the user daemon keeps its session
+    /// records under `kvpn/sessions/` there).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
     }
 
     /// The laptop netns's resolv.conf (`/etc/netns/<laptop netns>/resolv.conf`,
@@ -303,6 +316,7 @@ impl KubeFixture {
             lab: added,
             runtime_dir: base.join("kvpn-runtime"),
             config_dir: base.join("config"),
+            state_dir: base.join("state"),
             kvpn: self.kvpn.clone(),
         });
         self.laptops
@@ -355,6 +369,7 @@ impl KubeFixture {
             .env("KVPN_RUNTIME_DIR", &self.runtime_dir)
             .env("KVPN_RESOLV_CONF", self.laptop_resolv_conf())
             .env("KVPN_HOSTS", self.laptop_hosts())
+            .env("XDG_STATE_HOME", &self.state_dir)
             .env_remove("KUBECONFIG");
         cmd.output()
             .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
@@ -516,10 +531,27 @@ impl KubeFixture {
         }
     }
 
-    /// Pids of the session agents (`kvpn agent`) of this fixture's runtime folder
-    /// (their `--state-file` lies in it), sorted.
+    /// Pids of the user daemons (`kvpn --runtime-dir <this fixture's> daemon`),
+    /// sorted: one at most, whatever the number of sessions.
+    pub fn user_daemon_pids(&self) -> Vec<u32> {
+        user_daemon_pids_of(&self.runtime_dir)
+    }
+
+    /// The loopback listeners (`LISTEN` TCP sockets) of this fixture's user
+    /// daemon: one per port-forward session (the address the root daemon dials).
+    pub fn session_listeners(&self) -> Vec<String> {
+        self.user_daemon_pids()
+            .into_iter()
+            .flat_map(|pid| self.tcp_sockets_of(pid))
+            .filter(|s| s.state == "LISTEN")
+            .map(|s| s.local)
+            .collect()
+    }
+
+    /// Pids of processes running `kvpn agent` of this fixture (the per-session
+    /// agents of before the user daemon): none ever.
     pub fn agent_pids(&self) -> Vec<u32> {
-        agent_pids_of(&self.runtime_dir)
+        pids_with_args(&self.runtime_dir, "agent")
     }
 
     /// TCP sockets of `pid` in the laptop netns, any state, as `ss` shows them.
@@ -610,7 +642,7 @@ impl KubeFixture {
         .collect()
     }
 
-    /// The root daemon's log and the agents' logs (of every laptop), for failure
+    /// The root daemons' and user daemons' logs (of every laptop), for failure
     /// messages.
     pub fn diagnostics(&self) -> String {
         let mut s = diagnostics_of(&self.runtime_dir);
@@ -632,7 +664,7 @@ impl Drop for KubeFixture {
         if self.lab.is_none() {
             return;
         }
-        // Sessions, agents and root daemons first; they live in the labs' netns.
+        // Sessions, user daemons and root daemons first; they live in the labs' netns.
         for l in &self.laptops {
             l.quit();
         }
@@ -640,7 +672,7 @@ impl Drop for KubeFixture {
         if !quit.status.success() {
             eprintln!("kvpn quit: {}{}", text(&quit.stdout), text(&quit.stderr));
         }
-        kill_agents_of(&self.runtime_dir);
+        kill_user_daemons_of(&self.runtime_dir);
         // Extra clusters before the first: their uplinks are in its laptop netns.
         let labs: Vec<K8sLab> = self
             .clusters
@@ -661,10 +693,10 @@ impl Drop for KubeFixture {
     }
 }
 
-/// Pids of the running session agents (`kvpn agent`) whose command line names a
-/// path inside `runtime_dir` (their `--state-file`), sorted.
-pub fn agent_pids_of(runtime_dir: &Path) -> Vec<u32> {
-    let dir = format!("{}/", runtime_dir.to_string_lossy());
+/// Pids of running processes whose command line has the argument `subcommand`
+/// and an argument naming `runtime_dir` or a path inside it, sorted.
+pub fn pids_with_args(runtime_dir: &Path, subcommand: &str) -> Vec<u32> {
+    let dir = runtime_dir.to_string_lossy().into_owned();
     let mut pids: Vec<u32> = std::fs::read_dir("/proc")
         .map(|d| {
             d.flatten()
@@ -684,8 +716,11 @@ pub fn agent_pids_of(runtime_dir: &Path) -> Vec<u32> {
                                 .is_some_and(|c| c != 'Z' && c != 'X')
                         });
                     running
-                        && args.iter().any(|a| a == "agent")
-                        && args.iter().any(|a| a.starts_with(&dir))
+                        && args.first().is_some_and(|a| a.ends_with("kvpn"))
+                        && args.iter().any(|a| a == subcommand)
+                        && args
+                            .iter()
+                            .any(|a| a == &dir || a.starts_with(&format!("{dir}/")))
                 })
                 .collect()
         })
@@ -694,32 +729,34 @@ pub fn agent_pids_of(runtime_dir: &Path) -> Vec<u32> {
     pids
 }
 
-/// SIGKILL to every agent of `runtime_dir` still running (one that outlived
-/// `kvpn quit`, e.g. after a test failed between spawning and recording it).
-fn kill_agents_of(runtime_dir: &Path) {
-    for pid in agent_pids_of(runtime_dir) {
+/// Pids of the running user daemons (`kvpn --runtime-dir <runtime_dir> daemon`).
+pub fn user_daemon_pids_of(runtime_dir: &Path) -> Vec<u32> {
+    pids_with_args(runtime_dir, "daemon")
+}
+
+/// SIGKILL to every user daemon of `runtime_dir` still running (one that
+/// outlived `kvpn quit`, e.g. after a test failed).
+fn kill_user_daemons_of(runtime_dir: &Path) {
+    for pid in user_daemon_pids_of(runtime_dir) {
         // SAFETY: kill with a pid found by its command line naming our folder.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
 }
 
-/// The root daemon's log and the agents' logs of `runtime_dir`, for failure messages.
+/// The root daemon's log and the user daemon's log of `runtime_dir`, for
+/// failure messages.
 pub fn diagnostics_of(runtime_dir: &Path) -> String {
     let mut s = String::new();
-    let daemon = std::fs::read_to_string(runtime_dir.join("dataplane.log")).unwrap_or_default();
-    s.push_str(&format!(
-        "--- root daemon log {} (last 40 lines):\n",
-        runtime_dir.display()
-    ));
-    s.push_str(&tail(&daemon, 40));
-    if let Ok(dir) = std::fs::read_dir(runtime_dir.join("agents")) {
-        for e in dir.flatten() {
-            if e.path().extension().is_some_and(|x| x == "log") {
-                let log = std::fs::read_to_string(e.path()).unwrap_or_default();
-                s.push_str(&format!("--- {} (last 20 lines):\n", e.path().display()));
-                s.push_str(&tail(&log, 20));
-            }
-        }
+    for (what, file, n) in [
+        ("root daemon", "dataplane.log", 40),
+        ("user daemon", "user.log", 40),
+    ] {
+        let log = std::fs::read_to_string(runtime_dir.join(file)).unwrap_or_default();
+        s.push_str(&format!(
+            "--- {what} log {} (last {n} lines):\n",
+            runtime_dir.join(file).display()
+        ));
+        s.push_str(&tail(&log, n));
     }
     s
 }

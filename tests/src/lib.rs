@@ -8,6 +8,7 @@
 pub mod dns_lab;
 pub mod kube_lab;
 pub mod ssh_lab;
+pub mod ssh_term_lab;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};

@@ -13,6 +13,10 @@
 //! of their own. Root's password inside a bastion comes from a `shadow` file in the
 //! bastion's `/etc/netns/<name>/` (bind-mounted by `ip netns exec` for sshd only).
 //!
+//! [`SshLab::on_node`] instead runs one sshd in the lab's node netns (a jump host that
+//! is a cluster node and reaches ClusterIPs, for the SSH data-plane bypass), and
+//! [`SshLab::black_hole_ssh`] silently drops the laptop's SSH traffic.
+//!
 //! Everything is removed on drop: sshd (by pid), ssh-agent (by pid), the links, the
 //! netns made here and the nftables table.
 
@@ -77,6 +81,19 @@ impl Bastion {
             }
         }
         out
+    }
+
+    /// Established TCP connections in the bastion's netns whose peer is `peer`, as
+    /// `ss -tnp` lines (with the owning process, e.g. `users:(("sshd",pid=…))`).
+    pub fn connections_to(&self, peer: std::net::SocketAddr) -> Vec<String> {
+        let out = Netns::from_name(&self.netns)
+            .exec(&["ss", "-Htnp", "state", "established"])
+            .unwrap_or_else(|e| panic!("ss in {}: {e:#}", self.netns));
+        text(&out.stdout)
+            .lines()
+            .filter(|l| l.split_whitespace().any(|w| w == peer.to_string()))
+            .map(str::to_owned)
+            .collect()
     }
 
     /// The sshd log (`-E`).
@@ -159,36 +176,8 @@ impl SshLab {
         assert!((1..=5).contains(&hops), "1 to 5 hops");
         let id = fx.lab().netns_lab().id().to_owned();
         let dir = fx.lab().netns_lab().dir().join("ssh");
-        std::fs::create_dir_all(dir.join("home/.ssh")).unwrap_or_else(|e| panic!("mkdir: {e}"));
-        // sshd's privilege separation folder (what the Debian service creates).
-        let _ = std::fs::create_dir_all("/run/sshd");
         let laptop_netns = fx.lab().netns_lab().laptop_netns().name().to_owned();
-
-        // Client keys.
-        let key = dir.join("id_ed25519");
-        run(Command::new("ssh-keygen")
-            .args(["-q", "-t", "ed25519", "-N", "", "-C", "kvpn-test", "-f"])
-            .arg(&key));
-        let passphrase = "correct horse battery";
-        let encrypted_key = dir.join("id_encrypted");
-        run(Command::new("ssh-keygen")
-            .args([
-                "-q", "-t", "ed25519", "-N", passphrase, "-C", "kvpn-enc", "-f",
-            ])
-            .arg(&encrypted_key));
-        let authorized = [&key, &encrypted_key]
-            .iter()
-            .map(|k| {
-                std::fs::read_to_string(k.with_extension("pub"))
-                    .unwrap_or_else(|e| panic!("pub key: {e}"))
-            })
-            .collect::<String>();
-        let hash = text(
-            &run(Command::new("openssl").args(["passwd", "-6", "-salt", "kvpnlab", PASSWORD]))
-                .stdout,
-        )
-        .trim()
-        .to_owned();
+        let creds = Credentials::new(&dir);
 
         // The last bastion is an extra laptop netns (it reaches the API server).
         let last_role = format!("laptop-b{hops}");
@@ -224,107 +213,204 @@ impl SshLab {
                     format!("link set {b} up"),
                 ],
             );
-            let bdir = dir.join(format!("b{n}"));
-            std::fs::create_dir_all(&bdir).unwrap_or_else(|e| panic!("mkdir: {e}"));
-            let mut host_keys = Vec::new();
-            let mut key_args = Vec::new();
-            for (ty, extra) in [
-                ("ed25519", vec![]),
-                ("ecdsa", vec!["-b", "256"]),
-                ("rsa", vec!["-b", "2048"]),
-            ] {
-                let path = bdir.join(format!("ssh_host_{ty}_key"));
-                run(Command::new("ssh-keygen")
-                    .args(["-q", "-t", ty, "-N", ""])
-                    .args(&extra)
-                    .arg("-f")
-                    .arg(&path));
-                let public =
-                    std::fs::read_to_string(path.with_extension("pub")).unwrap_or_default();
-                let mut parts = public.split_whitespace();
-                host_keys.push((
-                    parts.next().unwrap_or_default().to_owned(),
-                    parts.next().unwrap_or_default().to_owned(),
-                ));
-                key_args.push("-h".to_owned());
-                key_args.push(path.to_string_lossy().into_owned());
-            }
-            std::fs::write(bdir.join("authorized_keys"), &authorized)
-                .unwrap_or_else(|e| panic!("{e}"));
-            let config = format!(
-                "Port {SSHD_PORT}\nListenAddress {b_ip}\nPidFile {pid}\nAuthorizedKeysFile {ak}\n\
-                 StrictModes no\nPermitRootLogin yes\nPasswordAuthentication yes\n\
-                 KbdInteractiveAuthentication no\nUsePAM no\nAllowTcpForwarding yes\n\
-                 PermitOpen any\nMaxAuthTries 10\nLogLevel VERBOSE\n",
-                pid = bdir.join("sshd.pid").display(),
-                ak = bdir.join("authorized_keys").display(),
-            );
-            std::fs::write(bdir.join("sshd_config"), config).unwrap_or_else(|e| panic!("{e}"));
-            let ns = Netns::from_name(name);
-            ns.write_etc_file(
-                "shadow",
-                format!("root:{hash}:20000:0:99999:7:::\n").as_bytes(),
-            )
-            .unwrap_or_else(|e| panic!("shadow: {e:#}"));
-            let sshd = ns
-                .command("/usr/sbin/sshd")
-                .arg("-D")
-                .arg("-f")
-                .arg(bdir.join("sshd_config"))
-                .args(&key_args)
-                .arg("-E")
-                .arg(bdir.join("sshd.log"))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| panic!("sshd in {name}: {e}"));
-            let bastion = Bastion {
-                netns: name.clone(),
-                addr: b_ip.clone(),
-                host_keys,
-                dir: bdir,
-                sshd: Some(sshd),
-                own_netns: *own,
-            };
-            wait_listening(&bastion);
-            bastions.push(bastion);
+            bastions.push(creds.start_sshd(name, &b_ip, &dir.join(format!("b{n}")), *own));
             prev = name.clone();
         }
+        Self::finish(laptop_netns, &id, dir, creds, bastions)
+    }
+
+    /// One "bastion" that is a cluster node: sshd in the lab's node netns, on the
+    /// node's uplink address (172.31.255.1:2222, which the laptop reaches), so it
+    /// reaches the API server and, through kube-proxy's rules, every ClusterIP —
+    /// the case the SSH data-plane bypass is for. Like a real node, the node netns
+    /// gets a route for the service CIDR (a node's default route), without which
+    /// its own connections to ClusterIPs would fail before kube-proxy's DNAT.
+    pub fn on_node(fx: &mut KubeFixture) -> Self {
+        let id = fx.lab().netns_lab().id().to_owned();
+        let dir = fx.lab().netns_lab().dir().join("ssh");
+        let laptop_netns = fx.lab().netns_lab().laptop_netns().name().to_owned();
+        let creds = Credentials::new(&dir);
+        let node = fx.lab().netns_lab().node();
+        let node_ns = node.netns().name().to_owned();
+        let service_cidr = fx.lab().addressing().service_cidr;
+        let _ = Netns::from_name(&node_ns).ip(&[
+            "route",
+            "add",
+            &service_cidr.to_string(),
+            "dev",
+            node.bridge(),
+        ]);
+        let node_ip = API
+            .split(':')
+            .next()
+            .unwrap_or_else(|| unreachable!("API is host:port"));
+        let bastion = creds.start_sshd(&node_ns, node_ip, &dir.join("node"), false);
+        Self::finish(laptop_netns, &id, dir, creds, vec![bastion])
+    }
+
+    fn finish(
+        laptop_netns: String,
+        id: &str,
+        dir: PathBuf,
+        creds: Credentials,
+        bastions: Vec<Bastion>,
+    ) -> Self {
         // The laptop must not reach the API server but through SSH.
         let nft_table = format!("kvpn_ssh_{id}");
         let rules = format!(
             "table inet {nft_table} {{\n  chain out {{\n    type filter hook output priority 0; policy accept;\n    \
              ip daddr 172.31.255.1 tcp dport 6443 reject with tcp reset\n  }}\n}}\n"
         );
-        let mut nft = Netns::from_name(&laptop_netns)
-            .command("nft")
-            .args(["-f", "-"])
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("nft: {e}"));
-        if let Some(mut stdin) = nft.stdin.take() {
-            use std::io::Write as _;
-            stdin
-                .write_all(rules.as_bytes())
-                .unwrap_or_else(|e| panic!("nft stdin: {e}"));
-        }
-        assert!(
-            nft.wait().is_ok_and(|s| s.success()),
-            "nft table {nft_table}"
-        );
+        nft_load(&laptop_netns, &rules);
         SshLab {
             bastions,
             dir,
-            key,
-            encrypted_key,
-            passphrase,
+            key: creds.key,
+            encrypted_key: creds.encrypted_key,
+            passphrase: creds.passphrase,
             laptop_netns,
             nft_table,
             agent: None,
         }
     }
+}
 
+fn nft_load(netns: &str, rules: &str) {
+    let mut nft = Netns::from_name(netns)
+        .command("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("nft: {e}"));
+    if let Some(mut stdin) = nft.stdin.take() {
+        use std::io::Write as _;
+        stdin
+            .write_all(rules.as_bytes())
+            .unwrap_or_else(|e| panic!("nft stdin: {e}"));
+    }
+    assert!(
+        nft.wait().is_ok_and(|s| s.success()),
+        "nft in {netns}: {rules}"
+    );
+}
+
+/// The client keys and root's password hash every bastion accepts.
+struct Credentials {
+    key: PathBuf,
+    encrypted_key: PathBuf,
+    passphrase: &'static str,
+    authorized: String,
+    hash: String,
+}
+
+impl Credentials {
+    fn new(dir: &Path) -> Self {
+        std::fs::create_dir_all(dir.join("home/.ssh")).unwrap_or_else(|e| panic!("mkdir: {e}"));
+        // sshd's privilege separation folder (what the Debian service creates).
+        let _ = std::fs::create_dir_all("/run/sshd");
+        // Client keys.
+        let key = dir.join("id_ed25519");
+        run(Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-C", "kvpn-test", "-f"])
+            .arg(&key));
+        let passphrase = "correct horse battery";
+        let encrypted_key = dir.join("id_encrypted");
+        run(Command::new("ssh-keygen")
+            .args([
+                "-q", "-t", "ed25519", "-N", passphrase, "-C", "kvpn-enc", "-f",
+            ])
+            .arg(&encrypted_key));
+        let authorized = [&key, &encrypted_key]
+            .iter()
+            .map(|k| {
+                std::fs::read_to_string(k.with_extension("pub"))
+                    .unwrap_or_else(|e| panic!("pub key: {e}"))
+            })
+            .collect::<String>();
+        let hash = text(
+            &run(Command::new("openssl").args(["passwd", "-6", "-salt", "kvpnlab", PASSWORD]))
+                .stdout,
+        )
+        .trim()
+        .to_owned();
+        Credentials {
+            key,
+            encrypted_key,
+            passphrase,
+            authorized,
+            hash,
+        }
+    }
+
+    /// sshd in `name` on `addr`:[`SSHD_PORT`], its files in `bdir`.
+    fn start_sshd(&self, name: &str, b_ip: &str, bdir: &Path, own: bool) -> Bastion {
+        let (authorized, hash) = (&self.authorized, &self.hash);
+        std::fs::create_dir_all(bdir).unwrap_or_else(|e| panic!("mkdir: {e}"));
+        let mut host_keys = Vec::new();
+        let mut key_args = Vec::new();
+        for (ty, extra) in [
+            ("ed25519", vec![]),
+            ("ecdsa", vec!["-b", "256"]),
+            ("rsa", vec!["-b", "2048"]),
+        ] {
+            let path = bdir.join(format!("ssh_host_{ty}_key"));
+            run(Command::new("ssh-keygen")
+                .args(["-q", "-t", ty, "-N", ""])
+                .args(&extra)
+                .arg("-f")
+                .arg(&path));
+            let public = std::fs::read_to_string(path.with_extension("pub")).unwrap_or_default();
+            let mut parts = public.split_whitespace();
+            host_keys.push((
+                parts.next().unwrap_or_default().to_owned(),
+                parts.next().unwrap_or_default().to_owned(),
+            ));
+            key_args.push("-h".to_owned());
+            key_args.push(path.to_string_lossy().into_owned());
+        }
+        std::fs::write(bdir.join("authorized_keys"), authorized).unwrap_or_else(|e| panic!("{e}"));
+        let config = format!(
+            "Port {SSHD_PORT}\nListenAddress {b_ip}\nPidFile {pid}\nAuthorizedKeysFile {ak}\n\
+             StrictModes no\nPermitRootLogin yes\nPasswordAuthentication yes\n\
+             KbdInteractiveAuthentication no\nUsePAM no\nAllowTcpForwarding yes\n\
+             PermitOpen any\nMaxAuthTries 10\nLogLevel VERBOSE\n",
+            pid = bdir.join("sshd.pid").display(),
+            ak = bdir.join("authorized_keys").display(),
+        );
+        std::fs::write(bdir.join("sshd_config"), config).unwrap_or_else(|e| panic!("{e}"));
+        let ns = Netns::from_name(name);
+        ns.write_etc_file(
+            "shadow",
+            format!("root:{hash}:20000:0:99999:7:::\n").as_bytes(),
+        )
+        .unwrap_or_else(|e| panic!("shadow: {e:#}"));
+        let sshd = ns
+            .command("/usr/sbin/sshd")
+            .arg("-D")
+            .arg("-f")
+            .arg(bdir.join("sshd_config"))
+            .args(&key_args)
+            .arg("-E")
+            .arg(bdir.join("sshd.log"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("sshd in {name}: {e}"));
+        let bastion = Bastion {
+            netns: name.to_owned(),
+            addr: b_ip.to_owned(),
+            host_keys,
+            dir: bdir.to_owned(),
+            sshd: Some(sshd),
+            own_netns: own,
+        };
+        wait_listening(&bastion);
+        bastion
+    }
+}
+
+impl SshLab {
     /// The fake HOME of the kvpn runs (its `.ssh/` is empty unless a test fills it).
     pub fn home(&self) -> PathBuf {
         self.dir.join("home")
@@ -400,6 +486,7 @@ impl SshLab {
             .env("KVPN_RUNTIME_DIR", fx.runtime_dir())
             .env("KVPN_RESOLV_CONF", fx.laptop_resolv_conf())
             .env("HOME", self.home())
+            .env("XDG_STATE_HOME", fx.state_dir())
             .env_remove("KUBECONFIG")
             .env_remove("KVPN_SSH_CONFIG")
             .env_remove("KVPN_SSH_KNOWN_HOSTS")
@@ -421,6 +508,26 @@ impl SshLab {
                 std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_ok()
             })
             .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+    }
+
+    /// Silently drops everything between the laptop and the first bastion's sshd
+    /// (both directions, no RST) until the returned guard heals or drops: a
+    /// black-holed SSH connection.
+    pub fn black_hole_ssh(&self) -> SshBlackHole {
+        let b = &self.bastions[0];
+        let table = format!("{}_hole", self.nft_table);
+        let rules = format!(
+            "table inet {table} {{\n  chain out {{\n    type filter hook output priority 0; policy accept;\n    \
+             ip daddr {a} tcp dport {SSHD_PORT} counter drop\n  }}\n  chain in {{\n    \
+             type filter hook input priority 0; policy accept;\n    \
+             ip saddr {a} tcp sport {SSHD_PORT} counter drop\n  }}\n}}\n",
+            a = b.addr
+        );
+        nft_load(&self.laptop_netns, &rules);
+        SshBlackHole {
+            netns: self.laptop_netns.clone(),
+            table: Some(table),
+        }
     }
 
     /// sshd logs of all bastions, for failure messages.
@@ -467,5 +574,36 @@ impl Drop for SshLab {
         ]);
         // Bastions (sshd, own netns) drop with the Vec, last first.
         while self.bastions.pop().is_some() {}
+    }
+}
+
+/// An nftables table in the laptop netns dropping the SSH traffic of the first
+/// bastion ([`SshLab::black_hole_ssh`]); removed by [`SshBlackHole::heal`] or on drop.
+pub struct SshBlackHole {
+    netns: String,
+    table: Option<String>,
+}
+
+impl SshBlackHole {
+    /// Removes the rules: the SSH path works again.
+    pub fn heal(&mut self) {
+        if let Some(t) = self.table.take() {
+            let out = Netns::from_name(&self.netns)
+                .exec(&["nft", "delete", "table", "inet", &t])
+                .unwrap_or_else(|e| panic!("nft delete {t}: {e:#}"));
+            assert!(
+                out.status.success(),
+                "nft delete table {t}: {}",
+                text(&out.stderr)
+            );
+        }
+    }
+}
+
+impl Drop for SshBlackHole {
+    fn drop(&mut self) {
+        if let Some(t) = self.table.take() {
+            let _ = Netns::from_name(&self.netns).exec(&["nft", "delete", "table", "inet", &t]);
+        }
     }
 }

@@ -234,7 +234,7 @@ fn restricted_connect_reaches_cluster_ip_and_pod_ips_and_is_idempotent() {
         s["manager"]
             .as_str()
             .is_some_and(|m| m.starts_with("127.0.0.1:")),
-        "the root daemon dials the agent on loopback: {s:#}"
+        "the root daemon dials the user daemon on loopback: {s:#}"
     );
     assert_eq!(s["tunnel_ip"], "100.96.0.2", "{s:#}");
     assert_eq!(
@@ -272,8 +272,14 @@ fn restricted_connect_reaches_cluster_ip_and_pod_ips_and_is_idempotent() {
     // Idempotent: the same connect again finds the session and does nothing.
     let tun_name = s["tun_name"].as_str().unwrap_or_default().to_owned();
     let tun = f.tun_state(&tun_name);
-    let agents = f.agent_pids();
-    assert_eq!(agents.len(), 1, "one session agent: {agents:?}");
+    let daemons = f.user_daemon_pids();
+    assert_eq!(daemons.len(), 1, "one user daemon: {daemons:?}");
+    assert_eq!(
+        f.session_listeners(),
+        vec![s["manager"].as_str().unwrap_or_default().to_owned()],
+        "the user daemon listens once, where the root daemon dials"
+    );
+    assert!(f.agent_pids().is_empty(), "no per-session agent process");
     let kubeconfig = f.user_kubeconfig();
     let again = f.kvpn(&["connect", "--kubeconfig", &kubeconfig]);
     let again_out = text(&again.stdout);
@@ -290,7 +296,7 @@ fn restricted_connect_reaches_cluster_ip_and_pod_ips_and_is_idempotent() {
         "Installing",
         "Creating",
         "Upgrading",
-        "Starting the port-forward agent",
+        "through a port-forward to pod",
         "Detecting",
     ] {
         assert!(
@@ -306,7 +312,8 @@ fn restricted_connect_reaches_cluster_ip_and_pod_ips_and_is_idempotent() {
         vec![tun_name.clone()],
         "no second TUN device"
     );
-    assert_eq!(f.agent_pids(), agents, "no second agent");
+    assert_eq!(f.user_daemon_pids(), daemons, "the same user daemon");
+    assert_eq!(f.session_listeners().len(), 1, "no second listener");
     // Flags that would shape a new session are not silently dropped.
     let third = f.kvpn(&[
         "connect",
@@ -354,9 +361,9 @@ fn disconnect_upgrade_of_an_older_manager_and_uninstall() {
     assert!(out.contains("Installing traffic manager"), "{out}");
     f.wait_state("connected", Duration::from_secs(15));
     f.page(web());
-    assert_eq!(f.agent_pids().len(), 1);
+    assert_eq!(f.session_listeners().len(), 1);
 
-    // Disconnect: no TUN device, no cluster route, no agent, no cluster.
+    // Disconnect: no TUN device, no cluster route, no listener, no cluster.
     let out = f.kvpn_ok(&["disconnect", "--all"]);
     assert!(out.contains("Disconnected session"), "{out}");
     assert!(
@@ -371,9 +378,9 @@ fn disconnect_upgrade_of_an_older_manager_and_uninstall() {
         "cluster routes left after disconnect: {routes:?}"
     );
     assert_eq!(
-        f.agent_pids(),
-        Vec::<u32>::new(),
-        "agent left after disconnect"
+        f.session_listeners(),
+        Vec::<String>::new(),
+        "port-forward listener left after disconnect"
     );
     assert!(
         f.http_get(web(), Duration::from_secs(1)).is_err(),
@@ -439,9 +446,9 @@ fn disconnect_upgrade_of_an_older_manager_and_uninstall() {
     assert!(out.contains("Removed"), "{out}");
     assert_eq!(f.sessions().len(), 0, "session left after uninstall");
     assert_eq!(
-        f.agent_pids(),
-        Vec::<u32>::new(),
-        "agent left after uninstall"
+        f.session_listeners(),
+        Vec::<String>::new(),
+        "port-forward listener left after uninstall"
     );
     // ReplicaSets go through the garbage collector after uninstall returns.
     let t1 = Instant::now();
@@ -516,7 +523,8 @@ fn killed_manager_pod_reconnecting_then_traffic_resumes_on_the_same_tun() {
         tun0,
         "same TUN device (ifindex, addresses, routes)"
     );
-    assert_eq!(f.agent_pids().len(), 1, "the same single agent");
+    assert_eq!(f.user_daemon_pids().len(), 1, "the same single user daemon");
+    assert_eq!(f.session_listeners().len(), 1, "one listener");
     eprintln!(
         "manager pod {old_name} deleted → reconnecting after {:.2} s ({reason}), \
          traffic back after {:.2} s, connected after {:.2} s, through {}",
@@ -594,8 +602,9 @@ fn port_forward_killed_five_times_recovers_each_time_on_the_same_tun() {
     let tun_name = s0["tun_name"].as_str().unwrap_or_default().to_owned();
     let agent_addr = s0["manager"].as_str().unwrap_or_default().to_owned();
     let tun0 = f.tun_state(&tun_name);
-    let agents = f.agent_pids();
-    assert_eq!(agents.len(), 1, "one agent: {agents:?}");
+    // The user daemon holds the session's port-forward side (it has only this one).
+    let agents = f.user_daemon_pids();
+    assert_eq!(agents.len(), 1, "one user daemon: {agents:?}");
     let agent = agents[0];
     let sockets0 = f.tcp_sockets_of(agent);
     let listening0: Vec<&TcpSocket> = sockets0.iter().filter(|s| s.state == "LISTEN").collect();
@@ -679,7 +688,11 @@ fn port_forward_killed_five_times_recovers_each_time_on_the_same_tun() {
         fds <= fds0 + 1,
         "agent file descriptors: {fds0} before, {fds} after five kills"
     );
-    assert_eq!(f.agent_pids(), agents, "the same agent survived");
+    assert_eq!(
+        f.user_daemon_pids(),
+        agents,
+        "the same user daemon survived"
+    );
     let daemon_pid: u32 = std::fs::read_to_string(f.runtime_dir().join("dataplane.pid"))
         .ok()
         .and_then(|p| p.trim().parse().ok())

@@ -32,8 +32,8 @@ fn status_warns_and_quit_restores_resolv_conf_after_the_daemon_was_killed() {
         .ok()
         .and_then(|p| p.trim().parse().ok())
         .unwrap_or_else(|| panic!("no daemon pid in {}", pid_file.display()));
-    for p in std::iter::once(pid).chain(f.agent_pids().into_iter().map(|p| p as i32)) {
-        // SAFETY: pids of this fixture's root daemon (its pid file) and agents.
+    for p in std::iter::once(pid).chain(f.user_daemon_pids().into_iter().map(|p| p as i32)) {
+        // SAFETY: pids of this fixture's root daemon (its pid file) and user daemon.
         unsafe { libc::kill(p, libc::SIGKILL) };
     }
     // A killed multi-threaded process shows as a zombie while its other threads

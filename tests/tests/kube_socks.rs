@@ -1,10 +1,12 @@
 //! End-to-end tests of SOCKS5 mode (`kvpn connect --socks`, issue [daemons] item
 //! 4) on the Kubernetes lab: no TUN device, no root daemon; a SOCKS5 server in the
-//! session process carries real curl (`--socks5-hostname`, so names resolve
+//! user daemon carries real curl (`--socks5-hostname`, so names resolve
 //! through the cluster DNS), a SOCKS5 UDP client (UDP ASSOCIATE to the lab's UDP
 //! echo Service and a DNS query to the cluster DNS), and survives bad SOCKS input.
-//! The last part downloads the same file through SOCKS and through a TUN
-//! session and prints both rates (no timed assertion: bench/ does ratios).
+//! A SIGKILLed user daemon reports the SOCKS session lost (not restored);
+//! `kvpn quit` stops a SOCKS session next to a TUN one. The last part downloads
+//! the same file through SOCKS and through a TUN session and prints both rates
+//! (no timed assertion: bench/ does ratios).
 //!
 //! Needs the workspace binaries (`KVPN_BIN_DIR`) and the Kubernetes binaries.
 
@@ -17,7 +19,7 @@ use kvpn_lab::k8s::dns::CLUSTER_DNS_IP;
 use kvpn_lab::{
     ECHO_SERVICE_PORT, HTTP_PORT, LAPTOP, UDP_ECHO_CLUSTER_IP, WEB_CLUSTER_IP, WEB_SERVICE_PORT,
 };
-use kvpn_tests::kube_lab::{KubeFixture, agent_pids_of, pod_ip};
+use kvpn_tests::kube_lab::{KubeFixture, pod_ip};
 use kvpn_tests::text;
 
 const LISTEN: &str = "127.0.0.1:1080";
@@ -201,26 +203,50 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
         "no root daemon socket"
     );
     assert_eq!(root_daemons_of(f.runtime_dir()), Vec::<u32>::new());
-    let agents = agent_pids_of(f.runtime_dir());
-    assert_eq!(agents.len(), 1, "one session process: {agents:?}");
+    let daemons = f.user_daemon_pids();
+    assert_eq!(daemons.len(), 1, "one user daemon: {daemons:?}");
+    assert_eq!(f.agent_pids(), Vec::<u32>::new(), "no per-session agent");
+    // The SOCKS listener is the user daemon's.
+    let listens: Vec<String> = f
+        .tcp_sockets_of(daemons[0])
+        .into_iter()
+        .filter(|s| s.state == "LISTEN")
+        .map(|s| s.local)
+        .collect();
+    assert!(
+        listens.iter().any(|l| l == LISTEN),
+        "the user daemon listens on {LISTEN}: {listens:?}"
+    );
 
     // Status: one session, mode socks, with the listen address, connected.
+    let status = f.status_json();
+    assert_eq!(status["root_daemon"]["running"], false, "{status:#}");
     let s = f.session();
+    let id = s["id"].as_str().unwrap_or_default().to_owned();
+    assert!(id.starts_with("socks-"), "{s:#}");
     assert_eq!(s["transport"], "socks", "{s:#}");
-    assert_eq!(s["socks_listen"], LISTEN, "{s:#}");
+    assert_eq!(s["socks"]["listen"], LISTEN, "{s:#}");
     assert_eq!(s["state"], "connected", "{s:#}");
-    assert!(s["tun_name"].is_null(), "{s:#}");
-    assert_eq!(s["pid"], agents[0], "{s:#}");
+    assert_eq!(s["tun_name"], "", "{s:#}");
+    assert_eq!(s["user_daemon"]["state"], "running", "{s:#}");
+    assert_eq!(
+        s["socks"]["dns_servers"],
+        serde_json::json!([CLUSTER_DNS_IP.to_string()]),
+        "{s:#}"
+    );
     let table = f.kvpn_ok(&["status"]);
     assert!(
-        table.contains("socks") && table.contains(LISTEN),
+        table.contains("socks") && table.contains(&format!("SOCKS5 proxy on {LISTEN}")),
         "status table: {table}"
     );
+    let yaml = f.kvpn_ok(&["status", "-o", "yaml"]);
+    assert!(yaml.contains(&format!("listen: {LISTEN}")), "{yaml}");
 
     // A second connect is a no-op.
     let again = f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig, "--socks"]);
     assert!(again.contains("Already connected"), "{again}");
-    assert_eq!(agent_pids_of(f.runtime_dir()), agents);
+    assert_eq!(f.user_daemon_pids(), daemons);
+    assert_eq!(f.sessions().len(), 1);
 
     // curl with remote DNS: a service name, resolved by the cluster DNS.
     let (ok, page, err) = curl(&f, &["--socks5-hostname", LISTEN, "http://web.default/"]);
@@ -355,15 +381,66 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
     let url_name = format!("http://web.default/big?bytes={BIG}");
     let socks_rate = download(&f, &["--socks5-hostname", LISTEN], &url_name, BIG);
 
-    // Disconnect: the proxy stops, the session process exits, status is empty.
-    let out = f.kvpn_ok(&["disconnect"]);
-    assert!(out.contains("Disconnected SOCKS session"), "{out}");
-    assert_eq!(agent_pids_of(f.runtime_dir()), Vec::<u32>::new());
+    let s = f.session();
+    assert!(
+        s["tx"]["bytes"].as_u64().unwrap_or(0) > 0 && s["rx"]["bytes"].as_u64().unwrap_or(0) > BIG,
+        "counters: {s:#}"
+    );
+
+    // Disconnect by id: the proxy stops, the user daemon stays, status is empty.
+    let out = f.kvpn_ok(&["disconnect", &id]);
+    assert!(
+        out.contains(&format!("Disconnected SOCKS session {id}")),
+        "{out}"
+    );
+    assert_eq!(f.user_daemon_pids(), daemons);
     let (ok, _, _) = curl(&f, &["--socks5-hostname", LISTEN, "http://web.default/"]);
     assert!(!ok, "no proxy after disconnect");
     assert_eq!(f.sessions(), Vec::<serde_json::Value>::new());
 
+    // A SIGKILLed user daemon: the next status (which starts a new one) reports
+    // the SOCKS session lost, saying why; disconnect clears it.
+    f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig, "--socks"]);
+    let id = f.session()["id"].as_str().unwrap_or_default().to_owned();
+    for pid in f.user_daemon_pids() {
+        // SAFETY: kill with a pid found by its command line naming this fixture's folder.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    let s = f.session();
+    assert_eq!(s["id"], id.as_str(), "{s:#}");
+    assert_eq!(s["state"], "lost", "{s:#}");
+    assert!(
+        s["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("kvpn connect --socks"),
+        "{s:#}"
+    );
+    let (ok, _, _) = curl(&f, &["--socks5-hostname", LISTEN, "http://web.default/"]);
+    assert!(!ok, "no proxy after the user daemon died");
+    f.kvpn_ok(&["disconnect", "--all"]);
+    assert_eq!(f.sessions(), Vec::<serde_json::Value>::new());
+    assert_eq!(root_daemons_of(f.runtime_dir()), Vec::<u32>::new());
+
+    // SOCKS next to a TUN session; `kvpn quit` stops both.
+    f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig, "--socks"]);
     f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig]);
+    let states: Vec<(String, String)> = f
+        .sessions()
+        .iter()
+        .map(|s| {
+            (
+                s["transport"].as_str().unwrap_or_default().to_owned(),
+                s["state"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(states.len(), 2, "{states:?}");
+    assert!(
+        states.contains(&("socks".into(), "connected".into()))
+            && states.contains(&("port-forward".into(), "connected".into())),
+        "{states:?}"
+    );
     let url_ip = format!("http://{WEB_CLUSTER_IP}/big?bytes={BIG}");
     let tun_rate = download(&f, &[], &url_ip, BIG);
     eprintln!(
@@ -373,4 +450,15 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
         tun_rate * 8.0 / 1e6,
         socks_rate / tun_rate
     );
+    let (ok, _, err) = curl(&f, &["--socks5-hostname", LISTEN, "http://web.default/"]);
+    assert!(ok, "SOCKS next to a TUN session: {err}");
+    let out = f.kvpn_ok(&["quit"]);
+    assert!(
+        out.contains("socks-"),
+        "quit names the SOCKS session: {out}"
+    );
+    let (ok, _, _) = curl(&f, &["--socks5-hostname", LISTEN, "http://web.default/"]);
+    assert!(!ok, "no proxy after quit");
+    assert_eq!(f.user_daemon_pids(), Vec::<u32>::new());
+    assert_eq!(f.tun_devices(), Vec::<String>::new());
 }

@@ -50,11 +50,17 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
-    /// Run every cargo-fuzz target for a bounded time.
+    /// Run every cargo-fuzz target (or the named ones) for a bounded time.
     Fuzz {
         /// Seconds per target.
         #[arg(long, default_value_t = 60)]
         seconds: u32,
+        /// Afterwards, merge what the fuzzer found into the committed corpora
+        /// (only inputs that add coverage).
+        #[arg(long)]
+        merge: bool,
+        /// Targets to run (default: every file in fuzz/fuzz_targets/).
+        targets: Vec<String>,
     },
 }
 
@@ -142,26 +148,138 @@ fn main() -> Result<()> {
             cmd.env("KVPN_BIN_DIR", &bin).args(&args);
             run(&mut cmd)
         }
-        Task::Fuzz { seconds } => {
-            if Command::new("cargo")
-                .args(["fuzz", "--version"])
-                .output()
-                .map(|o| !o.status.success())
-                .unwrap_or(true)
-            {
-                println!("==> installing cargo-fuzz");
-                run(cargo().args(["install", "cargo-fuzz", "--locked"]))?;
-            }
-            // One entry per cargo-fuzz target in fuzz/fuzz_targets/.
-            const TARGETS: &[&str] = &["frame_decode"];
-            for target in TARGETS {
-                println!("==> fuzzing {target} for {seconds}s");
-                run(Command::new("cargo")
-                    .args(["+nightly", "fuzz", "run", target, "--"])
-                    .arg(format!("-max_total_time={seconds}"))
-                    .current_dir(root().join("fuzz")))?;
-            }
-            Ok(())
+        Task::Fuzz {
+            seconds,
+            merge,
+            targets,
+        } => fuzz(seconds, merge, &targets),
+    }
+}
+
+/// Every cargo-fuzz target: the files in fuzz/fuzz_targets/.
+fn fuzz_targets() -> Result<Vec<String>> {
+    let dir = root().join("fuzz/fuzz_targets");
+    let mut out = Vec::new();
+    for entry in
+        std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))?
+    {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "rs")
+            && let Some(stem) = path.file_stem().and_then(|s| s.to_str())
+        {
+            out.push(stem.to_owned());
         }
     }
+    out.sort();
+    Ok(out)
+}
+
+/// `cargo +nightly fuzz <sub> …` with the flags every call shares: no
+/// sanitizer (safe Rust; panics are what we look for, and the build and runs
+/// are several times cheaper without ASan), debug assertions on (overflow is
+/// a panic), a target dir in the cache outside the checkout, and the eBPF
+/// build skipped (the DNS targets only need the dataplane's pure modules).
+fn cargo_fuzz(sub: &str) -> Command {
+    let cache = std::env::var("KVPN_CACHE").unwrap_or_else(|_| "/var/cache/kvpn".into());
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        "+nightly",
+        "fuzz",
+        sub,
+        "--sanitizer",
+        "none",
+        "--debug-assertions",
+    ])
+    .arg("--target-dir")
+    .arg(format!("{cache}/fuzz-target"))
+    .env("AYA_BUILD_SKIP", "1")
+    .env("CARGO_INCREMENTAL", "0")
+    .env("PATH", path_with_tools())
+    .current_dir(root().join("fuzz"));
+    cmd
+}
+
+/// `./x fuzz`: a bounded run of each target. New inputs go to a scratch corpus
+/// in the cache (the committed one in fuzz/corpus/ is only read, unless
+/// `merge`); a crash stops with the input under fuzz/artifacts/<target>/.
+fn fuzz(seconds: u32, merge: bool, only: &[String]) -> Result<()> {
+    if Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .map(|o| !o.status.success())
+        .unwrap_or(true)
+    {
+        println!("==> installing cargo-fuzz");
+        run(cargo().args(["install", "cargo-fuzz", "--locked"]))?;
+    }
+    let all = fuzz_targets()?;
+    for t in only {
+        if !all.contains(t) {
+            bail!("no fuzz target {t:?} — the targets are: {}", all.join(", "));
+        }
+    }
+    let targets: Vec<&String> = all
+        .iter()
+        .filter(|t| only.is_empty() || only.contains(t))
+        .collect();
+    println!("==> building {} fuzz targets", targets.len());
+    run(&mut cargo_fuzz("build"))?;
+    let cache = std::env::var("KVPN_CACHE").unwrap_or_else(|_| "/var/cache/kvpn".into());
+    let mut summary = Vec::new();
+    for target in targets {
+        let scratch = PathBuf::from(&cache).join("fuzz-corpus").join(target);
+        std::fs::create_dir_all(&scratch)
+            .with_context(|| format!("cannot create {}", scratch.display()))?;
+        let committed = root().join("fuzz/corpus").join(target);
+        println!("==> fuzzing {target} for {seconds}s");
+        let out = cargo_fuzz("run")
+            .arg(target)
+            .arg(&scratch)
+            .arg(&committed)
+            .arg("--")
+            .arg(format!("-max_total_time={seconds}"))
+            .args(["-timeout=10", "-rss_limit_mb=2048", "-print_final_stats=1"])
+            .output()
+            .with_context(|| format!("cannot run cargo fuzz for {target}"))?;
+        let log = String::from_utf8_lossy(&out.stderr);
+        let runs = log
+            .lines()
+            .find_map(|l| l.strip_prefix("stat::number_of_executed_units:"))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_else(|| "?".into());
+        let cov = log
+            .lines()
+            .rev()
+            .find_map(|l| {
+                l.split_once(" cov: ")
+                    .map(|(_, r)| r.split_whitespace().next().unwrap_or("?").to_owned())
+            })
+            .unwrap_or_else(|| "?".into());
+        if !out.status.success() {
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            for l in tail.iter().rev() {
+                println!("{l}");
+            }
+            bail!(
+                "fuzz target {target} failed ({}): the crashing input is under fuzz/artifacts/{target}/ — \
+                 fix it, then copy it to fuzz/artifacts-regressions/{target}/ so `./x test` replays it",
+                out.status
+            );
+        }
+        println!("    {target}: {runs} runs, coverage {cov}");
+        summary.push(format!("{target}: {runs} runs in {seconds}s, cov {cov}"));
+        if merge {
+            println!(
+                "==> merging new {target} inputs into {}",
+                committed.display()
+            );
+            run(cargo_fuzz("run")
+                .arg(target)
+                .arg(&committed)
+                .arg(&scratch)
+                .args(["--", "-merge=1"]))?;
+        }
+    }
+    println!("==> fuzzing done\n{}", summary.join("\n"));
+    Ok(())
 }

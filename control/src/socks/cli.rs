@@ -1,43 +1,103 @@
 //! The CLI side of SOCKS sessions: `kvpn connect --socks` (install or upgrade the
-//! traffic manager, lease a tunnel IP, read the cluster DNS, start the session
-//! process with the SOCKS task), and the SOCKS part of `kvpn status` and
-//! `kvpn disconnect`. No root daemon is asked for anything.
+//! traffic manager, lease a tunnel IP, read the cluster DNS, ask the user daemon
+//! to start the session with its SOCKS task). Status, disconnect, quit and
+//! uninstall reach SOCKS sessions through the user daemon like any session. No
+//! root daemon is asked for anything, or started.
 //!
 //! I/O: the API server (through [`crate::install`] and [`crate::lease`]), the
-//! session process it spawns, the records in the agents folder.
+//! user daemon's socket.
 
 use std::net::IpAddr;
+use std::os::unix::ffi::OsStrExt as _;
 use std::path::Path;
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use kvpn_proto::dataplane::{ConnectRequest, Origin};
+use kvpn_proto::userd::user_daemon_client::UserDaemonClient;
+use kvpn_proto::userd::{SocksSession, StartSessionRequest, StatusRequest, UserSession};
+use tonic::transport::Channel;
 
-use super::dns::ClusterDnsConfig;
-use super::{SocksConfig, SocksOrigin, SocksStatus};
-use crate::agent::{self, AgentConfig};
 use crate::cli::ConnectArgs;
 use crate::connect as tun_connect;
 use crate::install::{self, InstallOptions};
 use crate::kubeconfig::{KubeConnection, UserEnv};
-use crate::{lease, output};
+use crate::{daemon, lease, output, userd};
 
-/// The SOCKS sessions of this runtime folder, with "failed" for those whose
-/// session process is gone.
-pub fn sessions(runtime_dir: &Path) -> Vec<SocksStatus> {
-    super::sessions(&tun_connect::agents_dir(runtime_dir), |id| {
-        tun_connect::agent_of(runtime_dir, id).is_some()
-    })
+/// The user daemon's SOCKS sessions.
+async fn socks_sessions(user: &mut UserDaemonClient<Channel>) -> Result<Vec<UserSession>> {
+    Ok(user
+        .status(StatusRequest {})
+        .await
+        .map_err(daemon::status_to_error)
+        .context("status failed")?
+        .into_inner()
+        .user_sessions
+        .into_iter()
+        .filter(|u| u.socks.is_some())
+        .collect())
 }
 
-/// Stop SOCKS session `id` (its session process and records). `false` when
-/// there is no such SOCKS session.
-pub async fn disconnect(runtime_dir: &Path, id: &str) -> bool {
-    let record = super::status_path(&tun_connect::agents_dir(runtime_dir), id);
-    if !record.exists() {
-        return false;
+/// Stop the SOCKS sessions through the traffic manager of `server` in
+/// `manager_namespace` (uninstall); the stopped ids.
+pub async fn disconnect_sessions_of(
+    runtime_dir: &Path,
+    server: &str,
+    manager_namespace: &str,
+) -> Result<Vec<String>> {
+    let Some(mut user) = userd::connect_if_needed(runtime_dir).await? else {
+        return Ok(Vec::new());
+    };
+    let mut stopped = Vec::new();
+    for s in socks_sessions(&mut user).await? {
+        let Some(o) = &s.origin else { continue };
+        if o.server != server || o.manager_namespace != manager_namespace {
+            continue;
+        }
+        stopped.extend(
+            user.disconnect(kvpn_proto::userd::DisconnectRequest {
+                session_id: s.id.clone(),
+            })
+            .await
+            .map_err(daemon::status_to_error)
+            .with_context(|| format!("cannot disconnect session {}", s.id))?
+            .into_inner()
+            .stopped,
+        );
     }
-    tun_connect::stop_agent(runtime_dir, id).await;
-    let _ = std::fs::remove_file(&record);
-    true
+    Ok(stopped)
+}
+
+/// Wait (bounded) until SOCKS session `id` says connected; the error names the
+/// reason it last gave.
+async fn wait_connected(
+    user: &mut UserDaemonClient<Channel>,
+    id: &str,
+    wait: Duration,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let s = socks_sessions(user)
+            .await?
+            .into_iter()
+            .find(|u| u.id == id)
+            .and_then(|u| u.socks);
+        let Some(s) = s else {
+            bail!("the user daemon no longer lists SOCKS session {id} — see `kvpn logs`");
+        };
+        if s.state == "connected" {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "the SOCKS session did not connect to the traffic manager within {} s ({}: {})",
+                wait.as_secs(),
+                s.state,
+                s.reason
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// `kvpn connect --socks` on an open API-server connection.
@@ -53,19 +113,26 @@ pub async fn connect(
             .as_deref()
             .unwrap_or(super::DEFAULT_LISTEN),
     )?;
-    let origin = SocksOrigin {
+    let origin = Origin {
+        transport: super::TRANSPORT_SOCKS.to_owned(),
         cluster: conn.description.cluster.clone(),
         server: conn.description.server.clone(),
         context: conn.description.context.clone(),
         manager_namespace: args.kube.manager_namespace.clone(),
+        data_path: tun_connect::TRANSPORT_PORT_FORWARD.to_owned(),
     };
-    if let Some(s) = sessions(runtime_dir)
+    let mut user = userd::connect_or_start(runtime_dir).await?;
+    if let Some(s) = socks_sessions(&mut user)
+        .await?
         .into_iter()
-        .find(|s| s.origin == origin && s.state != "failed")
+        .find(|s| s.origin.as_ref() == Some(&origin) && s.state != userd::server::STATE_LOST)
     {
         output::done(&format!(
             "Already connected: SOCKS session {} on {} leads to cluster {} (context {}) — nothing to do",
-            s.id, s.socks_listen, origin.cluster, origin.context
+            s.id,
+            s.socks.map(|x| x.listen).unwrap_or_default(),
+            origin.cluster,
+            origin.context
         ));
         return Ok(());
     }
@@ -106,63 +173,66 @@ pub async fn connect(
     output::done(&format!("Tunnel IP {tunnel_ip}"));
 
     let dns = match tun_connect::cluster_dns(&conn.client, &conn.description.namespace).await {
-        Ok(d) => ClusterDnsConfig {
-            servers: d.servers.iter().filter_map(|s| s.parse().ok()).collect(),
-            search: d.search,
-        },
+        Ok(d) => (d.servers, d.search),
         Err(why) => {
             output::warn(&format!(
                 "service names will not resolve through the SOCKS proxy (IP addresses will): {why}"
             ));
-            ClusterDnsConfig::default()
+            (Vec::new(), Vec::new())
         }
     };
 
-    let dir = tun_connect::agents_dir(runtime_dir);
-    std::fs::create_dir_all(&dir).with_context(|| {
-        format!(
-            "cannot create {} — set KVPN_RUNTIME_DIR (or --runtime-dir) to a folder you can write",
-            dir.display()
-        )
-    })?;
     let id = super::new_id();
-    let status_file = super::status_path(&dir, &id);
-    let log = dir.join(format!("{id}.log"));
-    let config = SocksConfig {
-        id: id.clone(),
-        listen,
-        tunnel_ip,
-        session_token: leased.session_token.clone(),
-        tls_ca_pem: manager.ca_pem.clone(),
-        tls_server_name: manager.server_name.clone(),
-        dns,
-        origin,
-        status_file: status_file.clone(),
-    };
     output::step(&format!(
-        "Starting the session process (port-forward to pod {} port {}, SOCKS5 on {listen})",
+        "Starting the SOCKS session in the user daemon (port-forward to pod {} port {}, SOCKS5 on {listen})",
         manager.pod_name, manager.data_port
     ));
-    let (pid, _addr) = agent::spawn(
-        &AgentConfig {
-            flags: args.kube.flags(),
-            ssh: plan.cloned(),
+    let started = user
+        .start_session(StartSessionRequest {
+            env: userd::env_of(env),
+            cwd: env.cwd.as_os_str().as_bytes().to_vec(),
+            euid: env.euid,
+            kubeconfig: args
+                .kube
+                .kubeconfig
+                .as_ref()
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            context: args.kube.context.clone().unwrap_or_default(),
+            namespace: args.kube.namespace.clone().unwrap_or_default(),
+            ssh_plan_json: plan.map(|p| p.to_env()).unwrap_or_default(),
             manager_namespace: args.kube.manager_namespace.clone(),
-            port: manager.data_port,
-            state_file: dir.join(format!("{id}.addr")),
+            data_port: u32::from(manager.data_port),
             // No route watch: a SOCKS session has no routes and no root daemon.
-            grpc_port: None,
+            grpc_port: 0,
             keep_out: Vec::new(),
-            runtime_dir: runtime_dir.to_owned(),
-            socks: Some(config),
-        },
-        &log,
-    )
-    .await?;
-    tun_connect::record_agent(runtime_dir, &id, pid)?;
-    match super::wait_connected(&status_file, tun_connect::FIRST_ECHO_WAIT).await {
-        Ok(_) => output::done(&format!(
-            "Connected to {} through port-forward: SOCKS5 proxy on {listen} (session {id}, tunnel IP {tunnel_ip}, pid {pid})",
+            connected_namespace: conn.description.namespace.clone(),
+            ssh_direct: String::new(),
+            // Only which cluster and the tunnel IP (status, uninstall); no Connect.
+            connect: Some(ConnectRequest {
+                tunnel_ip: tunnel_ip.to_string(),
+                origin: Some(origin),
+                ..ConnectRequest::default()
+            }),
+            socks: Some(SocksSession {
+                id: id.clone(),
+                listen: listen.to_string(),
+                tunnel_ip: tunnel_ip.to_string(),
+                session_token: leased.session_token.clone(),
+                tls_ca_pem: manager.ca_pem.clone(),
+                tls_server_name: manager.server_name.clone(),
+                dns_servers: dns.0,
+                dns_search: dns.1,
+            }),
+        })
+        .await
+        .map_err(daemon::status_to_error)
+        .context("connect failed")?
+        .into_inner();
+    let pid = started.daemon_pid;
+    match wait_connected(&mut user, &id, tun_connect::FIRST_ECHO_WAIT).await {
+        Ok(()) => output::done(&format!(
+            "Connected to {} through port-forward: SOCKS5 proxy on {listen} (session {id}, tunnel IP {tunnel_ip}, user daemon pid {pid})",
             conn.description.cluster
         )),
         Err(e) => output::warn(&format!(

@@ -1,7 +1,6 @@
 //! SOCKS5 mode: `kvpn connect --socks [--socks-listen 127.0.0.1:1080]` puts a
 //! SOCKS5 server on the laptop instead of a TUN device. No root daemon, no
-//! routes, no root: the unprivileged session process (today the session agent,
-//! `kvpn agent`; the user daemon once it hosts sessions) owns a laptop-side
+//! routes, no root: the unprivileged user daemon (`kvpn daemon`) owns a laptop-side
 //! TCP/IP stack ([`stack`], smoltcp) with the leased tunnel IP and carries its
 //! packets over the same data channel a TUN session uses ([`channel`]: TLS
 //! over the API-server port-forward, hello with the lease token, heartbeats).
@@ -10,8 +9,8 @@
 //! connected namespace resolves them ([`dns`]); see [`server`].
 //!
 //! This module: the session task ([`start`] → [`SocksTask`]) the session
-//! process hosts, its status record (a JSON file next to the agent's pid file,
-//! rewritten every second, read by `kvpn status`), and the CLI side of
+//! process hosts, its status record (a JSON file in the user daemon's private folder,
+//! rewritten twice a second, read by the user daemon for `kvpn status`), and the CLI side of
 //! connect, status and disconnect for SOCKS sessions.
 //!
 //! I/O: the status file; the rest lives in the submodules.
@@ -27,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow};
 use kvpn_dataplane::liveness::{HEARTBEAT_INTERVAL, Liveness};
 use kvpn_dataplane::tls::TlsClient;
 use serde::{Deserialize, Serialize};
@@ -43,11 +42,6 @@ pub const TRANSPORT_SOCKS: &str = "socks";
 
 /// The default SOCKS listen address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:1080";
-
-/// Environment variable that hands a [`SocksConfig`] (JSON) to the session
-/// process: it holds the lease's session token, which must not show in the
-/// process list.
-pub const CONFIG_ENV: &str = "KVPN_SOCKS";
 
 /// Which cluster a SOCKS session leads to (shown by `kvpn status`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,18 +78,6 @@ pub struct SocksConfig {
     pub origin: SocksOrigin,
     /// Where to keep the status record.
     pub status_file: PathBuf,
-}
-
-impl SocksConfig {
-    /// For [`CONFIG_ENV`].
-    pub fn to_env(&self) -> Result<String> {
-        serde_json::to_string(self).context("cannot encode the SOCKS session settings")
-    }
-
-    /// From [`CONFIG_ENV`].
-    pub fn from_env(text: &str) -> Result<Self> {
-        serde_json::from_str(text).context("cannot read the SOCKS session settings from KVPN_SOCKS")
-    }
 }
 
 /// The status record of a SOCKS session (`kvpn status`, JSON file).
@@ -158,7 +140,7 @@ impl SocksTask {
 }
 
 /// Start a SOCKS session whose data channel dials `data_target` (the session
-/// agent's loopback listener, `host:port`). Binds the SOCKS listener before it
+/// user daemon's loopback listener, `host:port`). Binds the SOCKS listener before it
 /// returns, so a taken port is an error here.
 pub async fn start(config: SocksConfig, data_target: String) -> Result<SocksTask> {
     let listener = TcpListener::bind(config.listen).await.with_context(|| {
@@ -254,44 +236,17 @@ fn write_status(path: &Path, record: &SocksStatus) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// The status record file of session `id` in the agents folder.
-pub fn status_path(agents_dir: &Path, id: &str) -> PathBuf {
-    agents_dir.join(format!("{id}.socks.json"))
+/// The status record file of session `id` in the user daemon's folder.
+pub fn status_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.socks.json"))
 }
 
-/// The SOCKS sessions recorded in `agents_dir`, sorted by id. A session whose
-/// process is gone is reported "failed" (its record is left for `kvpn
-/// disconnect` to clear).
-pub fn sessions(agents_dir: &Path, alive: impl Fn(&str) -> bool) -> Vec<SocksStatus> {
-    let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir(agents_dir) else {
-        return out;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.ends_with(".socks.json") {
-            continue;
-        }
-        let Ok(text) = std::fs::read(entry.path()) else {
-            continue;
-        };
-        let Ok(mut s) = serde_json::from_slice::<SocksStatus>(&text) else {
-            continue;
-        };
-        if !alive(&s.id) {
-            s.state = "failed".to_owned();
-            s.reason =
-                "its session process is gone — `kvpn disconnect` it and connect again".to_owned();
-        }
-        out.push(s);
-    }
-    out.sort_by(|a, b| a.id.cmp(&b.id));
-    out
-}
+/// How SOCKS session ids start (root daemon session ids never do).
+pub const ID_PREFIX: &str = "socks-";
 
 /// A new session id.
 pub fn new_id() -> String {
-    format!("socks-{:06x}", rand::random::<u32>() & 0xff_ffff)
+    format!("{ID_PREFIX}{:06x}", rand::random::<u32>() & 0xff_ffff)
 }
 
 /// Parse `--socks-listen`.
@@ -299,31 +254,4 @@ pub fn parse_listen(text: &str) -> Result<SocketAddr> {
     text.parse().map_err(|_| {
         anyhow!("--socks-listen {text:?} is not HOST:PORT with an IP address, e.g. 127.0.0.1:1080")
     })
-}
-
-/// Wait (bounded) until the session's record says connected; the error names
-/// the reason it last gave.
-pub async fn wait_connected(status_file: &Path, wait: Duration) -> Result<SocksStatus> {
-    let deadline = tokio::time::Instant::now() + wait;
-    let mut last: Option<SocksStatus> = None;
-    loop {
-        if let Ok(text) = std::fs::read(status_file)
-            && let Ok(s) = serde_json::from_slice::<SocksStatus>(&text)
-        {
-            if s.state == "connected" {
-                return Ok(s);
-            }
-            last = Some(s);
-        }
-        if tokio::time::Instant::now() > deadline {
-            let why = last
-                .map(|s| format!("{}: {}", s.state, s.reason))
-                .unwrap_or_else(|| "no status record".to_owned());
-            bail!(
-                "the SOCKS session did not connect to the traffic manager within {} s ({why})",
-                wait.as_secs()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }

@@ -268,6 +268,24 @@ impl SshChain {
         Ok(channel.into_stream())
     }
 
+    /// A `session` channel on the last hop: a shell or a command there (`kvpn ssh`).
+    pub async fn open_session(&self) -> Result<russh::Channel<client::Msg>, ConnectError> {
+        let last = self.sessions.last().ok_or_else(|| ConnectError::Ssh {
+            hop: "(none)".into(),
+            cause: "the SSH path has no hop".into(),
+        })?;
+        tokio::time::timeout(HOP_TIMEOUT, last.channel_open_session())
+            .await
+            .map_err(|_| ConnectError::Timeout {
+                hop: self.last_hop.clone(),
+                stage: "opening a session channel",
+            })?
+            .map_err(|e| ConnectError::Ssh {
+                hop: self.last_hop.clone(),
+                cause: format!("cannot open a session channel: {e}"),
+            })
+    }
+
     /// Says goodbye on every hop, last first.
     pub async fn close(&self) {
         for s in self.sessions.iter().rev() {
@@ -278,13 +296,13 @@ impl SshChain {
     }
 }
 
-fn ssh_config(known: &KnownHosts, hop: &Hop) -> Arc<client::Config> {
+fn ssh_config(known: &KnownHosts, hop: &Hop, keepalive: Duration) -> Arc<client::Config> {
     let mut preferred = russh::Preferred::default();
     let listed = known.listed_algorithms(&hop.host, hop.port);
     preferred.key = known_hosts::prefer_listed(&preferred.key, &listed).into();
     Arc::new(client::Config {
         preferred,
-        keepalive_interval: Some(KEEPALIVE_INTERVAL),
+        keepalive_interval: Some(keepalive),
         keepalive_max: KEEPALIVE_MAX,
         nodelay: true,
         ..Default::default()
@@ -309,7 +327,7 @@ pub async fn connect(plan: &SshPlan, agent_sock: Option<&Path>) -> Result<SshCha
             accept_new: plan.accept_new,
             refused: refused.clone(),
         };
-        let config = ssh_config(&known, hop);
+        let config = ssh_config(&known, hop, plan.keepalive_interval());
         let handshake = async {
             match sessions.last() {
                 None => {

@@ -60,18 +60,25 @@ impl Shared {
         Ok(fresh)
     }
 
-    async fn forward(&self, mut laptop: TcpStream) -> Result<(u64, u64), String> {
-        let chain = self.chain().await.map_err(|e| e.to_string())?;
-        let (host, port) = &self.target;
-        let mut remote = match chain.open(host, *port).await {
-            Ok(s) => s,
+    /// A `direct-tcpip` channel from the last hop to `host`:`port` over the current
+    /// SSH path, opened again if it died.
+    async fn open(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<russh::ChannelStream<russh::client::Msg>, ConnectError> {
+        let chain = self.chain().await?;
+        match chain.open(host, port).await {
+            Ok(s) => Ok(s),
             // The path may have died between the check and the open: once more fresh.
-            Err(_) if chain.is_closed() => {
-                let chain = self.chain().await.map_err(|e| e.to_string())?;
-                chain.open(host, *port).await.map_err(|e| e.to_string())?
-            }
-            Err(e) => return Err(e.to_string()),
-        };
+            Err(_) if chain.is_closed() => self.chain().await?.open(host, port).await,
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn forward(&self, mut laptop: TcpStream) -> Result<(u64, u64), String> {
+        let (host, port) = &self.target;
+        let mut remote = self.open(host, *port).await.map_err(|e| e.to_string())?;
         tokio::io::copy_bidirectional(&mut laptop, &mut remote)
             .await
             .map_err(|e| e.to_string())
@@ -131,6 +138,15 @@ impl SshTunnel {
         self.local
     }
 
+    /// A handle that opens further channels over this tunnel's SSH path (opened
+    /// again when it died), for other destinations than the API server: the SSH
+    /// data-plane bypass ([`super::bypass`]).
+    pub fn dialer(&self) -> SshDialer {
+        SshDialer {
+            shared: self.shared.clone(),
+        }
+    }
+
     /// How many times the SSH path was opened again after it died.
     pub fn reconnects(&self) -> u64 {
         self.shared
@@ -172,5 +188,39 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 Err(e) => warn!(%peer, "SSH forward to the API server: {e}"),
             }
         });
+    }
+}
+
+/// Opens `direct-tcpip` channels over the SSH path of an [`SshTunnel`], sharing
+/// its connections and its reconnect: a dead path is opened again on the next
+/// channel. Cheap to clone.
+#[derive(Clone)]
+pub struct SshDialer {
+    shared: Arc<Shared>,
+}
+
+impl SshDialer {
+    /// A channel from the last hop to `host`:`port`, as a byte stream.
+    pub async fn open(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<russh::ChannelStream<russh::client::Msg>, ConnectError> {
+        self.shared.open(host, port).await
+    }
+
+    /// The last hop (`user@host:port`), the one that dials onwards.
+    pub fn last_hop(&self) -> String {
+        self.shared
+            .plan
+            .hops
+            .last()
+            .map(super::Hop::display)
+            .unwrap_or_default()
+    }
+
+    /// The whole path, `a -> b -> c`.
+    pub fn path(&self) -> String {
+        self.shared.plan.describe()
     }
 }

@@ -1,0 +1,707 @@
+//! The user daemon process (`kvpn daemon`): serves `proto/userd.proto` on its
+//! Unix socket, runs each Kubernetes session's user-side half as a task
+//! ([`crate::agent::run_session`]'s two halves) and keeps the session records
+//! ([`super::record`]).
+//!
+//! Life of a session here: StartSession opens it (API server, listener), asks
+//! the root daemon to Connect, records it, runs it. A restarted daemon (after a
+//! crash or SIGKILL) restores each record: when the root daemon still has the
+//! session it listens on the same address again (the root daemon's re-dial
+//! finds it) and restarts the route watch; otherwise the session is `lost`,
+//! with the reason, and its root half and record are removed — never half
+//! alive. Status reconciles the same way: a running session the root daemon no
+//! longer has becomes `lost`.
+//!
+//! I/O: the Unix socket, the root daemon's socket, session records, the API
+//! server (through the session tasks), signals.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt as _;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, anyhow};
+use kvpn_proto::dataplane::{self, ConnectRequest};
+use kvpn_proto::userd::user_daemon_server::{UserDaemon, UserDaemonServer};
+use kvpn_proto::userd::{
+    DisconnectRequest, DisconnectResponse, QuitRequest, QuitResponse, SocksSession, SocksState,
+    StartSessionRequest, StartSessionResponse, StatusRequest, StatusResponse, UserSession,
+};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use super::Paths;
+use super::record::{SessionRecord, Store};
+use crate::agent::{self, AgentConfig};
+use crate::daemon;
+use crate::kubeconfig::{KubeFlags, UserEnv};
+
+/// States of a session's user-side half (`UserSession.state`).
+pub const STATE_RUNNING: &str = "running";
+pub const STATE_RESTORING: &str = "restoring";
+pub const STATE_LOST: &str = "lost";
+
+struct Entry {
+    record: SessionRecord,
+    state: &'static str,
+    reason: String,
+    since: Instant,
+    cancel: CancellationToken,
+    /// SOCKS sessions: the status record their task rewrites every 500 ms.
+    socks_status: Option<PathBuf>,
+}
+
+impl Entry {
+    fn stop(&self) {
+        self.cancel.cancel();
+    }
+
+    fn to_proto(&self) -> UserSession {
+        let request = self.record.request().ok();
+        let socks = request.as_ref().and_then(|r| r.socks.as_ref()).map(|s| {
+            let live = self
+                .socks_status
+                .as_ref()
+                .filter(|_| self.state == STATE_RUNNING)
+                .and_then(|p| std::fs::read(p).ok())
+                .and_then(|t| serde_json::from_slice::<crate::socks::SocksStatus>(&t).ok());
+            match live {
+                Some(l) => SocksState {
+                    listen: l.socks_listen,
+                    state: l.state,
+                    reason: l.reason,
+                    open_flows: l.open_flows,
+                    tx_packets: l.tx_packets,
+                    tx_bytes: l.tx_bytes,
+                    rx_packets: l.rx_packets,
+                    rx_bytes: l.rx_bytes,
+                    dns_servers: l.dns_servers,
+                },
+                None => SocksState {
+                    listen: s.listen.clone(),
+                    state: "connecting".to_owned(),
+                    dns_servers: s.dns_servers.clone(),
+                    ..SocksState::default()
+                },
+            }
+        });
+        let origin = request.and_then(|r| r.connect).and_then(|c| c.origin);
+        UserSession {
+            id: self.record.id.clone(),
+            state: self.state.to_owned(),
+            reason: self.reason.clone(),
+            data_addr: self.record.data_addr.to_string(),
+            namespace: self.record.namespace.clone(),
+            origin,
+            tunnel_ip: self.record.tunnel_ip.clone(),
+            tun_name: self.record.tun_name.clone(),
+            uptime_ms: u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX),
+            restores: self.record.restores,
+            socks,
+        }
+    }
+}
+
+/// The daemon's state, shared by the gRPC handlers and the session tasks.
+pub struct UserDaemonState {
+    root_runtime_dir: PathBuf,
+    /// Where SOCKS sessions keep their status records (the private user folder).
+    socks_dir: PathBuf,
+    store: Store,
+    sessions: Mutex<BTreeMap<String, Entry>>,
+    quit: CancellationToken,
+}
+
+fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn internal(e: anyhow::Error) -> Status {
+    Status::failed_precondition(format!("{e:#}"))
+}
+
+/// The session's agent configuration from the CLI's request.
+fn agent_config(
+    req: &StartSessionRequest,
+    root_runtime_dir: &std::path::Path,
+    listen: std::net::SocketAddr,
+) -> Result<AgentConfig> {
+    let nonempty = |s: &str| (!s.is_empty()).then(|| s.to_owned());
+    let env = UserEnv::from_parts(
+        req.env.iter().map(|v| {
+            (
+                OsString::from_vec(v.name.clone()),
+                OsString::from_vec(v.value.clone()),
+            )
+        }),
+        PathBuf::from(OsString::from_vec(req.cwd.clone())),
+        req.euid,
+    );
+    let ssh = if req.ssh_plan_json.is_empty() {
+        None
+    } else {
+        Some(crate::ssh::SshPlan::from_env(&req.ssh_plan_json)?)
+    };
+    let port = |p: u32, what: &str| {
+        u16::try_from(p).map_err(|_| anyhow!("{what} port {p} is not a TCP port"))
+    };
+    Ok(AgentConfig {
+        flags: KubeFlags {
+            kubeconfig: nonempty(&req.kubeconfig).map(PathBuf::from),
+            context: nonempty(&req.context),
+            namespace: nonempty(&req.namespace),
+        },
+        ssh,
+        ssh_direct: nonempty(&req.ssh_direct)
+            .map(|t| {
+                t.parse()
+                    .with_context(|| format!("bad ssh-direct address {t:?}"))
+            })
+            .transpose()?,
+        env,
+        listen,
+        manager_namespace: req.manager_namespace.clone(),
+        port: port(req.data_port, "data")?,
+        grpc_port: (req.grpc_port != 0)
+            .then(|| port(req.grpc_port, "gRPC"))
+            .transpose()?,
+        keep_out: req
+            .keep_out
+            .iter()
+            .map(|ip| {
+                ip.parse()
+                    .with_context(|| format!("bad keep-out address {ip:?}"))
+            })
+            .collect::<Result<_>>()?,
+        runtime_dir: root_runtime_dir.to_path_buf(),
+    })
+}
+
+impl UserDaemonState {
+    fn sessions(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
+        // A handler that panicked while holding the lock left consistent data
+        // (every update is a single insert/remove): keep going.
+        self.sessions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Run an opened session as a task until its token is cancelled.
+    /// `label`: the session id, or its listener address while it has none yet.
+    fn spawn_session(&self, label: &str, open: agent::OpenSession, cancel: CancellationToken) {
+        let span = tracing::info_span!("session", id = %label);
+        tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                if let Err(e) = open.run(cancel).await {
+                    warn!("session task ended: {e:#}");
+                }
+            },
+            span,
+        ));
+    }
+
+    /// Mark `id` lost with `reason`: stop its task, forget its record (a lost
+    /// session stays listed until `kvpn disconnect` or `kvpn quit`).
+    fn mark_lost(&self, id: &str, reason: String) {
+        warn!(session = %id, %reason, "session lost");
+        if let Err(e) = self.store.remove(id) {
+            warn!(session = %id, "cannot remove the session record: {e}");
+        }
+        if let Some(e) = self.sessions().get_mut(id) {
+            e.stop();
+            e.state = STATE_LOST;
+            e.reason = reason;
+            e.since = Instant::now();
+        }
+    }
+
+    /// The root daemon's sessions; `None` when it does not answer.
+    async fn root_sessions(&self) -> Option<Vec<dataplane::Session>> {
+        let mut client = daemon::connect_existing(&self.root_runtime_dir)
+            .await
+            .ok()
+            .flatten()?;
+        daemon::sessions(&mut client, "status").await.ok()
+    }
+
+    async fn root_disconnect(&self, id: &str) -> Result<Vec<String>> {
+        let Some(mut client) = daemon::connect_existing(&self.root_runtime_dir).await? else {
+            return Ok(Vec::new());
+        };
+        match client
+            .disconnect(dataplane::DisconnectRequest {
+                session_id: id.to_owned(),
+            })
+            .await
+        {
+            Ok(r) => Ok(r.into_inner().stopped),
+            Err(s) if s.code() == tonic::Code::NotFound => Ok(Vec::new()),
+            Err(s) => Err(daemon::status_to_error(s))
+                .with_context(|| format!("the root daemon did not disconnect {id:?}")),
+        }
+    }
+
+    /// Bring a recorded session back (daemon start).
+    async fn restore(self: Arc<Self>, mut record: SessionRecord) {
+        let id = record.id.clone();
+        if record.request().is_ok_and(|r| r.socks.is_some()) {
+            // Not restored (yet): its SOCKS listener and userspace stack died with
+            // the previous user daemon, and no root daemon half needs cleaning.
+            self.mark_lost(
+                &id,
+                "SOCKS sessions are not brought back after the user daemon stopped — run \
+                 `kvpn connect --socks` again"
+                    .to_owned(),
+            );
+            return;
+        }
+        let root = match self.root_sessions().await {
+            None => {
+                self.mark_lost(
+                    &id,
+                    "the root daemon is not running any more, so the TUN device and routes \
+                     are gone — run `kvpn connect` again"
+                        .to_owned(),
+                );
+                return;
+            }
+            Some(r) => r,
+        };
+        let Some(root_session) = root.iter().find(|s| s.id == id) else {
+            self.mark_lost(
+                &id,
+                "the root daemon no longer has this session (it was restarted or the session \
+                 was disconnected) — run `kvpn connect` again"
+                    .to_owned(),
+            );
+            return;
+        };
+        if root_session.manager != record.data_addr.to_string() {
+            let reason = format!(
+                "the root daemon's session dials {} but the record says {} — run `kvpn connect` \
+                 again",
+                root_session.manager, record.data_addr
+            );
+            let _ = self.root_disconnect(&id).await;
+            self.mark_lost(&id, reason);
+            return;
+        }
+        let opened = async {
+            let req = record
+                .request()
+                .map_err(|e| anyhow!("unreadable record: {e}"))?;
+            let config = agent_config(&req, &self.root_runtime_dir, record.data_addr)?;
+            agent::open_session(config).await
+        }
+        .await;
+        match opened {
+            Ok(open) => {
+                record.restores += 1;
+                if let Err(e) = self.store.save(&record) {
+                    warn!(session = %id, "cannot update the session record: {e}");
+                }
+                let cancel = {
+                    let mut sessions = self.sessions();
+                    let Some(e) = sessions.get_mut(&id) else {
+                        // Disconnected while restoring.
+                        return;
+                    };
+                    e.record = record;
+                    e.state = STATE_RUNNING;
+                    e.reason.clear();
+                    e.since = Instant::now();
+                    e.cancel.clone()
+                };
+                info!(session = %id, addr = %open.addr(), "session restored");
+                self.spawn_session(&id, open, cancel);
+            }
+            Err(e) => {
+                let reason = format!(
+                    "the restarted user daemon could not bring it back: {e:#} — its TUN device \
+                     and routes were removed; run `kvpn connect` again"
+                );
+                if let Err(e) = self.root_disconnect(&id).await {
+                    warn!(session = %id, "{e:#}");
+                }
+                self.mark_lost(&id, reason);
+            }
+        }
+    }
+
+    /// Sessions whose root half is gone become lost (Status).
+    fn reconcile(&self, root: Option<&[dataplane::Session]>) {
+        let gone: Vec<String> = self
+            .sessions()
+            .values()
+            .filter(|e| e.state == STATE_RUNNING && e.socks_status.is_none())
+            .filter(|e| root.is_none_or(|r| !r.iter().any(|s| s.id == e.record.id)))
+            .map(|e| e.record.id.clone())
+            .collect();
+        for id in gone {
+            let why = if root.is_none() {
+                "the root daemon is not running any more"
+            } else {
+                "the root daemon no longer has this session (it was restarted)"
+            };
+            self.mark_lost(
+                &id,
+                format!("{why}, so its TUN device and routes are gone — run `kvpn connect` again"),
+            );
+        }
+    }
+
+    /// Start a SOCKS session: the session's loopback listener (port-forward or
+    /// ssh-direct, as for any session) and, dialling it, the SOCKS5 server with
+    /// its userspace stack ([`crate::socks::start`]). No root daemon is involved.
+    async fn start_socks(
+        &self,
+        req: StartSessionRequest,
+        socks: SocksSession,
+    ) -> Result<StartSessionResponse, Status> {
+        let id = socks.id.clone();
+        if id.is_empty() || self.sessions().contains_key(&id) {
+            return Err(Status::already_exists(format!(
+                "SOCKS session id {id:?} is empty or taken"
+            )));
+        }
+        let origin = req
+            .connect
+            .as_ref()
+            .and_then(|c| c.origin.clone())
+            .unwrap_or_default();
+        let parse_ip = |t: &str, what: &str| {
+            t.parse::<std::net::IpAddr>()
+                .map_err(|_| Status::invalid_argument(format!("bad {what} {t:?}")))
+        };
+        let status_file = crate::socks::status_path(&self.socks_dir, &id);
+        let config = crate::socks::SocksConfig {
+            id: id.clone(),
+            listen: crate::socks::parse_listen(&socks.listen).map_err(internal)?,
+            tunnel_ip: parse_ip(&socks.tunnel_ip, "tunnel IP")?,
+            session_token: socks.session_token.clone(),
+            tls_ca_pem: socks.tls_ca_pem.clone(),
+            tls_server_name: socks.tls_server_name.clone(),
+            dns: crate::socks::dns::ClusterDnsConfig {
+                servers: socks
+                    .dns_servers
+                    .iter()
+                    .map(|t| parse_ip(t, "cluster DNS server"))
+                    .collect::<Result<_, _>>()?,
+                search: socks.dns_search.clone(),
+            },
+            origin: crate::socks::SocksOrigin {
+                cluster: origin.cluster.clone(),
+                server: origin.server.clone(),
+                context: origin.context.clone(),
+                manager_namespace: origin.manager_namespace.clone(),
+            },
+            status_file: status_file.clone(),
+        };
+        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut agent = agent_config(&req, &self.root_runtime_dir, listen).map_err(internal)?;
+        // No route watch: a SOCKS session has no routes.
+        agent.grpc_port = None;
+        let open = agent::open_session(agent).await.map_err(internal)?;
+        let addr = open.addr();
+        let cancel = CancellationToken::new();
+        self.spawn_session(&id, open, cancel.clone());
+        let task = match crate::socks::start(config, addr.to_string()).await {
+            Ok(t) => t,
+            Err(e) => {
+                cancel.cancel();
+                return Err(internal(e));
+            }
+        };
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            task.stop().await;
+        });
+        let record = SessionRecord::new(&id, addr, "", now_unix_ms(), &req);
+        if let Err(e) = self.store.save(&record) {
+            warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not report it lost");
+        }
+        self.sessions().insert(
+            id.clone(),
+            Entry {
+                record,
+                state: STATE_RUNNING,
+                reason: String::new(),
+                since: Instant::now(),
+                cancel,
+                socks_status: Some(status_file),
+            },
+        );
+        info!(session = %id, %addr, listen = %socks.listen, "SOCKS session started");
+        Ok(StartSessionResponse {
+            connect: Some(dataplane::ConnectResponse {
+                session_id: id,
+                ..Default::default()
+            }),
+            data_addr: addr.to_string(),
+            daemon_pid: std::process::id(),
+        })
+    }
+
+    /// Stop `id` (empty = all) on both sides; the stopped ids.
+    async fn disconnect(&self, id: &str) -> Result<Vec<String>> {
+        let mut stopped = self.root_disconnect(id).await?;
+        let mine: Vec<String> = self
+            .sessions()
+            .keys()
+            .filter(|k| id.is_empty() || k.as_str() == id)
+            .cloned()
+            .collect();
+        for k in mine {
+            if let Some(e) = self.sessions().remove(&k) {
+                e.stop();
+            }
+            if let Err(e) = self.store.remove(&k) {
+                warn!(session = %k, "cannot remove the session record: {e}");
+            }
+            if !stopped.contains(&k) {
+                stopped.push(k);
+            }
+        }
+        if !id.is_empty() && stopped.is_empty() {
+            anyhow::bail!("no session {id} — `kvpn status` lists the sessions");
+        }
+        Ok(stopped)
+    }
+}
+
+#[tonic::async_trait]
+impl UserDaemon for UserDaemonState {
+    async fn start_session(
+        &self,
+        request: Request<StartSessionRequest>,
+    ) -> Result<Response<StartSessionResponse>, Status> {
+        let req = request.into_inner();
+        if let Some(socks) = req.socks.clone() {
+            return self.start_socks(req, socks).await.map(Response::new);
+        }
+        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let config = agent_config(&req, &self.root_runtime_dir, listen).map_err(internal)?;
+        let open = agent::open_session(config).await.map_err(internal)?;
+        let addr = open.addr();
+        let mut root = daemon::connect_existing(&self.root_runtime_dir)
+            .await
+            .map_err(internal)?
+            .ok_or_else(|| {
+                Status::failed_precondition(
+                    "the root daemon is not running (the CLI starts it before the session)",
+                )
+            })?;
+        let connect = ConnectRequest {
+            manager: addr.to_string(),
+            ..req.connect.clone().unwrap_or_default()
+        };
+        // Serve the listener before Connect: the root daemon dials it (and
+        // completes the TLS handshake with the manager) inside Connect.
+        let cancel = CancellationToken::new();
+        self.spawn_session(&addr.to_string(), open, cancel.clone());
+        let resp = match root.connect(connect).await {
+            Ok(r) => r.into_inner(),
+            Err(s) => {
+                cancel.cancel();
+                return Err(Status::new(s.code(), s.message()));
+            }
+        };
+        let id = resp.session_id.clone();
+        // A lost session of the same cluster is replaced by this one: stop listing it.
+        let origin = req.connect.as_ref().and_then(|c| c.origin.clone());
+        self.sessions().retain(|old_id, e| {
+            let replaced = e.state == STATE_LOST
+                && e.record
+                    .request()
+                    .ok()
+                    .and_then(|r| r.connect)
+                    .and_then(|c| c.origin)
+                    == origin;
+            if replaced {
+                info!(session = %old_id, replaced_by = %id, "lost session replaced");
+            }
+            !replaced
+        });
+        let record = SessionRecord::new(&id, addr, &resp.tun_name, now_unix_ms(), &req);
+        if let Err(e) = self.store.save(&record) {
+            warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not bring it back");
+        }
+        self.sessions().insert(
+            id.clone(),
+            Entry {
+                record,
+                state: STATE_RUNNING,
+                reason: String::new(),
+                since: Instant::now(),
+                cancel: cancel.clone(),
+                socks_status: None,
+            },
+        );
+        info!(session = %id, %addr, tun = %resp.tun_name, "session started");
+        Ok(Response::new(StartSessionResponse {
+            connect: Some(resp),
+            data_addr: addr.to_string(),
+            daemon_pid: std::process::id(),
+        }))
+    }
+
+    async fn status(
+        &self,
+        _request: Request<StatusRequest>,
+    ) -> Result<Response<StatusResponse>, Status> {
+        let root = self.root_sessions().await;
+        self.reconcile(root.as_deref());
+        let user_sessions = self.sessions().values().map(Entry::to_proto).collect();
+        Ok(Response::new(StatusResponse {
+            root_running: root.is_some(),
+            root_sessions: root.unwrap_or_default(),
+            user_sessions,
+            daemon_pid: std::process::id(),
+        }))
+    }
+
+    async fn disconnect(
+        &self,
+        request: Request<DisconnectRequest>,
+    ) -> Result<Response<DisconnectResponse>, Status> {
+        let id = request.into_inner().session_id;
+        let stopped = UserDaemonState::disconnect(self, &id)
+            .await
+            .map_err(internal)?;
+        Ok(Response::new(DisconnectResponse { stopped }))
+    }
+
+    async fn quit(&self, _request: Request<QuitRequest>) -> Result<Response<QuitResponse>, Status> {
+        let stopped = UserDaemonState::disconnect(self, "")
+            .await
+            .map_err(internal)?;
+        info!(?stopped, "quit");
+        self.quit.cancel();
+        Ok(Response::new(QuitResponse { stopped }))
+    }
+}
+
+/// Take the daemon's lock; `Ok(None)` when another user daemon holds it.
+fn lock(paths: &Paths) -> Result<Option<std::fs::File>> {
+    use std::os::fd::AsRawFd as _;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&paths.lock)
+        .with_context(|| format!("cannot open {}", paths.lock.display()))?;
+    // SAFETY: flock on a descriptor we own; no memory is involved.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(Some(f));
+    }
+    let e = std::io::Error::last_os_error();
+    if e.kind() == std::io::ErrorKind::WouldBlock {
+        Ok(None)
+    } else {
+        Err(anyhow!(e).context(format!("cannot lock {}", paths.lock.display())))
+    }
+}
+
+/// Bind the socket with mode 0600 (removing one a killed daemon left).
+fn bind(paths: &Paths) -> Result<tokio::net::UnixListener> {
+    match std::fs::remove_file(&paths.socket) {
+        Ok(()) => {
+            info!(socket = %paths.socket.display(), "removed the socket a stopped user daemon left")
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(anyhow!(e).context(format!("cannot remove {}", paths.socket.display())));
+        }
+    }
+    let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let bound = tokio::net::UnixListener::bind(&paths.socket);
+    nix::sys::stat::umask(old);
+    let listener = bound.with_context(|| format!("cannot listen on {}", paths.socket.display()))?;
+    std::fs::set_permissions(&paths.socket, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("cannot set the mode of {}", paths.socket.display()))?;
+    Ok(listener)
+}
+
+/// Run the user daemon until SIGTERM/SIGINT or Quit.
+pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
+    let paths = Paths::current(&root_runtime_dir);
+    super::create_private_dir(&paths.dir)?;
+    let Some(_lock) = lock(&paths)? else {
+        info!(socket = %paths.socket.display(), "another user daemon runs; exiting");
+        return Ok(());
+    };
+    let listener = bind(&paths)?;
+    std::fs::write(&paths.pid, format!("{}\n", std::process::id()))
+        .with_context(|| format!("cannot write {}", paths.pid.display()))?;
+    let store = super::store(&paths)?;
+    info!(pid = std::process::id(), socket = %paths.socket.display(), state = %store.dir().display(), "user daemon started");
+    let state = Arc::new(UserDaemonState {
+        root_runtime_dir,
+        socks_dir: paths.dir.clone(),
+        store,
+        sessions: Mutex::new(BTreeMap::new()),
+        quit: CancellationToken::new(),
+    });
+
+    let (records, problems) = state.store.load_all();
+    for p in problems {
+        warn!("unusable session record: {p}");
+    }
+    for record in records {
+        info!(session = %record.id, addr = %record.data_addr, "restoring session");
+        state.sessions().insert(
+            record.id.clone(),
+            Entry {
+                record: record.clone(),
+                state: STATE_RESTORING,
+                reason: String::new(),
+                since: Instant::now(),
+                cancel: CancellationToken::new(),
+                socks_status: None,
+            },
+        );
+        tokio::spawn(state.clone().restore(record));
+    }
+
+    let quit = state.quit.clone();
+    let shutdown = async move {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(e) => {
+                    warn!("cannot watch SIGTERM: {e}");
+                    quit.cancelled().await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM"),
+            _ = tokio::signal::ctrl_c() => info!("SIGINT"),
+            () = quit.cancelled() => {}
+        }
+    };
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let served = tonic::transport::Server::builder()
+        .add_service(UserDaemonServer::from_arc(state.clone()))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await;
+    // Stopped by a signal, the sessions stay recorded: the next user daemon
+    // brings them back. After Quit there are none.
+    for e in state.sessions().values() {
+        e.stop();
+    }
+    // Let the session tasks close their listeners and port-forwards.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let _ = std::fs::remove_file(&paths.socket);
+    let _ = std::fs::remove_file(&paths.pid);
+    info!("user daemon stopped");
+    served.context("the user daemon's gRPC server failed")
+}

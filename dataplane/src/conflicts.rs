@@ -1,0 +1,361 @@
+//! Route conflicts (case rt-05): cluster ranges that overlap routes the laptop
+//! already has (a docker bridge owning 172.20.0.0/16 while the cluster's
+//! service CIDR is 172.20.0.0/16, a VPN's 10.0.0.0/8, ...). Pure: the routes come
+//! in as [`LaptopRoute`]s read by [`crate::netlink::Netlink::laptop_routes`].
+//!
+//! Which laptop routes count: every table the kernel holds (main, local and any
+//! table a policy rule may select; kvpn does not evaluate the rules, so a route
+//! in a table no rule selects is reported too — better a false alarm than a
+//! silent hijack), except kvpn's own routes (protocol
+//! [`crate::netlink::RTPROT_KVPN`]), routes through the session's own TUN device,
+//! and default routes (`/0`: every laptop has one and a more specific cluster
+//! route is what it is for).
+//!
+//! With the override (`kvpn connect --allow-route-conflict`), cluster-bound
+//! traffic is steered without touching the laptop's route:
+//! - a cluster range *inside* (or wider than) the laptop route but not equal to
+//!   it is installed as usual: the kernel's longest-prefix match gives the more
+//!   specific one its addresses, so the laptop's more specific subnet stays the
+//!   laptop's and a more specific cluster range is the cluster's;
+//! - a cluster range *equal* to a laptop route in the main table is not
+//!   installed (the kernel refuses a second route with the same prefix and
+//!   metric, and a lower metric would take the laptop's whole subnet);
+//! - the known ClusterIPs (the route watch's Services) inside the laptop route
+//!   get `/32` (`/128`) host routes through the TUN device ([`pinned_hosts`]), so
+//!   they win over the laptop route by prefix length while every other address
+//!   of the laptop's subnet still goes to the laptop's device.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use crate::ebpf::RouteKind;
+
+/// `rtm_table` of the main table (include/uapi/linux/rtnetlink.h RT_TABLE_MAIN).
+pub const TABLE_MAIN: u32 = 254;
+/// `rtm_table` of the local table (RT_TABLE_LOCAL).
+pub const TABLE_LOCAL: u32 = 255;
+
+/// A route of the laptop as read from the kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaptopRoute {
+    /// Destination prefix.
+    pub dst: IpNet,
+    /// Output device name (empty for routes without one, e.g. blackhole).
+    pub dev: String,
+    /// Output interface index (0 = none).
+    pub oif: u32,
+    /// `rtm_protocol`.
+    pub protocol: u8,
+    /// Routing table id.
+    pub table: u32,
+    /// `rtm_type` (1 unicast, 2 local, 3 broadcast, 6 blackhole, ...).
+    pub kind: u8,
+}
+
+impl LaptopRoute {
+    /// How `ip route` would name it: `172.20.0.0/16 dev br0 (proto kernel, table main)`.
+    pub fn describe(&self) -> String {
+        let ty = match self.kind {
+            1 => "",
+            2 => "local ",
+            3 => "broadcast ",
+            6 => "blackhole ",
+            7 => "unreachable ",
+            8 => "prohibit ",
+            _ => "",
+        };
+        let dev = if self.dev.is_empty() {
+            String::new()
+        } else {
+            format!(" dev {}", self.dev)
+        };
+        format!(
+            "{ty}{}{dev} (proto {}, table {})",
+            self.dst,
+            protocol_name(self.protocol),
+            table_name(self.table)
+        )
+    }
+}
+
+/// iproute2's name of a route protocol (/etc/iproute2/rt_protos).
+pub fn protocol_name(p: u8) -> String {
+    match p {
+        0 => "unspec".into(),
+        1 => "redirect".into(),
+        2 => "kernel".into(),
+        3 => "boot".into(),
+        4 => "static".into(),
+        8 => "gated".into(),
+        9 => "ra".into(),
+        11 => "zebra".into(),
+        12 => "bird".into(),
+        16 => "dhcp".into(),
+        18 => "keepalived".into(),
+        42 => "babel".into(),
+        186 => "bgp".into(),
+        187 => "isis".into(),
+        188 => "ospf".into(),
+        189 => "rip".into(),
+        other => other.to_string(),
+    }
+}
+
+/// iproute2's name of a routing table.
+pub fn table_name(t: u32) -> String {
+    match t {
+        253 => "default".into(),
+        TABLE_MAIN => "main".into(),
+        TABLE_LOCAL => "local".into(),
+        other => other.to_string(),
+    }
+}
+
+/// The word for a route kind in messages.
+pub fn kind_name(kind: RouteKind) -> &'static str {
+    match kind {
+        RouteKind::Pod => "pod CIDR",
+        RouteKind::Service => "service CIDR",
+        RouteKind::Extra => "extra CIDR",
+    }
+}
+
+/// One cluster range overlapping one laptop route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Conflict {
+    /// The cluster range (truncated).
+    pub cluster: IpNet,
+    /// Its kind.
+    pub kind: RouteKind,
+    /// The laptop's route.
+    pub laptop: LaptopRoute,
+}
+
+impl Conflict {
+    /// Whether both are the same prefix in the main table, where kvpn's route
+    /// cannot be added next to the laptop's.
+    pub fn exact_in_main(&self) -> bool {
+        self.cluster == self.laptop.dst && self.laptop.table == TABLE_MAIN
+    }
+
+    /// The addresses the laptop route claims among the cluster range's: the
+    /// more specific of the two prefixes.
+    pub fn contested(&self) -> IpNet {
+        if self.cluster.prefix_len() >= self.laptop.dst.prefix_len() {
+            self.cluster
+        } else {
+            self.laptop.dst
+        }
+    }
+}
+
+impl fmt::Display for Conflict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} overlaps {}",
+            kind_name(self.kind),
+            self.cluster,
+            self.laptop.describe()
+        )
+    }
+}
+
+fn overlaps(a: &IpNet, b: &IpNet) -> bool {
+    a.contains(&b.network()) || b.contains(&a.network())
+}
+
+/// The conflicts between cluster `ranges` and the laptop's `routes`, leaving out
+/// kvpn's own routes (`protocol == kvpn_protocol`), routes through `own_oif`
+/// (the session's TUN device, if it exists yet) and default routes. Sorted by
+/// cluster range, then laptop route.
+pub fn find(
+    ranges: &[(IpNet, RouteKind)],
+    routes: &[LaptopRoute],
+    kvpn_protocol: u8,
+    own_oif: Option<u32>,
+) -> Vec<Conflict> {
+    let mut out = Vec::new();
+    for (cluster, kind) in ranges {
+        let cluster = cluster.trunc();
+        for r in routes {
+            if r.protocol == kvpn_protocol
+                || r.dst.prefix_len() == 0
+                || (own_oif.is_some_and(|o| o == r.oif) && r.oif != 0)
+                || !overlaps(&cluster, &r.dst)
+            {
+                continue;
+            }
+            let c = Conflict {
+                cluster,
+                kind: *kind,
+                laptop: r.clone(),
+            };
+            if !out.contains(&c) {
+                out.push(c);
+            }
+        }
+    }
+    // The local table's entries for a device's own addresses (local,
+    // broadcast) add nothing when the same device's prefix route conflicts
+    // already: one line per owner.
+    let prefix_routes: Vec<(IpNet, IpNet, String)> = out
+        .iter()
+        .filter(|c| c.laptop.table != TABLE_LOCAL)
+        .map(|c| (c.cluster, c.laptop.dst, c.laptop.dev.clone()))
+        .collect();
+    out.retain(|c| {
+        c.laptop.table != TABLE_LOCAL
+            || !prefix_routes.iter().any(|(cluster, dst, dev)| {
+                *cluster == c.cluster && *dev == c.laptop.dev && dst.contains(&c.laptop.dst)
+            })
+    });
+    out.sort_by(|a, b| {
+        (a.cluster, a.laptop.dst, a.laptop.table, &a.laptop.dev).cmp(&(
+            b.cluster,
+            b.laptop.dst,
+            b.laptop.table,
+            &b.laptop.dev,
+        ))
+    });
+    out
+}
+
+/// The refusal message for `conflicts` (non-empty), naming both owners of each
+/// and the override.
+pub fn refusal(conflicts: &[Conflict]) -> String {
+    let list: Vec<String> = conflicts.iter().map(ToString::to_string).collect();
+    format!(
+        "{} — the laptop already routes these addresses elsewhere; nothing was installed. \
+         Remove or renumber the laptop's route (e.g. the docker network owning it), or pass \
+         --allow-route-conflict to keep the laptop's route and steer only cluster-bound \
+         traffic (known ClusterIPs as /32 routes) through kvpn",
+        list.join("; ")
+    )
+}
+
+/// Host routes (`/32`, `/128`) that steer the known cluster addresses `ips`
+/// (ClusterIPs) past the laptop routes of `conflicts`: each address inside a
+/// conflict's cluster range and inside its laptop route.
+pub fn pinned_hosts<'a>(
+    conflicts: &[Conflict],
+    ips: impl IntoIterator<Item = &'a IpAddr>,
+) -> BTreeSet<IpNet> {
+    let mut out = BTreeSet::new();
+    for ip in ips {
+        if conflicts
+            .iter()
+            .any(|c| c.cluster.contains(ip) && c.laptop.dst.contains(ip))
+        {
+            out.insert(IpNet::from(*ip));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net(s: &str) -> IpNet {
+        s.parse().expect("test CIDR")
+    }
+
+    fn route(dst: &str, dev: &str, protocol: u8, table: u32) -> LaptopRoute {
+        LaptopRoute {
+            dst: net(dst),
+            dev: dev.into(),
+            oif: 7,
+            protocol,
+            table,
+            kind: 1,
+        }
+    }
+
+    #[test]
+    fn rt_05_exact_inside_and_wider_routes_conflict_kvpn_and_default_do_not() {
+        let ranges = [
+            (net("172.20.0.0/16"), RouteKind::Service),
+            (net("10.244.0.0/16"), RouteKind::Pod),
+        ];
+        let routes = [
+            route("172.20.0.0/16", "br-kvpnx", 2, TABLE_MAIN),
+            route("172.20.5.0/24", "br-inner", 4, TABLE_MAIN),
+            route("10.0.0.0/8", "wg0", 3, 52),
+            route("0.0.0.0/0", "eth0", 16, TABLE_MAIN),
+            route("172.20.0.0/16", "kvpn0", 107, TABLE_MAIN),
+            route("172.21.0.0/16", "br-other", 2, TABLE_MAIN),
+        ];
+        let got = find(&ranges, &routes, 107, Some(99));
+        let text: Vec<String> = got.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            text,
+            vec![
+                "pod CIDR 10.244.0.0/16 overlaps 10.0.0.0/8 dev wg0 (proto boot, table 52)",
+                "service CIDR 172.20.0.0/16 overlaps 172.20.0.0/16 dev br-kvpnx (proto kernel, table main)",
+                "service CIDR 172.20.0.0/16 overlaps 172.20.5.0/24 dev br-inner (proto static, table main)",
+            ]
+        );
+        assert!(!got[0].exact_in_main());
+        assert!(got[1].exact_in_main());
+        assert_eq!(got[0].contested(), net("10.244.0.0/16"));
+        assert_eq!(got[2].contested(), net("172.20.5.0/24"));
+        let msg = refusal(&got);
+        assert!(msg.contains("--allow-route-conflict"), "{msg}");
+        assert!(msg.contains("br-kvpnx"), "{msg}");
+    }
+
+    #[test]
+    fn local_entries_of_a_conflicting_device_collapse_into_its_prefix_route() {
+        let ranges = [(net("10.96.0.0/12"), RouteKind::Service)];
+        let mut local = route("10.96.255.1/32", "br", 2, TABLE_LOCAL);
+        local.kind = 2;
+        let mut other = route("10.100.0.1/32", "eth9", 2, TABLE_LOCAL);
+        other.kind = 2;
+        let routes = [route("10.96.0.0/12", "br", 2, TABLE_MAIN), local, other];
+        let got: Vec<String> = find(&ranges, &routes, 107, None)
+            .iter()
+            .map(|c| c.laptop.describe())
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                "10.96.0.0/12 dev br (proto kernel, table main)",
+                "local 10.100.0.1/32 dev eth9 (proto kernel, table local)",
+            ]
+        );
+    }
+
+    #[test]
+    fn own_tun_routes_are_not_conflicts() {
+        let mut r = route("10.96.0.0/12", "kvpn3", 2, 255);
+        r.oif = 42;
+        assert!(
+            find(
+                &[(net("10.96.0.0/12"), RouteKind::Service)],
+                &[r],
+                107,
+                Some(42)
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn cluster_ips_inside_conflicting_routes_are_pinned() {
+        let ranges = [(net("172.20.0.0/16"), RouteKind::Service)];
+        let routes = [route("172.20.5.0/24", "br", 2, TABLE_MAIN)];
+        let c = find(&ranges, &routes, 107, None);
+        let ips: Vec<IpAddr> = ["172.20.5.9", "172.20.9.9", "10.1.1.1"]
+            .iter()
+            .map(|s| s.parse().expect("ip"))
+            .collect();
+        assert_eq!(
+            pinned_hosts(&c, ips.iter()).into_iter().collect::<Vec<_>>(),
+            vec![net("172.20.5.9/32")]
+        );
+    }
+}
