@@ -609,4 +609,35 @@ mod tests {
         assert_eq!(doc["sessions"][2]["user_daemon"], serde_json::Value::Null);
         assert_eq!(doc["root_daemon"]["running"], true);
     }
+
+    #[test]
+    fn a_socks_session_has_its_own_state_and_counters_without_a_root_half() {
+        let socks = |id: &str, state: &str| UserSession {
+            socks: Some(kvpn_proto::userd::SocksState {
+                listen: "127.0.0.1:1080".into(),
+                state: "connected".into(),
+                open_flows: 3,
+                rx_bytes: 700,
+                ..Default::default()
+            }),
+            tun_name: String::new(),
+            ..user(id, state, "")
+        };
+        let rows = merge_sessions(
+            Vec::new(),
+            vec![socks("socks-1", "running"), socks("socks-2", "lost")],
+        );
+        assert_eq!(rows[0].session.state, "connected");
+        assert_eq!(rows[0].session.rx_bytes, 700);
+        assert_eq!(rows[1].session.state, "lost");
+        let doc = status_document(&rows, false);
+        assert_eq!(doc["sessions"][0]["socks"]["listen"], "127.0.0.1:1080");
+        assert_eq!(doc["sessions"][0]["socks"]["open_flows"], 3);
+        assert_eq!(doc["sessions"][0]["tun_name"], "");
+        let plain = status_document(
+            &merge_sessions(Vec::new(), vec![user("x", "lost", "")]),
+            true,
+        );
+        assert_eq!(plain["sessions"][0]["socks"], serde_json::Value::Null);
+    }
 }
