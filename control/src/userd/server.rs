@@ -668,7 +668,13 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
                 socks_status: None,
             },
         );
-        tokio::spawn(state.clone().restore(record));
+        // SOCKS sessions are marked lost at once (restore does nothing else for
+        // them): a status right after the restart already says so.
+        if record.request().is_ok_and(|r| r.socks.is_some()) {
+            state.clone().restore(record).await;
+        } else {
+            tokio::spawn(state.clone().restore(record));
+        }
     }
 
     let quit = state.quit.clone();
