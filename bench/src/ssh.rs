@@ -143,7 +143,13 @@ impl NodeSshd {
 pub struct Sshuttle {
     pid: u32,
     log: PathBuf,
-    dummy: String,
+    route: Route,
+}
+
+/// The laptop's route and guard table for sshuttle.
+struct Route {
+    pod_cidr: String,
+    table: String,
 }
 
 impl Sshuttle {
@@ -151,16 +157,33 @@ impl Sshuttle {
     /// answers through it.
     ///
     /// The laptop has no route to the pod CIDR, and a connect() without a route fails
-    /// before iptables' OUTPUT chain could redirect it; so the pod CIDR is routed to a
-    /// dummy device `kv<id>sh` in the laptop netns: packets sshuttle does not redirect
-    /// vanish there instead of reaching the node, so every success is sshuttle's.
+    /// before iptables' OUTPUT chain could redirect it; so the pod CIDR is routed to
+    /// the node like a default route would, and an nftables table `kvpn_bench_<id>`
+    /// in the laptop netns drops whatever to the pod CIDR sshuttle did not redirect
+    /// (its NAT runs before the filter hook): every success is sshuttle's, never the
+    /// raw path.
     pub fn start(lab: &Lab, sshd: &NodeSshd, pod_cidr: &str, probe: SocketAddr) -> Result<Self> {
-        let dummy = format!("kv{}sh", lab.id());
-        lab.laptop_netns().ip_batch(&[
-            format!("link add {dummy} type dummy"),
-            format!("link set {dummy} up"),
-            format!("route add {pod_cidr} dev {dummy}"),
-        ])?;
+        let laptop = lab.laptop_netns();
+        let table = format!("kvpn_bench_{}", lab.id());
+        let rules = format!(
+            "table ip {table} {{\n  chain out {{\n    type filter hook output priority 0; policy accept;\n    \
+             ip daddr {pod_cidr} counter drop\n  }}\n}}\n"
+        );
+        let rules_file = lab.dir().join("bench-sshuttle-guard.nft");
+        std::fs::write(&rules_file, rules)?;
+        let out = laptop.exec(&["nft", "-f", &rules_file.to_string_lossy()])?;
+        if !out.status.success() {
+            bail!(
+                "nft -f {} in the laptop netns: {}",
+                rules_file.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let route = Route {
+            pod_cidr: pod_cidr.to_owned(),
+            table,
+        };
+        laptop.ip(&["route", "add", pod_cidr, "via", &sshd.addr.ip().to_string()])?;
         let ssh_cmd = format!(
             "ssh -F /dev/null -i {} -o UserKnownHostsFile={} -o StrictHostKeyChecking=yes \
              -o BatchMode=yes",
@@ -178,7 +201,7 @@ impl Sshuttle {
         let this = Sshuttle {
             pid,
             log: lab.dir().join("bench-sshuttle.log"),
-            dummy,
+            route,
         };
         let t0 = Instant::now();
         loop {
@@ -200,6 +223,8 @@ impl Sshuttle {
     /// Stops sshuttle (by pid; SIGTERM lets it remove its iptables rules).
     pub fn stop(self, lab: &Lab) {
         let _ = lab.stop_process(self.pid, Duration::from_secs(5));
-        let _ = lab.laptop_netns().ip(&["link", "del", &self.dummy]);
+        let laptop = lab.laptop_netns();
+        let _ = laptop.ip(&["route", "del", &self.route.pod_cidr]);
+        let _ = laptop.exec(&["nft", "delete", "table", "ip", &self.route.table]);
     }
 }
