@@ -199,8 +199,9 @@ fn kube_paths(seconds: u32) -> Result<KubePaths> {
         )?;
         let runtime = lab.dir().join("runtime");
         let kubeconfig = k8s.laptop_user_kubeconfig().to_string_lossy().into_owned();
-        kvpn(lab, &runtime, &["connect", "--kubeconfig", &kubeconfig])?;
-        let port_forward = measure(lab, "kvpn-port-forward", ip, seconds, true);
+        // quit also after a failed connect: it may have started the daemons.
+        let port_forward = kvpn(lab, &runtime, &["connect", "--kubeconfig", &kubeconfig])
+            .and_then(|_| measure(lab, "kvpn-port-forward", ip, seconds, true));
         let _ = kvpn(lab, &runtime, &["quit"]);
         let port_forward = port_forward?;
 
@@ -226,8 +227,8 @@ fn kube_paths(seconds: u32) -> Result<KubePaths> {
                 "--ssh-known-hosts",
                 &kh,
             ];
-            kvpn_home(lab, &runtime, &connect, Some(&sshd.home))?;
             let ssh = (|| {
+                kvpn_home(lab, &runtime, &connect, Some(&sshd.home))?;
                 let paths = data_paths(lab, &runtime)?;
                 if !paths.iter().any(|p| p.starts_with("ssh-direct")) {
                     bail!(

@@ -126,8 +126,13 @@ impl NodeSshd {
             home,
             pid,
         };
-        lab.wait_tcp(LAPTOP, addr, Duration::from_secs(10))
-            .with_context(|| format!("sshd in the node netns never listened on {addr}"))?;
+        if let Err(e) = lab.wait_tcp(LAPTOP, addr, Duration::from_secs(10)) {
+            let log = std::fs::read_to_string(lab.dir().join("bench-sshd.log")).unwrap_or_default();
+            this.stop(lab);
+            return Err(anyhow::Error::new(e).context(format!(
+                "sshd in the node netns never listened on {addr}; its log:\n{log}"
+            )));
+        }
         Ok(this)
     }
 
@@ -152,6 +157,36 @@ struct Route {
     table: String,
 }
 
+impl Route {
+    fn add(&self, lab: &Lab, sshd: &NodeSshd) -> Result<()> {
+        let (pod_cidr, table) = (&self.pod_cidr, &self.table);
+        let rules = format!(
+            "table ip {table} {{\n  chain out {{\n    type filter hook output priority 0; policy accept;\n    \
+             ip daddr {pod_cidr} counter drop\n  }}\n}}\n"
+        );
+        let rules_file = lab.dir().join("bench-sshuttle-guard.nft");
+        std::fs::write(&rules_file, rules)?;
+        let laptop = lab.laptop_netns();
+        let out = laptop.exec(&["nft", "-f", &rules_file.to_string_lossy()])?;
+        if !out.status.success() {
+            bail!(
+                "nft -f {} in the laptop netns: {}",
+                rules_file.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        laptop.ip(&["route", "add", pod_cidr, "via", &sshd.addr.ip().to_string()])?;
+        Ok(())
+    }
+
+    /// Removes what [`Route::add`] made (whatever part of it exists).
+    fn remove(&self, lab: &Lab) {
+        let laptop = lab.laptop_netns();
+        let _ = laptop.ip(&["route", "del", &self.pod_cidr]);
+        let _ = laptop.exec(&["nft", "delete", "table", "ip", &self.table]);
+    }
+}
+
 impl Sshuttle {
     /// Starts sshuttle for `pod_cidr` and waits until `probe` (a pod's TCP port)
     /// answers through it.
@@ -163,41 +198,32 @@ impl Sshuttle {
     /// (its NAT runs before the filter hook): every success is sshuttle's, never the
     /// raw path.
     pub fn start(lab: &Lab, sshd: &NodeSshd, pod_cidr: &str, probe: SocketAddr) -> Result<Self> {
-        let laptop = lab.laptop_netns();
-        let table = format!("kvpn_bench_{}", lab.id());
-        let rules = format!(
-            "table ip {table} {{\n  chain out {{\n    type filter hook output priority 0; policy accept;\n    \
-             ip daddr {pod_cidr} counter drop\n  }}\n}}\n"
-        );
-        let rules_file = lab.dir().join("bench-sshuttle-guard.nft");
-        std::fs::write(&rules_file, rules)?;
-        let out = laptop.exec(&["nft", "-f", &rules_file.to_string_lossy()])?;
-        if !out.status.success() {
-            bail!(
-                "nft -f {} in the laptop netns: {}",
-                rules_file.display(),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
         let route = Route {
             pod_cidr: pod_cidr.to_owned(),
-            table,
+            table: format!("kvpn_bench_{}", lab.id()),
         };
-        laptop.ip(&["route", "add", pod_cidr, "via", &sshd.addr.ip().to_string()])?;
-        let ssh_cmd = format!(
-            "ssh -F /dev/null -i {} -o UserKnownHostsFile={} -o StrictHostKeyChecking=yes \
-             -o BatchMode=yes",
-            sshd.key.display(),
-            sshd.known_hosts.display()
-        );
-        let mut cmd = Command::new("sshuttle");
-        cmd.args(["--method", "nat", "-r"])
-            .arg(format!("root@{}", sshd.addr))
-            .arg("-e")
-            .arg(&ssh_cmd)
-            .arg(pod_cidr)
-            .env("HOME", &sshd.home);
-        let pid = lab.spawn_in(LAPTOP, "bench-sshuttle", &cmd)?;
+        let pid = match route.add(lab, sshd).and_then(|()| {
+            let ssh_cmd = format!(
+                "ssh -F /dev/null -i {} -o UserKnownHostsFile={} -o StrictHostKeyChecking=yes \
+                 -o BatchMode=yes",
+                sshd.key.display(),
+                sshd.known_hosts.display()
+            );
+            let mut cmd = Command::new("sshuttle");
+            cmd.args(["--method", "nat", "-r"])
+                .arg(format!("root@{}", sshd.addr))
+                .arg("-e")
+                .arg(&ssh_cmd)
+                .arg(pod_cidr)
+                .env("HOME", &sshd.home);
+            Ok(lab.spawn_in(LAPTOP, "bench-sshuttle", &cmd)?)
+        }) {
+            Ok(pid) => pid,
+            Err(e) => {
+                route.remove(lab);
+                return Err(e);
+            }
+        };
         let this = Sshuttle {
             pid,
             log: lab.dir().join("bench-sshuttle.log"),
@@ -205,9 +231,11 @@ impl Sshuttle {
         };
         let t0 = Instant::now();
         loop {
-            let ok = lab.run_in(LAPTOP, move || {
-                TcpStream::connect_timeout(&probe, Duration::from_secs(1)).is_ok()
-            })?;
+            let ok = lab
+                .run_in(LAPTOP, move || {
+                    TcpStream::connect_timeout(&probe, Duration::from_secs(1)).is_ok()
+                })
+                .unwrap_or(false);
             let log = std::fs::read_to_string(&this.log).unwrap_or_default();
             if ok && log.contains("Connected") {
                 return Ok(this);
@@ -223,8 +251,6 @@ impl Sshuttle {
     /// Stops sshuttle (by pid; SIGTERM lets it remove its iptables rules).
     pub fn stop(self, lab: &Lab) {
         let _ = lab.stop_process(self.pid, Duration::from_secs(5));
-        let laptop = lab.laptop_netns();
-        let _ = laptop.ip(&["route", "del", &self.route.pod_cidr]);
-        let _ = laptop.exec(&["nft", "delete", "table", "ip", &self.route.table]);
+        self.route.remove(lab);
     }
 }
