@@ -23,6 +23,7 @@ APT_PACKAGES=(
     dnsmasq-base dnsperf musl-tools
     etcd-server golang-1.19-go rsync
     openssh-server openssh-client openssl
+    sshuttle iptables
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

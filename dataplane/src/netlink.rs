@@ -79,6 +79,12 @@ pub struct KvpnRoute {
 #[derive(Debug, Clone)]
 pub struct Netlink {
     handle: Handle,
+    /// One dump at a time on this socket (shared by the clones, like the
+    /// socket): the kernel answers a second dump
+    /// request on a socket whose dump is still running with EBUSY
+    /// (`netlink_dump_start`), and Status, Connect and the route watch dump
+    /// routes concurrently.
+    dumps: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Netlink {
@@ -87,11 +93,15 @@ impl Netlink {
     pub fn new() -> std::io::Result<Self> {
         let (connection, handle, _) = rtnetlink::new_connection()?;
         tokio::spawn(connection);
-        Ok(Self { handle })
+        Ok(Self {
+            handle,
+            dumps: std::sync::Arc::new(tokio::sync::Mutex::new(())),
+        })
     }
 
     /// The index of the interface called `name`, if there is one.
     pub async fn link_index(&self, name: &str) -> Result<Option<u32>, NetlinkError> {
+        let _dump = self.dumps.lock().await;
         let mut links = self
             .handle
             .link()
@@ -190,6 +200,7 @@ impl Netlink {
     /// Routes in the main table tagged [`RTPROT_KVPN`], optionally only those
     /// through interface `index`. Both address families.
     pub async fn kvpn_routes(&self, index: Option<u32>) -> Result<Vec<KvpnRoute>, NetlinkError> {
+        let _dump = self.dumps.lock().await;
         let mut out = Vec::new();
         for family in [AddressFamily::Inet, AddressFamily::Inet6] {
             let mut query = RouteMessage::default();
@@ -226,7 +237,26 @@ impl Netlink {
 
     /// Every route of the laptop in every table, both families, with its
     /// device name (for route-conflict checks, [`crate::conflicts`]).
+    ///
+    /// A dump that the kernel marks inconsistent (NLM_F_DUMP_INTR: links or
+    /// routes changed while it ran, e.g. another session's TUN device coming
+    /// up) arrives as EBUSY; it is taken again, a bounded number of times.
     pub async fn laptop_routes(&self) -> Result<Vec<LaptopRoute>, NetlinkError> {
+        const ATTEMPTS: u32 = 20;
+        let mut attempt = 1;
+        loop {
+            match self.laptop_routes_once().await {
+                Err(e) if e.errno == Some(libc::EBUSY) && attempt < ATTEMPTS => {
+                    attempt += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn laptop_routes_once(&self) -> Result<Vec<LaptopRoute>, NetlinkError> {
+        let _dump = self.dumps.lock().await;
         let mut names = std::collections::HashMap::new();
         let mut links = self.handle.link().get().execute();
         loop {
