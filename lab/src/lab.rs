@@ -1017,6 +1017,29 @@ impl Lab {
         }
     }
 
+    /// Waits until a TCP socket listens on `port` in `role`'s netns, read from the
+    /// socket table (`ss -ltn`) without connecting: for servers such as iperf3 that
+    /// take a probe connection for a client and answer the next real one with
+    /// "the server is busy running a test".
+    pub fn wait_listening(&self, role: &str, port: u16, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let filter = format!("sport = :{port}");
+        loop {
+            let out = self.exec_in(role, &["ss", "-Hltn", &filter])?;
+            if out.status.success() && !out.stdout.trim_ascii().is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(LabError::NotReady {
+                    what: format!("a TCP listener on port {port} in {role}"),
+                    timeout_ms: timeout.as_millis(),
+                    log: String::from_utf8_lossy(&out.stderr).into_owned(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// For the bench's raw-path baseline only: routes the pod and service CIDRs from the
     /// laptop straight to the node over the uplink, which the lab otherwise never does
     /// (the laptop must reach the cluster only through kvpn). Undo with

@@ -405,12 +405,11 @@ fn top_rates_then_sigkill_mid_traffic_recovers_and_sweeps() {
         .netns_lab()
         .spawn_in(&pod_role, "iperf3-rootd", &iperf)
         .unwrap_or_else(|e| panic!("iperf3 server: {e:#}"));
-    let pod_addr: std::net::SocketAddr = format!("{pod_ip}:{IPERF_PORT}")
-        .parse()
-        .unwrap_or_else(|e| panic!("{e}"));
+    // A listener check, not a probe connection: iperf3 takes a probe for a client
+    // and may answer the real one with "the server is busy".
     f.lab()
         .netns_lab()
-        .wait_tcp(&pod_role, pod_addr, Duration::from_secs(5))
+        .wait_listening(&pod_role, IPERF_PORT, Duration::from_secs(5))
         .unwrap_or_else(|e| panic!("iperf3 server up: {e:#}"));
 
     // 1. Rates during iperf3, on the route that covers the pod IP.
