@@ -282,7 +282,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
             "ingress": s.ebpf_ingress.as_ref().map(|i| {
                 let c = |c: &Option<kvpn_proto::dataplane::Counter>| {
-                    let c = c.clone().unwrap_or_default();
+                    let c = c.unwrap_or_default();
                     serde_json::json!({"packets": c.packets, "bytes": c.bytes})
                 };
                 serde_json::json!({
@@ -537,8 +537,7 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
                     s.ebpf_unrouted_packets, s.ebpf_unrouted_bytes
                 );
                 if let Some(i) = &s.ebpf_ingress {
-                    let c =
-                        |c: &Option<kvpn_proto::dataplane::Counter>| c.clone().unwrap_or_default();
+                    let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default();
                     let (passed, foreign, malformed) =
                         (c(&i.passed), c(&i.foreign_source), c(&i.malformed));
                     println!(

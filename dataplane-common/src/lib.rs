@@ -179,7 +179,7 @@ mod tests {
     #[test]
     fn route_slots_fit_the_slot_field() {
         assert!(MAX_ROUTE_COUNTERS <= u32::from(NO_ROUTE_SLOT));
-        assert!(MAX_ROUTE_COUNTERS <= MAX_ROUTES);
+        const { assert!(MAX_ROUTE_COUNTERS <= MAX_ROUTES) };
     }
 
     #[test]

@@ -174,14 +174,13 @@ pub enum EbpfError {
     },
     /// Attaching to the TUN device failed.
     #[error(
-        "cannot attach the eBPF program {program} to {ifname} (TC {hook}): is the device in \
-         this thread's network namespace?"
+        "cannot attach the eBPF {} to {ifname}: is the device in this thread's network \
+         namespace?",
+        attach_what(.ingress)
     )]
     Attach {
-        /// Program name.
-        program: &'static str,
-        /// "egress" or "ingress".
-        hook: &'static str,
+        /// The anti-spoofing check (TC ingress), else the classifier (TC egress).
+        ingress: bool,
         /// Interface name.
         ifname: String,
         /// The cause.
@@ -306,8 +305,7 @@ impl Classifier {
         let link_id = program
             .attach(ifname, hook)
             .map_err(|source| EbpfError::Attach {
-                program: name,
-                hook: hook_name(hook),
+                ingress: matches!(hook, TcAttachType::Ingress),
                 ifname: ifname.to_owned(),
                 source,
             })?;
@@ -727,11 +725,14 @@ fn program_mut<'a>(
         })
 }
 
-fn hook_name(hook: TcAttachType) -> &'static str {
-    match hook {
-        TcAttachType::Ingress => "ingress",
-        TcAttachType::Egress => "egress",
-        TcAttachType::Custom(_) => "custom",
+fn attach_what(ingress: &bool) -> String {
+    if *ingress {
+        format!(
+            "anti-spoofing check {} (TC ingress)",
+            common::PROGRAM_TUN_INGRESS
+        )
+    } else {
+        format!("classifier {} (TC egress)", common::PROGRAM_TUN_EGRESS)
     }
 }
 
