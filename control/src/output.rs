@@ -280,6 +280,17 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "ebpf": {
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
+            "ingress": s.ebpf_ingress.as_ref().map(|i| {
+                let c = |c: &Option<kvpn_proto::dataplane::Counter>| {
+                    let c = c.unwrap_or_default();
+                    serde_json::json!({"packets": c.packets, "bytes": c.bytes})
+                };
+                serde_json::json!({
+                    "passed": c(&i.passed),
+                    "foreign_source": c(&i.foreign_source),
+                    "malformed": c(&i.malformed),
+                })
+            }),
         },
         "liveness": s.liveness.as_ref().map(|l| serde_json::json!({
             "heartbeat_interval_ms": l.heartbeat_interval_ms,
@@ -525,6 +536,16 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
                     "    eBPF unrouted (dropped) {} packets {} bytes",
                     s.ebpf_unrouted_packets, s.ebpf_unrouted_bytes
                 );
+                if let Some(i) = &s.ebpf_ingress {
+                    let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default();
+                    let (passed, foreign, malformed) =
+                        (c(&i.passed), c(&i.foreign_source), c(&i.malformed));
+                    println!(
+                        "    eBPF from tunnel: passed {} packets, dropped {} packets from \
+                         non-cluster sources, {} malformed",
+                        passed.packets, foreign.packets, malformed.packets
+                    );
+                }
             }
         }
     }
