@@ -380,12 +380,15 @@ fn wait_curl_ok(user: &NormalUser, target: SocketAddr, f: &KubeFixture) {
     }
 }
 
+/// The user's `kvpn status -o json`.
+fn status_doc(user: &NormalUser, f: &KubeFixture) -> serde_json::Value {
+    let out = user.kvpn_ok(&["status", "-o", "json"], || f.diagnostics());
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("status JSON: {e}: {out}"))
+}
+
 /// The connected sessions of the user's `kvpn status -o json`.
 fn connected_sessions(user: &NormalUser, f: &KubeFixture) -> Vec<serde_json::Value> {
-    let out = user.kvpn_ok(&["status", "-o", "json"], || f.diagnostics());
-    let doc: serde_json::Value =
-        serde_json::from_str(&out).unwrap_or_else(|e| panic!("status JSON: {e}: {out}"));
-    doc["sessions"]
+    status_doc(user, f)["sessions"]
         .as_array()
         .cloned()
         .unwrap_or_default()
@@ -397,8 +400,9 @@ fn connected_sessions(user: &NormalUser, f: &KubeFixture) -> Vec<serde_json::Val
 /// lc-01 as a normal user, through sudo: `kvpn connect` of an unprivileged
 /// user starts the root daemon with `sudo -n` (allowed for that binary only),
 /// as root, accepting that uid; the user daemon's folder and socket are the
-/// user's (0700, 0600); another uid is refused by the root socket; curl to a
-/// Service works. After a SIGKILL of the root daemon (its root-owned socket
+/// user's (0700, 0600); another uid is refused by the root socket and counted
+/// (`root_daemon.refused_peers`, and a line in the table); curl to a Service
+/// works. After a SIGKILL of the root daemon (its root-owned socket
 /// left behind) the next `kvpn connect` of the user recovers by itself, and
 /// `kvpn quit` of the user stops both daemons and leaves no TUN device. This
 /// machine's resolv.conf and hosts file are untouched throughout.
@@ -514,7 +518,9 @@ fn lc_01_normal_user_starts_root_daemon_through_sudo_and_recovers_after_sigkill(
         "{} is private",
         state.display()
     );
-    // Another uid is refused by the root socket, with its uid and the fix.
+    // Another uid is refused by the root socket, with its uid and the fix,
+    // and counted in `root_daemon.refused_peers`.
+    assert_eq!(status_doc(&user, &f)["root_daemon"]["refused_peers"], 0);
     let nobody = Command::new("ip")
         .args([
             "netns",
@@ -535,6 +541,16 @@ fn lc_01_normal_user_starts_root_daemon_through_sudo_and_recovers_after_sigkill(
         !nobody.status.success() && refusal.contains("refuses uid 65534"),
         "uid 65534 was not refused: {}{refusal}",
         text(&nobody.stdout)
+    );
+    let refused = status_doc(&user, &f)["root_daemon"]["refused_peers"].as_u64();
+    assert!(refused.is_some_and(|n| n >= 1), "refused_peers {refused:?}");
+    let table = user.kvpn_ok(&["status"], diag);
+    assert!(
+        table.contains(&format!(
+            "The root daemon refused {} call(s)",
+            refused.unwrap_or(0)
+        )),
+        "{table}"
     );
     // Traffic, as the user.
     assert_eq!(connected_sessions(&user, &f).len(), 1);

@@ -223,11 +223,20 @@ impl UserDaemonState {
 
     /// The root daemon's sessions; `None` when it does not answer.
     async fn root_sessions(&self) -> Option<Vec<dataplane::Session>> {
+        self.root_status().await.map(|s| s.sessions)
+    }
+
+    /// The root daemon's Status, or `None` when none answers.
+    async fn root_status(&self) -> Option<dataplane::StatusResponse> {
         let mut client = daemon::connect_existing(&self.root_runtime_dir)
             .await
             .ok()
             .flatten()?;
-        daemon::sessions(&mut client, "status").await.ok()
+        client
+            .status(dataplane::StatusRequest {})
+            .await
+            .ok()
+            .map(tonic::Response::into_inner)
     }
 
     async fn root_disconnect(&self, id: &str) -> Result<Vec<String>> {
@@ -556,7 +565,9 @@ impl UserDaemon for UserDaemonState {
         &self,
         _request: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
-        let root = self.root_sessions().await;
+        let root_status = self.root_status().await;
+        let refused_peers = root_status.as_ref().map_or(0, |s| s.refused_peers);
+        let root = root_status.map(|s| s.sessions);
         self.reconcile(root.as_deref());
         let user_sessions = self.sessions().values().map(Entry::to_proto).collect();
         Ok(Response::new(StatusResponse {
@@ -564,6 +575,7 @@ impl UserDaemon for UserDaemonState {
             root_sessions: root.unwrap_or_default(),
             user_sessions,
             daemon_pid: std::process::id(),
+            root_refused_peers: refused_peers,
         }))
     }
 
