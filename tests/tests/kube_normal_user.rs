@@ -15,8 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use kvpn_lab::{Addressing, WEB_SERVICE_PORT};
-use kvpn_tests::kube_lab::KubeFixture;
+use kvpn_tests::kube_lab::{KubeFixture, web};
 use kvpn_tests::text;
 
 fn unique_id() -> String {
@@ -429,7 +428,7 @@ fn lc_01_normal_user_starts_root_daemon_through_sudo_and_recovers_after_sigkill(
     let _sudo = SudoRule::new(&id, &user.name, &user.dataplane_bin());
     let kubeconfig = user.own_kubeconfig(Path::new(&f.user_kubeconfig()));
     let kubeconfig = kubeconfig.to_string_lossy().into_owned();
-    let web = SocketAddr::from((Addressing::default().web_cluster_ip(), WEB_SERVICE_PORT));
+    let web = web();
     let diag = || f.diagnostics();
 
     // 1. Connect as the user: the root daemon is started through sudo.
