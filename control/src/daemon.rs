@@ -300,13 +300,20 @@ async fn run_detached(
             let _ = err.read_to_string(&mut text);
             let text = text.trim();
             let log = runtime_dir.join("dataplane.log");
+            // sudo asks for a password before it says whether any rule allows
+            // the command at all: say what it means here.
+            let hint = if text.contains("a password is required") {
+                " (no sudo rule lets this user run it without a password)"
+            } else {
+                ""
+            };
             return Err(if text.is_empty() {
                 format!(
                     "exited ({status}) without a word — see the end of {}",
                     log.display()
                 )
             } else {
-                format!("exited ({status}): {}", text.replace('\n', " / "))
+                format!("exited ({status}): {}{hint}", text.replace('\n', " / "))
             });
         }
         if Instant::now() > deadline {

@@ -842,3 +842,62 @@ impl Dataplane for Daemon {
         Ok(Response::new(resp))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh folder under the temp folder with `mode`, removed on drop.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(tag: &str, mode: u32) -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("kvpn-runtime-test-{tag}-{}", std::process::id()));
+            fs::create_dir_all(&path).expect("create test folder");
+            fs::set_permissions(&path, fs::Permissions::from_mode(mode)).expect("chmod");
+            Dir(path)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_daemon_started_through_sudo_wants_a_runtime_folder_only_its_user_can_write() {
+        let ok = Dir::new("private", 0o755);
+        RuntimeDir::prepare(&ok.0)
+            .expect("prepare")
+            .require_private()
+            .expect("0755 of our own uid is private");
+        let group = Dir::new("group", 0o775);
+        let err = RuntimeDir::prepare(&group.0)
+            .expect("prepare")
+            .require_private()
+            .expect_err("group-writable is refused")
+            .to_string();
+        assert!(err.contains("mode 775") && err.contains("sudo"), "{err}");
+        let sticky = Dir::new("sticky", 0o1777);
+        assert!(
+            RuntimeDir::prepare(&sticky.0)
+                .expect("a sticky world-writable folder passes prepare")
+                .require_private()
+                .is_err(),
+            "but not require_private (others can plant files there)"
+        );
+        // Owned by someone else: only testable as root, which can chown.
+        if nix::unistd::Uid::effective().is_root() {
+            let other = Dir::new("other", 0o755);
+            std::os::unix::fs::chown(&other.0, Some(65534), Some(65534)).expect("chown");
+            let err = RuntimeDir::prepare(&other.0)
+                .expect("prepare")
+                .require_private()
+                .expect_err("another uid's folder is refused")
+                .to_string();
+            assert!(err.contains("owned by uid 65534"), "{err}");
+        }
+    }
+}

@@ -670,7 +670,8 @@ fn normal_user_without_sudo_rights_or_root_daemon_fails_at_once_with_the_fix() {
             "`sudo -n -- {dataplane} --runtime-dir {}",
             runtime.display()
         ),
-        "sudo: a password is required".to_owned(),
+        "sudo: a password is required (no sudo rule lets this user run it without a password)"
+            .to_owned(),
         "pkexec".to_owned(),
         format!(
             "`sudo {dataplane} --runtime-dir {} --allow-uid {}`",
