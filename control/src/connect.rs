@@ -630,6 +630,13 @@ pub(crate) fn session_request(
 
 pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
+    // A normal user needs a root daemon that accepts their uid: find or start
+    // it (sudo, pkexec) before anything else, so that when neither works the
+    // connect fails at once, having touched neither the cluster nor this laptop.
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if !args.socks && unsafe { libc::geteuid() } != 0 {
+        daemon::connect_or_start(runtime_dir).await?;
+    }
     let plan = crate::ssh::plan_for(&args.kube.ssh, &env)?;
     match &plan {
         Some(p) => output::step(&format!(

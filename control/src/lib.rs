@@ -195,7 +195,7 @@ fn validate_manager_addr(addr: &str) -> Result<()> {
 async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
     // The user daemon merges its sessions with the root daemon's; after a crash
     // this starts it again, and it brings its sessions back (or reports them lost).
-    let (root_running, rows) = match userd::connect_if_needed(runtime_dir).await? {
+    let (root, rows) = match userd::connect_if_needed(runtime_dir).await? {
         Some(mut user) => {
             let st = user
                 .status(kvpn_proto::userd::StatusRequest {})
@@ -204,23 +204,44 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
                 .context("status failed")?
                 .into_inner();
             (
-                st.root_running,
+                output::RootDaemon {
+                    running: st.root_running,
+                    refused_peers: st.root_running.then_some(st.root_refused_peers),
+                },
                 output::merge_sessions(st.root_sessions, st.user_sessions),
             )
         }
         None => match daemon::connect_existing(runtime_dir).await? {
             Some(mut client) => {
-                let sessions = daemon::sessions(&mut client, "status failed").await?;
-                (true, output::merge_sessions(sessions, Vec::new()))
+                let st = client
+                    .status(kvpn_proto::dataplane::StatusRequest {})
+                    .await
+                    .map_err(daemon::status_to_error)
+                    .context("status failed")?
+                    .into_inner();
+                (
+                    output::RootDaemon {
+                        running: true,
+                        refused_peers: Some(st.refused_peers),
+                    },
+                    output::merge_sessions(st.sessions, Vec::new()),
+                )
             }
-            None => (false, Vec::new()),
+            None => (
+                output::RootDaemon {
+                    running: false,
+                    refused_peers: None,
+                },
+                Vec::new(),
+            ),
         },
     };
+    let root_running = root.running;
     if !root_running && rows.is_empty() {
         output::not_running(runtime_dir, args.output);
         return Ok(());
     }
-    output::status(&rows, root_running, args.output)?;
+    output::status(&rows, root, args.output)?;
     if !root_running {
         output::warn_dns_left_changed(runtime_dir);
     }

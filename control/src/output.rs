@@ -314,30 +314,55 @@ fn uptime(ms: u64) -> String {
     }
 }
 
+/// The root daemon as `kvpn status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RootDaemon {
+    /// Whether one answered.
+    pub running: bool,
+    /// Calls it refused because of the caller's uid (SO_PEERCRED), since it
+    /// started; `None` when it does not run.
+    pub refused_peers: Option<u64>,
+}
+
 /// The status document of `-o json` / `-o yaml` (schema: docs/status.md).
-pub fn status_document(rows: &[StatusRow], root_running: bool) -> serde_json::Value {
+pub fn status_document(rows: &[StatusRow], root: RootDaemon) -> serde_json::Value {
+    let mut root_daemon = serde_json::json!({"running": root.running});
+    if let Some(n) = root.refused_peers {
+        root_daemon["refused_peers"] = n.into();
+    }
     serde_json::json!({
-        "root_daemon": {"running": root_running},
+        "root_daemon": root_daemon,
         "sessions": rows.iter().map(session_json).collect::<Vec<_>>(),
     })
 }
 
+/// The table's line about refused callers of the root socket, when there were any.
+fn refused_peers_line(root: RootDaemon) {
+    if let Some(n) = root.refused_peers.filter(|&n| n > 0) {
+        println!(
+            "The root daemon refused {n} call(s) from uids it does not accept (its socket admits \
+             root and the uid it was started for) — `kvpn logs` names them"
+        );
+    }
+}
+
 /// `kvpn status` output.
-pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> Result<()> {
+pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Result<()> {
     match format {
         OutputFormat::Json => {
             println!(
                 "{}",
-                serde_json::to_string_pretty(&status_document(rows, root_running))?
+                serde_json::to_string_pretty(&status_document(rows, root))?
             );
         }
         OutputFormat::Yaml => {
-            let text = serde_yaml_ng::to_string(&status_document(rows, root_running))?;
+            let text = serde_yaml_ng::to_string(&status_document(rows, root))?;
             println!("{}", text.trim_end());
         }
         OutputFormat::Table => {
             if rows.is_empty() {
                 println!("Not connected (the root daemon runs, with no session)");
+                refused_peers_line(root);
                 return Ok(());
             }
             let dash = |t: &str| {
@@ -547,6 +572,7 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
                     );
                 }
             }
+            refused_peers_line(root);
         }
     }
     Ok(())
@@ -625,7 +651,14 @@ mod tests {
         );
         assert_eq!(rows[4].session.tun_name, "kvpn9");
         assert!(rows[4].session.reason.contains("no longer has"));
-        let doc = status_document(&rows, true);
+        let doc = status_document(
+            &rows,
+            RootDaemon {
+                running: true,
+                refused_peers: Some(2),
+            },
+        );
+        assert_eq!(doc["root_daemon"]["refused_peers"], 2);
         assert_eq!(doc["sessions"][4]["user_daemon"]["state"], "lost");
         assert_eq!(doc["sessions"][2]["user_daemon"], serde_json::Value::Null);
         assert_eq!(doc["root_daemon"]["running"], true);
@@ -651,13 +684,23 @@ mod tests {
         assert_eq!(rows[0].session.state, "connected");
         assert_eq!(rows[0].session.rx_bytes, 700);
         assert_eq!(rows[1].session.state, "lost");
-        let doc = status_document(&rows, false);
+        let doc = status_document(
+            &rows,
+            RootDaemon {
+                running: false,
+                refused_peers: None,
+            },
+        );
+        assert!(doc["root_daemon"].get("refused_peers").is_none());
         assert_eq!(doc["sessions"][0]["socks"]["listen"], "127.0.0.1:1080");
         assert_eq!(doc["sessions"][0]["socks"]["open_flows"], 3);
         assert_eq!(doc["sessions"][0]["tun_name"], "");
         let plain = status_document(
             &merge_sessions(Vec::new(), vec![user("x", "lost", "")]),
-            true,
+            RootDaemon {
+                running: true,
+                refused_peers: Some(0),
+            },
         );
         assert_eq!(plain["sessions"][0]["socks"], serde_json::Value::Null);
     }
