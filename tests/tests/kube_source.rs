@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams};
 use kvpn_lab::Netns;
-use kvpn_lab::{ECHO_PORT, HTTP_PORT, WEB_SERVICE_PORT};
-use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name, pod_ready};
+use kvpn_lab::{ECHO_PORT, HTTP_PORT};
+use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name, pod_ready, web};
 use kvpn_tests::text;
 
 const UDP_ECHO_SERVICE_PORT: u16 = 7;
@@ -122,10 +122,6 @@ fn web_pods(f: &KubeFixture) -> Vec<Pod> {
         .into_iter()
         .filter(pod_ready)
         .collect()
-}
-
-fn web() -> SocketAddr {
-    SocketAddr::from((kvpn_lab::WEB_CLUSTER_IP, WEB_SERVICE_PORT))
 }
 
 fn udp_echo() -> SocketAddr {
