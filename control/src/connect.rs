@@ -559,6 +559,7 @@ pub(crate) async fn ensure_manager(
     if let Some(image) = &args.image {
         opts.image = image.clone();
     }
+    opts.source_policy = args.source_policy;
     install::ensure_manager(&conn.client, &opts, &print_progress)
         .await
         .context("the traffic manager is not ready")
@@ -665,6 +666,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         context: conn.description.context.clone(),
         manager_namespace: args.kube.manager_namespace.clone(),
         data_path: String::new(),
+        source_policy: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if already_connected(&mut user, &origin).await? {
@@ -680,6 +682,13 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     }
 
     let manager = ensure_manager(&conn, args).await?;
+    origin.source_policy = manager.source_policy.as_str().to_owned();
+    if manager.source_policy != args.source_policy {
+        output::warn(&format!(
+            "the traffic manager runs with --source-policy {} (a newer kvpn installed it), not {}",
+            manager.source_policy, args.source_policy
+        ));
+    }
     // With a jump host: can it reach the manager's ClusterIP (the SSH data-plane bypass)?
     let data_path = if let Some(t) = &ssh_tunnel {
         output::step(&format!(
@@ -877,6 +886,7 @@ mod tests {
             context: context.into(),
             manager_namespace: ns.into(),
             data_path: String::new(),
+            source_policy: String::new(),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod cidr;
 pub mod cli;
 pub mod connect;
 pub mod daemon;
+pub mod diagnose;
 pub mod fuzzing;
 pub mod install;
 pub mod kubeconfig;
@@ -62,6 +63,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(cmd) => lab::run(cmd).await,
+        Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => diagnose_source(args).await,
         // Both end with the remote side's exit code, after their own cleanup
         // (terminal restored, tunnel closed, SSH disconnected).
         Command::Ssh(args) => {
@@ -356,6 +358,21 @@ async fn logs(runtime_dir: &std::path::Path, args: LogsArgs) -> Result<()> {
             _ = tokio::signal::ctrl_c() => return Ok(()),
         }
     }
+}
+
+async fn diagnose_source(args: crate::cli::DiagnoseSourceArgs) -> Result<()> {
+    let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
+    let plan = ssh::plan_for(&args.kube.ssh, &env)?;
+    let (conn, _tunnel) = ssh::connect_kube(&args.kube.flags(), plan.as_ref(), &env).await?;
+    let report = diagnose::source(
+        &conn.client,
+        &args.kube.manager_namespace,
+        &args.target,
+        args.udp,
+    )
+    .await
+    .with_context(|| format!("cannot trace the source towards {}", args.target))?;
+    output::diagnose_source(&report, args.output)
 }
 
 async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArgs) -> Result<()> {

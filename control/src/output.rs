@@ -38,6 +38,39 @@ pub fn info_block(text: &str) {
     println!("{}", text.trim_end());
 }
 
+/// `kvpn diagnose source`'s report.
+pub fn diagnose_source(r: &crate::diagnose::SourceReport, format: OutputFormat) -> Result<()> {
+    match format {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(r)?),
+        OutputFormat::Yaml => print!("{}", serde_yaml_ng::to_string(r)?),
+        OutputFormat::Table => {
+            let show =
+                |a: Option<std::net::SocketAddr>| a.map_or("-".to_owned(), |a| a.to_string());
+            println!(
+                "{} to {} (traffic manager source policy {})",
+                r.protocol, r.target, r.policy
+            );
+            println!("  laptop socket             {}", show(r.laptop_source));
+            println!(
+                "  after decapsulation       {}",
+                show(r.decapsulated_source)
+            );
+            println!(
+                "  manager pod egress ({})  {}",
+                r.egress_interface,
+                show(r.egress_source)
+            );
+            println!("  backend saw               {}", show(r.backend_source));
+            println!("  outcome                   {:?}", r.outcome);
+            println!("{}: {}", r.verdict, r.explanation);
+            if !r.note.is_empty() {
+                println!("note: {}", r.note);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A warning, on stderr.
 pub fn warn(msg: &str) {
     eprintln!("kvpn: warning: {msg}");
@@ -220,6 +253,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         })),
         "transport": text_or_null(&origin.transport),
         "data_path": text_or_null(&origin.data_path),
+        "source_policy": text_or_null(&origin.source_policy),
         "cluster": text_or_null(&origin.cluster),
         "server": text_or_null(&origin.server),
         "context": text_or_null(&origin.context),
@@ -466,18 +500,31 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                     );
                 }
                 match &s.origin {
-                    Some(o) if !o.cluster.is_empty() => println!(
-                        "    cluster {} (context {}, {}) through {}, traffic manager in {}",
-                        o.cluster,
-                        o.context,
-                        o.server,
-                        if o.data_path.is_empty() {
-                            &o.transport
-                        } else {
-                            &o.data_path
-                        },
-                        o.manager_namespace
-                    ),
+                    Some(o) if !o.cluster.is_empty() => {
+                        println!(
+                            "    cluster {} (context {}, {}) through {}, traffic manager in {}",
+                            o.cluster,
+                            o.context,
+                            o.server,
+                            if o.data_path.is_empty() {
+                                &o.transport
+                            } else {
+                                &o.data_path
+                            },
+                            o.manager_namespace
+                        );
+                        if !o.source_policy.is_empty() {
+                            println!(
+                                "    source policy {} (backends see {})",
+                                o.source_policy,
+                                if o.source_policy == "preserve" {
+                                    "this laptop's tunnel IP"
+                                } else {
+                                    "the traffic manager pod's IP"
+                                }
+                            );
+                        }
+                    }
                     Some(o) if !o.transport.is_empty() => {
                         println!("    transport {}", o.transport);
                     }

@@ -32,10 +32,12 @@ pub mod limit;
 pub mod metrics;
 pub mod packet;
 pub mod peers;
+pub mod preserve;
 pub mod route_watch;
 pub mod routes;
 pub mod server;
 pub mod session;
 pub mod tls;
+pub mod trace;
 
 pub use engine::DEFAULT_MTU;

@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::Parser;
 use kvpn_manager::lease::LeaseTable;
 use kvpn_manager::leases::Leases;
+use kvpn_manager::preserve::{self, PreserveConfig, SourcePolicy};
 use kvpn_manager::route_watch::RouteWatch;
 use kvpn_manager::routes::DiscoveryConfig;
 use kvpn_manager::session::SessionConfig;
@@ -87,6 +88,34 @@ struct Args {
     /// (flows against the cap, limits, manager memory).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     stats_interval_secs: u64,
+    /// Whose address the cluster's backends see: `snat` (the manager pod's IP;
+    /// smoltcp terminates, unprivileged) or `preserve` (the laptop's tunnel IP; the
+    /// pod's kernel forwards through a TUN device, needs NET_ADMIN and NET_RAW, and
+    /// the nodes must route --tunnel-pool via --preserve-gateway).
+    #[arg(long, env = "KVPN_SOURCE_POLICY", value_enum, default_value_t = SourcePolicy::Snat)]
+    source_policy: SourcePolicy,
+    /// With preserve: the stable address this pod claims on --egress-interface
+    /// (announced by gratuitous ARP) for the nodes' route `POOL via GATEWAY`. It
+    /// moves with the live manager pod, so a reschedule changes no node route.
+    /// `none`: claim nothing (the nodes route the pool some other way).
+    #[arg(long, default_value = "169.254.96.1")]
+    preserve_gateway: String,
+    /// The pod's interface towards the node: carries the stable gateway (with
+    /// preserve) and is where `kvpn diagnose source` watches the pod's egress.
+    #[arg(long, default_value = "eth0")]
+    egress_interface: String,
+    /// With preserve: the TUN device the laptops' packets enter the pod's kernel by.
+    #[arg(long, default_value = "kvpn-pool")]
+    pool_tun: String,
+}
+
+fn parse_gateway(s: &str) -> Result<Option<std::net::Ipv4Addr>, String> {
+    if s == "none" {
+        return Ok(None);
+    }
+    s.parse()
+        .map(Some)
+        .map_err(|e| format!("{s:?}: {e}; expected an IPv4 address or `none`"))
 }
 
 fn parse_service_ref(s: &str) -> Result<(String, String), String> {
@@ -299,6 +328,11 @@ async fn main() -> anyhow::Result<()> {
             grpc_listener,
             leases.clone(),
             routes,
+            grpc::TraceConfig {
+                trace: config.trace.clone(),
+                policy: args.source_policy.as_str().to_owned(),
+                egress: args.egress_interface.clone(),
+            },
         )));
         config.leases = Some(leases);
         config.tunnel_pool = Some(args.tunnel_pool);
@@ -306,6 +340,22 @@ async fn main() -> anyhow::Result<()> {
         info!(
             "leases off: any unicast tunnel IP is accepted (give --leases to require session tokens)"
         );
+    }
+    if args.source_policy == SourcePolicy::Preserve {
+        config.tunnel_pool = Some(args.tunnel_pool);
+        let tun = preserve::setup(&PreserveConfig {
+            tun_name: args.pool_tun.clone(),
+            pool: args.tunnel_pool,
+            egress: args.egress_interface.clone(),
+            gateway: parse_gateway(&args.preserve_gateway)
+                .map_err(|e| anyhow::anyhow!("--preserve-gateway {e}"))?,
+        })
+        .await
+        .context("cannot set up --source-policy preserve")?;
+        tokio::spawn(tun.clone().run_reader(config.peers.clone()));
+        config.pool_tun = Some(tun);
+    } else {
+        info!("source policy snat: backends see this pod's IP");
     }
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(

@@ -65,6 +65,12 @@ pub struct SessionConfig {
     /// The live sessions, for laptop-to-laptop forwarding. Sessions sharing a
     /// `SessionConfig` (clones) share it.
     pub peers: Peers,
+    /// Source policy `preserve`: laptop packets for the cluster go into this TUN
+    /// device (the pod's kernel forwards them with the tunnel IP as source) instead
+    /// of smoltcp. `None`: `snat`.
+    pub pool_tun: Option<Arc<crate::preserve::PoolTun>>,
+    /// The `kvpn diagnose source` trace, shared with the gRPC service.
+    pub trace: Arc<crate::trace::SourceTrace>,
     /// Per-client flow cap (all kinds), see [`EngineConfig::max_flows`].
     pub max_flows: usize,
     /// New flows per second per client (0: unlimited), see [`crate::limit`].
@@ -86,6 +92,8 @@ impl Default for SessionConfig {
             leases: None,
             tunnel_pool: None,
             peers: Peers::default(),
+            pool_tun: None,
+            trace: Arc::default(),
             max_flows: crate::engine::DEFAULT_MAX_FLOWS,
             new_flows_per_sec: crate::limit::NEW_FLOWS_PER_SEC,
             new_flow_burst: crate::limit::NEW_FLOW_BURST,
@@ -270,7 +278,16 @@ fn handle_frames(
         used += n;
         match f.kind {
             Kind::Packet => {
-                if !forward_to_peer(f.payload, engine, config) {
+                config.trace.observe_laptop_packet(f.payload);
+                if forward_to_peer(f.payload, engine, config) {
+                    // Another laptop's.
+                } else if let Some(tun) = config
+                    .pool_tun
+                    .as_ref()
+                    .filter(|t| t.takes(f.payload, engine.tunnel_ip()))
+                {
+                    tun.write(f.payload);
+                } else {
                     engine.handle_laptop_packet(f.payload, now);
                 }
             }

@@ -531,6 +531,19 @@ impl KubeFixture {
         }
     }
 
+    /// The netns a pod of this lab's node runs in (the kubelet stand-in's naming);
+    /// exists while the pod runs.
+    pub fn pod_netns(&self, p: &Pod) -> Netns {
+        let role = kvpn_lab::k8s::kubelet::spec::netns_role(
+            p.metadata.name.as_deref().unwrap_or(""),
+            p.metadata.uid.as_deref().unwrap_or(""),
+        );
+        Netns::from_name(&kvpn_lab::topology::netns_name(
+            self.lab().netns_lab().id(),
+            &role,
+        ))
+    }
+
     /// Pids of the user daemons (`kvpn --runtime-dir <this fixture's> daemon`),
     /// sorted: one at most, whatever the number of sessions.
     pub fn user_daemon_pids(&self) -> Vec<u32> {

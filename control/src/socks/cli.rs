@@ -117,6 +117,7 @@ pub async fn connect(
         context: conn.description.context.clone(),
         manager_namespace: args.kube.manager_namespace.clone(),
         data_path: tun_connect::TRANSPORT_PORT_FORWARD.to_owned(),
+        source_policy: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(s) = socks_sessions(&mut user)
