@@ -262,7 +262,10 @@ fn worker(tr: &Traffic, kind: Kind, rate: f64, request: impl Fn(u64) -> Outcome)
             });
         tr.busy.fetch_sub(1, Ordering::SeqCst);
         seq += 1;
-        next = (next + interval).max(Instant::now() - interval);
+        // Never more than one interval behind: after a slow request the rate
+        // stays bounded instead of catching up in a burst.
+        let now = Instant::now();
+        next = (next + interval).max(now.checked_sub(interval).unwrap_or(now));
     }
 }
 
