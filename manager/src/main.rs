@@ -14,7 +14,8 @@ use kvpn_manager::leases::Leases;
 use kvpn_manager::route_watch::RouteWatch;
 use kvpn_manager::routes::DiscoveryConfig;
 use kvpn_manager::session::SessionConfig;
-use kvpn_manager::{grpc, server};
+use kvpn_manager::metrics::ManagerCounters;
+use kvpn_manager::{grpc, metrics_server, server};
 use tracing::{info, warn};
 
 /// kvpn traffic manager: terminates laptops' tunnel packets and dials the real
@@ -87,6 +88,24 @@ struct Args {
     /// (flows against the cap, limits, manager memory).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     stats_interval_secs: u64,
+    /// Address of the metrics endpoint (`GET /metrics`, Prometheus text: refused
+    /// hellos, spoofed sources, lease denials, drops). The loopback default makes
+    /// it reachable only through pods/portforward; `off` disables it.
+    #[arg(long, default_value = "127.0.0.1:10803", value_parser = parse_metrics_listen)]
+    metrics_listen: MetricsListen,
+}
+
+/// `--metrics-listen`: an address, or `None` for `off`.
+#[derive(Debug, Clone)]
+struct MetricsListen(Option<SocketAddr>);
+
+fn parse_metrics_listen(s: &str) -> Result<MetricsListen, String> {
+    if s == "off" {
+        return Ok(MetricsListen(None));
+    }
+    s.parse()
+        .map(|a| MetricsListen(Some(a)))
+        .map_err(|e| format!("{s:?}: {e}; expected IP:PORT (e.g. 127.0.0.1:10803) or off"))
 }
 
 fn parse_service_ref(s: &str) -> Result<(String, String), String> {
@@ -244,6 +263,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     raise_fd_limit();
     fix_mmap_threshold();
+    let counters = Arc::new(ManagerCounters::default());
     let mut config = SessionConfig {
         dial_timeout: Duration::from_millis(args.dial_timeout_ms),
         idle_timeout: Duration::from_secs(args.idle_timeout_secs),
@@ -251,8 +271,19 @@ async fn main() -> anyhow::Result<()> {
         new_flows_per_sec: args.new_flows_per_sec,
         new_flow_burst: args.new_flow_burst,
         stats_interval: Duration::from_secs(args.stats_interval_secs),
+        counters: counters.clone(),
         ..SessionConfig::default()
     };
+    if let MetricsListen(Some(addr)) = args.metrics_listen {
+        let metrics_listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} for metrics (give --metrics-listen another address, or off)"))?;
+        let bound = metrics_listener
+            .local_addr()
+            .context("cannot read the metrics address")?;
+        info!(metrics = %bound, reach = metrics_server::describe(bound), "metrics at GET /metrics");
+        tokio::spawn(metrics_server::serve(metrics_listener, counters.clone()));
+    }
     let mut grpc_task = None;
     if args.leases {
         let api = in_cluster_client();
@@ -299,6 +330,7 @@ async fn main() -> anyhow::Result<()> {
             grpc_listener,
             leases.clone(),
             routes,
+            counters.clone(),
         )));
         config.leases = Some(leases);
         config.tunnel_pool = Some(args.tunnel_pool);

@@ -38,6 +38,7 @@ async fn grpc_server(leases: Arc<Leases>) -> String {
         listener,
         leases,
         kvpn_manager::route_watch::RouteWatch::unavailable("not in a cluster (test)".into()),
+        Arc::default(),
     ));
     format!("http://{addr}")
 }
