@@ -11,10 +11,10 @@ use anyhow::Context;
 use clap::Parser;
 use kvpn_manager::lease::LeaseTable;
 use kvpn_manager::leases::Leases;
+use kvpn_manager::metrics::ManagerCounters;
 use kvpn_manager::route_watch::RouteWatch;
 use kvpn_manager::routes::DiscoveryConfig;
 use kvpn_manager::session::SessionConfig;
-use kvpn_manager::metrics::ManagerCounters;
 use kvpn_manager::{grpc, metrics_server, server};
 use tracing::{info, warn};
 

@@ -452,10 +452,16 @@ mod tests {
             "kvpn_manager_lease_denied_total{reason=\"bad_client_id\"} 1",
             "# TYPE kvpn_manager_sessions_active gauge",
         ] {
-            assert!(text.lines().any(|l| l == line), "{line:?} missing in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
         }
         c.session_ended();
         c.session_ended();
-        assert!(c.render_prometheus().contains("kvpn_manager_sessions_active 0\n"));
+        assert!(
+            c.render_prometheus()
+                .contains("kvpn_manager_sessions_active 0\n")
+        );
     }
 }
