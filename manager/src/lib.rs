@@ -17,7 +17,7 @@
 //!   expiry); [`leases`]: its shell (clock, randomness, the ConfigMap store);
 //!   [`grpc`]: the control gRPC API on :10802 (`Lease`, `WatchRoutes`).
 //! - [`metrics_server`]: `GET /metrics` (the manager-wide [`metrics::ManagerCounters`],
-//!   Prometheus text) on :10803, pod loopback by default.
+//!   Prometheus text) on `--metrics-listen` (the install: pod loopback :10803).
 //! - [`fuzzing`]: entry points of the cargo-fuzz targets and the corpus replay.
 //! - [`routes`]: the pure route and DNS discovery core (watch events in, pod
 //!   CIDRs, Services and cluster DNS out, deltas per client); [`route_watch`]:

@@ -89,9 +89,11 @@ struct Args {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     stats_interval_secs: u64,
     /// Address of the metrics endpoint (`GET /metrics`, Prometheus text: refused
-    /// hellos, spoofed sources, lease denials, drops). The loopback default makes
-    /// it reachable only through pods/portforward; `off` disables it.
-    #[arg(long, default_value = "127.0.0.1:10803", value_parser = parse_metrics_listen)]
+    /// hellos, spoofed sources, lease denials, drops), or `off`. The Kubernetes
+    /// install gives 127.0.0.1:10803 (the pod's loopback: reachable only
+    /// through pods/portforward). Off by default, so managers sharing a network
+    /// namespace (tests, a laptop) do not fight over one port.
+    #[arg(long, default_value = "off", value_parser = parse_metrics_listen)]
     metrics_listen: MetricsListen,
 }
 

@@ -1,8 +1,8 @@
 //! The metrics endpoint: `GET /metrics` answers [`ManagerCounters`] in the
 //! Prometheus text format, over plain HTTP/1.1, one request per connection.
 //!
-//! Bound to the pod's loopback by default (`127.0.0.1:10803`, like the gRPC
-//! API): reached through `pods/portforward` or a sidecar, never through the
+//! The Kubernetes install binds it to the pod's loopback (`127.0.0.1:10803`,
+//! like the gRPC API): reached through `pods/portforward` or a sidecar, never through the
 //! Service, and not from the tunnel (laptops' packets to loopback are dropped,
 //! [`crate::packet::DropReason::ForbiddenDestination`]). Requests are parsed
 //! with `httparse`; anything but `GET /metrics` gets 404 or 405.
