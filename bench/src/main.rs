@@ -70,7 +70,10 @@ fn iperf3(lab: &Lab, target: &str, port: &str, secs: &str, streams: &str) -> Res
             Err(e) if e.contains("server is busy") && tries < 10 => {
                 std::thread::sleep(Duration::from_millis(300));
             }
-            Err(e) => bail!("{args:?}: {e}; stderr: {}", String::from_utf8_lossy(&out.stderr)),
+            Err(e) => bail!(
+                "{args:?}: {e}; stderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
             Ok(_) => bail!(
                 "{args:?} failed: {json}{}",
                 String::from_utf8_lossy(&out.stderr)
