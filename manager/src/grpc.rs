@@ -7,6 +7,12 @@
 //! kubelet carry over TLS and authorise (the same RBAC as the data channel's
 //! port-forward). Other pods cannot reach it through the Service. The session
 //! token it hands out is only useful on the data channel, which is TLS.
+//!
+//! These two RPCs are the whole surface: there is no call that lists, renews
+//! by tunnel IP, releases or edits another client's lease (a client's only
+//! handle on a lease is its own client id), and no reflection service. Refused
+//! `Lease` calls are counted (`kvpn_manager_lease_denied_total`), see
+//! docs/trust-model.md.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -25,6 +31,7 @@ use tracing::{debug, warn};
 
 use crate::lease::LeaseError;
 use crate::leases::{LeaseServiceError, Leases};
+use crate::metrics::{LeaseDenial, ManagerCounters};
 use crate::route_watch::{Failure, Published, RouteWatch};
 use crate::routes::{self, View};
 use crate::trace::{self as source_trace, EgressCapture, SourceTrace};
@@ -42,6 +49,7 @@ pub struct ManagerService {
     pool: String,
     manager_ip: String,
     trace: TraceConfig,
+    counters: Arc<ManagerCounters>,
 }
 
 /// What `TraceSource` needs: the sessions' shared trace, the source policy and
@@ -54,8 +62,14 @@ pub struct TraceConfig {
 }
 
 impl ManagerService {
-    /// A service handing out leases from `leases` and routes from `routes`.
-    pub async fn new(leases: Arc<Leases>, routes: RouteWatch, trace: TraceConfig) -> Self {
+    /// A service handing out leases from `leases` and routes from `routes`,
+    /// counting into `counters`.
+    pub async fn new(
+        leases: Arc<Leases>,
+        routes: RouteWatch,
+        trace: TraceConfig,
+        counters: Arc<ManagerCounters>,
+    ) -> Self {
         let t = leases.table_snapshot().await;
         Self {
             pool: t.pool().to_string(),
@@ -63,6 +77,7 @@ impl ManagerService {
             leases,
             routes,
             trace,
+            counters,
         }
     }
 }
@@ -235,21 +250,32 @@ impl Manager for ManagerService {
     ) -> Result<Response<LeaseResponse>, Status> {
         let client_id = request.into_inner().client_id;
         match self.leases.lease(&client_id).await {
-            Ok((rec, expires_in_s)) => Ok(Response::new(LeaseResponse {
-                tunnel_ip: rec.ip.to_string(),
-                manager_ip: self.manager_ip.clone(),
-                pool_cidr: self.pool.clone(),
-                session_token: rec.token,
-                expires_in_s,
-            })),
+            Ok((rec, expires_in_s)) => {
+                self.counters.lease_granted();
+                Ok(Response::new(LeaseResponse {
+                    tunnel_ip: rec.ip.to_string(),
+                    manager_ip: self.manager_ip.clone(),
+                    pool_cidr: self.pool.clone(),
+                    session_token: rec.token,
+                    expires_in_s,
+                }))
+            }
             Err(LeaseServiceError::Lease(e @ LeaseError::BadClientId(_))) => {
+                self.counters.deny_lease(LeaseDenial::BadClientId);
+                // The id itself is not logged: it may be someone's credential with a typo.
+                warn!(
+                    id_bytes = client_id.len(),
+                    "lease refused: invalid client id"
+                );
                 Err(Status::invalid_argument(e.to_string()))
             }
             Err(LeaseServiceError::Lease(e @ LeaseError::PoolExhausted(_))) => {
+                self.counters.deny_lease(LeaseDenial::PoolExhausted);
                 warn!(error = %e, "lease refused");
                 Err(Status::resource_exhausted(e.to_string()))
             }
             Err(e @ LeaseServiceError::Store(_)) => {
+                self.counters.deny_lease(LeaseDenial::StoreUnavailable);
                 warn!(error = %e, "lease failed");
                 Err(Status::unavailable(e.to_string()))
             }
@@ -257,14 +283,16 @@ impl Manager for ManagerService {
     }
 }
 
-/// Serve the gRPC API on `listener` until the process ends.
+/// Serve the gRPC API on `listener` until the process ends; refusals are
+/// counted into `counters`.
 pub async fn serve(
     listener: TcpListener,
     leases: Arc<Leases>,
     routes: RouteWatch,
     trace: TraceConfig,
+    counters: Arc<ManagerCounters>,
 ) -> Result<(), tonic::transport::Error> {
-    let service = ManagerService::new(leases, routes, trace).await;
+    let service = ManagerService::new(leases, routes, trace, counters).await;
     tonic::transport::Server::builder()
         .add_service(ManagerServer::new(service))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))

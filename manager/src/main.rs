@@ -12,10 +12,11 @@ use clap::Parser;
 use kvpn_manager::lease::LeaseTable;
 use kvpn_manager::leases::Leases;
 use kvpn_manager::preserve::{self, PreserveConfig, SourcePolicy};
+use kvpn_manager::metrics::ManagerCounters;
 use kvpn_manager::route_watch::RouteWatch;
 use kvpn_manager::routes::DiscoveryConfig;
 use kvpn_manager::session::SessionConfig;
-use kvpn_manager::{grpc, server};
+use kvpn_manager::{grpc, metrics_server, server};
 use tracing::{info, warn};
 
 /// kvpn traffic manager: terminates laptops' tunnel packets and dials the real
@@ -107,6 +108,13 @@ struct Args {
     /// With preserve: the TUN device the laptops' packets enter the pod's kernel by.
     #[arg(long, default_value = "kvpn-pool")]
     pool_tun: String,
+    /// Address of the metrics endpoint (`GET /metrics`, Prometheus text: refused
+    /// hellos, spoofed sources, lease denials, drops), or `off`. The Kubernetes
+    /// install gives 127.0.0.1:10803 (the pod's loopback: reachable only
+    /// through pods/portforward). Off by default, so managers sharing a network
+    /// namespace (tests, a laptop) do not fight over one port.
+    #[arg(long, default_value = "off", value_parser = parse_metrics_listen)]
+    metrics_listen: MetricsListen,
 }
 
 fn parse_gateway(s: &str) -> Result<Option<std::net::Ipv4Addr>, String> {
@@ -116,6 +124,19 @@ fn parse_gateway(s: &str) -> Result<Option<std::net::Ipv4Addr>, String> {
     s.parse()
         .map(Some)
         .map_err(|e| format!("{s:?}: {e}; expected an IPv4 address or `none`"))
+}
+
+/// `--metrics-listen`: an address, or `None` for `off`.
+#[derive(Debug, Clone)]
+struct MetricsListen(Option<SocketAddr>);
+
+fn parse_metrics_listen(s: &str) -> Result<MetricsListen, String> {
+    if s == "off" {
+        return Ok(MetricsListen(None));
+    }
+    s.parse()
+        .map(|a| MetricsListen(Some(a)))
+        .map_err(|e| format!("{s:?}: {e}; expected IP:PORT (e.g. 127.0.0.1:10803) or off"))
 }
 
 fn parse_service_ref(s: &str) -> Result<(String, String), String> {
@@ -273,6 +294,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     raise_fd_limit();
     fix_mmap_threshold();
+    let counters = Arc::new(ManagerCounters::default());
     let mut config = SessionConfig {
         dial_timeout: Duration::from_millis(args.dial_timeout_ms),
         idle_timeout: Duration::from_secs(args.idle_timeout_secs),
@@ -280,8 +302,19 @@ async fn main() -> anyhow::Result<()> {
         new_flows_per_sec: args.new_flows_per_sec,
         new_flow_burst: args.new_flow_burst,
         stats_interval: Duration::from_secs(args.stats_interval_secs),
+        counters: counters.clone(),
         ..SessionConfig::default()
     };
+    if let MetricsListen(Some(addr)) = args.metrics_listen {
+        let metrics_listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} for metrics (give --metrics-listen another address, or off)"))?;
+        let bound = metrics_listener
+            .local_addr()
+            .context("cannot read the metrics address")?;
+        info!(metrics = %bound, reach = metrics_server::describe(bound), "metrics at GET /metrics");
+        tokio::spawn(metrics_server::serve(metrics_listener, counters.clone()));
+    }
     let mut grpc_task = None;
     if args.leases {
         let api = in_cluster_client();
@@ -333,6 +366,7 @@ async fn main() -> anyhow::Result<()> {
                 policy: args.source_policy.as_str().to_owned(),
                 egress: args.egress_interface.clone(),
             },
+            counters.clone(),
         )));
         config.leases = Some(leases);
         config.tunnel_pool = Some(args.tunnel_pool);

@@ -25,7 +25,7 @@ use crate::engine::{Engine, EngineConfig, MANAGER_STACK_V4};
 use crate::kernel::{AbortOnDrop, DATAGRAM_QUEUE, KernelSide};
 use crate::lease::AttachError;
 use crate::leases::Leases;
-use crate::metrics::Metrics;
+use crate::metrics::{DropsSynced, HelloRefusal, ManagerCounters, Metrics};
 use crate::packet::DropReason;
 use crate::peers::{self, Peers};
 
@@ -80,6 +80,9 @@ pub struct SessionConfig {
     /// How often a live session logs its flow counts, limits and the
     /// manager's memory (the manager's metrics log, `session stats`).
     pub stats_interval: Duration,
+    /// The manager-wide counters (refused hellos, drops of every session),
+    /// served by [`crate::metrics_server`]. Clones share them.
+    pub counters: Arc<ManagerCounters>,
 }
 
 impl Default for SessionConfig {
@@ -98,6 +101,7 @@ impl Default for SessionConfig {
             new_flows_per_sec: crate::limit::NEW_FLOWS_PER_SEC,
             new_flow_burst: crate::limit::NEW_FLOW_BURST,
             stats_interval: Duration::from_secs(10),
+            counters: Arc::default(),
         }
     }
 }
@@ -147,6 +151,27 @@ pub enum SessionError {
     /// No frame (not even a heartbeat) for too long.
     #[error("no frame from the laptop for {0:?} (heartbeats stopped)")]
     Silent(Duration),
+}
+
+impl SessionError {
+    /// The `refused_hello_total` reason of an error that ends a data channel
+    /// before its session started; `None` for ends that refuse nothing (the
+    /// readiness probe's connect-and-close, a broken connection).
+    pub fn refusal(&self) -> Option<HelloRefusal> {
+        match self {
+            SessionError::HelloTimeout(_) => Some(HelloRefusal::Timeout),
+            SessionError::NotHello(_) => Some(HelloRefusal::NotHello),
+            SessionError::BadHello(_) | SessionError::Frame(_) => Some(HelloRefusal::Malformed),
+            SessionError::Version { .. } => Some(HelloRefusal::Version),
+            SessionError::BadTunnelIp(_) => Some(HelloRefusal::BadTunnelIp),
+            SessionError::Lease(AttachError::NoLease(_)) => Some(HelloRefusal::NoLease),
+            SessionError::Lease(AttachError::WrongToken(_)) => Some(HelloRefusal::WrongToken),
+            SessionError::Read(_)
+            | SessionError::Write
+            | SessionError::ClosedBeforeHello
+            | SessionError::Silent(_) => None,
+        }
+    }
 }
 
 fn random_seed() -> u64 {
@@ -369,6 +394,9 @@ where
         }
         Err(e) => {
             warn!(error = %e, "rejecting session");
+            if let Some(why) = e.refusal() {
+                config.counters.refuse_hello(why);
+            }
             return Err(e);
         }
     };
@@ -377,14 +405,20 @@ where
     async move {
         if let Some(leases) = &config.leases {
             match leases.attach(tunnel_ip, &hello.token).await {
-                Ok(client_id) => debug!(client_id, "hello carries the lease's token"),
+                Ok(client_id) => debug!(client = %crate::lease::client_fingerprint(&client_id), "hello carries the lease's token"),
                 Err(e) => {
                     warn!(error = %e, token_bytes = hello.token.len(), "rejecting session: the hello's session token is not valid for its tunnel IP");
-                    return Err(SessionError::Lease(e));
+                    let e = SessionError::Lease(e);
+                    if let Some(why) = e.refusal() {
+                        config.counters.refuse_hello(why);
+                    }
+                    return Err(e);
                 }
             }
         }
+        config.counters.session_started();
         let result = run_established(rd, wr, rbuf, tunnel_ip, config).await;
+        config.counters.session_ended();
         if let Some(leases) = &config.leases {
             leases.detach(tunnel_ip).await;
         }
@@ -430,6 +464,7 @@ where
     );
     stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut peak_flows = 0usize;
+    let mut drops_synced = DropsSynced::default();
 
     let result: Result<(), SessionError> = loop {
         let now = Instant::now();
@@ -451,6 +486,9 @@ where
             }
         }
         peak_flows = peak_flows.max(engine.flows());
+        config
+            .counters
+            .add_drops(engine.metrics(), &mut drops_synced);
         if !out.is_empty() {
             let batch = std::mem::take(&mut out);
             let sent = match out_tx.try_send(batch) {
@@ -512,6 +550,9 @@ where
         }
     };
     log_stats(&engine, &kernel, peak_flows);
+    config
+        .counters
+        .add_drops(engine.metrics(), &mut drops_synced);
     let (tcp, udp, ping) = engine.flow_counts();
     let metrics = engine.metrics().clone();
     match &result {

@@ -43,6 +43,7 @@ async fn grpc_server(leases: Arc<Leases>) -> String {
             policy: "snat".into(),
             egress: "lo".into(),
         },
+        Arc::default(),
     ));
     format!("http://{addr}")
 }

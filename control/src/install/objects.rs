@@ -54,6 +54,8 @@ pub const ANNOTATION_TLS_FINGERPRINT: &str = "kvpn.dev/tls-fingerprint";
 pub const DATA_PORT: u16 = 10801;
 /// Control gRPC port (leases, routes, DNS).
 pub const GRPC_PORT: u16 = 10802;
+/// Metrics port (`GET /metrics`, pod loopback; docs/trust-model.md).
+pub const METRICS_PORT: u16 = 10803;
 /// Where the TLS Secret is mounted in the manager container.
 pub const TLS_MOUNT: &str = "/etc/kvpn/tls";
 /// Field manager of every server-side apply kvpn does.
@@ -346,6 +348,9 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
                 "--leases".into(),
                 "--grpc-listen".into(),
                 format!("127.0.0.1:{GRPC_PORT}"),
+                // GET /metrics (refusals of docs/trust-model.md), also loopback only.
+                "--metrics-listen".into(),
+                format!("127.0.0.1:{METRICS_PORT}"),
             ];
             // Only when not the default, so `snat` installs keep their template hash.
             if spec.source_policy != SourcePolicy::Snat {
@@ -354,7 +359,11 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
             }
             args
         }),
-        ports: Some(vec![port("data", DATA_PORT), port("grpc", GRPC_PORT)]),
+        ports: Some(vec![
+            port("data", DATA_PORT),
+            port("grpc", GRPC_PORT),
+            port("metrics", METRICS_PORT),
+        ]),
         env: Some(vec![
             env("KVPN_TLS_CERT", &format!("{TLS_MOUNT}/tls.crt")),
             env("KVPN_TLS_KEY", &format!("{TLS_MOUNT}/tls.key")),
@@ -606,6 +615,8 @@ mod tests {
                     "--leases".to_owned(),
                     "--grpc-listen".to_owned(),
                     "127.0.0.1:10802".to_owned(),
+                    "--metrics-listen".to_owned(),
+                    "127.0.0.1:10803".to_owned(),
                 ][..]
             )
         );
