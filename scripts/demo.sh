@@ -80,8 +80,22 @@ check_download() {
 }
 expect_ok check_download
 
-bold "10. Status, with the eBPF classifier's per-kind counters"
+bold "10. Status, with the eBPF classifier's per-kind counters; kvpn top during a download"
 expect_ok show laptop kvpn status
+# `kvpn top --once` while downloads run: the pod route's row has a packet rate
+# (outbound: the laptop's ACKs; the eBPF classifier counts laptop → cluster).
+top_during_download() {
+    laptop bash -c "for i in 1 2 3; do curl -sS --max-time 20 -o /dev/null http://$POD1:8080/big; done" &
+    local dl=$! out
+    sleep 1
+    printf '\033[36m$ %s\033[0m\n' "kvpn top --once   (during a download from $POD1)"
+    out=$(laptop kvpn top --once)
+    echo "$out"
+    wait "$dl"
+    # Columns: SESSION TUN ROUTE KIND RATE(value unit) PKT/S …
+    echo "$out" | awk '$3 ~ /^10\.244\./ && $4 == "pod" && $7 + 0 > 0 { found = 1 } END { exit !found }'
+}
+expect_ok top_during_download
 # The data channel is TLS 1.3 inside the port-forward; the manager's own log says so.
 manager_tls() { echo "$ kubectl logs -n kvpn-system deploy/kvpn-manager | grep tls"; laptop kubectl logs -n kvpn-system deploy/kvpn-manager | grep 'security=tls\|security="tls"'; }
 expect_ok manager_tls
