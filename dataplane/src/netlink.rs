@@ -202,34 +202,17 @@ impl Netlink {
     pub async fn kvpn_routes(&self, index: Option<u32>) -> Result<Vec<KvpnRoute>, NetlinkError> {
         let _dump = self.dumps.lock().await;
         let mut out = Vec::new();
-        for family in [AddressFamily::Inet, AddressFamily::Inet6] {
-            let mut query = RouteMessage::default();
-            query.header.address_family = family;
-            let mut routes = self.handle.route().get(query).execute();
-            loop {
-                let route = match routes.try_next().await {
-                    Ok(Some(r)) => r,
-                    Ok(None) => break,
-                    // IPv6 disabled in this namespace: no IPv6 routes to list.
-                    Err(e)
-                        if family == AddressFamily::Inet6
-                            && errno_of(&e) == Some(libc::EAFNOSUPPORT) =>
-                    {
-                        break;
-                    }
-                    Err(e) => return Err(NetlinkError::new("list routes", e)),
-                };
-                if route.header.protocol != RouteProtocol::Other(RTPROT_KVPN)
-                    || table_of(&route) != u32::from(RouteHeader::RT_TABLE_MAIN)
-                {
-                    continue;
-                }
-                let Some(found) = parse_route(&route) else {
-                    continue;
-                };
-                if index.is_none_or(|i| i == found.oif) {
-                    out.push(found);
-                }
+        for route in self.dump_routes().await? {
+            if route.header.protocol != RouteProtocol::Other(RTPROT_KVPN)
+                || table_of(&route) != u32::from(RouteHeader::RT_TABLE_MAIN)
+            {
+                continue;
+            }
+            let Some(found) = parse_route(&route) else {
+                continue;
+            };
+            if index.is_none_or(|i| i == found.oif) {
+                out.push(found);
             }
         }
         Ok(out)
@@ -274,13 +257,38 @@ impl Netlink {
             }
         }
         let mut out = Vec::new();
+        for route in self.dump_routes().await? {
+            let (dst, oif) = match parse_route(&route) {
+                Some(found) => (found.dst, found.oif),
+                None => match route_dst(&route) {
+                    // Blackhole/unreachable routes have no output device.
+                    Some(dst) => (dst, 0),
+                    None => continue,
+                },
+            };
+            out.push(LaptopRoute {
+                dst: dst.trunc(),
+                dev: names.get(&oif).cloned().unwrap_or_default(),
+                oif,
+                protocol: u8::from(route.header.protocol),
+                table: table_of(&route),
+                kind: u8::from(route.header.kind),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Every route in every table, IPv4 then IPv6 (none when IPv6 is disabled in
+    /// this namespace: the kernel answers EAFNOSUPPORT). The caller holds `dumps`.
+    async fn dump_routes(&self) -> Result<Vec<RouteMessage>, NetlinkError> {
+        let mut out = Vec::new();
         for family in [AddressFamily::Inet, AddressFamily::Inet6] {
             let mut query = RouteMessage::default();
             query.header.address_family = family;
             let mut routes = self.handle.route().get(query).execute();
             loop {
-                let route = match routes.try_next().await {
-                    Ok(Some(r)) => r,
+                match routes.try_next().await {
+                    Ok(Some(r)) => out.push(r),
                     Ok(None) => break,
                     Err(e)
                         if family == AddressFamily::Inet6
@@ -289,23 +297,7 @@ impl Netlink {
                         break;
                     }
                     Err(e) => return Err(NetlinkError::new("list routes", e)),
-                };
-                let (dst, oif) = match parse_route(&route) {
-                    Some(found) => (found.dst, found.oif),
-                    None => match route_dst(&route) {
-                        // Blackhole/unreachable routes have no output device.
-                        Some(dst) => (dst, 0),
-                        None => continue,
-                    },
-                };
-                out.push(LaptopRoute {
-                    dst: dst.trunc(),
-                    dev: names.get(&oif).cloned().unwrap_or_default(),
-                    oif,
-                    protocol: u8::from(route.header.protocol),
-                    table: table_of(&route),
-                    kind: u8::from(route.header.kind),
-                });
+                }
             }
         }
         Ok(out)

@@ -85,11 +85,11 @@ use smoltcp::socket::tcp;
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpListenEndpoint, IpProtocol};
 use tracing::{debug, trace};
 
-use crate::device::QueueDevice;
 use crate::frag::{self, Reassembler, Reassembly};
 use crate::limit::{self, TokenBucket};
 use crate::metrics::Metrics;
 use crate::packet::{self, DropReason, Offending, Parsed, TcpMeta, Unreachable};
+use kvpn_proto::device::QueueDevice;
 
 /// IP MTU of the manager's stack, bytes. Equal to the laptop's TUN MTU
 /// (`kvpn_dataplane::DEFAULT_MTU`): the transport is a byte stream, so large

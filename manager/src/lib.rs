@@ -21,7 +21,6 @@
 //!   CIDRs, Services and cluster DNS out, deltas per client); [`route_watch`]:
 //!   its shell (kube-runtime watches, debounce, subscribers).
 
-pub mod device;
 pub mod engine;
 pub mod frag;
 pub mod fuzzing;

@@ -75,6 +75,17 @@ fn binary_serves_a_session_and_stops_on_sigterm() {
     };
     assert_eq!(echoed, (Kind::Heartbeat, b"12345678".to_vec()));
     drop(s);
+    // The manager notices the close before it is asked to stop (else SIGTERM may
+    // win the race and the close is never logged).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match line_rx.recv_timeout(left) {
+            Ok(l) if l.contains("session closed by the laptop") => break,
+            Ok(_) => {}
+            Err(e) => panic!("kvpn-manager never logged the laptop's close: {e}"),
+        }
+    }
 
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.0.id() as i32),

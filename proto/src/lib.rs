@@ -4,6 +4,9 @@
 //!   the root daemon and the traffic manager (pure, no I/O).
 //! - [`frame`]: the data-channel frame codec spoken between the root daemon's
 //!   pump and the traffic manager (pure, no I/O).
+//! - `device` (feature `smoltcp`): the in-memory smoltcp device both ends of the
+//!   data channel terminate packets with (the manager's engine, the laptop's
+//!   SOCKS5 stack).
 //! - [`dataplane`]: the gRPC API of the root daemon (`kvpn-dataplane`), generated
 //!   by tonic from `proto/dataplane.proto`.
 //! - [`manager`]: the gRPC API of the traffic manager (`Lease`), from
@@ -12,6 +15,8 @@
 //!   talks to, from `proto/userd.proto`.
 
 pub mod cidr;
+#[cfg(feature = "smoltcp")]
+pub mod device;
 pub mod frame;
 pub mod fuzzing;
 

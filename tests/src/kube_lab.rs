@@ -745,6 +745,11 @@ fn kill_user_daemons_of(runtime_dir: &Path) {
 
 /// The root daemon's log and the user daemon's log of `runtime_dir`, for
 /// failure messages.
+/// The lab's web Service (ClusterIP and port), the target most tests reach.
+pub fn web() -> std::net::SocketAddr {
+    std::net::SocketAddr::from((kvpn_lab::WEB_CLUSTER_IP, kvpn_lab::WEB_SERVICE_PORT))
+}
+
 pub fn diagnostics_of(runtime_dir: &Path) -> String {
     let mut s = String::new();
     for (what, file, n) in [

@@ -559,6 +559,21 @@ fn wait_listening(b: &Bastion) {
     }
 }
 
+/// `out`'s stdout when it succeeded; otherwise fails the test with its output, the
+/// Kubernetes lab's diagnostics and the SSH lab's logs.
+pub fn ok(out: Output, what: &str, fx: &KubeFixture, lab: &SshLab) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}\n{}\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr),
+        fx.diagnostics(),
+        lab.logs()
+    );
+    text(&out.stdout)
+}
+
 impl Drop for SshLab {
     fn drop(&mut self) {
         if let Some(mut a) = self.agent.take() {

@@ -15,11 +15,11 @@
 //! handshake timeout) and for the kernel's SYN retransmissions to the API
 //! server to back off, and short enough for CI.
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvpn_lab::{LAPTOP, WEB_CLUSTER_IP, WEB_SERVICE_PORT};
-use kvpn_tests::kube_lab::{BlackHole, KubeFixture};
+use kvpn_lab::LAPTOP;
+use kvpn_tests::kube_lab::{BlackHole, KubeFixture, web};
 use kvpn_tests::text;
 
 /// How long the path stays black-holed.
@@ -35,10 +35,6 @@ const FAIL_FAST_WITHIN: Duration = Duration::from_secs(2);
 /// After the path heals: the re-dial in flight may wait out its 5 s TLS
 /// handshake timeout, then at most the 2 s backoff cap, then a port-forward.
 const RECOVER_WITHIN: Duration = Duration::from_secs(15);
-
-fn web() -> SocketAddr {
-    SocketAddr::from((WEB_CLUSTER_IP, WEB_SERVICE_PORT))
-}
 
 /// `curl` to the web ClusterIP from the laptop, bounded by `max` seconds: (exit
 /// code, stderr, how long it took).

@@ -16,18 +16,15 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, Ser
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
-use kvpn_lab::{HTTP_PORT, WEB_CLUSTER_IP, WEB_SERVICE_PORT};
+use kvpn_lab::HTTP_PORT;
 use kvpn_tests::kube_lab::{
     KVPN_VERSION, KubeFixture, MANAGER_NAMESPACE, MANAGER_SELECTOR, TcpSocket, pod_ip, pod_name,
+    web,
 };
 use kvpn_tests::text;
 
 const VERSION_ANNOTATION: &str = "kvpn.dev/version";
 const MANAGED_BY: &str = "app.kubernetes.io/managed-by=kvpn";
-
-fn web() -> SocketAddr {
-    SocketAddr::from((WEB_CLUSTER_IP, WEB_SERVICE_PORT))
-}
 
 /// Metadata of the objects `api` lists with `selector`.
 macro_rules! metas {

@@ -14,17 +14,13 @@
 //! (and in process: manager/tests/leases.rs).
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
-use kvpn_lab::{LAPTOP, WEB_CLUSTER_IP, WEB_SERVICE_PORT};
-use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name};
-
-fn web() -> SocketAddr {
-    SocketAddr::from((WEB_CLUSTER_IP, WEB_SERVICE_PORT))
-}
+use kvpn_lab::LAPTOP;
+use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name, web};
 
 fn stored_leases(f: &KubeFixture) -> serde_json::Value {
     let api: Api<ConfigMap> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);

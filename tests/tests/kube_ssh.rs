@@ -8,32 +8,13 @@
 //! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`), the
 //! Kubernetes binaries of `scripts/build-kubernetes.sh` and openssh-server/-client.
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use kvpn_lab::{WEB_CLUSTER_IP, WEB_SERVICE_PORT};
-use kvpn_tests::kube_lab::KubeFixture;
-use kvpn_tests::ssh_lab::{PASSWORD, SshLab};
+use kvpn_tests::kube_lab::{KubeFixture, web};
+use kvpn_tests::ssh_lab::{PASSWORD, SshLab, ok};
 use kvpn_tests::text;
-
-fn web() -> SocketAddr {
-    SocketAddr::from((WEB_CLUSTER_IP, WEB_SERVICE_PORT))
-}
-
-fn ok(out: Output, what: &str, fx: &KubeFixture, lab: &SshLab) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}\n{}\n{}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr),
-        fx.diagnostics(),
-        lab.logs()
-    );
-    text(&out.stdout)
-}
 
 fn fails(out: Output, what: &str) -> String {
     assert!(

@@ -19,9 +19,8 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
-use kvpn_lab::{WEB_CLUSTER_IP, WEB_SERVICE_PORT};
-use kvpn_tests::kube_lab::KubeFixture;
-use kvpn_tests::ssh_lab::{PASSWORD, SshLab};
+use kvpn_tests::kube_lab::{KubeFixture, web};
+use kvpn_tests::ssh_lab::{PASSWORD, SshLab, ok};
 use kvpn_tests::text;
 
 /// Traffic must flow again within this long after the SSH connection was killed:
@@ -43,23 +42,6 @@ const HOLE: Duration = Duration::from_secs(12);
 /// Traffic must flow again within this long after the hole healed: the agent's SSH
 /// redial may sit in a SYN retransmission (1 s, 3 s, 7 s apart) when the hole heals.
 const HEAL_RECOVERY: Duration = Duration::from_secs(30);
-
-fn web() -> SocketAddr {
-    SocketAddr::from((WEB_CLUSTER_IP, WEB_SERVICE_PORT))
-}
-
-fn ok(out: Output, what: &str, fx: &KubeFixture, lab: &SshLab) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}\n{}\n{}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr),
-        fx.diagnostics(),
-        lab.logs()
-    );
-    text(&out.stdout)
-}
 
 /// The SSH flags for the first bastion, password login.
 fn ssh_flags(lab: &SshLab) -> Vec<String> {

@@ -12,7 +12,7 @@
 //! drives the stack (the data channel) waits on [`Stack::wake`] as well as on the
 //! returned delay: every socket operation that may produce packets notifies it.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -20,10 +20,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use kvpn_proto::device::QueueDevice;
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
-use smoltcp::phy::{
-    Checksum, ChecksumCapabilities, Device, DeviceCapabilities, Medium, RxToken, TxToken,
-};
 use smoltcp::socket::{tcp, udp};
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint, IpListenEndpoint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -62,76 +60,6 @@ pub struct Counters {
     pub rx_packets: u64,
     /// Bytes received.
     pub rx_bytes: u64,
-}
-
-struct QueueDevice {
-    rx: VecDeque<Vec<u8>>,
-    tx: VecDeque<Vec<u8>>,
-}
-
-struct QueueRxToken(Vec<u8>);
-
-impl RxToken for QueueRxToken {
-    fn consume<R, F>(self, f: F) -> R
-    where
-        F: FnOnce(&[u8]) -> R,
-    {
-        f(&self.0)
-    }
-}
-
-struct QueueTxToken<'a>(&'a mut VecDeque<Vec<u8>>);
-
-impl TxToken for QueueTxToken<'_> {
-    fn consume<R, F>(self, len: usize, f: F) -> R
-    where
-        F: FnOnce(&mut [u8]) -> R,
-    {
-        let mut buf = vec![0u8; len];
-        let r = f(&mut buf);
-        self.0.push_back(buf);
-        r
-    }
-}
-
-impl Device for QueueDevice {
-    type RxToken<'a>
-        = QueueRxToken
-    where
-        Self: 'a;
-    type TxToken<'a>
-        = QueueTxToken<'a>
-    where
-        Self: 'a;
-
-    fn receive(
-        &mut self,
-        _timestamp: smoltcp::time::Instant,
-    ) -> Option<(Self::RxToken<'_>, Self::TxToken<'_>)> {
-        let packet = self.rx.pop_front()?;
-        Some((QueueRxToken(packet), QueueTxToken(&mut self.tx)))
-    }
-
-    fn transmit(&mut self, _timestamp: smoltcp::time::Instant) -> Option<Self::TxToken<'_>> {
-        Some(QueueTxToken(&mut self.tx))
-    }
-
-    fn capabilities(&self) -> DeviceCapabilities {
-        let mut caps = DeviceCapabilities::default();
-        caps.medium = Medium::Ip;
-        caps.max_transmission_unit = MTU;
-        // The data channel is a TLS byte stream: nothing corrupts packets on the
-        // way, but the manager's kernel-facing side expects real checksums, so
-        // compute them when sending and skip checking what the manager built.
-        let mut checksum = ChecksumCapabilities::default();
-        checksum.ipv4 = Checksum::Tx;
-        checksum.tcp = Checksum::Tx;
-        checksum.udp = Checksum::Tx;
-        checksum.icmpv4 = Checksum::Tx;
-        checksum.icmpv6 = Checksum::Tx;
-        caps.checksum = checksum;
-        caps
-    }
 }
 
 struct Inner {
@@ -195,10 +123,7 @@ impl Stack {
     /// A stack owning `tunnel_ip`. `seed` seeds smoltcp's initial sequence
     /// numbers and the first port (random in the daemon, fixed in tests).
     pub fn new(tunnel_ip: IpAddr, seed: u64, now: Instant) -> Arc<Self> {
-        let mut device = QueueDevice {
-            rx: VecDeque::new(),
-            tx: VecDeque::new(),
-        };
+        let mut device = QueueDevice::new(MTU);
         let mut config = Config::new(HardwareAddress::Ip);
         config.random_seed = seed;
         let mut iface = Interface::new(config, &mut device, smol_now(now, now));
@@ -255,7 +180,7 @@ impl Stack {
         let mut inner = self.lock();
         inner.counters.rx_packets += 1;
         inner.counters.rx_bytes += packet.len() as u64;
-        inner.device.rx.push_back(packet);
+        inner.device.push_rx(packet);
         drop(inner);
         self.wake.notify_one();
     }
@@ -284,7 +209,7 @@ impl Stack {
                 i += 1;
             }
         }
-        let out: Vec<Vec<u8>> = inner.device.tx.drain(..).collect();
+        let out: Vec<Vec<u8>> = inner.device.drain_tx().collect();
         for p in &out {
             inner.counters.tx_packets += 1;
             inner.counters.tx_bytes += p.len() as u64;

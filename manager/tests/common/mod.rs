@@ -12,9 +12,9 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use kvpn_manager::DEFAULT_MTU;
-use kvpn_manager::device::QueueDevice;
 use kvpn_manager::metrics::Metrics;
 use kvpn_manager::session::{SessionConfig, SessionError, run_session};
+use kvpn_proto::device::QueueDevice;
 use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
 use smoltcp::socket::{tcp, udp};

@@ -1,10 +1,12 @@
-//! An in-memory smoltcp [`Device`]: two packet queues. The engine pushes the
-//! laptop's packets into `rx` and drains what smoltcp (and the engine itself)
-//! sends to the laptop from `tx`. Pure: no I/O.
+//! An in-memory smoltcp [`Device`] for either end of the data channel: two
+//! packet queues. The owner pushes the peer's packets into `rx` and drains what
+//! smoltcp (and the owner itself) sends to the peer from `tx`. Pure: no I/O.
+//! The manager's engine uses it with the laptop as the peer; the laptop's SOCKS5
+//! stack (no TUN) with the manager as the peer.
 //!
 //! Checksums are computed on transmit and not verified on receive: packets
-//! reach the manager over a reliable, integrity-protected byte stream, and the
-//! laptop's TUN may leave checksums to offload.
+//! cross a reliable, integrity-protected byte stream (TLS), and the laptop's TUN
+//! may leave checksums to offload.
 
 use std::collections::VecDeque;
 
@@ -44,6 +46,11 @@ impl QueueDevice {
     /// The oldest packet for the peer.
     pub fn pop_tx(&mut self) -> Option<Vec<u8>> {
         self.tx.pop_front()
+    }
+
+    /// Every packet for the peer, oldest first.
+    pub fn drain_tx(&mut self) -> std::collections::vec_deque::Drain<'_, Vec<u8>> {
+        self.tx.drain(..)
     }
 
     /// Packets waiting for smoltcp.
