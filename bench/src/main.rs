@@ -581,7 +581,7 @@ fn kvpn_home(lab: &Lab, runtime: &Path, args: &[&str], home: Option<&Path>) -> R
         bail!(
             "kvpn {shown:?}{}: {}",
             if args.len() > 12 { " …" } else { "" },
-            String::from_utf8_lossy(&out.stderr)
+            String::from_utf8_lossy(&out.stderr).trim_end()
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
