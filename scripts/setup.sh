@@ -19,7 +19,7 @@ fi
 # --- apt packages ---------------------------------------------------------
 APT_PACKAGES=(
     iproute2 nftables iperf3 curl dnsutils iputils-ping procps psmisc bc
-    protobuf-compiler bpftool socat tcpdump
+    protobuf-compiler bpftool socat tcpdump sudo
     dnsmasq-base dnsperf musl-tools
     etcd-server golang-1.19-go rsync
     openssh-server openssh-client openssl

@@ -85,6 +85,36 @@ pub enum Command {
     /// The built-in lab: a cluster in network namespaces for trying kvpn out.
     #[command(subcommand)]
     Lab(LabCommand),
+    /// Checks of the path through the traffic manager.
+    #[command(subcommand)]
+    Diagnose(DiagnoseCommand),
+}
+
+/// `kvpn diagnose` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DiagnoseCommand {
+    /// For one fresh connection to TARGET:PORT (a Service name, ClusterIP or pod
+    /// IP), the source address after decapsulation in the traffic manager, at the
+    /// manager pod's egress and as the backend saw it, and where it changed and
+    /// why (source policy, masquerade, proxy) — or whether the flow was refused,
+    /// rejected or lost. Needs a connected session.
+    Source(DiagnoseSourceArgs),
+}
+
+/// `kvpn diagnose source` flags.
+#[derive(Debug, Args)]
+pub struct DiagnoseSourceArgs {
+    /// HOST:PORT of the backend (Service name, ClusterIP or pod IP).
+    pub target: String,
+    /// One UDP datagram instead of a TCP connection.
+    #[arg(long)]
+    pub udp: bool,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+    /// Which cluster.
+    #[command(flatten)]
+    pub kube: KubeArgs,
 }
 
 /// Which cluster: the kubeconfig flags shared by the Kubernetes commands.
@@ -182,6 +212,12 @@ pub struct ConnectArgs {
     /// `kvpn status` lists the conflicts. Default: refuse such a connect.
     #[arg(long)]
     pub allow_route_conflict: bool,
+    /// Whose address the cluster's backends see: `snat` (the traffic manager pod's
+    /// IP) or `preserve` (this laptop's tunnel IP; the nodes must route the tunnel
+    /// pool back via the manager's stable gateway, see the README's "Choosing a
+    /// source policy"). Installs or updates the manager with it.
+    #[arg(long, value_enum, default_value_t = crate::install::SourcePolicy::Snat)]
+    pub source_policy: crate::install::SourcePolicy,
     /// Which cluster (used unless --manager is given). Last, so its SSH help
     /// heading covers only the SSH flags.
     #[command(flatten)]

@@ -20,9 +20,10 @@ use kvpn_proto::dataplane::{
 use crate::cidr::{self, DetectOptions};
 use crate::cli::ConnectArgs;
 use crate::install::{self, InstallOptions, ProgressEvent};
-use crate::kubeconfig::UserEnv;
+use crate::kubeconfig::{KubeConnection, UserEnv};
 use crate::lease;
 use crate::{daemon, output, userd};
+use kvpn_proto::manager::LeaseResponse;
 use kvpn_proto::userd::StartSessionRequest;
 use kvpn_proto::userd::user_daemon_client::UserDaemonClient;
 use std::os::unix::ffi::OsStrExt as _;
@@ -545,8 +546,98 @@ async fn current_sessions(runtime_dir: &Path) -> Result<Vec<Session>> {
 }
 
 /// `kvpn connect` without `--manager`.
+/// Install or upgrade the traffic manager as `args` say (namespace, image), with
+/// progress: the first step of both modes (TUN and SOCKS5).
+pub(crate) async fn ensure_manager(
+    conn: &KubeConnection,
+    args: &ConnectArgs,
+) -> Result<install::ManagerInfo> {
+    let mut opts = InstallOptions {
+        namespace: args.kube.manager_namespace.clone(),
+        ..InstallOptions::default()
+    };
+    if let Some(image) = &args.image {
+        opts.image = image.clone();
+    }
+    opts.source_policy = args.source_policy;
+    install::ensure_manager(&conn.client, &opts, &print_progress)
+        .await
+        .context("the traffic manager is not ready")
+}
+
+/// The lease step of both modes: this user's client id for the cluster, `Lease`
+/// on the manager pod, the tunnel IP it gave. The caller reports it.
+pub(crate) async fn lease_step(
+    conn: &KubeConnection,
+    args: &ConnectArgs,
+    env: &UserEnv,
+    manager: &install::ManagerInfo,
+) -> Result<(LeaseResponse, IpAddr)> {
+    output::step("Leasing a tunnel IP from the traffic manager");
+    let client_id = lease::client_id(
+        env,
+        &conn.target.acting,
+        &conn.description.server,
+        &conn.description.cluster,
+    )?;
+    let leased = lease::lease(
+        &conn.client,
+        &args.kube.manager_namespace,
+        &manager.pod_name,
+        manager.grpc_port,
+        &client_id,
+    )
+    .await
+    .context("cannot lease a tunnel IP")?;
+    let tunnel_ip: IpAddr = leased.tunnel_ip.parse().with_context(|| {
+        format!(
+            "the traffic manager leased an invalid tunnel IP {:?}",
+            leased.tunnel_ip
+        )
+    })?;
+    Ok((leased, tunnel_ip))
+}
+
+/// What every session request carries, whatever the mode: who asks (environment,
+/// working directory, euid), how the user daemon reaches the cluster again
+/// (kubeconfig, context, namespace, SSH plan) and the manager's data port. The
+/// caller fills in the mode's own fields.
+pub(crate) fn session_request(
+    env: &UserEnv,
+    args: &ConnectArgs,
+    conn: &KubeConnection,
+    plan: Option<&crate::ssh::SshPlan>,
+    manager: &install::ManagerInfo,
+) -> StartSessionRequest {
+    StartSessionRequest {
+        env: userd::env_of(env),
+        cwd: env.cwd.as_os_str().as_bytes().to_vec(),
+        euid: env.euid,
+        kubeconfig: args
+            .kube
+            .kubeconfig
+            .as_ref()
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        context: args.kube.context.clone().unwrap_or_default(),
+        namespace: args.kube.namespace.clone().unwrap_or_default(),
+        ssh_plan_json: plan.map(|p| p.to_env()).unwrap_or_default(),
+        manager_namespace: args.kube.manager_namespace.clone(),
+        data_port: u32::from(manager.data_port),
+        connected_namespace: conn.description.namespace.clone(),
+        ..StartSessionRequest::default()
+    }
+}
+
 pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> {
     let env = UserEnv::current().context("cannot read this process's environment")?;
+    // A normal user needs a root daemon that accepts their uid: find or start
+    // it (sudo, pkexec) before anything else, so that when neither works the
+    // connect fails at once, having touched neither the cluster nor this laptop.
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if !args.socks && unsafe { libc::geteuid() } != 0 {
+        daemon::connect_or_start(runtime_dir).await?;
+    }
     let plan = crate::ssh::plan_for(&args.kube.ssh, &env)?;
     match &plan {
         Some(p) => output::step(&format!(
@@ -575,6 +666,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         context: conn.description.context.clone(),
         manager_namespace: args.kube.manager_namespace.clone(),
         data_path: String::new(),
+        source_policy: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if already_connected(&mut user, &origin).await? {
@@ -589,16 +681,14 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         return Ok(());
     }
 
-    let mut opts = InstallOptions {
-        namespace: args.kube.manager_namespace.clone(),
-        ..InstallOptions::default()
-    };
-    if let Some(image) = &args.image {
-        opts.image = image.clone();
+    let manager = ensure_manager(&conn, args).await?;
+    origin.source_policy = manager.source_policy.as_str().to_owned();
+    if manager.source_policy != args.source_policy {
+        output::warn(&format!(
+            "the traffic manager runs with --source-policy {} (a newer kvpn installed it), not {}",
+            manager.source_policy, args.source_policy
+        ));
     }
-    let manager = install::ensure_manager(&conn.client, &opts, &print_progress)
-        .await
-        .context("the traffic manager is not ready")?;
     // With a jump host: can it reach the manager's ClusterIP (the SSH data-plane bypass)?
     let data_path = if let Some(t) = &ssh_tunnel {
         output::step(&format!(
@@ -624,28 +714,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 
     // The tunnel IP and session token come from the manager (item 4, tr-11): the
     // same client id, kept per user and cluster, gets the same IP back.
-    output::step("Leasing a tunnel IP from the traffic manager");
-    let client_id = lease::client_id(
-        &env,
-        &conn.target.acting,
-        &conn.description.server,
-        &conn.description.cluster,
-    )?;
-    let leased = lease::lease(
-        &conn.client,
-        &args.kube.manager_namespace,
-        &manager.pod_name,
-        manager.grpc_port,
-        &client_id,
-    )
-    .await
-    .context("cannot lease a tunnel IP")?;
-    let tunnel_ip: IpAddr = leased.tunnel_ip.parse().with_context(|| {
-        format!(
-            "the traffic manager leased an invalid tunnel IP {:?}",
-            leased.tunnel_ip
-        )
-    })?;
+    let (leased, tunnel_ip) = lease_step(&conn, args, &env, &manager).await?;
     let tunnel_pool: IpNet = leased.pool_cidr.parse().with_context(|| {
         format!(
             "the traffic manager sent an invalid tunnel pool {:?}",
@@ -744,23 +813,8 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     }
     let started = user
         .start_session(StartSessionRequest {
-            env: userd::env_of(&env),
-            cwd: env.cwd.as_os_str().as_bytes().to_vec(),
-            euid: env.euid,
-            kubeconfig: args
-                .kube
-                .kubeconfig
-                .as_ref()
-                .map(|p| p.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            context: args.kube.context.clone().unwrap_or_default(),
-            namespace: args.kube.namespace.clone().unwrap_or_default(),
-            ssh_plan_json: plan.as_ref().map(|p| p.to_env()).unwrap_or_default(),
-            manager_namespace: args.kube.manager_namespace.clone(),
-            data_port: u32::from(manager.data_port),
             grpc_port: u32::from(manager.grpc_port),
             keep_out: keep_out.iter().map(ToString::to_string).collect(),
-            connected_namespace: conn.description.namespace.clone(),
             ssh_direct: data_path
                 .ssh_direct_target()
                 .map(|t| t.to_string())
@@ -783,6 +837,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
                 allow_route_conflict: args.allow_route_conflict,
             }),
             socks: None,
+            ..session_request(&env, args, &conn, plan.as_ref(), &manager)
         })
         .await
         .map_err(daemon::status_to_error)
@@ -831,6 +886,7 @@ mod tests {
             context: context.into(),
             manager_namespace: ns.into(),
             data_path: String::new(),
+            source_policy: String::new(),
         }
     }
 

@@ -2,6 +2,7 @@
 //! socket, and starting it on demand.
 
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -82,16 +83,16 @@ pub async fn connect_existing(runtime_dir: &Path) -> Result<Option<DataplaneClie
 }
 
 /// A client for the root daemon, starting `kvpn-dataplane` first if none answers.
+/// As root it is started directly; a normal user's kvpn starts it through
+/// `sudo -n` or `pkexec` ([`start_elevated`]), allowing that user's uid on its
+/// socket, and fails at once with what it tried and the fixes when neither works.
 pub async fn connect_or_start(runtime_dir: &Path) -> Result<DataplaneClient<Channel>> {
     if let Some(c) = connect_existing(runtime_dir).await? {
         return Ok(c);
     }
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
-        bail!(
-            "the root daemon kvpn-dataplane is not running and starting it needs root \
-             (it creates the TUN device, routes and eBPF programs) — run `sudo kvpn connect …`"
-        );
+        return start_elevated(runtime_dir).await;
     }
     start(runtime_dir)?;
     let socket = socket_path(runtime_dir);
@@ -107,6 +108,221 @@ pub async fn connect_or_start(runtime_dir: &Path) -> Result<DataplaneClient<Chan
                 START_TIMEOUT.as_secs(),
                 runtime_dir.join("dataplane.log").display()
             );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The programs a normal user's kvpn tries, in order, to run the root daemon
+/// as root. `sudo -n` never prompts (a rule with NOPASSWD, or a cached
+/// password of this session's terminal); pkexec asks polkit, which may ask the
+/// user through the desktop's authentication agent.
+const ELEVATORS: [Elevator; 2] = [Elevator::Sudo, Elevator::Pkexec];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Elevator {
+    Sudo,
+    Pkexec,
+}
+
+impl Elevator {
+    fn program(self) -> &'static str {
+        match self {
+            Elevator::Sudo => "sudo",
+            Elevator::Pkexec => "pkexec",
+        }
+    }
+
+    /// `program args… bin rest…`.
+    fn command(self, program: &Path, bin: &Path, rest: &[std::ffi::OsString]) -> Command {
+        let mut cmd = Command::new(program);
+        if self == Elevator::Sudo {
+            // Non-interactive: fail instead of prompting on a terminal this
+            // detached process does not have.
+            cmd.args(["-n", "--"]);
+        }
+        cmd.arg(bin).args(rest);
+        cmd
+    }
+}
+
+/// `name` in `$PATH`.
+fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// The `kvpn-dataplane` binary as an absolute path: sudo rules and pkexec
+/// name programs by absolute path.
+fn absolute_dataplane_binary() -> PathBuf {
+    let bin = dataplane_binary();
+    if bin.is_absolute() {
+        return bin;
+    }
+    if bin.components().count() == 1
+        && let Some(found) = bin.to_str().and_then(find_program)
+    {
+        return found;
+    }
+    std::path::absolute(&bin).unwrap_or(bin)
+}
+
+/// This process's real uid and, when it has one, its user name.
+fn who() -> (u32, String) {
+    let uid = nix_uid();
+    let name = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .map_or_else(|| format!("#{uid}"), |u| u.name);
+    (uid, name)
+}
+
+/// The root daemon started for this normal user through [`ELEVATORS`]: the
+/// first one whose daemon answers on the socket wins. Each attempt's failure
+/// (not installed, refused, the daemon exited) is kept for the error.
+async fn start_elevated(runtime_dir: &Path) -> Result<DataplaneClient<Channel>> {
+    let (uid, user) = who();
+    let bin = absolute_dataplane_binary();
+    let dir = std::path::absolute(runtime_dir).unwrap_or_else(|_| runtime_dir.to_path_buf());
+    let rest: Vec<std::ffi::OsString> = vec![
+        "--runtime-dir".into(),
+        dir.clone().into(),
+        "--allow-uid".into(),
+        uid.to_string().into(),
+        "--log-to-runtime-dir".into(),
+    ];
+    let mut tried = Vec::new();
+    for elevator in ELEVATORS {
+        let Some(program) = find_program(elevator.program()) else {
+            tried.push(format!(
+                "{}: not installed (not on PATH)",
+                elevator.program()
+            ));
+            continue;
+        };
+        let mut cmd = elevator.command(&program, &bin, &rest);
+        let shown = format!("`{} {}`", elevator.program(), show_args(&cmd));
+        match run_detached(&mut cmd, runtime_dir).await {
+            Ok(client) => {
+                crate::output::done(&format!(
+                    "Started the root daemon as root through {} (it accepts uid {uid})",
+                    elevator.program()
+                ));
+                return Ok(client);
+            }
+            Err(why) => tried.push(format!("{shown}: {why}")),
+        }
+    }
+    bail!(
+        "cannot start the root daemon kvpn-dataplane for uid {uid} ({user}): none answers on \
+         {socket}, and it must run as root (it creates the TUN device, routes and eBPF \
+         programs).\nTried:\n  - {tried}\nFix, one of:\n  - start it once as root for \
+         this user: `sudo {bin} --runtime-dir {dir} --allow-uid {uid}`\n  - let {user} start \
+         it without a password: a sudoers rule `{user} ALL=(root) NOPASSWD: {bin}` (in a file \
+         under /etc/sudoers.d/)\n  - or use `kvpn connect --socks`, which needs no root \
+         daemon",
+        socket = socket_path(&dir).display(),
+        tried = tried.join("\n  - "),
+        bin = bin.display(),
+        dir = dir.display(),
+    )
+}
+
+/// The arguments of `cmd`, as a shell would show them.
+fn show_args(cmd: &Command) -> String {
+    cmd.get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Runs `cmd` (sudo or pkexec starting the root daemon) in a session of its
+/// own, so the daemon outlives this CLI and its terminal, and waits until the
+/// daemon answers on its socket. Errors: the spawn failed, or the command
+/// exited first (sudo refused, the daemon failed), with its stderr; or no
+/// answer within [`START_TIMEOUT`].
+async fn run_detached(
+    cmd: &mut Command,
+    runtime_dir: &Path,
+) -> std::result::Result<DataplaneClient<Channel>, String> {
+    use std::io::{Read as _, Seek as _};
+    use std::os::unix::process::CommandExt as _;
+    // Its stderr goes to a file unlinked at once: read back if it fails,
+    // nothing left behind either way (the daemon itself logs to its runtime folder).
+    let err_path = std::env::temp_dir().join(format!(
+        "kvpn-start-{}-{}.err",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .subsec_nanos()
+    ));
+    let mut err = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&err_path)
+        .map_err(|e| format!("cannot create {}: {e}", err_path.display()))?;
+    let _ = std::fs::remove_file(&err_path);
+    let err_child = err
+        .try_clone()
+        .map_err(|e| format!("cannot duplicate a file handle: {e}"))?;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err_child);
+    // SAFETY: setsid is async-signal-safe and touches no memory of this process.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|e| format!("cannot run it: {e}"))?;
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        match connect_existing(runtime_dir).await {
+            Ok(Some(c)) => return Ok(c),
+            Ok(None) => {}
+            Err(e) => return Err(format!("{e:#}")),
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            // A daemon started at the same moment by someone else won the
+            // socket: use it.
+            if let Ok(Some(c)) = connect_existing(runtime_dir).await {
+                return Ok(c);
+            }
+            let mut text = String::new();
+            let _ = err.seek(std::io::SeekFrom::Start(0));
+            let _ = err.read_to_string(&mut text);
+            let text = text.trim();
+            let log = runtime_dir.join("dataplane.log");
+            // sudo asks for a password before it says whether any rule allows
+            // the command at all: say what it means here.
+            let hint = if text.contains("a password is required") {
+                " (no sudo rule lets this user run it without a password)"
+            } else {
+                ""
+            };
+            return Err(if text.is_empty() {
+                format!(
+                    "exited ({status}) without a word — see the end of {}",
+                    log.display()
+                )
+            } else {
+                format!("exited ({status}): {}{hint}", text.replace('\n', " / "))
+            });
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the daemon did not answer on {} within {} s — see {}",
+                socket_path(runtime_dir).display(),
+                START_TIMEOUT.as_secs(),
+                runtime_dir.join("dataplane.log").display()
+            ));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -157,8 +373,25 @@ fn start(runtime_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Stop the root daemon (SIGTERM to the pid in its pid file) and wait for its socket to go.
+/// Stop the root daemon (SIGTERM to the pid in its pid file; a normal user,
+/// who may not signal root's processes, asks it over its socket with Shutdown)
+/// and wait for the process to go.
 pub async fn stop(runtime_dir: &Path) -> Result<()> {
+    if nix_uid() != 0 {
+        let Some(mut client) = connect_existing(runtime_dir).await? else {
+            crate::output::done("The root daemon is not running");
+            return Ok(());
+        };
+        let pid = client
+            .shutdown(kvpn_proto::dataplane::ShutdownRequest {})
+            .await
+            .map_err(status_to_error)
+            .context("the root daemon refused to stop")?
+            .into_inner()
+            .pid;
+        let pid = i32::try_from(pid).context("the root daemon sent an invalid pid")?;
+        return wait_gone(pid, runtime_dir).await;
+    }
     let pid_file = pid_path(runtime_dir);
     let pid = match std::fs::read_to_string(&pid_file) {
         Ok(s) => s
@@ -178,8 +411,12 @@ pub async fn stop(runtime_dir: &Path) -> Result<()> {
         let _ = std::fs::remove_file(&pid_file);
         return Ok(());
     }
-    // Wait for the process itself to go: its socket may still exist (refusing
-    // connections) while it tears sessions down.
+    wait_gone(pid, runtime_dir).await
+}
+
+/// Wait for the root daemon `pid` itself to go: its socket may still exist
+/// (refusing connections) while it tears sessions down.
+async fn wait_gone(pid: i32, runtime_dir: &Path) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while process_alive(pid) {
         if Instant::now() > deadline {
@@ -212,19 +449,40 @@ pub fn repair_leftovers(runtime_dir: &Path) -> Result<bool> {
         return Ok(false);
     }
     // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!(
+    let root = unsafe { libc::geteuid() } == 0;
+    let bin = if root {
+        dataplane_binary()
+    } else {
+        absolute_dataplane_binary()
+    };
+    let mut cmd = match (root, find_program("sudo")) {
+        (true, _) => Command::new(&bin),
+        // The same rule that lets this user start the daemon lets it repair.
+        (false, Some(sudo)) => Elevator::Sudo.command(&sudo, &bin, &[]),
+        (false, None) => bail!(
             "the root daemon died and left this machine's resolv.conf pointing at its DNS \
-             forwarder; restoring it needs root — run `sudo kvpn quit`"
-        );
-    }
-    let bin = dataplane_binary();
-    let out = std::process::Command::new(&bin)
+             forwarder; restoring it needs root and sudo is not installed — run \
+             `{} --runtime-dir {} --repair` as root",
+            bin.display(),
+            runtime_dir.display()
+        ),
+    };
+    let out = cmd
         .arg("--runtime-dir")
-        .arg(runtime_dir)
+        .arg(std::path::absolute(runtime_dir).unwrap_or_else(|_| runtime_dir.to_path_buf()))
         .arg("--repair")
+        .stdin(Stdio::null())
         .output()
         .with_context(|| format!("cannot run {} --repair", bin.display()))?;
+    if !root && !out.status.success() {
+        bail!(
+            "the root daemon died and left this machine's resolv.conf pointing at its DNS \
+             forwarder; restoring it needs root and `sudo -n {} --repair` failed: {} — run \
+             `sudo kvpn quit`",
+            bin.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
     if !out.status.success() {
         bail!(
             "{} --repair failed: {}",

@@ -43,6 +43,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::{debug, info};
 
+pub use self::objects::SourcePolicy;
 use self::objects::{MANAGER, Spec, TLS_SECRET, compare_versions, version_of};
 use self::wait::{ReadyWait, Verdict, WaitConfig, WaitFailure};
 
@@ -77,7 +78,8 @@ pub struct InstallOptions {
     pub version: String,
     /// Bounds of the wait for a ready pod.
     pub wait: WaitConfig,
-    // The client-source policy (snat / preserve) joins here with [preserve-mode].
+    /// `--source-policy` (snat / preserve).
+    pub source_policy: SourcePolicy,
 }
 
 impl Default for InstallOptions {
@@ -88,6 +90,7 @@ impl Default for InstallOptions {
             image: default_image(KVPN_VERSION),
             version: KVPN_VERSION.to_owned(),
             wait: WaitConfig::default(),
+            source_policy: SourcePolicy::Snat,
         }
     }
 }
@@ -122,6 +125,8 @@ pub struct ManagerInfo {
     pub cluster_ip: Option<IpAddr>,
     pub data_port: u16,
     pub grpc_port: u16,
+    /// The running manager's `--source-policy` (from its Deployment).
+    pub source_policy: SourcePolicy,
     /// The CA (PEM) that signed the manager's serving certificate.
     pub ca_pem: String,
     /// The DNS name the serving certificate is verified against.
@@ -632,6 +637,10 @@ impl Installer<'_> {
             cluster_ip,
             data_port: objects::DATA_PORT,
             grpc_port: objects::GRPC_PORT,
+            source_policy: container
+                .and_then(|c| c.args.as_deref())
+                .map(SourcePolicy::of_args)
+                .unwrap_or_default(),
             ca_pem: tls.ca_pem,
             server_name: objects::server_name(&ns),
             outcome,
@@ -725,6 +734,7 @@ pub async fn ensure_manager(
             namespace: opts.namespace.clone(),
             image: opts.image.clone(),
             version: opts.version.clone(),
+            source_policy: opts.source_policy,
         },
         progress,
     };
@@ -747,6 +757,7 @@ pub async fn ensure_tls_secret(
             namespace: opts.namespace.clone(),
             image: opts.image.clone(),
             version: opts.version.clone(),
+            source_policy: opts.source_policy,
         },
         progress,
     };

@@ -14,6 +14,7 @@ pub mod cidr;
 pub mod cli;
 pub mod connect;
 pub mod daemon;
+pub mod diagnose;
 pub mod fuzzing;
 pub mod install;
 pub mod kubeconfig;
@@ -62,6 +63,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(cmd) => lab::run(cmd).await,
+        Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => diagnose_source(args).await,
         // Both end with the remote side's exit code, after their own cleanup
         // (terminal restored, tunnel closed, SSH disconnected).
         Command::Ssh(args) => {
@@ -195,7 +197,7 @@ fn validate_manager_addr(addr: &str) -> Result<()> {
 async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
     // The user daemon merges its sessions with the root daemon's; after a crash
     // this starts it again, and it brings its sessions back (or reports them lost).
-    let (root_running, rows) = match userd::connect_if_needed(runtime_dir).await? {
+    let (root, rows) = match userd::connect_if_needed(runtime_dir).await? {
         Some(mut user) => {
             let st = user
                 .status(kvpn_proto::userd::StatusRequest {})
@@ -204,23 +206,44 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
                 .context("status failed")?
                 .into_inner();
             (
-                st.root_running,
+                output::RootDaemon {
+                    running: st.root_running,
+                    refused_peers: st.root_running.then_some(st.root_refused_peers),
+                },
                 output::merge_sessions(st.root_sessions, st.user_sessions),
             )
         }
         None => match daemon::connect_existing(runtime_dir).await? {
             Some(mut client) => {
-                let sessions = daemon::sessions(&mut client, "status failed").await?;
-                (true, output::merge_sessions(sessions, Vec::new()))
+                let st = client
+                    .status(kvpn_proto::dataplane::StatusRequest {})
+                    .await
+                    .map_err(daemon::status_to_error)
+                    .context("status failed")?
+                    .into_inner();
+                (
+                    output::RootDaemon {
+                        running: true,
+                        refused_peers: Some(st.refused_peers),
+                    },
+                    output::merge_sessions(st.sessions, Vec::new()),
+                )
             }
-            None => (false, Vec::new()),
+            None => (
+                output::RootDaemon {
+                    running: false,
+                    refused_peers: None,
+                },
+                Vec::new(),
+            ),
         },
     };
+    let root_running = root.running;
     if !root_running && rows.is_empty() {
         output::not_running(runtime_dir, args.output);
         return Ok(());
     }
-    output::status(&rows, root_running, args.output)?;
+    output::status(&rows, root, args.output)?;
     if !root_running {
         output::warn_dns_left_changed(runtime_dir);
     }
@@ -335,6 +358,21 @@ async fn logs(runtime_dir: &std::path::Path, args: LogsArgs) -> Result<()> {
             _ = tokio::signal::ctrl_c() => return Ok(()),
         }
     }
+}
+
+async fn diagnose_source(args: crate::cli::DiagnoseSourceArgs) -> Result<()> {
+    let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
+    let plan = ssh::plan_for(&args.kube.ssh, &env)?;
+    let (conn, _tunnel) = ssh::connect_kube(&args.kube.flags(), plan.as_ref(), &env).await?;
+    let report = diagnose::source(
+        &conn.client,
+        &args.kube.manager_namespace,
+        &args.target,
+        args.udp,
+    )
+    .await
+    .with_context(|| format!("cannot trace the source towards {}", args.target))?;
+    output::diagnose_source(&report, args.output)
 }
 
 async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArgs) -> Result<()> {

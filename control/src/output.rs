@@ -38,6 +38,39 @@ pub fn info_block(text: &str) {
     println!("{}", text.trim_end());
 }
 
+/// `kvpn diagnose source`'s report.
+pub fn diagnose_source(r: &crate::diagnose::SourceReport, format: OutputFormat) -> Result<()> {
+    match format {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(r)?),
+        OutputFormat::Yaml => print!("{}", serde_yaml_ng::to_string(r)?),
+        OutputFormat::Table => {
+            let show =
+                |a: Option<std::net::SocketAddr>| a.map_or("-".to_owned(), |a| a.to_string());
+            println!(
+                "{} to {} (traffic manager source policy {})",
+                r.protocol, r.target, r.policy
+            );
+            println!("  laptop socket             {}", show(r.laptop_source));
+            println!(
+                "  after decapsulation       {}",
+                show(r.decapsulated_source)
+            );
+            println!(
+                "  manager pod egress ({})  {}",
+                r.egress_interface,
+                show(r.egress_source)
+            );
+            println!("  backend saw               {}", show(r.backend_source));
+            println!("  outcome                   {:?}", r.outcome);
+            println!("{}: {}", r.verdict, r.explanation);
+            if !r.note.is_empty() {
+                println!("note: {}", r.note);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A warning, on stderr.
 pub fn warn(msg: &str) {
     eprintln!("kvpn: warning: {msg}");
@@ -220,6 +253,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         })),
         "transport": text_or_null(&origin.transport),
         "data_path": text_or_null(&origin.data_path),
+        "source_policy": text_or_null(&origin.source_policy),
         "cluster": text_or_null(&origin.cluster),
         "server": text_or_null(&origin.server),
         "context": text_or_null(&origin.context),
@@ -280,6 +314,17 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "ebpf": {
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
+            "ingress": s.ebpf_ingress.as_ref().map(|i| {
+                let c = |c: &Option<kvpn_proto::dataplane::Counter>| {
+                    let c = c.unwrap_or_default();
+                    serde_json::json!({"packets": c.packets, "bytes": c.bytes})
+                };
+                serde_json::json!({
+                    "passed": c(&i.passed),
+                    "foreign_source": c(&i.foreign_source),
+                    "malformed": c(&i.malformed),
+                })
+            }),
         },
         "liveness": s.liveness.as_ref().map(|l| serde_json::json!({
             "heartbeat_interval_ms": l.heartbeat_interval_ms,
@@ -303,30 +348,55 @@ fn uptime(ms: u64) -> String {
     }
 }
 
+/// The root daemon as `kvpn status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RootDaemon {
+    /// Whether one answered.
+    pub running: bool,
+    /// Calls it refused because of the caller's uid (SO_PEERCRED), since it
+    /// started; `None` when it does not run.
+    pub refused_peers: Option<u64>,
+}
+
 /// The status document of `-o json` / `-o yaml` (schema: docs/status.md).
-pub fn status_document(rows: &[StatusRow], root_running: bool) -> serde_json::Value {
+pub fn status_document(rows: &[StatusRow], root: RootDaemon) -> serde_json::Value {
+    let mut root_daemon = serde_json::json!({"running": root.running});
+    if let Some(n) = root.refused_peers {
+        root_daemon["refused_peers"] = n.into();
+    }
     serde_json::json!({
-        "root_daemon": {"running": root_running},
+        "root_daemon": root_daemon,
         "sessions": rows.iter().map(session_json).collect::<Vec<_>>(),
     })
 }
 
+/// The table's line about refused callers of the root socket, when there were any.
+fn refused_peers_line(root: RootDaemon) {
+    if let Some(n) = root.refused_peers.filter(|&n| n > 0) {
+        println!(
+            "The root daemon refused {n} call(s) from uids it does not accept (its socket admits \
+             root and the uid it was started for) — `kvpn logs` names them"
+        );
+    }
+}
+
 /// `kvpn status` output.
-pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> Result<()> {
+pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Result<()> {
     match format {
         OutputFormat::Json => {
             println!(
                 "{}",
-                serde_json::to_string_pretty(&status_document(rows, root_running))?
+                serde_json::to_string_pretty(&status_document(rows, root))?
             );
         }
         OutputFormat::Yaml => {
-            let text = serde_yaml_ng::to_string(&status_document(rows, root_running))?;
+            let text = serde_yaml_ng::to_string(&status_document(rows, root))?;
             println!("{}", text.trim_end());
         }
         OutputFormat::Table => {
             if rows.is_empty() {
                 println!("Not connected (the root daemon runs, with no session)");
+                refused_peers_line(root);
                 return Ok(());
             }
             let dash = |t: &str| {
@@ -430,18 +500,31 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
                     );
                 }
                 match &s.origin {
-                    Some(o) if !o.cluster.is_empty() => println!(
-                        "    cluster {} (context {}, {}) through {}, traffic manager in {}",
-                        o.cluster,
-                        o.context,
-                        o.server,
-                        if o.data_path.is_empty() {
-                            &o.transport
-                        } else {
-                            &o.data_path
-                        },
-                        o.manager_namespace
-                    ),
+                    Some(o) if !o.cluster.is_empty() => {
+                        println!(
+                            "    cluster {} (context {}, {}) through {}, traffic manager in {}",
+                            o.cluster,
+                            o.context,
+                            o.server,
+                            if o.data_path.is_empty() {
+                                &o.transport
+                            } else {
+                                &o.data_path
+                            },
+                            o.manager_namespace
+                        );
+                        if !o.source_policy.is_empty() {
+                            println!(
+                                "    source policy {} (backends see {})",
+                                o.source_policy,
+                                if o.source_policy == "preserve" {
+                                    "this laptop's tunnel IP"
+                                } else {
+                                    "the traffic manager pod's IP"
+                                }
+                            );
+                        }
+                    }
                     Some(o) if !o.transport.is_empty() => {
                         println!("    transport {}", o.transport);
                     }
@@ -525,7 +608,18 @@ pub fn status(rows: &[StatusRow], root_running: bool, format: OutputFormat) -> R
                     "    eBPF unrouted (dropped) {} packets {} bytes",
                     s.ebpf_unrouted_packets, s.ebpf_unrouted_bytes
                 );
+                if let Some(i) = &s.ebpf_ingress {
+                    let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default();
+                    let (passed, foreign, malformed) =
+                        (c(&i.passed), c(&i.foreign_source), c(&i.malformed));
+                    println!(
+                        "    eBPF from tunnel: passed {} packets, dropped {} packets from \
+                         non-cluster sources, {} malformed",
+                        passed.packets, foreign.packets, malformed.packets
+                    );
+                }
             }
+            refused_peers_line(root);
         }
     }
     Ok(())
@@ -604,7 +698,14 @@ mod tests {
         );
         assert_eq!(rows[4].session.tun_name, "kvpn9");
         assert!(rows[4].session.reason.contains("no longer has"));
-        let doc = status_document(&rows, true);
+        let doc = status_document(
+            &rows,
+            RootDaemon {
+                running: true,
+                refused_peers: Some(2),
+            },
+        );
+        assert_eq!(doc["root_daemon"]["refused_peers"], 2);
         assert_eq!(doc["sessions"][4]["user_daemon"]["state"], "lost");
         assert_eq!(doc["sessions"][2]["user_daemon"], serde_json::Value::Null);
         assert_eq!(doc["root_daemon"]["running"], true);
@@ -630,13 +731,23 @@ mod tests {
         assert_eq!(rows[0].session.state, "connected");
         assert_eq!(rows[0].session.rx_bytes, 700);
         assert_eq!(rows[1].session.state, "lost");
-        let doc = status_document(&rows, false);
+        let doc = status_document(
+            &rows,
+            RootDaemon {
+                running: false,
+                refused_peers: None,
+            },
+        );
+        assert!(doc["root_daemon"].get("refused_peers").is_none());
         assert_eq!(doc["sessions"][0]["socks"]["listen"], "127.0.0.1:1080");
         assert_eq!(doc["sessions"][0]["socks"]["open_flows"], 3);
         assert_eq!(doc["sessions"][0]["tun_name"], "");
         let plain = status_document(
             &merge_sessions(Vec::new(), vec![user("x", "lost", "")]),
-            true,
+            RootDaemon {
+                running: true,
+                refused_peers: Some(0),
+            },
         );
         assert_eq!(plain["sessions"][0]["socks"], serde_json::Value::Null);
     }

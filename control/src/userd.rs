@@ -37,9 +37,10 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// The user daemon's files.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Paths {
-    /// The folder: `$XDG_RUNTIME_DIR/kvpn` for a normal user; the root daemon's
-    /// runtime folder for root or when one is given explicitly (tests give each
-    /// lab its own, so user daemons of parallel tests stay apart).
+    /// The folder, mode 0700: `$XDG_RUNTIME_DIR/kvpn` for a normal user (a
+    /// subfolder of it per root daemon runtime folder other than the default);
+    /// the root daemon's runtime folder for root (tests give each lab its own,
+    /// so user daemons of parallel tests stay apart).
     pub dir: PathBuf,
     /// gRPC socket, mode 0600.
     pub socket: PathBuf,
@@ -74,15 +75,34 @@ impl Paths {
     }
 }
 
-/// The user daemon's folder ([`Paths::dir`]).
+/// The user daemon's folder ([`Paths::dir`]). A normal user's is always their
+/// own (the root daemon's runtime folder belongs to root); one per root
+/// runtime folder, since a user daemon serves one root daemon.
 pub fn user_dir(root_runtime_dir: &Path, euid: u32, xdg_runtime_dir: Option<&Path>) -> PathBuf {
-    if euid == 0 || root_runtime_dir != Path::new(DEFAULT_ROOT_RUNTIME_DIR) {
+    if euid == 0 {
         return root_runtime_dir.to_path_buf();
     }
-    match xdg_runtime_dir.filter(|p| p.is_absolute()) {
+    let base = match xdg_runtime_dir.filter(|p| p.is_absolute()) {
         Some(x) => x.join("kvpn"),
         None => std::env::temp_dir().join(format!("kvpn-{euid}")),
+    };
+    if root_runtime_dir == Path::new(DEFAULT_ROOT_RUNTIME_DIR) {
+        base
+    } else {
+        // A hash, not the path itself: Unix socket paths are limited to 108 bytes.
+        base.join(format!(
+            "rt-{:016x}",
+            fnv1a(root_runtime_dir.as_os_str().as_bytes())
+        ))
     }
+}
+
+/// 64-bit FNV-1a: a name that stays the same across kvpn builds (std's hasher
+/// may change between Rust releases).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// A client of a user daemon that answers, or `None`.
@@ -188,17 +208,36 @@ fn start(root_runtime_dir: &Path, paths: &Paths) -> Result<std::process::Child> 
 }
 
 /// Create `dir` (and parents); a folder of our own (not the root daemon's) gets
-/// mode 0700.
+/// mode 0700. An existing folder of a normal user must be theirs (a folder
+/// someone else made in /tmp could hold a socket of theirs) and is made 0700.
 pub fn create_private_dir(dir: &Path) -> Result<()> {
-    use std::os::unix::fs::DirBuilderExt as _;
-    if dir.is_dir() {
+    use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
+    if !dir.is_dir() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
         return Ok(());
     }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .with_context(|| format!("cannot create {}", dir.display()))
+    let meta = std::fs::metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    if meta.uid() != euid {
+        bail!(
+            "the user daemon's folder {} belongs to uid {}, not to you (uid {euid}) — remove \
+             it, or set XDG_RUNTIME_DIR to a folder of your own",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("cannot make {} private (mode 0700)", dir.display()))?;
+    }
+    Ok(())
 }
 
 /// The pid the running user daemon wrote, if any.
@@ -270,15 +309,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn user_dir_is_the_root_runtime_dir_for_root_or_an_explicit_one() {
+    fn user_dir_is_the_root_runtime_dir_for_root_and_the_users_own_otherwise() {
         let p = Path::new;
         assert_eq!(
             user_dir(p("/run/kvpn"), 0, Some(p("/run/user/0"))),
             p("/run/kvpn")
         );
         assert_eq!(
-            user_dir(p("/tmp/lab/kvpn-runtime"), 1000, Some(p("/run/user/1000"))),
+            user_dir(p("/tmp/lab/kvpn-runtime"), 0, None),
             p("/tmp/lab/kvpn-runtime")
+        );
+        let a = user_dir(p("/tmp/lab/kvpn-runtime"), 1000, Some(p("/run/user/1000")));
+        let b = user_dir(p("/tmp/lab2/kvpn-runtime"), 1000, Some(p("/run/user/1000")));
+        assert_eq!(a.parent(), Some(p("/run/user/1000/kvpn")));
+        assert!(
+            a.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("rt-")),
+            "{}",
+            a.display()
+        );
+        assert_ne!(a, b, "one folder per root runtime folder");
+        // FNV-1a reference values (draft-eastlake-fnv): "" and "a".
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(
+            a,
+            p("/run/user/1000/kvpn").join(format!("rt-{:016x}", fnv1a(b"/tmp/lab/kvpn-runtime")))
         );
         assert_eq!(
             user_dir(p("/run/kvpn"), 1000, Some(p("/run/user/1000"))),

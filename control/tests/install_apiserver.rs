@@ -167,6 +167,7 @@ fn opts(namespace: &str, version: &str) -> InstallOptions {
             ready_timeout: Duration::from_secs(60),
             fatal_grace: Duration::from_secs(10),
         },
+        source_policy: install::SourcePolicy::Snat,
     }
 }
 

@@ -47,6 +47,7 @@ fn opts(version: &str) -> InstallOptions {
         image: install::default_image(version),
         version: version.to_owned(),
         wait: WaitConfig::default(),
+        source_policy: install::SourcePolicy::Snat,
     }
 }
 

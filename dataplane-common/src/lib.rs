@@ -12,6 +12,9 @@
 
 /// Name of the TC classifier program on the TUN device's egress (laptop → cluster).
 pub const PROGRAM_TUN_EGRESS: &str = "kvpn_tun_egress";
+/// Name of the TC anti-spoofing program on the TUN device's ingress (cluster →
+/// laptop: the packets the pump writes into the TUN device).
+pub const PROGRAM_TUN_INGRESS: &str = "kvpn_antispoof";
 /// Name of the IPv4 route LPM trie (`Key<Ipv4Prefix>` → [`RouteEntry`]).
 pub const MAP_ROUTES_V4: &str = "KVPN_ROUTES_V4";
 /// Name of the IPv6 route LPM trie (`Key<Ipv6Prefix>` → [`RouteEntry`]).
@@ -21,6 +24,9 @@ pub const MAP_COUNTERS: &str = "KVPN_COUNTERS";
 /// Name of the per-CPU per-route counter array (index: [`RouteEntry::slot`] →
 /// [`CounterValue`]), read by `kvpn top`.
 pub const MAP_ROUTE_COUNTERS: &str = "KVPN_ROUTE_CNT";
+/// Name of the per-CPU counter array of the ingress check (index: `INGRESS_*` →
+/// [`CounterValue`]).
+pub const MAP_INGRESS_COUNTERS: &str = "KVPN_INGR_CNT";
 /// Name of the load-time global holding the L2 header length in bytes in front of
 /// the IP header: 0 on a TUN device (L3, the skb starts at the IP header), 14 for
 /// Ethernet (BPF_PROG_TEST_RUN feeds TC programs an Ethernet frame).
@@ -32,8 +38,19 @@ pub const L2_HDR_LEN_TUN: u32 = 0;
 pub const L2_HDR_LEN_ETHERNET: u32 = 14;
 
 /// Capacity of each route trie. A cluster has a handful of pod CIDRs, one service CIDR
-/// and a few `--extra-cidr`s; 1024 leaves room for per-node pod ranges.
-pub const MAX_ROUTES: u32 = 1024;
+/// and a few `--extra-cidr`s; 16384 leaves room for per-node pod ranges, ClusterIP
+/// entries and sites with 10,000 routed prefixes (issue 8). The tries are allocated
+/// per element (LPM tries are never preallocated), so unused capacity costs nothing.
+pub const MAX_ROUTES: u32 = 16384;
+
+/// Number of per-route counter slots (`kvpn top`). A per-CPU array is preallocated
+/// (slots × CPUs × 16 bytes), so it stays small; entries past it are classified and
+/// counted per kind like any other, only without a counter of their own
+/// ([`NO_ROUTE_SLOT`]).
+pub const MAX_ROUTE_COUNTERS: u32 = 1024;
+
+/// [`RouteEntry::slot`] of an entry without a per-route counter slot.
+pub const NO_ROUTE_SLOT: u16 = u16::MAX;
 
 /// Route kind: a pod CIDR.
 pub const ROUTE_KIND_POD: u8 = 1;
@@ -55,6 +72,18 @@ pub const COUNTER_UNROUTED: u32 = 3;
 pub const COUNTER_MALFORMED: u32 = 4;
 /// Number of counter slots (the per-CPU array's `max_entries`).
 pub const COUNTER_SLOTS: u32 = 5;
+
+/// Ingress counter slot: packets from the tunnel whose source is inside a route
+/// entry (a cluster range, the tunnel pool of other laptops): passed.
+pub const INGRESS_PASSED: u32 = 0;
+/// Ingress counter slot: packets from the tunnel whose source is inside no route
+/// entry (spoofed, or from a range this session does not route): dropped.
+pub const INGRESS_FOREIGN_SOURCE: u32 = 1;
+/// Ingress counter slot: packets from the tunnel that are not parseable IPv4/IPv6:
+/// dropped.
+pub const INGRESS_MALFORMED: u32 = 2;
+/// Number of ingress counter slots.
+pub const INGRESS_SLOTS: u32 = 3;
 
 /// Counter slot of a route kind, `None` for a value that is not a route kind.
 #[inline(always)]
@@ -97,7 +126,8 @@ pub struct RouteEntry {
     /// Zero. Explicit padding so the value has no uninitialised bytes.
     pub reserved: u8,
     /// Index of this entry's counters in the per-route counter array (host
-    /// order; `< MAX_ROUTES`, else the entry is counted per kind only).
+    /// order; `< MAX_ROUTE_COUNTERS`, else — [`NO_ROUTE_SLOT`] — the entry is
+    /// counted per kind only).
     pub slot: u16,
 }
 
@@ -148,7 +178,8 @@ mod tests {
 
     #[test]
     fn route_slots_fit_the_slot_field() {
-        assert!(MAX_ROUTES <= u32::from(u16::MAX) + 1);
+        assert!(MAX_ROUTE_COUNTERS <= u32::from(NO_ROUTE_SLOT));
+        const { assert!(MAX_ROUTE_COUNTERS <= MAX_ROUTES) };
     }
 
     #[test]
@@ -186,6 +217,9 @@ mod tests {
         ] {
             assert!(slot < COUNTER_SLOTS);
         }
+        for slot in [INGRESS_PASSED, INGRESS_FOREIGN_SOURCE, INGRESS_MALFORMED] {
+            assert!(slot < INGRESS_SLOTS);
+        }
     }
 
     #[test]
@@ -193,6 +227,8 @@ mod tests {
         // BPF_OBJ_NAME_LEN is 16 including the NUL.
         for name in [
             PROGRAM_TUN_EGRESS,
+            PROGRAM_TUN_INGRESS,
+            MAP_INGRESS_COUNTERS,
             MAP_ROUTES_V4,
             MAP_ROUTES_V6,
             MAP_COUNTERS,

@@ -6,7 +6,11 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 #[cfg(target_arch = "bpf")]
+mod maps;
+#[cfg(target_arch = "bpf")]
 mod tun_egress;
+#[cfg(target_arch = "bpf")]
+mod tun_ingress;
 
 #[cfg(not(target_arch = "bpf"))]
 fn main() {}

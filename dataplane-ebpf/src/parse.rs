@@ -1,8 +1,10 @@
-//! Destination-address parser of the TUN classifier: finds the IPv4/IPv6 destination
-//! of a packet that may sit behind an L2 header, without ever reading past the packet.
+//! Address parser of the TUN programs: finds the IPv4/IPv6 destination (egress
+//! classifier) or source (ingress check) of a packet that may sit behind an L2 header,
+//! without ever reading past the packet.
 //!
-//! Header layouts: IPv4 RFC 791 §3.1 (version/IHL in byte 0, destination at offset 16),
-//! IPv6 RFC 8200 §3 (40-byte fixed header, destination at offset 24), Ethernet II
+//! Header layouts: IPv4 RFC 791 §3.1 (version/IHL in byte 0, source at offset 12,
+//! destination at offset 16), IPv6 RFC 8200 §3 (40-byte fixed header, source at
+//! offset 8, destination at offset 24), Ethernet II
 //! (ethertype in the last two bytes of the 14-byte header; 0x0800 IPv4, 0x86DD IPv6).
 
 /// Bounds-checked read access to a packet.
@@ -27,16 +29,19 @@ impl PacketBytes for [u8] {
     }
 }
 
-/// A packet's destination address, network byte order.
+/// A packet's destination (or source) address, network byte order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Destination {
-    /// IPv4 destination.
+    /// IPv4 address.
     V4([u8; 4]),
-    /// IPv6 destination.
+    /// IPv6 address.
     V6([u8; 16]),
 }
 
-/// Why a packet has no usable destination. Every variant means "drop and count as
+/// A packet's source address: the same shape as [`Destination`].
+pub type Source = Destination;
+
+/// Why a packet has no usable address. Every variant means "drop and count as
 /// malformed"; the variants exist for tests and debugging.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ParseError {
@@ -53,8 +58,10 @@ pub enum ParseError {
 const ETHERTYPE_IPV4: u16 = 0x0800;
 const ETHERTYPE_IPV6: u16 = 0x86DD;
 const IPV4_MIN_HDR_LEN: usize = 20;
+const IPV4_SRC_OFFSET: usize = 12;
 const IPV4_DST_OFFSET: usize = 16;
 const IPV6_HDR_LEN: usize = 40;
+const IPV6_SRC_OFFSET: usize = 8;
 const IPV6_DST_OFFSET: usize = 24;
 
 /// The destination of the IP packet that starts `l2_len` bytes into `pkt`.
@@ -64,9 +71,27 @@ const IPV6_DST_OFFSET: usize = 24;
 /// The whole IP header (IHL words for IPv4, 40 bytes for IPv6) must be present; the
 /// IPv4 total-length field is not checked against the packet length, because a GSO
 /// super-packet on the TUN carries more bytes than one segment's header announces.
+#[inline(always)]
 pub fn destination<P: PacketBytes + ?Sized>(
     pkt: &P,
     l2_len: usize,
+) -> Result<Destination, ParseError> {
+    address(pkt, l2_len, IPV4_DST_OFFSET, IPV6_DST_OFFSET)
+}
+
+/// The source of the IP packet that starts `l2_len` bytes into `pkt`; the same rules
+/// as [`destination`].
+#[inline(always)]
+pub fn source<P: PacketBytes + ?Sized>(pkt: &P, l2_len: usize) -> Result<Source, ParseError> {
+    address(pkt, l2_len, IPV4_SRC_OFFSET, IPV6_SRC_OFFSET)
+}
+
+#[inline(always)]
+fn address<P: PacketBytes + ?Sized>(
+    pkt: &P,
+    l2_len: usize,
+    v4_offset: usize,
+    v6_offset: usize,
 ) -> Result<Destination, ParseError> {
     let expected_version = if l2_len >= 2 {
         let ethertype = pkt.read::<2>(l2_len - 2).ok_or(ParseError::Truncated)?;
@@ -97,7 +122,7 @@ pub fn destination<P: PacketBytes + ?Sized>(
                 return Err(ParseError::Truncated);
             }
             let dst = pkt
-                .read::<4>(l2_len.saturating_add(IPV4_DST_OFFSET))
+                .read::<4>(l2_len.saturating_add(v4_offset))
                 .ok_or(ParseError::Truncated)?;
             Ok(Destination::V4(dst))
         }
@@ -106,7 +131,7 @@ pub fn destination<P: PacketBytes + ?Sized>(
                 return Err(ParseError::Truncated);
             }
             let dst = pkt
-                .read::<16>(l2_len.saturating_add(IPV6_DST_OFFSET))
+                .read::<16>(l2_len.saturating_add(v6_offset))
                 .ok_or(ParseError::Truncated)?;
             Ok(Destination::V6(dst))
         }
@@ -162,6 +187,28 @@ mod tests {
         );
         pkt.truncate(23);
         assert_eq!(destination(pkt.as_slice(), 0), Err(ParseError::Truncated));
+    }
+
+    #[test]
+    fn sources_of_ipv4_and_ipv6() {
+        let mut v4 = ipv4([10, 244, 1, 11], 5, 20);
+        v4[12..16].copy_from_slice(&[8, 8, 8, 8]);
+        assert_eq!(source(v4.as_slice(), 0), Ok(Source::V4([8, 8, 8, 8])));
+        let frame = ethernet(ETHERTYPE_IPV4, &v4);
+        assert_eq!(source(frame.as_slice(), 14), Ok(Source::V4([8, 8, 8, 8])));
+        v4.truncate(19);
+        assert_eq!(source(v4.as_slice(), 0), Err(ParseError::Truncated));
+
+        let src = [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+        let mut v6 = ipv6([0xfd; 16], 40);
+        v6[8..24].copy_from_slice(&src);
+        assert_eq!(source(v6.as_slice(), 0), Ok(Source::V6(src)));
+        assert_eq!(
+            destination(v6.as_slice(), 0),
+            Ok(Destination::V6([0xfd; 16]))
+        );
+        v6.truncate(39);
+        assert_eq!(source(v6.as_slice(), 0), Err(ParseError::Truncated));
     }
 
     #[test]
@@ -227,6 +274,7 @@ mod tests {
             for len in 0..=sample.len() {
                 for l2 in [0usize, 1, 14, 1000, usize::MAX] {
                     let _ = destination(&sample[..len], l2);
+                    let _ = source(&sample[..len], l2);
                 }
             }
         }

@@ -13,35 +13,20 @@
 //! clsact/direct-action attachment used on older kernels.
 
 use aya_ebpf::{
-    Global,
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    macros::{classifier, map},
-    maps::{LpmTrie, PerCpuArray, lpm_trie::Key},
+    macros::classifier,
+    maps::lpm_trie::Key,
     programs::TcContext,
 };
 use kvpn_dataplane_common::{
-    COUNTER_MALFORMED, COUNTER_SLOTS, COUNTER_UNROUTED, CounterValue, Ipv4Prefix, Ipv6Prefix,
-    L2_HDR_LEN_TUN, MAX_ROUTES, RouteEntry, counter_slot,
+    COUNTER_MALFORMED, COUNTER_UNROUTED, Ipv4Prefix, Ipv6Prefix, counter_slot,
 };
-use kvpn_dataplane_ebpf::parse::{self, Destination, PacketBytes};
+use kvpn_dataplane_ebpf::parse::{self, Destination};
 
-/// Bytes of L2 header in front of the IP header; see `GLOBAL_L2_HDR_LEN` in
-/// dataplane-common. The loader overrides it (14 for BPF_PROG_TEST_RUN).
-#[unsafe(no_mangle)]
-static KVPN_L2_HDR_LEN: Global<u32> = Global::new(L2_HDR_LEN_TUN);
-
-#[map]
-static KVPN_ROUTES_V4: LpmTrie<Ipv4Prefix, RouteEntry> = LpmTrie::with_max_entries(MAX_ROUTES, 0);
-
-#[map]
-static KVPN_ROUTES_V6: LpmTrie<Ipv6Prefix, RouteEntry> = LpmTrie::with_max_entries(MAX_ROUTES, 0);
-
-#[map]
-static KVPN_COUNTERS: PerCpuArray<CounterValue> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
-
-/// Per route entry (index: `RouteEntry::slot`), for `kvpn top`.
-#[map]
-static KVPN_ROUTE_CNT: PerCpuArray<CounterValue> = PerCpuArray::with_max_entries(MAX_ROUTES, 0);
+use crate::maps::{
+    KVPN_COUNTERS, KVPN_L2_HDR_LEN, KVPN_ROUTE_CNT, KVPN_ROUTES_V4, KVPN_ROUTES_V6, Skb, add,
+    ip_len,
+};
 
 const PASS: i32 = TC_ACT_OK as i32;
 const DROP: i32 = TC_ACT_SHOT as i32;
@@ -55,22 +40,6 @@ enum Error {
     BadRouteKind,
     /// The counter array has no such slot (cannot happen: slots < COUNTER_SLOTS).
     CounterSlot,
-}
-
-/// The skb as bounds-checked bytes: `bpf_skb_load_bytes` fails instead of reading past
-/// the packet, and also reaches non-linear (paged) data.
-struct Skb<'a>(&'a TcContext);
-
-impl PacketBytes for Skb<'_> {
-    #[inline(always)]
-    fn packet_len(&self) -> usize {
-        self.0.len() as usize
-    }
-
-    #[inline(always)]
-    fn read<const N: usize>(&self, offset: usize) -> Option<[u8; N]> {
-        self.0.load::<[u8; N]>(offset).ok()
-    }
 }
 
 #[classifier]
@@ -102,8 +71,8 @@ fn try_kvpn_tun_egress(ctx: &TcContext) -> Result<i32, Error> {
             let slot = counter_slot(entry.kind).ok_or(Error::BadRouteKind)?;
             let len = ip_len(ctx);
             count(slot, len)?;
-            // Per-entry counters are for display: a slot out of range (userspace
-            // never writes one) leaves the packet counted per kind only.
+            // Per-entry counters are for display: an entry without a slot
+            // (NO_ROUTE_SLOT, past MAX_ROUTE_COUNTERS) is counted per kind only.
             if let Some(counter) = KVPN_ROUTE_CNT.get_ptr_mut(u32::from(entry.slot)) {
                 add(counter, len);
             }
@@ -116,27 +85,9 @@ fn try_kvpn_tun_egress(ctx: &TcContext) -> Result<i32, Error> {
     }
 }
 
-/// IP packet length: the skb length without the L2 header.
-#[inline(always)]
-fn ip_len(ctx: &TcContext) -> u64 {
-    u64::from(ctx.len()).saturating_sub(u64::from(KVPN_L2_HDR_LEN.load()))
-}
-
 #[inline(always)]
 fn count(slot: u32, bytes: u64) -> Result<(), Error> {
     let counter = KVPN_COUNTERS.get_ptr_mut(slot).ok_or(Error::CounterSlot)?;
     add(counter, bytes);
     Ok(())
-}
-
-/// Add one packet of `bytes` to a per-CPU counter value.
-#[inline(always)]
-fn add(counter: *mut CounterValue, bytes: u64) {
-    // SAFETY: `counter` comes from `PerCpuArray::get_ptr_mut`: this CPU's value of a
-    // slot, valid for the program's run; TC runs with preemption off (BH disabled), so
-    // nothing else writes it meanwhile.
-    unsafe {
-        (*counter).packets = (*counter).packets.wrapping_add(1);
-        (*counter).bytes = (*counter).bytes.wrapping_add(bytes);
-    }
 }

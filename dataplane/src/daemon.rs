@@ -30,8 +30,9 @@ use std::time::Duration;
 use ipnet::IpNet;
 use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
 use kvpn_proto::dataplane::{
-    ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, StatusRequest,
-    StatusResponse, TopRequest, TopResponse, UpdateRoutesRequest, UpdateRoutesResponse,
+    ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, ShutdownRequest,
+    ShutdownResponse, StatusRequest, StatusResponse, TopRequest, TopResponse, UpdateRoutesRequest,
+    UpdateRoutesResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -130,6 +131,31 @@ impl RuntimeDir {
         })
     }
 
+    /// Refuse a directory that anyone but this process's user owns or that its
+    /// group or others can write to: the check for a daemon started by another
+    /// user through sudo or pkexec, who picked `--runtime-dir` and must not be
+    /// able to plant the files it trusts at start (resolv.conf backup, TUN
+    /// records) or swap its socket and log for symlinks.
+    pub fn require_private(&self) -> Result<(), DaemonError> {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta =
+            fs::metadata(&self.dir).map_err(io_err("cannot read runtime directory", &self.dir))?;
+        let euid = nix::unistd::Uid::effective().as_raw();
+        let mode = meta.permissions().mode() & 0o7777;
+        if meta.uid() != euid || mode & 0o022 != 0 {
+            return Err(DaemonError::RuntimeDir {
+                path: self.dir.clone(),
+                why: format!(
+                    "owned by uid {} with mode {mode:o}, but a daemon started through sudo or \
+                     pkexec needs a folder that only uid {euid} owns and can write to (mode \
+                     755 or stricter) — use the default /run/kvpn or such a folder",
+                    meta.uid()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// The directory.
     pub fn path(&self) -> &Path {
         &self.dir
@@ -216,6 +242,8 @@ pub struct Daemon {
     allowed_uid: Option<u32>,
     /// Calls refused by the peer credential check.
     refused_peers: AtomicU64,
+    /// Set by the Shutdown call: [`Daemon::serve`] stops as on SIGTERM.
+    shutdown_requested: tokio::sync::Notify,
     /// The clock of Top's `sampled_at_us`.
     started: std::time::Instant,
     /// Where TUN devices are recorded for the sweep after a crash (`None`:
@@ -306,6 +334,7 @@ impl Daemon {
             dns: None,
             allowed_uid: None,
             refused_peers: AtomicU64::new(0),
+            shutdown_requested: tokio::sync::Notify::new(),
             started: std::time::Instant::now(),
             record: None,
         }
@@ -553,8 +582,8 @@ impl Daemon {
         leftovers
     }
 
-    /// Serve the gRPC API on `listener` until `shutdown` completes, then tear
-    /// all sessions down.
+    /// Serve the gRPC API on `listener` until `shutdown` completes or a caller
+    /// asks for it (Shutdown), then tear all sessions down.
     pub async fn serve(
         self: Arc<Self>,
         listener: tokio::net::UnixListener,
@@ -566,6 +595,15 @@ impl Daemon {
             DataplaneServer::from_arc(self.clone()),
             move |request: Request<()>| checker.check_peer(request),
         );
+        let requested = self.clone();
+        let shutdown = async move {
+            tokio::select! {
+                () = shutdown => {}
+                () = requested.shutdown_requested.notified() => {
+                    tracing::info!("Shutdown requested: tearing down all sessions");
+                }
+            }
+        };
         let result = tonic::transport::Server::builder()
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, shutdown)
@@ -727,6 +765,18 @@ impl Dataplane for Daemon {
         }))
     }
 
+    async fn shutdown(
+        &self,
+        _request: Request<ShutdownRequest>,
+    ) -> Result<Response<ShutdownResponse>, Status> {
+        // A permit is stored when serve's select is not waiting yet; tonic's
+        // graceful shutdown lets this answer go out first.
+        self.shutdown_requested.notify_one();
+        Ok(Response::new(ShutdownResponse {
+            pid: std::process::id(),
+        }))
+    }
+
     async fn top(&self, _request: Request<TopRequest>) -> Result<Response<TopResponse>, Status> {
         let mut sessions: Vec<_> = self.sessions().values().map(Session::top).collect();
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
@@ -790,5 +840,64 @@ impl Dataplane for Daemon {
                 .await;
         }
         Ok(Response::new(resp))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh folder under the temp folder with `mode`, removed on drop.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(tag: &str, mode: u32) -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("kvpn-runtime-test-{tag}-{}", std::process::id()));
+            fs::create_dir_all(&path).expect("create test folder");
+            fs::set_permissions(&path, fs::Permissions::from_mode(mode)).expect("chmod");
+            Dir(path)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_daemon_started_through_sudo_wants_a_runtime_folder_only_its_user_can_write() {
+        let ok = Dir::new("private", 0o755);
+        RuntimeDir::prepare(&ok.0)
+            .expect("prepare")
+            .require_private()
+            .expect("0755 of our own uid is private");
+        let group = Dir::new("group", 0o775);
+        let err = RuntimeDir::prepare(&group.0)
+            .expect("prepare")
+            .require_private()
+            .expect_err("group-writable is refused")
+            .to_string();
+        assert!(err.contains("mode 775") && err.contains("sudo"), "{err}");
+        let sticky = Dir::new("sticky", 0o1777);
+        assert!(
+            RuntimeDir::prepare(&sticky.0)
+                .expect("a sticky world-writable folder passes prepare")
+                .require_private()
+                .is_err(),
+            "but not require_private (others can plant files there)"
+        );
+        // Owned by someone else: only testable as root, which can chown.
+        if nix::unistd::Uid::effective().is_root() {
+            let other = Dir::new("other", 0o755);
+            std::os::unix::fs::chown(&other.0, Some(65534), Some(65534)).expect("chown");
+            let err = RuntimeDir::prepare(&other.0)
+                .expect("prepare")
+                .require_private()
+                .expect_err("another uid's folder is refused")
+                .to_string();
+            assert!(err.contains("owned by uid 65534"), "{err}");
+        }
     }
 }

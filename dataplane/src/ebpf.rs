@@ -1,14 +1,18 @@
-//! The one wrapper around kvpn's eBPF objects: loads the TC classifier built from
-//! `dataplane-ebpf` (embedded at build time by `build.rs`), attaches it to the TUN
-//! device's egress, and owns its maps. Nothing else in kvpn touches the raw maps; their
+//! The one wrapper around kvpn's eBPF objects: loads the TC programs built from
+//! `dataplane-ebpf` (embedded at build time by `build.rs`), attaches the classifier to
+//! the TUN device's egress and the anti-spoofing check to its ingress, and owns their
+//! maps. Nothing else in kvpn touches the raw maps; their
 //! layout lives in `dataplane-common`.
 //!
 //! I/O: the `bpf(2)` syscall (load, map updates, BPF_PROG_TEST_RUN) and, for attaching,
 //! a TCX link on kernels >= 6.6 or a netlink clsact filter on older ones. Attaching
 //! resolves the interface name in the calling thread's network namespace.
 //!
-//! Direction: the classifier sees outbound packets (laptop -> cluster), the ones the
-//! laptop's kernel routes into the TUN device.
+//! Direction: the classifier (egress) sees outbound packets (laptop -> cluster), the
+//! ones the laptop's kernel routes into the TUN device; the anti-spoofing check
+//! (ingress) sees inbound packets (cluster -> laptop), the ones the pump writes into
+//! the TUN device, and drops those whose source no route entry covers. Both look up
+//! the same route tries.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -78,7 +82,18 @@ pub struct Counter {
     pub bytes: u64,
 }
 
-/// Counters of the TC classifier.
+/// Counters of the ingress anti-spoofing check (packets from the tunnel).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IngressStats {
+    /// Packets whose source a route entry covers: passed to the laptop.
+    pub passed: Counter,
+    /// Packets whose source no route entry covers: dropped.
+    pub foreign_source: Counter,
+    /// Packets that are not parseable IPv4/IPv6: dropped.
+    pub malformed: Counter,
+}
+
+/// Counters of the TC classifier (egress) and the anti-spoofing check (ingress).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Per route kind: packets the classifier passed (every kind, in [`RouteKind::ALL`]
@@ -89,6 +104,8 @@ pub struct Stats {
     /// Packets dropped because they were not parseable IPv4/IPv6 (truncated header,
     /// bad version or IHL).
     pub malformed: Counter,
+    /// The ingress check's counters.
+    pub ingress: IngressStats,
 }
 
 impl Stats {
@@ -157,10 +174,13 @@ pub enum EbpfError {
     },
     /// Attaching to the TUN device failed.
     #[error(
-        "cannot attach the eBPF classifier to {ifname} (TC egress): is the device in this \
-         thread's network namespace?"
+        "cannot attach the eBPF {} to {ifname}: is the device in this thread's network \
+         namespace?",
+        attach_what(.ingress)
     )]
     Attach {
+        /// The anti-spoofing check (TC ingress), else the classifier (TC egress).
+        ingress: bool,
         /// Interface name.
         ifname: String,
         /// The cause.
@@ -203,17 +223,21 @@ pub enum EbpfError {
     },
 }
 
-/// The TC classifier attached to a TUN device's egress (laptop -> cluster direction).
+/// The TC classifier attached to a TUN device's egress (laptop -> cluster direction)
+/// and the anti-spoofing check attached to its ingress (cluster -> laptop).
 ///
-/// Dropping it detaches the program (the link is owned here) and frees the maps.
+/// Dropping it detaches the programs (the links are owned here) and frees the maps.
 pub struct Classifier {
-    // Fields drop in declaration order: detach first, then maps, then the program.
+    // Fields drop in declaration order: detach first, then maps, then the programs.
     link: Option<SchedClassifierLink>,
+    ingress_link: Option<SchedClassifierLink>,
     routes_v4: LpmTrie<MapData, Ipv4Prefix, RouteEntry>,
     routes_v6: LpmTrie<MapData, Ipv6Prefix, RouteEntry>,
     counters: PerCpuArray<MapData, CounterValue>,
     route_counters: PerCpuArray<MapData, CounterValue>,
-    /// Per-route counter slot of each entry (truncated CIDR).
+    ingress_counters: PerCpuArray<MapData, CounterValue>,
+    /// Per-route counter slot of each entry (truncated CIDR); `NO_ROUTE_SLOT` for
+    /// entries past the `MAX_ROUTE_COUNTERS` that have a slot.
     slots: std::collections::HashMap<IpNet, u16>,
     /// Slots not in use, lowest last.
     free_slots: Vec<u16>,
@@ -236,8 +260,10 @@ fn ebpf_object() -> &'static [u8] {
 }
 
 impl Classifier {
-    /// Load the programs and maps and attach the classifier to `ifname` (TC egress, TCX).
-    /// Must be called from a thread in the network namespace of `ifname`.
+    /// Load the programs and maps and attach the classifier to `ifname`'s TC egress and
+    /// the anti-spoofing check to its TC ingress (TCX). Must be called from a thread in
+    /// the network namespace of `ifname`. With no route entries yet the ingress check
+    /// drops every packet from the tunnel: insert the routes before traffic flows.
     pub fn attach(ifname: &str) -> Result<Self, EbpfError> {
         let mut classifier = Self::load(L2_HDR_LEN_TUN)?;
         let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
@@ -254,24 +280,42 @@ impl Classifier {
                 }
             }
         }
-        let program = classifier.program_mut()?;
+        let link =
+            classifier.attach_one(common::PROGRAM_TUN_EGRESS, ifname, TcAttachType::Egress)?;
+        classifier.link = Some(link);
+        let link =
+            classifier.attach_one(common::PROGRAM_TUN_INGRESS, ifname, TcAttachType::Ingress)?;
+        classifier.ingress_link = Some(link);
+        classifier.ifname = Some(ifname.to_owned());
+        tracing::debug!(
+            ifname,
+            tcx,
+            "eBPF classifier attached to TC egress, anti-spoofing check to TC ingress"
+        );
+        Ok(classifier)
+    }
+
+    fn attach_one(
+        &mut self,
+        name: &'static str,
+        ifname: &str,
+        hook: TcAttachType,
+    ) -> Result<SchedClassifierLink, EbpfError> {
+        let program = program_mut(&mut self.ebpf, name)?;
         let link_id = program
-            .attach(ifname, TcAttachType::Egress)
+            .attach(ifname, hook)
             .map_err(|source| EbpfError::Attach {
+                ingress: matches!(hook, TcAttachType::Ingress),
                 ifname: ifname.to_owned(),
                 source,
             })?;
-        let link = program
+        program
             .take_link(link_id)
             .map_err(|source| EbpfError::Program {
-                name: common::PROGRAM_TUN_EGRESS,
+                name,
                 action: "take link",
                 source,
-            })?;
-        classifier.link = Some(link);
-        classifier.ifname = Some(ifname.to_owned());
-        tracing::debug!(ifname, tcx, "eBPF classifier attached to TC egress");
-        Ok(classifier)
+            })
     }
 
     /// Load the classifier without attaching it, configured for Ethernet framing (L2
@@ -303,23 +347,15 @@ impl Classifier {
             .override_global(common::GLOBAL_L2_HDR_LEN, &l2_hdr_len, true)
             .load(object)
             .map_err(EbpfError::Load)?;
-        let program: &mut SchedClassifier = ebpf
-            .program_mut(common::PROGRAM_TUN_EGRESS)
-            .ok_or(EbpfError::Missing {
-                what: "program",
-                name: common::PROGRAM_TUN_EGRESS,
-            })?
-            .try_into()
-            .map_err(|source| EbpfError::Program {
-                name: common::PROGRAM_TUN_EGRESS,
-                action: "type check",
-                source,
-            })?;
-        program.load().map_err(|source| EbpfError::Program {
-            name: common::PROGRAM_TUN_EGRESS,
-            action: "load",
-            source,
-        })?;
+        for name in [common::PROGRAM_TUN_EGRESS, common::PROGRAM_TUN_INGRESS] {
+            program_mut(&mut ebpf, name)?
+                .load()
+                .map_err(|source| EbpfError::Program {
+                    name,
+                    action: "load",
+                    source,
+                })?;
+        }
         let routes_v4 = LpmTrie::try_from(take_map(&mut ebpf, common::MAP_ROUTES_V4)?)
             .map_err(|source| map_error(common::MAP_ROUTES_V4, "open", source))?;
         let routes_v6 = LpmTrie::try_from(take_map(&mut ebpf, common::MAP_ROUTES_V6)?)
@@ -329,14 +365,20 @@ impl Classifier {
         let route_counters =
             PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_ROUTE_COUNTERS)?)
                 .map_err(|source| map_error(common::MAP_ROUTE_COUNTERS, "open", source))?;
-        // MAX_ROUTES fits u16 (a dataplane-common test checks it).
-        let max_slot = u16::try_from(common::MAX_ROUTES.saturating_sub(1)).unwrap_or(u16::MAX);
+        let ingress_counters =
+            PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_INGRESS_COUNTERS)?)
+                .map_err(|source| map_error(common::MAP_INGRESS_COUNTERS, "open", source))?;
+        // MAX_ROUTE_COUNTERS is below NO_ROUTE_SLOT (a dataplane-common test checks it).
+        let max_slot =
+            u16::try_from(common::MAX_ROUTE_COUNTERS.saturating_sub(1)).unwrap_or(u16::MAX);
         Ok(Self {
             link: None,
+            ingress_link: None,
             routes_v4,
             routes_v6,
             counters,
             route_counters,
+            ingress_counters,
             slots: std::collections::HashMap::new(),
             free_slots: (0..=max_slot).rev().collect(),
             ebpf,
@@ -345,46 +387,24 @@ impl Classifier {
         })
     }
 
-    fn program_mut(&mut self) -> Result<&mut SchedClassifier, EbpfError> {
-        self.ebpf
-            .program_mut(common::PROGRAM_TUN_EGRESS)
-            .ok_or(EbpfError::Missing {
-                what: "program",
-                name: common::PROGRAM_TUN_EGRESS,
-            })?
-            .try_into()
-            .map_err(|source| EbpfError::Program {
-                name: common::PROGRAM_TUN_EGRESS,
-                action: "type check",
-                source,
-            })
-    }
-
     /// The interface the classifier is attached to (`None` for [`Self::load_for_test`]).
     pub fn ifname(&self) -> Option<&str> {
         self.ifname.as_deref()
     }
 
     /// Add (or replace) a route entry `cidr -> kind`. Host bits of `cidr` are ignored.
-    /// A new entry gets a per-route counter slot starting at zero; replacing an
-    /// entry keeps its slot and counts.
+    /// A new entry gets a per-route counter slot starting at zero while one of the
+    /// `MAX_ROUTE_COUNTERS` is free (else it is classified and counted per kind only);
+    /// replacing an entry keeps its slot and counts. The entry also admits packets
+    /// from `cidr` at the ingress check.
     pub fn insert_route(&mut self, cidr: IpNet, kind: RouteKind) -> Result<(), EbpfError> {
         let cidr = cidr.trunc();
         let (slot, fresh) = match self.slots.get(&cidr) {
             Some(&slot) => (slot, false),
-            None => {
-                let slot = self.free_slots.pop().ok_or_else(|| EbpfError::Map {
-                    map: common::MAP_ROUTE_COUNTERS,
-                    action: format!("allocate a counter slot for {cidr}"),
-                    source: MapError::OutOfBounds {
-                        index: common::MAX_ROUTES,
-                        max_entries: common::MAX_ROUTES,
-                    },
-                })?;
-                (slot, true)
-            }
+            None => (self.free_slots.pop().unwrap_or(common::NO_ROUTE_SLOT), true),
         };
-        if fresh && let Err(e) = self.zero_slot(slot) {
+        let owned_slot = fresh && slot != common::NO_ROUTE_SLOT;
+        if owned_slot && let Err(e) = self.zero_slot(slot) {
             self.free_slots.push(slot);
             return Err(e);
         }
@@ -409,7 +429,7 @@ impl Classifier {
                 Ok(())
             }
             Err(e) => {
-                if fresh {
+                if owned_slot {
                     self.free_slots.push(slot);
                 }
                 Err(e)
@@ -441,7 +461,8 @@ impl Classifier {
     }
 
     /// Counters of each route entry (packets the classifier passed because this
-    /// entry was the longest match), with its kind, sorted by CIDR.
+    /// entry was the longest match), with its kind, sorted by CIDR. Entries without
+    /// a counter slot of their own (past `MAX_ROUTE_COUNTERS`) are left out.
     pub fn route_stats(&self) -> Result<Vec<(IpNet, RouteKind, Counter)>, EbpfError> {
         let kinds: std::collections::HashMap<IpNet, RouteKind> =
             self.routes()?.into_iter().collect();
@@ -450,6 +471,9 @@ impl Classifier {
             let Some(kind) = kinds.get(cidr) else {
                 continue;
             };
+            if *slot == common::NO_ROUTE_SLOT {
+                continue;
+            }
             let values = self
                 .route_counters
                 .get(&u32::from(*slot), 0)
@@ -488,7 +512,9 @@ impl Classifier {
         };
         match result {
             Ok(()) => {
-                if let Some(slot) = self.slots.remove(&cidr) {
+                if let Some(slot) = self.slots.remove(&cidr)
+                    && slot != common::NO_ROUTE_SLOT
+                {
                     self.free_slots.push(slot);
                 }
                 Ok(())
@@ -542,21 +568,32 @@ impl Classifier {
             .iter()
             .map(|&kind| Ok((kind, self.counter(kind.counter_slot())?)))
             .collect::<Result<Vec<_>, EbpfError>>()?;
+        let ingress = |slot| sum_slot(&self.ingress_counters, common::MAP_INGRESS_COUNTERS, slot);
         Ok(Stats {
             per_kind,
             unrouted: self.counter(common::COUNTER_UNROUTED)?,
             malformed: self.counter(common::COUNTER_MALFORMED)?,
+            ingress: IngressStats {
+                passed: ingress(common::INGRESS_PASSED)?,
+                foreign_source: ingress(common::INGRESS_FOREIGN_SOURCE)?,
+                malformed: ingress(common::INGRESS_MALFORMED)?,
+            },
         })
     }
 
     fn counter(&self, slot: u32) -> Result<Counter, EbpfError> {
-        let values = self.counters.get(&slot, 0).map_err(|source| {
-            map_error(common::MAP_COUNTERS, format!("read slot {slot}"), source)
-        })?;
-        Ok(values.iter().fold(Counter::default(), |sum, cpu| Counter {
-            packets: sum.packets.wrapping_add(cpu.packets),
-            bytes: sum.bytes.wrapping_add(cpu.bytes),
-        }))
+        sum_slot(&self.counters, common::MAP_COUNTERS, slot)
+    }
+
+    /// Number of route entries (both families) and how many of them have a
+    /// per-route counter slot.
+    pub fn entry_count(&self) -> (usize, usize) {
+        let with_slot = self
+            .slots
+            .values()
+            .filter(|s| **s != common::NO_ROUTE_SLOT)
+            .count();
+        (self.slots.len(), with_slot)
     }
 
     /// Look a destination up as the program would (longest-prefix match in the kernel).
@@ -578,59 +615,139 @@ impl Classifier {
         }
     }
 
-    /// Run the classifier once on `frame` with BPF_PROG_TEST_RUN and return its verdict.
-    /// `frame` is an Ethernet frame for [`Self::load_for_test`], a bare IP packet (at
-    /// least 14 bytes) for [`Self::load_for_test_l3`] and attached classifiers. Routes
-    /// and counters are the live maps: the run is counted like a real packet.
+    /// Run the classifier (egress) once on `frame` with BPF_PROG_TEST_RUN and return its
+    /// verdict. `frame` is an Ethernet frame for [`Self::load_for_test`], a bare IP
+    /// packet (at least 14 bytes) for [`Self::load_for_test_l3`] and attached
+    /// classifiers. Routes and counters are the live maps: the run is counted like a
+    /// real packet.
     pub fn test_run(&self, frame: &[u8]) -> Result<TcAction, EbpfError> {
+        self.test_run_program(common::PROGRAM_TUN_EGRESS, frame, 1)
+            .map(|(action, _)| action)
+    }
+
+    /// Run the anti-spoofing check (ingress) once on `frame`, as [`Self::test_run`].
+    pub fn test_run_ingress(&self, frame: &[u8]) -> Result<TcAction, EbpfError> {
+        self.test_run_program(common::PROGRAM_TUN_INGRESS, frame, 1)
+            .map(|(action, _)| action)
+    }
+
+    /// Run program `name` (`PROGRAM_TUN_EGRESS` or `PROGRAM_TUN_INGRESS`) `repeat`
+    /// times on `frame` in the kernel and return the last verdict and the kernel's
+    /// mean run time per packet (BPF_PROG_TEST_RUN's `duration`), for benchmarks.
+    /// Every run is counted like a real packet.
+    pub fn test_run_program(
+        &self,
+        name: &'static str,
+        frame: &[u8],
+        repeat: u32,
+    ) -> Result<(TcAction, std::time::Duration), EbpfError> {
         let program: &SchedClassifier = self
             .ebpf
-            .program(common::PROGRAM_TUN_EGRESS)
+            .program(name)
             .ok_or(EbpfError::Missing {
                 what: "program",
-                name: common::PROGRAM_TUN_EGRESS,
+                name,
             })?
             .try_into()
             .map_err(|source| EbpfError::Program {
-                name: common::PROGRAM_TUN_EGRESS,
+                name,
                 action: "type check",
                 source,
             })?;
         let result = program
             .test_run(TestRunOptions {
                 data_in: Some(frame),
+                repeat,
                 ..TestRunOptions::new()
             })
             .map_err(|source| EbpfError::Program {
-                name: common::PROGRAM_TUN_EGRESS,
+                name,
                 action: "BPF_PROG_TEST_RUN",
                 source,
             })?;
-        Ok(TcAction::from_return_value(result.return_value))
+        Ok((
+            TcAction::from_return_value(result.return_value),
+            result.duration,
+        ))
     }
 
-    /// Kernel ids of kvpn's TUN classifier programs attached (TCX egress) to `ifname`
-    /// in the calling thread's network namespace. Program ids are global and never
-    /// reused while the program lives, so tests use them to prove a program is gone.
+    /// Kernel ids of kvpn's TUN programs attached (TCX egress: the classifier; TCX
+    /// ingress: the anti-spoofing check) to `ifname` in the calling thread's network
+    /// namespace. Program ids are global and never reused while the program lives, so
+    /// tests use them to prove a program is gone.
     pub fn attached_program_ids(ifname: &str) -> Result<Vec<u32>, EbpfError> {
-        let (_revision, programs) = SchedClassifier::query_tcx(ifname, TcAttachType::Egress)
-            .map_err(|source| EbpfError::Program {
-                name: common::PROGRAM_TUN_EGRESS,
-                action: "query TCX egress",
-                source,
-            })?;
-        Ok(programs
-            .iter()
-            .filter(|p| p.name_as_str() == Some(common::PROGRAM_TUN_EGRESS))
-            .map(|p| p.id())
-            .collect())
+        let mut ids = Vec::new();
+        for (hook, name) in [
+            (TcAttachType::Egress, common::PROGRAM_TUN_EGRESS),
+            (TcAttachType::Ingress, common::PROGRAM_TUN_INGRESS),
+        ] {
+            let (_revision, programs) =
+                SchedClassifier::query_tcx(ifname, hook).map_err(|source| EbpfError::Program {
+                    name,
+                    action: match hook {
+                        TcAttachType::Ingress => "query TCX ingress",
+                        _ => "query TCX egress",
+                    },
+                    source,
+                })?;
+            ids.extend(
+                programs
+                    .iter()
+                    .filter(|p| p.name_as_str() == Some(name))
+                    .map(|p| p.id()),
+            );
+        }
+        Ok(ids)
     }
 
-    /// Whether kvpn's classifier is attached (TCX egress) to `ifname`, in the calling
-    /// thread's network namespace. For tests and leak checks after teardown.
+    /// Whether any of kvpn's TUN programs is attached (TCX egress or ingress) to
+    /// `ifname`, in the calling thread's network namespace. For tests and leak checks
+    /// after teardown.
     pub fn is_attached_to(ifname: &str) -> Result<bool, EbpfError> {
         Ok(!Self::attached_program_ids(ifname)?.is_empty())
     }
+}
+
+fn program_mut<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier, EbpfError> {
+    ebpf.program_mut(name)
+        .ok_or(EbpfError::Missing {
+            what: "program",
+            name,
+        })?
+        .try_into()
+        .map_err(|source| EbpfError::Program {
+            name,
+            action: "type check",
+            source,
+        })
+}
+
+fn attach_what(ingress: &bool) -> String {
+    if *ingress {
+        format!(
+            "anti-spoofing check {} (TC ingress)",
+            common::PROGRAM_TUN_INGRESS
+        )
+    } else {
+        format!("classifier {} (TC egress)", common::PROGRAM_TUN_EGRESS)
+    }
+}
+
+fn sum_slot(
+    map: &PerCpuArray<MapData, CounterValue>,
+    name: &'static str,
+    slot: u32,
+) -> Result<Counter, EbpfError> {
+    let values = map
+        .get(&slot, 0)
+        .map_err(|source| map_error(name, format!("read slot {slot}"), source))?;
+    Ok(values.iter().fold(Counter::default(), |sum, cpu| Counter {
+        packets: sum.packets.wrapping_add(cpu.packets),
+        bytes: sum.bytes.wrapping_add(cpu.bytes),
+    }))
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, EbpfError> {

@@ -36,13 +36,64 @@ struct Args {
     repair: bool,
     /// The one non-root uid allowed to use the gRPC socket (the user daemon's);
     /// root is always allowed, every other uid is refused (SO_PEERCRED). Default:
-    /// SUDO_UID when started through sudo, else root only.
+    /// SUDO_UID when started through sudo, PKEXEC_UID through pkexec, else root
+    /// only.
     #[arg(long, env = "KVPN_ALLOW_UID")]
     allow_uid: Option<u32>,
+    /// Append stdout and stderr to `<runtime-dir>/dataplane.log` (what `kvpn
+    /// logs` shows). `kvpn connect` of a normal user passes it when it starts the
+    /// daemon through sudo or pkexec, since the user cannot open that file. The
+    /// path is fixed, not an argument, so that a sudo rule for this binary
+    /// cannot be used to append to any file.
+    #[arg(long)]
+    log_to_runtime_dir: bool,
+}
+
+/// The uid that started this daemon through sudo or pkexec (`SUDO_UID`,
+/// `PKEXEC_UID`: set by them, not by the caller, whose environment they reset).
+fn elevating_uid() -> Option<u32> {
+    ["SUDO_UID", "PKEXEC_UID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
+/// `--log-to-runtime-dir`: point stdout and stderr at the log, opened without
+/// following a symlink.
+fn redirect_output(runtime_dir: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    use std::os::unix::io::AsRawFd as _;
+    let path = runtime_dir.join(kvpn_dataplane::daemon::LOG_NAME);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+        .with_context(|| format!("cannot open the log {}", path.display()))?;
+    for fd in [libc::STDOUT_FILENO, libc::STDERR_FILENO] {
+        // SAFETY: dup2 of a descriptor we own onto a standard descriptor; no memory involved.
+        if unsafe { libc::dup2(log.as_raw_fd(), fd) } < 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("cannot send output to {}", path.display()));
+        }
+    }
+    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Started by another user through sudo or pkexec: that user chose the
+    // arguments, so the runtime folder (whose files this daemon trusts at
+    // start: the resolv.conf backup, the TUN records) must be root's alone.
+    if let Some(uid) = elevating_uid()
+        && uid != 0
+    {
+        RuntimeDir::prepare(&args.runtime_dir)?.require_private()?;
+    }
+    if args.log_to_runtime_dir {
+        RuntimeDir::prepare(&args.runtime_dir)?;
+        redirect_output(&args.runtime_dir)?;
+    }
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
         .with_context(|| format!("invalid --log-level {:?}", args.log_level))?;
     tracing_subscriber::fmt()
@@ -67,11 +118,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if args.repair {
         return repair(&args.runtime_dir).await;
     }
-    let allowed_uid = args.allow_uid.or_else(|| {
-        std::env::var("SUDO_UID")
-            .ok()
-            .and_then(|u| u.trim().parse().ok())
-    });
+    let allowed_uid = args.allow_uid.or_else(elevating_uid);
     let dir = RuntimeDir::prepare(&args.runtime_dir)?;
     let listener = dir.bind_for(allowed_uid)?;
     let result = serve(&dir, listener, allowed_uid).await;

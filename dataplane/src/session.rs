@@ -831,7 +831,11 @@ impl Session {
         use kvpn_proto::dataplane as api;
         let (state, reason) = self.state();
         let c = self.counters();
-        let (ebpf, unrouted) = match self.classifier_stats() {
+        let counter = |c: ebpf::Counter| api::Counter {
+            packets: c.packets,
+            bytes: c.bytes,
+        };
+        let (ebpf, unrouted, ingress) = match self.classifier_stats() {
             Some(Ok(stats)) => (
                 stats
                     .per_kind
@@ -843,12 +847,17 @@ impl Session {
                     })
                     .collect(),
                 stats.unrouted,
+                Some(api::IngressCounters {
+                    passed: Some(counter(stats.ingress.passed)),
+                    foreign_source: Some(counter(stats.ingress.foreign_source)),
+                    malformed: Some(counter(stats.ingress.malformed)),
+                }),
             ),
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "cannot read eBPF counters");
-                (Vec::new(), ebpf::Counter::default())
+                (Vec::new(), ebpf::Counter::default(), None)
             }
-            None => (Vec::new(), ebpf::Counter::default()),
+            None => (Vec::new(), ebpf::Counter::default(), None),
         };
         let watched = self.watched();
         api::Session {
@@ -878,6 +887,7 @@ impl Session {
             ebpf,
             ebpf_unrouted_packets: unrouted.packets,
             ebpf_unrouted_bytes: unrouted.bytes,
+            ebpf_ingress: ingress,
             mtu: u32::from(self.params.mtu),
             data_channel: if self.params.tls.is_some() {
                 "tls"

@@ -47,9 +47,10 @@ pub struct Watched {
     pub pinned: BTreeSet<IpNet>,
 }
 
-/// At most this many ClusterIP entries per classifier, so that Services never
-/// take the trie's room from routes ([`kvpn_dataplane_common::MAX_ROUTES`] = 1024
-/// entries; a cluster has a handful of routes).
+/// At most this many ClusterIP entries per classifier, so that Services never take
+/// all per-route counter slots (`kvpn top`) from routes
+/// ([`kvpn_dataplane_common::MAX_ROUTE_COUNTERS`] = 1024; the tries themselves hold
+/// [`kvpn_dataplane_common::MAX_ROUTES`] = 16384 entries).
 pub const MAX_SERVICE_ENTRIES: usize = 512;
 
 /// The ClusterIP entries `services` call for: each ClusterIP inside a Service

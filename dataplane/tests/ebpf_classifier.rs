@@ -1,4 +1,5 @@
-//! The TUN egress classifier run by the kernel on crafted packets (BPF_PROG_TEST_RUN).
+//! The TUN egress classifier and the TUN ingress anti-spoofing check run by the kernel
+//! on crafted packets (BPF_PROG_TEST_RUN).
 //! Needs root (CAP_BPF + CAP_NET_ADMIN). Each test loads its own copy of the program
 //! and maps, so the tests run in parallel and counters are exact.
 //!
@@ -9,8 +10,12 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use std::time::{Duration, Instant};
+
 use ipnet::IpNet;
-use kvpn_dataplane::ebpf::{Classifier, Counter, EbpfError, RouteKind, Stats, TcAction};
+use kvpn_dataplane::ebpf::{
+    Classifier, Counter, EbpfError, IngressStats, RouteKind, Stats, TcAction,
+};
 
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
@@ -584,5 +589,213 @@ fn per_entry_counters_count_longest_matches() {
                 counter(1, ip_len(&to_pod))
             ),
         ]
+    );
+}
+
+fn run_ingress(c: &Classifier, frame: &[u8]) -> TcAction {
+    c.test_run_ingress(frame)
+        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN (ingress) failed: {e:?}"))
+}
+
+/// An inbound frame (from the tunnel) `src -> LAPTOP`.
+fn v4_from(src: Ipv4Addr, l4: &[u8]) -> Vec<u8> {
+    ethernet(ETH_P_IP, &ipv4(PROTO_UDP, src, LAPTOP, l4))
+}
+
+fn v6_from(src: Ipv6Addr, l4: &[u8]) -> Vec<u8> {
+    ethernet(ETH_P_IPV6, &ipv6(PROTO_UDP, src, LAPTOP_V6, l4))
+}
+
+/// The ingress check passes packets whose source a route entry covers (pod, service
+/// and extra CIDRs, the other laptops' tunnel pool), drops every other source (the
+/// internet, the laptop's own LAN, link-local) and non-IP frames, counts each reason,
+/// and follows route removal. The egress counters do not move.
+#[test]
+fn ingress_check_passes_cluster_sources_and_drops_foreign_ones_per_reason() {
+    let mut c = classifier();
+    for (cidr, kind) in [
+        ("10.244.0.0/16", RouteKind::Pod),
+        ("10.96.0.0/12", RouteKind::Service),
+        ("100.96.0.0/16", RouteKind::Extra),
+        ("fd00:10:244::/56", RouteKind::Pod),
+    ] {
+        c.insert_route(net(cidr), kind)
+            .unwrap_or_else(|e| panic!("{e:?}"));
+    }
+    let passed = [
+        v4_from(Ipv4Addr::new(10, 244, 1, 11), &udp(40000, 10)),
+        v4_from(Ipv4Addr::new(10, 96, 0, 10), &udp(40000, 30)),
+        v4_from(Ipv4Addr::new(100, 96, 0, 3), &udp(40000, 0)),
+        v6_from(
+            Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 5),
+            &udp(40000, 7),
+        ),
+    ];
+    let foreign = [
+        v4_from(Ipv4Addr::new(8, 8, 8, 8), &udp(40000, 10)),
+        v4_from(Ipv4Addr::new(192, 168, 1, 50), &udp(40000, 10)),
+        v4_from(Ipv4Addr::new(127, 0, 0, 1), &udp(40000, 10)),
+        v4_from(Ipv4Addr::new(10, 245, 0, 1), &udp(40000, 10)),
+        v6_from(
+            Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1),
+            &udp(40000, 3),
+        ),
+        v6_from(Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1), &udp(40000, 3)),
+    ];
+    let not_ip = ethernet(ETH_P_ARP, &[0u8; 28]);
+    for f in &passed {
+        assert_eq!(run_ingress(&c, f), TcAction::Pass, "{f:?}");
+    }
+    for f in &foreign {
+        assert_eq!(run_ingress(&c, f), TcAction::Drop, "{f:?}");
+    }
+    assert_eq!(run_ingress(&c, &not_ip), TcAction::Drop);
+    let total = |frames: &[Vec<u8>]| -> Counter {
+        counter(frames.len() as u64, frames.iter().map(|f| ip_len(f)).sum())
+    };
+    let s = stats(&c);
+    assert_eq!(
+        s.ingress,
+        IngressStats {
+            passed: total(&passed),
+            foreign_source: total(&foreign),
+            malformed: counter(1, 28),
+        }
+    );
+    for kind in RouteKind::ALL {
+        assert_eq!(s.kind(kind), Counter::default(), "egress counters moved");
+    }
+    assert_eq!(s.unrouted, Counter::default());
+
+    // A range the session stops routing is no longer a valid source.
+    c.remove_route(net("10.244.0.0/16"))
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    assert_eq!(run_ingress(&c, &passed[0]), TcAction::Drop);
+    assert_eq!(
+        stats(&c).ingress.foreign_source.packets,
+        foreign.len() as u64 + 1
+    );
+}
+
+/// The `i`-th of 10,000 distinct /24 prefixes: 10.0.0.0/24, 10.0.1.0/24, ...
+fn nth_prefix(i: u32) -> IpNet {
+    let base = u32::from(Ipv4Addr::new(10, 0, 0, 0)) + (i << 8);
+    IpNet::V4(ipnet::Ipv4Net::new(Ipv4Addr::from(base), 24).unwrap_or_else(|e| panic!("{e}")))
+}
+
+fn host_in(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 0, 0, 0)) + (i << 8) + 7)
+}
+
+/// Median of the kernel's mean per-run time over `rounds` BPF_PROG_TEST_RUN calls of
+/// `repeat` runs each.
+fn per_packet(c: &Classifier, program: &'static str, frame: &[u8], rounds: usize) -> Duration {
+    let mut samples: Vec<Duration> = (0..rounds)
+        .map(|_| {
+            c.test_run_program(program, frame, 200_000)
+                .unwrap_or_else(|e| panic!("{e:?}"))
+                .1
+        })
+        .collect();
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+/// Issue 8: route tables of 10,000 entries. All 10,000 /24 prefixes go in through the
+/// loader's `insert_route` (the path `EbpfClassifiers::attach` and route updates take),
+/// all are listed, every one classifies its own addresses on egress and admits them on
+/// ingress, and addresses next to them do not. Only the first `MAX_ROUTE_COUNTERS`
+/// entries get a per-route counter (`kvpn top`); the rest are counted per kind. The
+/// load time and per-packet cost (1 entry vs 10,000) are printed as figures, not
+/// asserted (run with `--nocapture` to see them).
+#[test]
+fn ten_thousand_route_entries_load_and_all_classify() {
+    const N: u32 = 10_000;
+    let frame_of = |i: u32| v4_frame(PROTO_UDP, host_in(i), &udp(53, 20));
+
+    let mut one = classifier();
+    one.insert_route(nth_prefix(N / 2), RouteKind::Extra)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    let probe = frame_of(N / 2);
+    let probe_in = v4_from(host_in(N / 2), &udp(53, 20));
+    let egress_1 = per_packet(&one, kvpn_dataplane_common::PROGRAM_TUN_EGRESS, &probe, 5);
+    let ingress_1 = per_packet(
+        &one,
+        kvpn_dataplane_common::PROGRAM_TUN_INGRESS,
+        &probe_in,
+        5,
+    );
+
+    let mut c = classifier();
+    let started = Instant::now();
+    for i in 0..N {
+        c.insert_route(nth_prefix(i), RouteKind::Extra)
+            .unwrap_or_else(|e| panic!("entry {i} ({}): {e:?}", nth_prefix(i)));
+    }
+    let load = started.elapsed();
+
+    let routes = c.routes().unwrap_or_else(|e| panic!("{e:?}"));
+    assert_eq!(routes.len(), N as usize);
+    let listed: std::collections::BTreeSet<IpNet> = routes.iter().map(|(n, _)| *n).collect();
+    assert!((0..N).all(|i| listed.contains(&nth_prefix(i))));
+    assert_eq!(
+        c.entry_count(),
+        (
+            N as usize,
+            kvpn_dataplane_common::MAX_ROUTE_COUNTERS as usize
+        )
+    );
+    assert_eq!(
+        c.route_stats().unwrap_or_else(|e| panic!("{e:?}")).len(),
+        1024
+    );
+
+    let egress_n = per_packet(&c, kvpn_dataplane_common::PROGRAM_TUN_EGRESS, &probe, 5);
+    let ingress_n = per_packet(&c, kvpn_dataplane_common::PROGRAM_TUN_INGRESS, &probe_in, 5);
+    let probes = u64::from(5 * 200_000u32);
+
+    for i in 0..N {
+        assert_eq!(
+            run(&c, &frame_of(i)),
+            TcAction::Pass,
+            "egress to {}",
+            host_in(i)
+        );
+        assert_eq!(
+            run_ingress(&c, &v4_from(host_in(i), &udp(53, 20))),
+            TcAction::Pass,
+            "ingress from {}",
+            host_in(i)
+        );
+    }
+    // Just past the last entry: not routed, not a valid source.
+    let outside = Ipv4Addr::from(u32::from(host_in(N - 1)) + 256);
+    assert_eq!(
+        run(&c, &v4_frame(PROTO_UDP, outside, &udp(53, 20))),
+        TcAction::Drop
+    );
+    assert_eq!(
+        run_ingress(&c, &v4_from(outside, &udp(53, 20))),
+        TcAction::Drop
+    );
+    let s = stats(&c);
+    assert_eq!(s.kind(RouteKind::Extra).packets, u64::from(N) + probes);
+    assert_eq!(s.unrouted.packets, 1);
+    assert_eq!(s.ingress.passed.packets, u64::from(N) + probes);
+    assert_eq!(s.ingress.foreign_source.packets, 1);
+
+    // Removing them all leaves an empty table and frees the counter slots.
+    for i in 0..N {
+        c.remove_route(nth_prefix(i))
+            .unwrap_or_else(|e| panic!("remove {}: {e:?}", nth_prefix(i)));
+    }
+    assert_eq!(c.entry_count(), (0, 0));
+    assert!(c.routes().unwrap_or_else(|e| panic!("{e:?}")).is_empty());
+
+    eprintln!(
+        "classifier figures: {N} entries inserted in {load:?} ({:.1} µs each); per packet \
+         (BPF_PROG_TEST_RUN, median of 5 × 200,000 runs): egress {egress_1:?} with 1 entry, \
+         {egress_n:?} with {N}; ingress {ingress_1:?} with 1 entry, {ingress_n:?} with {N}",
+        load.as_secs_f64() * 1e6 / f64::from(N)
     );
 }

@@ -2,13 +2,15 @@
 //! created for the test (`kvpn-t<hex>`, removed on drop, also on failure): kernel
 //! sockets send UDP and ICMP to a routed pod IP, a routed ClusterIP, and an address the
 //! kernel routes into the TUN but kvpn has no route for. The test reads the TUN device to
-//! see what got through and checks the classifier's counters. Needs root.
+//! see what got through and checks the classifier's counters. The anti-spoofing check
+//! (TCX ingress) gets packets written into the TUN device's file descriptor, as the pump
+//! writes them, and a UDP socket says which reached the laptop's stack. Needs root.
 
 use std::{
     collections::BTreeSet,
     fs::{File, OpenOptions},
-    io::Read as _,
-    net::{Ipv4Addr, UdpSocket},
+    io::{Read as _, Write as _},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, UdpSocket},
     os::{fd::AsRawFd as _, unix::fs::OpenOptionsExt as _},
     process::Command,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -254,5 +256,251 @@ fn classifier_on_a_real_tun_passes_routed_and_drops_unrouted_packets() {
     assert!(
         !attached_after_drop,
         "dropping the Classifier must detach it"
+    );
+}
+
+/// RFC 1071 checksum over `parts`, concatenated.
+fn checksum(parts: &[&[u8]]) -> u16 {
+    let bytes: Vec<u8> = parts.concat();
+    let mut sum: u32 = bytes
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// A UDP datagram `src:5000 -> dst:port` with `payload`, as a bare IP packet with
+/// correct IP and UDP checksums (the kernel delivers it to a socket).
+fn udp_packet(src: IpAddr, dst: IpAddr, port: u16, payload: &[u8]) -> Vec<u8> {
+    let udp_len = 8 + payload.len();
+    let mut udp = vec![0u8; 8];
+    udp[0..2].copy_from_slice(&5000u16.to_be_bytes());
+    udp[2..4].copy_from_slice(&port.to_be_bytes());
+    udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+    udp.extend_from_slice(payload);
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let pseudo = [
+                &s.octets()[..],
+                &d.octets()[..],
+                &[0, 17],
+                &(udp_len as u16).to_be_bytes(),
+            ]
+            .concat();
+            let sum = checksum(&[&pseudo, &udp]);
+            udp[6..8].copy_from_slice(&sum.to_be_bytes());
+            let mut ip = vec![0u8; 20];
+            ip[0] = 0x45;
+            ip[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
+            ip[8] = 64;
+            ip[9] = 17;
+            ip[12..16].copy_from_slice(&s.octets());
+            ip[16..20].copy_from_slice(&d.octets());
+            let sum = checksum(&[&ip]);
+            ip[10..12].copy_from_slice(&sum.to_be_bytes());
+            ip.extend_from_slice(&udp);
+            ip
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let pseudo = [
+                &s.octets()[..],
+                &d.octets()[..],
+                &(udp_len as u32).to_be_bytes(),
+                &[0, 0, 0, 17],
+            ]
+            .concat();
+            let sum = checksum(&[&pseudo, &udp]);
+            udp[6..8].copy_from_slice(&sum.to_be_bytes());
+            let mut ip = vec![0u8; 40];
+            ip[0] = 0x60;
+            ip[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+            ip[6] = 17;
+            ip[7] = 64;
+            ip[8..24].copy_from_slice(&s.octets());
+            ip[24..40].copy_from_slice(&d.octets());
+            ip.extend_from_slice(&udp);
+            ip
+        }
+        _ => panic!("mixed address families {src} -> {dst}"),
+    }
+}
+
+/// Payloads `socket` received within `wait`.
+fn received(socket: &UdpSocket, wait: Duration) -> BTreeSet<Vec<u8>> {
+    let deadline = Instant::now() + wait;
+    let mut got = BTreeSet::new();
+    let mut buf = [0u8; 2048];
+    while Instant::now() < deadline {
+        match socket.recv_from(&mut buf) {
+            Ok((n, _)) => {
+                got.insert(buf[..n].to_vec());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("recv: {e}"),
+        }
+    }
+    got
+}
+
+/// Which TC hook sees the packets the pump writes into the TUN device: the ingress
+/// one. Packets from a routed pod CIDR (IPv4 and IPv6) reach a UDP socket on the
+/// laptop; packets from the internet (8.8.8.8, 2001:db8::1) or a laptop LAN address
+/// (192.168.1.50, on the laptop's own LAN veth) do not, and are counted
+/// as `foreign_source`. With rp_filter off, the same spoofed packet does reach the
+/// socket once the check is detached: the kernel alone would have delivered it.
+#[test]
+fn ingress_check_drops_packets_written_to_the_tun_from_non_cluster_sources() {
+    let suffix = unique_suffix();
+    let netns = Netns::create(format!("kvpn-i{suffix}"));
+    let ns = netns.name.clone();
+    let tun_name = format!("kvi{suffix}");
+    let lan_name = format!("kvl{suffix}");
+    let lan_peer = format!("kvm{suffix}");
+
+    let worker = std::thread::spawn(move || {
+        let ns_file = File::open(format!("/run/netns/{ns}"))
+            .unwrap_or_else(|e| panic!("open netns {ns}: {e}"));
+        nix::sched::setns(&ns_file, nix::sched::CloneFlags::CLONE_NEWNET)
+            .unwrap_or_else(|e| panic!("setns {ns}: {e}"));
+
+        let mut tun = create_tun(&tun_name);
+        // rp_filter off everywhere, so that nothing but the eBPF check stops a packet.
+        for key in ["all", "default", tun_name.as_str()] {
+            run(
+                "sysctl",
+                &["-qw", &format!("net.ipv4.conf.{key}.rp_filter=0")],
+            );
+        }
+        for args in [
+            vec!["link", "set", "lo", "up"],
+            vec![
+                "link", "add", &lan_name, "type", "veth", "peer", "name", &lan_peer,
+            ],
+            vec!["addr", "add", "192.168.1.1/24", "dev", &lan_name],
+            vec!["link", "set", &lan_name, "up"],
+            vec!["link", "set", &lan_peer, "up"],
+            vec!["addr", "add", "100.96.0.2/32", "dev", &tun_name],
+            vec!["addr", "add", "fd00:96::2/128", "dev", &tun_name, "nodad"],
+            vec!["link", "set", &tun_name, "up"],
+            vec!["route", "add", "10.244.0.0/16", "dev", &tun_name],
+            vec!["-6", "route", "add", "fd00:10:244::/64", "dev", &tun_name],
+        ] {
+            run("ip", &args);
+        }
+
+        let mut classifier =
+            Classifier::attach(&tun_name).unwrap_or_else(|e| panic!("attach: {e:?}"));
+        for (cidr, kind) in [
+            ("10.244.0.0/16", RouteKind::Pod),
+            ("fd00:10:244::/64", RouteKind::Pod),
+        ] {
+            classifier
+                .insert_route(cidr.parse().unwrap_or_else(|e| panic!("{e}")), kind)
+                .unwrap_or_else(|e| panic!("{e:?}"));
+        }
+
+        let v4 = UdpSocket::bind("0.0.0.0:7777").unwrap_or_else(|e| panic!("bind v4: {e}"));
+        let v6 = UdpSocket::bind("[::]:7778").unwrap_or_else(|e| panic!("bind v6: {e}"));
+        for s in [&v4, &v6] {
+            s.set_nonblocking(true)
+                .unwrap_or_else(|e| panic!("nonblocking: {e}"));
+        }
+        let laptop4 = IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2));
+        let laptop6 = IpAddr::V6(Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 2));
+        let pod4 = IpAddr::V4(Ipv4Addr::new(10, 244, 1, 11));
+        let pod6 = IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 5));
+        let internet4 = IpAddr::V4(Ipv4Addr::new(8, 8, 8, 8));
+        let lan4 = IpAddr::V4(Ipv4Addr::new(192, 168, 1, 50));
+        let internet6 = IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1));
+        let packets = [
+            udp_packet(pod4, laptop4, 7777, b"pod v4"),
+            udp_packet(internet4, laptop4, 7777, b"internet v4"),
+            udp_packet(lan4, laptop4, 7777, b"lan v4"),
+            udp_packet(pod6, laptop6, 7778, b"pod v6"),
+            udp_packet(internet6, laptop6, 7778, b"internet v6"),
+        ];
+        let before = classifier.stats().unwrap_or_else(|e| panic!("{e:?}"));
+        for p in &packets {
+            tun.write_all(p)
+                .unwrap_or_else(|e| panic!("write to the TUN device: {e}"));
+        }
+        // IPv4 by its version nibble (the TUN driver refuses anything else) but cut
+        // inside the header: malformed.
+        let mut truncated = [0u8; 12];
+        truncated[0] = 0x45;
+        tun.write_all(&truncated)
+            .unwrap_or_else(|e| panic!("write to the TUN device: {e}"));
+        let got4 = received(&v4, Duration::from_millis(300));
+        let got6 = received(&v6, Duration::from_millis(100));
+        let after = classifier.stats().unwrap_or_else(|e| panic!("{e:?}"));
+        let ids = Classifier::attached_program_ids(&tun_name).unwrap_or_else(|e| panic!("{e:?}"));
+
+        // Control: without the check, the kernel delivers the spoofed packet.
+        drop(classifier);
+        let attached_after_drop =
+            Classifier::is_attached_to(&tun_name).unwrap_or_else(|e| panic!("{e:?}"));
+        tun.write_all(&packets[1])
+            .unwrap_or_else(|e| panic!("write to the TUN device: {e}"));
+        let unchecked = received(&v4, Duration::from_millis(300));
+        (
+            got4,
+            got6,
+            before,
+            after,
+            ids.len(),
+            attached_after_drop,
+            unchecked,
+            packets.iter().map(Vec::len).collect::<Vec<_>>(),
+        )
+    });
+    let (got4, got6, before, after, programs, attached_after_drop, unchecked, lens) =
+        match worker.join() {
+            Ok(result) => result,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+
+    let set = |items: &[&[u8]]| -> BTreeSet<Vec<u8>> { items.iter().map(|i| i.to_vec()).collect() };
+    assert_eq!(got4, set(&[b"pod v4"]), "IPv4 payloads the laptop received");
+    assert_eq!(got6, set(&[b"pod v6"]), "IPv6 payloads the laptop received");
+    assert_eq!(programs, 2, "egress classifier and ingress check attached");
+    assert_eq!(before.ingress, Default::default());
+    assert_eq!(
+        after.ingress.passed,
+        Counter {
+            packets: 2,
+            bytes: (lens[0] + lens[3]) as u64
+        },
+        "{after:?}"
+    );
+    assert_eq!(
+        after.ingress.foreign_source,
+        Counter {
+            packets: 3,
+            bytes: (lens[1] + lens[2] + lens[4]) as u64
+        },
+        "{after:?}"
+    );
+    assert_eq!(
+        after.ingress.malformed,
+        Counter {
+            packets: 1,
+            bytes: 12
+        }
+    );
+    // The egress classifier never saw them: ingress is the hook of written packets.
+    assert_eq!(after.kind(RouteKind::Pod), Counter::default());
+    assert!(
+        !attached_after_drop,
+        "dropping the Classifier detaches both programs"
+    );
+    assert_eq!(
+        unchecked,
+        set(&[b"internet v4"]),
+        "without the check the kernel delivers the spoofed packet (else this test proves nothing)"
     );
 }

@@ -124,6 +124,10 @@ fn find_head_end(buf: &[u8]) -> Option<(usize, usize)> {
     }
 }
 
+/// The UDP datagram `kvpn-lab-server`'s echo port answers with the sender's
+/// address as it saw it (`ip:port`) instead of echoing.
+pub const UDP_PEER_QUERY: &[u8] = b"KVPN-PEER?";
+
 /// What `GET /` answers: which pod served it, at which address, and who asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageInfo {

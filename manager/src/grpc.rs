@@ -7,6 +7,12 @@
 //! kubelet carry over TLS and authorise (the same RBAC as the data channel's
 //! port-forward). Other pods cannot reach it through the Service. The session
 //! token it hands out is only useful on the data channel, which is TLS.
+//!
+//! These two RPCs are the whole surface: there is no call that lists, renews
+//! by tunnel IP, releases or edits another client's lease (a client's only
+//! handle on a lease is its own client id), and no reflection service. Refused
+//! `Lease` calls are counted (`kvpn_manager_lease_denied_total`), see
+//! docs/trust-model.md.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -14,7 +20,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvpn_proto::manager::manager_server::{Manager, ManagerServer};
-use kvpn_proto::manager::{LeaseRequest, LeaseResponse, RoutesUpdate, WatchRoutesRequest};
+use kvpn_proto::manager::{
+    LeaseRequest, LeaseResponse, RoutesUpdate, TraceSourceEvent, TraceSourceRequest,
+    WatchRoutesRequest,
+};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
@@ -22,8 +31,10 @@ use tracing::{debug, warn};
 
 use crate::lease::LeaseError;
 use crate::leases::{LeaseServiceError, Leases};
+use crate::metrics::{LeaseDenial, ManagerCounters};
 use crate::route_watch::{Failure, Published, RouteWatch};
 use crate::routes::{self, View};
+use crate::trace::{self as source_trace, EgressCapture, SourceTrace};
 
 /// How long a new `WatchRoutes` call waits for the watches' first lists before
 /// it answers UNAVAILABLE. Listing every pod and Service of a large cluster
@@ -37,17 +48,36 @@ pub struct ManagerService {
     routes: RouteWatch,
     pool: String,
     manager_ip: String,
+    trace: TraceConfig,
+    counters: Arc<ManagerCounters>,
+}
+
+/// What `TraceSource` needs: the sessions' shared trace, the source policy and
+/// the pod's egress interface.
+#[derive(Debug, Clone)]
+pub struct TraceConfig {
+    pub trace: Arc<SourceTrace>,
+    pub policy: String,
+    pub egress: String,
 }
 
 impl ManagerService {
-    /// A service handing out leases from `leases` and routes from `routes`.
-    pub async fn new(leases: Arc<Leases>, routes: RouteWatch) -> Self {
+    /// A service handing out leases from `leases` and routes from `routes`,
+    /// counting into `counters`.
+    pub async fn new(
+        leases: Arc<Leases>,
+        routes: RouteWatch,
+        trace: TraceConfig,
+        counters: Arc<ManagerCounters>,
+    ) -> Self {
         let t = leases.table_snapshot().await;
         Self {
             pool: t.pool().to_string(),
             manager_ip: t.manager_ip().to_string(),
             leases,
             routes,
+            trace,
+            counters,
         }
     }
 }
@@ -134,27 +164,118 @@ impl Manager for ManagerService {
         )))
     }
 
+    type TraceSourceStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<TraceSourceEvent, Status>> + Send>>;
+
+    async fn trace_source(
+        &self,
+        request: Request<TraceSourceRequest>,
+    ) -> Result<Response<Self::TraceSourceStream>, Status> {
+        let r = request.into_inner();
+        let protocol = match r.protocol.as_str() {
+            "tcp" => source_trace::TCP,
+            "udp" => source_trace::UDP,
+            other => {
+                return Err(Status::invalid_argument(format!(
+                    "protocol {other:?}: expected tcp or udp"
+                )));
+            }
+        };
+        let ip: std::net::Ipv4Addr = r.destination_ip.parse().map_err(|e| {
+            Status::invalid_argument(format!("destination_ip {:?}: {e}", r.destination_ip))
+        })?;
+        let port = u16::try_from(r.destination_port)
+            .map_err(|_| Status::invalid_argument("destination_port above 65535"))?;
+        let destination = std::net::SocketAddrV4::new(ip, port);
+        let timeout = Duration::from_millis(u64::from(r.timeout_ms)).min(source_trace::MAX_TRACE);
+        let config = self.trace.clone();
+        // The capture first: armed must mean both points watch.
+        let capture = EgressCapture::open(&config.egress);
+        if !config.trace.arm(protocol, destination) {
+            return Err(Status::resource_exhausted(
+                "another `kvpn diagnose source` is tracing on this manager; try again in a few seconds",
+            ));
+        }
+        let note = match &capture {
+            Ok(_) => String::new(),
+            Err(e) => format!(
+                "no capture at the pod's egress {}: {e} (needs NET_RAW in the manager pod)",
+                config.egress
+            ),
+        };
+        let (tx, rx) = mpsc::channel(2);
+        let event = |armed: bool| TraceSourceEvent {
+            armed,
+            policy: config.policy.clone(),
+            egress_interface: config.egress.clone(),
+            note: note.clone(),
+            ..Default::default()
+        };
+        let _ = tx.try_send(Ok(event(true)));
+        let mut last = event(false);
+        tokio::spawn(async move {
+            let deadline = std::time::Instant::now() + timeout;
+            let trace = config.trace.clone();
+            let egress = match capture {
+                Ok(capture) => tokio::task::spawn_blocking(move || {
+                    capture.first_source(protocol, destination, deadline, || false)
+                })
+                .await
+                .ok()
+                .flatten(),
+                Err(_) => None,
+            };
+            // The decapsulated packet comes first; give it until the deadline
+            // when the egress saw nothing.
+            while trace.decapsulated().is_none() && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let seen = trace.disarm();
+            last.decapsulated_source = seen
+                .and_then(|w| w.decapsulated)
+                .map(|a| a.to_string())
+                .unwrap_or_default();
+            last.egress_source = egress.map(|a| a.to_string()).unwrap_or_default();
+            debug!(%destination, decap = %last.decapsulated_source, egress = %last.egress_source, "source trace done");
+            let _ = tx.send(Ok(last)).await;
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
     async fn lease(
         &self,
         request: Request<LeaseRequest>,
     ) -> Result<Response<LeaseResponse>, Status> {
         let client_id = request.into_inner().client_id;
         match self.leases.lease(&client_id).await {
-            Ok((rec, expires_in_s)) => Ok(Response::new(LeaseResponse {
-                tunnel_ip: rec.ip.to_string(),
-                manager_ip: self.manager_ip.clone(),
-                pool_cidr: self.pool.clone(),
-                session_token: rec.token,
-                expires_in_s,
-            })),
+            Ok((rec, expires_in_s)) => {
+                self.counters.lease_granted();
+                Ok(Response::new(LeaseResponse {
+                    tunnel_ip: rec.ip.to_string(),
+                    manager_ip: self.manager_ip.clone(),
+                    pool_cidr: self.pool.clone(),
+                    session_token: rec.token,
+                    expires_in_s,
+                }))
+            }
             Err(LeaseServiceError::Lease(e @ LeaseError::BadClientId(_))) => {
+                self.counters.deny_lease(LeaseDenial::BadClientId);
+                // The id itself is not logged: it may be someone's credential with a typo.
+                warn!(
+                    id_bytes = client_id.len(),
+                    "lease refused: invalid client id"
+                );
                 Err(Status::invalid_argument(e.to_string()))
             }
             Err(LeaseServiceError::Lease(e @ LeaseError::PoolExhausted(_))) => {
+                self.counters.deny_lease(LeaseDenial::PoolExhausted);
                 warn!(error = %e, "lease refused");
                 Err(Status::resource_exhausted(e.to_string()))
             }
             Err(e @ LeaseServiceError::Store(_)) => {
+                self.counters.deny_lease(LeaseDenial::StoreUnavailable);
                 warn!(error = %e, "lease failed");
                 Err(Status::unavailable(e.to_string()))
             }
@@ -162,13 +283,16 @@ impl Manager for ManagerService {
     }
 }
 
-/// Serve the gRPC API on `listener` until the process ends.
+/// Serve the gRPC API on `listener` until the process ends; refusals are
+/// counted into `counters`.
 pub async fn serve(
     listener: TcpListener,
     leases: Arc<Leases>,
     routes: RouteWatch,
+    trace: TraceConfig,
+    counters: Arc<ManagerCounters>,
 ) -> Result<(), tonic::transport::Error> {
-    let service = ManagerService::new(leases, routes).await;
+    let service = ManagerService::new(leases, routes, trace, counters).await;
     tonic::transport::Server::builder()
         .add_service(ManagerServer::new(service))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))

@@ -87,9 +87,30 @@ fn valid_client_id(id: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
-/// Constant-time comparison (the token is a bearer secret).
-fn same_token(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Constant-time comparison (the token is a bearer secret). An empty stored
+/// token matches nothing: a lease record without a token (hand-edited
+/// ConfigMap) must not let a token-less hello in.
+fn same_token(stored: &[u8], presented: &[u8]) -> bool {
+    !stored.is_empty()
+        && stored.len() == presented.len()
+        && stored
+            .iter()
+            .zip(presented)
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// What logs say instead of a client id: the first 12 hex digits of its
+/// SHA-256. The client id is a credential (`Lease` answers the lease's session
+/// token to whoever presents it, docs/trust-model.md), and the manager's log
+/// is readable by more people than the laptop's 0600 client-id file.
+pub fn client_fingerprint(client_id: &str) -> String {
+    use sha2::{Digest as _, Sha256};
+    Sha256::digest(client_id.as_bytes())
+        .iter()
+        .take(6)
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 impl LeaseTable {
@@ -377,6 +398,19 @@ mod tests {
             Err(AttachError::WrongToken(a_ip))
         );
         assert_eq!(t.check(a_ip, b"", 10), Err(AttachError::WrongToken(a_ip)));
+        // A stored record without a token never matches, not even an empty token.
+        let mut hand_edited = t.records();
+        for r in &mut hand_edited {
+            r.token.clear();
+        }
+        let mut u = table("100.96.0.0/16");
+        assert_eq!(u.replace_records(hand_edited), 0);
+        assert_eq!(u.check(a_ip, b"", 10), Err(AttachError::WrongToken(a_ip)));
+        assert_eq!(
+            client_fingerprint("a"),
+            "ca978112ca1b",
+            "SHA-256 of \"a\", 6 bytes"
+        );
         let free = IpAddr::V4(ip("100.96.0.9"));
         assert_eq!(
             t.check(free, b"secret-a", 10),

@@ -25,7 +25,7 @@ use rand::RngCore;
 use tokio::sync::Mutex;
 use tracing::{debug, info, warn};
 
-use crate::lease::{AttachError, LeaseError, LeaseRecord, LeaseTable};
+use crate::lease::{AttachError, LeaseError, LeaseRecord, LeaseTable, client_fingerprint};
 
 /// ConfigMap key holding the leases (a JSON array of [`LeaseRecord`]).
 pub const LEASES_KEY: &str = "leases.json";
@@ -231,7 +231,7 @@ impl Leases {
             .update(|t, now| t.lease(client_id, &token, now).map(|r| (r, now)))
             .await??;
         let (rec, now) = rec;
-        info!(client_id, tunnel_ip = %rec.ip, expires_in_s = LeaseTable::expires_in(&rec, now), "lease granted");
+        info!(client = %client_fingerprint(client_id), tunnel_ip = %rec.ip, expires_in_s = LeaseTable::expires_in(&rec, now), "lease granted");
         let expires_in = LeaseTable::expires_in(&rec, now);
         Ok((rec, expires_in))
     }
@@ -268,7 +268,7 @@ impl Leases {
             })
             .await;
         for rec in &expired {
-            info!(client_id = %rec.client_id, tunnel_ip = %rec.ip, "lease expired");
+            info!(client = %client_fingerprint(&rec.client_id), tunnel_ip = %rec.ip, "lease expired");
         }
         debug!(renewed, expired = expired.len(), "leases maintained");
     }

@@ -16,6 +16,8 @@
 //! - [`lease`]: the pure lease table (tunnel IPs from the pool, tokens,
 //!   expiry); [`leases`]: its shell (clock, randomness, the ConfigMap store);
 //!   [`grpc`]: the control gRPC API on :10802 (`Lease`, `WatchRoutes`).
+//! - [`metrics_server`]: `GET /metrics` (the manager-wide [`metrics::ManagerCounters`],
+//!   Prometheus text) on `--metrics-listen` (the install: pod loopback :10803).
 //! - [`fuzzing`]: entry points of the cargo-fuzz targets and the corpus replay.
 //! - [`routes`]: the pure route and DNS discovery core (watch events in, pod
 //!   CIDRs, Services and cluster DNS out, deltas per client); [`route_watch`]:
@@ -30,12 +32,15 @@ pub mod lease;
 pub mod leases;
 pub mod limit;
 pub mod metrics;
+pub mod metrics_server;
 pub mod packet;
 pub mod peers;
+pub mod preserve;
 pub mod route_watch;
 pub mod routes;
 pub mod server;
 pub mod session;
 pub mod tls;
+pub mod trace;
 
 pub use engine::DEFAULT_MTU;

@@ -11,10 +11,12 @@ use anyhow::Context;
 use clap::Parser;
 use kvpn_manager::lease::LeaseTable;
 use kvpn_manager::leases::Leases;
+use kvpn_manager::metrics::ManagerCounters;
+use kvpn_manager::preserve::{self, PreserveConfig, SourcePolicy};
 use kvpn_manager::route_watch::RouteWatch;
 use kvpn_manager::routes::DiscoveryConfig;
 use kvpn_manager::session::SessionConfig;
-use kvpn_manager::{grpc, server};
+use kvpn_manager::{grpc, metrics_server, server};
 use tracing::{info, warn};
 
 /// kvpn traffic manager: terminates laptops' tunnel packets and dials the real
@@ -87,6 +89,54 @@ struct Args {
     /// (flows against the cap, limits, manager memory).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     stats_interval_secs: u64,
+    /// Whose address the cluster's backends see: `snat` (the manager pod's IP;
+    /// smoltcp terminates, unprivileged) or `preserve` (the laptop's tunnel IP; the
+    /// pod's kernel forwards through a TUN device, needs NET_ADMIN and NET_RAW, and
+    /// the nodes must route --tunnel-pool via --preserve-gateway).
+    #[arg(long, env = "KVPN_SOURCE_POLICY", value_enum, default_value_t = SourcePolicy::Snat)]
+    source_policy: SourcePolicy,
+    /// With preserve: the stable address this pod claims on --egress-interface
+    /// (announced by gratuitous ARP) for the nodes' route `POOL via GATEWAY`. It
+    /// moves with the live manager pod, so a reschedule changes no node route.
+    /// `none`: claim nothing (the nodes route the pool some other way).
+    #[arg(long, default_value = "169.254.96.1")]
+    preserve_gateway: String,
+    /// The pod's interface towards the node: carries the stable gateway (with
+    /// preserve) and is where `kvpn diagnose source` watches the pod's egress.
+    #[arg(long, default_value = "eth0")]
+    egress_interface: String,
+    /// With preserve: the TUN device the laptops' packets enter the pod's kernel by.
+    #[arg(long, default_value = "kvpn-pool")]
+    pool_tun: String,
+    /// Address of the metrics endpoint (`GET /metrics`, Prometheus text: refused
+    /// hellos, spoofed sources, lease denials, drops), or `off`. The Kubernetes
+    /// install gives 127.0.0.1:10803 (the pod's loopback: reachable only
+    /// through pods/portforward). Off by default, so managers sharing a network
+    /// namespace (tests, a laptop) do not fight over one port.
+    #[arg(long, default_value = "off", value_parser = parse_metrics_listen)]
+    metrics_listen: MetricsListen,
+}
+
+fn parse_gateway(s: &str) -> Result<Option<std::net::Ipv4Addr>, String> {
+    if s == "none" {
+        return Ok(None);
+    }
+    s.parse()
+        .map(Some)
+        .map_err(|e| format!("{s:?}: {e}; expected an IPv4 address or `none`"))
+}
+
+/// `--metrics-listen`: an address, or `None` for `off`.
+#[derive(Debug, Clone)]
+struct MetricsListen(Option<SocketAddr>);
+
+fn parse_metrics_listen(s: &str) -> Result<MetricsListen, String> {
+    if s == "off" {
+        return Ok(MetricsListen(None));
+    }
+    s.parse()
+        .map(|a| MetricsListen(Some(a)))
+        .map_err(|e| format!("{s:?}: {e}; expected IP:PORT (e.g. 127.0.0.1:10803) or off"))
 }
 
 fn parse_service_ref(s: &str) -> Result<(String, String), String> {
@@ -244,6 +294,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     raise_fd_limit();
     fix_mmap_threshold();
+    let counters = Arc::new(ManagerCounters::default());
     let mut config = SessionConfig {
         dial_timeout: Duration::from_millis(args.dial_timeout_ms),
         idle_timeout: Duration::from_secs(args.idle_timeout_secs),
@@ -251,8 +302,19 @@ async fn main() -> anyhow::Result<()> {
         new_flows_per_sec: args.new_flows_per_sec,
         new_flow_burst: args.new_flow_burst,
         stats_interval: Duration::from_secs(args.stats_interval_secs),
+        counters: counters.clone(),
         ..SessionConfig::default()
     };
+    if let MetricsListen(Some(addr)) = args.metrics_listen {
+        let metrics_listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} for metrics (give --metrics-listen another address, or off)"))?;
+        let bound = metrics_listener
+            .local_addr()
+            .context("cannot read the metrics address")?;
+        info!(metrics = %bound, reach = metrics_server::describe(bound), "metrics at GET /metrics");
+        tokio::spawn(metrics_server::serve(metrics_listener, counters.clone()));
+    }
     let mut grpc_task = None;
     if args.leases {
         let api = in_cluster_client();
@@ -299,6 +361,12 @@ async fn main() -> anyhow::Result<()> {
             grpc_listener,
             leases.clone(),
             routes,
+            grpc::TraceConfig {
+                trace: config.trace.clone(),
+                policy: args.source_policy.as_str().to_owned(),
+                egress: args.egress_interface.clone(),
+            },
+            counters.clone(),
         )));
         config.leases = Some(leases);
         config.tunnel_pool = Some(args.tunnel_pool);
@@ -306,6 +374,22 @@ async fn main() -> anyhow::Result<()> {
         info!(
             "leases off: any unicast tunnel IP is accepted (give --leases to require session tokens)"
         );
+    }
+    if args.source_policy == SourcePolicy::Preserve {
+        config.tunnel_pool = Some(args.tunnel_pool);
+        let tun = preserve::setup(&PreserveConfig {
+            tun_name: args.pool_tun.clone(),
+            pool: args.tunnel_pool,
+            egress: args.egress_interface.clone(),
+            gateway: parse_gateway(&args.preserve_gateway)
+                .map_err(|e| anyhow::anyhow!("--preserve-gateway {e}"))?,
+        })
+        .await
+        .context("cannot set up --source-policy preserve")?;
+        tokio::spawn(tun.clone().run_reader(config.peers.clone()));
+        config.pool_tun = Some(tun);
+    } else {
+        info!("source policy snat: backends see this pod's IP");
     }
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(

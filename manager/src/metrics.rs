@@ -1,7 +1,12 @@
-//! Per-session counters, kept by the engine (pure) and logged by the shell at
-//! session end.
+//! Counters. [`Metrics`]: one client session's, kept by the engine (pure) and
+//! logged by the shell at session end. [`ManagerCounters`]: the manager's own,
+//! over all sessions and the gRPC API (atomics shared by every task), served
+//! in the Prometheus text format by [`crate::metrics_server`]; among them the
+//! refusals of the isolation checks (docs/trust-model.md).
 
 use std::fmt;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::packet::DropReason;
 
@@ -154,6 +159,246 @@ impl fmt::Display for Metrics {
     }
 }
 
+/// Why a data channel was refused before its session started (label `reason`
+/// of `kvpn_manager_refused_hello_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HelloRefusal {
+    /// The TLS handshake failed (wrong CA, a plaintext client) or timed out.
+    Tls,
+    /// No hello within the hello timeout.
+    Timeout,
+    /// The first frame was not a hello.
+    NotHello,
+    /// The first frame or the hello payload could not be decoded.
+    Malformed,
+    /// Another data-channel protocol version.
+    Version,
+    /// The hello's tunnel IP cannot be a laptop's (multicast, loopback, ...).
+    BadTunnelIp,
+    /// No unexpired lease for the hello's tunnel IP.
+    NoLease,
+    /// The hello's session token is not its tunnel IP's lease's token
+    /// (missing, guessed, or another client's).
+    WrongToken,
+}
+
+impl HelloRefusal {
+    /// Every reason, for iterating counters.
+    pub const ALL: [HelloRefusal; 8] = [
+        HelloRefusal::Tls,
+        HelloRefusal::Timeout,
+        HelloRefusal::NotHello,
+        HelloRefusal::Malformed,
+        HelloRefusal::Version,
+        HelloRefusal::BadTunnelIp,
+        HelloRefusal::NoLease,
+        HelloRefusal::WrongToken,
+    ];
+
+    /// The label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            HelloRefusal::Tls => "tls",
+            HelloRefusal::Timeout => "timeout",
+            HelloRefusal::NotHello => "not_hello",
+            HelloRefusal::Malformed => "malformed",
+            HelloRefusal::Version => "version",
+            HelloRefusal::BadTunnelIp => "bad_tunnel_ip",
+            HelloRefusal::NoLease => "no_lease",
+            HelloRefusal::WrongToken => "wrong_token",
+        }
+    }
+}
+
+/// Why a `Lease` call was refused (label `reason` of
+/// `kvpn_manager_lease_denied_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseDenial {
+    /// The client id is not 1..=128 characters of `[A-Za-z0-9._-]`.
+    BadClientId,
+    /// Every address of the tunnel pool is leased.
+    PoolExhausted,
+    /// The lease store (ConfigMap) failed.
+    StoreUnavailable,
+}
+
+impl LeaseDenial {
+    /// Every reason, for iterating counters.
+    pub const ALL: [LeaseDenial; 3] = [
+        LeaseDenial::BadClientId,
+        LeaseDenial::PoolExhausted,
+        LeaseDenial::StoreUnavailable,
+    ];
+
+    /// The label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LeaseDenial::BadClientId => "bad_client_id",
+            LeaseDenial::PoolExhausted => "pool_exhausted",
+            LeaseDenial::StoreUnavailable => "store_unavailable",
+        }
+    }
+}
+
+/// The manager's counters over all sessions (monotonic unless noted).
+/// Updated with relaxed atomics: each is an independent count.
+#[derive(Debug, Default)]
+pub struct ManagerCounters {
+    sessions_accepted: AtomicU64,
+    sessions_active: AtomicU64,
+    refused_hello: [AtomicU64; HelloRefusal::ALL.len()],
+    drops: [AtomicU64; DropReason::ALL.len()],
+    leases_granted: AtomicU64,
+    lease_denied: [AtomicU64; LeaseDenial::ALL.len()],
+}
+
+fn index_of<T: PartialEq>(all: &[T], x: &T) -> usize {
+    // Cannot miss: every enum value is in its ALL list (unit tests check).
+    all.iter().position(|y| y == x).unwrap_or(0)
+}
+
+/// A session's drops already added to [`ManagerCounters`]; see
+/// [`ManagerCounters::add_drops`].
+#[derive(Debug, Clone, Default)]
+pub struct DropsSynced([u64; DropReason::ALL.len()]);
+
+impl ManagerCounters {
+    /// A hello (and its token) was accepted: a session starts.
+    pub fn session_started(&self) {
+        self.sessions_accepted.fetch_add(1, Ordering::Relaxed);
+        self.sessions_active.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A session that [`ManagerCounters::session_started`] ended.
+    pub fn session_ended(&self) {
+        // Never below zero, even if a caller pairs them wrongly.
+        let _ = self
+            .sessions_active
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    /// A data channel was refused before its session started.
+    pub fn refuse_hello(&self, why: HelloRefusal) {
+        self.refused_hello[index_of(&HelloRefusal::ALL, &why)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A `Lease` call was granted.
+    pub fn lease_granted(&self) {
+        self.leases_granted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A `Lease` call was refused.
+    pub fn deny_lease(&self, why: LeaseDenial) {
+        self.lease_denied[index_of(&LeaseDenial::ALL, &why)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Add the drops `session` counted since the last call with the same
+    /// `synced` (the session shell calls this every round, so the manager's
+    /// totals lag a session's by at most one round).
+    pub fn add_drops(&self, session: &Metrics, synced: &mut DropsSynced) {
+        for (i, (now, before)) in session.drops.iter().zip(synced.0.iter_mut()).enumerate() {
+            if *now > *before {
+                self.drops[i].fetch_add(*now - *before, Ordering::Relaxed);
+                *before = *now;
+            }
+        }
+    }
+
+    /// Refused data channels for `why`.
+    pub fn refused_hello(&self, why: HelloRefusal) -> u64 {
+        self.refused_hello[index_of(&HelloRefusal::ALL, &why)].load(Ordering::Relaxed)
+    }
+
+    /// Packets dropped for `why`, all sessions.
+    pub fn dropped(&self, why: DropReason) -> u64 {
+        self.drops[index_of(&DropReason::ALL, &why)].load(Ordering::Relaxed)
+    }
+
+    /// Refused `Lease` calls for `why`.
+    pub fn lease_denied(&self, why: LeaseDenial) -> u64 {
+        self.lease_denied[index_of(&LeaseDenial::ALL, &why)].load(Ordering::Relaxed)
+    }
+
+    /// The counters in the Prometheus text exposition format (version 0.0.4):
+    /// each metric's HELP and TYPE lines, then its samples.
+    pub fn render_prometheus(&self) -> String {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(Option<&str>, u64)]| {
+            let _ = writeln!(out, "# HELP kvpn_manager_{name} {help}");
+            let _ = writeln!(out, "# TYPE kvpn_manager_{name} {kind}");
+            for (reason, n) in samples {
+                match reason {
+                    Some(r) => {
+                        let _ = writeln!(out, "kvpn_manager_{name}{{reason=\"{r}\"}} {n}");
+                    }
+                    None => {
+                        let _ = writeln!(out, "kvpn_manager_{name} {n}");
+                    }
+                }
+            }
+        };
+        metric(
+            "sessions_accepted_total",
+            "counter",
+            "Data channels whose hello (and session token) were accepted.",
+            &[(None, load(&self.sessions_accepted))],
+        );
+        metric(
+            "sessions_active",
+            "gauge",
+            "Data-channel sessions running now.",
+            &[(None, load(&self.sessions_active))],
+        );
+        let refused: Vec<_> = HelloRefusal::ALL
+            .iter()
+            .zip(&self.refused_hello)
+            .map(|(why, n)| (Some(why.as_str()), load(n)))
+            .collect();
+        metric(
+            "refused_hello_total",
+            "counter",
+            "Data channels refused before their session started, by reason.",
+            &refused,
+        );
+        metric(
+            "spoofed_source_dropped_total",
+            "counter",
+            "Packets from a laptop whose source is not its session's tunnel IP, dropped (also in packets_dropped_total{reason=\"bad_source\"}).",
+            &[(None, self.dropped(DropReason::BadSource))],
+        );
+        let drops: Vec<_> = DropReason::ALL
+            .iter()
+            .zip(&self.drops)
+            .map(|(why, n)| (Some(why.as_str()), load(n)))
+            .collect();
+        metric(
+            "packets_dropped_total",
+            "counter",
+            "Packets from laptops dropped by the manager, all sessions, by reason.",
+            &drops,
+        );
+        metric(
+            "leases_granted_total",
+            "counter",
+            "Lease calls answered with a lease (new or existing).",
+            &[(None, load(&self.leases_granted))],
+        );
+        let denied: Vec<_> = LeaseDenial::ALL
+            .iter()
+            .zip(&self.lease_denied)
+            .map(|(why, n)| (Some(why.as_str()), load(n)))
+            .collect();
+        metric(
+            "lease_denied_total",
+            "counter",
+            "Lease calls refused, by reason.",
+            &denied,
+        );
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,5 +416,52 @@ mod tests {
         let s = m.to_string();
         assert!(s.contains("drop_bad_source=2"), "{s}");
         assert!(!s.contains("drop_malformed"), "{s}");
+    }
+
+    #[test]
+    fn manager_counters_render_every_reason() {
+        let c = ManagerCounters::default();
+        c.session_started();
+        c.session_started();
+        c.session_ended();
+        c.refuse_hello(HelloRefusal::WrongToken);
+        c.refuse_hello(HelloRefusal::WrongToken);
+        c.refuse_hello(HelloRefusal::Tls);
+        c.deny_lease(LeaseDenial::BadClientId);
+        c.lease_granted();
+        let mut session = Metrics::default();
+        let mut synced = DropsSynced::default();
+        session.drop_packet(DropReason::BadSource);
+        c.add_drops(&session, &mut synced);
+        session.drop_packet(DropReason::BadSource);
+        session.drop_packet(DropReason::ForbiddenDestination);
+        c.add_drops(&session, &mut synced);
+        c.add_drops(&session, &mut synced);
+        assert_eq!(c.dropped(DropReason::BadSource), 2, "each drop added once");
+        let text = c.render_prometheus();
+        for line in [
+            "kvpn_manager_sessions_accepted_total 2",
+            "kvpn_manager_sessions_active 1",
+            "kvpn_manager_refused_hello_total{reason=\"wrong_token\"} 2",
+            "kvpn_manager_refused_hello_total{reason=\"tls\"} 1",
+            "kvpn_manager_refused_hello_total{reason=\"no_lease\"} 0",
+            "kvpn_manager_spoofed_source_dropped_total 2",
+            "kvpn_manager_packets_dropped_total{reason=\"bad_source\"} 2",
+            "kvpn_manager_packets_dropped_total{reason=\"forbidden_destination\"} 1",
+            "kvpn_manager_leases_granted_total 1",
+            "kvpn_manager_lease_denied_total{reason=\"bad_client_id\"} 1",
+            "# TYPE kvpn_manager_sessions_active gauge",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
+        }
+        c.session_ended();
+        c.session_ended();
+        assert!(
+            c.render_prometheus()
+                .contains("kvpn_manager_sessions_active 0\n")
+        );
     }
 }

@@ -13,6 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tracing::{Instrument, debug, info, warn};
 
+use crate::metrics::HelloRefusal;
 use crate::session::{SessionConfig, run_session};
 
 /// TCP keepalive on data channels: probes after this much silence, so a
@@ -96,10 +97,12 @@ async fn accept_tls(
             None
         }
         Ok(Err(e)) => {
+            config.counters.refuse_hello(HelloRefusal::Tls);
             info!(%peer, error = %e, "TLS handshake failed; is the laptop using the CA from Secret kvpn-manager-tls?");
             None
         }
         Err(_) => {
+            config.counters.refuse_hello(HelloRefusal::Tls);
             info!(%peer, timeout = ?config.hello_timeout, "no TLS handshake in time; connection dropped");
             None
         }

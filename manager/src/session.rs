@@ -25,7 +25,7 @@ use crate::engine::{Engine, EngineConfig, MANAGER_STACK_V4};
 use crate::kernel::{AbortOnDrop, DATAGRAM_QUEUE, KernelSide};
 use crate::lease::AttachError;
 use crate::leases::Leases;
-use crate::metrics::Metrics;
+use crate::metrics::{DropsSynced, HelloRefusal, ManagerCounters, Metrics};
 use crate::packet::DropReason;
 use crate::peers::{self, Peers};
 
@@ -65,6 +65,12 @@ pub struct SessionConfig {
     /// The live sessions, for laptop-to-laptop forwarding. Sessions sharing a
     /// `SessionConfig` (clones) share it.
     pub peers: Peers,
+    /// Source policy `preserve`: laptop packets for the cluster go into this TUN
+    /// device (the pod's kernel forwards them with the tunnel IP as source) instead
+    /// of smoltcp. `None`: `snat`.
+    pub pool_tun: Option<Arc<crate::preserve::PoolTun>>,
+    /// The `kvpn diagnose source` trace, shared with the gRPC service.
+    pub trace: Arc<crate::trace::SourceTrace>,
     /// Per-client flow cap (all kinds), see [`EngineConfig::max_flows`].
     pub max_flows: usize,
     /// New flows per second per client (0: unlimited), see [`crate::limit`].
@@ -74,6 +80,9 @@ pub struct SessionConfig {
     /// How often a live session logs its flow counts, limits and the
     /// manager's memory (the manager's metrics log, `session stats`).
     pub stats_interval: Duration,
+    /// The manager-wide counters (refused hellos, drops of every session),
+    /// served by [`crate::metrics_server`]. Clones share them.
+    pub counters: Arc<ManagerCounters>,
 }
 
 impl Default for SessionConfig {
@@ -86,10 +95,13 @@ impl Default for SessionConfig {
             leases: None,
             tunnel_pool: None,
             peers: Peers::default(),
+            pool_tun: None,
+            trace: Arc::default(),
             max_flows: crate::engine::DEFAULT_MAX_FLOWS,
             new_flows_per_sec: crate::limit::NEW_FLOWS_PER_SEC,
             new_flow_burst: crate::limit::NEW_FLOW_BURST,
             stats_interval: Duration::from_secs(10),
+            counters: Arc::default(),
         }
     }
 }
@@ -139,6 +151,27 @@ pub enum SessionError {
     /// No frame (not even a heartbeat) for too long.
     #[error("no frame from the laptop for {0:?} (heartbeats stopped)")]
     Silent(Duration),
+}
+
+impl SessionError {
+    /// The `refused_hello_total` reason of an error that ends a data channel
+    /// before its session started; `None` for ends that refuse nothing (the
+    /// readiness probe's connect-and-close, a broken connection).
+    pub fn refusal(&self) -> Option<HelloRefusal> {
+        match self {
+            SessionError::HelloTimeout(_) => Some(HelloRefusal::Timeout),
+            SessionError::NotHello(_) => Some(HelloRefusal::NotHello),
+            SessionError::BadHello(_) | SessionError::Frame(_) => Some(HelloRefusal::Malformed),
+            SessionError::Version { .. } => Some(HelloRefusal::Version),
+            SessionError::BadTunnelIp(_) => Some(HelloRefusal::BadTunnelIp),
+            SessionError::Lease(AttachError::NoLease(_)) => Some(HelloRefusal::NoLease),
+            SessionError::Lease(AttachError::WrongToken(_)) => Some(HelloRefusal::WrongToken),
+            SessionError::Read(_)
+            | SessionError::Write
+            | SessionError::ClosedBeforeHello
+            | SessionError::Silent(_) => None,
+        }
+    }
 }
 
 fn random_seed() -> u64 {
@@ -270,7 +303,16 @@ fn handle_frames(
         used += n;
         match f.kind {
             Kind::Packet => {
-                if !forward_to_peer(f.payload, engine, config) {
+                config.trace.observe_laptop_packet(f.payload);
+                if forward_to_peer(f.payload, engine, config) {
+                    // Another laptop's.
+                } else if let Some(tun) = config
+                    .pool_tun
+                    .as_ref()
+                    .filter(|t| t.takes(f.payload, engine.tunnel_ip()))
+                {
+                    tun.write(f.payload);
+                } else {
                     engine.handle_laptop_packet(f.payload, now);
                 }
             }
@@ -352,6 +394,9 @@ where
         }
         Err(e) => {
             warn!(error = %e, "rejecting session");
+            if let Some(why) = e.refusal() {
+                config.counters.refuse_hello(why);
+            }
             return Err(e);
         }
     };
@@ -360,14 +405,20 @@ where
     async move {
         if let Some(leases) = &config.leases {
             match leases.attach(tunnel_ip, &hello.token).await {
-                Ok(client_id) => debug!(client_id, "hello carries the lease's token"),
+                Ok(client_id) => debug!(client = %crate::lease::client_fingerprint(&client_id), "hello carries the lease's token"),
                 Err(e) => {
                     warn!(error = %e, token_bytes = hello.token.len(), "rejecting session: the hello's session token is not valid for its tunnel IP");
-                    return Err(SessionError::Lease(e));
+                    let e = SessionError::Lease(e);
+                    if let Some(why) = e.refusal() {
+                        config.counters.refuse_hello(why);
+                    }
+                    return Err(e);
                 }
             }
         }
+        config.counters.session_started();
         let result = run_established(rd, wr, rbuf, tunnel_ip, config).await;
+        config.counters.session_ended();
         if let Some(leases) = &config.leases {
             leases.detach(tunnel_ip).await;
         }
@@ -413,6 +464,7 @@ where
     );
     stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut peak_flows = 0usize;
+    let mut drops_synced = DropsSynced::default();
 
     let result: Result<(), SessionError> = loop {
         let now = Instant::now();
@@ -434,6 +486,9 @@ where
             }
         }
         peak_flows = peak_flows.max(engine.flows());
+        config
+            .counters
+            .add_drops(engine.metrics(), &mut drops_synced);
         if !out.is_empty() {
             let batch = std::mem::take(&mut out);
             let sent = match out_tx.try_send(batch) {
@@ -495,6 +550,9 @@ where
         }
     };
     log_stats(&engine, &kernel, peak_flows);
+    config
+        .counters
+        .add_drops(engine.metrics(), &mut drops_synced);
     let (tcp, udp, ping) = engine.flow_counts();
     let metrics = engine.metrics().clone();
     match &result {

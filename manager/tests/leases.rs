@@ -38,6 +38,12 @@ async fn grpc_server(leases: Arc<Leases>) -> String {
         listener,
         leases,
         kvpn_manager::route_watch::RouteWatch::unavailable("not in a cluster (test)".into()),
+        kvpn_manager::grpc::TraceConfig {
+            trace: Arc::default(),
+            policy: "snat".into(),
+            egress: "lo".into(),
+        },
+        Arc::default(),
     ));
     format!("http://{addr}")
 }

@@ -531,6 +531,19 @@ impl KubeFixture {
         }
     }
 
+    /// The netns a pod of this lab's node runs in (the kubelet stand-in's naming);
+    /// exists while the pod runs.
+    pub fn pod_netns(&self, p: &Pod) -> Netns {
+        let role = kvpn_lab::k8s::kubelet::spec::netns_role(
+            p.metadata.name.as_deref().unwrap_or(""),
+            p.metadata.uid.as_deref().unwrap_or(""),
+        );
+        Netns::from_name(&kvpn_lab::topology::netns_name(
+            self.lab().netns_lab().id(),
+            &role,
+        ))
+    }
+
     /// Pids of the user daemons (`kvpn --runtime-dir <this fixture's> daemon`),
     /// sorted: one at most, whatever the number of sessions.
     pub fn user_daemon_pids(&self) -> Vec<u32> {
@@ -795,6 +808,79 @@ fn tail(s: &str, n: usize) -> String {
     let mut out = lines[start..].join("\n");
     out.push('\n');
     out
+}
+
+// ---- residue: what kvpn must leave as it found (daemons_root.rs, soak.rs)
+
+/// Program ids of kvpn's classifier attached (TCX egress) to the TUN devices of the
+/// laptop netns. (This bpftool's `net show` does not list TCX links.)
+pub fn classifier_prog_ids(f: &KubeFixture) -> Vec<u32> {
+    let tuns = f.tun_devices();
+    f.lab()
+        .netns_lab()
+        .run_in(LAPTOP, move || {
+            tuns.iter()
+                .flat_map(|t| {
+                    kvpn_dataplane::ebpf::Classifier::attached_program_ids(t)
+                        .unwrap_or_else(|e| panic!("query TCX of {t}: {e}"))
+                })
+                .collect()
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+}
+
+pub fn prog_exists(id: u32) -> bool {
+    std::process::Command::new("bpftool")
+        .args(["prog", "show", "id", &id.to_string()])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// kvpn's routes (protocol 107) in the laptop netns, both families.
+pub fn kvpn_routes(f: &KubeFixture) -> String {
+    let v4 = text(
+        &f.laptop(&["ip", "route", "show", "table", "all", "proto", "107"])
+            .stdout,
+    );
+    let v6 = text(
+        &f.laptop(&["ip", "-6", "route", "show", "table", "all", "proto", "107"])
+            .stdout,
+    );
+    format!("{v4}{v6}")
+}
+
+/// The nftables tables of the laptop netns (`nft list tables`).
+pub fn nft_tables(f: &KubeFixture) -> String {
+    text(&f.laptop(&["nft", "list", "tables"]).stdout)
+}
+
+/// What must be back to "before kvpn" after a sweep or a rollback.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Residue {
+    pub tuns: Vec<String>,
+    pub routes: String,
+    pub nft: String,
+    pub resolv_conf: Vec<u8>,
+    pub hosts: Vec<u8>,
+    pub bpffs_kvpn: Vec<String>,
+}
+
+pub fn residue(f: &KubeFixture) -> Residue {
+    Residue {
+        tuns: f.tun_devices(),
+        routes: kvpn_routes(f),
+        nft: nft_tables(f),
+        resolv_conf: std::fs::read(f.laptop_resolv_conf()).unwrap_or_default(),
+        hosts: std::fs::read(f.laptop_hosts()).unwrap_or_default(),
+        bpffs_kvpn: std::fs::read_dir("/sys/fs/bpf")
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.contains("kvpn"))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
 }
 
 /// The lab API server's port on the node's uplink address.

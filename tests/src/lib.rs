@@ -4,9 +4,12 @@
 //! runtime folder, so tests run in parallel, and tears everything down on drop,
 //! also when the test fails. [`kube_lab::KubeFixture`] does the same on the
 //! Kubernetes lab (real API server; `kvpn connect --kubeconfig`).
+//! [`soak`] is the bounded soak that `./x soak` (binary `kvpn-soak`) and
+//! tests/tests/soak.rs run on it.
 
 pub mod dns_lab;
 pub mod kube_lab;
+pub mod soak;
 pub mod ssh_lab;
 pub mod ssh_term_lab;
 

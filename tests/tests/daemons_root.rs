@@ -16,7 +16,7 @@ use kube::api::{Api, ListParams};
 use kvpn_lab::k8s::kubelet::spec::netns_role;
 use kvpn_lab::{LAPTOP, Netns};
 use kvpn_tests::dns_lab::{cluster_ip, connect_default, kill_daemon_and_agents, restart_daemon};
-use kvpn_tests::kube_lab::KubeFixture;
+use kvpn_tests::kube_lab::{KubeFixture, classifier_prog_ids, prog_exists, residue};
 use kvpn_tests::text;
 
 /// A uid the daemon is told to allow, and one it is not (nobody).
@@ -253,76 +253,6 @@ fn root_socket_checks_peer_uid_and_sweeps_only_its_own_tun_devices() {
     assert_eq!(refused, 1, "refused calls counted in Status");
     assert!(log.contains("removing stale socket"), "{log}");
     d.ip(&["link", "del", &theirs]);
-}
-
-/// Program ids of kvpn's classifier attached (TCX egress) to the TUN devices of the
-/// laptop netns. (This bpftool's `net show` does not list TCX links.)
-fn classifier_prog_ids(f: &KubeFixture) -> Vec<u32> {
-    let tuns = f.tun_devices();
-    f.lab()
-        .netns_lab()
-        .run_in(LAPTOP, move || {
-            tuns.iter()
-                .flat_map(|t| {
-                    kvpn_dataplane::ebpf::Classifier::attached_program_ids(t)
-                        .unwrap_or_else(|e| panic!("query TCX of {t}: {e}"))
-                })
-                .collect()
-        })
-        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
-}
-
-fn prog_exists(id: u32) -> bool {
-    Command::new("bpftool")
-        .args(["prog", "show", "id", &id.to_string()])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// kvpn's routes (protocol 107) in the laptop netns, both families.
-fn kvpn_routes(f: &KubeFixture) -> String {
-    let v4 = text(
-        &f.laptop(&["ip", "route", "show", "table", "all", "proto", "107"])
-            .stdout,
-    );
-    let v6 = text(
-        &f.laptop(&["ip", "-6", "route", "show", "table", "all", "proto", "107"])
-            .stdout,
-    );
-    format!("{v4}{v6}")
-}
-
-fn nft_tables(f: &KubeFixture) -> String {
-    text(&f.laptop(&["nft", "list", "tables"]).stdout)
-}
-
-/// What must be back to "before kvpn" after a sweep or a rollback.
-#[derive(Debug, PartialEq, Eq)]
-struct Residue {
-    tuns: Vec<String>,
-    routes: String,
-    nft: String,
-    resolv_conf: Vec<u8>,
-    hosts: Vec<u8>,
-    bpffs_kvpn: Vec<String>,
-}
-
-fn residue(f: &KubeFixture) -> Residue {
-    Residue {
-        tuns: f.tun_devices(),
-        routes: kvpn_routes(f),
-        nft: nft_tables(f),
-        resolv_conf: std::fs::read(f.laptop_resolv_conf()).unwrap_or_default(),
-        hosts: std::fs::read(f.laptop_hosts()).unwrap_or_default(),
-        bpffs_kvpn: std::fs::read_dir("/sys/fs/bpf")
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .filter(|n| n.contains("kvpn"))
-                    .collect()
-            })
-            .unwrap_or_default(),
-    }
 }
 
 /// A web pod: its IP and netns role.

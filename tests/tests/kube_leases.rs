@@ -86,6 +86,60 @@ fn leased_tunnel_ip_is_stored_in_the_configmap_and_comes_back_on_reconnect() {
         token.as_str(),
         "the live lease keeps its token"
     );
+
+    // The installed manager counts on GET /metrics (pod loopback :10803, reached
+    // by port-forward like its gRPC port): two connects, no refusal.
+    let metrics = manager_metrics(&f);
+    let value = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing in\n{metrics}"))
+    };
+    assert!(value("kvpn_manager_leases_granted_total") >= 2, "{metrics}");
+    assert!(
+        value("kvpn_manager_sessions_accepted_total") >= 2,
+        "{metrics}"
+    );
+    assert!(value("kvpn_manager_sessions_active") >= 1, "{metrics}");
+    for reason in ["wrong_token", "no_lease", "tls"] {
+        assert_eq!(
+            value(&format!(
+                "kvpn_manager_refused_hello_total{{reason=\"{reason}\"}}"
+            )),
+            0,
+            "{metrics}"
+        );
+    }
+}
+
+/// `GET /metrics` of the manager pod, through a port-forward to its loopback port.
+fn manager_metrics(f: &KubeFixture) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let pod = pod_name(&f.wait_manager_pod(Duration::from_secs(30), |_| true));
+    let port = kvpn_control::install::objects::METRICS_PORT;
+    let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
+    f.block_on(async {
+        let mut pf = api
+            .portforward(&pod, &[port])
+            .await
+            .unwrap_or_else(|e| panic!("port-forward to {pod}:{port}: {e}"));
+        let mut s = pf
+            .take_stream(port)
+            .unwrap_or_else(|| panic!("no port-forward stream"));
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvpn-manager\r\n\r\n")
+            .await
+            .unwrap_or_else(|e| panic!("metrics request: {e}"));
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+            .await
+            .unwrap_or_else(|_| panic!("no metrics answer within 10 s"))
+            .unwrap_or_else(|e| panic!("metrics answer: {e}"));
+        pf.abort();
+        let text = String::from_utf8_lossy(&out).into_owned();
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        text
+    })
 }
 
 /// Clients that connect at the same moment (case tr-11).

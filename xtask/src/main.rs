@@ -11,6 +11,8 @@
 //!   replay, eBPF BPF_PROG_TEST_RUN, end-to-end lab tests).
 //! - `bench`: the benchmark harness (release build) against a raw veth baseline.
 //! - `fuzz`: a bounded cargo-fuzz run of every target.
+//! - `soak`: the bounded soak on the Kubernetes lab (tests/src/soak.rs):
+//!   mixed traffic, faults, then fds, memory, reconnects and residue checked.
 #![allow(clippy::print_stdout, reason = "xtask reports progress on stdout")]
 
 use std::path::{Path, PathBuf};
@@ -61,6 +63,19 @@ enum Task {
         merge: bool,
         /// Targets to run (default: every file in fuzz/fuzz_targets/).
         targets: Vec<String>,
+    },
+    /// Bounded soak on the lab (root): TCP/UDP/DNS traffic, transport kills, a manager
+    /// pod deletion, SIGKILL of each daemon; fails when a bound breaks.
+    Soak {
+        /// Traffic time in seconds (at least 30).
+        #[arg(long, default_value_t = 600)]
+        seconds: u64,
+        /// Requests per second of each kind (TCP, UDP, DNS).
+        #[arg(long, default_value_t = 4.0)]
+        rate: f64,
+        /// Where to write the JSON report (default: printed after the table).
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
 }
 
@@ -153,6 +168,24 @@ fn main() -> Result<()> {
             merge,
             targets,
         } => fuzz(seconds, merge, &targets),
+        Task::Soak {
+            seconds,
+            rate,
+            json,
+        } => {
+            // Debug build, like the end-to-end tests: the soak's bounds were
+            // measured on it. `--bins` builds the driver (kvpn-soak) too.
+            let bin = build(false)?;
+            println!("==> soak for {seconds} s");
+            let mut cmd = Command::new(bin.join("kvpn-soak"));
+            cmd.env("KVPN_BIN_DIR", &bin)
+                .args(["--seconds", &seconds.to_string()])
+                .args(["--rate", &rate.to_string()]);
+            if let Some(json) = json {
+                cmd.arg("--json").arg(json);
+            }
+            run(&mut cmd)
+        }
     }
 }
 

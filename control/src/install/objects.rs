@@ -54,6 +54,8 @@ pub const ANNOTATION_TLS_FINGERPRINT: &str = "kvpn.dev/tls-fingerprint";
 pub const DATA_PORT: u16 = 10801;
 /// Control gRPC port (leases, routes, DNS).
 pub const GRPC_PORT: u16 = 10802;
+/// Metrics port (`GET /metrics`, pod loopback; docs/trust-model.md).
+pub const METRICS_PORT: u16 = 10803;
 /// Where the TLS Secret is mounted in the manager container.
 pub const TLS_MOUNT: &str = "/etc/kvpn/tls";
 /// Field manager of every server-side apply kvpn does.
@@ -92,6 +94,49 @@ pub struct Spec {
     pub image: String,
     /// kvpn version written into [`ANNOTATION_VERSION`].
     pub version: String,
+    /// The manager's `--source-policy`.
+    pub source_policy: SourcePolicy,
+}
+
+/// Whose address the cluster's backends see (`kvpn-manager --source-policy`; the
+/// README's "Choosing a source policy").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SourcePolicy {
+    /// The manager pod's IP (smoltcp terminates and redials). Unprivileged.
+    #[default]
+    Snat,
+    /// The laptop's tunnel IP (the pod's kernel forwards). NET_ADMIN and NET_RAW;
+    /// the nodes route the tunnel pool via the stable gateway.
+    Preserve,
+}
+
+impl SourcePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourcePolicy::Snat => "snat",
+            SourcePolicy::Preserve => "preserve",
+        }
+    }
+
+    /// The policy a manager container runs with, from its args (`snat` when absent).
+    pub fn of_args(args: &[String]) -> SourcePolicy {
+        let value = args
+            .iter()
+            .position(|a| a == "--source-policy")
+            .and_then(|i| args.get(i + 1))
+            .map(String::as_str)
+            .or_else(|| args.iter().find_map(|a| a.strip_prefix("--source-policy=")));
+        match value {
+            Some("preserve") => SourcePolicy::Preserve,
+            _ => SourcePolicy::Snat,
+        }
+    }
+}
+
+impl std::fmt::Display for SourcePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 fn labels() -> BTreeMap<String, String> {
@@ -296,14 +341,29 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
         image: Some(spec.image.clone()),
         // --leases: tunnel IPs from the manager's Lease RPC (gRPC on the pod's
         // loopback, reached through pods/portforward), hellos need the token.
-        args: Some(vec![
-            "--listen".into(),
-            format!("0.0.0.0:{DATA_PORT}"),
-            "--leases".into(),
-            "--grpc-listen".into(),
-            format!("127.0.0.1:{GRPC_PORT}"),
+        args: Some({
+            let mut args = vec![
+                "--listen".into(),
+                format!("0.0.0.0:{DATA_PORT}"),
+                "--leases".into(),
+                "--grpc-listen".into(),
+                format!("127.0.0.1:{GRPC_PORT}"),
+                // GET /metrics (refusals of docs/trust-model.md), also loopback only.
+                "--metrics-listen".into(),
+                format!("127.0.0.1:{METRICS_PORT}"),
+            ];
+            // Only when not the default, so `snat` installs keep their template hash.
+            if spec.source_policy != SourcePolicy::Snat {
+                args.push("--source-policy".into());
+                args.push(spec.source_policy.as_str().into());
+            }
+            args
+        }),
+        ports: Some(vec![
+            port("data", DATA_PORT),
+            port("grpc", GRPC_PORT),
+            port("metrics", METRICS_PORT),
         ]),
-        ports: Some(vec![port("data", DATA_PORT), port("grpc", GRPC_PORT)]),
         env: Some(vec![
             env("KVPN_TLS_CERT", &format!("{TLS_MOUNT}/tls.crt")),
             env("KVPN_TLS_KEY", &format!("{TLS_MOUNT}/tls.key")),
@@ -347,13 +407,16 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
             ..Default::default()
         }),
         // SNAT mode needs no capability: the manager dials with ordinary sockets and
-        // uses unprivileged ICMP echo sockets.
+        // uses unprivileged ICMP echo sockets. Preserve creates a TUN device, routes
+        // and an address (NET_ADMIN) and announces the stable gateway by ARP
+        // (NET_RAW); never privileged.
         security_context: Some(SecurityContext {
             privileged: Some(false),
             allow_privilege_escalation: Some(false),
             capabilities: Some(Capabilities {
                 drop: Some(vec!["ALL".into()]),
-                add: None,
+                add: (spec.source_policy == SourcePolicy::Preserve)
+                    .then(|| vec!["NET_ADMIN".into(), "NET_RAW".into()]),
             }),
             ..Default::default()
         }),
@@ -484,6 +547,7 @@ mod tests {
             namespace: "kvpn-system".into(),
             image: "ghcr.io/kvpn/manager:0.1.0".into(),
             version: "0.1.0".into(),
+            source_policy: SourcePolicy::Snat,
         }
     }
 
@@ -551,6 +615,8 @@ mod tests {
                     "--leases".to_owned(),
                     "--grpc-listen".to_owned(),
                     "127.0.0.1:10802".to_owned(),
+                    "--metrics-listen".to_owned(),
+                    "127.0.0.1:10803".to_owned(),
                 ][..]
             )
         );

@@ -7,8 +7,6 @@
 //! I/O: the API server (through [`crate::install`] and [`crate::lease`]), the
 //! user daemon's socket.
 
-use std::net::IpAddr;
-use std::os::unix::ffi::OsStrExt as _;
 use std::path::Path;
 use std::time::Duration;
 
@@ -20,9 +18,8 @@ use tonic::transport::Channel;
 
 use crate::cli::ConnectArgs;
 use crate::connect as tun_connect;
-use crate::install::{self, InstallOptions};
 use crate::kubeconfig::{KubeConnection, UserEnv};
-use crate::{daemon, lease, output, userd};
+use crate::{daemon, output, userd};
 
 /// The user daemon's SOCKS sessions.
 async fn socks_sessions(user: &mut UserDaemonClient<Channel>) -> Result<Vec<UserSession>> {
@@ -120,6 +117,7 @@ pub async fn connect(
         context: conn.description.context.clone(),
         manager_namespace: args.kube.manager_namespace.clone(),
         data_path: tun_connect::TRANSPORT_PORT_FORWARD.to_owned(),
+        source_policy: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(s) = socks_sessions(&mut user)
@@ -137,39 +135,8 @@ pub async fn connect(
         return Ok(());
     }
 
-    let mut opts = InstallOptions {
-        namespace: args.kube.manager_namespace.clone(),
-        ..InstallOptions::default()
-    };
-    if let Some(image) = &args.image {
-        opts.image = image.clone();
-    }
-    let manager = install::ensure_manager(&conn.client, &opts, &tun_connect::print_progress)
-        .await
-        .context("the traffic manager is not ready")?;
-
-    output::step("Leasing a tunnel IP from the traffic manager");
-    let client_id = lease::client_id(
-        env,
-        &conn.target.acting,
-        &conn.description.server,
-        &conn.description.cluster,
-    )?;
-    let leased = lease::lease(
-        &conn.client,
-        &args.kube.manager_namespace,
-        &manager.pod_name,
-        manager.grpc_port,
-        &client_id,
-    )
-    .await
-    .context("cannot lease a tunnel IP")?;
-    let tunnel_ip: IpAddr = leased.tunnel_ip.parse().with_context(|| {
-        format!(
-            "the traffic manager leased an invalid tunnel IP {:?}",
-            leased.tunnel_ip
-        )
-    })?;
+    let manager = tun_connect::ensure_manager(conn, args).await?;
+    let (leased, tunnel_ip) = tun_connect::lease_step(conn, args, env, &manager).await?;
     output::done(&format!("Tunnel IP {tunnel_ip}"));
 
     let dns = match tun_connect::cluster_dns(&conn.client, &conn.description.namespace).await {
@@ -189,25 +156,8 @@ pub async fn connect(
     ));
     let started = user
         .start_session(StartSessionRequest {
-            env: userd::env_of(env),
-            cwd: env.cwd.as_os_str().as_bytes().to_vec(),
-            euid: env.euid,
-            kubeconfig: args
-                .kube
-                .kubeconfig
-                .as_ref()
-                .map(|p| p.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            context: args.kube.context.clone().unwrap_or_default(),
-            namespace: args.kube.namespace.clone().unwrap_or_default(),
-            ssh_plan_json: plan.map(|p| p.to_env()).unwrap_or_default(),
-            manager_namespace: args.kube.manager_namespace.clone(),
-            data_port: u32::from(manager.data_port),
-            // No route watch: a SOCKS session has no routes and no root daemon.
-            grpc_port: 0,
-            keep_out: Vec::new(),
-            connected_namespace: conn.description.namespace.clone(),
-            ssh_direct: String::new(),
+            // No route watch (grpc_port 0), no keep-out list, no ssh-direct: a
+            // SOCKS session has no routes and no root daemon.
             // Only which cluster and the tunnel IP (status, uninstall); no Connect.
             connect: Some(ConnectRequest {
                 tunnel_ip: tunnel_ip.to_string(),
@@ -224,6 +174,7 @@ pub async fn connect(
                 dns_servers: dns.0,
                 dns_search: dns.1,
             }),
+            ..tun_connect::session_request(env, args, conn, plan, &manager)
         })
         .await
         .map_err(daemon::status_to_error)

@@ -223,11 +223,20 @@ impl UserDaemonState {
 
     /// The root daemon's sessions; `None` when it does not answer.
     async fn root_sessions(&self) -> Option<Vec<dataplane::Session>> {
+        self.root_status().await.map(|s| s.sessions)
+    }
+
+    /// The root daemon's Status, or `None` when none answers.
+    async fn root_status(&self) -> Option<dataplane::StatusResponse> {
         let mut client = daemon::connect_existing(&self.root_runtime_dir)
             .await
             .ok()
             .flatten()?;
-        daemon::sessions(&mut client, "status").await.ok()
+        client
+            .status(dataplane::StatusRequest {})
+            .await
+            .ok()
+            .map(tonic::Response::into_inner)
     }
 
     async fn root_disconnect(&self, id: &str) -> Result<Vec<String>> {
@@ -250,15 +259,13 @@ impl UserDaemonState {
     /// Bring a recorded session back (daemon start).
     async fn restore(self: Arc<Self>, mut record: SessionRecord) {
         let id = record.id.clone();
-        if record.request().is_ok_and(|r| r.socks.is_some()) {
-            // Not restored (yet): its SOCKS listener and userspace stack died with
-            // the previous user daemon, and no root daemon half needs cleaning.
-            self.mark_lost(
-                &id,
-                "SOCKS sessions are not brought back after the user daemon stopped — run \
-                 `kvpn connect --socks` again"
-                    .to_owned(),
-            );
+        if let Ok(req) = record.request()
+            && let Some(socks) = req.socks.clone()
+        {
+            // Its SOCKS listener and userspace stack died with the previous
+            // user daemon; no root daemon half: open both again, on the same
+            // SOCKS address, with the recorded lease and token.
+            self.restore_socks(record, &req, &socks).await;
             return;
         }
         let root = match self.root_sessions().await {
@@ -334,6 +341,46 @@ impl UserDaemonState {
         }
     }
 
+    /// [`Self::restore`] of a SOCKS session.
+    async fn restore_socks(
+        &self,
+        mut record: SessionRecord,
+        req: &StartSessionRequest,
+        socks: &SocksSession,
+    ) {
+        let id = record.id.clone();
+        match self.open_socks(req, socks).await {
+            Ok((addr, cancel, status_file)) => {
+                record.restores += 1;
+                record.data_addr = addr;
+                if let Err(e) = self.store.save(&record) {
+                    warn!(session = %id, "cannot update the session record: {e}");
+                }
+                let mut sessions = self.sessions();
+                let Some(e) = sessions.get_mut(&id) else {
+                    // Disconnected while restoring.
+                    cancel.cancel();
+                    return;
+                };
+                e.record = record;
+                e.state = STATE_RUNNING;
+                e.reason.clear();
+                e.since = Instant::now();
+                e.cancel = cancel;
+                e.socks_status = Some(status_file);
+                info!(session = %id, %addr, listen = %socks.listen, "SOCKS session restored");
+            }
+            Err(e) => self.mark_lost(
+                &id,
+                format!(
+                    "the restarted user daemon could not bring the SOCKS session back: {} — \
+                     run `kvpn connect --socks` again",
+                    e.message()
+                ),
+            ),
+        }
+    }
+
     /// Sessions whose root half is gone become lost (Status).
     fn reconcile(&self, root: Option<&[dataplane::Session]>) {
         let gone: Vec<String> = self
@@ -370,6 +417,43 @@ impl UserDaemonState {
                 "SOCKS session id {id:?} is empty or taken"
             )));
         }
+        let (addr, cancel, status_file) = self.open_socks(&req, &socks).await?;
+        let record = SessionRecord::new(&id, addr, "", now_unix_ms(), &req);
+        if let Err(e) = self.store.save(&record) {
+            warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not bring it back");
+        }
+        self.sessions().insert(
+            id.clone(),
+            Entry {
+                record,
+                state: STATE_RUNNING,
+                reason: String::new(),
+                since: Instant::now(),
+                cancel,
+                socks_status: Some(status_file),
+            },
+        );
+        info!(session = %id, %addr, listen = %socks.listen, "SOCKS session started");
+        Ok(StartSessionResponse {
+            connect: Some(dataplane::ConnectResponse {
+                session_id: id,
+                ..Default::default()
+            }),
+            data_addr: addr.to_string(),
+            daemon_pid: std::process::id(),
+        })
+    }
+
+    /// The running parts of SOCKS session `socks` (new, or brought back by a
+    /// restarted user daemon from its record): the loopback listener of its
+    /// data channel and the SOCKS5 server on `socks.listen`. Returns the
+    /// listener's address, the token that stops both, and the status file.
+    async fn open_socks(
+        &self,
+        req: &StartSessionRequest,
+        socks: &SocksSession,
+    ) -> Result<(std::net::SocketAddr, CancellationToken, PathBuf), Status> {
+        let id = socks.id.clone();
         let origin = req
             .connect
             .as_ref()
@@ -404,7 +488,7 @@ impl UserDaemonState {
             status_file: status_file.clone(),
         };
         let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-        let mut agent = agent_config(&req, &self.root_runtime_dir, listen).map_err(internal)?;
+        let mut agent = agent_config(req, &self.root_runtime_dir, listen).map_err(internal)?;
         // No route watch: a SOCKS session has no routes.
         agent.grpc_port = None;
         let open = agent::open_session(agent).await.map_err(internal)?;
@@ -423,30 +507,7 @@ impl UserDaemonState {
             stop.cancelled().await;
             task.stop().await;
         });
-        let record = SessionRecord::new(&id, addr, "", now_unix_ms(), &req);
-        if let Err(e) = self.store.save(&record) {
-            warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not report it lost");
-        }
-        self.sessions().insert(
-            id.clone(),
-            Entry {
-                record,
-                state: STATE_RUNNING,
-                reason: String::new(),
-                since: Instant::now(),
-                cancel,
-                socks_status: Some(status_file),
-            },
-        );
-        info!(session = %id, %addr, listen = %socks.listen, "SOCKS session started");
-        Ok(StartSessionResponse {
-            connect: Some(dataplane::ConnectResponse {
-                session_id: id,
-                ..Default::default()
-            }),
-            data_addr: addr.to_string(),
-            daemon_pid: std::process::id(),
-        })
+        Ok((addr, cancel, status_file))
     }
 
     /// Stop `id` (empty = all) on both sides; the stopped ids.
@@ -556,7 +617,9 @@ impl UserDaemon for UserDaemonState {
         &self,
         _request: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
-        let root = self.root_sessions().await;
+        let root_status = self.root_status().await;
+        let refused_peers = root_status.as_ref().map_or(0, |s| s.refused_peers);
+        let root = root_status.map(|s| s.sessions);
         self.reconcile(root.as_deref());
         let user_sessions = self.sessions().values().map(Entry::to_proto).collect();
         Ok(Response::new(StatusResponse {
@@ -564,6 +627,7 @@ impl UserDaemon for UserDaemonState {
             root_sessions: root.unwrap_or_default(),
             user_sessions,
             daemon_pid: std::process::id(),
+            root_refused_peers: refused_peers,
         }))
     }
 
@@ -668,13 +732,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
                 socks_status: None,
             },
         );
-        // SOCKS sessions are marked lost at once (restore does nothing else for
-        // them): a status right after the restart already says so.
-        if record.request().is_ok_and(|r| r.socks.is_some()) {
-            state.clone().restore(record).await;
-        } else {
-            tokio::spawn(state.clone().restore(record));
-        }
+        tokio::spawn(state.clone().restore(record));
     }
 
     let quit = state.quit.clone();

@@ -6,7 +6,9 @@
 //! - TCP echo on :7007 — echoes until EOF, then closes; a first line `WRITE <n> CLOSE`
 //!   makes it write n bytes and close, `RESET` makes it abort with a RST
 //!   ([`kvpn_lab::protocol::EchoCommand`]).
-//! - UDP echo on :7007 — each datagram (up to 65507 bytes) is sent back to its sender.
+//! - UDP echo on :7007 — each datagram (up to 65507 bytes) is sent back to its sender,
+//!   except the datagram [`kvpn_lab::protocol::UDP_PEER_QUERY`], answered with the
+//!   sender's address as seen here (`ip:port`).
 //!
 //! All sockets are bound before the servers start, so once the HTTP port accepts, the
 //! echo ports do too. SIGTERM or SIGINT ends the process with status 0.
@@ -365,7 +367,14 @@ async fn serve_udp_echo(socket: UdpSocket) -> std::io::Result<()> {
     let mut buf = vec![0u8; 65536];
     loop {
         let (n, peer) = socket.recv_from(&mut buf).await?;
-        if let Err(e) = socket.send_to(&buf[..n], peer).await {
+        let peer_text;
+        let reply = if &buf[..n] == kvpn_lab::protocol::UDP_PEER_QUERY {
+            peer_text = peer.to_string();
+            peer_text.as_bytes()
+        } else {
+            &buf[..n]
+        };
+        if let Err(e) = socket.send_to(reply, peer).await {
             // One unreachable client must not stop the echo for the others.
             tracing::debug!(%peer, error = %e, "UDP echo reply failed");
         }

@@ -7,6 +7,8 @@
 //! 3. the [`NodeServices`], threads of one process: the API relay
 //!    (`172.31.255.1:6443` in the node netns → the apiserver), the kube-proxy stand-in
 //!    (nftables table `kvpn_proxy` in the node netns, NodePorts on `172.31.255.1`), the
+//!    CNI-like masquerade (table `kvpn_masq`) with the tunnel pool's return route
+//!    (`100.96.0.0/16 via 169.254.96.1`, see [`super::source`]), the
 //!    cluster DNS (pod `kube-dns`, Service 10.96.0.10) and the kubelet stand-in (Node
 //!    `kvpn-<id>-node`, one netns per pod);
 //! 4. the sample workloads ([`super::workloads`]), applied through the apiserver, and
@@ -289,6 +291,20 @@ impl NodeServices {
                 .node_ip(node_ip),
         )?);
         let a = &state.addressing;
+        // The CNI's masquerade and the node agent's preserve step (module `source`):
+        // replies to tunnel IPs go to the manager pod holding the stable gateway.
+        let bridge = lab.node().bridge().to_owned();
+        super::source::install_masquerade(
+            lab.node_netns(),
+            &bridge,
+            &[a.pod_cidr, a.service_cidr],
+        )?;
+        super::source::install_pool_return(
+            lab.node_netns(),
+            &bridge,
+            super::source::TUNNEL_POOL,
+            super::source::STABLE_GATEWAY,
+        )?;
         let mut dns_options = ClusterDnsOptions {
             service_ip: a.dns_service_ip(),
             ..ClusterDnsOptions::default()

@@ -30,6 +30,7 @@ pub mod pki;
 pub mod process;
 pub mod rbac;
 pub mod relay;
+pub mod source;
 pub mod workloads;
 
 use std::path::PathBuf;

@@ -1,0 +1,514 @@
+//! `kvpn diagnose source TARGET:PORT`: where the client's source address survives
+//! or changes on the way to a backend (seed 003's three-point check).
+//!
+//! One fresh connection (TCP, or one UDP datagram with `--udp`) from this laptop
+//! through the tunnel, observed at three points:
+//! 1. after decapsulation in the manager, and 2. at the manager pod's egress
+//!    interface — both by the manager's `TraceSource` RPC (through a port-forward
+//!    to its gRPC port), armed before the connection opens;
+//! 3. by the backend, which reports the peer it saw: the lab's `kvpn-lab-server`
+//!    answers `GET /peer` (TCP) and the datagram `KVPN-PEER?` (UDP); other
+//!    backends leave this point unknown.
+//!
+//! [`explain`] (pure) says where the source changed and why — the manager's policy
+//! (snat: a proxy), something downstream of the pod (the node's masquerade,
+//! kube-proxy), or a refusal or loss instead of an answer. I/O: the kube client,
+//! the gRPC stream, the probe's sockets.
+
+use std::io::{Read as _, Write as _};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs as _, UdpSocket};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kvpn_proto::manager::manager_client::ManagerClient;
+use kvpn_proto::manager::{TraceSourceEvent, TraceSourceRequest};
+use serde::Serialize;
+
+use crate::install::objects;
+
+/// Bound of the probe's connect and of each read.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long the manager watches (the probe's timeout plus slack).
+const TRACE_MS: u32 = 5000;
+
+/// What the probe connection got.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// An answer came (TCP connected; UDP datagram answered).
+    Answered,
+    /// TCP RST (connection refused) or ICMP port unreachable.
+    Refused,
+    /// ICMP destination unreachable other than port: `code` 13 is
+    /// "communication administratively prohibited" (RFC 1812 5.2.7.1); TCP cannot
+    /// tell the code (`None`).
+    Unreachable { code: Option<u8> },
+    /// No answer within the probe's timeout.
+    Lost,
+    /// Another local error.
+    Error { message: String },
+}
+
+/// The three-point report.
+#[derive(Debug, Clone, Serialize)]
+pub struct SourceReport {
+    pub protocol: &'static str,
+    pub target: SocketAddr,
+    /// The manager's `--source-policy`.
+    pub policy: String,
+    /// The probe socket's own address on the laptop.
+    pub laptop_source: Option<SocketAddr>,
+    pub decapsulated_source: Option<SocketAddr>,
+    pub egress_source: Option<SocketAddr>,
+    pub egress_interface: String,
+    /// What the backend reported; `None` when it cannot (not a lab backend) or
+    /// no answer came.
+    pub backend_source: Option<SocketAddr>,
+    pub outcome: Outcome,
+    /// Where the source changed ("manager", "downstream", "none", "unknown") or the
+    /// flow ended ("refused", "unreachable", "dropped-in-manager-pod", "lost").
+    pub verdict: String,
+    /// One sentence on why.
+    pub explanation: String,
+    /// What could not be observed, from the manager.
+    pub note: String,
+}
+
+fn ip(a: Option<SocketAddr>) -> Option<IpAddr> {
+    a.map(|a| a.ip())
+}
+
+/// Where the source changed and why (see the module docs). Pure.
+pub fn explain(r: &SourceReport) -> (String, String) {
+    let decap = ip(r.decapsulated_source);
+    let egress = ip(r.egress_source);
+    let backend = ip(r.backend_source);
+    let show = |a: Option<SocketAddr>| a.map_or("-".to_owned(), |a| a.to_string());
+    match &r.outcome {
+        Outcome::Refused => {
+            return (
+                "refused".into(),
+                format!(
+                    "refused by the destination's side (TCP RST or ICMP port unreachable) for source {}: \
+                     a policy rule or a closed port answered — the path works, this is not a missing route",
+                    show(r.egress_source.or(r.decapsulated_source))
+                ),
+            );
+        }
+        Outcome::Unreachable { code } => {
+            let what = match code {
+                Some(13) => "ICMP administratively prohibited: a policy rule rejected it".to_owned(),
+                Some(c) => format!("ICMP destination unreachable code {c}"),
+                None => "ICMP destination unreachable (admin-prohibited by a policy rule, or no route; TCP does not tell which)".to_owned(),
+            };
+            return (
+                "unreachable".into(),
+                format!(
+                    "{what}, for source {}",
+                    show(r.egress_source.or(r.decapsulated_source))
+                ),
+            );
+        }
+        Outcome::Lost
+            if r.decapsulated_source.is_some()
+                && r.egress_source.is_none()
+                && r.note.is_empty() =>
+        {
+            return (
+                "dropped-in-manager-pod".into(),
+                format!(
+                    "the manager decapsulated {} but nothing left the pod's {}: dropped inside the manager pod \
+                     (an anti-spoofing rule that lets only the pod IP out, as some CNIs do — case rt-07 — \
+                     or IP forwarding off); with such a CNI use --source-policy snat",
+                    show(r.decapsulated_source),
+                    r.egress_interface
+                ),
+            );
+        }
+        Outcome::Lost if r.egress_source.is_some() => {
+            return (
+                "lost".into(),
+                format!(
+                    "left the manager pod as {} and no answer came back: the reply to that address has no way \
+                     back to the manager (with preserve: the nodes' route for the tunnel pool via the stable \
+                     gateway, the pool kept out of the masquerade, rp_filter loose) or a rule drops it silently",
+                    show(r.egress_source)
+                ),
+            );
+        }
+        Outcome::Lost => {
+            return (
+                "lost".into(),
+                "no answer, and the manager saw no packet of this flow: the laptop's route or the data channel".into(),
+            );
+        }
+        Outcome::Error { message } => return ("unknown".into(), message.clone()),
+        Outcome::Answered => {}
+    }
+    if let (Some(d), Some(e)) = (decap, egress)
+        && d != e
+    {
+        return (
+            "manager".into(),
+            format!(
+                "changed inside the manager pod ({d} → {e}): policy {} — the manager terminates the flow \
+                 and its kernel dials from the pod IP (a proxy); use --source-policy preserve if the backend \
+                 needs the client's address",
+                r.policy
+            ),
+        );
+    }
+    if let (Some(d), None, Some(b)) = (decap, egress, backend)
+        && d != b
+    {
+        return (
+            "changed".into(),
+            format!(
+                "changed between the manager's decapsulation and the backend ({d} → {b}); the manager pod's \
+                 egress was not observed ({}), so kvpn cannot tell whether the manager (policy {}) or the node did it",
+                if r.note.is_empty() {
+                    "no outgoing packet matched"
+                } else {
+                    r.note.as_str()
+                },
+                r.policy
+            ),
+        );
+    }
+    let before = egress.or(decap);
+    match (before, backend) {
+        (Some(b), Some(s)) if b != s => (
+            "downstream".into(),
+            format!(
+                "changed after the manager pod ({b} → {s}): a masquerade or SNAT rule on the node \
+                 (the CNI's masquerade, kube-proxy) rewrote it — keep the tunnel pool out of it"
+            ),
+        ),
+        (Some(b), Some(_)) => (
+            "none".into(),
+            format!(
+                "unchanged: the backend sees {b}, the source the manager decapsulated (policy {})",
+                r.policy
+            ),
+        ),
+        _ => (
+            "unknown".into(),
+            "the backend did not report its peer (only the lab's kvpn-lab-server does)".into(),
+        ),
+    }
+}
+
+/// The probe: one fresh connection to `target`; (laptop source, backend's view,
+/// outcome). Blocking.
+fn probe(target: SocketAddr, udp: bool) -> (Option<SocketAddr>, Option<SocketAddr>, Outcome) {
+    if udp {
+        return probe_udp(target);
+    }
+    let mut s = match TcpStream::connect_timeout(&target, PROBE_TIMEOUT) {
+        Ok(s) => s,
+        Err(e) => return (None, None, io_outcome(&e, None)),
+    };
+    let local = s.local_addr().ok();
+    let _ = s.set_read_timeout(Some(PROBE_TIMEOUT));
+    let _ = s.write_all(b"GET /peer HTTP/1.1\r\nHost: kvpn-diagnose\r\nConnection: close\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.take(64 * 1024).read_to_string(&mut out);
+    let backend = out
+        .split_once("\r\n\r\n")
+        .and_then(|(_, body)| body.trim().parse().ok());
+    (local, backend, Outcome::Answered)
+}
+
+fn io_outcome(e: &std::io::Error, code: Option<u8>) -> Outcome {
+    match e.raw_os_error() {
+        Some(libc::ECONNREFUSED) => Outcome::Refused,
+        Some(libc::EHOSTUNREACH) | Some(libc::ENETUNREACH) | Some(libc::EACCES) => {
+            Outcome::Unreachable { code }
+        }
+        Some(libc::EAGAIN) | Some(libc::ETIMEDOUT) => Outcome::Lost,
+        _ if e.kind() == std::io::ErrorKind::TimedOut
+            || e.kind() == std::io::ErrorKind::WouldBlock =>
+        {
+            Outcome::Lost
+        }
+        _ => Outcome::Error {
+            message: e.to_string(),
+        },
+    }
+}
+
+/// The ICMP code of the socket's last queued error (IP_RECVERR, ip(7)).
+fn icmp_code(fd: i32) -> Option<u8> {
+    let mut data = [0u8; 64];
+    let mut control = [0u8; 256];
+    let mut iov = libc::iovec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    };
+    // SAFETY: msghdr is plain old data; zero is valid.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len();
+    // SAFETY: msg points to live buffers of the given sizes.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT) };
+    if n < 0 {
+        return None;
+    }
+    // SAFETY: walking the control messages the kernel wrote into `control`.
+    let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    while !cmsg.is_null() {
+        // SAFETY: cmsg is non-null and inside `control`.
+        let c = unsafe { &*cmsg };
+        if c.cmsg_level == libc::SOL_IP && c.cmsg_type == libc::IP_RECVERR {
+            // SAFETY: IP_RECVERR data is a sock_extended_err (linux/errqueue.h).
+            let ee = unsafe { &*(libc::CMSG_DATA(cmsg) as *const libc::sock_extended_err) };
+            if ee.ee_origin == libc::SO_EE_ORIGIN_ICMP {
+                return Some(ee.ee_code);
+            }
+        }
+        // SAFETY: as above.
+        cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
+    }
+    None
+}
+
+fn probe_udp(target: SocketAddr) -> (Option<SocketAddr>, Option<SocketAddr>, Outcome) {
+    use std::os::fd::AsRawFd as _;
+    let bind: SocketAddr = if target.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap_or(target)
+    } else {
+        "[::]:0".parse().unwrap_or(target)
+    };
+    let s = match UdpSocket::bind(bind).and_then(|s| s.connect(target).map(|()| s)) {
+        Ok(s) => s,
+        Err(e) => return (None, None, io_outcome(&e, None)),
+    };
+    let on: libc::c_int = 1;
+    // SAFETY: a live int of the given size.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_IP,
+            libc::IP_RECVERR,
+            std::ptr::addr_of!(on).cast(),
+            std::mem::size_of::<libc::c_int>() as u32,
+        )
+    };
+    let local = s.local_addr().ok();
+    let _ = s.set_read_timeout(Some(PROBE_TIMEOUT));
+    if let Err(e) = s.send(b"KVPN-PEER?") {
+        return (local, None, io_outcome(&e, None));
+    }
+    let mut buf = [0u8; 256];
+    match s.recv(&mut buf) {
+        Ok(n) => {
+            let backend = std::str::from_utf8(buf.get(..n).unwrap_or_default())
+                .ok()
+                .and_then(|t| t.trim().parse().ok());
+            (local, backend, Outcome::Answered)
+        }
+        Err(e) => {
+            let code = icmp_code(s.as_raw_fd());
+            let outcome = match (io_outcome(&e, code), code) {
+                // Port unreachable (3) is a refusal; others keep their code.
+                (Outcome::Refused, _) | (_, Some(3)) => Outcome::Refused,
+                (o, _) => o,
+            };
+            (local, None, outcome)
+        }
+    }
+}
+
+/// A ready manager pod's name.
+async fn manager_pod(client: &kube::Client, namespace: &str) -> Result<String> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pods = api
+        .list(&ListParams::default().labels(&objects::selector()))
+        .await
+        .with_context(|| format!("cannot list the traffic manager's pods in {namespace}"))?;
+    pods.items
+        .iter()
+        .find(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        })
+        .and_then(|p| p.metadata.name.clone())
+        .ok_or_else(|| {
+            anyhow!("no ready traffic manager pod in {namespace} — `kvpn connect` installs it")
+        })
+}
+
+/// Resolves `target` (`ip:port` or `name:port`) on this laptop (split DNS
+/// resolves Service names while connected).
+fn resolve(target: &str) -> Result<SocketAddr> {
+    if let Ok(a) = target.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    target
+        .to_socket_addrs()
+        .with_context(|| {
+            format!("cannot resolve {target} (expected HOST:PORT; is kvpn connected?)")
+        })?
+        .find(SocketAddr::is_ipv4)
+        .ok_or_else(|| anyhow!("{target} has no IPv4 address"))
+}
+
+/// Runs the three-point check (see the module docs).
+pub async fn source(
+    client: &kube::Client,
+    namespace: &str,
+    target: &str,
+    udp: bool,
+) -> Result<SourceReport> {
+    let target_owned = target.to_owned();
+    let target = tokio::task::spawn_blocking(move || resolve(&target_owned))
+        .await
+        .context("resolver task failed")??;
+    let IpAddr::V4(dst) = target.ip() else {
+        bail!("{target}: only IPv4 destinations can be traced");
+    };
+    let pod = manager_pod(client, namespace).await?;
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let (pf, channel) = crate::lease::grpc_channel(&api, &pod, objects::GRPC_PORT).await?;
+    let mut stream = ManagerClient::new(channel)
+        .trace_source(TraceSourceRequest {
+            protocol: if udp { "udp" } else { "tcp" }.into(),
+            destination_ip: dst.to_string(),
+            destination_port: u32::from(target.port()),
+            timeout_ms: TRACE_MS,
+        })
+        .await
+        .map_err(|s| anyhow!("{}: {}", s.code(), s.message()))
+        .with_context(|| {
+            format!("the traffic manager pod {pod} cannot trace (is it older than this kvpn?)")
+        })?
+        .into_inner();
+    let next = |m: Result<Option<TraceSourceEvent>, tonic::Status>| {
+        m.map_err(|s| anyhow!("{}: {}", s.code(), s.message()))
+            .and_then(|m| m.ok_or_else(|| anyhow!("the manager ended the trace early")))
+    };
+    let armed = next(stream.message().await)?;
+    if !armed.armed {
+        bail!("the manager's first trace message was not 'armed'");
+    }
+    let (laptop_source, backend_source, outcome) =
+        tokio::task::spawn_blocking(move || probe(target, udp))
+            .await
+            .context("probe task failed")?;
+    let last = next(stream.message().await)?;
+    pf.abort();
+    let parse = |s: &str| s.parse::<SocketAddr>().ok();
+    let mut report = SourceReport {
+        protocol: if udp { "udp" } else { "tcp" },
+        target,
+        policy: last.policy,
+        laptop_source,
+        decapsulated_source: parse(&last.decapsulated_source),
+        egress_source: parse(&last.egress_source),
+        egress_interface: last.egress_interface,
+        backend_source,
+        outcome,
+        verdict: String::new(),
+        explanation: String::new(),
+        note: last.note,
+    };
+    let (verdict, explanation) = explain(&report);
+    report.verdict = verdict;
+    report.explanation = explanation;
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(decap: &str, egress: &str, backend: &str, outcome: Outcome) -> SourceReport {
+        let p = |s: &str| s.parse().ok();
+        SourceReport {
+            protocol: "tcp",
+            target: "10.96.0.100:80".parse().expect("addr"),
+            policy: "snat".into(),
+            laptop_source: p(decap),
+            decapsulated_source: p(decap),
+            egress_source: p(egress),
+            egress_interface: "eth0".into(),
+            backend_source: p(backend),
+            outcome,
+            verdict: String::new(),
+            explanation: String::new(),
+            note: String::new(),
+        }
+    }
+
+    #[test]
+    fn verdicts_name_the_place_of_change() {
+        let v = |r: &SourceReport| explain(r).0;
+        assert_eq!(
+            v(&report(
+                "100.96.0.2:5000",
+                "10.244.1.5:40000",
+                "10.244.1.5:40000",
+                Outcome::Answered
+            )),
+            "manager"
+        );
+        assert_eq!(
+            v(&report(
+                "100.96.0.2:5000",
+                "100.96.0.2:5000",
+                "100.96.0.2:5000",
+                Outcome::Answered
+            )),
+            "none"
+        );
+        assert_eq!(
+            v(&report(
+                "100.96.0.2:5000",
+                "100.96.0.2:5000",
+                "10.244.1.1:6000",
+                Outcome::Answered
+            )),
+            "downstream"
+        );
+        assert_eq!(
+            v(&report("100.96.0.2:5000", "", "", Outcome::Lost)),
+            "dropped-in-manager-pod"
+        );
+        assert_eq!(
+            v(&report(
+                "100.96.0.2:5000",
+                "100.96.0.2:5000",
+                "",
+                Outcome::Lost
+            )),
+            "lost"
+        );
+        assert_eq!(
+            v(&report(
+                "100.96.0.2:5000",
+                "100.96.0.2:5000",
+                "",
+                Outcome::Refused
+            )),
+            "refused"
+        );
+        let e = explain(&report("", "", "", Outcome::Unreachable { code: Some(13) })).1;
+        assert!(e.contains("administratively prohibited"), "{e}");
+        assert_eq!(
+            v(&report(
+                "100.96.0.2:5000",
+                "100.96.0.2:5000",
+                "",
+                Outcome::Answered
+            )),
+            "unknown"
+        );
+    }
+}

@@ -1,0 +1,452 @@
+//! Client-source policies ([preserve], issue 9) end to end on the Kubernetes lab:
+//! real kube-apiserver, the manager installed by `kvpn connect --source-policy`,
+//! the node's CNI-like masquerade and the lab node agent's pool route
+//! (`100.96.0.0/16 via 169.254.96.1`, `kvpn_lab::k8s::source`).
+//!
+//! What the backends see is read from the backends themselves: the lab server's
+//! page (TCP, its `client:` line), its `KVPN-PEER?` UDP answer, and nftables
+//! counters on ICMP echo requests in a backend pod's netns. `kvpn diagnose source`
+//! must agree and name where the source changed. Denials: a rule in a backend pod
+//! rejecting the laptop's tunnel IP must come back as a refusal (RST, ICMP
+//! admin-prohibited), not as a silent loss. Case rt-07: an anti-spoofing rule in
+//! the manager pod (only the pod IP may leave).
+//!
+//! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`) and the
+//! Kubernetes binaries of `scripts/build-kubernetes.sh`.
+
+use std::io::ErrorKind;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams};
+use kvpn_lab::Netns;
+use kvpn_lab::{ECHO_PORT, HTTP_PORT};
+use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name, pod_ready, web};
+use kvpn_tests::text;
+
+const UDP_ECHO_SERVICE_PORT: u16 = 7;
+
+/// An nftables table in some netns, deleted on drop (also when the test fails).
+struct NftTable {
+    netns: Netns,
+    family: &'static str,
+    name: String,
+}
+
+impl NftTable {
+    fn load(netns: Netns, family: &'static str, name: &str, body: &str) -> NftTable {
+        let script = format!("table {family} {name} {{\n{body}\n}}\n");
+        let mut cmd = netns.command("nft");
+        cmd.args(["-f", "-"]).stdin(std::process::Stdio::piped());
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("nft: {e}"));
+        {
+            use std::io::Write as _;
+            let mut stdin = child.stdin.take().expect("stdin");
+            stdin
+                .write_all(script.as_bytes())
+                .unwrap_or_else(|e| panic!("nft stdin: {e}"));
+        }
+        let out = child.wait_with_output().expect("nft ran");
+        assert!(
+            out.status.success(),
+            "nft -f in {}: {}\n{script}",
+            netns.name(),
+            text(&out.stderr)
+        );
+        NftTable {
+            netns,
+            family,
+            name: name.to_owned(),
+        }
+    }
+
+    /// The packet counts of the table's counters, in rule order.
+    fn counters(&self) -> Vec<u64> {
+        let out = self
+            .netns
+            .exec(&["nft", "list", "table", self.family, &self.name])
+            .unwrap_or_else(|e| panic!("nft list: {e}"));
+        text(&out.stdout)
+            .split("packets ")
+            .skip(1)
+            .filter_map(|s| s.split_whitespace().next()?.parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for NftTable {
+    fn drop(&mut self) {
+        if self.netns.exists() {
+            let _ = self
+                .netns
+                .exec(&["nft", "delete", "table", self.family, &self.name]);
+        }
+    }
+}
+
+fn connect(f: &KubeFixture, policy: &str) -> Ipv4Addr {
+    let kubeconfig = f.user_kubeconfig();
+    f.kvpn_ok(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--source-policy",
+        policy,
+    ]);
+    let s = f.session();
+    assert_eq!(
+        s["source_policy"], policy,
+        "kvpn status must report the policy: {s:#}"
+    );
+    let human = f.kvpn_ok(&["status"]);
+    assert!(
+        human.contains(&format!("source policy {policy}")),
+        "status table: {human}"
+    );
+    s["tunnel_ip"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("tunnel_ip in {s:#}"))
+}
+
+fn manager_pod(f: &KubeFixture) -> Pod {
+    f.wait_manager_pod(Duration::from_secs(60), |_| true)
+}
+
+fn web_pods(f: &KubeFixture) -> Vec<Pod> {
+    let api: Api<Pod> = Api::namespaced(f.admin(), "default");
+    f.block_on(api.list(&ListParams::default().labels("app=web")))
+        .unwrap_or_else(|e| panic!("list web pods: {e}"))
+        .items
+        .into_iter()
+        .filter(pod_ready)
+        .collect()
+}
+
+fn udp_echo() -> SocketAddr {
+    SocketAddr::from((kvpn_lab::UDP_ECHO_CLUSTER_IP, UDP_ECHO_SERVICE_PORT))
+}
+
+/// The source the web backend saw for a fresh TCP connection through its ClusterIP.
+fn tcp_source(f: &KubeFixture) -> IpAddr {
+    f.page(web()).client.ip()
+}
+
+/// The source the UDP echo backend saw (`KVPN-PEER?`), three tries of 2 s.
+fn udp_source(f: &KubeFixture, to: SocketAddr) -> IpAddr {
+    let got = f
+        .lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || -> Result<IpAddr, String> {
+            let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+            s.connect(to).map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))
+                .map_err(|e| e.to_string())?;
+            let mut last = String::new();
+            for _ in 0..3 {
+                s.send(kvpn_lab::protocol::UDP_PEER_QUERY)
+                    .map_err(|e| e.to_string())?;
+                let mut buf = [0u8; 128];
+                match s.recv(&mut buf) {
+                    Ok(n) => {
+                        let t = String::from_utf8_lossy(&buf[..n]).to_string();
+                        return t
+                            .trim()
+                            .parse::<SocketAddr>()
+                            .map(|a| a.ip())
+                            .map_err(|e| format!("{t:?}: {e}"));
+                    }
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            Err(last)
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    got.unwrap_or_else(|e| panic!("UDP peer query to {to}: {e}\n{}", f.diagnostics()))
+}
+
+/// Pings `target` from the laptop (2 echo requests) and returns how many echo
+/// requests the counter table in `pod`'s netns saw from `a` and from `b`.
+fn icmp_sources(f: &KubeFixture, pod: &Pod, a: Ipv4Addr, b: Ipv4Addr) -> (u64, u64) {
+    let name = format!("kvpn_icmp_{}", std::process::id());
+    let table = NftTable::load(
+        f.pod_netns(pod),
+        "ip",
+        &name,
+        &format!(
+            "  chain input {{ type filter hook input priority -5; policy accept;\n\
+             \x20   icmp type echo-request ip saddr {a} counter\n\
+             \x20   icmp type echo-request ip saddr {b} counter\n  }}"
+        ),
+    );
+    let target = pod_ip(pod).to_string();
+    let out = f.laptop(&["ping", "-c", "2", "-i", "0.2", "-W", "2", &target]);
+    assert!(
+        out.status.success(),
+        "ping {target}: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let c = table.counters();
+    assert_eq!(c.len(), 2, "two counters: {c:?}");
+    (c[0], c[1])
+}
+
+/// `kvpn diagnose source <target> [--udp] -o json`, parsed; bounded by the
+/// command's own timeouts (must not hang).
+fn diagnose(f: &KubeFixture, target: &str, udp: bool) -> serde_json::Value {
+    let kubeconfig = f.user_kubeconfig();
+    let mut args = vec![
+        "diagnose",
+        "source",
+        target,
+        "-o",
+        "json",
+        "--kubeconfig",
+        &kubeconfig,
+    ];
+    if udp {
+        args.push("--udp");
+    }
+    let t0 = Instant::now();
+    let out = f.kvpn_ok(&args);
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "diagnose took {:?}",
+        t0.elapsed()
+    );
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("diagnose JSON: {e}: {out}"))
+}
+
+fn addr_ip(v: &serde_json::Value) -> Option<IpAddr> {
+    v.as_str()?.parse::<SocketAddr>().ok().map(|a| a.ip())
+}
+
+#[test]
+fn snat_backends_see_the_manager_pod_ip_over_tcp_udp_and_icmp() {
+    let f = KubeFixture::new();
+    let tunnel = connect(&f, "snat");
+    let manager = manager_pod(&f);
+    let IpAddr::V4(pod) = pod_ip(&manager) else {
+        panic!("IPv4 pod IP expected")
+    };
+    assert_eq!(
+        tcp_source(&f),
+        IpAddr::V4(pod),
+        "TCP: the backend sees the pod IP"
+    );
+    assert_eq!(
+        udp_source(&f, udp_echo()),
+        IpAddr::V4(pod),
+        "UDP: the backend sees the pod IP"
+    );
+    let webs = web_pods(&f);
+    let (from_pod, from_tunnel) = icmp_sources(&f, &webs[0], pod, tunnel);
+    assert!(
+        from_pod >= 2 && from_tunnel == 0,
+        "ICMP: echo requests from the pod IP {pod}: {from_pod}, from the tunnel IP {tunnel}: {from_tunnel}"
+    );
+
+    let d = diagnose(&f, &web().to_string(), false);
+    assert_eq!(d["policy"], "snat", "{d:#}");
+    assert_eq!(
+        addr_ip(&d["decapsulated_source"]),
+        Some(IpAddr::V4(tunnel)),
+        "{d:#}"
+    );
+    assert_eq!(addr_ip(&d["egress_source"]), Some(IpAddr::V4(pod)), "{d:#}");
+    assert_eq!(
+        addr_ip(&d["backend_source"]),
+        Some(IpAddr::V4(pod)),
+        "{d:#}"
+    );
+    assert_eq!(
+        d["verdict"], "manager",
+        "the source changes in the manager: {d:#}"
+    );
+    let u = diagnose(&f, &udp_echo().to_string(), true);
+    assert_eq!(u["verdict"], "manager", "{u:#}");
+    assert_eq!(
+        addr_ip(&u["backend_source"]),
+        Some(IpAddr::V4(pod)),
+        "{u:#}"
+    );
+}
+
+/// Preserve: TCP, UDP and ICMP carry the tunnel IP to the backends; after the
+/// manager pod is deleted and rescheduled with a new IP the same holds without
+/// any step by hand (the nodes route the pool via the stable gateway, which the
+/// new pod claims); a backend rule rejecting the tunnel IP is a refusal.
+#[test]
+fn preserve_backends_see_the_tunnel_ip_and_survive_a_manager_reschedule() {
+    let f = KubeFixture::new();
+    let tunnel = connect(&f, "preserve");
+    let first = manager_pod(&f);
+    let check = |when: &str| {
+        assert_eq!(
+            tcp_source(&f),
+            IpAddr::V4(tunnel),
+            "TCP {when}: the backend sees the tunnel IP"
+        );
+        assert_eq!(
+            udp_source(&f, udp_echo()),
+            IpAddr::V4(tunnel),
+            "UDP {when}: the backend sees the tunnel IP"
+        );
+        let webs = web_pods(&f);
+        let (from_tunnel, _) = icmp_sources(&f, &webs[0], tunnel, Ipv4Addr::UNSPECIFIED);
+        assert!(
+            from_tunnel >= 2,
+            "ICMP {when}: echo requests from {tunnel}: {from_tunnel}"
+        );
+        let d = diagnose(&f, &web().to_string(), false);
+        assert_eq!(d["policy"], "preserve", "{d:#}");
+        assert_eq!(d["verdict"], "none", "{when}: unchanged on the way: {d:#}");
+        for point in ["decapsulated_source", "egress_source", "backend_source"] {
+            assert_eq!(
+                addr_ip(&d[point]),
+                Some(IpAddr::V4(tunnel)),
+                "{point}: {d:#}"
+            );
+        }
+    };
+    check("at first");
+
+    // Reschedule: delete the pod; the Deployment makes a new one with a new IP.
+    let api: Api<Pod> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
+    f.block_on(api.delete(&pod_name(&first), &DeleteParams::default()))
+        .unwrap_or_else(|e| panic!("delete manager pod: {e}"));
+    let second = f.wait_manager_pod(Duration::from_secs(90), |p| pod_name(p) != pod_name(&first));
+    assert_ne!(pod_ip(&second), pod_ip(&first), "a new pod IP");
+    f.wait_state("connected", Duration::from_secs(60));
+    f.wait_http(web(), Instant::now(), Duration::from_secs(30));
+    check("after the reschedule");
+
+    // Denial from policy: a rule in one backend pod rejects this tunnel IP.
+    let webs = web_pods(&f);
+    let backend = &webs[0];
+    let IpAddr::V4(backend_ip) = pod_ip(backend) else {
+        panic!("IPv4 pod IP expected")
+    };
+    let _deny = NftTable::load(
+        f.pod_netns(backend),
+        "inet",
+        &format!("kvpn_deny_{}", std::process::id()),
+        &format!(
+            "  chain input {{ type filter hook input priority -5; policy accept;\n\
+             \x20   ip saddr {tunnel} tcp dport {HTTP_PORT} reject with tcp reset\n\
+             \x20   ip saddr {tunnel} udp dport {ECHO_PORT} reject with icmp type admin-prohibited\n  }}"
+        ),
+    );
+    let target = SocketAddr::from((backend_ip, HTTP_PORT));
+    let refused = f
+        .lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || {
+            let t0 = Instant::now();
+            let r = TcpStream::connect_timeout(&target, Duration::from_secs(5));
+            (r.map(drop).map_err(|e| e.kind()), t0.elapsed())
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    assert_eq!(
+        refused.0,
+        Err(ErrorKind::ConnectionRefused),
+        "the backend's rule answers with a reset"
+    );
+    assert!(
+        refused.1 < Duration::from_secs(2),
+        "refused at once: {:?}",
+        refused.1
+    );
+    let d = diagnose(&f, &target.to_string(), false);
+    assert_eq!(d["verdict"], "refused", "{d:#}");
+    assert_eq!(
+        addr_ip(&d["egress_source"]),
+        Some(IpAddr::V4(tunnel)),
+        "{d:#}"
+    );
+    let u = diagnose(
+        &f,
+        &SocketAddr::from((backend_ip, ECHO_PORT)).to_string(),
+        true,
+    );
+    assert_eq!(u["verdict"], "unreachable", "{u:#}");
+    assert!(
+        u["explanation"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("administratively prohibited"),
+        "{u:#}"
+    );
+}
+
+/// rt-07: an anti-spoofing rule in the manager pod lets only the pod's own IP out.
+/// SNAT still carries TCP, UDP and ICMP; preserve's packets are dropped, and
+/// `kvpn diagnose source` says so (dropped inside the manager pod) instead of
+/// hanging.
+#[test]
+fn rt_07_anti_spoofing_cni() {
+    let f = KubeFixture::new();
+    let anti_spoofing = |pod: &Pod| {
+        let ip = pod_ip(pod);
+        NftTable::load(
+            f.pod_netns(pod),
+            "ip",
+            &format!("kvpn_antispoof_{}", std::process::id()),
+            &format!(
+                "  chain forward {{ type filter hook forward priority 0; policy accept;\n\
+                 \x20   oifname \"eth0\" ip saddr != {ip} counter drop\n  }}\n\
+                 \x20 chain output {{ type filter hook output priority 0; policy accept;\n\
+                 \x20   oifname \"eth0\" ip saddr != {ip} counter drop\n  }}"
+            ),
+        )
+    };
+
+    let tunnel = connect(&f, "snat");
+    let snat_pod = manager_pod(&f);
+    let rule = anti_spoofing(&snat_pod);
+    assert_eq!(tcp_source(&f), pod_ip(&snat_pod), "TCP through SNAT");
+    assert_eq!(
+        udp_source(&f, udp_echo()),
+        pod_ip(&snat_pod),
+        "UDP through SNAT"
+    );
+    let IpAddr::V4(pod) = pod_ip(&snat_pod) else {
+        panic!("IPv4 pod IP expected")
+    };
+    let (from_pod, _) = icmp_sources(&f, &web_pods(&f)[0], pod, tunnel);
+    assert!(from_pod >= 2, "ICMP through SNAT: {from_pod}");
+    assert_eq!(
+        rule.counters().iter().sum::<u64>(),
+        0,
+        "SNAT sends nothing the rule drops"
+    );
+    drop(rule);
+
+    f.kvpn_ok(&["disconnect"]);
+    let tunnel = connect(&f, "preserve");
+    let preserve_pod = f.wait_manager_pod(Duration::from_secs(60), |p| {
+        pod_name(p) != pod_name(&snat_pod)
+    });
+    let rule = anti_spoofing(&preserve_pod);
+    let d = diagnose(&f, &web().to_string(), false);
+    assert_eq!(d["verdict"], "dropped-in-manager-pod", "{d:#}");
+    assert_eq!(
+        addr_ip(&d["decapsulated_source"]),
+        Some(IpAddr::V4(tunnel)),
+        "{d:#}"
+    );
+    assert!(d["egress_source"].is_null(), "{d:#}");
+    assert!(
+        d["explanation"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("rt-07"),
+        "{d:#}"
+    );
+    assert!(
+        rule.counters().iter().sum::<u64>() > 0,
+        "the anti-spoofing rule dropped the preserved packets"
+    );
+}
