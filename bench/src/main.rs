@@ -4,9 +4,9 @@
 //! and then every subject of that lab, so baseline and subjects alternate:
 //! - plain lab: raw veth, kvpn direct, kvpn direct with 10,000 extra /32 routes
 //!   (`kvpn connect --cidr` ×10,000: the routes and the TUN classifier the product
-//!   really installs; where the connect refuses that many — the eBPF classifier holds
-//!   1,024 routes — 1,000, and the report says so), a socat TCP relay in the node
-//!   netns (Debian socat);
+//!   really installs; where the connect refuses that many — the eBPF classifier's
+//!   route trie held 1,024 routes until `MAX_ROUTES` became 16,384 — 1,000, and the
+//!   report says so), a socat TCP relay in the node netns (Debian socat);
 //! - Kubernetes lab: raw veth, kvpn over port-forward (through the API server, TLS
 //!   inside), kvpn over SSH (ssh-direct through an sshd on the node) and sshuttle
 //!   through the same sshd.
@@ -89,9 +89,9 @@ const IDLE_FLOWS: usize = 1000;
 /// session, manager/src/limit.rs) together with the idle flows, so the figure is the
 /// path's setup cost, not the admission limit.
 const SETUP_CONNECTS: u32 = 1000;
-/// Extra routes of the classifier row: the #8 figure, then what fits the eBPF
-/// classifier's route trie (`MAX_ROUTES` = 1,024 in dataplane-common, with the pod
-/// and service CIDRs) if kvpn refuses the first.
+/// Extra routes of the classifier row: the #8 figure, then, if kvpn refuses the
+/// first, a count that fit even the eBPF classifier's old route trie (1,024 routes
+/// with the pod and service CIDRs; `MAX_ROUTES` in dataplane-common).
 const EXTRA_ROUTES: [u32; 2] = [10_000, 1_000];
 /// The classifier row.
 const MANY_ROUTES: &str = "kvpn-direct-many-routes";
