@@ -1,120 +1,599 @@
-//! kvpn's benchmark harness: measures the kvpn paths, a raw-veth baseline and
-//! sshuttle as the peer in the same run, on the lab, and reports ratios. Parsing of
-//! the tools' output (iperf3 JSON, ping summary), the ratios and the table are pure
-//! and live here; the runs are in main.rs (and the SSH peers in ssh.rs).
+//! kvpn's benchmark harness, the pure part: parsing the tools' output (iperf3 JSON,
+//! ping, /proc files), the per-metric summaries over rounds (median, min–max), the
+//! #8 goals, the markdown table, the SVG chart and the comparison with an older
+//! report. The runs (labs, processes, sockets) are in main.rs and ssh.rs.
+//!
+//! Words: "up" is laptop → pod (into the cluster), "down" is pod → laptop
+//! (`iperf3 -R`). A *row* is one path (raw veth, kvpn direct, socat, …); a *sample*
+//! is one row's figures in one round, metric name → value.
 
-use serde::Serialize;
+use std::collections::BTreeMap;
 
-/// One path's measurements.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct PathResult {
-    /// Which path: "raw-veth", "kvpn-direct", "kvpn-port-forward", "kvpn-ssh" or
-    /// "sshuttle".
-    pub path: String,
-    /// iperf3 TCP, one stream, receiver side, Gbit/s.
-    pub tcp_1_gbps: f64,
-    /// iperf3 TCP, four parallel streams, receiver side, Gbit/s.
-    pub tcp_4_gbps: f64,
-    /// ping round-trip time, average, milliseconds; `None` where the path carries
-    /// no ICMP (sshuttle: TCP only).
-    pub ping_avg_ms: Option<f64>,
-    /// TCP request/response: 1-byte ping-pong transactions per second on one connection.
-    pub rr_per_sec: f64,
+use serde::{Deserialize, Serialize};
+
+/// One row's figures in one round: metric key (see [`METRICS`]) → value.
+pub type Sample = BTreeMap<String, f64>;
+
+/// A metric of the report: its key in [`Sample`] and the JSON, what people read, its
+/// unit and which way is better.
+#[derive(Debug, Clone, Copy)]
+pub struct Metric {
+    pub key: &'static str,
+    pub label: &'static str,
+    pub unit: &'static str,
+    pub higher_is_better: bool,
+    /// Decimals shown in the table.
+    pub precision: usize,
 }
 
-/// Receiver throughput in Gbit/s from `iperf3 -J` output.
-pub fn iperf3_receiver_gbps(json: &str) -> Result<f64, String> {
-    let v: serde_json::Value =
-        serde_json::from_str(json).map_err(|e| format!("iperf3 JSON: {e}"))?;
-    if let Some(err) = v.get("error").and_then(|e| e.as_str()) {
-        return Err(format!("iperf3: {err}"));
+const fn m(
+    key: &'static str,
+    label: &'static str,
+    unit: &'static str,
+    higher_is_better: bool,
+    precision: usize,
+) -> Metric {
+    Metric {
+        key,
+        label,
+        unit,
+        higher_is_better,
+        precision,
     }
+}
+
+/// Every metric the bench can report, in table order. A row has the ones its path
+/// carries (sshuttle and socat: TCP only, no ICMP or UDP; the kvpn process and
+/// manager figures only on kvpn rows; the `_added_us`/`_vs_*` figures are paired
+/// with the baseline of the same lab and round).
+pub const METRICS: &[Metric] = &[
+    m("tcp_1_gbps", "TCP 1 stream up", "Gbit/s", true, 3),
+    m("tcp_4_gbps", "TCP 4 streams up", "Gbit/s", true, 3),
+    m("tcp_8_gbps", "TCP 8 streams up", "Gbit/s", true, 3),
+    m("tcp_1_down_gbps", "TCP 1 stream down", "Gbit/s", true, 3),
+    m("tcp_4_down_gbps", "TCP 4 streams down", "Gbit/s", true, 3),
+    m("tcp_8_down_gbps", "TCP 8 streams down", "Gbit/s", true, 3),
+    m("tcp_1_vs_raw", "TCP 1 up / raw veth 1", "x", true, 3),
+    m("tcp_4_over_1", "TCP 4 up / own TCP 1 up", "x", true, 2),
+    m("idle_rtt_p50_ms", "idle ping RTT p50", "ms", false, 3),
+    m("idle_rtt_added_us", "idle ping RTT added", "µs", false, 0),
+    m(
+        "busy_rtt_p50_ms",
+        "busy ping RTT p50 (1 TCP stream)",
+        "ms",
+        false,
+        3,
+    ),
+    m("busy_rtt_added_us", "busy ping RTT added", "µs", false, 0),
+    m("rr_per_sec", "TCP 1-byte request/response", "1/s", true, 0),
+    m("connects_per_sec", "TCP connection setup", "1/s", true, 0),
+    m("udp64_pps", "UDP 64 B received", "packets/s", true, 0),
+    m("udp64_loss_pct", "UDP 64 B loss", "%", false, 2),
+    m(
+        "cpu_core_s_per_gbit",
+        "machine CPU per Gbit (TCP 1 up)",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
+    m(
+        "kvpn_cpu_core_s_per_gbit",
+        "kvpn dataplane+manager CPU per Gbit",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
+    m("connect_s", "kvpn connect, wall time", "s", false, 2),
+    m(
+        "manager_rss_mib",
+        "manager RSS with the session",
+        "MiB",
+        false,
+        1,
+    ),
+    m(
+        "manager_session_kib",
+        "manager RSS added by the session",
+        "KiB",
+        false,
+        0,
+    ),
+    m(
+        "manager_kib_per_idle_flow",
+        "manager RSS per idle TCP flow (1,000 flows)",
+        "KiB",
+        false,
+        2,
+    ),
+    m(
+        "tcp_1_vs_1_route",
+        "TCP 1 up with the extra routes / without",
+        "x",
+        true,
+        3,
+    ),
+    m(
+        "tcp_1_vs_sshuttle",
+        "TCP 1 up / sshuttle TCP 1 up",
+        "x",
+        true,
+        2,
+    ),
+];
+
+/// The metric named `key`.
+pub fn metric(key: &str) -> Option<&'static Metric> {
+    METRICS.iter().find(|m| m.key == key)
+}
+
+/// One metric over the rounds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    /// Every round's figure, in round order.
+    pub samples: Vec<f64>,
+}
+
+impl Summary {
+    /// Median (mean of the middle two for an even count), min and max of the finite
+    /// values; `None` if there are none.
+    pub fn of(values: &[f64]) -> Option<Summary> {
+        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Some(Summary {
+            median,
+            min: v[0],
+            max: v[n - 1],
+            samples: values.to_vec(),
+        })
+    }
+}
+
+/// One row of the report: a path and its metrics over the rounds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub path: String,
+    /// Which lab it ran in ("plain" or "kubernetes"); its baseline is that lab's
+    /// raw veth row.
+    pub lab: String,
+    pub metrics: BTreeMap<String, Summary>,
+}
+
+impl Row {
+    /// Summarizes `samples` (one per round) of `path`.
+    pub fn of(path: &str, lab: &str, samples: &[Sample]) -> Row {
+        let mut keys: Vec<&String> = samples.iter().flat_map(|s| s.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        let metrics = keys
+            .into_iter()
+            .filter_map(|k| {
+                let values: Vec<f64> = samples.iter().filter_map(|s| s.get(k).copied()).collect();
+                Some((k.clone(), Summary::of(&values)?))
+            })
+            .collect();
+        Row {
+            path: path.to_owned(),
+            lab: lab.to_owned(),
+            metrics,
+        }
+    }
+
+    pub fn median(&self, key: &str) -> Option<f64> {
+        self.metrics.get(key).map(|s| s.median)
+    }
+}
+
+/// Adds to `subject` the figures paired with `baseline` of the same lab and round:
+/// `tcp_1_vs_raw`, `tcp_4_over_1` and the RTT added in µs (where both have one).
+pub fn pair_with_baseline(subject: &mut Sample, baseline: &Sample) {
+    let get = |s: &Sample, k: &str| s.get(k).copied();
+    if let (Some(a), Some(b)) = (get(subject, "tcp_1_gbps"), get(baseline, "tcp_1_gbps")) {
+        subject.insert("tcp_1_vs_raw".into(), a / b);
+    }
+    for (p50, added) in [
+        ("idle_rtt_p50_ms", "idle_rtt_added_us"),
+        ("busy_rtt_p50_ms", "busy_rtt_added_us"),
+    ] {
+        if let (Some(a), Some(b)) = (get(subject, p50), get(baseline, p50)) {
+            subject.insert(added.into(), (a - b) * 1000.0);
+        }
+    }
+    own_ratios(subject);
+}
+
+/// The ratios inside one sample (`tcp_4_over_1`).
+pub fn own_ratios(sample: &mut Sample) {
+    if let (Some(four), Some(one)) = (sample.get("tcp_4_gbps"), sample.get("tcp_1_gbps")) {
+        let r = four / one;
+        sample.insert("tcp_4_over_1".into(), r);
+    }
+}
+
+/// Adds `a_over_b_key` = `a[key] / b[key]` to `a` where both have `key`.
+pub fn pair_ratio(a: &mut Sample, b: &Sample, key: &str, ratio_key: &str) {
+    if let (Some(x), Some(y)) = (a.get(key).copied(), b.get(key).copied()) {
+        a.insert(ratio_key.into(), x / y);
+    }
+}
+
+/// A #8 target and whether the run met it (on the medians).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Goal {
+    pub name: String,
+    /// The measured median, `None` if the run has no figure for it.
+    pub value: Option<f64>,
+    /// e.g. "≥ 0.25".
+    pub target: String,
+    pub met: Option<bool>,
+}
+
+fn goal(name: &str, value: Option<f64>, at_least: bool, bound: f64) -> Goal {
+    Goal {
+        name: name.to_owned(),
+        value,
+        target: format!("{} {bound}", if at_least { "≥" } else { "≤" }),
+        met: value.map(|v| if at_least { v >= bound } else { v <= bound }),
+    }
+}
+
+/// The targets of issue #8 on the report's rows (never asserted in tests: figures on
+/// a shared machine are not a test).
+pub fn goals(rows: &[Row]) -> Vec<Goal> {
+    let get = |path: &str, key: &str| {
+        rows.iter()
+            .find(|r| r.path == path)
+            .and_then(|r| r.median(key))
+    };
+    vec![
+        goal(
+            "kvpn direct TCP 1 stream / raw veth 1 stream",
+            get("kvpn-direct", "tcp_1_vs_raw"),
+            true,
+            0.25,
+        ),
+        goal(
+            "kvpn direct TCP 4 streams / its 1 stream",
+            get("kvpn-direct", "tcp_4_over_1"),
+            true,
+            1.5,
+        ),
+        goal(
+            "kvpn direct busy RTT p50 added (µs)",
+            get("kvpn-direct", "busy_rtt_added_us"),
+            false,
+            50.0,
+        ),
+        goal(
+            "kvpn direct idle ping RTT added (µs)",
+            get("kvpn-direct", "idle_rtt_added_us"),
+            false,
+            150.0,
+        ),
+        goal(
+            &format!(
+                "kvpn direct TCP 1 stream with {} extra routes / without",
+                get("kvpn-direct-many-routes", "extra_routes")
+                    .map_or("10,000".to_owned(), |n| format!("{n:.0}"))
+            ),
+            get("kvpn-direct-many-routes", "tcp_1_vs_1_route"),
+            true,
+            0.95,
+        ),
+        goal(
+            "kvpn over SSH TCP 1 stream / sshuttle (same sshd)",
+            get("kvpn-ssh", "tcp_1_vs_sshuttle"),
+            true,
+            5.0,
+        ),
+        goal(
+            "manager RSS per idle TCP flow (KiB)",
+            get("kvpn-direct", "manager_kib_per_idle_flow"),
+            false,
+            64.0,
+        ),
+        goal(
+            "manager RSS per client session (MiB)",
+            get("kvpn-direct", "manager_session_kib").map(|k| k / 1024.0),
+            false,
+            32.0,
+        ),
+    ]
+}
+
+/// One line per goal: "goal met: …", "goal NOT met: …" or "goal not measured: …".
+pub fn goal_lines(goals: &[Goal]) -> String {
+    goals
+        .iter()
+        .map(|g| match (g.value, g.met) {
+            (Some(v), Some(true)) => format!("goal met: {} = {v:.3} ({})\n", g.name, g.target),
+            (Some(v), _) => format!("goal NOT met: {} = {v:.3} ({})\n", g.name, g.target),
+            (None, _) => format!("goal not measured: {} ({})\n", g.name, g.target),
+        })
+        .collect()
+}
+
+fn fmt(v: f64, precision: usize) -> String {
+    format!("{v:.precision$}")
+}
+
+/// The markdown table: one line per metric, one column per row, each cell
+/// "median (min–max)" or "–" where the path has no such figure.
+pub fn markdown_table(rows: &[Row]) -> String {
+    let mut out = String::from("| metric | unit |");
+    for r in rows {
+        out.push_str(&format!(" {} |", r.path));
+    }
+    out.push_str("\n|---|---|");
+    for _ in rows {
+        out.push_str("---:|");
+    }
+    out.push('\n');
+    for m in METRICS {
+        if !rows.iter().any(|r| r.metrics.contains_key(m.key)) {
+            continue;
+        }
+        out.push_str(&format!("| {} | {} |", m.label, m.unit));
+        for r in rows {
+            let cell = match r.metrics.get(m.key) {
+                Some(s) if s.samples.len() > 1 => format!(
+                    "{} ({}–{})",
+                    fmt(s.median, m.precision),
+                    fmt(s.min, m.precision),
+                    fmt(s.max, m.precision)
+                ),
+                Some(s) => fmt(s.median, m.precision),
+                None => "–".to_owned(),
+            };
+            out.push_str(&format!(" {cell} |"));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// A horizontal bar chart (SVG) of TCP throughput per row: 1/4/8 streams up and
+/// 1 stream down, medians as bars, min–max as a whisker.
+pub fn svg_chart(rows: &[Row]) -> String {
+    const SERIES: [(&str, &str, &str); 4] = [
+        ("tcp_1_gbps", "1 stream up", "#1f77b4"),
+        ("tcp_4_gbps", "4 streams up", "#ff7f0e"),
+        ("tcp_8_gbps", "8 streams up", "#2ca02c"),
+        ("tcp_1_down_gbps", "1 stream down", "#9467bd"),
+    ];
+    let (left, width, bar, gap) = (190.0, 520.0, 9.0, 12.0);
+    let max = rows
+        .iter()
+        .flat_map(|r| SERIES.iter().filter_map(|(k, _, _)| r.metrics.get(*k)))
+        .map(|s| s.max)
+        .fold(0.0_f64, f64::max)
+        .max(1e-9);
+    let group = SERIES.len() as f64 * bar + gap;
+    let height = 60.0 + rows.len() as f64 * group + 30.0;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{height}\" \
+         font-family=\"sans-serif\" font-size=\"11\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"10\" y=\"18\" font-size=\"14\">kvpn-bench: TCP throughput, Gbit/s \
+         (median, whisker min–max)</text>\n",
+        w = left + width + 80.0
+    );
+    for (i, (_, name, color)) in SERIES.iter().enumerate() {
+        let x = 10.0 + i as f64 * 130.0;
+        s.push_str(&format!(
+            "<rect x=\"{x}\" y=\"28\" width=\"10\" height=\"10\" fill=\"{color}\"/>\
+             <text x=\"{}\" y=\"37\">{name}</text>\n",
+            x + 14.0
+        ));
+    }
+    for (ri, r) in rows.iter().enumerate() {
+        let y0 = 50.0 + ri as f64 * group;
+        s.push_str(&format!(
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n",
+            left - 6.0,
+            y0 + group / 2.0,
+            xml_escape(&r.path)
+        ));
+        for (si, (key, _, color)) in SERIES.iter().enumerate() {
+            let Some(sum) = r.metrics.get(*key) else {
+                continue;
+            };
+            let y = y0 + si as f64 * bar;
+            let scale = |v: f64| left + width * v / max;
+            s.push_str(&format!(
+                "<rect x=\"{left}\" y=\"{y}\" width=\"{:.1}\" height=\"{}\" fill=\"{color}\"/>\
+                 <line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{y2}\" y2=\"{y2}\" stroke=\"black\"/>\
+                 <text x=\"{:.1}\" y=\"{}\" font-size=\"9\">{:.2}</text>\n",
+                width * sum.median / max,
+                bar - 1.0,
+                scale(sum.min),
+                scale(sum.max),
+                scale(sum.max) + 3.0,
+                y + bar - 2.0,
+                sum.median,
+                y2 = y + bar / 2.0,
+            ));
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// What the bench does with its figures given the most outside CPU load it saw
+/// (share of all cores busy between rounds) and the threshold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadVerdict {
+    /// At or under the threshold: report.
+    Quiet,
+    /// Above it, with `--force`: report, marked as taken under load.
+    Forced,
+    /// Above it without `--force`: refuse to report.
+    Refuse,
+}
+
+impl LoadVerdict {
+    pub fn of(max_busy_seen: f64, threshold: f64, force: bool) -> Self {
+        if max_busy_seen <= threshold {
+            LoadVerdict::Quiet
+        } else if force {
+            LoadVerdict::Forced
+        } else {
+            LoadVerdict::Refuse
+        }
+    }
+}
+
+/// The rows of an earlier JSON report (`rows` as [`Row`]s).
+pub fn rows_of_report(report: &serde_json::Value) -> Result<Vec<Row>, String> {
+    serde_json::from_value(report["rows"].clone())
+        .map_err(|e| format!("the report has no readable `rows` list: {e}"))
+}
+
+/// Per row and metric in both: old median → new median and the change in percent,
+/// marked "better"/"worse" by the metric's direction.
+pub fn compare(old: &[Row], new: &[Row]) -> String {
+    let mut out = String::new();
+    for n in new {
+        let Some(o) = old.iter().find(|o| o.path == n.path) else {
+            out.push_str(&format!("{}: not in the old report\n", n.path));
+            continue;
+        };
+        for m in METRICS {
+            let (Some(a), Some(b)) = (o.median(m.key), n.median(m.key)) else {
+                continue;
+            };
+            let pct = if a == 0.0 {
+                0.0
+            } else {
+                (b - a) / a.abs() * 100.0
+            };
+            let better = if m.higher_is_better { b > a } else { b < a };
+            let word = if pct.abs() < 1.0 {
+                "same"
+            } else if better {
+                "better"
+            } else {
+                "worse"
+            };
+            out.push_str(&format!(
+                "{:<24} {:<44} {:>12} -> {:>12} {:>+8.1}% {word}\n",
+                n.path,
+                format!("{} ({})", m.label, m.unit),
+                fmt(a, m.precision),
+                fmt(b, m.precision),
+                pct
+            ));
+        }
+    }
+    out
+}
+
+/// Receiver throughput in Gbit/s from `iperf3 -J` output (TCP).
+pub fn iperf3_receiver_gbps(json: &str) -> Result<f64, String> {
+    let v = iperf3_json(json)?;
     v["end"]["sum_received"]["bits_per_second"]
         .as_f64()
         .map(|bps| bps / 1e9)
         .ok_or_else(|| "iperf3 JSON has no end.sum_received.bits_per_second".to_string())
 }
 
-/// Average RTT in ms from ping's summary line `rtt min/avg/max/mdev = a/b/c/d ms`.
-pub fn ping_avg_ms(output: &str) -> Result<f64, String> {
-    let line = output
+fn iperf3_json(json: &str) -> Result<serde_json::Value, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| format!("iperf3 JSON: {e}"))?;
+    if let Some(err) = v.get("error").and_then(|e| e.as_str()) {
+        return Err(format!("iperf3: {err}"));
+    }
+    Ok(v)
+}
+
+/// UDP result of `iperf3 -u -J` (client side, with the server's loss count): packets
+/// received per second and loss in percent.
+pub fn iperf3_udp(json: &str) -> Result<(f64, f64), String> {
+    let v = iperf3_json(json)?;
+    let sum = &v["end"]["sum"];
+    let (Some(packets), Some(lost), Some(secs)) = (
+        sum["packets"].as_f64(),
+        sum["lost_packets"].as_f64(),
+        sum["seconds"].as_f64(),
+    ) else {
+        return Err(format!(
+            "iperf3 UDP JSON has no end.sum packets/lost_packets/seconds: {sum}"
+        ));
+    };
+    if packets <= 0.0 || secs <= 0.0 {
+        return Err(format!("iperf3 UDP sent nothing: {sum}"));
+    }
+    Ok(((packets - lost) / secs, lost / packets * 100.0))
+}
+
+/// The per-reply RTTs in ms of ping's output (`… time=0.052 ms`).
+pub fn ping_rtts_ms(output: &str) -> Vec<f64> {
+    output
         .lines()
-        .find(|l| l.contains("min/avg/max"))
-        .ok_or_else(|| format!("no rtt summary in ping output: {output:?}"))?;
-    let values = line.split('=').nth(1).ok_or("malformed rtt line")?;
-    values
-        .trim()
-        .split('/')
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| format!("malformed rtt values: {values:?}"))
+        .filter_map(|l| {
+            let t = l.split("time=").nth(1)?;
+            t.split_whitespace().next()?.parse().ok()
+        })
+        .collect()
 }
 
-/// `a`'s figures over `b`'s, per metric (RTT: lower is better, so > 1 is slower);
-/// `None` where either side has no figure.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Ratios {
-    pub tcp_1: f64,
-    pub tcp_4: f64,
-    pub ping_rtt: Option<f64>,
-    pub rr: f64,
+/// The 50th percentile (median) of `values`; `None` if empty.
+pub fn p50(values: &[f64]) -> Option<f64> {
+    Summary::of(values).map(|s| s.median)
 }
 
-impl Ratios {
-    pub fn of(a: &PathResult, b: &PathResult) -> Self {
-        Ratios {
-            tcp_1: a.tcp_1_gbps / b.tcp_1_gbps,
-            tcp_4: a.tcp_4_gbps / b.tcp_4_gbps,
-            ping_rtt: a.ping_avg_ms.zip(b.ping_avg_ms).map(|(x, y)| x / y),
-            rr: a.rr_per_sec / b.rr_per_sec,
-        }
+/// Busy and total jiffies of the `cpu` line of /proc/stat (busy: everything but
+/// idle and iowait).
+pub fn proc_stat_busy_total(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    if v.len() < 8 {
+        return None;
     }
+    let total: u64 = v[..8].iter().sum();
+    Some((total - v[3] - v[4], total))
 }
 
-fn cell(value: Option<f64>, ratio: Option<f64>, precision: usize) -> String {
-    match (value, ratio) {
-        (Some(v), Some(r)) => format!("{v:.precision$} ({r:.2}x)"),
-        (Some(v), None) => format!("{v:.precision$}"),
-        (None, _) => "n/a".to_owned(),
-    }
+/// utime + stime in clock ticks from a /proc/<pid>/stat line (fields 14 and 15; the
+/// command name in parentheses may hold spaces, so count after the last `)`).
+pub fn proc_pid_cpu_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state): utime is field 14 → index 11.
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
-/// The report table: one row per path with each figure and its ratio to `raw`
-/// (the first row is `raw` itself), then, if given, the row `a / b` of ratios
-/// between two paths (kvpn over SSH over sshuttle).
-pub fn table(
-    raw: &PathResult,
-    paths: &[&PathResult],
-    versus: Option<(&PathResult, &PathResult)>,
-) -> String {
-    let mut out = format!(
-        "{:<20} {:>20} {:>20} {:>18} {:>20}\n",
-        "path", "TCP 1 (Gbit/s)", "TCP 4 (Gbit/s)", "ping avg (ms)", "TCP req/resp (1/s)"
-    );
-    for p in std::iter::once(raw).chain(paths.iter().copied()) {
-        let r = Ratios::of(p, raw);
-        out.push_str(&format!(
-            "{:<20} {:>20} {:>20} {:>18} {:>20}\n",
-            p.path,
-            cell(Some(p.tcp_1_gbps), Some(r.tcp_1), 3),
-            cell(Some(p.tcp_4_gbps), Some(r.tcp_4), 3),
-            cell(p.ping_avg_ms, r.ping_rtt, 3),
-            cell(Some(p.rr_per_sec), Some(r.rr), 0),
-        ));
-    }
-    if let Some((a, b)) = versus {
-        let r = Ratios::of(a, b);
-        let x = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}x"));
-        out.push_str(&format!(
-            "{:<20} {:>20} {:>20} {:>18} {:>20}\n",
-            format!("{} / {}", a.path, b.path),
-            x(Some(r.tcp_1)),
-            x(Some(r.tcp_4)),
-            x(r.ping_rtt),
-            x(Some(r.rr)),
-        ));
-    }
-    out
+/// VmRSS in KiB from /proc/<pid>/status.
+pub fn vm_rss_kib(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]
@@ -122,10 +601,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_ping_summary() {
-        let out = "--- 10.244.1.11 ping statistics ---\n20 packets transmitted, 20 received, 0% packet loss, time 190ms\nrtt min/avg/max/mdev = 0.041/0.052/0.093/0.011 ms\n";
-        assert_eq!(ping_avg_ms(out), Ok(0.052));
-        assert!(ping_avg_ms("100% packet loss").is_err());
+    fn parses_ping_replies() {
+        let out = "64 bytes from 10.244.1.11: icmp_seq=1 ttl=63 time=0.052 ms\n\
+                   64 bytes from 10.244.1.11: icmp_seq=2 ttl=63 time=0.070 ms\n\
+                   64 bytes from 10.244.1.11: icmp_seq=3 ttl=63 time=0.040 ms\n\
+                   rtt min/avg/max/mdev = 0.040/0.054/0.070/0.011 ms\n";
+        let rtts = ping_rtts_ms(out);
+        assert_eq!(rtts, vec![0.052, 0.070, 0.040]);
+        assert_eq!(p50(&rtts), Some(0.052));
+        assert!(ping_rtts_ms("100% packet loss").is_empty());
     }
 
     #[test]
@@ -133,42 +617,93 @@ mod tests {
         let j = r#"{"end":{"sum_received":{"bits_per_second":2.2e10}}}"#;
         assert_eq!(iperf3_receiver_gbps(j), Ok(22.0));
         assert!(iperf3_receiver_gbps(r#"{"error":"unable to connect"}"#).is_err());
-    }
-
-    fn path(name: &str, g: f64, ping: Option<f64>) -> PathResult {
-        PathResult {
-            path: name.into(),
-            tcp_1_gbps: g,
-            tcp_4_gbps: 2.0 * g,
-            ping_avg_ms: ping,
-            rr_per_sec: 1000.0 * g,
-        }
+        let u = r#"{"end":{"sum":{"seconds":2.0,"packets":1000,"lost_packets":100}}}"#;
+        assert_eq!(iperf3_udp(u), Ok((450.0, 10.0)));
+        assert!(iperf3_udp(r#"{"end":{"sum":{}}}"#).is_err());
     }
 
     #[test]
-    fn ratios_and_table_show_n_a_without_ping() {
-        let raw = path("raw-veth", 20.0, Some(0.05));
-        let ssh = path("kvpn-ssh", 5.0, Some(0.1));
-        let shuttle = path("sshuttle", 0.5, None);
-        let r = Ratios::of(&ssh, &raw);
-        assert_eq!((r.tcp_1, r.ping_rtt), (0.25, Some(2.0)));
-        let v = Ratios::of(&ssh, &shuttle);
-        assert_eq!((v.tcp_1, v.tcp_4, v.ping_rtt), (10.0, 10.0, None));
-        let t = table(&raw, &[&ssh, &shuttle], Some((&ssh, &shuttle)));
-        let lines: Vec<&str> = t.lines().collect();
-        assert_eq!(lines.len(), 5, "{t}");
-        assert!(lines[1].contains("20.000 (1.00x)"), "{t}");
+    fn parses_proc_files() {
+        let stat = "cpu  100 5 50 800 20 1 4 0 0 0\ncpu0 1 2 3 4 5 6 7 8\n";
+        assert_eq!(proc_stat_busy_total(stat), Some((160, 980)));
+        let pid = "1234 (kvpn dataplane) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 70 0 0 20 0";
+        assert_eq!(proc_pid_cpu_ticks(pid), Some(320));
+        assert_eq!(vm_rss_kib("Name:\tx\nVmRSS:\t   12345 kB\n"), Some(12345));
+    }
+
+    #[test]
+    fn load_gate_refuses_above_the_threshold_unless_forced() {
+        assert_eq!(LoadVerdict::of(0.10, 0.25, false), LoadVerdict::Quiet);
+        assert_eq!(LoadVerdict::of(0.25, 0.25, false), LoadVerdict::Quiet);
+        assert_eq!(LoadVerdict::of(0.60, 0.25, false), LoadVerdict::Refuse);
+        assert_eq!(LoadVerdict::of(0.60, 0.25, true), LoadVerdict::Forced);
+    }
+
+    fn sample(pairs: &[(&str, f64)]) -> Sample {
+        pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    }
+
+    #[test]
+    fn summaries_median_min_max() {
+        let s = Summary::of(&[3.0, 1.0, 2.0]).expect("values");
+        assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
+        assert_eq!(Summary::of(&[1.0, 4.0]).expect("values").median, 2.5);
+        assert!(Summary::of(&[f64::NAN]).is_none());
+    }
+
+    #[test]
+    fn pairing_goals_table_chart_and_compare() {
+        let raw = sample(&[
+            ("tcp_1_gbps", 20.0),
+            ("idle_rtt_p50_ms", 0.030),
+            ("busy_rtt_p50_ms", 0.100),
+        ]);
+        let mut via = sample(&[
+            ("tcp_1_gbps", 6.0),
+            ("tcp_4_gbps", 12.0),
+            ("idle_rtt_p50_ms", 0.130),
+            ("busy_rtt_p50_ms", 0.200),
+            ("manager_kib_per_idle_flow", 70.0),
+        ]);
+        pair_with_baseline(&mut via, &raw);
+        assert_eq!(via["tcp_1_vs_raw"], 0.3);
+        assert_eq!(via["tcp_4_over_1"], 2.0);
+        assert!((via["idle_rtt_added_us"] - 100.0).abs() < 1e-9);
+        assert!((via["busy_rtt_added_us"] - 100.0).abs() < 1e-9);
+        let rows = vec![
+            Row::of("raw-veth", "plain", &[raw.clone(), raw]),
+            Row::of("kvpn-direct", "plain", &[via]),
+        ];
+        let g = goals(&rows);
+        let by = |n: &str| g.iter().find(|g| g.name.starts_with(n)).expect(n).met;
+        assert_eq!(by("kvpn direct TCP 1 stream / raw"), Some(true));
+        assert_eq!(by("kvpn direct busy RTT"), Some(false));
+        assert_eq!(by("kvpn direct idle ping"), Some(true));
+        assert_eq!(by("manager RSS per idle"), Some(false));
+        assert_eq!(by("manager RSS per client"), None);
+        let lines = goal_lines(&g);
         assert!(
-            lines[2].contains("5.000 (0.25x)") && lines[2].contains("0.100 (2.00x)"),
+            lines.contains("goal NOT met: kvpn direct busy RTT p50 added (µs) = 100.000 (≤ 50)")
+        );
+        assert!(lines.contains("goal not measured: manager RSS per client session"));
+        let t = markdown_table(&rows);
+        assert!(
+            t.starts_with("| metric | unit | raw-veth | kvpn-direct |"),
             "{t}"
         );
         assert!(
-            lines[3].starts_with("sshuttle") && lines[3].contains("n/a"),
+            t.contains("| TCP 1 stream up | Gbit/s | 20.000 (20.000–20.000) | 6.000 |"),
             "{t}"
         );
-        assert!(
-            lines[4].starts_with("kvpn-ssh / sshuttle") && lines[4].contains("10.00x"),
-            "{t}"
-        );
+        assert!(t.contains("| idle ping RTT added | µs | – | 100 |"), "{t}");
+        let svg = svg_chart(&rows);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<rect x=\"190\"").count(), 3, "{svg}");
+        let mut faster = rows.clone();
+        faster[1] = Row::of("kvpn-direct", "plain", &[sample(&[("tcp_1_gbps", 9.0)])]);
+        let c = compare(&rows, &faster);
+        assert!(c.contains("6.000 ->        9.000    +50.0% better"), "{c}");
+        let json = serde_json::json!({ "rows": rows });
+        assert_eq!(rows_of_report(&json).expect("rows"), rows);
     }
 }

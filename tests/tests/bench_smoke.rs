@@ -1,45 +1,87 @@
-//! Bench smoke: the real `kvpn-bench` harness, 1 s per measurement, brings up
-//! both labs and produces every row — raw veth, kvpn direct, port-forward, kvpn over
-//! SSH (the harness itself refuses a data path other than ssh-direct) and sshuttle
-//! — with the table and the JSON report. It checks that the harness works, never the
-//! numbers (figures on a shared machine are not a test).
+//! Bench smoke: the real `kvpn-bench` harness, one round of 1 s per measurement,
+//! brings up both labs and produces every row — raw veth (both labs), kvpn direct,
+//! kvpn direct with 10,000 (or 1,000) extra routes, socat, port-forward, kvpn over SSH (the harness
+//! itself refuses a data path other than ssh-direct) and sshuttle — with every metric
+//! each row must carry, the markdown table, the SVG chart, the JSON report and the #8
+//! goal lines (`--compare` is unit-tested in kvpn-bench). It checks that the harness
+//! works, never the numbers (figures on a shared machine are not a test), and passes
+//! `--force`: CI machines are busy, and the load gate is unit-tested in kvpn-bench.
 //!
 //! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`), the
 //! Kubernetes binaries of `scripts/build-kubernetes.sh`, openssh-server/-client,
-//! sshuttle and iptables (scripts/setup.sh).
+//! sshuttle, socat and iptables (scripts/setup.sh).
 
 use std::process::Command;
 
 use kvpn_tests::text;
 
-const PATHS: [(&str, &str); 5] = [
-    ("raw_veth", "raw-veth"),
-    ("kvpn_direct", "kvpn-direct"),
-    ("kvpn_port_forward", "kvpn-port-forward"),
-    ("kvpn_ssh", "kvpn-ssh"),
-    ("sshuttle", "sshuttle"),
+/// Every row, and the metrics it must have (positive and finite).
+const TCP: [&str; 9] = [
+    "tcp_1_gbps",
+    "tcp_4_gbps",
+    "tcp_8_gbps",
+    "tcp_1_down_gbps",
+    "tcp_4_down_gbps",
+    "tcp_8_down_gbps",
+    "tcp_4_over_1",
+    "rr_per_sec",
+    "connects_per_sec",
+];
+const ICMP_UDP: [&str; 3] = ["idle_rtt_p50_ms", "busy_rtt_p50_ms", "udp64_pps"];
+const KVPN: [&str; 4] = [
+    "kvpn_cpu_core_s_per_gbit",
+    "manager_rss_mib",
+    "connect_s",
+    "cpu_core_s_per_gbit",
 ];
 
-fn positive(v: &serde_json::Value, what: &str) -> f64 {
-    let x = v
-        .as_f64()
-        .unwrap_or_else(|| panic!("{what} is not a number: {v}"));
+fn row<'a>(report: &'a serde_json::Value, path: &str) -> &'a serde_json::Value {
+    report["rows"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["path"] == path))
+        .unwrap_or_else(|| panic!("no row {path} in the report: {}", report["rows"]))
+}
+
+/// The metric's summary: median, min and max finite, min ≤ median ≤ max, one sample
+/// (one round); positive unless `zero_ok`.
+fn check(report: &serde_json::Value, path: &str, key: &str, zero_ok: bool) -> f64 {
+    let m = &row(report, path)["metrics"][key];
+    let f = |k: &str| {
+        m[k].as_f64()
+            .unwrap_or_else(|| panic!("{path}.{key}.{k} is not a number: {m}"))
+    };
+    let (median, min, max) = (f("median"), f("min"), f("max"));
     assert!(
-        x.is_finite() && x > 0.0,
-        "{what} = {x}, not a positive figure"
+        median.is_finite() && min <= median && median <= max,
+        "{path}.{key}: {m}"
     );
-    x
+    assert!(
+        median > 0.0 || (zero_ok && median == 0.0),
+        "{path}.{key} = {median}, not a positive figure"
+    );
+    assert_eq!(
+        m["samples"].as_array().map(Vec::len),
+        Some(1),
+        "{path}.{key}: {m}"
+    );
+    median
+}
+
+fn absent(report: &serde_json::Value, path: &str, key: &str) {
+    assert!(
+        row(report, path)["metrics"].get(key).is_none(),
+        "{path} has {key}, which its path cannot carry"
+    );
 }
 
 #[test]
-fn bench_harness_produces_every_row() {
+fn bench_harness_produces_every_row_and_metric() {
     let bench = kvpn_lab::bin_path("kvpn-bench").unwrap_or_else(|e| panic!("kvpn-bench: {e:#}"));
-    let json_path =
-        std::env::temp_dir().join(format!("kvpn-bench-smoke-{}.json", std::process::id()));
-    let _ = std::fs::remove_file(&json_path);
+    let out_dir = std::env::temp_dir().join(format!("kvpn-bench-smoke-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out_dir);
     let out = Command::new(&bench)
-        .args(["--seconds", "1", "--json"])
-        .arg(&json_path)
+        .args(["--rounds", "1", "--seconds", "1", "--force", "--out-dir"])
+        .arg(&out_dir)
         .output()
         .unwrap_or_else(|e| panic!("run {}: {e}", bench.display()));
     let stdout = text(&out.stdout);
@@ -49,49 +91,112 @@ fn bench_harness_produces_every_row() {
         out.status,
         text(&out.stderr)
     );
+    let json_path = out_dir.join("kvpn-bench.json");
     let report: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(&json_path)
             .unwrap_or_else(|e| panic!("JSON report {}: {e}", json_path.display())),
     )
     .unwrap_or_else(|e| panic!("JSON report: {e}"));
-    let _ = std::fs::remove_file(&json_path);
 
-    for (key, name) in PATHS {
-        let row = &report[key];
-        assert_eq!(row["path"], name, "report[{key}]: {row}");
-        for metric in ["tcp_1_gbps", "tcp_4_gbps", "rr_per_sec"] {
-            positive(&row[metric], &format!("{key}.{metric}"));
+    for path in ["raw-veth", "raw-veth-k8s"] {
+        for key in TCP.iter().chain(&ICMP_UDP).chain(&["cpu_core_s_per_gbit"]) {
+            check(&report, path, key, false);
         }
-        // sshuttle carries TCP only: no ping figure, shown as n/a.
-        if key == "sshuttle" {
-            assert!(row["ping_avg_ms"].is_null(), "sshuttle ping: {row}");
-        } else {
-            positive(&row["ping_avg_ms"], &format!("{key}.ping_avg_ms"));
+        check(&report, path, "udp64_loss_pct", true);
+        absent(&report, path, "tcp_1_vs_raw");
+        absent(&report, path, "manager_rss_mib");
+    }
+    for path in ["kvpn-direct", "kvpn-port-forward", "kvpn-ssh"] {
+        for key in TCP.iter().chain(&ICMP_UDP).chain(&KVPN) {
+            check(&report, path, key, false);
         }
-        if key != "raw_veth" {
-            positive(&report["ratios"][key]["tcp_1"], &format!("ratio {key}"));
-        }
-        // One table row per path, raw veth's own ratio 1.00x.
-        let line = stdout
-            .lines()
-            .find(|l| l.split_whitespace().next() == Some(name))
-            .unwrap_or_else(|| panic!("no table row for {name}:\n{stdout}"));
-        if key == "raw_veth" {
-            assert!(line.contains("(1.00x)"), "{line}");
-        }
-        if key == "sshuttle" {
-            assert!(line.contains("n/a"), "{line}");
+        check(&report, path, "udp64_loss_pct", true);
+        check(&report, path, "tcp_1_vs_raw", false);
+        // Memory growth: 0 where the allocator reused what an earlier session freed.
+        check(&report, path, "manager_kib_per_idle_flow", true);
+        check(&report, path, "manager_session_kib", true);
+        // RTT added over the baseline may be negative by noise, never missing.
+        for key in ["idle_rtt_added_us", "busy_rtt_added_us"] {
+            let m = &row(&report, path)["metrics"][key]["median"];
+            assert!(m.as_f64().is_some_and(f64::is_finite), "{path}.{key}: {m}");
         }
     }
-    let versus = &report["ratios"]["kvpn_ssh_over_sshuttle"];
-    positive(&versus["tcp_1"], "kvpn-ssh / sshuttle tcp_1");
-    assert!(versus["ping_rtt"].is_null(), "{versus}");
+    check(&report, "kvpn-ssh", "tcp_1_vs_sshuttle", false);
+    check(&report, "kvpn-port-forward", "tcp_1_vs_sshuttle", false);
+    for key in [
+        "tcp_1_gbps",
+        "connect_s",
+        "idle_rtt_p50_ms",
+        "tcp_1_vs_1_route",
+    ] {
+        check(&report, "kvpn-direct-many-routes", key, false);
+    }
+    // TCP-only peers: every TCP figure, no ICMP, UDP or kvpn figure.
+    for path in ["socat", "sshuttle"] {
+        for key in TCP.iter().chain(&["cpu_core_s_per_gbit", "tcp_1_vs_raw"]) {
+            check(&report, path, key, false);
+        }
+        for key in ICMP_UDP.iter().chain(&["manager_rss_mib"]) {
+            absent(&report, path, key);
+        }
+    }
+    assert_eq!(report["rounds"], 1);
+    assert_eq!(report["load"]["max_busy_threshold"], 0.25);
     assert!(
-        stdout.contains("kvpn-ssh / sshuttle"),
-        "no kvpn-ssh / sshuttle row:\n{stdout}"
+        report["load"]["samples"].as_array().map(Vec::len) == Some(4),
+        "one load sample before each lab's round and after each lab's last: {}",
+        report["load"]
+    );
+    assert!(
+        stdout.contains("outside CPU load: at most ")
+            && stdout.contains("(threshold --max-busy 25%)"),
+        "the load and its threshold are not reported:\n{stdout}"
+    );
+
+    // The goals: one line each, met or not (never asserted: not a test of figures).
+    let goals = report["goals"].as_array().expect("goals list");
+    assert_eq!(goals.len(), 8, "{goals:?}");
+    for g in goals {
+        assert!(
+            g["value"].as_f64().is_some_and(f64::is_finite),
+            "goal without a figure: {g}"
+        );
+        let name = g["name"].as_str().expect("goal name");
+        assert!(
+            stdout.contains(&format!("goal met: {name}"))
+                || stdout.contains(&format!("goal NOT met: {name}")),
+            "no goal line for {name}:\n{stdout}"
+        );
+    }
+
+    // The markdown table has a column per row, the chart a bar group per row.
+    let md = std::fs::read_to_string(out_dir.join("bench.md")).expect("bench.md");
+    let header = md
+        .lines()
+        .find(|l| l.starts_with("| metric | unit |"))
+        .unwrap_or_else(|| panic!("no table in bench.md:\n{md}"));
+    for path in [
+        "raw-veth",
+        "kvpn-direct",
+        "kvpn-direct-many-routes",
+        "socat",
+        "raw-veth-k8s",
+        "kvpn-port-forward",
+        "kvpn-ssh",
+        "sshuttle",
+    ] {
+        assert!(header.contains(&format!(" {path} |")), "{header}");
+    }
+    assert!(md.contains("| TCP 8 streams down | Gbit/s |"), "{md}");
+    assert!(md.contains("goal "), "{md}");
+    let svg = std::fs::read_to_string(out_dir.join("bench.svg")).expect("bench.svg");
+    assert!(
+        svg.starts_with("<svg") && svg.contains(">sshuttle</text>"),
+        "{svg}"
     );
     assert!(
         stdout.contains("data path: [\"ssh-direct via root@"),
         "the kvpn-ssh row did not report its ssh-direct data path:\n{stdout}"
     );
+    let _ = std::fs::remove_dir_all(&out_dir);
 }
