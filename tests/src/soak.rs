@@ -63,6 +63,9 @@ use crate::kube_lab::{
 use crate::text;
 
 /// A request that outlives its deadline by more than this is `hung`.
+/// Fds a daemon may hold beyond the first checkpoint's count without it being a leak.
+const DAEMON_FD_SLACK: usize = 2;
+
 pub const HUNG_GRACE: Duration = Duration::from_secs(3);
 const TCP_DEADLINE: Duration = Duration::from_secs(5);
 const UDP_DEADLINE: Duration = Duration::from_secs(2);
@@ -969,10 +972,13 @@ pub fn run(opts: &Options) -> Value {
         // echo request and each DNS query has its own source port) until
         // UDP_IDLE_TIMEOUT after its last packet: its fds may exceed the first
         // checkpoint's by the UDP requests of that last stretch, and no more.
+        // A daemon may hold one or two short-lived fds at either checkpoint (a
+        // `kvpn status` connection, a port-forward being re-dialled: seen 17 → 18
+        // and 18 → 17); a leak per request would add hundreds.
         let allowance = if *name == "manager" {
             manager_udp_allowance
         } else {
-            0
+            DAEMON_FD_SLACK
         };
         if b.fds > a.fds + allowance + opts.bounds.fd_growth {
             violations.push(format!(
