@@ -98,13 +98,17 @@ pub struct DnsSettings {
     pub listen: SocketAddr,
     /// The runtime directory (the resolv.conf backup lives there).
     pub runtime_dir: PathBuf,
+    /// The persistent directory for a second copy of the backups (env
+    /// `KVPN_STATE_DIR`, default [`resolv_conf::DEFAULT_STATE_DIR`]), so that a
+    /// reboot after a killed daemon can still repair.
+    pub state_dir: PathBuf,
     /// The hosts file for `kvpn connect --hosts` entries.
     pub hosts: PathBuf,
 }
 
 impl DnsSettings {
-    /// Defaults, overridden by `KVPN_DNS_MODE`, `KVPN_RESOLV_CONF`, `KVPN_DNS_IP`
-    /// and `KVPN_HOSTS`.
+    /// Defaults, overridden by `KVPN_DNS_MODE`, `KVPN_RESOLV_CONF`, `KVPN_DNS_IP`,
+    /// `KVPN_HOSTS` and `KVPN_STATE_DIR`.
     pub fn from_env(runtime_dir: &Path) -> Result<Self, String> {
         let mode = std::env::var("KVPN_DNS_MODE").unwrap_or_default().parse()?;
         let resolv_conf = std::env::var_os("KVPN_RESOLV_CONF")
@@ -119,11 +123,18 @@ impl DnsSettings {
         let hosts = std::env::var_os("KVPN_HOSTS")
             .filter(|p| !p.is_empty())
             .map_or_else(|| PathBuf::from(hosts::DEFAULT_PATH), PathBuf::from);
+        let state_dir = std::env::var_os("KVPN_STATE_DIR")
+            .filter(|p| !p.is_empty())
+            .map_or_else(
+                || PathBuf::from(resolv_conf::DEFAULT_STATE_DIR),
+                PathBuf::from,
+            );
         Ok(DnsSettings {
             mode,
             resolv_conf,
             listen: SocketAddr::new(ip, DNS_PORT),
             runtime_dir: runtime_dir.to_owned(),
+            state_dir,
             hosts,
         })
     }
@@ -222,8 +233,10 @@ fn clusters_of(state: &State) -> Vec<(ClusterDns, Reach)> {
 impl Dns {
     /// Split DNS as `settings` say; nothing changes until a session asks.
     pub fn new(settings: DnsSettings) -> Self {
-        let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir);
-        let hosts = HostsFile::new(&settings.hosts, &settings.runtime_dir);
+        let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir)
+            .with_persistent_copy(&settings.state_dir);
+        let hosts = HostsFile::new(&settings.hosts, &settings.runtime_dir)
+            .with_persistent_copy(&settings.state_dir);
         Dns {
             settings,
             resolv,
