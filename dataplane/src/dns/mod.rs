@@ -309,6 +309,28 @@ impl Dns {
         self.state.lock().await.hosts.iter().any(|h| h.id == id)
     }
 
+    /// The namespaces the route watch reported Services in for session `id`:
+    /// while the session is down their `svc.ns` spellings stay cluster names
+    /// ([`names::while_unreachable`]) instead of going to the laptop's resolvers.
+    pub async fn set_namespaces<'a>(
+        &self,
+        id: &str,
+        namespaces: impl IntoIterator<Item = &'a str>,
+    ) {
+        let mut state = self.state.lock().await;
+        let Some(s) = state.sessions.iter_mut().find(|s| s.id == id) else {
+            return;
+        };
+        let cluster = s.cluster.clone().with_namespaces(namespaces);
+        if cluster == s.cluster {
+            return;
+        }
+        s.cluster = cluster;
+        if let Some(Active::Forwarder(f)) = &state.active {
+            f.set_clusters(clusters_of(&state));
+        }
+    }
+
     /// The Services the route watch reports for session `id` (all of them; the
     /// connected namespace's get entries). No-op unless the session asked for
     /// hosts-file entries. Returns the number of entries of this session.
@@ -418,7 +440,11 @@ impl Dns {
             }
         }
         // A session's settings again (the route watch reports the manager's view):
-        // replace its entry.
+        // replace its entry, keeping the namespaces the route watch reported.
+        let namespaces = state.sessions.iter().find(|s| s.id == id);
+        let namespaces = namespaces.map(|s| s.cluster.namespaces.clone());
+        let mut cluster = cluster;
+        cluster.namespaces = namespaces.unwrap_or_default();
         state.sessions.retain(|s| s.id != id);
         state.sessions.insert(
             0,

@@ -80,6 +80,11 @@ pub struct ClusterDns {
     /// The cluster's pod and service CIDRs: PTR names of addresses in them go to
     /// the cluster DNS ([`ClusterDns::with_reverse`]; empty: none do).
     pub reverse: Vec<ipnet::IpNet>,
+    /// `<ns>.svc.<domain>.` of every namespace the route watch reported Services
+    /// in, sorted ([`ClusterDns::with_namespaces`]): they exist by what the
+    /// cluster told the session, so [`while_unreachable`] keeps their `svc.ns`
+    /// spellings in the cluster during an outage.
+    pub namespaces: Vec<Name>,
 }
 
 fn fqdn(text: &str) -> Result<Name, ConfigError> {
@@ -145,6 +150,7 @@ impl ClusterDns {
             search: list,
             ipv6,
             reverse: Vec::new(),
+            namespaces: Vec::new(),
         })
     }
 
@@ -157,14 +163,35 @@ impl ClusterDns {
         self
     }
 
+    /// The same, knowing that `namespaces` exist (the route watch reported
+    /// Services in them); names that are not DNS labels are skipped.
+    pub fn with_namespaces<'a>(mut self, namespaces: impl IntoIterator<Item = &'a str>) -> Self {
+        self.namespaces = namespaces
+            .into_iter()
+            .filter_map(|ns| {
+                Name::from_ascii(ns)
+                    .ok()
+                    .filter(|n| n.num_labels() == 1)
+                    .and_then(|n| n.append_domain(&Name::from_ascii("svc").ok()?).ok())
+                    .and_then(|n| n.append_domain(&self.domain).ok())
+                    .map(|n| n.to_lowercase())
+            })
+            .collect();
+        self.namespaces.sort();
+        self.namespaces.dedup();
+        self
+    }
+
     /// Whether `name` exists in the cluster by this configuration alone: the
     /// cluster domain, `svc.<domain>` and the search domains (the connected
     /// namespace's `dev.svc.<domain>` among them) are zones of every cluster
-    /// whose DNS gives this search list.
+    /// whose DNS gives this search list; `<ns>.svc.<domain>` of the namespaces
+    /// the route watch reported exist too.
     pub fn configured(&self, name: &Name) -> bool {
         let name = name.to_lowercase();
         name == self.domain
             || self.search.contains(&name)
+            || self.namespaces.binary_search(&name).is_ok()
             || Name::from_ascii("svc")
                 .and_then(|svc| svc.append_domain(&self.domain))
                 .is_ok_and(|svc| svc == name)
@@ -803,6 +830,22 @@ mod tests {
                 "{n} is the laptop's"
             );
         }
+        // A namespace the route watch reported is the cluster's too.
+        let watched = c
+            .clone()
+            .with_namespaces(["other", "Kube-System", "not.a.label"]);
+        for n in ["web.other", "kube-dns.kube-system"] {
+            assert_eq!(
+                while_unreachable(
+                    classify(&q(n, RecordType::A), &watched),
+                    &watched,
+                    nothing_cached
+                ),
+                Plan::Unreachable,
+                "{n}: its namespace has Services"
+            );
+        }
+        assert_eq!(watched.namespaces.len(), 2, "{:?}", watched.namespaces);
         // Configured zones, case-insensitively; not their children.
         for (n, yes) in [
             ("cluster.local.", true),
