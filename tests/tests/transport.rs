@@ -63,6 +63,22 @@ fn connect(addr: SocketAddr) -> TcpStream {
     s
 }
 
+/// A static lab connected with `kvpn connect --mtu <mtu>`.
+fn connected_with_mtu(mtu: u32) -> Fixture {
+    let f = Fixture::new();
+    let mut args: Vec<String> = vec!["connect".into()];
+    args.extend(kvpn_tests::lab_connect_args());
+    args.extend(["--mtu".into(), mtu.to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = f.kvpn(&args);
+    assert!(
+        out.status.success(),
+        "connect --mtu {mtu}: {}",
+        text(&out.stderr)
+    );
+    f
+}
+
 /// `GET /big?bytes=<n>` with a request body of `n` bytes (the lab server
 /// discards it): one large flight each way. Returns (status line, body).
 fn http_exchange(addr: SocketAddr, n: usize) -> (String, Vec<u8>) {
@@ -213,17 +229,7 @@ fn tr_01_path_mtu_1400_large_exchanges_complete() {
 /// to 8960 by the manager's SYN-ACK) go through.
 #[test]
 fn tr_01_pmtud_with_a_tun_larger_than_the_manager_mtu() {
-    let f = Fixture::new();
-    let mut args: Vec<String> = vec!["connect".into()];
-    args.extend(kvpn_tests::lab_connect_args());
-    args.extend(["--mtu".into(), "16000".into()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = f.kvpn(&args);
-    assert!(
-        out.status.success(),
-        "connect --mtu 16000: {}",
-        text(&out.stderr)
-    );
+    let f = connected_with_mtu(16_000);
 
     let started = Instant::now();
     let out = f.laptop(&[
@@ -366,17 +372,7 @@ fn laptop_reassembled(f: &Fixture) -> u64 {
 /// per reply; a whole 4028-byte packet would not count) and arrive intact.
 #[test]
 fn tr_02_replies_are_fragmented_to_the_laptops_tun_mtu() {
-    let f = Fixture::new();
-    let mut args: Vec<String> = vec!["connect".into()];
-    args.extend(kvpn_tests::lab_connect_args());
-    args.extend(["--mtu".into(), "1400".into()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = f.kvpn(&args);
-    assert!(
-        out.status.success(),
-        "connect --mtu 1400: {}",
-        text(&out.stderr)
-    );
+    let f = connected_with_mtu(1400);
     let before = laptop_reassembled(&f);
     let echoed = f.in_laptop(|| {
         let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
