@@ -24,6 +24,10 @@ APT_PACKAGES=(
     etcd-server golang-1.19-go rsync
     openssh-server openssh-client openssl
     sshuttle iptables
+    # GSSAPI/Kerberos SSH login: the build (libgssapi-sys runs bindgen on the MIT
+    # headers: libclang and its builtin headers) and the lab's KDC, kadmin.local, kinit
+    libkrb5-dev libclang1-14 libclang-common-14-dev pkg-config
+    krb5-kdc krb5-admin-server krb5-user
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -36,6 +40,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     # etcd-server's package starts a system etcd on :2379; the lab runs its own.
     systemctl disable --now etcd >/dev/null 2>&1 || true
+    # Likewise the Kerberos packages' system KDC and kadmind: the lab runs its own.
+    systemctl disable --now krb5-kdc krb5-admin-server >/dev/null 2>&1 || true
 fi
 
 # --- Rust toolchains -------------------------------------------------------
