@@ -162,6 +162,10 @@ pub struct SshPlan {
     /// jump host is given up and redialled within seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keepalive_ms: Option<u64>,
+    /// The CLI's `KRB5CCNAME`, for hops without a --gssapi-* flag: the user daemon,
+    /// started earlier, may have another (or none) in its environment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_ccache: Option<String>,
 }
 
 impl SshPlan {
@@ -481,6 +485,7 @@ pub fn resolve_plan(
         known_hosts,
         accept_new: args.ssh_accept_new,
         keepalive_ms: None,
+        default_ccache: std::env::var("KRB5CCNAME").ok().filter(|c| !c.is_empty()),
     }))
 }
 
@@ -727,10 +732,7 @@ mod tests {
         ])
         .expect("flags");
         let hops = resolve_hops(&flags.hop, &NoConfig, Some("me")).expect("chain");
-        assert_eq!(
-            hops[0].gssapi,
-            Some(gssapi::Creds::Password("p w".into()))
-        );
+        assert_eq!(hops[0].gssapi, Some(gssapi::Creds::Password("p w".into())));
         assert_eq!(hops[1].gssapi, Some(gssapi::Creds::Cache("/t/cc".into())));
         let both = JumpFlags::try_parse_from([
             "--ssh-addr",
@@ -834,6 +836,7 @@ mod tests {
             known_hosts: "/t/kh".into(),
             accept_new: true,
             keepalive_ms: Some(2000),
+            default_ccache: Some("FILE:/t/krb5cc".into()),
         };
         assert_eq!(SshPlan::from_env(&plan.to_env()).expect("parse"), plan);
         assert!(SshPlan::from_env("{").is_err());

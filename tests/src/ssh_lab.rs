@@ -499,9 +499,10 @@ impl SshLab {
         sock
     }
 
-    /// Adds `key=value` to the environment of every later [`SshLab::kvpn`] run (and so
-    /// of the user daemon it starts).
+    /// Sets `key=value` in the environment of every later [`SshLab::kvpn`] run (and
+    /// so of the user daemon it starts).
     pub fn set_kvpn_env(&mut self, key: &str, value: impl Into<std::ffi::OsString>) {
+        self.kvpn_env.retain(|(k, _)| k != key);
         self.kvpn_env.push((key.to_owned(), value.into()));
     }
 

@@ -380,7 +380,13 @@ pub async fn connect(plan: &SshPlan, agent_sock: Option<&Path>) -> Result<SshCha
             })??;
         tokio::time::timeout(
             HOP_TIMEOUT,
-            authenticate(&mut session, hop, &name, agent_sock),
+            authenticate(
+                &mut session,
+                hop,
+                &name,
+                agent_sock,
+                plan.default_ccache.as_deref(),
+            ),
         )
         .await
         .map_err(|_| ConnectError::Timeout {
@@ -444,6 +450,7 @@ async fn authenticate(
     hop: &Hop,
     name: &str,
     agent_sock: Option<&Path>,
+    default_ccache: Option<&str>,
 ) -> Result<(), ConnectError> {
     let ssh_err = |e: russh::Error| ConnectError::Ssh {
         hop: name.to_owned(),
@@ -451,7 +458,7 @@ async fn authenticate(
     };
     let mut tried: Vec<String> = Vec::new();
     if let Some(creds) = &hop.gssapi {
-        let acquired = acquire_krb5(Some(creds), hop, name).await?;
+        let acquired = acquire_krb5(Some(creds), None, hop, name).await?;
         tried.push(format!("Kerberos as {}", acquired.principal));
         if kerberos(session, hop, name, &acquired).await? {
             return Ok(());
@@ -552,11 +559,22 @@ async fn authenticate(
     }
     // Last, like ssh's GSSAPIAuthentication: the default cache, when it holds tickets.
     if hop.gssapi.is_none() {
-        match acquire_krb5(None, hop, name).await {
+        match acquire_krb5(None, default_ccache, hop, name).await {
             Ok(acquired) => {
-                tried.push(format!("Kerberos as {} (default cache)", acquired.principal));
-                if kerberos(session, hop, name, &acquired).await? {
-                    return Ok(());
+                tried.push(format!(
+                    "Kerberos as {} (default cache)",
+                    acquired.principal
+                ));
+                // The last method: its failure is one more thing tried, not the error.
+                match kerberos(session, hop, name, &acquired).await {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
+                    Err(e) => {
+                        debug!(hop = %name, "{e}");
+                        if let Some(t) = tried.last_mut() {
+                            t.push_str(&format!(": {e}"));
+                        }
+                    }
                 }
             }
             Err(e) => debug!(hop = %name, "no Kerberos login: {e}"),
@@ -587,20 +605,24 @@ async fn authenticate(
 /// async threads.
 async fn acquire_krb5(
     creds: Option<&super::gssapi::Creds>,
+    default_ccache: Option<&str>,
     hop: &Hop,
     name: &str,
 ) -> Result<super::gssapi::Acquired, ConnectError> {
     let (creds, user) = (creds.cloned(), hop.user.clone());
-    tokio::task::spawn_blocking(move || super::gssapi::acquire(creds.as_ref(), &user))
-        .await
-        .map_err(|e| ConnectError::Kerberos {
-            hop: name.to_owned(),
-            cause: format!("the credential lookup did not finish: {e}"),
-        })?
-        .map_err(|e| ConnectError::Kerberos {
-            hop: name.to_owned(),
-            cause: e.to_string(),
-        })
+    let default_ccache = default_ccache.map(str::to_owned);
+    tokio::task::spawn_blocking(move || {
+        super::gssapi::acquire(creds.as_ref(), default_ccache.as_deref(), &user)
+    })
+    .await
+    .map_err(|e| ConnectError::Kerberos {
+        hop: name.to_owned(),
+        cause: format!("the credential lookup did not finish: {e}"),
+    })?
+    .map_err(|e| ConnectError::Kerberos {
+        hop: name.to_owned(),
+        cause: e.to_string(),
+    })
 }
 
 /// One `gssapi-with-mic` attempt with `acquired`; `Ok(false)` when the server

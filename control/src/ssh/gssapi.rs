@@ -11,8 +11,9 @@
 //!   cache);
 //! - `--gssapi-cache PATH`: the tickets already in that credential cache (as
 //!   `kinit -c PATH` leaves them; `gss_acquire_cred_from` with `ccache`);
-//! - none of them: the default cache (`KRB5CCNAME`, else the library's default),
-//!   tried after every other method, and only when it holds credentials.
+//! - none of them: the default cache (the CLI's `KRB5CCNAME`, carried in the plan
+//!   so the user daemon uses the same one; else the library's default), tried after
+//!   every other method, and only when it holds credentials.
 //!
 //! A bare user name takes the default realm of krb5.conf (`user@REALM` names another
 //! realm). The service is `host@<hop host>` (a host-based service name, like
@@ -105,10 +106,22 @@ pub struct Acquired {
     pub principal: String,
 }
 
-/// Acquires the credentials `creds` (or the default cache's, when `None`) for `user`.
-/// Blocking: talks to the KDC for a password, reads keytabs and caches.
-pub fn acquire(creds: Option<&Creds>, user: &str) -> Result<Acquired, KrbError> {
-    let source_flag = creds.map_or_else(|| "the default credential cache".into(), Creds::describe);
+/// Acquires the credentials `creds` for `user`, or when `None` those of the default
+/// cache: `default_ccache` (a cache name like `FILE:/tmp/krb5cc_1000`), else the
+/// library's default. Blocking: talks to the KDC for a password, reads keytabs and
+/// caches.
+pub fn acquire(
+    creds: Option<&Creds>,
+    default_ccache: Option<&str>,
+    user: &str,
+) -> Result<Acquired, KrbError> {
+    let source_flag = creds.map_or_else(
+        || match default_ccache {
+            Some(c) => format!("the default credential cache {c}"),
+            None => "the default credential cache".into(),
+        },
+        Creds::describe,
+    );
     // `user@REALM` as the library reads `user` (the default realm of krb5.conf).
     let full = Name::new(user.as_bytes(), Some(GSS_NT_USER_NAME))
         .and_then(|n| n.canonicalize(Some(GSS_MECH_KRB5)))
@@ -119,18 +132,30 @@ pub fn acquire(creds: Option<&Creds>, user: &str) -> Result<Acquired, KrbError> 
         principal: principal.to_owned(),
         source_flag: source_flag.clone(),
         cause,
-        fix: creds.map_or("run `kinit` or pass a --gssapi-* flag", Creds::fix).into(),
+        fix: creds
+            .map_or("run `kinit` or pass a --gssapi-* flag", Creds::fix)
+            .into(),
     };
     let krb5_only =
         OidSet::singleton(GSS_MECH_KRB5).map_err(|e| fail(user_principal, e.to_string()))?;
     let cred = match creds {
-        None => Cred::acquire(None, None, CredUsage::Initiate, Some(&krb5_only))
-            .map_err(|e| fail("the default principal", e.to_string()))?,
+        None => match default_ccache {
+            Some(c) => acquire_from(None, &[("ccache", c.to_owned())])
+                .map_err(|e| fail("the default principal", e))?,
+            None => Cred::acquire(None, None, CredUsage::Initiate, Some(&krb5_only))
+                .map_err(|e| fail("the default principal", e.to_string()))?,
+        },
         Some(Creds::Password(pw)) => {
             let name = Name::new(user.as_bytes(), Some(GSS_NT_USER_NAME))
                 .map_err(|e| fail(user_principal, e.to_string()))?;
-            Cred::acquire_with_password(Some(&name), pw, None, CredUsage::Initiate, Some(&krb5_only))
-                .map_err(|e| fail(user_principal, e.to_string()))?
+            Cred::acquire_with_password(
+                Some(&name),
+                pw,
+                None,
+                CredUsage::Initiate,
+                Some(&krb5_only),
+            )
+            .map_err(|e| fail(user_principal, e.to_string()))?
         }
         Some(Creds::Keytab(path)) => {
             // A memory cache of this process only: the user's own cache is left alone.
@@ -143,13 +168,11 @@ pub fn acquire(creds: Option<&Creds>, user: &str) -> Result<Acquired, KrbError> 
         }
         Some(Creds::Cache(path)) => {
             let store = [("ccache", format!("FILE:{}", path.display()))];
-            acquire_from(None, &store).map_err(|e| fail(&format!("the principal of {}", path.display()), e))?
+            acquire_from(None, &store)
+                .map_err(|e| fail(&format!("the principal of {}", path.display()), e))?
         }
     };
-    let principal = cred
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or(full);
+    let principal = cred.name().map(|n| n.to_string()).unwrap_or(full);
     Ok(Acquired { cred, principal })
 }
 
@@ -339,17 +362,23 @@ mod tests {
         // GSS_MECH_KRB5 holds the OID's content octets; the wire form adds tag and length.
         let body: &[u8] = &GSS_MECH_KRB5;
         assert_eq!(&KRB5_MECH_DER[2..], body);
-        assert_eq!(KRB5_MECH_DER[..2], [0x06, u8::try_from(body.len()).unwrap_or(0)]);
+        assert_eq!(
+            KRB5_MECH_DER[..2],
+            [0x06, u8::try_from(body.len()).unwrap_or(0)]
+        );
     }
 
     #[test]
     fn a_cache_that_does_not_exist_names_kerberos_the_cache_and_the_fix() {
         let path = PathBuf::from("/nonexistent/kvpn-krb5cc");
-        let e = acquire(Some(&Creds::Cache(path)), "root")
+        let e = acquire(Some(&Creds::Cache(path)), None, "root")
             .err()
             .expect("no cache, no credentials");
         let text = e.to_string();
-        assert!(text.starts_with("Kerberos credentials for the principal of /nonexistent/kvpn-krb5cc"), "{text}");
+        assert!(
+            text.starts_with("Kerberos credentials for the principal of /nonexistent/kvpn-krb5cc"),
+            "{text}"
+        );
         assert!(text.contains("--gssapi-cache"), "{text}");
         assert!(text.contains("kinit -c PATH"), "{text}");
     }
