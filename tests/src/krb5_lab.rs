@@ -8,11 +8,12 @@
 //! lab's folder.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpn_lab::Netns;
 
+use crate::ssh_lab::run;
 use crate::text;
 
 /// The lab's realm.
@@ -30,18 +31,6 @@ pub struct Kdc {
     pub krb5_conf: PathBuf,
     kdc_conf: PathBuf,
     kdc: Option<Child>,
-}
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}): {}{}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    out
 }
 
 impl Kdc {

@@ -153,7 +153,8 @@ pub struct SshLab {
     kvpn_env: Vec<(String, std::ffi::OsString)>,
 }
 
-fn run(cmd: &mut Command) -> Output {
+/// Runs `cmd` to completion; fails the test unless it succeeded.
+pub(crate) fn run(cmd: &mut Command) -> Output {
     let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
     assert!(
         out.status.success(),
