@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use kvpn_lab::LAPTOP;
 
-use crate::kube_lab::KubeFixture;
+use crate::dns_lab::first_address;
+use crate::kube_lab::{KubeFixture, kvpn_succeeded};
 use crate::text;
 
 /// The private `/etc/resolv.conf`: resolved's stub only.
@@ -161,14 +162,7 @@ impl<'a> ResolvedLaptop<'a> {
 
     /// `getent hosts <name>` (nss-resolve): the first address, if it resolved.
     pub fn getent(&self, name: &str) -> Option<String> {
-        let out = self.run(&["getent", "hosts", name]);
-        out.status.success().then(|| {
-            text(&out.stdout)
-                .split_whitespace()
-                .next()
-                .unwrap_or("")
-                .to_owned()
-        })
+        first_address(&self.run(&["getent", "hosts", name]))
     }
 
     /// `kvpn <args>` there, with the fixture's runtime and state folders; the
@@ -190,17 +184,9 @@ impl<'a> ResolvedLaptop<'a> {
 
     /// `kvpn <args>`, which must succeed; its stdout.
     pub fn kvpn_ok(&self, args: &[&str]) -> String {
-        let out = self.kvpn(args);
-        assert!(
-            out.status.success(),
-            "kvpn {args:?} failed ({}):\n{}\n{}\n{}\n{}",
-            out.status,
-            text(&out.stdout),
-            text(&out.stderr),
-            self.f.diagnostics(),
-            self.log()
-        );
-        text(&out.stdout)
+        kvpn_succeeded(args, &self.kvpn(args), || {
+            format!("{}\n{}", self.f.diagnostics(), self.log())
+        })
     }
 
     /// systemd-resolved's and the bus's logs.

@@ -25,6 +25,18 @@ fn resolved_view(r: &ResolvedLaptop) -> String {
         .join("")
 }
 
+/// `kvpn connect` to namespace `default`, which must choose systemd-resolved.
+fn connect(r: &ResolvedLaptop, kubeconfig: &str) {
+    let out = r.kvpn_ok(&[
+        "connect",
+        "--kubeconfig",
+        kubeconfig,
+        "--namespace",
+        "default",
+    ]);
+    assert!(out.contains("DNS: systemd-resolved"), "{out}");
+}
+
 #[test]
 fn dns_04_systemd_resolved_link_dns_routing_domain_search_getent_and_clean_disconnect() {
     let host_resolv = std::fs::read("/etc/resolv.conf").unwrap_or_default();
@@ -42,14 +54,7 @@ fn dns_04_systemd_resolved_link_dns_routing_domain_search_getent_and_clean_disco
     let before = resolved_view(&r);
 
     let kubeconfig = f.user_kubeconfig();
-    let out = r.kvpn_ok(&[
-        "connect",
-        "--kubeconfig",
-        &kubeconfig,
-        "--namespace",
-        "default",
-    ]);
-    assert!(out.contains("DNS: systemd-resolved"), "{out}");
+    connect(&r, &kubeconfig);
     let tuns = f.tun_devices();
     assert_eq!(tuns.len(), 1, "one TUN device: {tuns:?}");
     let tun = &tuns[0];
@@ -147,14 +152,7 @@ fn dns_04_systemd_resolved_link_dns_routing_domain_search_getent_and_clean_disco
 
     // A killed root daemon leaves nothing in resolved either: the settings go
     // with its TUN device.
-    let out = r.kvpn_ok(&[
-        "connect",
-        "--kubeconfig",
-        &kubeconfig,
-        "--namespace",
-        "default",
-    ]);
-    assert!(out.contains("DNS: systemd-resolved"), "{out}");
+    connect(&r, &kubeconfig);
     assert_ne!(resolved_view(&r), before, "settings while connected again");
     kill_daemon_and_agents(&f);
     let t0 = Instant::now();
