@@ -38,8 +38,9 @@ pub(crate) fn print_progress(event: ProgressEvent) {
     }
 }
 
-/// `Origin.transport` of a session whose data channel rides `pods/portforward`.
-pub const TRANSPORT_PORT_FORWARD: &str = "port-forward";
+/// `Origin.transport` of a session whose data channel rides `pods/portforward`
+/// (the root daemon words its errors by it, so both read the one constant).
+pub use kvpn_dataplane::session::TRANSPORT_PORT_FORWARD;
 /// `Origin.transport` of a session dialling `--manager` directly.
 pub const TRANSPORT_DIRECT: &str = "direct";
 
