@@ -81,6 +81,27 @@ pub fn error(msg: &str) {
     eprintln!("kvpn: error: {msg}");
 }
 
+/// An error and its causes as one line, each cause said once: `outer: cause:
+/// cause`, like anyhow's `{:#}`, but a cause whose text the line already holds
+/// is left out. Most errors here (and kube-rs's) print their source inside
+/// their own message *and* return it from `source()`, so `{:#}` said an
+/// unreadable client key's "Permission denied" five times. kube-rs also quotes
+/// paths as `'"/path"'` (`'{:?}'` of a `PathBuf`): shown as `"/path"`.
+pub fn error_chain(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string().replace("'\"", "\"").replace("\"'", "\"");
+        if text.is_empty() || line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
 /// Human name of a route kind.
 pub fn kind_name(kind: i32) -> &'static str {
     match RouteKind::try_from(kind) {
@@ -628,6 +649,39 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An unreadable `client-key` file: kube-rs's error nests four levels deep,
+    /// each repeating the one below; the line says the cause once, the path in
+    /// plain double quotes.
+    #[test]
+    fn unreadable_client_key_is_said_once() {
+        use kube::config::{KubeconfigError, LoadDataError};
+        let io = std::io::Error::from_raw_os_error(libc::EACCES);
+        let kube_err = kube::Error::InferKubeconfig(KubeconfigError::LoadClientKey(
+            LoadDataError::ReadFile(io, "/home/u/.kube/u.key".into()),
+        ));
+        let err = crate::kubeconfig::Error::Client {
+            context: "lab".into(),
+            server: "https://10.0.0.1:6443".into(),
+            source: kube_err,
+        };
+        let e = anyhow::Error::new(err).context("cannot reach the API server");
+        let line = error_chain(&e);
+        assert_eq!(line.matches("Permission denied").count(), 1, "{line}");
+        assert_eq!(
+            line.matches("failed to load client key").count(),
+            1,
+            "{line}"
+        );
+        assert!(line.contains("\"/home/u/.kube/u.key\""), "{line}");
+        assert!(!line.contains("'\"") && !line.contains("\"'"), "{line}");
+        assert!(
+            line.starts_with("cannot reach the API server: building the client"),
+            "{line}"
+        );
+        // The plain `{:#}` repeated it: the test would notice a regression to it.
+        assert!(format!("{e:#}").matches("Permission denied").count() > 1);
+    }
     use kvpn_proto::dataplane::Origin;
 
     fn root(id: &str, transport: &str, state: &str) -> Session {

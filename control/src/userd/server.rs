@@ -123,7 +123,7 @@ fn now_unix_ms() -> u64 {
 }
 
 fn internal(e: anyhow::Error) -> Status {
-    Status::failed_precondition(format!("{e:#}"))
+    Status::failed_precondition(crate::output::error_chain(&e))
 }
 
 /// The session's agent configuration from the CLI's request.
@@ -330,8 +330,9 @@ impl UserDaemonState {
             }
             Err(e) => {
                 let reason = format!(
-                    "the restarted user daemon could not bring it back: {e:#} — its TUN device \
-                     and routes were removed; run `kvpn connect` again"
+                    "the restarted user daemon could not bring it back: {} — its TUN device \
+                     and routes were removed; run `kvpn connect` again",
+                    crate::output::error_chain(&e)
                 );
                 if let Err(e) = self.root_disconnect(&id).await {
                     warn!(session = %id, "{e:#}");
