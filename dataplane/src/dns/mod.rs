@@ -222,7 +222,8 @@ fn clusters_of(state: &State) -> Vec<(ClusterDns, Reach)> {
 impl Dns {
     /// Split DNS as `settings` say; nothing changes until a session asks.
     pub fn new(settings: DnsSettings) -> Self {
-        let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir);
+        let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir)
+            .with_own_nameserver(settings.listen.ip());
         let hosts = HostsFile::new(&settings.hosts, &settings.runtime_dir);
         Dns {
             settings,
