@@ -87,19 +87,22 @@ pub fn error(msg: &str) {
 /// their own message *and* return it from `source()`, so `{:#}` said an
 /// unreadable client key's "Permission denied" five times. kube-rs also quotes
 /// paths as `'"/path"'` (`'{:?}'` of a `PathBuf`): shown as `"/path"`.
+///
+/// A cause that starts with the words of the context above it replaces that
+/// context: "connect failed" over "connect failed at step …" reads once.
 pub fn error_chain(e: &anyhow::Error) -> String {
-    let mut line = String::new();
+    let mut parts: Vec<String> = Vec::new();
     for cause in e.chain() {
         let text = cause.to_string().replace("'\"", "\"").replace("\"'", "\"");
-        if text.is_empty() || line.contains(&text) {
+        if text.is_empty() || parts.iter().any(|p| p.contains(&text)) {
             continue;
         }
-        if !line.is_empty() {
-            line.push_str(": ");
+        match parts.last_mut() {
+            Some(last) if text.starts_with(last.as_str()) => *last = text,
+            _ => parts.push(text),
         }
-        line.push_str(&text);
     }
-    line
+    parts.join(": ")
 }
 
 /// Human name of a route kind.
@@ -617,27 +620,8 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                         }
                     );
                 }
-                for k in &s.ebpf {
-                    println!(
-                        "    eBPF {:<8} {:>10} packets {:>14} bytes",
-                        kind_name(k.kind),
-                        k.packets,
-                        k.bytes
-                    );
-                }
-                println!(
-                    "    eBPF unrouted (dropped) {} packets {} bytes",
-                    s.ebpf_unrouted_packets, s.ebpf_unrouted_bytes
-                );
-                if let Some(i) = &s.ebpf_ingress {
-                    let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default();
-                    let (passed, foreign, malformed) =
-                        (c(&i.passed), c(&i.foreign_source), c(&i.malformed));
-                    println!(
-                        "    eBPF from tunnel: passed {} packets, dropped {} packets from \
-                         non-cluster sources, {} malformed",
-                        passed.packets, foreign.packets, malformed.packets
-                    );
+                for l in ebpf_lines(s) {
+                    println!("{l}");
                 }
             }
             refused_peers_line(root);
@@ -646,9 +630,44 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
     Ok(())
 }
 
+/// The eBPF counter lines of a session in the table; none for a session
+/// without a TUN device (SOCKS), which has no classifier.
+fn ebpf_lines(s: &Session) -> Vec<String> {
+    if s.tun_name.is_empty() {
+        return Vec::new();
+    }
+    let mut lines: Vec<String> = s
+        .ebpf
+        .iter()
+        .map(|k| {
+            format!(
+                "    eBPF {:<8} {:>10} packets {:>14} bytes",
+                kind_name(k.kind),
+                k.packets,
+                k.bytes
+            )
+        })
+        .collect();
+    lines.push(format!(
+        "    eBPF unrouted (dropped) {} packets {} bytes",
+        s.ebpf_unrouted_packets, s.ebpf_unrouted_bytes
+    ));
+    if let Some(i) = &s.ebpf_ingress {
+        let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default();
+        let (passed, foreign, malformed) = (c(&i.passed), c(&i.foreign_source), c(&i.malformed));
+        lines.push(format!(
+            "    eBPF from tunnel: passed {} packets, dropped {} packets from \
+             non-cluster sources, {} malformed",
+            passed.packets, foreign.packets, malformed.packets
+        ));
+    }
+    lines
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvpn_proto::dataplane::Origin;
 
     /// An unreadable `client-key` file: kube-rs's error nests four levels deep,
     /// each repeating the one below; the line says the cause once, the path in
@@ -682,7 +701,34 @@ mod tests {
         // The plain `{:#}` repeated it: the test would notice a regression to it.
         assert!(format!("{e:#}").matches("Permission denied").count() > 1);
     }
-    use kvpn_proto::dataplane::Origin;
+
+    #[test]
+    fn a_context_repeated_by_its_cause_reads_once() {
+        let e = anyhow::anyhow!("connect failed at step \"create TUN device\": EBUSY")
+            .context("connect failed");
+        assert_eq!(
+            error_chain(&e),
+            "connect failed at step \"create TUN device\": EBUSY"
+        );
+        let e = anyhow::anyhow!("no route to host").context("cannot reach 10.0.0.1");
+        assert_eq!(error_chain(&e), "cannot reach 10.0.0.1: no route to host");
+    }
+
+    /// SOCKS sessions have no TUN device and no eBPF classifier: no eBPF lines.
+    #[test]
+    fn socks_sessions_show_no_ebpf_lines() {
+        let tun = Session {
+            id: "t".into(),
+            tun_name: "kvpn0".into(),
+            ..Default::default()
+        };
+        assert!(ebpf_lines(&tun).iter().any(|l| l.contains("eBPF unrouted")));
+        let socks = Session {
+            id: "s".into(),
+            ..Default::default()
+        };
+        assert!(ebpf_lines(&socks).is_empty(), "{:?}", ebpf_lines(&socks));
+    }
 
     fn root(id: &str, transport: &str, state: &str) -> Session {
         Session {
