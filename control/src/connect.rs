@@ -209,6 +209,22 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
     given
 }
 
+/// The warning for session-shaping `flags` given to a connect that found its
+/// session running (`None` without any); one flag is "it", several "they".
+pub fn ignored_flags_warning(flags: &[&str]) -> Option<String> {
+    let (pronoun, verb) = match flags.len() {
+        0 => return None,
+        1 => ("it", "shapes"),
+        _ => ("they", "shape"),
+    };
+    Some(format!(
+        "{} not applied: {pronoun} {verb} a new session and this one already exists — \
+         `kvpn disconnect` the session, then connect again with {}",
+        flags.join(", "),
+        if flags.len() == 1 { "it" } else { "them" }
+    ))
+}
+
 /// Whether connect is already done: true after telling the user so. A session of
 /// the same cluster whose user-side half (port-forward, route watch) is gone or
 /// lost can never carry traffic again; it is replaced.
@@ -688,13 +704,8 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if already_connected(&mut user, &origin).await? {
-        let ignored = session_flags_given(args);
-        if !ignored.is_empty() {
-            output::warn(&format!(
-                "{} not applied: they shape a new session and this one already exists — \
-                 `kvpn disconnect` it, then connect again with them",
-                ignored.join(", ")
-            ));
+        if let Some(warning) = ignored_flags_warning(&session_flags_given(args)) {
+            output::warn(&warning);
         }
         return Ok(());
     }
@@ -893,8 +904,28 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 
 #[cfg(test)]
 mod tests {
-    use super::{SessionMatch, host_of, match_session};
+    use super::{SessionMatch, host_of, ignored_flags_warning, match_session};
     use kvpn_proto::dataplane::{Origin, Session};
+
+    /// One ignored flag is "it", several "they"; none, no warning.
+    #[test]
+    fn ignored_flags_are_named_with_the_right_pronoun() {
+        assert_eq!(ignored_flags_warning(&[]), None);
+        let one = ignored_flags_warning(&["--hosts"]).expect("a warning");
+        assert!(
+            one.starts_with("--hosts not applied: it shapes a new session"),
+            "{one}"
+        );
+        assert!(one.ends_with("connect again with it"), "{one}");
+        assert!(!one.contains("they"), "{one}");
+        let two = ignored_flags_warning(&["--cidr", "--namespace"]).expect("a warning");
+        assert!(
+            two.starts_with("--cidr, --namespace not applied: they shape a new session"),
+            "{two}"
+        );
+        assert!(two.contains("`kvpn disconnect` the session"), "{two}");
+        assert!(two.ends_with("with them"), "{two}");
+    }
 
     fn origin(server: &str, context: &str, ns: &str) -> Origin {
         Origin {
