@@ -824,11 +824,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         }
     };
 
-    output::step(&format!(
-        "Starting root daemon (socket {})",
-        daemon::socket_path(runtime_dir).display()
-    ));
-    let mut client = daemon::connect_or_start(runtime_dir).await?;
+    let mut client = daemon::connect_or_start_announced(runtime_dir).await?;
     match data_path.ssh_direct_target() {
         Some(target) => output::step(&format!(
             "Connecting to the traffic manager (tunnel IP {tunnel_ip}) through SSH \
