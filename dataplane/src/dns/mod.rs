@@ -422,12 +422,7 @@ impl Dns {
                 .map(|()| {
                     format!(
                         "systemd-resolved: {} on {tun} for ~{}, search {}",
-                        cluster
-                            .servers
-                            .iter()
-                            .map(ToString::to_string)
-                            .collect::<Vec<_>>()
-                            .join(", "),
+                        cluster.servers_text(),
                         cluster.domain_text(),
                         cluster.search_text().join(" ")
                     )
@@ -439,12 +434,7 @@ impl Dns {
                 self.write_resolv_conf(&state, local.ip()).map(|()| {
                     format!(
                         "forwarder on {local} (cluster DNS {}, search {}); {} names it",
-                        cluster
-                            .servers
-                            .iter()
-                            .map(ToString::to_string)
-                            .collect::<Vec<_>>()
-                            .join(", "),
+                        cluster.servers_text(),
                         cluster.search_text().join(" "),
                         self.resolv.path().display()
                     )
