@@ -1290,6 +1290,10 @@ impl Drop for Refuser {
 /// the agent list pods hundreds of times a second. A transport that had proved
 /// itself (an echo, or one that lived to the silence watchdog) is re-dialled at
 /// once, so a killed transport recovers in well under tr-08's 3 s.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the supervisor's whole state, moved into one task once per session"
+)]
 async fn supervise(
     tun: Arc<AsyncDevice>,
     first: DataStream,
