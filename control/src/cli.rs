@@ -2,6 +2,7 @@
 
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use ipnet::IpNet;
@@ -253,9 +254,31 @@ pub struct TopArgs {
     /// Print one refresh (two samples one interval apart) and exit.
     #[arg(long)]
     pub once: bool,
-    /// Seconds between samples.
-    #[arg(long, default_value_t = 1.0)]
-    pub interval: f64,
+    /// Seconds between samples (0.1 to 3600).
+    #[arg(long, default_value = "1", value_parser = parse_interval, allow_hyphen_values = true)]
+    pub interval: Duration,
+}
+
+/// Bounds of `kvpn top --interval`: shorter than 0.1 s the samples are mostly
+/// noise; longer than an hour nobody is watching.
+const TOP_INTERVAL_SECS: std::ops::RangeInclusive<f64> = 0.1..=3600.0;
+
+/// `--interval` value parser: seconds as a decimal number within
+/// [`TOP_INTERVAL_SECS`]. Rejects NaN, infinities and negatives here, so the
+/// `Duration` conversion after it cannot panic.
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let secs: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("--interval {text:?} is not a number — give seconds between 0.1 and 3600, e.g. --interval 0.5"))?;
+    if !TOP_INTERVAL_SECS.contains(&secs) {
+        return Err(format!(
+            "--interval {text} is out of range — give seconds between {} and {}",
+            TOP_INTERVAL_SECS.start(),
+            TOP_INTERVAL_SECS.end()
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 /// `kvpn disconnect` flags.
@@ -300,4 +323,49 @@ pub enum LabCommand {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         command: Vec<String>,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `kvpn top --interval nan|inf|-1|0` is refused by clap with the flag, the value
+    /// and the range (it used to panic in `Duration::from_secs_f64`).
+    #[test]
+    fn top_interval_rejects_nan_inf_negative_and_zero() {
+        for bad in [
+            "nan", "inf", "-inf", "-1", "0", "0.05", "3601", "1e400", "soon",
+        ] {
+            let err = Cli::try_parse_from(["kvpn", "top", "--interval", bad])
+                .expect_err(&format!("--interval {bad} was accepted"))
+                .to_string();
+            assert!(err.contains("--interval"), "{bad}: no flag in {err:?}");
+            assert!(err.contains(bad), "{bad}: no value in {err:?}");
+            assert!(
+                err.contains("0.1") && err.contains("3600"),
+                "{bad}: no range in {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn top_interval_accepts_the_range() {
+        for (text, want) in [("0.1", 0.1), ("1", 1.0), ("2.5", 2.5), ("3600", 3600.0)] {
+            let cli = Cli::try_parse_from(["kvpn", "top", "--interval", text])
+                .unwrap_or_else(|e| panic!("--interval {text}: {e}"));
+            let Command::Top(args) = cli.command else {
+                panic!("not the top command: {:?}", cli.command);
+            };
+            assert_eq!(
+                args.interval,
+                Duration::from_secs_f64(want),
+                "--interval {text}"
+            );
+        }
+        let cli = Cli::try_parse_from(["kvpn", "top"]).expect("kvpn top parses");
+        let Command::Top(args) = cli.command else {
+            panic!("not the top command");
+        };
+        assert_eq!(args.interval, Duration::from_secs(1), "default --interval");
+    }
 }

@@ -38,8 +38,9 @@ pub(crate) fn print_progress(event: ProgressEvent) {
     }
 }
 
-/// `Origin.transport` of a session whose data channel rides `pods/portforward`.
-pub const TRANSPORT_PORT_FORWARD: &str = "port-forward";
+/// `Origin.transport` of a session whose data channel rides `pods/portforward`
+/// (the root daemon words its errors by it, so both read the one constant).
+pub use kvpn_dataplane::session::TRANSPORT_PORT_FORWARD;
 /// `Origin.transport` of a session dialling `--manager` directly.
 pub const TRANSPORT_DIRECT: &str = "direct";
 
@@ -206,6 +207,22 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
         }
     }
     given
+}
+
+/// The warning for session-shaping `flags` given to a connect that found its
+/// session running (`None` without any); one flag is "it", several "they".
+pub fn ignored_flags_warning(flags: &[&str]) -> Option<String> {
+    let (pronoun, verb) = match flags.len() {
+        0 => return None,
+        1 => ("it", "shapes"),
+        _ => ("they", "shape"),
+    };
+    Some(format!(
+        "{} not applied: {pronoun} {verb} a new session and this one already exists — \
+         `kvpn disconnect` the session, then connect again with {}",
+        flags.join(", "),
+        if flags.len() == 1 { "it" } else { "them" }
+    ))
 }
 
 /// Whether connect is already done: true after telling the user so. A session of
@@ -638,6 +655,23 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     if !args.socks && unsafe { libc::geteuid() } != 0 {
         daemon::connect_or_start(runtime_dir).await?;
     }
+    if args.socks {
+        // A --socks-listen address this machine cannot bind fails here, before
+        // the API server is asked anything. A port in use may be this cluster's
+        // running session (connect is idempotent): that one is checked once the
+        // sessions are known (socks::cli::connect).
+        let listen = crate::socks::parse_listen(
+            args.socks_listen
+                .as_deref()
+                .unwrap_or(crate::socks::DEFAULT_LISTEN),
+        )?;
+        match crate::socks::check_listen(listen) {
+            Err(e) if e.kind() != std::io::ErrorKind::AddrInUse => {
+                return Err(crate::socks::listen_error(listen, &e));
+            }
+            _ => {}
+        }
+    }
     let plan = crate::ssh::plan_for(&args.kube.ssh, &env)?;
     match &plan {
         Some(p) => output::step(&format!(
@@ -670,13 +704,8 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if already_connected(&mut user, &origin).await? {
-        let ignored = session_flags_given(args);
-        if !ignored.is_empty() {
-            output::warn(&format!(
-                "{} not applied: they shape a new session and this one already exists — \
-                 `kvpn disconnect` it, then connect again with them",
-                ignored.join(", ")
-            ));
+        if let Some(warning) = ignored_flags_warning(&session_flags_given(args)) {
+            output::warn(&warning);
         }
         return Ok(());
     }
@@ -795,11 +824,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         }
     };
 
-    output::step(&format!(
-        "Starting root daemon (socket {})",
-        daemon::socket_path(runtime_dir).display()
-    ));
-    let mut client = daemon::connect_or_start(runtime_dir).await?;
+    let mut client = daemon::connect_or_start_announced(runtime_dir).await?;
     match data_path.ssh_direct_target() {
         Some(target) => output::step(&format!(
             "Connecting to the traffic manager (tunnel IP {tunnel_ip}) through SSH \
@@ -875,8 +900,28 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 
 #[cfg(test)]
 mod tests {
-    use super::{SessionMatch, host_of, match_session};
+    use super::{SessionMatch, host_of, ignored_flags_warning, match_session};
     use kvpn_proto::dataplane::{Origin, Session};
+
+    /// One ignored flag is "it", several "they"; none, no warning.
+    #[test]
+    fn ignored_flags_are_named_with_the_right_pronoun() {
+        assert_eq!(ignored_flags_warning(&[]), None);
+        let one = ignored_flags_warning(&["--hosts"]).expect("a warning");
+        assert!(
+            one.starts_with("--hosts not applied: it shapes a new session"),
+            "{one}"
+        );
+        assert!(one.ends_with("connect again with it"), "{one}");
+        assert!(!one.contains("they"), "{one}");
+        let two = ignored_flags_warning(&["--cidr", "--namespace"]).expect("a warning");
+        assert!(
+            two.starts_with("--cidr, --namespace not applied: they shape a new session"),
+            "{two}"
+        );
+        assert!(two.contains("`kvpn disconnect` the session"), "{two}");
+        assert!(two.ends_with("with them"), "{two}");
+    }
 
     fn origin(server: &str, context: &str, ns: &str) -> Origin {
         Origin {

@@ -113,6 +113,32 @@ pub async fn connect_or_start(runtime_dir: &Path) -> Result<DataplaneClient<Chan
     }
 }
 
+/// [`connect_or_start`], telling the user which of the two it did: a running
+/// root daemon is used ("Using root daemon"), only a missing one is started.
+pub async fn connect_or_start_announced(runtime_dir: &Path) -> Result<DataplaneClient<Channel>> {
+    let running = connect_existing(runtime_dir).await?;
+    crate::output::step(&root_daemon_step(
+        running.is_some(),
+        &socket_path(runtime_dir),
+    ));
+    match running {
+        Some(c) => Ok(c),
+        None => connect_or_start(runtime_dir).await,
+    }
+}
+
+/// The progress line of [`connect_or_start_announced`].
+fn root_daemon_step(running: bool, socket: &Path) -> String {
+    if running {
+        format!(
+            "Using the running root daemon (socket {})",
+            socket.display()
+        )
+    } else {
+        format!("Starting root daemon (socket {})", socket.display())
+    }
+}
+
 /// The programs a normal user's kvpn tries, in order, to run the root daemon
 /// as root. `sudo -n` never prompts (a rule with NOPASSWD, or a cached
 /// password of this session's terminal); pkexec asks polkit, which may ask the
@@ -514,4 +540,19 @@ fn nix_uid() -> u32 {
 /// (PERMISSION_DENIED from the peer credential check names the uid and the fix).
 pub fn status_to_error(s: tonic::Status) -> anyhow::Error {
     anyhow!("{}", s.message())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_running_root_daemon_is_used_not_started() {
+        let socket = Path::new("/run/kvpn/dataplane.sock");
+        assert_eq!(
+            root_daemon_step(true, socket),
+            "Using the running root daemon (socket /run/kvpn/dataplane.sock)"
+        );
+        assert!(root_daemon_step(false, socket).starts_with("Starting root daemon"));
+    }
 }

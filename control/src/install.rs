@@ -639,7 +639,7 @@ impl Installer<'_> {
             grpc_port: objects::GRPC_PORT,
             source_policy: container
                 .and_then(|c| c.args.as_deref())
-                .map(SourcePolicy::of_args)
+                .map(objects::source_policy_of_args)
                 .unwrap_or_default(),
             ca_pem: tls.ca_pem,
             server_name: objects::server_name(&ns),

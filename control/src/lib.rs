@@ -99,11 +99,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         );
     }
     validate_manager_addr(&manager)?;
-    output::step(&format!(
-        "Starting root daemon (socket {})",
-        daemon::socket_path(runtime_dir).display()
-    ));
-    let mut client = daemon::connect_or_start(runtime_dir).await?;
+    let mut client = daemon::connect_or_start_announced(runtime_dir).await?;
     output::step(&format!(
         "Connecting to traffic manager at {} (tunnel IP {})",
         manager, args.tunnel_ip

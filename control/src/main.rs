@@ -22,7 +22,7 @@ fn main() -> ExitCode {
     match runtime.block_on(kvpn_control::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            kvpn_control::output::error(&format!("{e:#}"));
+            kvpn_control::output::error(&kvpn_control::output::error_chain(&e));
             ExitCode::FAILURE
         }
     }

@@ -81,6 +81,30 @@ pub fn error(msg: &str) {
     eprintln!("kvpn: error: {msg}");
 }
 
+/// An error and its causes as one line, each cause said once: `outer: cause:
+/// cause`, like anyhow's `{:#}`, but a cause whose text the line already holds
+/// is left out. Most errors here (and kube-rs's) print their source inside
+/// their own message *and* return it from `source()`, so `{:#}` said an
+/// unreadable client key's "Permission denied" five times. kube-rs also quotes
+/// paths as `'"/path"'` (`'{:?}'` of a `PathBuf`): shown as `"/path"`.
+///
+/// A cause that starts with the words of the context above it replaces that
+/// context: "connect failed" over "connect failed at step …" reads once.
+pub fn error_chain(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string().replace("'\"", "\"").replace("\"'", "\"");
+        if text.is_empty() || parts.iter().any(|p| p.contains(&text)) {
+            continue;
+        }
+        match parts.last_mut() {
+            Some(last) if text.starts_with(last.as_str()) => *last = text,
+            _ => parts.push(text),
+        }
+    }
+    parts.join(": ")
+}
+
 /// Human name of a route kind.
 pub fn kind_name(kind: i32) -> &'static str {
     match RouteKind::try_from(kind) {
@@ -596,27 +620,8 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                         }
                     );
                 }
-                for k in &s.ebpf {
-                    println!(
-                        "    eBPF {:<8} {:>10} packets {:>14} bytes",
-                        kind_name(k.kind),
-                        k.packets,
-                        k.bytes
-                    );
-                }
-                println!(
-                    "    eBPF unrouted (dropped) {} packets {} bytes",
-                    s.ebpf_unrouted_packets, s.ebpf_unrouted_bytes
-                );
-                if let Some(i) = &s.ebpf_ingress {
-                    let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default();
-                    let (passed, foreign, malformed) =
-                        (c(&i.passed), c(&i.foreign_source), c(&i.malformed));
-                    println!(
-                        "    eBPF from tunnel: passed {} packets, dropped {} packets from \
-                         non-cluster sources, {} malformed",
-                        passed.packets, foreign.packets, malformed.packets
-                    );
+                for l in ebpf_lines(s) {
+                    println!("{l}");
                 }
             }
             refused_peers_line(root);
@@ -625,10 +630,105 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
     Ok(())
 }
 
+/// The eBPF counter lines of a session in the table; none for a session
+/// without a TUN device (SOCKS), which has no classifier.
+fn ebpf_lines(s: &Session) -> Vec<String> {
+    if s.tun_name.is_empty() {
+        return Vec::new();
+    }
+    let mut lines: Vec<String> = s
+        .ebpf
+        .iter()
+        .map(|k| {
+            format!(
+                "    eBPF {:<8} {:>10} packets {:>14} bytes",
+                kind_name(k.kind),
+                k.packets,
+                k.bytes
+            )
+        })
+        .collect();
+    lines.push(format!(
+        "    eBPF unrouted (dropped) {} packets {} bytes",
+        s.ebpf_unrouted_packets, s.ebpf_unrouted_bytes
+    ));
+    if let Some(i) = &s.ebpf_ingress {
+        let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default();
+        let (passed, foreign, malformed) = (c(&i.passed), c(&i.foreign_source), c(&i.malformed));
+        lines.push(format!(
+            "    eBPF from tunnel: passed {} packets, dropped {} packets from \
+             non-cluster sources, {} malformed",
+            passed.packets, foreign.packets, malformed.packets
+        ));
+    }
+    lines
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvpn_proto::dataplane::Origin;
+
+    /// An unreadable `client-key` file: kube-rs's error nests four levels deep,
+    /// each repeating the one below; the line says the cause once, the path in
+    /// plain double quotes.
+    #[test]
+    fn unreadable_client_key_is_said_once() {
+        use kube::config::{KubeconfigError, LoadDataError};
+        let io = std::io::Error::from_raw_os_error(libc::EACCES);
+        let kube_err = kube::Error::InferKubeconfig(KubeconfigError::LoadClientKey(
+            LoadDataError::ReadFile(io, "/home/u/.kube/u.key".into()),
+        ));
+        let err = crate::kubeconfig::Error::Client {
+            context: "lab".into(),
+            server: "https://10.0.0.1:6443".into(),
+            source: kube_err,
+        };
+        let e = anyhow::Error::new(err).context("cannot reach the API server");
+        let line = error_chain(&e);
+        assert_eq!(line.matches("Permission denied").count(), 1, "{line}");
+        assert_eq!(
+            line.matches("failed to load client key").count(),
+            1,
+            "{line}"
+        );
+        assert!(line.contains("\"/home/u/.kube/u.key\""), "{line}");
+        assert!(!line.contains("'\"") && !line.contains("\"'"), "{line}");
+        assert!(
+            line.starts_with("cannot reach the API server: building the client"),
+            "{line}"
+        );
+        // The plain `{:#}` repeated it: the test would notice a regression to it.
+        assert!(format!("{e:#}").matches("Permission denied").count() > 1);
+    }
+
+    #[test]
+    fn a_context_repeated_by_its_cause_reads_once() {
+        let e = anyhow::anyhow!("connect failed at step \"create TUN device\": EBUSY")
+            .context("connect failed");
+        assert_eq!(
+            error_chain(&e),
+            "connect failed at step \"create TUN device\": EBUSY"
+        );
+        let e = anyhow::anyhow!("no route to host").context("cannot reach 10.0.0.1");
+        assert_eq!(error_chain(&e), "cannot reach 10.0.0.1: no route to host");
+    }
+
+    /// SOCKS sessions have no TUN device and no eBPF classifier: no eBPF lines.
+    #[test]
+    fn socks_sessions_show_no_ebpf_lines() {
+        let tun = Session {
+            id: "t".into(),
+            tun_name: "kvpn0".into(),
+            ..Default::default()
+        };
+        assert!(ebpf_lines(&tun).iter().any(|l| l.contains("eBPF unrouted")));
+        let socks = Session {
+            id: "s".into(),
+            ..Default::default()
+        };
+        assert!(ebpf_lines(&socks).is_empty(), "{:?}", ebpf_lines(&socks));
+    }
 
     fn root(id: &str, transport: &str, state: &str) -> Session {
         Session {

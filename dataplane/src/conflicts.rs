@@ -6,10 +6,13 @@
 //! Which laptop routes count: every table the kernel holds (main, local and any
 //! table a policy rule may select; kvpn does not evaluate the rules, so a route
 //! in a table no rule selects is reported too — better a false alarm than a
-//! silent hijack), except kvpn's own routes (protocol
-//! [`crate::netlink::RTPROT_KVPN`]), routes through the session's own TUN device,
-//! and default routes (`/0`: every laptop has one and a more specific cluster
-//! route is what it is for).
+//! silent hijack), except routes through the session's own TUN device and
+//! default routes (`/0`: every laptop has one and a more specific cluster route
+//! is what it is for). Routes of kvpn's protocol ([`crate::netlink::RTPROT_KVPN`])
+//! through another device belong to another kvpn session — of this root daemon
+//! or of a second one (another `--runtime-dir`) — and do conflict: the messages
+//! name that session's TUN device and say to check it there rather than
+//! blaming a foreign owner.
 //!
 //! With the override (`kvpn connect --allow-route-conflict`), cluster-bound
 //! traffic is steered without touching the laptop's route:
@@ -100,6 +103,7 @@ pub fn protocol_name(p: u8) -> String {
         187 => "isis".into(),
         188 => "ospf".into(),
         189 => "rip".into(),
+        crate::netlink::RTPROT_KVPN => "kvpn".into(),
         other => other.to_string(),
     }
 }
@@ -132,6 +136,9 @@ pub struct Conflict {
     pub kind: RouteKind,
     /// The laptop's route.
     pub laptop: LaptopRoute,
+    /// The route's device is another kvpn session's TUN device (it carries
+    /// routes of kvpn's protocol), not something else on the laptop.
+    pub other_kvpn: bool,
 }
 
 impl Conflict {
@@ -160,7 +167,14 @@ impl fmt::Display for Conflict {
             kind_name(self.kind),
             self.cluster,
             self.laptop.describe()
-        )
+        )?;
+        if self.other_kvpn {
+            write!(
+                f,
+                ", the TUN device of another kvpn session (this root daemon's or another one's)"
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -169,30 +183,34 @@ fn overlaps(a: &IpNet, b: &IpNet) -> bool {
 }
 
 /// The conflicts between cluster `ranges` and the laptop's `routes`, leaving out
-/// kvpn's own routes (`protocol == kvpn_protocol`), routes through `own_oif`
-/// (the session's TUN device, if it exists yet) and default routes. Sorted by
-/// cluster range, then laptop route.
+/// routes through `own_oif` (the session's TUN device, if it exists yet) and
+/// default routes. A device carrying routes of `kvpn_protocol` is another kvpn
+/// session's TUN device ([`Conflict::other_kvpn`]). Sorted by cluster range,
+/// then laptop route.
 pub fn find(
     ranges: &[(IpNet, RouteKind)],
     routes: &[LaptopRoute],
     kvpn_protocol: u8,
     own_oif: Option<u32>,
 ) -> Vec<Conflict> {
+    let is_own = |r: &LaptopRoute| own_oif.is_some_and(|o| o == r.oif) && r.oif != 0;
+    let kvpn_devs: BTreeSet<&str> = routes
+        .iter()
+        .filter(|r| r.protocol == kvpn_protocol && !r.dev.is_empty() && !is_own(r))
+        .map(|r| r.dev.as_str())
+        .collect();
     let mut out = Vec::new();
     for (cluster, kind) in ranges {
         let cluster = cluster.trunc();
         for r in routes {
-            if r.protocol == kvpn_protocol
-                || r.dst.prefix_len() == 0
-                || (own_oif.is_some_and(|o| o == r.oif) && r.oif != 0)
-                || !overlaps(&cluster, &r.dst)
-            {
+            if r.dst.prefix_len() == 0 || is_own(r) || !overlaps(&cluster, &r.dst) {
                 continue;
             }
             let c = Conflict {
                 cluster,
                 kind: *kind,
                 laptop: r.clone(),
+                other_kvpn: kvpn_devs.contains(r.dev.as_str()),
             };
             if !out.contains(&c) {
                 out.push(c);
@@ -228,6 +246,23 @@ pub fn find(
 /// and the override.
 pub fn refusal(conflicts: &[Conflict]) -> String {
     let list: Vec<String> = conflicts.iter().map(ToString::to_string).collect();
+    let kvpn_devs: BTreeSet<&str> = conflicts
+        .iter()
+        .filter(|c| c.other_kvpn)
+        .map(|c| c.laptop.dev.as_str())
+        .collect();
+    if !kvpn_devs.is_empty() {
+        let devs: Vec<&str> = kvpn_devs.into_iter().collect();
+        return format!(
+            "{} — another kvpn session already routes these addresses through {}; nothing was \
+             installed. Find it with `kvpn status` (with the other root daemon's \
+             --runtime-dir if it runs in another one) and `kvpn disconnect` it there, or pass \
+             --allow-route-conflict to keep it and steer only cluster-bound traffic (known \
+             ClusterIPs as /32 routes) through this session",
+            list.join("; "),
+            devs.join(", ")
+        );
+    }
     format!(
         "{} — the laptop already routes these addresses elsewhere; nothing was installed. \
          Remove or renumber the laptop's route (e.g. the docker network owning it), or pass \
@@ -286,7 +321,6 @@ mod tests {
             route("172.20.5.0/24", "br-inner", 4, TABLE_MAIN),
             route("10.0.0.0/8", "wg0", 3, 52),
             route("0.0.0.0/0", "eth0", 16, TABLE_MAIN),
-            route("172.20.0.0/16", "kvpn0", 107, TABLE_MAIN),
             route("172.21.0.0/16", "br-other", 2, TABLE_MAIN),
         ];
         let got = find(&ranges, &routes, 107, Some(99));
@@ -329,14 +363,53 @@ mod tests {
         );
     }
 
+    /// A second root daemon (another --runtime-dir) owns kvpn0 with the same
+    /// service CIDR: the conflict names kvpn0 as another kvpn session's TUN
+    /// device, and the fix is `kvpn status` / `kvpn disconnect` there — not the
+    /// "docker network" advice for foreign owners.
+    #[test]
+    fn rt_05_another_kvpn_sessions_tun_is_named_as_such() {
+        let ranges = [(net("10.96.0.0/12"), RouteKind::Service)];
+        let mut other = route("10.96.0.0/12", "kvpn0", 107, TABLE_MAIN);
+        other.oif = 31;
+        let mut tun_ip = route("100.96.0.2/32", "kvpn0", 2, TABLE_LOCAL);
+        tun_ip.oif = 31;
+        tun_ip.kind = 2;
+        let foreign = route("10.100.0.0/16", "br-x", 2, TABLE_MAIN);
+        let got = find(&ranges, &[other, tun_ip, foreign.clone()], 107, None);
+        assert_eq!(got.len(), 2, "{got:#?}");
+        assert!(got[0].other_kvpn && got[0].exact_in_main(), "{got:#?}");
+        assert!(!got[1].other_kvpn, "br-x is no kvpn device: {got:#?}");
+        assert_eq!(
+            got[0].to_string(),
+            "service CIDR 10.96.0.0/12 overlaps 10.96.0.0/12 dev kvpn0 (proto kvpn, table main), \
+             the TUN device of another kvpn session (this root daemon's or another one's)"
+        );
+        let msg = refusal(&got);
+        assert!(
+            msg.contains("another kvpn session already routes these addresses through kvpn0"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("kvpn status") && msg.contains("kvpn disconnect"),
+            "{msg}"
+        );
+        assert!(!msg.contains("docker"), "{msg}");
+        // Only foreign owners: the old advice.
+        let only_foreign = find(&ranges, &[foreign], 107, None);
+        assert!(refusal(&only_foreign).contains("docker network"));
+    }
+
     #[test]
     fn own_tun_routes_are_not_conflicts() {
         let mut r = route("10.96.0.0/12", "kvpn3", 2, 255);
         r.oif = 42;
+        let mut kvpn_route = route("10.96.0.0/12", "kvpn3", 107, TABLE_MAIN);
+        kvpn_route.oif = 42;
         assert!(
             find(
                 &[(net("10.96.0.0/12"), RouteKind::Service)],
-                &[r],
+                &[r, kvpn_route],
                 107,
                 Some(42)
             )

@@ -138,7 +138,53 @@ pub struct SessionParams {
     /// Connect despite route conflicts with the laptop (case rt-05,
     /// [`crate::conflicts`]); `false` = refuse them.
     pub allow_route_conflict: bool,
+    /// Who listens on `manager`: the manager itself, or the user daemon's
+    /// port-forward listener. Only the wording of errors and Status reasons
+    /// depends on it.
+    pub data_peer: DataPeer,
 }
+
+/// Who the root daemon dials for a session's data connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DataPeer {
+    /// The traffic manager (`kvpn connect --manager HOST:PORT`).
+    #[default]
+    Manager,
+    /// The user daemon's loopback listener of a port-forward session, which
+    /// carries the connection through the API server to the manager pod.
+    UserDaemon,
+}
+
+impl DataPeer {
+    /// The peer of a Connect request's origin transport (`"port-forward"` is
+    /// the user daemon's listener; anything else the manager).
+    pub fn from_transport(transport: &str) -> Self {
+        if transport == TRANSPORT_PORT_FORWARD {
+            DataPeer::UserDaemon
+        } else {
+            DataPeer::Manager
+        }
+    }
+
+    /// Why the data connection ended, for logs and Status: the pump's reason,
+    /// worded for the party that actually held the other end.
+    pub fn loss_reason(self, target: &str, exit: &pump::PumpExit) -> String {
+        match (self, exit) {
+            (DataPeer::UserDaemon, pump::PumpExit::TransportClosed) => format!(
+                "the user daemon's port-forward listener at {target} closed the data connection \
+                 (the user daemon or its port-forward to the manager pod ended)"
+            ),
+            (DataPeer::UserDaemon, pump::PumpExit::Transport(e)) => format!(
+                "data connection to the user daemon's port-forward listener at {target} failed: {e}"
+            ),
+            _ => exit.to_string(),
+        }
+    }
+}
+
+/// `Origin.transport` of sessions whose data connection goes through the user
+/// daemon's port-forward listener (proto/dataplane.proto).
+pub const TRANSPORT_PORT_FORWARD: &str = "port-forward";
 
 /// A setup step of Connect, named in errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -263,16 +309,25 @@ impl fmt::Debug for Session {
     }
 }
 
-fn dial_error(target: &str, cause: &std::io::Error) -> String {
-    let fix = match cause.kind() {
-        std::io::ErrorKind::ConnectionRefused => "is kvpn-manager running and the address right?",
-        std::io::ErrorKind::TimedOut => "is the address right and the path to the cluster up?",
-        _ => match cause.raw_os_error() {
-            Some(libc::EHOSTUNREACH) | Some(libc::ENETUNREACH) => {
-                "check the address and that the laptop has a route to it"
+fn dial_error(target: &str, cause: &std::io::Error, peer: DataPeer) -> String {
+    let fix = if peer == DataPeer::UserDaemon {
+        // Nothing answers on the user daemon's loopback port: the user daemon is
+        // gone (killed, crashed) or has not restored the session yet.
+        "the user daemon (`kvpn daemon`) that carries this session to the cluster is not \
+         running or has not restored it yet; `kvpn status` restarts it and restores the session"
+    } else {
+        match cause.kind() {
+            std::io::ErrorKind::ConnectionRefused => {
+                "is kvpn-manager running and the address right?"
             }
-            _ => "check the address and that kvpn-manager is running",
-        },
+            std::io::ErrorKind::TimedOut => "is the address right and the path to the cluster up?",
+            _ => match cause.raw_os_error() {
+                Some(libc::EHOSTUNREACH) | Some(libc::ENETUNREACH) => {
+                    "check the address and that the laptop has a route to it"
+                }
+                _ => "check the address and that kvpn-manager is running",
+            },
+        }
     };
     let cause = match cause.raw_os_error() {
         Some(libc::ECONNREFUSED) => "connection refused".to_owned(),
@@ -280,12 +335,28 @@ fn dial_error(target: &str, cause: &std::io::Error) -> String {
         Some(libc::ENETUNREACH) => "network unreachable".to_owned(),
         _ => cause.to_string(),
     };
-    format!("cannot reach the traffic manager at {target}: {cause} — {fix}")
+    match peer {
+        DataPeer::Manager => {
+            format!("cannot reach the traffic manager at {target}: {cause} — {fix}")
+        }
+        DataPeer::UserDaemon => format!(
+            "cannot reach the user daemon's port-forward listener at {target}: {cause} — {fix}"
+        ),
+    }
 }
 
 /// Connect TCP to the manager at `target` (`host:port`) within `timeout`.
 /// Errors are user-facing sentences naming the address, the cause and the fix.
 pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, String> {
+    dial_peer(target, DataPeer::Manager, timeout).await
+}
+
+/// [`dial_manager`] for a session's data peer: errors name `peer`.
+pub async fn dial_peer(
+    target: &str,
+    peer: DataPeer,
+    timeout: Duration,
+) -> Result<TcpStream, String> {
     let attempt = async {
         let addrs: Vec<_> = tokio::net::lookup_host(target).await.map_err(|e| {
             format!("cannot resolve the traffic manager address {target}: {e} — give it as HOST:PORT, e.g. 172.31.255.1:10801")
@@ -294,7 +365,7 @@ pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, 
         for addr in addrs {
             match TcpStream::connect(addr).await {
                 Ok(stream) => return Ok(stream),
-                Err(e) => last = Some(dial_error(&addr.to_string(), &e)),
+                Err(e) => last = Some(dial_error(&addr.to_string(), &e, peer)),
             }
         }
         Err(last.unwrap_or_else(|| {
@@ -409,10 +480,11 @@ impl DataStream {
 
 async fn dial_and_hello(
     target: &str,
+    peer: DataPeer,
     hello: &[u8],
     tls: Option<&TlsClient>,
 ) -> Result<DataStream, String> {
-    let tcp = dial_manager(target, DIAL_TIMEOUT).await?;
+    let tcp = dial_peer(target, peer, DIAL_TIMEOUT).await?;
     let mut stream = DataStream::secure(tcp, tls, target).await?;
     stream.send_hello(hello, target).await?;
     Ok(stream)
@@ -580,7 +652,7 @@ impl Session {
                 message,
                 rollback: String::new(),
             })?;
-        let tcp = dial_manager(&params.manager, DIAL_TIMEOUT)
+        let tcp = dial_peer(&params.manager, params.data_peer, DIAL_TIMEOUT)
             .await
             .map_err(ConnectError::Unreachable)?;
         let mut stream = DataStream::secure(tcp, params.tls.as_ref(), &params.manager)
@@ -637,6 +709,7 @@ impl Session {
                         device.clone(),
                         stream,
                         params.manager.clone(),
+                        params.data_peer,
                         hello,
                         params.tls.clone(),
                         shared.clone(),
@@ -1227,10 +1300,15 @@ impl Drop for Refuser {
 /// the agent list pods hundreds of times a second. A transport that had proved
 /// itself (an echo, or one that lived to the silence watchdog) is re-dialled at
 /// once, so a killed transport recovers in well under tr-08's 3 s.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the supervisor's whole state, moved into one task once per session"
+)]
 async fn supervise(
     tun: Arc<AsyncDevice>,
     first: DataStream,
     target: String,
+    peer: DataPeer,
     hello: Vec<u8>,
     tls: Option<TlsClient>,
     shared: Arc<Shared>,
@@ -1252,7 +1330,7 @@ async fn supervise(
             None => {
                 let dialled = tokio::select! {
                     _ = stop_rx.changed() => return,
-                    r = dial_and_hello(&target, &hello, tls.as_ref()) => r,
+                    r = dial_and_hello(&target, peer, &hello, tls.as_ref()) => r,
                 };
                 match dialled {
                     Ok(s) => {
@@ -1290,14 +1368,15 @@ async fn supervise(
                 .state(Instant::now())
                 .0
                 == State::Connected;
-        set_down(exit.to_string());
+        let reason = peer.loss_reason(&target, &exit);
+        set_down(reason.clone());
         refuser.start(&tun, &shared);
         if proven {
-            tracing::warn!(reason = %exit, "transport lost, re-dialling the traffic manager");
+            tracing::warn!(%reason, "transport lost, re-dialling");
             backoff = REDIAL_BACKOFF.0;
         } else {
             tracing::warn!(
-                reason = %exit,
+                %reason,
                 retry_in_ms = backoff.as_millis(),
                 "transport ended before the traffic manager answered; re-dialling after a pause"
             );
@@ -1307,5 +1386,69 @@ async fn supervise(
             }
             backoff = (backoff * 2).min(REDIAL_BACKOFF.1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The port a listener had a moment ago: nothing listens there now.
+    fn closed_loopback_port() -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        let addr = listener.local_addr().expect("local address");
+        drop(listener);
+        addr.to_string()
+    }
+
+    /// After the user daemon is SIGKILLed, nothing listens on its loopback
+    /// port-forward port: the re-dial error names the user daemon and how to
+    /// bring it back, not the traffic manager.
+    #[tokio::test]
+    async fn redial_of_a_dead_user_daemon_names_the_user_daemon() {
+        let target = closed_loopback_port();
+        let err = dial_peer(&target, DataPeer::UserDaemon, DIAL_TIMEOUT)
+            .await
+            .expect_err("nothing listens there");
+        assert!(err.contains("user daemon's port-forward listener"), "{err}");
+        assert!(err.contains(&target), "{err}");
+        assert!(err.contains("connection refused"), "{err}");
+        assert!(err.contains("kvpn status"), "{err}");
+        assert!(
+            !err.contains("traffic manager") && !err.contains("kvpn-manager"),
+            "{err}"
+        );
+
+        let err = dial_manager(&target, DIAL_TIMEOUT)
+            .await
+            .expect_err("nothing listens there");
+        assert!(err.contains("cannot reach the traffic manager at"), "{err}");
+    }
+
+    #[test]
+    fn loss_through_the_user_daemon_names_its_listener() {
+        let target = "127.0.0.1:40000";
+        let closed = DataPeer::UserDaemon.loss_reason(target, &pump::PumpExit::TransportClosed);
+        assert!(
+            closed.contains("user daemon's port-forward listener at 127.0.0.1:40000"),
+            "{closed}"
+        );
+        assert!(!closed.contains("traffic manager closed"), "{closed}");
+        let reset = DataPeer::UserDaemon.loss_reason(
+            target,
+            &pump::PumpExit::Transport(std::io::Error::from_raw_os_error(libc::ECONNRESET)),
+        );
+        assert!(
+            reset.contains("user daemon's port-forward listener"),
+            "{reset}"
+        );
+        let direct = DataPeer::Manager.loss_reason(target, &pump::PumpExit::TransportClosed);
+        assert_eq!(direct, "the traffic manager closed the data connection");
+        assert_eq!(
+            DataPeer::from_transport("port-forward"),
+            DataPeer::UserDaemon
+        );
+        assert_eq!(DataPeer::from_transport("direct"), DataPeer::Manager);
+        assert_eq!(DataPeer::from_transport(""), DataPeer::Manager);
     }
 }

@@ -16,6 +16,7 @@ use ipnet::IpNet;
 use kvpn_dataplane::ebpf::{
     Classifier, Counter, EbpfError, IngressStats, RouteKind, Stats, TcAction,
 };
+use kvpn_lab::packets::{ipv4, ipv6};
 
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
@@ -68,44 +69,6 @@ fn ethernet(ethertype: u16, payload: &[u8]) -> Vec<u8> {
     f.extend_from_slice(&ethertype.to_be_bytes());
     f.extend_from_slice(payload);
     f
-}
-
-fn checksum(bytes: &[u8]) -> u16 {
-    let mut sum: u32 = bytes
-        .chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-fn ipv4(proto: u8, src: Ipv4Addr, dst: Ipv4Addr, l4: &[u8]) -> Vec<u8> {
-    let total = 20 + l4.len();
-    let mut p = vec![0u8; 20];
-    p[0] = 0x45;
-    p[2..4].copy_from_slice(&(total as u16).to_be_bytes());
-    p[8] = 64;
-    p[9] = proto;
-    p[12..16].copy_from_slice(&src.octets());
-    p[16..20].copy_from_slice(&dst.octets());
-    let sum = checksum(&p);
-    p[10..12].copy_from_slice(&sum.to_be_bytes());
-    p.extend_from_slice(l4);
-    p
-}
-
-fn ipv6(next: u8, src: Ipv6Addr, dst: Ipv6Addr, l4: &[u8]) -> Vec<u8> {
-    let mut p = vec![0u8; 40];
-    p[0] = 0x60;
-    p[4..6].copy_from_slice(&(l4.len() as u16).to_be_bytes());
-    p[6] = next;
-    p[7] = 64;
-    p[8..24].copy_from_slice(&src.octets());
-    p[24..40].copy_from_slice(&dst.octets());
-    p.extend_from_slice(l4);
-    p
 }
 
 fn tcp_syn(dst_port: u16) -> Vec<u8> {

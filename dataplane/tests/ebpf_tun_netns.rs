@@ -13,10 +13,11 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, UdpSocket},
     os::{fd::AsRawFd as _, unix::fs::OpenOptionsExt as _},
     process::Command,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use kvpn_dataplane::ebpf::{Classifier, Counter, RouteKind};
+use kvpn_lab::packets::{self, drain_for};
 
 /// A network namespace owned by the test; deleted on drop.
 struct Netns {
@@ -89,22 +90,13 @@ fn create_tun(name: &str) -> File {
 
 /// IPv4 destinations of the packets that reach the TUN reader within `wait`.
 fn read_destinations(tun: &mut File, wait: Duration) -> Vec<(Ipv4Addr, u8, usize)> {
-    let deadline = Instant::now() + wait;
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 65536];
-    while Instant::now() < deadline {
-        match tun.read(&mut buf) {
-            Ok(n) if n >= 20 && buf[0] >> 4 == 4 => {
-                seen.push((Ipv4Addr::new(buf[16], buf[17], buf[18], buf[19]), buf[9], n))
-            }
-            Ok(n) => panic!("unexpected non-IPv4 packet of {n} bytes on the TUN device"),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => panic!("read TUN: {e}"),
-        }
-    }
-    seen
+    drain_for(wait, |buf| tun.read(buf))
+        .into_iter()
+        .map(|p| match p.len() {
+            n if n >= 20 && p[0] >> 4 == 4 => (Ipv4Addr::new(p[16], p[17], p[18], p[19]), p[9], n),
+            n => panic!("unexpected non-IPv4 packet of {n} bytes on the TUN device"),
+        })
+        .collect()
 }
 
 #[test]
@@ -259,92 +251,17 @@ fn classifier_on_a_real_tun_passes_routed_and_drops_unrouted_packets() {
     );
 }
 
-/// RFC 1071 checksum over `parts`, concatenated.
-fn checksum(parts: &[&[u8]]) -> u16 {
-    let bytes: Vec<u8> = parts.concat();
-    let mut sum: u32 = bytes
-        .chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
 /// A UDP datagram `src:5000 -> dst:port` with `payload`, as a bare IP packet with
 /// correct IP and UDP checksums (the kernel delivers it to a socket).
 fn udp_packet(src: IpAddr, dst: IpAddr, port: u16, payload: &[u8]) -> Vec<u8> {
-    let udp_len = 8 + payload.len();
-    let mut udp = vec![0u8; 8];
-    udp[0..2].copy_from_slice(&5000u16.to_be_bytes());
-    udp[2..4].copy_from_slice(&port.to_be_bytes());
-    udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
-    udp.extend_from_slice(payload);
-    match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            let pseudo = [
-                &s.octets()[..],
-                &d.octets()[..],
-                &[0, 17],
-                &(udp_len as u16).to_be_bytes(),
-            ]
-            .concat();
-            let sum = checksum(&[&pseudo, &udp]);
-            udp[6..8].copy_from_slice(&sum.to_be_bytes());
-            let mut ip = vec![0u8; 20];
-            ip[0] = 0x45;
-            ip[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
-            ip[8] = 64;
-            ip[9] = 17;
-            ip[12..16].copy_from_slice(&s.octets());
-            ip[16..20].copy_from_slice(&d.octets());
-            let sum = checksum(&[&ip]);
-            ip[10..12].copy_from_slice(&sum.to_be_bytes());
-            ip.extend_from_slice(&udp);
-            ip
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            let pseudo = [
-                &s.octets()[..],
-                &d.octets()[..],
-                &(udp_len as u32).to_be_bytes(),
-                &[0, 0, 0, 17],
-            ]
-            .concat();
-            let sum = checksum(&[&pseudo, &udp]);
-            udp[6..8].copy_from_slice(&sum.to_be_bytes());
-            let mut ip = vec![0u8; 40];
-            ip[0] = 0x60;
-            ip[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
-            ip[6] = 17;
-            ip[7] = 64;
-            ip[8..24].copy_from_slice(&s.octets());
-            ip[24..40].copy_from_slice(&d.octets());
-            ip.extend_from_slice(&udp);
-            ip
-        }
-        _ => panic!("mixed address families {src} -> {dst}"),
-    }
+    packets::udp_packet(src, dst, 5000, port, payload)
 }
 
 /// Payloads `socket` received within `wait`.
 fn received(socket: &UdpSocket, wait: Duration) -> BTreeSet<Vec<u8>> {
-    let deadline = Instant::now() + wait;
-    let mut got = BTreeSet::new();
-    let mut buf = [0u8; 2048];
-    while Instant::now() < deadline {
-        match socket.recv_from(&mut buf) {
-            Ok((n, _)) => {
-                got.insert(buf[..n].to_vec());
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => panic!("recv: {e}"),
-        }
-    }
-    got
+    drain_for(wait, |buf| socket.recv_from(buf).map(|(n, _)| n))
+        .into_iter()
+        .collect()
 }
 
 /// Which TC hook sees the packets the pump writes into the TUN device: the ingress

@@ -88,6 +88,7 @@ fn params(
         tls: None,
         session_token: Vec::new(),
         allow_route_conflict: false,
+        data_peer: Default::default(),
     }
 }
 

@@ -56,6 +56,7 @@ fn params(manager: SocketAddr, tls: Option<TlsClient>, heartbeat: Duration) -> S
         tls,
         session_token: Vec::new(),
         allow_route_conflict: false,
+        data_peer: Default::default(),
     }
 }
 

@@ -13,6 +13,8 @@
 //! - [`nft`]: a pure renderer of kube-proxy-like nftables rules from services.
 //! - [`payload`] and [`protocol`]: pure helpers shared by the lab's test server
 //!   (`kvpn-lab-server`) and the tests that check its answers.
+//! - [`packets`]: hand-made IP/UDP packets and a non-blocking drain for the eBPF
+//!   tests (pure).
 //!
 //! Where the I/O lives: [`netns`] (`ip netns`, `ip -n`, setns on a scratch thread,
 //! `/proc/sys` writes), [`process`] (spawn, signal, `/proc/<pid>`), [`nft::apply`]
@@ -28,6 +30,7 @@ pub mod k8s;
 pub mod lab;
 pub mod netns;
 pub mod nft;
+pub mod packets;
 pub mod payload;
 pub mod process;
 pub mod protocol;

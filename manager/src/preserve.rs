@@ -37,30 +37,8 @@ use tracing::{debug, info, warn};
 
 use crate::peers::{self, Peers};
 
-/// Whose address the backends see.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum SourcePolicy {
-    /// The manager pod's IP: smoltcp terminates, kernel sockets dial. Unprivileged.
-    #[default]
-    Snat,
-    /// The client's tunnel IP: the pod's kernel forwards the packets as they are.
-    Preserve,
-}
-
-impl SourcePolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SourcePolicy::Snat => "snat",
-            SourcePolicy::Preserve => "preserve",
-        }
-    }
-}
-
-impl fmt::Display for SourcePolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// Whose address the backends see (defined once, in kvpn-proto).
+pub use kvpn_proto::SourcePolicy;
 
 /// Settings of `preserve`.
 #[derive(Debug, Clone)]

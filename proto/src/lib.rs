@@ -4,6 +4,8 @@
 //!   the root daemon and the traffic manager (pure, no I/O).
 //! - [`frame`]: the data-channel frame codec spoken between the root daemon's
 //!   pump and the traffic manager (pure, no I/O).
+//! - [`policy`]: the traffic manager's client-source policy ([`SourcePolicy`]),
+//!   a `clap::ValueEnum` with feature `clap`.
 //! - `device` (feature `smoltcp`): the in-memory smoltcp device both ends of the
 //!   data channel terminate packets with (the manager's engine, the laptop's
 //!   SOCKS5 stack).
@@ -19,6 +21,9 @@ pub mod cidr;
 pub mod device;
 pub mod frame;
 pub mod fuzzing;
+pub mod policy;
+
+pub use policy::SourcePolicy;
 
 /// gRPC API of the root daemon, served on a root-owned Unix socket.
 #[allow(

@@ -764,6 +764,29 @@ fn kill_user_daemons_of(runtime_dir: &Path) {
 /// The root daemon's log and the user daemon's log of `runtime_dir`, for
 /// failure messages.
 /// The lab's web Service (ClusterIP and port), the target most tests reach.
+/// Calls `attempt` every `every` until it returns `Ok`, and returns that; after
+/// `within`, fails the test naming `what`, the last attempt's error and
+/// `diagnostics()` (curl until 200, a daemon until it listens, …).
+pub fn retry_until<T>(
+    what: &str,
+    within: Duration,
+    every: Duration,
+    mut attempt: impl FnMut() -> Result<T, String>,
+    diagnostics: impl FnOnce() -> String,
+) -> T {
+    let t0 = Instant::now();
+    loop {
+        let last = match attempt() {
+            Ok(v) => return v,
+            Err(e) => e,
+        };
+        if t0.elapsed() >= within {
+            panic!("{what} not within {within:?}: {last}\n{}", diagnostics());
+        }
+        std::thread::sleep(every);
+    }
+}
+
 pub fn web() -> std::net::SocketAddr {
     std::net::SocketAddr::from((kvpn_lab::WEB_CLUSTER_IP, kvpn_lab::WEB_SERVICE_PORT))
 }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use kvpn_lab::{LAPTOP, Netns};
 
-use crate::kube_lab::KubeFixture;
+use crate::kube_lab::{KubeFixture, retry_until};
 use crate::text;
 
 /// sshd's port in every bastion.
@@ -575,23 +575,25 @@ impl SshLab {
 }
 
 fn wait_listening(b: &Bastion) {
-    let t0 = Instant::now();
     let ns = Netns::from_name(&b.netns);
-    loop {
-        let out = ns
-            .exec(&["ss", "-Htln"])
-            .unwrap_or_else(|e| panic!("ss: {e:#}"));
-        if text(&out.stdout).contains(&format!("{}:{SSHD_PORT}", b.addr)) {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "sshd in {} did not listen within 10 s: {}",
-            b.netns,
-            b.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let listen = format!("{}:{SSHD_PORT}", b.addr);
+    retry_until(
+        &format!("sshd in {} listening on {listen}", b.netns),
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || {
+            let out = ns
+                .exec(&["ss", "-Htln"])
+                .unwrap_or_else(|e| panic!("ss: {e:#}"));
+            let listening = text(&out.stdout);
+            if listening.contains(&listen) {
+                Ok(())
+            } else {
+                Err(format!("listening sockets: {listening}"))
+            }
+        },
+        || b.log(),
+    );
 }
 
 /// `out`'s stdout when it succeeded; otherwise fails the test with its output, the

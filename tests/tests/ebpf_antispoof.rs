@@ -14,8 +14,9 @@ use std::io::{Read as _, Write as _};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use kvpn_lab::packets::{self, drain_for};
 use kvpn_lab::protocol::PageInfo;
 use kvpn_lab::{BACKEND_1_IP, BACKEND_1_POD, HTTP_PORT, NODE_UPLINK_IP};
 use kvpn_proto::frame::{self, Decoder, Kind};
@@ -166,67 +167,9 @@ fn relay_frames(mut manager: TcpStream, laptop: TcpStream, writer: &Mutex<Option
     let _ = laptop.shutdown(std::net::Shutdown::Both);
 }
 
-/// RFC 1071 checksum over `parts`, concatenated.
-fn checksum(parts: &[&[u8]]) -> u16 {
-    let bytes: Vec<u8> = parts.concat();
-    let mut sum: u32 = bytes
-        .chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// An IPv4 UDP datagram `src:53 -> dst:port` with valid checksums.
-fn udp_v4(src: Ipv4Addr, dst: Ipv4Addr, port: u16, payload: &[u8]) -> Vec<u8> {
-    let udp_len = (8 + payload.len()) as u16;
-    let mut udp = Vec::with_capacity(usize::from(udp_len));
-    udp.extend_from_slice(&53u16.to_be_bytes());
-    udp.extend_from_slice(&port.to_be_bytes());
-    udp.extend_from_slice(&udp_len.to_be_bytes());
-    udp.extend_from_slice(&[0, 0]);
-    udp.extend_from_slice(payload);
-    let pseudo = [
-        &src.octets()[..],
-        &dst.octets()[..],
-        &[0, 17],
-        &udp_len.to_be_bytes(),
-    ]
-    .concat();
-    let sum = checksum(&[&pseudo, &udp]);
-    udp[6..8].copy_from_slice(&sum.to_be_bytes());
-    let mut ip = vec![0u8; 20];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&(20 + udp_len).to_be_bytes());
-    ip[8] = 64;
-    ip[9] = 17;
-    ip[12..16].copy_from_slice(&src.octets());
-    ip[16..20].copy_from_slice(&dst.octets());
-    let sum = checksum(&[&ip]);
-    ip[10..12].copy_from_slice(&sum.to_be_bytes());
-    ip.extend_from_slice(&udp);
-    ip
-}
-
-/// An IPv6 UDP datagram `src:53 -> dst:port` (checksum left zero: the packet is
-/// judged by its source before anything reads the UDP header).
-fn udp_v6(src: Ipv6Addr, dst: Ipv6Addr, port: u16, payload: &[u8]) -> Vec<u8> {
-    let udp_len = (8 + payload.len()) as u16;
-    let mut ip = vec![0u8; 40];
-    ip[0] = 0x60;
-    ip[4..6].copy_from_slice(&udp_len.to_be_bytes());
-    ip[6] = 17;
-    ip[7] = 64;
-    ip[8..24].copy_from_slice(&src.octets());
-    ip[24..40].copy_from_slice(&dst.octets());
-    ip.extend_from_slice(&53u16.to_be_bytes());
-    ip.extend_from_slice(&port.to_be_bytes());
-    ip.extend_from_slice(&udp_len.to_be_bytes());
-    ip.extend_from_slice(&[0, 0]);
-    ip.extend_from_slice(payload);
-    ip
+/// A UDP datagram `src:53 -> dst:port` with valid checksums.
+fn udp_from_53(src: IpAddr, dst: IpAddr, port: u16, payload: &[u8]) -> Vec<u8> {
+    packets::udp_packet(src, dst, 53, port, payload)
 }
 
 fn ingress(status: &serde_json::Value, reason: &str) -> (u64, u64) {
@@ -243,23 +186,9 @@ fn ingress(status: &serde_json::Value, reason: &str) -> (u64, u64) {
 
 /// Payloads `socket` receives within `wait`.
 fn received(socket: &UdpSocket, wait: Duration) -> BTreeSet<Vec<u8>> {
-    let deadline = Instant::now() + wait;
-    let mut got = BTreeSet::new();
-    let mut buf = [0u8; 2048];
-    while Instant::now() < deadline {
-        match socket.recv_from(&mut buf) {
-            Ok((n, _)) => {
-                got.insert(buf[..n].to_vec());
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => panic!("recv: {e}"),
-        }
-    }
-    got
+    drain_for(wait, |buf| socket.recv_from(buf).map(|(n, _)| n))
+        .into_iter()
+        .collect()
 }
 
 fn page(f: &Fixture, url: &str) -> PageInfo {
@@ -324,21 +253,26 @@ fn spoofed_sources_from_the_tunnel_are_dropped_and_counted() {
         .port();
 
     let spoofed = [
-        udp_v4(Ipv4Addr::new(8, 8, 8, 8), tunnel_ip, port, b"from 8.8.8.8"),
-        udp_v4(
-            NODE_UPLINK_IP,
-            tunnel_ip,
+        udp_from_53(
+            Ipv4Addr::new(8, 8, 8, 8).into(),
+            tunnel_ip.into(),
+            port,
+            b"from 8.8.8.8",
+        ),
+        udp_from_53(
+            NODE_UPLINK_IP.into(),
+            tunnel_ip.into(),
             port,
             b"from the uplink neighbour",
         ),
-        udp_v6(
-            Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1),
-            Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2),
+        udp_from_53(
+            Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1).into(),
+            Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2).into(),
             port,
             b"from 2001:db8::1",
         ),
     ];
-    let legit = udp_v4(BACKEND_1_IP, tunnel_ip, port, b"from a pod");
+    let legit = udp_from_53(BACKEND_1_IP.into(), tunnel_ip.into(), port, b"from a pod");
     for p in &spoofed {
         relay.inject(p);
     }

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use kvpn_tests::kube_lab::{KubeFixture, web};
+use kvpn_tests::kube_lab::{KubeFixture, retry_until, web};
 use kvpn_tests::text;
 
 fn unique_id() -> String {
@@ -363,20 +363,16 @@ fn curl_as(user: &NormalUser, target: SocketAddr) -> String {
 }
 
 fn wait_curl_ok(user: &NormalUser, target: SocketAddr, f: &KubeFixture) {
-    let t0 = Instant::now();
-    loop {
-        let code = curl_as(user, target);
-        if code == "200" {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "curl http://{target}/ as {} got {code:?}\n{}",
-            user.name,
-            f.diagnostics()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    retry_until(
+        &format!("HTTP 200 from curl http://{target}/ as {}", user.name),
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        || match curl_as(user, target) {
+            code if code == "200" => Ok(()),
+            code => Err(format!("got {code:?}")),
+        },
+        || f.diagnostics(),
+    );
 }
 
 /// The user's `kvpn status -o json`.

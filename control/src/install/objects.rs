@@ -99,44 +99,19 @@ pub struct Spec {
 }
 
 /// Whose address the cluster's backends see (`kvpn-manager --source-policy`; the
-/// README's "Choosing a source policy").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum SourcePolicy {
-    /// The manager pod's IP (smoltcp terminates and redials). Unprivileged.
-    #[default]
-    Snat,
-    /// The laptop's tunnel IP (the pod's kernel forwards). NET_ADMIN and NET_RAW;
-    /// the nodes route the tunnel pool via the stable gateway.
-    Preserve,
-}
+/// README's "Choosing a source policy"); defined once, in kvpn-proto.
+pub use kvpn_proto::SourcePolicy;
 
-impl SourcePolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SourcePolicy::Snat => "snat",
-            SourcePolicy::Preserve => "preserve",
-        }
-    }
-
-    /// The policy a manager container runs with, from its args (`snat` when absent).
-    pub fn of_args(args: &[String]) -> SourcePolicy {
-        let value = args
-            .iter()
-            .position(|a| a == "--source-policy")
-            .and_then(|i| args.get(i + 1))
-            .map(String::as_str)
-            .or_else(|| args.iter().find_map(|a| a.strip_prefix("--source-policy=")));
-        match value {
-            Some("preserve") => SourcePolicy::Preserve,
-            _ => SourcePolicy::Snat,
-        }
-    }
-}
-
-impl std::fmt::Display for SourcePolicy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
+/// The policy a manager container runs with, from its args (`snat` when absent
+/// or unknown).
+pub fn source_policy_of_args(args: &[String]) -> SourcePolicy {
+    let value = args
+        .iter()
+        .position(|a| a == "--source-policy")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+        .or_else(|| args.iter().find_map(|a| a.strip_prefix("--source-policy=")));
+    value.and_then(|v| v.parse().ok()).unwrap_or_default()
 }
 
 fn labels() -> BTreeMap<String, String> {

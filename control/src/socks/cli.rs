@@ -135,6 +135,9 @@ pub async fn connect(
         return Ok(());
     }
 
+    // Not an existing session's: the listen address must be free before the
+    // manager is installed and a tunnel IP leased.
+    super::check_listen(listen).map_err(|e| super::listen_error(listen, &e))?;
     let manager = tun_connect::ensure_manager(conn, args).await?;
     let (leased, tunnel_ip) = tun_connect::lease_step(conn, args, env, &manager).await?;
     output::done(&format!("Tunnel IP {tunnel_ip}"));

@@ -143,12 +143,9 @@ impl SocksTask {
 /// user daemon's loopback listener, `host:port`). Binds the SOCKS listener before it
 /// returns, so a taken port is an error here.
 pub async fn start(config: SocksConfig, data_target: String) -> Result<SocksTask> {
-    let listener = TcpListener::bind(config.listen).await.with_context(|| {
-        format!(
-            "cannot listen for SOCKS5 on {} — is another proxy using it? pick another with --socks-listen",
-            config.listen
-        )
-    })?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| listen_error(config.listen, &e))?;
     let tls = TlsClient::from_request(&config.tls_ca_pem, &config.tls_server_name)
         .context("the traffic manager's TLS settings are unusable")?;
     let now = Instant::now();
@@ -254,4 +251,75 @@ pub fn parse_listen(text: &str) -> Result<SocketAddr> {
     text.parse().map_err(|_| {
         anyhow!("--socks-listen {text:?} is not HOST:PORT with an IP address, e.g. 127.0.0.1:1080")
     })
+}
+
+/// Whether the SOCKS listener could bind `addr` now: binds it and lets it go,
+/// so `kvpn connect --socks` fails before it touches the cluster. The error is
+/// [`listen_error`]'s.
+pub fn check_listen(addr: SocketAddr) -> std::result::Result<(), std::io::Error> {
+    std::net::TcpListener::bind(addr).map(drop)
+}
+
+/// The user-facing error for a SOCKS listener that cannot bind `addr`: the
+/// address, the cause in words and the fix.
+pub fn listen_error(addr: SocketAddr, cause: &std::io::Error) -> anyhow::Error {
+    let (why, fix) = match cause.raw_os_error() {
+        Some(libc::EADDRNOTAVAIL) => (
+            format!("{} is not an address of this machine", addr.ip()),
+            format!(
+                "give one of its addresses, e.g. --socks-listen 127.0.0.1:{}",
+                addr.port()
+            ),
+        ),
+        Some(libc::EADDRINUSE) => (
+            "the port is in use by another program".to_owned(),
+            format!(
+                "pick a free port with --socks-listen, or stop the program using it \
+                 (`ss -ltnp 'sport = :{}'` names it)",
+                addr.port()
+            ),
+        ),
+        Some(libc::EACCES) => (
+            "ports below 1024 need privileges".to_owned(),
+            "pick a port of 1024 or above with --socks-listen, e.g. 127.0.0.1:1080".to_owned(),
+        ),
+        _ => (
+            "the address cannot be bound".to_owned(),
+            "pick another address with --socks-listen, e.g. 127.0.0.1:1080".to_owned(),
+        ),
+    };
+    anyhow!("cannot listen for SOCKS5 on {addr}: {why} ({cause}) — {fix}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--socks-listen 192.0.2.1:1080` (an address this machine does not have):
+    /// refused by the early check with the address, the cause and the fix — no
+    /// "another proxy" guess.
+    #[test]
+    fn socks_listen_on_a_foreign_address_names_it() {
+        let addr: SocketAddr = "192.0.2.1:1080".parse().expect("test address");
+        let e = check_listen(addr).expect_err("192.0.2.1 is no address of this machine");
+        let msg = listen_error(addr, &e).to_string();
+        assert!(msg.contains("192.0.2.1:1080"), "{msg}");
+        assert!(msg.contains("not an address of this machine"), "{msg}");
+        assert!(msg.contains("--socks-listen 127.0.0.1:1080"), "{msg}");
+        assert!(!msg.contains("another proxy"), "{msg}");
+    }
+
+    #[test]
+    fn socks_listen_on_a_port_in_use_says_so() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        let addr = taken.local_addr().expect("local address");
+        let e = check_listen(addr).expect_err("the port is taken");
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+        let msg = listen_error(addr, &e).to_string();
+        assert!(msg.contains(&addr.to_string()), "{msg}");
+        assert!(msg.contains("in use by another program"), "{msg}");
+        assert!(msg.contains(&format!("sport = :{}", addr.port())), "{msg}");
+        drop(taken);
+        check_listen(addr).expect("free again");
+    }
 }

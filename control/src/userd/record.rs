@@ -149,30 +149,47 @@ impl Store {
 
     /// Write `record` (atomically: a temporary file renamed over the old one).
     pub fn save(&self, record: &SessionRecord) -> std::io::Result<()> {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&self.dir)?;
         let path = self.path(&record.id);
         let tmp = path.with_extension("json.tmp");
         let text = serde_json::to_vec_pretty(record).map_err(std::io::Error::other)?;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
+        let open = || {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&self.dir)?;
+            std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+        };
+        // The folder goes away with its last record (`remove`): if that raced
+        // with this save, make it again.
+        let mut f = match open() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => open()?,
+            other => other?,
+        };
         f.write_all(&text)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &path)
     }
 
     /// Forget session `id` (no error when it was not recorded).
+    /// The folder goes with its last record.
     pub fn remove(&self, id: &str) -> std::io::Result<()> {
         match std::fs::remove_file(self.path(id)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
         }
+        self.remove_dir_if_empty();
+        Ok(())
+    }
+
+    /// Remove the folder when no file is left in it (`rmdir` refuses otherwise),
+    /// so that disconnected sessions leave no empty folders under `sessions/`.
+    fn remove_dir_if_empty(&self) {
+        let _ = std::fs::remove_dir(&self.dir);
     }
 
     /// Every readable record, and a message for each file that is not one.
@@ -225,6 +242,7 @@ impl Store {
                 std::fs::remove_file(e.path())?;
             }
         }
+        self.remove_dir_if_empty();
         Ok(())
     }
 }
@@ -285,6 +303,12 @@ mod tests {
         assert!(a.any(), "the bad file is still there");
         a.clear().expect("clear");
         assert!(!a.any());
+        assert!(!a.dir().exists(), "no empty record folder is left");
+        // The last record's removal takes the folder; a save makes it again.
+        a.save(&r).expect("save again");
+        assert_eq!(mode(a.dir()), 0o700);
+        a.remove("s1").expect("remove");
+        assert!(!a.dir().exists(), "no empty record folder after disconnect");
         let _ = std::fs::remove_dir_all(&base);
     }
 }

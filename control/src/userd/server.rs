@@ -123,7 +123,7 @@ fn now_unix_ms() -> u64 {
 }
 
 fn internal(e: anyhow::Error) -> Status {
-    Status::failed_precondition(format!("{e:#}"))
+    Status::failed_precondition(crate::output::error_chain(&e))
 }
 
 /// The session's agent configuration from the CLI's request.
@@ -184,6 +184,35 @@ fn agent_config(
 }
 
 impl UserDaemonState {
+    /// Record a session that just started (a restarted user daemon brings it
+    /// back from the record) and list it as running. `tun_name` is empty and
+    /// `socks_status` set for SOCKS sessions.
+    fn register(
+        &self,
+        id: &str,
+        addr: std::net::SocketAddr,
+        tun_name: &str,
+        req: &StartSessionRequest,
+        cancel: CancellationToken,
+        socks_status: Option<PathBuf>,
+    ) {
+        let record = SessionRecord::new(id, addr, tun_name, now_unix_ms(), req);
+        if let Err(e) = self.store.save(&record) {
+            warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not bring it back");
+        }
+        self.sessions().insert(
+            id.to_owned(),
+            Entry {
+                record,
+                state: STATE_RUNNING,
+                reason: String::new(),
+                since: Instant::now(),
+                cancel,
+                socks_status,
+            },
+        );
+    }
+
     fn sessions(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
         // A handler that panicked while holding the lock left consistent data
         // (every update is a single insert/remove): keep going.
@@ -330,8 +359,9 @@ impl UserDaemonState {
             }
             Err(e) => {
                 let reason = format!(
-                    "the restarted user daemon could not bring it back: {e:#} — its TUN device \
-                     and routes were removed; run `kvpn connect` again"
+                    "the restarted user daemon could not bring it back: {} — its TUN device \
+                     and routes were removed; run `kvpn connect` again",
+                    crate::output::error_chain(&e)
                 );
                 if let Err(e) = self.root_disconnect(&id).await {
                     warn!(session = %id, "{e:#}");
@@ -418,21 +448,7 @@ impl UserDaemonState {
             )));
         }
         let (addr, cancel, status_file) = self.open_socks(&req, &socks).await?;
-        let record = SessionRecord::new(&id, addr, "", now_unix_ms(), &req);
-        if let Err(e) = self.store.save(&record) {
-            warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not bring it back");
-        }
-        self.sessions().insert(
-            id.clone(),
-            Entry {
-                record,
-                state: STATE_RUNNING,
-                reason: String::new(),
-                since: Instant::now(),
-                cancel,
-                socks_status: Some(status_file),
-            },
-        );
+        self.register(&id, addr, "", &req, cancel, Some(status_file));
         info!(session = %id, %addr, listen = %socks.listen, "SOCKS session started");
         Ok(StartSessionResponse {
             connect: Some(dataplane::ConnectResponse {
@@ -590,21 +606,7 @@ impl UserDaemon for UserDaemonState {
             }
             !replaced
         });
-        let record = SessionRecord::new(&id, addr, &resp.tun_name, now_unix_ms(), &req);
-        if let Err(e) = self.store.save(&record) {
-            warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not bring it back");
-        }
-        self.sessions().insert(
-            id.clone(),
-            Entry {
-                record,
-                state: STATE_RUNNING,
-                reason: String::new(),
-                since: Instant::now(),
-                cancel: cancel.clone(),
-                socks_status: None,
-            },
-        );
+        self.register(&id, addr, &resp.tun_name, &req, cancel, None);
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
         Ok(Response::new(StartSessionResponse {
             connect: Some(resp),

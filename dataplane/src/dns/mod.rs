@@ -234,7 +234,8 @@ impl Dns {
     /// Split DNS as `settings` say; nothing changes until a session asks.
     pub fn new(settings: DnsSettings) -> Self {
         let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir)
-            .with_persistent_copy(&settings.state_dir);
+            .with_persistent_copy(&settings.state_dir)
+            .with_own_nameserver(settings.listen.ip());
         let hosts = HostsFile::new(&settings.hosts, &settings.runtime_dir)
             .with_persistent_copy(&settings.state_dir);
         Dns {
@@ -462,12 +463,7 @@ impl Dns {
                 .map(|()| {
                     format!(
                         "systemd-resolved: {} on {tun} for ~{}, search {}",
-                        cluster
-                            .servers
-                            .iter()
-                            .map(ToString::to_string)
-                            .collect::<Vec<_>>()
-                            .join(", "),
+                        cluster.servers_text(),
                         cluster.domain_text(),
                         cluster.search_text().join(" ")
                     )
@@ -479,12 +475,7 @@ impl Dns {
                 self.write_resolv_conf(&state, local.ip()).map(|()| {
                     format!(
                         "forwarder on {local} (cluster DNS {}, search {}); {} names it",
-                        cluster
-                            .servers
-                            .iter()
-                            .map(ToString::to_string)
-                            .collect::<Vec<_>>()
-                            .join(", "),
+                        cluster.servers_text(),
                         cluster.search_text().join(" "),
                         self.resolv.path().display()
                     )

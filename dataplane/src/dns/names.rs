@@ -205,6 +205,15 @@ impl ClusterDns {
             .collect()
     }
 
+    /// The cluster DNS servers for messages, comma-separated: `10.96.0.10:53, [fd00::a]:53`.
+    pub fn servers_text(&self) -> String {
+        self.servers
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// The cluster domain as text, without trailing dot.
     pub fn domain_text(&self) -> String {
         self.domain.to_ascii().trim_end_matches('.').to_owned()
@@ -546,6 +555,7 @@ mod tests {
         );
         assert_eq!(c.domain.to_ascii(), "cluster.local.");
         assert_eq!(c.search_text(), vec!["svc.cluster.local", "cluster.local"]);
+        assert_eq!(c.servers_text(), "10.96.0.10:53, [fd00::a]:5353");
         assert_eq!(
             ClusterDns::new(&[], "cluster.local", &[], false),
             Err(ConfigError::NoServer)

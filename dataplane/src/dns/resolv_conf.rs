@@ -134,11 +134,7 @@ pub fn parse(bytes: &[u8]) -> Resolv {
 /// search domains first and then the laptop's (duplicates dropped), and the
 /// laptop's options and sortlist.
 pub fn render(forwarder: IpAddr, cluster_search: &[String], original: &Resolv) -> String {
-    let mut out = String::from(
-        "# Written by kvpn: cluster names resolve through kvpn's DNS forwarder, all\n\
-         # other names through this laptop's own nameservers. The original file comes\n\
-         # back byte for byte when kvpn disconnects.\n",
-    );
+    let mut out = String::from(RENDER_HEADER);
     out.push_str(&format!("nameserver {forwarder}\n"));
     let mut search: Vec<&str> = Vec::new();
     for s in cluster_search.iter().chain(&original.search) {
@@ -157,6 +153,33 @@ pub fn render(forwarder: IpAddr, cluster_search: &[String], original: &Resolv) -
         out.push_str(&format!("sortlist {s}\n"));
     }
     out
+}
+
+/// The comment [`render`] starts kvpn's resolv.conf with.
+const RENDER_HEADER: &str = "# Written by kvpn: cluster names resolve through kvpn's DNS forwarder, all\n\
+     # other names through this laptop's own nameservers. The original file comes\n\
+     # back byte for byte when kvpn disconnects.\n";
+
+/// `bytes` without the `nameserver` lines naming `own` (kvpn's forwarder) and
+/// without [`render`]'s header comment, every other byte kept; `None` when no
+/// nameserver line names `own`. Such a file is kvpn's own text (left by a killed
+/// root daemon, or by another one with its own runtime directory): it must never
+/// be recorded, nor left behind, as the laptop's original, or the laptop keeps
+/// asking a forwarder that is gone.
+pub fn without_own_nameserver(bytes: &[u8], own: IpAddr) -> Option<Vec<u8>> {
+    let header: Vec<&str> = RENDER_HEADER.lines().collect();
+    let mut found = false;
+    let mut out = Vec::with_capacity(bytes.len());
+    for line in bytes.split_inclusive(|b| *b == b'\n') {
+        let text = String::from_utf8_lossy(line);
+        let text = text.trim_end_matches(['\n', '\r']);
+        let names_own = parse(text.as_bytes()).nameservers.first() == Some(&own);
+        found |= names_own;
+        if !names_own && !header.contains(&text) {
+            out.extend_from_slice(line);
+        }
+    }
+    found.then_some(out)
 }
 
 // --- pure: the backup file -----------------------------------------------------
@@ -278,6 +301,9 @@ pub struct ResolvConf {
     path: PathBuf,
     backup: PathBuf,
     persistent: Option<PathBuf>,
+    /// kvpn's forwarder address: never recorded as, nor left behind in, the
+    /// laptop's original ([`without_own_nameserver`]); `None` for the hosts file.
+    own_nameserver: Option<IpAddr>,
 }
 
 /// File name of the persistent copy of backup `backup_name` for the daemon of
@@ -403,6 +429,7 @@ impl ResolvConf {
             path: path.into(),
             backup: runtime_dir.join(BACKUP_NAME),
             persistent: None,
+            own_nameserver: None,
         }
     }
 
@@ -423,6 +450,12 @@ impl ResolvConf {
         self.persistent.as_deref()
     }
 
+    /// The same, knowing that `ip` is kvpn's forwarder (`KVPN_DNS_IP`).
+    pub fn with_own_nameserver(mut self, ip: IpAddr) -> Self {
+        self.own_nameserver = Some(ip);
+        self
+    }
+
     /// Another file of `/etc` managed the same way (the hosts file), with its
     /// backup `backup_name` in `runtime_dir`.
     pub fn with_backup_name(
@@ -434,6 +467,7 @@ impl ResolvConf {
             path: path.into(),
             backup: runtime_dir.join(backup_name),
             persistent: None,
+            own_nameserver: None,
         }
     }
 
@@ -529,7 +563,22 @@ impl ResolvConf {
     pub fn apply(&self, render: impl FnOnce(&[u8]) -> String) -> Result<Vec<u8>, ResolvConfError> {
         let mut backup = match self.backup()? {
             Some(b) => b,
-            None => self.snapshot()?,
+            None => {
+                let mut now = self.snapshot()?;
+                if let Some(own) = self.own_nameserver
+                    && let Some(clean) = without_own_nameserver(&now.original, own)
+                {
+                    tracing::warn!(
+                        path = %self.path.display(),
+                        forwarder = %own,
+                        "resolv.conf already names kvpn's DNS forwarder but no backup exists \
+                         (left by a killed root daemon, or one with another runtime directory); \
+                         recording it without kvpn's nameserver line as the original"
+                    );
+                    now.original = clean;
+                }
+                now
+            }
         };
         let content = render(&backup.original);
         backup.written = content.clone();
@@ -598,6 +647,7 @@ impl ResolvConf {
             );
             Restored::KeptOthers
         };
+        self.drop_own_nameserver()?;
         for file in std::iter::once(&self.backup).chain(&self.persistent) {
             match fs::remove_file(file) {
                 Ok(()) => {}
@@ -607,6 +657,38 @@ impl ResolvConf {
             sync_dir(file);
         }
         Ok(outcome)
+    }
+
+    /// After a restore the forwarder is going away: a regular file that still
+    /// names it (somebody else's version that copied kvpn's text, or a backup
+    /// that recorded kvpn's own text before [`ResolvConf::apply`] refused to)
+    /// loses that line rather than keep the laptop asking a dead address.
+    fn drop_own_nameserver(&self) -> Result<(), ResolvConfError> {
+        let Some(own) = self.own_nameserver else {
+            return Ok(());
+        };
+        let Ok(meta) = fs::symlink_metadata(&self.path) else {
+            return Ok(());
+        };
+        if !meta.file_type().is_file() {
+            return Ok(());
+        }
+        let current = fs::read(&self.path).map_err(io("cannot read", &self.path))?;
+        if let Some(clean) = without_own_nameserver(&current, own) {
+            tracing::warn!(
+                path = %self.path.display(),
+                forwarder = %own,
+                "resolv.conf still names kvpn's DNS forwarder after the restore; dropping that \
+                 nameserver line — check the file's other nameservers"
+            );
+            replace_with_file(&self.path, &clean, meta.mode() & 0o7777)?;
+            let _ = nix::unistd::chown(
+                &self.path,
+                Some(nix::unistd::Uid::from_raw(meta.uid())),
+                Some(nix::unistd::Gid::from_raw(meta.gid())),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -802,6 +884,65 @@ mod tests {
             b"nameserver 10.9.9.9\n# DHCP renewed\n"
         );
         assert!(!rc.backup_path().exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// The SIGKILL case: resolv.conf is kvpn's text (a killed daemon's, or a
+    /// second root daemon's with another runtime dir) and this daemon has no
+    /// backup. apply records it without kvpn's nameserver line; restore never
+    /// puts 127.0.0.153 back — also from an old backup that recorded it.
+    #[test]
+    fn kvpn_s_own_text_is_never_the_original() {
+        let own: IpAddr = "127.0.0.153".parse().expect("ip");
+        let laptop = b"nameserver 192.168.1.1\nsearch corp.test\noptions ndots:2\n";
+        let left_by_killed_daemon = render_test(laptop);
+        let dir = scratch("own");
+        let path = dir.join("resolv.conf");
+        fs::write(&path, &left_by_killed_daemon).expect("write");
+        let rc = ResolvConf::new(&path, &dir).with_own_nameserver(own);
+        let original = rc.apply(render_test).expect("apply");
+        let original_text = String::from_utf8(original).expect("utf-8");
+        assert!(!original_text.contains("127.0.0.153"), "{original_text}");
+        assert!(
+            !original_text.contains("Written by kvpn"),
+            "{original_text}"
+        );
+        assert!(
+            original_text.contains("search dev.svc.cluster.local corp.test"),
+            "{original_text}"
+        );
+        let saved = rc.backup().expect("backup").expect("a backup exists");
+        assert!(without_own_nameserver(&saved.original, own).is_none());
+        assert_eq!(rc.restore().expect("restore"), Restored::Original);
+        let after = fs::read_to_string(&path).expect("read");
+        assert!(!after.contains("127.0.0.153"), "{after}");
+
+        // A backup from before this rule, holding kvpn's text as the original.
+        fs::write(&path, &left_by_killed_daemon).expect("write");
+        let rc_old = ResolvConf::new(&path, &dir);
+        rc_old.apply(render_test).expect("apply without the rule");
+        assert!(
+            String::from_utf8_lossy(&rc_old.backup().expect("b").expect("b").original)
+                .contains("127.0.0.153")
+        );
+        let rc = ResolvConf::new(&path, &dir).with_own_nameserver(own);
+        assert_eq!(rc.restore().expect("restore"), Restored::Original);
+        let after = fs::read_to_string(&path).expect("read");
+        assert!(!after.contains("127.0.0.153"), "{after}");
+        assert!(
+            after.contains("options ndots:2"),
+            "other lines stay: {after}"
+        );
+
+        // Somebody else's version that still names the forwarder: kept, minus it.
+        fs::write(&path, laptop).expect("write");
+        rc.apply(render_test).expect("apply");
+        fs::write(&path, b"nameserver 127.0.0.153\nnameserver 10.9.9.9\n").expect("write");
+        assert_eq!(rc.restore().expect("restore"), Restored::KeptOthers);
+        assert_eq!(fs::read(&path).expect("read"), b"nameserver 10.9.9.9\n");
+
+        // Without kvpn's line nothing changes.
+        assert_eq!(without_own_nameserver(laptop, own), None);
         let _ = fs::remove_dir_all(&dir);
     }
 
