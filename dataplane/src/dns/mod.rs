@@ -393,7 +393,8 @@ impl Dns {
                 Mode::Resolved => true,
                 Mode::Forwarder | Mode::Off => false,
                 Mode::Auto => {
-                    resolved::uses_stub(&resolv_conf::parse(&original)) && resolved::available()
+                    resolved::uses_stub(&resolv_conf::parse(&original))
+                        && resolved::available().await
                 }
             };
             if use_resolved {
@@ -418,6 +419,7 @@ impl Dns {
         );
         let result = match &state.active {
             Some(Active::Resolved) => resolved::run(&resolved::link_commands(tun, &cluster))
+                .await
                 .map(|()| {
                     format!(
                         "systemd-resolved: {} on {tun} for ~{}, search {}",
@@ -494,7 +496,7 @@ impl Dns {
         match &state.active {
             Some(Active::Resolved) => {
                 // The link usually goes with the TUN device; revert anyway.
-                if let Err(e) = resolved::run(&[resolved::revert_command(&gone.tun)]) {
+                if let Err(e) = resolved::run(&[resolved::revert_command(&gone.tun)]).await {
                     tracing::debug!(error = %e, "systemd-resolved revert");
                 }
             }
