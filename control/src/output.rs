@@ -359,6 +359,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "refused_packets": l.refused_packets,
             "unreachable_sent": l.unreachable_sent,
             "unreachable_rate_limited": l.unreachable_rate_limited,
+            "transports_lost": l.transports_lost,
         })),
     })
 }

@@ -181,6 +181,20 @@ impl Liveness {
         true
     }
 
+    /// Frames arrived on the current transport at `now`. Once the transport has
+    /// been proven by an echo, any frame from the manager shows it alive: an
+    /// echo stuck behind a burst of inbound packets must not count as silence.
+    /// Before the first echo this proves nothing ("connected" still needs one).
+    pub fn handle_inbound(&mut self, now: Instant) {
+        if let Transport::Up {
+            last_echo: Some(at),
+            ..
+        } = &mut self.transport
+        {
+            *at = now.max(*at);
+        }
+    }
+
     /// Round-trip time of the latest heartbeat that was echoed.
     pub fn last_rtt(&self) -> Option<Duration> {
         self.last_rtt

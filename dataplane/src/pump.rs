@@ -9,7 +9,7 @@
 //!                    ▲                                  │ (also heartbeats)
 //!                    └──────────── [free batches] ◀─────┘
 //! inbound:  transport ──transport_reader──▶ [full chunks] ──tun_writer──▶ TUN
-//!                    ▲                                  │ (heartbeat echoes)
+//!                    ▲      │ (heartbeat echoes, at once) │
 //!                    └──────────── [free chunks]  ◀─────┘
 //! ```
 //!
@@ -140,10 +140,13 @@ pub struct Counters {
     pub unreachable_sent: AtomicU64,
     /// Refused packets left unanswered because of the rate limit.
     pub unreachable_rate_limited: AtomicU64,
+    /// Data connections that ended after the pump ran on them (each followed by
+    /// a re-dial).
+    pub transports_lost: AtomicU64,
 }
 
 impl Counters {
-    fn add(counter: &AtomicU64, n: u64) {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
@@ -375,15 +378,11 @@ where
         transport_rx,
         in_free_rx,
         in_full_tx,
+        liveness.clone(),
+        counters.clone(),
         config,
     ));
-    tasks.spawn(tun_writer(
-        tun,
-        in_full_rx,
-        in_free_tx,
-        liveness.clone(),
-        counters,
-    ));
+    tasks.spawn(tun_writer(tun, in_full_rx, in_free_tx, counters));
 
     // Watchdog: a black-holed transport can block the writer forever, so the
     // silence check cannot live in the writer.
@@ -561,10 +560,15 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
     }
 }
 
+/// Heartbeat echoes are taken here, as soon as they are read, not in
+/// `tun_writer`: they must never wait behind queued inbound packets. Any frame
+/// read also proves the transport alive ([`Liveness::handle_inbound`]).
 async fn transport_reader<R: AsyncRead + Unpin>(
     mut reader: R,
     mut free_rx: mpsc::Receiver<InChunk>,
     full_tx: mpsc::Sender<InChunk>,
+    liveness: Arc<Mutex<Liveness>>,
+    counters: Arc<Counters>,
     config: PumpConfig,
 ) -> PumpExit {
     let decoder = Decoder::with_max_len(config.max_frame_len);
@@ -583,13 +587,32 @@ async fn transport_reader<R: AsyncRead + Unpin>(
             Err(e) => return PumpExit::Transport(e),
         };
         filled += n;
+        let before = complete;
+        let mut echoes = 0;
         loop {
             match decoder.decode(&cur.buf[complete..filled]) {
-                Ok(Some((_, used))) => complete += used,
+                Ok(Some((frame, used))) => {
+                    if frame.kind == Kind::Heartbeat {
+                        if lock(&liveness).handle_echo(frame.payload, Instant::now()) {
+                            tracing::trace!("heartbeat echo read");
+                            echoes += 1;
+                        } else {
+                            tracing::debug!(
+                                len = frame.payload.len(),
+                                "unexpected heartbeat echo ignored"
+                            );
+                        }
+                    }
+                    complete += used;
+                }
                 Ok(None) => break,
                 Err(e) => return PumpExit::Protocol(e),
             }
         }
+        if complete > before {
+            lock(&liveness).handle_inbound(Instant::now());
+        }
+        Counters::add(&counters.heartbeats_echoed, echoes);
         if complete == 0 {
             // Only part of a frame so far; the buffer has room for a whole one.
             continue;
@@ -613,7 +636,6 @@ async fn tun_writer<T: PacketIo>(
     tun: Arc<T>,
     mut full_rx: mpsc::Receiver<InChunk>,
     free_tx: mpsc::Sender<InChunk>,
-    liveness: Arc<Mutex<Liveness>>,
     counters: Arc<Counters>,
 ) -> PumpExit {
     // The reader validated every frame header already; this decoder only finds
@@ -648,16 +670,8 @@ async fn tun_writer<T: PacketIo>(
                     }
                     Err(e) => return PumpExit::Tun(e),
                 },
-                Kind::Heartbeat => {
-                    if lock(&liveness).handle_echo(frame.payload, Instant::now()) {
-                        Counters::add(&counters.heartbeats_echoed, 1);
-                    } else {
-                        tracing::debug!(
-                            len = frame.payload.len(),
-                            "unexpected heartbeat echo ignored"
-                        );
-                    }
-                }
+                // Taken by `transport_reader` already.
+                Kind::Heartbeat => {}
                 Kind::Hello | Kind::Unknown(_) => {
                     tracing::debug!(
                         kind = frame.kind.to_u8(),

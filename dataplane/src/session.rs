@@ -345,6 +345,34 @@ fn dial_error(target: &str, cause: &std::io::Error, peer: DataPeer) -> String {
     }
 }
 
+/// Unsent bytes the kernel may hold for the data connection before it stops
+/// being writable (TCP_NOTSENT_LOWAT): 128 KiB, half an outbound batch. The
+/// pump's bounded queues then hold the rest, and the TUN device's own queue
+/// drops the excess of a flood (its `tx_dropped`), instead of 4 MiB of send
+/// buffer delaying every heartbeat.
+pub const NOTSENT_LOWAT: u32 = 128 * 1024;
+
+/// TCP_NOTSENT_LOWAT (Linux 3.12, net/ipv4/tcp.c) on `stream`.
+fn set_notsent_lowat(stream: &TcpStream, bytes: u32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: setsockopt on a socket we own, with a c_int option value.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NOTSENT_LOWAT,
+            (&raw const value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Connect TCP to the manager at `target` (`host:port`) within `timeout`.
 /// Errors are user-facing sentences naming the address, the cause and the fix.
 pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, String> {
@@ -387,6 +415,11 @@ pub async fn dial_peer(
     // batches by itself.
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(error = %e, "cannot set TCP_NODELAY on the data connection");
+    }
+    // Keep the kernel's unsent backlog small, so that a heartbeat written after
+    // a burst of data does not wait behind megabytes of it on a slow path.
+    if let Err(e) = set_notsent_lowat(&stream, NOTSENT_LOWAT) {
+        tracing::debug!(error = %e, "cannot set TCP_NOTSENT_LOWAT on the data connection");
     }
     Ok(stream)
 }
@@ -1139,6 +1172,7 @@ impl Session {
             refused_packets: Counters::get(&c.refused_packets),
             unreachable_sent: Counters::get(&c.unreachable_sent),
             unreachable_rate_limited: Counters::get(&c.unreachable_rate_limited),
+            transports_lost: Counters::get(&c.transports_lost),
         }
     }
 
@@ -1370,6 +1404,7 @@ async fn supervise(
                 == State::Connected;
         let reason = peer.loss_reason(&target, &exit);
         set_down(reason.clone());
+        Counters::add(&shared.counters.transports_lost, 1);
         refuser.start(&tun, &shared);
         if proven {
             tracing::warn!(%reason, "transport lost, re-dialling");

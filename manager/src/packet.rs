@@ -63,11 +63,15 @@ pub enum DropReason {
     NoSuchPeer,
     /// The destination laptop's frame queue is full (laptop-to-laptop).
     PeerQueueFull,
+    /// The session's intake (packet frames read from the laptop, not yet
+    /// handled) was full: the laptop sends faster than the manager processes,
+    /// e.g. a flood of small datagrams ([`crate::session::INTAKE_BYTES`]).
+    IntakeFull,
 }
 
 impl DropReason {
     /// Every reason, for iterating counters.
-    pub const ALL: [DropReason; 11] = [
+    pub const ALL: [DropReason; 12] = [
         DropReason::Malformed,
         DropReason::Fragment,
         DropReason::UnsupportedProtocol,
@@ -79,6 +83,7 @@ impl DropReason {
         DropReason::ReplyTooLarge,
         DropReason::NoSuchPeer,
         DropReason::PeerQueueFull,
+        DropReason::IntakeFull,
     ];
 
     /// A short snake_case name for logs and metrics.
@@ -95,6 +100,7 @@ impl DropReason {
             DropReason::ReplyTooLarge => "reply_too_large",
             DropReason::NoSuchPeer => "no_such_peer",
             DropReason::PeerQueueFull => "peer_queue_full",
+            DropReason::IntakeFull => "intake_full",
         }
     }
 }

@@ -3,9 +3,23 @@
 //! Reads frames from the laptop's data channel (any `AsyncRead + AsyncWrite`
 //! byte stream: TLS or plain TCP, see [`crate::server`]), checks the hello, feeds packets to
 //! the engine, echoes heartbeats, carries out the engine's requests through
-//! [`KernelSide`] and writes the engine's packets back as frames. A separate
-//! task writes to the laptop so that reading never waits on a slow reader;
-//! its queue is bounded, which pushes back on the laptop when it does not read.
+//! [`KernelSide`] and writes the engine's packets back as frames.
+//!
+//! Three tasks per session, so that control frames never wait behind data:
+//!
+//! ```text
+//! laptop ──reader──▶ [intake: packet frames, ≤ INTAKE_BYTES] ──engine loop──▶ [out: ≤ 64 batches] ──writer──▶ laptop
+//!             └─ heartbeats ──▶ [control: ≤ 64 echoes] ─────────────────────────────────────────┘ (first)
+//! ```
+//!
+//! The reader drains the socket at all times: a heartbeat is echoed as soon as
+//! it is read, and packet frames go to a byte-bounded intake. When the engine
+//! falls behind (a flood of small datagrams costs far more to process than to
+//! read), packet frames beyond the intake's bound are dropped and counted
+//! ([`DropReason::IntakeFull`]) instead of piling up in the kernel's socket
+//! buffers, where they would delay the next heartbeat by seconds and make the
+//! laptop re-dial (the bench's 100 Mbit/s 64-byte UDP flood did, and lost every
+//! flow of the session). The writer sends queued echoes before any data batch.
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -43,6 +57,22 @@ const WRITE_COALESCE: usize = 1024 * 1024;
 
 /// Kernel events handled per round before the engine polls again.
 const EVENTS_PER_ROUND: usize = 1024;
+
+/// Bytes of packet frames read from the laptop and not yet handled by the
+/// engine: 2 MiB. Large enough for the windows of the TCP flows in flight
+/// (smoltcp advertises at most 256 KiB per flow, so eight bulk flows fit
+/// without a drop), small enough that an engine busy with a flood of 64-byte
+/// datagrams (~31,000 of them) catches up within a fraction of a second.
+pub const INTAKE_BYTES: usize = 2 * 1024 * 1024;
+
+/// Bytes of packet frames the engine handles between two yields to the
+/// scheduler (see the engine loop in `run_established`).
+const ROUND_BYTES: usize = 64 * 1024;
+
+/// Heartbeat echoes queued for the writer; the laptop sends one a second, so
+/// this only fills when the laptop stops reading (further echoes are dropped:
+/// a laptop that does not read would not see them anyway).
+const CONTROL_QUEUE: usize = 64;
 
 /// Settings shared by all sessions of a manager.
 #[derive(Debug, Clone)]
@@ -230,8 +260,25 @@ async fn handshake<R: AsyncRead + Unpin>(
     Ok(hello)
 }
 
-async fn write_frames<W: AsyncWrite + Unpin>(mut wr: W, mut rx: mpsc::Receiver<Vec<u8>>) {
-    while let Some(mut batch) = rx.recv().await {
+async fn write_frames<W: AsyncWrite + Unpin>(
+    mut wr: W,
+    mut control_rx: mpsc::Receiver<Vec<u8>>,
+    mut rx: mpsc::Receiver<Vec<u8>>,
+) {
+    loop {
+        let mut batch = tokio::select! {
+            biased;
+            Some(control) = control_rx.recv() => control,
+            data = rx.recv() => match data {
+                Some(data) => data,
+                None => break,
+            },
+        };
+        trace!(bytes = batch.len(), "writer woke");
+        // Echoes first: they go before (or with) the data batch.
+        while let Ok(control) = control_rx.try_recv() {
+            batch.extend_from_slice(&control);
+        }
         while batch.len() < WRITE_COALESCE {
             match rx.try_recv() {
                 Ok(more) => batch.extend_from_slice(&more),
@@ -291,17 +338,21 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
     }
 }
 
-/// Handle every whole frame at the front of `buf`; returns the bytes used.
+/// Handle the whole frames at the front of `buf`, stopping after the frame
+/// that reaches `limit` bytes; returns the bytes used.
 fn handle_frames(
     buf: &[u8],
     engine: &mut Engine,
     out: &mut Vec<u8>,
     now: Instant,
     config: &SessionConfig,
+    limit: usize,
 ) -> Result<usize, SessionError> {
     let decoder = Decoder::default();
     let mut used = 0;
-    while let Some((f, n)) = decoder.decode(&buf[used..])? {
+    while used < limit
+        && let Some((f, n)) = decoder.decode(&buf[used..])?
+    {
         used += n;
         match f.kind {
             Kind::Packet => {
@@ -328,6 +379,108 @@ fn handle_frames(
         }
     }
     Ok(used)
+}
+
+/// Packet frames read from the laptop, waiting for the engine loop, and how
+/// the reader ended. Shared by the reader task and the engine loop.
+#[derive(Default)]
+struct Intake {
+    /// Whole packet frames (headers included), at most [`INTAKE_BYTES`].
+    frames: Vec<u8>,
+    /// Packet frames dropped because `frames` was full.
+    dropped: u64,
+    /// Heartbeats read (and echoed) since the engine loop last looked.
+    heartbeats: u64,
+    /// Why the reader stopped: `Ok` when the laptop closed the stream.
+    end: Option<Result<(), SessionError>>,
+}
+
+struct IntakeShared {
+    intake: std::sync::Mutex<Intake>,
+    ready: tokio::sync::Notify,
+}
+
+impl IntakeShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Intake> {
+        self.intake
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Sort the whole frames at the front of `buf` into the intake (packets) and
+/// the control queue (heartbeat echoes); returns the bytes used.
+fn sort_frames(
+    buf: &[u8],
+    shared: &IntakeShared,
+    control_tx: &mpsc::Sender<Vec<u8>>,
+) -> Result<usize, SessionError> {
+    let decoder = Decoder::default();
+    let mut used = 0;
+    let mut intake = shared.lock();
+    while let Some((f, n)) = decoder.decode(&buf[used..])? {
+        let whole = &buf[used..used + n];
+        used += n;
+        match f.kind {
+            Kind::Heartbeat => {
+                intake.heartbeats += 1;
+                trace!("heartbeat read, echo queued");
+                // Same bytes back: the echo of a heartbeat is the heartbeat.
+                if control_tx.try_send(whole.to_vec()).is_err() {
+                    trace!("heartbeat echo dropped: the laptop does not read");
+                }
+            }
+            Kind::Packet => {
+                if intake.frames.len() + n <= INTAKE_BYTES {
+                    intake.frames.extend_from_slice(whole);
+                } else {
+                    intake.dropped += 1;
+                }
+            }
+            Kind::Hello => trace!("repeated hello ignored"),
+            Kind::Unknown(k) => trace!(kind = k, "frame of unknown kind skipped"),
+        }
+    }
+    Ok(used)
+}
+
+/// The reader task: read the laptop's stream as fast as it comes, echo
+/// heartbeats through `control_tx` at once and queue packet frames for the
+/// engine loop (dropping them when the intake is full). Ends on EOF, a read
+/// error, an invalid frame or `idle_timeout` without a byte.
+async fn read_frames<R: AsyncRead + Unpin>(
+    mut rd: R,
+    mut rbuf: Vec<u8>,
+    shared: Arc<IntakeShared>,
+    control_tx: mpsc::Sender<Vec<u8>>,
+    idle_timeout: Duration,
+) {
+    let end = loop {
+        match sort_frames(&rbuf, &shared, &control_tx) {
+            Ok(used) => {
+                rbuf.drain(..used);
+            }
+            Err(e) => break Err(e),
+        }
+        shared.ready.notify_one();
+        rbuf.reserve(READ_CHUNK);
+        match tokio::time::timeout(idle_timeout, rd.read_buf(&mut rbuf)).await {
+            Ok(Ok(0)) => {
+                if !rbuf.is_empty() {
+                    debug!(
+                        bytes = rbuf.len(),
+                        "laptop closed the stream inside a frame"
+                    );
+                }
+                break Ok(());
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => break Err(SessionError::Read(e)),
+            Err(_) => break Err(SessionError::Silent(idle_timeout)),
+        }
+    };
+    shared.lock().end = Some(end);
+    shared.ready.notify_one();
 }
 
 /// The manager's memory from `/proc/self/status`: (resident, peak resident),
@@ -431,14 +584,14 @@ where
 }
 
 async fn run_established<R, W>(
-    mut rd: R,
+    rd: R,
     wr: W,
-    mut rbuf: Vec<u8>,
+    rbuf: Vec<u8>,
     hello: &Hello,
     config: &SessionConfig,
 ) -> Result<Metrics, SessionError>
 where
-    R: AsyncRead + Unpin,
+    R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
     let tunnel_ip = hello.tunnel_ip;
@@ -461,11 +614,22 @@ where
     let (datagrams_tx, mut datagrams_rx) = mpsc::channel(DATAGRAM_QUEUE);
     let mut kernel = KernelSide::new(events_tx, datagrams_tx, config.dial_timeout);
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(WRITE_QUEUE_BATCHES);
-    let _writer = AbortOnDrop(tokio::spawn(write_frames(wr, out_rx).in_current_span()));
+    let (control_tx, control_rx) = mpsc::channel::<Vec<u8>>(CONTROL_QUEUE);
+    let _writer = AbortOnDrop(tokio::spawn(
+        write_frames(wr, control_rx, out_rx).in_current_span(),
+    ));
+    let intake = Arc::new(IntakeShared {
+        intake: std::sync::Mutex::new(Intake::default()),
+        ready: tokio::sync::Notify::new(),
+    });
+    let _reader = AbortOnDrop(tokio::spawn(
+        read_frames(rd, rbuf, intake.clone(), control_tx, config.idle_timeout).in_current_span(),
+    ));
+    // The engine loop swaps its spent buffer for the intake's frames.
+    let mut frames: Vec<u8> = Vec::new();
     // Other laptops' packets for this tunnel IP go straight to the writer.
     let _peer = config.peers.register(tunnel_ip, out_tx.clone());
     let mut out: Vec<u8> = Vec::new();
-    let mut last_frame = tokio::time::Instant::now();
     let mut stats = tokio::time::interval_at(
         tokio::time::Instant::now() + config.stats_interval,
         config.stats_interval,
@@ -476,11 +640,48 @@ where
 
     let result: Result<(), SessionError> = loop {
         let now = Instant::now();
-        match handle_frames(&rbuf, &mut engine, &mut out, now, config) {
-            Ok(used) => {
-                rbuf.drain(..used);
+        frames.clear();
+        let end = {
+            let mut intake = intake.lock();
+            std::mem::swap(&mut frames, &mut intake.frames);
+            let m = engine.metrics_mut();
+            m.heartbeats += std::mem::take(&mut intake.heartbeats);
+            for _ in 0..std::mem::take(&mut intake.dropped) {
+                m.drop_packet(DropReason::IntakeFull);
             }
-            Err(e) => break Err(e),
+            intake.end.take()
+        };
+        // Only whole packet frames reach the intake. The engine works through
+        // them a slice at a time and yields between slices: a flood's 2 MiB
+        // of 64-byte datagrams takes this task long enough that the writer,
+        // woken onto this worker thread (tokio's LIFO slot is not stolen by
+        // the other worker), would otherwise not send a heartbeat echo for
+        // seconds. Seen in tests/tests/flood.rs: echoes queued, no write.
+        let mut off = 0;
+        let mut failed = None;
+        while off < frames.len() {
+            match handle_frames(
+                &frames[off..],
+                &mut engine,
+                &mut out,
+                now,
+                config,
+                ROUND_BYTES,
+            ) {
+                Ok(0) => break,
+                Ok(used) => off += used,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            tokio::task::yield_now().await;
+        }
+        if let Some(e) = failed {
+            break Err(e);
+        }
+        if let Some(end) = end {
+            break end;
         }
         engine.poll(now);
         while let Some(request) = engine.poll_request() {
@@ -516,18 +717,8 @@ where
         let timer = engine
             .poll_timeout(now)
             .map(|t| tokio::time::Instant::now() + t.saturating_duration_since(Instant::now()));
-        rbuf.reserve(READ_CHUNK);
         tokio::select! {
-            r = rd.read_buf(&mut rbuf) => match r {
-                Ok(0) => {
-                    if !rbuf.is_empty() {
-                        debug!(bytes = rbuf.len(), "laptop closed the stream inside a frame");
-                    }
-                    break Ok(());
-                }
-                Ok(_) => last_frame = tokio::time::Instant::now(),
-                Err(e) => break Err(SessionError::Read(e)),
-            },
+            () = intake.ready.notified() => {}
             Some(event) = events_rx.recv() => {
                 let now = Instant::now();
                 engine.handle_event(event, now);
@@ -550,9 +741,6 @@ where
             }
             _ = tokio::time::sleep_until(timer.unwrap_or_else(tokio::time::Instant::now)), if timer.is_some() => {
                 engine.handle_timeout(Instant::now());
-            }
-            _ = tokio::time::sleep_until(last_frame + config.idle_timeout) => {
-                break Err(SessionError::Silent(config.idle_timeout));
             }
             _ = stats.tick() => log_stats(&engine, &kernel, peak_flows),
         }
