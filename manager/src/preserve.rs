@@ -45,6 +45,9 @@ pub enum SourcePolicy {
     Snat,
     /// The client's tunnel IP: the pod's kernel forwards the packets as they are.
     Preserve,
+    /// The manager pod's IP, rewritten by kvpn's TC programs on the pod's egress
+    /// interface (no termination). CAP_BPF and CAP_NET_ADMIN.
+    EbpfSnat,
 }
 
 impl SourcePolicy {
@@ -52,6 +55,7 @@ impl SourcePolicy {
         match self {
             SourcePolicy::Snat => "snat",
             SourcePolicy::Preserve => "preserve",
+            SourcePolicy::EbpfSnat => "ebpf-snat",
         }
     }
 }
@@ -252,7 +256,7 @@ pub async fn setup(config: &PreserveConfig) -> anyhow::Result<Arc<PoolTun>> {
             }
         }
     }
-    info!(tun = %config.tun_name, pool = %config.pool, egress = %config.egress, "source policy preserve: laptop packets go to the pod's kernel with their tunnel IP");
+    info!(tun = %config.tun_name, pool = %config.pool, egress = %config.egress, "pool TUN ready: laptop packets go to the pod's kernel with their tunnel IP");
     Ok(Arc::new(PoolTun {
         device,
         name: config.tun_name.clone(),
@@ -340,5 +344,10 @@ mod tests {
     fn policy_names() {
         assert_eq!(SourcePolicy::default().to_string(), "snat");
         assert_eq!(SourcePolicy::Preserve.as_str(), "preserve");
+        use clap::ValueEnum as _;
+        for p in [SourcePolicy::Snat, SourcePolicy::Preserve, SourcePolicy::EbpfSnat] {
+            let value = p.to_possible_value().map(|v| v.get_name().to_owned());
+            assert_eq!(value.as_deref(), Some(p.as_str()), "the flag value is the name");
+        }
     }
 }

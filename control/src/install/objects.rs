@@ -108,6 +108,10 @@ pub enum SourcePolicy {
     /// The laptop's tunnel IP (the pod's kernel forwards). NET_ADMIN and NET_RAW;
     /// the nodes route the tunnel pool via the stable gateway.
     Preserve,
+    /// The manager pod's IP, rewritten by kvpn's TC programs on the pod's `eth0`
+    /// (no termination). BPF and NET_ADMIN (NET_RAW for `kvpn diagnose source`'s
+    /// egress capture); nothing on the nodes.
+    EbpfSnat,
 }
 
 impl SourcePolicy {
@@ -115,6 +119,7 @@ impl SourcePolicy {
         match self {
             SourcePolicy::Snat => "snat",
             SourcePolicy::Preserve => "preserve",
+            SourcePolicy::EbpfSnat => "ebpf-snat",
         }
     }
 
@@ -128,6 +133,7 @@ impl SourcePolicy {
             .or_else(|| args.iter().find_map(|a| a.strip_prefix("--source-policy=")));
         match value {
             Some("preserve") => SourcePolicy::Preserve,
+            Some("ebpf-snat") => SourcePolicy::EbpfSnat,
             _ => SourcePolicy::Snat,
         }
     }
@@ -409,14 +415,24 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
         // SNAT mode needs no capability: the manager dials with ordinary sockets and
         // uses unprivileged ICMP echo sockets. Preserve creates a TUN device, routes
         // and an address (NET_ADMIN) and announces the stable gateway by ARP
-        // (NET_RAW); never privileged.
+        // (NET_RAW). ebpf-snat creates the same TUN device and route (NET_ADMIN),
+        // loads its TC programs and maps (BPF) and attaches them to eth0
+        // (NET_ADMIN); NET_RAW is for `kvpn diagnose source`'s capture of the pod's
+        // egress. Never privileged.
         security_context: Some(SecurityContext {
             privileged: Some(false),
             allow_privilege_escalation: Some(false),
             capabilities: Some(Capabilities {
                 drop: Some(vec!["ALL".into()]),
-                add: (spec.source_policy == SourcePolicy::Preserve)
-                    .then(|| vec!["NET_ADMIN".into(), "NET_RAW".into()]),
+                add: match spec.source_policy {
+                    SourcePolicy::Snat => None,
+                    SourcePolicy::Preserve => Some(vec!["NET_ADMIN".into(), "NET_RAW".into()]),
+                    SourcePolicy::EbpfSnat => Some(vec![
+                        "BPF".into(),
+                        "NET_ADMIN".into(),
+                        "NET_RAW".into(),
+                    ]),
+                },
             }),
             ..Default::default()
         }),
