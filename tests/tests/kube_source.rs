@@ -606,4 +606,144 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
     f.wait_state("connected", Duration::from_secs(60));
     f.wait_http(web(), Instant::now(), Duration::from_secs(30));
     check("after the reschedule", &third);
+
+    // Issue 9: a later connect without --source-policy keeps the installed policy
+    // (it used to roll the manager back to snat) and says which is in effect.
+    f.kvpn_ok(&["disconnect"]);
+    let kubeconfig = f.user_kubeconfig();
+    let out = f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig]);
+    assert!(
+        out.contains("Source policy ebpf-snat (the installed manager's"),
+        "connect says what is in effect: {out}"
+    );
+    assert_eq!(f.session()["source_policy"], "ebpf-snat");
+    let kept = manager_pod(&f);
+    assert_eq!(pod_name(&kept), pod_name(&third), "no rollout: the same manager pod");
+    assert_eq!(tcp_source(&f), pod_ip(&third), "still translated to the pod IP");
+}
+
+/// A host outside every cluster range (192.0.2.0/24, TEST-NET-1) behind the node:
+/// its own netns, a veth to the node netns (node side 192.0.2.1, host 192.0.2.10),
+/// a default route back through the node. Deleted on drop (the veth goes with it).
+struct OutsideHost {
+    netns: Netns,
+}
+
+const OUTSIDE_NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+const OUTSIDE_HOST_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+
+impl OutsideHost {
+    fn new(node: &Netns) -> OutsideHost {
+        let id = std::process::id();
+        let netns = Netns::create(&format!("kvpn-outside-{id}"))
+            .unwrap_or_else(|e| panic!("outside netns: {e}"));
+        let host = OutsideHost { netns };
+        let node_if = format!("kvpnout{}", id % 100_000);
+        node.ip(&[
+            "link", "add", &node_if, "type", "veth", "peer", "name", "eth0", "netns",
+            host.netns.name(),
+        ])
+        .unwrap_or_else(|e| panic!("veth to the outside host: {e}"));
+        node.ip(&["addr", "add", &format!("{OUTSIDE_NODE_IP}/24"), "dev", &node_if])
+            .unwrap_or_else(|e| panic!("node address: {e}"));
+        node.ip(&["link", "set", &node_if, "up"])
+            .unwrap_or_else(|e| panic!("node veth up: {e}"));
+        host.netns
+            .ip_batch(&[
+                format!("addr add {OUTSIDE_HOST_IP}/24 dev eth0"),
+                "link set eth0 up".into(),
+                "link set lo up".into(),
+                format!("route add default via {OUTSIDE_NODE_IP}"),
+            ])
+            .unwrap_or_else(|e| panic!("outside host addressing: {e}"));
+        host
+    }
+
+    /// A listener on the outside host (bound inside its netns).
+    fn listen(&self) -> std::net::TcpListener {
+        self.netns
+            .run(|| std::net::TcpListener::bind((OUTSIDE_HOST_IP, 0)))
+            .unwrap_or_else(|e| panic!("outside netns: {e}"))
+            .unwrap_or_else(|e| panic!("listen on the outside host: {e}"))
+    }
+}
+
+impl Drop for OutsideHost {
+    fn drop(&mut self) {
+        let _ = self.netns.delete();
+    }
+}
+
+/// The source the outside host sees for one fresh TCP connection from the laptop.
+fn outside_source(f: &KubeFixture, listener: &std::net::TcpListener) -> IpAddr {
+    let to = listener.local_addr().expect("listener address");
+    let connected = f
+        .lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || {
+            TcpStream::connect_timeout(&to, Duration::from_secs(5)).map_err(|e| e.to_string())
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    let _stream = connected.unwrap_or_else(|e| panic!("connect to the outside host {to}: {e}"));
+    listener
+        .set_nonblocking(false)
+        .expect("blocking listener");
+    let (_, peer) = listener
+        .accept()
+        .unwrap_or_else(|e| panic!("accept on the outside host: {e}"));
+    peer.ip()
+}
+
+/// Issue 9: the node's masquerade (pods to outside the cluster → node address) must
+/// leave the tunnel pool alone for `preserve`. A backend outside every cluster range,
+/// reached through the node, sees the laptop's tunnel IP; with the pool taken out of
+/// the lab's `no_masquerade` set the same flow arrives with the node's address, so the
+/// exclusion (not luck) is what keeps the client's identity.
+#[test]
+fn preserve_masquerade_exclusion_keeps_the_tunnel_ip_outside_the_cluster() {
+    let f = KubeFixture::new();
+    let node = Netns::from_name(&kvpn_lab::topology::netns_name(
+        f.lab().netns_lab().id(),
+        kvpn_lab::NODE,
+    ));
+    let outside = OutsideHost::new(&node);
+    let listener = outside.listen();
+    let kubeconfig = f.user_kubeconfig();
+    f.kvpn_ok(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--source-policy",
+        "preserve",
+        "--cidr",
+        "192.0.2.0/24",
+    ]);
+    let tunnel: IpAddr = f.session()["tunnel_ip"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .expect("tunnel_ip");
+    assert_eq!(
+        outside_source(&f, &listener),
+        tunnel,
+        "outside the cluster ranges the backend sees the tunnel IP: the pool is not masqueraded"
+    );
+
+    let pool = kvpn_lab::k8s::source::TUNNEL_POOL.to_string();
+    let element = format!("{{ {pool} }}");
+    let set = ["ip", kvpn_lab::k8s::source::MASQ_TABLE, "no_masquerade"];
+    let nft = |verb: &str| {
+        let out = node
+            .exec(&["nft", verb, "element", set[0], set[1], set[2], &element])
+            .unwrap_or_else(|e| panic!("nft: {e}"));
+        assert!(out.status.success(), "nft {verb} element: {}", text(&out.stderr));
+    };
+    nft("delete");
+    let masqueraded = outside_source(&f, &listener);
+    nft("add");
+    assert_eq!(
+        masqueraded,
+        IpAddr::V4(OUTSIDE_NODE_IP),
+        "without the exclusion the node's masquerade replaces the tunnel IP"
+    );
+    assert_eq!(outside_source(&f, &listener), tunnel, "exclusion restored");
 }
