@@ -544,13 +544,26 @@ impl Bench {
 
     /// A row of the manager with `--source-policy policy` (the connect rolls the
     /// manager's Deployment to it), measured light, then `kvpn quit`.
-    fn policy_row(&self, lab: &Lab, path: &str, t: Target, kubeconfig: &str, policy: &str) -> Result<Sample> {
+    fn policy_row(
+        &self,
+        lab: &Lab,
+        path: &str,
+        t: Target,
+        kubeconfig: &str,
+        policy: &str,
+    ) -> Result<Sample> {
         let runtime = lab.dir().join("runtime");
         let result = (|| {
             kvpn(
                 lab,
                 &runtime,
-                &["connect", "--kubeconfig", kubeconfig, "--source-policy", policy],
+                &[
+                    "connect",
+                    "--kubeconfig",
+                    kubeconfig,
+                    "--source-policy",
+                    policy,
+                ],
             )?;
             std::thread::sleep(Duration::from_millis(300));
             let mut pids = lab_pids(lab, "kvpn-dataplane");
@@ -887,7 +900,13 @@ fn kube_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
                         kvpn(
                             lab,
                             &runtime,
-                            &["connect", "--kubeconfig", &kubeconfig, "--source-policy", "snat"],
+                            &[
+                                "connect",
+                                "--kubeconfig",
+                                &kubeconfig,
+                                "--source-policy",
+                                "snat",
+                            ],
                         )
                         .map(|_| ())
                     },
@@ -930,7 +949,10 @@ fn kube_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
                 // The other source policies next to snat (kvpn-port-forward): the
                 // same path to the same pod, the manager rolled to each policy.
                 let mut policies = Vec::new();
-                for (path, policy) in [("kvpn-ebpf-snat", "ebpf-snat"), ("kvpn-preserve", "preserve")] {
+                for (path, policy) in [
+                    ("kvpn-ebpf-snat", "ebpf-snat"),
+                    ("kvpn-preserve", "preserve"),
+                ] {
                     let mut row = b.policy_row(lab, path, pod, &kubeconfig, policy)?;
                     pair_with_baseline(&mut row, &raw);
                     pair_ratio(&mut row, &pf, "tcp_1_gbps", "tcp_1_vs_snat");

@@ -157,7 +157,8 @@ pub fn explain(r: &SourceReport) -> (String, String) {
                 r.egress_interface
             )
         } else {
-            "the manager terminates the flow and its kernel dials from the pod IP (a proxy)".to_owned()
+            "the manager terminates the flow and its kernel dials from the pod IP (a proxy)"
+                .to_owned()
         };
         return (
             "manager".into(),

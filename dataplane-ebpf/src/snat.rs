@@ -27,9 +27,7 @@
 //! 16), UDP RFC 768 (checksum at 6), ICMP echo RFC 792 (checksum at 2, identifier at 4).
 
 use aya_ebpf::{
-    bindings::{
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
-    },
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::{classifier, map},
     maps::{Array, LruHashMap, PerCpuArray},
@@ -37,8 +35,8 @@ use aya_ebpf::{
 };
 use kvpn_dataplane_common::{
     CounterValue, SNAT_MAX_FLOWS, SNAT_NEW_FLOWS, SNAT_PORT_TRIES, SNAT_PORTS_EXHAUSTED,
-    SNAT_SLOTS, SNAT_STATE_CLOSING, SNAT_TRANSLATED_IN, SNAT_TRANSLATED_OUT,
-    SNAT_UNTRANSLATABLE, SnatConfig, SnatForward, SnatKey, SnatReverse,
+    SNAT_SLOTS, SNAT_STATE_CLOSING, SNAT_TRANSLATED_IN, SNAT_TRANSLATED_OUT, SNAT_UNTRANSLATABLE,
+    SnatConfig, SnatForward, SnatKey, SnatReverse,
 };
 
 use crate::maps::add;
@@ -71,8 +69,7 @@ pub static KVPN_SNAT_REV: LruHashMap<SnatKey, SnatReverse> =
 pub static KVPN_SNAT_CFG: Array<SnatConfig> = Array::with_max_entries(1, 0);
 
 #[map]
-pub static KVPN_SNAT_CNT: PerCpuArray<CounterValue> =
-    PerCpuArray::with_max_entries(SNAT_SLOTS, 0);
+pub static KVPN_SNAT_CNT: PerCpuArray<CounterValue> = PerCpuArray::with_max_entries(SNAT_SLOTS, 0);
 
 /// The parts of a packet the programs translate.
 struct Parsed {
@@ -105,8 +102,18 @@ fn parse(ctx: &TcContext) -> Result<Parsed, Skip> {
     if ethertype != ETHERTYPE_IPV4 {
         return Err(Skip::Pass);
     }
-    let [vihl, _tos, _l0, _l1, _id0, _id1, frag0, frag1, _ttl, protocol] =
-        ctx.load::<[u8; 10]>(ETH_HDR_LEN).map_err(|_| Skip::Pass)?;
+    let [
+        vihl,
+        _tos,
+        _l0,
+        _l1,
+        _id0,
+        _id1,
+        frag0,
+        frag1,
+        _ttl,
+        protocol,
+    ] = ctx.load::<[u8; 10]>(ETH_HDR_LEN).map_err(|_| Skip::Pass)?;
     let src: [u8; 4] = ctx.load(IP_SRC).map_err(|_| Skip::Pass)?;
     let dst: [u8; 4] = ctx.load(IP_DST).map_err(|_| Skip::Pass)?;
     if vihl >> 4 != 4 {
@@ -154,7 +161,10 @@ fn parse(ctx: &TcContext) -> Result<Parsed, Skip> {
 #[inline(always)]
 fn count(slot: u32, ctx: &TcContext) {
     if let Some(counter) = KVPN_SNAT_CNT.get_ptr_mut(slot) {
-        add(counter, u64::from(ctx.len()).saturating_sub(ETH_HDR_LEN as u64));
+        add(
+            counter,
+            u64::from(ctx.len()).saturating_sub(ETH_HDR_LEN as u64),
+        );
     }
 }
 
@@ -167,7 +177,10 @@ fn in_pool(cfg: &SnatConfig, addr: [u8; 4]) -> bool {
 /// Rewrites the address at `ip_off` and the port at `port_off` (both already known
 /// to lie in the packet) and fixes the checksums.
 #[inline(always)]
-#[allow(clippy::too_many_arguments, reason = "one call per direction; a struct would only rename them")]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one call per direction; a struct would only rename them"
+)]
 fn rewrite(
     ctx: &TcContext,
     p: &Parsed,
@@ -272,8 +285,16 @@ pub fn kvpn_snat_egress(ctx: TcContext) -> i32 {
             }
         },
     };
-    let port_off = if p.protocol == PROTO_ICMP { p.l4 + 4 } else { p.l4 };
-    if rewrite(&ctx, &p, IP_SRC, p.src, cfg.pod_ip, port_off, p.src_port, port).is_err() {
+    let port_off = if p.protocol == PROTO_ICMP {
+        p.l4 + 4
+    } else {
+        p.l4
+    };
+    if rewrite(
+        &ctx, &p, IP_SRC, p.src, cfg.pod_ip, port_off, p.src_port, port,
+    )
+    .is_err()
+    {
         count(SNAT_UNTRANSLATABLE, &ctx);
         return DROP;
     }
@@ -296,9 +317,7 @@ fn reverse_key(p: &Parsed, cfg: &SnatConfig, port: u16) -> SnatKey {
 
 #[inline(always)]
 fn reverse_exists(p: &Parsed, cfg: &SnatConfig, port: u16) -> bool {
-    KVPN_SNAT_REV
-        .get_ptr(&reverse_key(p, cfg, port))
-        .is_some()
+    KVPN_SNAT_REV.get_ptr(&reverse_key(p, cfg, port)).is_some()
 }
 
 /// Claims a free port of the range for a new flow: its reverse entry, inserted with

@@ -164,7 +164,10 @@ fn tcp_and_udp_flows_leave_with_the_pod_ip_and_replies_come_back() {
         let (action, back) = run(&s, true, &reply);
         assert_eq!(action, TcAction::Pass);
         let b = check(&back);
-        assert_eq!((b.src, b.dst, b.sport, b.dport), (BACKEND, LAPTOP, 80, 40000));
+        assert_eq!(
+            (b.src, b.dst, b.sport, b.dport),
+            (BACKEND, LAPTOP, 80, 40000)
+        );
 
         // A reply to a port no flow holds is the pod's own: untouched.
         let stray = frame(proto, BACKEND, POD, ports_l4(proto, 80, 12345));
@@ -211,15 +214,31 @@ fn ports_run_out_per_destination_and_expire() {
     let mut s = s;
     let mut ports = Vec::new();
     for laptop_port in [40000, 40001] {
-        let (a, got) = run(&s, false, &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, laptop_port, 53)));
+        let (a, got) = run(
+            &s,
+            false,
+            &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, laptop_port, 53)),
+        );
         assert_eq!(a, TcAction::Pass);
         ports.push(check(&got).sport);
     }
     ports.sort_unstable();
-    assert_eq!(ports, vec![61000, 61001], "distinct ports for one destination");
-    let (a, _) = run(&s, false, &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40002, 53)));
+    assert_eq!(
+        ports,
+        vec![61000, 61001],
+        "distinct ports for one destination"
+    );
+    let (a, _) = run(
+        &s,
+        false,
+        &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40002, 53)),
+    );
     assert_eq!(a, TcAction::Drop, "no third port for one destination");
-    let (a, _) = run(&s, false, &frame(UDP, LAPTOP, OTHER_BACKEND, ports_l4(UDP, 40002, 53)));
+    let (a, _) = run(
+        &s,
+        false,
+        &frame(UDP, LAPTOP, OTHER_BACKEND, ports_l4(UDP, 40002, 53)),
+    );
     assert_eq!(a, TcAction::Pass, "another destination has its own ports");
     let stats = s.stats().expect("stats");
     assert_eq!(stats.ports_exhausted.packets, 1);
@@ -230,12 +249,20 @@ fn ports_run_out_per_destination_and_expire() {
         idle: Duration::from_secs(30),
     };
     let now = monotonic_ns();
-    assert_eq!(s.sweep(now, timeouts).expect("sweep").expired, 0, "not idle yet");
+    assert_eq!(
+        s.sweep(now, timeouts).expect("sweep").expired,
+        0,
+        "not idle yet"
+    );
     let later = now + Duration::from_secs(31).as_nanos() as u64;
     assert_eq!(s.sweep(later, timeouts).expect("sweep").expired, 3);
     let stats = s.stats().expect("stats");
     assert_eq!((stats.forward_entries, stats.reverse_entries), (0, 0));
     // The freed ports serve new flows.
-    let (a, _) = run(&s, false, &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40002, 53)));
+    let (a, _) = run(
+        &s,
+        false,
+        &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40002, 53)),
+    );
     assert_eq!(a, TcAction::Pass);
 }

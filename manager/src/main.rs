@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use kvpn_dataplane::ebpf::snat::SnatTimeouts;
+use kvpn_manager::ebpf_snat::{self, EbpfSnatConfig};
 use kvpn_manager::lease::LeaseTable;
 use kvpn_manager::leases::Leases;
 use kvpn_manager::metrics::ManagerCounters;
-use kvpn_dataplane::ebpf::snat::SnatTimeouts;
-use kvpn_manager::ebpf_snat::{self, EbpfSnatConfig};
 use kvpn_manager::preserve::{self, PreserveConfig, SourcePolicy};
 use kvpn_manager::route_watch::RouteWatch;
 use kvpn_manager::routes::DiscoveryConfig;

@@ -427,14 +427,54 @@ impl ManagerCounters {
         if self.snat_on.load(Ordering::Relaxed) {
             let snat = |i: usize| load(&self.snat[i]);
             for (i, name, kind, help) in [
-                (0, "ebpf_snat_flows", "gauge", "ebpf-snat: flows in the forward connection table (as of the last sweep)."),
-                (1, "ebpf_snat_reverse_entries", "gauge", "ebpf-snat: entries in the reverse connection table (as of the last sweep)."),
-                (2, "ebpf_snat_translated_out_total", "counter", "ebpf-snat: laptop packets whose source was rewritten to the pod IP."),
-                (3, "ebpf_snat_translated_in_total", "counter", "ebpf-snat: replies rewritten back to a tunnel IP."),
-                (4, "ebpf_snat_new_flows_total", "counter", "ebpf-snat: flows that were allocated a port."),
-                (5, "ebpf_snat_ports_exhausted_total", "counter", "ebpf-snat: new flows dropped because no port was free for their destination."),
-                (6, "ebpf_snat_untranslatable_total", "counter", "ebpf-snat: packets from the tunnel pool dropped as untranslatable (non-first fragments, protocols other than TCP, UDP, ICMP echo)."),
-                (7, "ebpf_snat_expired_total", "counter", "ebpf-snat: idle flows the sweeper removed."),
+                (
+                    0,
+                    "ebpf_snat_flows",
+                    "gauge",
+                    "ebpf-snat: flows in the forward connection table (as of the last sweep).",
+                ),
+                (
+                    1,
+                    "ebpf_snat_reverse_entries",
+                    "gauge",
+                    "ebpf-snat: entries in the reverse connection table (as of the last sweep).",
+                ),
+                (
+                    2,
+                    "ebpf_snat_translated_out_total",
+                    "counter",
+                    "ebpf-snat: laptop packets whose source was rewritten to the pod IP.",
+                ),
+                (
+                    3,
+                    "ebpf_snat_translated_in_total",
+                    "counter",
+                    "ebpf-snat: replies rewritten back to a tunnel IP.",
+                ),
+                (
+                    4,
+                    "ebpf_snat_new_flows_total",
+                    "counter",
+                    "ebpf-snat: flows that were allocated a port.",
+                ),
+                (
+                    5,
+                    "ebpf_snat_ports_exhausted_total",
+                    "counter",
+                    "ebpf-snat: new flows dropped because no port was free for their destination.",
+                ),
+                (
+                    6,
+                    "ebpf_snat_untranslatable_total",
+                    "counter",
+                    "ebpf-snat: packets from the tunnel pool dropped as untranslatable (non-first fragments, protocols other than TCP, UDP, ICMP echo).",
+                ),
+                (
+                    7,
+                    "ebpf_snat_expired_total",
+                    "counter",
+                    "ebpf-snat: idle flows the sweeper removed.",
+                ),
             ] {
                 metric(name, kind, help, &[(None, snat(i))]);
             }

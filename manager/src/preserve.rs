@@ -345,9 +345,17 @@ mod tests {
         assert_eq!(SourcePolicy::default().to_string(), "snat");
         assert_eq!(SourcePolicy::Preserve.as_str(), "preserve");
         use clap::ValueEnum as _;
-        for p in [SourcePolicy::Snat, SourcePolicy::Preserve, SourcePolicy::EbpfSnat] {
+        for p in [
+            SourcePolicy::Snat,
+            SourcePolicy::Preserve,
+            SourcePolicy::EbpfSnat,
+        ] {
             let value = p.to_possible_value().map(|v| v.get_name().to_owned());
-            assert_eq!(value.as_deref(), Some(p.as_str()), "the flag value is the name");
+            assert_eq!(
+                value.as_deref(),
+                Some(p.as_str()),
+                "the flag value is the name"
+            );
         }
     }
 }

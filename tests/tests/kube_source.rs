@@ -462,7 +462,13 @@ fn rt_07_anti_spoofing_cni() {
 fn manager_metric(f: &KubeFixture, pod: &Pod, name: &str) -> u64 {
     let out = f
         .pod_netns(pod)
-        .exec(&["curl", "-sf", "--max-time", "5", "http://127.0.0.1:10803/metrics"])
+        .exec(&[
+            "curl",
+            "-sf",
+            "--max-time",
+            "5",
+            "http://127.0.0.1:10803/metrics",
+        ])
         .unwrap_or_else(|e| panic!("curl metrics: {e}"));
     let body = text(&out.stdout);
     body.lines()
@@ -473,7 +479,12 @@ fn manager_metric(f: &KubeFixture, pod: &Pod, name: &str) -> u64 {
 
 /// `n` short TCP connections (connect, close) from the laptop to `target`, on
 /// `threads` threads; returns (failures, elapsed).
-fn short_connections(f: &KubeFixture, target: SocketAddr, n: usize, threads: usize) -> (usize, Duration) {
+fn short_connections(
+    f: &KubeFixture,
+    target: SocketAddr,
+    n: usize,
+    threads: usize,
+) -> (usize, Duration) {
     f.lab()
         .netns_lab()
         .run_in(kvpn_lab::LAPTOP, move || {
@@ -512,7 +523,11 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
         let IpAddr::V4(pod) = pod_ip(manager) else {
             panic!("IPv4 pod IP expected")
         };
-        assert_eq!(tcp_source(&f), IpAddr::V4(pod), "TCP {when}: the backend sees the pod IP");
+        assert_eq!(
+            tcp_source(&f),
+            IpAddr::V4(pod),
+            "TCP {when}: the backend sees the pod IP"
+        );
         assert_eq!(
             udp_source(&f, udp_echo()),
             IpAddr::V4(pod),
@@ -526,12 +541,26 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
         );
         let d = diagnose(&f, &web().to_string(), false);
         assert_eq!(d["policy"], "ebpf-snat", "{d:#}");
-        assert_eq!(addr_ip(&d["decapsulated_source"]), Some(IpAddr::V4(tunnel)), "{d:#}");
+        assert_eq!(
+            addr_ip(&d["decapsulated_source"]),
+            Some(IpAddr::V4(tunnel)),
+            "{d:#}"
+        );
         assert_eq!(addr_ip(&d["egress_source"]), Some(IpAddr::V4(pod)), "{d:#}");
-        assert_eq!(addr_ip(&d["backend_source"]), Some(IpAddr::V4(pod)), "{d:#}");
-        assert_eq!(d["verdict"], "manager", "{when}: changed in the manager pod: {d:#}");
+        assert_eq!(
+            addr_ip(&d["backend_source"]),
+            Some(IpAddr::V4(pod)),
+            "{d:#}"
+        );
+        assert_eq!(
+            d["verdict"], "manager",
+            "{when}: changed in the manager pod: {d:#}"
+        );
         let why = d["explanation"].as_str().unwrap_or_default();
-        assert!(why.contains("ebpf-snat") && why.contains("TC program"), "{d:#}");
+        assert!(
+            why.contains("ebpf-snat") && why.contains("TC program"),
+            "{d:#}"
+        );
         // The manager publishes the eBPF counters once a second.
         let t0 = Instant::now();
         while manager_metric(&f, manager, "ebpf_snat_translated_out_total") == 0 {
@@ -581,7 +610,10 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
     );
     assert_eq!(failed, 0, "every short connection completes ({took:?})");
     assert!(took < Duration::from_secs(240), "bounded: {took:?}");
-    assert!(new_flows >= 10_000, "each connection was a translated flow: {new_flows}");
+    assert!(
+        new_flows >= 10_000,
+        "each connection was a translated flow: {new_flows}"
+    );
     assert_eq!(exhausted, 0, "no flow went without a port");
     // Idle flows expire: the tables empty within a few sweeps.
     let t0 = Instant::now();
@@ -593,7 +625,10 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
         }
         std::thread::sleep(Duration::from_millis(500));
     };
-    eprintln!("ebpf-snat: table after the idle timeout: {flows} flows, {reverse} reverse entries ({:?})", t0.elapsed());
+    eprintln!(
+        "ebpf-snat: table after the idle timeout: {flows} flows, {reverse} reverse entries ({:?})",
+        t0.elapsed()
+    );
     assert_eq!((flows, reverse), (0, 0), "every idle flow expired");
     assert!(manager_metric(&f, &short, "ebpf_snat_expired_total") >= 10_000);
 
@@ -618,8 +653,16 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
     );
     assert_eq!(f.session()["source_policy"], "ebpf-snat");
     let kept = manager_pod(&f);
-    assert_eq!(pod_name(&kept), pod_name(&third), "no rollout: the same manager pod");
-    assert_eq!(tcp_source(&f), pod_ip(&third), "still translated to the pod IP");
+    assert_eq!(
+        pod_name(&kept),
+        pod_name(&third),
+        "no rollout: the same manager pod"
+    );
+    assert_eq!(
+        tcp_source(&f),
+        pod_ip(&third),
+        "still translated to the pod IP"
+    );
 }
 
 /// A host outside every cluster range (192.0.2.0/24, TEST-NET-1) behind the node:
@@ -640,12 +683,26 @@ impl OutsideHost {
         let host = OutsideHost { netns };
         let node_if = format!("kvpnout{}", id % 100_000);
         node.ip(&[
-            "link", "add", &node_if, "type", "veth", "peer", "name", "eth0", "netns",
+            "link",
+            "add",
+            &node_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
             host.netns.name(),
         ])
         .unwrap_or_else(|e| panic!("veth to the outside host: {e}"));
-        node.ip(&["addr", "add", &format!("{OUTSIDE_NODE_IP}/24"), "dev", &node_if])
-            .unwrap_or_else(|e| panic!("node address: {e}"));
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{OUTSIDE_NODE_IP}/24"),
+            "dev",
+            &node_if,
+        ])
+        .unwrap_or_else(|e| panic!("node address: {e}"));
         node.ip(&["link", "set", &node_if, "up"])
             .unwrap_or_else(|e| panic!("node veth up: {e}"));
         host.netns
@@ -685,9 +742,7 @@ fn outside_source(f: &KubeFixture, listener: &std::net::TcpListener) -> IpAddr {
         })
         .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
     let _stream = connected.unwrap_or_else(|e| panic!("connect to the outside host {to}: {e}"));
-    listener
-        .set_nonblocking(false)
-        .expect("blocking listener");
+    listener.set_nonblocking(false).expect("blocking listener");
     let (_, peer) = listener
         .accept()
         .unwrap_or_else(|e| panic!("accept on the outside host: {e}"));
@@ -735,7 +790,11 @@ fn preserve_masquerade_exclusion_keeps_the_tunnel_ip_outside_the_cluster() {
         let out = node
             .exec(&["nft", verb, "element", set[0], set[1], set[2], &element])
             .unwrap_or_else(|e| panic!("nft: {e}"));
-        assert!(out.status.success(), "nft {verb} element: {}", text(&out.stderr));
+        assert!(
+            out.status.success(),
+            "nft {verb} element: {}",
+            text(&out.stderr)
+        );
     };
     nft("delete");
     let masqueraded = outside_source(&f, &listener);

@@ -427,11 +427,9 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
                 add: match spec.source_policy {
                     SourcePolicy::Snat => None,
                     SourcePolicy::Preserve => Some(vec!["NET_ADMIN".into(), "NET_RAW".into()]),
-                    SourcePolicy::EbpfSnat => Some(vec![
-                        "BPF".into(),
-                        "NET_ADMIN".into(),
-                        "NET_RAW".into(),
-                    ]),
+                    SourcePolicy::EbpfSnat => {
+                        Some(vec!["BPF".into(), "NET_ADMIN".into(), "NET_RAW".into()])
+                    }
                 },
             }),
             ..Default::default()
@@ -564,6 +562,39 @@ mod tests {
             image: "ghcr.io/kvpn/manager:0.1.0".into(),
             version: "0.1.0".into(),
             source_policy: SourcePolicy::Snat,
+        }
+    }
+
+    #[test]
+    fn each_policy_gets_its_flag_and_only_its_capabilities() {
+        for (policy, caps) in [
+            (SourcePolicy::Snat, None),
+            (SourcePolicy::Preserve, Some(vec!["NET_ADMIN", "NET_RAW"])),
+            (
+                SourcePolicy::EbpfSnat,
+                Some(vec!["BPF", "NET_ADMIN", "NET_RAW"]),
+            ),
+        ] {
+            let d = deployment(
+                &Spec {
+                    source_policy: policy,
+                    ..spec()
+                },
+                "CA",
+            );
+            let c = &d.spec.expect("spec").template.spec.expect("pod").containers[0];
+            let args = c.args.clone().unwrap_or_default();
+            assert_eq!(SourcePolicy::of_args(&args), policy, "{args:?}");
+            let added = c
+                .security_context
+                .as_ref()
+                .and_then(|s| s.capabilities.as_ref())
+                .and_then(|c| c.add.clone());
+            assert_eq!(
+                added,
+                caps.map(|v| v.into_iter().map(String::from).collect::<Vec<_>>()),
+                "{policy}"
+            );
         }
     }
 

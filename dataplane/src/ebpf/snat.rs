@@ -20,8 +20,7 @@ use aya::{
 };
 use ipnet::Ipv4Net;
 use kvpn_dataplane_common::{
-    self as common, CounterValue, SNAT_STATE_CLOSING, SnatConfig, SnatForward, SnatKey,
-    SnatReverse,
+    self as common, CounterValue, SNAT_STATE_CLOSING, SnatConfig, SnatForward, SnatKey, SnatReverse,
 };
 
 use super::{
@@ -94,13 +93,7 @@ pub struct SweepResult {
 
 /// Whether a flow last seen at `last_ns` (CLOCK_MONOTONIC) has expired at `now_ns`.
 /// Pure.
-pub fn expired(
-    protocol: u8,
-    state: u8,
-    last_ns: u64,
-    now_ns: u64,
-    timeouts: SnatTimeouts,
-) -> bool {
+pub fn expired(protocol: u8, state: u8, last_ns: u64, now_ns: u64, timeouts: SnatTimeouts) -> bool {
     let timeout = if protocol == libc::IPPROTO_TCP as u8 && state & SNAT_STATE_CLOSING == 0 {
         timeouts.tcp
     } else {
@@ -239,13 +232,11 @@ impl Snat {
                     action: "attach (TC on the pod's egress interface)",
                     source,
                 })?;
-            let link = program
-                .take_link(id)
-                .map_err(|source| EbpfError::Program {
-                    name,
-                    action: "take link",
-                    source,
-                })?;
+            let link = program.take_link(id).map_err(|source| EbpfError::Program {
+                name,
+                action: "take link",
+                source,
+            })?;
             snat.links.push(link);
         }
         tracing::debug!(ifname, tcx, "ebpf-snat attached to TC egress and ingress");
@@ -272,7 +263,8 @@ impl Snat {
     /// is gone (evicted) go once idle.
     pub fn sweep(&mut self, now_ns: u64, timeouts: SnatTimeouts) -> Result<SweepResult, EbpfError> {
         let mut result = SweepResult::default();
-        let flows: Vec<(SnatKey, SnatForward)> = self.forward.iter().filter_map(Result::ok).collect();
+        let flows: Vec<(SnatKey, SnatForward)> =
+            self.forward.iter().filter_map(Result::ok).collect();
         for (key, fwd) in flows {
             let rkey = reverse_key(&key, &fwd, self.pod_ip);
             let rev = match self.reverse.get(&rkey, 0) {
@@ -297,7 +289,8 @@ impl Snat {
                 .map_err(|source| map_error(common::MAP_SNAT_FORWARD, "delete", source))?;
             result.expired += 1;
         }
-        let reverse: Vec<(SnatKey, SnatReverse)> = self.reverse.iter().filter_map(Result::ok).collect();
+        let reverse: Vec<(SnatKey, SnatReverse)> =
+            self.reverse.iter().filter_map(Result::ok).collect();
         for (key, rev) in reverse {
             let fkey = forward_key(&key, &rev);
             let has_forward = match self.forward.get(&fkey, 0) {
