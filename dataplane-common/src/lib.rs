@@ -162,10 +162,10 @@ pub struct CounterValue {
 
 /// Name of the SNAT program on the manager pod's egress interface (TC egress):
 /// rewrites the source of laptop packets (tunnel IP → pod IP, port → allocated port).
-pub const PROGRAM_SNAT_EGRESS: &str = "kvpn_snat_egress";
+pub const PROGRAM_SNAT_EGRESS: &str = "kvpn_snat_out";
 /// Name of the reverse program on the same interface (TC ingress): rewrites replies
 /// (pod IP:allocated port → tunnel IP:original port) before the kernel routes them.
-pub const PROGRAM_SNAT_INGRESS: &str = "kvpn_snat_ingress";
+pub const PROGRAM_SNAT_INGRESS: &str = "kvpn_snat_in";
 /// Name of the forward connection table (LRU hash, [`SnatKey`] of the laptop's packet →
 /// [`SnatForward`]).
 pub const MAP_SNAT_FORWARD: &str = "KVPN_SNAT_FWD";

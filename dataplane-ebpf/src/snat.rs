@@ -2,10 +2,10 @@
 //! interface (`eth0`, Ethernet framing), with its own connection table.
 //!
 //! The manager writes laptop packets into its pool TUN; the pod's kernel forwards
-//! them out of `eth0`, where [`kvpn_snat_egress`] (TC egress) rewrites the source
+//! them out of `eth0`, where [`kvpn_snat_out`] (TC egress) rewrites the source
 //! tunnel IP → pod IP and the source port (ICMP echo: the identifier) → a port from
 //! the configured range, allocated per destination so two laptops' flows never share
-//! one. Replies come to the pod IP; [`kvpn_snat_ingress`] (TC ingress) looks up the
+//! one. Replies come to the pod IP; [`kvpn_snat_in`] (TC ingress) looks up the
 //! reverse table and rewrites destination pod IP:port → tunnel IP:original port; the
 //! kernel then routes them by its `pool dev kvpn-pool` route into the TUN, where the
 //! manager reads them and hands them to their session.
@@ -216,7 +216,7 @@ fn rewrite(
 }
 
 #[classifier]
-pub fn kvpn_snat_egress(ctx: TcContext) -> i32 {
+pub fn kvpn_snat_out(ctx: TcContext) -> i32 {
     let Some(cfg) = KVPN_SNAT_CFG.get(0) else {
         return PASS;
     };
@@ -355,7 +355,7 @@ fn allocate(p: &Parsed, cfg: &SnatConfig, now: u64, state: u8) -> Option<u16> {
 }
 
 #[classifier]
-pub fn kvpn_snat_ingress(ctx: TcContext) -> i32 {
+pub fn kvpn_snat_in(ctx: TcContext) -> i32 {
     let Some(cfg) = KVPN_SNAT_CFG.get(0) else {
         return PASS;
     };

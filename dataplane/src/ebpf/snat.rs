@@ -1,5 +1,5 @@
 //! Userspace side of `ebpf-snat` (the traffic manager's `--source-policy ebpf-snat`):
-//! loads `kvpn_snat_egress` / `kvpn_snat_ingress` from the same eBPF object as the
+//! loads `kvpn_snat_out` / `kvpn_snat_in` from the same eBPF object as the
 //! TUN programs, writes their config (pod IP, tunnel pool, port range), attaches them
 //! to the pod's egress interface (TC egress and ingress; TCX on kernels >= 6.6), reads
 //! their counters and connection tables, and expires idle flows ([`Snat::sweep`]).
