@@ -24,6 +24,10 @@ APT_PACKAGES=(
     etcd-server golang-1.19-go rsync
     openssh-server openssh-client openssl
     sshuttle iptables
+    # GSSAPI/Kerberos SSH login: the build (libgssapi-sys runs bindgen on the MIT
+    # headers: libclang and its builtin headers) and the lab's KDC, kadmin.local, kinit
+    libkrb5-dev libclang1-14 libclang-common-14-dev pkg-config
+    krb5-kdc krb5-admin-server krb5-user
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -36,6 +40,64 @@ if [ "${#missing[@]}" -gt 0 ]; then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     # etcd-server's package starts a system etcd on :2379; the lab runs its own.
     systemctl disable --now etcd >/dev/null 2>&1 || true
+    # Likewise the Kerberos packages' system KDC and kadmind: the lab runs its own.
+    systemctl disable --now krb5-kdc krb5-admin-server >/dev/null 2>&1 || true
+fi
+
+# --- systemd-resolved, for the dns-04 test only ----------------------------
+# The test runs its own systemd-resolved and dbus-daemon inside a laptop netns
+# and a private mount namespace; this machine's DNS must not change. The
+# packages' maintainer scripts would: turn /etc/resolv.conf into a symlink to
+# resolved's stub (systemd-resolved), add `resolve` to the hosts line of
+# /etc/nsswitch.conf (libnss-resolve), and enable (on a systemd host: start)
+# the service. So both files are saved first and put back byte for byte, and the
+# service is disabled. The saved copies live in the cache until restored, so a
+# run interrupted mid-install is repaired by the next run.
+RESOLVED_PACKAGES=(systemd-resolved libnss-resolve)
+saved="$KVPN_CACHE/pre-resolved"
+restore_dns_files() {
+    [ -d "$saved" ] || return 0
+    for f in resolv.conf nsswitch.conf; do
+        [ -e "$saved/$f" ] || [ -L "$saved/$f" ] || continue
+        if ! { [ -L "$saved/$f" ] && [ "$(readlink "$saved/$f")" = "$(readlink "/etc/$f" 2>/dev/null)" ]; } &&
+            ! { [ ! -L "$saved/$f" ] && [ ! -L "/etc/$f" ] && cmp -s "$saved/$f" "/etc/$f"; }; then
+            step "restoring /etc/$f as it was before systemd-resolved was installed"
+            # cp over the file (not rename) also works where /etc/resolv.conf is a bind mount.
+            if [ -L "$saved/$f" ] || [ -L "/etc/$f" ]; then
+                rm -f "/etc/$f" && cp -a "$saved/$f" "/etc/$f"
+            else
+                cat "$saved/$f" >"/etc/$f"
+            fi
+        fi
+    done
+    # systemd-resolved's postinst keeps the replaced file here.
+    if [ -e /etc/.resolv.conf.systemd-resolved.bak ] && cmp -s /etc/.resolv.conf.systemd-resolved.bak /etc/resolv.conf; then
+        rm -f /etc/.resolv.conf.systemd-resolved.bak
+    fi
+    rm -rf "$saved"
+}
+restore_dns_files
+missing=()
+for p in "${RESOLVED_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    # The version of the installed systemd when the archive has it (the packages
+    # require an exact match; otherwise apt would upgrade systemd too).
+    sysv="$(dpkg-query -W -f='${Version}' systemd 2>/dev/null || true)"
+    want=("${missing[@]}")
+    apt-get update -qq
+    if [ -n "$sysv" ] && apt-cache madison systemd-resolved | grep -F "| $sysv |" >/dev/null; then
+        want=("${missing[@]/%/=$sysv}")
+    fi
+    step "installing ${want[*]} (not enabled; /etc/resolv.conf and /etc/nsswitch.conf kept)"
+    mkdir -p "$saved"
+    cp -a /etc/resolv.conf "$saved/resolv.conf"
+    cp -a /etc/nsswitch.conf "$saved/nsswitch.conf"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends "${want[@]}" >/dev/null
+    systemctl disable --now systemd-resolved >/dev/null 2>&1 || true
+    restore_dns_files
 fi
 
 # --- Rust toolchains -------------------------------------------------------

@@ -447,8 +447,8 @@ impl Daemon {
         Ok(line)
     }
 
-    /// Give session `id`'s Services (as the route watch reports them) to its
-    /// hosts-file entries, if it asked for them; `dns` is the session's newest
+    /// Give session `id`'s Services (as the route watch reports them) to split
+    /// DNS (their namespaces) and to its hosts-file entries, if it asked for them; `dns` is the session's newest
     /// cluster DNS settings (the connected namespace may come with them).
     async fn update_hosts(
         &self,
@@ -457,6 +457,8 @@ impl Daemon {
         services: Vec<kvpn_proto::dataplane::ClusterService>,
     ) {
         let Some(dns) = &self.dns else { return };
+        dns.set_namespaces(id, services.iter().map(|s| s.namespace.as_str()))
+            .await;
         if !dns.hosts_enabled(id).await {
             return;
         }

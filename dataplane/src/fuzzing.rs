@@ -105,8 +105,8 @@ pub fn dns_query(data: &[u8]) {
     for c in &clusters {
         let plan = names::classify(&question, c);
         local_paths(&query, &question, &plan);
-        let down = names::while_unreachable(plan.clone(), |_| Some(true));
-        let _ = names::while_unreachable(plan, |_| None);
+        let down = names::while_unreachable(plan.clone(), c, |_| Some(true));
+        let _ = names::while_unreachable(plan, c, |_| None);
         local_paths(&query, &question, &down);
     }
     if let Some((plan, _)) = names::classify_all(&question, clusters.iter()) {
@@ -170,9 +170,11 @@ pub fn dns_answer(data: &[u8]) {
                 encode(&reply, None);
             }
         }
-        let _ = names::while_unreachable(names::classify(&question, &clusters[0]), |n| {
-            anchors.last_known(n)
-        });
+        let _ = names::while_unreachable(
+            names::classify(&question, &clusters[0]),
+            &clusters[0],
+            |n| anchors.last_known(n),
+        );
     }
 }
 

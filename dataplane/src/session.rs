@@ -324,10 +324,21 @@ pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, 
 /// version, the client's tunnel IP and its lease's session token. Public for
 /// lightweight clients in tests (tr-11); the error names what did not encode.
 pub fn hello_frame(tunnel_ip: IpAddr, token: &[u8]) -> Result<Vec<u8>, String> {
+    hello_frame_with_mtu(tunnel_ip, token, None)
+}
+
+/// [`hello_frame`] that also tells the manager the TUN MTU (bytes), so the
+/// packets it builds for the laptop are fragmented to fit it.
+pub fn hello_frame_with_mtu(
+    tunnel_ip: IpAddr,
+    token: &[u8],
+    mtu: Option<u16>,
+) -> Result<Vec<u8>, String> {
     let payload = Hello {
         version: PROTOCOL_VERSION,
         tunnel_ip,
         token: token.to_vec(),
+        mtu,
     }
     .encode()
     .map_err(|e| e.to_string())?;
@@ -563,13 +574,12 @@ impl Session {
                 tracing::warn!(conflict = %c, "route conflict allowed: steering only cluster-bound traffic");
             }
         }
-        let hello = hello_frame(params.tunnel_ip, &params.session_token).map_err(|message| {
-            ConnectError::Step {
+        let hello = hello_frame_with_mtu(params.tunnel_ip, &params.session_token, Some(params.mtu))
+            .map_err(|message| ConnectError::Step {
                 step: Step::SendHello,
                 message,
                 rollback: String::new(),
-            }
-        })?;
+            })?;
         let tcp = dial_manager(&params.manager, DIAL_TIMEOUT)
             .await
             .map_err(ConnectError::Unreachable)?;

@@ -59,8 +59,12 @@
 //!   ICMPv6 "Packet Too Big" carrying [`DEFAULT_MTU`] (RFC 1191, RFC 8201),
 //!   so PMTUD on the laptop converges (a TUN configured larger than the
 //!   manager's stack).
-//! - Replies the manager builds (UDP, echo) larger than [`DEFAULT_MTU`] are
-//!   fragmented to it, as the sending host would; the laptop reassembles.
+//! - Replies the manager builds (UDP, echo) larger than the laptop's TUN MTU
+//!   ([`EngineConfig::laptop_mtu`], from the hello; [`DEFAULT_MTU`] for a
+//!   version-1 hello) are fragmented to it, as the sending host would; the
+//!   laptop reassembles. Its kernel would take a packet over the TUN MTU as
+//!   well, but a packet that fits the laptop's link is what a router would
+//!   deliver.
 //!
 //! # UDP and ICMP echo
 //! One kernel socket per `(laptop port, destination)` UDP flow and per
@@ -95,6 +99,10 @@ use kvpn_proto::device::QueueDevice;
 /// (`kvpn_dataplane::DEFAULT_MTU`): the transport is a byte stream, so large
 /// packets cost nothing extra and cut per-packet work.
 pub const DEFAULT_MTU: usize = 9000;
+
+/// Smallest laptop TUN MTU the manager fragments to (bytes): the IPv6 minimum
+/// link MTU (RFC 8200 §5), also the laptop's smallest TUN MTU.
+pub const MIN_LAPTOP_MTU: usize = 1280;
 
 /// The manager stack's own IPv4 address (first address of the tunnel pool
 /// 100.96.0.0/16); the default route points at it for any-IP.
@@ -187,6 +195,9 @@ pub struct EngineConfig {
     pub icmp_errors_per_sec: u32,
     /// ICMP errors at once.
     pub icmp_error_burst: u32,
+    /// The laptop's TUN MTU (bytes, from the hello): packets the manager builds
+    /// for the laptop are fragmented to it. [`MIN_LAPTOP_MTU`]..=[`DEFAULT_MTU`].
+    pub laptop_mtu: usize,
 }
 
 impl EngineConfig {
@@ -207,6 +218,7 @@ impl EngineConfig {
             new_flow_burst: limit::NEW_FLOW_BURST,
             icmp_errors_per_sec: limit::ICMP_ERRORS_PER_SEC,
             icmp_error_burst: limit::ICMP_ERROR_BURST,
+            laptop_mtu: DEFAULT_MTU,
         }
     }
 }
@@ -637,11 +649,11 @@ impl Engine {
 
     fn send_to_laptop(&mut self, packet: Result<Vec<u8>, packet::BuildError>) {
         match packet {
-            Ok(p) if p.len() > DEFAULT_MTU => {
+            Ok(p) if p.len() > self.config.laptop_mtu => {
                 let ident = self.next_frag_ident;
                 self.next_frag_ident = self.next_frag_ident.wrapping_add(1);
                 self.metrics.packets_fragmented += 1;
-                for f in frag::fragment(p, DEFAULT_MTU, ident) {
+                for f in frag::fragment(p, self.config.laptop_mtu, ident) {
                     self.device.push_tx(f);
                 }
             }

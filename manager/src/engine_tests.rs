@@ -1167,25 +1167,52 @@ fn oversize_v6_packet_gets_packet_too_big() {
     assert_eq!(icmp.pkt_too_big_mtu(), 9000);
 }
 
-/// tr-02 inbound: a reply over the stack MTU reaches the laptop as fragments
-/// of at most 9000 bytes that reassemble to it, up to the largest datagram.
+/// tr-02 inbound: a reply over the laptop's TUN MTU reaches the laptop as
+/// fragments of at most that size that reassemble to it, up to the largest
+/// datagram: 9000 bytes for a version-1 hello (no MTU), 1400 for a laptop
+/// that said `--mtu 1400` in its hello.
 #[test]
 fn large_udp_reply_is_fragmented_to_the_mtu() {
-    let mut h = Harness::new();
+    for laptop_mtu in [None, Some(1400usize)] {
+        let now = Instant::now();
+        let mut config = EngineConfig::new(IpAddr::V4(LAPTOP.into()), 7);
+        if let Some(m) = laptop_mtu {
+            config.laptop_mtu = m;
+        }
+        let mtu = laptop_mtu.unwrap_or(DEFAULT_MTU);
+        let mut h = Harness {
+            e: Engine::new(config, now),
+            now,
+        };
+        large_udp_replies_fragment_to(&mut h, mtu);
+    }
+}
+
+fn large_udp_replies_fragment_to(h: &mut Harness, mtu: usize) {
     let dst = v4([10, 96, 0, 102], 7);
     h.send(udp_datagram(laptop(7004), dst, b"q").expect("builds"));
     let Request::UdpOpen { flow, .. } = h.reqs()[0] else {
         panic!("no open");
     };
-    for n in [4000usize, 20_000, 65_507] {
+    // Payload bytes per fragment: the MTU less the 20-byte header, in 8s.
+    let per = (mtu - 20) & !7;
+    for n in [1000usize, 4000, 20_000, 65_507] {
         let data: Vec<u8> = (0..n).map(|i| (i % 249) as u8).collect();
         h.event(Event::UdpReply {
             flow,
             data: data.clone(),
         });
         let out = h.out();
-        assert!(out.iter().all(|p| p.len() <= DEFAULT_MTU), "fragment sizes");
-        assert_eq!(out.len(), n.div_ceil(8976).max(1), "{n} bytes");
+        assert!(
+            out.iter().all(|p| p.len() <= mtu),
+            "fragment sizes for MTU {mtu}: {:?}",
+            out.iter().map(Vec::len).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            out.len(),
+            (n + 8).div_ceil(per).max(1),
+            "{n} bytes, MTU {mtu}"
+        );
         let mut r = crate::frag::Reassembler::default();
         let whole: Vec<Vec<u8>> = out
             .iter()

@@ -205,12 +205,21 @@ impl KernelSide {
             Request::UdpSend { flow, payload } => {
                 let Some(f) = self.udp.get(&flow) else { return };
                 let mut result = send_now(&f.socket, &payload);
-                if let Err(e) = &result
-                    && let Some(event) = udp_icmp_event(flow, e)
-                {
-                    // A pending ICMP error from an earlier datagram; report it and retry.
-                    self.event(event);
-                    result = send_now(&f.socket, &payload);
+                if let Err(e) = &result {
+                    // A pending ICMP error from an earlier datagram: report it
+                    // (if the laptop should hear of it) and retry.
+                    match udp_error(flow, e) {
+                        UdpError::Relay(event) => {
+                            drain_error_queue(&f.socket);
+                            self.event(event);
+                            result = send_now(&f.socket, &payload);
+                        }
+                        UdpError::Ignore => {
+                            drain_error_queue(&f.socket);
+                            result = send_now(&f.socket, &payload);
+                        }
+                        UdpError::Fatal => {}
+                    }
                 }
                 if let Err(e) = result {
                     trace!(%flow, error = %e, "UDP send failed");
@@ -278,15 +287,37 @@ fn send_now(socket: &UdpSocket, msg: &[u8]) -> io::Result<usize> {
     socket2::SockRef::from(socket).send(msg)
 }
 
-/// The event for an ICMP error the kernel reported on a connected UDP socket
-/// (a later send or recv fails with it once), if `e` is one.
-fn udp_icmp_event(flow: FlowId, e: &io::Error) -> Option<Event> {
+/// What an error on a connected UDP socket means for the flow.
+#[derive(Debug, PartialEq, Eq)]
+enum UdpError {
+    /// An ICMP error to relay to the laptop.
+    Relay(Event),
+    /// An ICMP error with no unreachable counterpart for the laptop (too big:
+    /// the kernel fragments our datagrams itself; source route failed;
+    /// protocol unreachable): the flow lives on.
+    Ignore,
+    /// The socket is broken.
+    Fatal,
+}
+
+/// The meaning of error `e` from a send or recv on the connected UDP socket of
+/// `flow`. With IP_RECVERR ([`open_udp`]) the kernel reports every ICMP error
+/// about our datagrams once as the socket error (`__udp4_lib_err`), with the
+/// errno of `icmp_err_convert` (net/ipv4/icmp.c) or `icmpv6_err_convert`.
+fn udp_error(flow: FlowId, e: &io::Error) -> UdpError {
     match e.kind() {
-        io::ErrorKind::ConnectionRefused => Some(Event::UdpRefused { flow }),
+        io::ErrorKind::ConnectionRefused => UdpError::Relay(Event::UdpRefused { flow }),
         io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => {
-            Some(Event::UdpUnreachable { flow })
+            UdpError::Relay(Event::UdpUnreachable { flow })
         }
-        _ => None,
+        _ => match e.raw_os_error() {
+            // ICMP host unknown / ICMPv6 address unreachable.
+            Some(libc::EHOSTDOWN) => UdpError::Relay(Event::UdpUnreachable { flow }),
+            Some(libc::EMSGSIZE | libc::EOPNOTSUPP | libc::ENOPROTOOPT | libc::EPROTO) => {
+                UdpError::Ignore
+            }
+            _ => UdpError::Fatal,
+        },
     }
 }
 
@@ -448,11 +479,39 @@ fn unspecified_for(dst: IpAddr) -> SocketAddr {
     }
 }
 
+/// A UDP socket connected to `dst`, with IP_RECVERR (IPV6_RECVERR): without
+/// it Linux reports only "fatal" ICMP errors (port unreachable, prohibited) on
+/// a UDP socket and drops host and network unreachable (`icmp_err_convert`),
+/// so the laptop's application would wait for a timeout instead of getting
+/// EHOSTUNREACH.
 fn open_udp(dst: SocketAddr) -> io::Result<UdpSocket> {
+    use nix::sys::socket::{setsockopt, sockopt};
     let socket = std::net::UdpSocket::bind(unspecified_for(dst.ip()))?;
+    let recverr = match dst {
+        SocketAddr::V4(_) => setsockopt(&socket, sockopt::Ipv4RecvErr, &true),
+        SocketAddr::V6(_) => setsockopt(&socket, sockopt::Ipv6RecvErr, &true),
+    };
+    recverr.map_err(io::Error::from)?;
     socket.connect(dst)?;
     socket.set_nonblocking(true)?;
     UdpSocket::from_std(socket)
+}
+
+/// Empty the error queue IP_RECVERR fills (one entry per ICMP error; the
+/// socket error already told us what happened), so it holds no receive
+/// buffer memory and no EPOLLERR stays raised.
+fn drain_error_queue(socket: &UdpSocket) {
+    let sock = socket2::SockRef::from(socket);
+    let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 64];
+    // Bounded: the queue is limited by the receive buffer anyway.
+    for _ in 0..64 {
+        if sock
+            .recv_with_flags(&mut buf, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT)
+            .is_err()
+        {
+            break;
+        }
+    }
 }
 
 async fn udp_reader(flow: FlowId, socket: Arc<UdpSocket>, events: mpsc::Sender<Event>) {
@@ -463,14 +522,21 @@ async fn udp_reader(flow: FlowId, socket: Arc<UdpSocket>, events: mpsc::Sender<E
                 flow,
                 data: buf[..n].to_vec(),
             },
-            Err(e) => match udp_icmp_event(flow, &e) {
-                Some(event) => event,
-                None => {
-                    debug!(%flow, error = %e, "UDP receive failed");
-                    let _ = events.send(Event::SocketFailed { flow }).await;
-                    return;
+            Err(e) => {
+                drain_error_queue(&socket);
+                match udp_error(flow, &e) {
+                    UdpError::Relay(event) => event,
+                    UdpError::Ignore => {
+                        trace!(%flow, error = %e, "ICMP error on UDP socket, not relayed");
+                        continue;
+                    }
+                    UdpError::Fatal => {
+                        debug!(%flow, error = %e, "UDP receive failed");
+                        let _ = events.send(Event::SocketFailed { flow }).await;
+                        return;
+                    }
                 }
-            },
+            }
         };
         if events.send(event).await.is_err() {
             return;
@@ -526,5 +592,29 @@ async fn ping_reader(flow: FlowId, socket: Arc<UdpSocket>, v6: bool, events: mps
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn udp_errors_from_icmp_are_relayed_ignored_or_fatal() {
+        let flow = FlowId(3);
+        let err = |errno| udp_error(flow, &io::Error::from_raw_os_error(errno));
+        assert_eq!(
+            err(libc::ECONNREFUSED),
+            UdpError::Relay(Event::UdpRefused { flow })
+        );
+        for errno in [libc::EHOSTUNREACH, libc::ENETUNREACH, libc::EHOSTDOWN] {
+            assert_eq!(
+                err(errno),
+                UdpError::Relay(Event::UdpUnreachable { flow }),
+                "errno {errno}"
+            );
+        }
+        assert_eq!(err(libc::EMSGSIZE), UdpError::Ignore);
+        assert_eq!(err(libc::EBADF), UdpError::Fatal);
     }
 }

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
 
-use kvpn_proto::frame::{self, Decoder, FrameError, Hello, HelloError, Kind, PROTOCOL_VERSION};
+use kvpn_proto::frame::{
+    self, Decoder, FrameError, Hello, HelloError, Kind, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, trace, warn};
@@ -214,7 +216,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         return Err(SessionError::NotHello(kind));
     }
     let hello = Hello::decode(&payload)?;
-    if hello.version != PROTOCOL_VERSION {
+    if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&hello.version) {
         return Err(SessionError::Version {
             got: hello.version,
             want: PROTOCOL_VERSION,
@@ -417,7 +419,7 @@ where
             }
         }
         config.counters.session_started();
-        let result = run_established(rd, wr, rbuf, tunnel_ip, config).await;
+        let result = run_established(rd, wr, rbuf, &hello, config).await;
         config.counters.session_ended();
         if let Some(leases) = &config.leases {
             leases.detach(tunnel_ip).await;
@@ -432,15 +434,21 @@ async fn run_established<R, W>(
     mut rd: R,
     wr: W,
     mut rbuf: Vec<u8>,
-    tunnel_ip: IpAddr,
+    hello: &Hello,
     config: &SessionConfig,
 ) -> Result<Metrics, SessionError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    info!("session started");
+    let tunnel_ip = hello.tunnel_ip;
     let mut engine_config = EngineConfig::new(tunnel_ip, random_seed());
+    // A version-1 hello has no MTU: that version's laptops used the default.
+    engine_config.laptop_mtu = hello
+        .mtu
+        .map_or(crate::engine::DEFAULT_MTU, usize::from)
+        .clamp(crate::engine::MIN_LAPTOP_MTU, crate::engine::DEFAULT_MTU);
+    info!(laptop_mtu = engine_config.laptop_mtu, "session started");
     engine_config.allow_loopback = config.allow_loopback;
     engine_config.max_flows = config.max_flows;
     engine_config.max_tcp_flows = config.max_flows;

@@ -120,6 +120,7 @@ fn hello(ip: IpAddr, token: &[u8]) -> Vec<u8> {
         version: PROTOCOL_VERSION,
         tunnel_ip: ip,
         token: token.to_vec(),
+        mtu: None,
     }
     .encode()
     .expect("encodes");

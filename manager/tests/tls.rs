@@ -89,6 +89,7 @@ async fn hello_and_heartbeat<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> (K
         version: PROTOCOL_VERSION,
         tunnel_ip: "100.96.0.2".parse().expect("ip"),
         token: Vec::new(),
+        mtu: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");
@@ -146,6 +147,7 @@ async fn tls_listener_serves_trusting_laptops_and_refuses_the_rest() {
             version: PROTOCOL_VERSION,
             tunnel_ip: "100.96.0.3".parse().expect("ip"),
             token: Vec::new(),
+            mtu: None,
         }
         .encode()
         .expect("hello"),

@@ -28,7 +28,17 @@ pub const MAX_PAYLOAD_LEN: usize = MAX_FRAME_LEN - 1;
 
 /// Version of the data-channel protocol carried in [`Hello`]. Bump it on any
 /// change to this module and add a test vector.
-pub const PROTOCOL_VERSION: u16 = 1;
+///
+/// - 1: hello without options.
+/// - 2: hello options after the token (the laptop's TUN MTU, [`Hello::mtu`]).
+pub const PROTOCOL_VERSION: u16 = 2;
+
+/// Oldest version a manager still accepts: a version-1 hello has no options
+/// and means a laptop TUN MTU of 9000 (that version's fixed default).
+pub const MIN_PROTOCOL_VERSION: u16 = 1;
+
+/// Hello option type: the laptop's TUN MTU, `u16` bytes.
+const HELLO_OPT_MTU: u8 = 1;
 
 /// Frame kind (the `u8` after the length).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -228,9 +238,13 @@ pub fn encode_into(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), 
 ///
 /// ```text
 /// version: u16 | family: u8 (4 or 6) | tunnel IP: 4 or 16 bytes | token_len: u8 | token
+///   then, from version 2, options: (type: u8 | len: u8 | value: len bytes)*
 /// ```
 ///
 /// The token is the session token of the client's lease (empty until leases exist).
+/// Options of unknown type are skipped, so a later version can add some without
+/// breaking older managers; a version-1 hello has none (trailing bytes are an
+/// error there). Option 1: the laptop's TUN MTU (`u16`, bytes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Data-channel protocol version ([`PROTOCOL_VERSION`]).
@@ -240,6 +254,9 @@ pub struct Hello {
     pub tunnel_ip: IpAddr,
     /// Session token of the lease (up to 255 bytes).
     pub token: Vec<u8>,
+    /// The laptop's TUN MTU in bytes (option 1; version 2 and later): the manager
+    /// fragments the packets it builds for the laptop to this size.
+    pub mtu: Option<u16>,
 }
 
 /// Why a hello payload is invalid.
@@ -257,6 +274,19 @@ pub enum HelloError {
     /// The token is longer than 255 bytes (encoder only).
     #[error("hello token of {0} bytes exceeds 255")]
     TokenTooLong(usize),
+    /// A known option has the wrong length.
+    #[error("hello option {kind} has {len} bytes (expected {want})")]
+    BadOption {
+        /// The option type.
+        kind: u8,
+        /// Its length on the wire.
+        len: u8,
+        /// The length this version expects.
+        want: u8,
+    },
+    /// Options in a version-1 hello (encoder only).
+    #[error("hello version {0} cannot carry options (version 2 or later can)")]
+    OptionsNeedVersion2(u16),
 }
 
 impl Hello {
@@ -278,6 +308,13 @@ impl Hello {
         }
         out.push(token_len);
         out.extend_from_slice(&self.token);
+        if let Some(mtu) = self.mtu {
+            if self.version < 2 {
+                return Err(HelloError::OptionsNeedVersion2(self.version));
+            }
+            out.extend_from_slice(&[HELLO_OPT_MTU, 2]);
+            out.extend_from_slice(&mtu.to_be_bytes());
+        }
         Ok(out)
     }
 
@@ -312,14 +349,31 @@ impl Hello {
         };
         let (&token_len, rest) = rest.split_first().ok_or_else(trunc)?;
         let token = rest.get(..usize::from(token_len)).ok_or_else(trunc)?;
-        let trailing = rest.len() - token.len();
-        if trailing != 0 {
-            return Err(HelloError::Trailing(trailing));
+        let mut options = &rest[token.len()..];
+        if version < 2 && !options.is_empty() {
+            return Err(HelloError::Trailing(options.len()));
+        }
+        let mut mtu = None;
+        while let [kind, len, tail @ ..] = options {
+            let value = tail.get(..usize::from(*len)).ok_or_else(trunc)?;
+            if *kind == HELLO_OPT_MTU {
+                let b: [u8; 2] = value.try_into().map_err(|_| HelloError::BadOption {
+                    kind: *kind,
+                    len: *len,
+                    want: 2,
+                })?;
+                mtu = Some(u16::from_be_bytes(b));
+            }
+            options = &tail[value.len()..];
+        }
+        if !options.is_empty() {
+            return Err(trunc());
         }
         Ok(Self {
             version,
             tunnel_ip,
             token: token.to_vec(),
+            mtu,
         })
     }
 }
@@ -342,10 +396,39 @@ mod tests {
             version: 1,
             tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
             token: b"ab".to_vec(),
+            mtu: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(payload, [0, 1, 4, 100, 96, 0, 2, 2, b'a', b'b']);
         assert_eq!(Hello::decode(&payload), Ok(hello));
+    }
+
+    #[test]
+    fn test_vector_v2_hello_with_mtu() {
+        let hello = Hello {
+            version: 2,
+            tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
+            token: b"ab".to_vec(),
+            mtu: Some(1400),
+        };
+        let payload = hello.encode().expect("encodes");
+        assert_eq!(
+            payload,
+            [0, 2, 4, 100, 96, 0, 2, 2, b'a', b'b', 1, 2, 0x05, 0x78]
+        );
+        assert_eq!(Hello::decode(&payload), Ok(hello));
+        // A later version's unknown option is skipped; no options at all is fine.
+        let mut later = payload.clone();
+        later.extend_from_slice(&[9, 3, 1, 2, 3]);
+        assert_eq!(
+            Hello::decode(&later).map(|h| h.mtu),
+            Ok(Some(1400)),
+            "unknown option skipped"
+        );
+        assert_eq!(
+            Hello::decode(&[0, 2, 4, 100, 96, 0, 2, 0]).map(|h| h.mtu),
+            Ok(None)
+        );
     }
 
     #[test]
@@ -423,6 +506,31 @@ mod tests {
             Hello::decode(&[0, 1, 4, 1, 2, 3, 4, 3, 9]),
             Err(HelloError::Truncated(9))
         );
+        // Version 2: a cut option, an MTU option of the wrong size, options in
+        // a version-1 hello.
+        assert_eq!(
+            Hello::decode(&[0, 2, 4, 1, 2, 3, 4, 0, 1, 2, 5]),
+            Err(HelloError::Truncated(11))
+        );
+        assert_eq!(
+            Hello::decode(&[0, 2, 4, 1, 2, 3, 4, 0, 7]),
+            Err(HelloError::Truncated(9))
+        );
+        assert_eq!(
+            Hello::decode(&[0, 2, 4, 1, 2, 3, 4, 0, 1, 1, 5]),
+            Err(HelloError::BadOption {
+                kind: 1,
+                len: 1,
+                want: 2
+            })
+        );
+        let v1 = Hello {
+            version: 1,
+            tunnel_ip: IpAddr::V4(Ipv4Addr::new(1, 2, 3, 4)),
+            token: Vec::new(),
+            mtu: Some(1400),
+        };
+        assert_eq!(v1.encode(), Err(HelloError::OptionsNeedVersion2(1)));
     }
 
     proptest! {
@@ -462,9 +570,10 @@ mod tests {
         }
 
         #[test]
-        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>()) {
+        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>(), mtu in any::<Option<u16>>()) {
             let ip = if six { IpAddr::V6(Ipv6Addr::from(v6)) } else { IpAddr::V4(Ipv4Addr::from(v4)) };
-            let hello = Hello { version, tunnel_ip: ip, token };
+            let mtu = if version >= 2 { mtu } else { None };
+            let hello = Hello { version, tunnel_ip: ip, token, mtu };
             let enc = hello.encode().expect("token fits");
             prop_assert_eq!(Hello::decode(&enc), Ok(hello));
         }

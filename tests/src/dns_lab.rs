@@ -8,7 +8,7 @@
 //! I/O: processes in the laptop netns, the API server through the admin client.
 
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
@@ -114,7 +114,11 @@ pub fn dig(f: &KubeFixture, args: &[&str]) -> Dig {
 }
 
 pub fn getent(f: &KubeFixture, name: &str) -> Option<String> {
-    let out = f.laptop(&["getent", "hosts", name]);
+    first_address(&f.laptop(&["getent", "hosts", name]))
+}
+
+/// The first address of a successful `getent hosts` run.
+pub fn first_address(out: &Output) -> Option<String> {
     out.status.success().then(|| {
         text(&out.stdout)
             .split_whitespace()

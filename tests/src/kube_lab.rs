@@ -377,16 +377,7 @@ impl KubeFixture {
 
     /// `kvpn <args>`, which must succeed; its stdout.
     pub fn kvpn_ok(&self, args: &[&str]) -> String {
-        let out = self.kvpn(args);
-        assert!(
-            out.status.success(),
-            "kvpn {args:?} failed ({}):\n{}\n{}\n{}",
-            out.status,
-            text(&out.stdout),
-            text(&out.stderr),
-            self.diagnostics()
-        );
-        text(&out.stdout)
+        kvpn_succeeded(args, &self.kvpn(args), || self.diagnostics())
     }
 
     /// `kvpn connect --kubeconfig <restricted user's>`, which must succeed; its stdout.
@@ -704,6 +695,20 @@ impl Drop for KubeFixture {
             }
         }
     }
+}
+
+/// The stdout of `kvpn <args>`, which must have succeeded; otherwise panics with
+/// its output and `diagnostics()`.
+pub fn kvpn_succeeded(args: &[&str], out: &Output, diagnostics: impl FnOnce() -> String) -> String {
+    assert!(
+        out.status.success(),
+        "kvpn {args:?} failed ({}):\n{}\n{}\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr),
+        diagnostics()
+    );
+    text(&out.stdout)
 }
 
 /// Pids of running processes whose command line has the argument `subcommand`

@@ -8,7 +8,9 @@
 //! tests/tests/soak.rs run on it.
 
 pub mod dns_lab;
+pub mod krb5_lab;
 pub mod kube_lab;
+pub mod resolved_lab;
 pub mod soak;
 pub mod ssh_lab;
 pub mod ssh_term_lab;

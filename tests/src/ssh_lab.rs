@@ -149,9 +149,12 @@ pub struct SshLab {
     laptop_netns: String,
     nft_table: String,
     agent: Option<Child>,
+    /// Extra environment of every [`SshLab::kvpn`] run.
+    kvpn_env: Vec<(String, std::ffi::OsString)>,
 }
 
-fn run(cmd: &mut Command) -> Output {
+/// Runs `cmd` to completion; fails the test unless it succeeded.
+pub(crate) fn run(cmd: &mut Command) -> Output {
     let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
     assert!(
         out.status.success(),
@@ -271,6 +274,7 @@ impl SshLab {
             laptop_netns,
             nft_table,
             agent: None,
+            kvpn_env: Vec::new(),
         }
     }
 }
@@ -347,7 +351,6 @@ impl Credentials {
         let (authorized, hash) = (&self.authorized, &self.hash);
         std::fs::create_dir_all(bdir).unwrap_or_else(|e| panic!("mkdir: {e}"));
         let mut host_keys = Vec::new();
-        let mut key_args = Vec::new();
         for (ty, extra) in [
             ("ed25519", vec![]),
             ("ecdsa", vec!["-b", "256"]),
@@ -365,8 +368,6 @@ impl Credentials {
                 parts.next().unwrap_or_default().to_owned(),
                 parts.next().unwrap_or_default().to_owned(),
             ));
-            key_args.push("-h".to_owned());
-            key_args.push(path.to_string_lossy().into_owned());
         }
         std::fs::write(bdir.join("authorized_keys"), authorized).unwrap_or_else(|e| panic!("{e}"));
         let config = format!(
@@ -384,29 +385,55 @@ impl Credentials {
             format!("root:{hash}:20000:0:99999:7:::\n").as_bytes(),
         )
         .unwrap_or_else(|e| panic!("shadow: {e:#}"));
-        let sshd = ns
-            .command("/usr/sbin/sshd")
-            .arg("-D")
-            .arg("-f")
-            .arg(bdir.join("sshd_config"))
-            .args(&key_args)
-            .arg("-E")
-            .arg(bdir.join("sshd.log"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("sshd in {name}: {e}"));
         let bastion = Bastion {
             netns: name.to_owned(),
             addr: b_ip.to_owned(),
             host_keys,
             dir: bdir.to_owned(),
-            sshd: Some(sshd),
+            sshd: Some(spawn_sshd(name, bdir, &[])),
             own_netns: own,
         };
         wait_listening(&bastion);
         bastion
+    }
+}
+
+/// The host key types every bastion has (`ssh_host_<type>_key` in its folder).
+const HOST_KEY_TYPES: [&str; 3] = ["ed25519", "ecdsa", "rsa"];
+
+/// sshd in `name` with the config, host keys and log of `bdir`, and `env`.
+fn spawn_sshd(name: &str, bdir: &Path, env: &[(&str, &Path)]) -> Child {
+    let mut cmd = Netns::from_name(name).command("/usr/sbin/sshd");
+    cmd.arg("-D").arg("-f").arg(bdir.join("sshd_config"));
+    for ty in HOST_KEY_TYPES {
+        cmd.arg("-h").arg(bdir.join(format!("ssh_host_{ty}_key")));
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.arg("-E")
+        .arg(bdir.join("sshd.log"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("sshd in {name}: {e}"))
+}
+
+impl Bastion {
+    /// Restarts sshd with `first` as the first lines of its config (sshd keeps the
+    /// first value of a keyword, so they override the defaults of this lab) and
+    /// `env` added to its environment; waits until it listens again.
+    pub fn restart_sshd(&mut self, first: &str, env: &[(&str, &Path)]) {
+        if let Some(mut c) = self.sshd.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let path = self.dir.join("sshd_config");
+        let config = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(&path, format!("{first}{config}")).unwrap_or_else(|e| panic!("{e}"));
+        self.sshd = Some(spawn_sshd(&self.netns, &self.dir, env));
+        wait_listening(self);
     }
 }
 
@@ -473,6 +500,13 @@ impl SshLab {
         sock
     }
 
+    /// Sets `key=value` in the environment of every later [`SshLab::kvpn`] run (and
+    /// so of the user daemon it starts).
+    pub fn set_kvpn_env(&mut self, key: &str, value: impl Into<std::ffi::OsString>) {
+        self.kvpn_env.retain(|(k, _)| k != key);
+        self.kvpn_env.push((key.to_owned(), value.into()));
+    }
+
     /// `kvpn <args>` in the laptop netns like [`KubeFixture::kvpn`], with HOME in the
     /// test folder and SSH_AUTH_SOCK set to `agent` (or unset).
     pub fn kvpn(&self, fx: &KubeFixture, args: &[&str], agent: Option<&Path>) -> Output {
@@ -495,6 +529,7 @@ impl SshLab {
         if let Some(a) = agent {
             cmd.env("SSH_AUTH_SOCK", a);
         }
+        cmd.envs(self.kvpn_env.iter().map(|(k, v)| (k, v)));
         cmd.output()
             .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
     }

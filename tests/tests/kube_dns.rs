@@ -6,8 +6,9 @@
 //! `getent hosts` and `curl` in the laptop netns, which read the laptop netns's
 //! resolv.conf (`/etc/netns/<laptop>/resolv.conf`, managed by the root daemon).
 //!
-//! The forwarder path is what runs here (this machine has no systemd-resolved);
-//! the systemd-resolved path (dns-04) is unit-tested only.
+//! The forwarder path is what runs here (the laptop netns's resolv.conf names
+//! dnsmasq, not resolved's stub); the systemd-resolved path (dns-04) runs
+//! against a real systemd-resolved in kube_dns_resolved.rs.
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -22,14 +22,7 @@ const LAPTOP_HOSTS: &[u8] = b"127.0.0.1\tlocalhost\r\n::1\t\tlocalhost ip6-local
 
 fn hosts_lookup(f: &KubeFixture, name: &str) -> Option<String> {
     // `-s files`: the hosts file only, not DNS (which resolves these names too).
-    let out = f.laptop(&["getent", "-s", "files", "hosts", name]);
-    out.status.success().then(|| {
-        text(&out.stdout)
-            .split_whitespace()
-            .next()
-            .unwrap_or("")
-            .to_owned()
-    })
+    first_address(&f.laptop(&["getent", "-s", "files", "hosts", name]))
 }
 
 fn wait_hosts(f: &KubeFixture, name: &str, ip: &str) {

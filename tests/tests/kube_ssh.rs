@@ -1,17 +1,22 @@
-//! SSH jump hosts for the API server ([ssh] items 1–2, cases ssh-01, ssh-02, ssh-03)
+//! SSH jump hosts for the API server ([ssh] items 1–3, cases ssh-01, ssh-02, ssh-03)
 //! end to end: the Kubernetes lab's laptop cannot reach the API server
 //! (172.31.255.1:6443 rejected by nftables), bastion netns run the real OpenSSH sshd,
 //! and `kvpn connect --ssh-…` installs the manager, leases, detects CIDRs and carries
 //! the session's port-forwards through the SSH path. Traffic to the web ClusterIP
 //! then works from the laptop.
 //!
+//! Kerberos logins (item 3) use a real MIT KDC ([`Kdc`]) and sshd with
+//! `GSSAPIAuthentication yes`.
+//!
 //! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`), the
-//! Kubernetes binaries of `scripts/build-kubernetes.sh` and openssh-server/-client.
+//! Kubernetes binaries of `scripts/build-kubernetes.sh`, openssh-server/-client and
+//! krb5-kdc, krb5-admin-server, krb5-user.
 
 use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
+use kvpn_tests::krb5_lab::{Kdc, REALM};
 use kvpn_tests::kube_lab::{KubeFixture, web};
 use kvpn_tests::ssh_lab::{PASSWORD, SshLab, ok};
 use kvpn_tests::text;
@@ -439,4 +444,121 @@ fn ssh_03_hashed_known_hosts_unknown_host_accept_new_and_changed_key() {
         let at = format!("{}:2", changed.display());
         assert!(err.contains("HAS CHANGED") && err.contains(&at), "{err}");
     }
+}
+
+#[test]
+fn gssapi_logins_with_password_keytab_cache_and_default_cache_and_a_wrong_password_fails_at_once() {
+    let mut fx = KubeFixture::new();
+    let mut lab = SshLab::new(&mut fx, 1);
+    let laptop = fx.lab().netns_lab().laptop_netns().name().to_owned();
+    let kdc = Kdc::start(&lab.dir.join("kdc"), &laptop);
+    let krb_pw = "kvpn-lab-krb5-pw";
+    kdc.kadmin(&format!("addprinc +requires_preauth -pw {krb_pw} root"));
+    let b_addr = lab.bastions[0].addr.clone();
+    let host_keytab = kdc.add_host(&b_addr);
+    let user_keytab = kdc.user_keytab("root");
+    // Kerberos only: no password login, any key of the host keytab (host/<address>).
+    let rcache_none = Path::new("none");
+    lab.bastions[0].restart_sshd(
+        "GSSAPIAuthentication yes\nGSSAPIStrictAcceptorCheck no\nPasswordAuthentication no\n",
+        &[
+            ("KRB5_CONFIG", &kdc.krb5_conf),
+            ("KRB5_KTNAME", &host_keytab),
+            ("KRB5RCACHETYPE", rcache_none),
+        ],
+    );
+    lab.set_kvpn_env("KRB5_CONFIG", &kdc.krb5_conf);
+    // No default cache: only the --gssapi-* flag can log in.
+    lab.set_kvpn_env(
+        "KRB5CCNAME",
+        format!("FILE:{}", lab.dir.join("no-default-cache").display()),
+    );
+    let kh = lab.known_hosts_all();
+    let base = [
+        "--ssh-addr".to_owned(),
+        lab.bastions[0].ssh_addr(),
+        "--ssh-username".to_owned(),
+        "root".to_owned(),
+        "--ssh-known-hosts".to_owned(),
+        kh.to_string_lossy().into_owned(),
+    ];
+    let logins = |lab: &SshLab| {
+        lab.bastions[0]
+            .log()
+            .matches("Accepted gssapi-with-mic for root")
+            .count()
+    };
+
+    // A wrong password: refused by the KDC before any SSH login, and said so.
+    let t0 = Instant::now();
+    let mut wrong = args(&base);
+    wrong.extend(["--gssapi-password", "not-the-password"]);
+    let err = fails(
+        connect(&fx, &lab, &wrong, None),
+        "connect with a wrong Kerberos password",
+    );
+    let took = t0.elapsed();
+    eprintln!(
+        "wrong Kerberos password refused in {:.2} s: {err}",
+        took.as_secs_f64()
+    );
+    assert!(
+        err.contains("Kerberos")
+            && err.contains(&format!("root@{REALM}"))
+            && err.contains("Preauthentication failed")
+            && err.contains("--gssapi-password"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}: {err}");
+    assert_eq!(logins(&lab), 0, "{}", lab.bastions[0].log());
+
+    let cache = lab.dir.join("krb5cc_kinit");
+    kdc.kinit(&laptop, "root", krb_pw, &cache);
+    let cache_s = cache.to_string_lossy().into_owned();
+    let keytab_s = user_keytab.to_string_lossy().into_owned();
+    for (what, extra) in [
+        ("--gssapi-password", vec!["--gssapi-password", krb_pw]),
+        (
+            "--gssapi-keytab",
+            vec!["--gssapi-keytab", keytab_s.as_str()],
+        ),
+        ("--gssapi-cache", vec!["--gssapi-cache", cache_s.as_str()]),
+        // No flag: the default cache, the CLI's KRB5CCNAME, also in the user daemon
+        // that was started with another one.
+        ("the default cache", vec![]),
+    ] {
+        if extra.is_empty() {
+            lab.set_kvpn_env("KRB5CCNAME", format!("FILE:{cache_s}"));
+        }
+        let before = logins(&lab);
+        let mut a = args(&base);
+        a.extend(extra);
+        let t0 = Instant::now();
+        let out = ok(
+            connect(&fx, &lab, &a, None),
+            &format!("connect with {what}"),
+            &fx,
+            &lab,
+        );
+        eprintln!(
+            "connect through the bastion with {what} took {:.1} s",
+            t0.elapsed().as_secs_f64()
+        );
+        assert!(out.contains("Connected"), "{out}");
+        let page = fx.page(web());
+        assert!(!page.pod.is_empty(), "{what}: {page:?}");
+        assert!(
+            logins(&lab) > before,
+            "sshd saw no gssapi-with-mic login with {what}:\n{}",
+            lab.bastions[0].log()
+        );
+        disconnect(&fx, &lab);
+    }
+    let log = lab.bastions[0].log();
+    assert!(!log.contains("Accepted password"), "{log}");
+    assert!(
+        kdc.log().contains(&format!("host/{b_addr}@{REALM}")),
+        "the KDC issued no ticket for the bastion's host principal:\n{}",
+        kdc.log()
+    );
 }

@@ -686,6 +686,7 @@ fn rogue_client_hello_without_the_leases_token_is_refused() {
                 version: PROTOCOL_VERSION + 1,
                 tunnel_ip: IpAddr::V4(a.ip),
                 token: a_token.clone(),
+                mtu: None,
             }
             .encode()
             .expect("hello");

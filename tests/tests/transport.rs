@@ -11,7 +11,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kvpn_lab::{
-    BACKEND_1_IP, BACKEND_2_IP, ECHO_PORT, HTTP_PORT, LAPTOP, NODE, UDP_ECHO_CLUSTER_IP,
+    BACKEND_1_IP, BACKEND_1_POD, BACKEND_2_IP, ECHO_PORT, HTTP_PORT, LAPTOP, NODE,
+    UDP_ECHO_CLUSTER_IP,
 };
 use kvpn_tests::{Fixture, text};
 
@@ -60,6 +61,22 @@ fn connect(addr: SocketAddr) -> TcpStream {
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     s
+}
+
+/// A static lab connected with `kvpn connect --mtu <mtu>`.
+fn connected_with_mtu(mtu: u32) -> Fixture {
+    let f = Fixture::new();
+    let mut args: Vec<String> = vec!["connect".into()];
+    args.extend(kvpn_tests::lab_connect_args());
+    args.extend(["--mtu".into(), mtu.to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = f.kvpn(&args);
+    assert!(
+        out.status.success(),
+        "connect --mtu {mtu}: {}",
+        text(&out.stderr)
+    );
+    f
 }
 
 /// `GET /big?bytes=<n>` with a request body of `n` bytes (the lab server
@@ -212,17 +229,7 @@ fn tr_01_path_mtu_1400_large_exchanges_complete() {
 /// to 8960 by the manager's SYN-ACK) go through.
 #[test]
 fn tr_01_pmtud_with_a_tun_larger_than_the_manager_mtu() {
-    let f = Fixture::new();
-    let mut args: Vec<String> = vec!["connect".into()];
-    args.extend(kvpn_tests::lab_connect_args());
-    args.extend(["--mtu".into(), "16000".into()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = f.kvpn(&args);
-    assert!(
-        out.status.success(),
-        "connect --mtu 16000: {}",
-        text(&out.stderr)
-    );
+    let f = connected_with_mtu(16_000);
 
     let started = Instant::now();
     let out = f.laptop(&[
@@ -344,13 +351,123 @@ fn tr_02_large_udp_datagrams_come_back_whole() {
     );
 }
 
+/// Datagrams the laptop's kernel reassembled (`Ip: ReasmOKs` of the laptop
+/// netns' /proc/net/snmp).
+fn laptop_reassembled(f: &Fixture) -> u64 {
+    let snmp = text(&exec(f, LAPTOP, &["cat", "/proc/net/snmp"]).stdout);
+    let mut ip = snmp.lines().filter(|l| l.starts_with("Ip:"));
+    let (names, values) = (ip.next().unwrap_or(""), ip.next().unwrap_or(""));
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(n, _)| *n == "ReasmOKs")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_else(|| panic!("no Ip ReasmOKs in /proc/net/snmp:\n{snmp}"))
+}
+
+/// tr-02 with a small TUN: after `connect --mtu 1400` the hello tells the
+/// manager the laptop's MTU, so the 4000- and 20000-byte UDP echo replies and
+/// a 4000-byte echo reply it builds come to the laptop as fragments of at most
+/// 1400 bytes (the laptop's kernel reassembles them: its ReasmOKs grows by one
+/// per reply; a whole 4028-byte packet would not count) and arrive intact.
+#[test]
+fn tr_02_replies_are_fragmented_to_the_laptops_tun_mtu() {
+    let f = connected_with_mtu(1400);
+    let before = laptop_reassembled(&f);
+    let echoed = f.in_laptop(|| {
+        let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        sock.connect(SocketAddr::from(UDP_ECHO)).expect("connect");
+        sock.set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("timeout");
+        let mut results = Vec::new();
+        for size in [4000usize, 20_000] {
+            let msg: Vec<u8> = (0..size).map(|j| (j * 13) as u8).collect();
+            sock.send(&msg).expect("send");
+            let mut buf = vec![0u8; 65_536];
+            results.push((
+                size,
+                sock.recv(&mut buf)
+                    .map(|n| buf[..n] == msg[..])
+                    .map_err(|e| e.to_string()),
+            ));
+        }
+        results
+    });
+    for (size, ok) in echoed {
+        assert_eq!(
+            ok,
+            Ok(true),
+            "{size}-byte UDP echo through a 1400-byte TUN\nmanager log:\n{}",
+            f.manager_log()
+        );
+    }
+    let out = f.laptop(&[
+        "ping",
+        "-s",
+        "4000",
+        "-c",
+        "1",
+        "-W",
+        "3",
+        &BACKEND_1_IP.to_string(),
+    ]);
+    assert!(out.status.success(), "ping -s 4000: {}", text(&out.stdout));
+    let reassembled = laptop_reassembled(&f) - before;
+    eprintln!("tr-02 --mtu 1400: the laptop reassembled {reassembled} replies");
+    assert!(
+        reassembled >= 3,
+        "the 3 large replies must reach the laptop as fragments (ReasmOKs +{reassembled})"
+    );
+}
+
+/// Item 3, host unreachable: a pod whose kernel rejects UDP to a port with
+/// ICMP host-unreachable (an nftables reject rule in the pod, as a network
+/// policy would). Linux reports host unreachable on a UDP socket only with
+/// IP_RECVERR (`icmp_err_convert` marks it non-fatal); the manager's sockets
+/// set it and relay the error, so a laptop application that sets it too gets
+/// EHOSTUNREACH at once instead of waiting for a timeout.
+#[test]
+fn icmp_host_unreachable_from_a_pod_is_ehostunreach() {
+    let f = Fixture::connected();
+    let rules = "table ip kvpn_v6_reject {\n chain input {\n  type filter hook input priority 0; policy accept;\n  udp dport 9998 reject with icmp type host-unreachable\n }\n}\n";
+    let rules_file = f.lab.dir().join("kvpn-v6-reject.nft");
+    std::fs::write(&rules_file, rules).expect("write rules");
+    let out = exec(
+        &f,
+        BACKEND_1_POD,
+        &["nft", "-f", &rules_file.to_string_lossy()],
+    );
+    assert!(out.status.success(), "nft: {}", text(&out.stderr));
+    let (unreachable, took) = f.in_laptop(|| {
+        use nix::sys::socket::{setsockopt, sockopt};
+        let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        setsockopt(&sock, sockopt::Ipv4RecvErr, &true).expect("IP_RECVERR");
+        sock.connect((BACKEND_1_IP, 9998)).expect("connect");
+        sock.set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("timeout");
+        let started = Instant::now();
+        sock.send(b"anyone?").expect("send");
+        let mut buf = [0u8; 64];
+        (
+            sock.recv(&mut buf).map_err(|e| e.raw_os_error()),
+            started.elapsed(),
+        )
+    });
+    assert_eq!(
+        unreachable,
+        Err(Some(libc::EHOSTUNREACH)),
+        "UDP to a pod port that answers host-unreachable (took {took:?})\nmanager log:\n{}",
+        f.manager_log()
+    );
+    assert!(took < Duration::from_secs(2), "EHOSTUNREACH took {took:?}");
+    eprintln!("ICMP host unreachable after {took:?}");
+}
+
 /// Item 3: ICMP errors from the cluster reach the laptop's application as the
 /// right error: UDP to a closed port on a pod (the pod's kernel answers port
 /// unreachable) is ECONNREFUSED on a connected socket, at once, and an open
-/// port of the same pod still echoes. (Host unreachable is a non-fatal error for UDP in
-/// Linux, `icmp_err_convert`: neither the manager's socket nor the laptop's
-/// reports it without IP_RECVERR, so it is covered by the engine's unit test
-/// `udp_host_unreachable_is_relayed` only.)
+/// port of the same pod still echoes. (Host unreachable:
+/// `icmp_host_unreachable_from_a_pod_is_ehostunreach`.)
 #[test]
 fn icmp_port_unreachable_from_a_pod_is_econnrefused() {
     let f = Fixture::connected();

@@ -3,8 +3,11 @@
 //! the previous), check every host key against known_hosts ([`super::known_hosts`])
 //! and log in.
 //!
-//! Authentication per hop, in this order: the `--ssh-password` of that hop, then
-//! ssh-agent (`SSH_AUTH_SOCK`) identities, then the hop's key files. A
+//! Authentication per hop, in this order: Kerberos when a `--gssapi-*` flag names
+//! the hop's credentials ([`super::gssapi`]; they failing to be had fails the
+//! connect at once), the `--ssh-password` of that hop, then ssh-agent
+//! (`SSH_AUTH_SOCK`) identities, then the hop's key files, and last Kerberos with
+//! the default credential cache when it holds tickets. A
 //! passphrase-protected key file is used only through the agent (its public half is
 //! readable without the passphrase, so the agent's copy is found): kvpn never asks
 //! for a passphrase and never waits for input, so without an agent holding it the
@@ -111,6 +114,8 @@ pub enum ConnectError {
     },
     #[error("SSH host {hop}: {cause}")]
     Ssh { hop: String, cause: String },
+    #[error("Kerberos login to {hop} failed: {cause}")]
+    Kerberos { hop: String, cause: String },
     #[error(
         "SSH host {hop} refused to open a channel to {target}: {cause} — can {hop} reach {target}?"
     )]
@@ -375,7 +380,13 @@ pub async fn connect(plan: &SshPlan, agent_sock: Option<&Path>) -> Result<SshCha
             })??;
         tokio::time::timeout(
             HOP_TIMEOUT,
-            authenticate(&mut session, hop, &name, agent_sock),
+            authenticate(
+                &mut session,
+                hop,
+                &name,
+                agent_sock,
+                plan.default_ccache.as_deref(),
+            ),
         )
         .await
         .map_err(|_| ConnectError::Timeout {
@@ -439,12 +450,20 @@ async fn authenticate(
     hop: &Hop,
     name: &str,
     agent_sock: Option<&Path>,
+    default_ccache: Option<&str>,
 ) -> Result<(), ConnectError> {
     let ssh_err = |e: russh::Error| ConnectError::Ssh {
         hop: name.to_owned(),
         cause: e.to_string(),
     };
     let mut tried: Vec<String> = Vec::new();
+    if let Some(creds) = &hop.gssapi {
+        let acquired = acquire_krb5(Some(creds), None, hop, name).await?;
+        tried.push(format!("Kerberos as {}", acquired.principal));
+        if kerberos(session, hop, name, &acquired).await? {
+            return Ok(());
+        }
+    }
     if let Some(pw) = &hop.password {
         tried.push("password".into());
         if session
@@ -538,13 +557,37 @@ async fn authenticate(
             }
         }
     }
+    // Last, like ssh's GSSAPIAuthentication: the default cache, when it holds tickets.
+    if hop.gssapi.is_none() {
+        match acquire_krb5(None, default_ccache, hop, name).await {
+            Ok(acquired) => {
+                tried.push(format!(
+                    "Kerberos as {} (default cache)",
+                    acquired.principal
+                ));
+                // The last method: its failure is one more thing tried, not the error.
+                match kerberos(session, hop, name, &acquired).await {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
+                    Err(e) => {
+                        debug!(hop = %name, "{e}");
+                        if let Some(t) = tried.last_mut() {
+                            t.push_str(&format!(": {e}"));
+                        }
+                    }
+                }
+            }
+            Err(e) => debug!(hop = %name, "no Kerberos login: {e}"),
+        }
+    }
     if tried.is_empty() {
         return Err(ConnectError::AuthFailed {
             hop: name.to_owned(),
             tried: "nothing".into(),
             fix: format!(
-                "no password, no usable key file and no agent ({agent_state}): pass \
-                 --ssh-keyfile or --ssh-password, or load a key into ssh-agent"
+                "no password, no usable key file, no agent ({agent_state}) and no Kerberos \
+                 tickets: pass --ssh-keyfile, --ssh-password or a --gssapi-* flag, or load \
+                 a key into ssh-agent"
             ),
         });
     }
@@ -556,4 +599,60 @@ async fn authenticate(
             hop.user
         ),
     })
+}
+
+/// Kerberos credentials for `hop` (from its flag, or the default cache), off the
+/// async threads.
+async fn acquire_krb5(
+    creds: Option<&super::gssapi::Creds>,
+    default_ccache: Option<&str>,
+    hop: &Hop,
+    name: &str,
+) -> Result<super::gssapi::Acquired, ConnectError> {
+    let (creds, user) = (creds.cloned(), hop.user.clone());
+    let default_ccache = default_ccache.map(str::to_owned);
+    tokio::task::spawn_blocking(move || {
+        super::gssapi::acquire(creds.as_ref(), default_ccache.as_deref(), &user)
+    })
+    .await
+    .map_err(|e| ConnectError::Kerberos {
+        hop: name.to_owned(),
+        cause: format!("the credential lookup did not finish: {e}"),
+    })?
+    .map_err(|e| ConnectError::Kerberos {
+        hop: name.to_owned(),
+        cause: e.to_string(),
+    })
+}
+
+/// One `gssapi-with-mic` attempt with `acquired`; `Ok(false)` when the server
+/// refuses it (the next method may still work), an error when the Kerberos side
+/// fails (service ticket, MIC).
+async fn kerberos(
+    session: &mut Handle<HostKeyCheck>,
+    hop: &Hop,
+    name: &str,
+    acquired: &super::gssapi::Acquired,
+) -> Result<bool, ConnectError> {
+    let krb_err = |cause: String| ConnectError::Kerberos {
+        hop: name.to_owned(),
+        cause: format!("{} as {}: {cause}", hop.host, acquired.principal),
+    };
+    let mut login = super::gssapi::Login::new(acquired, &hop.host).map_err(krb_err)?;
+    let result = session
+        .authenticate_gssapi_with_mic(
+            &hop.user,
+            vec![super::gssapi::KRB5_MECH_DER.to_vec()],
+            &mut login,
+        )
+        .await
+        .map_err(|e| krb_err(e.to_string()))?;
+    if result.success() {
+        return Ok(true);
+    }
+    match &login.server_error {
+        Some(m) => debug!(hop = %name, "the server refused the Kerberos login: {m}"),
+        None => debug!(hop = %name, "the server refused the Kerberos login"),
+    }
+    Ok(false)
 }

@@ -147,6 +147,7 @@ pub async fn run(args: PeerArgs) -> i32 {
         version: frame::PROTOCOL_VERSION,
         tunnel_ip: IpAddr::V4(args.tunnel_ip),
         token: name.into_bytes(),
+        mtu: None,
     };
     let mut out = Vec::new();
     if let Err(e) = hello

@@ -673,6 +673,7 @@ mod tests {
             version: frame::PROTOCOL_VERSION,
             tunnel_ip: IpAddr::V4(Ipv4Addr::new(198, 19, 0, 2)),
             token: b"kvssh0".to_vec(),
+            mtu: None,
         };
         let mut wire = Vec::new();
         frame::encode_into(Kind::Hello, &hello.encode().expect("encode"), &mut wire)

@@ -689,7 +689,7 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner);
                 (
-                    names::while_unreachable(plan, |a| anchors.last_known(a)),
+                    names::while_unreachable(plan, cluster, |a| anchors.last_known(a)),
                     cluster,
                 )
             }

@@ -215,6 +215,14 @@ impl HostsFile {
         }
     }
 
+    /// Also keep a copy of the backup in `state_dir` (as
+    /// [`ResolvConf::with_persistent_copy`]).
+    pub fn with_persistent_copy(self, state_dir: &Path) -> Self {
+        HostsFile {
+            file: self.file.with_persistent_copy(state_dir),
+        }
+    }
+
     /// The hosts file path.
     pub fn path(&self) -> &Path {
         self.file.path()

@@ -98,13 +98,17 @@ pub struct DnsSettings {
     pub listen: SocketAddr,
     /// The runtime directory (the resolv.conf backup lives there).
     pub runtime_dir: PathBuf,
+    /// The persistent directory for a second copy of the backups (env
+    /// `KVPN_STATE_DIR`, default [`resolv_conf::DEFAULT_STATE_DIR`]), so that a
+    /// reboot after a killed daemon can still repair.
+    pub state_dir: PathBuf,
     /// The hosts file for `kvpn connect --hosts` entries.
     pub hosts: PathBuf,
 }
 
 impl DnsSettings {
-    /// Defaults, overridden by `KVPN_DNS_MODE`, `KVPN_RESOLV_CONF`, `KVPN_DNS_IP`
-    /// and `KVPN_HOSTS`.
+    /// Defaults, overridden by `KVPN_DNS_MODE`, `KVPN_RESOLV_CONF`, `KVPN_DNS_IP`,
+    /// `KVPN_HOSTS` and `KVPN_STATE_DIR`.
     pub fn from_env(runtime_dir: &Path) -> Result<Self, String> {
         let mode = std::env::var("KVPN_DNS_MODE").unwrap_or_default().parse()?;
         let resolv_conf = std::env::var_os("KVPN_RESOLV_CONF")
@@ -119,11 +123,18 @@ impl DnsSettings {
         let hosts = std::env::var_os("KVPN_HOSTS")
             .filter(|p| !p.is_empty())
             .map_or_else(|| PathBuf::from(hosts::DEFAULT_PATH), PathBuf::from);
+        let state_dir = std::env::var_os("KVPN_STATE_DIR")
+            .filter(|p| !p.is_empty())
+            .map_or_else(
+                || PathBuf::from(resolv_conf::DEFAULT_STATE_DIR),
+                PathBuf::from,
+            );
         Ok(DnsSettings {
             mode,
             resolv_conf,
             listen: SocketAddr::new(ip, DNS_PORT),
             runtime_dir: runtime_dir.to_owned(),
+            state_dir,
             hosts,
         })
     }
@@ -222,8 +233,10 @@ fn clusters_of(state: &State) -> Vec<(ClusterDns, Reach)> {
 impl Dns {
     /// Split DNS as `settings` say; nothing changes until a session asks.
     pub fn new(settings: DnsSettings) -> Self {
-        let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir);
-        let hosts = HostsFile::new(&settings.hosts, &settings.runtime_dir);
+        let resolv = ResolvConf::new(&settings.resolv_conf, &settings.runtime_dir)
+            .with_persistent_copy(&settings.state_dir);
+        let hosts = HostsFile::new(&settings.hosts, &settings.runtime_dir)
+            .with_persistent_copy(&settings.state_dir);
         Dns {
             settings,
             resolv,
@@ -294,6 +307,28 @@ impl Dns {
     /// Whether session `id` asked for hosts-file entries.
     pub async fn hosts_enabled(&self, id: &str) -> bool {
         self.state.lock().await.hosts.iter().any(|h| h.id == id)
+    }
+
+    /// The namespaces the route watch reported Services in for session `id`:
+    /// while the session is down their `svc.ns` spellings stay cluster names
+    /// ([`names::while_unreachable`]) instead of going to the laptop's resolvers.
+    pub async fn set_namespaces<'a>(
+        &self,
+        id: &str,
+        namespaces: impl IntoIterator<Item = &'a str>,
+    ) {
+        let mut state = self.state.lock().await;
+        let Some(s) = state.sessions.iter_mut().find(|s| s.id == id) else {
+            return;
+        };
+        let cluster = s.cluster.clone().with_namespaces(namespaces);
+        if cluster == s.cluster {
+            return;
+        }
+        s.cluster = cluster;
+        if let Some(Active::Forwarder(f)) = &state.active {
+            f.set_clusters(clusters_of(&state));
+        }
     }
 
     /// The Services the route watch reports for session `id` (all of them; the
@@ -393,7 +428,8 @@ impl Dns {
                 Mode::Resolved => true,
                 Mode::Forwarder | Mode::Off => false,
                 Mode::Auto => {
-                    resolved::uses_stub(&resolv_conf::parse(&original)) && resolved::available()
+                    resolved::uses_stub(&resolv_conf::parse(&original))
+                        && resolved::available().await
                 }
             };
             if use_resolved {
@@ -405,7 +441,11 @@ impl Dns {
             }
         }
         // A session's settings again (the route watch reports the manager's view):
-        // replace its entry.
+        // replace its entry, keeping the namespaces the route watch reported.
+        let namespaces = state.sessions.iter().find(|s| s.id == id);
+        let namespaces = namespaces.map(|s| s.cluster.namespaces.clone());
+        let mut cluster = cluster;
+        cluster.namespaces = namespaces.unwrap_or_default();
         state.sessions.retain(|s| s.id != id);
         state.sessions.insert(
             0,
@@ -418,6 +458,7 @@ impl Dns {
         );
         let result = match &state.active {
             Some(Active::Resolved) => resolved::run(&resolved::link_commands(tun, &cluster))
+                .await
                 .map(|()| {
                     format!(
                         "systemd-resolved: {} on {tun} for ~{}, search {}",
@@ -494,7 +535,7 @@ impl Dns {
         match &state.active {
             Some(Active::Resolved) => {
                 // The link usually goes with the TUN device; revert anyway.
-                if let Err(e) = resolved::run(&[resolved::revert_command(&gone.tun)]) {
+                if let Err(e) = resolved::run(&[resolved::revert_command(&gone.tun)]).await {
                     tracing::debug!(error = %e, "systemd-resolved revert");
                 }
             }

@@ -80,6 +80,11 @@ pub struct ClusterDns {
     /// The cluster's pod and service CIDRs: PTR names of addresses in them go to
     /// the cluster DNS ([`ClusterDns::with_reverse`]; empty: none do).
     pub reverse: Vec<ipnet::IpNet>,
+    /// `<ns>.svc.<domain>.` of every namespace the route watch reported Services
+    /// in, sorted ([`ClusterDns::with_namespaces`]): they exist by what the
+    /// cluster told the session, so [`while_unreachable`] keeps their `svc.ns`
+    /// spellings in the cluster during an outage.
+    pub namespaces: Vec<Name>,
 }
 
 fn fqdn(text: &str) -> Result<Name, ConfigError> {
@@ -145,6 +150,7 @@ impl ClusterDns {
             search: list,
             ipv6,
             reverse: Vec::new(),
+            namespaces: Vec::new(),
         })
     }
 
@@ -155,6 +161,40 @@ impl ClusterDns {
         self.reverse.sort();
         self.reverse.dedup();
         self
+    }
+
+    /// The same, knowing that `namespaces` exist (the route watch reported
+    /// Services in them); names that are not DNS labels are skipped.
+    pub fn with_namespaces<'a>(mut self, namespaces: impl IntoIterator<Item = &'a str>) -> Self {
+        self.namespaces = namespaces
+            .into_iter()
+            .filter_map(|ns| {
+                Name::from_ascii(ns)
+                    .ok()
+                    .filter(|n| n.num_labels() == 1)
+                    .and_then(|n| n.append_domain(&Name::from_ascii("svc").ok()?).ok())
+                    .and_then(|n| n.append_domain(&self.domain).ok())
+                    .map(|n| n.to_lowercase())
+            })
+            .collect();
+        self.namespaces.sort();
+        self.namespaces.dedup();
+        self
+    }
+
+    /// Whether `name` exists in the cluster by this configuration alone: the
+    /// cluster domain, `svc.<domain>` and the search domains (the connected
+    /// namespace's `dev.svc.<domain>` among them) are zones of every cluster
+    /// whose DNS gives this search list; `<ns>.svc.<domain>` of the namespaces
+    /// the route watch reported exist too.
+    pub fn configured(&self, name: &Name) -> bool {
+        let name = name.to_lowercase();
+        name == self.domain
+            || self.search.contains(&name)
+            || self.namespaces.binary_search(&name).is_ok()
+            || Name::from_ascii("svc")
+                .and_then(|svc| svc.append_domain(&self.domain))
+                .is_ok_and(|svc| svc == name)
     }
 
     /// The search list as text, without trailing dots (`dev.svc.cluster.local`, …).
@@ -359,13 +399,21 @@ pub fn classify_all<'a>(
 /// - AAAA under the domain of an IPv4-only cluster stays [`Plan::EmptyAaaa`]: it
 ///   never needed the cluster, and the client's A question fails at once anyway;
 /// - a longer cluster-relative spelling (`web.dev`, `www.example.com`) is the
-///   cluster's when the last answer the cluster gave about one of its anchors
-///   (`last_known`, however old: the cluster cannot be asked now) said the anchor
-///   exists; then [`Plan::Unreachable`]. Otherwise it goes to the laptop's
-///   upstream as it would if no expansion existed, so the rest of DNS keeps
-///   working while the cluster is away (case dns-05);
+///   cluster's when one of its anchors exists by the session's configuration
+///   ([`ClusterDns::configured`]: the search domains, so the connected namespace
+///   `dev` and every `….svc` spelling, whose anchor is `svc.<domain>`) or the last
+///   answer the cluster gave about it (`last_known`, however old: the cluster
+///   cannot be asked now) said it exists; then [`Plan::Unreachable`]: a cluster
+///   name never leaks upstream, even when nobody asked for it before the outage.
+///   Otherwise it goes to the laptop's upstream as it would if no expansion
+///   existed, so the rest of DNS keeps working while the cluster is away (case
+///   dns-05);
 /// - everything else is unchanged.
-pub fn while_unreachable(plan: Plan, last_known: impl Fn(&Name) -> Option<bool>) -> Plan {
+pub fn while_unreachable(
+    plan: Plan,
+    cluster: &ClusterDns,
+    last_known: impl Fn(&Name) -> Option<bool>,
+) -> Plan {
     match plan {
         Plan::Cluster | Plan::Unreachable => Plan::Unreachable,
         Plan::EmptyAaaa => Plan::EmptyAaaa,
@@ -379,7 +427,7 @@ pub fn while_unreachable(plan: Plan, last_known: impl Fn(&Name) -> Option<bool>)
             otherwise: Otherwise::Upstream,
         } => {
             let cluster_name = candidates.iter().any(|c| match &c.anchor {
-                Some(anchor) => last_known(anchor) == Some(true),
+                Some(anchor) => cluster.configured(anchor) || last_known(anchor) == Some(true),
                 None => true,
             });
             if cluster_name {
@@ -701,7 +749,7 @@ mod tests {
             "expired for normal use"
         );
         let down = |n: &str, t: RecordType| {
-            while_unreachable(classify(&q(n, t), &c), |a| cache.last_known(a))
+            while_unreachable(classify(&q(n, t), &c), &c, |a| cache.last_known(a))
         };
         for (n, t) in [
             ("web.default.svc.cluster.local.", RecordType::A),
@@ -743,6 +791,75 @@ mod tests {
             classify(&q("web.default.svc.cluster.local.", RecordType::A), &c),
             Plan::Cluster
         );
+    }
+
+    /// Issue 5 leftover: a cluster name asked for the first time during an
+    /// outage (no answer about its namespace was ever cached) still never goes
+    /// upstream when the configuration says it is the cluster's: the connected
+    /// namespace (`web.dev`) and every `….svc` spelling of any namespace. Other
+    /// two-label names of the laptop (`www.example`, `web.nosuchns`) still do.
+    #[test]
+    fn during_an_outage_connected_namespace_and_svc_spellings_never_leak() {
+        let c = cluster("dev");
+        let nothing_cached = |_: &Name| None;
+        for (n, t) in [
+            ("web.dev", RecordType::A),
+            ("web.dev.", RecordType::AAAA),
+            ("_http._tcp.web.dev", RecordType::SRV),
+            ("web.dev.svc", RecordType::A),
+            ("web.other.svc", RecordType::A),
+            ("web.other.svc.", RecordType::AAAA),
+            ("pod-1.web.other.svc", RecordType::A),
+            ("other.svc", RecordType::A),
+        ] {
+            assert_eq!(
+                while_unreachable(classify(&q(n, t), &c), &c, nothing_cached),
+                Plan::Unreachable,
+                "{n} {t} must not go upstream during an outage"
+            );
+        }
+        for n in [
+            "www.example",
+            "web.nosuchns",
+            "host.corp.test",
+            "www.example.com",
+        ] {
+            assert_eq!(
+                while_unreachable(classify(&q(n, RecordType::A), &c), &c, nothing_cached),
+                Plan::Upstream,
+                "{n} is the laptop's"
+            );
+        }
+        // A namespace the route watch reported is the cluster's too.
+        let watched = c
+            .clone()
+            .with_namespaces(["other", "Kube-System", "not.a.label"]);
+        for n in ["web.other", "kube-dns.kube-system"] {
+            assert_eq!(
+                while_unreachable(
+                    classify(&q(n, RecordType::A), &watched),
+                    &watched,
+                    nothing_cached
+                ),
+                Plan::Unreachable,
+                "{n}: its namespace has Services"
+            );
+        }
+        assert_eq!(watched.namespaces.len(), 2, "{:?}", watched.namespaces);
+        // Configured zones, case-insensitively; not their children.
+        for (n, yes) in [
+            ("cluster.local.", true),
+            ("SVC.cluster.local.", true),
+            ("dev.svc.cluster.local.", true),
+            ("other.svc.cluster.local.", false),
+            ("com.cluster.local.", false),
+        ] {
+            assert_eq!(
+                c.configured(&Name::from_ascii(n).expect("name")),
+                yes,
+                "{n}"
+            );
+        }
     }
 
     #[test]

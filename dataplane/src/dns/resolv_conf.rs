@@ -10,6 +10,13 @@
 //! a symlink again (case dns-06). If somebody else rewrote the file meanwhile (a
 //! DHCP client, NetworkManager), their version stays and the backup is dropped.
 //!
+//! The runtime directory is often a tmpfs (`/run`): a reboot after a killed daemon
+//! would lose the backup and leave kvpn's file behind. So a second copy of the
+//! backup lives in a persistent state directory (`/var/lib/kvpn`, env
+//! `KVPN_STATE_DIR`), named after the runtime directory so that daemons with
+//! different runtime directories never share it; restore reads the runtime copy,
+//! else the persistent one, and removes both.
+//!
 //! A symlinked `resolv.conf` is replaced by a regular file rather than written
 //! through, so the target (owned by systemd-resolved, NetworkManager, …) is never
 //! touched. Where the path is a mount point (containers, `ip netns exec`'s bind
@@ -33,6 +40,9 @@ use serde::{Deserialize, Serialize};
 pub const DEFAULT_PATH: &str = "/etc/resolv.conf";
 /// Backup file name in the runtime directory.
 pub const BACKUP_NAME: &str = "resolv.conf.kvpn-backup";
+/// Default persistent state directory (env `KVPN_STATE_DIR`) for the second
+/// copy of each backup.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/kvpn";
 /// First line of a backup file.
 const BACKUP_MAGIC: &str = "kvpn resolv.conf backup v1";
 
@@ -261,11 +271,35 @@ pub enum Restored {
     KeptOthers,
 }
 
-/// A resolv.conf and its backup in the runtime directory.
+/// A resolv.conf and its backup in the runtime directory (plus, optionally, a
+/// copy of the backup in a persistent directory).
 #[derive(Debug, Clone)]
 pub struct ResolvConf {
     path: PathBuf,
     backup: PathBuf,
+    persistent: Option<PathBuf>,
+}
+
+/// File name of the persistent copy of backup `backup_name` for the daemon of
+/// `runtime_dir`: the runtime directory's path with `/` as `-` and every byte
+/// other than `[A-Za-z0-9_.]` (and `-` itself) as `%XX`, then `.` and the
+/// backup name. Distinct runtime directories give distinct names.
+pub fn persistent_name(runtime_dir: &Path, backup_name: &str) -> String {
+    let raw = runtime_dir.as_os_str().as_encoded_bytes();
+    let trimmed = raw.strip_prefix(b"/").unwrap_or(raw);
+    let mut name = String::with_capacity(trimmed.len() + backup_name.len() + 1);
+    for &b in trimmed {
+        match b {
+            b'/' => name.push('-'),
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'_' => name.push(char::from(b)),
+            // A leading dot would hide the file; later dots are plain.
+            b'.' if !name.is_empty() => name.push('.'),
+            _ => name.push_str(&format!("%{b:02X}")),
+        }
+    }
+    name.push('.');
+    name.push_str(backup_name);
+    name
 }
 
 pub(crate) fn io<'a>(
@@ -368,7 +402,25 @@ impl ResolvConf {
         ResolvConf {
             path: path.into(),
             backup: runtime_dir.join(BACKUP_NAME),
+            persistent: None,
         }
+    }
+
+    /// Also keep a copy of the backup in `state_dir` (see the module header), so
+    /// that a reboot that empties the runtime directory still finds it.
+    pub fn with_persistent_copy(mut self, state_dir: &Path) -> Self {
+        let (Some(runtime_dir), Some(name)) = (self.backup.parent(), self.backup.file_name())
+        else {
+            return self;
+        };
+        let name = persistent_name(runtime_dir, &name.to_string_lossy());
+        self.persistent = Some(state_dir.join(name));
+        self
+    }
+
+    /// The persistent copy of the backup, if one is kept.
+    pub fn persistent_path(&self) -> Option<&Path> {
+        self.persistent.as_deref()
     }
 
     /// Another file of `/etc` managed the same way (the hosts file), with its
@@ -381,6 +433,7 @@ impl ResolvConf {
         ResolvConf {
             path: path.into(),
             backup: runtime_dir.join(backup_name),
+            persistent: None,
         }
     }
 
@@ -394,24 +447,42 @@ impl ResolvConf {
         &self.backup
     }
 
-    /// The backup, if one exists.
+    /// The backup, if one exists: the runtime copy, else the persistent one.
     pub fn backup(&self) -> Result<Option<Backup>, ResolvConfError> {
-        let bytes = match fs::read(&self.backup) {
+        match Self::read_backup(&self.backup, &self.path)? {
+            Some(b) => Ok(Some(b)),
+            None => match &self.persistent {
+                Some(p) => Self::read_backup(p, &self.path),
+                None => Ok(None),
+            },
+        }
+    }
+
+    fn read_backup(file: &Path, target: &Path) -> Result<Option<Backup>, ResolvConfError> {
+        let bytes = match fs::read(file) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io("cannot read", &self.backup)(e)),
+            Err(e) => return Err(io("cannot read", file)(e)),
         };
         Backup::decode(&bytes)
             .map(Some)
             .map_err(|why| ResolvConfError::BadBackup {
-                path: self.backup.clone(),
-                target: self.path.clone(),
+                path: file.to_owned(),
+                target: target.to_owned(),
                 why,
             })
     }
 
     pub(crate) fn save_backup(&self, backup: &Backup) -> Result<(), ResolvConfError> {
-        replace_with_file(&self.backup, &backup.encode(), 0o600)
+        let bytes = backup.encode();
+        // The persistent copy first: whichever copy exists then holds the original.
+        if let Some(p) = &self.persistent {
+            if let Some(dir) = p.parent() {
+                fs::create_dir_all(dir).map_err(io("cannot create", dir))?;
+            }
+            replace_with_file(p, &bytes, 0o600)?;
+        }
+        replace_with_file(&self.backup, &bytes, 0o600)
     }
 
     /// What the path holds now, as a backup of it would record it.
@@ -527,12 +598,14 @@ impl ResolvConf {
             );
             Restored::KeptOthers
         };
-        match fs::remove_file(&self.backup) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io("cannot remove", &self.backup)(e)),
+        for file in std::iter::once(&self.backup).chain(&self.persistent) {
+            match fs::remove_file(file) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io("cannot remove", file)(e)),
+            }
+            sync_dir(file);
         }
-        sync_dir(&self.backup);
         Ok(outcome)
     }
 }
@@ -745,6 +818,70 @@ mod tests {
         assert_eq!(rc.restore().expect("restore"), Restored::Original);
         assert_eq!(fs::read(&path).expect("read"), ORIGINAL);
         assert!(!rc.backup_path().exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn persistent_names_are_distinct_per_runtime_dir() {
+        assert_eq!(
+            persistent_name(Path::new("/run/kvpn"), BACKUP_NAME),
+            "run-kvpn.resolv.conf.kvpn-backup"
+        );
+        assert_eq!(
+            persistent_name(Path::new("/tmp/.x-y/z"), "b"),
+            "tmp-.x%2Dy-z.b"
+        );
+        assert_ne!(
+            persistent_name(Path::new("/a-b"), "b"),
+            persistent_name(Path::new("/a/b"), "b")
+        );
+        assert_eq!(persistent_name(Path::new("/.hidden"), "b"), "%2Ehidden.b");
+    }
+
+    /// A daemon killed while connected, then a reboot that empties the runtime
+    /// directory (a tmpfs): the next daemon start repairs from the persistent copy.
+    #[test]
+    fn a_reboot_after_a_kill_restores_from_the_persistent_copy() {
+        let dir = scratch("reboot");
+        let runtime = dir.join("run");
+        let state = dir.join("var-lib-kvpn");
+        fs::create_dir_all(&runtime).expect("runtime dir");
+        let path = dir.join("resolv.conf");
+        fs::write(&path, ORIGINAL).expect("write");
+        let rc = ResolvConf::new(&path, &runtime).with_persistent_copy(&state);
+        let keep = rc.persistent_path().expect("persistent path").to_owned();
+        assert!(keep.starts_with(&state));
+        rc.apply(render_test).expect("apply");
+        assert!(keep.exists() && rc.backup_path().exists());
+        // The kill leaves both copies; the reboot empties the tmpfs.
+        fs::remove_dir_all(&runtime).expect("reboot");
+        fs::create_dir_all(&runtime).expect("runtime dir again");
+        let after_boot = ResolvConf::new(&path, &runtime).with_persistent_copy(&state);
+        assert_eq!(after_boot.restore().expect("repair"), Restored::Original);
+        assert_eq!(fs::read(&path).expect("read"), ORIGINAL);
+        assert!(!keep.exists(), "the persistent copy goes with the repair");
+        assert_eq!(after_boot.restore().expect("again"), Restored::NothingToDo);
+        // Without the persistent copy the same reboot leaves kvpn's file: the
+        // copy is what makes the repair possible.
+        let bare = ResolvConf::new(&path, &runtime);
+        bare.apply(render_test).expect("apply");
+        fs::remove_file(bare.backup_path()).expect("reboot");
+        assert_eq!(bare.restore().expect("repair"), Restored::NothingToDo);
+        assert_ne!(fs::read(&path).expect("read"), ORIGINAL);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_normal_restore_removes_both_copies() {
+        let dir = scratch("both");
+        let path = dir.join("resolv.conf");
+        fs::write(&path, ORIGINAL).expect("write");
+        let rc = ResolvConf::new(&path, &dir).with_persistent_copy(&dir.join("state"));
+        rc.apply(render_test).expect("apply");
+        assert_eq!(rc.restore().expect("restore"), Restored::Original);
+        assert_eq!(fs::read(&path).expect("read"), ORIGINAL);
+        assert!(!rc.backup_path().exists());
+        assert!(!rc.persistent_path().expect("persistent").exists());
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -1,9 +1,13 @@
 //! Split DNS through systemd-resolved (case dns-04): where resolved manages the
-//! laptop's DNS, the TUN link gets the cluster nameserver, the routing domain
-//! `~<cluster domain>` (so `.local` questions go to the cluster, not to mDNS), the
-//! search domains (connected namespace first), and is not a default route for
-//! other names. resolved drops all of it when the TUN device goes; disconnect also
-//! reverts it explicitly.
+//! laptop's DNS, the TUN link gets the cluster nameserver, the cluster domain as
+//! a routing domain (so `.local` questions go to the cluster, not to mDNS), the
+//! search domains (connected namespace first), is not a default route for other
+//! names, and does no LLMNR or mDNS. The cluster domain is usually in the search
+//! list already (`cluster.local`), and a search domain routes too: then
+//! `resolvectl domain` shows it without `~`; otherwise it is added as
+//! `~<cluster domain>`. resolved drops all of it when the TUN device goes;
+//! disconnect also reverts it explicitly. tests/tests/kube_dns_resolved.rs runs
+//! this against a real systemd-resolved.
 //!
 //! Detection and command construction are pure ([`uses_stub`], [`link_commands`],
 //! [`revert_command`]); [`available`] and [`run`] start `resolvectl`.
@@ -13,7 +17,10 @@
 //! ndots:5 makes it work in a cluster; the forwarder path expands it too).
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::process::Command;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::Command;
 
 use super::names::ClusterDns;
 use super::resolv_conf::Resolv;
@@ -34,12 +41,14 @@ pub fn uses_stub(resolv: &Resolv) -> bool {
             .all(|ns| STUB_ADDRESSES.contains(ns))
 }
 
-/// Whether `resolvectl` runs and reaches resolved (over D-Bus).
-pub fn available() -> bool {
-    Command::new("resolvectl")
-        .arg("status")
-        .stdin(std::process::Stdio::null())
-        .output()
+/// How long one `resolvectl` call may take (it waits on D-Bus; the daemon must
+/// not wait on a stuck bus for long).
+pub const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether `resolvectl` runs and reaches resolved (over D-Bus) within [`TIMEOUT`].
+pub async fn available() -> bool {
+    resolvectl(&["status".to_owned()])
+        .await
         .is_ok_and(|o| o.status.success())
 }
 
@@ -53,20 +62,26 @@ pub fn link_commands(link: &str, cluster: &ClusterDns) -> Vec<Vec<String>> {
             s.to_string()
         }
     }));
-    let mut domain = vec![
-        "domain".to_owned(),
-        link.to_owned(),
-        format!("~{}", cluster.domain_text()),
-    ];
-    domain.extend(cluster.search_text());
+    // A search domain is a routing domain too, and resolved keeps one entry per
+    // name (the search one): `~cluster.local` only when the search list lacks
+    // the cluster domain itself, which resolv.conf readers of resolved's stub
+    // file still need as a search suffix (`svc.ns.svc`).
+    let domain_text = cluster.domain_text();
+    let search = cluster.search_text();
+    let mut domain = vec!["domain".to_owned(), link.to_owned()];
+    if !search.contains(&domain_text) {
+        domain.push(format!("~{domain_text}"));
+    }
+    domain.extend(search);
+    let set = |what: &str, value: &str| vec![what.to_owned(), link.to_owned(), value.to_owned()];
     vec![
         dns,
         domain,
-        vec![
-            "default-route".to_owned(),
-            link.to_owned(),
-            "false".to_owned(),
-        ],
+        set("default-route", "false"),
+        // The TUN is no local segment: no LLMNR or mDNS questions into the
+        // tunnel (and none answered from it).
+        set("llmnr", "no"),
+        set("mdns", "no"),
     ]
 }
 
@@ -75,19 +90,17 @@ pub fn revert_command(link: &str) -> Vec<String> {
     vec!["revert".to_owned(), link.to_owned()]
 }
 
-/// Run `resolvectl` with each argument list; the first failure names the command.
-pub fn run(commands: &[Vec<String>]) -> Result<(), String> {
+/// Run `resolvectl` with each argument list, in order; the first failure names
+/// the command.
+pub async fn run(commands: &[Vec<String>]) -> Result<(), String> {
     for args in commands {
-        let out = Command::new("resolvectl")
-            .args(args)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .map_err(|e| {
-                format!(
-                    "cannot run resolvectl {}: {e} — is systemd-resolved installed?",
-                    args.join(" ")
-                )
-            })?;
+        let out = resolvectl(args).await.map_err(|e| {
+            format!(
+                "resolvectl {}: {e} — is systemd-resolved installed and running? \
+                 KVPN_DNS_MODE=forwarder uses kvpn's own DNS forwarder instead",
+                args.join(" ")
+            )
+        })?;
         if !out.status.success() {
             return Err(format!(
                 "resolvectl {} failed ({}): {}",
@@ -98,6 +111,25 @@ pub fn run(commands: &[Vec<String>]) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// One `resolvectl` run, killed after [`TIMEOUT`].
+async fn resolvectl(args: &[String]) -> std::io::Result<std::process::Output> {
+    let child = Command::new("resolvectl")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    tokio::time::timeout(TIMEOUT, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer within {} s", TIMEOUT.as_secs()),
+            ))
+        })
 }
 
 #[cfg(test)]
@@ -136,9 +168,23 @@ mod tests {
             text,
             vec![
                 "dns kvpn0 10.96.0.10 10.96.0.11:5353",
-                "domain kvpn0 ~cluster.local dev.svc.cluster.local svc.cluster.local cluster.local",
+                "domain kvpn0 dev.svc.cluster.local svc.cluster.local cluster.local",
                 "default-route kvpn0 false",
+                "llmnr kvpn0 no",
+                "mdns kvpn0 no",
             ]
+        );
+        // Without the cluster domain in the search list it is a routing domain.
+        let c = ClusterDns::new(
+            &["10.96.0.10".into()],
+            "cluster.local",
+            &["dev.svc.cluster.local".into()],
+            false,
+        )
+        .expect("valid");
+        assert_eq!(
+            link_commands("kvpn0", &c)[1].join(" "),
+            "domain kvpn0 ~cluster.local dev.svc.cluster.local"
         );
         assert_eq!(revert_command("kvpn0").join(" "), "revert kvpn0");
     }

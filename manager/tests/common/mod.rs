@@ -70,6 +70,7 @@ pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
         version,
         tunnel_ip,
         token: Vec::new(),
+        mtu: None,
     }
     .encode()
     .expect("hello encodes");
