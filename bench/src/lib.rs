@@ -119,6 +119,13 @@ pub const METRICS: &[Metric] = &[
         true,
         2,
     ),
+    m(
+        "tcp_1_vs_snat",
+        "TCP 1 up / the snat manager's (kvpn-port-forward) TCP 1 up",
+        "x",
+        true,
+        2,
+    ),
 ];
 
 /// The metric named `key`.

@@ -511,6 +511,69 @@ impl Bench {
         Ok(s)
     }
 
+    /// The source-policy rows' figures: TCP 1 stream up (with the kvpn processes'
+    /// CPU), idle ping RTT, 1-byte request/response and connection setup.
+    fn measure_light(&self, lab: &Lab, path: &str, t: Target, kvpn: &[u32]) -> Result<Sample> {
+        println!("==> measuring {path}");
+        let secs = self.seconds;
+        let mut s = Sample::new();
+        let k0 = pids_cpu_ticks(kvpn);
+        let one = iperf3_tcp(lab, t.iperf, secs, 1, false)?;
+        let k1 = pids_cpu_ticks(kvpn);
+        s.insert("tcp_1_gbps".into(), one);
+        s.insert(
+            "kvpn_cpu_core_s_per_gbit".into(),
+            (k1 - k0) as f64 / self.clk_tck / (one * f64::from(secs)),
+        );
+        if let Some(ip) = t.icmp {
+            s.insert("idle_rtt_p50_ms".into(), self.ping_p50(lab, ip)?);
+        }
+        let echo = t.echo;
+        let dur = Duration::from_secs(u64::from(secs.clamp(1, 3)));
+        s.insert(
+            "rr_per_sec".into(),
+            lab.run_in(LAPTOP, move || request_response(echo, dur))??,
+        );
+        s.insert(
+            "connects_per_sec".into(),
+            lab.run_in(LAPTOP, move || connect_rate(echo, dur))??,
+        );
+        println!("    {s:?}");
+        Ok(s)
+    }
+
+    /// A row of the manager with `--source-policy policy` (the connect rolls the
+    /// manager's Deployment to it), measured light, then `kvpn quit`.
+    fn policy_row(
+        &self,
+        lab: &Lab,
+        path: &str,
+        t: Target,
+        kubeconfig: &str,
+        policy: &str,
+    ) -> Result<Sample> {
+        let runtime = lab.dir().join("runtime");
+        let result = (|| {
+            kvpn(
+                lab,
+                &runtime,
+                &[
+                    "connect",
+                    "--kubeconfig",
+                    kubeconfig,
+                    "--source-policy",
+                    policy,
+                ],
+            )?;
+            std::thread::sleep(Duration::from_millis(300));
+            let mut pids = lab_pids(lab, "kvpn-dataplane");
+            pids.extend(manager_pid(lab));
+            self.measure_light(lab, path, t, &pids)
+        })();
+        let _ = kvpn(lab, &runtime, &["quit"]);
+        result
+    }
+
     /// A kvpn row: `connect` (timed), the manager's RSS with the session, the round's
     /// figures with the kvpn processes' CPU, the idle flows, then `kvpn quit` (also
     /// after a failure: the connect may have started the daemons).
@@ -831,7 +894,22 @@ fn kube_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
                     lab,
                     "kvpn-port-forward",
                     pod,
-                    || kvpn(lab, &runtime, &["connect", "--kubeconfig", &kubeconfig]).map(|_| ()),
+                    || {
+                        // Explicit: a connect without the flag keeps the policy of the
+                        // last row's manager.
+                        kvpn(
+                            lab,
+                            &runtime,
+                            &[
+                                "connect",
+                                "--kubeconfig",
+                                &kubeconfig,
+                                "--source-policy",
+                                "snat",
+                            ],
+                        )
+                        .map(|_| ())
+                    },
                     true,
                 )?;
                 pair_with_baseline(&mut pf, &raw);
@@ -868,8 +946,23 @@ fn kube_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
                 pair_with_baseline(&mut sshuttle, &raw);
                 pair_ratio(&mut over_ssh, &sshuttle, "tcp_1_gbps", "tcp_1_vs_sshuttle");
                 pair_ratio(&mut pf, &sshuttle, "tcp_1_gbps", "tcp_1_vs_sshuttle");
+                // The other source policies next to snat (kvpn-port-forward): the
+                // same path to the same pod, the manager rolled to each policy.
+                let mut policies = Vec::new();
+                for (path, policy) in [
+                    ("kvpn-ebpf-snat", "ebpf-snat"),
+                    ("kvpn-preserve", "preserve"),
+                ] {
+                    let mut row = b.policy_row(lab, path, pod, &kubeconfig, policy)?;
+                    pair_with_baseline(&mut row, &raw);
+                    pair_ratio(&mut row, &pf, "tcp_1_gbps", "tcp_1_vs_snat");
+                    policies.push((path, row));
+                }
                 push(rows, "raw-veth-k8s", "kubernetes", raw);
                 push(rows, "kvpn-port-forward", "kubernetes", pf);
+                for (path, row) in policies {
+                    push(rows, path, "kubernetes", row);
+                }
                 push(rows, "kvpn-ssh", "kubernetes", over_ssh);
                 push(rows, "sshuttle", "kubernetes", sshuttle);
             }

@@ -214,11 +214,14 @@ pub struct ConnectArgs {
     #[arg(long)]
     pub allow_route_conflict: bool,
     /// Whose address the cluster's backends see: `snat` (the traffic manager pod's
-    /// IP) or `preserve` (this laptop's tunnel IP; the nodes must route the tunnel
-    /// pool back via the manager's stable gateway, see the README's "Choosing a
-    /// source policy"). Installs or updates the manager with it.
-    #[arg(long, value_enum, default_value_t = crate::install::SourcePolicy::Snat)]
-    pub source_policy: crate::install::SourcePolicy,
+    /// IP; smoltcp terminates), `ebpf-snat` (the pod's IP, rewritten in the pod's
+    /// kernel by TC programs; BPF and NET_ADMIN) or `preserve` (this laptop's tunnel
+    /// IP; the nodes must route the tunnel pool back via the manager's stable
+    /// gateway, see the README's "Choosing a source policy"). Installs or updates
+    /// the manager with it. Not given: an installed manager keeps its policy, a
+    /// new install gets `snat`.
+    #[arg(long, value_enum)]
+    pub source_policy: Option<crate::install::SourcePolicy>,
     /// Which cluster (used unless --manager is given). Last, so its SSH help
     /// heading covers only the SSH flags.
     #[command(flatten)]

@@ -576,7 +576,8 @@ pub(crate) async fn ensure_manager(
     if let Some(image) = &args.image {
         opts.image = image.clone();
     }
-    opts.source_policy = args.source_policy;
+    opts.source_policy = args.source_policy.unwrap_or_default();
+    opts.keep_installed_policy = args.source_policy.is_none();
     install::ensure_manager(&conn.client, &opts, &print_progress)
         .await
         .context("the traffic manager is not ready")
@@ -712,11 +713,19 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 
     let manager = ensure_manager(&conn, args).await?;
     origin.source_policy = manager.source_policy.as_str().to_owned();
-    if manager.source_policy != args.source_policy {
-        output::warn(&format!(
-            "the traffic manager runs with --source-policy {} (a newer kvpn installed it), not {}",
-            manager.source_policy, args.source_policy
-        ));
+    match args.source_policy {
+        Some(asked) if manager.source_policy != asked => output::warn(&format!(
+            "the traffic manager runs with --source-policy {} (a newer kvpn installed it), not {asked}",
+            manager.source_policy
+        )),
+        Some(_) => output::done(&format!(
+            "Source policy {} (as asked)",
+            manager.source_policy
+        )),
+        None => output::done(&format!(
+            "Source policy {} (the installed manager's; --source-policy changes it)",
+            manager.source_policy
+        )),
     }
     // With a jump host: can it reach the manager's ClusterIP (the SSH data-plane bypass)?
     let data_path = if let Some(t) = &ssh_tunnel {

@@ -150,12 +150,21 @@ pub fn explain(r: &SourceReport) -> (String, String) {
     if let (Some(d), Some(e)) = (decap, egress)
         && d != e
     {
+        let how = if r.policy == "ebpf-snat" {
+            format!(
+                "ebpf-snat — kvpn's TC program on the pod's {} egress rewrote the source to the pod IP \
+                 (a forwarder that translates, with its own connection table)",
+                r.egress_interface
+            )
+        } else {
+            "the manager terminates the flow and its kernel dials from the pod IP (a proxy)"
+                .to_owned()
+        };
         return (
             "manager".into(),
             format!(
-                "changed inside the manager pod ({d} → {e}): policy {} — the manager terminates the flow \
-                 and its kernel dials from the pod IP (a proxy); use --source-policy preserve if the backend \
-                 needs the client's address",
+                "changed inside the manager pod ({d} → {e}): policy {} — {how}; use --source-policy \
+                 preserve if the backend needs the client's address",
                 r.policy
             ),
         );
@@ -498,6 +507,19 @@ mod tests {
                 Outcome::Refused
             )),
             "refused"
+        );
+        let mut ebpf = report(
+            "100.96.0.2:5000",
+            "10.244.1.5:61000",
+            "10.244.1.5:61000",
+            Outcome::Answered,
+        );
+        ebpf.policy = "ebpf-snat".into();
+        let (verdict, why) = explain(&ebpf);
+        assert_eq!(verdict, "manager");
+        assert!(
+            why.contains("ebpf-snat") && why.contains("TC program on the pod's eth0"),
+            "{why}"
         );
         let e = explain(&report("", "", "", Outcome::Unreachable { code: Some(13) })).1;
         assert!(e.contains("administratively prohibited"), "{e}");

@@ -78,8 +78,11 @@ pub struct InstallOptions {
     pub version: String,
     /// Bounds of the wait for a ready pod.
     pub wait: WaitConfig,
-    /// `--source-policy` (snat / preserve).
+    /// `--source-policy` (snat / preserve / ebpf-snat).
     pub source_policy: SourcePolicy,
+    /// No `--source-policy` was given: an installed manager keeps the policy it
+    /// runs with (`source_policy` applies only to a new install).
+    pub keep_installed_policy: bool,
 }
 
 impl Default for InstallOptions {
@@ -91,6 +94,7 @@ impl Default for InstallOptions {
             version: KVPN_VERSION.to_owned(),
             wait: WaitConfig::default(),
             source_policy: SourcePolicy::Snat,
+            keep_installed_policy: false,
         }
     }
 }
@@ -331,6 +335,8 @@ struct Installer<'a> {
     client: &'a kube::Client,
     spec: Spec,
     progress: &'a dyn Progress,
+    /// [`InstallOptions::keep_installed_policy`].
+    keep_installed_policy: bool,
 }
 
 impl Installer<'_> {
@@ -519,7 +525,7 @@ impl Installer<'_> {
         })
     }
 
-    async fn run(&self, wait_config: WaitConfig) -> Result<ManagerInfo, Error> {
+    async fn run(mut self, wait_config: WaitConfig) -> Result<ManagerInfo, Error> {
         let ns = self.ns().to_owned();
         let ours = self.spec.version.clone();
         let deployments: Api<Deployment> = self.namespaced();
@@ -527,6 +533,11 @@ impl Installer<'_> {
             .get_opt(MANAGER)
             .await
             .map_err(api_error::<Deployment>("get", Some(&ns), MANAGER))?;
+        if self.keep_installed_policy
+            && let Some(installed) = existing.as_ref().map(deployment_policy)
+        {
+            self.spec.source_policy = installed;
+        }
         let installed = existing
             .as_ref()
             .map(|d| version_of(&d.metadata).map(str::to_owned));
@@ -637,10 +648,7 @@ impl Installer<'_> {
             cluster_ip,
             data_port: objects::DATA_PORT,
             grpc_port: objects::GRPC_PORT,
-            source_policy: container
-                .and_then(|c| c.args.as_deref())
-                .map(objects::source_policy_of_args)
-                .unwrap_or_default(),
+            source_policy: deployment_policy(&deployment),
             ca_pem: tls.ca_pem,
             server_name: objects::server_name(&ns),
             outcome,
@@ -718,6 +726,19 @@ impl Installer<'_> {
     }
 }
 
+/// The `--source-policy` a manager Deployment's container runs with (`snat` when
+/// absent).
+fn deployment_policy(deployment: &Deployment) -> SourcePolicy {
+    deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.args.as_deref())
+        .map(objects::source_policy_of_args)
+        .unwrap_or_default()
+}
+
 /// Makes sure the traffic manager runs in `opts.namespace` at `opts.version` and
 /// returns the ready pod to connect to (see the module docs for what is written
 /// when). Fails with [`Error::CannotStart`] (the pod's own reason) within
@@ -737,6 +758,7 @@ pub async fn ensure_manager(
             source_policy: opts.source_policy,
         },
         progress,
+        keep_installed_policy: opts.keep_installed_policy,
     };
     installer.run(opts.wait).await
 }
@@ -760,6 +782,7 @@ pub async fn ensure_tls_secret(
             source_policy: opts.source_policy,
         },
         progress,
+        keep_installed_policy: false,
     };
     installer.ensure_secret(cluster_ip).await
 }

@@ -542,10 +542,12 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                             println!(
                                 "    source policy {} (backends see {})",
                                 o.source_policy,
-                                if o.source_policy == "preserve" {
-                                    "this laptop's tunnel IP"
-                                } else {
-                                    "the traffic manager pod's IP"
+                                match o.source_policy.as_str() {
+                                    "preserve" => "this laptop's tunnel IP",
+                                    "ebpf-snat" => {
+                                        "the traffic manager pod's IP, rewritten in its kernel"
+                                    }
+                                    _ => "the traffic manager pod's IP",
                                 }
                             );
                         }

@@ -168,6 +168,7 @@ fn opts(namespace: &str, version: &str) -> InstallOptions {
             fatal_grace: Duration::from_secs(10),
         },
         source_policy: install::SourcePolicy::Snat,
+        keep_installed_policy: false,
     }
 }
 

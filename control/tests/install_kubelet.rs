@@ -48,6 +48,7 @@ fn opts(version: &str) -> InstallOptions {
         version: version.to_owned(),
         wait: WaitConfig::default(),
         source_policy: install::SourcePolicy::Snat,
+        keep_installed_policy: false,
     }
 }
 

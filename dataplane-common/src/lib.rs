@@ -158,6 +158,117 @@ pub struct CounterValue {
     pub bytes: u64,
 }
 
+// ---- ebpf-snat: the manager pod's source NAT on its egress interface ----
+
+/// Name of the SNAT program on the manager pod's egress interface (TC egress):
+/// rewrites the source of laptop packets (tunnel IP → pod IP, port → allocated port).
+pub const PROGRAM_SNAT_EGRESS: &str = "kvpn_snat_out";
+/// Name of the reverse program on the same interface (TC ingress): rewrites replies
+/// (pod IP:allocated port → tunnel IP:original port) before the kernel routes them.
+pub const PROGRAM_SNAT_INGRESS: &str = "kvpn_snat_in";
+/// Name of the forward connection table (LRU hash, [`SnatKey`] of the laptop's packet →
+/// [`SnatForward`]).
+pub const MAP_SNAT_FORWARD: &str = "KVPN_SNAT_FWD";
+/// Name of the reverse connection table (LRU hash, [`SnatKey`] of the reply →
+/// [`SnatReverse`]).
+pub const MAP_SNAT_REVERSE: &str = "KVPN_SNAT_REV";
+/// Name of the one-entry config array (index 0 → [`SnatConfig`]).
+pub const MAP_SNAT_CONFIG: &str = "KVPN_SNAT_CFG";
+/// Name of the per-CPU counter array of the SNAT programs (`SNAT_*` → [`CounterValue`]).
+pub const MAP_SNAT_COUNTERS: &str = "KVPN_SNAT_CNT";
+
+/// Capacity of each SNAT connection table. LRU maps are preallocated
+/// (about 100 bytes an entry with the kernel's overhead: ~6.5 MB each); past it the
+/// kernel evicts the least recently used flow.
+pub const SNAT_MAX_FLOWS: u32 = 65536;
+/// Ports one new flow tries (from a random start in the range) before it is dropped
+/// as `SNAT_PORTS_EXHAUSTED`.
+pub const SNAT_PORT_TRIES: u32 = 64;
+
+/// SNAT counter slot: laptop packets whose source was rewritten.
+pub const SNAT_TRANSLATED_OUT: u32 = 0;
+/// SNAT counter slot: replies whose destination was rewritten back.
+pub const SNAT_TRANSLATED_IN: u32 = 1;
+/// SNAT counter slot: new flows (a port was allocated).
+pub const SNAT_NEW_FLOWS: u32 = 2;
+/// SNAT counter slot: new flows dropped because no port was free for their destination.
+pub const SNAT_PORTS_EXHAUSTED: u32 = 3;
+/// SNAT counter slot: packets from the tunnel pool that cannot be translated (not
+/// TCP, UDP or ICMP echo; a non-first IP fragment; a truncated header): dropped, so
+/// no tunnel IP leaves the pod.
+pub const SNAT_UNTRANSLATABLE: u32 = 4;
+/// Number of SNAT counter slots.
+pub const SNAT_SLOTS: u32 = 5;
+
+/// [`SnatForward::state`] / [`SnatReverse::state`] bit: a TCP FIN or RST was seen, so
+/// the flow expires after the short idle timeout.
+pub const SNAT_STATE_CLOSING: u8 = 1;
+
+/// Key of both SNAT tables: a packet's 5-tuple as it sits in the headers (addresses
+/// and ports in network byte order). ICMP echo uses the identifier as a port: the
+/// request's key has it as `src_port` (and `dst_port` 0), the reply's key as
+/// `dst_port` (and `src_port` 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SnatKey {
+    /// IP protocol number (1 ICMP, 6 TCP, 17 UDP).
+    pub protocol: u8,
+    /// Zero.
+    pub reserved: [u8; 3],
+    pub src: [u8; 4],
+    pub dst: [u8; 4],
+    /// Network byte order.
+    pub src_port: u16,
+    /// Network byte order.
+    pub dst_port: u16,
+}
+
+/// Value of the forward table: the port the flow leaves the pod with.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnatForward {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last laptop packet.
+    pub last_ns: u64,
+    /// Allocated port (ICMP: identifier), network byte order.
+    pub port: u16,
+    /// `SNAT_STATE_*` bits.
+    pub state: u8,
+    /// Zero.
+    pub reserved: [u8; 5],
+}
+
+/// Value of the reverse table: where replies go back to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnatReverse {
+    /// `bpf_ktime_get_ns` of the last reply.
+    pub last_ns: u64,
+    /// The laptop's tunnel IP.
+    pub addr: [u8; 4],
+    /// The laptop's original port (ICMP: identifier), network byte order.
+    pub port: u16,
+    /// `SNAT_STATE_*` bits.
+    pub state: u8,
+    /// Zero.
+    pub reserved: u8,
+}
+
+/// Value of the config array, written by the manager before it attaches the programs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnatConfig {
+    /// The pod's IP (the new source), network byte order.
+    pub pod_ip: [u8; 4],
+    /// The tunnel pool's network address; only sources inside it are translated.
+    pub pool_addr: [u8; 4],
+    /// The pool's netmask.
+    pub pool_mask: [u8; 4],
+    /// First port of the allocation range, host order.
+    pub port_min: u16,
+    /// Last port of the allocation range (inclusive), host order.
+    pub port_max: u16,
+}
+
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: all four are #[repr(C)], Copy, 'static, made only of integers and byte
@@ -170,6 +281,15 @@ mod user {
     unsafe impl aya::Pod for super::RouteEntry {}
     // SAFETY: see above.
     unsafe impl aya::Pod for super::CounterValue {}
+    // SAFETY: as above; SnatKey (16 bytes), SnatForward (16), SnatReverse (16) and
+    // SnatConfig (16) spell out every byte, so none is padding.
+    unsafe impl aya::Pod for super::SnatKey {}
+    // SAFETY: see above.
+    unsafe impl aya::Pod for super::SnatForward {}
+    // SAFETY: see above.
+    unsafe impl aya::Pod for super::SnatReverse {}
+    // SAFETY: see above.
+    unsafe impl aya::Pod for super::SnatConfig {}
 }
 
 #[cfg(test)]
@@ -189,6 +309,10 @@ mod tests {
         assert_eq!(core::mem::size_of::<RouteEntry>(), 4);
         assert_eq!(core::mem::size_of::<CounterValue>(), 16);
         assert_eq!(core::mem::align_of::<CounterValue>(), 8);
+        assert_eq!(core::mem::size_of::<SnatKey>(), 16);
+        assert_eq!(core::mem::size_of::<SnatForward>(), 16);
+        assert_eq!(core::mem::size_of::<SnatReverse>(), 16);
+        assert_eq!(core::mem::size_of::<SnatConfig>(), 16);
     }
 
     #[test]
@@ -233,6 +357,12 @@ mod tests {
             MAP_ROUTES_V6,
             MAP_COUNTERS,
             MAP_ROUTE_COUNTERS,
+            PROGRAM_SNAT_EGRESS,
+            PROGRAM_SNAT_INGRESS,
+            MAP_SNAT_FORWARD,
+            MAP_SNAT_REVERSE,
+            MAP_SNAT_CONFIG,
+            MAP_SNAT_COUNTERS,
         ] {
             assert!(name.len() <= 15, "{name} is longer than 15 bytes");
         }

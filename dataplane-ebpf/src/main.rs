@@ -8,6 +8,8 @@
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
+mod snat;
+#[cfg(target_arch = "bpf")]
 mod tun_egress;
 #[cfg(target_arch = "bpf")]
 mod tun_ingress;

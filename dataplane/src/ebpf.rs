@@ -14,6 +14,8 @@
 //! the TUN device, and drops those whose source no route entry covers. Both look up
 //! the same route tries.
 
+pub mod snat;
+
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use aya::{

@@ -23,6 +23,7 @@
 //!   CIDRs, Services and cluster DNS out, deltas per client); [`route_watch`]:
 //!   its shell (kube-runtime watches, debounce, subscribers).
 
+pub mod ebpf_snat;
 pub mod engine;
 pub mod frag;
 pub mod fuzzing;

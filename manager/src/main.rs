@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use kvpn_dataplane::ebpf::snat::SnatTimeouts;
+use kvpn_manager::ebpf_snat::{self, EbpfSnatConfig};
 use kvpn_manager::lease::LeaseTable;
 use kvpn_manager::leases::Leases;
 use kvpn_manager::metrics::ManagerCounters;
@@ -93,8 +95,23 @@ struct Args {
     /// smoltcp terminates, unprivileged) or `preserve` (the laptop's tunnel IP; the
     /// pod's kernel forwards through a TUN device, needs NET_ADMIN and NET_RAW, and
     /// the nodes must route --tunnel-pool via --preserve-gateway).
+    /// `ebpf-snat`: the pod's IP, rewritten by kvpn's TC programs on
+    /// --egress-interface (no termination; CAP_BPF and CAP_NET_ADMIN).
     #[arg(long, env = "KVPN_SOURCE_POLICY", value_enum, default_value_t = SourcePolicy::Snat)]
     source_policy: SourcePolicy,
+    /// With ebpf-snat: the ports translated flows leave with, per destination. The
+    /// default lies above Linux's default ephemeral range (32768-60999), so the
+    /// pod's own sockets never collide with it.
+    #[arg(long, default_value = "61000-65535", value_parser = kvpn_manager::ebpf_snat::parse_ports)]
+    snat_ports: std::ops::RangeInclusive<u16>,
+    /// With ebpf-snat: an established TCP flow idle this long loses its port
+    /// (seconds, or 90s, 30m, 2h).
+    #[arg(long, default_value = "2h", value_parser = parse_duration)]
+    snat_tcp_timeout: Duration,
+    /// With ebpf-snat: UDP and ICMP echo flows, and TCP flows after a FIN or RST,
+    /// idle this long lose their port.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    snat_idle_timeout: Duration,
     /// With preserve: the stable address this pod claims on --egress-interface
     /// (announced by gratuitous ARP) for the nodes' route `POOL via GATEWAY`. It
     /// moves with the live manager pod, so a reschedule changes no node route.
@@ -170,7 +187,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (s, m or h)")),
     };
     if n == 0 {
-        return Err("the lease time must be positive".into());
+        return Err(format!("{s:?}: the duration must be positive"));
     }
     Ok(Duration::from_secs(n.saturating_mul(scale)))
 }
@@ -375,17 +392,42 @@ async fn main() -> anyhow::Result<()> {
             "leases off: any unicast tunnel IP is accepted (give --leases to require session tokens)"
         );
     }
-    if args.source_policy == SourcePolicy::Preserve {
+    if matches!(
+        args.source_policy,
+        SourcePolicy::Preserve | SourcePolicy::EbpfSnat
+    ) {
+        let policy = args.source_policy;
         config.tunnel_pool = Some(args.tunnel_pool);
         let tun = preserve::setup(&PreserveConfig {
             tun_name: args.pool_tun.clone(),
             pool: args.tunnel_pool,
             egress: args.egress_interface.clone(),
-            gateway: parse_gateway(&args.preserve_gateway)
-                .map_err(|e| anyhow::anyhow!("--preserve-gateway {e}"))?,
+            // ebpf-snat's replies come to the pod IP: no stable gateway to claim.
+            gateway: if policy == SourcePolicy::Preserve {
+                parse_gateway(&args.preserve_gateway)
+                    .map_err(|e| anyhow::anyhow!("--preserve-gateway {e}"))?
+            } else {
+                None
+            },
         })
         .await
-        .context("cannot set up --source-policy preserve")?;
+        .with_context(|| format!("cannot set up --source-policy {policy}"))?;
+        if policy == SourcePolicy::EbpfSnat {
+            ebpf_snat::setup(
+                &EbpfSnatConfig {
+                    egress: args.egress_interface.clone(),
+                    pool: args.tunnel_pool,
+                    ports: args.snat_ports.clone(),
+                    timeouts: SnatTimeouts {
+                        tcp: args.snat_tcp_timeout,
+                        idle: args.snat_idle_timeout,
+                    },
+                },
+                counters.clone(),
+            )
+            .await
+            .context("cannot set up --source-policy ebpf-snat")?;
+        }
         tokio::spawn(tun.clone().run_reader(config.peers.clone()));
         config.pool_tun = Some(tun);
     } else {

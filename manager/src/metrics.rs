@@ -250,6 +250,12 @@ pub struct ManagerCounters {
     drops: [AtomicU64; DropReason::ALL.len()],
     leases_granted: AtomicU64,
     lease_denied: [AtomicU64; LeaseDenial::ALL.len()],
+    /// `ebpf-snat` is on: its metrics are rendered.
+    snat_on: std::sync::atomic::AtomicBool,
+    /// `ebpf-snat`, as of the sweeper's last round: flows in the forward table,
+    /// entries in the reverse table, packets out/in, flows, exhausted, untranslatable,
+    /// expired (total).
+    snat: [AtomicU64; 8],
 }
 
 fn index_of<T: PartialEq>(all: &[T], x: &T) -> usize {
@@ -317,6 +323,29 @@ impl ManagerCounters {
     /// Refused `Lease` calls for `why`.
     pub fn lease_denied(&self, why: LeaseDenial) -> u64 {
         self.lease_denied[index_of(&LeaseDenial::ALL, &why)].load(Ordering::Relaxed)
+    }
+
+    /// `ebpf-snat` is attached: render its metrics from now on.
+    pub fn snat_enable(&self) {
+        self.snat_on.store(true, Ordering::Relaxed);
+    }
+
+    /// The ebpf-snat sweeper's round: the kernel's counters and table sizes, and
+    /// `expired` more flows removed.
+    pub fn snat_update(&self, stats: &kvpn_dataplane::ebpf::snat::SnatStats, expired: u64) {
+        let values = [
+            stats.forward_entries as u64,
+            stats.reverse_entries as u64,
+            stats.translated_out.packets,
+            stats.translated_in.packets,
+            stats.new_flows.packets,
+            stats.ports_exhausted.packets,
+            stats.untranslatable.packets,
+        ];
+        for (slot, v) in self.snat.iter().zip(values) {
+            slot.store(v, Ordering::Relaxed);
+        }
+        self.snat[7].fetch_add(expired, Ordering::Relaxed);
     }
 
     /// The counters in the Prometheus text exposition format (version 0.0.4):
@@ -395,6 +424,61 @@ impl ManagerCounters {
             "Lease calls refused, by reason.",
             &denied,
         );
+        if self.snat_on.load(Ordering::Relaxed) {
+            let snat = |i: usize| load(&self.snat[i]);
+            for (i, name, kind, help) in [
+                (
+                    0,
+                    "ebpf_snat_flows",
+                    "gauge",
+                    "ebpf-snat: flows in the forward connection table (as of the last sweep).",
+                ),
+                (
+                    1,
+                    "ebpf_snat_reverse_entries",
+                    "gauge",
+                    "ebpf-snat: entries in the reverse connection table (as of the last sweep).",
+                ),
+                (
+                    2,
+                    "ebpf_snat_translated_out_total",
+                    "counter",
+                    "ebpf-snat: laptop packets whose source was rewritten to the pod IP.",
+                ),
+                (
+                    3,
+                    "ebpf_snat_translated_in_total",
+                    "counter",
+                    "ebpf-snat: replies rewritten back to a tunnel IP.",
+                ),
+                (
+                    4,
+                    "ebpf_snat_new_flows_total",
+                    "counter",
+                    "ebpf-snat: flows that were allocated a port.",
+                ),
+                (
+                    5,
+                    "ebpf_snat_ports_exhausted_total",
+                    "counter",
+                    "ebpf-snat: new flows dropped because no port was free for their destination.",
+                ),
+                (
+                    6,
+                    "ebpf_snat_untranslatable_total",
+                    "counter",
+                    "ebpf-snat: packets from the tunnel pool dropped as untranslatable (non-first fragments, protocols other than TCP, UDP, ICMP echo).",
+                ),
+                (
+                    7,
+                    "ebpf_snat_expired_total",
+                    "counter",
+                    "ebpf-snat: idle flows the sweeper removed.",
+                ),
+            ] {
+                metric(name, kind, help, &[(None, snat(i))]);
+            }
+        }
         out
     }
 }

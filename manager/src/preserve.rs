@@ -230,7 +230,7 @@ pub async fn setup(config: &PreserveConfig) -> anyhow::Result<Arc<PoolTun>> {
             }
         }
     }
-    info!(tun = %config.tun_name, pool = %config.pool, egress = %config.egress, "source policy preserve: laptop packets go to the pod's kernel with their tunnel IP");
+    info!(tun = %config.tun_name, pool = %config.pool, egress = %config.egress, "pool TUN ready: laptop packets go to the pod's kernel with their tunnel IP");
     Ok(Arc::new(PoolTun {
         device,
         name: config.tun_name.clone(),
@@ -318,5 +318,18 @@ mod tests {
     fn policy_names() {
         assert_eq!(SourcePolicy::default().to_string(), "snat");
         assert_eq!(SourcePolicy::Preserve.as_str(), "preserve");
+        use clap::ValueEnum as _;
+        for p in [
+            SourcePolicy::Snat,
+            SourcePolicy::Preserve,
+            SourcePolicy::EbpfSnat,
+        ] {
+            let value = p.to_possible_value().map(|v| v.get_name().to_owned());
+            assert_eq!(
+                value.as_deref(),
+                Some(p.as_str()),
+                "the flag value is the name"
+            );
+        }
     }
 }

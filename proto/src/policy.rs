@@ -16,17 +16,26 @@ pub enum SourcePolicy {
     /// The laptop's tunnel IP: the pod's kernel forwards the packets as they are.
     /// NET_ADMIN and NET_RAW; the nodes route the tunnel pool via the stable gateway.
     Preserve,
+    /// The manager pod's IP, rewritten by kvpn's TC programs on the pod's `eth0`
+    /// (no termination). CAP_BPF and CAP_NET_ADMIN (NET_RAW for `kvpn diagnose
+    /// source`'s egress capture); nothing on the nodes.
+    EbpfSnat,
 }
 
 impl SourcePolicy {
     /// Every policy, in the order the flags list them.
-    pub const ALL: [SourcePolicy; 2] = [SourcePolicy::Snat, SourcePolicy::Preserve];
+    pub const ALL: [SourcePolicy; 3] = [
+        SourcePolicy::Snat,
+        SourcePolicy::Preserve,
+        SourcePolicy::EbpfSnat,
+    ];
 
-    /// The wire and flag name: `snat`, `preserve`.
+    /// The wire and flag name: `snat`, `preserve`, `ebpf-snat`.
     pub fn as_str(self) -> &'static str {
         match self {
             SourcePolicy::Snat => "snat",
             SourcePolicy::Preserve => "preserve",
+            SourcePolicy::EbpfSnat => "ebpf-snat",
         }
     }
 
@@ -40,6 +49,10 @@ impl SourcePolicy {
                 "The laptop's tunnel IP (the pod's kernel forwards). NET_ADMIN and NET_RAW; \
                  the nodes route the tunnel pool via the stable gateway"
             }
+            SourcePolicy::EbpfSnat => {
+                "The manager pod's IP, rewritten by kvpn's TC programs on the pod's eth0 \
+                 (no termination). BPF and NET_ADMIN; nothing on the nodes"
+            }
         }
     }
 }
@@ -50,9 +63,9 @@ impl fmt::Display for SourcePolicy {
     }
 }
 
-/// A source policy name that is neither `snat` nor `preserve`.
+/// A source policy name that is not `snat`, `preserve` or `ebpf-snat`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown source policy {0:?} — give snat or preserve")]
+#[error("unknown source policy {0:?} — give snat, preserve or ebpf-snat")]
 pub struct UnknownSourcePolicy(pub String);
 
 impl FromStr for SourcePolicy {

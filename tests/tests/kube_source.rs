@@ -11,6 +11,11 @@
 //! admin-prohibited), not as a silent loss. Case rt-07: an anti-spoofing rule in
 //! the manager pod (only the pod IP may leave).
 //!
+//! ebpf-snat: the same three protocols must reach the backends with the pod IP,
+//! `diagnose` must place the change in the manager pod, and the eBPF connection
+//! table must survive 10,000 short connections and empty itself again (read from
+//! the manager's metrics endpoint, which the sweeper updates from the maps).
+//!
 //! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`) and the
 //! Kubernetes binaries of `scripts/build-kubernetes.sh`.
 
@@ -18,8 +23,9 @@ use std::io::ErrorKind;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kvpn_lab::Netns;
 use kvpn_lab::{ECHO_PORT, HTTP_PORT};
 use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name, pod_ready, web};
@@ -449,4 +455,354 @@ fn rt_07_anti_spoofing_cni() {
         rule.counters().iter().sum::<u64>() > 0,
         "the anti-spoofing rule dropped the preserved packets"
     );
+}
+
+/// The manager pod's metrics (`GET /metrics` on its loopback, as the install
+/// configures it), read with curl inside the pod's netns.
+fn manager_metric(f: &KubeFixture, pod: &Pod, name: &str) -> u64 {
+    let out = f
+        .pod_netns(pod)
+        .exec(&[
+            "curl",
+            "-sf",
+            "--max-time",
+            "5",
+            "http://127.0.0.1:10803/metrics",
+        ])
+        .unwrap_or_else(|e| panic!("curl metrics: {e}"));
+    let body = text(&out.stdout);
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("kvpn_manager_{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in:\n{body}\n{}", text(&out.stderr)))
+}
+
+/// `n` short TCP connections (connect, close) from the laptop to `target`, on
+/// `threads` threads; returns (failures, elapsed).
+fn short_connections(
+    f: &KubeFixture,
+    target: SocketAddr,
+    n: usize,
+    threads: usize,
+) -> (usize, Duration) {
+    f.lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || {
+            let t0 = Instant::now();
+            let per = n / threads;
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    std::thread::spawn(move || {
+                        (0..per)
+                            .filter(|_| {
+                                TcpStream::connect_timeout(&target, Duration::from_secs(3)).is_err()
+                            })
+                            .count()
+                    })
+                })
+                .collect();
+            let failed = workers
+                .into_iter()
+                .map(|w| w.join().unwrap_or(per))
+                .sum::<usize>();
+            (failed, t0.elapsed())
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+}
+
+/// ebpf-snat: TCP, UDP and ICMP reach the backends with the manager pod's IP,
+/// rewritten by the TC program on the pod's eth0 (diagnose says so); 10,000 short
+/// connections neither exhaust the ports nor leak table entries (they expire after
+/// the idle timeout, set short here); after the manager pod is deleted and
+/// rescheduled, the new pod translates with its own IP.
+#[test]
+fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
+    let f = KubeFixture::new();
+    let tunnel = connect(&f, "ebpf-snat");
+    let check = |when: &str, manager: &Pod| {
+        let IpAddr::V4(pod) = pod_ip(manager) else {
+            panic!("IPv4 pod IP expected")
+        };
+        assert_eq!(
+            tcp_source(&f),
+            IpAddr::V4(pod),
+            "TCP {when}: the backend sees the pod IP"
+        );
+        assert_eq!(
+            udp_source(&f, udp_echo()),
+            IpAddr::V4(pod),
+            "UDP {when}: the backend sees the pod IP"
+        );
+        let webs = web_pods(&f);
+        let (from_pod, from_tunnel) = icmp_sources(&f, &webs[0], pod, tunnel);
+        assert!(
+            from_pod >= 2 && from_tunnel == 0,
+            "ICMP {when}: echo requests from the pod IP {pod}: {from_pod}, from the tunnel IP {tunnel}: {from_tunnel}"
+        );
+        let d = diagnose(&f, &web().to_string(), false);
+        assert_eq!(d["policy"], "ebpf-snat", "{d:#}");
+        assert_eq!(
+            addr_ip(&d["decapsulated_source"]),
+            Some(IpAddr::V4(tunnel)),
+            "{d:#}"
+        );
+        assert_eq!(addr_ip(&d["egress_source"]), Some(IpAddr::V4(pod)), "{d:#}");
+        assert_eq!(
+            addr_ip(&d["backend_source"]),
+            Some(IpAddr::V4(pod)),
+            "{d:#}"
+        );
+        assert_eq!(
+            d["verdict"], "manager",
+            "{when}: changed in the manager pod: {d:#}"
+        );
+        let why = d["explanation"].as_str().unwrap_or_default();
+        assert!(
+            why.contains("ebpf-snat") && why.contains("TC program"),
+            "{d:#}"
+        );
+        // The manager publishes the eBPF counters once a second.
+        let t0 = Instant::now();
+        while manager_metric(&f, manager, "ebpf_snat_translated_out_total") == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{when}: the eBPF program translated the packets"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    let first = manager_pod(&f);
+    check("at first", &first);
+
+    // A short idle timeout for the flow-table check: the Deployment rolls a new pod.
+    let deployments: Api<Deployment> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
+    let mut d = f
+        .block_on(deployments.get("kvpn-manager"))
+        .unwrap_or_else(|e| panic!("get the manager Deployment: {e}"));
+    let container = d
+        .spec
+        .as_mut()
+        .and_then(|s| s.template.spec.as_mut())
+        .and_then(|s| s.containers.first_mut())
+        .expect("manager container");
+    container
+        .args
+        .get_or_insert_with(Vec::new)
+        .push("--snat-idle-timeout=1s".into());
+    f.block_on(deployments.replace("kvpn-manager", &PostParams::default(), &d))
+        .unwrap_or_else(|e| panic!("update the manager Deployment: {e}"));
+    let short = f.wait_manager_pod(Duration::from_secs(90), |p| pod_name(p) != pod_name(&first));
+    f.wait_state("connected", Duration::from_secs(60));
+    f.wait_http(web(), Instant::now(), Duration::from_secs(30));
+
+    let webs = web_pods(&f);
+    let backend = SocketAddr::from((pod_ip(&webs[0]), HTTP_PORT));
+    let flows_before = manager_metric(&f, &short, "ebpf_snat_new_flows_total");
+    let (failed, took) = short_connections(&f, backend, 10_000, 8);
+    // The sweeper publishes once a second: read the table right after the run.
+    std::thread::sleep(Duration::from_millis(1100));
+    let live_after_run = manager_metric(&f, &short, "ebpf_snat_flows");
+    let new_flows = manager_metric(&f, &short, "ebpf_snat_new_flows_total") - flows_before;
+    let exhausted = manager_metric(&f, &short, "ebpf_snat_ports_exhausted_total");
+    eprintln!(
+        "ebpf-snat: 10000 short connections in {took:?} ({failed} failed), {new_flows} new flows, \
+         {live_after_run} flows in the table 1 s after, {exhausted} refused for want of a port"
+    );
+    assert_eq!(failed, 0, "every short connection completes ({took:?})");
+    assert!(took < Duration::from_secs(240), "bounded: {took:?}");
+    assert!(
+        new_flows >= 10_000,
+        "each connection was a translated flow: {new_flows}"
+    );
+    assert_eq!(exhausted, 0, "no flow went without a port");
+    // Idle flows expire: the tables empty within a few sweeps.
+    let t0 = Instant::now();
+    let (flows, reverse) = loop {
+        let flows = manager_metric(&f, &short, "ebpf_snat_flows");
+        let reverse = manager_metric(&f, &short, "ebpf_snat_reverse_entries");
+        if (flows == 0 && reverse == 0) || t0.elapsed() > Duration::from_secs(15) {
+            break (flows, reverse);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    eprintln!(
+        "ebpf-snat: table after the idle timeout: {flows} flows, {reverse} reverse entries ({:?})",
+        t0.elapsed()
+    );
+    assert_eq!((flows, reverse), (0, 0), "every idle flow expired");
+    assert!(manager_metric(&f, &short, "ebpf_snat_expired_total") >= 10_000);
+
+    // Reschedule: delete the pod; the new one translates to its own IP.
+    let api: Api<Pod> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
+    f.block_on(api.delete(&pod_name(&short), &DeleteParams::default()))
+        .unwrap_or_else(|e| panic!("delete manager pod: {e}"));
+    let third = f.wait_manager_pod(Duration::from_secs(90), |p| pod_name(p) != pod_name(&short));
+    assert_ne!(pod_ip(&third), pod_ip(&short), "a new pod IP");
+    f.wait_state("connected", Duration::from_secs(60));
+    f.wait_http(web(), Instant::now(), Duration::from_secs(30));
+    check("after the reschedule", &third);
+
+    // Issue 9: a later connect without --source-policy keeps the installed policy
+    // (it used to roll the manager back to snat) and says which is in effect.
+    f.kvpn_ok(&["disconnect"]);
+    let kubeconfig = f.user_kubeconfig();
+    let out = f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig]);
+    assert!(
+        out.contains("Source policy ebpf-snat (the installed manager's"),
+        "connect says what is in effect: {out}"
+    );
+    assert_eq!(f.session()["source_policy"], "ebpf-snat");
+    let kept = manager_pod(&f);
+    assert_eq!(
+        pod_name(&kept),
+        pod_name(&third),
+        "no rollout: the same manager pod"
+    );
+    assert_eq!(
+        tcp_source(&f),
+        pod_ip(&third),
+        "still translated to the pod IP"
+    );
+}
+
+/// A host outside every cluster range (192.0.2.0/24, TEST-NET-1) behind the node:
+/// its own netns, a veth to the node netns (node side 192.0.2.1, host 192.0.2.10),
+/// a default route back through the node. Deleted on drop (the veth goes with it).
+struct OutsideHost {
+    netns: Netns,
+}
+
+const OUTSIDE_NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+const OUTSIDE_HOST_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+
+impl OutsideHost {
+    fn new(node: &Netns) -> OutsideHost {
+        let id = std::process::id();
+        let netns = Netns::create(&format!("kvpn-outside-{id}"))
+            .unwrap_or_else(|e| panic!("outside netns: {e}"));
+        let host = OutsideHost { netns };
+        let node_if = format!("kvpnout{}", id % 100_000);
+        node.ip(&[
+            "link",
+            "add",
+            &node_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            host.netns.name(),
+        ])
+        .unwrap_or_else(|e| panic!("veth to the outside host: {e}"));
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{OUTSIDE_NODE_IP}/24"),
+            "dev",
+            &node_if,
+        ])
+        .unwrap_or_else(|e| panic!("node address: {e}"));
+        node.ip(&["link", "set", &node_if, "up"])
+            .unwrap_or_else(|e| panic!("node veth up: {e}"));
+        host.netns
+            .ip_batch(&[
+                format!("addr add {OUTSIDE_HOST_IP}/24 dev eth0"),
+                "link set eth0 up".into(),
+                "link set lo up".into(),
+                format!("route add default via {OUTSIDE_NODE_IP}"),
+            ])
+            .unwrap_or_else(|e| panic!("outside host addressing: {e}"));
+        host
+    }
+
+    /// A listener on the outside host (bound inside its netns).
+    fn listen(&self) -> std::net::TcpListener {
+        self.netns
+            .run(|| std::net::TcpListener::bind((OUTSIDE_HOST_IP, 0)))
+            .unwrap_or_else(|e| panic!("outside netns: {e}"))
+            .unwrap_or_else(|e| panic!("listen on the outside host: {e}"))
+    }
+}
+
+impl Drop for OutsideHost {
+    fn drop(&mut self) {
+        let _ = self.netns.delete();
+    }
+}
+
+/// The source the outside host sees for one fresh TCP connection from the laptop.
+fn outside_source(f: &KubeFixture, listener: &std::net::TcpListener) -> IpAddr {
+    let to = listener.local_addr().expect("listener address");
+    let connected = f
+        .lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || {
+            TcpStream::connect_timeout(&to, Duration::from_secs(5)).map_err(|e| e.to_string())
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    let _stream = connected.unwrap_or_else(|e| panic!("connect to the outside host {to}: {e}"));
+    listener.set_nonblocking(false).expect("blocking listener");
+    let (_, peer) = listener
+        .accept()
+        .unwrap_or_else(|e| panic!("accept on the outside host: {e}"));
+    peer.ip()
+}
+
+/// Issue 9: the node's masquerade (pods to outside the cluster → node address) must
+/// leave the tunnel pool alone for `preserve`. A backend outside every cluster range,
+/// reached through the node, sees the laptop's tunnel IP; with the pool taken out of
+/// the lab's `no_masquerade` set the same flow arrives with the node's address, so the
+/// exclusion (not luck) is what keeps the client's identity.
+#[test]
+fn preserve_masquerade_exclusion_keeps_the_tunnel_ip_outside_the_cluster() {
+    let f = KubeFixture::new();
+    let node = Netns::from_name(&kvpn_lab::topology::netns_name(
+        f.lab().netns_lab().id(),
+        kvpn_lab::NODE,
+    ));
+    let outside = OutsideHost::new(&node);
+    let listener = outside.listen();
+    let kubeconfig = f.user_kubeconfig();
+    f.kvpn_ok(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--source-policy",
+        "preserve",
+        "--cidr",
+        "192.0.2.0/24",
+    ]);
+    let tunnel: IpAddr = f.session()["tunnel_ip"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .expect("tunnel_ip");
+    assert_eq!(
+        outside_source(&f, &listener),
+        tunnel,
+        "outside the cluster ranges the backend sees the tunnel IP: the pool is not masqueraded"
+    );
+
+    let pool = kvpn_lab::k8s::source::TUNNEL_POOL.to_string();
+    let element = format!("{{ {pool} }}");
+    let set = ["ip", kvpn_lab::k8s::source::MASQ_TABLE, "no_masquerade"];
+    let nft = |verb: &str| {
+        let out = node
+            .exec(&["nft", verb, "element", set[0], set[1], set[2], &element])
+            .unwrap_or_else(|e| panic!("nft: {e}"));
+        assert!(
+            out.status.success(),
+            "nft {verb} element: {}",
+            text(&out.stderr)
+        );
+    };
+    nft("delete");
+    let masqueraded = outside_source(&f, &listener);
+    nft("add");
+    assert_eq!(
+        masqueraded,
+        IpAddr::V4(OUTSIDE_NODE_IP),
+        "without the exclusion the node's masquerade replaces the tunnel IP"
+    );
+    assert_eq!(outside_source(&f, &listener), tunnel, "exclusion restored");
 }

@@ -384,14 +384,22 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
         // SNAT mode needs no capability: the manager dials with ordinary sockets and
         // uses unprivileged ICMP echo sockets. Preserve creates a TUN device, routes
         // and an address (NET_ADMIN) and announces the stable gateway by ARP
-        // (NET_RAW); never privileged.
+        // (NET_RAW). ebpf-snat creates the same TUN device and route (NET_ADMIN),
+        // loads its TC programs and maps (BPF) and attaches them to eth0
+        // (NET_ADMIN); NET_RAW is for `kvpn diagnose source`'s capture of the pod's
+        // egress. Never privileged.
         security_context: Some(SecurityContext {
             privileged: Some(false),
             allow_privilege_escalation: Some(false),
             capabilities: Some(Capabilities {
                 drop: Some(vec!["ALL".into()]),
-                add: (spec.source_policy == SourcePolicy::Preserve)
-                    .then(|| vec!["NET_ADMIN".into(), "NET_RAW".into()]),
+                add: match spec.source_policy {
+                    SourcePolicy::Snat => None,
+                    SourcePolicy::Preserve => Some(vec!["NET_ADMIN".into(), "NET_RAW".into()]),
+                    SourcePolicy::EbpfSnat => {
+                        Some(vec!["BPF".into(), "NET_ADMIN".into(), "NET_RAW".into()])
+                    }
+                },
             }),
             ..Default::default()
         }),
@@ -523,6 +531,39 @@ mod tests {
             image: "ghcr.io/kvpn/manager:0.1.0".into(),
             version: "0.1.0".into(),
             source_policy: SourcePolicy::Snat,
+        }
+    }
+
+    #[test]
+    fn each_policy_gets_its_flag_and_only_its_capabilities() {
+        for (policy, caps) in [
+            (SourcePolicy::Snat, None),
+            (SourcePolicy::Preserve, Some(vec!["NET_ADMIN", "NET_RAW"])),
+            (
+                SourcePolicy::EbpfSnat,
+                Some(vec!["BPF", "NET_ADMIN", "NET_RAW"]),
+            ),
+        ] {
+            let d = deployment(
+                &Spec {
+                    source_policy: policy,
+                    ..spec()
+                },
+                "CA",
+            );
+            let c = &d.spec.expect("spec").template.spec.expect("pod").containers[0];
+            let args = c.args.clone().unwrap_or_default();
+            assert_eq!(source_policy_of_args(&args), policy, "{args:?}");
+            let added = c
+                .security_context
+                .as_ref()
+                .and_then(|s| s.capabilities.as_ref())
+                .and_then(|c| c.add.clone());
+            assert_eq!(
+                added,
+                caps.map(|v| v.into_iter().map(String::from).collect::<Vec<_>>()),
+                "{policy}"
+            );
         }
     }
 

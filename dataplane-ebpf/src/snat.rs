@@ -1,0 +1,398 @@
+//! `ebpf-snat`: source NAT of the laptops' packets on the manager pod's egress
+//! interface (`eth0`, Ethernet framing), with its own connection table.
+//!
+//! The manager writes laptop packets into its pool TUN; the pod's kernel forwards
+//! them out of `eth0`, where [`kvpn_snat_out`] (TC egress) rewrites the source
+//! tunnel IP → pod IP and the source port (ICMP echo: the identifier) → a port from
+//! the configured range, allocated per destination so two laptops' flows never share
+//! one. Replies come to the pod IP; [`kvpn_snat_in`] (TC ingress) looks up the
+//! reverse table and rewrites destination pod IP:port → tunnel IP:original port; the
+//! kernel then routes them by its `pool dev kvpn-pool` route into the TUN, where the
+//! manager reads them and hands them to their session.
+//!
+//! Tables (`dataplane-common`): forward (laptop 5-tuple → allocated port) and reverse
+//! (reply 5-tuple → tunnel IP and original port), both LRU hashes. A new flow claims
+//! its reverse entry with `BPF_NOEXIST`, which makes the port allocation atomic across
+//! CPUs; then it writes the forward entry. Each packet stamps `last_ns`; the manager's
+//! sweeper deletes pairs idle past their timeout (TCP after FIN/RST and UDP/ICMP: the
+//! short one). Checksums are updated incrementally: the IPv4 header with
+//! `bpf_l3_csum_replace`, TCP/UDP with `bpf_l4_csum_replace` (the address as part of
+//! the pseudo-header, `BPF_F_PSEUDO_HDR`; a zero UDP checksum stays zero,
+//! `BPF_F_MARK_MANGLED_0`), ICMP without pseudo-header (RFC 792).
+//!
+//! Packets from the pool that cannot be translated (other protocols, ICMP other than
+//! echo, non-first fragments) are dropped and counted: none leaves with a tunnel IP.
+//! Everything else (the pod's own traffic) passes untouched. IPv4 only.
+//! Header layouts: IPv4 RFC 791 §3.1, TCP RFC 9293 §3.1 (flags byte 13, checksum at
+//! 16), UDP RFC 768 (checksum at 6), ICMP echo RFC 792 (checksum at 2, identifier at 4).
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    macros::{classifier, map},
+    maps::{Array, LruHashMap, PerCpuArray},
+    programs::TcContext,
+};
+use kvpn_dataplane_common::{
+    CounterValue, SNAT_MAX_FLOWS, SNAT_NEW_FLOWS, SNAT_PORT_TRIES, SNAT_PORTS_EXHAUSTED,
+    SNAT_SLOTS, SNAT_STATE_CLOSING, SNAT_TRANSLATED_IN, SNAT_TRANSLATED_OUT, SNAT_UNTRANSLATABLE,
+    SnatConfig, SnatForward, SnatKey, SnatReverse,
+};
+
+use crate::maps::add;
+
+const PASS: i32 = TC_ACT_OK as i32;
+const DROP: i32 = TC_ACT_SHOT as i32;
+
+const ETH_HDR_LEN: usize = 14;
+const ETHERTYPE_IPV4: [u8; 2] = [0x08, 0x00];
+const IP_CSUM: usize = ETH_HDR_LEN + 10;
+const IP_SRC: usize = ETH_HDR_LEN + 12;
+const IP_DST: usize = ETH_HDR_LEN + 16;
+const PROTO_ICMP: u8 = 1;
+const PROTO_TCP: u8 = 6;
+const PROTO_UDP: u8 = 17;
+const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_ECHO_REQUEST: u8 = 8;
+const TCP_FIN: u8 = 0x01;
+const TCP_RST: u8 = 0x04;
+
+#[map]
+pub static KVPN_SNAT_FWD: LruHashMap<SnatKey, SnatForward> =
+    LruHashMap::with_max_entries(SNAT_MAX_FLOWS, 0);
+
+#[map]
+pub static KVPN_SNAT_REV: LruHashMap<SnatKey, SnatReverse> =
+    LruHashMap::with_max_entries(SNAT_MAX_FLOWS, 0);
+
+#[map]
+pub static KVPN_SNAT_CFG: Array<SnatConfig> = Array::with_max_entries(1, 0);
+
+#[map]
+pub static KVPN_SNAT_CNT: PerCpuArray<CounterValue> = PerCpuArray::with_max_entries(SNAT_SLOTS, 0);
+
+/// The parts of a packet the programs translate.
+struct Parsed {
+    protocol: u8,
+    src: [u8; 4],
+    dst: [u8; 4],
+    /// Offset of the L4 header.
+    l4: usize,
+    /// TCP/UDP source port, ICMP identifier (network order as loaded).
+    src_port: u16,
+    /// TCP/UDP destination port; 0 for ICMP.
+    dst_port: u16,
+    /// ICMP type; 0 otherwise.
+    icmp_type: u8,
+    /// TCP FIN or RST set.
+    closing: bool,
+}
+
+/// Why a packet is not translated.
+enum Skip {
+    /// Not IPv4, or not for the tables: pass untouched.
+    Pass,
+    /// Cannot be translated (fragment, truncated, other protocol).
+    Untranslatable,
+}
+
+#[inline(always)]
+fn parse(ctx: &TcContext) -> Result<Parsed, Skip> {
+    let ethertype: [u8; 2] = ctx.load(ETH_HDR_LEN - 2).map_err(|_| Skip::Pass)?;
+    if ethertype != ETHERTYPE_IPV4 {
+        return Err(Skip::Pass);
+    }
+    let [
+        vihl,
+        _tos,
+        _l0,
+        _l1,
+        _id0,
+        _id1,
+        frag0,
+        frag1,
+        _ttl,
+        protocol,
+    ] = ctx.load::<[u8; 10]>(ETH_HDR_LEN).map_err(|_| Skip::Pass)?;
+    let src: [u8; 4] = ctx.load(IP_SRC).map_err(|_| Skip::Pass)?;
+    let dst: [u8; 4] = ctx.load(IP_DST).map_err(|_| Skip::Pass)?;
+    if vihl >> 4 != 4 {
+        return Err(Skip::Pass);
+    }
+    let ihl = usize::from(vihl & 0x0f) * 4;
+    if ihl < 20 {
+        return Err(Skip::Untranslatable);
+    }
+    // Fragment offset (13 bits) non-zero: no L4 header to translate by.
+    if (u16::from(frag0 & 0x1f) << 8 | u16::from(frag1)) != 0 {
+        return Err(Skip::Untranslatable);
+    }
+    let l4 = ETH_HDR_LEN + ihl;
+    let mut p = Parsed {
+        protocol,
+        src,
+        dst,
+        l4,
+        src_port: 0,
+        dst_port: 0,
+        icmp_type: 0,
+        closing: false,
+    };
+    match protocol {
+        PROTO_TCP | PROTO_UDP => {
+            let ports: [u8; 4] = ctx.load(l4).map_err(|_| Skip::Untranslatable)?;
+            p.src_port = u16::from_ne_bytes([ports[0], ports[1]]);
+            p.dst_port = u16::from_ne_bytes([ports[2], ports[3]]);
+            if protocol == PROTO_TCP {
+                let flags: u8 = ctx.load(l4 + 13).map_err(|_| Skip::Untranslatable)?;
+                p.closing = flags & (TCP_FIN | TCP_RST) != 0;
+            }
+        }
+        PROTO_ICMP => {
+            let h: [u8; 6] = ctx.load(l4).map_err(|_| Skip::Untranslatable)?;
+            p.icmp_type = h[0];
+            p.src_port = u16::from_ne_bytes([h[4], h[5]]);
+        }
+        _ => return Err(Skip::Untranslatable),
+    }
+    Ok(p)
+}
+
+#[inline(always)]
+fn count(slot: u32, ctx: &TcContext) {
+    if let Some(counter) = KVPN_SNAT_CNT.get_ptr_mut(slot) {
+        add(
+            counter,
+            u64::from(ctx.len()).saturating_sub(ETH_HDR_LEN as u64),
+        );
+    }
+}
+
+#[inline(always)]
+fn in_pool(cfg: &SnatConfig, addr: [u8; 4]) -> bool {
+    let a = u32::from_ne_bytes(addr);
+    a & u32::from_ne_bytes(cfg.pool_mask) == u32::from_ne_bytes(cfg.pool_addr)
+}
+
+/// Rewrites the address at `ip_off` and the port at `port_off` (both already known
+/// to lie in the packet) and fixes the checksums.
+#[inline(always)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one call per direction; a struct would only rename them"
+)]
+fn rewrite(
+    ctx: &TcContext,
+    p: &Parsed,
+    ip_off: usize,
+    old_ip: [u8; 4],
+    new_ip: [u8; 4],
+    port_off: usize,
+    old_port: u16,
+    new_port: u16,
+) -> Result<(), i64> {
+    let old_ip_v = u64::from(u32::from_ne_bytes(old_ip));
+    let new_ip_v = u64::from(u32::from_ne_bytes(new_ip));
+    ctx.store(ip_off, &new_ip, 0)?;
+    ctx.l3_csum_replace(IP_CSUM, old_ip_v, new_ip_v, 4)?;
+    let (csum_off, base) = match p.protocol {
+        PROTO_TCP => (p.l4 + 16, 0),
+        PROTO_UDP => (p.l4 + 6, u64::from(BPF_F_MARK_MANGLED_0)),
+        _ => (p.l4 + 2, 0),
+    };
+    if p.protocol != PROTO_ICMP {
+        ctx.l4_csum_replace(
+            csum_off,
+            old_ip_v,
+            new_ip_v,
+            base | u64::from(BPF_F_PSEUDO_HDR) | 4,
+        )?;
+    }
+    if old_port != new_port {
+        ctx.store(port_off, &new_port, 0)?;
+        ctx.l4_csum_replace(csum_off, u64::from(old_port), u64::from(new_port), base | 2)?;
+    }
+    Ok(())
+}
+
+#[classifier]
+pub fn kvpn_snat_out(ctx: TcContext) -> i32 {
+    let Some(cfg) = KVPN_SNAT_CFG.get(0) else {
+        return PASS;
+    };
+    let p = match parse(&ctx) {
+        Ok(p) => p,
+        Err(Skip::Pass) => return PASS,
+        Err(Skip::Untranslatable) => {
+            // Only the pool's packets must not leave untranslated.
+            let src: Result<[u8; 4], _> = ctx.load(IP_SRC);
+            return match src {
+                Ok(src) if in_pool(cfg, src) => {
+                    count(SNAT_UNTRANSLATABLE, &ctx);
+                    DROP
+                }
+                _ => PASS,
+            };
+        }
+    };
+    if !in_pool(cfg, p.src) {
+        return PASS;
+    }
+    if p.protocol == PROTO_ICMP && p.icmp_type != ICMP_ECHO_REQUEST {
+        count(SNAT_UNTRANSLATABLE, &ctx);
+        return DROP;
+    }
+    let key = SnatKey {
+        protocol: p.protocol,
+        reserved: [0; 3],
+        src: p.src,
+        dst: p.dst,
+        src_port: p.src_port,
+        dst_port: p.dst_port,
+    };
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let state = if p.closing { SNAT_STATE_CLOSING } else { 0 };
+    let port = match KVPN_SNAT_FWD.get_ptr_mut(&key) {
+        // The reverse entry may have been evicted (LRU) or swept: then allocate anew.
+        Some(fwd) if reverse_exists(&p, cfg, unsafe { (*fwd).port }) => {
+            // SAFETY: a map value pointer, valid during the program; concurrent writers
+            // only store timestamps and state bits, where a lost update is harmless.
+            unsafe {
+                (*fwd).last_ns = now;
+                (*fwd).state |= state;
+                (*fwd).port
+            }
+        }
+        _ => match allocate(&p, cfg, now, state) {
+            Some(port) => {
+                let fwd = SnatForward {
+                    last_ns: now,
+                    port,
+                    state,
+                    reserved: [0; 5],
+                };
+                if KVPN_SNAT_FWD.insert(&key, &fwd, 0).is_err() {
+                    count(SNAT_PORTS_EXHAUSTED, &ctx);
+                    return DROP;
+                }
+                count(SNAT_NEW_FLOWS, &ctx);
+                port
+            }
+            None => {
+                count(SNAT_PORTS_EXHAUSTED, &ctx);
+                return DROP;
+            }
+        },
+    };
+    let port_off = if p.protocol == PROTO_ICMP {
+        p.l4 + 4
+    } else {
+        p.l4
+    };
+    if rewrite(
+        &ctx, &p, IP_SRC, p.src, cfg.pod_ip, port_off, p.src_port, port,
+    )
+    .is_err()
+    {
+        count(SNAT_UNTRANSLATABLE, &ctx);
+        return DROP;
+    }
+    count(SNAT_TRANSLATED_OUT, &ctx);
+    PASS
+}
+
+/// The reverse key of a laptop packet's flow leaving with `port`.
+#[inline(always)]
+fn reverse_key(p: &Parsed, cfg: &SnatConfig, port: u16) -> SnatKey {
+    SnatKey {
+        protocol: p.protocol,
+        reserved: [0; 3],
+        src: p.dst,
+        dst: cfg.pod_ip,
+        src_port: p.dst_port,
+        dst_port: port,
+    }
+}
+
+#[inline(always)]
+fn reverse_exists(p: &Parsed, cfg: &SnatConfig, port: u16) -> bool {
+    KVPN_SNAT_REV.get_ptr(&reverse_key(p, cfg, port)).is_some()
+}
+
+/// Claims a free port of the range for a new flow: its reverse entry, inserted with
+/// BPF_NOEXIST, so two CPUs never get the same port for one destination.
+#[inline(always)]
+fn allocate(p: &Parsed, cfg: &SnatConfig, now: u64, state: u8) -> Option<u16> {
+    let min = u32::from(cfg.port_min);
+    let max = u32::from(cfg.port_max);
+    if max < min {
+        return None;
+    }
+    let range = max - min + 1;
+    // SAFETY: bpf_get_prandom_u32 has no preconditions.
+    let start = unsafe { bpf_get_prandom_u32() } % range;
+    let rev = SnatReverse {
+        last_ns: now,
+        addr: p.src,
+        port: p.src_port,
+        state,
+        reserved: 0,
+    };
+    let mut i = 0;
+    while i < SNAT_PORT_TRIES {
+        let host = min + (start + i) % range;
+        let port = (host as u16).to_be();
+        if KVPN_SNAT_REV
+            .insert(&reverse_key(p, cfg, port), &rev, u64::from(BPF_NOEXIST))
+            .is_ok()
+        {
+            return Some(port);
+        }
+        i += 1;
+    }
+    None
+}
+
+#[classifier]
+pub fn kvpn_snat_in(ctx: TcContext) -> i32 {
+    let Some(cfg) = KVPN_SNAT_CFG.get(0) else {
+        return PASS;
+    };
+    let Ok(p) = parse(&ctx) else {
+        return PASS;
+    };
+    if p.dst != cfg.pod_ip {
+        return PASS;
+    }
+    let (key_src_port, key_dst_port, port_off) = match p.protocol {
+        PROTO_ICMP if p.icmp_type == ICMP_ECHO_REPLY => (0, p.src_port, p.l4 + 4),
+        PROTO_ICMP => return PASS,
+        _ => (p.src_port, p.dst_port, p.l4 + 2),
+    };
+    let key = SnatKey {
+        protocol: p.protocol,
+        reserved: [0; 3],
+        src: p.src,
+        dst: p.dst,
+        src_port: key_src_port,
+        dst_port: key_dst_port,
+    };
+    let Some(rev) = KVPN_SNAT_REV.get_ptr_mut(&key) else {
+        return PASS;
+    };
+    // SAFETY: as in the egress program.
+    let (addr, port) = unsafe {
+        (*rev).last_ns = bpf_ktime_get_ns();
+        if p.closing {
+            (*rev).state |= SNAT_STATE_CLOSING;
+        }
+        ((*rev).addr, (*rev).port)
+    };
+    if rewrite(&ctx, &p, IP_DST, p.dst, addr, port_off, key_dst_port, port).is_err() {
+        count(SNAT_UNTRANSLATABLE, &ctx);
+        return DROP;
+    }
+    count(SNAT_TRANSLATED_IN, &ctx);
+    PASS
+}

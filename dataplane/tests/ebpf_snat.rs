@@ -1,0 +1,268 @@
+//! `ebpf-snat`'s TC programs run by the kernel on crafted Ethernet frames
+//! (BPF_PROG_TEST_RUN), as they would on the manager pod's `eth0`: the egress program
+//! rewrites a laptop packet's source (tunnel IP:port → pod IP:allocated port) with
+//! valid IP and L4 checksums, the ingress program rewrites the reply back, ports are
+//! allocated per destination and run out honestly, and the sweep expires idle flows.
+//! Needs root (CAP_BPF + CAP_NET_ADMIN); each test loads its own programs and maps.
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use kvpn_dataplane::ebpf::TcAction;
+use kvpn_dataplane::ebpf::snat::{Snat, SnatSettings, SnatTimeouts, monotonic_ns};
+
+const LAPTOP: Ipv4Addr = Ipv4Addr::new(100, 96, 0, 2);
+const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 20);
+const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
+const OTHER_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 12);
+const TCP: u8 = 6;
+const UDP: u8 = 17;
+const ICMP: u8 = 1;
+
+fn snat(ports: std::ops::RangeInclusive<u16>) -> Snat {
+    Snat::load(&SnatSettings {
+        pod_ip: POD,
+        pool: "100.96.0.0/16".parse().expect("pool"),
+        ports,
+    })
+    .unwrap_or_else(|e| panic!("load ebpf-snat (root and a built eBPF object needed): {e:?}"))
+}
+
+fn sum(bytes: &[u8], mut acc: u32) -> u32 {
+    for c in bytes.chunks(2) {
+        acc += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+    }
+    acc
+}
+
+fn fold(mut acc: u32) -> u16 {
+    while acc > 0xffff {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    !(acc as u16)
+}
+
+/// Ethernet + IPv4 + `l4` with every checksum filled in (RFC 791, 793, 768, 792).
+fn frame(proto: u8, src: Ipv4Addr, dst: Ipv4Addr, mut l4: Vec<u8>) -> Vec<u8> {
+    let csum_at = match proto {
+        TCP => 16,
+        UDP => 6,
+        _ => 2,
+    };
+    let pseudo = if proto == ICMP {
+        0
+    } else {
+        let mut p = Vec::new();
+        p.extend_from_slice(&src.octets());
+        p.extend_from_slice(&dst.octets());
+        p.extend_from_slice(&[0, proto]);
+        p.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+        sum(&p, 0)
+    };
+    let c = fold(sum(&l4, pseudo));
+    l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
+    let mut ip = vec![0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+    ip[8] = 64;
+    ip[9] = proto;
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    let c = fold(sum(&ip, 0));
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut f = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&l4);
+    f
+}
+
+fn ports_l4(proto: u8, sport: u16, dport: u16) -> Vec<u8> {
+    let mut l4 = vec![0u8; if proto == TCP { 20 } else { 12 }];
+    l4[0..2].copy_from_slice(&sport.to_be_bytes());
+    l4[2..4].copy_from_slice(&dport.to_be_bytes());
+    if proto == TCP {
+        l4[12] = 5 << 4;
+        l4[13] = 0x02;
+    } else {
+        l4[4..6].copy_from_slice(&12u16.to_be_bytes());
+        l4[8..12].copy_from_slice(b"ping");
+    }
+    l4
+}
+
+fn echo(icmp_type: u8, id: u16) -> Vec<u8> {
+    let mut l4 = vec![icmp_type, 0, 0, 0, 0, 0, 0, 7, 1, 2, 3, 4];
+    l4[4..6].copy_from_slice(&id.to_be_bytes());
+    l4
+}
+
+struct Seen {
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    sport: u16,
+    dport: u16,
+}
+
+/// Addresses and ports of a frame, after checking every checksum in it.
+fn check(f: &[u8]) -> Seen {
+    let ip = &f[14..34];
+    assert_eq!(fold(sum(ip, 0)), 0, "IPv4 header checksum");
+    let l4 = &f[34..];
+    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
+    let proto = ip[9];
+    let pseudo = if proto == ICMP {
+        0
+    } else {
+        let mut p = Vec::new();
+        p.extend_from_slice(&ip[12..20]);
+        p.extend_from_slice(&[0, proto]);
+        p.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+        sum(&p, 0)
+    };
+    assert_eq!(fold(sum(l4, pseudo)), 0, "L4 checksum of protocol {proto}");
+    let word = |at: usize| u16::from_be_bytes([l4[at], l4[at + 1]]);
+    if proto == ICMP {
+        Seen {
+            src,
+            dst,
+            sport: word(4),
+            dport: 0,
+        }
+    } else {
+        Seen {
+            src,
+            dst,
+            sport: word(0),
+            dport: word(2),
+        }
+    }
+}
+
+fn run(s: &Snat, ingress: bool, f: &[u8]) -> (TcAction, Vec<u8>) {
+    s.test_run(ingress, f)
+        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN: {e:?}"))
+}
+
+#[test]
+fn tcp_and_udp_flows_leave_with_the_pod_ip_and_replies_come_back() {
+    let s = snat(61000..=65535);
+    for proto in [TCP, UDP] {
+        let out = frame(proto, LAPTOP, BACKEND, ports_l4(proto, 40000, 80));
+        let (action, got) = run(&s, false, &out);
+        assert_eq!(action, TcAction::Pass);
+        let seen = check(&got);
+        assert_eq!(seen.src, POD, "protocol {proto}: source is the pod IP");
+        assert_eq!(seen.dst, BACKEND);
+        assert!((61000..=65535).contains(&seen.sport), "port {}", seen.sport);
+        assert_eq!(seen.dport, 80);
+        // The same flow keeps its port.
+        let (_, again) = run(&s, false, &out);
+        assert_eq!(check(&again).sport, seen.sport);
+
+        let reply = frame(proto, BACKEND, POD, ports_l4(proto, 80, seen.sport));
+        let (action, back) = run(&s, true, &reply);
+        assert_eq!(action, TcAction::Pass);
+        let b = check(&back);
+        assert_eq!(
+            (b.src, b.dst, b.sport, b.dport),
+            (BACKEND, LAPTOP, 80, 40000)
+        );
+
+        // A reply to a port no flow holds is the pod's own: untouched.
+        let stray = frame(proto, BACKEND, POD, ports_l4(proto, 80, 12345));
+        assert_eq!(run(&s, true, &stray), (TcAction::Pass, stray.clone()));
+    }
+    let stats = s.stats().expect("stats");
+    assert_eq!(stats.new_flows.packets, 2);
+    assert_eq!(stats.translated_out.packets, 4);
+    assert_eq!(stats.translated_in.packets, 2);
+    assert_eq!((stats.forward_entries, stats.reverse_entries), (2, 2));
+}
+
+#[test]
+fn icmp_echo_uses_the_identifier_as_port() {
+    let s = snat(61000..=65535);
+    let (action, got) = run(&s, false, &frame(ICMP, LAPTOP, BACKEND, echo(8, 0x1234)));
+    assert_eq!(action, TcAction::Pass);
+    let seen = check(&got);
+    assert_eq!(seen.src, POD);
+    assert!(seen.sport >= 61000, "identifier {}", seen.sport);
+    let (_, back) = run(&s, true, &frame(ICMP, BACKEND, POD, echo(0, seen.sport)));
+    let b = check(&back);
+    assert_eq!((b.dst, b.sport), (LAPTOP, 0x1234));
+    // Other ICMP from the pool (a laptop's port unreachable) must not leave with the
+    // tunnel IP: dropped and counted.
+    let (action, _) = run(&s, false, &frame(ICMP, LAPTOP, BACKEND, echo(3, 0)));
+    assert_eq!(action, TcAction::Drop);
+    assert_eq!(s.stats().expect("stats").untranslatable.packets, 1);
+}
+
+#[test]
+fn the_pods_own_traffic_passes_untouched() {
+    let s = snat(61000..=65535);
+    let own = frame(TCP, POD, BACKEND, ports_l4(TCP, 45000, 80));
+    assert_eq!(run(&s, false, &own), (TcAction::Pass, own.clone()));
+    assert_eq!(s.stats().expect("stats").forward_entries, 0);
+}
+
+#[test]
+fn ports_run_out_per_destination_and_expire() {
+    // Two ports: two flows to one backend, the third is refused; another backend
+    // still gets ports.
+    let s = snat(61000..=61001);
+    let mut s = s;
+    let mut ports = Vec::new();
+    for laptop_port in [40000, 40001] {
+        let (a, got) = run(
+            &s,
+            false,
+            &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, laptop_port, 53)),
+        );
+        assert_eq!(a, TcAction::Pass);
+        ports.push(check(&got).sport);
+    }
+    ports.sort_unstable();
+    assert_eq!(
+        ports,
+        vec![61000, 61001],
+        "distinct ports for one destination"
+    );
+    let (a, _) = run(
+        &s,
+        false,
+        &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40002, 53)),
+    );
+    assert_eq!(a, TcAction::Drop, "no third port for one destination");
+    let (a, _) = run(
+        &s,
+        false,
+        &frame(UDP, LAPTOP, OTHER_BACKEND, ports_l4(UDP, 40002, 53)),
+    );
+    assert_eq!(a, TcAction::Pass, "another destination has its own ports");
+    let stats = s.stats().expect("stats");
+    assert_eq!(stats.ports_exhausted.packets, 1);
+    assert_eq!(stats.forward_entries, 3);
+
+    let timeouts = SnatTimeouts {
+        tcp: Duration::from_secs(3600),
+        idle: Duration::from_secs(30),
+    };
+    let now = monotonic_ns();
+    assert_eq!(
+        s.sweep(now, timeouts).expect("sweep").expired,
+        0,
+        "not idle yet"
+    );
+    let later = now + Duration::from_secs(31).as_nanos() as u64;
+    assert_eq!(s.sweep(later, timeouts).expect("sweep").expired, 3);
+    let stats = s.stats().expect("stats");
+    assert_eq!((stats.forward_entries, stats.reverse_entries), (0, 0));
+    // The freed ports serve new flows.
+    let (a, _) = run(
+        &s,
+        false,
+        &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40002, 53)),
+    );
+    assert_eq!(a, TcAction::Pass);
+}
