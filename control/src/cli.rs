@@ -106,6 +106,7 @@ pub enum DiagnoseCommand {
 #[derive(Debug, Args)]
 pub struct DiagnoseSourceArgs {
     /// HOST:PORT of the backend (Service name, ClusterIP or pod IP).
+    #[arg(value_parser = parse_target)]
     pub target: String,
     /// One UDP datagram instead of a TCP connection.
     #[arg(long)]
@@ -284,6 +285,20 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// `kvpn diagnose source TARGET` value parser: HOST:PORT with a port 1-65535
+/// (port 0 is no port a backend listens on). HOST is resolved later.
+fn parse_target(text: &str) -> Result<String, String> {
+    let (host, port) = text
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{text:?} has no port — give HOST:PORT, e.g. web.default:80"))?;
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 && !host.is_empty() => Ok(text.to_owned()),
+        _ => Err(format!(
+            "{text:?}: expected HOST:PORT with a port from 1 to 65535, e.g. web.default:80"
+        )),
+    }
+}
+
 /// `kvpn disconnect` flags.
 #[derive(Debug, Args)]
 pub struct DisconnectArgs {
@@ -370,5 +385,25 @@ mod tests {
             panic!("not the top command");
         };
         assert_eq!(args.interval, Duration::from_secs(1), "default --interval");
+    }
+
+    /// `kvpn diagnose source HOST:0` (or no port) is refused by clap, naming the
+    /// value; ports 1-65535 pass.
+    #[test]
+    fn diagnose_target_rejects_port_zero() {
+        for bad in ["10.244.1.250:0", "10.244.1.250", "web:", ":80", "web:65536"] {
+            let err = Cli::try_parse_from(["kvpn", "diagnose", "source", bad])
+                .expect_err(&format!("{bad} was accepted"))
+                .to_string();
+            assert!(err.contains(bad), "{bad}: no value in {err:?}");
+        }
+        for good in ["10.244.1.250:80", "web.default:65535", "[fd00::1]:1"] {
+            let cli = Cli::try_parse_from(["kvpn", "diagnose", "source", good])
+                .unwrap_or_else(|e| panic!("{good}: {e}"));
+            let Command::Diagnose(DiagnoseCommand::Source(args)) = cli.command else {
+                panic!("not diagnose source");
+            };
+            assert_eq!(args.target, good);
+        }
     }
 }

@@ -209,6 +209,20 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
     given
 }
 
+/// The flags of `args` a connect that found its session running did not apply:
+/// [`session_flags_given`], and `--source-policy` when it differs from
+/// `session_policy`, the running session's (empty when unknown: an older kvpn).
+pub fn flags_not_applied(args: &ConnectArgs, session_policy: &str) -> Vec<&'static str> {
+    let mut flags = session_flags_given(args);
+    if args
+        .source_policy
+        .is_some_and(|asked| asked.as_str() != session_policy)
+    {
+        flags.push("--source-policy");
+    }
+    flags
+}
+
 /// The warning for session-shaping `flags` given to a connect that found its
 /// session running (`None` without any); one flag is "it", several "they".
 pub fn ignored_flags_warning(flags: &[&str]) -> Option<String> {
@@ -225,13 +239,14 @@ pub fn ignored_flags_warning(flags: &[&str]) -> Option<String> {
     ))
 }
 
-/// Whether connect is already done: true after telling the user so. A session of
-/// the same cluster whose user-side half (port-forward, route watch) is gone or
-/// lost can never carry traffic again; it is replaced.
+/// Whether connect is already done: the running session's source policy (empty
+/// when unknown) after telling the user so. A session of the same cluster whose
+/// user-side half (port-forward, route watch) is gone or lost can never carry
+/// traffic again; it is replaced.
 async fn already_connected(
     user: &mut UserDaemonClient<tonic::transport::Channel>,
     wanted: &Origin,
-) -> Result<bool> {
+) -> Result<Option<String>> {
     let status = user
         .status(kvpn_proto::userd::StatusRequest {})
         .await
@@ -239,7 +254,7 @@ async fn already_connected(
         .context("cannot ask the user daemon for its sessions")?
         .into_inner();
     match match_session(&status.root_sessions, wanted) {
-        SessionMatch::None => Ok(false),
+        SessionMatch::None => Ok(None),
         SessionMatch::Conflict(s) => {
             let o = s.origin.clone().unwrap_or_default();
             bail!(
@@ -271,7 +286,7 @@ async fn already_connected(
             .await
             .map_err(daemon::status_to_error)
             .with_context(|| format!("cannot disconnect the stale session {}", s.id))?;
-            Ok(false)
+            Ok(None)
         }
         SessionMatch::Same(s) => {
             let reason = if s.reason.is_empty() {
@@ -291,7 +306,12 @@ async fn already_connected(
                  state {}{reason} — nothing to do",
                 wanted.cluster, wanted.context, path, s.id, s.tun_name, s.state
             ));
-            Ok(true)
+            Ok(Some(
+                s.origin
+                    .as_ref()
+                    .map(|o| o.source_policy.clone())
+                    .unwrap_or_default(),
+            ))
         }
     }
 }
@@ -555,7 +575,7 @@ pub fn session_routing<'a>(sessions: &'a [Session], cidr: &IpNet) -> Option<(&'a
 }
 
 /// The root daemon's sessions, or none when it is not running.
-async fn current_sessions(runtime_dir: &Path) -> Result<Vec<Session>> {
+pub(crate) async fn current_sessions(runtime_dir: &Path) -> Result<Vec<Session>> {
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
         return Ok(Vec::new());
     };
@@ -704,8 +724,8 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         source_policy: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
-    if already_connected(&mut user, &origin).await? {
-        if let Some(warning) = ignored_flags_warning(&session_flags_given(args)) {
+    if let Some(session_policy) = already_connected(&mut user, &origin).await? {
+        if let Some(warning) = ignored_flags_warning(&flags_not_applied(args, &session_policy)) {
             output::warn(&warning);
         }
         return Ok(());
@@ -909,8 +929,41 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 
 #[cfg(test)]
 mod tests {
-    use super::{SessionMatch, host_of, ignored_flags_warning, match_session};
+    use super::{SessionMatch, flags_not_applied, host_of, ignored_flags_warning, match_session};
+    use crate::cli::{Cli, Command, ConnectArgs};
+    use clap::Parser as _;
     use kvpn_proto::dataplane::{Origin, Session};
+
+    fn connect_args(flags: &[&str]) -> ConnectArgs {
+        let argv = ["kvpn", "connect"].iter().chain(flags);
+        match Cli::try_parse_from(argv)
+            .expect("kvpn connect parses")
+            .command
+        {
+            Command::Connect(args) => args,
+            other => panic!("not connect: {other:?}"),
+        }
+    }
+
+    /// A repeat connect with another --source-policy than the running session's
+    /// names it as not applied (it was silently dropped); the same one is not.
+    #[test]
+    fn a_different_source_policy_is_named_as_not_applied() {
+        let preserve = connect_args(&["--source-policy", "preserve"]);
+        assert_eq!(
+            flags_not_applied(&preserve, "ebpf-snat"),
+            ["--source-policy"]
+        );
+        assert_eq!(flags_not_applied(&preserve, ""), ["--source-policy"]);
+        assert!(flags_not_applied(&preserve, "preserve").is_empty());
+        assert!(flags_not_applied(&connect_args(&[]), "snat").is_empty());
+        let both = connect_args(&["--hosts", "--source-policy", "snat"]);
+        let w = ignored_flags_warning(&flags_not_applied(&both, "preserve")).expect("a warning");
+        assert!(
+            w.starts_with("--hosts, --source-policy not applied: they shape a new session"),
+            "{w}"
+        );
+    }
 
     /// One ignored flag is "it", several "they"; none, no warning.
     #[test]

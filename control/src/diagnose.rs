@@ -20,8 +20,10 @@ use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs as _, UdpSocket};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow, bail};
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
+use kvpn_proto::dataplane::Session;
 use kvpn_proto::manager::manager_client::ManagerClient;
 use kvpn_proto::manager::{TraceSourceEvent, TraceSourceRequest};
 use serde::Serialize;
@@ -49,6 +51,25 @@ pub enum Outcome {
     Lost,
     /// Another local error.
     Error { message: String },
+}
+
+/// In the user's words, lowercase like the verdicts (the table's outcome row).
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Answered => f.write_str("answered"),
+            Outcome::Refused => f.write_str("refused (TCP RST or ICMP port unreachable)"),
+            Outcome::Unreachable { code: Some(13) } => {
+                f.write_str("unreachable (ICMP administratively prohibited)")
+            }
+            Outcome::Unreachable { code: Some(c) } => {
+                write!(f, "unreachable (ICMP destination unreachable code {c})")
+            }
+            Outcome::Unreachable { code: None } => f.write_str("unreachable"),
+            Outcome::Lost => write!(f, "lost (no answer within {} s)", PROBE_TIMEOUT.as_secs()),
+            Outcome::Error { message } => write!(f, "error: {message}"),
+        }
+    }
 }
 
 /// The three-point report.
@@ -97,6 +118,16 @@ pub fn explain(r: &SourceReport) -> (String, String) {
                 ),
             );
         }
+        Outcome::Unreachable { code: None } if r.decapsulated_source.is_none() => {
+            return (
+                "unreachable".into(),
+                format!(
+                    "no route to {} (from the laptop, or an ICMP host unreachable), and the manager saw \
+                     no packet of this flow: the laptop's route or the data channel",
+                    r.target
+                ),
+            );
+        }
         Outcome::Unreachable { code } => {
             let what = match code {
                 Some(13) => "ICMP administratively prohibited: a policy rule rejected it".to_owned(),
@@ -111,8 +142,12 @@ pub fn explain(r: &SourceReport) -> (String, String) {
                 ),
             );
         }
+        // Only preserve sends the client's address out of the pod, the one an
+        // anti-spoofing rule drops; under snat or ebpf-snat nothing leaving
+        // means nothing to send to.
         Outcome::Lost
-            if r.decapsulated_source.is_some()
+            if r.policy == "preserve"
+                && r.decapsulated_source.is_some()
                 && r.egress_source.is_none()
                 && r.note.is_empty() =>
         {
@@ -121,9 +156,42 @@ pub fn explain(r: &SourceReport) -> (String, String) {
                 format!(
                     "the manager decapsulated {} but nothing left the pod's {}: dropped inside the manager pod \
                      (an anti-spoofing rule that lets only the pod IP out, as some CNIs do — case rt-07 — \
-                     or IP forwarding off); with such a CNI use --source-policy snat",
+                     or IP forwarding off; with such a CNI use --source-policy snat), or no host has {} \
+                     (an unused address: nothing answered the pod's neighbour lookup)",
                     show(r.decapsulated_source),
-                    r.egress_interface
+                    r.egress_interface,
+                    r.target.ip()
+                ),
+            );
+        }
+        Outcome::Lost
+            if r.decapsulated_source.is_some()
+                && r.egress_source.is_none()
+                && r.note.is_empty() =>
+        {
+            return (
+                "lost".into(),
+                format!(
+                    "no host answered: the manager decapsulated {} but nothing towards {} left the pod's {} \
+                     (policy {}) — an unused address (nothing answered the pod's neighbour lookup) or a rule \
+                     in the pod dropping it silently",
+                    show(r.decapsulated_source),
+                    r.target,
+                    r.egress_interface,
+                    r.policy
+                ),
+            );
+        }
+        Outcome::Lost if r.egress_source.is_some() && r.policy == "preserve" => {
+            return (
+                "lost".into(),
+                format!(
+                    "left the manager pod as {} and no answer came back: no host has {} (an unused address), \
+                     a firewall drops it silently, or the reply to that address has no way back to the manager \
+                     (the nodes' route for the tunnel pool via the stable gateway, the pool kept out of the \
+                     masquerade, rp_filter loose)",
+                    show(r.egress_source),
+                    r.target.ip()
                 ),
             );
         }
@@ -131,10 +199,23 @@ pub fn explain(r: &SourceReport) -> (String, String) {
             return (
                 "lost".into(),
                 format!(
-                    "left the manager pod as {} and no answer came back: the reply to that address has no way \
-                     back to the manager (with preserve: the nodes' route for the tunnel pool via the stable \
-                     gateway, the pool kept out of the masquerade, rp_filter loose) or a rule drops it silently",
-                    show(r.egress_source)
+                    "no host answered: the flow left the manager pod as {} (policy {}, whose replies find their \
+                     way back) and nothing came back — no host has {} (an unused address) or a firewall drops \
+                     it silently",
+                    show(r.egress_source),
+                    r.policy,
+                    r.target.ip()
+                ),
+            );
+        }
+        Outcome::Lost if r.decapsulated_source.is_some() => {
+            return (
+                "lost".into(),
+                format!(
+                    "no answer: the manager decapsulated {} and its pod's {} egress was not observed ({})",
+                    show(r.decapsulated_source),
+                    r.egress_interface,
+                    r.note
                 ),
             );
         }
@@ -152,7 +233,7 @@ pub fn explain(r: &SourceReport) -> (String, String) {
     {
         let how = if r.policy == "ebpf-snat" {
             format!(
-                "ebpf-snat — kvpn's TC program on the pod's {} egress rewrote the source to the pod IP \
+                "kvpn's TC program on the pod's {} egress rewrote the source to the pod IP \
                  (a forwarder that translates, with its own connection table)",
                 r.egress_interface
             )
@@ -369,12 +450,38 @@ fn resolve(target: &str) -> Result<SocketAddr> {
         .ok_or_else(|| anyhow!("{target} has no IPv4 address"))
 }
 
-/// Runs the three-point check (see the module docs).
+/// Refuses a trace without a session: `sessions` are the root daemon's.
+pub fn require_session(sessions: &[Session]) -> Result<()> {
+    if sessions.is_empty() {
+        bail!(
+            "not connected: no kvpn session is up, and diagnose traces a connection through the \
+             tunnel — run `kvpn connect` first"
+        );
+    }
+    Ok(())
+}
+
+/// Refuses a trace no session would carry: one of `sessions` (the root
+/// daemon's) must route `ip` through its TUN device.
+pub fn require_route(sessions: &[Session], ip: IpAddr) -> Result<()> {
+    require_session(sessions)?;
+    if crate::connect::session_routing(sessions, &IpNet::from(ip)).is_none() {
+        bail!(
+            "{ip} is outside every kvpn session's routes (`kvpn status` lists them), so no trace \
+             would pass the tunnel — give a pod, Service or --cidr address of the connected cluster"
+        );
+    }
+    Ok(())
+}
+
+/// Runs the three-point check (see the module docs) if one of `sessions` (the
+/// root daemon's) routes the target.
 pub async fn source(
     client: &kube::Client,
     namespace: &str,
     target: &str,
     udp: bool,
+    sessions: &[Session],
 ) -> Result<SourceReport> {
     let target_owned = target.to_owned();
     let target = tokio::task::spawn_blocking(move || resolve(&target_owned))
@@ -383,6 +490,7 @@ pub async fn source(
     let IpAddr::V4(dst) = target.ip() else {
         bail!("{target}: only IPv4 destinations can be traced");
     };
+    require_route(sessions, target.ip())?;
     let pod = manager_pod(client, namespace).await?;
     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let (pf, channel) = crate::lease::grpc_channel(&api, &pod, objects::GRPC_PORT).await?;
@@ -486,10 +594,9 @@ mod tests {
             )),
             "downstream"
         );
-        assert_eq!(
-            v(&report("100.96.0.2:5000", "", "", Outcome::Lost)),
-            "dropped-in-manager-pod"
-        );
+        let mut preserve = report("100.96.0.2:5000", "", "", Outcome::Lost);
+        preserve.policy = "preserve".into();
+        assert_eq!(v(&preserve), "dropped-in-manager-pod");
         assert_eq!(
             v(&report(
                 "100.96.0.2:5000",
@@ -521,6 +628,11 @@ mod tests {
             why.contains("ebpf-snat") && why.contains("TC program on the pod's eth0"),
             "{why}"
         );
+        assert_eq!(
+            why.matches("ebpf-snat").count(),
+            1,
+            "policy said twice: {why}"
+        );
         let e = explain(&report("", "", "", Outcome::Unreachable { code: Some(13) })).1;
         assert!(e.contains("administratively prohibited"), "{e}");
         assert_eq!(
@@ -532,5 +644,79 @@ mod tests {
             )),
             "unknown"
         );
+    }
+
+    /// An unused pod IP under snat or ebpf-snat (nothing left the pod's egress,
+    /// nothing answered): "lost", no host answered — not rt-07's drop, and never
+    /// the advice to use the policy in use. Only preserve, whose packets an
+    /// anti-spoofing rule drops, names rt-07.
+    #[test]
+    fn a_lost_flow_blames_rt07_only_under_preserve() {
+        for policy in ["snat", "ebpf-snat"] {
+            for egress in ["", "10.244.1.5:40000"] {
+                let mut r = report("100.96.0.2:5000", egress, "", Outcome::Lost);
+                r.target = "10.244.1.250:80".parse().expect("addr");
+                r.policy = policy.into();
+                let (verdict, why) = explain(&r);
+                assert_eq!(verdict, "lost", "{policy} egress {egress:?}: {why}");
+                assert!(why.contains("no host answered"), "{policy}: {why}");
+                assert!(why.contains("10.244.1.250"), "{policy}: {why}");
+                assert!(
+                    !why.contains("rt-07") && !why.contains("--source-policy"),
+                    "{policy}: {why}"
+                );
+            }
+        }
+        let mut r = report("100.96.0.2:5000", "", "", Outcome::Lost);
+        r.policy = "preserve".into();
+        let (verdict, why) = explain(&r);
+        assert_eq!(verdict, "dropped-in-manager-pod");
+        assert!(
+            why.contains("rt-07") && why.contains("--source-policy snat"),
+            "{why}"
+        );
+        assert!(why.contains("unused address"), "{why}");
+    }
+
+    /// The outcome in words, lowercase like the verdicts; never a Debug value.
+    #[test]
+    fn outcomes_read_as_lowercase_words() {
+        for (o, want) in [
+            (Outcome::Answered, "answered"),
+            (Outcome::Lost, "lost (no answer within 3 s)"),
+            (Outcome::Unreachable { code: None }, "unreachable"),
+            (
+                Outcome::Unreachable { code: Some(13) },
+                "unreachable (ICMP administratively prohibited)",
+            ),
+        ] {
+            assert_eq!(o.to_string(), want);
+        }
+    }
+
+    /// Without a session diagnose fails at once, saying to connect; an address
+    /// no session routes is named; one inside a session's routes passes.
+    #[test]
+    fn tracing_needs_a_session_routing_the_target() {
+        let e = require_route(&[], "10.244.1.250".parse().expect("ip"))
+            .expect_err("no session")
+            .to_string();
+        assert!(
+            e.starts_with("not connected") && e.contains("kvpn connect"),
+            "{e}"
+        );
+        let sessions = [Session {
+            id: "s1".into(),
+            routes: vec![kvpn_proto::dataplane::Route {
+                cidr: "10.244.0.0/16".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }];
+        require_route(&sessions, "10.244.1.250".parse().expect("ip")).expect("routed");
+        let e = require_route(&sessions, "192.168.7.1".parse().expect("ip"))
+            .expect_err("not routed")
+            .to_string();
+        assert!(e.contains("192.168.7.1") && e.contains("outside"), "{e}");
     }
 }

@@ -63,7 +63,9 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(cmd) => lab::run(cmd).await,
-        Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => diagnose_source(args).await,
+        Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => {
+            diagnose_source(&runtime_dir, args).await
+        }
         // Both end with the remote side's exit code, after their own cleanup
         // (terminal restored, tunnel closed, SSH disconnected).
         Command::Ssh(args) => {
@@ -356,7 +358,13 @@ async fn logs(runtime_dir: &std::path::Path, args: LogsArgs) -> Result<()> {
     }
 }
 
-async fn diagnose_source(args: crate::cli::DiagnoseSourceArgs) -> Result<()> {
+async fn diagnose_source(
+    runtime_dir: &std::path::Path,
+    args: crate::cli::DiagnoseSourceArgs,
+) -> Result<()> {
+    // First, so that "not connected" comes at once, before the cluster is asked.
+    let sessions = connect::current_sessions(runtime_dir).await?;
+    diagnose::require_session(&sessions)?;
     let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
     let plan = ssh::plan_for(&args.kube.ssh, &env)?;
     let (conn, _tunnel) = ssh::connect_kube(&args.kube.flags(), plan.as_ref(), &env).await?;
@@ -365,6 +373,7 @@ async fn diagnose_source(args: crate::cli::DiagnoseSourceArgs) -> Result<()> {
         &args.kube.manager_namespace,
         &args.target,
         args.udp,
+        &sessions,
     )
     .await
     .with_context(|| format!("cannot trace the source towards {}", args.target))?;

@@ -43,32 +43,39 @@ pub fn diagnose_source(r: &crate::diagnose::SourceReport, format: OutputFormat) 
     match format {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(r)?),
         OutputFormat::Yaml => print!("{}", serde_yaml_ng::to_string(r)?),
-        OutputFormat::Table => {
-            let show =
-                |a: Option<std::net::SocketAddr>| a.map_or("-".to_owned(), |a| a.to_string());
-            println!(
-                "{} to {} (traffic manager source policy {})",
-                r.protocol, r.target, r.policy
-            );
-            println!("  laptop socket             {}", show(r.laptop_source));
-            println!(
-                "  after decapsulation       {}",
-                show(r.decapsulated_source)
-            );
-            println!(
-                "  manager pod egress ({})  {}",
-                r.egress_interface,
-                show(r.egress_source)
-            );
-            println!("  backend saw               {}", show(r.backend_source));
-            println!("  outcome                   {:?}", r.outcome);
-            println!("{}: {}", r.verdict, r.explanation);
-            if !r.note.is_empty() {
-                println!("note: {}", r.note);
-            }
-        }
+        OutputFormat::Table => print!("{}", diagnose_source_table(r)),
     }
     Ok(())
+}
+
+/// `kvpn diagnose source`'s table: the values in one column, the outcome in
+/// words.
+fn diagnose_source_table(r: &crate::diagnose::SourceReport) -> String {
+    let show = |a: Option<std::net::SocketAddr>| a.map_or("-".to_owned(), |a| a.to_string());
+    let mut out = format!(
+        "{} to {} (traffic manager source policy {})\n",
+        r.protocol, r.target, r.policy
+    );
+    for (label, value) in [
+        ("laptop socket".to_owned(), show(r.laptop_source)),
+        (
+            "after decapsulation".to_owned(),
+            show(r.decapsulated_source),
+        ),
+        (
+            format!("manager pod egress ({})", r.egress_interface),
+            show(r.egress_source),
+        ),
+        ("backend saw".to_owned(), show(r.backend_source)),
+        ("outcome".to_owned(), r.outcome.to_string()),
+    ] {
+        out.push_str(&format!("  {label:<25} {value}\n"));
+    }
+    out.push_str(&format!("{}: {}\n", r.verdict, r.explanation));
+    if !r.note.is_empty() {
+        out.push_str(&format!("note: {}\n", r.note));
+    }
+    out
 }
 
 /// A warning, on stderr.
@@ -671,6 +678,49 @@ fn ebpf_lines(s: &Session) -> Vec<String> {
 mod tests {
     use super::*;
     use kvpn_proto::dataplane::Origin;
+
+    /// Every row of `kvpn diagnose source`'s table starts its value in one
+    /// column (the egress row was one out), and the outcome is in words, not
+    /// a Debug value.
+    #[test]
+    fn diagnose_table_aligns_values_and_words_the_outcome() {
+        use crate::diagnose::{Outcome, SourceReport};
+        let a = |s: &str| s.parse().ok();
+        let r = SourceReport {
+            protocol: "tcp",
+            target: "10.244.1.250:80".parse().expect("addr"),
+            policy: "snat".into(),
+            laptop_source: a("100.96.0.2:40000"),
+            decapsulated_source: a("100.96.0.2:40000"),
+            egress_source: None,
+            egress_interface: "eth0".into(),
+            backend_source: None,
+            outcome: Outcome::Unreachable { code: None },
+            verdict: "unreachable".into(),
+            explanation: "why".into(),
+            note: String::new(),
+        };
+        let table = diagnose_source_table(&r);
+        let rows: Vec<&str> = table.lines().filter(|l| l.starts_with("  ")).collect();
+        assert_eq!(rows.len(), 5, "{table}");
+        let columns: Vec<usize> = rows
+            .iter()
+            .map(|l| l.trim_end().rfind(' ').expect("a value") + 1)
+            .collect();
+        assert!(
+            columns.iter().all(|&c| c == columns[0]),
+            "{columns:?}\n{table}"
+        );
+        assert!(table.contains("  manager pod egress (eth0) -\n"), "{table}");
+        assert!(
+            table.contains("  outcome                   unreachable\n"),
+            "{table}"
+        );
+        assert!(
+            !table.contains("Unreachable") && !table.contains("code"),
+            "{table}"
+        );
+    }
 
     /// An unreadable `client-key` file: kube-rs's error nests four levels deep,
     /// each repeating the one below; the line says the cause once, the path in
