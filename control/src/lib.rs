@@ -429,8 +429,14 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
 
 async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
     // The user daemon first: it disconnects its sessions (both halves) and exits.
-    for id in userd::quit(runtime_dir).await? {
+    let (stopped, user_daemon) = userd::quit(runtime_dir).await?;
+    for id in stopped {
         output::done(&format!("Disconnected session {id}"));
+    }
+    match user_daemon {
+        Some(Some(pid)) => output::done(&format!("Stopped the user daemon (pid {pid})")),
+        Some(None) => output::done("Stopped the user daemon"),
+        None => {}
     }
     if let Some(mut client) = daemon::connect_existing(runtime_dir).await? {
         let resp = client

@@ -53,13 +53,15 @@ pub const PLAN_ENV: &str = "KVPN_SSH_PLAN";
 /// Flags of one SSH hop, as given on the command line or inside `--ssh-jump`.
 #[derive(Debug, Args, Clone, Default, PartialEq, Eq)]
 pub struct HopFlags {
-    /// SSH jump host for the API server, HOST[:PORT] (port 22 by default).
+    /// SSH host, HOST[:PORT] (port 22 by default): for `kvpn ssh` the host of the
+    /// shell, for `kvpn connect` the jump host that reaches the API server.
     #[arg(long, value_name = "HOST[:PORT]")]
     pub ssh_addr: Option<String>,
     /// SSH user (default: the config's User, else the current user).
-    #[arg(long, value_name = "USER")]
+    #[arg(long, value_name = "USER", value_parser = non_empty_user)]
     pub ssh_username: Option<String>,
-    /// SSH password (keys from ssh-agent and key files are tried first).
+    /// SSH password, tried before ssh-agent keys and key files (kept in the user
+    /// daemon's session record while connected; prefer keys).
     #[arg(long, value_name = "PASSWORD")]
     pub ssh_password: Option<String>,
     /// SSH private key file (a passphrase-protected one must be loaded in ssh-agent).
@@ -101,13 +103,134 @@ pub struct SshArgs {
     /// SSH config file for --ssh-alias and ProxyJump (default ~/.ssh/config).
     #[arg(long, env = "KVPN_SSH_CONFIG", value_name = "PATH")]
     pub ssh_config: Option<PathBuf>,
-    /// known_hosts file the jump hosts' keys are checked against (default ~/.ssh/known_hosts).
+    /// known_hosts file every SSH host's key is checked against, for all hops
+    /// (default ~/.ssh/known_hosts).
     #[arg(long, env = "KVPN_SSH_KNOWN_HOSTS", value_name = "PATH")]
     pub ssh_known_hosts: Option<PathBuf>,
-    /// Accept and record the key of a jump host not yet in known_hosts (a changed key
-    /// is always refused).
+    /// Accept and record the key of an SSH host (any hop) not yet in known_hosts (a
+    /// changed key is always refused).
     #[arg(long)]
     pub ssh_accept_new: bool,
+}
+
+/// `--ssh-username`'s value: a name, not empty.
+fn non_empty_user(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("the user name is empty — give the login name, e.g. --ssh-username ops".into());
+    }
+    Ok(s.to_owned())
+}
+
+/// Flags whose values are secrets, never echoed in messages or logs.
+const SECRET_FLAGS: [&str; 2] = ["--ssh-password", "--gssapi-password"];
+
+/// Flags shared by every hop: given once, outside `--ssh-jump`.
+const TOP_LEVEL_FLAGS: [&str; 3] = ["--ssh-known-hosts", "--ssh-accept-new", "--ssh-config"];
+
+/// `value` (an `--ssh-jump` string) with the values of [`SECRET_FLAGS`] replaced by
+/// `***`, nested `--ssh-jump` strings too; the secret values found are added to
+/// `secrets`.
+fn redact_jump(value: &str, secrets: &mut Vec<String>) -> String {
+    let Some(words) = shlex::split(value) else {
+        // Unbalanced quotes: words may be cut anywhere, so everything after the
+        // first secret flag goes.
+        let mut out = Vec::new();
+        for w in value.split_whitespace() {
+            let flag = w.split_once('=').map_or(w, |(f, _)| f);
+            if SECRET_FLAGS.contains(&flag) {
+                out.push(format!("{flag} ***"));
+                return out.join(" ");
+            }
+            out.push(w.to_owned());
+        }
+        return out.join(" ");
+    };
+    let mut out = Vec::with_capacity(words.len());
+    let mut it = words.into_iter();
+    while let Some(w) = it.next() {
+        if let Some((flag, v)) = w.split_once('=') {
+            if SECRET_FLAGS.contains(&flag) {
+                secrets.push(v.to_owned());
+                out.push(format!("{flag}=***"));
+                continue;
+            }
+            if flag == "--ssh-jump" {
+                out.push(format!("{flag}={}", redact_jump(v, secrets)));
+                continue;
+            }
+        }
+        let secret = SECRET_FLAGS.contains(&w.as_str());
+        let jump = w == "--ssh-jump";
+        out.push(w);
+        if secret {
+            if let Some(v) = it.next() {
+                secrets.push(v);
+                out.push("***".into());
+            }
+        } else if jump && let Some(v) = it.next() {
+            out.push(redact_jump(&v, secrets));
+        }
+    }
+    shlex::try_join(out.iter().map(String::as_str)).unwrap_or_else(|_| out.join(" "))
+}
+
+/// An `--ssh-jump` error that echoes `value` and `why` with their secrets redacted.
+fn bad_jump(value: &str, why: &str) -> Error {
+    let mut secrets = Vec::new();
+    let value = redact_jump(value, &mut secrets);
+    let mut why = why.to_owned();
+    for s in secrets.iter().filter(|s| !s.is_empty()) {
+        why = why.replace(s.as_str(), "***");
+    }
+    Error::BadJump { value, why }
+}
+
+/// Every explicitly given `--ssh-keyfile` of `flags` and its `--ssh-jump` chain (a
+/// default or config IdentityFile that does not exist is skipped later, as ssh does).
+fn check_keyfiles(flags: &HopFlags) -> Result<(), Error> {
+    if let Some(k) = &flags.ssh_keyfile {
+        check_keyfile(k)?;
+    }
+    // resolve_hops has parsed the chain already: a string that does not parse here
+    // was refused there.
+    let inner = flags
+        .ssh_jump
+        .as_deref()
+        .and_then(shlex::split)
+        .and_then(|words| JumpFlags::try_parse_from(words).ok());
+    match inner {
+        Some(j) => check_keyfiles(&j.hop),
+        None => Ok(()),
+    }
+}
+
+/// An explicitly given `--ssh-keyfile`: it must exist, be readable and be a private key.
+fn check_keyfile(path: &Path) -> Result<(), Error> {
+    let bad = |why: String| Error::KeyFile {
+        path: path.to_owned(),
+        why,
+    };
+    let mut head = [0u8; 64];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+        .map_err(|e| {
+            bad(if e.kind() == std::io::ErrorKind::NotFound {
+                "the file does not exist — give the path of your private key".into()
+            } else {
+                format!("cannot read it ({e}) — check the path and its permissions")
+            })
+        })?;
+    let head = String::from_utf8_lossy(&head[..n]);
+    let public = path.extension().is_some_and(|x| x == "pub")
+        || ["ssh-", "ecdsa-sha2-", "sk-"]
+            .iter()
+            .any(|p| head.starts_with(p));
+    if public {
+        return Err(bad(
+            "this is a public key; give the private key (the same path without .pub)".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// `--ssh-jump`'s value parsed as flags.
@@ -220,6 +343,8 @@ pub enum Error {
         "--ssh-jump {value:?}: {why} — give the previous hop's flags, e.g. --ssh-jump \"--ssh-addr bastion:22 --ssh-username ops\""
     )]
     BadJump { value: String, why: String },
+    #[error("--ssh-keyfile {}: {why}", path.display())]
+    KeyFile { path: PathBuf, why: String },
     #[error("ProxyJump cycle: {chain} — fix the ProxyJump lines of {config}")]
     Cycle { chain: String, config: String },
     #[error(
@@ -301,19 +426,26 @@ pub fn resolve_hops(
 ) -> Result<Vec<Hop>, Error> {
     let mut hops = match &flags.ssh_jump {
         Some(jump) => {
-            let words = shlex::split(jump).ok_or_else(|| Error::BadJump {
-                value: jump.clone(),
-                why: "unbalanced quotes".into(),
-            })?;
-            let parsed = JumpFlags::try_parse_from(words).map_err(|e| Error::BadJump {
-                value: jump.clone(),
-                why: e.to_string().lines().next().unwrap_or_default().to_owned(),
+            let words = shlex::split(jump).ok_or_else(|| bad_jump(jump, "unbalanced quotes"))?;
+            let top_level = words
+                .iter()
+                .map(|w| w.split_once('=').map_or(w.as_str(), |(f, _)| f))
+                .find(|w| TOP_LEVEL_FLAGS.contains(w));
+            let parsed = JumpFlags::try_parse_from(words.iter()).map_err(|e| {
+                let mut why = e.to_string().lines().next().unwrap_or_default().to_owned();
+                if let Some(flag) = top_level {
+                    why.push_str(&format!(
+                        " ({flag} is not a per-hop flag: give it once, outside --ssh-jump; \
+                         --ssh-known-hosts, --ssh-accept-new and --ssh-config apply to every hop)"
+                    ));
+                }
+                bad_jump(jump, &why)
             })?;
             if !parsed.hop.is_set() {
-                return Err(Error::BadJump {
-                    value: jump.clone(),
-                    why: "it names no host (--ssh-addr or --ssh-alias)".into(),
-                });
+                return Err(bad_jump(
+                    jump,
+                    "it names no host (--ssh-addr or --ssh-alias)",
+                ));
             }
             resolve_hops(&parsed.hop, lookup, default_user)?
         }
@@ -336,7 +468,12 @@ pub fn resolve_hops(
         let (user, host, port) = parse_destination(addr).ok_or_else(|| Error::BadFlag {
             flag: "--ssh-addr",
             value: addr.clone(),
-            why: "not HOST[:PORT] — e.g. bastion.example.com:22 or 10.0.0.5".into(),
+            why: match addr.rsplit_once(':').map(|(_, p)| p.parse::<u64>()) {
+                Some(Ok(p)) if !(1..=65535).contains(&p) && addr.matches(':').count() == 1 => {
+                    format!("port {p} is out of range 1–65535 — e.g. bastion.example.com:22")
+                }
+                _ => "not HOST[:PORT] — e.g. bastion.example.com:22 or 10.0.0.5".into(),
+            },
         })?;
         // An address is still looked up (like `ssh host`): the config may give its
         // User, Port or IdentityFile; its ProxyJump is not followed (--ssh-jump is).
@@ -453,10 +590,10 @@ pub fn resolve_plan(
 ) -> Result<Option<SshPlan>, Error> {
     if !args.hop.is_set() {
         if let Some(j) = &args.hop.ssh_jump {
-            return Err(Error::BadJump {
-                value: j.clone(),
-                why: "--ssh-jump needs --ssh-addr or --ssh-alias for the last hop".into(),
-            });
+            return Err(bad_jump(
+                j,
+                "--ssh-jump needs --ssh-addr or --ssh-alias for the last hop",
+            ));
         }
         return Ok(None);
     }
@@ -471,6 +608,7 @@ pub fn resolve_plan(
         }
         _ => resolve_hops(&args.hop, &NoConfig, default_user)?,
     };
+    check_keyfiles(&args.hop)?;
     let known_hosts = args
         .ssh_known_hosts
         .clone()
@@ -752,7 +890,20 @@ mod tests {
             ..Default::default()
         };
         let e = resolve_hops(&bad, &NoConfig, Some("me")).expect_err("bad port");
+        assert!(
+            e.to_string().contains("port 99999 is out of range 1–65535"),
+            "{e}"
+        );
+        let bad = HopFlags {
+            ssh_addr: Some("host:x".into()),
+            ..Default::default()
+        };
+        let e = resolve_hops(&bad, &NoConfig, Some("me")).expect_err("bad port");
         assert!(e.to_string().contains("HOST[:PORT]"), "{e}");
+        assert!(
+            JumpFlags::try_parse_from(["--ssh-addr", "h", "--ssh-username", ""]).is_err(),
+            "an empty user name must be refused"
+        );
         let bad_jump = HopFlags {
             ssh_addr: Some("h".into()),
             ssh_jump: Some("--ssh-username x".into()),
@@ -782,6 +933,137 @@ mod tests {
         )
         .expect("user from the flag");
         assert_eq!(named[0].user, "ops");
+    }
+
+    fn jump_error(jump: &str) -> String {
+        let flags = HopFlags {
+            ssh_addr: Some("10.3.0.2".into()),
+            ssh_jump: Some(jump.into()),
+            ..Default::default()
+        };
+        resolve_hops(&flags, &NoConfig, Some("me"))
+            .expect_err("a bad --ssh-jump")
+            .to_string()
+    }
+
+    #[test]
+    fn ssh_jump_errors_never_echo_passwords() {
+        for (jump, secrets) in [
+            (
+                "--ssh-addr b --ssh-password s3cret --gssapi-password k5pw --gssapi-cache /x",
+                &["s3cret", "k5pw"][..],
+            ),
+            (
+                "--ssh-addr b --ssh-password=s3cret --gssapi-password='k5 pw' --gssapi-cache /x",
+                &["s3cret", "k5 pw"][..],
+            ),
+            // The error is the outer one, echoing the nested string.
+            (
+                "--ssh-addr b --bogus --ssh-jump \"--ssh-addr a --ssh-password nestedpw\"",
+                &["nestedpw"][..],
+            ),
+            (
+                "--ssh-addr b --ssh-password \"pa55 w0rd",
+                &["pa55", "w0rd"][..],
+            ),
+            // clap echoes a repeated value.
+            (
+                "--ssh-addr b --ssh-password pw1 --ssh-password pw2",
+                &["pw1", "pw2"][..],
+            ),
+        ] {
+            let e = jump_error(jump);
+            assert!(e.starts_with("--ssh-jump"), "{e}");
+            assert!(e.contains("***"), "{e}");
+            for s in secrets {
+                assert!(!e.contains(s), "{s:?} echoed: {e}");
+            }
+        }
+        // The nested hop's own error is redacted too.
+        let e = jump_error("--ssh-addr b --ssh-jump \"--ssh-username u --gssapi-password=inner\"");
+        assert!(!e.contains("inner"), "{e}");
+    }
+
+    #[test]
+    fn ssh_jump_says_the_shared_flags_apply_to_every_hop() {
+        let e = jump_error("--ssh-addr b --ssh-known-hosts /t/kh");
+        assert!(e.contains("--ssh-known-hosts is not a per-hop flag"), "{e}");
+        assert!(e.contains("apply to every hop"), "{e}");
+        let e = jump_error("--ssh-addr b --ssh-accept-new");
+        assert!(e.contains("--ssh-accept-new is not a per-hop flag"), "{e}");
+    }
+
+    #[test]
+    fn an_explicit_keyfile_must_exist_and_be_private_naming_it() {
+        let dir = std::env::temp_dir().join(format!("kvpn-keyfile-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let public = dir.join("id_ed25519.pub");
+        std::fs::write(&public, "ssh-ed25519 AAAAC3Nza me@laptop\n").expect("write");
+        let public_named_private = dir.join("id_other");
+        std::fs::write(&public_named_private, "ssh-ed25519 AAAAC3Nza me@laptop\n").expect("write");
+        let private = dir.join("id_ed25519");
+        std::fs::write(&private, "-----BEGIN OPENSSH PRIVATE KEY-----\n").expect("write");
+        // The key of the first hop of a chain, inside --ssh-jump.
+        let hop = |k: &Path| SshArgs {
+            hop: HopFlags {
+                ssh_addr: Some("h".into()),
+                ssh_jump: Some(format!(
+                    "--ssh-addr j --ssh-keyfile {}",
+                    shlex::try_quote(&k.to_string_lossy()).expect("quotable")
+                )),
+                ..Default::default()
+            },
+            ssh_known_hosts: Some("/t/kh".into()),
+            ..Default::default()
+        };
+        let resolve =
+            |a: &SshArgs| resolve_plan(a, None, Some("me")).map(|p| p.expect("a plan").hops);
+        let missing = dir.join("nonexistent");
+        let e = resolve(&hop(&missing))
+            .expect_err("missing key file")
+            .to_string();
+        let results = [
+            (e.clone(), missing.display().to_string(), "does not exist"),
+            (
+                resolve(&hop(&public)).expect_err("public key").to_string(),
+                public.display().to_string(),
+                "this is a public key; give the private key",
+            ),
+            (
+                resolve(&hop(&public_named_private))
+                    .expect_err("public key")
+                    .to_string(),
+                public_named_private.display().to_string(),
+                "this is a public key",
+            ),
+        ];
+        let ok = resolve(&hop(&private));
+        let _ = std::fs::remove_dir_all(&dir);
+        for (e, path, why) in results {
+            assert!(e.contains(&path) && e.contains(why), "{e}");
+        }
+        assert_eq!(ok.expect("a private key file")[0].identity_files, [private]);
+    }
+
+    #[test]
+    fn ssh_help_fits_both_kvpn_ssh_and_connect_and_tells_the_real_login_order() {
+        use clap::Args as _;
+        let help = SshArgs::augment_args(clap::Command::new("ssh"))
+            .render_long_help()
+            .to_string()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(!help.contains("jump host for the API server"), "{help}");
+        assert!(!help.contains("jump hosts' keys"), "{help}");
+        assert!(
+            help.contains("for `kvpn ssh` the host of the shell"),
+            "{help}"
+        );
+        assert!(
+            help.contains("tried before ssh-agent keys and key files"),
+            "{help}"
+        );
     }
 
     #[test]

@@ -250,10 +250,11 @@ pub fn pid(paths: &Paths) -> Option<i32> {
 }
 
 /// `kvpn quit`'s part: ask a running user daemon to disconnect its sessions
-/// and exit, and wait until it did. Returns the stopped session ids. Without a
-/// running daemon, forgets the sessions it would restore (the root daemon,
-/// stopped next, takes their other halves down).
-pub async fn quit(root_runtime_dir: &Path) -> Result<Vec<String>> {
+/// and exit, and wait until it did. Returns the stopped session ids and, when a
+/// user daemon ran, its pid (`Some(None)` when its pid file was unreadable).
+/// Without a running daemon, forgets the sessions it would restore (the root
+/// daemon, stopped next, takes their other halves down).
+pub async fn quit(root_runtime_dir: &Path) -> Result<(Vec<String>, Option<Option<i32>>)> {
     let paths = Paths::current(root_runtime_dir);
     let Some(mut client) = connect_existing(&paths).await? else {
         let store = store(&paths)?;
@@ -262,7 +263,7 @@ pub async fn quit(root_runtime_dir: &Path) -> Result<Vec<String>> {
                 .clear()
                 .with_context(|| format!("cannot remove {}", store.dir().display()))?;
         }
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     };
     let pid = pid(&paths);
     let stopped = client
@@ -284,7 +285,7 @@ pub async fn quit(root_runtime_dir: &Path) -> Result<Vec<String>> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(stopped)
+    Ok((stopped, Some(pid)))
 }
 
 /// The last `n` lines of the file at `path`, for an error message.

@@ -23,7 +23,7 @@ use russh::client::{self, Handle};
 use russh::keys::agent::AgentIdentity;
 use russh::keys::agent::client::AgentClient;
 use russh::keys::{PrivateKey, PrivateKeyWithHashAlg, PublicKey, PublicKeyOrCertificate};
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use super::known_hosts::{self, KnownHosts, Verdict};
 use super::{Hop, SshPlan};
@@ -60,7 +60,7 @@ pub enum ConnectError {
         known_hosts: String,
     },
     #[error(
-        "HOST KEY OF {hop} HAS CHANGED: it showed a {key_type} key {fingerprint}, but \
+        "HOST KEY OF {hop} HAS CHANGED: it showed an {key_type} key {fingerprint}, but \
          {known_hosts}:{line} lists another {expected} key for it — someone may be \
          intercepting the connection; if the host was really re-keyed, remove line {line} \
          of {known_hosts}"
@@ -74,8 +74,8 @@ pub enum ConnectError {
         line: usize,
     },
     #[error(
-        "SSH host {hop} showed a {key_type} key ({fingerprint}) but {known_hosts}:{line} \
-         lists only a {listed} key for it — refusing; if the host was re-keyed, fix line \
+        "SSH host {hop} showed an {key_type} key ({fingerprint}) but {known_hosts}:{line} \
+         lists only an {listed} key for it — refusing; if the host was re-keyed, fix line \
          {line} of {known_hosts}"
     )]
     HostKeyOtherType {
@@ -171,7 +171,7 @@ impl HostKeyCheck {
                     known_hosts: kh.clone(),
                     cause: e.to_string(),
                 })?;
-                warn!(hop = %self.hop, %fingerprint, "recorded the new host key in {kh} (--ssh-accept-new)");
+                info!(hop = %self.hop, %fingerprint, "recorded the new host key in {kh} (--ssh-accept-new)");
                 Ok(())
             }
             Verdict::Unknown => Err(ConnectError::UnknownHost {
@@ -655,4 +655,24 @@ async fn kerberos(
         None => debug!(hop = %name, "the server refused the Kerberos login"),
     }
     Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_key_messages_say_an_before_ssh_key_types() {
+        let e = ConnectError::HostKeyOtherType {
+            hop: "b".into(),
+            key_type: "ssh-ed25519".into(),
+            fingerprint: "SHA256:x".into(),
+            listed: "ecdsa-sha2-nistp256".into(),
+            known_hosts: "/t/kh".into(),
+            line: 3,
+        }
+        .to_string();
+        assert!(e.contains("showed an ssh-ed25519 key"), "{e}");
+        assert!(e.contains("lists only an ecdsa-sha2-nistp256 key"), "{e}");
+    }
 }

@@ -88,6 +88,47 @@ impl Creds {
     }
 }
 
+/// What to check when acquiring `creds` for `principal` failed with `cause`: the
+/// library's minor status text decides (an unreachable KDC is no wrong password).
+fn fix_for(creds: Option<&Creds>, principal: &str, cause: &str) -> String {
+    let lower = cause.to_ascii_lowercase();
+    let unreachable = [
+        "cannot contact any kdc",
+        "unable to reach any kdc",
+        "cannot find kdc",
+        "resource temporarily unavailable",
+        "connection refused",
+        "cannot resolve network address",
+    ]
+    .iter()
+    .any(|s| lower.contains(s));
+    if unreachable && matches!(creds, Some(Creds::Password(_) | Creds::Keytab(_))) {
+        let realm = principal
+            .rsplit_once('@')
+            .map_or("the default realm", |(_, r)| r);
+        return format!(
+            "no KDC of realm {realm} could be reached: check the kdc lines of {realm} under \
+             [realms] in krb5.conf (or the file KRB5_CONFIG names) and that the KDC answers"
+        );
+    }
+    let bad_password = [
+        "preauthentication failed",
+        "password incorrect",
+        "integrity check",
+    ]
+    .iter()
+    .any(|s| lower.contains(s));
+    match creds {
+        Some(Creds::Password(_)) if bad_password => {
+            "the password is wrong for this principal — check it and that --ssh-username \
+             is the principal"
+                .into()
+        }
+        Some(c) => c.fix().into(),
+        None => "run `kinit` or pass a --gssapi-* flag".into(),
+    }
+}
+
 /// A Kerberos failure: the principal (or cache), where the credentials came from,
 /// the library's cause and what to check.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -131,11 +172,24 @@ pub fn acquire(
     let fail = |principal: &str, cause: String| KrbError {
         principal: principal.to_owned(),
         source_flag: source_flag.clone(),
+        fix: fix_for(creds, user_principal, &cause),
         cause,
-        fix: creds
-            .map_or("run `kinit` or pass a --gssapi-* flag", Creds::fix)
-            .into(),
     };
+    if let Some(Creds::Keytab(path)) = creds {
+        // The library says only "No credentials cache found" for a missing keytab.
+        if let Err(e) = std::fs::File::open(path) {
+            return Err(KrbError {
+                principal: user_principal.to_owned(),
+                source_flag: source_flag.clone(),
+                cause: if e.kind() == std::io::ErrorKind::NotFound {
+                    format!("the keytab {} does not exist", path.display())
+                } else {
+                    format!("cannot read the keytab {}: {e}", path.display())
+                },
+                fix: "give the path of a keytab readable by you (`klist -k PATH` lists it)".into(),
+            });
+        }
+    }
     let krb5_only =
         OidSet::singleton(GSS_MECH_KRB5).map_err(|e| fail(user_principal, e.to_string()))?;
     let cred = match creds {
@@ -366,6 +420,41 @@ mod tests {
             KRB5_MECH_DER[..2],
             [0x06, u8::try_from(body.len()).unwrap_or(0)]
         );
+    }
+
+    #[test]
+    fn a_keytab_that_does_not_exist_is_named_before_gssapi_is_asked() {
+        let path = PathBuf::from("/nonexistent/kvpn-user.keytab");
+        let e = acquire(Some(&Creds::Keytab(path)), None, "root")
+            .err()
+            .expect("no keytab, no credentials");
+        let text = e.to_string();
+        assert!(
+            text.contains("the keytab /nonexistent/kvpn-user.keytab does not exist"),
+            "{text}"
+        );
+        assert!(!text.contains("No credentials cache"), "{text}");
+    }
+
+    #[test]
+    fn the_kerberos_hint_follows_the_cause_not_the_flag() {
+        let pw = Creds::Password("x".into());
+        let unreachable = fix_for(
+            Some(&pw),
+            "alice@LAB.KVPN",
+            "Cannot contact any KDC for realm 'LAB.KVPN' (Resource temporarily unavailable)",
+        );
+        assert!(unreachable.contains("realm LAB.KVPN"), "{unreachable}");
+        assert!(unreachable.contains("KRB5_CONFIG"), "{unreachable}");
+        assert!(!unreachable.contains("password"), "{unreachable}");
+        let wrong = fix_for(Some(&pw), "alice@LAB.KVPN", "Preauthentication failed");
+        assert!(wrong.contains("password is wrong"), "{wrong}");
+        let cache = fix_for(
+            Some(&Creds::Cache("/t/cc".into())),
+            "p@R",
+            "No credentials cache found",
+        );
+        assert!(cache.contains("kinit -c PATH"), "{cache}");
     }
 
     #[test]
