@@ -142,8 +142,10 @@ fn laptop_output(lab: &Lab, args: &[&str]) -> Result<String> {
 
 /// `iperf3 -J <args>` from the laptop netns; returns its JSON. An iperf3 server runs
 /// one test at a time and may still be closing the previous one when the next client
-/// arrives ("the server is busy running a test"): that answer is retried, at most 10
-/// times 300 ms apart; every other error is not.
+/// arrives: it answers "the server is busy running a test", or, between closing and
+/// reopening its listening socket, refuses the connection ("unable to connect to
+/// server: Connection refused", seen once through port-forward in CI). Those two
+/// answers are retried, at most 10 times 300 ms apart; every other error is not.
 fn iperf3_json(
     lab: &Lab,
     args: &[&str],
@@ -159,7 +161,7 @@ fn iperf3_json(
         let json = String::from_utf8_lossy(&out.stdout).into_owned();
         match parse(&json) {
             Ok(()) if out.status.success() => return Ok(json),
-            Err(e) if e.contains("server is busy") && tries < 10 => {
+            Err(e) if retryable(&e) && tries < 10 => {
                 std::thread::sleep(Duration::from_millis(300));
             }
             Err(e) => bail!(
@@ -172,6 +174,12 @@ fn iperf3_json(
             ),
         }
     }
+}
+
+/// An iperf3 error that a server between two tests gives (see [`iperf3_json`]).
+fn retryable(error: &str) -> bool {
+    error.contains("server is busy")
+        || (error.contains("unable to connect to server") && error.contains("Connection refused"))
 }
 
 /// TCP throughput (receiver side, Gbit/s) with `streams` streams, up or down (`-R`).
@@ -399,7 +407,7 @@ impl Bench {
             let json = String::from_utf8_lossy(&out.stdout);
             match iperf3_receiver_gbps(&json) {
                 Ok(_) if out.status.success() => return rtt,
-                Err(e) if e.contains("server is busy") && tries < 10 => {
+                Err(e) if retryable(&e) && tries < 10 => {
                     std::thread::sleep(Duration::from_millis(300));
                 }
                 Err(e) => bail!("iperf3 under the busy RTT: {e}"),
@@ -1166,4 +1174,25 @@ fn main() -> Result<()> {
         print!("{}", kvpn_bench::compare(&old, &rows));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::retryable;
+
+    #[test]
+    fn only_a_server_between_two_tests_is_retried() {
+        assert!(retryable(
+            "iperf3: the server is busy running a test. try again later"
+        ));
+        assert!(retryable(
+            "iperf3: unable to connect to server: Connection refused"
+        ));
+        assert!(!retryable(
+            "iperf3: unable to connect to server: No route to host"
+        ));
+        assert!(!retryable(
+            "iperf3: error - control socket has closed unexpectedly"
+        ));
+    }
 }
