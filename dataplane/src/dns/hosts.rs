@@ -327,10 +327,14 @@ impl HostsFile {
             (None, _) => Restored::NothingToDo,
         };
         if backup.is_some() {
-            match fs::remove_file(self.backup_path()) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(resolv_conf::io("cannot remove", self.backup_path())(e)),
+            // Both copies: the runtime one and the persistent one (a stale
+            // persistent copy would be read as this file's backup after a reboot).
+            for file in std::iter::once(self.backup_path()).chain(self.file.persistent_path()) {
+                match fs::remove_file(file) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(resolv_conf::io("cannot remove", file)(e)),
+                }
             }
         }
         if outcome != Restored::NothingToDo {
@@ -476,6 +480,23 @@ mod tests {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).expect("scratch dir");
         dir
+    }
+
+    #[test]
+    fn restore_removes_the_persistent_copy_too() {
+        let dir = scratch("persistent");
+        let state = dir.join("state");
+        fs::create_dir_all(&state).expect("state dir");
+        let path = dir.join("hosts");
+        fs::write(&path, EDGE_CASES[1]).expect("write");
+        let hosts = HostsFile::new(&path, &dir).with_persistent_copy(&state);
+        hosts.apply(&web()).expect("apply");
+        let copies = || fs::read_dir(&state).expect("read state").count();
+        assert_eq!(copies(), 1, "a persistent copy is kept while connected");
+        assert_eq!(hosts.restore().expect("restore"), Restored::Original);
+        assert_eq!(fs::read(&path).expect("read"), EDGE_CASES[1]);
+        assert_eq!(copies(), 0, "the persistent copy goes with the runtime one");
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
