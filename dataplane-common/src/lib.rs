@@ -197,8 +197,12 @@ pub const SNAT_PORTS_EXHAUSTED: u32 = 3;
 /// TCP, UDP or ICMP echo; a non-first IP fragment; a truncated header): dropped, so
 /// no tunnel IP leaves the pod.
 pub const SNAT_UNTRANSLATABLE: u32 = 4;
+/// SNAT counter slot: ICMP errors (destination unreachable, time exceeded, parameter
+/// problem) about a translated flow, rewritten back to the laptop's tunnel IP and
+/// original port (outer destination and the quoted inner header).
+pub const SNAT_ICMP_ERRORS_IN: u32 = 5;
 /// Number of SNAT counter slots.
-pub const SNAT_SLOTS: u32 = 5;
+pub const SNAT_SLOTS: u32 = 6;
 
 /// [`SnatForward::state`] / [`SnatReverse::state`] bit: a TCP FIN or RST was seen, so
 /// the flow expires after the short idle timeout.

@@ -20,6 +20,12 @@
 //! the pseudo-header, `BPF_F_PSEUDO_HDR`; a zero UDP checksum stays zero,
 //! `BPF_F_MARK_MANGLED_0`), ICMP without pseudo-header (RFC 792).
 //!
+//! ICMP errors about a translated flow (port unreachable, admin-prohibited,
+//! fragmentation needed, time exceeded, parameter problem) come to the pod IP and
+//! quote the translated header; [`kvpn_snat_in`] finds the flow by that quote and
+//! rewrites both the outer destination and the quote back (`translate_icmp_error`),
+//! so the laptop's socket gets its ECONNREFUSED / EHOSTUNREACH / PMTU update.
+//!
 //! Packets from the pool that cannot be translated (other protocols, ICMP other than
 //! echo, non-first fragments) are dropped and counted: none leaves with a tunnel IP.
 //! Everything else (the pod's own traffic) passes untouched. IPv4 only.
@@ -34,9 +40,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use kvpn_dataplane_common::{
-    CounterValue, SNAT_MAX_FLOWS, SNAT_NEW_FLOWS, SNAT_PORT_TRIES, SNAT_PORTS_EXHAUSTED,
-    SNAT_SLOTS, SNAT_STATE_CLOSING, SNAT_TRANSLATED_IN, SNAT_TRANSLATED_OUT, SNAT_UNTRANSLATABLE,
-    SnatConfig, SnatForward, SnatKey, SnatReverse,
+    CounterValue, SNAT_ICMP_ERRORS_IN, SNAT_MAX_FLOWS, SNAT_NEW_FLOWS, SNAT_PORT_TRIES,
+    SNAT_PORTS_EXHAUSTED, SNAT_SLOTS, SNAT_STATE_CLOSING, SNAT_TRANSLATED_IN, SNAT_TRANSLATED_OUT,
+    SNAT_UNTRANSLATABLE, SnatConfig, SnatForward, SnatKey, SnatReverse,
 };
 
 use crate::maps::add;
@@ -53,7 +59,13 @@ const PROTO_ICMP: u8 = 1;
 const PROTO_TCP: u8 = 6;
 const PROTO_UDP: u8 = 17;
 const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_DEST_UNREACHABLE: u8 = 3;
 const ICMP_ECHO_REQUEST: u8 = 8;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETER_PROBLEM: u8 = 12;
+/// ICMP error header (type, code, checksum, 4 bytes of type-specific data) before the
+/// quoted datagram (RFC 792).
+const ICMP_ERROR_HDR_LEN: usize = 8;
 const TCP_FIN: u8 = 0x01;
 const TCP_RST: u8 = 0x04;
 
@@ -367,6 +379,24 @@ pub fn kvpn_snat_in(ctx: TcContext) -> i32 {
     }
     let (key_src_port, key_dst_port, port_off) = match p.protocol {
         PROTO_ICMP if p.icmp_type == ICMP_ECHO_REPLY => (0, p.src_port, p.l4 + 4),
+        PROTO_ICMP
+            if matches!(
+                p.icmp_type,
+                ICMP_DEST_UNREACHABLE | ICMP_TIME_EXCEEDED | ICMP_PARAMETER_PROBLEM
+            ) =>
+        {
+            return match translate_icmp_error(&ctx, cfg, &p) {
+                Ok(true) => {
+                    count(SNAT_ICMP_ERRORS_IN, &ctx);
+                    PASS
+                }
+                Ok(false) => PASS,
+                Err(_) => {
+                    count(SNAT_UNTRANSLATABLE, &ctx);
+                    DROP
+                }
+            };
+        }
         PROTO_ICMP => return PASS,
         _ => (p.src_port, p.dst_port, p.l4 + 2),
     };
@@ -395,4 +425,148 @@ pub fn kvpn_snat_in(ctx: TcContext) -> i32 {
     }
     count(SNAT_TRANSLATED_IN, &ctx);
     PASS
+}
+
+/// An ICMP error to the pod IP about a translated flow (RFC 792: destination
+/// unreachable — port unreachable, fragmentation needed, administratively prohibited
+/// (RFC 1812 5.2.7.1) —, time exceeded, parameter problem), sent by the backend or
+/// a router on the way. It quotes the datagram as it left the pod: inner source pod
+/// IP:allocated port (ICMP echo: identifier), inner destination the backend; that
+/// inner header is the flow's reverse key read backwards. Rewritten like the pod
+/// had never been there, as the laptop's kernel must see it to match its socket
+/// (`icmp_err_convert` in net/ipv4/icmp.c, `__udp4_lib_err`, `tcp_v4_err`):
+/// - outer destination pod IP → tunnel IP (outer IP checksum; the ICMP checksum has
+///   no pseudo-header);
+/// - inner source pod IP → tunnel IP (inner IP checksum), inner source port or echo
+///   identifier → the laptop's;
+/// - the inner L4 checksum where the quote reaches it: UDP's and ICMP echo's sit in
+///   the first 8 bytes RFC 792 guarantees; TCP's (offset 16) only when the quote is
+///   longer (Linux quotes up to 576 bytes), otherwise it is not in the packet and
+///   nobody can check it. A zero UDP checksum (none) stays zero;
+/// - the ICMP checksum, which covers the whole quote: every 16-bit word changed
+///   above is folded into it incrementally (RFC 1624).
+///
+/// `Ok(false)`: not about a translated flow (the pod's own, or a quote too short
+/// to read): left untouched. `Err`: a rewrite helper failed half-way.
+#[inline(always)]
+fn translate_icmp_error(ctx: &TcContext, cfg: &SnatConfig, p: &Parsed) -> Result<bool, i64> {
+    let inner = p.l4 + ICMP_ERROR_HDR_LEN;
+    let Ok(
+        [
+            vihl,
+            _tos,
+            _l0,
+            _l1,
+            _id0,
+            _id1,
+            frag0,
+            frag1,
+            _ttl,
+            protocol,
+        ],
+    ) = ctx.load::<[u8; 10]>(inner)
+    else {
+        return Ok(false);
+    };
+    let (Ok(inner_src), Ok(inner_dst)) = (
+        ctx.load::<[u8; 4]>(inner + 12),
+        ctx.load::<[u8; 4]>(inner + 16),
+    ) else {
+        return Ok(false);
+    };
+    let ihl = usize::from(vihl & 0x0f) * 4;
+    // A quoted non-first fragment has no ports to find the flow by.
+    if vihl >> 4 != 4
+        || ihl < 20
+        || inner_src != cfg.pod_ip
+        || (u16::from(frag0 & 0x1f) << 8 | u16::from(frag1)) != 0
+    {
+        return Ok(false);
+    }
+    let il4 = inner + ihl;
+    // Where the quoted source port (echo: identifier) and L4 checksum sit, and the
+    // reverse key's ports (the reply's view: backend port → allocated port).
+    let (port_off, csum_off, key_src_port) = match protocol {
+        PROTO_TCP | PROTO_UDP => {
+            let Ok(dport) = ctx.load::<u16>(il4 + 2) else {
+                return Ok(false);
+            };
+            (il4, il4 + if protocol == PROTO_TCP { 16 } else { 6 }, dport)
+        }
+        PROTO_ICMP => {
+            let Ok(t) = ctx.load::<u8>(il4) else {
+                return Ok(false);
+            };
+            if t != ICMP_ECHO_REQUEST {
+                return Ok(false);
+            }
+            (il4 + 4, il4 + 2, 0)
+        }
+        _ => return Ok(false),
+    };
+    let Ok(old_port) = ctx.load::<u16>(port_off) else {
+        return Ok(false);
+    };
+    let key = SnatKey {
+        protocol,
+        reserved: [0; 3],
+        src: inner_dst,
+        dst: cfg.pod_ip,
+        src_port: key_src_port,
+        dst_port: old_port,
+    };
+    let Some(rev) = KVPN_SNAT_REV.get_ptr(&key) else {
+        return Ok(false);
+    };
+    // SAFETY: a map value pointer, valid during the program; read once. An error does
+    // not refresh the flow's stamp: only traffic keeps a flow alive.
+    let (addr, new_port) = unsafe { ((*rev).addr, (*rev).port) };
+    let old_ip = u64::from(u32::from_ne_bytes(cfg.pod_ip));
+    let new_ip = u64::from(u32::from_ne_bytes(addr));
+    let icmp_csum = p.l4 + 2;
+
+    // Inner IP header: source and its checksum.
+    let inner_csum_off = inner + 10;
+    let old_inner_csum: u16 = ctx.load(inner_csum_off)?;
+    ctx.store(inner + 12, &addr, 0)?;
+    ctx.l3_csum_replace(inner_csum_off, old_ip, new_ip, 4)?;
+    let new_inner_csum: u16 = ctx.load(inner_csum_off)?;
+    ctx.l4_csum_replace(icmp_csum, old_ip, new_ip, 4)?;
+    ctx.l4_csum_replace(
+        icmp_csum,
+        u64::from(old_inner_csum),
+        u64::from(new_inner_csum),
+        2,
+    )?;
+
+    // Inner L4: the port, and its checksum if quoted (and, for UDP, in use).
+    ctx.store(port_off, &new_port, 0)?;
+    ctx.l4_csum_replace(icmp_csum, u64::from(old_port), u64::from(new_port), 2)?;
+    if let Ok(old_l4_csum) = ctx.load::<u16>(csum_off)
+        && !(protocol == PROTO_UDP && old_l4_csum == 0)
+    {
+        let mangled = if protocol == PROTO_UDP {
+            u64::from(BPF_F_MARK_MANGLED_0)
+        } else {
+            0
+        };
+        // The inner checksum field is plain data to the skb's own checksum state
+        // (no BPF_F_PSEUDO_HDR): the pseudo-header it covers is the quoted one.
+        if protocol != PROTO_ICMP {
+            ctx.l4_csum_replace(csum_off, old_ip, new_ip, mangled | 4)?;
+        }
+        ctx.l4_csum_replace(
+            csum_off,
+            u64::from(old_port),
+            u64::from(new_port),
+            mangled | 2,
+        )?;
+        let new_l4_csum: u16 = ctx.load(csum_off)?;
+        ctx.l4_csum_replace(icmp_csum, u64::from(old_l4_csum), u64::from(new_l4_csum), 2)?;
+    }
+
+    // Outer destination: the laptop's tunnel IP.
+    ctx.store(IP_DST, &addr, 0)?;
+    ctx.l3_csum_replace(IP_CSUM, old_ip, new_ip, 4)?;
+    Ok(true)
 }

@@ -120,7 +120,10 @@ fn check(f: &[u8]) -> Seen {
         p.extend_from_slice(&(l4.len() as u16).to_be_bytes());
         sum(&p, 0)
     };
-    assert_eq!(fold(sum(l4, pseudo)), 0, "L4 checksum of protocol {proto}");
+    // A zero UDP checksum means "none" (RFC 768).
+    if !(proto == UDP && l4[6..8] == [0, 0]) {
+        assert_eq!(fold(sum(l4, pseudo)), 0, "L4 checksum of protocol {proto}");
+    }
     let word = |at: usize| u16::from_be_bytes([l4[at], l4[at + 1]]);
     if proto == ICMP {
         Seen {
@@ -265,4 +268,227 @@ fn ports_run_out_per_destination_and_expire() {
         &frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40002, 53)),
     );
     assert_eq!(a, TcAction::Pass);
+}
+
+/// An ICMP error `from -> POD` (type `icmp_type`, code `code`, 4 bytes `rest`) quoting
+/// the IP packet of `quoted` (an Ethernet frame the egress program emitted), cut to its
+/// IP header plus `quote_l4` bytes of L4 header (RFC 792 guarantees 8; Linux quotes
+/// up to 576 bytes).
+fn icmp_error(
+    from: Ipv4Addr,
+    icmp_type: u8,
+    code: u8,
+    rest: [u8; 4],
+    quoted: &[u8],
+    quote_l4: usize,
+) -> Vec<u8> {
+    let ip = &quoted[14..];
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    let mut l4 = vec![icmp_type, code, 0, 0];
+    l4.extend_from_slice(&rest);
+    l4.extend_from_slice(&ip[..(ihl + quote_l4).min(ip.len())]);
+    frame(ICMP, from, POD, l4)
+}
+
+/// What a rewritten ICMP error says, after checking the outer IP checksum, the ICMP
+/// checksum over the whole message, the quoted IP header's checksum and — if the
+/// quote holds all of it — the quoted L4 checksum (over the quoted datagram's
+/// pseudo-header; the quote must hold the whole datagram for that).
+struct SeenError {
+    outer_src: Ipv4Addr,
+    outer_dst: Ipv4Addr,
+    icmp_type: u8,
+    code: u8,
+    rest: [u8; 4],
+    inner_src: Ipv4Addr,
+    inner_dst: Ipv4Addr,
+    inner_sport: u16,
+    inner_dport: u16,
+    /// The quoted L4 checksum field, if quoted.
+    inner_l4_csum: Option<u16>,
+}
+
+fn check_error(f: &[u8]) -> SeenError {
+    let ip = &f[14..34];
+    assert_eq!(fold(sum(ip, 0)), 0, "outer IPv4 header checksum");
+    assert_eq!(ip[9], ICMP);
+    let icmp = &f[34..];
+    assert_eq!(
+        fold(sum(icmp, 0)),
+        0,
+        "ICMP checksum over the whole message"
+    );
+    let inner = &icmp[8..];
+    assert_eq!(fold(sum(&inner[..20], 0)), 0, "quoted IPv4 header checksum");
+    let l4 = &inner[20..];
+    let proto = inner[9];
+    let word = |at: usize| u16::from_be_bytes([l4[at], l4[at + 1]]);
+    let csum_at = match proto {
+        TCP => 16,
+        UDP => 6,
+        _ => 2,
+    };
+    let (sport, dport) = if proto == ICMP {
+        (word(4), 0)
+    } else {
+        (word(0), word(2))
+    };
+    let addr = |b: &[u8]| Ipv4Addr::new(b[0], b[1], b[2], b[3]);
+    SeenError {
+        outer_src: addr(&ip[12..16]),
+        outer_dst: addr(&ip[16..20]),
+        icmp_type: icmp[0],
+        code: icmp[1],
+        rest: [icmp[4], icmp[5], icmp[6], icmp[7]],
+        inner_src: addr(&inner[12..16]),
+        inner_dst: addr(&inner[16..20]),
+        inner_sport: sport,
+        inner_dport: dport,
+        inner_l4_csum: (l4.len() >= csum_at + 2).then(|| word(csum_at)),
+    }
+}
+
+/// The checksum the laptop's own packet `f` (as it left the laptop) carries in its
+/// L4 header, to compare with a fully quoted, translated-back one.
+fn l4_csum_of(f: &[u8]) -> u16 {
+    let l4 = &f[34..];
+    let at = match f[14 + 9] {
+        TCP => 16,
+        UDP => 6,
+        _ => 2,
+    };
+    u16::from_be_bytes([l4[at], l4[at + 1]])
+}
+
+/// [preserve] issue 9, ebpf-snat: ICMP errors about a translated flow — port
+/// unreachable, administratively prohibited, fragmentation needed (with its next-hop
+/// MTU), time exceeded from a router on the way — come back addressed to the laptop,
+/// quoting the laptop's own packet (tunnel IP and original port/identifier) with
+/// every checksum valid; errors about the pod's own flows are left alone.
+#[test]
+fn icmp_errors_about_translated_flows_go_back_to_the_laptop() {
+    let s = snat(61000..=65535);
+    let router = Ipv4Addr::new(10, 244, 0, 1);
+    // (laptop packet, ICMP sender, type, code, rest, quoted L4 bytes)
+    let udp_out = frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40000, 53));
+    let tcp_out = frame(TCP, LAPTOP, BACKEND, ports_l4(TCP, 40001, 80));
+    let echo_out = frame(ICMP, LAPTOP, BACKEND, echo(8, 0x1234));
+    let mut udp_no_csum = ports_l4(UDP, 40002, 9);
+    udp_no_csum[6..8].copy_from_slice(&[0, 0]);
+    let mut udp_no_csum_out = frame(UDP, LAPTOP, BACKEND, udp_no_csum);
+    // `frame` filled a checksum in; a zero one means "none" (RFC 768).
+    udp_no_csum_out[34 + 6..34 + 8].copy_from_slice(&[0, 0]);
+    let cases: [(&str, &[u8], Ipv4Addr, u8, u8, [u8; 4], usize); 7] = [
+        ("UDP port unreachable", &udp_out, BACKEND, 3, 3, [0; 4], 64),
+        (
+            "UDP admin-prohibited, 8-byte quote",
+            &udp_out,
+            BACKEND,
+            3,
+            13,
+            [0; 4],
+            8,
+        ),
+        (
+            "UDP without checksum, port unreachable",
+            &udp_no_csum_out,
+            BACKEND,
+            3,
+            3,
+            [0; 4],
+            64,
+        ),
+        (
+            "TCP frag needed, MTU 1400, full quote",
+            &tcp_out,
+            router,
+            3,
+            4,
+            [0, 0, 0x05, 0x78],
+            64,
+        ),
+        (
+            "TCP host unreachable, 8-byte quote (no checksum quoted)",
+            &tcp_out,
+            BACKEND,
+            3,
+            1,
+            [0; 4],
+            8,
+        ),
+        ("TCP time exceeded", &tcp_out, router, 11, 0, [0; 4], 64),
+        (
+            "ICMP echo admin-prohibited",
+            &echo_out,
+            BACKEND,
+            3,
+            13,
+            [0; 4],
+            64,
+        ),
+    ];
+    for (name, out, from, icmp_type, code, rest, quote) in cases {
+        let (action, translated) = run(&s, false, out);
+        assert_eq!(action, TcAction::Pass, "{name}: the flow is translated");
+        let t = check(&translated);
+        assert_eq!(t.src, POD);
+        let err = icmp_error(from, icmp_type, code, rest, &translated, quote);
+        let (action, back) = run(&s, true, &err);
+        assert_eq!(action, TcAction::Pass, "{name}");
+        assert_ne!(back, err, "{name}: rewritten");
+        let e = check_error(&back);
+        let laptop = check(out);
+        assert_eq!(
+            (e.outer_src, e.outer_dst, e.icmp_type, e.code, e.rest),
+            (from, LAPTOP, icmp_type, code, rest),
+            "{name}: outer header to the laptop, type/code/MTU unchanged"
+        );
+        assert_eq!(
+            (e.inner_src, e.inner_dst, e.inner_sport, e.inner_dport),
+            (LAPTOP, BACKEND, laptop.sport, laptop.dport),
+            "{name}: the quote is the laptop's own packet"
+        );
+        let proto = out[14 + 9];
+        let quoted_csum = if proto == TCP {
+            16
+        } else if proto == UDP {
+            6
+        } else {
+            2
+        };
+        if quote >= quoted_csum + 2 {
+            // The quote holds the checksum: it is the laptop's original one (the
+            // translation is undone exactly, a zero UDP checksum stays zero).
+            assert_eq!(e.inner_l4_csum, Some(l4_csum_of(out)), "{name}");
+        } else {
+            assert_eq!(e.inner_l4_csum, None, "{name}: not quoted");
+        }
+        // The quoted IP header is the laptop's own, byte for byte (TTL included).
+        assert_eq!(
+            &back[34 + 8..34 + 8 + 20],
+            &out[14..34],
+            "{name}: quoted IPv4 header"
+        );
+    }
+    assert_eq!(
+        s.stats().expect("stats").icmp_errors_in.packets,
+        7,
+        "every translated error is counted"
+    );
+
+    // An error about the pod's own flow (its own port, no table entry) and one
+    // quoting another source pass untouched.
+    let own = frame(UDP, POD, BACKEND, ports_l4(UDP, 45000, 53));
+    let err = icmp_error(BACKEND, 3, 3, [0; 4], &own, 64);
+    assert_eq!(run(&s, true, &err), (TcAction::Pass, err.clone()));
+    let other = frame(UDP, OTHER_BACKEND, BACKEND, ports_l4(UDP, 40000, 53));
+    let err = icmp_error(BACKEND, 3, 3, [0; 4], &other, 64);
+    assert_eq!(run(&s, true, &err), (TcAction::Pass, err.clone()));
+    // A quote cut inside the IP header cannot be matched: untouched, not dropped.
+    let (_, translated) = run(&s, false, &udp_out);
+    let mut short = icmp_error(BACKEND, 3, 3, [0; 4], &translated, 0);
+    short.truncate(14 + 20 + 8 + 12);
+    let short = frame(ICMP, BACKEND, POD, short[34..].to_vec());
+    assert_eq!(run(&s, true, &short), (TcAction::Pass, short.clone()));
+    assert_eq!(s.stats().expect("stats").icmp_errors_in.packets, 7);
 }

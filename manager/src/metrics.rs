@@ -254,8 +254,8 @@ pub struct ManagerCounters {
     snat_on: std::sync::atomic::AtomicBool,
     /// `ebpf-snat`, as of the sweeper's last round: flows in the forward table,
     /// entries in the reverse table, packets out/in, flows, exhausted, untranslatable,
-    /// expired (total).
-    snat: [AtomicU64; 8],
+    /// expired (total), ICMP errors translated back.
+    snat: [AtomicU64; 9],
 }
 
 fn index_of<T: PartialEq>(all: &[T], x: &T) -> usize {
@@ -346,6 +346,7 @@ impl ManagerCounters {
             slot.store(v, Ordering::Relaxed);
         }
         self.snat[7].fetch_add(expired, Ordering::Relaxed);
+        self.snat[8].store(stats.icmp_errors_in.packets, Ordering::Relaxed);
     }
 
     /// The counters in the Prometheus text exposition format (version 0.0.4):
@@ -474,6 +475,12 @@ impl ManagerCounters {
                     "ebpf_snat_expired_total",
                     "counter",
                     "ebpf-snat: idle flows the sweeper removed.",
+                ),
+                (
+                    8,
+                    "ebpf_snat_icmp_errors_in_total",
+                    "counter",
+                    "ebpf-snat: ICMP errors (unreachable, time exceeded, parameter problem) about a translated flow, rewritten back to the laptop.",
                 ),
             ] {
                 metric(name, kind, help, &[(None, snat(i))]);

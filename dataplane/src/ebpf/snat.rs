@@ -76,6 +76,8 @@ pub struct SnatStats {
     pub ports_exhausted: Counter,
     /// Pool packets dropped as untranslatable (fragments, other protocols).
     pub untranslatable: Counter,
+    /// ICMP errors about a translated flow, rewritten back to the laptop.
+    pub icmp_errors_in: Counter,
     /// Entries of the forward table.
     pub forward_entries: usize,
     /// Entries of the reverse table.
@@ -252,6 +254,7 @@ impl Snat {
             new_flows: slot(common::SNAT_NEW_FLOWS)?,
             ports_exhausted: slot(common::SNAT_PORTS_EXHAUSTED)?,
             untranslatable: slot(common::SNAT_UNTRANSLATABLE)?,
+            icmp_errors_in: slot(common::SNAT_ICMP_ERRORS_IN)?,
             forward_entries: self.forward.keys().filter(Result::is_ok).count(),
             reverse_entries: self.reverse.keys().filter(Result::is_ok).count(),
         })
