@@ -101,6 +101,32 @@ fn ip(a: Option<SocketAddr>) -> Option<IpAddr> {
     a.map(|a| a.ip())
 }
 
+/// For a refusal or an ICMP error under a policy that replaces the client's source:
+/// the rule saw the manager pod's address, not the laptop's, so it cannot single out
+/// one laptop — and under ebpf-snat the answer was translated back by the TC program
+/// (an ICMP error by the header it quotes). Empty when the source was not replaced.
+fn translated_denial(r: &SourceReport) -> String {
+    let (Some(d), Some(e)) = (r.decapsulated_source, r.egress_source) else {
+        return String::new();
+    };
+    if d.ip() == e.ip() {
+        return String::new();
+    }
+    let back = if r.policy == "ebpf-snat" {
+        "; ebpf-snat's TC program translated the answer back to the laptop (an ICMP error by the \
+         header it quotes)"
+    } else {
+        ""
+    };
+    format!(
+        ". The rule matched {}, the manager pod's address under policy {} (not the laptop's {}): \
+         it denies every laptop behind this manager; use --source-policy preserve to deny one{back}",
+        e.ip(),
+        r.policy,
+        d.ip()
+    )
+}
+
 /// Where the source changed and why (see the module docs). Pure.
 pub fn explain(r: &SourceReport) -> (String, String) {
     let decap = ip(r.decapsulated_source);
@@ -113,8 +139,9 @@ pub fn explain(r: &SourceReport) -> (String, String) {
                 "refused".into(),
                 format!(
                     "refused by the destination's side (TCP RST or ICMP port unreachable) for source {}: \
-                     a policy rule or a closed port answered — the path works, this is not a missing route",
-                    show(r.egress_source.or(r.decapsulated_source))
+                     a policy rule or a closed port answered — the path works, this is not a missing route{}",
+                    show(r.egress_source.or(r.decapsulated_source)),
+                    translated_denial(r)
                 ),
             );
         }
@@ -137,8 +164,9 @@ pub fn explain(r: &SourceReport) -> (String, String) {
             return (
                 "unreachable".into(),
                 format!(
-                    "{what}, for source {}",
-                    show(r.egress_source.or(r.decapsulated_source))
+                    "{what}, for source {}{}",
+                    show(r.egress_source.or(r.decapsulated_source)),
+                    translated_denial(r)
                 ),
             );
         }
@@ -635,6 +663,7 @@ mod tests {
         );
         let e = explain(&report("", "", "", Outcome::Unreachable { code: Some(13) })).1;
         assert!(e.contains("administratively prohibited"), "{e}");
+        assert!(!e.contains("manager pod's address"), "{e}");
         assert_eq!(
             v(&report(
                 "100.96.0.2:5000",
@@ -644,6 +673,37 @@ mod tests {
             )),
             "unknown"
         );
+    }
+
+    /// [preserve] issue 9: under ebpf-snat a backend rule denying the pod IP comes
+    /// back as an ICMP error the TC program translated; diagnose says the denial is a
+    /// rule's, that it matched the pod IP (so every laptop behind the manager), and
+    /// how the answer came back. Under preserve it names only the tunnel IP.
+    #[test]
+    fn denials_under_ebpf_snat_name_the_pod_ip_the_rule_matched() {
+        for (outcome, verdict) in [
+            (Outcome::Unreachable { code: Some(13) }, "unreachable"),
+            (Outcome::Refused, "refused"),
+        ] {
+            let mut r = report("100.96.0.2:5000", "10.244.1.5:61000", "", outcome);
+            r.policy = "ebpf-snat".into();
+            let (v, why) = explain(&r);
+            assert_eq!(v, verdict, "{why}");
+            assert!(
+                why.contains("rule matched 10.244.1.5")
+                    && why.contains("not the laptop's 100.96.0.2")
+                    && why.contains("translated the answer back"),
+                "{why}"
+            );
+            r.policy = "preserve".into();
+            r.egress_source = r.decapsulated_source;
+            let (v, why) = explain(&r);
+            assert_eq!(v, verdict, "{why}");
+            assert!(
+                why.contains("100.96.0.2") && !why.contains("manager pod's address"),
+                "{why}"
+            );
+        }
     }
 
     /// An unused pod IP under snat or ebpf-snat (nothing left the pod's egress,

@@ -555,4 +555,50 @@ mod tests {
                 .contains("kvpn_manager_sessions_active 0\n")
         );
     }
+
+    /// docs/metrics.md documents every metric the endpoint emits — name, type and
+    /// each `reason` value — and nothing it no longer emits, so the page cannot drift.
+    #[test]
+    fn every_emitted_metric_is_documented_in_docs_metrics_md() {
+        let doc = include_str!("../../docs/metrics.md");
+        let c = ManagerCounters::default();
+        c.snat_enable();
+        let text = c.render_prometheus();
+        let mut emitted = Vec::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+                let row = doc
+                    .lines()
+                    .find(|l| l.starts_with(&format!("| `{name}` |")))
+                    .unwrap_or_else(|| panic!("{name} is not a row of docs/metrics.md"));
+                assert!(
+                    row.contains(&format!("| {kind} |")),
+                    "docs/metrics.md: {name} must say its type {kind}: {row}"
+                );
+                emitted.push(name.to_owned());
+            } else if let Some((name, label)) = line
+                .split_once("{reason=\"")
+                .filter(|_| !line.starts_with('#'))
+            {
+                let reason = label.split('"').next().unwrap_or_default();
+                let row = doc
+                    .lines()
+                    .find(|l| l.starts_with(&format!("| `{name}` |")))
+                    .unwrap_or_else(|| panic!("{name} is not a row of docs/metrics.md"));
+                assert!(
+                    row.contains("| `reason` |") && row.contains(&format!("`{reason}`")),
+                    "docs/metrics.md: {name} must list reason {reason:?}: {row}"
+                );
+            }
+        }
+        assert!(emitted.len() >= 16, "rendered: {emitted:?}");
+        for row in doc.lines().filter(|l| l.starts_with("| `kvpn_manager_")) {
+            let name = row.split('`').nth(1).unwrap_or_default();
+            assert!(
+                emitted.iter().any(|e| e == name),
+                "docs/metrics.md documents {name}, which the manager no longer emits"
+            );
+        }
+    }
 }

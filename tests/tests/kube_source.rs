@@ -665,6 +665,132 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
     );
 }
 
+/// What a connected UDP socket on the laptop gets for one datagram to `to`: the
+/// answer's length or the error's kind and errno, and how long it took. Linux
+/// reports ICMP errors on connected UDP sockets (`__udp4_lib_err`): port unreachable
+/// as ECONNREFUSED, admin-prohibited as EHOSTUNREACH (`icmp_err_convert`).
+fn udp_once(f: &KubeFixture, to: SocketAddr) -> (Result<usize, (ErrorKind, i32)>, Duration) {
+    f.lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || {
+            let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+            s.connect(to).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(5)))
+                .expect("timeout");
+            let t0 = Instant::now();
+            s.send(kvpn_lab::protocol::UDP_PEER_QUERY).expect("send");
+            let mut buf = [0u8; 128];
+            let r = s
+                .recv(&mut buf)
+                .map_err(|e| (e.kind(), e.raw_os_error().unwrap_or(0)));
+            (r, t0.elapsed())
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+}
+
+/// [preserve] issue 9, ebpf-snat: ICMP errors from a backend about a translated
+/// flow reach the laptop's socket. The backend answers the pod IP (it never saw the
+/// tunnel IP), quoting the translated header; the TC program must translate the
+/// error back by that quote, or the laptop only ever sees a timeout. UDP to a
+/// closed port: ECONNREFUSED at once. A backend rule rejecting the pod IP with ICMP
+/// admin-prohibited: EHOSTUNREACH at once, for UDP and for a TCP connect; and
+/// `kvpn diagnose source` says a rule denied it, that the rule matched the pod IP,
+/// and that the answer was translated back.
+#[test]
+fn ebpf_snat_icmp_errors_reach_the_laptop() {
+    let f = KubeFixture::new();
+    let tunnel = connect(&f, "ebpf-snat");
+    let manager = manager_pod(&f);
+    let IpAddr::V4(pod) = pod_ip(&manager) else {
+        panic!("IPv4 pod IP expected")
+    };
+    let webs = web_pods(&f);
+    let backend = &webs[0];
+    let IpAddr::V4(backend_ip) = pod_ip(backend) else {
+        panic!("IPv4 pod IP expected")
+    };
+    // Sanity: the flow is translated (the backend sees the pod IP).
+    assert_eq!(
+        udp_source(&f, SocketAddr::from((backend_ip, ECHO_PORT))),
+        IpAddr::V4(pod)
+    );
+
+    // A closed UDP port on the backend: ICMP port unreachable → ECONNREFUSED.
+    let closed = SocketAddr::from((backend_ip, ECHO_PORT + 1));
+    let (r, took) = udp_once(&f, closed);
+    assert_eq!(
+        r,
+        Err((ErrorKind::ConnectionRefused, libc::ECONNREFUSED)),
+        "UDP to the closed port {closed}: port unreachable reaches the laptop ({took:?})\n{}",
+        f.diagnostics()
+    );
+    assert!(took < Duration::from_secs(2), "refused at once: {took:?}");
+
+    // Denial from policy: the backend rejects the pod IP (the source it sees).
+    let _deny = NftTable::load(
+        f.pod_netns(backend),
+        "inet",
+        &format!("kvpn_deny_{}", std::process::id()),
+        &format!(
+            "  chain input {{ type filter hook input priority -5; policy accept;\n\
+             \x20   ip saddr {pod} udp dport {ECHO_PORT} counter reject with icmp type admin-prohibited\n\
+             \x20   ip saddr {pod} tcp dport {HTTP_PORT} counter reject with icmp type admin-prohibited\n  }}"
+        ),
+    );
+    let denied = SocketAddr::from((backend_ip, ECHO_PORT));
+    let (r, took) = udp_once(&f, denied);
+    assert_eq!(
+        r,
+        Err((ErrorKind::HostUnreachable, libc::EHOSTUNREACH)),
+        "UDP to {denied}: admin-prohibited reaches the laptop ({took:?})"
+    );
+    assert!(took < Duration::from_secs(2), "denied at once: {took:?}");
+    let web_target = SocketAddr::from((backend_ip, HTTP_PORT));
+    let tcp = f
+        .lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || {
+            let t0 = Instant::now();
+            let r = TcpStream::connect_timeout(&web_target, Duration::from_secs(5));
+            (
+                r.map(drop).map_err(|e| e.raw_os_error().unwrap_or(0)),
+                t0.elapsed(),
+            )
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    assert_eq!(
+        tcp.0,
+        Err(libc::EHOSTUNREACH),
+        "TCP connect to {web_target}: admin-prohibited reaches the laptop ({:?})",
+        tcp.1
+    );
+    assert!(
+        tcp.1 < Duration::from_secs(2),
+        "denied at once: {:?}",
+        tcp.1
+    );
+
+    let u = diagnose(&f, &denied.to_string(), true);
+    assert_eq!(u["verdict"], "unreachable", "{u:#}");
+    assert_eq!(addr_ip(&u["egress_source"]), Some(IpAddr::V4(pod)), "{u:#}");
+    let why = u["explanation"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("administratively prohibited")
+            && why.contains(&format!("rule matched {pod}"))
+            && why.contains(&format!("not the laptop's {tunnel}"))
+            && why.contains("translated the answer back"),
+        "{u:#}"
+    );
+    let t0 = Instant::now();
+    while manager_metric(&f, &manager, "ebpf_snat_icmp_errors_in_total") < 4 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the manager counts the translated errors"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// A host outside every cluster range (192.0.2.0/24, TEST-NET-1) behind the node:
 /// its own netns, a veth to the node netns (node side 192.0.2.1, host 192.0.2.10),
 /// a default route back through the node. Deleted on drop (the veth goes with it).
