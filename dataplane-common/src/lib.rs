@@ -172,6 +172,9 @@ pub const MAP_SNAT_FORWARD: &str = "KVPN_SNAT_FWD";
 /// Name of the reverse connection table (LRU hash, [`SnatKey`] of the reply →
 /// [`SnatReverse`]).
 pub const MAP_SNAT_REVERSE: &str = "KVPN_SNAT_REV";
+/// Name of the fragment table of the SNAT ingress program (LRU hash, [`SnatFragKey`]
+/// of a translated first fragment → the tunnel IP, 4 bytes, network order).
+pub const MAP_SNAT_FRAGMENTS: &str = "KVPN_SNAT_FRAG";
 /// Name of the one-entry config array (index 0 → [`SnatConfig`]).
 pub const MAP_SNAT_CONFIG: &str = "KVPN_SNAT_CFG";
 /// Name of the per-CPU counter array of the SNAT programs (`SNAT_*` → [`CounterValue`]).
@@ -181,6 +184,9 @@ pub const MAP_SNAT_COUNTERS: &str = "KVPN_SNAT_CNT";
 /// (about 100 bytes an entry with the kernel's overhead: ~6.5 MB each); past it the
 /// kernel evicts the least recently used flow.
 pub const SNAT_MAX_FLOWS: u32 = 65536;
+/// Capacity of the SNAT fragment table: fragmented replies in flight at once (each
+/// entry lives until evicted; a reply's fragments arrive within microseconds).
+pub const SNAT_MAX_FRAGMENTED: u32 = 4096;
 /// Ports one new flow tries (from a random start in the range) before it is dropped
 /// as `SNAT_PORTS_EXHAUSTED`.
 pub const SNAT_PORT_TRIES: u32 = 64;
@@ -194,7 +200,7 @@ pub const SNAT_NEW_FLOWS: u32 = 2;
 /// SNAT counter slot: new flows dropped because no port was free for their destination.
 pub const SNAT_PORTS_EXHAUSTED: u32 = 3;
 /// SNAT counter slot: packets from the tunnel pool that cannot be translated (not
-/// TCP, UDP or ICMP echo; a non-first IP fragment; a truncated header): dropped, so
+/// TCP, UDP or ICMP echo; a truncated header): dropped, so
 /// no tunnel IP leaves the pod.
 pub const SNAT_UNTRANSLATABLE: u32 = 4;
 /// SNAT counter slot: ICMP errors (destination unreachable, time exceeded, parameter
@@ -225,6 +231,22 @@ pub struct SnatKey {
     pub src_port: u16,
     /// Network byte order.
     pub dst_port: u16,
+}
+
+/// Key of the SNAT fragment table: a fragmented reply to the pod IP as its later
+/// fragments name it (RFC 791 §3.2: source, destination, protocol and identification
+/// identify a datagram; the destination is always the pod IP).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SnatFragKey {
+    /// The reply's source (the backend), network byte order.
+    pub src: [u8; 4],
+    /// IP identification, network byte order.
+    pub id: u16,
+    /// IP protocol number.
+    pub protocol: u8,
+    /// Zero.
+    pub reserved: u8,
 }
 
 /// Value of the forward table: the port the flow leaves the pod with.
@@ -294,6 +316,8 @@ mod user {
     unsafe impl aya::Pod for super::SnatReverse {}
     // SAFETY: see above.
     unsafe impl aya::Pod for super::SnatConfig {}
+    // SAFETY: see above; SnatFragKey (8 bytes) spells out every byte.
+    unsafe impl aya::Pod for super::SnatFragKey {}
 }
 
 #[cfg(test)]
@@ -317,6 +341,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<SnatForward>(), 16);
         assert_eq!(core::mem::size_of::<SnatReverse>(), 16);
         assert_eq!(core::mem::size_of::<SnatConfig>(), 16);
+        assert_eq!(core::mem::size_of::<SnatFragKey>(), 8);
     }
 
     #[test]
@@ -367,6 +392,7 @@ mod tests {
             MAP_SNAT_REVERSE,
             MAP_SNAT_CONFIG,
             MAP_SNAT_COUNTERS,
+            MAP_SNAT_FRAGMENTS,
         ] {
             assert!(name.len() <= 15, "{name} is longer than 15 bytes");
         }

@@ -26,8 +26,17 @@
 //! rewrites both the outer destination and the quote back (`translate_icmp_error`),
 //! so the laptop's socket gets its ECONNREFUSED / EHOSTUNREACH / PMTU update.
 //!
+//! IP fragments: the first fragment carries the L4 header and is translated like any
+//! packet. Later fragments have no ports: leaving, one from the pool only gets the pod
+//! IP as source; arriving, one to the pod IP gets the tunnel IP its first fragment
+//! was translated to, remembered by (source, identification, protocol) in
+//! `KVPN_SNAT_FRAG` (RFC 791 §3.2). A later fragment that overtakes its first one is
+//! not translated (it goes to the pod's stack and is lost with its datagram); and as
+//! with any SNAT, two laptops' datagrams to one backend that happen to share an
+//! identification collide in the backend's reassembly.
+//!
 //! Packets from the pool that cannot be translated (other protocols, ICMP other than
-//! echo, non-first fragments) are dropped and counted: none leaves with a tunnel IP.
+//! echo) are dropped and counted: none leaves with a tunnel IP.
 //! Everything else (the pod's own traffic) passes untouched. IPv4 only.
 //! Header layouts: IPv4 RFC 791 §3.1, TCP RFC 9293 §3.1 (flags byte 13, checksum at
 //! 16), UDP RFC 768 (checksum at 6), ICMP echo RFC 792 (checksum at 2, identifier at 4).
@@ -40,9 +49,10 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use kvpn_dataplane_common::{
-    CounterValue, SNAT_ICMP_ERRORS_IN, SNAT_MAX_FLOWS, SNAT_NEW_FLOWS, SNAT_PORT_TRIES,
-    SNAT_PORTS_EXHAUSTED, SNAT_SLOTS, SNAT_STATE_CLOSING, SNAT_TRANSLATED_IN, SNAT_TRANSLATED_OUT,
-    SNAT_UNTRANSLATABLE, SnatConfig, SnatForward, SnatKey, SnatReverse,
+    CounterValue, SNAT_ICMP_ERRORS_IN, SNAT_MAX_FLOWS, SNAT_MAX_FRAGMENTED, SNAT_NEW_FLOWS,
+    SNAT_PORT_TRIES, SNAT_PORTS_EXHAUSTED, SNAT_SLOTS, SNAT_STATE_CLOSING, SNAT_TRANSLATED_IN,
+    SNAT_TRANSLATED_OUT, SNAT_UNTRANSLATABLE, SnatConfig, SnatForward, SnatFragKey, SnatKey,
+    SnatReverse,
 };
 
 use crate::maps::add;
@@ -66,6 +76,8 @@ const ICMP_PARAMETER_PROBLEM: u8 = 12;
 /// ICMP error header (type, code, checksum, 4 bytes of type-specific data) before the
 /// quoted datagram (RFC 792).
 const ICMP_ERROR_HDR_LEN: usize = 8;
+/// "More fragments" in the first byte of the flags/offset field (RFC 791).
+const IP_MF: u8 = 0x20;
 const TCP_FIN: u8 = 0x01;
 const TCP_RST: u8 = 0x04;
 
@@ -76,6 +88,10 @@ pub static KVPN_SNAT_FWD: LruHashMap<SnatKey, SnatForward> =
 #[map]
 pub static KVPN_SNAT_REV: LruHashMap<SnatKey, SnatReverse> =
     LruHashMap::with_max_entries(SNAT_MAX_FLOWS, 0);
+
+#[map]
+pub static KVPN_SNAT_FRAG: LruHashMap<SnatFragKey, [u8; 4]> =
+    LruHashMap::with_max_entries(SNAT_MAX_FRAGMENTED, 0);
 
 #[map]
 pub static KVPN_SNAT_CFG: Array<SnatConfig> = Array::with_max_entries(1, 0);
@@ -98,14 +114,25 @@ struct Parsed {
     icmp_type: u8,
     /// TCP FIN or RST set.
     closing: bool,
+    /// The first fragment of a fragmented datagram (MF set, offset 0).
+    first_fragment: bool,
+    /// IP identification (network order as loaded).
+    ip_id: u16,
 }
 
 /// Why a packet is not translated.
 enum Skip {
     /// Not IPv4, or not for the tables: pass untouched.
     Pass,
-    /// Cannot be translated (fragment, truncated, other protocol).
+    /// Cannot be translated (truncated, other protocol).
     Untranslatable,
+    /// A non-first fragment: no L4 header; translated by addresses only.
+    Fragment {
+        src: [u8; 4],
+        dst: [u8; 4],
+        id: u16,
+        protocol: u8,
+    },
 }
 
 #[inline(always)]
@@ -114,18 +141,8 @@ fn parse(ctx: &TcContext) -> Result<Parsed, Skip> {
     if ethertype != ETHERTYPE_IPV4 {
         return Err(Skip::Pass);
     }
-    let [
-        vihl,
-        _tos,
-        _l0,
-        _l1,
-        _id0,
-        _id1,
-        frag0,
-        frag1,
-        _ttl,
-        protocol,
-    ] = ctx.load::<[u8; 10]>(ETH_HDR_LEN).map_err(|_| Skip::Pass)?;
+    let [vihl, _tos, _l0, _l1, id0, id1, frag0, frag1, _ttl, protocol] =
+        ctx.load::<[u8; 10]>(ETH_HDR_LEN).map_err(|_| Skip::Pass)?;
     let src: [u8; 4] = ctx.load(IP_SRC).map_err(|_| Skip::Pass)?;
     let dst: [u8; 4] = ctx.load(IP_DST).map_err(|_| Skip::Pass)?;
     if vihl >> 4 != 4 {
@@ -135,9 +152,15 @@ fn parse(ctx: &TcContext) -> Result<Parsed, Skip> {
     if ihl < 20 {
         return Err(Skip::Untranslatable);
     }
+    let ip_id = u16::from_ne_bytes([id0, id1]);
     // Fragment offset (13 bits) non-zero: no L4 header to translate by.
     if (u16::from(frag0 & 0x1f) << 8 | u16::from(frag1)) != 0 {
-        return Err(Skip::Untranslatable);
+        return Err(Skip::Fragment {
+            src,
+            dst,
+            id: ip_id,
+            protocol,
+        });
     }
     let l4 = ETH_HDR_LEN + ihl;
     let mut p = Parsed {
@@ -149,6 +172,8 @@ fn parse(ctx: &TcContext) -> Result<Parsed, Skip> {
         dst_port: 0,
         icmp_type: 0,
         closing: false,
+        first_fragment: frag0 & IP_MF != 0,
+        ip_id,
     };
     match protocol {
         PROTO_TCP | PROTO_UDP => {
@@ -235,7 +260,28 @@ pub fn kvpn_snat_out(ctx: TcContext) -> i32 {
     let p = match parse(&ctx) {
         Ok(p) => p,
         Err(Skip::Pass) => return PASS,
-        Err(Skip::Untranslatable) => {
+        // A later fragment of a laptop datagram: its first fragment carried the
+        // ports (and got the flow's port); this one needs only the pod IP as source.
+        Err(Skip::Fragment { src, protocol, .. })
+            if in_pool(cfg, src) && matches!(protocol, PROTO_TCP | PROTO_UDP | PROTO_ICMP) =>
+        {
+            if ctx.store(IP_SRC, &cfg.pod_ip, 0).is_err()
+                || ctx
+                    .l3_csum_replace(
+                        IP_CSUM,
+                        u64::from(u32::from_ne_bytes(src)),
+                        u64::from(u32::from_ne_bytes(cfg.pod_ip)),
+                        4,
+                    )
+                    .is_err()
+            {
+                count(SNAT_UNTRANSLATABLE, &ctx);
+                return DROP;
+            }
+            count(SNAT_TRANSLATED_OUT, &ctx);
+            return PASS;
+        }
+        Err(Skip::Untranslatable | Skip::Fragment { .. }) => {
             // Only the pool's packets must not leave untranslated.
             let src: Result<[u8; 4], _> = ctx.load(IP_SRC);
             return match src {
@@ -371,8 +417,15 @@ pub fn kvpn_snat_in(ctx: TcContext) -> i32 {
     let Some(cfg) = KVPN_SNAT_CFG.get(0) else {
         return PASS;
     };
-    let Ok(p) = parse(&ctx) else {
-        return PASS;
+    let p = match parse(&ctx) {
+        Ok(p) => p,
+        Err(Skip::Fragment {
+            src,
+            dst,
+            id,
+            protocol,
+        }) if dst == cfg.pod_ip => return translate_fragment_in(&ctx, src, id, protocol),
+        Err(_) => return PASS,
     };
     if p.dst != cfg.pod_ip {
         return PASS;
@@ -423,7 +476,54 @@ pub fn kvpn_snat_in(ctx: TcContext) -> i32 {
         count(SNAT_UNTRANSLATABLE, &ctx);
         return DROP;
     }
+    if p.first_fragment {
+        // The later fragments carry no ports: remember where this datagram goes.
+        let key = SnatFragKey {
+            src: p.src,
+            id: p.ip_id,
+            protocol: p.protocol,
+            reserved: 0,
+        };
+        let _ = KVPN_SNAT_FRAG.insert(&key, &addr, 0);
+    }
     count(SNAT_TRANSLATED_IN, &ctx);
+    PASS
+}
+
+/// A later fragment of a reply to the pod IP: if its first fragment was translated
+/// (recorded in `KVPN_SNAT_FRAG` by source, identification and protocol), its
+/// destination becomes that tunnel IP too (IP checksum only: no L4 header here).
+/// A fragment that overtakes its first one is not found and goes to the pod's own
+/// stack, where it is dropped with the unfinished datagram.
+#[inline(always)]
+fn translate_fragment_in(ctx: &TcContext, src: [u8; 4], id: u16, protocol: u8) -> i32 {
+    let key = SnatFragKey {
+        src,
+        id,
+        protocol,
+        reserved: 0,
+    };
+    // SAFETY: a map value pointer, valid during the program; read once.
+    let Some(addr) = KVPN_SNAT_FRAG.get_ptr(&key).map(|a| unsafe { *a }) else {
+        return PASS;
+    };
+    let Ok(old) = ctx.load::<[u8; 4]>(IP_DST) else {
+        return PASS;
+    };
+    if ctx.store(IP_DST, &addr, 0).is_err()
+        || ctx
+            .l3_csum_replace(
+                IP_CSUM,
+                u64::from(u32::from_ne_bytes(old)),
+                u64::from(u32::from_ne_bytes(addr)),
+                4,
+            )
+            .is_err()
+    {
+        count(SNAT_UNTRANSLATABLE, ctx);
+        return DROP;
+    }
+    count(SNAT_TRANSLATED_IN, ctx);
     PASS
 }
 

@@ -492,3 +492,101 @@ fn icmp_errors_about_translated_flows_go_back_to_the_laptop() {
     assert_eq!(run(&s, true, &short), (TcAction::Pass, short.clone()));
     assert_eq!(s.stats().expect("stats").icmp_errors_in.packets, 7);
 }
+
+/// `f` made a fragment: IP identification `id`, "more fragments" `more`, offset
+/// `offset_8` (in 8-byte units), header checksum recomputed.
+fn fragment(mut f: Vec<u8>, id: u16, more: bool, offset_8: u16) -> Vec<u8> {
+    f[14 + 4..14 + 6].copy_from_slice(&id.to_be_bytes());
+    let flags = if more { 0x2000 } else { 0 } | offset_8;
+    f[14 + 6..14 + 8].copy_from_slice(&flags.to_be_bytes());
+    f[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+    let c = fold(sum(&f[14..34], 0));
+    f[14 + 10..14 + 12].copy_from_slice(&c.to_be_bytes());
+    f
+}
+
+/// A later fragment (no L4 header: `payload` follows the IP header).
+fn later_fragment(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, id: u16, payload: &[u8]) -> Vec<u8> {
+    let mut f = frame(ICMP, src, dst, payload.to_vec());
+    // `frame` wrote an ICMP checksum into the payload: put the payload back.
+    f[34..].copy_from_slice(payload);
+    f[14 + 9] = proto;
+    fragment(f, id, false, 185)
+}
+
+/// [preserve] issue 9, ebpf-snat: a datagram larger than the path MTU passes in
+/// fragments. Leaving, the first fragment is translated as any packet and later ones
+/// from the pool get the pod IP as source; arriving, later fragments of a reply go to
+/// the tunnel IP its first fragment was translated to. Fragments of other datagrams
+/// are left alone; a pool fragment of another protocol is still dropped.
+#[test]
+fn fragments_of_translated_datagrams_follow_their_first_fragment() {
+    let s = snat(61000..=65535);
+    let payload: Vec<u8> = (0..64u8).collect();
+
+    // Outbound: first fragment (MF, offset 0) with the UDP header, then the rest.
+    let first = fragment(
+        frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40000, 7)),
+        0x1111,
+        true,
+        0,
+    );
+    let (a, got) = run(&s, false, &first);
+    assert_eq!(a, TcAction::Pass);
+    let t = check(&got);
+    assert_eq!(t.src, POD);
+    let rest = later_fragment(LAPTOP, BACKEND, UDP, 0x1111, &payload);
+    let (a, got) = run(&s, false, &rest);
+    assert_eq!(a, TcAction::Pass, "a later fragment from the pool leaves");
+    assert_eq!(fold(sum(&got[14..34], 0)), 0, "IPv4 header checksum");
+    assert_eq!(
+        &got[14 + 12..14 + 16],
+        &POD.octets(),
+        "source is the pod IP"
+    );
+    assert_eq!(&got[14 + 16..14 + 20], &BACKEND.octets());
+    assert_eq!(
+        &got[14 + 4..14 + 8],
+        &rest[14 + 4..14 + 8],
+        "id and offset kept"
+    );
+    assert_eq!(&got[34..], &payload[..], "payload untouched");
+    let gre = later_fragment(LAPTOP, BACKEND, 47, 0x1112, &payload);
+    assert_eq!(run(&s, false, &gre).0, TcAction::Drop, "other protocols");
+
+    // Inbound: the reply's first fragment to the allocated port, then the rest.
+    let reply_first = fragment(
+        frame(UDP, BACKEND, POD, ports_l4(UDP, 7, t.sport)),
+        0x2222,
+        true,
+        0,
+    );
+    let (a, back) = run(&s, true, &reply_first);
+    assert_eq!(a, TcAction::Pass);
+    let b = check(&back);
+    assert_eq!((b.dst, b.dport), (LAPTOP, 40000));
+    let reply_rest = later_fragment(BACKEND, POD, UDP, 0x2222, &payload);
+    let (a, back) = run(&s, true, &reply_rest);
+    assert_eq!(a, TcAction::Pass);
+    assert_eq!(fold(sum(&back[14..34], 0)), 0, "IPv4 header checksum");
+    assert_eq!(
+        &back[14 + 16..14 + 20],
+        &LAPTOP.octets(),
+        "to the tunnel IP"
+    );
+    assert_eq!(&back[34..], &payload[..], "payload untouched");
+
+    // A later fragment of another datagram (another id, or the pod's own) is the
+    // pod's: untouched.
+    let other = later_fragment(BACKEND, POD, UDP, 0x2223, &payload);
+    assert_eq!(run(&s, true, &other), (TcAction::Pass, other.clone()));
+    let not_pool = later_fragment(POD, BACKEND, UDP, 0x1111, &payload);
+    assert_eq!(
+        run(&s, false, &not_pool),
+        (TcAction::Pass, not_pool.clone())
+    );
+    let stats = s.stats().expect("stats");
+    assert_eq!(stats.translated_out.packets, 2);
+    assert_eq!(stats.translated_in.packets, 2);
+    assert_eq!(stats.untranslatable.packets, 1);
+}
