@@ -791,6 +791,74 @@ fn ebpf_snat_icmp_errors_reach_the_laptop() {
     }
 }
 
+/// [preserve] issue 9, ebpf-snat: a 4000-byte UDP datagram (larger than the
+/// 1500-byte links, so it travels in fragments) reaches the echo backend and its
+/// 4000-byte echo comes back whole. The laptop's socket does not set DF
+/// (IP_PMTUDISC_DONT), so the pod's or the laptop's kernel fragments it; either
+/// way the later fragments carry no ports and are translated by address only, and
+/// so are the reply's.
+#[test]
+fn ebpf_snat_large_udp_datagrams_pass_in_fragments() {
+    let f = KubeFixture::new();
+    connect(&f, "ebpf-snat");
+    let manager = manager_pod(&f);
+    let webs = web_pods(&f);
+    let to = SocketAddr::from((pod_ip(&webs[0]), ECHO_PORT));
+    let got = f
+        .lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || -> Result<Vec<u8>, String> {
+            use std::os::fd::AsRawFd as _;
+            let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+            s.connect(to).map_err(|e| e.to_string())?;
+            let dont: libc::c_int = libc::IP_PMTUDISC_DONT;
+            // SAFETY: a live int of the given size.
+            let rc = unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_IP,
+                    libc::IP_MTU_DISCOVER,
+                    std::ptr::addr_of!(dont).cast(),
+                    std::mem::size_of::<libc::c_int>() as u32,
+                )
+            };
+            if rc != 0 {
+                return Err(format!(
+                    "IP_MTU_DISCOVER: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+            s.set_read_timeout(Some(Duration::from_secs(2)))
+                .map_err(|e| e.to_string())?;
+            let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
+            let mut last = String::new();
+            for _ in 0..3 {
+                s.send(&payload).map_err(|e| e.to_string())?;
+                let mut buf = vec![0u8; 65536];
+                match s.recv(&mut buf) {
+                    Ok(n) => {
+                        buf.truncate(n);
+                        if buf == payload {
+                            return Ok(buf);
+                        }
+                        last = format!("{n} bytes, not the payload");
+                    }
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            Err(last)
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    let echoed = got.unwrap_or_else(|e| {
+        panic!(
+            "4000-byte UDP echo from {to} through ebpf-snat: {e}\nuntranslatable: {}\n{}",
+            manager_metric(&f, &manager, "ebpf_snat_untranslatable_total"),
+            f.diagnostics()
+        )
+    });
+    assert_eq!(echoed.len(), 4000);
+}
+
 /// A host outside every cluster range (192.0.2.0/24, TEST-NET-1) behind the node:
 /// its own netns, a veth to the node netns (node side 192.0.2.1, host 192.0.2.10),
 /// a default route back through the node. Deleted on drop (the veth goes with it).
