@@ -360,6 +360,10 @@ fn l4_csum_of(f: &[u8]) -> u16 {
     u16::from_be_bytes([l4[at], l4[at + 1]])
 }
 
+/// (name, the laptop's packet, ICMP sender, type, code, the 4 type-specific bytes,
+/// quoted L4 bytes).
+type ErrorCase<'a> = (&'a str, &'a [u8], Ipv4Addr, u8, u8, [u8; 4], usize);
+
 /// [preserve] issue 9, ebpf-snat: ICMP errors about a translated flow — port
 /// unreachable, administratively prohibited, fragmentation needed (with its next-hop
 /// MTU), time exceeded from a router on the way — come back addressed to the laptop,
@@ -369,7 +373,6 @@ fn l4_csum_of(f: &[u8]) -> u16 {
 fn icmp_errors_about_translated_flows_go_back_to_the_laptop() {
     let s = snat(61000..=65535);
     let router = Ipv4Addr::new(10, 244, 0, 1);
-    // (laptop packet, ICMP sender, type, code, rest, quoted L4 bytes)
     let udp_out = frame(UDP, LAPTOP, BACKEND, ports_l4(UDP, 40000, 53));
     let tcp_out = frame(TCP, LAPTOP, BACKEND, ports_l4(TCP, 40001, 80));
     let echo_out = frame(ICMP, LAPTOP, BACKEND, echo(8, 0x1234));
@@ -378,7 +381,7 @@ fn icmp_errors_about_translated_flows_go_back_to_the_laptop() {
     let mut udp_no_csum_out = frame(UDP, LAPTOP, BACKEND, udp_no_csum);
     // `frame` filled a checksum in; a zero one means "none" (RFC 768).
     udp_no_csum_out[34 + 6..34 + 8].copy_from_slice(&[0, 0]);
-    let cases: [(&str, &[u8], Ipv4Addr, u8, u8, [u8; 4], usize); 7] = [
+    let cases: [ErrorCase; 7] = [
         ("UDP port unreachable", &udp_out, BACKEND, 3, 3, [0; 4], 64),
         (
             "UDP admin-prohibited, 8-byte quote",

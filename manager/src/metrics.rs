@@ -468,7 +468,7 @@ impl ManagerCounters {
                     6,
                     "ebpf_snat_untranslatable_total",
                     "counter",
-                    "ebpf-snat: packets from the tunnel pool dropped as untranslatable (non-first fragments, protocols other than TCP, UDP, ICMP echo).",
+                    "ebpf-snat: packets from the tunnel pool dropped as untranslatable (protocols other than TCP, UDP, ICMP echo; ICMP errors from a laptop; fragments of other protocols).",
                 ),
                 (
                     7,

@@ -33,6 +33,18 @@ use kvpn_tests::text;
 
 const UDP_ECHO_SERVICE_PORT: u16 = 7;
 
+/// One TCP connect from the laptop to `to` (5 s bound) and how long it took.
+fn tcp_connect_once(f: &KubeFixture, to: SocketAddr) -> (std::io::Result<()>, Duration) {
+    f.lab()
+        .netns_lab()
+        .run_in(kvpn_lab::LAPTOP, move || {
+            let t0 = Instant::now();
+            let r = TcpStream::connect_timeout(&to, Duration::from_secs(5));
+            (r.map(drop), t0.elapsed())
+        })
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+}
+
 /// An nftables table in some netns, deleted on drop (also when the test fails).
 struct NftTable {
     netns: Netns,
@@ -346,17 +358,9 @@ fn preserve_backends_see_the_tunnel_ip_and_survive_a_manager_reschedule() {
         ),
     );
     let target = SocketAddr::from((backend_ip, HTTP_PORT));
-    let refused = f
-        .lab()
-        .netns_lab()
-        .run_in(kvpn_lab::LAPTOP, move || {
-            let t0 = Instant::now();
-            let r = TcpStream::connect_timeout(&target, Duration::from_secs(5));
-            (r.map(drop).map_err(|e| e.kind()), t0.elapsed())
-        })
-        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    let refused = tcp_connect_once(&f, target);
     assert_eq!(
-        refused.0,
+        refused.0.map_err(|e| e.kind()),
         Err(ErrorKind::ConnectionRefused),
         "the backend's rule answers with a reset"
     );
@@ -746,20 +750,9 @@ fn ebpf_snat_icmp_errors_reach_the_laptop() {
     );
     assert!(took < Duration::from_secs(2), "denied at once: {took:?}");
     let web_target = SocketAddr::from((backend_ip, HTTP_PORT));
-    let tcp = f
-        .lab()
-        .netns_lab()
-        .run_in(kvpn_lab::LAPTOP, move || {
-            let t0 = Instant::now();
-            let r = TcpStream::connect_timeout(&web_target, Duration::from_secs(5));
-            (
-                r.map(drop).map_err(|e| e.raw_os_error().unwrap_or(0)),
-                t0.elapsed(),
-            )
-        })
-        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    let tcp = tcp_connect_once(&f, web_target);
     assert_eq!(
-        tcp.0,
+        tcp.0.map_err(|e| e.raw_os_error().unwrap_or(0)),
         Err(libc::EHOSTUNREACH),
         "TCP connect to {web_target}: admin-prohibited reaches the laptop ({:?})",
         tcp.1

@@ -74,7 +74,7 @@ pub struct SnatStats {
     pub new_flows: Counter,
     /// New flows dropped: no free port for their destination.
     pub ports_exhausted: Counter,
-    /// Pool packets dropped as untranslatable (fragments, other protocols).
+    /// Pool packets dropped as untranslatable (other protocols, truncated headers).
     pub untranslatable: Counter,
     /// ICMP errors about a translated flow, rewritten back to the laptop.
     pub icmp_errors_in: Counter,
