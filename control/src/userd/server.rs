@@ -89,6 +89,7 @@ impl Entry {
                 },
             }
         });
+        let kubeconfig = request.as_ref().map(session_kubeconfig).unwrap_or_default();
         let origin = request.and_then(|r| r.connect).and_then(|c| c.origin);
         UserSession {
             id: self.record.id.clone(),
@@ -102,6 +103,7 @@ impl Entry {
             uptime_ms: u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX),
             restores: self.record.restores,
             socks,
+            kubeconfig,
         }
     }
 }
@@ -126,14 +128,13 @@ fn internal(e: anyhow::Error) -> Status {
     Status::failed_precondition(crate::output::error_chain(&e))
 }
 
-/// The session's agent configuration from the CLI's request.
-fn agent_config(
-    req: &StartSessionRequest,
-    root_runtime_dir: &std::path::Path,
-    listen: std::net::SocketAddr,
-) -> Result<AgentConfig> {
-    let nonempty = |s: &str| (!s.is_empty()).then(|| s.to_owned());
-    let env = UserEnv::from_parts(
+fn nonempty(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_owned())
+}
+
+/// The CLI's environment, working folder and euid as its request carried them.
+fn request_env(req: &StartSessionRequest) -> UserEnv {
+    UserEnv::from_parts(
         req.env.iter().map(|v| {
             (
                 OsString::from_vec(v.name.clone()),
@@ -142,7 +143,43 @@ fn agent_config(
         }),
         PathBuf::from(OsString::from_vec(req.cwd.clone())),
         req.euid,
-    );
+    )
+}
+
+/// The CLI's `--kubeconfig`, `--context`, `--namespace` as its request carried them.
+fn request_flags(req: &StartSessionRequest) -> KubeFlags {
+    KubeFlags {
+        kubeconfig: nonempty(&req.kubeconfig).map(PathBuf::from),
+        context: nonempty(&req.context),
+        namespace: nonempty(&req.namespace),
+    }
+}
+
+/// The kubeconfig files a session reads (`UserSession.kubeconfig`): resolved
+/// as the session's agent resolves them, in the environment it was started
+/// with. Empty when they cannot be told (no home folder, an unknown sudo user).
+fn session_kubeconfig(req: &StartSessionRequest) -> Vec<String> {
+    let env = request_env(req);
+    crate::kubeconfig::ActingUser::detect(&env)
+        .and_then(|acting| {
+            crate::kubeconfig::kubeconfig_sources(&request_flags(req), &env, &acting)
+        })
+        .map(|s| {
+            s.paths
+                .iter()
+                .map(|p| p.to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The session's agent configuration from the CLI's request.
+fn agent_config(
+    req: &StartSessionRequest,
+    root_runtime_dir: &std::path::Path,
+    listen: std::net::SocketAddr,
+) -> Result<AgentConfig> {
+    let env = request_env(req);
     let ssh = if req.ssh_plan_json.is_empty() {
         None
     } else {
@@ -152,11 +189,7 @@ fn agent_config(
         u16::try_from(p).map_err(|_| anyhow!("{what} port {p} is not a TCP port"))
     };
     Ok(AgentConfig {
-        flags: KubeFlags {
-            kubeconfig: nonempty(&req.kubeconfig).map(PathBuf::from),
-            context: nonempty(&req.context),
-            namespace: nonempty(&req.namespace),
-        },
+        flags: request_flags(req),
         ssh,
         ssh_direct: nonempty(&req.ssh_direct)
             .map(|t| {
