@@ -421,6 +421,20 @@ fn spawn_sshd(name: &str, bdir: &Path, env: &[(&str, &Path)]) -> Child {
 }
 
 impl Bastion {
+    /// Stops sshd — its listener and every connection it serves, by pid — so the
+    /// bastion refuses SSH until [`Bastion::restart_sshd`].
+    pub fn stop_sshd(&mut self) {
+        let connections = self.connection_pids();
+        if let Some(mut c) = self.sshd.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for pid in connections {
+            // SAFETY: kill by pid a child process of the sshd this helper started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+
     /// Restarts sshd with `first` as the first lines of its config (sshd keeps the
     /// first value of a keyword, so they override the defaults of this lab) and
     /// `env` added to its environment; waits until it listens again.

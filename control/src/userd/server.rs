@@ -53,6 +53,8 @@ struct Entry {
     cancel: CancellationToken,
     /// SOCKS sessions: the status record their task rewrites every 500 ms.
     socks_status: Option<PathBuf>,
+    /// The session's SSH path, if it has one (its last error for status).
+    ssh: Option<crate::ssh::SshDialer>,
 }
 
 impl Entry {
@@ -104,6 +106,12 @@ impl Entry {
             restores: self.record.restores,
             socks,
             kubeconfig,
+            transport_error: self
+                .ssh
+                .as_ref()
+                .filter(|_| self.state == STATE_RUNNING)
+                .and_then(crate::ssh::SshDialer::last_error)
+                .unwrap_or_default(),
         }
     }
 }
@@ -228,6 +236,7 @@ impl UserDaemonState {
         req: &StartSessionRequest,
         cancel: CancellationToken,
         socks_status: Option<PathBuf>,
+        ssh: Option<crate::ssh::SshDialer>,
     ) {
         let record = SessionRecord::new(id, addr, tun_name, now_unix_ms(), req);
         if let Err(e) = self.store.save(&record) {
@@ -242,6 +251,7 @@ impl UserDaemonState {
                 since: Instant::now(),
                 cancel,
                 socks_status,
+                ssh,
             },
         );
     }
@@ -385,6 +395,7 @@ impl UserDaemonState {
                     e.state = STATE_RUNNING;
                     e.reason.clear();
                     e.since = Instant::now();
+                    e.ssh = open.ssh_path();
                     e.cancel.clone()
                 };
                 info!(session = %id, addr = %open.addr(), "session restored");
@@ -481,7 +492,7 @@ impl UserDaemonState {
             )));
         }
         let (addr, cancel, status_file) = self.open_socks(&req, &socks).await?;
-        self.register(&id, addr, "", &req, cancel, Some(status_file));
+        self.register(&id, addr, "", &req, cancel, Some(status_file), None);
         info!(session = %id, %addr, listen = %socks.listen, "SOCKS session started");
         Ok(StartSessionResponse {
             connect: Some(dataplane::ConnectResponse {
@@ -600,6 +611,7 @@ impl UserDaemon for UserDaemonState {
         let config = agent_config(&req, &self.root_runtime_dir, listen).map_err(internal)?;
         let open = agent::open_session(config).await.map_err(internal)?;
         let addr = open.addr();
+        let ssh = open.ssh_path();
         let mut root = daemon::connect_existing(&self.root_runtime_dir)
             .await
             .map_err(internal)?
@@ -639,7 +651,7 @@ impl UserDaemon for UserDaemonState {
             }
             !replaced
         });
-        self.register(&id, addr, &resp.tun_name, &req, cancel, None);
+        self.register(&id, addr, &resp.tun_name, &req, cancel, None, ssh);
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
         Ok(Response::new(StartSessionResponse {
             connect: Some(resp),
@@ -765,6 +777,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
                 since: Instant::now(),
                 cancel: CancellationToken::new(),
                 socks_status: None,
+                ssh: None,
             },
         );
         tokio::spawn(state.clone().restore(record));
