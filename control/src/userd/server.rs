@@ -236,7 +236,6 @@ impl UserDaemonState {
         req: &StartSessionRequest,
         cancel: CancellationToken,
         socks_status: Option<PathBuf>,
-        ssh: Option<crate::ssh::SshDialer>,
     ) {
         let record = SessionRecord::new(id, addr, tun_name, now_unix_ms(), req);
         if let Err(e) = self.store.save(&record) {
@@ -251,7 +250,7 @@ impl UserDaemonState {
                 since: Instant::now(),
                 cancel,
                 socks_status,
-                ssh,
+                ssh: None,
             },
         );
     }
@@ -492,7 +491,7 @@ impl UserDaemonState {
             )));
         }
         let (addr, cancel, status_file) = self.open_socks(&req, &socks).await?;
-        self.register(&id, addr, "", &req, cancel, Some(status_file), None);
+        self.register(&id, addr, "", &req, cancel, Some(status_file));
         info!(session = %id, %addr, listen = %socks.listen, "SOCKS session started");
         Ok(StartSessionResponse {
             connect: Some(dataplane::ConnectResponse {
@@ -651,7 +650,10 @@ impl UserDaemon for UserDaemonState {
             }
             !replaced
         });
-        self.register(&id, addr, &resp.tun_name, &req, cancel, None, ssh);
+        self.register(&id, addr, &resp.tun_name, &req, cancel, None);
+        if let Some(e) = self.sessions().get_mut(&id) {
+            e.ssh = ssh;
+        }
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
         Ok(Response::new(StartSessionResponse {
             connect: Some(resp),
