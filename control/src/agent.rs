@@ -195,6 +195,13 @@ impl OpenSession {
         self.addr
     }
 
+    /// The session's SSH path (API server, ssh-direct data channel), whose
+    /// [`crate::ssh::SshDialer::last_error`] says why the transport
+    /// fails; `None` without a jump host.
+    pub fn ssh_path(&self) -> Option<crate::ssh::SshDialer> {
+        self._ssh_tunnel.as_ref().map(crate::ssh::SshTunnel::dialer)
+    }
+
     /// Serve the session until `cancel` fires: accept the root daemon's data
     /// connections (one port-forward each) and run the route watch.
     pub async fn run(self, cancel: CancellationToken) -> Result<()> {

@@ -28,7 +28,10 @@ use kvpn_proto::manager::manager_client::ManagerClient;
 use kvpn_proto::manager::{TraceSourceEvent, TraceSourceRequest};
 use serde::Serialize;
 
+use kvpn_proto::userd::UserSession;
+
 use crate::install::objects;
+use crate::kubeconfig::{KubeFlags, UserEnv};
 
 /// Bound of the probe's connect and of each read.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
@@ -463,9 +466,45 @@ async fn manager_pod(client: &kube::Client, namespace: &str) -> Result<String> {
         })
 }
 
+/// Which cluster to ask about a trace through the user daemon's `session`:
+/// `flags` with `--kubeconfig` win as they are; without it, the session's
+/// kubeconfig files (put in `KUBECONFIG` of `env`, so a list merges as at
+/// connect) and, unless `--context` is given, the session's context. Without a
+/// session (a `--manager` session, an older user daemon) `flags` and `env` as
+/// they are. Pure.
+pub fn session_kube(
+    mut flags: KubeFlags,
+    env: UserEnv,
+    session: Option<&UserSession>,
+) -> (KubeFlags, UserEnv) {
+    let Some(session) = session.filter(|_| flags.kubeconfig.is_none()) else {
+        return (flags, env);
+    };
+    let env = match session.kubeconfig.as_slice() {
+        [] => return (flags, env),
+        [one] => {
+            flags.kubeconfig = Some(one.into());
+            env
+        }
+        // A path holding ':' cannot be listed in KUBECONFIG: the flags as given.
+        many => match std::env::join_paths(many) {
+            Ok(list) => env.with_var("KUBECONFIG", list),
+            Err(_) => return (flags, env),
+        },
+    };
+    if flags.context.is_none() {
+        flags.context = session
+            .origin
+            .as_ref()
+            .map(|o| o.context.clone())
+            .filter(|c| !c.is_empty());
+    }
+    (flags, env)
+}
+
 /// Resolves `target` (`ip:port` or `name:port`) on this laptop (split DNS
 /// resolves Service names while connected).
-fn resolve(target: &str) -> Result<SocketAddr> {
+pub fn resolve(target: &str) -> Result<SocketAddr> {
     if let Ok(a) = target.parse::<SocketAddr>() {
         return Ok(a);
     }
@@ -503,18 +542,14 @@ pub fn require_route(sessions: &[Session], ip: IpAddr) -> Result<()> {
 }
 
 /// Runs the three-point check (see the module docs) if one of `sessions` (the
-/// root daemon's) routes the target.
+/// root daemon's) routes `target` ([`resolve`]d).
 pub async fn source(
     client: &kube::Client,
     namespace: &str,
-    target: &str,
+    target: SocketAddr,
     udp: bool,
     sessions: &[Session],
 ) -> Result<SourceReport> {
-    let target_owned = target.to_owned();
-    let target = tokio::task::spawn_blocking(move || resolve(&target_owned))
-        .await
-        .context("resolver task failed")??;
     let IpAddr::V4(dst) = target.ip() else {
         bail!("{target}: only IPv4 destinations can be traced");
     };
@@ -573,6 +608,7 @@ pub async fn source(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::OsStr;
 
     fn report(decap: &str, egress: &str, backend: &str, outcome: Outcome) -> SourceReport {
         let p = |s: &str| s.parse().ok();
@@ -778,5 +814,76 @@ mod tests {
             .expect_err("not routed")
             .to_string();
         assert!(e.contains("192.168.7.1") && e.contains("outside"), "{e}");
+    }
+
+    fn user_session(files: &[&str], context: &str) -> UserSession {
+        UserSession {
+            id: "s1".into(),
+            kubeconfig: files.iter().map(|f| (*f).to_owned()).collect(),
+            origin: Some(kvpn_proto::dataplane::Origin {
+                context: context.into(),
+                manager_namespace: "kvpn-system".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn laptop_env() -> UserEnv {
+        UserEnv::from_parts(
+            [
+                ("HOME".into(), "/home/elsewhere".into()),
+                ("KUBECONFIG".into(), "/home/elsewhere/other.yaml".into()),
+            ],
+            "/work".into(),
+            1000,
+        )
+    }
+
+    /// Run after `kvpn connect --kubeconfig X --context C`, diagnose without
+    /// flags asks X with C, whatever HOME and KUBECONFIG say now.
+    #[test]
+    fn diagnose_uses_the_sessions_kubeconfig_and_context() {
+        let s = user_session(&["/lab/user.kubeconfig"], "user@lab");
+        let (flags, env) = session_kube(KubeFlags::default(), laptop_env(), Some(&s));
+        assert_eq!(flags.kubeconfig, Some("/lab/user.kubeconfig".into()));
+        assert_eq!(flags.context.as_deref(), Some("user@lab"));
+        assert_eq!(env, laptop_env(), "one file goes in as --kubeconfig");
+
+        // A KUBECONFIG list at connect is merged again as a list.
+        let s = user_session(&["/a.yaml", "/b.yaml"], "b@lab");
+        let (flags, env) = session_kube(KubeFlags::default(), laptop_env(), Some(&s));
+        assert_eq!(flags.kubeconfig, None);
+        assert_eq!(flags.context.as_deref(), Some("b@lab"));
+        assert_eq!(env.var("KUBECONFIG"), Some(OsStr::new("/a.yaml:/b.yaml")));
+    }
+
+    /// Explicit flags win: `--kubeconfig` keeps everything as given; `--context`
+    /// alone picks a context of the session's files.
+    #[test]
+    fn diagnose_flags_win_over_the_session() {
+        let s = user_session(&["/lab/user.kubeconfig"], "user@lab");
+        let given = KubeFlags {
+            kubeconfig: Some("/mine.yaml".into()),
+            ..KubeFlags::default()
+        };
+        let (flags, env) = session_kube(given.clone(), laptop_env(), Some(&s));
+        assert_eq!(flags, given);
+        assert_eq!(env, laptop_env());
+
+        let given = KubeFlags {
+            context: Some("admin@lab".into()),
+            ..KubeFlags::default()
+        };
+        let (flags, _) = session_kube(given, laptop_env(), Some(&s));
+        assert_eq!(flags.kubeconfig, Some("/lab/user.kubeconfig".into()));
+        assert_eq!(flags.context.as_deref(), Some("admin@lab"));
+
+        // No user-daemon session (a --manager session) or none known: as given.
+        for s in [None, Some(&user_session(&[], "user@lab"))] {
+            let (flags, env) = session_kube(KubeFlags::default(), laptop_env(), s);
+            assert_eq!(flags, KubeFlags::default());
+            assert_eq!(env, laptop_env());
+        }
     }
 }

@@ -365,13 +365,47 @@ async fn diagnose_source(
     // First, so that "not connected" comes at once, before the cluster is asked.
     let sessions = connect::current_sessions(runtime_dir).await?;
     diagnose::require_session(&sessions)?;
+    let target_text = args.target.clone();
+    let target = tokio::task::spawn_blocking(move || diagnose::resolve(&target_text))
+        .await
+        .context("resolver task failed")?
+        .with_context(|| format!("cannot trace the source towards {}", args.target))?;
+    diagnose::require_route(&sessions, target.ip())?;
+    // The cluster of the session that carries the trace, as it was connected
+    // (its kubeconfig files and context), unless the flags say otherwise.
+    let session = connect::session_routing(&sessions, &ipnet::IpNet::from(target.ip()))
+        .map(|(s, _)| s.id.clone());
+    let user_session = match (
+        &session,
+        userd::connect_existing(&userd::Paths::current(runtime_dir)).await?,
+    ) {
+        (Some(id), Some(mut user)) => user
+            .status(kvpn_proto::userd::StatusRequest {})
+            .await
+            .map_err(daemon::status_to_error)
+            .context("cannot ask the user daemon for the session's kubeconfig")?
+            .into_inner()
+            .user_sessions
+            .into_iter()
+            .find(|u| &u.id == id),
+        _ => None,
+    };
     let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
+    let (flags, env) = diagnose::session_kube(args.kube.flags(), env, user_session.as_ref());
     let plan = ssh::plan_for(&args.kube.ssh, &env)?;
-    let (conn, _tunnel) = ssh::connect_kube(&args.kube.flags(), plan.as_ref(), &env).await?;
+    let (conn, _tunnel) = ssh::connect_kube(&flags, plan.as_ref(), &env).await?;
+    // The session's manager is the one that sees the probe: its namespace
+    // unless another one is asked for.
+    let manager_namespace = user_session
+        .as_ref()
+        .and_then(|u| u.origin.as_ref())
+        .map(|o| o.manager_namespace.clone())
+        .filter(|n| !n.is_empty() && args.kube.manager_namespace == cidr::DEFAULT_NAMESPACE)
+        .unwrap_or_else(|| args.kube.manager_namespace.clone());
     let report = diagnose::source(
         &conn.client,
-        &args.kube.manager_namespace,
-        &args.target,
+        &manager_namespace,
+        target,
         args.udp,
         &sessions,
     )

@@ -209,6 +209,15 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
                         }
                     );
                 }
+                // The root daemon sees only the symptom of a broken SSH path (the
+                // listener ends the TLS handshake): the path's own error first.
+                Some(u) if !u.transport_error.is_empty() && s.state != "connected" => {
+                    s.reason = if s.reason.is_empty() {
+                        u.transport_error.clone()
+                    } else {
+                        format!("{} (data channel: {})", u.transport_error, s.reason)
+                    };
+                }
                 _ => {}
             }
             StatusRow {
@@ -804,6 +813,27 @@ mod tests {
             tun_name: "kvpn9".into(),
             ..Default::default()
         }
+    }
+
+    /// During an SSH outage the reason is the SSH path's error (hop, cause,
+    /// fix), the root daemon's symptom after it; once connected, no stale error.
+    #[test]
+    fn an_ssh_transport_error_is_the_reason_of_a_session_that_is_down() {
+        let ssh_error = "cannot reach SSH host root@10.99.0.2:2222: Connection refused (os error 111) \
+                         — check the address and that sshd runs there";
+        let mut u = user("s1", crate::userd::server::STATE_RUNNING, "");
+        u.transport_error = ssh_error.into();
+        let mut down = root("s1", "port-forward", "reconnecting");
+        down.reason = "TLS handshake with the manager failed: unexpected EOF".into();
+        let rows = merge_sessions(vec![down], vec![u.clone()]);
+        assert_eq!(
+            rows[0].session.reason,
+            format!(
+                "{ssh_error} (data channel: TLS handshake with the manager failed: unexpected EOF)"
+            )
+        );
+        let rows = merge_sessions(vec![root("s1", "port-forward", "connected")], vec![u]);
+        assert_eq!(rows[0].session.reason, "");
     }
 
     #[test]

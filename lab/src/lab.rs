@@ -421,6 +421,17 @@ impl Lab {
             self.addressing.laptop_uplink_ip(),
             UPLINK_PREFIX_LEN,
         )?;
+        // Like a real node (whose default route covers it), the node reaches the
+        // service CIDR: its own connections to ClusterIPs — a node's sshd dialling
+        // the manager Service for the SSH data-plane bypass — need a route before
+        // the kube-proxy-like DNAT in the output hook rewrites them.
+        self.node.netns().ip(&[
+            "route",
+            "add",
+            &self.addressing.service_cidr.to_string(),
+            "dev",
+            self.node.bridge(),
+        ])?;
         // The laptop's own resolv.conf: programs in the laptop netns run through `ip
         // netns exec`, which binds it over /etc/resolv.conf, so nothing kvpn does to
         // the laptop's DNS can reach this machine's real /etc/resolv.conf.
@@ -1088,11 +1099,12 @@ impl Lab {
         );
         let _ = writeln!(
             s,
-            "  node     netns {:<24} bridge {} {}/{}, uplink {} {}/{}",
+            "  node     netns {:<24} bridge {} {}/{} (also routes the service CIDR {}), uplink {} {}/{}",
             self.node.netns().name(),
             self.node.bridge(),
             self.node.gateway(),
             self.node.pod_cidr().prefix_len(),
+            self.addressing.service_cidr,
             self.uplink.node_if,
             self.uplink.node_ip,
             self.uplink.prefix_len

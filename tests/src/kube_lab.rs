@@ -357,6 +357,11 @@ impl KubeFixture {
 
     /// Runs `kvpn <args>` in the laptop netns with this fixture's runtime folder.
     pub fn kvpn(&self, args: &[&str]) -> Output {
+        self.kvpn_env(args, &[])
+    }
+
+    /// [`KubeFixture::kvpn`] with `env` set on top (e.g. another HOME or KUBECONFIG).
+    pub fn kvpn_env(&self, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Output {
         let mut cmd = self
             .lab()
             .netns_lab()
@@ -371,6 +376,7 @@ impl KubeFixture {
             .env("KVPN_HOSTS", self.laptop_hosts())
             .env("XDG_STATE_HOME", &self.state_dir)
             .env_remove("KUBECONFIG");
+        cmd.envs(env.iter().copied());
         cmd.output()
             .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
     }

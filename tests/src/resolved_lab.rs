@@ -38,7 +38,7 @@ use crate::text;
 pub const STUB_RESOLV: &[u8] = b"# kvpn dns-04 lab: systemd-resolved manages DNS\nnameserver 127.0.0.53\noptions edns0 trust-ad\nsearch .\n";
 /// The laptop's resolved.conf: its own resolver, no multicast name protocols
 /// (they would only add noise in a lab netns).
-pub const RESOLVED_CONF: &[u8] = b"[Resolve]\nDNS=127.0.0.1\nDomains=corp.test\nLLMNR=no\nMulticastDNS=no\nDNSSEC=no\nDNSStubListener=yes\n";
+pub const RESOLVED_CONF: &[u8] = b"[Resolve]\nDNS=127.0.0.1\nDomains=corp.test\nLLMNR=no\nMulticastDNS=no\nDNSSEC=no\nDNSOverTLS=opportunistic\nDNSStubListener=yes\n";
 
 /// systemd-resolved and a system bus for the laptop netns, in a private mount
 /// namespace.

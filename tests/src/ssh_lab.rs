@@ -225,24 +225,14 @@ impl SshLab {
     /// One "bastion" that is a cluster node: sshd in the lab's node netns, on the
     /// node's uplink address (172.31.255.1:2222, which the laptop reaches), so it
     /// reaches the API server and, through kube-proxy's rules, every ClusterIP —
-    /// the case the SSH data-plane bypass is for. Like a real node, the node netns
-    /// gets a route for the service CIDR (a node's default route), without which
-    /// its own connections to ClusterIPs would fail before kube-proxy's DNAT.
+    /// the case the SSH data-plane bypass is for (the lab's node netns routes the
+    /// service CIDR, like a real node).
     pub fn on_node(fx: &mut KubeFixture) -> Self {
         let id = fx.lab().netns_lab().id().to_owned();
         let dir = fx.lab().netns_lab().dir().join("ssh");
         let laptop_netns = fx.lab().netns_lab().laptop_netns().name().to_owned();
         let creds = Credentials::new(&dir);
-        let node = fx.lab().netns_lab().node();
-        let node_ns = node.netns().name().to_owned();
-        let service_cidr = fx.lab().addressing().service_cidr;
-        let _ = Netns::from_name(&node_ns).ip(&[
-            "route",
-            "add",
-            &service_cidr.to_string(),
-            "dev",
-            node.bridge(),
-        ]);
+        let node_ns = fx.lab().netns_lab().node().netns().name().to_owned();
         let node_ip = API
             .split(':')
             .next()
@@ -421,6 +411,20 @@ fn spawn_sshd(name: &str, bdir: &Path, env: &[(&str, &Path)]) -> Child {
 }
 
 impl Bastion {
+    /// Stops sshd — its listener and every connection it serves, by pid — so the
+    /// bastion refuses SSH until [`Bastion::restart_sshd`].
+    pub fn stop_sshd(&mut self) {
+        let connections = self.connection_pids();
+        if let Some(mut c) = self.sshd.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for pid in connections {
+            // SAFETY: kill by pid a child process of the sshd this helper started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+
     /// Restarts sshd with `first` as the first lines of its config (sshd keeps the
     /// first value of a keyword, so they override the defaults of this lab) and
     /// `env` added to its environment; waits until it listens again.

@@ -219,7 +219,12 @@ fn dns_05_08_09_laptop_names_untouched_big_answers_truncate_fast_negative_aaaa()
     assert_eq!(dig(&f, &["web", "A"]).a(), vec![web]);
     eprintln!("dns-09: AAAA answered NOERROR/empty in {times:?} ms");
 
-    upstream.assert_no_cluster_names(&f, &["web", "big", "web.default"]);
+    // A missing Service of an existing namespace is the cluster's NXDOMAIN, and
+    // its name never reaches the laptop's upstream.
+    let d = dig(&f, &["nosuch.default", "A"]);
+    assert_eq!(d.status, "NXDOMAIN", "nosuch.default: {}", d.raw);
+
+    upstream.assert_no_cluster_names(&f, &["web", "big", "web.default", "nosuch.default"]);
     let asked = upstream.queries();
     assert!(asked.iter().any(|q| q == CORP_HOST.0), "{asked:?}");
 }

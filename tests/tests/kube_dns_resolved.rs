@@ -18,7 +18,7 @@ use kvpn_tests::resolved_lab::ResolvedLaptop;
 
 /// resolved's view of DNS, per link and global, with the link numbers left out.
 fn resolved_view(r: &ResolvedLaptop) -> String {
-    ["dns", "domain", "default-route"]
+    ["dns", "domain", "default-route", "dnsovertls", "dnssec"]
         .iter()
         .map(|what| r.resolvectl(&[what]))
         .collect::<Vec<_>>()
@@ -89,6 +89,15 @@ fn dns_04_systemd_resolved_link_dns_routing_domain_search_getent_and_clean_disco
         status.contains("Protocols: -DefaultRoute -LLMNR -mDNS"),
         "{status}"
     );
+    // Plain DNS to the cluster DNS whatever the global settings say (this
+    // resolved has DNSOverTLS=opportunistic): no TLS to its port 853.
+    for (what, want) in [("dnsovertls", "no"), ("dnssec", "no")] {
+        let got = r.resolvectl(&[what, tun]);
+        assert!(
+            got.trim_end().ends_with(&format!("({tun}): {want}")),
+            "resolvectl {what} {tun}: {got}\n{status}"
+        );
+    }
     eprintln!("dns-04: resolvectl status {tun}:\n{status}");
 
     // Every lookup through nss-resolve: a short name (search list), the full

@@ -292,6 +292,43 @@ fn snat_backends_see_the_manager_pod_ip_over_tcp_udp_and_icmp() {
     );
 }
 
+/// After `kvpn connect --kubeconfig <lab>`, `kvpn diagnose source` without
+/// --kubeconfig asks the session's cluster (its kubeconfig and context, from the
+/// user daemon), even with HOME and KUBECONFIG pointing at files that do not
+/// exist; an explicit --kubeconfig still wins.
+#[test]
+fn diagnose_reuses_the_sessions_kubeconfig() {
+    let f = KubeFixture::new();
+    connect(&f, "snat");
+    let home = f.lab().netns_lab().dir().join("elsewhere-home");
+    std::fs::create_dir_all(&home).unwrap_or_else(|e| panic!("{}: {e}", home.display()));
+    let missing = home.join("no-such-kubeconfig");
+    let env = [
+        ("HOME", home.as_os_str()),
+        ("KUBECONFIG", missing.as_os_str()),
+    ];
+    let target = web().to_string();
+    let args = ["diagnose", "source", &target, "-o", "json"];
+    let out = f.kvpn_env(&args, &env);
+    let stdout = kvpn_tests::kube_lab::kvpn_succeeded(&args, &out, || f.diagnostics());
+    let d: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("diagnose JSON: {e}: {stdout}"));
+    assert_eq!(d["verdict"], "manager", "{d:#}");
+    assert!(addr_ip(&d["backend_source"]).is_some(), "{d:#}");
+
+    // --kubeconfig given: that file, not the session's.
+    let missing_text = missing.to_string_lossy().into_owned();
+    let out = f.kvpn_env(
+        &["diagnose", "source", &target, "--kubeconfig", &missing_text],
+        &env,
+    );
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no-such-kubeconfig"),
+        "an explicit --kubeconfig must be used: {err}"
+    );
+}
+
 /// Preserve: TCP, UDP and ICMP carry the tunnel IP to the backends; after the
 /// manager pod is deleted and rescheduled with a new IP the same holds without
 /// any step by hand (the nodes route the pool via the stable gateway, which the

@@ -54,7 +54,7 @@ fn connect(fx: &KubeFixture, lab: &SshLab, extra: &[&str], agent: Option<&Path>)
 #[test]
 fn tr_08_password_login_through_a_bastion_then_the_ssh_connection_killed_five_times() {
     let mut fx = KubeFixture::new();
-    let lab = SshLab::new(&mut fx, 1);
+    let mut lab = SshLab::new(&mut fx, 1);
     assert!(
         !lab.laptop_reaches_api_directly(&fx),
         "the laptop must not reach the API server except through SSH"
@@ -150,6 +150,44 @@ fn tr_08_password_login_through_a_bastion_then_the_ssh_connection_killed_five_ti
         agent_log.contains("SSH connection died"),
         "the agent never noticed the SSH connection dying:\n{agent_log}"
     );
+
+    // sshd stopped: status names the SSH hop and the cause (not only the data
+    // channel's TLS symptom); sshd back: connected again.
+    let hop = lab.bastions[0].ssh_addr();
+    lab.bastions[0].stop_sshd();
+    let stopped = Instant::now();
+    let reason = loop {
+        let s = fx.session();
+        let reason = s["reason"].as_str().unwrap_or_default().to_owned();
+        if s["state"] != "connected" && reason.contains("SSH host") {
+            break reason;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(30),
+            "no SSH cause in status 30 s after sshd stopped: {s:#}\n{}",
+            fx.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!(
+        "status named the SSH cause {:.1} s after sshd stopped: {reason}",
+        stopped.elapsed().as_secs_f64()
+    );
+    assert!(
+        reason.contains(&hop) && reason.contains("refused") && reason.contains("sshd runs there"),
+        "status must name the hop {hop}, the cause and the fix: {reason}"
+    );
+    lab.bastions[0].restart_sshd("", &[]);
+    fx.wait_state("connected", Duration::from_secs(30));
+    let s = fx.session();
+    assert!(
+        !s["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("SSH host"),
+        "a stale SSH error after the path works again: {s:#}"
+    );
+    fx.wait_http(web(), Instant::now(), Duration::from_secs(30));
 }
 
 #[test]

@@ -29,6 +29,10 @@ struct Shared {
     target: (String, u16),
     chain: Mutex<Option<Arc<SshChain>>>,
     reconnects: std::sync::atomic::AtomicU64,
+    /// Why the last channel could not be opened (hop, cause, fix), until one is
+    /// opened again: what `kvpn status` shows for a session whose data channel
+    /// rides this path, instead of the symptom the root daemon sees.
+    last_error: std::sync::Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -67,6 +71,20 @@ impl Shared {
         host: &str,
         port: u16,
     ) -> Result<russh::ChannelStream<russh::client::Msg>, ConnectError> {
+        let opened = self.open_once(host, port).await;
+        *self
+            .last_error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            opened.as_ref().err().map(ToString::to_string);
+        opened
+    }
+
+    async fn open_once(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<russh::ChannelStream<russh::client::Msg>, ConnectError> {
         let chain = self.chain().await?;
         match chain.open(host, port).await {
             Ok(s) => Ok(s),
@@ -74,6 +92,13 @@ impl Shared {
             Err(_) if chain.is_closed() => self.chain().await?.open(host, port).await,
             Err(e) => Err(e),
         }
+    }
+
+    fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     async fn forward(&self, mut laptop: TcpStream) -> Result<(u64, u64), String> {
@@ -108,6 +133,7 @@ impl SshTunnel {
             target,
             chain: Mutex::new(None),
             reconnects: std::sync::atomic::AtomicU64::new(0),
+            last_error: std::sync::Mutex::new(None),
         });
         // Fail now, with the real reason, rather than on the first API request.
         let chain = shared.chain().await?;
@@ -222,5 +248,12 @@ impl SshDialer {
     /// The whole path, `a -> b -> c`.
     pub fn path(&self) -> String {
         self.shared.plan.describe()
+    }
+
+    /// Why the path's last channel (to the API server or onwards) could not be
+    /// opened — naming the hop, the cause and the fix — until one opens again;
+    /// `None` while it works.
+    pub fn last_error(&self) -> Option<String> {
+        self.shared.last_error()
     }
 }

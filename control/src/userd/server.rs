@@ -53,6 +53,8 @@ struct Entry {
     cancel: CancellationToken,
     /// SOCKS sessions: the status record their task rewrites every 500 ms.
     socks_status: Option<PathBuf>,
+    /// The session's SSH path, if it has one (its last error for status).
+    ssh: Option<crate::ssh::SshDialer>,
 }
 
 impl Entry {
@@ -89,6 +91,7 @@ impl Entry {
                 },
             }
         });
+        let kubeconfig = request.as_ref().map(session_kubeconfig).unwrap_or_default();
         let origin = request.and_then(|r| r.connect).and_then(|c| c.origin);
         UserSession {
             id: self.record.id.clone(),
@@ -102,6 +105,13 @@ impl Entry {
             uptime_ms: u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX),
             restores: self.record.restores,
             socks,
+            kubeconfig,
+            transport_error: self
+                .ssh
+                .as_ref()
+                .filter(|_| self.state == STATE_RUNNING)
+                .and_then(crate::ssh::SshDialer::last_error)
+                .unwrap_or_default(),
         }
     }
 }
@@ -126,14 +136,13 @@ fn internal(e: anyhow::Error) -> Status {
     Status::failed_precondition(crate::output::error_chain(&e))
 }
 
-/// The session's agent configuration from the CLI's request.
-fn agent_config(
-    req: &StartSessionRequest,
-    root_runtime_dir: &std::path::Path,
-    listen: std::net::SocketAddr,
-) -> Result<AgentConfig> {
-    let nonempty = |s: &str| (!s.is_empty()).then(|| s.to_owned());
-    let env = UserEnv::from_parts(
+fn nonempty(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_owned())
+}
+
+/// The CLI's environment, working folder and euid as its request carried them.
+fn request_env(req: &StartSessionRequest) -> UserEnv {
+    UserEnv::from_parts(
         req.env.iter().map(|v| {
             (
                 OsString::from_vec(v.name.clone()),
@@ -142,7 +151,43 @@ fn agent_config(
         }),
         PathBuf::from(OsString::from_vec(req.cwd.clone())),
         req.euid,
-    );
+    )
+}
+
+/// The CLI's `--kubeconfig`, `--context`, `--namespace` as its request carried them.
+fn request_flags(req: &StartSessionRequest) -> KubeFlags {
+    KubeFlags {
+        kubeconfig: nonempty(&req.kubeconfig).map(PathBuf::from),
+        context: nonempty(&req.context),
+        namespace: nonempty(&req.namespace),
+    }
+}
+
+/// The kubeconfig files a session reads (`UserSession.kubeconfig`): resolved
+/// as the session's agent resolves them, in the environment it was started
+/// with. Empty when they cannot be told (no home folder, an unknown sudo user).
+fn session_kubeconfig(req: &StartSessionRequest) -> Vec<String> {
+    let env = request_env(req);
+    crate::kubeconfig::ActingUser::detect(&env)
+        .and_then(|acting| {
+            crate::kubeconfig::kubeconfig_sources(&request_flags(req), &env, &acting)
+        })
+        .map(|s| {
+            s.paths
+                .iter()
+                .map(|p| p.to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The session's agent configuration from the CLI's request.
+fn agent_config(
+    req: &StartSessionRequest,
+    root_runtime_dir: &std::path::Path,
+    listen: std::net::SocketAddr,
+) -> Result<AgentConfig> {
+    let env = request_env(req);
     let ssh = if req.ssh_plan_json.is_empty() {
         None
     } else {
@@ -152,11 +197,7 @@ fn agent_config(
         u16::try_from(p).map_err(|_| anyhow!("{what} port {p} is not a TCP port"))
     };
     Ok(AgentConfig {
-        flags: KubeFlags {
-            kubeconfig: nonempty(&req.kubeconfig).map(PathBuf::from),
-            context: nonempty(&req.context),
-            namespace: nonempty(&req.namespace),
-        },
+        flags: request_flags(req),
         ssh,
         ssh_direct: nonempty(&req.ssh_direct)
             .map(|t| {
@@ -209,6 +250,7 @@ impl UserDaemonState {
                 since: Instant::now(),
                 cancel,
                 socks_status,
+                ssh: None,
             },
         );
     }
@@ -352,6 +394,7 @@ impl UserDaemonState {
                     e.state = STATE_RUNNING;
                     e.reason.clear();
                     e.since = Instant::now();
+                    e.ssh = open.ssh_path();
                     e.cancel.clone()
                 };
                 info!(session = %id, addr = %open.addr(), "session restored");
@@ -567,6 +610,7 @@ impl UserDaemon for UserDaemonState {
         let config = agent_config(&req, &self.root_runtime_dir, listen).map_err(internal)?;
         let open = agent::open_session(config).await.map_err(internal)?;
         let addr = open.addr();
+        let ssh = open.ssh_path();
         let mut root = daemon::connect_existing(&self.root_runtime_dir)
             .await
             .map_err(internal)?
@@ -607,6 +651,9 @@ impl UserDaemon for UserDaemonState {
             !replaced
         });
         self.register(&id, addr, &resp.tun_name, &req, cancel, None);
+        if let Some(e) = self.sessions().get_mut(&id) {
+            e.ssh = ssh;
+        }
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
         Ok(Response::new(StartSessionResponse {
             connect: Some(resp),
@@ -732,6 +779,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
                 since: Instant::now(),
                 cancel: CancellationToken::new(),
                 socks_status: None,
+                ssh: None,
             },
         );
         tokio::spawn(state.clone().restore(record));

@@ -756,7 +756,23 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
                         limit,
                     )
                 }
-                Found::Nothing => match otherwise {
+                // The cluster says an expansion does not exist while its anchor
+                // (`default.svc.<domain>` of `nosuch.default`) does: a cluster name
+                // that does not exist, NXDOMAIN — never the laptop's upstream,
+                // which would leak it and, silent, turn it into SERVFAIL.
+                Found::Nothing {
+                    in_cluster_zone: true,
+                } => {
+                    bump(&shared.counters.local_nxdomain);
+                    encode(
+                        shared,
+                        &message::local_answer(&query, ResponseCode::NXDomain),
+                        limit,
+                    )
+                }
+                Found::Nothing {
+                    in_cluster_zone: false,
+                } => match otherwise {
                     Otherwise::NxDomain => {
                         bump(&shared.counters.local_nxdomain);
                         encode(
@@ -938,6 +954,9 @@ async fn anchor_exists(shared: &Shared, cluster: &ClusterDns, anchor: &Name) -> 
 enum Tried {
     /// The expansion cannot exist (its anchor does not, or NXDOMAIN).
     Absent,
+    /// NXDOMAIN for the expansion while its anchor exists: the name is in a zone
+    /// of the cluster (an existing namespace) and does not exist there.
+    Missing,
     /// The cluster's answer (NOERROR).
     Present(Message),
     /// No usable answer.
@@ -951,11 +970,13 @@ async fn try_candidate(
     candidate: &Candidate,
     transport: Transport,
 ) -> Tried {
-    if let Some(anchor) = &candidate.anchor
-        && anchor_exists(shared, cluster, anchor).await == Some(false)
-    {
-        return Tried::Absent;
-    }
+    let anchored = match &candidate.anchor {
+        Some(anchor) => match anchor_exists(shared, cluster, anchor).await {
+            Some(false) => return Tried::Absent,
+            known => known == Some(true),
+        },
+        None => false,
+    };
     let Some(qtype) = query.queries.first().map(|q| q.query_type()) else {
         return Tried::Failed;
     };
@@ -963,6 +984,7 @@ async fn try_candidate(
     match ask_cluster(shared, cluster, &ours, transport).await {
         Some(answer) => match message::name_exists(answer.metadata.response_code) {
             Some(true) => Tried::Present(answer),
+            Some(false) if anchored => Tried::Missing,
             Some(false) => Tried::Absent,
             None => Tried::Failed,
         },
@@ -972,7 +994,11 @@ async fn try_candidate(
 
 enum Found {
     Answer(Name, Box<Message>),
-    Nothing,
+    /// No expansion exists; `in_cluster_zone`: one of them is under an anchor
+    /// that exists ([`Tried::Missing`]).
+    Nothing {
+        in_cluster_zone: bool,
+    },
     Failed,
 }
 
@@ -992,14 +1018,16 @@ async fn search(
             .map(|c| try_candidate(shared, cluster, query, c, transport)),
     )
     .await;
+    let mut in_cluster_zone = false;
     for (candidate, result) in candidates.iter().zip(tried) {
         match result {
             Tried::Absent => continue,
+            Tried::Missing => in_cluster_zone = true,
             Tried::Present(answer) => {
                 return Found::Answer(candidate.name.clone(), Box::new(answer));
             }
             Tried::Failed => return Found::Failed,
         }
     }
-    Found::Nothing
+    Found::Nothing { in_cluster_zone }
 }

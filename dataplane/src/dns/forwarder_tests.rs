@@ -425,6 +425,36 @@ async fn no_upstream_answer_is_servfail_not_a_hang() {
     f.stop().await;
 }
 
+/// `nosuch.default` of an existing namespace that has no such Service is the
+/// cluster's NXDOMAIN (the lab laptop's silent upstream made it SERVFAIL), and
+/// neither it nor `nosuch.dev.svc` reaches the laptop's upstream; a name whose
+/// last label is no namespace (`nope.corp.test`) still does.
+#[tokio::test]
+async fn a_missing_service_of_an_existing_namespace_is_nxdomain_not_upstream() {
+    let (f, _cluster_log, upstream_log) = setup().await;
+    for spelling in [
+        "nosuch.default",
+        "nosuch.dev",
+        "nosuch.dev.svc",
+        "Nosuch.Default.",
+    ] {
+        let m = ask(f.local_addr(), spelling, RecordType::A, None, false).await;
+        assert_eq!(
+            m.metadata.response_code,
+            ResponseCode::NXDomain,
+            "{spelling}"
+        );
+    }
+    let m = ask(f.local_addr(), "nope.corp.test", RecordType::A, None, false).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
+    assert_eq!(
+        upstream_log.lock().expect("log").clone(),
+        vec!["nope.corp.test."],
+        "only the laptop's name goes upstream"
+    );
+    f.stop().await;
+}
+
 /// A cluster DNS on UDP that ignores the first copy of every datagram (a lossy
 /// path) and records the source ports it heard from.
 async fn lossy_cluster() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {

@@ -10,7 +10,9 @@
 //!   resolver would. A single label never goes to the laptop's upstream: none of
 //!   the expansions existing means NXDOMAIN (case dns-01). Longer names that expand
 //!   to nothing in the cluster (`example.com`, `web.dev` when there is no namespace
-//!   `dev`) are the laptop's and go upstream unchanged;
+//!   `dev`) are the laptop's and go upstream unchanged; one whose anchor exists
+//!   but that does not (`nosuch.default`: namespace `default` exists, Service
+//!   `nosuch` does not) is the cluster's NXDOMAIN and never goes upstream;
 //! - a reverse name (`100.0.96.10.in-addr.arpa`, `….ip6.arpa`) of an address in the
 //!   cluster's pod or service CIDRs ([`ClusterDns::reverse`]): the cluster DNS answers
 //!   it, so `dig -x <ClusterIP>` gives the Service's name;

@@ -2,7 +2,11 @@
 //! laptop's DNS, the TUN link gets the cluster nameserver, the cluster domain as
 //! a routing domain (so `.local` questions go to the cluster, not to mDNS), the
 //! search domains (connected namespace first), is not a default route for other
-//! names, and does no LLMNR or mDNS. The cluster domain is usually in the search
+//! names, and does no LLMNR or mDNS. Cluster questions are plain DNS: a global
+//! `DNSOverTLS=yes`/`opportunistic` would otherwise send them over TLS to port
+//! 853 of the cluster DNS, which no cluster DNS serves, and a global `DNSSEC=yes`
+//! would fail the unsigned cluster zone, so the link gets `dnsovertls no` and
+//! `dnssec no`. The cluster domain is usually in the search
 //! list already (`cluster.local`), and a search domain routes too: then
 //! `resolvectl domain` shows it without `~`; otherwise it is added as
 //! `~<cluster domain>`. resolved drops all of it when the TUN device goes;
@@ -82,6 +86,8 @@ pub fn link_commands(link: &str, cluster: &ClusterDns) -> Vec<Vec<String>> {
         // tunnel (and none answered from it).
         set("llmnr", "no"),
         set("mdns", "no"),
+        set("dnsovertls", "no"),
+        set("dnssec", "no"),
     ]
 }
 
@@ -172,6 +178,8 @@ mod tests {
                 "default-route kvpn0 false",
                 "llmnr kvpn0 no",
                 "mdns kvpn0 no",
+                "dnsovertls kvpn0 no",
+                "dnssec kvpn0 no",
             ]
         );
         // Without the cluster domain in the search list it is a routing domain.
