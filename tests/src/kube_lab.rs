@@ -189,16 +189,28 @@ impl KubeFixture {
     /// A fresh Kubernetes lab with the sample workloads and without the traffic
     /// manager (`kvpn connect` installs it).
     pub fn new() -> Self {
+        Self::with_addressing(Addressing::default())
+    }
+
+    /// [`KubeFixture::new`] on a dual-stack lab ([`Addressing::dual_stack`]): IPv6
+    /// pod and service ranges, pods with an IPv6 address, the sample ClusterIP
+    /// Services `PreferDualStack` with fixed IPv6 ClusterIPs.
+    pub fn dual_stack() -> Self {
+        Self::with_addressing(Addressing::default().dual_stack())
+    }
+
+    fn with_addressing(addressing: Addressing) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap_or_else(|e| panic!("tokio runtime: {e}"));
         let t0 = Instant::now();
-        let options = K8sLabOptions::default().workloads(Workloads {
+        let mut options = K8sLabOptions::default().workloads(Workloads {
             manager: false,
             ..Default::default()
         });
+        options.lab = options.lab.addressing(addressing);
         let lab = rt
             .block_on(K8sLab::up(options))
             .unwrap_or_else(|e| panic!("Kubernetes lab up: {e}"));
