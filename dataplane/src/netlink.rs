@@ -162,7 +162,10 @@ impl Netlink {
             .protocol(RouteProtocol::Other(RTPROT_KVPN))
             .scope(RouteScope::Link)
             .table_id(u32::from(RouteHeader::RT_TABLE_MAIN));
-        if let Some(&src) = pref_src.iter().find(|s| s.is_ipv4() == dst.addr().is_ipv4()) {
+        if let Some(&src) = pref_src
+            .iter()
+            .find(|s| s.is_ipv4() == dst.addr().is_ipv4())
+        {
             builder = builder.pref_source(src).map_err(|e| invalid(dst)(&e))?;
         }
         Ok(builder.build())

@@ -699,11 +699,11 @@ impl Session {
             Some(params.mtu),
             params.tunnel_ip_v6,
         )
-            .map_err(|message| ConnectError::Step {
-                step: Step::SendHello,
-                message,
-                rollback: String::new(),
-            })?;
+        .map_err(|message| ConnectError::Step {
+            step: Step::SendHello,
+            message,
+            rollback: String::new(),
+        })?;
         let tcp = dial_peer(&params.manager, params.data_peer, DIAL_TIMEOUT)
             .await
             .map_err(ConnectError::Unreachable)?;

@@ -122,9 +122,8 @@ impl Addressing {
 
     /// The IPv6 ClusterIP at offset `n` of the IPv6 service CIDR (dual stack).
     pub fn ipv6_service_ip(&self, n: u16) -> Option<Ipv6Addr> {
-        self.ipv6.map(|v6| {
-            Ipv6Addr::from(u128::from(v6.service_cidr.network()) | u128::from(n))
-        })
+        self.ipv6
+            .map(|v6| Ipv6Addr::from(u128::from(v6.service_cidr.network()) | u128::from(n)))
     }
 
     /// The IPv6 address of the pod holding `v4` (dual stack).
@@ -328,10 +327,8 @@ impl Node {
         ])?;
         if let Some(gw6) = node.gateway_v6() {
             // nodad: no second of "tentative" before pods can use the gateway.
-            node.netns.ip_batch(&[format!(
-                "addr add {gw6}/64 dev {} nodad",
-                node.bridge
-            )])?;
+            node.netns
+                .ip_batch(&[format!("addr add {gw6}/64 dev {} nodad", node.bridge)])?;
             node.netns.set_sysctls(&[
                 ("net.ipv6.conf.all.forwarding", "1"),
                 ("net.bridge.bridge-nf-call-ip6tables", "1"),

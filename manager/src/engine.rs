@@ -953,7 +953,8 @@ impl Engine {
                 };
                 f.last_active = now;
                 let dst = f.key.dst;
-                let laptop = SocketAddr::new(self.config.laptop_ip_for(dst.ip()), f.key.laptop_port);
+                let laptop =
+                    SocketAddr::new(self.config.laptop_ip_for(dst.ip()), f.key.laptop_port);
                 self.metrics.udp_datagrams_in += 1;
                 let reply = packet::udp_datagram(dst, laptop, &data);
                 self.send_to_laptop(reply);

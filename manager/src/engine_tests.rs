@@ -1504,7 +1504,10 @@ fn dual_stack_session_accepts_both_tunnel_ips_and_answers_each_in_its_family() {
     assert!(tcp.syn() && tcp.ack() && tcp.ack_number().0 == 1001);
 
     // UDP over IPv6: the reply is built for the IPv6 tunnel IP.
-    let udp6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x66)), 7);
+    let udp6 = SocketAddr::new(
+        IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x66)),
+        7,
+    );
     h.send(udp_datagram(SocketAddr::new(IpAddr::V6(me6), 5353), udp6, b"q").expect("builds"));
     let reqs = h.reqs();
     let Some(Request::UdpOpen { flow: uflow, dst }) = reqs.first().cloned() else {
@@ -1523,10 +1526,16 @@ fn dual_stack_session_accepts_both_tunnel_ips_and_answers_each_in_its_family() {
 
     // IPv4 still works in the same session.
     h.send(udp_datagram(laptop(5353), v4([10, 96, 0, 102], 7), b"q").expect("builds"));
-    assert!(matches!(h.reqs()[..], [Request::UdpOpen { .. }, Request::UdpSend { .. }]));
+    assert!(matches!(
+        h.reqs()[..],
+        [Request::UdpOpen { .. }, Request::UdpSend { .. }]
+    ));
 
     // Another IPv6 source is not this session's.
-    let other = SocketAddr::new(IpAddr::V6(kvpn_proto::tunnel::ipv6_tunnel_ip([100, 96, 0, 3].into())), 1);
+    let other = SocketAddr::new(
+        IpAddr::V6(kvpn_proto::tunnel::ipv6_tunnel_ip([100, 96, 0, 3].into())),
+        1,
+    );
     h.send(tcp_segment(other, dst6, TcpControl::Syn, 1, None, &[]));
     assert!(h.reqs().is_empty());
     assert_eq!(h.e.metrics().dropped(DropReason::BadSource), 1);

@@ -531,7 +531,9 @@ mod tests {
             tunnel_ip_v6: Some(v6),
         };
         let payload = hello.encode().expect("encodes");
-        let mut want = vec![0, 3, 4, 100, 96, 0, 2, 2, b'a', b'b', 1, 2, 0x05, 0x78, 2, 16];
+        let mut want = vec![
+            0, 3, 4, 100, 96, 0, 2, 2, b'a', b'b', 1, 2, 0x05, 0x78, 2, 16,
+        ];
         want.extend_from_slice(&v6.octets());
         assert_eq!(payload, want);
         assert_eq!(Hello::decode(&payload), Ok(hello));

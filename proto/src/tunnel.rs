@@ -30,7 +30,12 @@ mod tests {
     #[test]
     fn embeds_the_ipv4_tunnel_ip_in_the_pool() {
         let v6 = ipv6_tunnel_ip(Ipv4Addr::new(100, 96, 0, 2));
-        assert_eq!(v6, "fd6b:7670:6e00::6460:2".parse::<Ipv6Addr>().expect("literal"));
+        assert_eq!(
+            v6,
+            "fd6b:7670:6e00::6460:2"
+                .parse::<Ipv6Addr>()
+                .expect("literal")
+        );
         assert!(TUNNEL_POOL_V6.contains(&v6));
         assert_eq!(TUNNEL_POOL_V6.to_string(), "fd6b:7670:6e00::/96");
         assert_ne!(

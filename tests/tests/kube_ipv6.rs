@@ -52,7 +52,12 @@ fn pod_ipv6(p: &Pod) -> Ipv6Addr {
             IpAddr::V6(v6) => Some(v6),
             IpAddr::V4(_) => None,
         })
-        .unwrap_or_else(|| panic!("pod {:?} has no IPv6 podIP: {:?}", p.metadata.name, p.status))
+        .unwrap_or_else(|| {
+            panic!(
+                "pod {:?} has no IPv6 podIP: {:?}",
+                p.metadata.name, p.status
+            )
+        })
 }
 
 fn pod_ipv4(p: &Pod) -> Ipv4Addr {
@@ -62,7 +67,12 @@ fn pod_ipv4(p: &Pod) -> Ipv4Addr {
             IpAddr::V4(v4) => Some(v4),
             IpAddr::V6(_) => None,
         })
-        .unwrap_or_else(|| panic!("pod {:?} has no IPv4 podIP: {:?}", p.metadata.name, p.status))
+        .unwrap_or_else(|| {
+            panic!(
+                "pod {:?} has no IPv4 podIP: {:?}",
+                p.metadata.name, p.status
+            )
+        })
 }
 
 fn web_pods(f: &KubeFixture) -> Vec<Pod> {
@@ -126,7 +136,11 @@ fn connect(f: &KubeFixture) -> String {
     let kubeconfig = f.user_kubeconfig();
     let out = f.kvpn(&["connect", "--kubeconfig", &kubeconfig]);
     let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "connect failed:\n{all}\n{}", f.diagnostics());
+    assert!(
+        out.status.success(),
+        "connect failed:\n{all}\n{}",
+        f.diagnostics()
+    );
     all
 }
 
@@ -158,14 +172,21 @@ fn dual_stack_ipv6_pods_and_services_route_through_the_tunnel() {
         "an IPv6 pod range is routed: {routes}"
     );
     assert!(
-        routes.contains(&v6_plan.service_cidr.to_string()) || routes.contains(&web_v6().to_string()),
+        routes.contains(&v6_plan.service_cidr.to_string())
+            || routes.contains(&web_v6().to_string()),
         "the IPv6 service range (or the IPv6 ClusterIPs) are routed: {routes}"
     );
     let human = f.kvpn_ok(&["status"]);
-    assert!(human.contains(&format!("{v4},{v6}")), "status table shows both: {human}");
+    assert!(
+        human.contains(&format!("{v4},{v6}")),
+        "status table shows both: {human}"
+    );
     let tun = s["tun_name"].as_str().unwrap_or_default().to_owned();
     let addrs = text(&f.laptop(&["ip", "-6", "addr", "show", "dev", &tun]).stdout);
-    assert!(addrs.contains(&v6.to_string()), "IPv6 tunnel IP on {tun}: {addrs}");
+    assert!(
+        addrs.contains(&v6.to_string()),
+        "IPv6 tunnel IP on {tun}: {addrs}"
+    );
 
     let manager = f.wait_manager_pod(Duration::from_secs(60), |_| true);
     let manager_v6 = pod_ipv6(&manager);
@@ -182,22 +203,48 @@ fn dual_stack_ipv6_pods_and_services_route_through_the_tunnel() {
         matches!(p.pod_ip, IpAddr::V6(a) if web_v6s.contains(&a)),
         "the ClusterIP leads to a web pod's IPv6 address {web_v6s:?}: {p:?}"
     );
-    assert_eq!(p.client.ip(), IpAddr::V6(manager_v6), "snat: the backend sees the manager pod");
+    assert_eq!(
+        p.client.ip(),
+        IpAddr::V6(manager_v6),
+        "snat: the backend sees the manager pod"
+    );
+    eprintln!("IPv6 ClusterIP {url}: {p:?}; routes {routes}");
 
     // TCP to a pod's IPv6 address.
     let target = &webs[0];
     let url = format!("http://[{}]:{HTTP_PORT}/", pod_ipv6(target));
     let p = curl_page(&f, &[], &url);
-    assert_eq!(Some(p.pod.as_str()), target.metadata.name.as_deref(), "{p:?}");
+    assert_eq!(
+        Some(p.pod.as_str()),
+        target.metadata.name.as_deref(),
+        "{p:?}"
+    );
     assert_eq!(p.pod_ip, IpAddr::V6(pod_ipv6(target)));
 
     // UDP echo over IPv6 (ClusterIP), the manager pod's IPv6 address as source.
-    let peer = udp_peer(&f, SocketAddr::from((udp_echo_v6(), kvpn_lab::ECHO_SERVICE_PORT)));
+    let peer = udp_peer(
+        &f,
+        SocketAddr::from((udp_echo_v6(), kvpn_lab::ECHO_SERVICE_PORT)),
+    );
     assert_eq!(peer.ip(), IpAddr::V6(manager_v6), "UDP over IPv6: {peer}");
+    eprintln!(
+        "UDP over IPv6 to [{}]: the backend saw {peer}",
+        udp_echo_v6()
+    );
 
     // ICMPv6 echo to a pod.
     let ping_target = pod_ipv6(target).to_string();
-    let out = f.laptop(&["ping", "-6", "-c", "2", "-i", "0.2", "-W", "2", &ping_target]);
+    let out = f.laptop(&[
+        "ping",
+        "-6",
+        "-c",
+        "2",
+        "-i",
+        "0.2",
+        "-W",
+        "2",
+        &ping_target,
+    ]);
     assert!(
         out.status.success(),
         "ping -6 {ping_target}: {}{}\n{}",
@@ -209,8 +256,18 @@ fn dual_stack_ipv6_pods_and_services_route_through_the_tunnel() {
     // AAAA from the cluster DNS through the tunnel; A still IPv4.
     let d = dig(&f, &["AAAA", "web.default.svc.cluster.local"]);
     assert_eq!(d.typed("AAAA"), vec![web_v6().to_string()], "{}", d.raw);
+    eprintln!(
+        "dig AAAA web.default.svc.cluster.local: {:?}; {}",
+        d.typed("AAAA"),
+        text(&out.stdout).lines().last().unwrap_or("")
+    );
     let d = dig(&f, &["A", "web.default.svc.cluster.local"]);
-    assert_eq!(d.a(), vec![kvpn_lab::WEB_CLUSTER_IP.to_string()], "{}", d.raw);
+    assert_eq!(
+        d.a(),
+        vec![kvpn_lab::WEB_CLUSTER_IP.to_string()],
+        "{}",
+        d.raw
+    );
 
     // IPv4 in the same session.
     let p = f.page(web());

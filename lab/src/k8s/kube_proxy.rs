@@ -503,8 +503,14 @@ mod tests {
         assert_eq!(
             got,
             vec![
-                ("10.96.1.100".parse().expect("ip"), vec![sa("10.244.1.11:8080")]),
-                ("fd00:10:96::64".parse().expect("ip"), vec![sa("[fd00:10:244:1::b]:8080")]),
+                (
+                    "10.96.1.100".parse().expect("ip"),
+                    vec![sa("10.244.1.11:8080")]
+                ),
+                (
+                    "fd00:10:96::64".parse().expect("ip"),
+                    vec![sa("[fd00:10:244:1::b]:8080")]
+                ),
             ]
         );
         let script = nft::render_rules("t", &rules);
@@ -521,7 +527,10 @@ mod tests {
         // the script deletes any IPv6 table.
         let v4_only = nft::render_rules("t", &plan(&snap, None, &[]));
         assert!(!v4_only.contains("ip6 daddr"), "{v4_only}");
-        assert!(v4_only.ends_with("table ip6 t {}\ndelete table ip6 t\n"), "{v4_only}");
+        assert!(
+            v4_only.ends_with("table ip6 t {}\ndelete table ip6 t\n"),
+            "{v4_only}"
+        );
     }
 
     #[test]

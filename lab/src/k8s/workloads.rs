@@ -173,7 +173,9 @@ pub fn objects_for(which: Workloads, addressing: &Addressing) -> Vec<Object> {
         // ClusterIP too (the same offsets into the IPv6 service CIDR).
         if let Some(first) = v.iter().position(|o| matches!(o, Object::Service(_))) {
             for (object, offset) in v[first..].iter_mut().zip([100u16, 101, 102]) {
-                if let (Object::Service(svc), Some(v6)) = (object, addressing.ipv6_service_ip(offset)) {
+                if let (Object::Service(svc), Some(v6)) =
+                    (object, addressing.ipv6_service_ip(offset))
+                {
                     dual_stack(svc, v6);
                 }
             }
