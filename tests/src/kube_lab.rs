@@ -448,6 +448,55 @@ impl KubeFixture {
             .unwrap_or_else(|e| panic!("laptop {args:?}: {e:#}"))
     }
 
+    /// The source address the UDP echo backend at `to` saw (its answer to
+    /// `KVPN-PEER?`), sent from the laptop netns over `to`'s address family;
+    /// three tries of 2 s.
+    pub fn udp_peer(&self, to: SocketAddr) -> SocketAddr {
+        let got = self
+            .lab()
+            .netns_lab()
+            .run_in(LAPTOP, move || -> Result<SocketAddr, String> {
+                let bind: SocketAddr = if to.is_ipv6() {
+                    (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+                } else {
+                    (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+                };
+                let s = std::net::UdpSocket::bind(bind).map_err(|e| e.to_string())?;
+                s.connect(to).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(Duration::from_secs(2)))
+                    .map_err(|e| e.to_string())?;
+                let mut last = String::new();
+                for _ in 0..3 {
+                    s.send(kvpn_lab::protocol::UDP_PEER_QUERY)
+                        .map_err(|e| e.to_string())?;
+                    let mut buf = [0u8; 128];
+                    match s.recv(&mut buf) {
+                        Ok(n) => {
+                            let t = String::from_utf8_lossy(&buf[..n]).to_string();
+                            return t.trim().parse().map_err(|e| format!("{t:?}: {e}"));
+                        }
+                        Err(e) => last = e.to_string(),
+                    }
+                }
+                Err(last)
+            })
+            .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+        got.unwrap_or_else(|e| panic!("UDP peer query to {to}: {e}\n{}", self.diagnostics()))
+    }
+
+    /// Turns IPv6 off in the laptop netns (`disable_ipv6=1` for all and new
+    /// interfaces), as on a laptop without IPv6 (case rt-08).
+    pub fn disable_laptop_ipv6(&self) {
+        self.lab()
+            .netns_lab()
+            .laptop_netns()
+            .set_sysctls(&[
+                ("net.ipv6.conf.all.disable_ipv6", "1"),
+                ("net.ipv6.conf.default.disable_ipv6", "1"),
+            ])
+            .unwrap_or_else(|e| panic!("disable IPv6 on the laptop: {e:#}"));
+    }
+
     /// One HTTP GET on a fresh connection from the laptop netns, each step bounded
     /// by `timeout`; the parsed lab page.
     pub fn http_get(&self, addr: SocketAddr, timeout: Duration) -> Result<PageInfo, String> {

@@ -10,7 +10,7 @@
 //! address (snat). IPv4 keeps working in the same session. rt-08 on the same
 //! cluster: a laptop with IPv6 disabled connects IPv4-only with one warning.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -37,42 +37,30 @@ fn udp_echo_v6() -> Ipv6Addr {
 }
 
 /// A pod's addresses as its status reports them (`podIPs`).
-fn pod_ips(p: &Pod) -> Vec<IpAddr> {
+/// A pod's address of one family as its status reports it (`podIPs`).
+fn pod_ip_of(p: &Pod, v6: bool) -> IpAddr {
     p.status
         .as_ref()
         .and_then(|s| s.pod_ips.as_ref())
-        .map(|ips| ips.iter().filter_map(|i| i.ip.parse().ok()).collect())
-        .unwrap_or_default()
+        .into_iter()
+        .flatten()
+        .filter_map(|i| i.ip.parse::<IpAddr>().ok())
+        .find(|ip| ip.is_ipv6() == v6)
+        .unwrap_or_else(|| {
+            panic!(
+                "pod {:?}: no IPv{} podIP: {:?}",
+                p.metadata.name,
+                if v6 { 6 } else { 4 },
+                p.status
+            )
+        })
 }
 
 fn pod_ipv6(p: &Pod) -> Ipv6Addr {
-    pod_ips(p)
-        .into_iter()
-        .find_map(|ip| match ip {
-            IpAddr::V6(v6) => Some(v6),
-            IpAddr::V4(_) => None,
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "pod {:?} has no IPv6 podIP: {:?}",
-                p.metadata.name, p.status
-            )
-        })
-}
-
-fn pod_ipv4(p: &Pod) -> Ipv4Addr {
-    pod_ips(p)
-        .into_iter()
-        .find_map(|ip| match ip {
-            IpAddr::V4(v4) => Some(v4),
-            IpAddr::V6(_) => None,
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "pod {:?} has no IPv4 podIP: {:?}",
-                p.metadata.name, p.status
-            )
-        })
+    match pod_ip_of(p, true) {
+        IpAddr::V6(a) => a,
+        IpAddr::V4(a) => unreachable!("{a} is IPv4"),
+    }
 }
 
 fn web_pods(f: &KubeFixture) -> Vec<Pod> {
@@ -96,40 +84,6 @@ fn curl_page(f: &KubeFixture, args: &[&str], url: &str) -> PageInfo {
     );
     PageInfo::parse(&text(&out.stdout))
         .unwrap_or_else(|| panic!("not a lab page from {url}: {:?}", text(&out.stdout)))
-}
-
-/// The source the UDP echo backend at `to` saw (`KVPN-PEER?`), three tries of 2 s.
-fn udp_peer(f: &KubeFixture, to: SocketAddr) -> SocketAddr {
-    let got = f
-        .lab()
-        .netns_lab()
-        .run_in(kvpn_lab::LAPTOP, move || -> Result<SocketAddr, String> {
-            let bind: SocketAddr = if to.is_ipv6() {
-                "[::]:0".parse().map_err(|e| format!("{e}"))?
-            } else {
-                "0.0.0.0:0".parse().map_err(|e| format!("{e}"))?
-            };
-            let s = UdpSocket::bind(bind).map_err(|e| e.to_string())?;
-            s.connect(to).map_err(|e| e.to_string())?;
-            s.set_read_timeout(Some(Duration::from_secs(2)))
-                .map_err(|e| e.to_string())?;
-            let mut last = String::new();
-            for _ in 0..3 {
-                s.send(kvpn_lab::protocol::UDP_PEER_QUERY)
-                    .map_err(|e| e.to_string())?;
-                let mut buf = [0u8; 128];
-                match s.recv(&mut buf) {
-                    Ok(n) => {
-                        let t = String::from_utf8_lossy(&buf[..n]).to_string();
-                        return t.trim().parse().map_err(|e| format!("{t:?}: {e}"));
-                    }
-                    Err(e) => last = e.to_string(),
-                }
-            }
-            Err(last)
-        })
-        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
-    got.unwrap_or_else(|e| panic!("UDP peer query to {to}: {e}\n{}", f.diagnostics()))
 }
 
 fn connect(f: &KubeFixture) -> String {
@@ -190,7 +144,7 @@ fn dual_stack_ipv6_pods_and_services_route_through_the_tunnel() {
 
     let manager = f.wait_manager_pod(Duration::from_secs(60), |_| true);
     let manager_v6 = pod_ipv6(&manager);
-    let manager_v4 = pod_ipv4(&manager);
+    let manager_v4 = pod_ip_of(&manager, false);
     let webs = web_pods(&f);
     let web_v6s: Vec<Ipv6Addr> = webs.iter().map(pod_ipv6).collect();
 
@@ -272,7 +226,7 @@ fn dual_stack_ipv6_pods_and_services_route_through_the_tunnel() {
     // IPv4 in the same session.
     let p = f.page(web());
     assert!(p.pod.starts_with("web-"), "{p:?}");
-    assert_eq!(p.client.ip(), IpAddr::V4(manager_v4), "IPv4 snat: {p:?}");
+    assert_eq!(p.client.ip(), manager_v4, "IPv4 snat: {p:?}");
 }
 
 /// rt-08 on a dual-stack cluster: with IPv6 disabled on the laptop, connect is
@@ -281,14 +235,7 @@ fn dual_stack_ipv6_pods_and_services_route_through_the_tunnel() {
 #[test]
 fn rt_08_dual_stack_cluster_ipv6_disabled_laptop_connects_ipv4_only() {
     let f = KubeFixture::dual_stack();
-    f.lab()
-        .netns_lab()
-        .laptop_netns()
-        .set_sysctls(&[
-            ("net.ipv6.conf.all.disable_ipv6", "1"),
-            ("net.ipv6.conf.default.disable_ipv6", "1"),
-        ])
-        .unwrap_or_else(|e| panic!("disable IPv6 on the laptop: {e:#}"));
+    f.disable_laptop_ipv6();
     let out = connect(&f);
     let warnings: Vec<&str> = out
         .lines()
