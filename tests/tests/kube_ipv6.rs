@@ -176,10 +176,10 @@ fn dual_stack_ipv6_pods_and_services_route_through_the_tunnel() {
     assert_eq!(p.pod_ip, IpAddr::V6(pod_ipv6(target)));
 
     // UDP echo over IPv6 (ClusterIP), the manager pod's IPv6 address as source.
-    let peer = udp_peer(
-        &f,
-        SocketAddr::from((udp_echo_v6(), kvpn_lab::ECHO_SERVICE_PORT)),
-    );
+    let peer = f.udp_peer(SocketAddr::from((
+        udp_echo_v6(),
+        kvpn_lab::ECHO_SERVICE_PORT,
+    )));
     assert_eq!(peer.ip(), IpAddr::V6(manager_v6), "UDP over IPv6: {peer}");
     eprintln!(
         "UDP over IPv6 to [{}]: the backend saw {peer}",
