@@ -8,7 +8,7 @@
 //! second `kvpn connect` to the same cluster and context finds it there and does
 //! nothing ([`match_session`]).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr};
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
@@ -457,6 +457,39 @@ pub fn ipv4_only_if_ipv6_off(routes: Vec<Route>) -> Vec<Route> {
     v4
 }
 
+/// Whether `routes` hold an IPv6 range (the session is then dual-stack).
+pub fn has_ipv6_route(routes: &[Route]) -> bool {
+    routes
+        .iter()
+        .any(|r| r.cidr.parse::<IpNet>().is_ok_and(|n| n.addr().is_ipv6()))
+}
+
+/// The IPv6 tunnel IP of a dual-stack session: the lease's, when the routes
+/// (after [`ipv4_only_if_ipv6_off`]) hold an IPv6 cluster range; `None` for an
+/// IPv4-only cluster or laptop, and from a manager that leases no IPv6 tunnel
+/// IP (older than data-channel protocol version 3), whose IPv6 ranges then
+/// route without a tunnel source the manager accepts.
+pub fn dual_stack_tunnel_ip(routes: &[Route], leased: &LeaseResponse) -> Result<Option<Ipv6Addr>> {
+    if !has_ipv6_route(routes) {
+        return Ok(None);
+    }
+    if leased.tunnel_ip_v6.is_empty() {
+        output::warn(
+            "the cluster has IPv6 ranges but the traffic manager leases no IPv6 tunnel IP \
+             (it is older than this kvpn): IPv6 cluster addresses will not answer — \
+             reconnect after `kvpn connect` upgraded the manager",
+        );
+        return Ok(None);
+    }
+    let v6: Ipv6Addr = leased.tunnel_ip_v6.parse().with_context(|| {
+        format!(
+            "the traffic manager leased an invalid IPv6 tunnel IP {:?}",
+            leased.tunnel_ip_v6
+        )
+    })?;
+    Ok(Some(v6))
+}
+
 /// The cluster's pod and service CIDRs: from the cache in the manager's ConfigMap
 /// when it holds a usable entry (and `redetect` is off), else detected with the
 /// user's credentials and cached for the next connect.
@@ -842,6 +875,13 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     }
 
     let routes = ipv4_only_if_ipv6_off(routes);
+    let tunnel_ip_v6 = dual_stack_tunnel_ip(&routes, &leased)?;
+    if let Some(v6) = tunnel_ip_v6 {
+        output::detail(&format!(
+            "IPv6 tunnel IP {v6} (the cluster has IPv6 ranges; pool {})",
+            leased.pool_cidr_v6
+        ));
+    }
 
     let dns = match cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(dns) => Some(dns),
@@ -878,6 +918,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
                 manager: String::new(),
                 routes: routes.clone(),
                 tunnel_ip: tunnel_ip.to_string(),
+                tunnel_ip_v6: tunnel_ip_v6.map(|a| a.to_string()).unwrap_or_default(),
                 tun_name: args.tun_name.clone().unwrap_or_default(),
                 mtu: args.mtu.unwrap_or(0),
                 origin: Some(origin),

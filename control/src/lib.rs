@@ -101,6 +101,14 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         );
     }
     validate_manager_addr(&manager)?;
+    // Dual stack without a lease: the IPv6 tunnel IP the manager derives from
+    // the IPv4 one (kvpn_proto::tunnel), when IPv6 ranges are routed.
+    let tunnel_ip_v6 = match args.tunnel_ip {
+        std::net::IpAddr::V4(v4) if connect::has_ipv6_route(&routes) => {
+            Some(kvpn_proto::tunnel::ipv6_tunnel_ip(v4))
+        }
+        _ => None,
+    };
     let mut client = daemon::connect_or_start_announced(runtime_dir).await?;
     output::step(&format!(
         "Connecting to traffic manager at {} (tunnel IP {})",
@@ -116,6 +124,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             manager: manager.clone(),
             routes: routes.clone(),
             tunnel_ip: args.tunnel_ip.to_string(),
+            tunnel_ip_v6: tunnel_ip_v6.map(|a| a.to_string()).unwrap_or_default(),
             tun_name: args.tun_name.clone().unwrap_or_default(),
             mtu: args.mtu.unwrap_or(0),
             origin: Some(kvpn_proto::dataplane::Origin {

@@ -300,6 +300,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "manager_namespace": text_or_null(&origin.manager_namespace),
         "manager": s.manager,
         "tunnel_ip": s.tunnel_ip,
+        "tunnel_ip_v6": text_or_null(&s.tunnel_ip_v6),
         "tun_name": s.tun_name,
         "mtu": s.mtu,
         "data_channel": text_or_null(&s.data_channel),
@@ -472,7 +473,11 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                     dash(&o.context),
                     dash(&r.namespace),
                     dash(&o.transport),
-                    dash(&s.tunnel_ip),
+                    if s.tunnel_ip_v6.is_empty() {
+                        dash(&s.tunnel_ip)
+                    } else {
+                        format!("{},{}", s.tunnel_ip, s.tunnel_ip_v6)
+                    },
                     dash(&s.tun_name),
                     s.state.clone(),
                     uptime(s.uptime_ms),

@@ -277,6 +277,16 @@ pub fn params_from_request(
             req.tunnel_ip
         ))
     })?;
+    let tunnel_ip_v6: Option<std::net::Ipv6Addr> = if req.tunnel_ip_v6.is_empty() {
+        None
+    } else {
+        Some(req.tunnel_ip_v6.parse().map_err(|_| {
+            invalid(format!(
+                "invalid IPv6 tunnel IP {:?} — give an IPv6 address such as fd6b:7670:6e00::6460:2, or none for an IPv4-only session",
+                req.tunnel_ip_v6
+            ))
+        })?)
+    };
     if req.routes.is_empty() {
         return Err(invalid("no routes given — pass at least one cluster CIDR"));
     }
@@ -309,6 +319,7 @@ pub fn params_from_request(
         manager: req.manager.clone(),
         routes,
         tunnel_ip,
+        tunnel_ip_v6,
         tun_name,
         mtu,
         heartbeat_interval,

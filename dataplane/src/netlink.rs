@@ -146,7 +146,7 @@ impl Netlink {
     fn route_message(
         index: u32,
         dst: IpNet,
-        pref_src: Option<IpAddr>,
+        pref_src: &[IpAddr],
     ) -> Result<RouteMessage, NetlinkError> {
         fn invalid(dst: IpNet) -> impl Fn(&dyn std::fmt::Display) -> NetlinkError {
             move |e| NetlinkError {
@@ -162,19 +162,24 @@ impl Netlink {
             .protocol(RouteProtocol::Other(RTPROT_KVPN))
             .scope(RouteScope::Link)
             .table_id(u32::from(RouteHeader::RT_TABLE_MAIN));
-        if let Some(src) = pref_src.filter(|s| s.is_ipv4() == dst.addr().is_ipv4()) {
+        if let Some(&src) = pref_src
+            .iter()
+            .find(|s| s.is_ipv4() == dst.addr().is_ipv4())
+        {
             builder = builder.pref_source(src).map_err(|e| invalid(dst)(&e))?;
         }
         Ok(builder.build())
     }
 
     /// Install `dst` in the main table through interface `index`, tagged with
-    /// [`RTPROT_KVPN`], preferring `pref_src` (the tunnel IP) as source address.
+    /// [`RTPROT_KVPN`], preferring the address of `dst`'s family among
+    /// `pref_src` (the tunnel IPs) as source address; none of that family
+    /// leaves the choice to the kernel.
     pub async fn add_route(
         &self,
         index: u32,
         dst: IpNet,
-        pref_src: Option<IpAddr>,
+        pref_src: &[IpAddr],
     ) -> Result<(), NetlinkError> {
         let msg = Self::route_message(index, dst, pref_src)?;
         self.handle.route().add(msg).execute().await.map_err(|e| {
@@ -188,7 +193,7 @@ impl Netlink {
 
     /// Remove kvpn's route to `dst` through interface `index`.
     pub async fn del_route(&self, index: u32, dst: IpNet) -> Result<(), NetlinkError> {
-        let msg = Self::route_message(index, dst, None)?;
+        let msg = Self::route_message(index, dst, &[])?;
         self.handle
             .route()
             .del(msg)

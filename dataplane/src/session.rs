@@ -14,7 +14,7 @@
 //! are undone (routes, TUN device) and the error names the failed step.
 
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -122,6 +122,8 @@ pub struct SessionParams {
     pub routes: Vec<(IpNet, RouteKind)>,
     /// The client's tunnel IP.
     pub tunnel_ip: IpAddr,
+    /// The client's IPv6 tunnel IP (dual stack); `None` = IPv4 only.
+    pub tunnel_ip_v6: Option<Ipv6Addr>,
     /// TUN device name; `None` = first free `kvpnN`.
     pub tun_name: Option<String>,
     /// TUN MTU, bytes.
@@ -142,6 +144,15 @@ pub struct SessionParams {
     /// port-forward listener. Only the wording of errors and Status reasons
     /// depends on it.
     pub data_peer: DataPeer,
+}
+
+impl SessionParams {
+    /// The tunnel IPs on the TUN device: IPv4, then IPv6 for dual stack.
+    pub fn tunnel_ips(&self) -> Vec<IpAddr> {
+        let mut ips = vec![self.tunnel_ip];
+        ips.extend(self.tunnel_ip_v6.map(IpAddr::V6));
+        ips
+    }
 }
 
 /// Who the root daemon dials for a session's data connection.
@@ -428,21 +439,24 @@ pub async fn dial_peer(
 /// version, the client's tunnel IP and its lease's session token. Public for
 /// lightweight clients in tests (tr-11); the error names what did not encode.
 pub fn hello_frame(tunnel_ip: IpAddr, token: &[u8]) -> Result<Vec<u8>, String> {
-    hello_frame_with_mtu(tunnel_ip, token, None)
+    hello_frame_with_mtu(tunnel_ip, token, None, None)
 }
 
 /// [`hello_frame`] that also tells the manager the TUN MTU (bytes), so the
-/// packets it builds for the laptop are fragmented to fit it.
+/// packets it builds for the laptop are fragmented to fit it, and the IPv6
+/// tunnel IP of a dual-stack session.
 pub fn hello_frame_with_mtu(
     tunnel_ip: IpAddr,
     token: &[u8],
     mtu: Option<u16>,
+    tunnel_ip_v6: Option<Ipv6Addr>,
 ) -> Result<Vec<u8>, String> {
     let payload = Hello {
         version: PROTOCOL_VERSION,
         tunnel_ip,
         token: token.to_vec(),
         mtu,
+        tunnel_ip_v6,
     }
     .encode()
     .map_err(|e| e.to_string())?;
@@ -679,12 +693,17 @@ impl Session {
                 tracing::warn!(conflict = %c, "route conflict allowed: steering only cluster-bound traffic");
             }
         }
-        let hello = hello_frame_with_mtu(params.tunnel_ip, &params.session_token, Some(params.mtu))
-            .map_err(|message| ConnectError::Step {
-                step: Step::SendHello,
-                message,
-                rollback: String::new(),
-            })?;
+        let hello = hello_frame_with_mtu(
+            params.tunnel_ip,
+            &params.session_token,
+            Some(params.mtu),
+            params.tunnel_ip_v6,
+        )
+        .map_err(|message| ConnectError::Step {
+            step: Step::SendHello,
+            message,
+            rollback: String::new(),
+        })?;
         let tcp = dial_peer(&params.manager, params.data_peer, DIAL_TIMEOUT)
             .await
             .map_err(ConnectError::Unreachable)?;
@@ -819,10 +838,12 @@ impl Session {
         // so that nothing (not even the kernel's own IPv6 router solicitations
         // and MLD reports on a new device) reaches the tunnel unclassified.
         // Routes need the device up (fib_check_nh: -ENETDOWN), so they go last.
-        netlink
-            .add_host_address(ifindex, params.tunnel_ip)
-            .await
-            .map_err(|e| step_err(Step::AddAddress, e))?;
+        for ip in params.tunnel_ips() {
+            netlink
+                .add_host_address(ifindex, ip)
+                .await
+                .map_err(|e| step_err(Step::AddAddress, e))?;
+        }
         netlink
             .set_rp_filter(ifindex, RP_FILTER_LOOSE)
             .await
@@ -850,7 +871,7 @@ impl Session {
                 continue;
             }
             netlink
-                .add_route(ifindex, *cidr, Some(params.tunnel_ip))
+                .add_route(ifindex, *cidr, &params.tunnel_ips())
                 .await
                 .map_err(|e| step_err(Step::AddRoutes, e))?;
             undo.routes.push(*cidr);
@@ -888,7 +909,7 @@ impl Session {
     pub fn watch_handle(&self) -> WatchHandle {
         WatchHandle {
             ifindex: self.ifindex,
-            tunnel_ip: self.params.tunnel_ip,
+            tunnel_ips: self.params.tunnel_ips(),
             connect: self.plan.kernel.clone(),
             allow_route_conflict: self.params.allow_route_conflict,
             classifier: self.classifier.clone(),
@@ -980,6 +1001,11 @@ impl Session {
             id: self.id.clone(),
             manager: self.params.manager.clone(),
             tunnel_ip: self.params.tunnel_ip.to_string(),
+            tunnel_ip_v6: self
+                .params
+                .tunnel_ip_v6
+                .map(|a| a.to_string())
+                .unwrap_or_default(),
             tun_name: self.tun_name.clone(),
             state: state.as_str().to_owned(),
             reason: reason.unwrap_or_default(),

@@ -98,7 +98,9 @@ pub type ClassifierSlot = Arc<Mutex<Option<Box<dyn AttachedClassifier>>>>;
 #[derive(Clone)]
 pub struct WatchHandle {
     pub ifindex: u32,
-    pub tunnel_ip: IpAddr,
+    /// The session's tunnel IPs (IPv4, and IPv6 for a dual-stack session):
+    /// preferred sources of its routes.
+    pub tunnel_ips: Vec<IpAddr>,
     /// The Connect routes (kernel routes).
     pub connect: Vec<(IpNet, RouteKind)>,
     /// Steer around route conflicts instead of refusing them (rt-05).
@@ -228,7 +230,7 @@ impl WatchHandle {
         }
         for net in wanted.difference(&current) {
             match netlink
-                .add_route(self.ifindex, *net, Some(self.tunnel_ip))
+                .add_route(self.ifindex, *net, &self.tunnel_ips)
                 .await
             {
                 Ok(()) => {
@@ -343,7 +345,7 @@ impl WatchHandle {
                 })?;
             }
             if let Err(e) = netlink
-                .add_route(self.ifindex, *net, Some(self.tunnel_ip))
+                .add_route(self.ifindex, *net, &self.tunnel_ips)
                 .await
             {
                 if let Some(c) = lock(&self.classifier).as_mut() {

@@ -82,6 +82,7 @@ fn params(
         manager: manager.to_string(),
         routes,
         tunnel_ip: TUNNEL_IP,
+        tunnel_ip_v6: None,
         tun_name: None,
         mtu: kvpn_dataplane::DEFAULT_MTU,
         heartbeat_interval: heartbeat,

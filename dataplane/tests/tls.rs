@@ -50,6 +50,7 @@ fn params(manager: SocketAddr, tls: Option<TlsClient>, heartbeat: Duration) -> S
         manager: manager.to_string(),
         routes: vec![("10.244.0.0/16".parse().expect("cidr"), RouteKind::Pod)],
         tunnel_ip: TUNNEL_IP,
+        tunnel_ip_v6: None,
         tun_name: None,
         mtu: kvpn_dataplane::DEFAULT_MTU,
         heartbeat_interval: heartbeat,

@@ -355,7 +355,8 @@ impl Lab {
             .clone()
             .unwrap_or_else(std::env::temp_dir)
             .join(format!("kvpn-lab-{id}"));
-        let node = Node::existing(&id, NODE, addressing.node_pod_cidr);
+        let node = Node::existing(&id, NODE, addressing.node_pod_cidr)
+            .with_ipv6(addressing.ipv6.map(|v6| v6.node_pod_cidr));
         let uplink = node.uplink(
             addressing.laptop_uplink_ip(),
             addressing.node_uplink_ip(),
@@ -408,12 +409,13 @@ impl Lab {
             what: format!("cannot create lab folder {}", self.dir.display()),
             source,
         })?;
-        let node_cidr = self.addressing.node_pod_cidr;
+        let node = Node::existing(&self.id, NODE, self.addressing.node_pod_cidr)
+            .with_ipv6(self.addressing.ipv6.map(|v6| v6.node_pod_cidr));
         self.node = if self.own_laptop {
-            Node::create(&self.id, NODE, node_cidr)?
+            node.create_netns()?
         } else {
             // The node netns is the id's claim (see `up`).
-            Node::create_in_existing(&self.id, NODE, node_cidr)?
+            node.plumb_existing_netns()?
         };
         self.uplink = self.node.connect_laptop(
             &self.laptop,
@@ -592,7 +594,8 @@ impl Lab {
             });
         }
         let addressing = state.addressing;
-        let node = Node::existing(&state.id, NODE, addressing.node_pod_cidr);
+        let node = Node::existing(&state.id, NODE, addressing.node_pod_cidr)
+            .with_ipv6(addressing.ipv6.map(|v6| v6.node_pod_cidr));
         let pods = state
             .pods
             .iter()

@@ -22,7 +22,7 @@
 //! mode on the bridge port (see `topology`).
 
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use crate::Result;
 use crate::netns::{Netns, run_checked, run_with_stdin};
@@ -91,10 +91,12 @@ pub struct ServiceRule {
     /// Human name (`ns/name:port`), written into rule comments.
     pub name: String,
     pub kind: RuleKind,
-    pub ip: Ipv4Addr,
+    /// The frontend: an IPv4 or IPv6 ClusterIP, or a node address. Its
+    /// backends are of the same family.
+    pub ip: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
-    pub backends: Vec<SocketAddrV4>,
+    pub backends: Vec<SocketAddr>,
 }
 
 impl From<&Service> for ServiceRule {
@@ -102,13 +104,13 @@ impl From<&Service> for ServiceRule {
         ServiceRule {
             name: svc.name.clone(),
             kind: RuleKind::ClusterIp,
-            ip: svc.cluster_ip,
+            ip: IpAddr::V4(svc.cluster_ip),
             port: svc.port,
             protocol: svc.protocol,
             backends: svc
                 .endpoints
                 .iter()
-                .map(|ip| SocketAddrV4::new(*ip, svc.target_port))
+                .map(|ip| SocketAddr::V4(SocketAddrV4::new(*ip, svc.target_port)))
                 .collect(),
         }
     }
@@ -119,10 +121,10 @@ impl From<&NodePort> for ServiceRule {
         ServiceRule {
             name: np.name.clone(),
             kind: RuleKind::NodePort,
-            ip: np.node_ip,
+            ip: IpAddr::V4(np.node_ip),
             port: np.port,
             protocol: np.protocol,
-            backends: vec![SocketAddrV4::new(np.pod_ip, np.target_port)],
+            backends: vec![SocketAddr::V4(SocketAddrV4::new(np.pod_ip, np.target_port))],
         }
     }
 }
@@ -174,13 +176,52 @@ fn chain_prefix(kind: RuleKind) -> &'static str {
     }
 }
 
+/// `table ip <table>` with the IPv4 rules, then `table ip6 <table>` with the
+/// IPv6 ones (dual-stack labs). Both tables are always replaced, so an IPv6
+/// table whose last rule went away is deleted.
 fn render_indexed(table: &str, rules: &[(usize, ServiceRule)]) -> String {
+    let (v4, v6): (Vec<_>, Vec<_>) = rules.iter().cloned().partition(|(_, r)| r.ip.is_ipv4());
+    let mut s = render_family(table, Family::Ipv4, &v4);
+    if v6.is_empty() {
+        let _ = writeln!(s, "table ip6 {table} {{}}\ndelete table ip6 {table}");
+    } else {
+        s.push_str(&render_family(table, Family::Ipv6, &v6));
+    }
+    s
+}
+
+/// The nftables family of one table of rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    Ipv4,
+    Ipv6,
+}
+
+impl Family {
+    /// Table family and address match keyword (`ip daddr`, `ip6 daddr`).
+    fn keyword(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ip",
+            Family::Ipv6 => "ip6",
+        }
+    }
+
+    fn udp_reject(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "reject with icmp type port-unreachable",
+            Family::Ipv6 => "reject with icmpv6 type port-unreachable",
+        }
+    }
+}
+
+fn render_family(table: &str, family: Family, rules: &[(usize, ServiceRule)]) -> String {
+    let fam = family.keyword();
     let mut s = String::new();
     // Declaring then deleting makes the delete succeed whether or not the table exists;
     // the whole file is one transaction.
     let _ = writeln!(
         s,
-        "table ip {table} {{}}\ndelete table ip {table}\ntable ip {table} {{"
+        "table {fam} {table} {{}}\ndelete table {fam} {table}\ntable {fam} {table} {{"
     );
     let _ = writeln!(
         s,
@@ -204,7 +245,7 @@ fn render_indexed(table: &str, rules: &[(usize, ServiceRule)]) -> String {
         {
             let _ = writeln!(
                 s,
-                "    ip daddr {} {} dport {} jump {}-{i} comment \"{}\"",
+                "    {fam} daddr {} {} dport {} jump {}-{i} comment \"{}\"",
                 r.ip,
                 r.protocol.as_str(),
                 r.port,
@@ -232,11 +273,11 @@ fn render_indexed(table: &str, rules: &[(usize, ServiceRule)]) -> String {
         for r in rejected {
             let how = match r.protocol {
                 Protocol::Tcp => "reject with tcp reset",
-                Protocol::Udp => "reject with icmp type port-unreachable",
+                Protocol::Udp => family.udp_reject(),
             };
             let _ = writeln!(
                 s,
-                "    ip daddr {} {} dport {} {how} comment \"{} has no endpoints\"",
+                "    {fam} daddr {} {} dport {} {how} comment \"{} has no endpoints\"",
                 r.ip,
                 r.protocol.as_str(),
                 r.port,
@@ -261,7 +302,7 @@ fn render_indexed(table: &str, rules: &[(usize, ServiceRule)]) -> String {
         for (j, ep) in r.backends.iter().enumerate() {
             let _ = writeln!(
                 s,
-                "  chain {prefix}-{i}-ep-{j} {{\n    ip saddr {} meta mark set meta mark | {MASQUERADE_MARK:#x}\n    meta l4proto {} dnat to {ep}\n  }}",
+                "  chain {prefix}-{i}-ep-{j} {{\n    {fam} saddr {} meta mark set meta mark | {MASQUERADE_MARK:#x}\n    meta l4proto {} dnat to {ep}\n  }}",
                 ep.ip(),
                 r.protocol.as_str(),
             );
@@ -288,7 +329,10 @@ pub fn delete_table(netns: &Netns, table: &str) -> Result<()> {
     cmd.args(["-f", "-"]);
     run_with_stdin(
         &mut cmd,
-        format!("table ip {table} {{}}\ndelete table ip {table}\n").as_bytes(),
+        format!(
+            "table ip {table} {{}}\ndelete table ip {table}\ntable ip6 {table} {{}}\ndelete table ip6 {table}\n"
+        )
+        .as_bytes(),
     )
 }
 
@@ -400,12 +444,12 @@ mod tests {
         ServiceRule {
             name: name.into(),
             kind,
-            ip: Ipv4Addr::from(ip),
+            ip: IpAddr::V4(Ipv4Addr::from(ip)),
             port,
             protocol,
             backends: backends
                 .iter()
-                .map(|(ip, port)| SocketAddrV4::new(Ipv4Addr::from(*ip), *port))
+                .map(|(ip, port)| SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::from(*ip), *port)))
                 .collect(),
         }
     }

@@ -12,10 +12,10 @@
 //! from inside the node netns with their peer placed directly into the pod's netns.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::sync::Mutex;
 
-use ipnet::Ipv4Net;
+use ipnet::{Ipv4Net, Ipv6Net};
 use serde::{Deserialize, Serialize};
 
 use crate::netns::Netns;
@@ -36,6 +36,49 @@ pub struct Addressing {
     pub service_cidr: Ipv4Net,
     /// The laptop↔node uplink (a /30: node = first host, laptop = second).
     pub uplink: Ipv4Net,
+    /// The IPv6 ranges of a dual-stack lab ([`Addressing::dual_stack`]); `None`
+    /// (the default, and in older state files) = an IPv4-only lab.
+    #[serde(default)]
+    pub ipv6: Option<Ipv6Addressing>,
+}
+
+/// The IPv6 half of a dual-stack lab's address plan. Every pod gets the IPv6
+/// address at its IPv4 address's offset into the node's pod range: pod
+/// 10.244.1.7 of node range 10.244.1.0/24 is fd00:10:244:1::7 of
+/// fd00:10:244:1::/64 (so the bridge gateway is `::1`, like `.1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ipv6Addressing {
+    /// The cluster's IPv6 pod CIDR.
+    pub pod_cidr: Ipv6Net,
+    /// The node's IPv6 share of it (a /64 on its bridge).
+    pub node_pod_cidr: Ipv6Net,
+    /// The IPv6 service CIDR (second `--service-cluster-ip-range`).
+    pub service_cidr: Ipv6Net,
+}
+
+impl Default for Ipv6Addressing {
+    /// Pod CIDR fd00:10:244::/56 (node fd00:10:244:1::/64), service CIDR
+    /// fd00:10:96::/112 (a /112 or narrower: the apiserver's IPv6 allocator
+    /// refuses wider ranges).
+    fn default() -> Self {
+        Ipv6Addressing {
+            pod_cidr: Ipv6Net::new_assert(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0), 56),
+            node_pod_cidr: Ipv6Net::new_assert(
+                Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0),
+                64,
+            ),
+            service_cidr: Ipv6Net::new_assert(
+                Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0),
+                112,
+            ),
+        }
+    }
+}
+
+/// The IPv6 address at `v4`'s offset into `v4_net`, inside `v6_net`.
+pub fn ipv6_at_offset(v4_net: Ipv4Net, v6_net: Ipv6Net, v4: Ipv4Addr) -> Ipv6Addr {
+    let offset = u32::from(v4).wrapping_sub(u32::from(v4_net.network()));
+    Ipv6Addr::from(u128::from(v6_net.network()) | u128::from(offset))
 }
 
 impl Default for Addressing {
@@ -47,6 +90,7 @@ impl Default for Addressing {
             node_pod_cidr: crate::NODE_POD_CIDR,
             service_cidr: crate::SERVICE_CIDR,
             uplink: Ipv4Net::new_assert(Ipv4Addr::new(172, 31, 255, 0), crate::UPLINK_PREFIX_LEN),
+            ipv6: None,
         }
     }
 }
@@ -65,7 +109,27 @@ impl Addressing {
             node_pod_cidr: Ipv4Net::new_assert(Ipv4Addr::new(10, 248, 1, 0), 24),
             service_cidr: Ipv4Net::new_assert(Ipv4Addr::new(10, 112, 0, 0), 12),
             uplink: Ipv4Net::new_assert(Ipv4Addr::new(172, 31, 254, 0), crate::UPLINK_PREFIX_LEN),
+            ipv6: None,
         }
+    }
+
+    /// This plan plus the default IPv6 ranges ([`Ipv6Addressing::default`]): pods
+    /// get an IPv6 address too, the apiserver a second service range.
+    pub fn dual_stack(mut self) -> Self {
+        self.ipv6 = Some(Ipv6Addressing::default());
+        self
+    }
+
+    /// The IPv6 ClusterIP at offset `n` of the IPv6 service CIDR (dual stack).
+    pub fn ipv6_service_ip(&self, n: u16) -> Option<Ipv6Addr> {
+        self.ipv6
+            .map(|v6| Ipv6Addr::from(u128::from(v6.service_cidr.network()) | u128::from(n)))
+    }
+
+    /// The IPv6 address of the pod holding `v4` (dual stack).
+    pub fn pod_ipv6(&self, v4: Ipv4Addr) -> Option<Ipv6Addr> {
+        self.ipv6
+            .map(|v6| ipv6_at_offset(self.node_pod_cidr, v6.node_pod_cidr, v4))
     }
 
     /// Checks the plan: the node range inside the pod CIDR, pod and service CIDRs
@@ -89,6 +153,17 @@ impl Addressing {
         {
             return Err(invalid(
                 "the uplink must be a /30 outside the pod and service CIDRs",
+            ));
+        }
+        if let Some(v6) = self.ipv6
+            && (!v6.pod_cidr.contains(&v6.node_pod_cidr)
+                || v6.node_pod_cidr.prefix_len() != 64
+                || v6.pod_cidr.contains(&v6.service_cidr)
+                || v6.service_cidr.contains(&v6.pod_cidr)
+                || v6.service_cidr.prefix_len() < 108)
+        {
+            return Err(invalid(
+                "IPv6: the node's /64 must lie inside the pod CIDR, the service CIDR (/108 or narrower) outside it",
             ));
         }
         if self.service_cidr.prefix_len() > 24 {
@@ -173,6 +248,8 @@ pub struct Node {
     bridge: String,
     pod_cidr: Ipv4Net,
     gateway: Ipv4Addr,
+    /// The node's IPv6 pod range of a dual-stack lab ([`Node::with_ipv6`]).
+    pod_cidr_v6: Option<Ipv6Net>,
     /// Pod name → pod IP, for address allocation and duplicate checks.
     pods: Mutex<BTreeMap<String, Ipv4Addr>>,
 }
@@ -183,6 +260,8 @@ pub struct Node {
 pub struct Pod {
     pub name: String,
     pub ip: Ipv4Addr,
+    /// The pod's IPv6 address in a dual-stack lab ([`Node::pod_ipv6`]).
+    pub ip_v6: Option<Ipv6Addr>,
     pub netns: Netns,
     /// The node-side end of the pod's veth (a bridge port), `kv<id>p<hex>`.
     pub host_veth: String,
@@ -204,10 +283,21 @@ impl Node {
     /// Creates the node netns `kvpn-<lab_id>-<role>` with bridge `kv<lab_id>br`
     /// holding the first address of `pod_cidr`.
     pub fn create(lab_id: &str, role: &str, pod_cidr: Ipv4Net) -> Result<Node> {
-        let node = Node::existing(lab_id, role, pod_cidr);
-        Netns::create(node.netns.name())?;
-        node.plumb()?;
-        Ok(node)
+        Node::existing(lab_id, role, pod_cidr).create_netns()
+    }
+
+    /// [`Node::create`] for a handle from [`Node::existing`] (e.g. with
+    /// [`Node::with_ipv6`]): creates its netns and plumbs it.
+    pub fn create_netns(self) -> Result<Node> {
+        Netns::create(self.netns.name())?;
+        self.plumb()?;
+        Ok(self)
+    }
+
+    /// [`Node::create_in_existing`] for a handle from [`Node::existing`].
+    pub fn plumb_existing_netns(self) -> Result<Node> {
+        self.plumb()?;
+        Ok(self)
     }
 
     /// Like [`Node::create`] in a netns `kvpn-<lab_id>-<role>` that already exists
@@ -235,6 +325,15 @@ impl Node {
             format!("addr add {gw} dev {}", node.bridge),
             format!("link set {} up", node.bridge),
         ])?;
+        if let Some(gw6) = node.gateway_v6() {
+            // nodad: no second of "tentative" before pods can use the gateway.
+            node.netns
+                .ip_batch(&[format!("addr add {gw6}/64 dev {} nodad", node.bridge)])?;
+            node.netns.set_sysctls(&[
+                ("net.ipv6.conf.all.forwarding", "1"),
+                ("net.bridge.bridge-nf-call-ip6tables", "1"),
+            ])?;
+        }
         node.netns
             .set_sysctls(&[
                 ("net.ipv4.ip_forward", "1"),
@@ -262,8 +361,34 @@ impl Node {
             bridge: format!("kv{lab_id}br"),
             pod_cidr,
             gateway,
+            pod_cidr_v6: None,
             pods: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// The same node with an IPv6 pod range (a /64; dual-stack labs): its
+    /// bridge gets the range's `::1`, every pod the IPv6 address at its IPv4
+    /// address's offset ([`Node::pod_ipv6`]). Call before [`Node::create`]'s
+    /// plumbing, i.e. on handles made with [`Node::existing`].
+    pub fn with_ipv6(mut self, pod_cidr_v6: Option<Ipv6Net>) -> Node {
+        self.pod_cidr_v6 = pod_cidr_v6;
+        self
+    }
+
+    /// The node's IPv6 pod range (dual-stack labs).
+    pub fn pod_cidr_v6(&self) -> Option<Ipv6Net> {
+        self.pod_cidr_v6
+    }
+
+    /// The IPv6 address of the pod holding `ip` (dual-stack labs).
+    pub fn pod_ipv6(&self, ip: Ipv4Addr) -> Option<Ipv6Addr> {
+        self.pod_cidr_v6
+            .map(|v6| ipv6_at_offset(self.pod_cidr, v6, ip))
+    }
+
+    /// The bridge's IPv6 address, every pod's IPv6 default gateway.
+    pub fn gateway_v6(&self) -> Option<Ipv6Addr> {
+        self.pod_ipv6(self.gateway)
     }
 
     pub fn netns(&self) -> &Netns {
@@ -360,7 +485,14 @@ impl Node {
             ),
             format!("link set {POD_INTERFACE} up"),
             format!("route add default via {}", self.gateway),
-        ])
+        ])?;
+        if let (Some(ip6), Some(gw6)) = (pod.ip_v6, self.gateway_v6()) {
+            pod.netns.ip_batch(&[
+                format!("addr add {ip6}/64 dev {POD_INTERFACE} nodad"),
+                format!("route add ::/0 via {gw6}"),
+            ])?;
+        }
+        Ok(())
     }
 
     /// Registers a pod that already exists (created by an earlier process) so address
@@ -496,6 +628,7 @@ impl Node {
         Pod {
             name: name.to_owned(),
             ip,
+            ip_v6: self.pod_ipv6(ip),
             netns: Netns::from_name(&netns_name(&self.lab_id, name)),
             // kv + 5 + p + 4 = 12 bytes, within IFNAMSIZ-1 = 15; unique per pod IP.
             host_veth: format!("kv{}p{c:02x}{d:02x}", self.lab_id),

@@ -163,8 +163,11 @@ const MAX_POLL_ROUNDS: usize = 16;
 /// Settings of one session's engine.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// The laptop's tunnel IP from the hello: the only accepted source address.
+    /// The laptop's tunnel IP from the hello: an accepted source address.
     pub tunnel_ip: IpAddr,
+    /// The laptop's IPv6 tunnel IP of a dual-stack session (hello option 2):
+    /// the other accepted source address, for IPv6 flows.
+    pub tunnel_ip_v6: Option<Ipv6Addr>,
     /// Seed for smoltcp's initial sequence numbers and ports.
     pub random_seed: u64,
     /// Relay to loopback destinations (tests only; never in a cluster).
@@ -201,10 +204,25 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// Whether `ip` is one of the laptop's tunnel IPs (the accepted sources).
+    pub fn is_tunnel_ip(&self, ip: IpAddr) -> bool {
+        ip == self.tunnel_ip || matches!(ip, IpAddr::V6(v6) if Some(v6) == self.tunnel_ip_v6)
+    }
+
+    /// The laptop's tunnel IP of `peer`'s address family: the destination of
+    /// what the manager builds for a flow with the cluster address `peer`.
+    pub fn laptop_ip_for(&self, peer: IpAddr) -> IpAddr {
+        match (peer, self.tunnel_ip_v6) {
+            (IpAddr::V6(_), Some(v6)) => IpAddr::V6(v6),
+            _ => self.tunnel_ip,
+        }
+    }
+
     /// Defaults for a laptop with `tunnel_ip`.
     pub fn new(tunnel_ip: IpAddr, random_seed: u64) -> Self {
         Self {
             tunnel_ip,
+            tunnel_ip_v6: None,
             random_seed,
             allow_loopback: false,
             udp_idle_timeout: UDP_IDLE_TIMEOUT,
@@ -509,6 +527,7 @@ impl fmt::Debug for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Engine")
             .field("tunnel_ip", &self.config.tunnel_ip)
+            .field("tunnel_ip_v6", &self.config.tunnel_ip_v6)
             .field("tcp_flows", &self.tcp.len())
             .field("udp_flows", &self.udp.len())
             .field("ping_flows", &self.ping.len())
@@ -593,9 +612,15 @@ impl Engine {
         &mut self.metrics
     }
 
-    /// The tunnel IP this session accepts as source.
+    /// The (primary) tunnel IP this session accepts as source.
     pub fn tunnel_ip(&self) -> IpAddr {
         self.config.tunnel_ip
+    }
+
+    /// Whether `ip` is one of this session's tunnel IPs (IPv4, and IPv6 for a
+    /// dual-stack session).
+    pub fn is_tunnel_ip(&self, ip: IpAddr) -> bool {
+        self.config.is_tunnel_ip(ip)
     }
 
     /// Live flows: (TCP, UDP, ping). TCP includes dials and TIME-WAIT sockets.
@@ -672,7 +697,7 @@ impl Engine {
         self.metrics.packets_from_laptop += 1;
         self.metrics.bytes_from_laptop += buf.len() as u64;
         // Checked before reassembly so nobody else's fragments are buffered.
-        if frag::source(buf).is_some_and(|src| src != self.config.tunnel_ip) {
+        if frag::source(buf).is_some_and(|src| !self.config.is_tunnel_ip(src)) {
             return self.drop_packet(DropReason::BadSource);
         }
         if buf.len() > DEFAULT_MTU && frag::must_not_fragment(buf) {
@@ -704,7 +729,7 @@ impl Engine {
             Err(reason) => return self.drop_packet(reason),
         };
         let (src, dst) = parsed.addrs();
-        if src != self.config.tunnel_ip {
+        if !self.config.is_tunnel_ip(src) {
             return self.drop_packet(DropReason::BadSource);
         }
         if !packet::destination_allowed(dst, self.config.allow_loopback) {
@@ -927,8 +952,9 @@ impl Engine {
                     return;
                 };
                 f.last_active = now;
-                let laptop = SocketAddr::new(self.config.tunnel_ip, f.key.laptop_port);
                 let dst = f.key.dst;
+                let laptop =
+                    SocketAddr::new(self.config.laptop_ip_for(dst.ip()), f.key.laptop_port);
                 self.metrics.udp_datagrams_in += 1;
                 let reply = packet::udp_datagram(dst, laptop, &data);
                 self.send_to_laptop(reply);
@@ -952,7 +978,8 @@ impl Engine {
                 f.last_active = now;
                 let (dst, ident) = (f.key.dst, f.key.ident);
                 self.metrics.ping_replies += 1;
-                let reply = packet::echo_reply(dst, self.config.tunnel_ip, ident, seq, &data);
+                let laptop = self.config.laptop_ip_for(dst);
+                let reply = packet::echo_reply(dst, laptop, ident, seq, &data);
                 self.send_to_laptop(reply);
             }
         }
@@ -968,7 +995,7 @@ impl Engine {
         head[2..4].copy_from_slice(&dst.port().to_be_bytes());
         head[4..6].copy_from_slice(&8u16.to_be_bytes());
         let offending = Offending {
-            src: self.config.tunnel_ip,
+            src: self.config.laptop_ip_for(dst.ip()),
             dst: dst.ip(),
             protocol: IpProtocol::Udp,
             payload_len: 8,

@@ -1465,3 +1465,78 @@ fn icmp_errors_to_the_laptop_are_rate_limited() {
     let m = h.e.metrics();
     assert_eq!((m.udp_icmp_errors, m.icmp_rate_limited), (6, 3));
 }
+
+/// Dual stack: an engine with an IPv4 and an IPv6 tunnel IP terminates IPv6
+/// TCP and UDP from the IPv6 one, answers it at that address, keeps IPv4
+/// working, and drops IPv6 packets from any other source.
+#[test]
+fn dual_stack_session_accepts_both_tunnel_ips_and_answers_each_in_its_family() {
+    use smoltcp::wire::{Ipv6Packet, TcpPacket};
+    let me6 = kvpn_proto::tunnel::ipv6_tunnel_ip(LAPTOP.into());
+    let pod6 = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0xb);
+    let now = Instant::now();
+    let mut config = EngineConfig::new(IpAddr::V4(LAPTOP.into()), 7);
+    config.tunnel_ip_v6 = Some(me6);
+    let mut h = Harness {
+        e: Engine::new(config, now),
+        now,
+    };
+    let laptop6 = SocketAddr::new(IpAddr::V6(me6), 40000);
+    let dst6 = SocketAddr::new(IpAddr::V6(pod6), 8080);
+
+    // TCP over IPv6: the SYN becomes a dial to the IPv6 pod, the SYN-ACK goes
+    // back to the IPv6 tunnel IP.
+    h.send(tcp_segment(laptop6, dst6, TcpControl::Syn, 1000, None, &[]));
+    let reqs = h.reqs();
+    let [Request::TcpDial { flow, dst }] = reqs[..] else {
+        panic!("expected one dial, got {reqs:?}");
+    };
+    assert_eq!(dst, dst6);
+    h.event(Event::TcpDialed {
+        flow,
+        result: Ok(()),
+    });
+    let out = h.out();
+    assert_eq!(out.len(), 1, "one SYN-ACK");
+    let ip = Ipv6Packet::new_checked(&out[0][..]).expect("ipv6");
+    assert_eq!((ip.src_addr(), ip.dst_addr()), (pod6, me6));
+    let tcp = TcpPacket::new_checked(ip.payload()).expect("tcp");
+    assert!(tcp.syn() && tcp.ack() && tcp.ack_number().0 == 1001);
+
+    // UDP over IPv6: the reply is built for the IPv6 tunnel IP.
+    let udp6 = SocketAddr::new(
+        IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x66)),
+        7,
+    );
+    h.send(udp_datagram(SocketAddr::new(IpAddr::V6(me6), 5353), udp6, b"q").expect("builds"));
+    let reqs = h.reqs();
+    let Some(Request::UdpOpen { flow: uflow, dst }) = reqs.first().cloned() else {
+        panic!("expected a UDP open, got {reqs:?}");
+    };
+    assert_eq!(dst, udp6);
+    h.event(Event::UdpReply {
+        flow: uflow,
+        data: b"A".to_vec(),
+    });
+    let out = h.out();
+    let ip = Ipv6Packet::new_checked(&out[0][..]).expect("ipv6");
+    assert_eq!(ip.dst_addr(), me6);
+    let udp = UdpPacket::new_checked(ip.payload()).expect("udp");
+    assert_eq!((udp.dst_port(), udp.payload()), (5353, &b"A"[..]));
+
+    // IPv4 still works in the same session.
+    h.send(udp_datagram(laptop(5353), v4([10, 96, 0, 102], 7), b"q").expect("builds"));
+    assert!(matches!(
+        h.reqs()[..],
+        [Request::UdpOpen { .. }, Request::UdpSend { .. }]
+    ));
+
+    // Another IPv6 source is not this session's.
+    let other = SocketAddr::new(
+        IpAddr::V6(kvpn_proto::tunnel::ipv6_tunnel_ip([100, 96, 0, 3].into())),
+        1,
+    );
+    h.send(tcp_segment(other, dst6, TcpControl::Syn, 1, None, &[]));
+    assert!(h.reqs().is_empty());
+    assert_eq!(h.e.metrics().dropped(DropReason::BadSource), 1);
+}

@@ -254,6 +254,8 @@ impl Manager for ManagerService {
                 self.counters.lease_granted();
                 Ok(Response::new(LeaseResponse {
                     tunnel_ip: rec.ip.to_string(),
+                    tunnel_ip_v6: kvpn_proto::tunnel::ipv6_tunnel_ip(rec.ip).to_string(),
+                    pool_cidr_v6: kvpn_proto::tunnel::TUNNEL_POOL_V6.to_string(),
                     manager_ip: self.manager_ip.clone(),
                     pool_cidr: self.pool.clone(),
                     session_token: rec.token,

@@ -177,6 +177,16 @@ pub enum SessionError {
         "hello carries tunnel IP {0}, which is not a unicast address; the laptop's lease is broken"
     )]
     BadTunnelIp(IpAddr),
+    /// The hello's IPv6 tunnel IP is not the one its IPv4 tunnel IP maps to.
+    #[error(
+        "hello carries IPv6 tunnel IP {v6}, which is not tunnel IP {primary} embedded in the IPv6 pool fd6b:7670:6e00::/96; the laptop's lease is broken — reconnect"
+    )]
+    BadTunnelIpV6 {
+        /// The hello's IPv6 tunnel IP.
+        v6: std::net::Ipv6Addr,
+        /// Its primary tunnel IP.
+        primary: IpAddr,
+    },
     /// The hello's token is not valid for its tunnel IP.
     #[error("hello refused: {0}")]
     Lease(#[from] AttachError),
@@ -195,7 +205,9 @@ impl SessionError {
             SessionError::NotHello(_) => Some(HelloRefusal::NotHello),
             SessionError::BadHello(_) | SessionError::Frame(_) => Some(HelloRefusal::Malformed),
             SessionError::Version { .. } => Some(HelloRefusal::Version),
-            SessionError::BadTunnelIp(_) => Some(HelloRefusal::BadTunnelIp),
+            SessionError::BadTunnelIp(_) | SessionError::BadTunnelIpV6 { .. } => {
+                Some(HelloRefusal::BadTunnelIp)
+            }
             SessionError::Lease(AttachError::NoLease(_)) => Some(HelloRefusal::NoLease),
             SessionError::Lease(AttachError::WrongToken(_)) => Some(HelloRefusal::WrongToken),
             SessionError::Read(_)
@@ -257,6 +269,17 @@ async fn handshake<R: AsyncRead + Unpin>(
     if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() || broadcast {
         return Err(SessionError::BadTunnelIp(ip));
     }
+    // The IPv6 tunnel IP is the IPv4 one embedded in the IPv6 pool
+    // (kvpn_proto::tunnel), so the IPv4 lease's token covers it too.
+    if let Some(v6) = hello.tunnel_ip_v6 {
+        let derived = match ip {
+            IpAddr::V4(v4) => Some(kvpn_proto::tunnel::ipv6_tunnel_ip(v4)),
+            IpAddr::V6(_) => None,
+        };
+        if derived != Some(v6) {
+            return Err(SessionError::BadTunnelIpV6 { v6, primary: ip });
+        }
+    }
     Ok(hello)
 }
 
@@ -305,7 +328,7 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
         return false;
     };
     // Wrong sources are the engine's to drop and count.
-    if src != engine.tunnel_ip() || dst == src {
+    if !engine.is_tunnel_ip(src) || dst == src {
         return false;
     }
     let in_pool = match (config.tunnel_pool, dst) {
@@ -555,7 +578,7 @@ where
             return Err(e);
         }
     };
-    let span = tracing::info_span!("session", tunnel_ip = %hello.tunnel_ip);
+    let span = tracing::info_span!("session", tunnel_ip = %hello.tunnel_ip, tunnel_ip_v6 = ?hello.tunnel_ip_v6);
     let tunnel_ip = hello.tunnel_ip;
     async move {
         if let Some(leases) = &config.leases {
@@ -596,6 +619,7 @@ where
 {
     let tunnel_ip = hello.tunnel_ip;
     let mut engine_config = EngineConfig::new(tunnel_ip, random_seed());
+    engine_config.tunnel_ip_v6 = hello.tunnel_ip_v6;
     // A version-1 hello has no MTU: that version's laptops used the default.
     engine_config.laptop_mtu = hello
         .mtu

@@ -57,6 +57,7 @@ fn binary_serves_a_session_and_stops_on_sigterm() {
         tunnel_ip: "100.96.0.2".parse().expect("ip"),
         token: Vec::new(),
         mtu: None,
+        tunnel_ip_v6: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");

@@ -121,6 +121,7 @@ fn hello(ip: IpAddr, token: &[u8]) -> Vec<u8> {
         tunnel_ip: ip,
         token: token.to_vec(),
         mtu: None,
+        tunnel_ip_v6: None,
     }
     .encode()
     .expect("encodes");

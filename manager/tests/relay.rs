@@ -453,6 +453,27 @@ async fn wrong_version_and_missing_hello_are_rejected() {
     let r = session.await.expect("no panic");
     assert!(matches!(r, Err(SessionError::BadTunnelIp(_))), "{r:?}");
 
+    // Dual stack: an IPv6 tunnel IP other than the IPv4 one embedded in the
+    // IPv6 pool is not this lease's.
+    let (mut pipe, session) = spawn_session(session_config());
+    let payload = kvpn_proto::frame::Hello {
+        version: PROTOCOL_VERSION,
+        tunnel_ip: LAPTOP_V4,
+        token: Vec::new(),
+        mtu: None,
+        tunnel_ip_v6: Some("fd6b:7670:6e00::6460:99".parse().expect("v6")),
+    }
+    .encode()
+    .expect("encodes");
+    let mut f = Vec::new();
+    frame::encode_into(Kind::Hello, &payload, &mut f).expect("fits");
+    pipe.write_all(&f).await.expect("write");
+    let r = session.await.expect("no panic");
+    assert!(
+        matches!(r, Err(SessionError::BadTunnelIpV6 { .. })),
+        "{r:?}"
+    );
+
     let (mut pipe, session) = spawn_session(session_config());
     pipe.write_all(&[0, 0, 2]).await.expect("write");
     let r = session.await.expect("no panic");

@@ -90,6 +90,7 @@ async fn hello_and_heartbeat<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> (K
         tunnel_ip: "100.96.0.2".parse().expect("ip"),
         token: Vec::new(),
         mtu: None,
+        tunnel_ip_v6: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");
@@ -148,6 +149,7 @@ async fn tls_listener_serves_trusting_laptops_and_refuses_the_rest() {
             tunnel_ip: "100.96.0.3".parse().expect("ip"),
             token: Vec::new(),
             mtu: None,
+            tunnel_ip_v6: None,
         }
         .encode()
         .expect("hello"),

@@ -31,7 +31,9 @@ pub const MAX_PAYLOAD_LEN: usize = MAX_FRAME_LEN - 1;
 ///
 /// - 1: hello without options.
 /// - 2: hello options after the token (the laptop's TUN MTU, [`Hello::mtu`]).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// - 3: hello option 2, the laptop's second (IPv6) tunnel IP
+///   ([`Hello::tunnel_ip_v6`]) for dual-stack sessions.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Oldest version a manager still accepts: a version-1 hello has no options
 /// and means a laptop TUN MTU of 9000 (that version's fixed default).
@@ -39,6 +41,9 @@ pub const MIN_PROTOCOL_VERSION: u16 = 1;
 
 /// Hello option type: the laptop's TUN MTU, `u16` bytes.
 const HELLO_OPT_MTU: u8 = 1;
+
+/// Hello option type: the laptop's IPv6 tunnel IP, 16 bytes (version 3).
+const HELLO_OPT_TUNNEL_IP_V6: u8 = 2;
 
 /// Frame kind (the `u8` after the length).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -244,7 +249,9 @@ pub fn encode_into(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), 
 /// The token is the session token of the client's lease (empty until leases exist).
 /// Options of unknown type are skipped, so a later version can add some without
 /// breaking older managers; a version-1 hello has none (trailing bytes are an
-/// error there). Option 1: the laptop's TUN MTU (`u16`, bytes).
+/// error there). Option 1: the laptop's TUN MTU (`u16`, bytes). Option 2
+/// (version 3): the laptop's IPv6 tunnel IP (16 bytes), the session's second
+/// accepted source address when the primary tunnel IP is IPv4 (dual stack).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Data-channel protocol version ([`PROTOCOL_VERSION`]).
@@ -257,6 +264,10 @@ pub struct Hello {
     /// The laptop's TUN MTU in bytes (option 1; version 2 and later): the manager
     /// fragments the packets it builds for the laptop to this size.
     pub mtu: Option<u16>,
+    /// The laptop's IPv6 tunnel IP (option 2; version 3 and later): a
+    /// dual-stack session's second accepted source address. A manager older
+    /// than version 3 refuses the hello's version, not this option.
+    pub tunnel_ip_v6: Option<Ipv6Addr>,
 }
 
 /// Why a hello payload is invalid.
@@ -315,6 +326,13 @@ impl Hello {
             out.extend_from_slice(&[HELLO_OPT_MTU, 2]);
             out.extend_from_slice(&mtu.to_be_bytes());
         }
+        if let Some(v6) = self.tunnel_ip_v6 {
+            if self.version < 2 {
+                return Err(HelloError::OptionsNeedVersion2(self.version));
+            }
+            out.extend_from_slice(&[HELLO_OPT_TUNNEL_IP_V6, 16]);
+            out.extend_from_slice(&v6.octets());
+        }
         Ok(out)
     }
 
@@ -354,15 +372,20 @@ impl Hello {
             return Err(HelloError::Trailing(options.len()));
         }
         let mut mtu = None;
+        let mut tunnel_ip_v6 = None;
         while let [kind, len, tail @ ..] = options {
             let value = tail.get(..usize::from(*len)).ok_or_else(trunc)?;
+            let bad = |want| HelloError::BadOption {
+                kind: *kind,
+                len: *len,
+                want,
+            };
             if *kind == HELLO_OPT_MTU {
-                let b: [u8; 2] = value.try_into().map_err(|_| HelloError::BadOption {
-                    kind: *kind,
-                    len: *len,
-                    want: 2,
-                })?;
+                let b: [u8; 2] = value.try_into().map_err(|_| bad(2))?;
                 mtu = Some(u16::from_be_bytes(b));
+            } else if *kind == HELLO_OPT_TUNNEL_IP_V6 {
+                let b: [u8; 16] = value.try_into().map_err(|_| bad(16))?;
+                tunnel_ip_v6 = Some(Ipv6Addr::from(b));
             }
             options = &tail[value.len()..];
         }
@@ -374,6 +397,7 @@ impl Hello {
             tunnel_ip,
             token: token.to_vec(),
             mtu,
+            tunnel_ip_v6,
         })
     }
 }
@@ -397,6 +421,7 @@ mod tests {
             tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
             token: b"ab".to_vec(),
             mtu: None,
+            tunnel_ip_v6: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(payload, [0, 1, 4, 100, 96, 0, 2, 2, b'a', b'b']);
@@ -410,6 +435,7 @@ mod tests {
             tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
             token: b"ab".to_vec(),
             mtu: Some(1400),
+            tunnel_ip_v6: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(
@@ -495,6 +521,37 @@ mod tests {
     }
 
     #[test]
+    fn test_vector_v3_hello_with_ipv6_tunnel_ip() {
+        let v6 = Ipv6Addr::new(0xfd6b, 0x7670, 0x6e00, 0, 0, 0, 0x6460, 2);
+        let hello = Hello {
+            version: 3,
+            tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
+            token: b"ab".to_vec(),
+            mtu: Some(1400),
+            tunnel_ip_v6: Some(v6),
+        };
+        let payload = hello.encode().expect("encodes");
+        let mut want = vec![
+            0, 3, 4, 100, 96, 0, 2, 2, b'a', b'b', 1, 2, 0x05, 0x78, 2, 16,
+        ];
+        want.extend_from_slice(&v6.octets());
+        assert_eq!(payload, want);
+        assert_eq!(Hello::decode(&payload), Ok(hello));
+        // A version-2 reader's loop skips option 2 like any unknown option;
+        // a short option 2 is an error.
+        let mut short = vec![0, 3, 4, 100, 96, 0, 2, 0, 2, 4];
+        short.extend_from_slice(&[0xfd, 0x6b, 0x76, 0x70]);
+        assert_eq!(
+            Hello::decode(&short),
+            Err(HelloError::BadOption {
+                kind: 2,
+                len: 4,
+                want: 16
+            })
+        );
+    }
+
+    #[test]
     fn hello_errors() {
         assert_eq!(Hello::decode(&[]), Err(HelloError::Truncated(0)));
         assert_eq!(Hello::decode(&[0, 1, 5]), Err(HelloError::BadFamily(5)));
@@ -529,6 +586,7 @@ mod tests {
             tunnel_ip: IpAddr::V4(Ipv4Addr::new(1, 2, 3, 4)),
             token: Vec::new(),
             mtu: Some(1400),
+            tunnel_ip_v6: None,
         };
         assert_eq!(v1.encode(), Err(HelloError::OptionsNeedVersion2(1)));
     }
@@ -573,7 +631,8 @@ mod tests {
         fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>(), mtu in any::<Option<u16>>()) {
             let ip = if six { IpAddr::V6(Ipv6Addr::from(v6)) } else { IpAddr::V4(Ipv4Addr::from(v4)) };
             let mtu = if version >= 2 { mtu } else { None };
-            let hello = Hello { version, tunnel_ip: ip, token, mtu };
+            let second = (version >= 2 && !six).then(|| Ipv6Addr::from(v6));
+            let hello = Hello { version, tunnel_ip: ip, token, mtu, tunnel_ip_v6: second };
             let enc = hello.encode().expect("token fits");
             prop_assert_eq!(Hello::decode(&enc), Ok(hello));
         }

@@ -4,6 +4,8 @@
 //!   the root daemon and the traffic manager (pure, no I/O).
 //! - [`frame`]: the data-channel frame codec spoken between the root daemon's
 //!   pump and the traffic manager (pure, no I/O).
+//! - [`tunnel`]: the IPv6 tunnel IP of a dual-stack session, derived from its
+//!   IPv4 lease (pure, no I/O).
 //! - [`policy`]: the traffic manager's client-source policy ([`SourcePolicy`]),
 //!   a `clap::ValueEnum` with feature `clap`.
 //! - `device` (feature `smoltcp`): the in-memory smoltcp device both ends of the
@@ -22,6 +24,7 @@ pub mod device;
 pub mod frame;
 pub mod fuzzing;
 pub mod policy;
+pub mod tunnel;
 
 pub use policy::SourcePolicy;
 

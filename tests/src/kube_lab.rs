@@ -189,16 +189,28 @@ impl KubeFixture {
     /// A fresh Kubernetes lab with the sample workloads and without the traffic
     /// manager (`kvpn connect` installs it).
     pub fn new() -> Self {
+        Self::with_addressing(Addressing::default())
+    }
+
+    /// [`KubeFixture::new`] on a dual-stack lab ([`Addressing::dual_stack`]): IPv6
+    /// pod and service ranges, pods with an IPv6 address, the sample ClusterIP
+    /// Services `PreferDualStack` with fixed IPv6 ClusterIPs.
+    pub fn dual_stack() -> Self {
+        Self::with_addressing(Addressing::default().dual_stack())
+    }
+
+    fn with_addressing(addressing: Addressing) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap_or_else(|e| panic!("tokio runtime: {e}"));
         let t0 = Instant::now();
-        let options = K8sLabOptions::default().workloads(Workloads {
+        let mut options = K8sLabOptions::default().workloads(Workloads {
             manager: false,
             ..Default::default()
         });
+        options.lab = options.lab.addressing(addressing);
         let lab = rt
             .block_on(K8sLab::up(options))
             .unwrap_or_else(|e| panic!("Kubernetes lab up: {e}"));
@@ -440,6 +452,55 @@ impl KubeFixture {
             .netns_lab()
             .exec_in(LAPTOP, args)
             .unwrap_or_else(|e| panic!("laptop {args:?}: {e:#}"))
+    }
+
+    /// The source address the UDP echo backend at `to` saw (its answer to
+    /// `KVPN-PEER?`), sent from the laptop netns over `to`'s address family;
+    /// three tries of 2 s.
+    pub fn udp_peer(&self, to: SocketAddr) -> SocketAddr {
+        let got = self
+            .lab()
+            .netns_lab()
+            .run_in(LAPTOP, move || -> Result<SocketAddr, String> {
+                let bind: SocketAddr = if to.is_ipv6() {
+                    (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+                } else {
+                    (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+                };
+                let s = std::net::UdpSocket::bind(bind).map_err(|e| e.to_string())?;
+                s.connect(to).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(Duration::from_secs(2)))
+                    .map_err(|e| e.to_string())?;
+                let mut last = String::new();
+                for _ in 0..3 {
+                    s.send(kvpn_lab::protocol::UDP_PEER_QUERY)
+                        .map_err(|e| e.to_string())?;
+                    let mut buf = [0u8; 128];
+                    match s.recv(&mut buf) {
+                        Ok(n) => {
+                            let t = String::from_utf8_lossy(&buf[..n]).to_string();
+                            return t.trim().parse().map_err(|e| format!("{t:?}: {e}"));
+                        }
+                        Err(e) => last = e.to_string(),
+                    }
+                }
+                Err(last)
+            })
+            .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+        got.unwrap_or_else(|e| panic!("UDP peer query to {to}: {e}\n{}", self.diagnostics()))
+    }
+
+    /// Turns IPv6 off in the laptop netns (`disable_ipv6=1` for all and new
+    /// interfaces), as on a laptop without IPv6 (case rt-08).
+    pub fn disable_laptop_ipv6(&self) {
+        self.lab()
+            .netns_lab()
+            .laptop_netns()
+            .set_sysctls(&[
+                ("net.ipv6.conf.all.disable_ipv6", "1"),
+                ("net.ipv6.conf.default.disable_ipv6", "1"),
+            ])
+            .unwrap_or_else(|e| panic!("disable IPv6 on the laptop: {e:#}"));
     }
 
     /// One HTTP GET on a fresh connection from the laptop netns, each step bounded

@@ -20,7 +20,7 @@
 //! Kubernetes binaries of `scripts/build-kubernetes.sh`.
 
 use std::io::ErrorKind;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
@@ -151,37 +151,9 @@ fn tcp_source(f: &KubeFixture) -> IpAddr {
     f.page(web()).client.ip()
 }
 
-/// The source the UDP echo backend saw (`KVPN-PEER?`), three tries of 2 s.
+/// The source the UDP echo backend saw (`KVPN-PEER?`).
 fn udp_source(f: &KubeFixture, to: SocketAddr) -> IpAddr {
-    let got = f
-        .lab()
-        .netns_lab()
-        .run_in(kvpn_lab::LAPTOP, move || -> Result<IpAddr, String> {
-            let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
-            s.connect(to).map_err(|e| e.to_string())?;
-            s.set_read_timeout(Some(Duration::from_secs(2)))
-                .map_err(|e| e.to_string())?;
-            let mut last = String::new();
-            for _ in 0..3 {
-                s.send(kvpn_lab::protocol::UDP_PEER_QUERY)
-                    .map_err(|e| e.to_string())?;
-                let mut buf = [0u8; 128];
-                match s.recv(&mut buf) {
-                    Ok(n) => {
-                        let t = String::from_utf8_lossy(&buf[..n]).to_string();
-                        return t
-                            .trim()
-                            .parse::<SocketAddr>()
-                            .map(|a| a.ip())
-                            .map_err(|e| format!("{t:?}: {e}"));
-                    }
-                    Err(e) => last = e.to_string(),
-                }
-            }
-            Err(last)
-        })
-        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
-    got.unwrap_or_else(|e| panic!("UDP peer query to {to}: {e}\n{}", f.diagnostics()))
+    f.udp_peer(to).ip()
 }
 
 /// Pings `target` from the laptop (2 echo requests) and returns how many echo

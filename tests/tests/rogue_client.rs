@@ -687,6 +687,7 @@ fn rogue_client_hello_without_the_leases_token_is_refused() {
                 tunnel_ip: IpAddr::V4(a.ip),
                 token: a_token.clone(),
                 mtu: None,
+                tunnel_ip_v6: None,
             }
             .encode()
             .expect("hello");

@@ -529,14 +529,7 @@ fn rt_06_strict_rp_filter_kube_api_port_forward_and_dns() {
 #[test]
 fn rt_08_ipv6_disabled_kube_connect() {
     let f = KubeFixture::new();
-    f.lab()
-        .netns_lab()
-        .laptop_netns()
-        .set_sysctls(&[
-            ("net.ipv6.conf.all.disable_ipv6", "1"),
-            ("net.ipv6.conf.default.disable_ipv6", "1"),
-        ])
-        .unwrap_or_else(|e| panic!("disable IPv6 on the laptop: {e:#}"));
+    f.disable_laptop_ipv6();
     let kubeconfig = f.user_kubeconfig();
     let out = f.kvpn(&["connect", "--kubeconfig", &kubeconfig]);
     let all = format!("{}{}", text(&out.stdout), text(&out.stderr));

@@ -148,6 +148,7 @@ pub async fn run(args: PeerArgs) -> i32 {
         tunnel_ip: IpAddr::V4(args.tunnel_ip),
         token: name.into_bytes(),
         mtu: None,
+        tunnel_ip_v6: None,
     };
     let mut out = Vec::new();
     if let Err(e) = hello

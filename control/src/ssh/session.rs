@@ -674,6 +674,7 @@ mod tests {
             tunnel_ip: IpAddr::V4(Ipv4Addr::new(198, 19, 0, 2)),
             token: b"kvssh0".to_vec(),
             mtu: None,
+            tunnel_ip_v6: None,
         };
         let mut wire = Vec::new();
         frame::encode_into(Kind::Hello, &hello.encode().expect("encode"), &mut wire)

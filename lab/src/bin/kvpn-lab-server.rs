@@ -41,8 +41,10 @@ struct Args {
     /// Pod name shown on the page.
     #[arg(long, env = "POD_NAME", default_value = "unnamed-pod")]
     name: String,
-    /// Address to bind all servers on.
-    #[arg(long, default_value = "0.0.0.0")]
+    /// Address to bind all servers on. The default `::` serves IPv4 and IPv6
+    /// (dual-stack sockets; addresses are shown without the `::ffff:` IPv4
+    /// mapping), falling back to 0.0.0.0 on a kernel without IPv6.
+    #[arg(long, default_value = "::")]
     bind: IpAddr,
     /// HTTP port.
     #[arg(long, default_value_t = kvpn_lab::HTTP_PORT)]
@@ -69,7 +71,19 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(run(args))
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+/// `a` as an IPv4 address where it is an IPv4-mapped IPv6 one (a dual-stack
+/// socket's view of an IPv4 peer).
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+async fn run(mut args: Args) -> anyhow::Result<()> {
+    if args.bind == IpAddr::from(std::net::Ipv6Addr::UNSPECIFIED)
+        && std::net::UdpSocket::bind((args.bind, 0)).is_err()
+    {
+        tracing::info!("no IPv6 here: serving IPv4 only");
+        args.bind = IpAddr::from(std::net::Ipv4Addr::UNSPECIFIED);
+    }
     let udp = UdpSocket::bind((args.bind, args.echo_port))
         .await
         .with_context(|| format!("cannot bind UDP echo on {}:{}", args.bind, args.echo_port))?;
@@ -97,6 +111,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
 async fn serve_http(listener: TcpListener, name: Arc<str>) -> std::io::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
+        let peer = canonical(peer);
         let name = name.clone();
         tokio::spawn(async move {
             if let Err(e) = http_connection(stream, peer, &name).await {
@@ -112,7 +127,7 @@ async fn http_connection(
     name: &str,
 ) -> std::io::Result<()> {
     let _ = stream.set_nodelay(true);
-    let local = stream.local_addr()?;
+    let local = canonical(stream.local_addr()?);
     let mut buf = Vec::with_capacity(4096);
     loop {
         let (request, consumed) = loop {
@@ -369,7 +384,7 @@ async fn serve_udp_echo(socket: UdpSocket) -> std::io::Result<()> {
         let (n, peer) = socket.recv_from(&mut buf).await?;
         let peer_text;
         let reply = if &buf[..n] == kvpn_lab::protocol::UDP_PEER_QUERY {
-            peer_text = peer.to_string();
+            peer_text = canonical(peer).to_string();
             peer_text.as_bytes()
         } else {
             &buf[..n]

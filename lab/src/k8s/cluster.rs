@@ -288,7 +288,12 @@ impl NodeServices {
         )?);
         services.proxy = Some(KubeProxy::start(
             KubeProxyConfig::new(&state.admin_kubeconfig, lab.node_netns().clone())
-                .node_ip(node_ip),
+                .node_ip(node_ip)
+                .ipv6_pods(
+                    lab.node()
+                        .pod_cidr_v6()
+                        .map(|v6| (lab.node().pod_cidr(), v6)),
+                ),
         )?);
         let a = &state.addressing;
         // The CNI's masquerade and the node agent's preserve step (module `source`):
@@ -414,6 +419,7 @@ fn kubelet_setup(
     Ok(KubeletSetup {
         lab_id: lab.id().to_owned(),
         pod_cidr: lab.node().pod_cidr(),
+        pod_cidr_v6: lab.node().pod_cidr_v6(),
         existing_pods,
         node_name,
         external_ip: Some(lab.uplink().node_ip),
@@ -536,6 +542,10 @@ impl K8sLab {
         let mut config = ControlPlaneConfig::new(&cp_dir, &cluster_name);
         config.advertise_ip = node_ip;
         config.service_cidr = addressing.service_cidr.to_string();
+        if let Some(v6) = addressing.ipv6 {
+            config.service_cidr = format!("{},{}", addressing.service_cidr, v6.service_cidr);
+            config.dual_stack = true;
+        }
         config.kubernetes_service_ip = addressing.kubernetes_service_ip();
         config.tie_to_process = !persistent;
         config.step_timeout = options.control_plane_step_timeout;

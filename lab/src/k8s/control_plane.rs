@@ -53,6 +53,10 @@ use super::{
 
 const STATE_FILE: &str = "control-plane.json";
 const ADMIN_USER: &str = "kvpn-lab-admin";
+/// Kubernetes 1.20's dual-stack switch (alpha): Services get `ipFamilyPolicy`
+/// and a second ClusterIP from the second service range.
+const DUAL_STACK_GATE: &str = "--feature-gates=IPv6DualStack=true";
+
 const CONTROLLERS: &str = "deployment,replicaset,endpoint,endpointslice,serviceaccount,\
 serviceaccount-token,namespace,garbagecollector,podgc,root-ca-cert-publisher";
 const BUILD_HINT: &str = "run scripts/build-kubernetes.sh (as root) to build and cache it";
@@ -87,6 +91,10 @@ pub struct ControlPlaneConfig {
     /// More kube-apiserver flags, after the built-in ones (e.g. the lab's
     /// `--service-node-port-range`).
     pub apiserver_extra_args: Vec<String>,
+    /// Dual stack: `--feature-gates=IPv6DualStack=true` on kube-apiserver and
+    /// kube-controller-manager (alpha, off by default, in 1.20), for a
+    /// `service_cidr` of two ranges ("<IPv4>,<IPv6>").
+    pub dual_stack: bool,
 }
 
 impl ControlPlaneConfig {
@@ -107,6 +115,7 @@ impl ControlPlaneConfig {
             stop_grace: Duration::from_secs(10),
             tie_to_process: true,
             apiserver_extra_args: Vec::new(),
+            dual_stack: false,
         }
     }
 }
@@ -541,6 +550,9 @@ impl ControlPlane {
             format!("--cert-dir={}", p("apiserver-generated")),
             "--v=1".into(),
         ];
+        if self.config.dual_stack {
+            args.push(DUAL_STACK_GATE.into());
+        }
         args.extend(self.config.apiserver_extra_args.iter().cloned());
         let idx = self.spawn("kube-apiserver", bin, args)?;
         let admin = self.admin_client().await?;
@@ -575,7 +587,7 @@ impl ControlPlane {
         admin: &kube::Client,
     ) -> Result<(), Error> {
         let p = |f: &str| self.pki(f).display().to_string();
-        let args = vec![
+        let mut args = vec![
             format!(
                 "--kubeconfig={}",
                 self.config
@@ -593,6 +605,10 @@ impl ControlPlane {
             "--port=0".into(),
             "--v=1".into(),
         ];
+        if self.config.dual_stack {
+            // The EndpointSlice controller then writes one slice per family.
+            args.push(DUAL_STACK_GATE.into());
+        }
         let idx = self.spawn("kube-controller-manager", bin, args)?;
         // Working controllers: the serviceaccount controller made `default`, the
         // token controller gave it a token (pods need both to be admitted).

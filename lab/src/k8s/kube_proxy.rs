@@ -8,7 +8,12 @@
 //!   with the service port's name and protocol, at that port's number (this is how a
 //!   named `targetPort` resolves); a ClusterIP without ready endpoints is rejected (TCP
 //!   reset, ICMP port unreachable); headless and ExternalName services get no rules;
-//!   IPv6 ClusterIPs and SCTP ports are skipped (the lab is IPv4, TCP/UDP).
+//!   SCTP ports are skipped. IPv6 ClusterIPs (dual-stack labs) get rules in a
+//!   `table ip6` of the same name when [`KubeProxyConfig::ipv6_pods`] is set:
+//!   1.20's Endpoints hold only a Service's first family (IPv4), so an IPv6
+//!   ClusterIP's backends are the same ready pods' IPv6 addresses, taken from the
+//!   lab's address plan (pod IPv6 = its IPv4 address's offset in the node's IPv6
+//!   range); without it IPv6 ClusterIPs are skipped.
 //! - [`KubeProxy`] is the shell: its own thread with a current-thread tokio runtime,
 //!   a [`ServiceWatch`], and on every change (debounced by
 //!   [`KubeProxyConfig::debounce`], 100 ms by default) a re-render that is loaded with
@@ -27,7 +32,7 @@
 
 pub mod services;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -83,6 +88,10 @@ pub struct KubeProxyConfig {
     pub node_ip: Option<Ipv4Addr>,
     /// Fixed forwards rendered into the same table (the manager pass-through).
     pub static_node_ports: Vec<NodePort>,
+    /// Dual-stack labs: the node's IPv4 and IPv6 pod ranges, which map a pod's
+    /// IPv4 address to its IPv6 one (IPv6 ClusterIPs' backends); None: IPv6
+    /// ClusterIPs get no rules.
+    pub ipv6_pods: Option<(ipnet::Ipv4Net, ipnet::Ipv6Net)>,
     pub debounce: Duration,
     /// Bound for the initial list of Services and Endpoints.
     pub sync_timeout: Duration,
@@ -97,6 +106,7 @@ impl KubeProxyConfig {
             table: DEFAULT_TABLE.to_owned(),
             node_ip: None,
             static_node_ports: Vec::new(),
+            ipv6_pods: None,
             debounce: DEFAULT_DEBOUNCE,
             sync_timeout: Duration::from_secs(30),
         }
@@ -109,6 +119,12 @@ impl KubeProxyConfig {
 
     pub fn node_ip(mut self, ip: Ipv4Addr) -> Self {
         self.node_ip = Some(ip);
+        self
+    }
+
+    /// See [`KubeProxyConfig::ipv6_pods`].
+    pub fn ipv6_pods(mut self, ranges: Option<(ipnet::Ipv4Net, ipnet::Ipv6Net)>) -> Self {
+        self.ipv6_pods = ranges;
         self
     }
 
@@ -126,6 +142,18 @@ pub fn plan(
     node_ip: Option<Ipv4Addr>,
     static_node_ports: &[NodePort],
 ) -> Vec<ServiceRule> {
+    plan_dual_stack(snapshot, node_ip, static_node_ports, None)
+}
+
+/// [`plan`] plus rules for IPv6 ClusterIPs, whose backends are the IPv4
+/// backends' pods at their IPv6 addresses (`ipv6_pods`: see
+/// [`KubeProxyConfig::ipv6_pods`]).
+pub fn plan_dual_stack(
+    snapshot: &Snapshot,
+    node_ip: Option<Ipv4Addr>,
+    static_node_ports: &[NodePort],
+    ipv6_pods: Option<(ipnet::Ipv4Net, ipnet::Ipv6Net)>,
+) -> Vec<ServiceRule> {
     let mut cluster_ips = Vec::new();
     let mut node_ports = Vec::new();
     for svc in snapshot.services.values() {
@@ -137,13 +165,21 @@ pub fn plan(
             let Some(protocol) = port.protocol.nft() else {
                 continue;
             };
-            let backends: Vec<SocketAddrV4> = endpoints
+            let backends: Vec<SocketAddr> = endpoints
                 .map(|e| e.backends(port))
                 .unwrap_or_default()
                 .into_iter()
-                .filter_map(|(ip, p)| match ip {
-                    IpAddr::V4(v4) => Some(SocketAddrV4::new(v4, p)),
-                    IpAddr::V6(_) => None,
+                .filter(|(ip, _)| ip.is_ipv4())
+                .map(|(ip, p)| SocketAddr::new(ip, p))
+                .collect();
+            let backends_v6: Vec<SocketAddr> = backends
+                .iter()
+                .filter_map(|b| match (b.ip(), ipv6_pods) {
+                    (IpAddr::V4(v4), Some((net4, net6))) if net4.contains(&v4) => {
+                        let v6 = crate::topology::ipv6_at_offset(net4, net6, v4);
+                        Some(SocketAddr::new(IpAddr::V6(v6), b.port()))
+                    }
+                    _ => None,
                 })
                 .collect();
             let name = if port.name.is_empty() {
@@ -152,14 +188,18 @@ pub fn plan(
                 format!("{}/{}:{}", svc.namespace, svc.name, port.name)
             };
             for ip in ips {
-                let IpAddr::V4(ip) = ip else { continue };
+                let backends = match ip {
+                    IpAddr::V4(_) => backends.clone(),
+                    IpAddr::V6(_) if ipv6_pods.is_some() => backends_v6.clone(),
+                    IpAddr::V6(_) => continue,
+                };
                 cluster_ips.push(ServiceRule {
                     name: name.clone(),
                     kind: RuleKind::ClusterIp,
                     ip: *ip,
                     port: port.port,
                     protocol,
-                    backends: backends.clone(),
+                    backends,
                 });
             }
             if let (Some(node_ip), Some(node_port), true) =
@@ -168,7 +208,7 @@ pub fn plan(
                 node_ports.push(ServiceRule {
                     name: name.clone(),
                     kind: RuleKind::NodePort,
-                    ip: node_ip,
+                    ip: IpAddr::V4(node_ip),
                     port: node_port,
                     protocol,
                     backends: backends.clone(),
@@ -353,7 +393,12 @@ async fn sync(
     status: &Arc<Mutex<ProxyStatus>>,
     loaded: &mut Option<String>,
 ) -> Result<(), Error> {
-    let rules = plan(&watch.snapshot(), config.node_ip, &config.static_node_ports);
+    let rules = plan_dual_stack(
+        &watch.snapshot(),
+        config.node_ip,
+        &config.static_node_ports,
+        config.ipv6_pods,
+    );
     let script = nft::render_rules(&config.table, &rules);
     if loaded.as_deref() == Some(script.as_str()) {
         return Ok(());
@@ -432,14 +477,66 @@ mod tests {
         Snapshot::from_objects(&services, &endpoints)
     }
 
-    fn sa(s: &str) -> SocketAddrV4 {
+    fn sa(s: &str) -> SocketAddr {
         s.parse().expect("socket address")
+    }
+
+    #[test]
+    fn ipv6_cluster_ips_balance_over_the_same_pods_ipv6_addresses() {
+        let services: Vec<Service> = vec![obj(serde_json::json!({
+            "metadata": {"namespace": "demo", "name": "web"},
+            "spec": {"clusterIP": "10.96.1.100", "clusterIPs": ["10.96.1.100", "fd00:10:96::64"],
+                     "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}
+        }))];
+        let endpoints: Vec<Endpoints> = vec![obj(serde_json::json!({
+            "metadata": {"namespace": "demo", "name": "web"},
+            "subsets": [{"addresses": [{"ip": "10.244.1.11"}], "ports": [{"name": "http", "port": 8080}]}]
+        }))];
+        let snap = Snapshot::from_objects(&services, &endpoints);
+        let ranges = (
+            "10.244.1.0/24".parse().expect("net"),
+            "fd00:10:244:1::/64".parse().expect("net"),
+        );
+        let rules = plan_dual_stack(&snap, None, &[], Some(ranges));
+        let got: Vec<(IpAddr, Vec<SocketAddr>)> =
+            rules.iter().map(|r| (r.ip, r.backends.clone())).collect();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    "10.96.1.100".parse().expect("ip"),
+                    vec![sa("10.244.1.11:8080")]
+                ),
+                (
+                    "fd00:10:96::64".parse().expect("ip"),
+                    vec![sa("[fd00:10:244:1::b]:8080")]
+                ),
+            ]
+        );
+        let script = nft::render_rules("t", &rules);
+        assert!(script.contains("table ip t {"), "{script}");
+        assert!(
+            script.contains("ip6 daddr fd00:10:96::64 tcp dport 80 jump svc-1"),
+            "{script}"
+        );
+        assert!(
+            script.contains("meta l4proto tcp dnat to [fd00:10:244:1::b]:8080"),
+            "{script}"
+        );
+        // Without the ranges (IPv4-only labs) IPv6 ClusterIPs get nothing, and
+        // the script deletes any IPv6 table.
+        let v4_only = nft::render_rules("t", &plan(&snap, None, &[]));
+        assert!(!v4_only.contains("ip6 daddr"), "{v4_only}");
+        assert!(
+            v4_only.ends_with("table ip6 t {}\ndelete table ip6 t\n"),
+            "{v4_only}"
+        );
     }
 
     #[test]
     fn plans_cluster_ips_with_named_target_ports_and_rejects() {
         let rules = plan(&snapshot(), None, &[]);
-        let summary: Vec<(String, String, Vec<SocketAddrV4>)> = rules
+        let summary: Vec<(String, String, Vec<SocketAddr>)> = rules
             .iter()
             .map(|r| {
                 (
@@ -484,7 +581,7 @@ mod tests {
             Some(Ipv4Addr::new(172, 31, 255, 1)),
             std::slice::from_ref(&manager),
         );
-        let node_ports: Vec<(u16, Vec<SocketAddrV4>)> = rules
+        let node_ports: Vec<(u16, Vec<SocketAddr>)> = rules
             .iter()
             .filter(|r| r.kind == RuleKind::NodePort)
             .map(|r| (r.port, r.backends.clone()))

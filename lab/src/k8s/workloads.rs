@@ -124,6 +124,15 @@ fn service(namespace: &str, name: &str, selector: &str, spec: Value) -> Value {
     })
 }
 
+/// Makes a ClusterIP Service `svc` dual-stack (Kubernetes 1.20 alpha fields):
+/// `ipFamilyPolicy: PreferDualStack` with `v6` as its second ClusterIP.
+fn dual_stack(svc: &mut Value, v6: std::net::Ipv6Addr) {
+    let v4 = svc["spec"]["clusterIP"].clone();
+    svc["spec"]["ipFamilyPolicy"] = json!("PreferDualStack");
+    svc["spec"]["ipFamilies"] = json!(["IPv4", "IPv6"]);
+    svc["spec"]["clusterIPs"] = json!([v4, v6.to_string()]);
+}
+
 fn namespace(name: &str) -> Value {
     json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
 }
@@ -160,6 +169,17 @@ pub fn objects_for(which: Workloads, addressing: &Addressing) -> Vec<Object> {
             json!({"clusterIP": addressing.udp_echo_cluster_ip().to_string(), "ports": [
                 {"name": "echo-udp", "port": ECHO_SERVICE_PORT, "targetPort": ECHO_PORT, "protocol": "UDP"}]}),
         )));
+        // Dual-stack labs: the three ClusterIP Services get a fixed IPv6
+        // ClusterIP too (the same offsets into the IPv6 service CIDR).
+        if let Some(first) = v.iter().position(|o| matches!(o, Object::Service(_))) {
+            for (object, offset) in v[first..].iter_mut().zip([100u16, 101, 102]) {
+                if let (Object::Service(svc), Some(v6)) =
+                    (object, addressing.ipv6_service_ip(offset))
+                {
+                    dual_stack(svc, v6);
+                }
+            }
+        }
         v.push(Object::Service(service(
             "default",
             "backend",

@@ -71,6 +71,7 @@ pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
         tunnel_ip,
         token: Vec::new(),
         mtu: None,
+        tunnel_ip_v6: None,
     }
     .encode()
     .expect("hello encodes");

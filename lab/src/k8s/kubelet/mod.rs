@@ -191,6 +191,8 @@ impl Default for KubeletConfig {
 pub struct KubeletSetup {
     pub lab_id: String,
     pub pod_cidr: Ipv4Net,
+    /// The node's IPv6 pod range (dual-stack labs): pods get an address from it too.
+    pub pod_cidr_v6: Option<ipnet::Ipv6Net>,
     /// Pods already on the node bridge (the static lab pods): their IPs are not handed
     /// out.
     pub existing_pods: Vec<(String, Ipv4Addr)>,
@@ -228,6 +230,7 @@ impl KubeletSetup {
         Ok(KubeletSetup {
             lab_id: lab.id().to_owned(),
             pod_cidr: lab.node().pod_cidr(),
+            pod_cidr_v6: lab.node().pod_cidr_v6(),
             existing_pods: lab.pods().iter().map(|p| (p.name.clone(), p.ip)).collect(),
             node_name,
             external_ip: Some(lab.uplink().node_ip),
@@ -435,7 +438,8 @@ async fn run(
             return Err(e.to_string());
         }
     };
-    let node = Node::existing(&setup.lab_id, crate::NODE, setup.pod_cidr);
+    let node =
+        Node::existing(&setup.lab_id, crate::NODE, setup.pod_cidr).with_ipv6(setup.pod_cidr_v6);
     for (name, ip) in &setup.existing_pods {
         node.adopt_pod(name, *ip);
     }
@@ -467,6 +471,7 @@ async fn run(
     let node_spec = node::NodeSpec {
         name: setup.node_name.clone(),
         pod_cidr: setup.pod_cidr.to_string(),
+        pod_cidr_v6: setup.pod_cidr_v6.map(|n| n.to_string()),
         endpoint,
         external_ip: setup.external_ip,
         labels: labels.clone(),

@@ -25,6 +25,8 @@ const LEASE_SECONDS: i32 = 40;
 pub struct NodeSpec {
     pub name: String,
     pub pod_cidr: String,
+    /// The node's IPv6 pod range in a dual-stack lab (`podCIDRs`' second entry).
+    pub pod_cidr_v6: Option<String>,
     /// Where the API server reaches the kubelet endpoint (InternalIP + port).
     pub endpoint: SocketAddr,
     /// The node's address towards the laptop (ExternalIP), if any.
@@ -60,7 +62,10 @@ fn object(spec: &NodeSpec) -> Value {
             "labels": labels,
             "annotations": {"kvpn.dev/kubelet": "kvpn lab kubelet stand-in (lab-only)"},
         },
-        "spec": {"podCIDR": spec.pod_cidr, "podCIDRs": [spec.pod_cidr]},
+        "spec": {
+            "podCIDR": spec.pod_cidr,
+            "podCIDRs": std::iter::once(&spec.pod_cidr).chain(&spec.pod_cidr_v6).collect::<Vec<_>>(),
+        },
     })
 }
 
@@ -138,8 +143,10 @@ pub async fn register(client: &kube::Client, spec: &NodeSpec) -> Result<String, 
         .await
         .map_err(Error::kube(format!("reading node {}", spec.name)))?;
     if let Some(old) = existing {
-        let same_cidr =
-            old.spec.as_ref().and_then(|s| s.pod_cidr.as_deref()) == Some(spec.pod_cidr.as_str());
+        let want_cidrs = want.spec.as_ref().and_then(|s| s.pod_cidrs.clone());
+        let same_cidr = old.spec.as_ref().and_then(|s| s.pod_cidr.as_deref())
+            == Some(spec.pod_cidr.as_str())
+            && old.spec.as_ref().and_then(|s| s.pod_cidrs.clone()) == want_cidrs;
         if same_cidr {
             tracing::info!(node = %spec.name, "taking over an existing Node object");
         } else {

@@ -1208,6 +1208,11 @@ impl PodWorker {
         let facts = PodFacts {
             host_ip: self.ctx.host_ip.to_string(),
             pod_ip: self.pod_ip().map(|ip| ip.to_string()),
+            pod_ip_v6: self
+                .sandbox
+                .as_ref()
+                .and_then(|s| s.ip_v6)
+                .map(|ip| ip.to_string()),
             start_time: self.start_time,
             policy: self.policy,
         };

@@ -510,6 +510,8 @@ pub fn update_conditions(conds: &mut Conditions, containers: &[ContainerMachine]
 pub struct PodFacts {
     pub host_ip: String,
     pub pod_ip: Option<String>,
+    /// The pod's IPv6 address in a dual-stack lab: `podIPs`' second entry.
+    pub pod_ip_v6: Option<String>,
     pub start_time: Timestamp,
     pub policy: RestartPolicy,
 }
@@ -525,7 +527,9 @@ pub fn pod_status(facts: &PodFacts, containers: &[ContainerMachine], conds: &Con
     });
     if let Some(ip) = &facts.pod_ip {
         v["podIP"] = json!(ip);
-        v["podIPs"] = json!([{"ip": ip}]);
+        let mut ips = vec![json!({"ip": ip})];
+        ips.extend(facts.pod_ip_v6.iter().map(|v6| json!({"ip": v6})));
+        v["podIPs"] = json!(ips);
     }
     v
 }
@@ -780,12 +784,21 @@ mod tests {
         let facts = PodFacts {
             host_ip: "127.0.0.1".into(),
             pod_ip: Some("10.244.1.2".into()),
+            pod_ip_v6: None,
             start_time: t(0),
             policy: RestartPolicy::Always,
         };
         let s = pod_status(&facts, std::slice::from_ref(&c), &conds);
         assert_eq!(s["phase"], "Running");
         assert_eq!(s["podIPs"][0]["ip"], "10.244.1.2");
+        assert_eq!(s["podIPs"].as_array().map(Vec::len), Some(1));
+        let dual = PodFacts {
+            pod_ip_v6: Some("fd00:10:244:1::2".into()),
+            ..facts
+        };
+        let s = pod_status(&dual, std::slice::from_ref(&c), &conds);
+        assert_eq!(s["podIP"], "10.244.1.2");
+        assert_eq!(s["podIPs"][1]["ip"], "fd00:10:244:1::2");
         assert_eq!(s["containerStatuses"][0]["ready"], true);
         assert_eq!(s["containerStatuses"][0]["containerID"], "kvpn-lab://1");
     }
