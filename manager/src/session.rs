@@ -69,6 +69,14 @@ pub const INTAKE_BYTES: usize = 2 * 1024 * 1024;
 /// scheduler (see the engine loop in `run_established`).
 const ROUND_BYTES: usize = 64 * 1024;
 
+/// Packet frames the engine handles between two yields, whatever their size:
+/// the cost of a round is per packet more than per byte, and 64 KiB of
+/// 64-byte frames (a flood's) is a thousand packets, a round long enough to
+/// hold the worker thread away from other laptops' sessions
+/// (tests/tests/flood_fairness.rs). 256 is still several bulk-TCP windows'
+/// worth of 9000-byte segments per round.
+const ROUND_FRAMES: usize = 256;
+
 /// Heartbeat echoes queued for the writer; the laptop sends one a second, so
 /// this only fills when the laptop stops reading (further echoes are dropped:
 /// a laptop that does not read would not see them anyway).
@@ -339,7 +347,8 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
 }
 
 /// Handle the whole frames at the front of `buf`, stopping after the frame
-/// that reaches `limit` bytes; returns the bytes used.
+/// that reaches `limit` bytes or after [`ROUND_FRAMES`] frames; returns the
+/// bytes used.
 fn handle_frames(
     buf: &[u8],
     engine: &mut Engine,
@@ -350,10 +359,13 @@ fn handle_frames(
 ) -> Result<usize, SessionError> {
     let decoder = Decoder::default();
     let mut used = 0;
+    let mut frames = 0;
     while used < limit
+        && frames < ROUND_FRAMES
         && let Some((f, n)) = decoder.decode(&buf[used..])?
     {
         used += n;
+        frames += 1;
         match f.kind {
             Kind::Packet => {
                 config.trace.observe_laptop_packet(f.payload);
