@@ -116,6 +116,9 @@ impl PacketIo for tokio::net::UnixDatagram {
 /// Pump counters, shared with Status. Updated once per batch or chunk.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// The manager's latest stats frame for this session and when it arrived
+    /// (protocol version 3; `None` before the first, and with older managers).
+    pub manager_stats: Mutex<Option<(frame::Stats, Instant)>>,
     /// Outbound (laptop → cluster) packets written to the transport.
     pub tx_packets: AtomicU64,
     /// Outbound IP bytes (frame headers not counted).
@@ -592,6 +595,18 @@ async fn transport_reader<R: AsyncRead + Unpin>(
         loop {
             match decoder.decode(&cur.buf[complete..filled]) {
                 Ok(Some((frame, used))) => {
+                    if frame.kind == Kind::Stats {
+                        match frame::Stats::decode(frame.payload) {
+                            Ok(stats) => {
+                                *counters
+                                    .manager_stats
+                                    .lock()
+                                    .unwrap_or_else(PoisonError::into_inner) =
+                                    Some((stats, Instant::now()));
+                            }
+                            Err(e) => tracing::debug!(error = %e, "manager stats frame ignored"),
+                        }
+                    }
                     if frame.kind == Kind::Heartbeat {
                         if lock(&liveness).handle_echo(frame.payload, Instant::now()) {
                             tracing::trace!("heartbeat echo read");
@@ -671,7 +686,7 @@ async fn tun_writer<T: PacketIo>(
                     Err(e) => return PumpExit::Tun(e),
                 },
                 // Taken by `transport_reader` already.
-                Kind::Heartbeat => {}
+                Kind::Heartbeat | Kind::Stats => {}
                 Kind::Hello | Kind::Unknown(_) => {
                     tracing::debug!(
                         kind = frame.kind.to_u8(),

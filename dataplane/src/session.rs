@@ -1013,6 +1013,7 @@ impl Session {
             .to_owned(),
             origin: self.origin.clone(),
             liveness: Some(self.liveness_status()),
+            manager_stats: self.manager_stats(),
             route_source: watched.source,
             dns: watched.dns,
             services: watched.services.into_values().collect(),
@@ -1150,6 +1151,37 @@ impl Session {
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
         }
+    }
+
+    /// The manager's latest stats frame for this session, for Status.
+    fn manager_stats(&self) -> Option<kvpn_proto::dataplane::ManagerStats> {
+        use kvpn_proto::frame::stat;
+        let guard = self
+            .counters()
+            .manager_stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (stats, at) = guard.as_ref()?;
+        let get = |name: &str| stats.get(name).unwrap_or(0);
+        Some(kvpn_proto::dataplane::ManagerStats {
+            flows: get(stat::FLOWS),
+            flow_cap: get(stat::FLOW_CAP),
+            refused_cap: get(stat::REFUSED_CAP),
+            rate_limited: get(stat::RATE_LIMITED),
+            icmp_rate_limited: get(stat::ICMP_RATE_LIMITED),
+            echoes_dropped: get(stat::ECHOES_DROPPED),
+            drops: stats
+                .counters
+                .iter()
+                .filter_map(|(name, n)| {
+                    Some(kvpn_proto::dataplane::ManagerDrop {
+                        reason: name.strip_prefix(stat::DROP_PREFIX)?.to_owned(),
+                        packets: *n,
+                    })
+                })
+                .collect(),
+            age_ms: u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX),
+        })
     }
 
     fn liveness_status(&self) -> kvpn_proto::dataplane::Liveness {
