@@ -345,34 +345,6 @@ fn dial_error(target: &str, cause: &std::io::Error, peer: DataPeer) -> String {
     }
 }
 
-/// Unsent bytes the kernel may hold for the data connection before it stops
-/// being writable (TCP_NOTSENT_LOWAT): 128 KiB, half an outbound batch. The
-/// pump's bounded queues then hold the rest, and the TUN device's own queue
-/// drops the excess of a flood (its `tx_dropped`), instead of 4 MiB of send
-/// buffer delaying every heartbeat.
-pub const NOTSENT_LOWAT: u32 = 128 * 1024;
-
-/// TCP_NOTSENT_LOWAT (Linux 3.12, net/ipv4/tcp.c) on `stream`.
-fn set_notsent_lowat(stream: &TcpStream, bytes: u32) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
-    // SAFETY: setsockopt on a socket we own, with a c_int option value.
-    let rc = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NOTSENT_LOWAT,
-            (&raw const value).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 /// Connect TCP to the manager at `target` (`host:port`) within `timeout`.
 /// Errors are user-facing sentences naming the address, the cause and the fix.
 pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, String> {
@@ -418,7 +390,9 @@ pub async fn dial_peer(
     }
     // Keep the kernel's unsent backlog small, so that a heartbeat written after
     // a burst of data does not wait behind megabytes of it on a slow path.
-    if let Err(e) = set_notsent_lowat(&stream, NOTSENT_LOWAT) {
+    if let Err(e) =
+        kvpn_proto::channel::set_notsent_lowat(&stream, kvpn_proto::channel::NOTSENT_LOWAT)
+    {
         tracing::debug!(error = %e, "cannot set TCP_NOTSENT_LOWAT on the data connection");
     }
     Ok(stream)

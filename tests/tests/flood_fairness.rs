@@ -16,7 +16,7 @@
 //!
 //! A's flood is paced at [`FLOOD_PPS`] packets/s from a raw socket (SYNs) or a
 //! UDP socket in A's netns, through A's TUN device and pump like any
-//! program's packets: ten times the manager's sustained new-flow allowance
+//! program's packets: five times the manager's sustained new-flow allowance
 //! ([`kvpn_manager::limit::NEW_FLOWS_PER_SEC`]), yet bounded so the sender
 //! and A's pump do not take the CPU B's iperf3 needs on this machine (that
 //! would measure the machine, not the manager). The flood starts
@@ -46,8 +46,14 @@ const IPERF_SECS: u32 = 3;
 const IPERF_OMIT: u32 = 1;
 /// Rounds of (alone, SYN flood, UDP flood).
 const ROUNDS: usize = 5;
-/// A's flood rate, packets/s: 10× the manager's sustained new-flow allowance.
-const FLOOD_PPS: u64 = 10 * kvpn_manager::limit::NEW_FLOWS_PER_SEC as u64;
+/// A's flood rate, packets/s: 5× the manager's sustained new-flow allowance,
+/// so four of five packets are beyond what the limiter lets through. Not
+/// more: on this 2-core machine laptop A's side of the flood (the sender, A's
+/// kernel and pump, debug builds) costs about 20 µs of CPU a packet, which
+/// B's iperf3 run needs too; at 10× that alone took a fifth of the machine
+/// and measured the machine's contention rather than the manager's fairness
+/// (on a real cluster laptop A is another machine).
+const FLOOD_PPS: u64 = 5 * kvpn_manager::limit::NEW_FLOWS_PER_SEC as u64;
 /// The flood runs this long before B's run starts.
 const FLOOD_LEAD: Duration = Duration::from_secs(1);
 /// A's tunnel IP (B has the connect default, 100.96.0.2).
@@ -270,29 +276,17 @@ fn daemon_pid(runtime_dir: &std::path::Path) -> u32 {
         .unwrap_or_else(|| panic!("no pid in {}", path.display()))
 }
 
-/// The last `session stats` line the manager logged for `tunnel_ip`, as
-/// `key=value` pairs.
-fn last_stats(manager_log: &str, tunnel_ip: Ipv4Addr) -> Vec<(String, String)> {
-    let tag = format!("tunnel_ip={tunnel_ip}");
-    manager_log
-        .lines()
-        .rev()
-        .find(|l| l.contains("session stats") && l.contains(&tag))
-        .map(|l| {
-            l.split_whitespace()
-                .filter_map(|kv| kv.split_once('='))
-                .map(|(k, v)| (k.to_owned(), v.trim_matches('"').to_owned()))
-                .collect()
-        })
-        .unwrap_or_default()
+/// `manager_stats` of the first session in `kvpn status -o json` output.
+fn manager_stats(out: &Output) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("status JSON: {e}: {}", text(&out.stdout)));
+    v["sessions"][0]["manager_stats"].clone()
 }
 
-fn stat(stats: &[(String, String)], key: &str) -> u64 {
-    stats
-        .iter()
-        .find(|(k, _)| k == key)
-        .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or(0)
+fn count(stats: &serde_json::Value, key: &str) -> u64 {
+    stats[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no manager_stats.{key}: {stats}"))
 }
 
 #[test]
@@ -407,15 +401,16 @@ fn flood_from_one_client_keeps_another_clients_throughput() {
             std::thread::sleep(Duration::from_millis(500));
         }
     }
-    // One more stats line after the last flood.
+    // One more stats frame after the last flood.
     std::thread::sleep(Duration::from_millis(1500));
     let _ = f.lab.stop_process(server, Duration::from_secs(2));
 
     let median = |v: &[f64]| kvpn_bench::p50(v).unwrap_or(0.0);
     let (m_alone, m_syn, m_udp) = (median(&alone), median(&syn), median(&udp));
     let manager_log = f.manager_log();
-    let stats_a = last_stats(&manager_log, TUNNEL_IP_A);
-    let stats_b = last_stats(&manager_log, Ipv4Addr::new(100, 96, 0, 2));
+    // Each laptop's own view of the manager's counters (kvpn status).
+    let stats_a = manager_stats(&a.kvpn(&["status", "-o", "json"]));
+    let stats_b = manager_stats(&f.kvpn(&["status", "-o", "json"]));
     eprintln!(
         "fairness: medians of B: alone {m_alone:.1} Mbit/s, SYN flood {m_syn:.1} ({:.2}×), UDP flood {m_udp:.1} ({:.2}×); A sent {} SYNs and {} datagrams",
         m_syn / m_alone,
@@ -423,8 +418,8 @@ fn flood_from_one_client_keeps_another_clients_throughput() {
         sent[0],
         sent[1],
     );
-    eprintln!("fairness: manager's last stats of A: {stats_a:?}");
-    eprintln!("fairness: manager's last stats of B: {stats_b:?}");
+    eprintln!("fairness: laptop A's manager_stats: {stats_a}");
+    eprintln!("fairness: laptop B's manager_stats: {stats_b}");
     let diag = || {
         format!(
             "manager log tail:\n{}",
@@ -443,21 +438,18 @@ fn flood_from_one_client_keeps_another_clients_throughput() {
         sent.iter().all(|n| *n >= min_offered),
         "A's floods sent only {sent:?} packets (expected ≥ {min_offered} each)"
     );
+    // Most of A's flood was refused by its session's limits (new-flow rate
+    // limit; the UDP flows beyond the per-kind cap), none of B's flows.
+    let limited = count(&stats_a, "rate_limited") + count(&stats_a, "refused_cap");
+    let offered = sent[0] + sent[1];
     assert!(
-        stat(&stats_a, "rate_limited") > 0,
-        "the manager's new-flow limit never bit on laptop A's session: {stats_a:?}\n{}",
+        count(&stats_a, "rate_limited") > 0 && limited >= offered / 2,
+        "the manager's limits refused only {limited} of laptop A's {offered} flood packets: {stats_a}\n{}",
         diag()
     );
     assert!(
-        stat(&stats_a, "tcp_dials") < sent[0] / 2,
-        "the manager dialed {} of A's {} SYNs: not rate-limited\n{}",
-        stat(&stats_a, "tcp_dials"),
-        sent[0],
-        diag()
-    );
-    assert!(
-        stat(&stats_b, "rate_limited") == 0 && stat(&stats_b, "refused_cap") == 0,
-        "laptop B's own flows were limited: {stats_b:?}\n{}",
+        count(&stats_b, "rate_limited") == 0 && count(&stats_b, "refused_cap") == 0,
+        "laptop B's own flows were limited: {stats_b}\n{}",
         diag()
     );
     assert!(m_alone > 0.0, "B measured no throughput alone: {alone:?}");
