@@ -884,6 +884,16 @@ mod tests {
                     frame::encode_into(Kind::Unknown(99), b"from a newer manager", &mut wire)
                         .expect("fits");
                     frame::encode_into(Kind::Heartbeat, &[9; 8], &mut wire).expect("fits");
+                    // The manager's counters (version 3): kept for Status,
+                    // never written to the TUN device.
+                    let stats = frame::Stats {
+                        counters: vec![
+                            (frame::stat::REFUSED_CAP.to_owned(), u64::from(seq)),
+                            ("drop_intake_full".to_owned(), 2),
+                        ],
+                    };
+                    frame::encode_into(Kind::Stats, &stats.encode().expect("encodes"), &mut wire)
+                        .expect("fits");
                 }
             }
             manager_end.write_all(&wire).await.expect("write frames");
@@ -908,6 +918,17 @@ mod tests {
             Counters::get(&counters.heartbeats_echoed),
             0,
             "a nonce never sent is no echo"
+        );
+        let latest = counters
+            .manager_stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .map(|(stats, _)| stats);
+        assert_eq!(
+            latest.and_then(|s| s.get(frame::stat::REFUSED_CAP)),
+            Some(u64::from((N - 1) / 7 * 7)),
+            "the latest stats frame is kept"
         );
         pump.abort();
     }
