@@ -324,7 +324,7 @@ fn contains(cidr: &str, ip: &str) -> bool {
 /// (lc-02): TUN devices, routes, nftables tables, eBPF programs and pins,
 /// resolv.conf and hosts bytes as before kvpn.
 #[test]
-fn top_rates_then_sigkill_mid_traffic_recovers_and_sweeps() {
+fn lc_02_top_rates_then_sigkill_mid_traffic_recovers_and_sweeps() {
     let f = KubeFixture::new();
     let before = residue(&f);
     connect_default(&f);

@@ -589,7 +589,7 @@ fn killed_manager_pod_reconnecting_then_traffic_resumes_on_the_same_tun() {
 /// within 3 s on the same TUN device (ifindex, addresses, routes), with no socket
 /// left behind.
 #[test]
-fn port_forward_killed_five_times_recovers_each_time_on_the_same_tun() {
+fn tr_08_port_forward_killed_five_times_recovers_each_time_on_the_same_tun() {
     let f = KubeFixture::new();
     f.connect_restricted();
     f.wait_state("connected", Duration::from_secs(15));

@@ -715,3 +715,130 @@ fn tr_09_idle_flows_live() {
         "TCP echo after 65 s idle"
     );
 }
+
+/// The TUN device as the laptop sees it: ifindex, addresses and routes.
+fn tun_state(f: &Fixture, tun: &str) -> String {
+    let link = exec(f, LAPTOP, &["ip", "-o", "link", "show", "dev", tun]);
+    let addrs = exec(f, LAPTOP, &["ip", "-o", "addr", "show", "dev", tun]);
+    let routes = exec(f, LAPTOP, &["ip", "route", "show", "dev", tun]);
+    let ifindex = text(&link.stdout)
+        .split(':')
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(!ifindex.is_empty(), "no TUN {tun}: {}", text(&link.stderr));
+    format!(
+        "ifindex {ifindex}\n{}{}",
+        text(&addrs.stdout),
+        text(&routes.stdout)
+    )
+}
+
+/// Established TCP connections from the laptop to the manager.
+fn transport_connections(f: &Fixture) -> Vec<String> {
+    let manager = kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string();
+    let out = exec(
+        f,
+        LAPTOP,
+        &["ss", "-Htn", "state", "established", "dst", &manager],
+    );
+    text(&out.stdout).lines().map(str::to_owned).collect()
+}
+
+/// Case tr-08 over the direct TCP transport: the data connection is killed five
+/// times in a row (`ss -K` on the laptop), and each time traffic recovers within
+/// 3 s on the same TUN device (ifindex, addresses, routes) and the same session,
+/// with one data connection left, not one per kill. The port-forward version is
+/// kube_connect.rs `tr_08_port_forward_…`, SSH's is kube_ssh.rs.
+#[test]
+fn tr_08_direct_transport_killed_five_times_recovers_each_time_on_the_same_tun() {
+    let f = Fixture::connected();
+    let session = &f.status_json()["sessions"][0];
+    let tun = session["tun_name"].as_str().unwrap_or_default().to_owned();
+    let id = session["id"].clone();
+    assert!(!tun.is_empty(), "status names the TUN: {session}");
+    let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/");
+    let http_ok = || {
+        let out = exec(
+            &f,
+            LAPTOP,
+            &[
+                "curl",
+                "-s",
+                "-o",
+                "/dev/null",
+                "-m",
+                "1",
+                "-w",
+                "%{http_code}",
+                &url,
+            ],
+        );
+        text(&out.stdout) == "200"
+    };
+    assert!(http_ok(), "the backend answers before any kill");
+    let tun0 = tun_state(&f, &tun);
+    assert_eq!(transport_connections(&f).len(), 1, "one data connection");
+    let fds0 = fd_count(daemon_pid(&f));
+    let manager = kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string();
+
+    let mut times = Vec::new();
+    for round in 0..5 {
+        let redials = f
+            .daemon_log()
+            .matches("data connection re-established")
+            .count();
+        let t0 = Instant::now();
+        let killed = exec(
+            &f,
+            LAPTOP,
+            &["ss", "-K", "-Htn", "state", "established", "dst", &manager],
+        );
+        assert!(
+            killed.status.success() && !text(&killed.stdout).trim().is_empty(),
+            "round {round}: ss -K killed nothing: {} {}",
+            text(&killed.stdout),
+            text(&killed.stderr)
+        );
+        while !http_ok() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "round {round}: no HTTP answer 10 s after the kill\n{}",
+                f.daemon_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        times.push(t0.elapsed());
+        assert!(
+            f.daemon_log()
+                .matches("data connection re-established")
+                .count()
+                > redials,
+            "round {round}: the root daemon did not redial"
+        );
+        assert_eq!(tun_state(&f, &tun), tun0, "round {round}: same TUN device");
+        assert_eq!(
+            f.status_json()["sessions"][0]["id"],
+            id,
+            "round {round}: same session"
+        );
+    }
+    let conns = transport_connections(&f);
+    assert_eq!(
+        conns.len(),
+        1,
+        "one data connection after five kills: {conns:?}"
+    );
+    let fds = fd_count(daemon_pid(&f));
+    assert!(
+        fds <= fds0 + 1,
+        "root daemon fds: {fds0} before, {fds} after five kills"
+    );
+    eprintln!("tr-08 (direct) recovery times: {times:?}; root daemon fds {fds0} → {fds}");
+    for (round, d) in times.iter().enumerate() {
+        assert!(
+            *d < Duration::from_secs(3),
+            "round {round}: traffic took {d:?} to recover (tr-08: < 3 s)"
+        );
+    }
+}
