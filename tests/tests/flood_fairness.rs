@@ -31,11 +31,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvpn_lab::{BACKEND_1_IP, BACKEND_1_POD, BACKEND_2_IP, Netns};
+use kvpn_tests::wire::tcp_syn;
 use kvpn_tests::{Fixture, lab_connect_args, text};
-use smoltcp::phy::ChecksumCapabilities;
-use smoltcp::wire::{
-    IpAddress, IpProtocol, Ipv4Packet, Ipv4Repr, TcpControl, TcpPacket, TcpRepr, TcpSeqNumber,
-};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 /// iperf3 server port in backend-1.
@@ -111,46 +108,6 @@ enum Flood {
     Syn,
     /// 64-byte UDP datagrams to backend-2, a new closed port each.
     Udp,
-}
-
-fn ipv4(src: Ipv4Addr, dst: Ipv4Addr, proto: IpProtocol, payload: &[u8]) -> Vec<u8> {
-    let ip = Ipv4Repr {
-        src_addr: src,
-        dst_addr: dst,
-        next_header: proto,
-        payload_len: payload.len(),
-        hop_limit: 64,
-    };
-    let mut buf = vec![0u8; ip.buffer_len() + payload.len()];
-    let mut p = Ipv4Packet::new_unchecked(&mut buf[..]);
-    ip.emit(&mut p, &ChecksumCapabilities::default());
-    p.payload_mut().copy_from_slice(payload);
-    buf
-}
-
-fn tcp_syn(src: SocketAddrV4, dst: SocketAddrV4) -> Vec<u8> {
-    let repr = TcpRepr {
-        src_port: src.port(),
-        dst_port: dst.port(),
-        control: TcpControl::Syn,
-        seq_number: TcpSeqNumber(0x1000),
-        ack_number: None,
-        window_len: 64240,
-        window_scale: Some(7),
-        max_seg_size: Some(1360),
-        sack_permitted: false,
-        sack_ranges: [None; 3],
-        timestamp: None,
-        payload: &[],
-    };
-    let mut seg = vec![0u8; repr.buffer_len()];
-    repr.emit(
-        &mut TcpPacket::new_unchecked(&mut seg[..]),
-        &IpAddress::Ipv4(*src.ip()),
-        &IpAddress::Ipv4(*dst.ip()),
-        &ChecksumCapabilities::default(),
-    );
-    ipv4(*src.ip(), *dst.ip(), IpProtocol::Tcp, &seg)
 }
 
 /// Packet `i` of a flood: (A's source port, the closed destination port).
