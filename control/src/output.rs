@@ -378,7 +378,58 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "unreachable_rate_limited": l.unreachable_rate_limited,
             "transports_lost": l.transports_lost,
         })),
+        "manager_stats": s.manager_stats.as_ref().map(|m| serde_json::json!({
+            "flows": m.flows,
+            "flow_cap": m.flow_cap,
+            "refused_cap": m.refused_cap,
+            "rate_limited": m.rate_limited,
+            "icmp_rate_limited": m.icmp_rate_limited,
+            "echoes_dropped": m.echoes_dropped,
+            "drops": m.drops.iter().map(|d| serde_json::json!({"reason": d.reason, "packets": d.packets})).collect::<Vec<_>>(),
+            "age_ms": m.age_ms,
+        })),
     })
+}
+
+/// The table's line for the manager's counters of a session, when a limit bit
+/// or the manager dropped something (nothing to say otherwise).
+fn manager_stats_line(m: &kvpn_proto::dataplane::ManagerStats) -> Option<String> {
+    let dropped: u64 = m.drops.iter().map(|d| d.packets).sum();
+    if m.refused_cap == 0
+        && m.rate_limited == 0
+        && m.icmp_rate_limited == 0
+        && dropped == 0
+        && m.echoes_dropped == 0
+    {
+        return None;
+    }
+    let cap = if m.refused_cap > 0 {
+        format!(
+            "flow cap reached: {} new flows refused ({} of {} flows open)",
+            m.refused_cap, m.flows, m.flow_cap
+        )
+    } else {
+        format!("{} of {} flows open", m.flows, m.flow_cap)
+    };
+    let mut line = format!(
+        "manager: {cap}; {} new flows rate-limited, {} ICMP errors rate-limited",
+        m.rate_limited, m.icmp_rate_limited
+    );
+    if dropped > 0 {
+        let reasons: Vec<String> = m
+            .drops
+            .iter()
+            .map(|d| format!("{} {}", d.packets, d.reason))
+            .collect();
+        line.push_str(&format!(
+            "; dropped {dropped} packets ({})",
+            reasons.join(", ")
+        ));
+    }
+    if m.echoes_dropped > 0 {
+        line.push_str(&format!("; {} heartbeat echoes dropped", m.echoes_dropped));
+    }
+    Some(line)
 }
 
 fn uptime(ms: u64) -> String {
@@ -545,6 +596,9 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                         l.unreachable_rate_limited
                     );
                 }
+                if let Some(line) = s.manager_stats.as_ref().and_then(manager_stats_line) {
+                    println!("    {line}");
+                }
                 match &s.origin {
                     Some(o) if !o.cluster.is_empty() => {
                         println!(
@@ -692,6 +746,30 @@ fn ebpf_lines(s: &Session) -> Vec<String> {
 mod tests {
     use super::*;
     use kvpn_proto::dataplane::Origin;
+
+    #[test]
+    fn manager_stats_line_only_when_a_limit_bit() {
+        let mut m = kvpn_proto::dataplane::ManagerStats {
+            flows: 3,
+            flow_cap: 8,
+            ..Default::default()
+        };
+        assert_eq!(manager_stats_line(&m), None, "nothing to say");
+        m.refused_cap = 5;
+        m.flows = 8;
+        m.drops.push(kvpn_proto::dataplane::ManagerDrop {
+            reason: "too_many_flows".into(),
+            packets: 5,
+        });
+        assert_eq!(
+            manager_stats_line(&m).as_deref(),
+            Some(
+                "manager: flow cap reached: 5 new flows refused (8 of 8 flows open); \
+                 0 new flows rate-limited, 0 ICMP errors rate-limited; \
+                 dropped 5 packets (5 too_many_flows)"
+            )
+        );
+    }
 
     /// Every row of `kvpn diagnose source`'s table starts its value in one
     /// column (the egress row was one out), and the outcome is in words, not

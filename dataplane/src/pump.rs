@@ -116,6 +116,9 @@ impl PacketIo for tokio::net::UnixDatagram {
 /// Pump counters, shared with Status. Updated once per batch or chunk.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// The manager's latest stats frame for this session and when it arrived
+    /// (protocol version 3; `None` before the first, and with older managers).
+    pub manager_stats: Mutex<Option<(frame::Stats, Instant)>>,
     /// Outbound (laptop → cluster) packets written to the transport.
     pub tx_packets: AtomicU64,
     /// Outbound IP bytes (frame headers not counted).
@@ -592,6 +595,18 @@ async fn transport_reader<R: AsyncRead + Unpin>(
         loop {
             match decoder.decode(&cur.buf[complete..filled]) {
                 Ok(Some((frame, used))) => {
+                    if frame.kind == Kind::Stats {
+                        match frame::Stats::decode(frame.payload) {
+                            Ok(stats) => {
+                                *counters
+                                    .manager_stats
+                                    .lock()
+                                    .unwrap_or_else(PoisonError::into_inner) =
+                                    Some((stats, Instant::now()));
+                            }
+                            Err(e) => tracing::debug!(error = %e, "manager stats frame ignored"),
+                        }
+                    }
                     if frame.kind == Kind::Heartbeat {
                         if lock(&liveness).handle_echo(frame.payload, Instant::now()) {
                             tracing::trace!("heartbeat echo read");
@@ -671,7 +686,7 @@ async fn tun_writer<T: PacketIo>(
                     Err(e) => return PumpExit::Tun(e),
                 },
                 // Taken by `transport_reader` already.
-                Kind::Heartbeat => {}
+                Kind::Heartbeat | Kind::Stats => {}
                 Kind::Hello | Kind::Unknown(_) => {
                     tracing::debug!(
                         kind = frame.kind.to_u8(),
@@ -869,6 +884,16 @@ mod tests {
                     frame::encode_into(Kind::Unknown(99), b"from a newer manager", &mut wire)
                         .expect("fits");
                     frame::encode_into(Kind::Heartbeat, &[9; 8], &mut wire).expect("fits");
+                    // The manager's counters (version 3): kept for Status,
+                    // never written to the TUN device.
+                    let stats = frame::Stats {
+                        counters: vec![
+                            (frame::stat::REFUSED_CAP.to_owned(), u64::from(seq)),
+                            ("drop_intake_full".to_owned(), 2),
+                        ],
+                    };
+                    frame::encode_into(Kind::Stats, &stats.encode().expect("encodes"), &mut wire)
+                        .expect("fits");
                 }
             }
             manager_end.write_all(&wire).await.expect("write frames");
@@ -893,6 +918,17 @@ mod tests {
             Counters::get(&counters.heartbeats_echoed),
             0,
             "a nonce never sent is no echo"
+        );
+        let latest = counters
+            .manager_stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .map(|(stats, _)| stats);
+        assert_eq!(
+            latest.and_then(|s| s.get(frame::stat::REFUSED_CAP)),
+            Some(u64::from((N - 1) / 7 * 7)),
+            "the latest stats frame is kept"
         );
         pump.abort();
     }

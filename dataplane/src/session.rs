@@ -356,34 +356,6 @@ fn dial_error(target: &str, cause: &std::io::Error, peer: DataPeer) -> String {
     }
 }
 
-/// Unsent bytes the kernel may hold for the data connection before it stops
-/// being writable (TCP_NOTSENT_LOWAT): 128 KiB, half an outbound batch. The
-/// pump's bounded queues then hold the rest, and the TUN device's own queue
-/// drops the excess of a flood (its `tx_dropped`), instead of 4 MiB of send
-/// buffer delaying every heartbeat.
-pub const NOTSENT_LOWAT: u32 = 128 * 1024;
-
-/// TCP_NOTSENT_LOWAT (Linux 3.12, net/ipv4/tcp.c) on `stream`.
-fn set_notsent_lowat(stream: &TcpStream, bytes: u32) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
-    // SAFETY: setsockopt on a socket we own, with a c_int option value.
-    let rc = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NOTSENT_LOWAT,
-            (&raw const value).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 /// Connect TCP to the manager at `target` (`host:port`) within `timeout`.
 /// Errors are user-facing sentences naming the address, the cause and the fix.
 pub async fn dial_manager(target: &str, timeout: Duration) -> Result<TcpStream, String> {
@@ -429,7 +401,9 @@ pub async fn dial_peer(
     }
     // Keep the kernel's unsent backlog small, so that a heartbeat written after
     // a burst of data does not wait behind megabytes of it on a slow path.
-    if let Err(e) = set_notsent_lowat(&stream, NOTSENT_LOWAT) {
+    if let Err(e) =
+        kvpn_proto::channel::set_notsent_lowat(&stream, kvpn_proto::channel::NOTSENT_LOWAT)
+    {
         tracing::debug!(error = %e, "cannot set TCP_NOTSENT_LOWAT on the data connection");
     }
     Ok(stream)
@@ -1039,6 +1013,7 @@ impl Session {
             .to_owned(),
             origin: self.origin.clone(),
             liveness: Some(self.liveness_status()),
+            manager_stats: self.manager_stats(),
             route_source: watched.source,
             dns: watched.dns,
             services: watched.services.into_values().collect(),
@@ -1176,6 +1151,37 @@ impl Session {
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
         }
+    }
+
+    /// The manager's latest stats frame for this session, for Status.
+    fn manager_stats(&self) -> Option<kvpn_proto::dataplane::ManagerStats> {
+        use kvpn_proto::frame::stat;
+        let guard = self
+            .counters()
+            .manager_stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (stats, at) = guard.as_ref()?;
+        let get = |name: &str| stats.get(name).unwrap_or(0);
+        Some(kvpn_proto::dataplane::ManagerStats {
+            flows: get(stat::FLOWS),
+            flow_cap: get(stat::FLOW_CAP),
+            refused_cap: get(stat::REFUSED_CAP),
+            rate_limited: get(stat::RATE_LIMITED),
+            icmp_rate_limited: get(stat::ICMP_RATE_LIMITED),
+            echoes_dropped: get(stat::ECHOES_DROPPED),
+            drops: stats
+                .counters
+                .iter()
+                .filter_map(|(name, n)| {
+                    Some(kvpn_proto::dataplane::ManagerDrop {
+                        reason: name.strip_prefix(stat::DROP_PREFIX)?.to_owned(),
+                        packets: *n,
+                    })
+                })
+                .collect(),
+            age_ms: u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX),
+        })
     }
 
     fn liveness_status(&self) -> kvpn_proto::dataplane::Liveness {

@@ -150,6 +150,14 @@ pub const TCP_IDLE_TIMEOUT: Duration = Duration::from_secs(5 * 24 * 3600);
 /// of slack costs nothing and keeps the per-round timer work constant.
 pub const TCP_IDLE_SWEEP: Duration = Duration::from_secs(60);
 
+/// Least time between two scans of the UDP and ping flows for idle ones. The
+/// scan is O(flows); without a floor, a laptop opening a new flow every
+/// millisecond (a UDP sweep of closed ports, each datagram a new flow up to the
+/// 4096-flow cap) made every engine round scan thousands of flows and cost the
+/// manager's CPU that other sessions needed (tests/tests/flood_fairness.rs). An
+/// idle flow is closed at most this much after its timeout.
+pub const IDLE_SCAN_MIN: Duration = Duration::from_secs(1);
+
 /// Default per-client flow cap (all kinds): 16384 TCP flows at the smoltcp
 /// buffers' worst case (1 MiB each, only touched pages resident) is far more
 /// than a pod should give one laptop, but a laptop running a test suite or a
@@ -507,6 +515,11 @@ pub struct Engine {
     next_frag_ident: u32,
     /// When idle TCP flows are looked for next.
     next_tcp_sweep: Instant,
+    /// When idle UDP and ping flows are looked for next (the earliest idle
+    /// deadline of the last scan or of a flow opened since, not earlier than
+    /// [`IDLE_SCAN_MIN`] after the last scan); `None` without such flows.
+    /// Traffic only moves deadlines later, so this is never late.
+    next_idle_scan: Option<Instant>,
     /// New flows (TCP dials, UDP and ping sockets) this laptop may open.
     new_flows: TokenBucket,
     /// ICMP errors the manager may send this laptop.
@@ -596,6 +609,7 @@ impl Engine {
             frags: Reassembler::default(),
             next_frag_ident: 1,
             next_tcp_sweep: now + TCP_IDLE_SWEEP,
+            next_idle_scan: None,
             new_flows: TokenBucket::new(config.new_flows_per_sec, config.new_flow_burst, now),
             icmp_errors: TokenBucket::new(config.icmp_errors_per_sec, config.icmp_error_burst, now),
             config,
@@ -875,6 +889,7 @@ impl Engine {
                     },
                 );
                 self.udp_by_key.insert(key, id);
+                self.idle_deadline(now + self.config.udp_idle_timeout);
                 self.metrics.udp_flows += 1;
                 self.requests.push_back(Request::UdpOpen { flow: id, dst });
                 id
@@ -908,6 +923,7 @@ impl Engine {
                     },
                 );
                 self.ping_by_key.insert(key, id);
+                self.idle_deadline(now + self.config.ping_idle_timeout);
                 self.requests.push_back(Request::PingOpen { flow: id, dst });
                 id
             }
@@ -1198,32 +1214,51 @@ impl Engine {
                 self.tcp_expire(id);
             }
         }
+        if self.next_idle_scan.is_some_and(|t| now >= t) {
+            self.expire_idle(now);
+        }
+        self.poll(now);
+    }
+
+    /// A UDP or ping flow's idle deadline: the next scan is no later.
+    fn idle_deadline(&mut self, deadline: Instant) {
+        self.next_idle_scan = Some(self.next_idle_scan.map_or(deadline, |t| t.min(deadline)));
+    }
+
+    /// Close the UDP and ping flows idle at `now`; schedule the next scan.
+    fn expire_idle(&mut self, now: Instant) {
         let udp_idle = self.config.udp_idle_timeout;
-        let expired: Vec<FlowId> = self
-            .udp
-            .iter()
-            .filter(|(_, f)| now.saturating_duration_since(f.last_active) >= udp_idle)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
+        let ping_idle = self.config.ping_idle_timeout;
+        let mut next: Option<Instant> = None;
+        let mut expired: Vec<FlowId> = Vec::new();
+        for (id, f) in &self.udp {
+            let deadline = f.last_active + udp_idle;
+            if now >= deadline {
+                expired.push(*id);
+            } else {
+                next = Some(next.map_or(deadline, |t| t.min(deadline)));
+            }
+        }
+        for id in expired.drain(..) {
             debug!(flow = %id, "UDP flow idle, closing");
             self.remove_udp(id);
             self.metrics.udp_expired += 1;
             self.requests.push_back(Request::UdpClose { flow: id });
         }
-        let ping_idle = self.config.ping_idle_timeout;
-        let expired: Vec<FlowId> = self
-            .ping
-            .iter()
-            .filter(|(_, f)| now.saturating_duration_since(f.last_active) >= ping_idle)
-            .map(|(id, _)| *id)
-            .collect();
+        for (id, f) in &self.ping {
+            let deadline = f.last_active + ping_idle;
+            if now >= deadline {
+                expired.push(*id);
+            } else {
+                next = Some(next.map_or(deadline, |t| t.min(deadline)));
+            }
+        }
         for id in expired {
             debug!(flow = %id, "ping flow idle, closing");
             self.remove_ping(id);
             self.requests.push_back(Request::PingClose { flow: id });
         }
-        self.poll(now);
+        self.next_idle_scan = next.map(|t| t.max(now + IDLE_SCAN_MIN));
     }
 
     // ----- outputs --------------------------------------------------------
@@ -1260,22 +1295,11 @@ impl Engine {
             .iface
             .poll_at(to_smol(self.epoch, now), &self.sockets)
             .map(|t| from_smol(self.epoch, t));
-        let udp = self
-            .udp
-            .values()
-            .map(|f| f.last_active + self.config.udp_idle_timeout)
-            .min();
-        let ping = self
-            .ping
-            .values()
-            .map(|f| f.last_active + self.config.ping_idle_timeout)
-            .min();
+        // O(1) in the flows: this runs every engine round.
+        let idle = self.next_idle_scan;
         let tcp_sweep = (!self.tcp.is_empty()).then_some(self.next_tcp_sweep);
         let frags = self.frags.poll_timeout();
-        [stack, udp, ping, tcp_sweep, frags]
-            .into_iter()
-            .flatten()
-            .min()
+        [stack, idle, tcp_sweep, frags].into_iter().flatten().min()
     }
 
     // ----- TCP service ----------------------------------------------------

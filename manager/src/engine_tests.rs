@@ -686,6 +686,42 @@ fn udp_flow_relays_and_expires() {
     assert_eq!(h.e.flow_counts(), (0, 0, 0));
 }
 
+/// Idle UDP flows are found by a scan that runs at the earliest idle deadline
+/// but at most once per IDLE_SCAN_MIN (flood fairness: the scan is O(flows)),
+/// so a flow is closed at most IDLE_SCAN_MIN after its timeout, and the
+/// engine's timer needs no per-round look at every flow.
+#[test]
+fn idle_udp_flows_are_scanned_at_most_once_per_interval() {
+    let mut h = Harness::new();
+    let t0 = h.now;
+    let dst = v4([10, 96, 0, 102], 7);
+    h.send(udp_datagram(laptop(5001), dst, b"a").expect("builds"));
+    let first = match h.reqs()[..] {
+        [Request::UdpOpen { flow, .. }, Request::UdpSend { .. }] => flow,
+        ref r => panic!("{r:?}"),
+    };
+    assert_eq!(h.e.poll_timeout(h.now), Some(t0 + UDP_IDLE_TIMEOUT));
+    h.now += Duration::from_millis(200);
+    h.send(udp_datagram(laptop(5002), dst, b"b").expect("builds"));
+    let second = match h.reqs()[..] {
+        [Request::UdpOpen { flow, .. }, Request::UdpSend { .. }] => flow,
+        ref r => panic!("{r:?}"),
+    };
+    // The first flow's deadline is still the earliest.
+    assert_eq!(h.e.poll_timeout(h.now), Some(t0 + UDP_IDLE_TIMEOUT));
+    h.advance(UDP_IDLE_TIMEOUT - Duration::from_millis(200));
+    assert_eq!(h.reqs(), [Request::UdpClose { flow: first }]);
+    // The second is due 200 ms later, but the next scan waits IDLE_SCAN_MIN.
+    let next = t0 + UDP_IDLE_TIMEOUT + IDLE_SCAN_MIN;
+    assert_eq!(h.e.poll_timeout(h.now), Some(next));
+    h.advance(IDLE_SCAN_MIN - Duration::from_millis(1));
+    assert!(h.reqs().is_empty(), "no scan before the interval");
+    h.advance(Duration::from_millis(1));
+    assert_eq!(h.reqs(), [Request::UdpClose { flow: second }]);
+    assert_eq!(h.e.metrics().udp_expired, 2);
+    assert_eq!(h.e.poll_timeout(h.now), None, "no flows, no idle timer");
+}
+
 #[test]
 fn udp_refused_answers_port_unreachable() {
     let mut h = Harness::new();

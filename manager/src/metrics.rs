@@ -83,6 +83,12 @@ pub struct Metrics {
     /// Times the session loop waited because the writer's queue towards the
     /// laptop was full (backpressure; counted by the shell).
     pub write_queue_full: u64,
+    /// Heartbeat echoes dropped because the control queue towards the laptop
+    /// was full (the laptop stopped reading; counted by the shell).
+    pub echoes_dropped: u64,
+    /// Most kernel TCP events queued for the engine at once (the channel's
+    /// high-water mark; see docs/queues.md; measured by the shell).
+    pub tcp_events_peak: u64,
 }
 
 impl Metrics {
@@ -116,7 +122,7 @@ impl fmt::Display for Metrics {
              udp: flows={} expired={} out={} in={} icmp_errors={} icmp: sent={} replies={} \
              mtu: reassembled={} fragmented={} too_big={} heartbeats={} \
              peer: {}p/{}B limits: refused_cap={} rate_limited={} icmp_rate_limited={} \
-             write_queue_full={} drops={}",
+             write_queue_full={} echoes_dropped={} tcp_events_peak={} drops={}",
             self.packets_from_laptop,
             self.bytes_from_laptop,
             self.packets_to_laptop,
@@ -148,6 +154,8 @@ impl fmt::Display for Metrics {
             self.flows_rate_limited,
             self.icmp_rate_limited,
             self.write_queue_full,
+            self.echoes_dropped,
+            self.tcp_events_peak,
             self.dropped_total(),
         )?;
         for (reason, n) in DropReason::ALL.iter().zip(self.drops) {
@@ -248,6 +256,7 @@ pub struct ManagerCounters {
     sessions_active: AtomicU64,
     refused_hello: [AtomicU64; HelloRefusal::ALL.len()],
     drops: [AtomicU64; DropReason::ALL.len()],
+    echoes_dropped: AtomicU64,
     leases_granted: AtomicU64,
     lease_denied: [AtomicU64; LeaseDenial::ALL.len()],
     /// `ebpf-snat` is on: its metrics are rendered.
@@ -263,10 +272,13 @@ fn index_of<T: PartialEq>(all: &[T], x: &T) -> usize {
     all.iter().position(|y| y == x).unwrap_or(0)
 }
 
-/// A session's drops already added to [`ManagerCounters`]; see
-/// [`ManagerCounters::add_drops`].
+/// A session's drops (and dropped echoes) already added to
+/// [`ManagerCounters`]; see [`ManagerCounters::add_drops`].
 #[derive(Debug, Clone, Default)]
-pub struct DropsSynced([u64; DropReason::ALL.len()]);
+pub struct DropsSynced {
+    drops: [u64; DropReason::ALL.len()],
+    echoes_dropped: u64,
+}
 
 impl ManagerCounters {
     /// A hello (and its token) was accepted: a session starts.
@@ -302,12 +314,29 @@ impl ManagerCounters {
     /// `synced` (the session shell calls this every round, so the manager's
     /// totals lag a session's by at most one round).
     pub fn add_drops(&self, session: &Metrics, synced: &mut DropsSynced) {
-        for (i, (now, before)) in session.drops.iter().zip(synced.0.iter_mut()).enumerate() {
+        for (i, (now, before)) in session
+            .drops
+            .iter()
+            .zip(synced.drops.iter_mut())
+            .enumerate()
+        {
             if *now > *before {
                 self.drops[i].fetch_add(*now - *before, Ordering::Relaxed);
                 *before = *now;
             }
         }
+        if session.echoes_dropped > synced.echoes_dropped {
+            self.echoes_dropped.fetch_add(
+                session.echoes_dropped - synced.echoes_dropped,
+                Ordering::Relaxed,
+            );
+            synced.echoes_dropped = session.echoes_dropped;
+        }
+    }
+
+    /// Heartbeat echoes dropped, all sessions.
+    pub fn echoes_dropped(&self) -> u64 {
+        self.echoes_dropped.load(Ordering::Relaxed)
     }
 
     /// Refused data channels for `why`.
@@ -407,6 +436,12 @@ impl ManagerCounters {
             "counter",
             "Packets from laptops dropped by the manager, all sessions, by reason.",
             &drops,
+        );
+        metric(
+            "heartbeat_echoes_dropped_total",
+            "counter",
+            "Heartbeat echoes not sent because a session's control queue towards its laptop was full (the laptop stopped reading), all sessions.",
+            &[(None, load(&self.echoes_dropped))],
         );
         metric(
             "leases_granted_total",
@@ -526,9 +561,11 @@ mod tests {
         c.add_drops(&session, &mut synced);
         session.drop_packet(DropReason::BadSource);
         session.drop_packet(DropReason::ForbiddenDestination);
+        session.echoes_dropped = 3;
         c.add_drops(&session, &mut synced);
         c.add_drops(&session, &mut synced);
         assert_eq!(c.dropped(DropReason::BadSource), 2, "each drop added once");
+        assert_eq!(c.echoes_dropped(), 3, "each dropped echo added once");
         let text = c.render_prometheus();
         for line in [
             "kvpn_manager_sessions_accepted_total 2",
@@ -540,6 +577,7 @@ mod tests {
             "kvpn_manager_packets_dropped_total{reason=\"bad_source\"} 2",
             "kvpn_manager_packets_dropped_total{reason=\"forbidden_destination\"} 1",
             "kvpn_manager_leases_granted_total 1",
+            "kvpn_manager_heartbeat_echoes_dropped_total 3",
             "kvpn_manager_lease_denied_total{reason=\"bad_client_id\"} 1",
             "# TYPE kvpn_manager_sessions_active gauge",
         ] {

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvpn_proto::channel;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tracing::{Instrument, debug, info, warn};
@@ -20,17 +21,11 @@ use crate::session::{SessionConfig, run_session};
 /// vanished laptop's session ends even if no heartbeat deadline is armed.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
-/// Unsent bytes the kernel may hold for a data channel before the socket stops
-/// being writable (TCP_NOTSENT_LOWAT): 128 KiB. Without it the send buffer
-/// grows to 4 MiB, and a heartbeat echo written after a burst of data waits
-/// behind all of it on a slow path (port-forward, SSH).
-pub const NOTSENT_LOWAT: u32 = 128 * 1024;
-
 fn tune(stream: &TcpStream) {
     if let Err(e) = stream.set_nodelay(true) {
         debug!(error = %e, "cannot set TCP_NODELAY on data channel");
     }
-    if let Err(e) = set_notsent_lowat(stream, NOTSENT_LOWAT) {
+    if let Err(e) = channel::set_notsent_lowat(stream, channel::NOTSENT_LOWAT) {
         debug!(error = %e, "cannot set TCP_NOTSENT_LOWAT on data channel");
     }
     let keepalive = socket2::TcpKeepalive::new()
@@ -38,27 +33,6 @@ fn tune(stream: &TcpStream) {
         .with_interval(Duration::from_secs(10));
     if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive) {
         debug!(error = %e, "cannot enable TCP keepalive on data channel");
-    }
-}
-
-/// TCP_NOTSENT_LOWAT (Linux 3.12, net/ipv4/tcp.c) on `stream`.
-fn set_notsent_lowat(stream: &TcpStream, bytes: u32) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
-    // SAFETY: setsockopt on a socket we own, with a c_int option value.
-    let rc = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NOTSENT_LOWAT,
-            (&raw const value).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }
 

@@ -32,6 +32,7 @@ use ipnet::Ipv4Net;
 
 use kvpn_proto::frame::{
     self, Decoder, FrameError, Hello, HelloError, Kind, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    STATS_VERSION, Stats, stat,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -69,10 +70,22 @@ pub const INTAKE_BYTES: usize = 2 * 1024 * 1024;
 /// scheduler (see the engine loop in `run_established`).
 const ROUND_BYTES: usize = 64 * 1024;
 
+/// Packet frames the engine handles between two yields, whatever their size:
+/// the cost of a round is per packet more than per byte, and 64 KiB of
+/// 64-byte frames (a flood's) is a thousand packets, a round long enough to
+/// hold the worker thread away from other laptops' sessions
+/// (tests/tests/flood_fairness.rs). 256 is still several bulk-TCP windows'
+/// worth of 9000-byte segments per round.
+const ROUND_FRAMES: usize = 256;
+
 /// Heartbeat echoes queued for the writer; the laptop sends one a second, so
 /// this only fills when the laptop stops reading (further echoes are dropped:
 /// a laptop that does not read would not see them anyway).
 const CONTROL_QUEUE: usize = 64;
+
+/// How often the session's counters go to the laptop in a [`Kind::Stats`]
+/// frame (laptops of protocol version 3 or later; `kvpn status` shows them).
+const STATS_FRAME_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Settings shared by all sessions of a manager.
 #[derive(Debug, Clone)]
@@ -362,7 +375,8 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
 }
 
 /// Handle the whole frames at the front of `buf`, stopping after the frame
-/// that reaches `limit` bytes; returns the bytes used.
+/// that reaches `limit` bytes or after [`ROUND_FRAMES`] frames; returns the
+/// bytes used.
 fn handle_frames(
     buf: &[u8],
     engine: &mut Engine,
@@ -373,10 +387,13 @@ fn handle_frames(
 ) -> Result<usize, SessionError> {
     let decoder = Decoder::default();
     let mut used = 0;
+    let mut frames = 0;
     while used < limit
+        && frames < ROUND_FRAMES
         && let Some((f, n)) = decoder.decode(&buf[used..])?
     {
         used += n;
+        frames += 1;
         match f.kind {
             Kind::Packet => {
                 config.trace.observe_laptop_packet(f.payload);
@@ -398,7 +415,9 @@ fn handle_frames(
                 let _ = frame::encode_into(Kind::Heartbeat, f.payload, out);
             }
             Kind::Hello => trace!("repeated hello ignored"),
-            Kind::Unknown(k) => trace!(kind = k, "frame of unknown kind skipped"),
+            Kind::Stats | Kind::Unknown(_) => {
+                trace!(kind = f.kind.to_u8(), "frame of a kind the manager ignores");
+            }
         }
     }
     Ok(used)
@@ -414,6 +433,9 @@ struct Intake {
     dropped: u64,
     /// Heartbeats read (and echoed) since the engine loop last looked.
     heartbeats: u64,
+    /// Heartbeat echoes dropped (control queue full) since the engine loop
+    /// last looked.
+    echoes_dropped: u64,
     /// Why the reader stopped: `Ok` when the laptop closed the stream.
     end: Option<Result<(), SessionError>>,
 }
@@ -450,7 +472,10 @@ fn sort_frames(
                 trace!("heartbeat read, echo queued");
                 // Same bytes back: the echo of a heartbeat is the heartbeat.
                 if control_tx.try_send(whole.to_vec()).is_err() {
-                    trace!("heartbeat echo dropped: the laptop does not read");
+                    intake.echoes_dropped += 1;
+                    debug!(
+                        "heartbeat echo dropped: the control queue is full (the laptop does not read)"
+                    );
                 }
             }
             Kind::Packet => {
@@ -461,7 +486,9 @@ fn sort_frames(
                 }
             }
             Kind::Hello => trace!("repeated hello ignored"),
-            Kind::Unknown(k) => trace!(kind = k, "frame of unknown kind skipped"),
+            Kind::Stats | Kind::Unknown(_) => {
+                trace!(kind = f.kind.to_u8(), "frame of a kind the manager ignores");
+            }
         }
     }
     Ok(used)
@@ -545,12 +572,40 @@ fn log_stats(engine: &Engine, kernel: &KernelSide, peak_flows: usize) {
         rate_limited = m.flows_rate_limited,
         icmp_rate_limited = m.icmp_rate_limited,
         write_queue_full = m.write_queue_full,
+        echoes_dropped = m.echoes_dropped,
+        tcp_events_peak = m.tcp_events_peak,
         tcp_dials = m.tcp_dials,
         tcp_closed = m.tcp_closed,
         manager_rss_bytes = rss,
         manager_peak_rss_bytes = peak_rss,
         "session stats"
     );
+}
+
+/// The session's counters for the laptop ([`Kind::Stats`]): flows against
+/// the cap, the limits, dropped echoes and the packet drops by reason (only
+/// reasons that happened, to keep the frame small).
+fn stats_frame(engine: &Engine) -> Option<Vec<u8>> {
+    let m = engine.metrics();
+    let as_u64 = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+    let mut counters = vec![
+        (stat::FLOWS.to_owned(), as_u64(engine.flows())),
+        (stat::FLOW_CAP.to_owned(), as_u64(engine.max_flows())),
+        (stat::REFUSED_CAP.to_owned(), m.flows_refused_cap),
+        (stat::RATE_LIMITED.to_owned(), m.flows_rate_limited),
+        (stat::ICMP_RATE_LIMITED.to_owned(), m.icmp_rate_limited),
+        (stat::ECHOES_DROPPED.to_owned(), m.echoes_dropped),
+    ];
+    for reason in DropReason::ALL {
+        let n = m.dropped(reason);
+        if n > 0 {
+            counters.push((format!("{}{}", stat::DROP_PREFIX, reason.as_str()), n));
+        }
+    }
+    let payload = Stats { counters }.encode().ok()?;
+    let mut out = Vec::with_capacity(frame::HEADER_LEN + payload.len());
+    frame::encode_into(Kind::Stats, &payload, &mut out).ok()?;
+    Some(out)
 }
 
 /// Run one client session on `stream` until the laptop closes it or it fails.
@@ -639,6 +694,8 @@ where
     let mut kernel = KernelSide::new(events_tx, datagrams_tx, config.dial_timeout);
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(WRITE_QUEUE_BATCHES);
     let (control_tx, control_rx) = mpsc::channel::<Vec<u8>>(CONTROL_QUEUE);
+    // Stats frames take the control queue too: they go before data.
+    let stats_tx = (hello.version >= STATS_VERSION).then(|| control_tx.clone());
     let _writer = AbortOnDrop(tokio::spawn(
         write_frames(wr, control_rx, out_rx).in_current_span(),
     ));
@@ -659,6 +716,8 @@ where
         config.stats_interval,
     );
     stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut stats_frames = tokio::time::interval(STATS_FRAME_INTERVAL);
+    stats_frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut peak_flows = 0usize;
     let mut drops_synced = DropsSynced::default();
 
@@ -670,6 +729,7 @@ where
             std::mem::swap(&mut frames, &mut intake.frames);
             let m = engine.metrics_mut();
             m.heartbeats += std::mem::take(&mut intake.heartbeats);
+            m.echoes_dropped += std::mem::take(&mut intake.echoes_dropped);
             for _ in 0..std::mem::take(&mut intake.dropped) {
                 m.drop_packet(DropReason::IntakeFull);
             }
@@ -744,6 +804,9 @@ where
         tokio::select! {
             () = intake.ready.notified() => {}
             Some(event) = events_rx.recv() => {
+                let queued = u64::try_from(events_rx.len() + 1).unwrap_or(u64::MAX);
+                let m = engine.metrics_mut();
+                m.tcp_events_peak = m.tcp_events_peak.max(queued);
                 let now = Instant::now();
                 engine.handle_event(event, now);
                 for _ in 0..EVENTS_PER_ROUND {
@@ -767,6 +830,13 @@ where
                 engine.handle_timeout(Instant::now());
             }
             _ = stats.tick() => log_stats(&engine, &kernel, peak_flows),
+            _ = stats_frames.tick(), if stats_tx.is_some() => {
+                if let (Some(tx), Some(frame)) = (&stats_tx, stats_frame(&engine))
+                    && tx.try_send(frame).is_err()
+                {
+                    trace!("stats frame skipped: the control queue is full");
+                }
+            }
         }
     };
     log_stats(&engine, &kernel, peak_flows);

@@ -11,7 +11,8 @@
 //!
 //! Kinds: [`Kind::Packet`] (one raw IPv4/IPv6 packet), [`Kind::Hello`] (session
 //! start, see [`Hello`]), [`Kind::Heartbeat`] (liveness; empty payload or an
-//! 8-byte opaque nonce echoed by the manager). The decoder is zero-copy, reads
+//! 8-byte opaque nonce echoed by the manager), [`Kind::Stats`] (manager →
+//! laptop: the session's counters, see [`Stats`]). The decoder is zero-copy, reads
 //! no clock and never panics on any input: every malformed frame is a typed
 //! [`FrameError`].
 
@@ -32,8 +33,14 @@ pub const MAX_PAYLOAD_LEN: usize = MAX_FRAME_LEN - 1;
 /// - 1: hello without options.
 /// - 2: hello options after the token (the laptop's TUN MTU, [`Hello::mtu`]).
 /// - 3: hello option 2, the laptop's second (IPv6) tunnel IP
-///   ([`Hello::tunnel_ip_v6`]) for dual-stack sessions.
+///   ([`Hello::tunnel_ip_v6`]) for dual-stack sessions; and [`Kind::Stats`]
+///   frames from the manager (the session's counters about once a second), sent
+///   only to laptops whose hello says 3 or later; older laptops skip unknown
+///   kinds anyway.
 pub const PROTOCOL_VERSION: u16 = 3;
+
+/// First version whose laptops are sent [`Kind::Stats`] frames.
+pub const STATS_VERSION: u16 = 3;
 
 /// Oldest version a manager still accepts: a version-1 hello has no options
 /// and means a laptop TUN MTU of 9000 (that version's fixed default).
@@ -54,6 +61,8 @@ pub enum Kind {
     Hello,
     /// Liveness probe; the manager echoes it.
     Heartbeat,
+    /// Manager → laptop: the session's counters ([`Stats`]), version 3 on.
+    Stats,
     /// A kind this version does not know. Decoded, not rejected, so that a
     /// newer peer's optional frames can be skipped.
     Unknown(u8),
@@ -66,6 +75,7 @@ impl Kind {
             Kind::Packet => 1,
             Kind::Hello => 2,
             Kind::Heartbeat => 3,
+            Kind::Stats => 4,
             Kind::Unknown(b) => b,
         }
     }
@@ -77,6 +87,7 @@ impl From<u8> for Kind {
             1 => Kind::Packet,
             2 => Kind::Hello,
             3 => Kind::Heartbeat,
+            4 => Kind::Stats,
             other => Kind::Unknown(other),
         }
     }
@@ -402,6 +413,109 @@ impl Hello {
     }
 }
 
+/// Payload of a [`Kind::Stats`] frame: the manager's counters of one session,
+/// by name, each a `u64` (since the manager's session began: a re-dial starts
+/// a new one).
+///
+/// ```text
+/// (name_len: u8 | name: name_len bytes, ASCII | value: u64)*
+/// ```
+///
+/// Names are self-describing so either side can add counters without a
+/// version bump: a receiver keeps what it does not know and shows what it
+/// does (see the `stat` constants). Drops are `drop_<reason>`, with the
+/// manager's drop reasons (`drop_intake_full`, `drop_too_many_flows`, …).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// (name, value) in the sender's order.
+    pub counters: Vec<(String, u64)>,
+}
+
+/// Counter names of [`Stats`] both sides know.
+pub mod stat {
+    /// Live flows of the session (TCP, UDP, ping).
+    pub const FLOWS: &str = "flows";
+    /// The session's flow cap (`kvpn-manager --max-flows-per-client`).
+    pub const FLOW_CAP: &str = "flow_cap";
+    /// New flows refused because the session was at its flow cap.
+    pub const REFUSED_CAP: &str = "refused_cap";
+    /// New flows dropped by the new-flow rate limit.
+    pub const RATE_LIMITED: &str = "rate_limited";
+    /// ICMP errors not sent because of the ICMP error rate limit.
+    pub const ICMP_RATE_LIMITED: &str = "icmp_rate_limited";
+    /// Heartbeat echoes dropped because the control queue was full.
+    pub const ECHOES_DROPPED: &str = "echoes_dropped";
+    /// Prefix of the per-reason packet drop counters.
+    pub const DROP_PREFIX: &str = "drop_";
+}
+
+/// Why a stats payload is invalid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StatsError {
+    /// The payload ended inside a counter.
+    #[error("stats payload truncated at byte {0}")]
+    Truncated(usize),
+    /// A name is not printable ASCII.
+    #[error("stats counter name at byte {0} is not printable ASCII")]
+    BadName(usize),
+    /// A name is empty or longer than 255 bytes (encoder only).
+    #[error("stats counter name {0:?} is empty or longer than 255 bytes")]
+    NameLength(String),
+    /// The counters do not fit one frame (encoder only).
+    #[error("{0} bytes of stats do not fit a frame (max {MAX_PAYLOAD_LEN})")]
+    TooLarge(usize),
+}
+
+impl Stats {
+    /// The counter `name`, if present.
+    pub fn get(&self, name: &str) -> Option<u64> {
+        self.counters
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
+    }
+
+    /// Encode to a payload.
+    pub fn encode(&self) -> Result<Vec<u8>, StatsError> {
+        let mut out = Vec::new();
+        for (name, value) in &self.counters {
+            let len = u8::try_from(name.len())
+                .ok()
+                .filter(|l| *l > 0)
+                .ok_or_else(|| StatsError::NameLength(name.clone()))?;
+            out.push(len);
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&value.to_be_bytes());
+        }
+        if out.len() > MAX_PAYLOAD_LEN {
+            return Err(StatsError::TooLarge(out.len()));
+        }
+        Ok(out)
+    }
+
+    /// Decode a payload. Never panics.
+    pub fn decode(buf: &[u8]) -> Result<Self, StatsError> {
+        let mut counters = Vec::new();
+        let mut at = 0;
+        while let Some(&len) = buf.get(at) {
+            let start = at + 1;
+            let end = start + usize::from(len);
+            let name = buf.get(start..end).ok_or(StatsError::Truncated(at))?;
+            if name.is_empty() || !name.iter().all(|b| b.is_ascii_graphic()) {
+                return Err(StatsError::BadName(at));
+            }
+            let value: [u8; 8] = buf
+                .get(end..end + 8)
+                .and_then(|v| v.try_into().ok())
+                .ok_or(StatsError::Truncated(at))?;
+            let name = String::from_utf8_lossy(name).into_owned();
+            counters.push((name, u64::from_be_bytes(value)));
+            at = end + 8;
+        }
+        Ok(Self { counters })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -455,6 +569,44 @@ mod tests {
             Hello::decode(&[0, 2, 4, 100, 96, 0, 2, 0]).map(|h| h.mtu),
             Ok(None)
         );
+    }
+
+    #[test]
+    fn test_vector_v3_stats() {
+        let stats = Stats {
+            counters: vec![("flows".into(), 3), ("drop_intake_full".into(), 258)],
+        };
+        let payload = stats.encode().expect("encodes");
+        let mut want = vec![5];
+        want.extend_from_slice(b"flows");
+        want.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 3]);
+        want.push(16);
+        want.extend_from_slice(b"drop_intake_full");
+        want.extend_from_slice(&[0, 0, 0, 0, 0, 0, 1, 2]);
+        assert_eq!(payload, want);
+        assert_eq!(Stats::decode(&payload), Ok(stats.clone()));
+        assert_eq!(stats.get("drop_intake_full"), Some(258));
+        assert_eq!(stats.get("nothing"), None);
+        let mut out = Vec::new();
+        encode_into(Kind::Stats, &payload, &mut out).expect("fits");
+        assert_eq!(&out[..3], &[0, 40, 4]);
+        // Empty: no counters.
+        assert_eq!(Stats::decode(&[]), Ok(Stats::default()));
+        // Cut inside a value or a name; a name with a space or none.
+        assert_eq!(Stats::decode(&payload[..10]), Err(StatsError::Truncated(0)));
+        assert_eq!(Stats::decode(&[3, b'a']), Err(StatsError::Truncated(0)));
+        assert_eq!(
+            Stats::decode(&[1, b' ', 0, 0, 0, 0, 0, 0, 0, 0]),
+            Err(StatsError::BadName(0))
+        );
+        assert_eq!(Stats::decode(&[0]), Err(StatsError::BadName(0)));
+        let empty_name = Stats {
+            counters: vec![(String::new(), 1)],
+        };
+        assert!(matches!(
+            empty_name.encode(),
+            Err(StatsError::NameLength(_))
+        ));
     }
 
     #[test]
@@ -625,6 +777,14 @@ mod tests {
             }
             let _ = decode_exact(&buf);
             let _ = Hello::decode(&buf);
+            let _ = Stats::decode(&buf);
+        }
+
+        #[test]
+        fn stats_round_trip(counters in proptest::collection::vec(("[a-z_]{1,40}", any::<u64>()), 0..40)) {
+            let stats = Stats { counters };
+            let enc = stats.encode().expect("fits");
+            prop_assert_eq!(Stats::decode(&enc), Ok(stats));
         }
 
         #[test]

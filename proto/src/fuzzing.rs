@@ -1,7 +1,7 @@
 //! Entry points shared by the cargo-fuzz targets (fuzz/) and the corpus replay
 //! test, so CI replays exactly what the fuzzers run, on stable, in seconds.
 
-use crate::frame::{Decoder, Hello, Kind, decode_exact};
+use crate::frame::{Decoder, Hello, Kind, Stats, decode_exact};
 
 /// Decode a stream of frames from `data` with a few receiver limits, and every
 /// hello payload found; checks the decoder's invariants. Panics only on a bug.
@@ -33,11 +33,18 @@ pub fn frame_decode(data: &[u8]) {
                 let again = hello.encode().expect("a decoded hello re-encodes");
                 assert_eq!(again, frame.payload, "hello does not round-trip");
             }
+            if frame.kind == Kind::Stats
+                && let Ok(stats) = Stats::decode(frame.payload)
+            {
+                let again = stats.encode().expect("decoded stats re-encode");
+                assert_eq!(again, frame.payload, "stats do not round-trip");
+            }
             rest = &rest[used..];
         }
     }
     let _ = decode_exact(data);
     let _ = Hello::decode(data);
+    let _ = Stats::decode(data);
 }
 
 /// Split a fuzz input into several byte strings, each prefixed by a 2-byte

@@ -1,5 +1,7 @@
 //! kvpn's wire formats, in one versioned place.
 //!
+//! - [`channel`]: the data channel's TCP socket settings (TCP_NOTSENT_LOWAT),
+//!   the same on the laptop and in the manager.
 //! - [`cidr`]: CIDR math (normalise, infer, exclude) shared by the laptop side,
 //!   the root daemon and the traffic manager (pure, no I/O).
 //! - [`frame`]: the data-channel frame codec spoken between the root daemon's
@@ -18,6 +20,7 @@
 //! - [`userd`]: the gRPC API of the user daemon (`kvpn daemon`), which the CLI
 //!   talks to, from `proto/userd.proto`.
 
+pub mod channel;
 pub mod cidr;
 #[cfg(feature = "smoltcp")]
 pub mod device;

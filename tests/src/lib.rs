@@ -14,12 +14,13 @@ pub mod resolved_lab;
 pub mod soak;
 pub mod ssh_lab;
 pub mod ssh_term_lab;
+pub mod wire;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use kvpn_lab::{LAPTOP, Lab, LabOptions};
+use kvpn_lab::{LAPTOP, Lab, LabOptions, ManagerProcess};
 
 /// The laptop-side connect arguments for the lab's cluster.
 pub fn lab_connect_args() -> Vec<String> {
@@ -44,7 +45,20 @@ pub struct Fixture {
 impl Fixture {
     /// A fresh lab (real manager and backends), not connected yet.
     pub fn new() -> Self {
-        let lab = Lab::up(LabOptions::default()).unwrap_or_else(|e| panic!("lab up: {e:#}"));
+        Self::with_options(LabOptions::default())
+    }
+
+    /// A fresh lab whose manager runs with `args` added to its command line
+    /// (e.g. `--max-flows-per-client 8`), not connected yet.
+    pub fn with_manager_args(args: &[&str]) -> Self {
+        let options = LabOptions::default().manager(ManagerProcess::Kvpn {
+            extra_args: args.iter().map(|a| (*a).to_owned()).collect(),
+        });
+        Self::with_options(options)
+    }
+
+    fn with_options(options: LabOptions) -> Self {
+        let lab = Lab::up(options).unwrap_or_else(|e| panic!("lab up: {e:#}"));
         let runtime_dir = lab.dir().join("runtime");
         let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
         Fixture {
@@ -122,6 +136,11 @@ impl Fixture {
         self.lab
             .run_in(LAPTOP, f)
             .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+    }
+
+    /// The laptop's `KVPN_RUNTIME_DIR` (root daemon socket, pid file, logs).
+    pub fn runtime_dir(&self) -> &std::path::Path {
+        &self.runtime_dir
     }
 
     /// The root daemon's log (for failure messages).

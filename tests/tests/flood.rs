@@ -245,3 +245,83 @@ fn udp_flood_keeps_session_and_tcp_flows() {
         diag()
     );
 }
+
+/// The manager's flow cap in `kvpn status` ([hardening] item 3: "caps flows
+/// per client and says so in status when the cap bites"): with
+/// `--max-flows-per-client 8`, the laptop holds 8 TCP connections open and
+/// tries 12 more; those are refused (RST: connection refused), and within a
+/// few seconds `kvpn status -o json` shows the manager's counters from its
+/// stats frames (flows 8 of cap 8, 12 refused, drop reason `too_many_flows`)
+/// and the table says the cap was reached.
+#[test]
+fn flow_cap_refusals_show_in_status() {
+    const CAP: usize = 8;
+    const EXTRA: usize = 12;
+    let f = Fixture::with_manager_args(&["--max-flows-per-client", &CAP.to_string()]);
+    f.connect();
+    let echo = SocketAddr::from((ECHO_CLUSTER_IP, ECHO_SERVICE_PORT));
+    let (held, refused) = f.in_laptop(|| {
+        let mut held = Vec::new();
+        let mut refused = 0;
+        for i in 0..CAP + EXTRA {
+            match TcpStream::connect_timeout(&echo, Duration::from_secs(5)) {
+                Ok(mut s) => {
+                    // Prove the flow carries data, then keep it open.
+                    let msg = format!("flow {i}\n");
+                    s.set_read_timeout(Some(Duration::from_secs(5)))
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    s.write_all(msg.as_bytes())
+                        .unwrap_or_else(|e| panic!("flow {i}: write: {e}"));
+                    let mut got = vec![0u8; msg.len()];
+                    s.read_exact(&mut got)
+                        .unwrap_or_else(|e| panic!("flow {i}: echo: {e}"));
+                    held.push(s);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused += 1,
+                Err(e) => panic!("connect {i} to {echo}: {e}"),
+            }
+        }
+        (held, refused)
+    });
+    assert_eq!(
+        (held.len(), refused),
+        (CAP, EXTRA),
+        "with a cap of {CAP} flows, {} connections opened and {refused} were refused\n{}",
+        held.len(),
+        f.manager_log()
+    );
+    // Stats frames come about once a second.
+    let t0 = Instant::now();
+    let stats = loop {
+        let s = f.status_json();
+        let m = s["sessions"][0]["manager_stats"].clone();
+        if m["refused_cap"].as_u64() >= Some(EXTRA as u64) {
+            break m;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "kvpn status shows no flow-cap refusals after 5 s: {:#}",
+            s["sessions"][0]
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("flow cap: manager_stats {stats}");
+    assert_eq!(stats["flow_cap"], CAP as u64, "{stats}");
+    assert_eq!(stats["flows"], CAP as u64, "{stats}");
+    assert_eq!(stats["refused_cap"], EXTRA as u64, "{stats}");
+    let drops = stats["drops"].as_array().cloned().unwrap_or_default();
+    assert!(
+        drops
+            .iter()
+            .any(|d| d["reason"] == "too_many_flows" && d["packets"].as_u64() >= Some(EXTRA as u64)),
+        "no too_many_flows drops: {stats}"
+    );
+    let table = text(&f.kvpn(&["status"]).stdout);
+    assert!(
+        table.contains(&format!(
+            "flow cap reached: {EXTRA} new flows refused ({CAP} of {CAP} flows open)"
+        )),
+        "the status table does not say the cap bit:\n{table}"
+    );
+    drop(held);
+}

@@ -32,10 +32,10 @@ use kvpn_lab::{
 use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
 use kvpn_proto::manager::manager_client::ManagerClient;
 use kvpn_proto::manager::{LeaseRequest, LeaseResponse};
+use kvpn_tests::wire::{ipv4, tcp_syn};
 use smoltcp::phy::ChecksumCapabilities;
 use smoltcp::wire::{
-    Icmpv4Packet, Icmpv4Repr, IpAddress, IpProtocol, Ipv4Packet, Ipv4Repr, TcpControl, TcpPacket,
-    TcpRepr, TcpSeqNumber, UdpPacket, UdpRepr,
+    Icmpv4Packet, Icmpv4Repr, IpAddress, IpProtocol, Ipv4Packet, TcpPacket, UdpPacket, UdpRepr,
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_rustls::client::TlsStream;
@@ -373,21 +373,6 @@ impl Channel {
 
 // ----- packets -------------------------------------------------------------
 
-fn ipv4(src: Ipv4Addr, dst: Ipv4Addr, proto: IpProtocol, payload: &[u8]) -> Vec<u8> {
-    let ip = Ipv4Repr {
-        src_addr: src,
-        dst_addr: dst,
-        next_header: proto,
-        payload_len: payload.len(),
-        hop_limit: 64,
-    };
-    let mut buf = vec![0u8; ip.buffer_len() + payload.len()];
-    let mut p = Ipv4Packet::new_unchecked(&mut buf[..]);
-    ip.emit(&mut p, &ChecksumCapabilities::default());
-    p.payload_mut().copy_from_slice(payload);
-    buf
-}
-
 fn udp(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
     let repr = UdpRepr {
         src_port: src.port(),
@@ -403,31 +388,6 @@ fn udp(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
         &ChecksumCapabilities::default(),
     );
     ipv4(*src.ip(), *dst.ip(), IpProtocol::Udp, &seg)
-}
-
-fn tcp_syn(src: SocketAddrV4, dst: SocketAddrV4) -> Vec<u8> {
-    let repr = TcpRepr {
-        src_port: src.port(),
-        dst_port: dst.port(),
-        control: TcpControl::Syn,
-        seq_number: TcpSeqNumber(0x1000),
-        ack_number: None,
-        window_len: 64240,
-        window_scale: Some(7),
-        max_seg_size: Some(1360),
-        sack_permitted: false,
-        sack_ranges: [None; 3],
-        timestamp: None,
-        payload: &[],
-    };
-    let mut seg = vec![0u8; repr.buffer_len()];
-    repr.emit(
-        &mut TcpPacket::new_unchecked(&mut seg[..]),
-        &IpAddress::Ipv4(*src.ip()),
-        &IpAddress::Ipv4(*dst.ip()),
-        &ChecksumCapabilities::default(),
-    );
-    ipv4(*src.ip(), *dst.ip(), IpProtocol::Tcp, &seg)
 }
 
 fn echo_request(src: Ipv4Addr, dst: Ipv4Addr, ident: u16) -> Vec<u8> {

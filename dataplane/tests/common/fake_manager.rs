@@ -199,6 +199,7 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                         frame::encode_into(Kind::Packet, &reply, &mut out).expect("fits");
                     }
                 }
+                Kind::Stats => panic!("the pump sent a stats frame (manager to laptop only)"),
                 Kind::Unknown(k) => panic!("the pump sent an unknown frame kind {k}"),
             }
         }
