@@ -9,6 +9,10 @@
 //! [`fuzzing`]: entry points of the cargo-fuzz targets and the corpus replay
 //! (SSH config, known_hosts, CIDRs, kubeconfig, manager messages).
 
+// The status JSON of a session (output.rs) is one `serde_json::json!` literal
+// deeper than the macro's default recursion limit of 128.
+#![recursion_limit = "256"]
+
 pub mod agent;
 pub mod cidr;
 pub mod cli;
