@@ -20,7 +20,7 @@
 //! Kubernetes binaries of `scripts/build-kubernetes.sh`.
 
 use std::io::ErrorKind;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
