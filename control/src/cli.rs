@@ -327,7 +327,13 @@ pub enum LabCommand {
     /// (etcd, kube-apiserver, kube-controller-manager), kubelet/kube-proxy/DNS stand-ins
     /// and sample workloads; prints the kubeconfig paths. The traffic manager is not
     /// pre-installed: `kvpn connect --kubeconfig …` installs it.
-    Up,
+    Up {
+        /// A dual-stack cluster: IPv6 pod range fd00:10:244:1::/64 and service range
+        /// fd00:10:96::/112 besides the IPv4 ones; `web`, `echo` and `udp-echo` get
+        /// an IPv6 ClusterIP too (PreferDualStack), so `kvpn connect` routes both.
+        #[arg(long)]
+        dual_stack: bool,
+    },
     /// Tear the lab down; nothing of it remains.
     Down,
     /// Show what runs where in the lab.

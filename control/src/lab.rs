@@ -17,14 +17,14 @@ use crate::output;
 /// Run a `kvpn lab` subcommand.
 pub async fn run(cmd: LabCommand) -> Result<()> {
     match cmd {
-        LabCommand::Up => up().await,
+        LabCommand::Up { dual_stack } => up(dual_stack).await,
         other => tokio::task::spawn_blocking(move || run_blocking(other))
             .await
             .context("lab task panicked")?,
     }
 }
 
-async fn up() -> Result<()> {
+async fn up(dual_stack: bool) -> Result<()> {
     output::step(
         "Bringing the lab up: laptop and node network namespaces, etcd + kube-apiserver + \
          kube-controller-manager, kubelet/kube-proxy/DNS stand-ins, sample workloads \
@@ -37,10 +37,16 @@ async fn up() -> Result<()> {
         manager: false,
         ..Default::default()
     };
+    let addressing = if dual_stack {
+        kvpn_lab::Addressing::default().dual_stack()
+    } else {
+        kvpn_lab::Addressing::default()
+    };
     let lab = K8sLab::up(
         K8sLabOptions::default()
             .persist_as(DEFAULT_LAB_NAME)
-            .workloads(workloads),
+            .workloads(workloads)
+            .addressing(addressing),
     )
     .await
     .context("kvpn lab up failed")?;
@@ -67,7 +73,7 @@ async fn up() -> Result<()> {
 
 fn run_blocking(cmd: LabCommand) -> Result<()> {
     match cmd {
-        LabCommand::Up => Err(anyhow!("`kvpn lab up` runs on the async path")),
+        LabCommand::Up { .. } => Err(anyhow!("`kvpn lab up` runs on the async path")),
         LabCommand::Down => {
             output::step(&format!("Tearing the lab {DEFAULT_LAB_NAME} down"));
             if cluster::down_named(DEFAULT_LAB_NAME).context("kvpn lab down failed")? {

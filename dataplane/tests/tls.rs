@@ -91,6 +91,11 @@ fn tls_session_pings_through_the_fake_manager_and_redials_with_tls() {
         .await
         .expect("connect over TLS");
         assert_eq!(manager.seen.tls_sessions.load(Ordering::SeqCst), 1);
+        // The fake manager records the hello on its own task: wait for it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while manager.hellos().is_empty() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         assert_eq!(manager.hellos().len(), 1, "the hello arrived inside TLS");
         assert_eq!(session.status().data_channel, "tls");
 

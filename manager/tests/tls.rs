@@ -317,6 +317,9 @@ fn binary_takes_tls_from_env_logs_it_and_probes_raise_no_warning() {
         );
         tls.shutdown().await.expect("close_notify");
     });
+    // Let the manager notice the laptop's close before the SIGTERM (under load
+    // the signal could beat it and the "session closed" line never came).
+    std::thread::sleep(Duration::from_millis(500));
 
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.0.id() as i32),
