@@ -295,6 +295,72 @@ pub struct SnatConfig {
     pub port_max: u16,
 }
 
+// ---- steering: the route-conflict override's TC redirect on the laptop's uplink ----
+
+/// Name of the steering program (TC egress of a laptop device whose route wins over
+/// kvpn's, case rt-05): cluster-bound IPv4 packets get the tunnel IP as source and are
+/// redirected to the TUN device's egress.
+pub const PROGRAM_STEER: &str = "kvpn_steer";
+/// Name of the one-entry steering config array (index 0 → [`SteerConfig`]); all
+/// zero = steering off (the TUN ingress program then translates nothing back).
+pub const MAP_STEER_CONFIG: &str = "KVPN_STEER_CFG";
+/// Name of the per-device table of the steering program (ifindex, host order → L2
+/// header length in bytes, host order): a device missing from it is not steered.
+pub const MAP_STEER_DEVICES: &str = "KVPN_STEER_DEV";
+/// Name of the steering connection table (LRU hash, [`SteerKey`] → the packet's
+/// original source address, 4 bytes, network order).
+pub const MAP_STEER_CONNTRACK: &str = "KVPN_STEER_CT";
+/// Name of the per-CPU counter array of steering (`STEER_*` → [`CounterValue`]).
+pub const MAP_STEER_COUNTERS: &str = "KVPN_STEER_CNT";
+
+/// Capacity of the steering connection table (preallocated LRU hash; past it the
+/// kernel evicts the least recently used flow, whose replies then stay untranslated).
+pub const STEER_MAX_FLOWS: u32 = 16384;
+/// Capacity of the per-device table.
+pub const STEER_MAX_DEVICES: u32 = 64;
+
+/// Steering counter slot: packets redirected from the laptop's device to the TUN.
+pub const STEER_STEERED: u32 = 0;
+/// Steering counter slot: replies on the TUN ingress whose destination was rewritten
+/// from the tunnel IP back to the original source.
+pub const STEER_REVERSED: u32 = 1;
+/// Steering counter slot: cluster-bound packets left to the laptop's route because
+/// they could not get a connection table entry (not TCP, UDP or ICMP echo request; a
+/// non-first fragment; the insert failed).
+pub const STEER_NO_CONNTRACK: u32 = 2;
+/// Steering counter slot: packets dropped because a rewrite helper failed half-way.
+pub const STEER_FAILED: u32 = 3;
+/// Number of steering counter slots.
+pub const STEER_SLOTS: u32 = 4;
+
+/// Value of the steering config array, written by the dataplane daemon before it
+/// attaches the steering program.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SteerConfig {
+    /// The session's IPv4 tunnel IP (the new source), network byte order.
+    pub tunnel_ip: [u8; 4],
+    /// Interface index of the session's TUN device (the redirect target), host order.
+    pub tun_ifindex: u32,
+}
+
+/// Key of the steering connection table, as the reply names it: addresses and ports
+/// in network byte order. ICMP echo: `remote_port` 0, `local_port` the identifier.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SteerKey {
+    /// IP protocol number (1 ICMP, 6 TCP, 17 UDP).
+    pub protocol: u8,
+    /// Zero.
+    pub reserved: [u8; 3],
+    /// The cluster address (the steered packet's destination, the reply's source).
+    pub remote: [u8; 4],
+    /// The cluster port.
+    pub remote_port: u16,
+    /// The laptop's port (unchanged by steering), ICMP: the echo identifier.
+    pub local_port: u16,
+}
+
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: all four are #[repr(C)], Copy, 'static, made only of integers and byte
@@ -318,6 +384,11 @@ mod user {
     unsafe impl aya::Pod for super::SnatConfig {}
     // SAFETY: see above; SnatFragKey (8 bytes) spells out every byte.
     unsafe impl aya::Pod for super::SnatFragKey {}
+    // SAFETY: see above; SteerConfig (8 bytes) and SteerKey (12 bytes) spell out
+    // every byte.
+    unsafe impl aya::Pod for super::SteerConfig {}
+    // SAFETY: see above.
+    unsafe impl aya::Pod for super::SteerKey {}
 }
 
 #[cfg(test)]
@@ -342,6 +413,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<SnatReverse>(), 16);
         assert_eq!(core::mem::size_of::<SnatConfig>(), 16);
         assert_eq!(core::mem::size_of::<SnatFragKey>(), 8);
+        assert_eq!(core::mem::size_of::<SteerConfig>(), 8);
+        assert_eq!(core::mem::size_of::<SteerKey>(), 12);
     }
 
     #[test]
@@ -393,6 +466,11 @@ mod tests {
             MAP_SNAT_CONFIG,
             MAP_SNAT_COUNTERS,
             MAP_SNAT_FRAGMENTS,
+            PROGRAM_STEER,
+            MAP_STEER_CONFIG,
+            MAP_STEER_DEVICES,
+            MAP_STEER_CONNTRACK,
+            MAP_STEER_COUNTERS,
         ] {
             assert!(name.len() <= 15, "{name} is longer than 15 bytes");
         }

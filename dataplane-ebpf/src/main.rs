@@ -10,6 +10,8 @@ mod maps;
 #[cfg(target_arch = "bpf")]
 mod snat;
 #[cfg(target_arch = "bpf")]
+mod steer;
+#[cfg(target_arch = "bpf")]
 mod tun_egress;
 #[cfg(target_arch = "bpf")]
 mod tun_ingress;

@@ -24,6 +24,7 @@ use kvpn_dataplane_common::{
 };
 use kvpn_dataplane_ebpf::parse::{self, Source};
 
+use crate::steer;
 use crate::maps::{
     KVPN_INGR_CNT, KVPN_L2_HDR_LEN, KVPN_ROUTES_V4, KVPN_ROUTES_V6, Skb, add, ip_len,
 };
@@ -34,12 +35,16 @@ const DROP: i32 = TC_ACT_SHOT as i32;
 #[classifier]
 pub fn kvpn_antispoof(ctx: TcContext) -> i32 {
     let l2_len = KVPN_L2_HDR_LEN.load() as usize;
+    let mut v4 = false;
     let (slot, action) = match parse::source(&Skb(&ctx), l2_len) {
-        Ok(Source::V4(addr)) => verdict(
-            KVPN_ROUTES_V4
-                .get(Key::new(32, Ipv4Prefix { addr }))
-                .is_some(),
-        ),
+        Ok(Source::V4(addr)) => {
+            v4 = true;
+            verdict(
+                KVPN_ROUTES_V4
+                    .get(Key::new(32, Ipv4Prefix { addr }))
+                    .is_some(),
+            )
+        }
         Ok(Source::V6(addr)) => verdict(
             KVPN_ROUTES_V6
                 .get(Key::new(128, Ipv6Prefix { addr }))
@@ -50,6 +55,9 @@ pub fn kvpn_antispoof(ctx: TcContext) -> i32 {
     // The slots exist (< INGRESS_SLOTS); the verdict stands either way.
     if let Some(counter) = KVPN_INGR_CNT.get_ptr_mut(slot) {
         add(counter, ip_len(&ctx));
+    }
+    if v4 && action == PASS {
+        return steer::reverse(&ctx, l2_len);
     }
     action
 }

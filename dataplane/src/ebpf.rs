@@ -15,12 +15,13 @@
 //! the same route tries.
 
 pub mod snat;
+pub mod steer;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key},
     programs::{
         ProgramError, SchedClassifier, TcAttachType, TestRun as _, TestRunOptions,
         tc::{self, SchedClassifierLink, TcError},
@@ -108,6 +109,8 @@ pub struct Stats {
     pub malformed: Counter,
     /// The ingress check's counters.
     pub ingress: IngressStats,
+    /// Steering's counters (all zero unless `--steer ebpf` attached it).
+    pub steer: steer::SteerStats,
 }
 
 impl Stats {
@@ -128,6 +131,9 @@ pub enum TcAction {
     Pass,
     /// `TC_ACT_SHOT` (= TCX_DROP): the packet is dropped.
     Drop,
+    /// `TC_ACT_REDIRECT` (= TCX_REDIRECT): the packet goes where `bpf_redirect` said
+    /// (the steering program; BPF_PROG_TEST_RUN returns the code without sending).
+    Redirect,
     /// Any other return code (the program never returns one).
     Other(i32),
 }
@@ -138,6 +144,7 @@ impl TcAction {
         match value as i32 {
             0 => TcAction::Pass,
             2 => TcAction::Drop,
+            7 => TcAction::Redirect,
             other => TcAction::Other(other),
         }
     }
@@ -209,6 +216,15 @@ pub enum EbpfError {
         #[source]
         source: MapError,
     },
+    /// Steering needs TCX links (kernel >= 6.6), which die with the daemon.
+    #[error(
+        "cannot steer {ifname} with eBPF: needs a kernel >= 6.6 (TCX links, which leave \
+         the device when kvpn-dataplane exits); use --steer routes"
+    )]
+    SteerNeedsTcx {
+        /// Interface name.
+        ifname: String,
+    },
     /// `remove_route` on a CIDR that has no entry.
     #[error("no eBPF route entry for {cidr}")]
     RouteNotFound {
@@ -231,6 +247,8 @@ pub enum EbpfError {
 /// Dropping it detaches the programs (the links are owned here) and frees the maps.
 pub struct Classifier {
     // Fields drop in declaration order: detach first, then maps, then the programs.
+    /// Steering program links, one per laptop device (`--steer ebpf`).
+    steer_links: Vec<(String, SchedClassifierLink)>,
     link: Option<SchedClassifierLink>,
     ingress_link: Option<SchedClassifierLink>,
     routes_v4: LpmTrie<MapData, Ipv4Prefix, RouteEntry>,
@@ -238,6 +256,10 @@ pub struct Classifier {
     counters: PerCpuArray<MapData, CounterValue>,
     route_counters: PerCpuArray<MapData, CounterValue>,
     ingress_counters: PerCpuArray<MapData, CounterValue>,
+    steer_config: Array<MapData, common::SteerConfig>,
+    steer_devices: BpfHashMap<MapData, u32, u32>,
+    steer_conntrack: BpfHashMap<MapData, common::SteerKey, [u8; 4]>,
+    steer_counters: PerCpuArray<MapData, CounterValue>,
     /// Per-route counter slot of each entry (truncated CIDR); `NO_ROUTE_SLOT` for
     /// entries past the `MAX_ROUTE_COUNTERS` that have a slot.
     slots: std::collections::HashMap<IpNet, u16>,
@@ -370,10 +392,21 @@ impl Classifier {
         let ingress_counters =
             PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_INGRESS_COUNTERS)?)
                 .map_err(|source| map_error(common::MAP_INGRESS_COUNTERS, "open", source))?;
+        let steer_config = Array::try_from(take_map(&mut ebpf, common::MAP_STEER_CONFIG)?)
+            .map_err(|source| map_error(common::MAP_STEER_CONFIG, "open", source))?;
+        let steer_devices = BpfHashMap::try_from(take_map(&mut ebpf, common::MAP_STEER_DEVICES)?)
+            .map_err(|source| map_error(common::MAP_STEER_DEVICES, "open", source))?;
+        let steer_conntrack =
+            BpfHashMap::try_from(take_map(&mut ebpf, common::MAP_STEER_CONNTRACK)?)
+                .map_err(|source| map_error(common::MAP_STEER_CONNTRACK, "open", source))?;
+        let steer_counters =
+            PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_STEER_COUNTERS)?)
+                .map_err(|source| map_error(common::MAP_STEER_COUNTERS, "open", source))?;
         // MAX_ROUTE_COUNTERS is below NO_ROUTE_SLOT (a dataplane-common test checks it).
         let max_slot =
             u16::try_from(common::MAX_ROUTE_COUNTERS.saturating_sub(1)).unwrap_or(u16::MAX);
         Ok(Self {
+            steer_links: Vec::new(),
             link: None,
             ingress_link: None,
             routes_v4,
@@ -381,6 +414,10 @@ impl Classifier {
             counters,
             route_counters,
             ingress_counters,
+            steer_config,
+            steer_devices,
+            steer_conntrack,
+            steer_counters,
             slots: std::collections::HashMap::new(),
             free_slots: (0..=max_slot).rev().collect(),
             ebpf,
@@ -580,6 +617,7 @@ impl Classifier {
                 foreign_source: ingress(common::INGRESS_FOREIGN_SOURCE)?,
                 malformed: ingress(common::INGRESS_MALFORMED)?,
             },
+            steer: self.steer_stats()?,
         })
     }
 
@@ -710,6 +748,41 @@ impl Classifier {
     }
 }
 
+/// Runs program `name` of `ebpf` once on `frame` with BPF_PROG_TEST_RUN and returns
+/// its verdict and the frame as the program left it.
+pub(crate) fn test_run_out(
+    ebpf: &Ebpf,
+    name: &'static str,
+    frame: &[u8],
+) -> Result<(TcAction, Vec<u8>), EbpfError> {
+    let program: &SchedClassifier = ebpf
+        .program(name)
+        .ok_or(EbpfError::Missing {
+            what: "program",
+            name,
+        })?
+        .try_into()
+        .map_err(|source| EbpfError::Program {
+            name,
+            action: "type check",
+            source,
+        })?;
+    let mut out = vec![0u8; frame.len() + 64];
+    let result = program
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ..TestRunOptions::new()
+        })
+        .map_err(|source| EbpfError::Program {
+            name,
+            action: "BPF_PROG_TEST_RUN",
+            source,
+        })?;
+    out.truncate(result.data_size_out as usize);
+    Ok((TcAction::from_return_value(result.return_value), out))
+}
+
 fn program_mut<'a>(
     ebpf: &'a mut Ebpf,
     name: &'static str,
@@ -810,6 +883,7 @@ mod tests {
     fn tc_return_codes_map_to_actions() {
         assert_eq!(TcAction::from_return_value(0), TcAction::Pass);
         assert_eq!(TcAction::from_return_value(2), TcAction::Drop);
+        assert_eq!(TcAction::from_return_value(7), TcAction::Redirect);
         assert_eq!(TcAction::from_return_value(u32::MAX), TcAction::Other(-1));
     }
 

@@ -130,6 +130,22 @@ impl Netlink {
         Ok(self.link(index).await?.is_some())
     }
 
+    /// Bytes of L2 header in front of the IP header of a packet at interface
+    /// `index`'s TC egress (`dev_hard_header` has run): 14 for Ethernet-like devices
+    /// (ARPHRD_ETHER: veth, dummy, bridges, Wi-Fi), 0 for L3 devices (ARPHRD_NONE:
+    /// TUN, WireGuard; PPP; raw IP). `None` for another link type or no such link.
+    pub async fn l2_hdr_len(&self, index: u32) -> Result<Option<u32>, NetlinkError> {
+        use rtnetlink::packet_route::link::LinkLayerType;
+        Ok(self
+            .link(index)
+            .await?
+            .and_then(|link| match link.header.link_layer_type {
+                LinkLayerType::Ether => Some(14),
+                LinkLayerType::None | LinkLayerType::Ppp | LinkLayerType::Rawip => Some(0),
+                _ => None,
+            }))
+    }
+
     /// Add `ip` as a host address (/32 or /128) on interface `index`.
     pub async fn add_host_address(&self, index: u32, ip: IpAddr) -> Result<(), NetlinkError> {
         let len = if ip.is_ipv4() { 32 } else { 128 };

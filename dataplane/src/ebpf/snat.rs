@@ -15,7 +15,7 @@ use std::time::Duration;
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, MapError, PerCpuArray},
-    programs::{SchedClassifier, TcAttachType, TestRun as _, TestRunOptions, tc},
+    programs::{TcAttachType, tc},
     util::KernelVersion,
 };
 use ipnet::Ipv4Net;
@@ -321,33 +321,7 @@ impl Snat {
         } else {
             common::PROGRAM_SNAT_EGRESS
         };
-        let program: &SchedClassifier = self
-            .ebpf
-            .program(name)
-            .ok_or(EbpfError::Missing {
-                what: "program",
-                name,
-            })?
-            .try_into()
-            .map_err(|source| EbpfError::Program {
-                name,
-                action: "type check",
-                source,
-            })?;
-        let mut out = vec![0u8; frame.len() + 64];
-        let result = program
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ..TestRunOptions::new()
-            })
-            .map_err(|source| EbpfError::Program {
-                name,
-                action: "BPF_PROG_TEST_RUN",
-                source,
-            })?;
-        out.truncate(result.data_size_out as usize);
-        Ok((TcAction::from_return_value(result.return_value), out))
+        super::test_run_out(&self.ebpf, name, frame)
     }
 }
 
