@@ -214,6 +214,16 @@ pub struct ConnectArgs {
     /// `kvpn status` lists the conflicts. Default: refuse such a connect.
     #[arg(long)]
     pub allow_route_conflict: bool,
+    /// How --allow-route-conflict steers cluster-bound traffic. `routes` (default):
+    /// only with routes in the main table, as above. `ebpf`: also, when the laptop's
+    /// conflicting route sits outside the main table (another VPN's `ip rule ...
+    /// lookup <table>` consulted before main, where kvpn's routes are never looked
+    /// at), a TC egress program on that route's device redirects the cluster-bound
+    /// IPv4 packets into the TUN device with the tunnel IP as source, and the
+    /// replies are translated back. IPv4 only (an IPv6 conflict there is refused);
+    /// kernel >= 6.6; detached on disconnect.
+    #[arg(long, value_enum, default_value_t = Steer::Routes, requires = "allow_route_conflict")]
+    pub steer: Steer,
     /// Whose address the cluster's backends see: `snat` (the traffic manager pod's
     /// IP; smoltcp terminates), `ebpf-snat` (the pod's IP, rewritten in the pod's
     /// kernel by TC programs; BPF and NET_ADMIN) or `preserve` (this laptop's tunnel
@@ -412,4 +422,13 @@ mod tests {
             assert_eq!(args.target, good);
         }
     }
+}
+
+/// `kvpn connect --steer`: how the route-conflict override steers traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Steer {
+    /// Routes in the main table only.
+    Routes,
+    /// Routes, plus a TC redirect on devices of conflicting non-main-table routes.
+    Ebpf,
 }

@@ -930,6 +930,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
                 dns,
                 hosts_file: args.hosts,
                 allow_route_conflict: args.allow_route_conflict,
+                steer_ebpf: args.steer == crate::cli::Steer::Ebpf,
             }),
             socks: None,
             ..session_request(&env, args, &conn, plan.as_ref(), &manager)

@@ -366,6 +366,19 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
                     "malformed": c(&i.malformed),
                 })
             }),
+            "steer": s.ebpf_steer.as_ref().map(|t| {
+                let c = |c: &Option<kvpn_proto::dataplane::Counter>| {
+                    let c = c.unwrap_or_default();
+                    serde_json::json!({"packets": c.packets, "bytes": c.bytes})
+                };
+                serde_json::json!({
+                    "devices": t.devices,
+                    "steered": c(&t.steered),
+                    "reverse_translated": c(&t.reverse_translated),
+                    "no_conntrack": c(&t.no_conntrack),
+                    "failed": c(&t.failed),
+                })
+            }),
         },
         "liveness": s.liveness.as_ref().map(|l| serde_json::json!({
             "heartbeat_interval_ms": l.heartbeat_interval_ms,
@@ -737,6 +750,18 @@ fn ebpf_lines(s: &Session) -> Vec<String> {
             "    eBPF from tunnel: passed {} packets, dropped {} packets from \
              non-cluster sources, {} malformed",
             passed.packets, foreign.packets, malformed.packets
+        ));
+    }
+    if let Some(t) = &s.ebpf_steer {
+        let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default().packets;
+        lines.push(format!(
+            "    eBPF steering on {}: steered {} packets, {} replies translated back, \
+             {} left to the laptop's route (no conntrack), {} failed",
+            t.devices.join(", "),
+            c(&t.steered),
+            c(&t.reverse_translated),
+            c(&t.no_conntrack),
+            c(&t.failed)
         ));
     }
     lines

@@ -27,6 +27,13 @@
 //!   get `/32` (`/128`) host routes through the TUN device ([`pinned_hosts`]), so
 //!   they win over the laptop route by prefix length while every other address
 //!   of the laptop's subnet still goes to the laptop's device.
+//!
+//! Routes cannot win over a laptop route in a table that a policy rule consults
+//! before main (another VPN: `ip rule add to 10.244.0.0/16 lookup 100 pref 100`):
+//! kvpn's main-table routes are then never looked at. With `--steer ebpf` the
+//! devices of such routes ([`steer_targets`]: IPv4 conflicts outside the main and
+//! local tables) get the eBPF steering program (`crate::ebpf::steer`), which
+//! redirects their cluster-bound packets into the TUN device.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -291,6 +298,33 @@ pub fn pinned_hosts<'a>(
     out
 }
 
+/// The laptop devices `--steer ebpf` attaches to: those of conflicting routes outside
+/// the main and local tables (a table a policy rule may consult before main, where
+/// kvpn's routes cannot win), each once, as (name, ifindex). Main-table conflicts are
+/// left to routes (they win there by prefix length, and the laptop's own subnet
+/// stays the laptop's). An IPv6 conflict outside main/local is an error: steering is
+/// IPv4 only.
+pub fn steer_targets(conflicts: &[Conflict]) -> Result<Vec<(String, u32)>, String> {
+    let mut out: Vec<(String, u32)> = Vec::new();
+    for c in conflicts {
+        if matches!(c.laptop.table, TABLE_MAIN | TABLE_LOCAL) || c.laptop.oif == 0 {
+            continue;
+        }
+        if c.cluster.addr().is_ipv6() {
+            return Err(format!(
+                "{c}: --steer ebpf steers IPv4 only and routes cannot win over a route \
+                 in table {} — leave out --steer ebpf (and handle this range yourself) \
+                 or remove the IPv6 range from the session",
+                table_name(c.laptop.table)
+            ));
+        }
+        if !out.iter().any(|(_, oif)| *oif == c.laptop.oif) {
+            out.push((c.laptop.dev.clone(), c.laptop.oif));
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -430,5 +464,28 @@ mod tests {
             pinned_hosts(&c, ips.iter()).into_iter().collect::<Vec<_>>(),
             vec![net("172.20.5.9/32")]
         );
+    }
+
+    #[test]
+    fn rt_05_steer_targets_are_devices_of_non_main_conflicts_ipv4_only() {
+        let ranges = [
+            (net("172.20.0.0/16"), RouteKind::Service),
+            (net("10.244.0.0/16"), RouteKind::Pod),
+        ];
+        let routes = [
+            route("172.20.0.0/16", "br-kvpnx", 2, TABLE_MAIN),
+            route("10.244.0.0/16", "vpn0", 4, 100),
+            route("10.0.0.0/8", "vpn0", 4, 100),
+        ];
+        let found = find(&ranges, &routes, 107, Some(99));
+        assert_eq!(steer_targets(&found), Ok(vec![("vpn0".to_owned(), 7)]));
+
+        let v6 = [(net("fd00:10::/64"), RouteKind::Pod)];
+        let found = find(&v6, &[route("fd00::/8", "vpn0", 4, 100)], 107, Some(99));
+        let err = steer_targets(&found).expect_err("IPv6 refused");
+        assert!(err.contains("IPv4 only"), "{err}");
+        // In the main table routes do the job: nothing to steer, nothing refused.
+        let found = find(&v6, &[route("fd00::/8", "br0", 4, TABLE_MAIN)], 107, Some(99));
+        assert_eq!(steer_targets(&found), Ok(Vec::new()));
     }
 }

@@ -326,6 +326,7 @@ pub fn params_from_request(
         tls,
         session_token: req.session_token.as_bytes().to_vec(),
         allow_route_conflict: req.allow_route_conflict,
+        steer_ebpf: req.steer_ebpf,
         data_peer: session::DataPeer::from_transport(
             req.origin.as_ref().map_or("", |o| o.transport.as_str()),
         ),

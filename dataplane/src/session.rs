@@ -75,6 +75,23 @@ pub trait AttachedClassifier: Send {
     fn route_stats(&self) -> Result<Vec<(IpNet, RouteKind, ebpf::Counter)>, BoxError> {
         Ok(Vec::new())
     }
+    /// Steer the cluster-bound IPv4 packets leaving laptop device `ifname` into the
+    /// TUN device `tun_ifindex` (`--steer ebpf`, [`ebpf::Classifier::steer`]).
+    fn steer(
+        &mut self,
+        ifname: &str,
+        ifindex: u32,
+        l2_hdr_len: u32,
+        tunnel_ip: std::net::Ipv4Addr,
+        tun_ifindex: u32,
+    ) -> Result<(), BoxError> {
+        let _ = (ifindex, l2_hdr_len, tunnel_ip, tun_ifindex);
+        Err(format!("this classifier cannot steer {ifname}").into())
+    }
+    /// The laptop devices steered.
+    fn steered_devices(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// A boxed error from a classifier.
@@ -111,6 +128,26 @@ impl AttachedClassifier for ebpf::Classifier {
     fn route_stats(&self) -> Result<Vec<(IpNet, RouteKind, ebpf::Counter)>, BoxError> {
         Ok(ebpf::Classifier::route_stats(self)?)
     }
+    fn steer(
+        &mut self,
+        ifname: &str,
+        ifindex: u32,
+        l2_hdr_len: u32,
+        tunnel_ip: std::net::Ipv4Addr,
+        tun_ifindex: u32,
+    ) -> Result<(), BoxError> {
+        Ok(ebpf::Classifier::steer(
+            self,
+            ifname,
+            ifindex,
+            l2_hdr_len,
+            tunnel_ip,
+            tun_ifindex,
+        )?)
+    }
+    fn steered_devices(&self) -> Vec<String> {
+        ebpf::Classifier::steered_devices(self)
+    }
 }
 
 /// What a session needs.
@@ -140,6 +177,9 @@ pub struct SessionParams {
     /// Connect despite route conflicts with the laptop (case rt-05,
     /// [`crate::conflicts`]); `false` = refuse them.
     pub allow_route_conflict: bool,
+    /// With `allow_route_conflict`: steer with eBPF on the devices of conflicting
+    /// IPv4 routes outside the main and local tables (`--steer ebpf`).
+    pub steer_ebpf: bool,
     /// Who listens on `manager`: the manager itself, or the user daemon's
     /// port-forward listener. Only the wording of errors and Status reasons
     /// depends on it.
@@ -667,6 +707,23 @@ impl Session {
                 tracing::warn!(conflict = %c, "route conflict allowed: steering only cluster-bound traffic");
             }
         }
+        // `--steer ebpf`: the devices of conflicting routes routes cannot win over.
+        let steer = if params.allow_route_conflict && params.steer_ebpf {
+            conflicts::steer_targets(&found).map_err(|message| ConnectError::Step {
+                step: Step::CheckRouteConflicts,
+                message,
+                rollback: String::new(),
+            })?
+        } else {
+            Vec::new()
+        };
+        if !steer.is_empty() && !params.tunnel_ip.is_ipv4() {
+            return Err(ConnectError::Step {
+                step: Step::CheckRouteConflicts,
+                message: "--steer ebpf needs an IPv4 tunnel IP (it steers IPv4 only)".to_owned(),
+                rollback: String::new(),
+            });
+        }
         let hello = hello_frame_with_mtu(
             params.tunnel_ip,
             &params.session_token,
@@ -714,7 +771,7 @@ impl Session {
             routes: Vec::new(),
         };
         let skip: Vec<IpNet> = not_installed.iter().map(|(n, _)| *n).collect();
-        match Self::setup(&params, &plan, &skip, netlink, classifiers, &mut undo).await {
+        match Self::setup(&params, &plan, &skip, &steer, netlink, classifiers, &mut undo).await {
             Ok(classifier) => {
                 let Some((device, ifindex, tun_name)) = undo.tun.take() else {
                     return Err(ConnectError::Step {
@@ -781,6 +838,7 @@ impl Session {
         params: &SessionParams,
         plan: &RoutePlan,
         not_installed: &[IpNet],
+        steer: &[(String, u32)],
         netlink: &Netlink,
         classifiers: &dyn ClassifierAttach,
         undo: &mut Undo<'_>,
@@ -833,9 +891,34 @@ impl Session {
             Err(e) => return Err(step_err(Step::SetRpFilter, e)),
         }
         // Dropped (detached) on an error return below, before the rollback.
-        let classifier = classifiers
+        let mut classifier = classifiers
             .attach(&name, &plan.classifier)
             .map_err(|e| step_err(Step::AttachClassifier, error_chain(&*e)))?;
+        // `--steer ebpf` (case rt-05). The TUN's rp_filter is loose (above), which the
+        // steered flows' replies need: their source is a cluster IP whose reverse
+        // route points at the steered device, not the TUN; strict mode would drop
+        // them (`__fib_validate_source`, net/ipv4/fib_frontend.c: a lookup result
+        // through another device fails `rpf == 1`, loose mode only needs a route).
+        if let IpAddr::V4(tunnel_ip) = params.tunnel_ip {
+            for (dev, oif) in steer {
+                let l2 = netlink
+                    .l2_hdr_len(*oif)
+                    .await
+                    .map_err(|e| step_err(Step::AttachClassifier, e))?
+                    .ok_or_else(|| {
+                        step_err(
+                            Step::AttachClassifier,
+                            format!(
+                                "cannot steer {dev}: gone, or a link type other than \
+                                 Ethernet, TUN/WireGuard, PPP or raw IP"
+                            ),
+                        )
+                    })?;
+                classifier
+                    .steer(dev, *oif, l2, tunnel_ip, ifindex)
+                    .map_err(|e| step_err(Step::AttachClassifier, error_chain(&*e)))?;
+            }
+        }
         netlink
             .set_link_up(ifindex)
             .await
@@ -937,6 +1020,16 @@ impl Session {
         guard.as_ref().map(|c| c.stats())
     }
 
+    /// The laptop devices eBPF steering is attached to (`--steer ebpf`).
+    pub fn steered_devices(&self) -> Vec<String> {
+        self.classifier
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|c| c.steered_devices())
+            .unwrap_or_default()
+    }
+
     /// The session as the Status API shows it.
     pub fn status(&self) -> kvpn_proto::dataplane::Session {
         use kvpn_proto::dataplane as api;
@@ -946,8 +1039,20 @@ impl Session {
             packets: c.packets,
             bytes: c.bytes,
         };
+        let steered_devices = self.steered_devices();
+        let mut steer = None;
         let (ebpf, unrouted, ingress) = match self.classifier_stats() {
-            Some(Ok(stats)) => (
+            Some(Ok(stats)) => {
+                if !steered_devices.is_empty() {
+                    steer = Some(api::SteerCounters {
+                        devices: steered_devices.clone(),
+                        steered: Some(counter(stats.steer.steered)),
+                        reverse_translated: Some(counter(stats.steer.reversed)),
+                        no_conntrack: Some(counter(stats.steer.no_conntrack)),
+                        failed: Some(counter(stats.steer.failed)),
+                    });
+                }
+                (
                 stats
                     .per_kind
                     .iter()
@@ -963,7 +1068,8 @@ impl Session {
                     foreign_source: Some(counter(stats.ingress.foreign_source)),
                     malformed: Some(counter(stats.ingress.malformed)),
                 }),
-            ),
+            )
+            }
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "cannot read eBPF counters");
                 (Vec::new(), ebpf::Counter::default(), None)
@@ -1004,6 +1110,7 @@ impl Session {
             ebpf_unrouted_packets: unrouted.packets,
             ebpf_unrouted_bytes: unrouted.bytes,
             ebpf_ingress: ingress,
+            ebpf_steer: steer,
             mtu: u32::from(self.params.mtu),
             data_channel: if self.params.tls.is_some() {
                 "tls"
@@ -1031,6 +1138,7 @@ impl Session {
         laptop: &[LaptopRoute],
     ) -> Vec<kvpn_proto::dataplane::RouteConflict> {
         let watched = self.watched();
+        let steered_devices = self.steered_devices();
         let ranges: Vec<(IpNet, RouteKind)> = self
             .plan
             .kernel
@@ -1056,6 +1164,8 @@ impl Session {
                     "refused"
                 } else if watched.not_installed.contains_key(&c.cluster) {
                     "not installed"
+                } else if steered_devices.contains(&c.laptop.dev) {
+                    "steered (ebpf)"
                 } else if self.params.allow_route_conflict {
                     "steered"
                 } else {

@@ -1,0 +1,155 @@
+//! End-to-end: eBPF steering for the route-conflict override (case rt-05, issue 8
+//! [fastpath] item 3), in the static lab (netns, real TUN, eBPF, root daemon and
+//! traffic manager; no Kubernetes).
+//!
+//! The laptop netns gets another "VPN": a veth device of its own (ARP off, so the
+//! kernel transmits at once, as through a VPN's L3 device) with a policy rule
+//! `to <pod CIDR> lookup 100 pref 100` and a table-100 route through it, so the
+//! kernel never looks at kvpn's main-table routes for pod IPs. With
+//! `--allow-route-conflict` alone a pod is unreachable (packets leave through the
+//! veth); with `--steer ebpf` the steering program on the veth's TC egress takes
+//! them to the TUN device: curl and ping to a pod work, the counters rise, and after
+//! disconnect the program is gone from the veth while its rule and route stay.
+
+use kvpn_lab::{BACKEND_1_IP, HTTP_PORT, POD_CIDR};
+use kvpn_tests::{Fixture, text};
+
+fn laptop_ok(f: &Fixture, args: &[&str]) -> String {
+    let out = f.laptop(args);
+    assert!(
+        out.status.success(),
+        "laptop {args:?}: {}",
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+fn connect(f: &Fixture, extra: &[&str]) {
+    let mut args: Vec<String> = vec!["connect".into()];
+    args.extend(kvpn_tests::lab_connect_args());
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = f.kvpn(&args);
+    assert!(
+        out.status.success(),
+        "connect {extra:?}: {}\ndaemon log:\n{}",
+        text(&out.stderr),
+        f.daemon_log()
+    );
+}
+
+fn steer_counter(status: &serde_json::Value, name: &str) -> u64 {
+    status["sessions"][0]["ebpf"]["steer"][name]["packets"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no ebpf.steer.{name}.packets: {status}"))
+}
+
+/// Kernel ids of the steering programs on `dev`'s TCX egress (a TCX query in the
+/// laptop netns; the installed bpftool predates TCX listings).
+fn steer_programs(f: &Fixture, dev: &str) -> Vec<u32> {
+    let dev = dev.to_owned();
+    f.in_laptop(move || kvpn_dataplane::ebpf::Classifier::steer_program_ids(&dev))
+        .unwrap_or_else(|e| panic!("TCX query: {e:?}"))
+}
+
+#[test]
+fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
+    let f = Fixture::new();
+    // Lives in the lab's laptop netns (rule and table route too): removed with it.
+    let vpn = format!("kvpn-{}-ovpn", f.lab.id());
+    let peer = format!("kvpn-{}-ovpq", f.lab.id());
+    laptop_ok(
+        &f,
+        &["ip", "link", "add", &vpn, "type", "veth", "peer", "name", &peer],
+    );
+    laptop_ok(&f, &["ip", "addr", "add", "192.168.213.2/24", "dev", &vpn]);
+    // Without ARP the neighbour is NUD_NOARP: packets reach the TC egress hook at
+    // once instead of waiting for an ARP reply nobody sends.
+    laptop_ok(&f, &["ip", "link", "set", &vpn, "arp", "off"]);
+    for dev in [&vpn, &peer] {
+        laptop_ok(&f, &["ip", "link", "set", dev, "up"]);
+    }
+    let pods = POD_CIDR.to_string();
+    laptop_ok(
+        &f,
+        &["ip", "route", "add", &pods, "dev", &vpn, "table", "100"],
+    );
+    laptop_ok(
+        &f,
+        &["ip", "rule", "add", "to", &pods, "lookup", "100", "pref", "100"],
+    );
+    let rules_before = laptop_ok(&f, &["ip", "rule", "show"]);
+    let table_before = laptop_ok(&f, &["ip", "route", "show", "table", "100"]);
+    let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/");
+    let pod = BACKEND_1_IP.to_string();
+
+    // Routes only: kvpn's pod route is in main, the rule sends pods to the veth.
+    connect(&f, &["--allow-route-conflict"]);
+    let route = laptop_ok(&f, &["ip", "route", "get", &pod]);
+    assert!(route.contains(&format!("dev {vpn}")), "{route}");
+    let out = f.laptop(&["curl", "-sS", "--max-time", "3", &url]);
+    assert!(
+        !out.status.success(),
+        "without steering a pod must not be reachable: {}",
+        text(&out.stdout)
+    );
+    let status = f.status_json();
+    assert!(
+        status["sessions"][0]["ebpf"]["steer"].is_null(),
+        "no steering without --steer ebpf: {status}"
+    );
+    f.disconnect();
+
+    // eBPF steering on the veth.
+    connect(&f, &["--allow-route-conflict", "--steer", "ebpf"]);
+    let progs = steer_programs(&f, &vpn);
+    assert_eq!(progs.len(), 1, "{progs:?}\ndaemon log:\n{}", f.daemon_log());
+    let out = f.laptop(&["curl", "-sS", "--max-time", "5", &url]);
+    assert!(
+        out.status.success(),
+        "curl {url} through steering: {}\ndaemon log:\n{}",
+        text(&out.stderr),
+        f.daemon_log()
+    );
+    let out = f.laptop(&["ping", "-c", "2", "-W", "2", &pod]);
+    assert!(
+        out.status.success(),
+        "ping {pod} through steering: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let status = f.status_json();
+    let session = &status["sessions"][0];
+    assert_eq!(
+        session["ebpf"]["steer"]["devices"],
+        serde_json::json!([vpn]),
+        "{status}"
+    );
+    // curl: at least SYN, ACK, request, FIN; ping: 2 echo requests.
+    let steered = steer_counter(&status, "steered");
+    let reversed = steer_counter(&status, "reverse_translated");
+    assert!(steered >= 6, "steered {steered}: {status}");
+    assert!(reversed >= 4, "reverse translated {reversed}: {status}");
+    assert_eq!(steer_counter(&status, "failed"), 0, "{status}");
+    let handled: Vec<&str> = session["conflicts"]
+        .as_array()
+        .map(|c| {
+            c.iter()
+                .filter(|c| c["laptop_dev"] == vpn.as_str())
+                .filter_map(|c| c["handling"].as_str())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(handled, vec!["steered (ebpf)"], "{status}");
+    eprintln!("steered {steered} packets, translated back {reversed}");
+
+    // Disconnect: the program leaves the veth; the other VPN's rule and route stay.
+    f.disconnect();
+    let progs = steer_programs(&f, &vpn);
+    assert!(progs.is_empty(), "steering left on {vpn}: {progs:?}");
+    assert_eq!(laptop_ok(&f, &["ip", "rule", "show"]), rules_before);
+    assert_eq!(
+        laptop_ok(&f, &["ip", "route", "show", "table", "100"]),
+        table_before
+    );
+}
