@@ -111,6 +111,31 @@ fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
         text(&out.stderr),
         f.daemon_log()
     );
+    // A 4 MB upload and download: many full-size (and, leaving the veth, TSO/GSO
+    // and CHECKSUM_PARTIAL) segments through the rewrite, both ways.
+    let body = f.lab.dir().join("steer-upload");
+    std::fs::write(&body, vec![7u8; 4 << 20]).expect("upload file");
+    let out = f.laptop(&[
+        "curl",
+        "-sS",
+        "--max-time",
+        "20",
+        "-X",
+        "GET",
+        "--data-binary",
+        &format!("@{}", body.display()),
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code} %{size_download}",
+        &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes={}", 4 << 20),
+    ]);
+    assert_eq!(
+        text(&out.stdout),
+        format!("200 {}", 4 << 20),
+        "big exchange through steering: {}",
+        text(&out.stderr)
+    );
     let out = f.laptop(&["ping", "-c", "2", "-W", "2", &pod]);
     assert!(
         out.status.success(),
@@ -125,10 +150,15 @@ fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
         serde_json::json!([vpn]),
         "{status}"
     );
-    // curl: at least SYN, ACK, request, FIN; ping: 2 echo requests.
+    // Two curls and 2 echo requests; a GSO super-packet counts once, with all its
+    // bytes (the 4 MB upload: about 900 packets in the lab).
     let steered = steer_counter(&status, "steered");
     let reversed = steer_counter(&status, "reverse_translated");
     assert!(steered >= 6, "steered {steered}: {status}");
+    let steered_bytes = status["sessions"][0]["ebpf"]["steer"]["steered"]["bytes"]
+        .as_u64()
+        .unwrap_or_default();
+    assert!(steered_bytes > 4 << 20, "steered {steered_bytes} bytes: {status}");
     assert!(reversed >= 4, "reverse translated {reversed}: {status}");
     assert_eq!(steer_counter(&status, "failed"), 0, "{status}");
     let handled: Vec<&str> = session["conflicts"]
@@ -152,4 +182,34 @@ fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
         laptop_ok(&f, &["ip", "route", "show", "table", "100"]),
         table_before
     );
+
+    // SIGKILL of the root daemon: the TCX link dies with its file descriptor.
+    connect(&f, &["--allow-route-conflict", "--steer", "ebpf"]);
+    assert_eq!(steer_programs(&f, &vpn).len(), 1);
+    let pid_file = f.runtime_dir().join("dataplane.pid");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()))
+        .trim()
+        .parse()
+        .expect("pid");
+    // SAFETY: kill(2) on the daemon this fixture started (its pid file).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let t0 = std::time::Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}/status")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .contains("State:\tZ")
+    {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "daemon {pid} lives");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let t0 = std::time::Instant::now();
+    while !steer_programs(&f, &vpn).is_empty() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "steering outlived the SIGKILLed daemon on {vpn}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(laptop_ok(&f, &["ip", "rule", "show"]), rules_before);
 }
