@@ -42,8 +42,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use kvpn_dataplane_common::{
-    CounterValue, Ipv4Prefix, STEER_FAILED, STEER_MAX_DEVICES, STEER_MAX_FLOWS,
-    STEER_NO_CONNTRACK, STEER_REVERSED, STEER_SLOTS, STEER_STEERED, SteerConfig, SteerKey,
+    CounterValue, Ipv4Prefix, STEER_FAILED, STEER_MAX_DEVICES, STEER_MAX_FLOWS, STEER_NO_CONNTRACK,
+    STEER_REVERSED, STEER_SLOTS, STEER_STEERED, SteerConfig, SteerKey,
 };
 
 use crate::maps::{KVPN_ROUTES_V4, add};
@@ -105,8 +105,18 @@ struct Flow {
 /// Parses the IPv4 packet at `l3`; `Err(Pass)` for anything else (IPv6 included).
 #[inline(always)]
 fn flow(ctx: &TcContext, l3: usize) -> Result<Flow, Error> {
-    let [vihl, _tos, _l0, _l1, _id0, _id1, frag0, frag1, _ttl, protocol] =
-        ctx.load::<[u8; 10]>(l3).map_err(|_| Error::Pass)?;
+    let [
+        vihl,
+        _tos,
+        _l0,
+        _l1,
+        _id0,
+        _id1,
+        frag0,
+        frag1,
+        _ttl,
+        protocol,
+    ] = ctx.load::<[u8; 10]>(l3).map_err(|_| Error::Pass)?;
     if vihl >> 4 != 4 {
         return Err(Error::Pass);
     }
@@ -213,7 +223,9 @@ fn try_kvpn_steer(ctx: &TcContext) -> Result<i32, Error> {
     // SAFETY: the context's __sk_buff, valid for the program's run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // SAFETY: a map value read once.
-    let l2 = unsafe { KVPN_STEER_DEV.get(&ifindex) }.copied().ok_or(Error::Pass)? as usize;
+    let l2 = unsafe { KVPN_STEER_DEV.get(&ifindex) }
+        .copied()
+        .ok_or(Error::Pass)? as usize;
     if l2 >= 2 {
         let ethertype: [u8; 2] = ctx.load(l2 - 2).map_err(|_| Error::Pass)?;
         if ethertype != ETHERTYPE_IPV4 {

@@ -24,10 +24,10 @@ use kvpn_dataplane_common::{
 };
 use kvpn_dataplane_ebpf::parse::{self, Source};
 
-use crate::steer;
 use crate::maps::{
     KVPN_INGR_CNT, KVPN_L2_HDR_LEN, KVPN_ROUTES_V4, KVPN_ROUTES_V6, Skb, add, ip_len,
 };
+use crate::steer;
 
 const PASS: i32 = TC_ACT_OK as i32;
 const DROP: i32 = TC_ACT_SHOT as i32;

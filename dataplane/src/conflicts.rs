@@ -485,7 +485,12 @@ mod tests {
         let err = steer_targets(&found).expect_err("IPv6 refused");
         assert!(err.contains("IPv4 only"), "{err}");
         // In the main table routes do the job: nothing to steer, nothing refused.
-        let found = find(&v6, &[route("fd00::/8", "br0", 4, TABLE_MAIN)], 107, Some(99));
+        let found = find(
+            &v6,
+            &[route("fd00::/8", "br0", 4, TABLE_MAIN)],
+            107,
+            Some(99),
+        );
         assert_eq!(steer_targets(&found), Ok(Vec::new()));
     }
 }

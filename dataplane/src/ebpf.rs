@@ -394,8 +394,9 @@ impl Classifier {
                 .map_err(|source| map_error(common::MAP_INGRESS_COUNTERS, "open", source))?;
         let steer_config = Array::try_from(take_map(&mut ebpf, common::MAP_STEER_CONFIG)?)
             .map_err(|source| map_error(common::MAP_STEER_CONFIG, "open", source))?;
-        let steer_devices = BpfHashMap::try_from(take_map(&mut ebpf, common::MAP_STEER_DEVICES)?)
-            .map_err(|source| map_error(common::MAP_STEER_DEVICES, "open", source))?;
+        let steer_devices =
+            BpfHashMap::try_from(take_map(&mut ebpf, common::MAP_STEER_DEVICES)?)
+                .map_err(|source| map_error(common::MAP_STEER_DEVICES, "open", source))?;
         let steer_conntrack =
             BpfHashMap::try_from(take_map(&mut ebpf, common::MAP_STEER_CONNTRACK)?)
                 .map_err(|source| map_error(common::MAP_STEER_CONNTRACK, "open", source))?;

@@ -771,7 +771,17 @@ impl Session {
             routes: Vec::new(),
         };
         let skip: Vec<IpNet> = not_installed.iter().map(|(n, _)| *n).collect();
-        match Self::setup(&params, &plan, &skip, &steer, netlink, classifiers, &mut undo).await {
+        match Self::setup(
+            &params,
+            &plan,
+            &skip,
+            &steer,
+            netlink,
+            classifiers,
+            &mut undo,
+        )
+        .await
+        {
             Ok(classifier) => {
                 let Some((device, ifindex, tun_name)) = undo.tun.take() else {
                     return Err(ConnectError::Step {
@@ -1053,22 +1063,22 @@ impl Session {
                     });
                 }
                 (
-                stats
-                    .per_kind
-                    .iter()
-                    .map(|(kind, counter)| api::KindCounters {
-                        kind: kind_to_api(*kind) as i32,
-                        packets: counter.packets,
-                        bytes: counter.bytes,
-                    })
-                    .collect(),
-                stats.unrouted,
-                Some(api::IngressCounters {
-                    passed: Some(counter(stats.ingress.passed)),
-                    foreign_source: Some(counter(stats.ingress.foreign_source)),
-                    malformed: Some(counter(stats.ingress.malformed)),
-                }),
-            )
+                    stats
+                        .per_kind
+                        .iter()
+                        .map(|(kind, counter)| api::KindCounters {
+                            kind: kind_to_api(*kind) as i32,
+                            packets: counter.packets,
+                            bytes: counter.bytes,
+                        })
+                        .collect(),
+                    stats.unrouted,
+                    Some(api::IngressCounters {
+                        passed: Some(counter(stats.ingress.passed)),
+                        foreign_source: Some(counter(stats.ingress.foreign_source)),
+                        malformed: Some(counter(stats.ingress.malformed)),
+                    }),
+                )
             }
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "cannot read eBPF counters");

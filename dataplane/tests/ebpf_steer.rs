@@ -9,8 +9,7 @@ use std::net::Ipv4Addr;
 
 use kvpn_dataplane::ebpf::{Classifier, RouteKind, TcAction};
 use smoltcp::wire::{
-    Icmpv4Message, Icmpv4Packet, IpAddress, IpProtocol, Ipv4Packet, TcpPacket,
-    UdpPacket,
+    Icmpv4Message, Icmpv4Packet, IpAddress, IpProtocol, Ipv4Packet, TcpPacket, UdpPacket,
 };
 
 const TUNNEL_IP: Ipv4Addr = Ipv4Addr::new(100, 96, 0, 2);
@@ -28,7 +27,8 @@ fn steering(device_listed: bool) -> Classifier {
     });
     c.insert_route("10.244.0.0/16".parse().expect("cidr"), RouteKind::Pod)
         .expect("insert route");
-    c.configure_steer(TUNNEL_IP, TUN_IFINDEX).expect("configure");
+    c.configure_steer(TUNNEL_IP, TUN_IFINDEX)
+        .expect("configure");
     if device_listed {
         c.add_steer_device(LOOPBACK_IFINDEX, 14).expect("device");
     }
@@ -121,7 +121,11 @@ fn tcp_udp_and_echo_are_steered_and_their_replies_translated_back() {
         let (action, out) = c.test_run_steer(&out_frame).expect("steer run");
         assert_eq!(action, TcAction::Redirect, "{proto}");
         assert_eq!(out.len(), out_frame.len(), "{proto}");
-        assert_eq!(check(&out), (TUNNEL_IP, POD, true), "{proto}: rewritten source");
+        assert_eq!(
+            check(&out),
+            (TUNNEL_IP, POD, true),
+            "{proto}: rewritten source"
+        );
         let key_remote_port = if proto == IpProtocol::Icmp { 0 } else { dport };
         assert_eq!(
             c.steer_conntrack(number, POD, key_remote_port, sport)
@@ -153,16 +157,28 @@ fn other_traffic_passes_untouched() {
     let mut c = steering(true);
     // Not to a cluster range.
     let f = frame(IpProtocol::Tcp, OTHER_VPN_IP, OUTSIDE, 40000, 443);
-    assert_eq!(c.test_run_steer(&f).expect("run"), (TcAction::Pass, f.clone()));
+    assert_eq!(
+        c.test_run_steer(&f).expect("run"),
+        (TcAction::Pass, f.clone())
+    );
     // Already from the tunnel IP: redirected as it is.
     let f = frame(IpProtocol::Udp, TUNNEL_IP, POD, 40000, 53);
-    assert_eq!(c.test_run_steer(&f).expect("run"), (TcAction::Redirect, f.clone()));
+    assert_eq!(
+        c.test_run_steer(&f).expect("run"),
+        (TcAction::Redirect, f.clone())
+    );
     // A reply to the tunnel IP of a flow that was never steered: untouched.
     let f = frame(IpProtocol::Tcp, POD, TUNNEL_IP, 80, 41000);
-    assert_eq!(c.test_run_ingress_out(&f).expect("run"), (TcAction::Pass, f.clone()));
+    assert_eq!(
+        c.test_run_ingress_out(&f).expect("run"),
+        (TcAction::Pass, f.clone())
+    );
     // An echo reply sent to the cluster (not a request): cannot be tracked.
     let f = frame(IpProtocol::Icmp, OTHER_VPN_IP, POD, 9, 0);
-    assert_eq!(c.test_run_steer(&f).expect("run"), (TcAction::Pass, f.clone()));
+    assert_eq!(
+        c.test_run_steer(&f).expect("run"),
+        (TcAction::Pass, f.clone())
+    );
     // Another protocol (GRE) to the cluster: cannot be tracked either.
     let mut f = frame(IpProtocol::Udp, OTHER_VPN_IP, POD, 1, 2);
     {
@@ -170,7 +186,10 @@ fn other_traffic_passes_untouched() {
         ip.set_next_header(IpProtocol::Unknown(47));
         ip.fill_checksum();
     }
-    assert_eq!(c.test_run_steer(&f).expect("run"), (TcAction::Pass, f.clone()));
+    assert_eq!(
+        c.test_run_steer(&f).expect("run"),
+        (TcAction::Pass, f.clone())
+    );
 
     let stats = c.steer_stats().expect("stats");
     assert_eq!(stats.steered.packets, 1, "only the tunnel-IP packet");
@@ -182,6 +201,9 @@ fn other_traffic_passes_untouched() {
 fn a_device_steering_was_not_attached_to_is_left_alone() {
     let mut c = steering(false);
     let f = frame(IpProtocol::Tcp, OTHER_VPN_IP, POD, 40000, 80);
-    assert_eq!(c.test_run_steer(&f).expect("run"), (TcAction::Pass, f.clone()));
+    assert_eq!(
+        c.test_run_steer(&f).expect("run"),
+        (TcAction::Pass, f.clone())
+    );
     assert_eq!(c.steer_stats().expect("stats").steered.packets, 0);
 }

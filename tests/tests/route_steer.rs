@@ -60,7 +60,9 @@ fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
     let peer = format!("kvpn-{}-ovpq", f.lab.id());
     laptop_ok(
         &f,
-        &["ip", "link", "add", &vpn, "type", "veth", "peer", "name", &peer],
+        &[
+            "ip", "link", "add", &vpn, "type", "veth", "peer", "name", &peer,
+        ],
     );
     laptop_ok(&f, &["ip", "addr", "add", "192.168.213.2/24", "dev", &vpn]);
     // Without ARP the neighbour is NUD_NOARP: packets reach the TC egress hook at
@@ -76,7 +78,9 @@ fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
     );
     laptop_ok(
         &f,
-        &["ip", "rule", "add", "to", &pods, "lookup", "100", "pref", "100"],
+        &[
+            "ip", "rule", "add", "to", &pods, "lookup", "100", "pref", "100",
+        ],
     );
     let rules_before = laptop_ok(&f, &["ip", "rule", "show"]);
     let table_before = laptop_ok(&f, &["ip", "route", "show", "table", "100"]);
@@ -158,7 +162,10 @@ fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
     let steered_bytes = status["sessions"][0]["ebpf"]["steer"]["steered"]["bytes"]
         .as_u64()
         .unwrap_or_default();
-    assert!(steered_bytes > 4 << 20, "steered {steered_bytes} bytes: {status}");
+    assert!(
+        steered_bytes > 4 << 20,
+        "steered {steered_bytes} bytes: {status}"
+    );
     assert!(reversed >= 4, "reverse translated {reversed}: {status}");
     assert_eq!(steer_counter(&status, "failed"), 0, "{status}");
     let handled: Vec<&str> = session["conflicts"]
@@ -200,7 +207,10 @@ fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
             .unwrap_or_default()
             .contains("State:\tZ")
     {
-        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "daemon {pid} lives");
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "daemon {pid} lives"
+        );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     let t0 = std::time::Instant::now();

@@ -81,7 +81,11 @@ impl Classifier {
     /// Write the steering config (the redirect target and the new source). Also
     /// switches the TUN ingress program's reverse translation on. For tests with
     /// [`Self::test_run_steer`]; [`Self::steer`] calls it.
-    pub fn configure_steer(&mut self, tunnel_ip: Ipv4Addr, tun_ifindex: u32) -> Result<(), EbpfError> {
+    pub fn configure_steer(
+        &mut self,
+        tunnel_ip: Ipv4Addr,
+        tun_ifindex: u32,
+    ) -> Result<(), EbpfError> {
         let cfg = SteerConfig {
             tunnel_ip: tunnel_ip.octets(),
             tun_ifindex,
@@ -96,7 +100,13 @@ impl Classifier {
     pub fn add_steer_device(&mut self, ifindex: u32, l2_hdr_len: u32) -> Result<(), EbpfError> {
         self.steer_devices
             .insert(ifindex, l2_hdr_len, 0)
-            .map_err(|source| map_error(common::MAP_STEER_DEVICES, format!("insert {ifindex}"), source))
+            .map_err(|source| {
+                map_error(
+                    common::MAP_STEER_DEVICES,
+                    format!("insert {ifindex}"),
+                    source,
+                )
+            })
     }
 
     fn load_steer(&mut self) -> Result<(), EbpfError> {
