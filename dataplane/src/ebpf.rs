@@ -13,6 +13,12 @@
 //! (ingress) sees inbound packets (cluster -> laptop), the ones the pump writes into
 //! the TUN device, and drops those whose source no route entry covers. Both look up
 //! the same route tries.
+//!
+//! Steering (`--steer ebpf`, [`steer`]): the same object's `kvpn_steer` goes on the TC
+//! egress of laptop devices whose routes win over kvpn's; it looks destinations up in
+//! the same IPv4 trie and redirects cluster-bound packets into the TUN device, and the
+//! ingress check translates their replies back. TCX only, owned here like the TUN
+//! links, so dropping the wrapper (or the daemon dying) detaches it.
 
 pub mod snat;
 pub mod steer;
