@@ -14,6 +14,11 @@
 //! session's limits refused comes from A's own `kvpn status` (the manager's
 //! stats frames).
 //!
+//! Throughput on a shared 2-core machine moves with whatever else runs, so the
+//! row also reports the manager's CPU per Gbit of B's transfer in each phase
+//! (`fair_*_manager_core_s_per_gbit`): what the flood adds to the manager's
+//! work is visible there even when the ratios are noise.
+//!
 //! The flood rate is [`FLOOD_PPS`]: five times the manager's sustained
 //! new-flow allowance (`NEW_FLOWS_PER_SEC` = 1000 in manager/src/limit.rs),
 //! yet bounded so that A's own side (the sender, A's kernel and pump) does not
@@ -29,7 +34,7 @@ use kvpn_bench::Sample;
 use kvpn_lab::flood::{Flood, Flooder};
 use kvpn_lab::{BACKEND_1_IP, BACKEND_2_IP, Lab};
 
-use crate::{Target, iperf3_tcp, kvpn};
+use crate::{Target, iperf3_tcp, kvpn, manager_pid, pids_cpu_ticks};
 
 /// The row.
 pub const ROW: &str = "kvpn-fairness";
@@ -106,6 +111,7 @@ pub fn round(
     lab: &Lab,
     a: &mut LaptopA,
     secs: u32,
+    clk_tck: f64,
     runtime_b: &Path,
     connect_b: &[&str],
 ) -> Result<Sample> {
@@ -116,18 +122,30 @@ pub fn round(
         let tunnel_a = TUNNEL_IP_A.to_string();
         connect_a.extend(["--tunnel-ip", &tunnel_a]);
         a.kvpn(lab, &connect_a)?;
-        measure(lab, a, secs)
+        measure(lab, a, secs, clk_tck)
     })();
     let _ = kvpn(lab, runtime_b, &["quit"]);
     a.quit(lab);
     result
 }
 
-fn measure(lab: &Lab, a: &mut LaptopA, secs: u32) -> Result<Sample> {
+fn measure(lab: &Lab, a: &mut LaptopA, secs: u32, clk_tck: f64) -> Result<Sample> {
     let to = Target::pod(BACKEND_1_IP, false).iperf;
+    let manager: Vec<u32> = manager_pid(lab).into_iter().collect();
+    if manager.is_empty() {
+        bail!("no kvpn-manager process in the lab");
+    }
+    // The manager's CPU (core-seconds) per Gbit B moved in `secs`.
+    let per_gbit = |ticks: u64, gbps: f64| ticks as f64 / clk_tck / (gbps * f64::from(secs));
     let mut s = Sample::new();
+    let t0 = pids_cpu_ticks(&manager);
     let alone = iperf3_tcp(lab, to, secs, 1, false)?;
+    let ticks = pids_cpu_ticks(&manager).saturating_sub(t0);
     s.insert("fair_alone_gbps".into(), alone);
+    s.insert(
+        "fair_alone_manager_core_s_per_gbit".into(),
+        per_gbit(ticks, alone),
+    );
     std::thread::sleep(SETTLE);
     let netns = lab.netns(LAPTOP_A)?.name().to_owned();
     let (mut offered, limited0) = (0u64, a.limited(lab)?);
@@ -137,13 +155,19 @@ fn measure(lab: &Lab, a: &mut LaptopA, secs: u32) -> Result<Sample> {
     ] {
         let flood = Flooder::start(&netns, kind, TUNNEL_IP_A, dst, FLOOD_PPS, a.next_packet);
         std::thread::sleep(FLOOD_LEAD);
+        let t0 = pids_cpu_ticks(&manager);
         let under = iperf3_tcp(lab, to, secs, 1, false);
+        let ticks = pids_cpu_ticks(&manager).saturating_sub(t0);
         let sent = flood.stop()?;
         a.next_packet += sent;
         offered += sent;
         let under = under?;
         s.insert(format!("{key}_gbps"), under);
         s.insert(format!("{key}_vs_alone"), under / alone);
+        s.insert(
+            format!("{key}_manager_core_s_per_gbit"),
+            per_gbit(ticks, under),
+        );
         std::thread::sleep(SETTLE);
     }
     // One stats frame a second: wait for the last flood's counters.

@@ -155,6 +155,27 @@ pub const METRICS: &[Metric] = &[
         3,
     ),
     m(
+        "fair_alone_manager_core_s_per_gbit",
+        "fairness: manager CPU per Gbit of B, alone",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
+    m(
+        "fair_syn_manager_core_s_per_gbit",
+        "fairness: manager CPU per Gbit of B, SYN flood",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
+    m(
+        "fair_udp_manager_core_s_per_gbit",
+        "fairness: manager CPU per Gbit of B, UDP flood",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
+    m(
         "flood_limited_pct",
         "fairness: A's flood packets refused by its limits",
         "%",

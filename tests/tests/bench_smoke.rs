@@ -142,6 +142,9 @@ fn bench_harness_produces_every_row_and_metric() {
         "fair_syn_vs_alone",
         "fair_udp_vs_alone",
         "flood_limited_pct",
+        "fair_alone_manager_core_s_per_gbit",
+        "fair_syn_manager_core_s_per_gbit",
+        "fair_udp_manager_core_s_per_gbit",
     ] {
         check(&report, "kvpn-fairness", key, false);
     }

@@ -29,7 +29,11 @@ const FLOOD_PPS: u64 = 5 * kvpn_manager::limit::NEW_FLOWS_PER_SEC as u64;
 /// The flood runs this long before B's transfer starts (A's burst allowance
 /// is spent by then).
 const FLOOD_LEAD: Duration = Duration::from_secs(1);
-/// Bytes B echoes through backend-1 during each flood.
+/// How long each flood runs: long enough that most of it comes after A's
+/// burst allowances (4096 new flows) are spent.
+const FLOOD_FOR: Duration = Duration::from_secs(4);
+/// Bytes of each of B's echo transfers through backend-1, repeated while a
+/// flood runs.
 const TRANSFER: usize = 8 * 1024 * 1024;
 /// A's tunnel IP (B has the connect default, 100.96.0.2).
 const TUNNEL_IP_A: Ipv4Addr = Ipv4Addr::new(100, 96, 0, 3);
@@ -159,12 +163,20 @@ fn flood_from_one_client_is_limited_and_another_clients_transfer_completes() {
             FLOOD_PPS,
             next_packet,
         );
+        let started = std::time::Instant::now();
         std::thread::sleep(FLOOD_LEAD);
-        let transfer = echo_transfer(&f);
+        let mut transfers = 0;
+        let mut transfer = Ok(());
+        while transfer.is_ok() && (transfers == 0 || started.elapsed() < FLOOD_FOR) {
+            transfer = echo_transfer(&f);
+            transfers += 1;
+        }
         let sent = flood
             .stop()
             .unwrap_or_else(|e| panic!("{kind:?} flood from laptop A: {e:#}"));
-        eprintln!("fairness: {kind:?} flood: laptop A offered {sent} packets");
+        eprintln!(
+            "fairness: {kind:?} flood: laptop A offered {sent} packets; laptop B echoed {transfers} × {TRANSFER} bytes"
+        );
         next_packet += sent;
         offered += sent;
         if let Err(e) = transfer {
@@ -173,7 +185,7 @@ fn flood_from_one_client_is_limited_and_another_clients_transfer_completes() {
                 f.manager_log()
             );
         }
-        let min = FLOOD_PPS * FLOOD_LEAD.as_secs();
+        let min = FLOOD_PPS * FLOOD_FOR.as_secs() / 2;
         assert!(
             sent >= min,
             "A's {kind:?} flood offered only {sent} packets (≥ {min} expected)"
