@@ -34,7 +34,7 @@ use kvpn_bench::Sample;
 use kvpn_lab::flood::{Flood, Flooder};
 use kvpn_lab::{BACKEND_1_IP, BACKEND_2_IP, Lab};
 
-use crate::{Target, iperf3_tcp, kvpn, manager_pid, pids_cpu_ticks};
+use crate::{Target, iperf3_tcp, kvpn, lab_pids, machine_busy_total, manager_pid, pids_cpu_ticks};
 
 /// The row.
 pub const ROW: &str = "kvpn-fairness";
@@ -137,9 +137,35 @@ fn measure(lab: &Lab, a: &mut LaptopA, secs: u32, clk_tck: f64) -> Result<Sample
     }
     // The manager's CPU (core-seconds) per Gbit B moved in `secs`.
     let per_gbit = |ticks: u64, gbps: f64| ticks as f64 / clk_tck / (gbps * f64::from(secs));
+    // Where the CPU goes in each phase (printed): manager, each root
+    // daemon (pump), this process (A's flood sender), the whole machine.
+    let mut who: Vec<(String, u32)> = vec![("manager".into(), manager[0])];
+    for pid in lab_pids(lab, "kvpn-dataplane") {
+        who.push((format!("pump {pid}"), pid));
+    }
+    who.push(("bench".into(), std::process::id()));
+    let snapshot = || -> (Vec<u64>, u64) {
+        let ticks = who.iter().map(|(_, p)| pids_cpu_ticks(&[*p])).collect();
+        (ticks, machine_busy_total().map(|(b, _)| b).unwrap_or(0))
+    };
+    let report = |phase: &str, before: &(Vec<u64>, u64)| {
+        let after = snapshot();
+        let parts: Vec<String> = who
+            .iter()
+            .zip(before.0.iter().zip(&after.0))
+            .map(|((name, _), (b, a))| format!("{name} {}", a.saturating_sub(*b)))
+            .collect();
+        println!(
+            "    CPU ticks in B's run {phase}: {}, machine {}",
+            parts.join(", "),
+            after.1.saturating_sub(before.1)
+        );
+    };
     let mut s = Sample::new();
     let t0 = pids_cpu_ticks(&manager);
+    let snap = snapshot();
     let alone = iperf3_tcp(lab, to, secs, 1, false)?;
+    report("alone", &snap);
     let ticks = pids_cpu_ticks(&manager).saturating_sub(t0);
     s.insert("fair_alone_gbps".into(), alone);
     s.insert(
@@ -156,7 +182,9 @@ fn measure(lab: &Lab, a: &mut LaptopA, secs: u32, clk_tck: f64) -> Result<Sample
         let flood = Flooder::start(&netns, kind, TUNNEL_IP_A, dst, FLOOD_PPS, a.next_packet);
         std::thread::sleep(FLOOD_LEAD);
         let t0 = pids_cpu_ticks(&manager);
+        let snap = snapshot();
         let under = iperf3_tcp(lab, to, secs, 1, false);
+        report(key, &snap);
         let ticks = pids_cpu_ticks(&manager).saturating_sub(t0);
         let sent = flood.stop()?;
         a.next_packet += sent;
