@@ -742,8 +742,7 @@ fn plain_lab(b: &mut Bench, rounds: u32, fairness_only: bool, rows: &mut Rows) -
         for round in 1..=rounds {
             b.sample_load(&format!("before plain-lab round {round}"))?;
             let args: Vec<&str> = connect.iter().map(String::as_str).collect();
-            let fair =
-                fairness::round(&lab, &mut laptop_a, b.seconds, b.clk_tck, &runtime, &args)?;
+            let fair = fairness::round(&lab, &mut laptop_a, b.seconds, b.clk_tck, &runtime, &args)?;
             push(rows, fairness::ROW, "plain", fair);
             if fairness_only {
                 continue;

@@ -52,7 +52,14 @@ impl Flooder {
     /// address; ports from [`flood_ports`]) at `pps` packets/s, packets
     /// numbered from `first`. A SYN's source address is `src` (the laptop's
     /// tunnel IP: a raw socket does not pick one).
-    pub fn start(netns: &str, kind: Flood, src: Ipv4Addr, dst: Ipv4Addr, pps: u64, first: u64) -> Self {
+    pub fn start(
+        netns: &str,
+        kind: Flood,
+        src: Ipv4Addr,
+        dst: Ipv4Addr,
+        pps: u64,
+        first: u64,
+    ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let netns = netns.to_owned();

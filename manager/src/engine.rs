@@ -996,7 +996,8 @@ impl Engine {
         let id = match self.ping_by_key.get(&key) {
             Some(&id) => id,
             None => {
-                if self.admit(self.ping.len(), self.config.max_ping_flows, false, now) != Admit::Yes {
+                if self.admit(self.ping.len(), self.config.max_ping_flows, false, now) != Admit::Yes
+                {
                     return;
                 }
                 let id = self.next_id();

@@ -1542,7 +1542,10 @@ fn forwarded_flows_count_against_the_flow_cap() {
     let dns = udp_datagram(laptop(53), v4([10, 96, 0, 10], 53), b"q").expect("builds");
     assert!(e.admit_forwarded(&dns, now), "second flow");
     assert_eq!((e.flows(), e.forwarded_flows()), (2, 2));
-    assert!(!e.admit_forwarded(&syn(2), now), "a third flow is over the cap");
+    assert!(
+        !e.admit_forwarded(&syn(2), now),
+        "a third flow is over the cap"
+    );
     let other = udp_datagram(laptop(54), v4([10, 96, 0, 10], 53), b"q").expect("builds");
     assert!(!e.admit_forwarded(&other, now));
     let answers: Vec<Vec<u8>> = std::iter::from_fn(|| e.poll_transmit()).collect();
@@ -1551,7 +1554,10 @@ fn forwarded_flows_count_against_the_flow_cap() {
     let icmp = Ipv4Packet::new_checked(&answers[1][..]).expect("IPv4");
     let icmp = Icmpv4Packet::new_checked(icmp.payload()).expect("ICMP");
     assert_eq!(icmp.msg_type(), Icmpv4Message::DstUnreachable);
-    assert!(e.admit_forwarded(&dns, now), "the admitted flow still passes");
+    assert!(
+        e.admit_forwarded(&dns, now),
+        "the admitted flow still passes"
+    );
     // A terminated flow is refused as well: the cap is shared.
     h.send(syn(3));
     assert!(h.reqs().is_empty(), "no dial over the shared cap");
@@ -1581,7 +1587,10 @@ fn forwarded_flows_are_rate_limited_and_expire() {
     assert!(e.admit_forwarded(&dgram(2), now));
     assert!(!e.admit_forwarded(&dgram(3), now), "over the burst");
     assert_eq!(e.metrics().flows_rate_limited, 1);
-    assert!(e.poll_transmit().is_none(), "rate-limited: dropped silently");
+    assert!(
+        e.poll_transmit().is_none(),
+        "rate-limited: dropped silently"
+    );
     h.advance(Duration::from_secs(6));
     assert_eq!(h.e.forwarded_flows(), 0, "idle flows forgotten");
 }

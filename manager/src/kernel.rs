@@ -431,28 +431,34 @@ async fn tcp_flow(
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             debug!(%flow, %dst, error = %e, "dial failed");
-            let _ = events.send(Event::TcpDialed {
-                flow,
-                result: Err(dial_error(&e)),
-            }).await;
+            let _ = events
+                .send(Event::TcpDialed {
+                    flow,
+                    result: Err(dial_error(&e)),
+                })
+                .await;
             return;
         }
         Err(_) => {
             debug!(%flow, %dst, timeout = ?dial_timeout, "dial timed out");
-            let _ = events.send(Event::TcpDialed {
-                flow,
-                result: Err(DialError::TimedOut),
-            }).await;
+            let _ = events
+                .send(Event::TcpDialed {
+                    flow,
+                    result: Err(DialError::TimedOut),
+                })
+                .await;
             return;
         }
     };
     if let Err(e) = stream.set_nodelay(true) {
         debug!(%flow, error = %e, "cannot set TCP_NODELAY");
     }
-    let _ = events.send(Event::TcpDialed {
-        flow,
-        result: Ok(()),
-    }).await;
+    let _ = events
+        .send(Event::TcpDialed {
+            flow,
+            result: Ok(()),
+        })
+        .await;
     let (rd, mut wr) = stream.into_split();
     let _reader = AbortOnDrop(tokio::spawn(tcp_reader(flow, rd, grant_rx, events.clone())));
     let mut broken = false;
@@ -727,7 +733,11 @@ mod tests {
         }
         let mut sorted = got.clone();
         sorted.sort_unstable();
-        assert_eq!(sorted, (0..CAP as u64 + 3).collect::<Vec<_>>(), "nothing lost");
+        assert_eq!(
+            sorted,
+            (0..CAP as u64 + 3).collect::<Vec<_>>(),
+            "nothing lost"
+        );
         drop(rx);
         assert!(
             !tx.send(Event::TcpEof { flow: FlowId(99) }).await,

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvpn_lab::packets::{self, PROTO_ICMP, tcp_syn};
 use kvpn_lab::{
     BACKEND_1_IP, BACKEND_1_POD, BACKEND_2_IP, LAPTOP, Lab, LabOptions, MANAGER_ADDR_FROM_LAPTOP,
     MANAGER_POD, MANAGER_POD_IP, MANAGER_PORT,
@@ -32,7 +33,6 @@ use kvpn_lab::{
 use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
 use kvpn_proto::manager::manager_client::ManagerClient;
 use kvpn_proto::manager::{LeaseRequest, LeaseResponse};
-use kvpn_lab::packets::{self, PROTO_ICMP, tcp_syn};
 use smoltcp::phy::ChecksumCapabilities;
 use smoltcp::wire::{Icmpv4Packet, Icmpv4Repr, IpProtocol, Ipv4Packet, TcpPacket, UdpPacket};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
