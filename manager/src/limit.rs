@@ -31,13 +31,16 @@ pub const NEW_FLOW_BURST: u32 = 4096;
 /// [`FAILED_FLOW_BURST`] is spent, while connections that succeed (a load
 /// test, tr-12's 3000 flows) are held only to [`NEW_FLOWS_PER_SEC`].
 ///
-/// Measured: with failed dials held only to the 1000/s of
-/// [`NEW_FLOWS_PER_SEC`], laptop A's SYN flood to closed ports (5000 SYNs/s)
-/// cut laptop B's upload through the same manager to 0.80–0.83× of its
-/// throughput alone (debug build, 2-core lab machine): each admitted SYN was a
-/// tokio task, a socket, a connect(2) answered by RST and an RST back to the
-/// laptop, ~1000 times a second. A developer's tools see a refused port a few
-/// times a second at most (a client retrying a service that is down).
+/// Measured (bench `kvpn-fairness` row, debug build, 2-core lab machine):
+/// with failed dials held only to the 1000/s of [`NEW_FLOWS_PER_SEC`], laptop
+/// A's SYN flood to closed ports (5000 SYNs/s) cut laptop B's upload through
+/// the same manager to 0.80–0.83× of its throughput alone: each admitted SYN
+/// was a tokio task, a socket, a connect(2) answered by RST and an RST back to
+/// the laptop, ~1000 times a second. With this bucket the manager's extra CPU
+/// per Gbit of B under that flood fell from +19–26% to +13–16% (three runs
+/// each; the throughput ratios themselves were noise on the busy machine). A
+/// developer's tools see a refused port a few times a second at most (a
+/// client retrying a service that is down).
 pub const FAILED_FLOWS_PER_SEC: u32 = 100;
 
 /// Dials in flight or failed at once (bucket size): as large as the new-flow
