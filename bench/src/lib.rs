@@ -120,6 +120,69 @@ pub const METRICS: &[Metric] = &[
         2,
     ),
     m(
+        "fair_alone_gbps",
+        "fairness: laptop B TCP 1 up alone",
+        "Gbit/s",
+        true,
+        3,
+    ),
+    m(
+        "fair_syn_gbps",
+        "fairness: B under laptop A's SYN flood",
+        "Gbit/s",
+        true,
+        3,
+    ),
+    m(
+        "fair_udp_gbps",
+        "fairness: B under laptop A's UDP flood",
+        "Gbit/s",
+        true,
+        3,
+    ),
+    m(
+        "fair_syn_vs_alone",
+        "fairness: B under SYN flood / alone",
+        "x",
+        true,
+        3,
+    ),
+    m(
+        "fair_udp_vs_alone",
+        "fairness: B under UDP flood / alone",
+        "x",
+        true,
+        3,
+    ),
+    m(
+        "fair_alone_manager_core_s_per_gbit",
+        "fairness: manager CPU per Gbit of B, alone",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
+    m(
+        "fair_syn_manager_core_s_per_gbit",
+        "fairness: manager CPU per Gbit of B, SYN flood",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
+    m(
+        "fair_udp_manager_core_s_per_gbit",
+        "fairness: manager CPU per Gbit of B, UDP flood",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
+    m(
+        "flood_limited_pct",
+        "fairness: A's flood packets refused by its limits",
+        "%",
+        true,
+        1,
+    ),
+    m(
         "tcp_1_vs_snat",
         "TCP 1 up / the snat manager's (kvpn-port-forward) TCP 1 up",
         "x",
@@ -315,6 +378,20 @@ pub fn goals(rows: &[Row]) -> Vec<Goal> {
             get("kvpn-direct", "manager_session_kib").map(|k| k / 1024.0),
             false,
             32.0,
+        ),
+        // Issue #10: another client's flood hurts a laptop's throughput by at
+        // most 20%.
+        goal(
+            "laptop B TCP 1 up under laptop A's SYN flood / alone",
+            get("kvpn-fairness", "fair_syn_vs_alone"),
+            true,
+            0.8,
+        ),
+        goal(
+            "laptop B TCP 1 up under laptop A's UDP flood / alone",
+            get("kvpn-fairness", "fair_udp_vs_alone"),
+            true,
+            0.8,
         ),
     ]
 }

@@ -2,7 +2,8 @@
 //! plain lab and then the Kubernetes lab and, round after round (`--rounds`, default
 //! 3), measures each lab's raw-veth baseline (the laptop routed straight to the pod)
 //! and then every subject of that lab, so baseline and subjects alternate:
-//! - plain lab: raw veth, kvpn direct, kvpn direct with 10,000 extra /32 routes
+//! - plain lab: flood fairness between two laptops ([`fairness`]; alone with
+//!   `--fairness-only`), raw veth, kvpn direct, kvpn direct with 10,000 extra /32 routes
 //!   (`kvpn connect --cidr` ×10,000: the routes and the TUN classifier the product
 //!   really installs; where the connect refuses that many — the eBPF classifier's
 //!   route trie held 1,024 routes until `MAX_ROUTES` became 16,384 — 1,000, and the
@@ -45,6 +46,7 @@ use kvpn_lab::{
     BACKEND_1_IP, BACKEND_1_POD, ECHO_PORT, LAPTOP, Lab, LabOptions, NODE, NODE_UPLINK_IP,
 };
 
+mod fairness;
 mod ssh;
 
 #[derive(Parser)]
@@ -77,6 +79,10 @@ struct Args {
     /// An earlier JSON report: print old → new medians per row and metric.
     #[arg(long)]
     compare: Option<PathBuf>,
+    /// Only the flood-fairness row (plain lab): laptop B's TCP throughput alone
+    /// and under laptop A's SYN and UDP floods (bench/src/fairness.rs).
+    #[arg(long)]
+    fairness_only: bool,
 }
 
 const IPERF_PORT: u16 = 5201;
@@ -693,7 +699,7 @@ fn raw_row(b: &Bench, lab: &Lab, path: &str, t: Target) -> Result<Sample> {
 
 /// The plain lab's rounds: raw veth, kvpn direct, kvpn direct with 10,000 routes,
 /// socat.
-fn plain_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
+fn plain_lab(b: &mut Bench, rounds: u32, fairness_only: bool, rows: &mut Rows) -> Result<()> {
     println!("==> bringing up the lab");
     let mut lab = Lab::up(LabOptions::default()).context("lab up")?;
     let mut iperf = Command::new("iperf3");
@@ -731,9 +737,16 @@ fn plain_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
         "--service-cidr".into(),
         kvpn_lab::SERVICE_CIDR.to_string(),
     ]);
+    let mut laptop_a = fairness::LaptopA::add(&mut lab)?;
     let result = (|| {
         for round in 1..=rounds {
             b.sample_load(&format!("before plain-lab round {round}"))?;
+            let args: Vec<&str> = connect.iter().map(String::as_str).collect();
+            let fair = fairness::round(&lab, &mut laptop_a, b.seconds, b.clk_tck, &runtime, &args)?;
+            push(rows, fairness::ROW, "plain", fair);
+            if fairness_only {
+                continue;
+            }
             let raw = raw_row(b, &lab, "raw-veth", pod)?;
             let args: Vec<&str> = connect.iter().map(String::as_str).collect();
             let mut direct = b.kvpn_row(
@@ -757,6 +770,7 @@ fn plain_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
         b.sample_load("after the plain lab's last round")
     })();
     let _ = kvpn(&lab, &runtime, &["quit"]);
+    laptop_a.quit(&lab);
     lab.down()?;
     result
 }
@@ -1053,8 +1067,10 @@ fn main() -> Result<()> {
     };
     let mut raw_rows: Rows = Vec::new();
     let started = Instant::now();
-    plain_lab(&mut b, args.rounds, &mut raw_rows)?;
-    kube_lab(&mut b, args.rounds, &mut raw_rows)?;
+    plain_lab(&mut b, args.rounds, args.fairness_only, &mut raw_rows)?;
+    if !args.fairness_only {
+        kube_lab(&mut b, args.rounds, &mut raw_rows)?;
+    }
     let rows: Vec<Row> = raw_rows
         .iter()
         .map(|(path, lab, samples)| Row::of(path, lab, samples))

@@ -1,13 +1,18 @@
 //! Hand-made IP packets for the eBPF tests (dataplane/tests/ebpf_classifier.rs,
-//! ebpf_tun_netns.rs, tests/tests/ebpf_antispoof.rs): header layouts the
+//! ebpf_tun_netns.rs, tests/tests/ebpf_antispoof.rs), the rogue client
+//! (tests/tests/rogue_client.rs) and the bench's SYN flood: header layouts the
 //! classifier must parse, built byte by byte so a test controls every field
-//! (RFC 791, RFC 8200, RFC 768, checksums per RFC 1071), and draining a
-//! non-blocking reader for a while. Pure apart from [`drain_for`].
+//! (RFC 791, RFC 8200, RFC 768, RFC 9293, checksums per RFC 1071), and draining
+//! a non-blocking reader for a while. Pure apart from [`drain_for`].
 
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
+/// `IPPROTO_ICMP`.
+pub const PROTO_ICMP: u8 = 1;
+/// `IPPROTO_TCP`.
+pub const PROTO_TCP: u8 = 6;
 /// `IPPROTO_UDP`.
 pub const PROTO_UDP: u8 = 17;
 
@@ -99,6 +104,34 @@ pub fn udp_packet(
         }
         _ => panic!("mixed address families {src} -> {dst}"),
     }
+}
+
+/// A TCP SYN `src -> dst` as a bare IPv4 packet: sequence number 0x1000,
+/// window 64240, options MSS 1360 and window scale 7 (RFC 7323), valid IP and
+/// TCP checksums, so a kernel or the manager takes it as a connection attempt.
+pub fn tcp_syn(src: SocketAddrV4, dst: SocketAddrV4) -> Vec<u8> {
+    const LEN: usize = 28; // 20-byte header + 8 bytes of options
+    let mut tcp = vec![0u8; LEN];
+    tcp[0..2].copy_from_slice(&src.port().to_be_bytes());
+    tcp[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    tcp[4..8].copy_from_slice(&0x1000u32.to_be_bytes());
+    tcp[12] = ((LEN / 4) as u8) << 4; // data offset in 32-bit words
+    tcp[13] = 0x02; // SYN
+    tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    // MSS (kind 2, length 4), NOP, window scale (kind 3, length 3).
+    tcp[20..24].copy_from_slice(&[2, 4, 0, 0]);
+    tcp[22..24].copy_from_slice(&1360u16.to_be_bytes());
+    tcp[24..28].copy_from_slice(&[1, 3, 3, 7]);
+    let pseudo = [
+        &src.ip().octets()[..],
+        &dst.ip().octets()[..],
+        &[0, PROTO_TCP],
+        &(LEN as u16).to_be_bytes(),
+    ]
+    .concat();
+    let sum = checksum(&[&pseudo, &tcp]);
+    tcp[16..18].copy_from_slice(&sum.to_be_bytes());
+    ipv4(PROTO_TCP, *src.ip(), *dst.ip(), &tcp)
 }
 
 /// Everything `read` returns within `wait`, one entry per successful read. `read`

@@ -89,6 +89,7 @@ use smoltcp::socket::tcp;
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpListenEndpoint, IpProtocol};
 use tracing::{debug, trace};
 
+use crate::forwarded::{self, ForwardedFlows, Segment};
 use crate::frag::{self, Reassembler, Reassembly};
 use crate::limit::{self, TokenBucket};
 use crate::metrics::Metrics;
@@ -154,7 +155,7 @@ pub const TCP_IDLE_SWEEP: Duration = Duration::from_secs(60);
 /// scan is O(flows); without a floor, a laptop opening a new flow every
 /// millisecond (a UDP sweep of closed ports, each datagram a new flow up to the
 /// 4096-flow cap) made every engine round scan thousands of flows and cost the
-/// manager's CPU that other sessions needed (the flood-fairness measurement, `tests/tests/flood_fairness.rs` on branch h/fair, out of CI since it sits at the 0.8 bound). An
+/// manager's CPU that other sessions needed (the flood-fairness measurement: `kvpn-bench --fairness-only`, bench/src/fairness.rs). An
 /// idle flow is closed at most this much after its timeout.
 pub const IDLE_SCAN_MIN: Duration = Duration::from_secs(1);
 
@@ -202,6 +203,11 @@ pub struct EngineConfig {
     pub new_flows_per_sec: u32,
     /// New flows at once (token bucket size).
     pub new_flow_burst: u32,
+    /// New flows per second that may fail (TCP dials refused, unreachable or
+    /// timed out), sustained (0: unlimited); see [`limit::FAILED_FLOWS_PER_SEC`].
+    pub failed_flows_per_sec: u32,
+    /// Failed new flows at once (token bucket size).
+    pub failed_flow_burst: u32,
     /// ICMP errors to the laptop per second, sustained (0: unlimited).
     pub icmp_errors_per_sec: u32,
     /// ICMP errors at once.
@@ -242,6 +248,8 @@ impl EngineConfig {
             max_ping_flows: 1024,
             new_flows_per_sec: limit::NEW_FLOWS_PER_SEC,
             new_flow_burst: limit::NEW_FLOW_BURST,
+            failed_flows_per_sec: limit::FAILED_FLOWS_PER_SEC,
+            failed_flow_burst: limit::FAILED_FLOW_BURST,
             icmp_errors_per_sec: limit::ICMP_ERRORS_PER_SEC,
             icmp_error_burst: limit::ICMP_ERROR_BURST,
             laptop_mtu: DEFAULT_MTU,
@@ -508,6 +516,9 @@ pub struct Engine {
     udp_by_key: HashMap<UdpKey, FlowId>,
     ping: HashMap<FlowId, PingFlow>,
     ping_by_key: HashMap<PingKey, FlowId>,
+    /// Flows the pod's kernel carries (source policies `preserve`,
+    /// `ebpf-snat`), counted against the same cap and limits.
+    forwarded: ForwardedFlows,
     requests: VecDeque<Request>,
     metrics: Metrics,
     frags: Reassembler,
@@ -522,6 +533,9 @@ pub struct Engine {
     next_idle_scan: Option<Instant>,
     /// New flows (TCP dials, UDP and ping sockets) this laptop may open.
     new_flows: TokenBucket,
+    /// TCP dials of this laptop that may still fail: each dial takes a
+    /// token, a dial that succeeds gives it back.
+    failed_flows: TokenBucket,
     /// ICMP errors the manager may send this laptop.
     icmp_errors: TokenBucket,
 }
@@ -604,6 +618,7 @@ impl Engine {
             udp_by_key: HashMap::new(),
             ping: HashMap::new(),
             ping_by_key: HashMap::new(),
+            forwarded: ForwardedFlows::default(),
             requests: VecDeque::new(),
             metrics: Metrics::default(),
             frags: Reassembler::default(),
@@ -611,6 +626,11 @@ impl Engine {
             next_tcp_sweep: now + TCP_IDLE_SWEEP,
             next_idle_scan: None,
             new_flows: TokenBucket::new(config.new_flows_per_sec, config.new_flow_burst, now),
+            failed_flows: TokenBucket::new(
+                config.failed_flows_per_sec,
+                config.failed_flow_burst,
+                now,
+            ),
             icmp_errors: TokenBucket::new(config.icmp_errors_per_sec, config.icmp_error_burst, now),
             config,
         }
@@ -642,9 +662,15 @@ impl Engine {
         (self.tcp.len(), self.udp.len(), self.ping.len())
     }
 
-    /// Live flows of all kinds (what the flow cap counts).
+    /// Live flows of all kinds (what the flow cap counts), forwarded ones
+    /// included.
     pub fn flows(&self) -> usize {
-        self.tcp.len() + self.udp.len() + self.ping.len()
+        self.tcp.len() + self.udp.len() + self.ping.len() + self.forwarded.len()
+    }
+
+    /// Live flows the pod's kernel carries (`preserve`, `ebpf-snat`).
+    pub fn forwarded_flows(&self) -> usize {
+        self.forwarded.len()
     }
 
     /// The per-client flow cap.
@@ -652,18 +678,93 @@ impl Engine {
         self.config.max_flows
     }
 
-    /// Admission of a new flow whose kind has `kind_len` of `kind_max` flows.
-    fn admit(&mut self, kind_len: usize, kind_max: usize, now: Instant) -> Admit {
+    /// Admission of a new flow whose kind has `kind_len` of `kind_max` flows;
+    /// a TCP `dial` also needs a failed-flow token (given back when it
+    /// succeeds, [`limit::FAILED_FLOWS_PER_SEC`]).
+    fn admit(&mut self, kind_len: usize, kind_max: usize, dial: bool, now: Instant) -> Admit {
         if self.flows() >= self.config.max_flows || kind_len >= kind_max {
             self.metrics.flows_refused_cap += 1;
             self.drop_packet(DropReason::TooManyFlows);
             return Admit::Cap;
         }
-        if !self.new_flows.take(now) {
+        // A laptop whose recent dials failed (a scan of closed ports) may dial
+        // more only as fast as the failed-flow bucket refills.
+        if (dial && !self.failed_flows.has_token(now)) || !self.new_flows.take(now) {
             self.metrics.flows_rate_limited += 1;
             return Admit::RateLimited;
         }
+        if dial {
+            self.failed_flows.take(now);
+        }
         Admit::Yes
+    }
+
+    /// Answer a UDP datagram refused by the flow cap with ICMP "communication
+    /// administratively prohibited" (RFC 1812 §5.2.7.1), rate-limited.
+    fn refuse_udp(&mut self, src: SocketAddr, dst: SocketAddr, payload_len: usize, now: Instant) {
+        let mut head = [0u8; 8];
+        head[0..2].copy_from_slice(&src.port().to_be_bytes());
+        head[2..4].copy_from_slice(&dst.port().to_be_bytes());
+        let len = u16::try_from(8 + payload_len).unwrap_or(u16::MAX);
+        head[4..6].copy_from_slice(&len.to_be_bytes());
+        let offending = Offending {
+            src: src.ip(),
+            dst: dst.ip(),
+            protocol: IpProtocol::Udp,
+            payload_len: 8,
+            payload_head: &head,
+        };
+        let err = packet::dst_unreachable(&offending, Unreachable::AdminProhibited);
+        self.send_icmp_error(err, now);
+    }
+
+    /// A laptop packet the pod's kernel carries (source policies `preserve`
+    /// and `ebpf-snat`, see [`crate::forwarded`]): whether it may go into the
+    /// pool TUN. The first packet of a flow is admitted like a terminated
+    /// flow's: within the flow cap (beyond it a SYN is answered with RST and
+    /// a UDP datagram with ICMP "administratively prohibited", counted in
+    /// [`Metrics::flows_refused_cap`]) and the new-flow rate limit (dropped,
+    /// [`Metrics::flows_rate_limited`]). Packets the engine cannot classify
+    /// (fragments, other protocols) pass: they open no flow of their own.
+    pub fn admit_forwarded(&mut self, buf: &[u8], now: Instant) -> bool {
+        let Ok(parsed) = packet::parse(buf) else {
+            return true;
+        };
+        let (key, seg) = forwarded::classify(&parsed);
+        if !self.forwarded.contains(&key) {
+            if seg == Segment::TcpRst {
+                // Ends nothing the table knows; the kernel answers or ignores it.
+                return true;
+            }
+            match self.admit(self.forwarded.len(), self.config.max_flows, false, now) {
+                Admit::Yes => {}
+                Admit::Cap => {
+                    match parsed {
+                        Parsed::Tcp(meta) if seg == Segment::TcpSyn => {
+                            let rst = packet::tcp_rst_for_syn(&meta);
+                            self.send_icmp_error(rst, now);
+                        }
+                        Parsed::Udp { src, dst, payload } => {
+                            self.refuse_udp(src, dst, payload.len(), now);
+                        }
+                        _ => {}
+                    }
+                    return false;
+                }
+                Admit::RateLimited => return false,
+            }
+            self.metrics.forwarded_flows += 1;
+            let idle = match seg {
+                Segment::Udp => self.config.udp_idle_timeout,
+                Segment::Echo => self.config.ping_idle_timeout,
+                _ => forwarded::TCP_SYN_TIMEOUT,
+            };
+            self.idle_deadline(now + idle);
+        } else if seg == Segment::TcpFin {
+            self.idle_deadline(now + forwarded::TCP_CLOSING_TIMEOUT);
+        }
+        self.forwarded.seen(key, seg, now);
+        true
     }
 
     /// Send an ICMP error to the laptop unless the ICMP error bucket is empty.
@@ -817,7 +918,7 @@ impl Engine {
             self.device.push_rx(buf.to_vec());
             return;
         }
-        match self.admit(self.tcp.len(), self.config.max_tcp_flows, now) {
+        match self.admit(self.tcp.len(), self.config.max_tcp_flows, true, now) {
             Admit::Yes => {}
             Admit::Cap => {
                 debug!(dst = %meta.dst, flows = self.flows(), cap = self.config.max_flows, "flow cap reached, refusing SYN with RST");
@@ -859,24 +960,9 @@ impl Engine {
         let id = match self.udp_by_key.get(&key) {
             Some(&id) => id,
             None => {
-                match self.admit(self.udp.len(), self.config.max_udp_flows, now) {
+                match self.admit(self.udp.len(), self.config.max_udp_flows, false, now) {
                     Admit::Yes => {}
-                    Admit::Cap => {
-                        let mut head = [0u8; 8];
-                        head[0..2].copy_from_slice(&src.port().to_be_bytes());
-                        head[2..4].copy_from_slice(&dst.port().to_be_bytes());
-                        let len = u16::try_from(8 + payload.len()).unwrap_or(u16::MAX);
-                        head[4..6].copy_from_slice(&len.to_be_bytes());
-                        let offending = Offending {
-                            src: src.ip(),
-                            dst: dst.ip(),
-                            protocol: IpProtocol::Udp,
-                            payload_len: 8,
-                            payload_head: &head,
-                        };
-                        let err = packet::dst_unreachable(&offending, Unreachable::AdminProhibited);
-                        return self.send_icmp_error(err, now);
-                    }
+                    Admit::Cap => return self.refuse_udp(src, dst, payload.len(), now),
                     Admit::RateLimited => return,
                 }
                 let id = self.next_id();
@@ -910,7 +996,8 @@ impl Engine {
         let id = match self.ping_by_key.get(&key) {
             Some(&id) => id,
             None => {
-                if self.admit(self.ping.len(), self.config.max_ping_flows, now) != Admit::Yes {
+                if self.admit(self.ping.len(), self.config.max_ping_flows, false, now) != Admit::Yes
+                {
                     return;
                 }
                 let id = self.next_id();
@@ -1042,6 +1129,8 @@ impl Engine {
         };
         match result {
             Ok(()) => {
+                // The dial's failed-flow token was not needed.
+                self.failed_flows.give_back();
                 let mut socket = tcp::Socket::new(
                     tcp::SocketBuffer::new(vec![0u8; TCP_RX_BUFFER]),
                     tcp::SocketBuffer::new(vec![0u8; TCP_TX_BUFFER]),
@@ -1220,16 +1309,27 @@ impl Engine {
         self.poll(now);
     }
 
-    /// A UDP or ping flow's idle deadline: the next scan is no later.
+    /// A UDP, ping or forwarded flow's idle deadline: the next scan is no later.
     fn idle_deadline(&mut self, deadline: Instant) {
         self.next_idle_scan = Some(self.next_idle_scan.map_or(deadline, |t| t.min(deadline)));
     }
 
-    /// Close the UDP and ping flows idle at `now`; schedule the next scan.
+    /// Close the UDP and ping flows idle at `now`, forget idle forwarded
+    /// flows; schedule the next scan.
     fn expire_idle(&mut self, now: Instant) {
         let udp_idle = self.config.udp_idle_timeout;
         let ping_idle = self.config.ping_idle_timeout;
-        let mut next: Option<Instant> = None;
+        let (gone, mut next) = self.forwarded.expire(
+            now,
+            forwarded::Timeouts {
+                tcp: self.config.tcp_idle_timeout,
+                udp: udp_idle,
+                echo: ping_idle,
+            },
+        );
+        if gone > 0 {
+            debug!(flows = gone, "forwarded flows idle, forgotten");
+        }
         let mut expired: Vec<FlowId> = Vec::new();
         for (id, f) in &self.udp {
             let deadline = f.last_active + udp_idle;

@@ -1478,6 +1478,123 @@ fn new_flow_rate_limit_drops_beyond_the_burst_and_refills() {
     assert!(matches!(h.reqs()[..], [Request::TcpDial { .. }]));
 }
 
+/// A port scan: once the failed-flow burst is spent by refused dials, new
+/// flows are admitted only as fast as that bucket refills, however full the
+/// new-flow bucket is; dials that succeed never take from it.
+#[test]
+fn refused_dials_hold_new_flows_to_the_failed_flow_rate() {
+    let mut h = harness_with(|c| {
+        c.failed_flows_per_sec = 10;
+        c.failed_flow_burst = 3;
+    });
+    // Successful dials spend nothing of the failed-flow bucket.
+    for port in 100..110 {
+        h.open(port, backend());
+    }
+    let mut refused = 0;
+    for port in 1..=3 {
+        h.send(syn(port));
+        // (The previous refused dial's close comes along.)
+        let reqs = h.reqs();
+        let flow = reqs
+            .iter()
+            .find_map(|r| match r {
+                Request::TcpDial { flow, .. } => Some(*flow),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("SYN {port}: expected a dial, got {reqs:?}"));
+        h.event(Event::TcpDialed {
+            flow,
+            result: Err(DialError::Refused),
+        });
+        refused += h.out().len();
+    }
+    assert_eq!(refused, 3, "each refused dial answered (RST)");
+    // The burst of failures is spent: the next SYNs are dropped, counted.
+    for port in 4..=6 {
+        h.send(syn(port));
+    }
+    let dials = |reqs: Vec<Request>| {
+        reqs.iter()
+            .filter(|r| matches!(r, Request::TcpDial { .. }))
+            .count()
+    };
+    assert_eq!(dials(h.reqs()), 0, "no dial after the failure burst");
+    assert_eq!(h.e.metrics().flows_rate_limited, 3);
+    // 100 ms refills one failure token: one more dial, then none.
+    h.now += Duration::from_millis(100);
+    h.send(syn(7));
+    h.send(syn(8));
+    assert_eq!(dials(h.reqs()), 1);
+    assert_eq!(h.e.metrics().flows_rate_limited, 4);
+}
+
+/// `preserve` / `ebpf-snat`: flows handed to the pod's kernel count against
+/// the same cap as terminated ones; over it a SYN gets RST and a datagram ICMP
+/// "administratively prohibited", nothing goes to the kernel, and a laptop RST
+/// frees the flow's place. Packets of admitted flows keep passing.
+#[test]
+fn forwarded_flows_count_against_the_flow_cap() {
+    let mut h = harness_with(|c| c.max_flows = 2);
+    let (now, e) = (h.now, &mut h.e);
+    assert!(e.admit_forwarded(&syn(1), now), "first flow");
+    assert!(e.admit_forwarded(&syn(1), now), "its retransmitted SYN");
+    let dns = udp_datagram(laptop(53), v4([10, 96, 0, 10], 53), b"q").expect("builds");
+    assert!(e.admit_forwarded(&dns, now), "second flow");
+    assert_eq!((e.flows(), e.forwarded_flows()), (2, 2));
+    assert!(
+        !e.admit_forwarded(&syn(2), now),
+        "a third flow is over the cap"
+    );
+    let other = udp_datagram(laptop(54), v4([10, 96, 0, 10], 53), b"q").expect("builds");
+    assert!(!e.admit_forwarded(&other, now));
+    let answers: Vec<Vec<u8>> = std::iter::from_fn(|| e.poll_transmit()).collect();
+    assert_eq!(answers.len(), 2, "RST for the SYN, ICMP for the datagram");
+    assert!(seg(&answers[0]).rst, "the refused SYN is answered with RST");
+    let icmp = Ipv4Packet::new_checked(&answers[1][..]).expect("IPv4");
+    let icmp = Icmpv4Packet::new_checked(icmp.payload()).expect("ICMP");
+    assert_eq!(icmp.msg_type(), Icmpv4Message::DstUnreachable);
+    assert!(
+        e.admit_forwarded(&dns, now),
+        "the admitted flow still passes"
+    );
+    // A terminated flow is refused as well: the cap is shared.
+    h.send(syn(3));
+    assert!(h.reqs().is_empty(), "no dial over the shared cap");
+    // The laptop resets its TCP flow: a new one fits again.
+    let (now, e) = (h.now, &mut h.e);
+    let rst = tcp_segment(laptop(1), backend(), TcpControl::Rst, 2, None, &[]);
+    assert!(e.admit_forwarded(&rst, now));
+    assert_eq!(e.forwarded_flows(), 1);
+    assert!(e.admit_forwarded(&syn(4), now));
+    let m = e.metrics();
+    assert_eq!((m.forwarded_flows, m.flows_refused_cap), (3, 3));
+    assert_eq!(m.dropped(DropReason::TooManyFlows), 3);
+}
+
+/// Forwarded flows take new-flow tokens like terminated ones, and idle ones
+/// are forgotten by the engine's idle scan.
+#[test]
+fn forwarded_flows_are_rate_limited_and_expire() {
+    let mut h = harness_with(|c| {
+        c.new_flows_per_sec = 10;
+        c.new_flow_burst = 2;
+        c.udp_idle_timeout = Duration::from_secs(5);
+    });
+    let dgram = |port| udp_datagram(laptop(port), backend(), b"x").expect("builds");
+    let (now, e) = (h.now, &mut h.e);
+    assert!(e.admit_forwarded(&dgram(1), now));
+    assert!(e.admit_forwarded(&dgram(2), now));
+    assert!(!e.admit_forwarded(&dgram(3), now), "over the burst");
+    assert_eq!(e.metrics().flows_rate_limited, 1);
+    assert!(
+        e.poll_transmit().is_none(),
+        "rate-limited: dropped silently"
+    );
+    h.advance(Duration::from_secs(6));
+    assert_eq!(h.e.forwarded_flows(), 0, "idle flows forgotten");
+}
+
 #[test]
 fn icmp_errors_to_the_laptop_are_rate_limited() {
     let mut h = harness_with(|c| {

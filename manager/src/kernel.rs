@@ -11,16 +11,25 @@
 //!   to the pinged address, plus a reader task. The kernel owns the echo
 //!   identifier on these sockets; the engine maps replies back to the laptop's.
 //!
-//! TCP events go over an unbounded channel whose volume the engine bounds:
-//! inbound bytes by the grants (at most one smoltcp send buffer per flow),
-//! write confirmations by the write window. Datagram readers (UDP, ping) use a
-//! bounded channel instead: when the session falls behind they wait, their
+//! TCP events go over a bounded channel ([`TCP_EVENT_QUEUE`]) whose volume the
+//! engine bounds already: inbound bytes by the grants (at most one smoltcp send
+//! buffer per flow), write confirmations by the write window. When it is full
+//! a flow's task waits (its destination socket's buffers fill and TCP flow
+//! control reaches the destination); each such wait is counted
+//! ([`TcpEventSender::full_waits`]). An event is never dropped: a lost
+//! `TcpData` would corrupt the stream. Datagram readers (UDP, ping) use a
+//! bounded channel as well: when the session falls behind they wait, their
 //! socket buffers fill and the kernel drops, as it would for any slow reader.
+//! Events that [`KernelSide::apply`] itself produces (a UDP or ping socket that
+//! failed) are queued in the [`KernelSide`] and taken with
+//! [`KernelSide::poll_event`], never on a channel the session loop could be
+//! the one to fill.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
@@ -41,6 +50,53 @@ const DATAGRAM_BUFFER: usize = 65_536;
 
 /// Datagram events (UDP replies, echo replies) queued for the session loop.
 pub const DATAGRAM_QUEUE: usize = 1024;
+
+/// TCP events (dial results, data, EOF, resets, write confirmations) queued for
+/// one session loop. Far more than the engine's credit lets flows queue in a
+/// round (one dial result per flow dialing, data only against grants, one
+/// write confirmation per write command), and more than tr-12's 3000 flows'
+/// dial results at once; a hard bound so that a fault in that accounting
+/// waits, counted, instead of growing memory.
+pub const TCP_EVENT_QUEUE: usize = 4096;
+
+/// The sending side of a session's TCP event queue, cloned into each TCP flow's
+/// tasks. Sends wait while the queue is full, and those waits are counted.
+#[derive(Debug, Clone)]
+pub struct TcpEventSender {
+    tx: mpsc::Sender<Event>,
+    full_waits: Arc<AtomicU64>,
+}
+
+impl TcpEventSender {
+    /// A queue of `capacity` events and its receiver.
+    pub fn channel(capacity: usize) -> (Self, mpsc::Receiver<Event>) {
+        let (tx, rx) = mpsc::channel(capacity);
+        let sender = Self {
+            tx,
+            full_waits: Arc::new(AtomicU64::new(0)),
+        };
+        (sender, rx)
+    }
+
+    /// Queue `event`, waiting (counted) while the queue is full; false when
+    /// the session loop is gone.
+    pub async fn send(&self, event: Event) -> bool {
+        match self.tx.try_send(event) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(event)) => {
+                self.full_waits.fetch_add(1, Ordering::Relaxed);
+                trace!("TCP event queue full, waiting");
+                self.tx.send(event).await.is_ok()
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+
+    /// How many sends found the queue full and waited, since it was made.
+    pub fn full_waits(&self) -> u64 {
+        self.full_waits.load(Ordering::Relaxed)
+    }
+}
 
 /// Aborts a task when dropped.
 #[derive(Debug)]
@@ -81,7 +137,10 @@ struct DatagramFlow {
 /// closes every UDP and ping socket.
 #[derive(Debug)]
 pub struct KernelSide {
-    events_tx: mpsc::UnboundedSender<Event>,
+    events_tx: TcpEventSender,
+    /// Events produced by [`KernelSide::apply`] itself, for
+    /// [`KernelSide::poll_event`].
+    local_events: VecDeque<Event>,
     datagrams_tx: mpsc::Sender<Event>,
     dial_timeout: Duration,
     tcp: HashMap<FlowId, TcpHandle>,
@@ -93,16 +152,17 @@ pub struct KernelSide {
 }
 
 impl KernelSide {
-    /// Report TCP and failure events on `events_tx`, received datagrams on
-    /// `datagrams_tx` (bounded, see [`DATAGRAM_QUEUE`]); give up dials after
-    /// `dial_timeout`.
+    /// Report TCP events on `events_tx` (bounded, see [`TCP_EVENT_QUEUE`]),
+    /// received datagrams on `datagrams_tx` (bounded, see [`DATAGRAM_QUEUE`]);
+    /// give up dials after `dial_timeout`.
     pub fn new(
-        events_tx: mpsc::UnboundedSender<Event>,
+        events_tx: TcpEventSender,
         datagrams_tx: mpsc::Sender<Event>,
         dial_timeout: Duration,
     ) -> Self {
         Self {
             events_tx,
+            local_events: VecDeque::new(),
             datagrams_tx,
             dial_timeout,
             tcp: HashMap::new(),
@@ -127,9 +187,18 @@ impl KernelSide {
         self.tcp_closing.retain(|h| !h.task.is_finished());
     }
 
-    fn event(&self, event: Event) {
-        // The receiver lives as long as the session loop that owns `self`.
-        let _ = self.events_tx.send(event);
+    /// The next event [`KernelSide::apply`] produced itself (a UDP or ping
+    /// socket that could not be opened, a send that failed, an ICMP error
+    /// pending on a UDP socket). The session loop takes them after applying
+    /// requests.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.local_events.pop_front()
+    }
+
+    /// Sends of this session's TCP flows that found the TCP event queue full
+    /// and waited.
+    pub fn tcp_events_full(&self) -> u64 {
+        self.events_tx.full_waits()
     }
 
     /// Carry out one engine request.
@@ -199,7 +268,7 @@ impl KernelSide {
                 }
                 Err(e) => {
                     debug!(%flow, %dst, error = %e, "cannot open UDP socket");
-                    self.event(Event::SocketFailed { flow });
+                    self.local_events.push_back(Event::SocketFailed { flow });
                 }
             },
             Request::UdpSend { flow, payload } => {
@@ -211,7 +280,7 @@ impl KernelSide {
                     match udp_error(flow, e) {
                         UdpError::Relay(event) => {
                             drain_error_queue(&f.socket);
-                            self.event(event);
+                            self.local_events.push_back(event);
                             result = send_now(&f.socket, &payload);
                         }
                         UdpError::Ignore => {
@@ -223,7 +292,7 @@ impl KernelSide {
                 }
                 if let Err(e) = result {
                     trace!(%flow, error = %e, "UDP send failed");
-                    self.event(Event::SendFailed { flow });
+                    self.local_events.push_back(Event::SendFailed { flow });
                 }
             }
             Request::UdpClose { flow } => {
@@ -259,7 +328,7 @@ impl KernelSide {
                     } else {
                         debug!(%flow, %dst, error = %e, "cannot open ping socket");
                     }
-                    self.event(Event::SocketFailed { flow });
+                    self.local_events.push_back(Event::SocketFailed { flow });
                 }
             },
             Request::PingSend { flow, seq, data } => {
@@ -269,7 +338,7 @@ impl KernelSide {
                 let msg = packet::ping_socket_request(f.v6, seq, &data);
                 if let Err(e) = send_now(&f.socket, &msg) {
                     trace!(%flow, error = %e, "echo request send failed");
-                    self.event(Event::SendFailed { flow });
+                    self.local_events.push_back(Event::SendFailed { flow });
                 }
             }
             Request::PingClose { flow } => {
@@ -348,7 +417,7 @@ async fn tcp_flow(
     mut cmd_rx: mpsc::UnboundedReceiver<TcpCmd>,
     grant_rx: mpsc::UnboundedReceiver<usize>,
     mut abort_rx: oneshot::Receiver<()>,
-    events: mpsc::UnboundedSender<Event>,
+    events: TcpEventSender,
 ) {
     let connect = tokio::time::timeout(dial_timeout, TcpStream::connect(dst));
     let result = tokio::select! {
@@ -362,28 +431,34 @@ async fn tcp_flow(
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             debug!(%flow, %dst, error = %e, "dial failed");
-            let _ = events.send(Event::TcpDialed {
-                flow,
-                result: Err(dial_error(&e)),
-            });
+            let _ = events
+                .send(Event::TcpDialed {
+                    flow,
+                    result: Err(dial_error(&e)),
+                })
+                .await;
             return;
         }
         Err(_) => {
             debug!(%flow, %dst, timeout = ?dial_timeout, "dial timed out");
-            let _ = events.send(Event::TcpDialed {
-                flow,
-                result: Err(DialError::TimedOut),
-            });
+            let _ = events
+                .send(Event::TcpDialed {
+                    flow,
+                    result: Err(DialError::TimedOut),
+                })
+                .await;
             return;
         }
     };
     if let Err(e) = stream.set_nodelay(true) {
         debug!(%flow, error = %e, "cannot set TCP_NODELAY");
     }
-    let _ = events.send(Event::TcpDialed {
-        flow,
-        result: Ok(()),
-    });
+    let _ = events
+        .send(Event::TcpDialed {
+            flow,
+            result: Ok(()),
+        })
+        .await;
     let (rd, mut wr) = stream.into_split();
     let _reader = AbortOnDrop(tokio::spawn(tcp_reader(flow, rd, grant_rx, events.clone())));
     let mut broken = false;
@@ -409,12 +484,12 @@ async fn tcp_flow(
                 };
                 match written {
                     Ok(()) => {
-                        let _ = events.send(Event::TcpWritten { flow, bytes: n });
+                        let _ = events.send(Event::TcpWritten { flow, bytes: n }).await;
                     }
                     Err(e) => {
                         debug!(%flow, error = %e, "write to destination failed");
                         broken = true;
-                        let _ = events.send(Event::TcpReset { flow });
+                        let _ = events.send(Event::TcpReset { flow }).await;
                     }
                 }
             }
@@ -432,7 +507,7 @@ async fn tcp_reader(
     flow: FlowId,
     rd: OwnedReadHalf,
     mut grant_rx: mpsc::UnboundedReceiver<usize>,
-    events: mpsc::UnboundedSender<Event>,
+    events: TcpEventSender,
 ) {
     let mut credit = 0usize;
     loop {
@@ -449,23 +524,23 @@ async fn tcp_reader(
         // (3000 idle flows would otherwise pin 3000 x 64 KiB).
         if let Err(e) = rd.readable().await {
             debug!(%flow, error = %e, "read from destination failed");
-            let _ = events.send(Event::TcpReset { flow });
+            let _ = events.send(Event::TcpReset { flow }).await;
             return;
         }
         let mut data = Vec::with_capacity(credit.min(TCP_READ_CHUNK));
         match rd.try_read_buf(&mut data) {
             Ok(0) => {
-                let _ = events.send(Event::TcpEof { flow });
+                let _ = events.send(Event::TcpEof { flow }).await;
                 return;
             }
             Ok(n) => {
                 credit -= n;
-                let _ = events.send(Event::TcpData { flow, data });
+                let _ = events.send(Event::TcpData { flow, data }).await;
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => {
                 debug!(%flow, error = %e, "read from destination failed");
-                let _ = events.send(Event::TcpReset { flow });
+                let _ = events.send(Event::TcpReset { flow }).await;
                 return;
             }
         }
@@ -616,5 +691,57 @@ mod tests {
         }
         assert_eq!(err(libc::EMSGSIZE), UdpError::Ignore);
         assert_eq!(err(libc::EBADF), UdpError::Fatal);
+    }
+
+    /// Overflowing the TCP event queue: the queue never holds more than its
+    /// bound, the sender beyond it waits (counted once per wait) instead of
+    /// dropping, and every event arrives in order once the session loop reads.
+    #[tokio::test]
+    async fn full_tcp_event_queue_makes_senders_wait_counted_and_loses_nothing() {
+        const CAP: usize = 4;
+        let (tx, mut rx) = TcpEventSender::channel(CAP);
+        let mut senders = Vec::new();
+        for i in 0..CAP as u64 + 3 {
+            let tx = tx.clone();
+            // One task per event, started in order: the ones past the bound wait.
+            senders.push(tokio::spawn(async move {
+                tx.send(Event::TcpEof { flow: FlowId(i) }).await
+            }));
+            tokio::task::yield_now().await;
+        }
+        for _ in 0..100 {
+            if tx.full_waits() == 3 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(rx.len(), CAP, "the queue holds its bound, no more");
+        assert_eq!(tx.full_waits(), 3, "each sender past the bound waited once");
+        assert!(
+            senders.iter().filter(|s| s.is_finished()).count() == CAP,
+            "the senders past the bound are still waiting"
+        );
+        let mut got = Vec::new();
+        while got.len() < CAP + 3 {
+            match rx.recv().await {
+                Some(Event::TcpEof { flow }) => got.push(flow.0),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        for s in senders {
+            assert!(s.await.expect("sender task"), "every send delivered");
+        }
+        let mut sorted = got.clone();
+        sorted.sort_unstable();
+        assert_eq!(
+            sorted,
+            (0..CAP as u64 + 3).collect::<Vec<_>>(),
+            "nothing lost"
+        );
+        drop(rx);
+        assert!(
+            !tx.send(Event::TcpEof { flow: FlowId(99) }).await,
+            "a send after the session loop ended reports it"
+        );
     }
 }

@@ -6,8 +6,10 @@
 //! Layout:
 //! - [`packet`], [`frag`], [`device`], [`engine`], [`metrics`]: the pure core — packet
 //!   classification and construction, fragment reassembly, the per-session
-//!   flow table with its smoltcp interface; [`limit`]: the per-client token
-//!   buckets (new flows, ICMP errors). No I/O, no clock (`now` is passed in).
+//!   flow table with its smoltcp interface; [`forwarded`]: the flows the pod's
+//!   kernel carries under `preserve`/`ebpf-snat` (for the cap and limits);
+//!   [`limit`]: the per-client token buckets (new flows, failed new flows,
+//!   ICMP errors). No I/O, no clock (`now` is passed in).
 //! - [`kernel`]: all I/O towards the cluster (TCP dials and splicing, UDP and
 //!   ICMP echo sockets).
 //! - [`session`]: the tokio shell of one data-channel session (frames in and
@@ -25,6 +27,7 @@
 
 pub mod ebpf_snat;
 pub mod engine;
+pub mod forwarded;
 pub mod frag;
 pub mod fuzzing;
 pub mod grpc;

@@ -87,6 +87,12 @@ struct Args {
     /// New flows one laptop may open at once (the token bucket's size).
     #[arg(long, default_value_t = kvpn_manager::limit::NEW_FLOW_BURST)]
     new_flow_burst: u32,
+    /// TCP dials per second one laptop may have fail (refused, unreachable,
+    /// timed out), sustained: a port scan or SYN flood to closed ports beyond
+    /// it is dropped (counted, `rate_limited`). 0 turns this limit off (so does
+    /// --new-flows-per-sec 0).
+    #[arg(long, env = "KVPN_FAILED_DIALS_PER_SEC", default_value_t = kvpn_manager::limit::FAILED_FLOWS_PER_SEC)]
+    failed_dials_per_sec: u32,
     /// Seconds between the `session stats` log lines of each live session
     /// (flows against the cap, limits, manager memory).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
@@ -318,6 +324,7 @@ async fn main() -> anyhow::Result<()> {
         max_flows: args.max_flows_per_client,
         new_flows_per_sec: args.new_flows_per_sec,
         new_flow_burst: args.new_flow_burst,
+        failed_dials_per_sec: args.failed_dials_per_sec,
         stats_interval: Duration::from_secs(args.stats_interval_secs),
         counters: counters.clone(),
         ..SessionConfig::default()

@@ -89,6 +89,13 @@ pub struct Metrics {
     /// Most kernel TCP events queued for the engine at once (the channel's
     /// high-water mark; see docs/queues.md; measured by the shell).
     pub tcp_events_peak: u64,
+    /// Times a TCP flow's task found the session's TCP event queue full
+    /// (`kernel::TCP_EVENT_QUEUE` events) and waited (counted by the shell's
+    /// kernel side).
+    pub tcp_events_full: u64,
+    /// Flows admitted into the pod's kernel (source policies `preserve`,
+    /// `ebpf-snat`; see [`crate::forwarded`]).
+    pub forwarded_flows: u64,
 }
 
 impl Metrics {
@@ -120,9 +127,10 @@ impl fmt::Display for Metrics {
             "from_laptop={}p/{}B to_laptop={}p/{}B tcp: dials={} connected={} refused={} unreachable={} \
              reset_by_laptop={} reset_by_remote={} closed={} idle_expired={} bytes_out={} bytes_in={} \
              udp: flows={} expired={} out={} in={} icmp_errors={} icmp: sent={} replies={} \
+             forwarded: flows={} \
              mtu: reassembled={} fragmented={} too_big={} heartbeats={} \
              peer: {}p/{}B limits: refused_cap={} rate_limited={} icmp_rate_limited={} \
-             write_queue_full={} echoes_dropped={} tcp_events_peak={} drops={}",
+             write_queue_full={} echoes_dropped={} tcp_events_peak={} tcp_events_full={} drops={}",
             self.packets_from_laptop,
             self.bytes_from_laptop,
             self.packets_to_laptop,
@@ -144,6 +152,7 @@ impl fmt::Display for Metrics {
             self.udp_icmp_errors,
             self.pings_sent,
             self.ping_replies,
+            self.forwarded_flows,
             self.datagrams_reassembled,
             self.packets_fragmented,
             self.too_big_sent,
@@ -156,6 +165,7 @@ impl fmt::Display for Metrics {
             self.write_queue_full,
             self.echoes_dropped,
             self.tcp_events_peak,
+            self.tcp_events_full,
             self.dropped_total(),
         )?;
         for (reason, n) in DropReason::ALL.iter().zip(self.drops) {
@@ -257,6 +267,7 @@ pub struct ManagerCounters {
     refused_hello: [AtomicU64; HelloRefusal::ALL.len()],
     drops: [AtomicU64; DropReason::ALL.len()],
     echoes_dropped: AtomicU64,
+    tcp_events_full: AtomicU64,
     leases_granted: AtomicU64,
     lease_denied: [AtomicU64; LeaseDenial::ALL.len()],
     /// `ebpf-snat` is on: its metrics are rendered.
@@ -278,6 +289,7 @@ fn index_of<T: PartialEq>(all: &[T], x: &T) -> usize {
 pub struct DropsSynced {
     drops: [u64; DropReason::ALL.len()],
     echoes_dropped: u64,
+    tcp_events_full: u64,
 }
 
 impl ManagerCounters {
@@ -332,6 +344,18 @@ impl ManagerCounters {
             );
             synced.echoes_dropped = session.echoes_dropped;
         }
+        if session.tcp_events_full > synced.tcp_events_full {
+            self.tcp_events_full.fetch_add(
+                session.tcp_events_full - synced.tcp_events_full,
+                Ordering::Relaxed,
+            );
+            synced.tcp_events_full = session.tcp_events_full;
+        }
+    }
+
+    /// Waits on a full TCP event queue, all sessions.
+    pub fn tcp_events_full(&self) -> u64 {
+        self.tcp_events_full.load(Ordering::Relaxed)
     }
 
     /// Heartbeat echoes dropped, all sessions.
@@ -442,6 +466,12 @@ impl ManagerCounters {
             "counter",
             "Heartbeat echoes not sent because a session's control queue towards its laptop was full (the laptop stopped reading), all sessions.",
             &[(None, load(&self.echoes_dropped))],
+        );
+        metric(
+            "tcp_event_queue_full_total",
+            "counter",
+            "Times a destination TCP socket's task found its session's TCP event queue full and waited, all sessions.",
+            &[(None, load(&self.tcp_events_full))],
         );
         metric(
             "leases_granted_total",
@@ -562,10 +592,12 @@ mod tests {
         session.drop_packet(DropReason::BadSource);
         session.drop_packet(DropReason::ForbiddenDestination);
         session.echoes_dropped = 3;
+        session.tcp_events_full = 4;
         c.add_drops(&session, &mut synced);
         c.add_drops(&session, &mut synced);
         assert_eq!(c.dropped(DropReason::BadSource), 2, "each drop added once");
         assert_eq!(c.echoes_dropped(), 3, "each dropped echo added once");
+        assert_eq!(c.tcp_events_full(), 4, "each wait added once");
         let text = c.render_prometheus();
         for line in [
             "kvpn_manager_sessions_accepted_total 2",
@@ -578,6 +610,7 @@ mod tests {
             "kvpn_manager_packets_dropped_total{reason=\"forbidden_destination\"} 1",
             "kvpn_manager_leases_granted_total 1",
             "kvpn_manager_heartbeat_echoes_dropped_total 3",
+            "kvpn_manager_tcp_event_queue_full_total 4",
             "kvpn_manager_lease_denied_total{reason=\"bad_client_id\"} 1",
             "# TYPE kvpn_manager_sessions_active gauge",
         ] {

@@ -39,7 +39,7 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, trace, warn};
 
 use crate::engine::{Engine, EngineConfig, MANAGER_STACK_V4};
-use crate::kernel::{AbortOnDrop, DATAGRAM_QUEUE, KernelSide};
+use crate::kernel::{AbortOnDrop, DATAGRAM_QUEUE, KernelSide, TCP_EVENT_QUEUE, TcpEventSender};
 use crate::lease::AttachError;
 use crate::leases::Leases;
 use crate::metrics::{DropsSynced, HelloRefusal, ManagerCounters, Metrics};
@@ -74,7 +74,7 @@ const ROUND_BYTES: usize = 64 * 1024;
 /// the cost of a round is per packet more than per byte, and 64 KiB of
 /// 64-byte frames (a flood's) is a thousand packets, a round long enough to
 /// hold the worker thread away from other laptops' sessions
-/// (the flood-fairness measurement, `tests/tests/flood_fairness.rs` on branch h/fair, out of CI since it sits at the 0.8 bound). 256 is still several bulk-TCP windows'
+/// (the flood-fairness measurement: `kvpn-bench --fairness-only`, bench/src/fairness.rs). 256 is still several bulk-TCP windows'
 /// worth of 9000-byte segments per round.
 const ROUND_FRAMES: usize = 256;
 
@@ -122,6 +122,9 @@ pub struct SessionConfig {
     pub new_flows_per_sec: u32,
     /// New flows at once per client.
     pub new_flow_burst: u32,
+    /// Failed TCP dials per second per client (0: unlimited), see
+    /// [`crate::limit::FAILED_FLOWS_PER_SEC`].
+    pub failed_dials_per_sec: u32,
     /// How often a live session logs its flow counts, limits and the
     /// manager's memory (the manager's metrics log, `session stats`).
     pub stats_interval: Duration,
@@ -145,6 +148,7 @@ impl Default for SessionConfig {
             max_flows: crate::engine::DEFAULT_MAX_FLOWS,
             new_flows_per_sec: crate::limit::NEW_FLOWS_PER_SEC,
             new_flow_burst: crate::limit::NEW_FLOW_BURST,
+            failed_dials_per_sec: crate::limit::FAILED_FLOWS_PER_SEC,
             stats_interval: Duration::from_secs(10),
             counters: Arc::default(),
         }
@@ -404,7 +408,10 @@ fn handle_frames(
                     .as_ref()
                     .filter(|t| t.takes(f.payload, engine.tunnel_ip()))
                 {
-                    tun.write(f.payload);
+                    // The flow cap and new-flow limits apply here too.
+                    if engine.admit_forwarded(f.payload, now) {
+                        tun.write(f.payload);
+                    }
                 } else {
                     engine.handle_laptop_packet(f.payload, now);
                 }
@@ -565,6 +572,7 @@ fn log_stats(engine: &Engine, kernel: &KernelSide, peak_flows: usize) {
         tcp,
         udp,
         ping,
+        forwarded = engine.forwarded_flows(),
         kernel_tcp = k_tcp,
         kernel_udp = k_udp,
         kernel_ping = k_ping,
@@ -574,6 +582,7 @@ fn log_stats(engine: &Engine, kernel: &KernelSide, peak_flows: usize) {
         write_queue_full = m.write_queue_full,
         echoes_dropped = m.echoes_dropped,
         tcp_events_peak = m.tcp_events_peak,
+        tcp_events_full = m.tcp_events_full,
         tcp_dials = m.tcp_dials,
         tcp_closed = m.tcp_closed,
         manager_rss_bytes = rss,
@@ -688,8 +697,14 @@ where
     engine_config.max_ping_flows = engine_config.max_ping_flows.min(config.max_flows);
     engine_config.new_flows_per_sec = config.new_flows_per_sec;
     engine_config.new_flow_burst = config.new_flow_burst;
+    // `--new-flows-per-sec 0` turns the new-flow limits off, this one too.
+    engine_config.failed_flows_per_sec = if config.new_flows_per_sec == 0 {
+        0
+    } else {
+        config.failed_dials_per_sec
+    };
     let mut engine = Engine::new(engine_config, Instant::now());
-    let (events_tx, mut events_rx) = mpsc::unbounded_channel();
+    let (events_tx, mut events_rx) = TcpEventSender::channel(TCP_EVENT_QUEUE);
     let (datagrams_tx, mut datagrams_rx) = mpsc::channel(DATAGRAM_QUEUE);
     let mut kernel = KernelSide::new(events_tx, datagrams_tx, config.dial_timeout);
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(WRITE_QUEUE_BATCHES);
@@ -768,9 +783,23 @@ where
             break end;
         }
         engine.poll(now);
-        while let Some(request) = engine.poll_request() {
-            kernel.apply(request);
+        // Requests, and the events applying them produced (a socket that
+        // failed), until neither is left.
+        loop {
+            while let Some(request) = engine.poll_request() {
+                kernel.apply(request);
+            }
+            let mut reported = false;
+            while let Some(event) = kernel.poll_event() {
+                engine.handle_event(event, now);
+                reported = true;
+            }
+            if !reported {
+                break;
+            }
+            engine.poll(now);
         }
+        engine.metrics_mut().tcp_events_full = kernel.tcp_events_full();
         kernel.reap();
         while let Some(packet) = engine.poll_transmit() {
             if frame::encode_into(Kind::Packet, &packet, &mut out).is_err() {

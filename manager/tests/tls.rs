@@ -317,9 +317,18 @@ fn binary_takes_tls_from_env_logs_it_and_probes_raise_no_warning() {
         );
         tls.shutdown().await.expect("close_notify");
     });
-    // Let the manager notice the laptop's close before the SIGTERM (under load
-    // the signal could beat it and the "session closed" line never came).
-    std::thread::sleep(Duration::from_millis(500));
+    // The manager must notice the laptop's close before the SIGTERM (under load
+    // the signal could beat it and the "session closed" line never came):
+    // wait for that line in its log.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match line_rx.recv_timeout(left) {
+            Ok(line) if line.contains("session closed by the laptop") => break,
+            Ok(_) => {}
+            Err(e) => panic!("kvpn-manager did not log \"session closed by the laptop\": {e}"),
+        }
+    }
 
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.0.id() as i32),

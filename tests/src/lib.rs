@@ -14,7 +14,6 @@ pub mod resolved_lab;
 pub mod soak;
 pub mod ssh_lab;
 pub mod ssh_term_lab;
-pub mod wire;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};

@@ -1,5 +1,6 @@
 //! Bench smoke: the real `kvpn-bench` harness, one round of 1 s per measurement,
-//! brings up both labs and produces every row — raw veth (both labs), kvpn direct,
+//! brings up both labs and produces every row — flood fairness between two laptops,
+//! raw veth (both labs), kvpn direct,
 //! kvpn direct with 10,000 (or 1,000) extra routes, socat, port-forward, kvpn over SSH (the harness
 //! itself refuses a data path other than ssh-direct) and sshuttle — with every metric
 //! each row must carry, the markdown table, the SVG chart, the JSON report and the #8
@@ -132,6 +133,21 @@ fn bench_harness_produces_every_row_and_metric() {
             assert!(m.as_f64().is_some_and(f64::is_finite), "{path}.{key}: {m}");
         }
     }
+    // Flood fairness (bench/src/fairness.rs): laptop B alone and under laptop
+    // A's SYN and UDP floods, and how much of A's flood its limits refused.
+    for key in [
+        "fair_alone_gbps",
+        "fair_syn_gbps",
+        "fair_udp_gbps",
+        "fair_syn_vs_alone",
+        "fair_udp_vs_alone",
+        "flood_limited_pct",
+        "fair_alone_manager_core_s_per_gbit",
+        "fair_syn_manager_core_s_per_gbit",
+        "fair_udp_manager_core_s_per_gbit",
+    ] {
+        check(&report, "kvpn-fairness", key, false);
+    }
     check(&report, "kvpn-ssh", "tcp_1_vs_sshuttle", false);
     check(&report, "kvpn-port-forward", "tcp_1_vs_sshuttle", false);
     for key in [
@@ -166,7 +182,7 @@ fn bench_harness_produces_every_row_and_metric() {
 
     // The goals: one line each, met or not (never asserted: not a test of figures).
     let goals = report["goals"].as_array().expect("goals list");
-    assert_eq!(goals.len(), 8, "{goals:?}");
+    assert_eq!(goals.len(), 10, "{goals:?}");
     for g in goals {
         assert!(
             g["value"].as_f64().is_some_and(f64::is_finite),
@@ -187,6 +203,7 @@ fn bench_harness_produces_every_row_and_metric() {
         .find(|l| l.starts_with("| metric | unit |"))
         .unwrap_or_else(|| panic!("no table in bench.md:\n{md}"));
     for path in [
+        "kvpn-fairness",
         "raw-veth",
         "kvpn-direct",
         "kvpn-direct-many-routes",

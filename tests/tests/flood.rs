@@ -15,7 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvpn_lab::{BACKEND_1_IP, BACKEND_1_POD, ECHO_CLUSTER_IP, ECHO_SERVICE_PORT};
+use kvpn_lab::{
+    BACKEND_1_IP, BACKEND_1_POD, ECHO_CLUSTER_IP, ECHO_SERVICE_PORT, MANAGER_POD_IP, NODE,
+};
 use kvpn_tests::{Fixture, text};
 
 /// iperf3 server port in the backend pod.
@@ -255,10 +257,50 @@ fn udp_flood_keeps_session_and_tcp_flows() {
 /// and the table says the cap was reached.
 #[test]
 fn flow_cap_refusals_show_in_status() {
-    const CAP: usize = 8;
-    const EXTRA: usize = 12;
     let f = Fixture::with_manager_args(&["--max-flows-per-client", &CAP.to_string()]);
     f.connect();
+    flow_cap_refusals_show(&f);
+}
+
+/// The same with `--source-policy preserve`, where the manager hands the
+/// laptop's packets to the pod's kernel (pool TUN) instead of terminating
+/// them: the flows it forwards count against the same cap, over it a SYN is
+/// refused with RST, and `kvpn status` says so alike. `ebpf-snat` takes the
+/// same path in the manager (the pool TUN); its TC programs need the
+/// Kubernetes lab (tests/tests/kube_source.rs).
+#[test]
+fn flow_cap_bites_under_source_policy_preserve() {
+    let f = Fixture::with_manager_args(&[
+        "--max-flows-per-client",
+        &CAP.to_string(),
+        "--source-policy",
+        "preserve",
+        // The test routes the pool itself (below): nothing to claim.
+        "--preserve-gateway",
+        "none",
+    ]);
+    // Replies for the tunnel pool go back through the manager pod, as a
+    // cluster's node route `POOL via <gateway>` does.
+    let route = format!("route add 100.96.0.0/16 via {MANAGER_POD_IP}");
+    f.lab
+        .netns(NODE)
+        .and_then(|n| n.ip_batch(&[route]))
+        .unwrap_or_else(|e| panic!("node route for the tunnel pool: {e:#}"));
+    f.connect();
+    flow_cap_refusals_show(&f);
+    assert!(
+        f.manager_log().contains("pool TUN ready"),
+        "the manager did not forward through the pool TUN:\n{}",
+        f.manager_log()
+    );
+}
+
+/// Flow cap of [`flow_cap_refusals_show`].
+const CAP: usize = 8;
+/// Connections tried beyond the cap.
+const EXTRA: usize = 12;
+
+fn flow_cap_refusals_show(f: &Fixture) {
     let echo = SocketAddr::from((ECHO_CLUSTER_IP, ECHO_SERVICE_PORT));
     let (held, refused) = f.in_laptop(|| {
         let mut held = Vec::new();

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvpn_lab::packets::{self, PROTO_ICMP, tcp_syn};
 use kvpn_lab::{
     BACKEND_1_IP, BACKEND_1_POD, BACKEND_2_IP, LAPTOP, Lab, LabOptions, MANAGER_ADDR_FROM_LAPTOP,
     MANAGER_POD, MANAGER_POD_IP, MANAGER_PORT,
@@ -32,11 +33,8 @@ use kvpn_lab::{
 use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
 use kvpn_proto::manager::manager_client::ManagerClient;
 use kvpn_proto::manager::{LeaseRequest, LeaseResponse};
-use kvpn_tests::wire::{ipv4, tcp_syn};
 use smoltcp::phy::ChecksumCapabilities;
-use smoltcp::wire::{
-    Icmpv4Packet, Icmpv4Repr, IpAddress, IpProtocol, Ipv4Packet, TcpPacket, UdpPacket, UdpRepr,
-};
+use smoltcp::wire::{Icmpv4Packet, Icmpv4Repr, IpProtocol, Ipv4Packet, TcpPacket, UdpPacket};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_rustls::client::TlsStream;
 
@@ -374,20 +372,13 @@ impl Channel {
 // ----- packets -------------------------------------------------------------
 
 fn udp(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
-    let repr = UdpRepr {
-        src_port: src.port(),
-        dst_port: dst.port(),
-    };
-    let mut seg = vec![0u8; repr.header_len() + payload.len()];
-    repr.emit(
-        &mut UdpPacket::new_unchecked(&mut seg[..]),
-        &IpAddress::Ipv4(*src.ip()),
-        &IpAddress::Ipv4(*dst.ip()),
-        payload.len(),
-        |b| b.copy_from_slice(payload),
-        &ChecksumCapabilities::default(),
-    );
-    ipv4(*src.ip(), *dst.ip(), IpProtocol::Udp, &seg)
+    packets::udp_packet(
+        (*src.ip()).into(),
+        (*dst.ip()).into(),
+        src.port(),
+        dst.port(),
+        payload,
+    )
 }
 
 fn echo_request(src: Ipv4Addr, dst: Ipv4Addr, ident: u16) -> Vec<u8> {
@@ -401,7 +392,7 @@ fn echo_request(src: Ipv4Addr, dst: Ipv4Addr, ident: u16) -> Vec<u8> {
         &mut Icmpv4Packet::new_unchecked(&mut msg[..]),
         &ChecksumCapabilities::default(),
     );
-    ipv4(src, dst, IpProtocol::Icmp, &msg)
+    packets::ipv4(PROTO_ICMP, src, dst, &msg)
 }
 
 struct Udp {
