@@ -413,17 +413,19 @@ pub async fn dial_peer(
 /// version, the client's tunnel IP and its lease's session token. Public for
 /// lightweight clients in tests (tr-11); the error names what did not encode.
 pub fn hello_frame(tunnel_ip: IpAddr, token: &[u8]) -> Result<Vec<u8>, String> {
-    hello_frame_with_mtu(tunnel_ip, token, None, None)
+    hello_frame_with_mtu(tunnel_ip, token, None, None, None)
 }
 
 /// [`hello_frame`] that also tells the manager the TUN MTU (bytes), so the
-/// packets it builds for the laptop are fragmented to fit it, and the IPv6
-/// tunnel IP of a dual-stack session.
+/// packets it builds for the laptop are fragmented to fit it, the IPv6
+/// tunnel IP of a dual-stack session, and the offloads the pump offers (hello
+/// option 4, [`kvpn_proto::frame::OFFLOAD_TCP_GSO`]).
 pub fn hello_frame_with_mtu(
     tunnel_ip: IpAddr,
     token: &[u8],
     mtu: Option<u16>,
     tunnel_ip_v6: Option<Ipv6Addr>,
+    offloads: Option<u8>,
 ) -> Result<Vec<u8>, String> {
     let payload = Hello {
         version: PROTOCOL_VERSION,
@@ -431,6 +433,7 @@ pub fn hello_frame_with_mtu(
         token: token.to_vec(),
         mtu,
         tunnel_ip_v6,
+        offloads,
     }
     .encode()
     .map_err(|e| e.to_string())?;
@@ -672,6 +675,10 @@ impl Session {
             &params.session_token,
             Some(params.mtu),
             params.tunnel_ip_v6,
+            // The TUN device always has IFF_VNET_HDR offloads (crate::tun):
+            // offer GSO frames; the pump segments itself until the manager
+            // accepts them.
+            Some(kvpn_proto::frame::OFFLOAD_TCP_GSO),
         )
         .map_err(|message| ConnectError::Step {
             step: Step::SendHello,

@@ -89,6 +89,12 @@ pub struct Metrics {
     /// Most kernel TCP events queued for the engine at once (the channel's
     /// high-water mark; see docs/queues.md; measured by the shell).
     pub tcp_events_peak: u64,
+    /// GSO frames (frame kind 5: TCP super-packets) from the laptop that were
+    /// segmented (counted by the shell).
+    pub gso_frames: u64,
+    /// Packets those GSO frames were segmented into (each also counted in
+    /// `packets_from_laptop` or as a peer / pool-TUN packet).
+    pub gso_segments: u64,
 }
 
 impl Metrics {
@@ -122,7 +128,7 @@ impl fmt::Display for Metrics {
              udp: flows={} expired={} out={} in={} icmp_errors={} icmp: sent={} replies={} \
              mtu: reassembled={} fragmented={} too_big={} heartbeats={} \
              peer: {}p/{}B limits: refused_cap={} rate_limited={} icmp_rate_limited={} \
-             write_queue_full={} echoes_dropped={} tcp_events_peak={} drops={}",
+             write_queue_full={} echoes_dropped={} tcp_events_peak={} gso: frames={} segments={} drops={}",
             self.packets_from_laptop,
             self.bytes_from_laptop,
             self.packets_to_laptop,
@@ -156,6 +162,8 @@ impl fmt::Display for Metrics {
             self.write_queue_full,
             self.echoes_dropped,
             self.tcp_events_peak,
+            self.gso_frames,
+            self.gso_segments,
             self.dropped_total(),
         )?;
         for (reason, n) in DropReason::ALL.iter().zip(self.drops) {
@@ -257,6 +265,8 @@ pub struct ManagerCounters {
     refused_hello: [AtomicU64; HelloRefusal::ALL.len()],
     drops: [AtomicU64; DropReason::ALL.len()],
     echoes_dropped: AtomicU64,
+    gso_frames: AtomicU64,
+    gso_segments: AtomicU64,
     leases_granted: AtomicU64,
     lease_denied: [AtomicU64; LeaseDenial::ALL.len()],
     /// `ebpf-snat` is on: its metrics are rendered.
@@ -278,6 +288,8 @@ fn index_of<T: PartialEq>(all: &[T], x: &T) -> usize {
 pub struct DropsSynced {
     drops: [u64; DropReason::ALL.len()],
     echoes_dropped: u64,
+    gso_frames: u64,
+    gso_segments: u64,
 }
 
 impl ManagerCounters {
@@ -332,6 +344,26 @@ impl ManagerCounters {
             );
             synced.echoes_dropped = session.echoes_dropped;
         }
+        let sync = |total: &AtomicU64, now: u64, before: &mut u64| {
+            if now > *before {
+                total.fetch_add(now - *before, Ordering::Relaxed);
+                *before = now;
+            }
+        };
+        sync(&self.gso_frames, session.gso_frames, &mut synced.gso_frames);
+        sync(
+            &self.gso_segments,
+            session.gso_segments,
+            &mut synced.gso_segments,
+        );
+    }
+
+    /// GSO frames segmented and the packets they became, all sessions.
+    pub fn gso(&self) -> (u64, u64) {
+        (
+            self.gso_frames.load(Ordering::Relaxed),
+            self.gso_segments.load(Ordering::Relaxed),
+        )
     }
 
     /// Heartbeat echoes dropped, all sessions.
@@ -442,6 +474,18 @@ impl ManagerCounters {
             "counter",
             "Heartbeat echoes not sent because a session's control queue towards its laptop was full (the laptop stopped reading), all sessions.",
             &[(None, load(&self.echoes_dropped))],
+        );
+        metric(
+            "gso_frames_total",
+            "counter",
+            "GSO frames (TCP super-packets, frame kind 5) from laptops that the manager segmented, all sessions.",
+            &[(None, load(&self.gso_frames))],
+        );
+        metric(
+            "gso_segments_total",
+            "counter",
+            "Packets the manager cut those GSO frames into, all sessions.",
+            &[(None, load(&self.gso_segments))],
         );
         metric(
             "leases_granted_total",
@@ -562,6 +606,8 @@ mod tests {
         session.drop_packet(DropReason::BadSource);
         session.drop_packet(DropReason::ForbiddenDestination);
         session.echoes_dropped = 3;
+        session.gso_frames = 2;
+        session.gso_segments = 14;
         c.add_drops(&session, &mut synced);
         c.add_drops(&session, &mut synced);
         assert_eq!(c.dropped(DropReason::BadSource), 2, "each drop added once");
@@ -578,6 +624,8 @@ mod tests {
             "kvpn_manager_packets_dropped_total{reason=\"forbidden_destination\"} 1",
             "kvpn_manager_leases_granted_total 1",
             "kvpn_manager_heartbeat_echoes_dropped_total 3",
+            "kvpn_manager_gso_frames_total 2",
+            "kvpn_manager_gso_segments_total 14",
             "kvpn_manager_lease_denied_total{reason=\"bad_client_id\"} 1",
             "# TYPE kvpn_manager_sessions_active gauge",
         ] {
