@@ -350,11 +350,18 @@ impl OutBatch {
             }
             Offload::Tcp { kind, gso_size } => {
                 let at = self.framed.len();
-                let seg =
-                    gso::segment_tcp(&self.buf[ip..end], kind, gso_size, &mut self.framed, HEADER_LEN)?;
+                let seg = gso::segment_tcp(
+                    &self.buf[ip..end],
+                    kind,
+                    gso_size,
+                    &mut self.framed,
+                    HEADER_LEN,
+                )?;
                 for span in seg.spans() {
                     match frame::encode_header(Kind::Packet, span.len()) {
-                        Ok(h) => self.framed[span.start - HEADER_LEN..span.start].copy_from_slice(&h),
+                        Ok(h) => {
+                            self.framed[span.start - HEADER_LEN..span.start].copy_from_slice(&h)
+                        }
                         Err(e) => {
                             self.framed.truncate(at);
                             return Err(e.into());
@@ -1483,7 +1490,10 @@ mod tests {
         let ip = Ipv4Packet::new_checked(packet).expect("IPv4");
         assert!(ip.verify_checksum(), "IPv4 header checksum");
         let tcp = TcpPacket::new_checked(ip.payload()).expect("TCP");
-        let (src, dst) = (IpAddress::Ipv4(ip.src_addr()), IpAddress::Ipv4(ip.dst_addr()));
+        let (src, dst) = (
+            IpAddress::Ipv4(ip.src_addr()),
+            IpAddress::Ipv4(ip.dst_addr()),
+        );
         assert!(tcp.verify_checksum(&src, &dst), "TCP checksum");
         tcp.payload().to_vec()
     }
@@ -1553,7 +1563,13 @@ mod tests {
         assert_eq!(kind, Kind::Gso);
         let (header, packet) = frame::GsoHeader::split(&payload).expect("GSO header");
         assert_eq!(
-            (header.flags, header.gso_type, header.gso_size, header.csum_start, header.csum_offset),
+            (
+                header.flags,
+                header.gso_type,
+                header.gso_size,
+                header.csum_start,
+                header.csum_offset
+            ),
             (1, gso::GSO_TCPV4, 1000, 20, 16)
         );
         assert_eq!(packet, &super_packet[..]);
@@ -1587,5 +1603,4 @@ mod tests {
         assert_eq!(&buf[VNET_HDR_LEN..n], &ack[..]);
         pump.abort();
     }
-
 }

@@ -357,15 +357,32 @@ mod tests {
         assert_eq!(packet, &[0x45]);
         assert_eq!(hdr.csum_start, 20);
         let frame = hdr.to_frame_header();
-        assert_eq!((frame.gso_type, frame.gso_size, frame.csum_offset), (0x81, 1448, 16));
+        assert_eq!(
+            (frame.gso_type, frame.gso_size, frame.csum_offset),
+            (0x81, 1448, 16)
+        );
         // A single packet with a partial checksum; a finished one.
-        let (_, offload, _) = VnetHdr::parse(&read([1, 0, 0, 0, 0, 0, c, d, e, f], &[])).expect("valid");
-        assert_eq!(offload, Offload::Checksum { start: 20, offset: 16 });
+        let (_, offload, _) =
+            VnetHdr::parse(&read([1, 0, 0, 0, 0, 0, c, d, e, f], &[])).expect("valid");
+        assert_eq!(
+            offload,
+            Offload::Checksum {
+                start: 20,
+                offset: 16
+            }
+        );
         let (_, offload, _) = VnetHdr::parse(&VNET_HDR_NONE).expect("valid");
         assert_eq!(offload, Offload::None);
         // TCPv6.
-        let (_, offload, _) = VnetHdr::parse(&read([1, 4, 0, 0, a, b, 0, 0, 0, 0], &[])).expect("valid");
-        assert!(matches!(offload, Offload::Tcp { kind: GsoKind::TcpV6, .. }));
+        let (_, offload, _) =
+            VnetHdr::parse(&read([1, 4, 0, 0, a, b, 0, 0, 0, 0], &[])).expect("valid");
+        assert!(matches!(
+            offload,
+            Offload::Tcp {
+                kind: GsoKind::TcpV6,
+                ..
+            }
+        ));
         // Errors: short, UDP_L4 (not enabled), gso_size 0.
         assert_eq!(VnetHdr::parse(&[0; 9]), Err(VnetError::Truncated(9)));
         assert_eq!(

@@ -464,7 +464,10 @@ fn gso_frame(
             1
         }
         None => {
-            debug!(gso_type = header.gso_type, "GSO frame of a kind not segmented here");
+            debug!(
+                gso_type = header.gso_type,
+                "GSO frame of a kind not segmented here"
+            );
             return engine.metrics_mut().drop_packet(DropReason::Gso);
         }
     };
@@ -1016,35 +1019,80 @@ mod tests {
         let mut out = Vec::new();
         let packet = super_packet(&[7u8; 3500]);
         let mut wire = Vec::new();
-        frame::encode_into(Kind::Gso, &gso_payload(gso::GSO_TCPV4, 1000, &packet), &mut wire)
-            .expect("fits");
+        frame::encode_into(
+            Kind::Gso,
+            &gso_payload(gso::GSO_TCPV4, 1000, &packet),
+            &mut wire,
+        )
+        .expect("fits");
 
         // The hello did not offer offloads: dropped, counted, nothing segmented.
-        let used = handle_frames(&wire, &mut engine, &mut out, now, &config, usize::MAX, &mut gso)
-            .expect("valid frames");
+        let used = handle_frames(
+            &wire,
+            &mut engine,
+            &mut out,
+            now,
+            &config,
+            usize::MAX,
+            &mut gso,
+        )
+        .expect("valid frames");
         assert_eq!(used, wire.len());
         assert_eq!(engine.metrics().dropped(DropReason::Gso), 1);
         assert_eq!(engine.metrics().packets_from_laptop, 0);
 
         // Offered: 4 segments, each handled like a packet frame.
         gso.accepted = true;
-        handle_frames(&wire, &mut engine, &mut out, now, &config, usize::MAX, &mut gso)
-            .expect("valid frames");
+        handle_frames(
+            &wire,
+            &mut engine,
+            &mut out,
+            now,
+            &config,
+            usize::MAX,
+            &mut gso,
+        )
+        .expect("valid frames");
         let m = engine.metrics();
         assert_eq!((m.gso_frames, m.gso_segments), (1, 4));
         assert_eq!(m.packets_from_laptop, 4);
-        assert_eq!(m.bytes_from_laptop, 3500 + 4 * 40, "headers repeated per segment");
+        assert_eq!(
+            m.bytes_from_laptop,
+            3500 + 4 * 40,
+            "headers repeated per segment"
+        );
 
         // Malformed super-packet, unknown gso_type: dropped and counted.
-        gso_frame(&gso_payload(gso::GSO_TCPV4, 1000, &packet[..30]), &mut engine, now, &config, &mut gso);
-        gso_frame(&gso_payload(5, 1000, &packet), &mut engine, now, &config, &mut gso);
+        gso_frame(
+            &gso_payload(gso::GSO_TCPV4, 1000, &packet[..30]),
+            &mut engine,
+            now,
+            &config,
+            &mut gso,
+        );
+        gso_frame(
+            &gso_payload(5, 1000, &packet),
+            &mut engine,
+            now,
+            &config,
+            &mut gso,
+        );
         gso_frame(&[1, 2, 3], &mut engine, now, &config, &mut gso);
         assert_eq!(engine.metrics().dropped(DropReason::Gso), 4);
         assert_eq!(engine.metrics().packets_from_laptop, 4);
 
         // Not a super-packet, checksum partial: completed, one packet.
-        gso_frame(&gso_payload(gso::GSO_NONE, 0, &super_packet(&[1; 10])), &mut engine, now, &config, &mut gso);
+        gso_frame(
+            &gso_payload(gso::GSO_NONE, 0, &super_packet(&[1; 10])),
+            &mut engine,
+            now,
+            &config,
+            &mut gso,
+        );
         let m = engine.metrics();
-        assert_eq!((m.gso_frames, m.gso_segments, m.packets_from_laptop), (2, 5, 5));
+        assert_eq!(
+            (m.gso_frames, m.gso_segments, m.packets_from_laptop),
+            (2, 5, 5)
+        );
     }
 }

@@ -791,8 +791,15 @@ mod tests {
         assert_eq!(&out[..3], &[0, 13, 5]);
         let frame = decode_exact(&out).expect("one frame");
         assert_eq!(frame.kind, Kind::Gso);
-        assert_eq!(GsoHeader::split(frame.payload), Some((header, &[0x45, 0][..])));
-        assert_eq!(GsoHeader::split(&[1, 2, 3]), None, "shorter than the header");
+        assert_eq!(
+            GsoHeader::split(frame.payload),
+            Some((header, &[0x45, 0][..]))
+        );
+        assert_eq!(
+            GsoHeader::split(&[1, 2, 3]),
+            None,
+            "shorter than the header"
+        );
 
         // Hello option 4: offloads offered.
         let hello = Hello {
@@ -830,10 +837,7 @@ mod tests {
                 offloads: 1
             })
         );
-        assert_eq!(
-            ManagerHello::decode(&[0, 3]).map(|h| h.offloads),
-            Ok(0)
-        );
+        assert_eq!(ManagerHello::decode(&[0, 3]).map(|h| h.offloads), Ok(0));
         assert_eq!(ManagerHello::decode(&[0]), Err(HelloError::Truncated(1)));
         assert_eq!(
             ManagerHello::decode(&[0, 3, 4, 5]),

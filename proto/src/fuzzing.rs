@@ -63,7 +63,10 @@ fn gso_frame(header: GsoHeader, packet: &[u8], out: &mut Vec<u8>) {
         Some(kind) => {
             if let Ok(seg) = gso::segment_tcp(packet, kind, usize::from(header.gso_size), out, 0) {
                 assert_eq!(out.len(), seg.total_len(), "segments fill the output");
-                assert!(seg.spans().all(|r| r.end <= out.len()), "span out of the output");
+                assert!(
+                    seg.spans().all(|r| r.end <= out.len()),
+                    "span out of the output"
+                );
             }
         }
         None => {

@@ -399,7 +399,9 @@ mod tests {
 
     const SRC4: [u8; 4] = [100, 96, 0, 2];
     const DST4: [u8; 4] = [10, 244, 1, 20];
-    const SRC6: [u8; 16] = [0xfd, 0x6b, 0x76, 0x70, 0x6e, 0, 0, 0, 0, 0, 0, 0, 100, 96, 0, 2];
+    const SRC6: [u8; 16] = [
+        0xfd, 0x6b, 0x76, 0x70, 0x6e, 0, 0, 0, 0, 0, 0, 0, 100, 96, 0, 2,
+    ];
     const DST6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x20];
 
     /// A super-packet as the kernel hands it over with TSO: headers once, the
@@ -460,17 +462,33 @@ mod tests {
                     let ip = Ipv6Packet::new_checked(s).expect("IPv6 segment");
                     assert_eq!(usize::from(ip.payload_len()) + 40, s.len());
                     let tcp = TcpPacket::new_checked(ip.payload()).expect("TCP");
-                    let (src, dst) = (IpAddress::Ipv6(ip.src_addr()), IpAddress::Ipv6(ip.dst_addr()));
+                    let (src, dst) = (
+                        IpAddress::Ipv6(ip.src_addr()),
+                        IpAddress::Ipv6(ip.dst_addr()),
+                    );
                     assert!(tcp.verify_checksum(&src, &dst), "TCP checksum (IPv6)");
-                    (tcp.seq_number().0 as u32, s[40 + 13], 0, tcp.payload().to_vec())
+                    (
+                        tcp.seq_number().0 as u32,
+                        s[40 + 13],
+                        0,
+                        tcp.payload().to_vec(),
+                    )
                 } else {
                     let ip = Ipv4Packet::new_checked(s).expect("IPv4 segment");
                     assert!(ip.verify_checksum(), "IPv4 header checksum");
                     assert_eq!(usize::from(ip.total_len()), s.len());
                     let tcp = TcpPacket::new_checked(ip.payload()).expect("TCP");
-                    let (src, dst) = (IpAddress::Ipv4(ip.src_addr()), IpAddress::Ipv4(ip.dst_addr()));
+                    let (src, dst) = (
+                        IpAddress::Ipv4(ip.src_addr()),
+                        IpAddress::Ipv4(ip.dst_addr()),
+                    );
                     assert!(tcp.verify_checksum(&src, &dst), "TCP checksum (IPv4)");
-                    (tcp.seq_number().0 as u32, s[20 + 13], ip.ident(), tcp.payload().to_vec())
+                    (
+                        tcp.seq_number().0 as u32,
+                        s[20 + 13],
+                        ip.ident(),
+                        tcp.payload().to_vec(),
+                    )
                 }
             })
             .collect()
@@ -488,7 +506,11 @@ mod tests {
         assert_eq!(&out[..5], &[0xaa; 5], "earlier bytes untouched");
         let got = check(&out, &seg, false);
         for (i, (seq, flags, id, payload)) in got.iter().enumerate() {
-            assert_eq!(*seq, 0xffff_f000u32.wrapping_add(i as u32 * 1448), "seq wraps");
+            assert_eq!(
+                *seq,
+                0xffff_f000u32.wrapping_add(i as u32 * 1448),
+                "seq wraps"
+            );
             assert_eq!(*id, 0xfffeu16.wrapping_add(i as u16), "IPv4 id increments");
             let last = i == 6;
             assert_eq!(flags & 0x09 != 0, last, "FIN/PSH only on the last");
@@ -525,10 +547,18 @@ mod tests {
                 complete_checksum(&mut p, l4, 16).expect("in range");
                 let (src, dst, tcp) = if v6 {
                     let ip = Ipv6Packet::new_checked(&p[..]).expect("IPv6");
-                    (IpAddress::Ipv6(ip.src_addr()), IpAddress::Ipv6(ip.dst_addr()), &p[40..])
+                    (
+                        IpAddress::Ipv6(ip.src_addr()),
+                        IpAddress::Ipv6(ip.dst_addr()),
+                        &p[40..],
+                    )
                 } else {
                     let ip = Ipv4Packet::new_checked(&p[..]).expect("IPv4");
-                    (IpAddress::Ipv4(ip.src_addr()), IpAddress::Ipv4(ip.dst_addr()), &p[20..])
+                    (
+                        IpAddress::Ipv4(ip.src_addr()),
+                        IpAddress::Ipv4(ip.dst_addr()),
+                        &p[20..],
+                    )
                 };
                 let tcp = TcpPacket::new_checked(tcp).expect("TCP");
                 assert!(tcp.verify_checksum(&src, &dst), "v6={v6} n={n}");
@@ -587,9 +617,20 @@ mod tests {
         let bare = super_packet(true, &[], 9, 0x11, 0);
         let seg = segment_tcp(&bare, GsoKind::TcpV6, 1000, &mut out, 0).expect("one");
         assert_eq!(seg.count, 1);
-        assert_eq!(check(&out, &seg, true)[0].1, 0x11, "FIN kept on the only segment");
-        assert_eq!(GsoKind::from_gso_type(GSO_TCPV4 | GSO_ECN), Some(GsoKind::TcpV4));
-        assert_eq!(GsoKind::from_gso_type(5), None, "UDP_L4 is not segmented here");
+        assert_eq!(
+            check(&out, &seg, true)[0].1,
+            0x11,
+            "FIN kept on the only segment"
+        );
+        assert_eq!(
+            GsoKind::from_gso_type(GSO_TCPV4 | GSO_ECN),
+            Some(GsoKind::TcpV4)
+        );
+        assert_eq!(
+            GsoKind::from_gso_type(5),
+            None,
+            "UDP_L4 is not segmented here"
+        );
     }
 
     proptest! {

@@ -416,12 +416,14 @@ const GSO_METRICS_PORT: u16 = 10803;
 /// and more segments than frames.
 #[test]
 fn upload_20mb_in_gso_frames_echoes_intact() {
-    let f = Fixture::with_manager_args(&[
-        "--metrics-listen",
-        &format!("127.0.0.1:{GSO_METRICS_PORT}"),
-    ]);
+    let f =
+        Fixture::with_manager_args(&["--metrics-listen", &format!("127.0.0.1:{GSO_METRICS_PORT}")]);
     f.lab
-        .wait_listening(kvpn_lab::MANAGER_POD, GSO_METRICS_PORT, Duration::from_secs(15))
+        .wait_listening(
+            kvpn_lab::MANAGER_POD,
+            GSO_METRICS_PORT,
+            Duration::from_secs(15),
+        )
         .unwrap_or_else(|e| panic!("manager metrics port: {e:#}\n{}", f.manager_log()));
     f.connect();
     let addr = SocketAddr::from((BACKEND_1_IP, ECHO_PORT));
