@@ -123,15 +123,13 @@ impl PacketIo for tun_rs::AsyncDevice {
     fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
         tun_rs::AsyncDevice::try_recv(self, buf)
     }
-    fn send(&self, packet: &[u8]) -> impl Future<Output = io::Result<usize>> + Send {
-        async move {
-            if !self.tcp_gso() {
-                return tun_rs::AsyncDevice::send(self, packet).await;
-            }
-            let iov = [IoSlice::new(&VNET_HDR_NONE), IoSlice::new(packet)];
-            let n = tun_rs::AsyncDevice::send_vectored(self, &iov).await?;
-            Ok(n.saturating_sub(VNET_HDR_LEN))
+    async fn send(&self, packet: &[u8]) -> io::Result<usize> {
+        if !self.tcp_gso() {
+            return tun_rs::AsyncDevice::send(self, packet).await;
         }
+        let iov = [IoSlice::new(&VNET_HDR_NONE), IoSlice::new(packet)];
+        let n = tun_rs::AsyncDevice::send_vectored(self, &iov).await?;
+        Ok(n.saturating_sub(VNET_HDR_LEN))
     }
 }
 
@@ -1442,13 +1440,11 @@ mod tests {
         fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
             self.0.try_recv(buf)
         }
-        fn send(&self, packet: &[u8]) -> impl Future<Output = io::Result<usize>> + Send {
-            async move {
-                let mut with_header = VNET_HDR_NONE.to_vec();
-                with_header.extend_from_slice(packet);
-                let n = self.0.send(&with_header).await?;
-                Ok(n - VNET_HDR_LEN)
-            }
+        async fn send(&self, packet: &[u8]) -> io::Result<usize> {
+            let mut with_header = VNET_HDR_NONE.to_vec();
+            with_header.extend_from_slice(packet);
+            let n = self.0.send(&with_header).await?;
+            Ok(n - VNET_HDR_LEN)
         }
     }
 
