@@ -90,7 +90,8 @@ pub const MAX_PACKET: usize = 65535;
 pub const READ_CHUNK_BYTES: usize = 256 * 1024;
 
 /// Buffers per direction: batches in flight between a reader and a writer.
-/// Bounds the memory per session to 2 × 4 × ~320 KiB.
+/// Bounds the memory per session to 4 × ~660 KiB outbound (TUN reads plus
+/// the segments of self-segmented super-packets) and 4 × 256 KiB inbound.
 pub const QUEUE_DEPTH: usize = 4;
 
 /// A packet device: the TUN device in production, a datagram socket in tests.

@@ -1283,6 +1283,9 @@ impl Session {
             leftovers = report.leftovers.len(),
             tx_packets = Counters::get(&c.tx_packets),
             tx_batches = Counters::get(&c.tx_batches),
+            tx_gso_frames = Counters::get(&c.tx_gso_frames),
+            tx_gso_segmented = Counters::get(&c.tx_gso_segmented),
+            tx_offload_dropped = Counters::get(&c.tx_offload_dropped),
             rx_packets = Counters::get(&c.rx_packets),
             rx_invalid = Counters::get(&c.rx_invalid),
             "session torn down"

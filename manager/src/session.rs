@@ -667,6 +667,8 @@ fn log_stats(engine: &Engine, kernel: &KernelSide, peak_flows: usize) {
         tcp_events_peak = m.tcp_events_peak,
         tcp_dials = m.tcp_dials,
         tcp_closed = m.tcp_closed,
+        gso_frames = m.gso_frames,
+        gso_segments = m.gso_segments,
         manager_rss_bytes = rss,
         manager_peak_rss_bytes = peak_rss,
         "session stats"
