@@ -39,6 +39,10 @@ pub const MAX_PAYLOAD_LEN: usize = MAX_FRAME_LEN - 1;
 ///   frames from the manager (the session's counters about once a second), sent
 ///   only to laptops whose hello says 3 or later; older laptops skip unknown
 ///   kinds anyway.
+///
+/// Negotiated within version 3 (no bump: an old peer never sends the option
+/// and keeps the old behaviour): hello option 4 (offloads the laptop offers),
+/// the [`ManagerHello`] answering it, and [`Kind::Gso`] frames after it.
 pub const PROTOCOL_VERSION: u16 = 3;
 
 /// First version whose laptops are sent [`Kind::Stats`] frames.
