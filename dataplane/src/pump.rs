@@ -24,6 +24,17 @@
 //! - `tun_writer` decodes the frames in place (zero-copy) and writes each packet
 //!   to the TUN, waiting when the TUN would block.
 //!
+//! Offloads (a TUN device with `IFF_VNET_HDR`, [`crate::tun`]): every TUN
+//! read starts with a `virtio_net_hdr`. `tun_reader` completes a partial
+//! checksum in place; a TCP super-packet (up to 64 KiB, one read) goes to the
+//! manager whole in a GSO frame (frame kind 5: the frame's GSO header takes
+//! the place of the 10-byte `virtio_net_hdr`, no copy) once the manager's
+//! hello said it accepts them, and is cut into MSS-sized packet frames by the
+//! pump itself ([`kvpn_proto::gso`]) before that, with a manager that does
+//! not (an older one), or when it does not fit one frame. Every packet
+//! written to the TUN gets a header without offload
+//! ([`crate::tun::VNET_HDR_NONE`]).
+//!
 //! Backpressure, never drops: there are exactly [`QUEUE_DEPTH`] buffers per
 //! direction. A reader that finds no free buffer waits, so a slow transport stops
 //! the TUN reads (the kernel's TUN queue then applies its own policy) and a slow
@@ -41,17 +52,24 @@
 
 use std::future::Future;
 use std::io::{self, IoSlice};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use kvpn_proto::frame::{self, Decoder, FrameError, HEADER_LEN, Kind};
+use kvpn_proto::frame::{
+    self, Decoder, FrameError, GSO_HEADER_LEN, HEADER_LEN, Kind, ManagerHello, OFFLOAD_TCP_GSO,
+};
+use kvpn_proto::gso::{self, GsoError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::liveness::Liveness;
+use crate::tun::{MAX_READ, Offload, VNET_HDR_LEN, VNET_HDR_NONE, VnetError, VnetHdr};
 use crate::unreachable::{self, RateLimit};
+
+// A GSO frame's header is written over the read's virtio_net_hdr in place.
+const _: () = assert!(GSO_HEADER_LEN == VNET_HDR_LEN);
 
 /// Most packets per outbound batch (one `writev` of 2 × 64 iovecs).
 pub const BATCH_PACKETS: usize = 64;
@@ -62,8 +80,9 @@ pub const BATCH_PACKETS: usize = 64;
 pub const BATCH_BYTES: usize = 256 * 1024;
 
 /// Largest packet a TUN read can return without IFF_VNET_HDR (the IPv4/IPv6
-/// length fields are 16 bits). Every read is given at least this much room, so
-/// a packet is never truncated, whatever the MTU.
+/// length fields are 16 bits). Every read is given at least [`MAX_READ`]
+/// bytes of room (this plus the `virtio_net_hdr` and an IPv6 header), so a
+/// packet is never truncated, whatever the MTU.
 pub const MAX_PACKET: usize = 65535;
 
 /// Bytes asked for per transport read (inbound). Larger than the largest frame
@@ -71,14 +90,21 @@ pub const MAX_PACKET: usize = 65535;
 pub const READ_CHUNK_BYTES: usize = 256 * 1024;
 
 /// Buffers per direction: batches in flight between a reader and a writer.
-/// Bounds the memory per session to 2 × 4 × ~320 KiB.
+/// Bounds the memory per session to 4 × ~660 KiB outbound (TUN reads plus
+/// the segments of self-segmented super-packets) and 4 × 256 KiB inbound.
 pub const QUEUE_DEPTH: usize = 4;
 
 /// A packet device: the TUN device in production, a datagram socket in tests.
 ///
-/// Each `try_recv` returns one whole packet; `send` writes one whole packet,
-/// waiting while the device would block.
+/// Each `try_recv` returns one whole packet (after a `virtio_net_hdr` when
+/// [`PacketIo::vnet_hdr`]); `send` writes one whole packet (adding the header
+/// itself), waiting while the device would block.
 pub trait PacketIo: Send + Sync + 'static {
+    /// True when every read starts with a [`VNET_HDR_LEN`]-byte
+    /// `virtio_net_hdr` (`IFF_VNET_HDR` with offloads, [`crate::tun`]).
+    fn vnet_hdr(&self) -> bool {
+        false
+    }
     /// Wait until a `try_recv` may succeed (it may still return WouldBlock).
     fn readable(&self) -> impl Future<Output = io::Result<()>> + Send;
     /// Read one packet without blocking; `WouldBlock` when none is queued.
@@ -88,14 +114,23 @@ pub trait PacketIo: Send + Sync + 'static {
 }
 
 impl PacketIo for tun_rs::AsyncDevice {
+    fn vnet_hdr(&self) -> bool {
+        // tun-rs reports IFF_VNET_HDR as "TCP GSO".
+        self.tcp_gso()
+    }
     fn readable(&self) -> impl Future<Output = io::Result<()>> + Send {
         tun_rs::AsyncDevice::readable(self)
     }
     fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
         tun_rs::AsyncDevice::try_recv(self, buf)
     }
-    fn send(&self, packet: &[u8]) -> impl Future<Output = io::Result<usize>> + Send {
-        tun_rs::AsyncDevice::send(self, packet)
+    async fn send(&self, packet: &[u8]) -> io::Result<usize> {
+        if !self.tcp_gso() {
+            return tun_rs::AsyncDevice::send(self, packet).await;
+        }
+        let iov = [IoSlice::new(&VNET_HDR_NONE), IoSlice::new(packet)];
+        let n = tun_rs::AsyncDevice::send_vectored(self, &iov).await?;
+        Ok(n.saturating_sub(VNET_HDR_LEN))
     }
 }
 
@@ -119,8 +154,19 @@ pub struct Counters {
     /// The manager's latest stats frame for this session and when it arrived
     /// (protocol version 3; `None` before the first, and with older managers).
     pub manager_stats: Mutex<Option<(frame::Stats, Instant)>>,
-    /// Outbound (laptop → cluster) packets written to the transport.
+    /// Outbound (laptop → cluster) packets written to the transport; a TCP
+    /// super-packet sent whole in a GSO frame counts once.
     pub tx_packets: AtomicU64,
+    /// Outbound TCP super-packets sent whole in GSO frames (frame kind 5).
+    pub tx_gso_frames: AtomicU64,
+    /// Outbound TCP super-packets the pump cut into packet frames itself (the
+    /// manager did not accept GSO frames, yet or at all, or one did not fit a
+    /// frame).
+    pub tx_gso_segmented: AtomicU64,
+    /// TUN reads dropped because their offload could not be carried out (a
+    /// bad `virtio_net_hdr`, a super-packet that cannot be segmented, a
+    /// checksum outside the packet); counted, logged at debug.
+    pub tx_offload_dropped: AtomicU64,
     /// Outbound IP bytes (frame headers not counted).
     pub tx_bytes: AtomicU64,
     /// Outbound batches, i.e. vectored writes.
@@ -184,38 +230,180 @@ pub enum PumpExit {
     Task(String),
 }
 
-/// A batch of outbound packets stored back to back in one buffer.
+/// How one batch entry goes on the wire.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum EntryKind {
+    /// `buf[start..end]` is one IP packet: a packet frame.
+    #[default]
+    Packet,
+    /// `buf[start..end]` is a GSO header and a TCP super-packet: a GSO frame.
+    Gso,
+    /// `framed[start..end]` are whole packet frames already (the segments of a
+    /// super-packet the pump cut itself).
+    Framed,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Entry {
+    kind: EntryKind,
+    start: usize,
+    end: usize,
+}
+
+/// Why a TUN read's offload could not be carried out (the read is dropped
+/// and counted in [`Counters::tx_offload_dropped`]).
+#[derive(Debug, thiserror::Error)]
+enum OffloadError {
+    #[error("{0}")]
+    Vnet(#[from] VnetError),
+    #[error("{0}")]
+    Gso(#[from] GsoError),
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+}
+
+/// A batch of outbound packets: TUN reads back to back in `buf`, and the
+/// segments of super-packets the pump cut itself, framed, in `framed`.
 struct OutBatch {
     buf: Box<[u8]>,
-    /// End offset of each packet in `buf`; starts at 0 for the first.
-    ends: [usize; BATCH_PACKETS],
+    /// Bytes of `buf` in use.
+    buf_used: usize,
+    /// Packet frames of self-segmented super-packets; keeps its capacity.
+    framed: Vec<u8>,
+    entries: [Entry; BATCH_PACKETS],
     count: usize,
+    /// IP packets (a GSO frame's super-packet counts once) and their bytes
+    /// in this batch, frame headers not counted.
+    packets: u64,
+    ip_bytes: u64,
+    /// Super-packets sent in GSO frames / segmented here.
+    gso_frames: u64,
+    segmented: u64,
 }
 
 impl OutBatch {
     fn new() -> Self {
         Self {
-            buf: vec![0; BATCH_BYTES + MAX_PACKET].into_boxed_slice(),
-            ends: [0; BATCH_PACKETS],
+            buf: vec![0; BATCH_BYTES + MAX_READ].into_boxed_slice(),
+            buf_used: 0,
+            // A full batch of segments plus their repeated headers.
+            framed: Vec::with_capacity(BATCH_BYTES + MAX_READ + MAX_READ / 4),
+            entries: [Entry::default(); BATCH_PACKETS],
             count: 0,
+            packets: 0,
+            ip_bytes: 0,
+            gso_frames: 0,
+            segmented: 0,
         }
     }
 
-    fn used(&self) -> usize {
-        if self.count == 0 {
-            0
-        } else {
-            self.ends[self.count - 1]
-        }
+    fn clear(&mut self) {
+        self.buf_used = 0;
+        self.framed.clear();
+        self.count = 0;
+        self.packets = 0;
+        self.ip_bytes = 0;
+        self.gso_frames = 0;
+        self.segmented = 0;
     }
 
     fn is_full(&self) -> bool {
-        self.count == BATCH_PACKETS || self.used() >= BATCH_BYTES
+        self.count == BATCH_PACKETS
+            || self.buf_used >= BATCH_BYTES
+            || self.framed.len() >= BATCH_BYTES
     }
 
-    fn packet(&self, i: usize) -> &[u8] {
-        let start = if i == 0 { 0 } else { self.ends[i - 1] };
-        &self.buf[start..self.ends[i]]
+    fn push(&mut self, kind: EntryKind, start: usize, end: usize) {
+        self.entries[self.count] = Entry { kind, start, end };
+        self.count += 1;
+    }
+
+    /// A read of `n` bytes at `buf[start..]` from a device without offloads.
+    fn push_plain(&mut self, start: usize, n: usize) {
+        self.push(EntryKind::Packet, start, start + n);
+        self.buf_used = start + n;
+        self.packets += 1;
+        self.ip_bytes += n as u64;
+    }
+
+    /// A read of `n` bytes at `buf[start..]` that starts with a
+    /// `virtio_net_hdr`. `gso_ok`: the manager accepts GSO frames.
+    fn push_vnet(&mut self, start: usize, n: usize, gso_ok: bool) -> Result<(), OffloadError> {
+        let end = start + n;
+        let (hdr, offload, _) = VnetHdr::parse(&self.buf[start..end])?;
+        let ip = start + VNET_HDR_LEN;
+        match offload {
+            Offload::None => {}
+            Offload::Checksum { start: at, offset } => {
+                gso::complete_checksum(&mut self.buf[ip..end], at, offset)?;
+            }
+            Offload::Tcp { .. } if gso_ok && n <= frame::MAX_PAYLOAD_LEN => {
+                // The GSO frame's header takes the virtio_net_hdr's 10 bytes.
+                self.buf[start..ip].copy_from_slice(&hdr.to_frame_header().encode());
+                self.push(EntryKind::Gso, start, end);
+                self.buf_used = end;
+                self.packets += 1;
+                self.ip_bytes += (end - ip) as u64;
+                self.gso_frames += 1;
+                return Ok(());
+            }
+            Offload::Tcp { kind, gso_size } => {
+                let at = self.framed.len();
+                let seg = gso::segment_tcp(
+                    &self.buf[ip..end],
+                    kind,
+                    gso_size,
+                    &mut self.framed,
+                    HEADER_LEN,
+                )?;
+                for span in seg.spans() {
+                    match frame::encode_header(Kind::Packet, span.len()) {
+                        Ok(h) => {
+                            self.framed[span.start - HEADER_LEN..span.start].copy_from_slice(&h)
+                        }
+                        Err(e) => {
+                            self.framed.truncate(at);
+                            return Err(e.into());
+                        }
+                    }
+                }
+                // The read's space in `buf` is reused by the next read.
+                self.push(EntryKind::Framed, at, self.framed.len());
+                self.packets += seg.count as u64;
+                self.ip_bytes += (self.framed.len() - at - seg.count * HEADER_LEN) as u64;
+                self.segmented += 1;
+                return Ok(());
+            }
+        }
+        self.push(EntryKind::Packet, ip, end);
+        self.buf_used = end;
+        self.packets += 1;
+        self.ip_bytes += (end - ip) as u64;
+        Ok(())
+    }
+
+    /// The bytes of entry `i` after its frame header (all of it for `Framed`).
+    fn payload(&self, i: usize) -> &[u8] {
+        let e = self.entries[i];
+        match e.kind {
+            EntryKind::Packet | EntryKind::Gso => &self.buf[e.start..e.end],
+            EntryKind::Framed => &self.framed[e.start..e.end],
+        }
+    }
+
+    /// The IP packet of entry `i` (a super-packet for `Gso`, the first
+    /// segment for `Framed`), to answer with ICMP unreachable.
+    fn ip_packet(&self, i: usize) -> &[u8] {
+        let payload = self.payload(i);
+        match self.entries[i].kind {
+            EntryKind::Packet => payload,
+            EntryKind::Gso => payload.get(GSO_HEADER_LEN..).unwrap_or_default(),
+            EntryKind::Framed => Decoder::default()
+                .decode(payload)
+                .ok()
+                .flatten()
+                .map_or(&[][..], |(f, _)| f.payload),
+        }
     }
 }
 
@@ -308,14 +496,15 @@ pub async fn refuse<T: PacketIo>(
     refusal: Arc<Refusal>,
     counters: Arc<Counters>,
 ) -> io::Error {
-    let mut buf = vec![0u8; MAX_PACKET];
+    let mut buf = vec![0u8; MAX_READ];
     let mut out = Vec::with_capacity(unreachable::MAX_V6_ERROR);
+    let skip = if tun.vnet_hdr() { VNET_HDR_LEN } else { 0 };
     loop {
         match tun.try_recv(&mut buf) {
             Ok(0) => {}
             Ok(n) => {
-                if let Err(e) = refuse_packet(&*tun, &buf[..n], &refusal, &counters, &mut out).await
-                {
+                let packet = buf.get(skip..n).unwrap_or_default();
+                if let Err(e) = refuse_packet(&*tun, packet, &refusal, &counters, &mut out).await {
                     return e;
                 }
             }
@@ -361,6 +550,9 @@ where
         });
     }
 
+    // Set when the manager's hello accepts GSO frames (per transport: a
+    // re-dialled manager may be another version).
+    let gso_ok = Arc::new(AtomicBool::new(false));
     let mut tasks = JoinSet::new();
     tasks.spawn(tun_reader(
         tun.clone(),
@@ -369,6 +561,7 @@ where
         liveness.clone(),
         refusal,
         counters.clone(),
+        gso_ok.clone(),
     ));
     tasks.spawn(transport_writer(
         transport_tx,
@@ -384,6 +577,7 @@ where
         liveness.clone(),
         counters.clone(),
         config,
+        gso_ok,
     ));
     tasks.spawn(tun_writer(tun, in_full_rx, in_free_tx, counters));
 
@@ -422,9 +616,11 @@ async fn tun_reader<T: PacketIo>(
     liveness: Arc<Mutex<Liveness>>,
     refusal: Arc<Refusal>,
     counters: Arc<Counters>,
+    gso_ok: Arc<AtomicBool>,
 ) -> PumpExit {
     let mut out = Vec::with_capacity(unreachable::MAX_V6_ERROR);
     let mut held: Option<OutBatch> = None;
+    let vnet = tun.vnet_hdr();
     loop {
         let mut batch = match held.take() {
             Some(batch) => batch,
@@ -433,15 +629,20 @@ async fn tun_reader<T: PacketIo>(
                 None => return PumpExit::Task("outbound buffer queue closed".to_owned()),
             },
         };
-        batch.count = 0;
+        batch.clear();
+        let mut dropped = 0;
         while !batch.is_full() {
-            let start = batch.used();
+            let start = batch.buf_used;
             match tun.try_recv(&mut batch.buf[start..]) {
                 Ok(0) => continue,
-                Ok(n) => {
-                    batch.ends[batch.count] = start + n;
-                    batch.count += 1;
+                Ok(n) if vnet => {
+                    // The manager's hello may arrive while this batch fills.
+                    if let Err(e) = batch.push_vnet(start, n, gso_ok.load(Ordering::Relaxed)) {
+                        dropped += 1;
+                        tracing::debug!(error = %e, len = n, "TUN read dropped: its offload cannot be done");
+                    }
                 }
+                Ok(n) => batch.push_plain(start, n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if batch.count > 0 {
                         break;
@@ -454,16 +655,17 @@ async fn tun_reader<T: PacketIo>(
                 Err(e) => return PumpExit::Tun(e),
             }
         }
+        Counters::add(&counters.tx_offload_dropped, dropped);
         tracing::trace!(
-            packets = batch.count,
-            bytes = batch.used(),
+            entries = batch.count,
+            bytes = batch.ip_bytes,
             "outbound batch read"
         );
         // One lock per batch, not per packet.
         if lock(&liveness).is_reconnecting(Instant::now()) {
             for i in 0..batch.count {
                 if let Err(e) =
-                    refuse_packet(&*tun, batch.packet(i), &refusal, &counters, &mut out).await
+                    refuse_packet(&*tun, batch.ip_packet(i), &refusal, &counters, &mut out).await
                 {
                     return PumpExit::Tun(e);
                 }
@@ -533,18 +735,27 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
                     return PumpExit::Task("outbound batch queue closed".to_owned());
                 };
                 for (i, header) in headers.iter_mut().enumerate().take(batch.count) {
-                    match frame::encode_header(Kind::Packet, batch.packet(i).len()) {
+                    let kind = match batch.entries[i].kind {
+                        EntryKind::Packet => Kind::Packet,
+                        EntryKind::Gso => Kind::Gso,
+                        EntryKind::Framed => continue,
+                    };
+                    match frame::encode_header(kind, batch.payload(i).len()) {
                         Ok(h) => *header = h,
-                        // A TUN packet without IFF_VNET_HDR is at most 65535
-                        // bytes; only a 65535-byte one does not fit (MTU <= 65534
-                        // is enforced at Connect).
+                        // A TUN packet is at most 65535 bytes; only a 65535-byte
+                        // one does not fit (MTU <= 65534 is enforced at Connect);
+                        // a GSO frame is sent only when it fits.
                         Err(e) => return PumpExit::Protocol(e),
                     }
                 }
                 let mut iov = [IoSlice::new(&[]); 2 * BATCH_PACKETS];
                 for (i, pair) in iov.chunks_exact_mut(2).enumerate().take(batch.count) {
-                    pair[0] = IoSlice::new(&headers[i]);
-                    pair[1] = IoSlice::new(batch.packet(i));
+                    if batch.entries[i].kind == EntryKind::Framed {
+                        pair[0] = IoSlice::new(batch.payload(i));
+                    } else {
+                        pair[0] = IoSlice::new(&headers[i]);
+                        pair[1] = IoSlice::new(batch.payload(i));
+                    }
                 }
                 if let Err(e) = write_all_vectored(&mut writer, &mut iov[..2 * batch.count]).await {
                     return PumpExit::Transport(e);
@@ -552,9 +763,11 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
                 if let Err(e) = writer.flush().await {
                     return PumpExit::Transport(e);
                 }
-                Counters::add(&counters.tx_packets, batch.count as u64);
-                Counters::add(&counters.tx_bytes, batch.used() as u64);
+                Counters::add(&counters.tx_packets, batch.packets);
+                Counters::add(&counters.tx_bytes, batch.ip_bytes);
                 Counters::add(&counters.tx_batches, 1);
+                Counters::add(&counters.tx_gso_frames, batch.gso_frames);
+                Counters::add(&counters.tx_gso_segmented, batch.segmented);
                 if free_tx.send(batch).await.is_err() {
                     return PumpExit::Task("outbound buffer queue closed".to_owned());
                 }
@@ -573,6 +786,7 @@ async fn transport_reader<R: AsyncRead + Unpin>(
     liveness: Arc<Mutex<Liveness>>,
     counters: Arc<Counters>,
     config: PumpConfig,
+    gso_ok: Arc<AtomicBool>,
 ) -> PumpExit {
     let decoder = Decoder::with_max_len(config.max_frame_len);
     let Some(mut cur) = free_rx.recv().await else {
@@ -605,6 +819,21 @@ async fn transport_reader<R: AsyncRead + Unpin>(
                                     Some((stats, Instant::now()));
                             }
                             Err(e) => tracing::debug!(error = %e, "manager stats frame ignored"),
+                        }
+                    }
+                    if frame.kind == Kind::Hello {
+                        // The manager's answer to the offloads the hello offered.
+                        match ManagerHello::decode(frame.payload) {
+                            Ok(h) => {
+                                let accepted = h.offloads & OFFLOAD_TCP_GSO != 0;
+                                tracing::info!(
+                                    manager_version = h.version,
+                                    gso_frames = accepted,
+                                    "manager hello read"
+                                );
+                                gso_ok.store(accepted, Ordering::Relaxed);
+                            }
+                            Err(e) => tracing::debug!(error = %e, "manager hello ignored"),
                         }
                     }
                     if frame.kind == Kind::Heartbeat {
@@ -686,8 +915,8 @@ async fn tun_writer<T: PacketIo>(
                     Err(e) => return PumpExit::Tun(e),
                 },
                 // Taken by `transport_reader` already.
-                Kind::Heartbeat | Kind::Stats => {}
-                Kind::Hello | Kind::Unknown(_) => {
+                Kind::Heartbeat | Kind::Stats | Kind::Hello => {}
+                Kind::Gso | Kind::Unknown(_) => {
                     tracing::debug!(
                         kind = frame.kind.to_u8(),
                         "frame of a kind the client ignores"
@@ -1194,5 +1423,181 @@ mod tests {
         wait_counter(&counters.refused_packets, 5).await;
         assert_eq!(Counters::get(&counters.unreachable_sent), 4);
         refuser.abort();
+    }
+
+    /// Test double of a TUN device with `IFF_VNET_HDR` offloads: a datagram
+    /// socket whose reads carry the `virtio_net_hdr` the test wrote before
+    /// each packet, and whose writes get the no-offload header prepended, as
+    /// the TUN device's `send` does.
+    struct VnetDatagram(UnixDatagram);
+
+    impl PacketIo for VnetDatagram {
+        fn vnet_hdr(&self) -> bool {
+            true
+        }
+        fn readable(&self) -> impl Future<Output = io::Result<()>> + Send {
+            self.0.readable()
+        }
+        fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.try_recv(buf)
+        }
+        async fn send(&self, packet: &[u8]) -> io::Result<usize> {
+            let mut with_header = VNET_HDR_NONE.to_vec();
+            with_header.extend_from_slice(packet);
+            let n = self.0.send(&with_header).await?;
+            Ok(n - VNET_HDR_LEN)
+        }
+    }
+
+    const LAPTOP_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(100, 96, 0, 2);
+    const POD_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 244, 1, 20);
+
+    /// An IPv4 TCP segment laptop -> pod with `payload`, its checksum partial
+    /// (the pseudo-header sum only), as the kernel hands it over with
+    /// TUN_F_CSUM / TUN_F_TSO4.
+    fn partial_tcp(payload: &[u8], flags: u8) -> Vec<u8> {
+        let mut tcp = vec![0u8; 20];
+        tcp[0..2].copy_from_slice(&40000u16.to_be_bytes());
+        tcp[2..4].copy_from_slice(&7007u16.to_be_bytes());
+        tcp[4..8].copy_from_slice(&5000u32.to_be_bytes());
+        tcp[12] = 5 << 4;
+        tcp[13] = flags;
+        tcp[14..16].copy_from_slice(&512u16.to_be_bytes());
+        tcp.extend_from_slice(payload);
+        let len = (tcp.len() as u16).to_be_bytes();
+        let pseudo = [&LAPTOP_IP.octets()[..], &POD_IP.octets(), &[0, 6], &len].concat();
+        let partial = !kvpn_lab::packets::checksum(&[&pseudo]);
+        tcp[16..18].copy_from_slice(&partial.to_be_bytes());
+        kvpn_lab::packets::ipv4(6, LAPTOP_IP, POD_IP, &tcp)
+    }
+
+    /// A TUN read: `virtio_net_hdr` (host byte order) + `packet`.
+    fn vnet_read(flags: u8, gso_type: u8, gso_size: u16, packet: &[u8]) -> Vec<u8> {
+        let mut r = vec![flags, gso_type];
+        for v in [40u16, gso_size, 20, 16] {
+            r.extend_from_slice(&v.to_ne_bytes());
+        }
+        r.extend_from_slice(packet);
+        r
+    }
+
+    /// The TCP payload of `packet`, checking its IPv4 and TCP checksums.
+    fn checked_tcp_payload(packet: &[u8]) -> Vec<u8> {
+        use smoltcp::wire::{IpAddress, Ipv4Packet, TcpPacket};
+        let ip = Ipv4Packet::new_checked(packet).expect("IPv4");
+        assert!(ip.verify_checksum(), "IPv4 header checksum");
+        let tcp = TcpPacket::new_checked(ip.payload()).expect("TCP");
+        let (src, dst) = (
+            IpAddress::Ipv4(ip.src_addr()),
+            IpAddress::Ipv4(ip.dst_addr()),
+        );
+        assert!(tcp.verify_checksum(&src, &dst), "TCP checksum");
+        tcp.payload().to_vec()
+    }
+
+    #[tokio::test]
+    async fn super_packets_are_segmented_until_the_manager_accepts_gso_frames() {
+        let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
+        let (pump_end, manager_end) = tokio::io::duplex(1 << 20);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let (manager_rx, mut manager_tx) = tokio::io::split(manager_end);
+        let counters = Arc::new(Counters::default());
+        let pump = tokio::spawn(run(
+            Arc::new(VnetDatagram(tun_side)),
+            rx,
+            tx,
+            liveness_up(LONG),
+            counters.clone(),
+            Arc::new(Refusal::default()),
+            PumpConfig::default(),
+        ));
+        let mut frames = FrameReader::new(manager_rx);
+        let data: Vec<u8> = (0..3500u32).map(|i| (i % 251) as u8).collect();
+        let super_packet = partial_tcp(&data, 0x18);
+
+        // No manager hello yet: the pump cuts the super-packet itself.
+        app_side
+            .send(&vnet_read(1, gso::GSO_TCPV4, 1000, &super_packet))
+            .await
+            .expect("send");
+        let mut joined = Vec::new();
+        for i in 0..4 {
+            let segment = frames.next_packet().await.expect("a segment");
+            assert_eq!(segment.len(), 40 + if i < 3 { 1000 } else { 500 });
+            joined.extend(checked_tcp_payload(&segment));
+        }
+        assert_eq!(joined, data, "segments carry the payload in order");
+
+        // A single packet with a partial checksum leaves completed.
+        let ack = partial_tcp(b"x", 0x10);
+        app_side
+            .send(&vnet_read(1, gso::GSO_NONE, 0, &ack))
+            .await
+            .expect("send");
+        let got = frames.next_packet().await.expect("the packet");
+        assert_eq!(checked_tcp_payload(&got), b"x");
+
+        // The manager accepts GSO frames: the next super-packet goes whole,
+        // behind the virtio_net_hdr's fields.
+        let mut hello = Vec::new();
+        let answer = ManagerHello {
+            version: frame::PROTOCOL_VERSION,
+            offloads: OFFLOAD_TCP_GSO,
+        };
+        frame::encode_into(Kind::Hello, &answer.encode(), &mut hello).expect("fits");
+        manager_tx.write_all(&hello).await.expect("manager hello");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        app_side
+            .send(&vnet_read(1, gso::GSO_TCPV4, 1000, &super_packet))
+            .await
+            .expect("send");
+        let (kind, payload) = loop {
+            match frames.next().await.expect("a frame") {
+                (Kind::Heartbeat, _) => continue,
+                other => break other,
+            }
+        };
+        assert_eq!(kind, Kind::Gso);
+        let (header, packet) = frame::GsoHeader::split(&payload).expect("GSO header");
+        assert_eq!(
+            (
+                header.flags,
+                header.gso_type,
+                header.gso_size,
+                header.csum_start,
+                header.csum_offset
+            ),
+            (1, gso::GSO_TCPV4, 1000, 20, 16)
+        );
+        assert_eq!(packet, &super_packet[..]);
+        assert_eq!(Counters::get(&counters.tx_gso_segmented), 1);
+        assert_eq!(Counters::get(&counters.tx_gso_frames), 1);
+        assert_eq!(Counters::get(&counters.tx_packets), 4 + 1 + 1);
+
+        // A read the pump cannot use (UDP segmentation, never enabled) is
+        // dropped and counted, and the pump goes on.
+        app_side
+            .send(&vnet_read(1, 5, 1000, &ack))
+            .await
+            .expect("send");
+        app_side
+            .send(&vnet_read(0, gso::GSO_NONE, 0, &ack))
+            .await
+            .expect("send");
+        assert_eq!(frames.next_packet().await.expect("the packet"), ack);
+        assert_eq!(Counters::get(&counters.tx_offload_dropped), 1);
+
+        // Inbound packets reach the TUN behind a no-offload header.
+        let mut inbound = Vec::new();
+        frame::encode_into(Kind::Packet, &ack, &mut inbound).expect("fits");
+        manager_tx.write_all(&inbound).await.expect("packet frame");
+        let mut buf = vec![0u8; 65536];
+        let n = tokio::time::timeout(Duration::from_secs(2), app_side.recv(&mut buf))
+            .await
+            .expect("in time")
+            .expect("recv");
+        assert_eq!(&buf[..VNET_HDR_LEN], &VNET_HDR_NONE);
+        assert_eq!(&buf[VNET_HDR_LEN..n], &ack[..]);
+        pump.abort();
     }
 }

@@ -453,17 +453,19 @@ pub async fn dial_peer(
 /// version, the client's tunnel IP and its lease's session token. Public for
 /// lightweight clients in tests (tr-11); the error names what did not encode.
 pub fn hello_frame(tunnel_ip: IpAddr, token: &[u8]) -> Result<Vec<u8>, String> {
-    hello_frame_with_mtu(tunnel_ip, token, None, None)
+    hello_frame_with_mtu(tunnel_ip, token, None, None, None)
 }
 
 /// [`hello_frame`] that also tells the manager the TUN MTU (bytes), so the
-/// packets it builds for the laptop are fragmented to fit it, and the IPv6
-/// tunnel IP of a dual-stack session.
+/// packets it builds for the laptop are fragmented to fit it, the IPv6
+/// tunnel IP of a dual-stack session, and the offloads the pump offers (hello
+/// option 4, [`kvpn_proto::frame::OFFLOAD_TCP_GSO`]).
 pub fn hello_frame_with_mtu(
     tunnel_ip: IpAddr,
     token: &[u8],
     mtu: Option<u16>,
     tunnel_ip_v6: Option<Ipv6Addr>,
+    offloads: Option<u8>,
 ) -> Result<Vec<u8>, String> {
     let payload = Hello {
         version: PROTOCOL_VERSION,
@@ -471,6 +473,7 @@ pub fn hello_frame_with_mtu(
         token: token.to_vec(),
         mtu,
         tunnel_ip_v6,
+        offloads,
     }
     .encode()
     .map_err(|e| e.to_string())?;
@@ -729,6 +732,10 @@ impl Session {
             &params.session_token,
             Some(params.mtu),
             params.tunnel_ip_v6,
+            // The TUN device always has IFF_VNET_HDR offloads (crate::tun):
+            // offer GSO frames; the pump segments itself until the manager
+            // accepts them.
+            Some(kvpn_proto::frame::OFFLOAD_TCP_GSO),
         )
         .map_err(|message| ConnectError::Step {
             step: Step::SendHello,
@@ -1396,6 +1403,9 @@ impl Session {
             leftovers = report.leftovers.len(),
             tx_packets = Counters::get(&c.tx_packets),
             tx_batches = Counters::get(&c.tx_batches),
+            tx_gso_frames = Counters::get(&c.tx_gso_frames),
+            tx_gso_segmented = Counters::get(&c.tx_gso_segmented),
+            tx_offload_dropped = Counters::get(&c.tx_offload_dropped),
             rx_packets = Counters::get(&c.rx_packets),
             rx_invalid = Counters::get(&c.rx_invalid),
             "session torn down"

@@ -1,13 +1,26 @@
 //! TUN device creation (tun-rs). I/O: `/dev/net/tun` and the SIOC* ioctls tun-rs
 //! issues, in the calling thread's network namespace.
 //!
-//! The device is layer 3 without packet information (each read is one raw
-//! IPv4/IPv6 packet), single queue, no IFF_VNET_HDR offloads yet, non-blocking
-//! (tokio), with the requested MTU, created down. It is not persistent: closing its
-//! last descriptor removes it with its addresses and routes.
+//! The device is layer 3 without packet information, single queue,
+//! non-blocking (tokio), with the requested MTU, created down. It is not
+//! persistent: closing its last descriptor removes it with its addresses and
+//! routes.
+//!
+//! Offloads: the device is opened with `IFF_VNET_HDR`, a 10-byte
+//! `virtio_net_hdr` (`TUNSETVNETHDRSZ`) and `TUNSETOFFLOAD TUN_F_CSUM |
+//! TUN_F_TSO4 | TUN_F_TSO6` (drivers/net/tun.c). Every read starts with a
+//! [`VnetHdr`] (parsed by [`VnetHdr::parse`]) followed by the packet, which may
+//! be a TCP *super-packet* of up to 64 KiB that the kernel did not segment, or
+//! a packet whose L4 checksum is partial ([`Offload`]); every write must start
+//! with a header too ([`VNET_HDR_NONE`]: no offload, the kernel checks the
+//! checksums as without `IFF_VNET_HDR`). No UDP segmentation offload
+//! (`TUN_F_USO4/6`): UDP arrives as single datagrams.
 
 use std::io;
+use std::os::fd::AsRawFd;
 
+use kvpn_proto::frame::GsoHeader;
+use kvpn_proto::gso::{self, GsoKind};
 use tun_rs::{AsyncDevice, DeviceBuilder};
 
 /// Default TUN MTU in bytes. Equal to the manager's stack MTU (`kvpn-manager`'s
@@ -26,6 +39,133 @@ pub const MAX_MTU: u16 = kvpn_proto::frame::MAX_PAYLOAD_LEN as u16;
 /// with the first free number (kvpn0, kvpn1, ...), without a race between
 /// looking and creating (`dev_alloc_name`, net/core/dev.c).
 pub const NAME_PATTERN: &str = "kvpn%d";
+
+/// Bytes of the `virtio_net_hdr` before every packet read from or written to
+/// the TUN device (`struct virtio_net_hdr`, include/uapi/linux/virtio_net.h;
+/// set with `TUNSETVNETHDRSZ`).
+pub const VNET_HDR_LEN: usize = 10;
+
+/// The header written before every packet the pump writes to the TUN device:
+/// no checksum offload, not a super-packet (`VIRTIO_NET_HDR_GSO_NONE`).
+pub const VNET_HDR_NONE: [u8; VNET_HDR_LEN] = [0; VNET_HDR_LEN];
+
+/// Largest TUN read with offloads, bytes: the header, a 40-byte IPv6 header
+/// and the largest IPv6 payload length (an IPv4 super-packet is at most 65535
+/// bytes in all: its total length is 16 bits too). The kernel's TSO super-packets
+/// stay under 64 KiB (`GSO_LEGACY_MAX_SIZE`; BIG TCP is off on a TUN device).
+pub const MAX_READ: usize = VNET_HDR_LEN + 40 + 65535;
+
+/// The `virtio_net_hdr` of one TUN read (include/uapi/linux/virtio_net.h).
+/// Fields are in the host's byte order (legacy virtio without
+/// `TUNSETVNETLE`/`TUNSETVNETBE`: the kernel writes them with `cpu_to_virtio16`
+/// on the native endianness; drivers/net/tun.c, `tun_put_user`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct VnetHdr {
+    /// `VIRTIO_NET_HDR_F_*` bits ([`gso::F_NEEDS_CSUM`]).
+    pub flags: u8,
+    /// `VIRTIO_NET_HDR_GSO_*` kind ([`gso::GSO_TCPV4`], ...; bit 7 ECN).
+    pub gso_type: u8,
+    /// Linear header bytes as the kernel reports them (`skb_headlen`);
+    /// informational.
+    pub hdr_len: u16,
+    /// Payload bytes per segment of a super-packet (the MSS).
+    pub gso_size: u16,
+    /// Offset of the L4 header in the packet, bytes (with NEEDS_CSUM).
+    pub csum_start: u16,
+    /// Offset of the L4 checksum field from `csum_start`, bytes.
+    pub csum_offset: u16,
+}
+
+/// What a TUN read needs before it can go to the manager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Offload {
+    /// A finished packet.
+    None,
+    /// One packet whose L4 checksum is partial: complete it with
+    /// [`gso::complete_checksum`] at these offsets (bytes).
+    Checksum {
+        /// `csum_start`.
+        start: usize,
+        /// `csum_offset`.
+        offset: usize,
+    },
+    /// A TCP super-packet to cut into `gso_size`-byte segments.
+    Tcp {
+        /// IPv4 or IPv6.
+        kind: GsoKind,
+        /// Payload bytes per segment.
+        gso_size: usize,
+    },
+}
+
+/// Why a TUN read's `virtio_net_hdr` is unusable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum VnetError {
+    /// The read is shorter than the header.
+    #[error("TUN read of {0} bytes is shorter than its {VNET_HDR_LEN}-byte virtio_net_hdr")]
+    Truncated(usize),
+    /// A `gso_type` this pump does not handle (UDP_L4 and others are not
+    /// enabled with TUNSETOFFLOAD, so the kernel should not send them).
+    #[error("TUN read with unsupported gso_type {0}")]
+    UnsupportedGso(u8),
+    /// A super-packet with `gso_size` 0.
+    #[error("TUN super-packet with gso_size 0")]
+    ZeroGsoSize,
+}
+
+impl VnetHdr {
+    /// Parse the header at the start of a TUN read; returns it, what the
+    /// packet after it needs, and the packet. Never panics.
+    pub fn parse(read: &[u8]) -> Result<(Self, Offload, &[u8]), VnetError> {
+        let (h, packet) = read
+            .split_first_chunk::<VNET_HDR_LEN>()
+            .ok_or(VnetError::Truncated(read.len()))?;
+        let ne = |i: usize| u16::from_ne_bytes([h[i], h[i + 1]]);
+        let hdr = Self {
+            flags: h[0],
+            gso_type: h[1],
+            hdr_len: ne(2),
+            gso_size: ne(4),
+            csum_start: ne(6),
+            csum_offset: ne(8),
+        };
+        let offload = match GsoKind::from_gso_type(hdr.gso_type) {
+            Some(kind) => {
+                if hdr.gso_size == 0 {
+                    return Err(VnetError::ZeroGsoSize);
+                }
+                Offload::Tcp {
+                    kind,
+                    gso_size: usize::from(hdr.gso_size),
+                }
+            }
+            None if hdr.gso_type == gso::GSO_NONE => {
+                if hdr.flags & gso::F_NEEDS_CSUM != 0 {
+                    Offload::Checksum {
+                        start: usize::from(hdr.csum_start),
+                        offset: usize::from(hdr.csum_offset),
+                    }
+                } else {
+                    Offload::None
+                }
+            }
+            None => return Err(VnetError::UnsupportedGso(hdr.gso_type)),
+        };
+        Ok((hdr, offload, packet))
+    }
+
+    /// The same fields for a GSO frame to the manager.
+    pub fn to_frame_header(self) -> GsoHeader {
+        GsoHeader {
+            flags: self.flags,
+            gso_type: self.gso_type,
+            hdr_len: self.hdr_len,
+            gso_size: self.gso_size,
+            csum_start: self.csum_start,
+            csum_offset: self.csum_offset,
+        }
+    }
+}
 
 /// Why a TUN device could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -141,10 +281,14 @@ pub fn create(name: Option<&str>, mtu: u16) -> Result<Tun, TunError> {
     let device = DeviceBuilder::new()
         .name(requested)
         .mtu(mtu)
+        // IFF_VNET_HDR; tun-rs also enables TUN_F_USO4/6 where the kernel has
+        // them, which set_offloads takes back.
+        .offload(true)
         // Left down: the session attaches the classifier before bringing it up.
         .enable(false)
         .build_async()
         .map_err(create_err)?;
+    set_offloads(&device).map_err(create_err)?;
     let name = device.name().map_err(create_err)?;
     let ifindex = device.if_index().map_err(create_err)?;
     tracing::debug!(%name, ifindex, mtu, "TUN device created");
@@ -153,6 +297,26 @@ pub fn create(name: Option<&str>, mtu: u16) -> Result<Tun, TunError> {
         name,
         ifindex,
     })
+}
+
+/// `TUNSETVNETHDRSZ` [`VNET_HDR_LEN`] and `TUNSETOFFLOAD TUN_F_CSUM |
+/// TUN_F_TSO4 | TUN_F_TSO6` on an `IFF_VNET_HDR` device (drivers/net/tun.c,
+/// `__tun_chr_ioctl`, `set_offload`): TCP super-packets and partial checksums,
+/// no UDP segmentation offload.
+fn set_offloads(device: &AsyncDevice) -> io::Result<()> {
+    let fd = device.as_raw_fd();
+    let size: libc::c_int = VNET_HDR_LEN as libc::c_int;
+    // SAFETY: `fd` is the live TUN descriptor `device` owns; TUNSETVNETHDRSZ
+    // reads one c_int through the pointer, which outlives the call.
+    if unsafe { libc::ioctl(fd, libc::TUNSETVNETHDRSZ, &size as *const libc::c_int) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let offloads = libc::TUN_F_CSUM | libc::TUN_F_TSO4 | libc::TUN_F_TSO6;
+    // SAFETY: as above; TUNSETOFFLOAD takes its flags by value.
+    if unsafe { libc::ioctl(fd, libc::TUNSETOFFLOAD, libc::c_ulong::from(offloads)) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -165,6 +329,78 @@ mod tests {
         assert!(validate_name("kvpn-abcdef0123").is_ok());
         for bad in ["", "a/b", "has space", "kvpn%d", "0123456789abcdef", ".."] {
             assert!(validate_name(bad).is_err(), "{bad:?} must be rejected");
+        }
+    }
+
+    fn read(hdr: [u8; VNET_HDR_LEN], packet: &[u8]) -> Vec<u8> {
+        let mut r = hdr.to_vec();
+        r.extend_from_slice(packet);
+        r
+    }
+
+    #[test]
+    fn vnet_headers_parse_into_typed_offloads() {
+        let ne = |v: u16| v.to_ne_bytes();
+        let [a, b] = ne(1448);
+        let [c, d] = ne(20);
+        let [e, f] = ne(16);
+        // TCPv4 super-packet with ECN, NEEDS_CSUM.
+        let tso = read([1, 0x81, 66, 0, a, b, c, d, e, f], &[0x45]);
+        let (hdr, offload, packet) = VnetHdr::parse(&tso).expect("valid");
+        assert_eq!(
+            offload,
+            Offload::Tcp {
+                kind: GsoKind::TcpV4,
+                gso_size: 1448
+            }
+        );
+        assert_eq!(packet, &[0x45]);
+        assert_eq!(hdr.csum_start, 20);
+        let frame = hdr.to_frame_header();
+        assert_eq!(
+            (frame.gso_type, frame.gso_size, frame.csum_offset),
+            (0x81, 1448, 16)
+        );
+        // A single packet with a partial checksum; a finished one.
+        let (_, offload, _) =
+            VnetHdr::parse(&read([1, 0, 0, 0, 0, 0, c, d, e, f], &[])).expect("valid");
+        assert_eq!(
+            offload,
+            Offload::Checksum {
+                start: 20,
+                offset: 16
+            }
+        );
+        let (_, offload, _) = VnetHdr::parse(&VNET_HDR_NONE).expect("valid");
+        assert_eq!(offload, Offload::None);
+        // TCPv6.
+        let (_, offload, _) =
+            VnetHdr::parse(&read([1, 4, 0, 0, a, b, 0, 0, 0, 0], &[])).expect("valid");
+        assert!(matches!(
+            offload,
+            Offload::Tcp {
+                kind: GsoKind::TcpV6,
+                ..
+            }
+        ));
+        // Errors: short, UDP_L4 (not enabled), gso_size 0.
+        assert_eq!(VnetHdr::parse(&[0; 9]), Err(VnetError::Truncated(9)));
+        assert_eq!(
+            VnetHdr::parse(&read([0, 5, 0, 0, a, b, 0, 0, 0, 0], &[])),
+            Err(VnetError::UnsupportedGso(5))
+        );
+        assert_eq!(
+            VnetHdr::parse(&read([1, 1, 0, 0, 0, 0, 0, 0, 0, 0], &[])),
+            Err(VnetError::ZeroGsoSize)
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn vnet_parse_never_panics(buf in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
+            if let Ok((_, _, packet)) = VnetHdr::parse(&buf) {
+                proptest::prop_assert_eq!(packet.len() + VNET_HDR_LEN, buf.len());
+            }
         }
     }
 

@@ -96,6 +96,12 @@ pub struct Metrics {
     /// Flows admitted into the pod's kernel (source policies `preserve`,
     /// `ebpf-snat`; see [`crate::forwarded`]).
     pub forwarded_flows: u64,
+    /// GSO frames (frame kind 5: TCP super-packets) from the laptop that were
+    /// segmented (counted by the shell).
+    pub gso_frames: u64,
+    /// Packets those GSO frames were segmented into (each also counted in
+    /// `packets_from_laptop` or as a peer / pool-TUN packet).
+    pub gso_segments: u64,
 }
 
 impl Metrics {
@@ -130,7 +136,7 @@ impl fmt::Display for Metrics {
              forwarded: flows={} \
              mtu: reassembled={} fragmented={} too_big={} heartbeats={} \
              peer: {}p/{}B limits: refused_cap={} rate_limited={} icmp_rate_limited={} \
-             write_queue_full={} echoes_dropped={} tcp_events_peak={} tcp_events_full={} drops={}",
+             write_queue_full={} echoes_dropped={} tcp_events_peak={} tcp_events_full={} gso: frames={} segments={} drops={}",
             self.packets_from_laptop,
             self.bytes_from_laptop,
             self.packets_to_laptop,
@@ -166,6 +172,8 @@ impl fmt::Display for Metrics {
             self.echoes_dropped,
             self.tcp_events_peak,
             self.tcp_events_full,
+            self.gso_frames,
+            self.gso_segments,
             self.dropped_total(),
         )?;
         for (reason, n) in DropReason::ALL.iter().zip(self.drops) {
@@ -268,6 +276,8 @@ pub struct ManagerCounters {
     drops: [AtomicU64; DropReason::ALL.len()],
     echoes_dropped: AtomicU64,
     tcp_events_full: AtomicU64,
+    gso_frames: AtomicU64,
+    gso_segments: AtomicU64,
     leases_granted: AtomicU64,
     lease_denied: [AtomicU64; LeaseDenial::ALL.len()],
     /// `ebpf-snat` is on: its metrics are rendered.
@@ -290,6 +300,8 @@ pub struct DropsSynced {
     drops: [u64; DropReason::ALL.len()],
     echoes_dropped: u64,
     tcp_events_full: u64,
+    gso_frames: u64,
+    gso_segments: u64,
 }
 
 impl ManagerCounters {
@@ -337,25 +349,41 @@ impl ManagerCounters {
                 *before = *now;
             }
         }
-        if session.echoes_dropped > synced.echoes_dropped {
-            self.echoes_dropped.fetch_add(
-                session.echoes_dropped - synced.echoes_dropped,
-                Ordering::Relaxed,
-            );
-            synced.echoes_dropped = session.echoes_dropped;
-        }
-        if session.tcp_events_full > synced.tcp_events_full {
-            self.tcp_events_full.fetch_add(
-                session.tcp_events_full - synced.tcp_events_full,
-                Ordering::Relaxed,
-            );
-            synced.tcp_events_full = session.tcp_events_full;
-        }
+        let sync = |total: &AtomicU64, now: u64, before: &mut u64| {
+            if now > *before {
+                total.fetch_add(now - *before, Ordering::Relaxed);
+                *before = now;
+            }
+        };
+        sync(
+            &self.echoes_dropped,
+            session.echoes_dropped,
+            &mut synced.echoes_dropped,
+        );
+        sync(
+            &self.tcp_events_full,
+            session.tcp_events_full,
+            &mut synced.tcp_events_full,
+        );
+        sync(&self.gso_frames, session.gso_frames, &mut synced.gso_frames);
+        sync(
+            &self.gso_segments,
+            session.gso_segments,
+            &mut synced.gso_segments,
+        );
     }
 
     /// Waits on a full TCP event queue, all sessions.
     pub fn tcp_events_full(&self) -> u64 {
         self.tcp_events_full.load(Ordering::Relaxed)
+    }
+
+    /// GSO frames segmented and the packets they became, all sessions.
+    pub fn gso(&self) -> (u64, u64) {
+        (
+            self.gso_frames.load(Ordering::Relaxed),
+            self.gso_segments.load(Ordering::Relaxed),
+        )
     }
 
     /// Heartbeat echoes dropped, all sessions.
@@ -472,6 +500,19 @@ impl ManagerCounters {
             "counter",
             "Times a destination TCP socket's task found its session's TCP event queue full and waited, all sessions.",
             &[(None, load(&self.tcp_events_full))],
+
+        );
+        metric(
+            "gso_frames_total",
+            "counter",
+            "GSO frames (TCP super-packets, frame kind 5) from laptops that the manager segmented, all sessions.",
+            &[(None, load(&self.gso_frames))],
+        );
+        metric(
+            "gso_segments_total",
+            "counter",
+            "Packets the manager cut those GSO frames into, all sessions.",
+            &[(None, load(&self.gso_segments))],
         );
         metric(
             "leases_granted_total",
@@ -593,6 +634,8 @@ mod tests {
         session.drop_packet(DropReason::ForbiddenDestination);
         session.echoes_dropped = 3;
         session.tcp_events_full = 4;
+        session.gso_frames = 2;
+        session.gso_segments = 14;
         c.add_drops(&session, &mut synced);
         c.add_drops(&session, &mut synced);
         assert_eq!(c.dropped(DropReason::BadSource), 2, "each drop added once");
@@ -611,6 +654,8 @@ mod tests {
             "kvpn_manager_leases_granted_total 1",
             "kvpn_manager_heartbeat_echoes_dropped_total 3",
             "kvpn_manager_tcp_event_queue_full_total 4",
+            "kvpn_manager_gso_frames_total 2",
+            "kvpn_manager_gso_segments_total 14",
             "kvpn_manager_lease_denied_total{reason=\"bad_client_id\"} 1",
             "# TYPE kvpn_manager_sessions_active gauge",
         ] {

@@ -67,11 +67,15 @@ pub enum DropReason {
     /// handled) was full: the laptop sends faster than the manager processes,
     /// e.g. a flood of small datagrams ([`crate::session::INTAKE_BYTES`]).
     IntakeFull,
+    /// A GSO frame (frame kind 5) the manager could not segment (malformed
+    /// super-packet, a kind other than TCPv4/TCPv6), or one from a laptop
+    /// whose hello did not offer offloads (hello option 4).
+    Gso,
 }
 
 impl DropReason {
     /// Every reason, for iterating counters.
-    pub const ALL: [DropReason; 12] = [
+    pub const ALL: [DropReason; 13] = [
         DropReason::Malformed,
         DropReason::Fragment,
         DropReason::UnsupportedProtocol,
@@ -84,6 +88,7 @@ impl DropReason {
         DropReason::NoSuchPeer,
         DropReason::PeerQueueFull,
         DropReason::IntakeFull,
+        DropReason::Gso,
     ];
 
     /// A short snake_case name for logs and metrics.
@@ -101,6 +106,7 @@ impl DropReason {
             DropReason::NoSuchPeer => "no_such_peer",
             DropReason::PeerQueueFull => "peer_queue_full",
             DropReason::IntakeFull => "intake_full",
+            DropReason::Gso => "gso",
         }
     }
 }

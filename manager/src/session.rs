@@ -31,9 +31,10 @@ use std::time::{Duration, Instant};
 use ipnet::Ipv4Net;
 
 use kvpn_proto::frame::{
-    self, Decoder, FrameError, Hello, HelloError, Kind, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
-    STATS_VERSION, Stats, stat,
+    self, Decoder, FrameError, GsoHeader, Hello, HelloError, Kind, MIN_PROTOCOL_VERSION,
+    ManagerHello, OFFLOAD_TCP_GSO, PROTOCOL_VERSION, STATS_VERSION, Stats, stat,
 };
+use kvpn_proto::gso::{self, GsoKind};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, trace, warn};
@@ -378,6 +379,110 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
     }
 }
 
+/// One packet from the laptop, from a packet frame or a segment of a GSO
+/// frame: to another laptop, into the pool TUN (`preserve`, `ebpf-snat`) or
+/// to the engine.
+fn laptop_packet(packet: &[u8], engine: &mut Engine, now: Instant, config: &SessionConfig) {
+    config.trace.observe_laptop_packet(packet);
+    if forward_to_peer(packet, engine, config) {
+        // Another laptop's.
+    } else if let Some(tun) = config
+        .pool_tun
+        .as_ref()
+        .filter(|t| t.takes(packet, engine.tunnel_ip()))
+    {
+        // The flow cap and new-flow limits apply here too.
+        if engine.admit_forwarded(packet, now) {
+            tun.write(packet);
+        }
+    } else {
+        engine.handle_laptop_packet(packet, now);
+    }
+}
+
+/// GSO frames of one session: whether its hello offered them, and the
+/// reusable buffer their segments are cut into.
+#[derive(Debug, Default)]
+struct GsoIntake {
+    /// The laptop's hello offered [`OFFLOAD_TCP_GSO`] (and the manager
+    /// answered that it accepts them).
+    accepted: bool,
+    /// Segments of the frame being handled; keeps its capacity (a 64 KiB
+    /// super-packet's segments plus their repeated headers).
+    segments: Vec<u8>,
+}
+
+/// Bytes reserved for [`GsoIntake::segments`] up front: a 64 KiB super-packet
+/// cut at MSS 1220 (TUN MTU 1280) is 54 segments, each repeating up to 120
+/// bytes of headers.
+const GSO_SEGMENTS_CAPACITY: usize = 64 * 1024 + 64 * 120;
+
+/// A [`Kind::Gso`] frame: segment the TCP super-packet (or complete the
+/// checksum of a single packet) and hand each packet to [`laptop_packet`],
+/// exactly like packet frames. Frames from a laptop that did not offer them,
+/// and frames that cannot be segmented, are dropped and counted
+/// ([`DropReason::Gso`]).
+fn gso_frame(
+    payload: &[u8],
+    engine: &mut Engine,
+    now: Instant,
+    config: &SessionConfig,
+    gso: &mut GsoIntake,
+) {
+    let Some((header, packet)) = GsoHeader::split(payload).filter(|_| gso.accepted) else {
+        trace!(accepted = gso.accepted, "GSO frame dropped");
+        return engine.metrics_mut().drop_packet(DropReason::Gso);
+    };
+    gso.segments.clear();
+    let count = match GsoKind::from_gso_type(header.gso_type) {
+        Some(kind) => {
+            match gso::segment_tcp(
+                packet,
+                kind,
+                usize::from(header.gso_size),
+                &mut gso.segments,
+                0,
+            ) {
+                Ok(seg) => {
+                    for span in seg.spans() {
+                        laptop_packet(&gso.segments[span], engine, now, config);
+                    }
+                    seg.count
+                }
+                Err(e) => {
+                    debug!(error = %e, gso_type = header.gso_type, "GSO frame not segmented");
+                    return engine.metrics_mut().drop_packet(DropReason::Gso);
+                }
+            }
+        }
+        None if header.gso_type == gso::GSO_NONE => {
+            gso.segments.extend_from_slice(packet);
+            if header.flags & gso::F_NEEDS_CSUM != 0
+                && let Err(e) = gso::complete_checksum(
+                    &mut gso.segments,
+                    usize::from(header.csum_start),
+                    usize::from(header.csum_offset),
+                )
+            {
+                debug!(error = %e, "GSO frame's checksum not completed");
+                return engine.metrics_mut().drop_packet(DropReason::Gso);
+            }
+            laptop_packet(&gso.segments, engine, now, config);
+            1
+        }
+        None => {
+            debug!(
+                gso_type = header.gso_type,
+                "GSO frame of a kind not segmented here"
+            );
+            return engine.metrics_mut().drop_packet(DropReason::Gso);
+        }
+    };
+    let m = engine.metrics_mut();
+    m.gso_frames += 1;
+    m.gso_segments += count as u64;
+}
+
 /// Handle the whole frames at the front of `buf`, stopping after the frame
 /// that reaches `limit` bytes or after [`ROUND_FRAMES`] frames; returns the
 /// bytes used.
@@ -388,6 +493,7 @@ fn handle_frames(
     now: Instant,
     config: &SessionConfig,
     limit: usize,
+    gso: &mut GsoIntake,
 ) -> Result<usize, SessionError> {
     let decoder = Decoder::default();
     let mut used = 0;
@@ -399,23 +505,8 @@ fn handle_frames(
         used += n;
         frames += 1;
         match f.kind {
-            Kind::Packet => {
-                config.trace.observe_laptop_packet(f.payload);
-                if forward_to_peer(f.payload, engine, config) {
-                    // Another laptop's.
-                } else if let Some(tun) = config
-                    .pool_tun
-                    .as_ref()
-                    .filter(|t| t.takes(f.payload, engine.tunnel_ip()))
-                {
-                    // The flow cap and new-flow limits apply here too.
-                    if engine.admit_forwarded(f.payload, now) {
-                        tun.write(f.payload);
-                    }
-                } else {
-                    engine.handle_laptop_packet(f.payload, now);
-                }
-            }
+            Kind::Packet => laptop_packet(f.payload, engine, now, config),
+            Kind::Gso => gso_frame(f.payload, engine, now, config, gso),
             Kind::Heartbeat => {
                 engine.metrics_mut().heartbeats += 1;
                 // Cannot fail: the payload came in a frame, so it fits one.
@@ -434,7 +525,7 @@ fn handle_frames(
 /// the reader ended. Shared by the reader task and the engine loop.
 #[derive(Default)]
 struct Intake {
-    /// Whole packet frames (headers included), at most [`INTAKE_BYTES`].
+    /// Whole packet and GSO frames (headers included), at most [`INTAKE_BYTES`].
     frames: Vec<u8>,
     /// Packet frames dropped because `frames` was full.
     dropped: u64,
@@ -485,7 +576,7 @@ fn sort_frames(
                     );
                 }
             }
-            Kind::Packet => {
+            Kind::Packet | Kind::Gso => {
                 if intake.frames.len() + n <= INTAKE_BYTES {
                     intake.frames.extend_from_slice(whole);
                 } else {
@@ -585,6 +676,8 @@ fn log_stats(engine: &Engine, kernel: &KernelSide, peak_flows: usize) {
         tcp_events_full = m.tcp_events_full,
         tcp_dials = m.tcp_dials,
         tcp_closed = m.tcp_closed,
+        gso_frames = m.gso_frames,
+        gso_segments = m.gso_segments,
         manager_rss_bytes = rss,
         manager_peak_rss_bytes = peak_rss,
         "session stats"
@@ -709,6 +802,27 @@ where
     let mut kernel = KernelSide::new(events_tx, datagrams_tx, config.dial_timeout);
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(WRITE_QUEUE_BATCHES);
     let (control_tx, control_rx) = mpsc::channel::<Vec<u8>>(CONTROL_QUEUE);
+    // Offloads: a laptop that offered GSO frames (hello option 4) gets the
+    // manager's hello, first on the stream, saying they are accepted; until it
+    // reads it, the laptop segments super-packets itself.
+    let mut gso = GsoIntake::default();
+    if let Some(offered) = hello.offloads {
+        let accepted = offered & OFFLOAD_TCP_GSO;
+        let answer = ManagerHello {
+            version: PROTOCOL_VERSION,
+            offloads: accepted,
+        };
+        let mut wire = Vec::new();
+        // Cannot fail: a 5-byte payload fits any frame.
+        let _ = frame::encode_into(Kind::Hello, &answer.encode(), &mut wire);
+        // Cannot fail: the control queue is new and empty.
+        let _ = control_tx.try_send(wire);
+        gso.accepted = accepted != 0;
+        if gso.accepted {
+            gso.segments.reserve(GSO_SEGMENTS_CAPACITY);
+        }
+        info!(offered, accepted, "offloads negotiated");
+    }
     // Stats frames take the control queue too: they go before data.
     let stats_tx = (hello.version >= STATS_VERSION).then(|| control_tx.clone());
     let _writer = AbortOnDrop(tokio::spawn(
@@ -766,6 +880,7 @@ where
                 now,
                 config,
                 ROUND_BYTES,
+                &mut gso,
             ) {
                 Ok(0) => break,
                 Ok(used) => off += used,
@@ -881,4 +996,134 @@ where
     // Dropping the kernel side resets the remaining connections.
     drop(kernel);
     result.map(|()| metrics)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+
+    const LAPTOP: Ipv4Addr = Ipv4Addr::new(100, 96, 0, 2);
+
+    /// An IPv4 TCP ACK with `payload` from the laptop to a pod, as a TSO
+    /// super-packet (the segmenter computes every checksum itself).
+    fn super_packet(payload: &[u8]) -> Vec<u8> {
+        let mut p = vec![0u8; 40];
+        p[0] = 0x45;
+        p[2..4].copy_from_slice(&((40 + payload.len()) as u16).to_be_bytes());
+        p[6] = 0x40;
+        p[8] = 64;
+        p[9] = 6;
+        p[12..16].copy_from_slice(&LAPTOP.octets());
+        p[16..20].copy_from_slice(&[10, 244, 1, 20]);
+        p[20..22].copy_from_slice(&40000u16.to_be_bytes());
+        p[22..24].copy_from_slice(&7007u16.to_be_bytes());
+        p[24..28].copy_from_slice(&1000u32.to_be_bytes());
+        p[32] = 5 << 4;
+        p[33] = 0x10;
+        p[34..36].copy_from_slice(&512u16.to_be_bytes());
+        p.extend_from_slice(payload);
+        p
+    }
+
+    fn gso_payload(gso_type: u8, gso_size: u16, packet: &[u8]) -> Vec<u8> {
+        let header = GsoHeader {
+            flags: gso::F_NEEDS_CSUM,
+            gso_type,
+            hdr_len: 40,
+            gso_size,
+            csum_start: 20,
+            csum_offset: 16,
+        };
+        let mut payload = header.encode().to_vec();
+        payload.extend_from_slice(packet);
+        payload
+    }
+
+    #[test]
+    fn gso_frames_are_segmented_into_the_packet_path_only_when_offered() {
+        let config = SessionConfig::default();
+        let now = Instant::now();
+        let mut engine = Engine::new(EngineConfig::new(IpAddr::V4(LAPTOP), 1), now);
+        let mut gso = GsoIntake::default();
+        let mut out = Vec::new();
+        let packet = super_packet(&[7u8; 3500]);
+        let mut wire = Vec::new();
+        frame::encode_into(
+            Kind::Gso,
+            &gso_payload(gso::GSO_TCPV4, 1000, &packet),
+            &mut wire,
+        )
+        .expect("fits");
+
+        // The hello did not offer offloads: dropped, counted, nothing segmented.
+        let used = handle_frames(
+            &wire,
+            &mut engine,
+            &mut out,
+            now,
+            &config,
+            usize::MAX,
+            &mut gso,
+        )
+        .expect("valid frames");
+        assert_eq!(used, wire.len());
+        assert_eq!(engine.metrics().dropped(DropReason::Gso), 1);
+        assert_eq!(engine.metrics().packets_from_laptop, 0);
+
+        // Offered: 4 segments, each handled like a packet frame.
+        gso.accepted = true;
+        handle_frames(
+            &wire,
+            &mut engine,
+            &mut out,
+            now,
+            &config,
+            usize::MAX,
+            &mut gso,
+        )
+        .expect("valid frames");
+        let m = engine.metrics();
+        assert_eq!((m.gso_frames, m.gso_segments), (1, 4));
+        assert_eq!(m.packets_from_laptop, 4);
+        assert_eq!(
+            m.bytes_from_laptop,
+            3500 + 4 * 40,
+            "headers repeated per segment"
+        );
+
+        // Malformed super-packet, unknown gso_type: dropped and counted.
+        gso_frame(
+            &gso_payload(gso::GSO_TCPV4, 1000, &packet[..30]),
+            &mut engine,
+            now,
+            &config,
+            &mut gso,
+        );
+        gso_frame(
+            &gso_payload(5, 1000, &packet),
+            &mut engine,
+            now,
+            &config,
+            &mut gso,
+        );
+        gso_frame(&[1, 2, 3], &mut engine, now, &config, &mut gso);
+        assert_eq!(engine.metrics().dropped(DropReason::Gso), 4);
+        assert_eq!(engine.metrics().packets_from_laptop, 4);
+
+        // Not a super-packet, checksum partial: completed, one packet.
+        gso_frame(
+            &gso_payload(gso::GSO_NONE, 0, &super_packet(&[1; 10])),
+            &mut engine,
+            now,
+            &config,
+            &mut gso,
+        );
+        let m = engine.metrics();
+        assert_eq!(
+            (m.gso_frames, m.gso_segments, m.packets_from_laptop),
+            (2, 5, 5)
+        );
+    }
 }

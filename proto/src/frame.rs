@@ -10,9 +10,11 @@
 //! ```
 //!
 //! Kinds: [`Kind::Packet`] (one raw IPv4/IPv6 packet), [`Kind::Hello`] (session
-//! start, see [`Hello`]), [`Kind::Heartbeat`] (liveness; empty payload or an
-//! 8-byte opaque nonce echoed by the manager), [`Kind::Stats`] (manager →
-//! laptop: the session's counters, see [`Stats`]). The decoder is zero-copy, reads
+//! start, see [`Hello`]; and, manager → laptop, the answer to a hello that
+//! offered offloads, see [`ManagerHello`]), [`Kind::Heartbeat`] (liveness; empty
+//! payload or an 8-byte opaque nonce echoed by the manager), [`Kind::Stats`]
+//! (manager → laptop: the session's counters, see [`Stats`]), [`Kind::Gso`]
+//! (laptop → manager, negotiated: a TCP super-packet, see [`GsoHeader`]). The decoder is zero-copy, reads
 //! no clock and never panics on any input: every malformed frame is a typed
 //! [`FrameError`].
 
@@ -37,6 +39,10 @@ pub const MAX_PAYLOAD_LEN: usize = MAX_FRAME_LEN - 1;
 ///   frames from the manager (the session's counters about once a second), sent
 ///   only to laptops whose hello says 3 or later; older laptops skip unknown
 ///   kinds anyway.
+///
+/// Negotiated within version 3 (no bump: an old peer never sends the option
+/// and keeps the old behaviour): hello option 4 (offloads the laptop offers),
+/// the [`ManagerHello`] answering it, and [`Kind::Gso`] frames after it.
 pub const PROTOCOL_VERSION: u16 = 3;
 
 /// First version whose laptops are sent [`Kind::Stats`] frames.
@@ -52,6 +58,17 @@ const HELLO_OPT_MTU: u8 = 1;
 /// Hello option type: the laptop's IPv6 tunnel IP, 16 bytes (version 3).
 const HELLO_OPT_TUNNEL_IP_V6: u8 = 2;
 
+/// Hello option type: offloads, 1 byte of [`OFFLOAD_TCP_GSO`]-style bits. In
+/// the laptop's [`Hello`]: what it offers to send; in the [`ManagerHello`]:
+/// what the manager accepts.
+const HELLO_OPT_OFFLOADS: u8 = 4;
+
+/// Offload bit: [`Kind::Gso`] frames carrying TCPv4/TCPv6 super-packets.
+pub const OFFLOAD_TCP_GSO: u8 = 1;
+
+/// Bytes of the [`GsoHeader`] at the start of a [`Kind::Gso`] payload.
+pub const GSO_HEADER_LEN: usize = 10;
+
 /// Frame kind (the `u8` after the length).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
@@ -63,6 +80,9 @@ pub enum Kind {
     Heartbeat,
     /// Manager → laptop: the session's counters ([`Stats`]), version 3 on.
     Stats,
+    /// Laptop → manager: a [`GsoHeader`] and a TCP super-packet, sent only
+    /// after the manager accepted [`OFFLOAD_TCP_GSO`] in its [`ManagerHello`].
+    Gso,
     /// A kind this version does not know. Decoded, not rejected, so that a
     /// newer peer's optional frames can be skipped.
     Unknown(u8),
@@ -76,6 +96,7 @@ impl Kind {
             Kind::Hello => 2,
             Kind::Heartbeat => 3,
             Kind::Stats => 4,
+            Kind::Gso => 5,
             Kind::Unknown(b) => b,
         }
     }
@@ -88,6 +109,7 @@ impl From<u8> for Kind {
             2 => Kind::Hello,
             3 => Kind::Heartbeat,
             4 => Kind::Stats,
+            5 => Kind::Gso,
             other => Kind::Unknown(other),
         }
     }
@@ -263,6 +285,8 @@ pub fn encode_into(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), 
 /// error there). Option 1: the laptop's TUN MTU (`u16`, bytes). Option 2
 /// (version 3): the laptop's IPv6 tunnel IP (16 bytes), the session's second
 /// accepted source address when the primary tunnel IP is IPv4 (dual stack).
+/// Option 4: offloads the laptop offers (1 byte of bits, [`OFFLOAD_TCP_GSO`]);
+/// a manager that accepts any answers with a [`ManagerHello`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Data-channel protocol version ([`PROTOCOL_VERSION`]).
@@ -279,6 +303,11 @@ pub struct Hello {
     /// dual-stack session's second accepted source address. A manager older
     /// than version 3 refuses the hello's version, not this option.
     pub tunnel_ip_v6: Option<Ipv6Addr>,
+    /// Offloads the laptop offers (option 4; bits like [`OFFLOAD_TCP_GSO`];
+    /// `None`: the option is left out). Managers that do not know the option
+    /// skip it and never send [`ManagerHello`], so the laptop keeps sending
+    /// plain packets.
+    pub offloads: Option<u8>,
 }
 
 /// Why a hello payload is invalid.
@@ -344,6 +373,12 @@ impl Hello {
             out.extend_from_slice(&[HELLO_OPT_TUNNEL_IP_V6, 16]);
             out.extend_from_slice(&v6.octets());
         }
+        if let Some(offloads) = self.offloads {
+            if self.version < 2 {
+                return Err(HelloError::OptionsNeedVersion2(self.version));
+            }
+            out.extend_from_slice(&[HELLO_OPT_OFFLOADS, 1, offloads]);
+        }
         Ok(out)
     }
 
@@ -384,6 +419,7 @@ impl Hello {
         }
         let mut mtu = None;
         let mut tunnel_ip_v6 = None;
+        let mut offloads = None;
         while let [kind, len, tail @ ..] = options {
             let value = tail.get(..usize::from(*len)).ok_or_else(trunc)?;
             let bad = |want| HelloError::BadOption {
@@ -397,6 +433,9 @@ impl Hello {
             } else if *kind == HELLO_OPT_TUNNEL_IP_V6 {
                 let b: [u8; 16] = value.try_into().map_err(|_| bad(16))?;
                 tunnel_ip_v6 = Some(Ipv6Addr::from(b));
+            } else if *kind == HELLO_OPT_OFFLOADS {
+                let [b]: [u8; 1] = value.try_into().map_err(|_| bad(1))?;
+                offloads = Some(b);
             }
             options = &tail[value.len()..];
         }
@@ -409,7 +448,132 @@ impl Hello {
             token: token.to_vec(),
             mtu,
             tunnel_ip_v6,
+            offloads,
         })
+    }
+}
+
+/// Payload of a [`Kind::Hello`] frame from the manager to the laptop: the
+/// manager's answer to a [`Hello`] that offered offloads (option 4). Sent once,
+/// first on the stream, and only to laptops that offered some, so a laptop
+/// that offers none never sees it (older laptops ignore hello frames from the
+/// manager anyway: they pass unknown and hello kinds over).
+///
+/// ```text
+/// version: u16 | options: (type: u8 | len: u8 | value: len bytes)*
+/// ```
+///
+/// `version` is the manager's [`PROTOCOL_VERSION`]. Option 4: the offloads the
+/// manager accepts (1 byte of bits, a subset of the laptop's offer). Unknown
+/// options are skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ManagerHello {
+    /// The manager's data-channel protocol version.
+    pub version: u16,
+    /// Offloads the manager accepts ([`OFFLOAD_TCP_GSO`] bits).
+    pub offloads: u8,
+}
+
+impl ManagerHello {
+    /// Encode to a payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(5);
+        out.extend_from_slice(&self.version.to_be_bytes());
+        out.extend_from_slice(&[HELLO_OPT_OFFLOADS, 1, self.offloads]);
+        out
+    }
+
+    /// Decode a payload. Never panics.
+    pub fn decode(buf: &[u8]) -> Result<Self, HelloError> {
+        let trunc = || HelloError::Truncated(buf.len());
+        let [a, b, rest @ ..] = buf else {
+            return Err(trunc());
+        };
+        let mut options = rest;
+        let mut offloads = 0;
+        while let [kind, len, tail @ ..] = options {
+            let value = tail.get(..usize::from(*len)).ok_or_else(trunc)?;
+            if *kind == HELLO_OPT_OFFLOADS {
+                let [v]: [u8; 1] = value.try_into().map_err(|_| HelloError::BadOption {
+                    kind: *kind,
+                    len: *len,
+                    want: 1,
+                })?;
+                offloads = v;
+            }
+            options = &tail[value.len()..];
+        }
+        if !options.is_empty() {
+            return Err(trunc());
+        }
+        Ok(Self {
+            version: u16::from_be_bytes([*a, *b]),
+            offloads,
+        })
+    }
+}
+
+/// The fixed header at the start of a [`Kind::Gso`] payload; the TCP
+/// super-packet (IPv4 or IPv6 packet, headers once) follows it.
+///
+/// The fields of the kernel's `struct virtio_net_hdr`
+/// (include/uapi/linux/virtio_net.h) as the laptop's TUN read returned them,
+/// in the same order but big-endian (the kernel's are little-endian):
+///
+/// ```text
+/// flags: u8 | gso_type: u8 | hdr_len: u16 | gso_size: u16 | csum_start: u16 | csum_offset: u16
+/// ```
+///
+/// 10 bytes ([`GSO_HEADER_LEN`]). `flags` bit 0 is `VIRTIO_NET_HDR_F_NEEDS_CSUM`;
+/// `gso_type` is 1 (TCPv4) or 4 (TCPv6), bit 7 = ECN ([`crate::gso`]);
+/// `gso_size` is the MSS (payload bytes per segment). `hdr_len` is informational
+/// (the kernel reports its linear-data length there, `skb_headlen`): the
+/// receiver finds the header length from the headers themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GsoHeader {
+    /// `VIRTIO_NET_HDR_F_*` bits.
+    pub flags: u8,
+    /// `VIRTIO_NET_HDR_GSO_*` kind.
+    pub gso_type: u8,
+    /// Header bytes as the kernel reported them (informational).
+    pub hdr_len: u16,
+    /// Payload bytes per segment (the MSS).
+    pub gso_size: u16,
+    /// Offset of the L4 header (where the checksum sum starts), bytes.
+    pub csum_start: u16,
+    /// Offset of the checksum field from `csum_start`, bytes.
+    pub csum_offset: u16,
+}
+
+impl GsoHeader {
+    /// The 10 header bytes.
+    pub fn encode(&self) -> [u8; GSO_HEADER_LEN] {
+        let mut out = [0u8; GSO_HEADER_LEN];
+        out[0] = self.flags;
+        out[1] = self.gso_type;
+        out[2..4].copy_from_slice(&self.hdr_len.to_be_bytes());
+        out[4..6].copy_from_slice(&self.gso_size.to_be_bytes());
+        out[6..8].copy_from_slice(&self.csum_start.to_be_bytes());
+        out[8..10].copy_from_slice(&self.csum_offset.to_be_bytes());
+        out
+    }
+
+    /// Split a [`Kind::Gso`] payload into its header and the super-packet.
+    /// Never panics; `None` when the payload is shorter than the header.
+    pub fn split(payload: &[u8]) -> Option<(Self, &[u8])> {
+        let (h, packet) = payload.split_first_chunk::<GSO_HEADER_LEN>()?;
+        let be = |i: usize| u16::from_be_bytes([h[i], h[i + 1]]);
+        Some((
+            Self {
+                flags: h[0],
+                gso_type: h[1],
+                hdr_len: be(2),
+                gso_size: be(4),
+                csum_start: be(6),
+                csum_offset: be(8),
+            },
+            packet,
+        ))
     }
 }
 
@@ -536,6 +700,7 @@ mod tests {
             token: b"ab".to_vec(),
             mtu: None,
             tunnel_ip_v6: None,
+            offloads: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(payload, [0, 1, 4, 100, 96, 0, 2, 2, b'a', b'b']);
@@ -550,6 +715,7 @@ mod tests {
             token: b"ab".to_vec(),
             mtu: Some(1400),
             tunnel_ip_v6: None,
+            offloads: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(
@@ -607,6 +773,80 @@ mod tests {
             empty_name.encode(),
             Err(StatsError::NameLength(_))
         ));
+    }
+
+    #[test]
+    fn test_vector_v3_gso_frame_and_offload_hellos() {
+        // Kind 5: the 10-byte header (big-endian virtio_net_hdr fields), then
+        // the super-packet.
+        let header = GsoHeader {
+            flags: 1,
+            gso_type: 0x81,
+            hdr_len: 66,
+            gso_size: 8948,
+            csum_start: 20,
+            csum_offset: 16,
+        };
+        let mut payload = header.encode().to_vec();
+        assert_eq!(payload, [1, 0x81, 0, 66, 0x22, 0xf4, 0, 20, 0, 16]);
+        payload.extend_from_slice(&[0x45, 0]);
+        let mut out = Vec::new();
+        encode_into(Kind::Gso, &payload, &mut out).expect("fits");
+        assert_eq!(&out[..3], &[0, 13, 5]);
+        let frame = decode_exact(&out).expect("one frame");
+        assert_eq!(frame.kind, Kind::Gso);
+        assert_eq!(
+            GsoHeader::split(frame.payload),
+            Some((header, &[0x45, 0][..]))
+        );
+        assert_eq!(
+            GsoHeader::split(&[1, 2, 3]),
+            None,
+            "shorter than the header"
+        );
+
+        // Hello option 4: offloads offered.
+        let hello = Hello {
+            version: 3,
+            tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
+            token: Vec::new(),
+            mtu: Some(9000),
+            tunnel_ip_v6: None,
+            offloads: Some(OFFLOAD_TCP_GSO),
+        };
+        let enc = hello.encode().expect("encodes");
+        assert_eq!(enc, [0, 3, 4, 100, 96, 0, 2, 0, 1, 2, 0x23, 0x28, 4, 1, 1]);
+        assert_eq!(Hello::decode(&enc), Ok(hello));
+        assert_eq!(
+            Hello::decode(&[0, 3, 4, 100, 96, 0, 2, 0, 4, 2, 1, 1]),
+            Err(HelloError::BadOption {
+                kind: 4,
+                len: 2,
+                want: 1
+            })
+        );
+
+        // The manager's answer: version, then option 4 with what it accepts.
+        let answer = ManagerHello {
+            version: 3,
+            offloads: OFFLOAD_TCP_GSO,
+        };
+        assert_eq!(answer.encode(), [0, 3, 4, 1, 1]);
+        assert_eq!(ManagerHello::decode(&answer.encode()), Ok(answer));
+        // Unknown options skipped; none at all means no offloads.
+        assert_eq!(
+            ManagerHello::decode(&[0, 4, 9, 2, 0, 0, 4, 1, 1]),
+            Ok(ManagerHello {
+                version: 4,
+                offloads: 1
+            })
+        );
+        assert_eq!(ManagerHello::decode(&[0, 3]).map(|h| h.offloads), Ok(0));
+        assert_eq!(ManagerHello::decode(&[0]), Err(HelloError::Truncated(1)));
+        assert_eq!(
+            ManagerHello::decode(&[0, 3, 4, 5]),
+            Err(HelloError::Truncated(4))
+        );
     }
 
     #[test]
@@ -681,6 +921,7 @@ mod tests {
             token: b"ab".to_vec(),
             mtu: Some(1400),
             tunnel_ip_v6: Some(v6),
+            offloads: None,
         };
         let payload = hello.encode().expect("encodes");
         let mut want = vec![
@@ -739,6 +980,7 @@ mod tests {
             token: Vec::new(),
             mtu: Some(1400),
             tunnel_ip_v6: None,
+            offloads: None,
         };
         assert_eq!(v1.encode(), Err(HelloError::OptionsNeedVersion2(1)));
     }
@@ -778,6 +1020,8 @@ mod tests {
             let _ = decode_exact(&buf);
             let _ = Hello::decode(&buf);
             let _ = Stats::decode(&buf);
+            let _ = ManagerHello::decode(&buf);
+            let _ = GsoHeader::split(&buf);
         }
 
         #[test]
@@ -788,11 +1032,12 @@ mod tests {
         }
 
         #[test]
-        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>(), mtu in any::<Option<u16>>()) {
+        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>(), mtu in any::<Option<u16>>(), offloads in any::<Option<u8>>()) {
             let ip = if six { IpAddr::V6(Ipv6Addr::from(v6)) } else { IpAddr::V4(Ipv4Addr::from(v4)) };
             let mtu = if version >= 2 { mtu } else { None };
             let second = (version >= 2 && !six).then(|| Ipv6Addr::from(v6));
-            let hello = Hello { version, tunnel_ip: ip, token, mtu, tunnel_ip_v6: second };
+            let offloads = if version >= 2 { offloads } else { None };
+            let hello = Hello { version, tunnel_ip: ip, token, mtu, tunnel_ip_v6: second, offloads };
             let enc = hello.encode().expect("token fits");
             prop_assert_eq!(Hello::decode(&enc), Ok(hello));
         }

@@ -1,11 +1,13 @@
 //! Entry points shared by the cargo-fuzz targets (fuzz/) and the corpus replay
 //! test, so CI replays exactly what the fuzzers run, on stable, in seconds.
 
-use crate::frame::{Decoder, Hello, Kind, Stats, decode_exact};
+use crate::frame::{Decoder, GsoHeader, Hello, Kind, ManagerHello, Stats, decode_exact};
+use crate::gso::{self, GsoKind};
 
 /// Decode a stream of frames from `data` with a few receiver limits, and every
 /// hello payload found; checks the decoder's invariants. Panics only on a bug.
 pub fn frame_decode(data: &[u8]) {
+    let mut segments = Vec::new();
     // The first two bytes pick a receiver limit, so the fuzzer explores it too.
     let max = data.get(..2).map_or(usize::from(u16::MAX), |b| {
         usize::from(u16::from_be_bytes([b[0], b[1]]))
@@ -39,12 +41,43 @@ pub fn frame_decode(data: &[u8]) {
                 let again = stats.encode().expect("decoded stats re-encode");
                 assert_eq!(again, frame.payload, "stats do not round-trip");
             }
+            if frame.kind == Kind::Gso
+                && let Some((header, packet)) = GsoHeader::split(frame.payload)
+            {
+                gso_frame(header, packet, &mut segments);
+            }
             rest = &rest[used..];
         }
     }
+    let _ = ManagerHello::decode(data);
     let _ = decode_exact(data);
     let _ = Hello::decode(data);
     let _ = Stats::decode(data);
+}
+
+/// What the manager does with a GSO frame: segment it (or complete its
+/// checksum), checking the segments lie inside the output.
+fn gso_frame(header: GsoHeader, packet: &[u8], out: &mut Vec<u8>) {
+    out.clear();
+    match GsoKind::from_gso_type(header.gso_type) {
+        Some(kind) => {
+            if let Ok(seg) = gso::segment_tcp(packet, kind, usize::from(header.gso_size), out, 0) {
+                assert_eq!(out.len(), seg.total_len(), "segments fill the output");
+                assert!(
+                    seg.spans().all(|r| r.end <= out.len()),
+                    "span out of the output"
+                );
+            }
+        }
+        None => {
+            out.extend_from_slice(packet);
+            let _ = gso::complete_checksum(
+                out,
+                usize::from(header.csum_start),
+                usize::from(header.csum_offset),
+            );
+        }
+    }
 }
 
 /// Split a fuzz input into several byte strings, each prefixed by a 2-byte

@@ -6,6 +6,9 @@
 //!   the root daemon and the traffic manager (pure, no I/O).
 //! - [`frame`]: the data-channel frame codec spoken between the root daemon's
 //!   pump and the traffic manager (pure, no I/O).
+//! - [`gso`]: TCP segmentation of TUN super-packets and checksum completion
+//!   (`virtio_net_hdr` offloads), for the laptop's pump and the manager (pure,
+//!   no I/O).
 //! - [`tunnel`]: the IPv6 tunnel IP of a dual-stack session, derived from its
 //!   IPv4 lease (pure, no I/O).
 //! - [`policy`]: the traffic manager's client-source policy ([`SourcePolicy`]),
@@ -26,6 +29,7 @@ pub mod cidr;
 pub mod device;
 pub mod frame;
 pub mod fuzzing;
+pub mod gso;
 pub mod policy;
 pub mod tunnel;
 

@@ -639,6 +639,7 @@ fn rogue_client_hello_without_the_leases_token_is_refused() {
                 token: a_token.clone(),
                 mtu: None,
                 tunnel_ip_v6: None,
+                offloads: None,
             }
             .encode()
             .expect("hello");

@@ -1,0 +1,684 @@
+//! TCP segmentation offload in software (pure, no I/O): cut a TCP
+//! super-packet into MSS-sized packets, and complete a partial checksum.
+//!
+//! A TUN device opened with `IFF_VNET_HDR` and `TUNSETOFFLOAD TUN_F_CSUM |
+//! TUN_F_TSO4 | TUN_F_TSO6` (drivers/net/tun.c) hands the laptop's TCP
+//! segments to the reader before the kernel segmented them: one read is one
+//! *super-packet* of up to 64 KiB, IP and TCP headers once, then the payload of
+//! several segments, described by a `virtio_net_hdr`
+//! (include/uapi/linux/virtio_net.h): `gso_type` (TCPv4 / TCPv6, plus the ECN
+//! bit), `gso_size` (the MSS: payload bytes per segment) and, for every packet
+//! with `VIRTIO_NET_HDR_F_NEEDS_CSUM`, `csum_start`/`csum_offset` (the L4
+//! checksum is left partial: only the pseudo-header sum is in place).
+//!
+//! [`segment_tcp`] does what the kernel's `tcp_gso_segment`
+//! (net/ipv4/tcp_offload.c) and `inet_gso_segment` / `ipv6_gso_segment` do:
+//! each segment gets the headers with its sequence number (advanced by
+//! `gso_size` per segment), IPv4 total length / IPv6 payload length of its own
+//! size, an IPv4 identification incremented per segment, FIN and PSH only on
+//! the last segment, CWR only on the first, and full IPv4 header and TCP
+//! checksums. [`complete_checksum`] finishes a `NEEDS_CSUM` packet that is not
+//! a super-packet (`skb_checksum_help`, net/core/dev.c).
+//!
+//! Both read only validated offsets and never panic on any input: malformed
+//! packets are a typed [`GsoError`].
+
+use std::ops::Range;
+
+/// `virtio_net_hdr.flags` bit: the L4 checksum is partial, complete it from
+/// `csum_start` and store it at `csum_start + csum_offset`.
+pub const F_NEEDS_CSUM: u8 = 1;
+
+/// `virtio_net_hdr.gso_type`: not a super-packet.
+pub const GSO_NONE: u8 = 0;
+/// `virtio_net_hdr.gso_type`: a TCP over IPv4 super-packet.
+pub const GSO_TCPV4: u8 = 1;
+/// `virtio_net_hdr.gso_type`: a TCP over IPv6 super-packet.
+pub const GSO_TCPV6: u8 = 4;
+/// `virtio_net_hdr.gso_type` bit: the super-packet carries CWR (ECN), which
+/// goes on the first segment only.
+pub const GSO_ECN: u8 = 0x80;
+
+/// Most segments one super-packet may be cut into. A 64 KiB super-packet at
+/// the smallest MSS Linux sends (48 bytes of payload, `TCP_MIN_SND_MSS`) is
+/// 1366 segments; the bound keeps the output of a hostile frame (1-byte
+/// segments) at a few MiB instead of ~8 MiB.
+pub const MAX_SEGMENTS: usize = 2048;
+
+/// The kind of a super-packet (`gso_type` without the ECN bit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GsoKind {
+    /// TCP over IPv4 ([`GSO_TCPV4`]).
+    TcpV4,
+    /// TCP over IPv6 ([`GSO_TCPV6`]).
+    TcpV6,
+}
+
+impl GsoKind {
+    /// The kind of a `virtio_net_hdr.gso_type` (ECN bit ignored); `None` for
+    /// [`GSO_NONE`] and for kinds this module does not segment (UDP_L4, ...).
+    pub fn from_gso_type(gso_type: u8) -> Option<Self> {
+        match gso_type & !GSO_ECN {
+            GSO_TCPV4 => Some(GsoKind::TcpV4),
+            GSO_TCPV6 => Some(GsoKind::TcpV6),
+            _ => None,
+        }
+    }
+}
+
+/// Why a packet cannot be segmented or its checksum completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum GsoError {
+    /// The packet ends inside a header, or before the length its IP header
+    /// declares.
+    #[error("packet of {len} bytes truncated: need {need}")]
+    Truncated {
+        /// Bytes the headers or the IP length field need.
+        need: usize,
+        /// Bytes there are.
+        len: usize,
+    },
+    /// The IP version nibble does not match the super-packet's kind.
+    #[error("IP version {version} does not match GSO kind {kind:?}")]
+    WrongVersion {
+        /// The version nibble.
+        version: u8,
+        /// The kind from `gso_type`.
+        kind: GsoKind,
+    },
+    /// A header length field is below its minimum (IPv4 IHL < 5, TCP data
+    /// offset < 5).
+    #[error("bad {what} header length {len} bytes")]
+    BadHeaderLength {
+        /// "IPv4" or "TCP".
+        what: &'static str,
+        /// The length the field says, bytes.
+        len: usize,
+    },
+    /// The super-packet is not TCP right after the IP header (IPv6 extension
+    /// headers are not segmented; the kernel's TCP does not send them).
+    #[error("GSO super-packet carries IP protocol {0}, not TCP directly after the IP header")]
+    NotTcp(u8),
+    /// An IPv4 fragment cannot be a super-packet.
+    #[error("GSO super-packet is an IPv4 fragment")]
+    Fragment,
+    /// `gso_size` is 0.
+    #[error("GSO segment size is 0")]
+    ZeroSegmentSize,
+    /// A segment (headers + `gso_size`) would not fit the 16-bit IP length.
+    #[error("GSO segment of {0} bytes exceeds the IP length field")]
+    SegmentTooLarge(usize),
+    /// More than [`MAX_SEGMENTS`] segments.
+    #[error("GSO super-packet would make {0} segments (max {MAX_SEGMENTS})")]
+    TooManySegments(usize),
+    /// `csum_start`/`csum_offset` point outside the packet.
+    #[error("checksum at {start}+{offset} lies outside the {len}-byte packet")]
+    ChecksumOutOfRange {
+        /// `csum_start`, bytes from the packet start.
+        start: usize,
+        /// `csum_offset`, bytes from `csum_start`.
+        offset: usize,
+        /// Packet length, bytes.
+        len: usize,
+    },
+}
+
+/// Where [`segment_tcp`] put the segments in its output buffer: `count`
+/// segments, each after `headroom` bytes left for the caller (e.g. a frame
+/// header), all of `full_len` bytes except the last (`last_len`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segmented {
+    /// Number of segments (at least 1).
+    pub count: usize,
+    /// Bytes before each segment left for the caller (zeroed).
+    pub headroom: usize,
+    /// Offset of the first segment's headroom in the output buffer.
+    base: usize,
+    /// Length of every segment but the last, bytes.
+    full_len: usize,
+    /// Length of the last segment, bytes.
+    last_len: usize,
+}
+
+impl Segmented {
+    /// The byte ranges of the segments in the output buffer (headroom not
+    /// included: it is the `headroom` bytes before each range).
+    pub fn spans(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (0..self.count).map(move |i| {
+            let start = self.base + i * (self.headroom + self.full_len) + self.headroom;
+            let len = if i + 1 == self.count {
+                self.last_len
+            } else {
+                self.full_len
+            };
+            start..start + len
+        })
+    }
+
+    /// Total bytes appended to the output buffer, headroom included.
+    pub fn total_len(&self) -> usize {
+        (self.count - 1) * (self.headroom + self.full_len) + self.headroom + self.last_len
+    }
+}
+
+/// The IP and TCP header layout of a super-packet.
+struct Layout {
+    /// Bytes of the IP header (IPv4 with options, IPv6 fixed header).
+    l4: usize,
+    /// Bytes of IP + TCP headers.
+    hdr_len: usize,
+    /// End of the IP packet (its length field), bytes.
+    end: usize,
+    v4: bool,
+}
+
+fn be16(b: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([b[at], b[at + 1]])
+}
+
+fn layout(packet: &[u8], kind: GsoKind) -> Result<Layout, GsoError> {
+    let len = packet.len();
+    let trunc = |need| GsoError::Truncated { need, len };
+    let first = *packet.first().ok_or(trunc(1))?;
+    let version = first >> 4;
+    let (l4, end, protocol, v4) = match (kind, version) {
+        (GsoKind::TcpV4, 4) => {
+            if len < 20 {
+                return Err(trunc(20));
+            }
+            let ihl = usize::from(first & 0x0f) * 4;
+            if ihl < 20 {
+                return Err(GsoError::BadHeaderLength {
+                    what: "IPv4",
+                    len: ihl,
+                });
+            }
+            let total = usize::from(be16(packet, 2));
+            if total > len || ihl > len {
+                return Err(trunc(total.max(ihl)));
+            }
+            // More fragments, or a fragment offset.
+            if be16(packet, 6) & 0x3fff != 0 {
+                return Err(GsoError::Fragment);
+            }
+            (ihl, total, packet[9], true)
+        }
+        (GsoKind::TcpV6, 6) => {
+            if len < 40 {
+                return Err(trunc(40));
+            }
+            let end = 40 + usize::from(be16(packet, 4));
+            if end > len {
+                return Err(trunc(end));
+            }
+            (40, end, packet[6], false)
+        }
+        (kind, version) => return Err(GsoError::WrongVersion { version, kind }),
+    };
+    if protocol != 6 {
+        return Err(GsoError::NotTcp(protocol));
+    }
+    if end < l4 + 20 {
+        return Err(trunc(l4 + 20));
+    }
+    let doff = usize::from(packet[l4 + 12] >> 4) * 4;
+    if doff < 20 {
+        return Err(GsoError::BadHeaderLength {
+            what: "TCP",
+            len: doff,
+        });
+    }
+    let hdr_len = l4 + doff;
+    if hdr_len > end {
+        return Err(trunc(hdr_len));
+    }
+    Ok(Layout {
+        l4,
+        hdr_len,
+        end,
+        v4,
+    })
+}
+
+/// Segment the TCP super-packet `packet` (an IPv4 or IPv6 packet as the TUN
+/// read returned it, without the `virtio_net_hdr`) into packets of at most
+/// `gso_size` payload bytes, appended to `out` back to back, each after
+/// `headroom` zero bytes for the caller. Every segment carries complete IPv4
+/// header and TCP checksums (the partial checksum in `packet` is ignored).
+/// A packet without payload becomes one segment (its headers, checksummed).
+///
+/// Bytes after the length the IP header declares are ignored. On error
+/// nothing is appended. Allocates only when `out` must grow.
+pub fn segment_tcp(
+    packet: &[u8],
+    kind: GsoKind,
+    gso_size: usize,
+    out: &mut Vec<u8>,
+    headroom: usize,
+) -> Result<Segmented, GsoError> {
+    let l = layout(packet, kind)?;
+    if gso_size == 0 {
+        return Err(GsoError::ZeroSegmentSize);
+    }
+    let full_len = l.hdr_len + gso_size;
+    if full_len > usize::from(u16::MAX) {
+        return Err(GsoError::SegmentTooLarge(full_len));
+    }
+    let payload = &packet[l.hdr_len..l.end];
+    let count = payload.len().div_ceil(gso_size).max(1);
+    if count > MAX_SEGMENTS {
+        return Err(GsoError::TooManySegments(count));
+    }
+    let headers = &packet[..l.hdr_len];
+    let seq0 = u32::from_be_bytes([
+        packet[l.l4 + 4],
+        packet[l.l4 + 5],
+        packet[l.l4 + 6],
+        packet[l.l4 + 7],
+    ]);
+    let id0 = if l.v4 { be16(packet, 4) } else { 0 };
+    let flags0 = packet[l.l4 + 13];
+    let base = out.len();
+    let mut last_len = full_len;
+    for i in 0..count {
+        let chunk = payload
+            .get(i * gso_size..)
+            .map(|rest| &rest[..rest.len().min(gso_size)])
+            .unwrap_or(&[]);
+        out.resize(out.len() + headroom, 0);
+        let start = out.len();
+        out.extend_from_slice(headers);
+        out.extend_from_slice(chunk);
+        let seg = &mut out[start..];
+        let seg_len = seg.len();
+        last_len = seg_len;
+        // Lengths fit: seg_len <= full_len <= u16::MAX (checked above).
+        if l.v4 {
+            seg[2..4].copy_from_slice(&(seg_len as u16).to_be_bytes());
+            seg[4..6].copy_from_slice(&id0.wrapping_add(i as u16).to_be_bytes());
+            seg[10..12].copy_from_slice(&[0, 0]);
+            let c = !fold(sum(&seg[..l.l4], 0));
+            seg[10..12].copy_from_slice(&c.to_be_bytes());
+        } else {
+            seg[4..6].copy_from_slice(&((seg_len - 40) as u16).to_be_bytes());
+        }
+        let t = l.l4;
+        let seq = seq0.wrapping_add((i * gso_size) as u32);
+        seg[t + 4..t + 8].copy_from_slice(&seq.to_be_bytes());
+        let mut flags = flags0;
+        if i + 1 < count {
+            flags &= !(TCP_FIN | TCP_PSH);
+        }
+        if i > 0 {
+            flags &= !TCP_CWR;
+        }
+        seg[t + 13] = flags;
+        seg[t + 16..t + 18].copy_from_slice(&[0, 0]);
+        let tcp_len = seg_len - t;
+        let pseudo = pseudo_sum(&seg[..t], l.v4, tcp_len);
+        let c = !fold(sum(&seg[t..], pseudo));
+        seg[t + 16..t + 18].copy_from_slice(&c.to_be_bytes());
+    }
+    Ok(Segmented {
+        count,
+        headroom,
+        base,
+        full_len,
+        last_len,
+    })
+}
+
+const TCP_FIN: u8 = 0x01;
+const TCP_PSH: u8 = 0x08;
+const TCP_CWR: u8 = 0x80;
+
+/// Complete the partial L4 checksum of a `NEEDS_CSUM` packet in place: the
+/// one's-complement sum of `packet[csum_start..]` (the field holds the
+/// pseudo-header sum already), stored at `csum_start + csum_offset`. A sum of
+/// 0 is stored as 0xffff, which means the same to TCP and is the only valid
+/// form for UDP (`skb_checksum_help`, net/core/dev.c).
+pub fn complete_checksum(
+    packet: &mut [u8],
+    csum_start: usize,
+    csum_offset: usize,
+) -> Result<(), GsoError> {
+    let len = packet.len();
+    let at = csum_start.saturating_add(csum_offset);
+    if csum_start > len || at.saturating_add(2) > len {
+        return Err(GsoError::ChecksumOutOfRange {
+            start: csum_start,
+            offset: csum_offset,
+            len,
+        });
+    }
+    let c = !fold(sum(&packet[csum_start..], 0));
+    let c = if c == 0 { 0xffff } else { c };
+    packet[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    Ok(())
+}
+
+/// The pseudo-header sum (RFC 793 §3.1, RFC 8200 §8.1) of a TCP segment of
+/// `tcp_len` bytes under the IP header `ip`.
+fn pseudo_sum(ip: &[u8], v4: bool, tcp_len: usize) -> u64 {
+    let addrs = if v4 { &ip[12..20] } else { &ip[8..40] };
+    sum(addrs, 6 + tcp_len as u64)
+}
+
+/// One's-complement sum (RFC 1071) of `data` as big-endian 16-bit words
+/// (an odd last byte padded with zero), added to `init`, not yet folded.
+fn sum(data: &[u8], init: u64) -> u64 {
+    let mut acc = init;
+    let mut words = data.chunks_exact(4);
+    for w in &mut words {
+        acc += u64::from(u32::from_be_bytes([w[0], w[1], w[2], w[3]]));
+    }
+    let rest = words.remainder();
+    let mut pairs = rest.chunks_exact(2);
+    for p in &mut pairs {
+        acc += u64::from(u16::from_be_bytes([p[0], p[1]]));
+    }
+    if let [b] = pairs.remainder() {
+        acc += u64::from(*b) << 8;
+    }
+    acc
+}
+
+/// Fold a 64-bit one's-complement accumulator to 16 bits.
+fn fold(mut acc: u64) -> u16 {
+    while acc > 0xffff {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    acc as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use smoltcp::wire::{IpAddress, Ipv4Packet, Ipv6Packet, TcpPacket};
+
+    const SRC4: [u8; 4] = [100, 96, 0, 2];
+    const DST4: [u8; 4] = [10, 244, 1, 20];
+    const SRC6: [u8; 16] = [
+        0xfd, 0x6b, 0x76, 0x70, 0x6e, 0, 0, 0, 0, 0, 0, 0, 100, 96, 0, 2,
+    ];
+    const DST6: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x20];
+
+    /// A super-packet as the kernel hands it over with TSO: headers once, the
+    /// TCP checksum partial (pseudo-header only), `flags` on the TCP header.
+    fn super_packet(v6: bool, payload: &[u8], seq: u32, flags: u8, options: usize) -> Vec<u8> {
+        let tcp_hdr = 20 + options;
+        let mut tcp = vec![0u8; tcp_hdr];
+        tcp[0..2].copy_from_slice(&40000u16.to_be_bytes());
+        tcp[2..4].copy_from_slice(&7007u16.to_be_bytes());
+        tcp[4..8].copy_from_slice(&seq.to_be_bytes());
+        tcp[8..12].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+        tcp[12] = ((tcp_hdr / 4) as u8) << 4;
+        tcp[13] = flags;
+        tcp[14..16].copy_from_slice(&512u16.to_be_bytes());
+        for (i, b) in tcp[20..].iter_mut().enumerate() {
+            *b = if i % 4 == 3 { 0 } else { 1 }; // NOPs and EOLs
+        }
+        tcp.extend_from_slice(payload);
+        let mut p = if v6 {
+            let mut ip = vec![0u8; 40];
+            ip[0] = 0x60;
+            ip[4..6].copy_from_slice(&(tcp.len() as u16).to_be_bytes());
+            ip[6] = 6;
+            ip[7] = 64;
+            ip[8..24].copy_from_slice(&SRC6);
+            ip[24..40].copy_from_slice(&DST6);
+            ip
+        } else {
+            let mut ip = vec![0u8; 20];
+            ip[0] = 0x45;
+            ip[2..4].copy_from_slice(&((20 + tcp.len()) as u16).to_be_bytes());
+            ip[4..6].copy_from_slice(&0xfffeu16.to_be_bytes());
+            ip[6] = 0x40; // DF
+            ip[8] = 64;
+            ip[9] = 6;
+            ip[12..16].copy_from_slice(&SRC4);
+            ip[16..20].copy_from_slice(&DST4);
+            ip
+        };
+        let l4 = p.len();
+        p.extend_from_slice(&tcp);
+        // The partial checksum: the folded pseudo-header sum, not inverted.
+        let partial = fold(pseudo_sum(&p[..l4], !v6, tcp.len()));
+        p[l4 + 16..l4 + 18].copy_from_slice(&partial.to_be_bytes());
+        p
+    }
+
+    fn body(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
+    }
+
+    /// Checks every segment with smoltcp and returns (seq, flags, id, payload) of each.
+    fn check(out: &[u8], seg: &Segmented, v6: bool) -> Vec<(u32, u8, u16, Vec<u8>)> {
+        seg.spans()
+            .map(|r| {
+                let s = &out[r];
+                if v6 {
+                    let ip = Ipv6Packet::new_checked(s).expect("IPv6 segment");
+                    assert_eq!(usize::from(ip.payload_len()) + 40, s.len());
+                    let tcp = TcpPacket::new_checked(ip.payload()).expect("TCP");
+                    let (src, dst) = (
+                        IpAddress::Ipv6(ip.src_addr()),
+                        IpAddress::Ipv6(ip.dst_addr()),
+                    );
+                    assert!(tcp.verify_checksum(&src, &dst), "TCP checksum (IPv6)");
+                    (
+                        tcp.seq_number().0 as u32,
+                        s[40 + 13],
+                        0,
+                        tcp.payload().to_vec(),
+                    )
+                } else {
+                    let ip = Ipv4Packet::new_checked(s).expect("IPv4 segment");
+                    assert!(ip.verify_checksum(), "IPv4 header checksum");
+                    assert_eq!(usize::from(ip.total_len()), s.len());
+                    let tcp = TcpPacket::new_checked(ip.payload()).expect("TCP");
+                    let (src, dst) = (
+                        IpAddress::Ipv4(ip.src_addr()),
+                        IpAddress::Ipv4(ip.dst_addr()),
+                    );
+                    assert!(tcp.verify_checksum(&src, &dst), "TCP checksum (IPv4)");
+                    (
+                        tcp.seq_number().0 as u32,
+                        s[20 + 13],
+                        ip.ident(),
+                        tcp.payload().to_vec(),
+                    )
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ipv4_super_packet_becomes_mss_segments() {
+        let data = body(10_000);
+        // ACK|PSH|FIN|CWR on the super-packet.
+        let p = super_packet(false, &data, 0xffff_f000, 0x10 | 0x08 | 0x01 | 0x80, 12);
+        let mut out = vec![0xaa; 5]; // appended after what is there
+        let seg = segment_tcp(&p, GsoKind::TcpV4, 1448, &mut out, 3).expect("segments");
+        assert_eq!(seg.count, 7);
+        assert_eq!(out.len(), 5 + seg.total_len());
+        assert_eq!(&out[..5], &[0xaa; 5], "earlier bytes untouched");
+        let got = check(&out, &seg, false);
+        for (i, (seq, flags, id, payload)) in got.iter().enumerate() {
+            assert_eq!(
+                *seq,
+                0xffff_f000u32.wrapping_add(i as u32 * 1448),
+                "seq wraps"
+            );
+            assert_eq!(*id, 0xfffeu16.wrapping_add(i as u16), "IPv4 id increments");
+            let last = i == 6;
+            assert_eq!(flags & 0x09 != 0, last, "FIN/PSH only on the last");
+            assert_eq!(flags & 0x80 != 0, i == 0, "CWR only on the first");
+            assert_eq!(flags & 0x10, 0x10, "ACK on all");
+            assert_eq!(payload.len(), if last { 10_000 - 6 * 1448 } else { 1448 });
+        }
+        let joined: Vec<u8> = got.into_iter().flat_map(|g| g.3).collect();
+        assert_eq!(joined, data);
+    }
+
+    #[test]
+    fn ipv6_super_packet_becomes_mss_segments() {
+        let data = body(20_000);
+        let p = super_packet(true, &data, 1, 0x18, 0);
+        let mut out = Vec::new();
+        let seg = segment_tcp(&p, GsoKind::TcpV6, 8940, &mut out, 0).expect("segments");
+        assert_eq!(seg.count, 3);
+        let got = check(&out, &seg, true);
+        assert_eq!(got[0].0, 1);
+        assert_eq!(got[2].0, 1 + 2 * 8940);
+        assert_eq!(got[0].1 & 0x08, 0, "PSH cleared before the last");
+        assert_eq!(got[2].1 & 0x08, 0x08);
+        let joined: Vec<u8> = got.into_iter().flat_map(|g| g.3).collect();
+        assert_eq!(joined, data);
+    }
+
+    #[test]
+    fn complete_checksum_matches_smoltcp() {
+        for v6 in [false, true] {
+            for n in [0usize, 1, 7, 1000] {
+                let mut p = super_packet(v6, &body(n), 42, 0x18, 4);
+                let l4 = if v6 { 40 } else { 20 };
+                complete_checksum(&mut p, l4, 16).expect("in range");
+                let (src, dst, tcp) = if v6 {
+                    let ip = Ipv6Packet::new_checked(&p[..]).expect("IPv6");
+                    (
+                        IpAddress::Ipv6(ip.src_addr()),
+                        IpAddress::Ipv6(ip.dst_addr()),
+                        &p[40..],
+                    )
+                } else {
+                    let ip = Ipv4Packet::new_checked(&p[..]).expect("IPv4");
+                    (
+                        IpAddress::Ipv4(ip.src_addr()),
+                        IpAddress::Ipv4(ip.dst_addr()),
+                        &p[20..],
+                    )
+                };
+                let tcp = TcpPacket::new_checked(tcp).expect("TCP");
+                assert!(tcp.verify_checksum(&src, &dst), "v6={v6} n={n}");
+            }
+        }
+        assert_eq!(
+            complete_checksum(&mut [0u8; 10], 4, 5),
+            Err(GsoError::ChecksumOutOfRange {
+                start: 4,
+                offset: 5,
+                len: 10
+            })
+        );
+        assert!(complete_checksum(&mut [0u8; 10], usize::MAX, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn malformed_super_packets_are_typed_errors() {
+        let p = super_packet(false, &body(100), 1, 0x10, 0);
+        let mut out = Vec::new();
+        assert!(matches!(
+            segment_tcp(&p, GsoKind::TcpV6, 10, &mut out, 0),
+            Err(GsoError::WrongVersion { version: 4, .. })
+        ));
+        assert_eq!(
+            segment_tcp(&p, GsoKind::TcpV4, 0, &mut out, 0),
+            Err(GsoError::ZeroSegmentSize)
+        );
+        assert_eq!(
+            segment_tcp(&p[..30], GsoKind::TcpV4, 10, &mut out, 0),
+            Err(GsoError::Truncated { need: 140, len: 30 })
+        );
+        let mut udp = p.clone();
+        udp[9] = 17;
+        assert_eq!(
+            segment_tcp(&udp, GsoKind::TcpV4, 10, &mut out, 0),
+            Err(GsoError::NotTcp(17))
+        );
+        let mut frag = p.clone();
+        frag[6] = 0x20; // MF
+        assert_eq!(
+            segment_tcp(&frag, GsoKind::TcpV4, 10, &mut out, 0),
+            Err(GsoError::Fragment)
+        );
+        assert_eq!(
+            segment_tcp(&p, GsoKind::TcpV4, 65535, &mut out, 0),
+            Err(GsoError::SegmentTooLarge(65535 + 40))
+        );
+        let big = super_packet(false, &body(60_000), 1, 0x10, 0);
+        assert_eq!(
+            segment_tcp(&big, GsoKind::TcpV4, 1, &mut out, 0),
+            Err(GsoError::TooManySegments(60_000))
+        );
+        assert!(out.is_empty(), "nothing appended on errors");
+        // No payload: one segment, checksummed.
+        let bare = super_packet(true, &[], 9, 0x11, 0);
+        let seg = segment_tcp(&bare, GsoKind::TcpV6, 1000, &mut out, 0).expect("one");
+        assert_eq!(seg.count, 1);
+        assert_eq!(
+            check(&out, &seg, true)[0].1,
+            0x11,
+            "FIN kept on the only segment"
+        );
+        assert_eq!(
+            GsoKind::from_gso_type(GSO_TCPV4 | GSO_ECN),
+            Some(GsoKind::TcpV4)
+        );
+        assert_eq!(
+            GsoKind::from_gso_type(5),
+            None,
+            "UDP_L4 is not segmented here"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn segments_reassemble_to_the_payload(
+            v6 in any::<bool>(),
+            n in 0usize..20_000,
+            gso in 1usize..9000,
+            seq in any::<u32>(),
+            flags in any::<u8>(),
+            opt_words in 0usize..10,
+        ) {
+            prop_assume!(n.div_ceil(gso) <= MAX_SEGMENTS);
+            let data = body(n);
+            let p = super_packet(v6, &data, seq, flags, opt_words * 4);
+            let kind = if v6 { GsoKind::TcpV6 } else { GsoKind::TcpV4 };
+            let mut out = Vec::new();
+            let seg = segment_tcp(&p, kind, gso, &mut out, 3).expect("valid super-packet");
+            prop_assert_eq!(out.len(), seg.total_len());
+            let got = check(&out, &seg, v6);
+            let mut expect_seq = seq;
+            for (s, _, _, payload) in &got {
+                prop_assert_eq!(*s, expect_seq);
+                prop_assert!(payload.len() <= gso);
+                expect_seq = expect_seq.wrapping_add(payload.len() as u32);
+            }
+            let joined: Vec<u8> = got.into_iter().flat_map(|g| g.3).collect();
+            prop_assert_eq!(joined, data);
+        }
+
+        #[test]
+        fn arbitrary_input_never_panics(
+            buf in proptest::collection::vec(any::<u8>(), 0..3000),
+            gso in any::<u16>(),
+            v6 in any::<bool>(),
+            start in any::<u16>(),
+            offset in any::<u16>(),
+        ) {
+            let kind = if v6 { GsoKind::TcpV6 } else { GsoKind::TcpV4 };
+            let mut out = Vec::new();
+            if let Ok(seg) = segment_tcp(&buf, kind, usize::from(gso), &mut out, 2) {
+                prop_assert_eq!(out.len(), seg.total_len());
+                for r in seg.spans() {
+                    prop_assert!(r.end <= out.len());
+                }
+            }
+            let mut b = buf.clone();
+            let _ = complete_checksum(&mut b, usize::from(start), usize::from(offset));
+        }
+    }
+}
