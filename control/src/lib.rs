@@ -144,6 +144,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             // Without the route watch there are no Services to write.
             hosts_file: false,
             allow_route_conflict: args.allow_route_conflict,
+            workers: args.workers,
         })
         .await
         .map_err(daemon::status_to_error)

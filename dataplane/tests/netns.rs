@@ -89,6 +89,7 @@ fn params(
         tls: None,
         session_token: Vec::new(),
         allow_route_conflict: false,
+        workers: 1,
         data_peer: Default::default(),
     }
 }

@@ -57,6 +57,7 @@ fn params(manager: SocketAddr, tls: Option<TlsClient>, heartbeat: Duration) -> S
         tls,
         session_token: Vec::new(),
         allow_route_conflict: false,
+        workers: 1,
         data_peer: Default::default(),
     }
 }

@@ -58,6 +58,7 @@ fn binary_serves_a_session_and_stops_on_sigterm() {
         token: Vec::new(),
         mtu: None,
         tunnel_ip_v6: None,
+        shard: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");

@@ -122,6 +122,7 @@ fn hello(ip: IpAddr, token: &[u8]) -> Vec<u8> {
         token: token.to_vec(),
         mtu: None,
         tunnel_ip_v6: None,
+        shard: None,
     }
     .encode()
     .expect("encodes");

@@ -91,6 +91,7 @@ async fn hello_and_heartbeat<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> (K
         token: Vec::new(),
         mtu: None,
         tunnel_ip_v6: None,
+        shard: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");
@@ -150,6 +151,7 @@ async fn tls_listener_serves_trusting_laptops_and_refuses_the_rest() {
             token: Vec::new(),
             mtu: None,
             tunnel_ip_v6: None,
+            shard: None,
         }
         .encode()
         .expect("hello"),

@@ -648,6 +648,7 @@ fn rogue_client_hello_without_the_leases_token_is_refused() {
                 token: a_token.clone(),
                 mtu: None,
                 tunnel_ip_v6: None,
+                shard: None,
             }
             .encode()
             .expect("hello");

@@ -149,6 +149,7 @@ pub async fn run(args: PeerArgs) -> i32 {
         token: name.into_bytes(),
         mtu: None,
         tunnel_ip_v6: None,
+        shard: None,
     };
     let mut out = Vec::new();
     if let Err(e) = hello

@@ -675,6 +675,7 @@ mod tests {
             token: b"kvssh0".to_vec(),
             mtu: None,
             tunnel_ip_v6: None,
+            shard: None,
         };
         let mut wire = Vec::new();
         frame::encode_into(Kind::Hello, &hello.encode().expect("encode"), &mut wire)

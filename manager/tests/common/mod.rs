@@ -72,6 +72,7 @@ pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
         token: Vec::new(),
         mtu: None,
         tunnel_ip_v6: None,
+        shard: None,
     }
     .encode()
     .expect("hello encodes");
