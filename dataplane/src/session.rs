@@ -1736,7 +1736,6 @@ async fn supervise(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::AsyncWriteExt as _;
 
     /// The port a listener had a moment ago: nothing listens there now.
     fn closed_loopback_port() -> String {

@@ -514,9 +514,8 @@ fn workers_2_spread_flows_over_two_connections() {
         .map(|(a, b)| a.received - b.received)
         .collect();
     eprintln!("bytes received per data connection for {FLOWS} flows: {grew:?}");
-    assert_eq!(
+    assert!(
         grew.iter().sum::<u64>() >= (FLOWS * EACH) as u64,
-        true,
         "all downloads came over the data connections: {grew:?}"
     );
     for (i, g) in grew.iter().enumerate() {
