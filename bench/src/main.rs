@@ -83,6 +83,14 @@ struct Args {
     /// and under laptop A's SYN and UDP floods (bench/src/fairness.rs).
     #[arg(long)]
     fairness_only: bool,
+    /// Also measure kvpn direct with `kvpn connect --workers N` (row
+    /// `kvpn-direct-workers-N`, right after `kvpn-direct` in each round); 1 = no
+    /// extra row.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    workers: u16,
+    /// Only the plain lab's rows (raw veth, kvpn direct, socat): no Kubernetes lab.
+    #[arg(long)]
+    plain_only: bool,
 }
 
 const IPERF_PORT: u16 = 5201;
@@ -699,7 +707,13 @@ fn raw_row(b: &Bench, lab: &Lab, path: &str, t: Target) -> Result<Sample> {
 
 /// The plain lab's rounds: raw veth, kvpn direct, kvpn direct with 10,000 routes,
 /// socat.
-fn plain_lab(b: &mut Bench, rounds: u32, fairness_only: bool, rows: &mut Rows) -> Result<()> {
+fn plain_lab(
+    b: &mut Bench,
+    rounds: u32,
+    workers: u16,
+    fairness_only: bool,
+    rows: &mut Rows,
+) -> Result<()> {
     println!("==> bringing up the lab");
     let mut lab = Lab::up(LabOptions::default()).context("lab up")?;
     let mut iperf = Command::new("iperf3");
@@ -757,6 +771,23 @@ fn plain_lab(b: &mut Bench, rounds: u32, fairness_only: bool, rows: &mut Rows) -
                 true,
             )?;
             pair_with_baseline(&mut direct, &raw);
+            let workers_row = format!("kvpn-direct-workers-{workers}");
+            let sharded = if workers > 1 {
+                let mut sharded_args = args.clone();
+                let n = workers.to_string();
+                sharded_args.extend(["--workers", n.as_str()]);
+                let mut row = b.kvpn_row(
+                    &lab,
+                    &workers_row,
+                    pod,
+                    || kvpn(&lab, &runtime, &sharded_args).map(|_| ()),
+                    true,
+                )?;
+                pair_with_baseline(&mut row, &raw);
+                Some(row)
+            } else {
+                None
+            };
             let mut many = classifier_row(b, &lab, pod, &runtime, &connect)?;
             pair_ratio(&mut many, &direct, "tcp_1_gbps", "tcp_1_vs_1_route");
             pair_with_baseline(&mut many, &raw);
@@ -764,6 +795,9 @@ fn plain_lab(b: &mut Bench, rounds: u32, fairness_only: bool, rows: &mut Rows) -
             pair_with_baseline(&mut relay, &raw);
             push(rows, "raw-veth", "plain", raw);
             push(rows, "kvpn-direct", "plain", direct);
+            if let Some(row) = sharded {
+                push(rows, &workers_row, "plain", row);
+            }
             push(rows, MANY_ROUTES, "plain", many);
             push(rows, "socat", "plain", relay);
         }
@@ -1067,8 +1101,14 @@ fn main() -> Result<()> {
     };
     let mut raw_rows: Rows = Vec::new();
     let started = Instant::now();
-    plain_lab(&mut b, args.rounds, args.fairness_only, &mut raw_rows)?;
-    if !args.fairness_only {
+    plain_lab(
+        &mut b,
+        args.rounds,
+        args.workers,
+        args.fairness_only,
+        &mut raw_rows,
+    )?;
+    if !args.fairness_only && !args.plain_only {
         kube_lab(&mut b, args.rounds, &mut raw_rows)?;
     }
     let rows: Vec<Row> = raw_rows

@@ -191,6 +191,13 @@ pub struct ConnectArgs {
     /// TUN MTU in bytes (default: the root daemon's, 9000 for byte-stream transports).
     #[arg(long)]
     pub mtu: Option<u32>,
+    /// Pump workers (1 to 16): TUN queues, each with its own data connection to
+    /// the traffic manager and its own smoltcp interface there. The kernel keeps
+    /// each flow on one queue (by flow hash), so flows of one worker never wait
+    /// behind another's. Needs a manager that understands worker shards (hello
+    /// option 3); an older one gets 1 worker, with a line in the root daemon's log.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub workers: u32,
     /// Also add hosts-file entries (`svc svc.ns svc.ns.svc svc.ns.svc.<domain>`) for
     /// the Services of the connected namespace, kept up to date by the route watch,
     /// for programs that do not use DNS. The root daemon writes one marked block to

@@ -200,6 +200,7 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
         (args.image.is_some(), "--image"),
         (args.tun_name.is_some(), "--tun-name"),
         (args.mtu.is_some(), "--mtu"),
+        (args.workers != 1, "--workers"),
         (args.hosts, "--hosts"),
     ] {
         if set {
@@ -931,6 +932,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
                 hosts_file: args.hosts,
                 allow_route_conflict: args.allow_route_conflict,
                 steer_ebpf: args.steer == crate::cli::Steer::Ebpf,
+                workers: args.workers,
             }),
             socks: None,
             ..session_request(&env, args, &conn, plan.as_ref(), &manager)

@@ -145,6 +145,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             hosts_file: false,
             allow_route_conflict: args.allow_route_conflict,
             steer_ebpf: args.steer == cli::Steer::Ebpf,
+            workers: args.workers,
         })
         .await
         .map_err(daemon::status_to_error)

@@ -304,6 +304,8 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "tun_name": s.tun_name,
         "mtu": s.mtu,
         "data_channel": text_or_null(&s.data_channel),
+        "workers": s.workers.max(1),
+        "workers_connected": s.workers_connected,
         "state": s.state,
         "reason": s.reason,
         "uptime_ms": s.uptime_ms,

@@ -315,6 +315,17 @@ pub fn params_from_request(
     let mtu = tun::validate_mtu(req.mtu).map_err(|e| invalid(e.to_string()))?;
     let tls = TlsClient::from_request(&req.tls_ca_pem, &req.tls_server_name)
         .map_err(|e| invalid(e.to_string()))?;
+    let workers = match u16::try_from(req.workers) {
+        Ok(0) => 1,
+        Ok(n) if n <= kvpn_proto::frame::MAX_WORKERS => n,
+        _ => {
+            return Err(invalid(format!(
+                "invalid worker count {} — give 1 to {} (--workers)",
+                req.workers,
+                kvpn_proto::frame::MAX_WORKERS
+            )));
+        }
+    };
     Ok(SessionParams {
         manager: req.manager.clone(),
         routes,
@@ -327,6 +338,7 @@ pub fn params_from_request(
         session_token: req.session_token.as_bytes().to_vec(),
         allow_route_conflict: req.allow_route_conflict,
         steer_ebpf: req.steer_ebpf,
+        workers,
         data_peer: session::DataPeer::from_transport(
             req.origin.as_ref().map_or("", |o| o.transport.as_str()),
         ),

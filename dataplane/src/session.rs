@@ -180,6 +180,10 @@ pub struct SessionParams {
     /// With `allow_route_conflict`: steer with eBPF on the devices of conflicting
     /// IPv4 routes outside the main and local tables (`--steer ebpf`).
     pub steer_ebpf: bool,
+    /// Pump workers asked for (1..=[`frame::MAX_WORKERS`]): TUN queues, each
+    /// with its own data connection. 1 = a single-queue TUN and a hello
+    /// without option 3, exactly as before workers existed.
+    pub workers: u16,
     /// Who listens on `manager`: the manager itself, or the user daemon's
     /// port-forward listener. Only the wording of errors and Status reasons
     /// depends on it.
@@ -321,13 +325,68 @@ pub struct TeardownReport {
     pub leftovers: Vec<String>,
 }
 
-/// State the pump and Status share.
+/// How long Connect waits for the manager's answer to hello option 3 before it
+/// falls back to one worker. Every manager that accepts the hello answers at
+/// once (its first Stats frame), so this only bounds a broken path.
+pub const SHARD_ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One pump worker's state, shared by its supervisor, its pump and Status.
+#[derive(Debug)]
+struct Worker {
+    /// Heartbeats and connected / reconnecting of this worker's connection.
+    liveness: Arc<Mutex<Liveness>>,
+    /// This worker's pump counters (Status sums the workers').
+    counters: Arc<Counters>,
+}
+
+/// State the pumps and Status share.
 #[derive(Debug)]
 struct Shared {
-    liveness: Arc<Mutex<Liveness>>,
-    counters: Arc<Counters>,
-    /// Rate limit of the ICMP unreachable answers while reconnecting.
+    /// One per TUN queue; worker `i` reads and writes queue `i`.
+    workers: Vec<Worker>,
+    /// Rate limit of the ICMP unreachable answers while reconnecting (shared by
+    /// all workers: it bounds what the session writes to the TUN device).
     refusal: Arc<Refusal>,
+}
+
+impl Shared {
+    /// Each worker's (state, reason) now.
+    fn states(&self, now: Instant) -> Vec<(State, Option<String>)> {
+        self.workers
+            .iter()
+            .map(|w| {
+                w.liveness
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .state(now)
+            })
+            .collect()
+    }
+}
+
+/// The session's state from its workers' (one worker: its state as is). With
+/// several, the worst wins: reconnecting while any worker is (its flows get
+/// ICMP unreachable), else connecting while any is, else connected; the reason
+/// names the worker.
+fn combine_states(states: Vec<(State, Option<String>)>) -> (State, Option<String>) {
+    let n = states.len();
+    if n <= 1 {
+        return states
+            .into_iter()
+            .next()
+            .unwrap_or((State::Connecting, None));
+    }
+    for want in [State::Reconnecting, State::Connecting] {
+        if let Some((i, (state, reason))) = states
+            .iter()
+            .enumerate()
+            .find(|(_, (state, _))| *state == want)
+        {
+            let reason = reason.as_deref().unwrap_or(state.as_str());
+            return (*state, Some(format!("worker {i} of {n}: {reason}")));
+        }
+    }
+    (State::Connected, None)
 }
 
 /// A running session.
@@ -344,7 +403,8 @@ pub struct Session {
     watched: Arc<Mutex<Watched>>,
     watched_update: Arc<tokio::sync::Mutex<()>>,
     stop_tx: watch::Sender<bool>,
-    supervisor: Option<JoinHandle<()>>,
+    /// One supervisor per worker.
+    supervisors: Vec<JoinHandle<()>>,
     tun: Option<Arc<AsyncDevice>>,
     /// Which cluster this session leads to, as the client said (reported only).
     origin: Option<kvpn_proto::dataplane::Origin>,
@@ -467,6 +527,19 @@ pub fn hello_frame_with_mtu(
     tunnel_ip_v6: Option<Ipv6Addr>,
     offloads: Option<u8>,
 ) -> Result<Vec<u8>, String> {
+    hello_frame_for_worker(tunnel_ip, token, mtu, tunnel_ip_v6, offloads, None)
+}
+
+/// [`hello_frame_with_mtu`] of one worker connection: `shard` is hello option
+/// 3, sent only when the session has more than one worker.
+pub fn hello_frame_for_worker(
+    tunnel_ip: IpAddr,
+    token: &[u8],
+    mtu: Option<u16>,
+    tunnel_ip_v6: Option<Ipv6Addr>,
+    offloads: Option<u8>,
+    shard: Option<frame::Shard>,
+) -> Result<Vec<u8>, String> {
     let payload = Hello {
         version: PROTOCOL_VERSION,
         tunnel_ip,
@@ -474,6 +547,7 @@ pub fn hello_frame_with_mtu(
         mtu,
         tunnel_ip_v6,
         offloads,
+        shard,
     }
     .encode()
     .map_err(|e| e.to_string())?;
@@ -533,6 +607,59 @@ impl DataStream {
         result.map_err(|e| format!("cannot send hello to the traffic manager at {target}: {e}"))
     }
 
+    /// Read exactly one frame (header, then payload into `payload`), never a
+    /// byte more: the pump reads the stream from the next frame on.
+    async fn read_frame(&mut self, payload: &mut Vec<u8>) -> std::io::Result<Kind> {
+        use tokio::io::AsyncReadExt as _;
+        let mut header = [0u8; frame::HEADER_LEN];
+        match self {
+            DataStream::Plain(s) => s.read_exact(&mut header).await?,
+            DataStream::Tls(s) => s.read_exact(&mut header).await?,
+        };
+        let len = usize::from(u16::from_be_bytes([header[0], header[1]]));
+        if len == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                frame::FrameError::ZeroLength,
+            ));
+        }
+        payload.resize(len - 1, 0);
+        match self {
+            DataStream::Plain(s) => s.read_exact(&mut payload[..]).await?,
+            DataStream::Tls(s) => s.read_exact(&mut payload[..]).await?,
+        };
+        Ok(Kind::from(header[2]))
+    }
+
+    /// After a hello with option 3: whether the manager answered it, i.e. sent
+    /// a [`Kind::Stats`] frame with [`frame::stat::WORKERS`] before any other
+    /// Stats frame, within `timeout`. Every manager that accepts this laptop's
+    /// protocol version sends a Stats frame at once (its first tick); an older
+    /// one's lacks the counter. Other frames read meanwhile are dropped (only a
+    /// packet from another laptop can come this early; TCP retransmits it).
+    async fn manager_takes_shards(&mut self, timeout: Duration) -> Result<bool, String> {
+        let wait = async {
+            let mut payload = Vec::new();
+            loop {
+                let kind = self.read_frame(&mut payload).await?;
+                if kind == Kind::Stats {
+                    let workers = frame::Stats::decode(&payload)
+                        .ok()
+                        .and_then(|s| s.get(frame::stat::WORKERS));
+                    return Ok::<bool, std::io::Error>(workers.is_some());
+                }
+                tracing::debug!(kind = kind.to_u8(), "frame before the shard answer dropped");
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(Ok(known)) => Ok(known),
+            Ok(Err(e)) => Err(format!(
+                "the traffic manager closed the data connection after the hello: {e}"
+            )),
+            Err(_) => Ok(false),
+        }
+    }
+
     /// "tls" or "plain", as Status reports it.
     pub fn security(&self) -> &'static str {
         match self {
@@ -554,10 +681,15 @@ async fn dial_and_hello(
     Ok(stream)
 }
 
-/// Run the pump on `stream` until it stops. TCP splits into owned halves; a TLS
-/// stream is shared by its halves through `tokio::io::split` (the TLS state is
-/// one object for both directions).
-async fn pump_on(stream: DataStream, tun: Arc<AsyncDevice>, shared: &Shared) -> pump::PumpExit {
+/// Run the pump of `worker` on `stream` until it stops. TCP splits into owned
+/// halves; a TLS stream is shared by its halves through `tokio::io::split` (the
+/// TLS state is one object for both directions).
+async fn pump_on(
+    stream: DataStream,
+    tun: Arc<AsyncDevice>,
+    worker: &Worker,
+    refusal: &Arc<Refusal>,
+) -> pump::PumpExit {
     match stream {
         DataStream::Plain(tcp) => {
             let (rx, tx) = tcp.into_split();
@@ -565,9 +697,9 @@ async fn pump_on(stream: DataStream, tun: Arc<AsyncDevice>, shared: &Shared) -> 
                 tun,
                 rx,
                 tx,
-                shared.liveness.clone(),
-                shared.counters.clone(),
-                shared.refusal.clone(),
+                worker.liveness.clone(),
+                worker.counters.clone(),
+                refusal.clone(),
                 PumpConfig::default(),
             )
             .await
@@ -578,9 +710,9 @@ async fn pump_on(stream: DataStream, tun: Arc<AsyncDevice>, shared: &Shared) -> 
                 tun,
                 rx,
                 tx,
-                shared.liveness.clone(),
-                shared.counters.clone(),
-                shared.refusal.clone(),
+                worker.liveness.clone(),
+                worker.counters.clone(),
+                refusal.clone(),
                 PumpConfig::default(),
             )
             .await
@@ -588,10 +720,36 @@ async fn pump_on(stream: DataStream, tun: Arc<AsyncDevice>, shared: &Shared) -> 
     }
 }
 
+/// The hello frame of each of `workers` worker connections (option 3 only when
+/// there is more than one worker). Never empty.
+fn worker_hellos(params: &SessionParams, workers: u16) -> Result<Vec<Vec<u8>>, String> {
+    let workers = workers.max(1);
+    (0..workers)
+        .map(|index| {
+            hello_frame_for_worker(
+                params.tunnel_ip,
+                &params.session_token,
+                Some(params.mtu),
+                params.tunnel_ip_v6,
+                // The TUN device always has IFF_VNET_HDR offloads (crate::tun):
+                // offer GSO frames; the pump segments itself until the manager
+                // accepts them.
+                Some(frame::OFFLOAD_TCP_GSO),
+                (workers > 1).then_some(frame::Shard {
+                    index,
+                    count: workers,
+                }),
+            )
+        })
+        .collect()
+}
+
 /// Resources created so far during Connect, removed again on failure.
 struct Undo<'a> {
     netlink: &'a Netlink,
     tun: Option<(Arc<AsyncDevice>, u32, String)>,
+    /// Queues 1.. of a multi-queue TUN device (closed with the Undo).
+    extra_queues: Vec<AsyncDevice>,
     routes: Vec<IpNet>,
 }
 
@@ -727,21 +885,15 @@ impl Session {
                 rollback: String::new(),
             });
         }
-        let hello = hello_frame_with_mtu(
-            params.tunnel_ip,
-            &params.session_token,
-            Some(params.mtu),
-            params.tunnel_ip_v6,
-            // The TUN device always has IFF_VNET_HDR offloads (crate::tun):
-            // offer GSO frames; the pump segments itself until the manager
-            // accepts them.
-            Some(kvpn_proto::frame::OFFLOAD_TCP_GSO),
-        )
-        .map_err(|message| ConnectError::Step {
-            step: Step::SendHello,
-            message,
-            rollback: String::new(),
-        })?;
+        // Worker 0's hello; with more workers asked for, it carries option 3
+        // and the manager's answer decides how many run.
+        let hello = worker_hellos(&params, params.workers.max(1))
+            .map(|mut hellos| hellos.swap_remove(0))
+            .map_err(|message| ConnectError::Step {
+                step: Step::SendHello,
+                message,
+                rollback: String::new(),
+            })?;
         let tcp = dial_peer(&params.manager, params.data_peer, DIAL_TIMEOUT)
             .await
             .map_err(ConnectError::Unreachable)?;
@@ -763,6 +915,32 @@ impl Session {
             security = stream.security(),
             "data connection to the traffic manager open, hello sent"
         );
+        let mut workers = params.workers.max(1);
+        if workers > 1 {
+            match stream.manager_takes_shards(SHARD_ANSWER_TIMEOUT).await {
+                Ok(true) => tracing::info!(workers, "the traffic manager takes worker shards"),
+                Ok(false) => {
+                    tracing::warn!(
+                        asked = workers,
+                        "the traffic manager does not understand worker shards (hello option 3; \
+                         upgrade kvpn-manager): running 1 worker"
+                    );
+                    workers = 1;
+                }
+                Err(message) => {
+                    return Err(ConnectError::Step {
+                        step: Step::SendHello,
+                        message,
+                        rollback: String::new(),
+                    });
+                }
+            }
+        }
+        let hellos = worker_hellos(&params, workers).map_err(|message| ConnectError::Step {
+            step: Step::SendHello,
+            message,
+            rollback: String::new(),
+        })?;
 
         let plan = routes::plan(&params.routes);
         // Equal to a main-table laptop route: the laptop keeps it (override only).
@@ -775,11 +953,13 @@ impl Session {
         let mut undo = Undo {
             netlink,
             tun: None,
+            extra_queues: Vec::new(),
             routes: Vec::new(),
         };
         let skip: Vec<IpNet> = not_installed.iter().map(|(n, _)| *n).collect();
         match Self::setup(
             &params,
+            workers,
             &plan,
             &skip,
             &steer,
@@ -797,27 +977,50 @@ impl Session {
                         rollback: String::new(),
                     });
                 };
-                let liveness = Arc::new(Mutex::new(Liveness::new(params.heartbeat_interval)));
                 let shared = Arc::new(Shared {
-                    liveness,
-                    counters: Arc::new(Counters::default()),
+                    workers: (0..workers)
+                        .map(|_| Worker {
+                            liveness: Arc::new(Mutex::new(Liveness::new(
+                                params.heartbeat_interval,
+                            ))),
+                            counters: Arc::new(Counters::default()),
+                        })
+                        .collect(),
                     refusal: Arc::new(Refusal::default()),
                 });
                 let (stop_tx, stop_rx) = watch::channel(false);
-                let supervisor = tokio::spawn(
-                    supervise(
-                        device.clone(),
-                        stream,
-                        params.manager.clone(),
-                        params.data_peer,
-                        hello,
-                        params.tls.clone(),
-                        shared.clone(),
-                        stop_rx,
-                    )
-                    .instrument(tracing::info_span!("session", %id)),
+                let queues = std::iter::once(device.clone()).chain(
+                    std::mem::take(&mut undo.extra_queues)
+                        .into_iter()
+                        .map(Arc::new),
                 );
-                tracing::info!(tun = %tun_name, ifindex, routes = plan.kernel.len(), "session up");
+                let mut first = Some(stream);
+                let supervisors = queues
+                    .zip(hellos)
+                    .enumerate()
+                    .map(|(index, (queue, hello))| {
+                        let span = if workers > 1 {
+                            tracing::info_span!("session", %id, worker = index)
+                        } else {
+                            tracing::info_span!("session", %id)
+                        };
+                        tokio::spawn(
+                            supervise(
+                                queue,
+                                first.take(),
+                                params.manager.clone(),
+                                params.data_peer,
+                                hello,
+                                params.tls.clone(),
+                                shared.clone(),
+                                index,
+                                stop_rx.clone(),
+                            )
+                            .instrument(span),
+                        )
+                    })
+                    .collect();
+                tracing::info!(tun = %tun_name, ifindex, routes = plan.kernel.len(), workers, "session up");
                 Ok(Session {
                     id,
                     params,
@@ -833,7 +1036,7 @@ impl Session {
                     })),
                     watched_update: Arc::default(),
                     stop_tx,
-                    supervisor: Some(supervisor),
+                    supervisors,
                     tun: Some(device),
                     origin: None,
                 })
@@ -853,6 +1056,7 @@ impl Session {
 
     async fn setup(
         params: &SessionParams,
+        workers: u16,
         plan: &RoutePlan,
         not_installed: &[IpNet],
         steer: &[(String, u32)],
@@ -877,11 +1081,12 @@ impl Session {
                 ));
             }
         }
-        let created = tun::create(params.tun_name.as_deref(), params.mtu)
+        let created = tun::create_with_queues(params.tun_name.as_deref(), params.mtu, workers)
             .map_err(|e| step_err(Step::CreateTun, e))?;
         let ifindex = created.ifindex;
         let name = created.name.clone();
         undo.tun = Some((Arc::new(created.device), ifindex, created.name));
+        undo.extra_queues = created.extra_queues;
 
         // Order matters: the device stays down until the classifier is attached,
         // so that nothing (not even the kernel's own IPv6 router solicitations
@@ -999,13 +1204,15 @@ impl Session {
             .clone()
     }
 
-    /// The state and, unless connected, why.
+    /// The state and, unless connected, why (with several workers: see
+    /// [`combine_states`]).
     pub fn state(&self) -> (State, Option<String>) {
-        self.shared
-            .liveness
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .state(Instant::now())
+        combine_states(self.shared.states(Instant::now()))
+    }
+
+    /// Pump workers running (TUN queues, data connections).
+    pub fn workers(&self) -> usize {
+        self.shared.workers.len()
     }
 
     /// Whether the session is connected now, for split DNS: the opposite of
@@ -1014,18 +1221,46 @@ impl Session {
     /// timer), so DNS and TCP fail fast from the same instant. It holds the
     /// liveness state, not the session.
     pub fn dns_reach(&self) -> crate::dns::Reach {
-        let liveness = self.shared.liveness.clone();
+        let workers: Vec<_> = self
+            .shared
+            .workers
+            .iter()
+            .map(|w| w.liveness.clone())
+            .collect();
         crate::dns::Reach::new(move || {
-            !liveness
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .is_reconnecting(Instant::now())
+            let now = Instant::now();
+            !workers.iter().any(|l| {
+                l.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .is_reconnecting(now)
+            })
         })
     }
 
-    /// Pump counters.
-    pub fn counters(&self) -> &Counters {
-        &self.shared.counters
+    /// Pump counters, summed over the workers (a snapshot; the manager's
+    /// stats are in [`Session::status`]).
+    pub fn counters(&self) -> Counters {
+        let sum = Counters::default();
+        for w in &self.shared.workers {
+            let c = &w.counters;
+            for (to, from) in [
+                (&sum.tx_packets, &c.tx_packets),
+                (&sum.tx_bytes, &c.tx_bytes),
+                (&sum.tx_batches, &c.tx_batches),
+                (&sum.rx_packets, &c.rx_packets),
+                (&sum.rx_bytes, &c.rx_bytes),
+                (&sum.rx_invalid, &c.rx_invalid),
+                (&sum.heartbeats_sent, &c.heartbeats_sent),
+                (&sum.heartbeats_echoed, &c.heartbeats_echoed),
+                (&sum.refused_packets, &c.refused_packets),
+                (&sum.unreachable_sent, &c.unreachable_sent),
+                (&sum.unreachable_rate_limited, &c.unreachable_rate_limited),
+                (&sum.transports_lost, &c.transports_lost),
+            ] {
+                Counters::add(to, Counters::get(from));
+            }
+        }
+        sum
     }
 
     /// The classifier's counters (`None` without a classifier).
@@ -1138,6 +1373,15 @@ impl Session {
             origin: self.origin.clone(),
             liveness: Some(self.liveness_status()),
             manager_stats: self.manager_stats(),
+            workers: u32::try_from(self.workers()).unwrap_or(u32::MAX),
+            workers_connected: u32::try_from(
+                self.shared
+                    .states(Instant::now())
+                    .iter()
+                    .filter(|(state, _)| *state == State::Connected)
+                    .count(),
+            )
+            .unwrap_or(u32::MAX),
             route_source: watched.source,
             dns: watched.dns,
             services: watched.services.into_values().collect(),
@@ -1280,15 +1524,31 @@ impl Session {
         }
     }
 
-    /// The manager's latest stats frame for this session, for Status.
+    /// The manager's latest stats frame of each worker connection, summed (each
+    /// worker connection has its own engine, flow table and share of the flow
+    /// cap on the manager), for Status. The age is the oldest frame's.
     fn manager_stats(&self) -> Option<kvpn_proto::dataplane::ManagerStats> {
         use kvpn_proto::frame::stat;
-        let guard = self
-            .counters()
-            .manager_stats
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let (stats, at) = guard.as_ref()?;
+        let mut sum: Option<(frame::Stats, Instant)> = None;
+        for w in &self.shared.workers {
+            let guard = w
+                .counters
+                .manager_stats
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let Some((stats, at)) = guard.as_ref() else {
+                continue;
+            };
+            let (total, oldest) = sum.get_or_insert_with(|| (frame::Stats::default(), *at));
+            *oldest = (*oldest).min(*at);
+            for (name, n) in &stats.counters {
+                match total.counters.iter_mut().find(|(have, _)| have == name) {
+                    Some((_, v)) => *v = v.saturating_add(*n),
+                    None => total.counters.push((name.clone(), *n)),
+                }
+            }
+        }
+        let (stats, at) = sum.as_ref()?;
         let get = |name: &str| stats.get(name).unwrap_or(0);
         Some(kvpn_proto::dataplane::ManagerStats {
             flows: get(stat::FLOWS),
@@ -1311,14 +1571,14 @@ impl Session {
         })
     }
 
+    /// Heartbeat settings and worker 0's RTT; counters summed over workers.
     fn liveness_status(&self) -> kvpn_proto::dataplane::Liveness {
-        let (interval, window, rtt) = {
-            let l = self
-                .shared
-                .liveness
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            (l.interval(), l.window(), l.last_rtt())
+        let (interval, window, rtt) = match self.shared.workers.first() {
+            Some(w) => {
+                let l = w.liveness.lock().unwrap_or_else(PoisonError::into_inner);
+                (l.interval(), l.window(), l.last_rtt())
+            }
+            None => (Duration::ZERO, Duration::ZERO, None),
         };
         let ms = |d: Duration| u32::try_from(d.as_millis()).unwrap_or(u32::MAX);
         let c = self.counters();
@@ -1339,13 +1599,14 @@ impl Session {
     /// device, and verify that none of them remains.
     pub async fn teardown(mut self, netlink: &Netlink) -> TeardownReport {
         let _ = self.stop_tx.send(true);
-        if let Some(mut supervisor) = self.supervisor.take()
-            && tokio::time::timeout(Duration::from_secs(2), &mut supervisor)
+        for mut supervisor in std::mem::take(&mut self.supervisors) {
+            if tokio::time::timeout(Duration::from_secs(2), &mut supervisor)
                 .await
                 .is_err()
-        {
-            supervisor.abort();
-            let _ = supervisor.await;
+            {
+                supervisor.abort();
+                let _ = supervisor.await;
+            }
         }
         // Detach before the device goes, so the link is released cleanly.
         drop(
@@ -1454,12 +1715,11 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
 struct Refuser(Option<JoinHandle<()>>);
 
 impl Refuser {
-    fn start(&mut self, tun: &Arc<AsyncDevice>, shared: &Shared) {
+    fn start(&mut self, tun: &Arc<AsyncDevice>, worker: &Worker, refusal: &Arc<Refusal>) {
         if self.0.is_some() {
             return;
         }
-        let (tun, refusal, counters) =
-            (tun.clone(), shared.refusal.clone(), shared.counters.clone());
+        let (tun, refusal, counters) = (tun.clone(), refusal.clone(), worker.counters.clone());
         self.0 = Some(tokio::spawn(
             async move {
                 let e = pump::refuse(tun, refusal, counters).await;
@@ -1502,19 +1762,25 @@ impl Drop for Refuser {
 )]
 async fn supervise(
     tun: Arc<AsyncDevice>,
-    first: DataStream,
+    first: Option<DataStream>,
     target: String,
     peer: DataPeer,
     hello: Vec<u8>,
     tls: Option<TlsClient>,
     shared: Arc<Shared>,
+    index: usize,
     mut stop_rx: watch::Receiver<bool>,
 ) {
-    let mut next = Some(first);
+    let Some(worker) = shared.workers.get(index) else {
+        tracing::error!(index, "internal error: no such worker");
+        return;
+    };
+    let refusal = &shared.refusal;
+    let mut next = first;
     let mut backoff = REDIAL_BACKOFF.0;
     let mut refuser = Refuser(None);
     let set_down = |reason: String| {
-        shared
+        worker
             .liveness
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -1524,6 +1790,9 @@ async fn supervise(
         let stream = match next.take() {
             Some(s) => s,
             None => {
+                // Workers 1.. start here, without a connection: their TUN
+                // queue is answered until the first dial succeeds.
+                refuser.start(&tun, worker, refusal);
                 let dialled = tokio::select! {
                     _ = stop_rx.changed() => return,
                     r = dial_and_hello(&target, peer, &hello, tls.as_ref()) => r,
@@ -1547,17 +1816,17 @@ async fn supervise(
             }
         };
         refuser.stop().await;
-        shared
+        worker
             .liveness
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .handle_transport_up(Instant::now());
         let exit = tokio::select! {
             _ = stop_rx.changed() => return,
-            exit = pump_on(stream, tun.clone(), &shared) => exit,
+            exit = pump_on(stream, tun.clone(), worker, refusal) => exit,
         };
         let proven = matches!(exit, pump::PumpExit::Silent(_))
-            || shared
+            || worker
                 .liveness
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -1566,8 +1835,8 @@ async fn supervise(
                 == State::Connected;
         let reason = peer.loss_reason(&target, &exit);
         set_down(reason.clone());
-        Counters::add(&shared.counters.transports_lost, 1);
-        refuser.start(&tun, &shared);
+        Counters::add(&worker.counters.transports_lost, 1);
+        refuser.start(&tun, worker, refusal);
         if proven {
             tracing::warn!(%reason, "transport lost, re-dialling");
             backoff = REDIAL_BACKOFF.0;
@@ -1620,6 +1889,107 @@ mod tests {
             .await
             .expect_err("nothing listens there");
         assert!(err.contains("cannot reach the traffic manager at"), "{err}");
+    }
+
+    /// A loopback TCP pair: (laptop end as a DataStream, manager end).
+    async fn stream_pair() -> (DataStream, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0");
+        let addr = listener.local_addr().expect("local address");
+        let (laptop, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        (
+            DataStream::Plain(laptop.expect("connect")),
+            accepted.expect("accept").0,
+        )
+    }
+
+    fn stats_frame(counters: &[(&str, u64)]) -> Vec<u8> {
+        let stats = frame::Stats {
+            counters: counters
+                .iter()
+                .map(|(n, v)| ((*n).to_owned(), *v))
+                .collect(),
+        };
+        let mut out = Vec::new();
+        frame::encode_into(Kind::Stats, &stats.encode().expect("encodes"), &mut out).expect("fits");
+        out
+    }
+
+    /// The shard answer: a Stats frame with `workers` (after a packet frame,
+    /// which is dropped) means yes, and the frame after it is left for the
+    /// pump; a Stats frame without it (a manager older than option 3) or
+    /// silence means no.
+    #[tokio::test]
+    async fn shard_answer_is_read_exactly_and_old_managers_mean_one_worker() {
+        let (mut laptop, mut manager) = stream_pair().await;
+        let mut wire = Vec::new();
+        frame::encode_into(Kind::Packet, &[0x45; 20], &mut wire).expect("fits");
+        wire.extend(stats_frame(&[
+            (frame::stat::FLOWS, 0),
+            (frame::stat::WORKERS, 2),
+        ]));
+        frame::encode_into(Kind::Heartbeat, &[7; 8], &mut wire).expect("fits");
+        manager.write_all(&wire).await.expect("write");
+        assert_eq!(
+            laptop.manager_takes_shards(Duration::from_secs(2)).await,
+            Ok(true)
+        );
+        let mut payload = Vec::new();
+        assert_eq!(
+            laptop.read_frame(&mut payload).await.expect("next frame"),
+            Kind::Heartbeat,
+            "the frame after the answer is still in the stream"
+        );
+        assert_eq!(payload, [7; 8]);
+
+        let (mut laptop, mut manager) = stream_pair().await;
+        manager
+            .write_all(&stats_frame(&[(frame::stat::FLOWS, 0)]))
+            .await
+            .expect("write");
+        assert_eq!(
+            laptop.manager_takes_shards(Duration::from_secs(2)).await,
+            Ok(false),
+            "a manager without option 3 sends stats without `workers`"
+        );
+
+        let (mut laptop, _silent) = stream_pair().await;
+        assert_eq!(
+            laptop
+                .manager_takes_shards(Duration::from_millis(100))
+                .await,
+            Ok(false)
+        );
+
+        let (mut laptop, manager) = stream_pair().await;
+        drop(manager);
+        let err = laptop
+            .manager_takes_shards(Duration::from_secs(2))
+            .await
+            .expect_err("closed after the hello");
+        assert!(err.contains("closed the data connection"), "{err}");
+    }
+
+    #[test]
+    fn session_state_is_the_worst_workers() {
+        let up = (State::Connected, None);
+        let down = (State::Reconnecting, Some("connection reset".to_owned()));
+        let dialling = (State::Connecting, Some("dialling".to_owned()));
+        assert_eq!(
+            combine_states(vec![down.clone()]),
+            down,
+            "one worker: as is"
+        );
+        assert_eq!(combine_states(vec![up.clone(), up.clone()]), up);
+        assert_eq!(
+            combine_states(vec![up.clone(), dialling.clone(), down.clone()]),
+            (
+                State::Reconnecting,
+                Some("worker 2 of 3: connection reset".to_owned())
+            )
+        );
+        assert_eq!(combine_states(vec![dialling, up]).0, State::Connecting);
     }
 
     #[test]

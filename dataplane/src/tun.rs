@@ -1,10 +1,9 @@
 //! TUN device creation (tun-rs). I/O: `/dev/net/tun` and the SIOC* ioctls tun-rs
 //! issues, in the calling thread's network namespace.
 //!
-//! The device is layer 3 without packet information, single queue,
-//! non-blocking (tokio), with the requested MTU, created down. It is not
-//! persistent: closing its last descriptor removes it with its addresses and
-//! routes.
+//! The device is layer 3 without packet information, non-blocking (tokio),
+//! with the requested MTU, created down. It is not persistent: closing its
+//! last descriptor removes it with its addresses and routes.
 //!
 //! Offloads: the device is opened with `IFF_VNET_HDR`, a 10-byte
 //! `virtio_net_hdr` (`TUNSETVNETHDRSZ`) and `TUNSETOFFLOAD TUN_F_CSUM |
@@ -15,6 +14,18 @@
 //! with a header too ([`VNET_HDR_NONE`]: no offload, the kernel checks the
 //! checksums as without `IFF_VNET_HDR`). No UDP segmentation offload
 //! (`TUN_F_USO4/6`): UDP arrives as single datagrams.
+//!
+//! Queues: one (a plain single-queue device, as before workers existed) or,
+//! for `--workers N` with N > 1, N queues of one IFF_MULTI_QUEUE device: the
+//! first open creates it, each further open of the same name with the same
+//! flags attaches another queue (`tun_set_iff` → `tun_attach`,
+//! drivers/net/tun.c; TUNSETQUEUE is not needed). The kernel picks the queue a
+//! packet from the laptop's stack is read on in `tun_select_queue` →
+//! `tun_automq_select_queue`: a flow's symmetric hash, and once userspace wrote
+//! a packet of that flow on queue *i* (`tun_flow_update` in `tun_get_user`),
+//! queue *i*; so a flow stays on one queue and thus one worker. TUNSETOFFLOAD
+//! is device-wide; it is set again after the extra queues are attached (each
+//! attach re-applies tun-rs's defaults).
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -184,6 +195,12 @@ pub enum TunError {
         /// The MTU asked for.
         mtu: u32,
     },
+    /// The queue count is out of range.
+    #[error("invalid TUN queue count {queues}: must be between 1 and {MAX_QUEUES}")]
+    BadQueues {
+        /// The count asked for.
+        queues: u16,
+    },
     /// The kernel refused.
     #[error("cannot create TUN device {name}: {source}{hint}")]
     Create {
@@ -197,10 +214,16 @@ pub enum TunError {
     },
 }
 
+/// Most queues a device may have (the kernel's `MAX_TAP_QUEUES` is 256; kvpn
+/// caps workers at [`kvpn_proto::frame::MAX_WORKERS`]).
+pub const MAX_QUEUES: u16 = kvpn_proto::frame::MAX_WORKERS;
+
 /// A created TUN device.
 pub struct Tun {
-    /// The non-blocking device.
+    /// The non-blocking device (queue 0).
     pub device: AsyncDevice,
+    /// Queues 1.. of a multi-queue device (empty for a single-queue one).
+    pub extra_queues: Vec<AsyncDevice>,
     /// Its name as the kernel assigned it.
     pub name: String,
     /// Its interface index.
@@ -255,6 +278,13 @@ pub fn validate_mtu(mtu: u32) -> Result<u16, TunError> {
 /// left down (the caller brings it up when it is ready for traffic). The caller checks beforehand that an explicit `name` is not taken:
 /// TUNSETIFF would otherwise attach to an existing persistent TUN device.
 pub fn create(name: Option<&str>, mtu: u16) -> Result<Tun, TunError> {
+    create_with_queues(name, mtu, 1)
+}
+
+/// [`create`] with `queues` queues (1..=[`MAX_QUEUES`]): 1 is the plain
+/// single-queue device; more make an IFF_MULTI_QUEUE device with that many
+/// descriptors (see the module docs for how the kernel spreads flows).
+pub fn create_with_queues(name: Option<&str>, mtu: u16, queues: u16) -> Result<Tun, TunError> {
     if let Some(name) = name {
         validate_name(name)?;
     }
@@ -278,22 +308,34 @@ pub fn create(name: Option<&str>, mtu: u16) -> Result<Tun, TunError> {
             hint,
         }
     };
+    if queues == 0 || queues > MAX_QUEUES {
+        return Err(TunError::BadQueues { queues });
+    }
     let device = DeviceBuilder::new()
         .name(requested)
         .mtu(mtu)
         // IFF_VNET_HDR; tun-rs also enables TUN_F_USO4/6 where the kernel has
         // them, which set_offloads takes back.
         .offload(true)
+        .multi_queue(queues > 1)
         // Left down: the session attaches the classifier before bringing it up.
         .enable(false)
         .build_async()
         .map_err(create_err)?;
-    set_offloads(&device).map_err(create_err)?;
     let name = device.name().map_err(create_err)?;
     let ifindex = device.if_index().map_err(create_err)?;
-    tracing::debug!(%name, ifindex, mtu, "TUN device created");
+    let mut extra_queues = Vec::with_capacity(usize::from(queues) - 1);
+    for _ in 1..queues {
+        // Another open + TUNSETIFF of the same name and flags: a new queue.
+        extra_queues.push(device.try_clone().map_err(create_err)?);
+    }
+    // After the extra queues: the header size and offloads are the device's
+    // (`tun_struct`), and tun-rs re-applies its own defaults on each attach.
+    set_offloads(&device).map_err(create_err)?;
+    tracing::debug!(%name, ifindex, mtu, queues, "TUN device created");
     Ok(Tun {
         device,
+        extra_queues,
         name,
         ifindex,
     })

@@ -90,6 +90,7 @@ fn params(
         session_token: Vec::new(),
         allow_route_conflict: false,
         steer_ebpf: false,
+        workers: 1,
         data_peer: Default::default(),
     }
 }
@@ -728,19 +729,20 @@ fn outbound_pump_delivers_every_packet_it_counts() {
                 })
                 .collect();
             let accepted: usize = senders.into_iter().map(|s| s.join().expect("sender")).sum();
-            let c = session.counters();
+            // A snapshot per read: the workers' counters summed.
             // Drain: wait until the counts are stable and the manager has
             // everything the pump wrote.
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
-                let tx = Counters::get(&c.tx_packets) as usize;
+                let tx = Counters::get(&session.counters().tx_packets) as usize;
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 let got = manager.seen.packet_count.load(Ordering::Relaxed);
-                if got == tx && Counters::get(&c.tx_packets) as usize == tx {
+                if got == tx && Counters::get(&session.counters().tx_packets) as usize == tx {
                     break;
                 }
                 assert!(Instant::now() < deadline, "manager got {got} of {tx} packets");
             }
+            let c = session.counters();
             let secs = started.elapsed().as_secs_f64();
             let tx = Counters::get(&c.tx_packets);
             let batches = Counters::get(&c.tx_batches);

@@ -58,6 +58,7 @@ fn params(manager: SocketAddr, tls: Option<TlsClient>, heartbeat: Duration) -> S
         session_token: Vec::new(),
         allow_route_conflict: false,
         steer_ebpf: false,
+        workers: 1,
         data_peer: Default::default(),
     }
 }
@@ -280,13 +281,13 @@ fn tls_throughput_against_plain_in_the_same_run() {
             for s in senders {
                 s.join().expect("sender");
             }
-            let c = session.counters();
+            // A snapshot per read: the workers' counters summed.
             let deadline = Instant::now() + Duration::from_secs(20);
             loop {
-                let tx = Counters::get(&c.tx_packets) as usize;
+                let tx = Counters::get(&session.counters().tx_packets) as usize;
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 let got = manager.seen.packet_count.load(Ordering::Relaxed);
-                if got == tx && Counters::get(&c.tx_packets) as usize == tx {
+                if got == tx && Counters::get(&session.counters().tx_packets) as usize == tx {
                     break;
                 }
                 assert!(
@@ -294,6 +295,7 @@ fn tls_throughput_against_plain_in_the_same_run() {
                     "manager got {got} of {tx} packets"
                 );
             }
+            let c = session.counters();
             let secs = started.elapsed().as_secs_f64();
             let bytes = Counters::get(&c.tx_bytes);
             assert_eq!(

@@ -500,7 +500,6 @@ impl ManagerCounters {
             "counter",
             "Times a destination TCP socket's task found its session's TCP event queue full and waited, all sessions.",
             &[(None, load(&self.tcp_events_full))],
-
         );
         metric(
             "gso_frames_total",

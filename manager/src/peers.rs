@@ -7,6 +7,12 @@
 //! counted ([`crate::packet::DropReason::PeerQueueFull`]) rather than making one
 //! laptop's reader wait on another laptop's writer (two laptops sending to each
 //! other would otherwise deadlock). TCP between laptops retransmits.
+//!
+//! A laptop with several worker connections (hello option 3) registers each
+//! under (tunnel IP, worker index): a re-dial of one worker replaces only that
+//! worker's entry. Packets for the laptop go to its lowest-index live worker
+//! connection, so they keep their order while the set of workers is stable; the
+//! laptop's kernel takes a packet on any of its TUN queues.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -18,9 +24,19 @@ use tokio::sync::mpsc;
 /// One session's frame queue towards its laptop (batches of encoded frames).
 pub type FrameSender = mpsc::Sender<Vec<u8>>;
 
+/// One worker connection of a laptop.
+#[derive(Debug)]
+struct Entry {
+    /// Worker index from the hello (0 without option 3).
+    worker: u16,
+    generation: u64,
+    tx: FrameSender,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
-    sessions: RwLock<HashMap<IpAddr, (u64, FrameSender)>>,
+    /// Per tunnel IP, its worker connections sorted by worker index.
+    sessions: RwLock<HashMap<IpAddr, Vec<Entry>>>,
     next_generation: AtomicU64,
 }
 
@@ -36,31 +52,42 @@ pub struct Peers {
 pub struct PeerRegistration {
     peers: Peers,
     ip: IpAddr,
+    worker: u16,
     generation: u64,
 }
 
 impl Peers {
-    /// Register the session of `ip`; the newest session of an IP wins (a
-    /// laptop that redials before the manager noticed the old channel died).
-    pub fn register(&self, ip: IpAddr, frames_tx: FrameSender) -> PeerRegistration {
+    /// Register worker connection `worker` of the session of `ip`; the newest
+    /// registration of an (IP, worker) wins (a laptop that redials before the
+    /// manager noticed the old channel died), other workers' stay.
+    pub fn register(&self, ip: IpAddr, worker: u16, frames_tx: FrameSender) -> PeerRegistration {
         let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = self.inner.sessions.write() {
-            map.insert(ip, (generation, frames_tx));
+            let entries = map.entry(ip).or_default();
+            entries.retain(|e| e.worker != worker);
+            entries.push(Entry {
+                worker,
+                generation,
+                tx: frames_tx,
+            });
+            entries.sort_by_key(|e| e.worker);
         }
         PeerRegistration {
             peers: self.clone(),
             ip,
+            worker,
             generation,
         }
     }
 
-    /// The frame queue of the live session with tunnel IP `ip`.
+    /// The frame queue of the live session with tunnel IP `ip` (its
+    /// lowest-index worker connection).
     pub fn get(&self, ip: IpAddr) -> Option<FrameSender> {
         self.inner
             .sessions
             .read()
             .ok()
-            .and_then(|map| map.get(&ip).map(|(_, tx)| tx.clone()))
+            .and_then(|map| map.get(&ip).and_then(|e| e.first()).map(|e| e.tx.clone()))
     }
 
     /// Frame `packet` and queue it on the live session of `ip`: `None` when there
@@ -70,7 +97,7 @@ impl Peers {
     /// map lookup and no allocation.
     pub fn try_send(&self, ip: IpAddr, packet: &[u8]) -> Option<bool> {
         let map = self.inner.sessions.read().ok()?;
-        let (_, tx) = map.get(&ip)?;
+        let tx = &map.get(&ip)?.first()?.tx;
         let mut frame = Vec::with_capacity(kvpn_proto::frame::HEADER_LEN + packet.len());
         if kvpn_proto::frame::encode_into(kvpn_proto::frame::Kind::Packet, packet, &mut frame)
             .is_err()
@@ -94,11 +121,12 @@ impl Peers {
 impl Drop for PeerRegistration {
     fn drop(&mut self) {
         if let Ok(mut map) = self.peers.inner.sessions.write()
-            && map
-                .get(&self.ip)
-                .is_some_and(|(g, _)| *g == self.generation)
+            && let Some(entries) = map.get_mut(&self.ip)
         {
-            map.remove(&self.ip);
+            entries.retain(|e| !(e.worker == self.worker && e.generation == self.generation));
+            if entries.is_empty() {
+                map.remove(&self.ip);
+            }
         }
     }
 }
@@ -131,8 +159,8 @@ mod tests {
         let ip: IpAddr = "100.96.0.2".parse().expect("ip");
         let (tx1, _rx1) = mpsc::channel(1);
         let (tx2, mut rx2) = mpsc::channel(1);
-        let old = peers.register(ip, tx1);
-        let new = peers.register(ip, tx2);
+        let old = peers.register(ip, 0, tx1);
+        let new = peers.register(ip, 0, tx2);
         drop(old);
         let tx = peers.get(ip).expect("still registered");
         tx.try_send(vec![1]).expect("queue");
@@ -140,6 +168,34 @@ mod tests {
         drop(new);
         assert!(peers.get(ip).is_none());
         assert!(peers.is_empty());
+    }
+
+    #[test]
+    fn a_worker_connection_never_replaces_another_workers() {
+        let peers = Peers::default();
+        let ip: IpAddr = "100.96.0.2".parse().expect("ip");
+        let (tx0, mut rx0) = mpsc::channel(4);
+        let (tx1, mut rx1) = mpsc::channel(4);
+        let w0 = peers.register(ip, 0, tx0);
+        let w1 = peers.register(ip, 1, tx1);
+        assert_eq!(peers.try_send(ip, &[0x45; 20]), Some(true));
+        assert!(
+            rx0.try_recv().is_ok(),
+            "worker 0 carries the laptop's packets"
+        );
+        assert!(rx1.try_recv().is_err());
+        // Worker 0 gone (its connection lost): worker 1 still reaches the laptop.
+        drop(w0);
+        assert_eq!(peers.try_send(ip, &[0x45; 20]), Some(true));
+        assert!(rx1.try_recv().is_ok());
+        assert_eq!(peers.len(), 1);
+        // Worker 0 re-dialled: it carries them again; worker 1 stays registered.
+        let (tx0b, mut rx0b) = mpsc::channel(4);
+        let _w0b = peers.register(ip, 0, tx0b);
+        assert_eq!(peers.try_send(ip, &[0x45; 20]), Some(true));
+        assert!(rx0b.try_recv().is_ok());
+        drop(w1);
+        assert!(peers.get(ip).is_some(), "worker 1's end leaves worker 0");
     }
 
     #[test]

@@ -687,7 +687,11 @@ fn log_stats(engine: &Engine, kernel: &KernelSide, peak_flows: usize) {
 /// The session's counters for the laptop ([`Kind::Stats`]): flows against
 /// the cap, the limits, dropped echoes and the packet drops by reason (only
 /// reasons that happened, to keep the frame small).
-fn stats_frame(engine: &Engine) -> Option<Vec<u8>> {
+///
+/// A worker connection of a sharded session (hello option 3) also sends
+/// [`stat::WORKERS`]; the first stats frame goes out as soon as the session
+/// starts, and is the laptop's proof that the manager took the option.
+fn stats_frame(engine: &Engine, shard: Option<frame::Shard>) -> Option<Vec<u8>> {
     let m = engine.metrics();
     let as_u64 = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     let mut counters = vec![
@@ -698,6 +702,9 @@ fn stats_frame(engine: &Engine) -> Option<Vec<u8>> {
         (stat::ICMP_RATE_LIMITED.to_owned(), m.icmp_rate_limited),
         (stat::ECHOES_DROPPED.to_owned(), m.echoes_dropped),
     ];
+    if let Some(s) = shard {
+        counters.push((stat::WORKERS.to_owned(), u64::from(s.count)));
+    }
     for reason in DropReason::ALL {
         let n = m.dropped(reason);
         if n > 0 {
@@ -708,6 +715,28 @@ fn stats_frame(engine: &Engine) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(frame::HEADER_LEN + payload.len());
     frame::encode_into(Kind::Stats, &payload, &mut out).ok()?;
     Some(out)
+}
+
+/// The per-client limits one worker connection's engine gets: the session's
+/// [`SessionConfig`] limits split evenly over `workers` connections (at least
+/// one flow, and one new flow per second when the limit is on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ShardLimits {
+    max_flows: usize,
+    new_flows_per_sec: u32,
+    new_flow_burst: u32,
+}
+
+impl ShardLimits {
+    fn new(config: &SessionConfig, workers: u16) -> Self {
+        let n = workers.max(1);
+        let split = |v: u32| if v == 0 { 0 } else { (v / u32::from(n)).max(1) };
+        Self {
+            max_flows: (config.max_flows / usize::from(n)).max(1),
+            new_flows_per_sec: split(config.new_flows_per_sec),
+            new_flow_burst: split(config.new_flow_burst),
+        }
+    }
 }
 
 /// Run one client session on `stream` until the laptop closes it or it fails.
@@ -784,17 +813,37 @@ where
         .clamp(crate::engine::MIN_LAPTOP_MTU, crate::engine::DEFAULT_MTU);
     info!(laptop_mtu = engine_config.laptop_mtu, "session started");
     engine_config.allow_loopback = config.allow_loopback;
-    engine_config.max_flows = config.max_flows;
-    engine_config.max_tcp_flows = config.max_flows;
-    engine_config.max_udp_flows = engine_config.max_udp_flows.min(config.max_flows);
-    engine_config.max_ping_flows = engine_config.max_ping_flows.min(config.max_flows);
-    engine_config.new_flows_per_sec = config.new_flows_per_sec;
-    engine_config.new_flow_burst = config.new_flow_burst;
-    // `--new-flows-per-sec 0` turns the new-flow limits off, this one too.
+    // A laptop with N worker connections (hello option 3) gets one engine (one
+    // smoltcp interface) per connection, so one worker's flows never wait on
+    // another's; the per-client limits are split evenly over them (a fixed
+    // share each: no lock or atomic between the engines on the packet path).
+    let shard = hello.shard.filter(|s| s.count > 1);
+    let limits = ShardLimits::new(config, shard.map_or(1, |s| s.count));
+    if let Some(s) = shard {
+        info!(
+            worker = s.index,
+            workers = s.count,
+            max_flows = limits.max_flows,
+            new_flows_per_sec = limits.new_flows_per_sec,
+            "worker connection of a sharded session"
+        );
+    }
+    engine_config.max_flows = limits.max_flows;
+    engine_config.max_tcp_flows = limits.max_flows;
+    engine_config.max_udp_flows = engine_config.max_udp_flows.min(limits.max_flows);
+    engine_config.max_ping_flows = engine_config.max_ping_flows.min(limits.max_flows);
+    engine_config.new_flows_per_sec = limits.new_flows_per_sec;
+    engine_config.new_flow_burst = limits.new_flow_burst;
+    // `--new-flows-per-sec 0` turns the new-flow limits off, this one too;
+    // split over the workers like the others.
     engine_config.failed_flows_per_sec = if config.new_flows_per_sec == 0 {
         0
     } else {
-        config.failed_dials_per_sec
+        let n = u32::from(shard.map_or(1, |s| s.count));
+        match config.failed_dials_per_sec {
+            0 => 0,
+            v => (v / n).max(1),
+        }
     };
     let mut engine = Engine::new(engine_config, Instant::now());
     let (events_tx, mut events_rx) = TcpEventSender::channel(TCP_EVENT_QUEUE);
@@ -806,6 +855,16 @@ where
     // manager's hello, first on the stream, saying they are accepted; until it
     // reads it, the laptop segments super-packets itself.
     let mut gso = GsoIntake::default();
+    // A worker connection of a sharded session: the first stats frame, with
+    // the worker count, goes out before the manager's hello, because the
+    // laptop reads frames up to that answer before its pump starts (and the
+    // pump must see the manager's hello).
+    if let Some(s) = shard.filter(|_| hello.version >= STATS_VERSION) {
+        if let Some(answer) = stats_frame(&engine, Some(s)) {
+            // Cannot fail: the control queue is new and empty.
+            let _ = control_tx.try_send(answer);
+        }
+    }
     if let Some(offered) = hello.offloads {
         let accepted = offered & OFFLOAD_TCP_GSO;
         let answer = ManagerHello {
@@ -838,7 +897,9 @@ where
     // The engine loop swaps its spent buffer for the intake's frames.
     let mut frames: Vec<u8> = Vec::new();
     // Other laptops' packets for this tunnel IP go straight to the writer.
-    let _peer = config.peers.register(tunnel_ip, out_tx.clone());
+    let _peer = config
+        .peers
+        .register(tunnel_ip, shard.map_or(0, |s| s.index), out_tx.clone());
     let mut out: Vec<u8> = Vec::new();
     let mut stats = tokio::time::interval_at(
         tokio::time::Instant::now() + config.stats_interval,
@@ -975,7 +1036,7 @@ where
             }
             _ = stats.tick() => log_stats(&engine, &kernel, peak_flows),
             _ = stats_frames.tick(), if stats_tx.is_some() => {
-                if let (Some(tx), Some(frame)) = (&stats_tx, stats_frame(&engine))
+                if let (Some(tx), Some(frame)) = (&stats_tx, stats_frame(&engine, shard))
                     && tx.try_send(frame).is_err()
                 {
                     trace!("stats frame skipped: the control queue is full");
@@ -1125,5 +1186,41 @@ mod tests {
             (m.gso_frames, m.gso_segments, m.packets_from_laptop),
             (2, 5, 5)
         );
+    }
+
+    #[test]
+    fn limits_are_split_over_worker_connections() {
+        let config = SessionConfig {
+            max_flows: 1000,
+            new_flows_per_sec: 200,
+            new_flow_burst: 50,
+            ..SessionConfig::default()
+        };
+        let one = ShardLimits::new(&config, 1);
+        assert_eq!(
+            one,
+            ShardLimits {
+                max_flows: 1000,
+                new_flows_per_sec: 200,
+                new_flow_burst: 50
+            },
+            "one worker: the configured limits as they are"
+        );
+        let four = ShardLimits::new(&config, 4);
+        assert_eq!(four.max_flows * 4, 1000);
+        assert_eq!(four.new_flows_per_sec * 4, 200);
+        assert_eq!(four.new_flow_burst, 12);
+        // Tiny limits never become 0 (which would refuse every flow), and an
+        // unlimited rate stays unlimited.
+        let tiny = SessionConfig {
+            max_flows: 3,
+            new_flows_per_sec: 0,
+            new_flow_burst: 2,
+            ..SessionConfig::default()
+        };
+        let split = ShardLimits::new(&tiny, 16);
+        assert_eq!(split.max_flows, 1);
+        assert_eq!(split.new_flows_per_sec, 0);
+        assert_eq!(split.new_flow_burst, 1);
     }
 }

@@ -59,6 +59,7 @@ fn binary_serves_a_session_and_stops_on_sigterm() {
         mtu: None,
         tunnel_ip_v6: None,
         offloads: None,
+        shard: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");

@@ -123,6 +123,7 @@ fn hello(ip: IpAddr, token: &[u8]) -> Vec<u8> {
         mtu: None,
         tunnel_ip_v6: None,
         offloads: None,
+        shard: None,
     }
     .encode()
     .expect("encodes");

@@ -92,6 +92,7 @@ async fn hello_and_heartbeat<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> (K
         mtu: None,
         tunnel_ip_v6: None,
         offloads: None,
+        shard: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");
@@ -152,6 +153,7 @@ async fn tls_listener_serves_trusting_laptops_and_refuses_the_rest() {
             mtu: None,
             tunnel_ip_v6: None,
             offloads: None,
+            shard: None,
         }
         .encode()
         .expect("hello"),

@@ -68,6 +68,32 @@ pub const OFFLOAD_TCP_GSO: u8 = 1;
 
 /// Bytes of the [`GsoHeader`] at the start of a [`Kind::Gso`] payload.
 pub const GSO_HEADER_LEN: usize = 10;
+/// Hello option type: the worker shard of this data connection, 4 bytes
+/// (`index: u16 | count: u16`), see [`Shard`].
+const HELLO_OPT_SHARD: u8 = 3;
+
+/// Most workers (data connections) one session may have; the kernel allows 256
+/// TUN queues (`MAX_TAP_QUEUES`, include/linux/if_tun.h), a laptop needs few.
+pub const MAX_WORKERS: u16 = 16;
+
+/// Hello option 3: which of a session's worker connections this is.
+///
+/// A laptop with `kvpn connect --workers N` (N > 1) opens N data connections
+/// with the same tunnel IP and session token; each hello carries its
+/// `index` (0..count) and the `count`. A manager that knows the option keeps
+/// (tunnel IP, index) as the connection's identity: a re-dial of worker `i`
+/// replaces only worker `i`'s connection, never another worker's. It answers
+/// with a [`Kind::Stats`] frame carrying [`stat::WORKERS`] at once, which is
+/// how the laptop learns the option was understood (an older manager ignores
+/// unknown options and never sends that counter). Without the option (one
+/// worker) nothing changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    /// This connection's worker, `0..count`.
+    pub index: u16,
+    /// Workers of the session, `1..=MAX_WORKERS`.
+    pub count: u16,
+}
 
 /// Frame kind (the `u8` after the length).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -287,6 +313,8 @@ pub fn encode_into(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), 
 /// accepted source address when the primary tunnel IP is IPv4 (dual stack).
 /// Option 4: offloads the laptop offers (1 byte of bits, [`OFFLOAD_TCP_GSO`]);
 /// a manager that accepts any answers with a [`ManagerHello`].
+/// Option 3 (4 bytes, `index: u16 | count: u16`): the worker shard of this
+/// connection ([`Shard`]); older managers skip it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Data-channel protocol version ([`PROTOCOL_VERSION`]).
@@ -308,6 +336,9 @@ pub struct Hello {
     /// skip it and never send [`ManagerHello`], so the laptop keeps sending
     /// plain packets.
     pub offloads: Option<u8>,
+    /// The worker shard (option 3): set only by laptops with more than one
+    /// worker connection. Decoded only when `index < count <= MAX_WORKERS`.
+    pub shard: Option<Shard>,
 }
 
 /// Why a hello payload is invalid.
@@ -338,6 +369,15 @@ pub enum HelloError {
     /// Options in a version-1 hello (encoder only).
     #[error("hello version {0} cannot carry options (version 2 or later can)")]
     OptionsNeedVersion2(u16),
+    /// The shard option's index is not below its count, or the count is 0 or
+    /// above [`MAX_WORKERS`].
+    #[error("hello shard {index} of {count} workers is invalid (index < count <= {MAX_WORKERS})")]
+    BadShard {
+        /// The worker index.
+        index: u16,
+        /// The worker count.
+        count: u16,
+    },
 }
 
 impl Hello {
@@ -378,6 +418,15 @@ impl Hello {
                 return Err(HelloError::OptionsNeedVersion2(self.version));
             }
             out.extend_from_slice(&[HELLO_OPT_OFFLOADS, 1, offloads]);
+        }
+        if let Some(shard) = self.shard {
+            if self.version < 2 {
+                return Err(HelloError::OptionsNeedVersion2(self.version));
+            }
+            shard.check()?;
+            out.extend_from_slice(&[HELLO_OPT_SHARD, 4]);
+            out.extend_from_slice(&shard.index.to_be_bytes());
+            out.extend_from_slice(&shard.count.to_be_bytes());
         }
         Ok(out)
     }
@@ -420,6 +469,7 @@ impl Hello {
         let mut mtu = None;
         let mut tunnel_ip_v6 = None;
         let mut offloads = None;
+        let mut shard = None;
         while let [kind, len, tail @ ..] = options {
             let value = tail.get(..usize::from(*len)).ok_or_else(trunc)?;
             let bad = |want| HelloError::BadOption {
@@ -436,6 +486,14 @@ impl Hello {
             } else if *kind == HELLO_OPT_OFFLOADS {
                 let [b]: [u8; 1] = value.try_into().map_err(|_| bad(1))?;
                 offloads = Some(b);
+            } else if *kind == HELLO_OPT_SHARD {
+                let b: [u8; 4] = value.try_into().map_err(|_| bad(4))?;
+                let s = Shard {
+                    index: u16::from_be_bytes([b[0], b[1]]),
+                    count: u16::from_be_bytes([b[2], b[3]]),
+                };
+                s.check()?;
+                shard = Some(s);
             }
             options = &tail[value.len()..];
         }
@@ -449,13 +507,16 @@ impl Hello {
             mtu,
             tunnel_ip_v6,
             offloads,
+            shard,
         })
     }
 }
 
 /// Payload of a [`Kind::Hello`] frame from the manager to the laptop: the
 /// manager's answer to a [`Hello`] that offered offloads (option 4). Sent once,
-/// first on the stream, and only to laptops that offered some, so a laptop
+/// first on the stream (after the first [`Kind::Stats`] frame on a worker
+/// connection of a sharded session, the answer to option 3 the laptop reads
+/// before its pump starts), and only to laptops that offered some, so a laptop
 /// that offers none never sees it (older laptops ignore hello frames from the
 /// manager anyway: they pass unknown and hello kinds over).
 ///
@@ -577,6 +638,18 @@ impl GsoHeader {
     }
 }
 
+impl Shard {
+    fn check(self) -> Result<(), HelloError> {
+        if self.count == 0 || self.count > MAX_WORKERS || self.index >= self.count {
+            return Err(HelloError::BadShard {
+                index: self.index,
+                count: self.count,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Payload of a [`Kind::Stats`] frame: the manager's counters of one session,
 /// by name, each a `u64` (since the manager's session began: a re-dial starts
 /// a new one).
@@ -611,6 +684,10 @@ pub mod stat {
     pub const ECHOES_DROPPED: &str = "echoes_dropped";
     /// Prefix of the per-reason packet drop counters.
     pub const DROP_PREFIX: &str = "drop_";
+    /// Worker connections of the session as the manager took them from the
+    /// hello's shard option ([`super::Shard::count`]); only sent for sharded
+    /// sessions, so its presence proves the manager understands option 3.
+    pub const WORKERS: &str = "workers";
 }
 
 /// Why a stats payload is invalid.
@@ -701,6 +778,7 @@ mod tests {
             mtu: None,
             tunnel_ip_v6: None,
             offloads: None,
+            shard: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(payload, [0, 1, 4, 100, 96, 0, 2, 2, b'a', b'b']);
@@ -716,6 +794,7 @@ mod tests {
             mtu: Some(1400),
             tunnel_ip_v6: None,
             offloads: None,
+            shard: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(
@@ -813,6 +892,7 @@ mod tests {
             mtu: Some(9000),
             tunnel_ip_v6: None,
             offloads: Some(OFFLOAD_TCP_GSO),
+            shard: None,
         };
         let enc = hello.encode().expect("encodes");
         assert_eq!(enc, [0, 3, 4, 100, 96, 0, 2, 0, 1, 2, 0x23, 0x28, 4, 1, 1]);
@@ -922,6 +1002,7 @@ mod tests {
             mtu: Some(1400),
             tunnel_ip_v6: Some(v6),
             offloads: None,
+            shard: None,
         };
         let payload = hello.encode().expect("encodes");
         let mut want = vec![
@@ -941,6 +1022,57 @@ mod tests {
                 len: 4,
                 want: 16
             })
+        );
+    }
+
+    #[test]
+    fn test_vector_hello_with_shard() {
+        let hello = Hello {
+            version: 3,
+            tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
+            token: b"ab".to_vec(),
+            mtu: Some(1400),
+            tunnel_ip_v6: None,
+            offloads: None,
+            shard: Some(Shard { index: 1, count: 2 }),
+        };
+        let payload = hello.encode().expect("encodes");
+        assert_eq!(
+            payload,
+            [
+                0, 3, 4, 100, 96, 0, 2, 2, b'a', b'b', 1, 2, 0x05, 0x78, 3, 4, 0, 1, 0, 2
+            ]
+        );
+        assert_eq!(Hello::decode(&payload), Ok(hello.clone()));
+        // An index not below the count, a count of 0 or above the maximum, a
+        // short option: errors, never a shard the manager would trust.
+        for (index, count) in [(2u16, 2u16), (0, 0), (0, MAX_WORKERS + 1)] {
+            let mut bad = payload[..14].to_vec();
+            bad.extend_from_slice(&[3, 4]);
+            bad.extend_from_slice(&index.to_be_bytes());
+            bad.extend_from_slice(&count.to_be_bytes());
+            assert_eq!(
+                Hello::decode(&bad),
+                Err(HelloError::BadShard { index, count })
+            );
+        }
+        let mut short = payload[..14].to_vec();
+        short.extend_from_slice(&[3, 2, 0, 1]);
+        assert_eq!(
+            Hello::decode(&short),
+            Err(HelloError::BadOption {
+                kind: 3,
+                len: 2,
+                want: 4
+            })
+        );
+        let bad = Hello {
+            shard: Some(Shard { index: 3, count: 2 }),
+            ..hello
+        };
+        assert_eq!(
+            bad.encode(),
+            Err(HelloError::BadShard { index: 3, count: 2 })
         );
     }
 
@@ -981,6 +1113,7 @@ mod tests {
             mtu: Some(1400),
             tunnel_ip_v6: None,
             offloads: None,
+            shard: None,
         };
         assert_eq!(v1.encode(), Err(HelloError::OptionsNeedVersion2(1)));
     }
@@ -1032,12 +1165,13 @@ mod tests {
         }
 
         #[test]
-        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>(), mtu in any::<Option<u16>>(), offloads in any::<Option<u8>>()) {
+        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>(), mtu in any::<Option<u16>>(), offloads in any::<Option<u8>>(), count in 0u16..20) {
             let ip = if six { IpAddr::V6(Ipv6Addr::from(v6)) } else { IpAddr::V4(Ipv4Addr::from(v4)) };
             let mtu = if version >= 2 { mtu } else { None };
             let second = (version >= 2 && !six).then(|| Ipv6Addr::from(v6));
             let offloads = if version >= 2 { offloads } else { None };
-            let hello = Hello { version, tunnel_ip: ip, token, mtu, tunnel_ip_v6: second, offloads };
+            let shard = (version >= 2).then_some(Shard { index: count.saturating_sub(1) / 2, count }).filter(|_| (1..=MAX_WORKERS).contains(&count));
+            let hello = Hello { version, tunnel_ip: ip, token, mtu, tunnel_ip_v6: second, offloads, shard };
             let enc = hello.encode().expect("token fits");
             prop_assert_eq!(Hello::decode(&enc), Ok(hello));
         }

@@ -87,9 +87,15 @@ impl Fixture {
 
     /// `kvpn connect` to the lab's manager; panics with kvpn's output on failure.
     pub fn connect(&self) {
+        self.connect_with(&[]);
+    }
+
+    /// [`Fixture::connect`] with `extra` flags (e.g. `--workers 2`).
+    pub fn connect_with(&self, extra: &[&str]) {
         let args = lab_connect_args();
         let mut all: Vec<&str> = vec!["connect"];
         all.extend(args.iter().map(String::as_str));
+        all.extend_from_slice(extra);
         let out = self.kvpn(&all);
         assert!(
             out.status.success(),

@@ -640,6 +640,7 @@ fn rogue_client_hello_without_the_leases_token_is_refused() {
                 mtu: None,
                 tunnel_ip_v6: None,
                 offloads: None,
+                shard: None,
             }
             .encode()
             .expect("hello");

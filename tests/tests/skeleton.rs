@@ -484,3 +484,344 @@ fn upload_20mb_in_gso_frames_echoes_intact() {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// One data connection of the laptop to the manager, as `ss -i` in the laptop
+/// netns shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DataConn {
+    /// The laptop's local port (tells the worker connections apart).
+    port: u16,
+    /// Bytes the laptop received on it (cluster → laptop).
+    received: u64,
+    /// Bytes the manager acknowledged (laptop → cluster).
+    acked: u64,
+}
+
+fn data_connections(f: &Fixture) -> Vec<DataConn> {
+    let manager = kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string();
+    let out = f.laptop(&["ss", "-Htni", "state", "established", "dst", &manager]);
+    let mut conns: Vec<DataConn> = Vec::new();
+    for token in text(&out.stdout).split_whitespace() {
+        if let Ok(addr) = token.parse::<SocketAddr>() {
+            if addr.port() != kvpn_lab::MANAGER_PORT {
+                conns.push(DataConn {
+                    port: addr.port(),
+                    received: 0,
+                    acked: 0,
+                });
+            }
+        } else if let (Some(v), Some(c)) = (token.strip_prefix("bytes_received:"), conns.last_mut())
+        {
+            c.received = v.parse().unwrap_or(0);
+        } else if let (Some(v), Some(c)) = (token.strip_prefix("bytes_acked:"), conns.last_mut()) {
+            c.acked = v.parse().unwrap_or(0);
+        }
+    }
+    conns.sort_by_key(|c| c.port);
+    conns
+}
+
+/// `kvpn connect --workers 2`, then wait until status shows both workers connected.
+fn connected_with_two_workers() -> Fixture {
+    let f = Fixture::new();
+    f.connect_with(&["--workers", "2"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = f.status_json();
+        let session = &s["sessions"][0];
+        if session["state"] == "connected" && session["workers_connected"] == 2 {
+            assert_eq!(session["workers"], 2, "{session}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "both workers not connected within 10 s: {session}\n{}",
+            f.daemon_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    f
+}
+
+/// Echo `len` bytes (a pattern seeded by `seed`) on `s` and check them.
+fn echo_round(s: &mut TcpStream, len: usize, seed: u8) -> Result<(), String> {
+    let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect();
+    let mut w = s.try_clone().map_err(|e| e.to_string())?;
+    let sent = data.clone();
+    let writer = std::thread::spawn(move || w.write_all(&sent).map_err(|e| e.to_string()));
+    let mut got = vec![0u8; len];
+    s.read_exact(&mut got).map_err(|e| e.to_string())?;
+    writer.join().map_err(|_| "writer panicked".to_owned())??;
+    if got != data {
+        return Err(format!("{len} echoed bytes differ"));
+    }
+    Ok(())
+}
+
+/// `kvpn connect --workers 2`: two TUN queues, two data connections; 16 TCP
+/// flows land on both (each connection's received bytes grow by at least one
+/// flow's download), a 20 MB upload comes back through the echo server with
+/// the same sha256, ping answers, and the manager ran a sharded session per
+/// connection.
+#[test]
+fn workers_2_spread_flows_over_two_connections() {
+    let f = connected_with_two_workers();
+    let before = data_connections(&f);
+    assert_eq!(before.len(), 2, "two data connections: {before:?}");
+    let queues = text(
+        &f.laptop(&["ip", "-d", "link", "show", "type", "tun"])
+            .stdout,
+    );
+    assert!(
+        queues.contains("multi_queue"),
+        "a multi-queue TUN: {queues}"
+    );
+
+    const FLOWS: usize = 16;
+    const EACH: usize = 2_000_000;
+    let addr = SocketAddr::from((BACKEND_1_IP, ECHO_PORT));
+    let got = f.in_laptop(move || {
+        let threads: Vec<_> = (0..FLOWS)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                        .map_err(|e| e.to_string())?;
+                    s.set_read_timeout(Some(Duration::from_secs(20)))
+                        .map_err(|e| e.to_string())?;
+                    s.write_all(format!("WRITE {EACH} CLOSE\n").as_bytes())
+                        .map_err(|e| e.to_string())?;
+                    let mut all = Vec::new();
+                    s.read_to_end(&mut all).map_err(|e| e.to_string())?;
+                    Ok::<usize, String>(all.len())
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Err("flow thread panicked".into()))
+            })
+            .collect::<Vec<_>>()
+    });
+    for (i, r) in got.iter().enumerate() {
+        assert_eq!(r.as_ref().ok(), Some(&EACH), "flow {i}: {r:?}");
+    }
+    let after = data_connections(&f);
+    assert_eq!(
+        after.iter().map(|c| c.port).collect::<Vec<_>>(),
+        before.iter().map(|c| c.port).collect::<Vec<_>>(),
+        "the same two data connections"
+    );
+    let grew: Vec<u64> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| a.received - b.received)
+        .collect();
+    eprintln!("bytes received per data connection for {FLOWS} flows: {grew:?}");
+    assert!(
+        grew.iter().sum::<u64>() >= (FLOWS * EACH) as u64,
+        "all downloads came over the data connections: {grew:?}"
+    );
+    for (i, g) in grew.iter().enumerate() {
+        assert!(
+            *g >= EACH as u64,
+            "data connection {i} carried no whole flow ({g} bytes): flows not spread {grew:?}"
+        );
+    }
+
+    // 20 MB up and back through the echo server, hashed on both ends.
+    let (sent, echoed) = f.in_laptop(move || {
+        let len = 20 * 1024 * 1024;
+        let data: Vec<u8> = (0..len)
+            .map(|i: usize| (i % 253) as u8 ^ (i >> 16) as u8)
+            .collect();
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
+        let mut w = s.try_clone().expect("clone");
+        let up = data.clone();
+        let writer = std::thread::spawn(move || {
+            w.write_all(&up).expect("upload");
+            w.shutdown(Shutdown::Write).expect("shutdown");
+        });
+        let mut back = Vec::with_capacity(len);
+        s.read_to_end(&mut back).expect("echo");
+        writer.join().expect("writer");
+        (
+            kvpn_lab::payload::sha256_hex_of(&data),
+            (back.len(), kvpn_lab::payload::sha256_hex_of(&back)),
+        )
+    });
+    assert_eq!(echoed.0, 20 * 1024 * 1024, "echoed length");
+    assert_eq!(echoed.1, sent, "sha256 of the 20 MB echo");
+
+    let ping = f.laptop(&[
+        "ping",
+        "-c",
+        "3",
+        "-i",
+        "0.2",
+        "-W",
+        "2",
+        &BACKEND_1_IP.to_string(),
+    ]);
+    assert!(
+        text(&ping.stdout).contains("3 received"),
+        "{}",
+        text(&ping.stdout)
+    );
+    let log = f.manager_log();
+    assert_eq!(
+        log.matches("worker connection of a sharded session")
+            .count(),
+        2,
+        "one sharded engine per worker connection:\n{log}"
+    );
+    // Offloads on both workers: each pump read the manager's hello (which a
+    // sharded connection sends after its stats answer) and sends GSO frames.
+    let daemon = f.daemon_log();
+    assert_eq!(
+        daemon
+            .lines()
+            .filter(|l| l.contains("manager hello read") && l.contains("true"))
+            .count(),
+        2,
+        "both workers' pumps saw the manager accept GSO frames:\n{daemon}"
+    );
+    let status = f.status_json();
+    let session = &status["sessions"][0];
+    assert_eq!(session["workers"], 2, "{session}");
+    assert!(
+        session["manager_stats"]["flow_cap"].as_u64().unwrap_or(0) > 0,
+        "the workers' stats are summed: {session}"
+    );
+}
+
+/// `--workers 2` with one worker's data connection killed (`ss -K` of that
+/// connection only): the flows of the other worker keep echoing at once, the
+/// killed worker re-dials alone and both are connected again, with new flows
+/// on the re-dialled connection.
+#[test]
+fn workers_2_one_connection_killed_the_other_keeps_its_flows() {
+    let f = connected_with_two_workers();
+    let conns = data_connections(&f);
+    assert_eq!(conns.len(), 2, "{conns:?}");
+    let addr = SocketAddr::from((BACKEND_1_IP, ECHO_PORT));
+    const FLOWS: usize = 12;
+    const ROUND: usize = 512 * 1024;
+    let mut flows: Vec<TcpStream> = f.in_laptop(move || {
+        (0..FLOWS)
+            .map(|_| {
+                let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+                s.set_read_timeout(Some(Duration::from_secs(5)))
+                    .expect("timeout");
+                s
+            })
+            .collect()
+    });
+    // Which connection carries which flow: the one whose received bytes grow by
+    // the echoed round.
+    let mut on_port = Vec::with_capacity(FLOWS);
+    for (i, s) in flows.iter_mut().enumerate() {
+        let before = data_connections(&f);
+        echo_round(s, ROUND, i as u8).unwrap_or_else(|e| panic!("flow {i}: {e}"));
+        let after = data_connections(&f);
+        let port = after
+            .iter()
+            .zip(&before)
+            .find(|(a, b)| a.received - b.received >= ROUND as u64)
+            .map(|(a, _)| a.port)
+            .unwrap_or_else(|| panic!("flow {i} on no data connection: {before:?} {after:?}"));
+        on_port.push(port);
+    }
+    let victim = conns[0].port;
+    let survivor = conns[1].port;
+    assert!(
+        on_port.contains(&victim) && on_port.contains(&survivor),
+        "{FLOWS} flows all on one connection: {on_port:?}"
+    );
+    let manager = kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string();
+    let sport = format!(":{victim}");
+    let killed = f.laptop(&[
+        "ss",
+        "-K",
+        "-Htn",
+        "state",
+        "established",
+        "dst",
+        &manager,
+        "sport",
+        "=",
+        &sport,
+    ]);
+    assert!(
+        killed.status.success() && text(&killed.stdout).lines().count() == 1,
+        "ss -K killed not exactly one connection: {} {}",
+        text(&killed.stdout),
+        text(&killed.stderr)
+    );
+    // The other worker's flows go on at once.
+    let t0 = Instant::now();
+    for (i, s) in flows.iter_mut().enumerate() {
+        if on_port[i] == survivor {
+            echo_round(s, ROUND, 100 + i as u8)
+                .unwrap_or_else(|e| panic!("flow {i} of the surviving worker: {e}"));
+        }
+    }
+    let survived_in = t0.elapsed();
+    assert!(
+        data_connections(&f).iter().any(|c| c.port == survivor),
+        "the surviving connection was not touched"
+    );
+    // The killed worker comes back alone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = data_connections(&f);
+        let session = f.status_json()["sessions"][0].clone();
+        if now.len() == 2
+            && !now.iter().any(|c| c.port == victim)
+            && session["state"] == "connected"
+            && session["workers_connected"] == 2
+        {
+            assert_eq!(session["liveness"]["transports_lost"], 1, "{session}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the killed worker did not come back within 10 s: {now:?} {session}\n{}",
+            f.daemon_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let restored = data_connections(&f)
+        .into_iter()
+        .find(|c| c.port != survivor)
+        .expect("the re-dialled connection");
+    // New flows work on both workers, some on the re-dialled connection.
+    let before = restored.received;
+    let mut fresh: Vec<TcpStream> = f.in_laptop(move || {
+        (0..FLOWS)
+            .map(|_| {
+                let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+                s.set_read_timeout(Some(Duration::from_secs(5)))
+                    .expect("timeout");
+                s
+            })
+            .collect()
+    });
+    for (i, s) in fresh.iter_mut().enumerate() {
+        echo_round(s, ROUND, 200 + i as u8).unwrap_or_else(|e| panic!("new flow {i}: {e}"));
+    }
+    let after = data_connections(&f)
+        .into_iter()
+        .find(|c| c.port == restored.port)
+        .map_or(0, |c| c.received);
+    assert!(
+        after - before >= ROUND as u64,
+        "no new flow on the re-dialled connection: {before} -> {after}"
+    );
+    eprintln!(
+        "workers: flows per connection {on_port:?}; survivor's flows echoed {survived_in:?} after the kill"
+    );
+}

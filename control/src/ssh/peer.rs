@@ -150,6 +150,7 @@ pub async fn run(args: PeerArgs) -> i32 {
         mtu: None,
         tunnel_ip_v6: None,
         offloads: None,
+        shard: None,
     };
     let mut out = Vec::new();
     if let Err(e) = hello

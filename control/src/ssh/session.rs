@@ -676,6 +676,7 @@ mod tests {
             mtu: None,
             tunnel_ip_v6: None,
             offloads: None,
+            shard: None,
         };
         let mut wire = Vec::new();
         frame::encode_into(Kind::Hello, &hello.encode().expect("encode"), &mut wire)

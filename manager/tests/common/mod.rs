@@ -73,6 +73,7 @@ pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
         mtu: None,
         tunnel_ip_v6: None,
         offloads: None,
+        shard: None,
     }
     .encode()
     .expect("hello encodes");
