@@ -1101,16 +1101,30 @@ fn main() -> Result<()> {
     };
     let mut raw_rows: Rows = Vec::new();
     let started = Instant::now();
-    plain_lab(
+    // A measurement that fails (a tool's error, a reset connection) stops the
+    // run, but the rounds that finished are still reported, marked incomplete:
+    // a long run is not thrown away for its last minute.
+    let mut stopped: Option<anyhow::Error> = plain_lab(
         &mut b,
         args.rounds,
         args.workers,
         args.fairness_only,
         &mut raw_rows,
-    )?;
-    if !args.fairness_only && !args.plain_only {
-        kube_lab(&mut b, args.rounds, &mut raw_rows)?;
+    )
+    .context("plain lab")
+    .err();
+    if stopped.is_none() && !args.fairness_only && !args.plain_only {
+        stopped = kube_lab(&mut b, args.rounds, &mut raw_rows)
+            .context("Kubernetes lab")
+            .err();
     }
+    if let Some(e) = &stopped {
+        if raw_rows.is_empty() {
+            return Err(anyhow::anyhow!("{e:#}"));
+        }
+        eprintln!("kvpn-bench: the run stopped early ({e:#}); reporting the rounds that finished");
+    }
+    let incomplete = stopped.as_ref().map(|e| format!("{e:#}"));
     let rows: Vec<Row> = raw_rows
         .iter()
         .map(|(path, lab, samples)| Row::of(path, lab, samples))
@@ -1162,7 +1176,15 @@ fn main() -> Result<()> {
         } else {
             ""
         },
-    );
+    ) + &incomplete
+        .as_ref()
+        .map(|e| {
+            format!(
+                "**INCOMPLETE:** the run stopped early ({e}); each row's medians are over the \
+                 rounds that finished (the JSON lists every sample).\n\n"
+            )
+        })
+        .unwrap_or_default();
     let notes = b.notes.borrow().clone();
     let notes_text: String = notes.iter().map(|n| format!("note: {n}\n")).collect();
     println!("{table}");
@@ -1210,6 +1232,7 @@ fn main() -> Result<()> {
         "rows": rows,
         "goals": goal_list,
         "notes": notes,
+        "incomplete": incomplete,
     });
     std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
     println!(
@@ -1229,7 +1252,12 @@ fn main() -> Result<()> {
         );
         print!("{}", kvpn_bench::compare(&old, &rows));
     }
-    Ok(())
+    match incomplete {
+        Some(e) => Err(anyhow::anyhow!(
+            "the run stopped early ({e}); the report above holds the rounds that finished"
+        )),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

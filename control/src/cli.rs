@@ -196,7 +196,12 @@ pub struct ConnectArgs {
     /// each flow on one queue (by flow hash), so flows of one worker never wait
     /// behind another's. Needs a manager that understands worker shards (hello
     /// option 3); an older one gets 1 worker, with a line in the root daemon's log.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u32).range(1..=16),
+        conflicts_with = "socks"
+    )]
     pub workers: u32,
     /// Also add hosts-file entries (`svc svc.ns svc.ns.svc svc.ns.svc.<domain>`) for
     /// the Services of the connected namespace, kept up to date by the route watch,
@@ -219,7 +224,7 @@ pub struct ConnectArgs {
     /// cluster range equal to the laptop's route is not installed, and the known
     /// ClusterIPs inside the laptop's route get /32 routes through the TUN device.
     /// `kvpn status` lists the conflicts. Default: refuse such a connect.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "socks")]
     pub allow_route_conflict: bool,
     /// How --allow-route-conflict steers cluster-bound traffic. `routes` (default):
     /// only with routes in the main table, as above. `ebpf`: also, when the laptop's
@@ -428,6 +433,26 @@ mod tests {
             };
             assert_eq!(args.target, good);
         }
+    }
+
+    /// SOCKS5 mode has no TUN device: `--workers`, `--allow-route-conflict`
+    /// and `--steer` are refused with it instead of silently ignored (a
+    /// tester's finding); `--socks` alone still parses.
+    #[test]
+    fn socks_refuses_tun_only_flags() {
+        for flags in [
+            &["--workers", "2"][..],
+            &["--allow-route-conflict"][..],
+            &["--allow-route-conflict", "--steer", "ebpf"][..],
+        ] {
+            let mut argv = vec!["kvpn", "connect", "--socks"];
+            argv.extend_from_slice(flags);
+            let err = Cli::try_parse_from(&argv)
+                .expect_err(&format!("{argv:?} was accepted"))
+                .to_string();
+            assert!(err.contains("cannot be used with"), "{argv:?}: {err}");
+        }
+        Cli::try_parse_from(["kvpn", "connect", "--socks"]).expect("--socks alone parses");
     }
 }
 

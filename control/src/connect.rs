@@ -201,6 +201,8 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
         (args.tun_name.is_some(), "--tun-name"),
         (args.mtu.is_some(), "--mtu"),
         (args.workers != 1, "--workers"),
+        (args.allow_route_conflict, "--allow-route-conflict"),
+        (args.steer != crate::cli::Steer::Routes, "--steer"),
         (args.hosts, "--hosts"),
     ] {
         if set {

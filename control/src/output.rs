@@ -352,7 +352,13 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "handling": c.handling,
             "pinned": c.pinned,
         })).collect::<Vec<_>>(),
-        "tx": {"packets": s.tx_packets, "bytes": s.tx_bytes},
+        "tx": {
+            "packets": s.tx_packets,
+            "bytes": s.tx_bytes,
+            "gso_frames": s.tx_gso_frames,
+            "gso_segmented": s.tx_gso_segmented,
+            "offload_dropped": s.tx_offload_dropped,
+        },
         "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
         "ebpf": {
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
@@ -400,6 +406,8 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "rate_limited": m.rate_limited,
             "icmp_rate_limited": m.icmp_rate_limited,
             "echoes_dropped": m.echoes_dropped,
+            "gso_frames": m.gso_frames,
+            "gso_segments": m.gso_segments,
             "drops": m.drops.iter().map(|d| serde_json::json!({"reason": d.reason, "packets": d.packets})).collect::<Vec<_>>(),
             "age_ms": m.age_ms,
         })),
@@ -653,6 +661,12 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                     }
                     "plain" => println!("    data channel plain (unencrypted TCP)"),
                     _ => {}
+                }
+                if s.workers > 1 {
+                    println!(
+                        "    workers {} ({} connected): a TUN queue and a data connection each",
+                        s.workers, s.workers_connected
+                    );
                 }
                 match &s.route_source {
                     Some(r) if r.reason.is_empty() => println!(

@@ -1247,6 +1247,9 @@ impl Session {
                 (&sum.tx_packets, &c.tx_packets),
                 (&sum.tx_bytes, &c.tx_bytes),
                 (&sum.tx_batches, &c.tx_batches),
+                (&sum.tx_gso_frames, &c.tx_gso_frames),
+                (&sum.tx_gso_segmented, &c.tx_gso_segmented),
+                (&sum.tx_offload_dropped, &c.tx_offload_dropped),
                 (&sum.rx_packets, &c.rx_packets),
                 (&sum.rx_bytes, &c.rx_bytes),
                 (&sum.rx_invalid, &c.rx_invalid),
@@ -1356,6 +1359,9 @@ impl Session {
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             tx_packets: Counters::get(&c.tx_packets),
             tx_bytes: Counters::get(&c.tx_bytes),
+            tx_gso_frames: Counters::get(&c.tx_gso_frames),
+            tx_gso_segmented: Counters::get(&c.tx_gso_segmented),
+            tx_offload_dropped: Counters::get(&c.tx_offload_dropped),
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
             ebpf,
@@ -1425,9 +1431,21 @@ impl Session {
                     "refused"
                 } else if watched.not_installed.contains_key(&c.cluster) {
                     "not installed"
-                } else if steered_devices.contains(&c.laptop.dev) {
+                } else if !matches!(
+                    c.laptop.table,
+                    conflicts::TABLE_MAIN | conflicts::TABLE_LOCAL
+                ) && steered_devices.contains(&c.laptop.dev)
+                {
                     "steered (ebpf)"
-                } else if self.params.allow_route_conflict {
+                } else if self.params.allow_route_conflict
+                    && matches!(
+                        c.laptop.table,
+                        conflicts::TABLE_MAIN | conflicts::TABLE_LOCAL
+                    )
+                {
+                    // Routes win over main- and local-table routes by prefix
+                    // length; a table a policy rule consults before main is
+                    // out of their reach (`--steer ebpf` is for that).
                     "steered"
                 } else {
                     "unhandled"
@@ -1557,6 +1575,8 @@ impl Session {
             rate_limited: get(stat::RATE_LIMITED),
             icmp_rate_limited: get(stat::ICMP_RATE_LIMITED),
             echoes_dropped: get(stat::ECHOES_DROPPED),
+            gso_frames: get(stat::GSO_FRAMES),
+            gso_segments: get(stat::GSO_SEGMENTS),
             drops: stats
                 .counters
                 .iter()

@@ -701,6 +701,8 @@ fn stats_frame(engine: &Engine, shard: Option<frame::Shard>) -> Option<Vec<u8>> 
         (stat::RATE_LIMITED.to_owned(), m.flows_rate_limited),
         (stat::ICMP_RATE_LIMITED.to_owned(), m.icmp_rate_limited),
         (stat::ECHOES_DROPPED.to_owned(), m.echoes_dropped),
+        (stat::GSO_FRAMES.to_owned(), m.gso_frames),
+        (stat::GSO_SEGMENTS.to_owned(), m.gso_segments),
     ];
     if let Some(s) = shard {
         counters.push((stat::WORKERS.to_owned(), u64::from(s.count)));

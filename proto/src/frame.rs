@@ -682,6 +682,10 @@ pub mod stat {
     pub const ICMP_RATE_LIMITED: &str = "icmp_rate_limited";
     /// Heartbeat echoes dropped because the control queue was full.
     pub const ECHOES_DROPPED: &str = "echoes_dropped";
+    /// GSO frames (kind 5) the manager segmented.
+    pub const GSO_FRAMES: &str = "gso_frames";
+    /// Packets those GSO frames were segmented into.
+    pub const GSO_SEGMENTS: &str = "gso_segments";
     /// Prefix of the per-reason packet drop counters.
     pub const DROP_PREFIX: &str = "drop_";
     /// Worker connections of the session as the manager took them from the

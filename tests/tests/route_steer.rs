@@ -102,6 +102,18 @@ fn rt_05_ebpf_steering_wins_over_another_vpns_policy_route() {
         status["sessions"][0]["ebpf"]["steer"].is_null(),
         "no steering without --steer ebpf: {status}"
     );
+    // Status tells the truth: routes cannot win over table 100 (tester finding:
+    // it said "steered").
+    let handled: Vec<&str> = status["sessions"][0]["conflicts"]
+        .as_array()
+        .map(|c| {
+            c.iter()
+                .filter(|c| c["laptop_dev"] == vpn.as_str() && c["laptop_table"] == "100")
+                .filter_map(|c| c["handling"].as_str())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(handled, vec!["unhandled"], "{status}");
     f.disconnect();
 
     // eBPF steering on the veth.

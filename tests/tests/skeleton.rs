@@ -479,6 +479,29 @@ fn upload_20mb_in_gso_frames_echoes_intact() {
         0,
         "GSO frames dropped by the manager"
     );
+    // `kvpn status` tells the same: the pump's GSO frames, and the manager's
+    // count in its stats frames (about once a second).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let status = f.status_json();
+        let s = &status["sessions"][0];
+        let tx = s["tx"]["gso_frames"].as_u64().unwrap_or(0);
+        let m = s["manager_stats"]["gso_frames"].as_u64().unwrap_or(0);
+        let m_segments = s["manager_stats"]["gso_segments"].as_u64().unwrap_or(0);
+        if tx > 0 && m > 0 && m_segments > m {
+            assert!(
+                m <= tx,
+                "the manager segmented more GSO frames than the pump sent: {s}"
+            );
+            assert_eq!(s["tx"]["offload_dropped"], 0, "{s}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "status shows no GSO frames (pump {tx}, manager {m} / {m_segments} segments): {s}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
