@@ -72,12 +72,33 @@ fn binary_serves_a_session_and_stops_on_sigterm() {
         let n = s.read(&mut chunk).expect("read heartbeat echo");
         assert!(n > 0, "manager closed the session");
         buf.extend_from_slice(&chunk[..n]);
-        if let Some((f, _)) = Decoder::default().decode(&buf).expect("valid frame") {
-            break (f.kind, f.payload.to_vec());
+        // The manager's first stats frame may come before the echo.
+        let mut first = None;
+        while let Some((f, used)) = Decoder::default().decode(&buf).expect("valid frame") {
+            if f.kind != Kind::Stats {
+                first = Some((f.kind, f.payload.to_vec()));
+                break;
+            }
+            buf.drain(..used);
+        }
+        if let Some(first) = first {
+            break first;
         }
         assert!(start.elapsed() < Duration::from_secs(5));
     };
     assert_eq!(echoed, (Kind::Heartbeat, b"12345678".to_vec()));
+    // Close cleanly: FIN, then read what the manager still sends (its stats
+    // frames) until it closes too. Closing with unread bytes would send a RST,
+    // and the manager would log "session ended" with the reset instead.
+    s.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    let mut sink = [0u8; 4096];
+    loop {
+        match s.read(&mut sink) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => panic!("reading until the manager closes: {e}"),
+        }
+    }
     drop(s);
     // The manager notices the close before it is asked to stop (else SIGTERM may
     // win the race and the close is never logged).

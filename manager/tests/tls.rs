@@ -106,8 +106,13 @@ async fn hello_and_heartbeat<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> (K
             let n = s.read(&mut chunk).await.expect("read heartbeat echo");
             assert!(n > 0, "manager closed the session");
             buf.extend_from_slice(&chunk[..n]);
-            if let Some((f, _)) = Decoder::default().decode(&buf).expect("valid frame") {
-                return (f.kind, f.payload.to_vec());
+            // The manager's first stats frame may come before the echo: the
+            // answer is the first frame that is not a stats frame.
+            while let Some((f, used)) = Decoder::default().decode(&buf).expect("valid frame") {
+                if f.kind != Kind::Stats {
+                    return (f.kind, f.payload.to_vec());
+                }
+                buf.drain(..used);
             }
         }
     })
@@ -320,6 +325,20 @@ fn binary_takes_tls_from_env_logs_it_and_probes_raise_no_warning() {
             (Kind::Heartbeat, b"tls-echo".to_vec())
         );
         tls.shutdown().await.expect("close_notify");
+        // Read what the manager still sends (its stats frames) until it closes:
+        // closing with unread bytes would send a RST, and the manager would log
+        // the reset instead of the laptop's close.
+        let mut sink = [0u8; 4096];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), tls.read(&mut sink)).await {
+                Ok(Ok(0)) => break,
+                Ok(Ok(_)) => {}
+                // The manager may close without its own close_notify.
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+                Ok(Err(e)) => panic!("reading until the manager closes: {e}"),
+                Err(_) => panic!("the manager did not close within 5 s after close_notify"),
+            }
+        }
     });
     // The manager must notice the laptop's close before the SIGTERM (under load
     // the signal could beat it and the "session closed" line never came):
