@@ -71,7 +71,8 @@ pub struct HopFlags {
     #[arg(long, value_name = "ALIAS", conflicts_with = "ssh_addr")]
     pub ssh_alias: Option<String>,
     /// Kerberos (GSSAPI) login with this password for the principal --ssh-username
-    /// (credentials kept in memory only).
+    /// (tickets kept in memory only; the password is kept in the user daemon's session
+    /// record while connected, like --ssh-password; prefer a keytab or kinit tickets).
     #[arg(long, value_name = "PASSWORD", conflicts_with_all = ["gssapi_keytab", "gssapi_cache"])]
     pub gssapi_password: Option<String>,
     /// Kerberos (GSSAPI) login with the key of --ssh-username from this keytab.
