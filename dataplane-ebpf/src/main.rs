@@ -6,6 +6,8 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 #[cfg(target_arch = "bpf")]
+mod csum;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod snat;

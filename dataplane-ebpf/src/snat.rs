@@ -42,7 +42,7 @@
 //! 16), UDP RFC 768 (checksum at 6), ICMP echo RFC 792 (checksum at 2, identifier at 4).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::{classifier, map},
     maps::{Array, LruHashMap, PerCpuArray},
@@ -55,6 +55,7 @@ use kvpn_dataplane_common::{
     SnatReverse,
 };
 
+use crate::csum::{l4_checksum, rewrite_ipv4_addr};
 use crate::maps::add;
 
 const PASS: i32 = TC_ACT_OK as i32;
@@ -228,23 +229,8 @@ fn rewrite(
     old_port: u16,
     new_port: u16,
 ) -> Result<(), i64> {
-    let old_ip_v = u64::from(u32::from_ne_bytes(old_ip));
-    let new_ip_v = u64::from(u32::from_ne_bytes(new_ip));
-    ctx.store(ip_off, &new_ip, 0)?;
-    ctx.l3_csum_replace(IP_CSUM, old_ip_v, new_ip_v, 4)?;
-    let (csum_off, base) = match p.protocol {
-        PROTO_TCP => (p.l4 + 16, 0),
-        PROTO_UDP => (p.l4 + 6, u64::from(BPF_F_MARK_MANGLED_0)),
-        _ => (p.l4 + 2, 0),
-    };
-    if p.protocol != PROTO_ICMP {
-        ctx.l4_csum_replace(
-            csum_off,
-            old_ip_v,
-            new_ip_v,
-            base | u64::from(BPF_F_PSEUDO_HDR) | 4,
-        )?;
-    }
+    rewrite_ipv4_addr(ctx, IP_CSUM, ip_off, p.protocol, Some(p.l4), old_ip, new_ip)?;
+    let (csum_off, base) = l4_checksum(p.protocol, p.l4);
     if old_port != new_port {
         ctx.store(port_off, &new_port, 0)?;
         ctx.l4_csum_replace(csum_off, u64::from(old_port), u64::from(new_port), base | 2)?;

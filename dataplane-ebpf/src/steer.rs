@@ -22,7 +22,7 @@
 //! a packet whose source already is the tunnel IP is redirected without rewrite.
 //! IPv6 is not steered (passes untouched).
 //!
-//! Checksums as in [`crate::snat`]: `bpf_l3_csum_replace` for the IPv4 header,
+//! Checksums by [`crate::csum`] (shared with [`crate::snat`]): `bpf_l3_csum_replace` for the IPv4 header,
 //! `bpf_l4_csum_replace` with `BPF_F_PSEUDO_HDR` for TCP/UDP (a zero UDP checksum
 //! stays zero, `BPF_F_MARK_MANGLED_0`), nothing for ICMP (no pseudo-header, RFC 792).
 //! A locally generated packet may still carry CHECKSUM_PARTIAL here; the pseudo-header
@@ -35,7 +35,7 @@
 //! the classifier counts the packet like any other.
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
     helpers::bpf_redirect,
     macros::{classifier, map},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, lpm_trie::Key},
@@ -46,6 +46,7 @@ use kvpn_dataplane_common::{
     STEER_REVERSED, STEER_SLOTS, STEER_STEERED, SteerConfig, SteerKey,
 };
 
+use crate::csum::rewrite_ipv4_addr;
 use crate::maps::{KVPN_ROUTES_V4, add};
 
 const PASS: i32 = TC_ACT_OK as i32;
@@ -174,24 +175,8 @@ fn count(slot: u32, ctx: &TcContext) {
 /// from `old` to `new` and fixes the IP and L4 checksums.
 #[inline(always)]
 fn rewrite(ctx: &TcContext, f: &Flow, off: usize, old: [u8; 4], new: [u8; 4]) -> Result<(), Error> {
-    let old_v = u64::from(u32::from_ne_bytes(old));
-    let new_v = u64::from(u32::from_ne_bytes(new));
-    ctx.store(f.l3 + off, &new, 0).map_err(|_| Error::Rewrite)?;
-    ctx.l3_csum_replace(f.l3 + 10, old_v, new_v, 4)
-        .map_err(|_| Error::Rewrite)?;
-    let (csum_off, flags) = match f.protocol {
-        PROTO_TCP => (f.l4 + 16, u64::from(BPF_F_PSEUDO_HDR)),
-        PROTO_UDP => (
-            f.l4 + 6,
-            u64::from(BPF_F_PSEUDO_HDR) | u64::from(BPF_F_MARK_MANGLED_0),
-        ),
-        // ICMP has no pseudo-header; a later fragment has no L4 header here.
-        _ => return Ok(()),
-    };
-    if f.later_fragment {
-        return Ok(());
-    }
-    ctx.l4_csum_replace(csum_off, old_v, new_v, flags | 4)
+    let l4 = if f.later_fragment { None } else { Some(f.l4) };
+    rewrite_ipv4_addr(ctx, f.l3 + 10, f.l3 + off, f.protocol, l4, old, new)
         .map_err(|_| Error::Rewrite)
 }
 

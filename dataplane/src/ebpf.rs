@@ -386,29 +386,17 @@ impl Classifier {
                     source,
                 })?;
         }
-        let routes_v4 = LpmTrie::try_from(take_map(&mut ebpf, common::MAP_ROUTES_V4)?)
-            .map_err(|source| map_error(common::MAP_ROUTES_V4, "open", source))?;
-        let routes_v6 = LpmTrie::try_from(take_map(&mut ebpf, common::MAP_ROUTES_V6)?)
-            .map_err(|source| map_error(common::MAP_ROUTES_V6, "open", source))?;
-        let counters = PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_COUNTERS)?)
-            .map_err(|source| map_error(common::MAP_COUNTERS, "open", source))?;
-        let route_counters =
-            PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_ROUTE_COUNTERS)?)
-                .map_err(|source| map_error(common::MAP_ROUTE_COUNTERS, "open", source))?;
-        let ingress_counters =
-            PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_INGRESS_COUNTERS)?)
-                .map_err(|source| map_error(common::MAP_INGRESS_COUNTERS, "open", source))?;
-        let steer_config = Array::try_from(take_map(&mut ebpf, common::MAP_STEER_CONFIG)?)
-            .map_err(|source| map_error(common::MAP_STEER_CONFIG, "open", source))?;
-        let steer_devices =
-            BpfHashMap::try_from(take_map(&mut ebpf, common::MAP_STEER_DEVICES)?)
-                .map_err(|source| map_error(common::MAP_STEER_DEVICES, "open", source))?;
-        let steer_conntrack =
-            BpfHashMap::try_from(take_map(&mut ebpf, common::MAP_STEER_CONNTRACK)?)
-                .map_err(|source| map_error(common::MAP_STEER_CONNTRACK, "open", source))?;
-        let steer_counters =
-            PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_STEER_COUNTERS)?)
-                .map_err(|source| map_error(common::MAP_STEER_COUNTERS, "open", source))?;
+        let routes_v4: LpmTrie<_, _, _> = open_map(&mut ebpf, common::MAP_ROUTES_V4)?;
+        let routes_v6: LpmTrie<_, _, _> = open_map(&mut ebpf, common::MAP_ROUTES_V6)?;
+        let counters: PerCpuArray<_, _> = open_map(&mut ebpf, common::MAP_COUNTERS)?;
+        let route_counters: PerCpuArray<_, _> = open_map(&mut ebpf, common::MAP_ROUTE_COUNTERS)?;
+        let ingress_counters: PerCpuArray<_, _> =
+            open_map(&mut ebpf, common::MAP_INGRESS_COUNTERS)?;
+        let steer_config: Array<_, _> = open_map(&mut ebpf, common::MAP_STEER_CONFIG)?;
+        let steer_devices: BpfHashMap<_, _, _> = open_map(&mut ebpf, common::MAP_STEER_DEVICES)?;
+        let steer_conntrack: BpfHashMap<_, _, _> =
+            open_map(&mut ebpf, common::MAP_STEER_CONNTRACK)?;
+        let steer_counters: PerCpuArray<_, _> = open_map(&mut ebpf, common::MAP_STEER_COUNTERS)?;
         // MAX_ROUTE_COUNTERS is below NO_ROUTE_SLOT (a dataplane-common test checks it).
         let max_slot =
             u16::try_from(common::MAX_ROUTE_COUNTERS.saturating_sub(1)).unwrap_or(u16::MAX);
@@ -832,9 +820,15 @@ fn sum_slot(
     }))
 }
 
-fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, EbpfError> {
-    ebpf.take_map(name)
-        .ok_or(EbpfError::Missing { what: "map", name })
+/// Takes the map `name` out of the loaded object and opens it as its typed aya map.
+fn open_map<M>(ebpf: &mut Ebpf, name: &'static str) -> Result<M, EbpfError>
+where
+    M: TryFrom<aya::maps::Map, Error = MapError>,
+{
+    let map = ebpf
+        .take_map(name)
+        .ok_or(EbpfError::Missing { what: "map", name })?;
+    M::try_from(map).map_err(|source| map_error(name, "open", source))
 }
 
 fn map_error(map: &'static str, action: impl Into<String>, source: MapError) -> EbpfError {

@@ -727,6 +727,8 @@ struct ShardLimits {
     max_flows: usize,
     new_flows_per_sec: u32,
     new_flow_burst: u32,
+    /// The failed-dial limit; `--new-flows-per-sec 0` turns it off too.
+    failed_flows_per_sec: u32,
 }
 
 impl ShardLimits {
@@ -737,6 +739,11 @@ impl ShardLimits {
             max_flows: (config.max_flows / usize::from(n)).max(1),
             new_flows_per_sec: split(config.new_flows_per_sec),
             new_flow_burst: split(config.new_flow_burst),
+            failed_flows_per_sec: if config.new_flows_per_sec == 0 {
+                0
+            } else {
+                split(config.failed_dials_per_sec)
+            },
         }
     }
 }
@@ -836,17 +843,7 @@ where
     engine_config.max_ping_flows = engine_config.max_ping_flows.min(limits.max_flows);
     engine_config.new_flows_per_sec = limits.new_flows_per_sec;
     engine_config.new_flow_burst = limits.new_flow_burst;
-    // `--new-flows-per-sec 0` turns the new-flow limits off, this one too;
-    // split over the workers like the others.
-    engine_config.failed_flows_per_sec = if config.new_flows_per_sec == 0 {
-        0
-    } else {
-        let n = u32::from(shard.map_or(1, |s| s.count));
-        match config.failed_dials_per_sec {
-            0 => 0,
-            v => (v / n).max(1),
-        }
-    };
+    engine_config.failed_flows_per_sec = limits.failed_flows_per_sec;
     let mut engine = Engine::new(engine_config, Instant::now());
     let (events_tx, mut events_rx) = TcpEventSender::channel(TCP_EVENT_QUEUE);
     let (datagrams_tx, mut datagrams_rx) = mpsc::channel(DATAGRAM_QUEUE);
@@ -1120,33 +1117,21 @@ mod tests {
         )
         .expect("fits");
 
+        // The whole frame through the session's frame dispatch.
+        let mut feed = |engine: &mut Engine, gso: &mut GsoIntake| {
+            let used = handle_frames(&wire, engine, &mut out, now, &config, usize::MAX, gso)
+                .expect("valid frames");
+            assert_eq!(used, wire.len());
+        };
+
         // The hello did not offer offloads: dropped, counted, nothing segmented.
-        let used = handle_frames(
-            &wire,
-            &mut engine,
-            &mut out,
-            now,
-            &config,
-            usize::MAX,
-            &mut gso,
-        )
-        .expect("valid frames");
-        assert_eq!(used, wire.len());
+        feed(&mut engine, &mut gso);
         assert_eq!(engine.metrics().dropped(DropReason::Gso), 1);
         assert_eq!(engine.metrics().packets_from_laptop, 0);
 
         // Offered: 4 segments, each handled like a packet frame.
         gso.accepted = true;
-        handle_frames(
-            &wire,
-            &mut engine,
-            &mut out,
-            now,
-            &config,
-            usize::MAX,
-            &mut gso,
-        )
-        .expect("valid frames");
+        feed(&mut engine, &mut gso);
         let m = engine.metrics();
         assert_eq!((m.gso_frames, m.gso_segments), (1, 4));
         assert_eq!(m.packets_from_laptop, 4);
@@ -1196,6 +1181,7 @@ mod tests {
             max_flows: 1000,
             new_flows_per_sec: 200,
             new_flow_burst: 50,
+            failed_dials_per_sec: 100,
             ..SessionConfig::default()
         };
         let one = ShardLimits::new(&config, 1);
@@ -1204,7 +1190,8 @@ mod tests {
             ShardLimits {
                 max_flows: 1000,
                 new_flows_per_sec: 200,
-                new_flow_burst: 50
+                new_flow_burst: 50,
+                failed_flows_per_sec: 100,
             },
             "one worker: the configured limits as they are"
         );
@@ -1212,6 +1199,7 @@ mod tests {
         assert_eq!(four.max_flows * 4, 1000);
         assert_eq!(four.new_flows_per_sec * 4, 200);
         assert_eq!(four.new_flow_burst, 12);
+        assert_eq!(four.failed_flows_per_sec, 25);
         // Tiny limits never become 0 (which would refuse every flow), and an
         // unlimited rate stays unlimited.
         let tiny = SessionConfig {
@@ -1224,5 +1212,9 @@ mod tests {
         assert_eq!(split.max_flows, 1);
         assert_eq!(split.new_flows_per_sec, 0);
         assert_eq!(split.new_flow_burst, 1);
+        assert_eq!(
+            split.failed_flows_per_sec, 0,
+            "--new-flows-per-sec 0 turns the failed-dial limit off too"
+        );
     }
 }

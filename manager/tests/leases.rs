@@ -15,7 +15,7 @@ use kvpn_manager::lease::{AttachError, LeaseTable};
 use kvpn_manager::leases::Leases;
 use kvpn_manager::packet::DropReason;
 use kvpn_manager::session::{SessionConfig, SessionError};
-use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
+use kvpn_proto::frame::{self, Hello, Kind, PROTOCOL_VERSION};
 use kvpn_proto::manager::LeaseRequest;
 use kvpn_proto::manager::manager_client::ManagerClient;
 use smoltcp::phy::ChecksumCapabilities;
@@ -202,11 +202,8 @@ async fn hello_needs_the_leases_token() {
             let n = pipe.read(&mut chunk).await.expect("read");
             assert!(n > 0, "the manager closed the session");
             buf.extend_from_slice(&chunk[..n]);
-            while let Some((f, used)) = Decoder::default().decode(&buf).expect("frame") {
-                if f.kind != Kind::Stats {
-                    return (f.kind, f.payload.to_vec());
-                }
-                buf.drain(..used);
+            if let Some(first) = common::take_first_non_stats(&mut buf) {
+                return first;
             }
         }
     })

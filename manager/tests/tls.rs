@@ -4,14 +4,15 @@
 //! and plaintext clients, and the binary takes the certificate from
 //! KVPN_TLS_CERT / KVPN_TLS_KEY and says so in its log.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvpn_manager::session::SessionConfig;
-use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
+use kvpn_proto::frame::{self, Hello, Kind, PROTOCOL_VERSION};
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose,
@@ -108,11 +109,8 @@ async fn hello_and_heartbeat<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> (K
             buf.extend_from_slice(&chunk[..n]);
             // The manager's first stats frame may come before the echo: the
             // answer is the first frame that is not a stats frame.
-            while let Some((f, used)) = Decoder::default().decode(&buf).expect("valid frame") {
-                if f.kind != Kind::Stats {
-                    return (f.kind, f.payload.to_vec());
-                }
-                buf.drain(..used);
+            if let Some(first) = common::take_first_non_stats(&mut buf) {
+                return first;
             }
         }
     })
@@ -242,16 +240,6 @@ fn tls_config_errors_name_the_problem() {
     );
 }
 
-/// Kills the manager if the test fails before it exits.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A folder under the system temp dir, removed on drop.
 struct TempDir(std::path::PathBuf);
 
@@ -276,39 +264,11 @@ fn binary_takes_tls_from_env_logs_it_and_probes_raise_no_warning() {
     std::fs::write(&cert, &m.cert_pem).expect("write cert");
     std::fs::write(&key, &m.key_pem).expect("write key");
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvpn-manager"))
-        .args(["--listen", "127.0.0.1:0"])
-        .env("RUST_LOG", "info")
-        .env("KVPN_TLS_CERT", &cert)
-        .env("KVPN_TLS_KEY", &key)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start kvpn-manager");
-    let stderr = child.stderr.take().expect("stderr");
-    let mut child = KillOnDrop(child);
-    let (line_tx, line_rx) = std::sync::mpsc::channel::<String>();
-    let log = std::thread::spawn(move || {
-        let mut all = Vec::new();
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = line_tx.send(line.clone());
-            all.push(line);
-        }
-        all
-    });
-    let addr: SocketAddr = loop {
-        let line = line_rx
-            .recv_timeout(Duration::from_secs(10))
-            .expect("kvpn-manager did not log its listening address");
-        if let Some(rest) = line.split("listen=").nth(1) {
-            break rest
-                .split_whitespace()
-                .next()
-                .expect("address")
-                .parse()
-                .expect("socket address");
-        }
-    };
-
+    let manager = common::ManagerProcess::start(&[
+        ("KVPN_TLS_CERT", cert.as_path()),
+        ("KVPN_TLS_KEY", key.as_path()),
+    ]);
+    let addr = manager.addr;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -341,33 +301,9 @@ fn binary_takes_tls_from_env_logs_it_and_probes_raise_no_warning() {
         }
     });
     // The manager must notice the laptop's close before the SIGTERM (under load
-    // the signal could beat it and the "session closed" line never came):
-    // wait for that line in its log.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match line_rx.recv_timeout(left) {
-            Ok(line) if line.contains("session closed by the laptop") => break,
-            Ok(_) => {}
-            Err(e) => panic!("kvpn-manager did not log \"session closed by the laptop\": {e}"),
-        }
-    }
-
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.0.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("SIGTERM");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let status = loop {
-        if let Some(st) = child.0.try_wait().expect("wait") {
-            break st;
-        }
-        assert!(Instant::now() < deadline, "kvpn-manager ignored SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(status.success(), "exit status {status}");
-    let log = log.join().expect("log thread");
+    // the signal could beat it and the "session closed" line never came).
+    manager.wait_for_line("session closed by the laptop", Duration::from_secs(10));
+    let log = manager.stop();
     assert!(
         log.iter()
             .any(|l| l.contains("data channel is TLS 1.3") && l.contains("security=\"tls\"")),

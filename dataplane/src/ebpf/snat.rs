@@ -24,7 +24,7 @@ use kvpn_dataplane_common::{
 };
 
 use super::{
-    Counter, EbpfError, TcAction, ebpf_object, map_error, program_mut, sum_slot, take_map,
+    Counter, EbpfError, TcAction, ebpf_object, map_error, open_map, program_mut, sum_slot,
 };
 
 /// What the SNAT programs translate to.
@@ -178,9 +178,7 @@ impl Snat {
                     source,
                 })?;
         }
-        let mut config: Array<MapData, SnatConfig> =
-            Array::try_from(take_map(&mut ebpf, common::MAP_SNAT_CONFIG)?)
-                .map_err(|source| map_error(common::MAP_SNAT_CONFIG, "open", source))?;
+        let mut config: Array<MapData, SnatConfig> = open_map(&mut ebpf, common::MAP_SNAT_CONFIG)?;
         let value = SnatConfig {
             pod_ip: settings.pod_ip.octets(),
             pool_addr: settings.pool.network().octets(),
@@ -191,12 +189,9 @@ impl Snat {
         config
             .set(0, value, 0)
             .map_err(|source| map_error(common::MAP_SNAT_CONFIG, "write slot 0", source))?;
-        let forward = HashMap::try_from(take_map(&mut ebpf, common::MAP_SNAT_FORWARD)?)
-            .map_err(|source| map_error(common::MAP_SNAT_FORWARD, "open", source))?;
-        let reverse = HashMap::try_from(take_map(&mut ebpf, common::MAP_SNAT_REVERSE)?)
-            .map_err(|source| map_error(common::MAP_SNAT_REVERSE, "open", source))?;
-        let counters = PerCpuArray::try_from(take_map(&mut ebpf, common::MAP_SNAT_COUNTERS)?)
-            .map_err(|source| map_error(common::MAP_SNAT_COUNTERS, "open", source))?;
+        let forward: HashMap<_, _, _> = open_map(&mut ebpf, common::MAP_SNAT_FORWARD)?;
+        let reverse: HashMap<_, _, _> = open_map(&mut ebpf, common::MAP_SNAT_REVERSE)?;
+        let counters: PerCpuArray<_, _> = open_map(&mut ebpf, common::MAP_SNAT_COUNTERS)?;
         Ok(Self {
             ebpf,
             forward,

@@ -307,3 +307,120 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .map(|i| ((i * 7 + seed as usize) % 251) as u8)
         .collect()
 }
+
+/// Takes the first complete frame at the start of `buf` that is not a stats frame,
+/// dropping the stats frames before it (the manager sends its stats at its own pace,
+/// e.g. its first one before a heartbeat's echo); `None` until such a frame is whole.
+pub fn take_first_non_stats(buf: &mut Vec<u8>) -> Option<(Kind, Vec<u8>)> {
+    while let Some((f, used)) = Decoder::default().decode(buf).expect("valid frame") {
+        let found = (f.kind != Kind::Stats).then(|| (f.kind, f.payload.to_vec()));
+        buf.drain(..used);
+        if found.is_some() {
+            return found;
+        }
+    }
+    None
+}
+
+/// A `kvpn-manager` binary run by a test, listening on an ephemeral loopback port,
+/// with its log read on a thread (so it never blocks on a full pipe and a test cannot
+/// hang on a missing line). Killed on drop if the test fails before [`Self::stop`].
+pub struct ManagerProcess {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    log: Option<std::thread::JoinHandle<Vec<String>>>,
+    /// The address it logged as `listen=`.
+    pub addr: std::net::SocketAddr,
+}
+
+impl ManagerProcess {
+    /// Starts the binary with `RUST_LOG=info`, `--listen 127.0.0.1:0` and `envs`, and
+    /// waits up to 10 s for its listening address.
+    pub fn start(envs: &[(&str, &std::path::Path)]) -> Self {
+        use std::io::{BufRead, BufReader};
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kvpn-manager"));
+        cmd.args(["--listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "info")
+            .stderr(std::process::Stdio::piped());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start kvpn-manager");
+        let stderr = child.stderr.take().expect("stderr");
+        let (line_tx, lines) = std::sync::mpsc::channel::<String>();
+        let log = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = line_tx.send(line.clone());
+                all.push(line);
+            }
+            all
+        });
+        let mut me = Self {
+            child,
+            lines,
+            log: Some(log),
+            addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        };
+        me.addr = loop {
+            let line = me
+                .lines
+                .recv_timeout(Duration::from_secs(10))
+                .expect("kvpn-manager did not log its listening address");
+            if let Some(rest) = line.split("listen=").nth(1) {
+                break rest
+                    .split_whitespace()
+                    .next()
+                    .expect("address")
+                    .parse()
+                    .expect("socket address");
+            }
+        };
+        me
+    }
+
+    /// Waits up to `within` for a log line containing `needle`.
+    pub fn wait_for_line(&self, needle: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(needle) => return,
+                Ok(_) => {}
+                Err(e) => panic!("kvpn-manager did not log {needle:?} within {within:?}: {e}"),
+            }
+        }
+    }
+
+    /// SIGTERM, then waits up to 5 s for a successful exit; returns its whole log.
+    pub fn stop(mut self) -> Vec<String> {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).expect("pid")),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("SIGTERM");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let status = loop {
+            if let Some(st) = self.child.try_wait().expect("wait") {
+                break st;
+            }
+            assert!(Instant::now() < deadline, "kvpn-manager ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "exit status {status}");
+        self.log
+            .take()
+            .expect("log thread")
+            .join()
+            .expect("log thread")
+    }
+}
+
+impl Drop for ManagerProcess {
+    fn drop(&mut self) {
+        if self.log.is_some() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
