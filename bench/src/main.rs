@@ -636,6 +636,18 @@ impl Bench {
                     idle_flows_kib(lab, t.echo, manager)?,
                 );
             }
+            // The memory figures in the run's log too, like the per-row line, so
+            // a run that stops later still shows them.
+            let memory: Vec<String> = [
+                "connect_s",
+                "manager_rss_mib",
+                "manager_session_kib",
+                "manager_kib_per_idle_flow",
+            ]
+            .iter()
+            .filter_map(|k| s.get(*k).map(|v| format!("{k}: {v:.2}")))
+            .collect();
+            println!("    {path} memory: {}", memory.join(", "));
             Ok(s)
         });
         let runtime = lab.dir().join("runtime");
