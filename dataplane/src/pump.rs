@@ -58,6 +58,7 @@ use std::time::Instant;
 
 use kvpn_proto::frame::{
     self, Decoder, FrameError, GSO_HEADER_LEN, HEADER_LEN, Kind, ManagerHello, OFFLOAD_TCP_GSO,
+    ResumeAnswer,
 };
 use kvpn_proto::gso::{self, GsoError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -192,6 +193,12 @@ pub struct Counters {
     /// Data connections that ended after the pump ran on them (each followed by
     /// a re-dial).
     pub transports_lost: AtomicU64,
+    /// Re-dials whose flows the manager resumed (it answered hello option 5
+    /// with "resumed": the parked engine of the lost connection went on).
+    pub resumes: AtomicU64,
+    /// Re-dials after which the manager answered "new": the flows of the lost
+    /// connection were gone (manager restarted, grace expired).
+    pub resumes_lost: AtomicU64,
 }
 
 impl Counters {
@@ -418,12 +425,15 @@ struct InChunk {
 pub struct PumpConfig {
     /// Largest frame accepted from the manager (length field, bytes).
     pub max_frame_len: usize,
+    /// The worker this pump runs for (its index in the session), for logs.
+    pub worker: usize,
 }
 
 impl Default for PumpConfig {
     fn default() -> Self {
         Self {
             max_frame_len: frame::MAX_FRAME_LEN,
+            worker: 0,
         }
     }
 }
@@ -836,6 +846,9 @@ async fn transport_reader<R: AsyncRead + Unpin>(
                             Err(e) => tracing::debug!(error = %e, "manager hello ignored"),
                         }
                     }
+                    if frame.kind == Kind::Resume {
+                        resume_answer(frame.payload, &counters, config.worker);
+                    }
                     if frame.kind == Kind::Heartbeat {
                         if lock(&liveness).handle_echo(frame.payload, Instant::now()) {
                             tracing::trace!("heartbeat echo read");
@@ -873,6 +886,28 @@ async fn transport_reader<R: AsyncRead + Unpin>(
         cur = next;
         filled = tail;
         complete = 0;
+    }
+}
+
+/// The manager's answer to hello option 5 (a [`Kind::Resume`] frame): count
+/// and log whether this connection got the flows of the lost one back.
+fn resume_answer(payload: &[u8], counters: &Counters, worker: usize) {
+    let redial = Counters::get(&counters.transports_lost) > 0;
+    match ResumeAnswer::decode(payload) {
+        Some(ResumeAnswer::Resumed) => {
+            Counters::add(&counters.resumes, 1);
+            tracing::info!("worker {worker} resumed its flows after a re-dial");
+        }
+        Some(ResumeAnswer::New) if redial => {
+            Counters::add(&counters.resumes_lost, 1);
+            tracing::warn!(
+                "flows of worker {worker} were lost (manager restarted or grace expired)"
+            );
+        }
+        Some(ResumeAnswer::New) => {
+            tracing::debug!("the traffic manager takes resume tokens");
+        }
+        None => tracing::debug!(len = payload.len(), "resume answer ignored"),
     }
 }
 
@@ -915,7 +950,7 @@ async fn tun_writer<T: PacketIo>(
                     Err(e) => return PumpExit::Tun(e),
                 },
                 // Taken by `transport_reader` already.
-                Kind::Heartbeat | Kind::Stats | Kind::Hello => {}
+                Kind::Heartbeat | Kind::Stats | Kind::Hello | Kind::Resume => {}
                 Kind::Gso | Kind::Unknown(_) => {
                     tracing::debug!(
                         kind = frame.kind.to_u8(),

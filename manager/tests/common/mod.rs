@@ -74,6 +74,7 @@ pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
         tunnel_ip_v6: None,
         offloads: None,
         shard: None,
+        resume_token: None,
     }
     .encode()
     .expect("hello encodes");
