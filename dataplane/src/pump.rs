@@ -62,7 +62,7 @@ use kvpn_proto::frame::{
 };
 use kvpn_proto::gso::{self, GsoError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::liveness::Liveness;
@@ -421,12 +421,16 @@ struct InChunk {
 }
 
 /// Pump settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct PumpConfig {
     /// Largest frame accepted from the manager (length field, bytes).
     pub max_frame_len: usize,
     /// The worker this pump runs for (its index in the session), for logs.
     pub worker: usize,
+    /// The session is being torn down when this turns true: the writer sends
+    /// [`ResumeAnswer::Leaving`] (so the manager drops this connection's
+    /// engine at once instead of parking it for a resume) and the pump stops.
+    pub stop: Option<watch::Receiver<bool>>,
 }
 
 impl Default for PumpConfig {
@@ -434,6 +438,7 @@ impl Default for PumpConfig {
         Self {
             max_frame_len: frame::MAX_FRAME_LEN,
             worker: 0,
+            stop: None,
         }
     }
 }
@@ -579,6 +584,7 @@ where
         out_free_tx,
         liveness.clone(),
         counters.clone(),
+        config.stop.clone(),
     ));
     tasks.spawn(transport_reader(
         transport_rx,
@@ -710,6 +716,7 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
     free_tx: mpsc::Sender<OutBatch>,
     liveness: Arc<Mutex<Liveness>>,
     counters: Arc<Counters>,
+    mut stop: Option<watch::Receiver<bool>>,
 ) -> PumpExit {
     let mut headers = [[0u8; HEADER_LEN]; BATCH_PACKETS];
     let mut heartbeat = [0u8; HEADER_LEN + 8];
@@ -723,6 +730,15 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
         };
         tokio::select! {
             biased;
+            () = stopping(&mut stop) => {
+                let mut bye = Vec::with_capacity(HEADER_LEN + 1);
+                // Cannot fail: a 1-byte payload fits any frame.
+                let _ = frame::encode_into(Kind::Resume, &[ResumeAnswer::Leaving.to_u8()], &mut bye);
+                if writer.write_all(&bye).await.is_ok() {
+                    let _ = writer.flush().await;
+                }
+                return PumpExit::Task("the session is being torn down".to_owned());
+            }
             () = sleep => {
                 let nonce = lock(&liveness).poll_heartbeat(Instant::now());
                 if let Some(nonce) = nonce {
@@ -889,6 +905,22 @@ async fn transport_reader<R: AsyncRead + Unpin>(
     }
 }
 
+/// Resolves once `stop` is true; never without one (or once its sender is
+/// gone without saying so).
+async fn stopping(stop: &mut Option<watch::Receiver<bool>>) {
+    if let Some(rx) = stop {
+        while !*rx.borrow_and_update() {
+            if rx.changed().await.is_err() {
+                break;
+            }
+        }
+        if *rx.borrow() {
+            return;
+        }
+    }
+    std::future::pending().await
+}
+
 /// The manager's answer to hello option 5 (a [`Kind::Resume`] frame): count
 /// and log whether this connection got the flows of the lost one back.
 fn resume_answer(payload: &[u8], counters: &Counters, worker: usize) {
@@ -906,6 +938,9 @@ fn resume_answer(payload: &[u8], counters: &Counters, worker: usize) {
         }
         Some(ResumeAnswer::New) => {
             tracing::debug!("the traffic manager takes resume tokens");
+        }
+        Some(ResumeAnswer::Leaving) => {
+            tracing::debug!("a manager's 'leaving' answer ignored (laptop to manager only)");
         }
         None => tracing::debug!(len = payload.len(), "resume answer ignored"),
     }

@@ -325,6 +325,10 @@ pub struct TeardownReport {
     pub leftovers: Vec<String>,
 }
 
+/// How long a stopping worker waits for its pump to tell the manager it is
+/// leaving ([`frame::ResumeAnswer::Leaving`]) before the connection is dropped.
+const LEAVING_WAIT: Duration = Duration::from_millis(500);
+
 /// How long Connect waits for the manager's answer to hello option 3 before it
 /// falls back to one worker. Every manager that accepts the hello answers at
 /// once (its first Stats frame), so this only bounds a broken path.
@@ -695,9 +699,11 @@ async fn pump_on(
     worker: &Worker,
     index: usize,
     refusal: &Arc<Refusal>,
+    stop: watch::Receiver<bool>,
 ) -> pump::PumpExit {
     let config = PumpConfig {
         worker: index,
+        stop: Some(stop),
         ..PumpConfig::default()
     };
     match stream {
@@ -1867,9 +1873,17 @@ async fn supervise(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .handle_transport_up(Instant::now());
+        let pump = pump_on(stream, tun.clone(), worker, index, refusal, stop_rx.clone());
+        tokio::pin!(pump);
         let exit = tokio::select! {
-            _ = stop_rx.changed() => return,
-            exit = pump_on(stream, tun.clone(), worker, index, refusal) => exit,
+            _ = stop_rx.changed() => {
+                // The pump's writer tells the manager this worker is leaving
+                // (so it does not park the engine for a resume); give it a
+                // moment to.
+                let _ = tokio::time::timeout(LEAVING_WAIT, &mut pump).await;
+                return;
+            }
+            exit = &mut pump => exit,
         };
         let proven = matches!(exit, pump::PumpExit::Silent(_))
             || worker

@@ -558,6 +558,9 @@ struct Intake {
     echoes_dropped: u64,
     /// Why the reader stopped: `Ok` when the laptop closed the stream.
     end: Option<Result<(), SessionError>>,
+    /// The laptop said it is leaving ([`ResumeAnswer::Leaving`]): its
+    /// engine is not parked when the connection ends.
+    leaving: bool,
 }
 
 struct IntakeShared {
@@ -606,6 +609,10 @@ fn sort_frames(
                 }
             }
             Kind::Hello => trace!("repeated hello ignored"),
+            Kind::Resume if ResumeAnswer::decode(f.payload) == Some(ResumeAnswer::Leaving) => {
+                debug!("the laptop is leaving: its engine will not be parked");
+                intake.leaving = true;
+            }
             Kind::Stats | Kind::Resume | Kind::Unknown(_) => {
                 trace!(kind = f.kind.to_u8(), "frame of a kind the manager ignores");
             }
@@ -1136,7 +1143,8 @@ where
     // A connection that offered a resume token parks its engine for the
     // grace period (dropped at once when resuming is off); otherwise dropping
     // the kernel side resets the remaining connections.
-    if let Some(claim) = claim {
+    let leaving = intake.lock().leaving;
+    if let Some(claim) = claim.filter(|_| !leaving) {
         claim.park(ParkedEngine {
             engine,
             kernel,

@@ -256,6 +256,48 @@ async fn a_wrong_token_gets_a_fresh_engine_and_the_parked_one_expires() {
 }
 
 #[tokio::test]
+async fn a_laptop_that_says_it_is_leaving_is_not_parked() {
+    let (server, ended) = slow_sender(8 * 1024, 8 * 1024, Duration::ZERO).await;
+    let (config, counters) = config(Duration::from_secs(30));
+    let mut laptop = Laptop::connect_with(
+        LAPTOP_V4,
+        config.clone(),
+        &hello_frame_resumable(LAPTOP_V4, PROTOCOL_VERSION, Some(TOKEN)),
+    )
+    .await;
+    let h = laptop.tcp_socket(64 * 1024, 16 * 1024);
+    laptop.connect_tcp(h, server, 40103);
+    let mut got = Vec::new();
+    assert!(receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g.len() >= 8 * 1024).await);
+    // Disconnect: frame kind 6 "leaving", then the laptop hangs up.
+    let mut bye = Vec::new();
+    kvpn_proto::frame::encode_into(Kind::Resume, &[ResumeAnswer::Leaving.to_u8()], &mut bye)
+        .expect("fits");
+    laptop.send_raw(&bye).await;
+    laptop.finish().await;
+    let result = tokio::time::timeout(Duration::from_secs(5), ended)
+        .await
+        .expect("the engine's connection ended at once")
+        .expect("server reported");
+    assert!(result.is_err() || result == Ok(0), "{result:?}");
+    assert_eq!(metric(&counters, "engines_parked_total"), 0);
+    assert_eq!(metric(&counters, "engines_parked"), 0);
+    // And the same token finds nothing to resume.
+    let mut laptop = Laptop::connect_with(
+        LAPTOP_V4,
+        config,
+        &hello_frame_resumable(LAPTOP_V4, PROTOCOL_VERSION, Some(TOKEN)),
+    )
+    .await;
+    assert!(
+        laptop
+            .run_until(Duration::from_secs(5), |l| !resume_answers(l).is_empty())
+            .await
+    );
+    assert_eq!(resume_answers(&laptop), [Some(ResumeAnswer::New)]);
+}
+
+#[tokio::test]
 async fn without_a_token_nothing_is_parked() {
     let (server, mut ended) = slow_sender(8 * 1024, 8 * 1024, Duration::ZERO).await;
     let (config, counters) = config(Duration::from_secs(30));

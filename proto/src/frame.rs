@@ -119,8 +119,9 @@ pub enum Kind {
     /// after the manager accepted [`OFFLOAD_TCP_GSO`] in its [`ManagerHello`].
     Gso,
     /// Manager → laptop, answer to hello option 5 ([`Hello::resume_token`]):
-    /// one byte, [`ResumeAnswer`]. Sent first on the stream, only to laptops
-    /// that offered a token.
+    /// one byte, [`ResumeAnswer`]. Sent early on the stream, only to laptops
+    /// that offered a token. Laptop → manager: [`ResumeAnswer::Leaving`]
+    /// before a deliberate close (disconnect), so nothing is parked.
     Resume,
     /// A kind this version does not know. Decoded, not rejected, so that a
     /// newer peer's optional frames can be skipped.
@@ -377,6 +378,9 @@ pub enum ResumeAnswer {
     /// 1: the parked engine of the earlier connection with this token was
     /// re-attached; its flows go on.
     Resumed,
+    /// 2, laptop → manager: the laptop closes this connection on purpose
+    /// (disconnect); the manager drops the engine at once instead of parking it.
+    Leaving,
 }
 
 impl ResumeAnswer {
@@ -385,6 +389,7 @@ impl ResumeAnswer {
         match self {
             ResumeAnswer::New => 0,
             ResumeAnswer::Resumed => 1,
+            ResumeAnswer::Leaving => 2,
         }
     }
 
@@ -394,6 +399,7 @@ impl ResumeAnswer {
         match payload {
             [0] => Some(ResumeAnswer::New),
             [1] => Some(ResumeAnswer::Resumed),
+            [2] => Some(ResumeAnswer::Leaving),
             _ => None,
         }
     }
@@ -967,7 +973,8 @@ mod tests {
         assert_eq!(frame.kind, Kind::Resume);
         assert_eq!(ResumeAnswer::decode(frame.payload), Some(ResumeAnswer::Resumed));
         assert_eq!(ResumeAnswer::decode(&[0]), Some(ResumeAnswer::New));
-        assert_eq!(ResumeAnswer::decode(&[2]), None);
+        assert_eq!(ResumeAnswer::decode(&[2]), Some(ResumeAnswer::Leaving));
+        assert_eq!(ResumeAnswer::decode(&[3]), None);
         assert_eq!(ResumeAnswer::decode(&[]), None);
         assert_eq!(ResumeAnswer::decode(&[1, 1]), None);
     }

@@ -136,4 +136,23 @@ fn receive_only_download_survives_a_killed_data_connection() {
     assert_eq!(manager_metric(&f, "engines_resumed_total"), 1);
     assert_eq!(manager_metric(&f, "engines_parked_total"), 1);
     assert_eq!(manager_metric(&f, "engines_parked"), 0);
+
+    // A deliberate disconnect tells the manager the worker is leaving: its
+    // engine is dropped at once, not parked for a resume.
+    f.disconnect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while manager_metric(&f, "sessions_active") > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the manager's session did not end after the disconnect"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        manager_metric(&f, "engines_parked_total"),
+        1,
+        "nothing parked on disconnect\n{}",
+        f.manager_log()
+    );
+    assert_eq!(manager_metric(&f, "engines_parked"), 0);
 }
