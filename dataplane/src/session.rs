@@ -910,9 +910,8 @@ impl Session {
         // Each worker's resume token: 128 random bits per worker per session,
         // offered on every dial of that worker (hello option 5). Only this
         // process knows them, so only its re-dials get the flows back.
-        let resume_tokens: Vec<[u8; frame::RESUME_TOKEN_LEN]> = (0..params.workers.max(1))
-            .map(|_| rand::random())
-            .collect();
+        let resume_tokens: Vec<[u8; frame::RESUME_TOKEN_LEN]> =
+            (0..params.workers.max(1)).map(|_| rand::random()).collect();
         // Worker 0's hello; with more workers asked for, it carries option 3
         // and the manager's answer decides how many run.
         let hello = worker_hellos(&params, params.workers.max(1), &resume_tokens)
@@ -964,10 +963,12 @@ impl Session {
                 }
             }
         }
-        let hellos = worker_hellos(&params, workers, &resume_tokens).map_err(|message| ConnectError::Step {
-            step: Step::SendHello,
-            message,
-            rollback: String::new(),
+        let hellos = worker_hellos(&params, workers, &resume_tokens).map_err(|message| {
+            ConnectError::Step {
+                step: Step::SendHello,
+                message,
+                rollback: String::new(),
+            }
         })?;
 
         let plan = routes::plan(&params.routes);

@@ -246,7 +246,10 @@ impl<T: Send + 'static> Resumes<T> {
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
                 debug!(tunnel_ip = %key.0, worker = key.1, "the old connection did not park in time: fresh engine");
-                return Attached { state: None, claim: None };
+                return Attached {
+                    state: None,
+                    claim: None,
+                };
             }
         }
     }
@@ -316,7 +319,8 @@ impl<T: Send + 'static> Claim<T> {
         let mut evicted = Vec::new();
         {
             let mut slots = resumes.lock();
-            let ours = matches!(slots.get(&self.key), Some(Slot::Live { conn, .. }) if *conn == self.conn);
+            let ours =
+                matches!(slots.get(&self.key), Some(Slot::Live { conn, .. }) if *conn == self.conn);
             if !ours {
                 return false;
             }

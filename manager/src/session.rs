@@ -910,7 +910,10 @@ where
     } = match resumed {
         Some(parked) => {
             let (tcp, udp, ping) = parked.engine.flow_counts();
-            info!(tcp, udp, ping, "engine resumed: the flows of this worker's earlier connection go on");
+            info!(
+                tcp,
+                udp, ping, "engine resumed: the flows of this worker's earlier connection go on"
+            );
             parked
         }
         None => {

@@ -129,7 +129,10 @@ async fn download_survives_a_redial_with_the_same_resume_token() {
     laptop.connect_tcp(h, server, 40100);
     let mut got = Vec::new();
     assert!(
-        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g.len() >= 100_000).await,
+        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
+            .len()
+            >= 100_000)
+        .await,
         "the download started: {} bytes",
         got.len()
     );
@@ -138,11 +141,17 @@ async fn download_survives_a_redial_with_the_same_resume_token() {
     // The data connection breaks mid-download; the laptop re-dials at once.
     laptop.redial(config.clone(), &hello).await;
     assert!(
-        receive_until(&mut laptop, h, &mut got, Duration::from_secs(20), |g, _| g.len() >= total).await,
+        receive_until(&mut laptop, h, &mut got, Duration::from_secs(20), |g, _| g
+            .len()
+            >= total)
+        .await,
         "the download went on after the re-dial: {} of {total} bytes",
         got.len()
     );
-    assert!(got == pattern(total, 3), "the bytes arrived intact and in order");
+    assert!(
+        got == pattern(total, 3),
+        "the bytes arrived intact and in order"
+    );
     assert_eq!(
         resume_answers(&laptop),
         [Some(ResumeAnswer::New), Some(ResumeAnswer::Resumed)]
@@ -186,7 +195,10 @@ async fn a_wrong_token_gets_a_fresh_engine_and_the_parked_one_expires() {
     laptop.connect_tcp(h, server, 40101);
     let mut got = Vec::new();
     assert!(
-        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g.len() >= 64 * 1024).await,
+        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
+            .len()
+            >= 64 * 1024)
+        .await,
         "received {} bytes",
         got.len()
     );
@@ -268,7 +280,12 @@ async fn a_laptop_that_says_it_is_leaving_is_not_parked() {
     let h = laptop.tcp_socket(64 * 1024, 16 * 1024);
     laptop.connect_tcp(h, server, 40103);
     let mut got = Vec::new();
-    assert!(receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g.len() >= 8 * 1024).await);
+    assert!(
+        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
+            .len()
+            >= 8 * 1024)
+        .await
+    );
     // Disconnect: frame kind 6 "leaving", then the laptop hangs up.
     let mut bye = Vec::new();
     kvpn_proto::frame::encode_into(Kind::Resume, &[ResumeAnswer::Leaving.to_u8()], &mut bye)
@@ -310,7 +327,12 @@ async fn without_a_token_nothing_is_parked() {
     let h = laptop.tcp_socket(64 * 1024, 16 * 1024);
     laptop.connect_tcp(h, server, 40102);
     let mut got = Vec::new();
-    assert!(receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g.len() >= 8 * 1024).await);
+    assert!(
+        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
+            .len()
+            >= 8 * 1024)
+        .await
+    );
     laptop
         .redial(
             config.clone(),

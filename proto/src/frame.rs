@@ -567,9 +567,8 @@ impl Hello {
                 s.check()?;
                 shard = Some(s);
             } else if *kind == HELLO_OPT_RESUME {
-                let b: [u8; RESUME_TOKEN_LEN] = value
-                    .try_into()
-                    .map_err(|_| bad(RESUME_TOKEN_LEN as u8))?;
+                let b: [u8; RESUME_TOKEN_LEN] =
+                    value.try_into().map_err(|_| bad(RESUME_TOKEN_LEN as u8))?;
                 resume_token = Some(b);
             }
             options = &tail[value.len()..];
@@ -971,7 +970,10 @@ mod tests {
         assert_eq!(out, [0, 2, 6, 1]);
         let frame = decode_exact(&out).expect("one frame");
         assert_eq!(frame.kind, Kind::Resume);
-        assert_eq!(ResumeAnswer::decode(frame.payload), Some(ResumeAnswer::Resumed));
+        assert_eq!(
+            ResumeAnswer::decode(frame.payload),
+            Some(ResumeAnswer::Resumed)
+        );
         assert_eq!(ResumeAnswer::decode(&[0]), Some(ResumeAnswer::New));
         assert_eq!(ResumeAnswer::decode(&[2]), Some(ResumeAnswer::Leaving));
         assert_eq!(ResumeAnswer::decode(&[3]), None);
