@@ -62,8 +62,28 @@ fn manager_metric(f: &Fixture, name: &str) -> u64 {
 
 #[test]
 fn receive_only_download_survives_a_killed_data_connection() {
+    download_survives_killed_connections(1);
+}
+
+/// `--workers 2`: both workers' data connections are killed at once; each
+/// re-dials with its own token and resumes its own engine.
+#[test]
+fn receive_only_download_survives_with_two_workers_both_killed() {
+    download_survives_killed_connections(2);
+}
+
+fn download_survives_killed_connections(workers: u16) {
     let f = Fixture::with_manager_args(&["--metrics-listen", &format!("127.0.0.1:{METRICS_PORT}")]);
-    f.connect();
+    f.connect_with(&["--workers", &workers.to_string()]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while f.status_json()["sessions"][0]["workers_connected"] != u64::from(workers) {
+        assert!(
+            Instant::now() < deadline,
+            "not all {workers} workers connected\n{}",
+            f.daemon_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     // 3 MiB at 256 KiB/s: about 12 s, receive-only.
     let len: u64 = 3 * 1024 * 1024;
     let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes={len}");
@@ -97,12 +117,12 @@ fn receive_only_download_survives_a_killed_data_connection() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
-    // Kill the data connection; the laptop re-dials.
+    // Kill every data connection; each worker re-dials.
     let manager = kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string();
     let killed = f.laptop(&["ss", "-K", "-Htn", "state", "established", "dst", &manager]);
     assert!(
-        killed.status.success() && text(&killed.stdout).lines().count() == 1,
-        "ss -K killed not exactly one connection: {} {}",
+        killed.status.success() && text(&killed.stdout).lines().count() == usize::from(workers),
+        "ss -K did not kill the {workers} data connections: {} {}",
         text(&killed.stdout),
         text(&killed.stderr)
     );
@@ -123,18 +143,21 @@ fn receive_only_download_survives_a_killed_data_connection() {
         f.manager_log()
     );
 
+    let n = u64::from(workers);
     let session = f.status_json()["sessions"][0].clone();
-    assert_eq!(session["liveness"]["transports_lost"], 1, "{session}");
-    assert_eq!(session["resumes"], 1, "{session}");
+    assert_eq!(session["liveness"]["transports_lost"], n, "{session}");
+    assert_eq!(session["resumes"], n, "{session}");
     assert_eq!(session["resumes_lost"], 0, "{session}");
-    assert!(
-        f.daemon_log()
-            .contains("worker 0 resumed its flows after a re-dial"),
-        "{}",
-        f.daemon_log()
-    );
-    assert_eq!(manager_metric(&f, "engines_resumed_total"), 1);
-    assert_eq!(manager_metric(&f, "engines_parked_total"), 1);
+    for w in 0..workers {
+        assert!(
+            f.daemon_log()
+                .contains(&format!("worker {w} resumed its flows after a re-dial")),
+            "{}",
+            f.daemon_log()
+        );
+    }
+    assert_eq!(manager_metric(&f, "engines_resumed_total"), n);
+    assert_eq!(manager_metric(&f, "engines_parked_total"), n);
     assert_eq!(manager_metric(&f, "engines_parked"), 0);
 
     // A deliberate disconnect tells the manager the worker is leaving: its
@@ -150,7 +173,7 @@ fn receive_only_download_survives_a_killed_data_connection() {
     }
     assert_eq!(
         manager_metric(&f, "engines_parked_total"),
-        1,
+        n,
         "nothing parked on disconnect\n{}",
         f.manager_log()
     );
