@@ -388,12 +388,17 @@ async fn main() -> anyhow::Result<()> {
         );
         let maintained = leases.clone();
         let interval = Leases::maintain_interval(args.lease_time);
+        let resumes = config.resumes.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             tick.tick().await;
             loop {
                 tick.tick().await;
-                maintained.maintain().await;
+                // An expired lease's parked engines go with it (a lease time
+                // shorter than --resume-grace-ms).
+                for ip in maintained.maintain().await {
+                    resumes.drop_ip(std::net::IpAddr::V4(ip));
+                }
             }
         });
         grpc_task = Some(tokio::spawn(grpc::serve(

@@ -398,3 +398,69 @@ impl<T: Send + 'static> Drop for Claim<T> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+
+    fn creds(resume: u8, lease: &[u8]) -> Credentials {
+        Credentials {
+            resume_token: [resume; RESUME_TOKEN_LEN],
+            lease_token: lease.to_vec(),
+        }
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::new(100, 96, 0, last))
+    }
+
+    #[tokio::test]
+    async fn only_the_same_resume_and_lease_token_resume_and_the_cap_drops_the_oldest() {
+        let counters = Arc::new(ManagerCounters::default());
+        let r = Resumes::<u32>::new(Duration::from_secs(30), 2);
+        // Three connections end; only two may stay parked: the oldest goes.
+        for (n, last) in [(1u32, 2u8), (2, 3), (3, 4)] {
+            let a = r.attach((ip(last), 0), creds(1, b"lease"), &counters).await;
+            assert!(a.state.is_none());
+            assert!(a.claim.expect("vacant slot").park(n));
+        }
+        assert_eq!(r.parked(), 2);
+        let oldest = r.attach((ip(2), 0), creds(1, b"lease"), &counters).await;
+        assert_eq!(oldest.state, None, "evicted over the cap");
+        drop(oldest);
+        // Another lease token, another worker: nothing, and the parked one stays.
+        let other = r.attach((ip(3), 0), creds(1, b"other"), &counters).await;
+        assert!(other.state.is_none() && other.claim.is_none());
+        let worker = r.attach((ip(3), 1), creds(1, b"lease"), &counters).await;
+        assert!(worker.state.is_none());
+        drop(worker);
+        let same = r.attach((ip(3), 0), creds(1, b"lease"), &counters).await;
+        assert_eq!(same.state, Some(2));
+        drop(same);
+        // A lease that goes takes its parked engines along.
+        r.drop_ip(ip(4));
+        assert_eq!(r.parked(), 0);
+        let text = counters.render_prometheus();
+        for line in [
+            "kvpn_manager_engines_parked 0\n",
+            "kvpn_manager_engines_parked_total 3\n",
+            "kvpn_manager_engines_resumed_total 1\n",
+            "kvpn_manager_engines_expired_total 2\n",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+    }
+
+    #[tokio::test]
+    async fn resuming_off_never_parks() {
+        let counters = Arc::new(ManagerCounters::default());
+        let r = Resumes::<u32>::off();
+        let a = r.attach((ip(2), 0), creds(1, b""), &counters).await;
+        assert!(!a.claim.expect("vacant slot").park(7));
+        assert_eq!(r.parked(), 0);
+        let again = r.attach((ip(2), 0), creds(1, b""), &counters).await;
+        assert!(again.state.is_none() && again.claim.is_some());
+    }
+}
