@@ -306,6 +306,8 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "data_channel": text_or_null(&s.data_channel),
         "workers": s.workers.max(1),
         "workers_connected": s.workers_connected,
+        "resumes": s.resumes,
+        "resumes_lost": s.resumes_lost,
         "state": s.state,
         "reason": s.reason,
         "uptime_ms": s.uptime_ms,

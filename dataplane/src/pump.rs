@@ -58,10 +58,11 @@ use std::time::Instant;
 
 use kvpn_proto::frame::{
     self, Decoder, FrameError, GSO_HEADER_LEN, HEADER_LEN, Kind, ManagerHello, OFFLOAD_TCP_GSO,
+    ResumeAnswer,
 };
 use kvpn_proto::gso::{self, GsoError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::liveness::Liveness;
@@ -192,6 +193,12 @@ pub struct Counters {
     /// Data connections that ended after the pump ran on them (each followed by
     /// a re-dial).
     pub transports_lost: AtomicU64,
+    /// Re-dials whose flows the manager resumed (it answered hello option 5
+    /// with "resumed": the parked engine of the lost connection went on).
+    pub resumes: AtomicU64,
+    /// Re-dials after which the manager answered "new": the flows of the lost
+    /// connection were gone (manager restarted, grace expired).
+    pub resumes_lost: AtomicU64,
 }
 
 impl Counters {
@@ -414,16 +421,24 @@ struct InChunk {
 }
 
 /// Pump settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct PumpConfig {
     /// Largest frame accepted from the manager (length field, bytes).
     pub max_frame_len: usize,
+    /// The worker this pump runs for (its index in the session), for logs.
+    pub worker: usize,
+    /// The session is being torn down when this turns true: the writer sends
+    /// [`ResumeAnswer::Leaving`] (so the manager drops this connection's
+    /// engine at once instead of parking it for a resume) and the pump stops.
+    pub stop: Option<watch::Receiver<bool>>,
 }
 
 impl Default for PumpConfig {
     fn default() -> Self {
         Self {
             max_frame_len: frame::MAX_FRAME_LEN,
+            worker: 0,
+            stop: None,
         }
     }
 }
@@ -569,6 +584,7 @@ where
         out_free_tx,
         liveness.clone(),
         counters.clone(),
+        config.stop.clone(),
     ));
     tasks.spawn(transport_reader(
         transport_rx,
@@ -700,6 +716,7 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
     free_tx: mpsc::Sender<OutBatch>,
     liveness: Arc<Mutex<Liveness>>,
     counters: Arc<Counters>,
+    mut stop: Option<watch::Receiver<bool>>,
 ) -> PumpExit {
     let mut headers = [[0u8; HEADER_LEN]; BATCH_PACKETS];
     let mut heartbeat = [0u8; HEADER_LEN + 8];
@@ -713,6 +730,15 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
         };
         tokio::select! {
             biased;
+            () = stopping(&mut stop) => {
+                let mut bye = Vec::with_capacity(HEADER_LEN + 1);
+                // Cannot fail: a 1-byte payload fits any frame.
+                let _ = frame::encode_into(Kind::Resume, &[ResumeAnswer::Leaving.to_u8()], &mut bye);
+                if writer.write_all(&bye).await.is_ok() {
+                    let _ = writer.flush().await;
+                }
+                return PumpExit::Task("the session is being torn down".to_owned());
+            }
             () = sleep => {
                 let nonce = lock(&liveness).poll_heartbeat(Instant::now());
                 if let Some(nonce) = nonce {
@@ -836,6 +862,9 @@ async fn transport_reader<R: AsyncRead + Unpin>(
                             Err(e) => tracing::debug!(error = %e, "manager hello ignored"),
                         }
                     }
+                    if frame.kind == Kind::Resume {
+                        resume_answer(frame.payload, &counters, config.worker);
+                    }
                     if frame.kind == Kind::Heartbeat {
                         if lock(&liveness).handle_echo(frame.payload, Instant::now()) {
                             tracing::trace!("heartbeat echo read");
@@ -873,6 +902,47 @@ async fn transport_reader<R: AsyncRead + Unpin>(
         cur = next;
         filled = tail;
         complete = 0;
+    }
+}
+
+/// Resolves once `stop` is true; never without one (or once its sender is
+/// gone without saying so).
+async fn stopping(stop: &mut Option<watch::Receiver<bool>>) {
+    if let Some(rx) = stop {
+        while !*rx.borrow_and_update() {
+            if rx.changed().await.is_err() {
+                break;
+            }
+        }
+        if *rx.borrow() {
+            return;
+        }
+    }
+    std::future::pending().await
+}
+
+/// The manager's answer to hello option 5 (a [`Kind::Resume`] frame): count
+/// and log whether this connection got the flows of the lost one back.
+fn resume_answer(payload: &[u8], counters: &Counters, worker: usize) {
+    let redial = Counters::get(&counters.transports_lost) > 0;
+    match ResumeAnswer::decode(payload) {
+        Some(ResumeAnswer::Resumed) => {
+            Counters::add(&counters.resumes, 1);
+            tracing::info!("worker {worker} resumed its flows after a re-dial");
+        }
+        Some(ResumeAnswer::New) if redial => {
+            Counters::add(&counters.resumes_lost, 1);
+            tracing::warn!(
+                "flows of worker {worker} were lost (manager restarted or grace expired)"
+            );
+        }
+        Some(ResumeAnswer::New) => {
+            tracing::debug!("the traffic manager takes resume tokens");
+        }
+        Some(ResumeAnswer::Leaving) => {
+            tracing::debug!("a manager's 'leaving' answer ignored (laptop to manager only)");
+        }
+        None => tracing::debug!(len = payload.len(), "resume answer ignored"),
     }
 }
 
@@ -915,7 +985,7 @@ async fn tun_writer<T: PacketIo>(
                     Err(e) => return PumpExit::Tun(e),
                 },
                 // Taken by `transport_reader` already.
-                Kind::Heartbeat | Kind::Stats | Kind::Hello => {}
+                Kind::Heartbeat | Kind::Stats | Kind::Hello | Kind::Resume => {}
                 Kind::Gso | Kind::Unknown(_) => {
                     tracing::debug!(
                         kind = frame.kind.to_u8(),

@@ -325,6 +325,10 @@ pub struct TeardownReport {
     pub leftovers: Vec<String>,
 }
 
+/// How long a stopping worker waits for its pump to tell the manager it is
+/// leaving ([`frame::ResumeAnswer::Leaving`]) before the connection is dropped.
+const LEAVING_WAIT: Duration = Duration::from_millis(500);
+
 /// How long Connect waits for the manager's answer to hello option 3 before it
 /// falls back to one worker. Every manager that accepts the hello answers at
 /// once (its first Stats frame), so this only bounds a broken path.
@@ -527,11 +531,14 @@ pub fn hello_frame_with_mtu(
     tunnel_ip_v6: Option<Ipv6Addr>,
     offloads: Option<u8>,
 ) -> Result<Vec<u8>, String> {
-    hello_frame_for_worker(tunnel_ip, token, mtu, tunnel_ip_v6, offloads, None)
+    hello_frame_for_worker(tunnel_ip, token, mtu, tunnel_ip_v6, offloads, None, None)
 }
 
 /// [`hello_frame_with_mtu`] of one worker connection: `shard` is hello option
-/// 3, sent only when the session has more than one worker.
+/// 3, sent only when the session has more than one worker; `resume_token` is
+/// hello option 5, the worker's resume token (the same on every dial of the
+/// worker, so the manager can give a re-dial the flows of the connection it
+/// replaces).
 pub fn hello_frame_for_worker(
     tunnel_ip: IpAddr,
     token: &[u8],
@@ -539,6 +546,7 @@ pub fn hello_frame_for_worker(
     tunnel_ip_v6: Option<Ipv6Addr>,
     offloads: Option<u8>,
     shard: Option<frame::Shard>,
+    resume_token: Option<[u8; frame::RESUME_TOKEN_LEN]>,
 ) -> Result<Vec<u8>, String> {
     let payload = Hello {
         version: PROTOCOL_VERSION,
@@ -548,6 +556,7 @@ pub fn hello_frame_for_worker(
         tunnel_ip_v6,
         offloads,
         shard,
+        resume_token,
     }
     .encode()
     .map_err(|e| e.to_string())?;
@@ -688,8 +697,15 @@ async fn pump_on(
     stream: DataStream,
     tun: Arc<AsyncDevice>,
     worker: &Worker,
+    index: usize,
     refusal: &Arc<Refusal>,
+    stop: watch::Receiver<bool>,
 ) -> pump::PumpExit {
+    let config = PumpConfig {
+        worker: index,
+        stop: Some(stop),
+        ..PumpConfig::default()
+    };
     match stream {
         DataStream::Plain(tcp) => {
             let (rx, tx) = tcp.into_split();
@@ -700,7 +716,7 @@ async fn pump_on(
                 worker.liveness.clone(),
                 worker.counters.clone(),
                 refusal.clone(),
-                PumpConfig::default(),
+                config,
             )
             .await
         }
@@ -713,7 +729,7 @@ async fn pump_on(
                 worker.liveness.clone(),
                 worker.counters.clone(),
                 refusal.clone(),
-                PumpConfig::default(),
+                config,
             )
             .await
         }
@@ -721,8 +737,13 @@ async fn pump_on(
 }
 
 /// The hello frame of each of `workers` worker connections (option 3 only when
-/// there is more than one worker). Never empty.
-fn worker_hellos(params: &SessionParams, workers: u16) -> Result<Vec<Vec<u8>>, String> {
+/// there is more than one worker). Never empty. Worker `i` offers
+/// `resume_tokens[i]` (hello option 5) on every dial.
+fn worker_hellos(
+    params: &SessionParams,
+    workers: u16,
+    resume_tokens: &[[u8; frame::RESUME_TOKEN_LEN]],
+) -> Result<Vec<Vec<u8>>, String> {
     let workers = workers.max(1);
     (0..workers)
         .map(|index| {
@@ -739,6 +760,7 @@ fn worker_hellos(params: &SessionParams, workers: u16) -> Result<Vec<Vec<u8>>, S
                     index,
                     count: workers,
                 }),
+                resume_tokens.get(usize::from(index)).copied(),
             )
         })
         .collect()
@@ -885,9 +907,14 @@ impl Session {
                 rollback: String::new(),
             });
         }
+        // Each worker's resume token: 128 random bits per worker per session,
+        // offered on every dial of that worker (hello option 5). Only this
+        // process knows them, so only its re-dials get the flows back.
+        let resume_tokens: Vec<[u8; frame::RESUME_TOKEN_LEN]> =
+            (0..params.workers.max(1)).map(|_| rand::random()).collect();
         // Worker 0's hello; with more workers asked for, it carries option 3
         // and the manager's answer decides how many run.
-        let hello = worker_hellos(&params, params.workers.max(1))
+        let hello = worker_hellos(&params, params.workers.max(1), &resume_tokens)
             .map(|mut hellos| hellos.swap_remove(0))
             .map_err(|message| ConnectError::Step {
                 step: Step::SendHello,
@@ -936,10 +963,12 @@ impl Session {
                 }
             }
         }
-        let hellos = worker_hellos(&params, workers).map_err(|message| ConnectError::Step {
-            step: Step::SendHello,
-            message,
-            rollback: String::new(),
+        let hellos = worker_hellos(&params, workers, &resume_tokens).map_err(|message| {
+            ConnectError::Step {
+                step: Step::SendHello,
+                message,
+                rollback: String::new(),
+            }
         })?;
 
         let plan = routes::plan(&params.routes);
@@ -1259,6 +1288,8 @@ impl Session {
                 (&sum.unreachable_sent, &c.unreachable_sent),
                 (&sum.unreachable_rate_limited, &c.unreachable_rate_limited),
                 (&sum.transports_lost, &c.transports_lost),
+                (&sum.resumes, &c.resumes),
+                (&sum.resumes_lost, &c.resumes_lost),
             ] {
                 Counters::add(to, Counters::get(from));
             }
@@ -1362,6 +1393,8 @@ impl Session {
             tx_gso_frames: Counters::get(&c.tx_gso_frames),
             tx_gso_segmented: Counters::get(&c.tx_gso_segmented),
             tx_offload_dropped: Counters::get(&c.tx_offload_dropped),
+            resumes: Counters::get(&c.resumes),
+            resumes_lost: Counters::get(&c.resumes_lost),
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
             ebpf,
@@ -1841,9 +1874,17 @@ async fn supervise(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .handle_transport_up(Instant::now());
+        let pump = pump_on(stream, tun.clone(), worker, index, refusal, stop_rx.clone());
+        tokio::pin!(pump);
         let exit = tokio::select! {
-            _ = stop_rx.changed() => return,
-            exit = pump_on(stream, tun.clone(), worker, refusal) => exit,
+            _ = stop_rx.changed() => {
+                // The pump's writer tells the manager this worker is leaving
+                // (so it does not park the engine for a resume); give it a
+                // moment to.
+                let _ = tokio::time::timeout(LEAVING_WAIT, &mut pump).await;
+                return;
+            }
+            exit = &mut pump => exit,
         };
         let proven = matches!(exit, pump::PumpExit::Silent(_))
             || worker

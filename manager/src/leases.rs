@@ -259,8 +259,9 @@ impl Leases {
             .await;
     }
 
-    /// Renew leases with live data channels and drop expired ones (periodic).
-    pub async fn maintain(&self) {
+    /// Renew leases with live data channels and drop expired ones (periodic);
+    /// returns the tunnel IPs whose leases expired.
+    pub async fn maintain(&self) -> Vec<std::net::Ipv4Addr> {
         let (renewed, expired) = self
             .update_or_cached("lease renewal", |t, now| {
                 let renewed = t.renew_active(now);
@@ -271,6 +272,7 @@ impl Leases {
             info!(client = %client_fingerprint(&rec.client_id), tunnel_ip = %rec.ip, "lease expired");
         }
         debug!(renewed, expired = expired.len(), "leases maintained");
+        expired.iter().map(|r| r.ip).collect()
     }
 
     /// How often [`Leases::maintain`] should run for `lease_time`: a quarter of

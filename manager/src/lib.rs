@@ -40,6 +40,7 @@ pub mod metrics_server;
 pub mod packet;
 pub mod peers;
 pub mod preserve;
+pub mod resume;
 pub mod route_watch;
 pub mod routes;
 pub mod server;

@@ -97,6 +97,17 @@ struct Args {
     /// (flows against the cap, limits, manager memory).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     stats_interval_secs: u64,
+    /// Milliseconds an ended data connection's engine (its TCP flows and the
+    /// connections it dialed to pods) is kept for the laptop's re-dial: a
+    /// laptop worker that re-dials with the same resume token (hello option 5)
+    /// within it gets its flows back instead of losing them. 0 turns resuming
+    /// off (today's behaviour: a re-dial starts with no flows).
+    #[arg(long, env = "KVPN_RESUME_GRACE_MS", default_value_t = kvpn_manager::resume::DEFAULT_GRACE.as_millis() as u64)]
+    resume_grace_ms: u64,
+    /// Most engines parked for a resume at once (the oldest is dropped
+    /// first beyond it); each holds its flows' buffers like a session does.
+    #[arg(long, env = "KVPN_RESUME_MAX_PARKED", default_value_t = kvpn_manager::resume::DEFAULT_MAX_PARKED)]
+    resume_max_parked: usize,
     /// Whose address the cluster's backends see: `snat` (the manager pod's IP;
     /// smoltcp terminates, unprivileged) or `preserve` (the laptop's tunnel IP; the
     /// pod's kernel forwards through a TUN device, needs NET_ADMIN and NET_RAW, and
@@ -327,6 +338,10 @@ async fn main() -> anyhow::Result<()> {
         failed_dials_per_sec: args.failed_dials_per_sec,
         stats_interval: Duration::from_secs(args.stats_interval_secs),
         counters: counters.clone(),
+        resumes: kvpn_manager::resume::Resumes::new(
+            Duration::from_millis(args.resume_grace_ms),
+            args.resume_max_parked,
+        ),
         ..SessionConfig::default()
     };
     if let MetricsListen(Some(addr)) = args.metrics_listen {
@@ -373,12 +388,17 @@ async fn main() -> anyhow::Result<()> {
         );
         let maintained = leases.clone();
         let interval = Leases::maintain_interval(args.lease_time);
+        let resumes = config.resumes.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             tick.tick().await;
             loop {
                 tick.tick().await;
-                maintained.maintain().await;
+                // An expired lease's parked engines go with it (a lease time
+                // shorter than --resume-grace-ms).
+                for ip in maintained.maintain().await {
+                    resumes.drop_ip(std::net::IpAddr::V4(ip));
+                }
             }
         });
         grpc_task = Some(tokio::spawn(grpc::serve(

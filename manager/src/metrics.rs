@@ -280,6 +280,14 @@ pub struct ManagerCounters {
     gso_segments: AtomicU64,
     leases_granted: AtomicU64,
     lease_denied: [AtomicU64; LeaseDenial::ALL.len()],
+    /// Engines parked now, waiting for their connection to resume.
+    engines_parked: AtomicU64,
+    /// Connections that ended and parked their engine (total).
+    engines_parked_total: AtomicU64,
+    /// Connections that re-attached a parked engine (total).
+    engines_resumed: AtomicU64,
+    /// Parked engines dropped unresumed: grace over, replaced, or over the cap.
+    engines_expired: AtomicU64,
     /// `ebpf-snat` is on: its metrics are rendered.
     snat_on: std::sync::atomic::AtomicBool,
     /// `ebpf-snat`, as of the sweeper's last round: flows in the forward table,
@@ -317,6 +325,24 @@ impl ManagerCounters {
         let _ = self
             .sessions_active
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    /// A connection that ended parked its engine for a resume.
+    pub fn engine_parked(&self) {
+        self.engines_parked_total.fetch_add(1, Ordering::Relaxed);
+        self.engines_parked.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A parked engine left the park: re-attached (`resumed`) or dropped.
+    pub fn engine_unparked(&self, resumed: bool) {
+        let _ = self
+            .engines_parked
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if resumed {
+            self.engines_resumed.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.engines_expired.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// A data channel was refused before its session started.
@@ -460,6 +486,30 @@ impl ManagerCounters {
             "gauge",
             "Data-channel sessions running now.",
             &[(None, load(&self.sessions_active))],
+        );
+        metric(
+            "engines_parked",
+            "gauge",
+            "Engines of ended data connections kept for a resume now.",
+            &[(None, load(&self.engines_parked))],
+        );
+        metric(
+            "engines_parked_total",
+            "counter",
+            "Data connections that ended and parked their engine for a resume.",
+            &[(None, load(&self.engines_parked_total))],
+        );
+        metric(
+            "engines_resumed_total",
+            "counter",
+            "Data connections that re-attached a parked engine (their flows survived the re-dial).",
+            &[(None, load(&self.engines_resumed))],
+        );
+        metric(
+            "engines_expired_total",
+            "counter",
+            "Parked engines dropped without a resume (grace over, replaced, or over the cap).",
+            &[(None, load(&self.engines_expired))],
         );
         let refused: Vec<_> = HelloRefusal::ALL
             .iter()

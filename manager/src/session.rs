@@ -32,7 +32,7 @@ use ipnet::Ipv4Net;
 
 use kvpn_proto::frame::{
     self, Decoder, FrameError, GsoHeader, Hello, HelloError, Kind, MIN_PROTOCOL_VERSION,
-    ManagerHello, OFFLOAD_TCP_GSO, PROTOCOL_VERSION, STATS_VERSION, Stats, stat,
+    ManagerHello, OFFLOAD_TCP_GSO, PROTOCOL_VERSION, ResumeAnswer, STATS_VERSION, Stats, stat,
 };
 use kvpn_proto::gso::{self, GsoKind};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -46,6 +46,7 @@ use crate::leases::Leases;
 use crate::metrics::{DropsSynced, HelloRefusal, ManagerCounters, Metrics};
 use crate::packet::DropReason;
 use crate::peers::{self, Peers};
+use crate::resume::{Credentials, Resumes};
 
 /// Bytes read from the laptop per read call.
 const READ_CHUNK: usize = 256 * 1024;
@@ -132,6 +133,21 @@ pub struct SessionConfig {
     /// The manager-wide counters (refused hellos, drops of every session),
     /// served by [`crate::metrics_server`]. Clones share them.
     pub counters: Arc<ManagerCounters>,
+    /// Engines of ended connections kept for a resume (hello option 5), see
+    /// [`crate::resume`]. Clones share them. Default: off.
+    pub resumes: Arc<Resumes<ParkedEngine>>,
+}
+
+/// What a worker connection's session keeps while parked for a resume: its
+/// engine (the smoltcp sockets) and kernel side (the connections it dialed)
+/// with their event queues, and the session's running counts.
+pub struct ParkedEngine {
+    engine: Engine,
+    kernel: KernelSide,
+    events_rx: mpsc::Receiver<crate::engine::Event>,
+    datagrams_rx: mpsc::Receiver<crate::engine::Event>,
+    peak_flows: usize,
+    drops_synced: DropsSynced,
 }
 
 impl Default for SessionConfig {
@@ -152,6 +168,7 @@ impl Default for SessionConfig {
             failed_dials_per_sec: crate::limit::FAILED_FLOWS_PER_SEC,
             stats_interval: Duration::from_secs(10),
             counters: Arc::default(),
+            resumes: Resumes::off(),
         }
     }
 }
@@ -211,6 +228,10 @@ pub enum SessionError {
     /// No frame (not even a heartbeat) for too long.
     #[error("no frame from the laptop for {0:?} (heartbeats stopped)")]
     Silent(Duration),
+    /// A newer connection of the same laptop worker, with the same resume
+    /// token, took over (the laptop re-dialed before this one was seen dead).
+    #[error("a newer connection of this laptop worker took over (re-dial)")]
+    Superseded,
 }
 
 impl SessionError {
@@ -231,7 +252,8 @@ impl SessionError {
             SessionError::Read(_)
             | SessionError::Write
             | SessionError::ClosedBeforeHello
-            | SessionError::Silent(_) => None,
+            | SessionError::Silent(_)
+            | SessionError::Superseded => None,
         }
     }
 }
@@ -513,7 +535,7 @@ fn handle_frames(
                 let _ = frame::encode_into(Kind::Heartbeat, f.payload, out);
             }
             Kind::Hello => trace!("repeated hello ignored"),
-            Kind::Stats | Kind::Unknown(_) => {
+            Kind::Stats | Kind::Resume | Kind::Unknown(_) => {
                 trace!(kind = f.kind.to_u8(), "frame of a kind the manager ignores");
             }
         }
@@ -536,6 +558,9 @@ struct Intake {
     echoes_dropped: u64,
     /// Why the reader stopped: `Ok` when the laptop closed the stream.
     end: Option<Result<(), SessionError>>,
+    /// The laptop said it is leaving ([`ResumeAnswer::Leaving`]): its
+    /// engine is not parked when the connection ends.
+    leaving: bool,
 }
 
 struct IntakeShared {
@@ -584,7 +609,11 @@ fn sort_frames(
                 }
             }
             Kind::Hello => trace!("repeated hello ignored"),
-            Kind::Stats | Kind::Unknown(_) => {
+            Kind::Resume if ResumeAnswer::decode(f.payload) == Some(ResumeAnswer::Leaving) => {
+                debug!("the laptop is leaving: its engine will not be parked");
+                intake.leaving = true;
+            }
+            Kind::Stats | Kind::Resume | Kind::Unknown(_) => {
                 trace!(kind = f.kind.to_u8(), "frame of a kind the manager ignores");
             }
         }
@@ -844,10 +873,59 @@ where
     engine_config.new_flows_per_sec = limits.new_flows_per_sec;
     engine_config.new_flow_burst = limits.new_flow_burst;
     engine_config.failed_flows_per_sec = limits.failed_flows_per_sec;
-    let mut engine = Engine::new(engine_config, Instant::now());
-    let (events_tx, mut events_rx) = TcpEventSender::channel(TCP_EVENT_QUEUE);
-    let (datagrams_tx, mut datagrams_rx) = mpsc::channel(DATAGRAM_QUEUE);
-    let mut kernel = KernelSide::new(events_tx, datagrams_tx, config.dial_timeout);
+    // Hello option 5: the engine parked by this worker's earlier connection
+    // with the same resume token (and lease token), if there is one.
+    let key = (tunnel_ip, shard.map_or(0, |s| s.index));
+    let (resumed, claim) = match hello.resume_token {
+        Some(resume_token) => {
+            let credentials = Credentials {
+                resume_token,
+                lease_token: hello.token.clone(),
+            };
+            let a = config
+                .resumes
+                .attach(key, credentials, &config.counters)
+                .await;
+            (a.state, a.claim)
+        }
+        None => (None, None),
+    };
+    let resume_answer = hello.resume_token.map(|_| {
+        if resumed.is_some() {
+            ResumeAnswer::Resumed
+        } else {
+            ResumeAnswer::New
+        }
+    });
+    let ParkedEngine {
+        mut engine,
+        mut kernel,
+        mut events_rx,
+        mut datagrams_rx,
+        mut peak_flows,
+        mut drops_synced,
+    } = match resumed {
+        Some(parked) => {
+            let (tcp, udp, ping) = parked.engine.flow_counts();
+            info!(
+                tcp,
+                udp, ping, "engine resumed: the flows of this worker's earlier connection go on"
+            );
+            parked
+        }
+        None => {
+            let (events_tx, events_rx) = TcpEventSender::channel(TCP_EVENT_QUEUE);
+            let (datagrams_tx, datagrams_rx) = mpsc::channel(DATAGRAM_QUEUE);
+            ParkedEngine {
+                engine: Engine::new(engine_config, Instant::now()),
+                kernel: KernelSide::new(events_tx, datagrams_tx, config.dial_timeout),
+                events_rx,
+                datagrams_rx,
+                peak_flows: 0,
+                drops_synced: DropsSynced::default(),
+            }
+        }
+    };
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(WRITE_QUEUE_BATCHES);
     let (control_tx, control_rx) = mpsc::channel::<Vec<u8>>(CONTROL_QUEUE);
     // Offloads: a laptop that offered GSO frames (hello option 4) gets the
@@ -881,6 +959,16 @@ where
         }
         info!(offered, accepted, "offloads negotiated");
     }
+    // The answer to hello option 5, after the shard and offload answers (the
+    // laptop's Connect reads frames up to the shard answer itself; the pump
+    // reads from there on).
+    if let Some(answer) = resume_answer {
+        let mut wire = Vec::new();
+        // Cannot fail: a 1-byte payload fits any frame.
+        let _ = frame::encode_into(Kind::Resume, &[answer.to_u8()], &mut wire);
+        // Cannot fail: the control queue holds at most two frames so far.
+        let _ = control_tx.try_send(wire);
+    }
     // Stats frames take the control queue too: they go before data.
     let stats_tx = (hello.version >= STATS_VERSION).then(|| control_tx.clone());
     let _writer = AbortOnDrop(tokio::spawn(
@@ -907,8 +995,6 @@ where
     stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stats_frames = tokio::time::interval(STATS_FRAME_INTERVAL);
     stats_frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut peak_flows = 0usize;
-    let mut drops_synced = DropsSynced::default();
 
     let result: Result<(), SessionError> = loop {
         let now = Instant::now();
@@ -1033,6 +1119,7 @@ where
             _ = tokio::time::sleep_until(timer.unwrap_or_else(tokio::time::Instant::now)), if timer.is_some() => {
                 engine.handle_timeout(Instant::now());
             }
+            () = superseded(claim.as_ref()) => break Err(SessionError::Superseded),
             _ = stats.tick() => log_stats(&engine, &kernel, peak_flows),
             _ = stats_frames.tick(), if stats_tx.is_some() => {
                 if let (Some(tx), Some(frame)) = (&stats_tx, stats_frame(&engine, shard))
@@ -1053,9 +1140,32 @@ where
         Ok(()) => info!(%metrics, tcp, udp, ping, "session closed by the laptop"),
         Err(e) => warn!(error = %e, %metrics, tcp, udp, ping, "session ended"),
     }
-    // Dropping the kernel side resets the remaining connections.
-    drop(kernel);
+    // A connection that offered a resume token parks its engine for the
+    // grace period (dropped at once when resuming is off); otherwise dropping
+    // the kernel side resets the remaining connections.
+    let leaving = intake.lock().leaving;
+    if let Some(claim) = claim.filter(|_| !leaving) {
+        claim.park(ParkedEngine {
+            engine,
+            kernel,
+            events_rx,
+            datagrams_rx,
+            peak_flows,
+            drops_synced,
+        });
+    } else {
+        drop(kernel);
+    }
     result.map(|()| metrics)
+}
+
+/// Resolves when a newer connection with the same resume token takes over
+/// `claim`'s worker; never without a claim.
+async fn superseded(claim: Option<&crate::resume::Claim<ParkedEngine>>) {
+    match claim {
+        Some(c) => c.superseded().await,
+        None => std::future::pending().await,
+    }
 }
 
 #[cfg(test)]

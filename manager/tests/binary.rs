@@ -24,6 +24,7 @@ fn binary_serves_a_session_and_stops_on_sigterm() {
         tunnel_ip_v6: None,
         offloads: None,
         shard: None,
+        resume_token: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");

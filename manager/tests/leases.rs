@@ -124,6 +124,7 @@ fn hello(ip: IpAddr, token: &[u8]) -> Vec<u8> {
         tunnel_ip_v6: None,
         offloads: None,
         shard: None,
+        resume_token: None,
     }
     .encode()
     .expect("encodes");

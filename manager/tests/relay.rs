@@ -464,6 +464,7 @@ async fn wrong_version_and_missing_hello_are_rejected() {
         tunnel_ip_v6: Some("fd6b:7670:6e00::6460:99".parse().expect("v6")),
         offloads: None,
         shard: None,
+        resume_token: None,
     }
     .encode()
     .expect("encodes");

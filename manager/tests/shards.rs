@@ -20,6 +20,7 @@ fn hello(shard: Option<Shard>, offloads: Option<u8>) -> Vec<u8> {
         tunnel_ip_v6: None,
         offloads,
         shard,
+        resume_token: None,
     }
     .encode()
     .expect("hello encodes");

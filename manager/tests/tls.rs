@@ -94,6 +94,7 @@ async fn hello_and_heartbeat<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> (K
         tunnel_ip_v6: None,
         offloads: None,
         shard: None,
+        resume_token: None,
     };
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");
@@ -157,6 +158,7 @@ async fn tls_listener_serves_trusting_laptops_and_refuses_the_rest() {
             tunnel_ip_v6: None,
             offloads: None,
             shard: None,
+            resume_token: None,
         }
         .encode()
         .expect("hello"),

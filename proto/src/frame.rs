@@ -42,7 +42,9 @@ pub const MAX_PAYLOAD_LEN: usize = MAX_FRAME_LEN - 1;
 ///
 /// Negotiated within version 3 (no bump: an old peer never sends the option
 /// and keeps the old behaviour): hello option 4 (offloads the laptop offers),
-/// the [`ManagerHello`] answering it, and [`Kind::Gso`] frames after it.
+/// the [`ManagerHello`] answering it, and [`Kind::Gso`] frames after it;
+/// hello option 5 (a worker connection's resume token) and the
+/// [`Kind::Resume`] frame answering it.
 pub const PROTOCOL_VERSION: u16 = 3;
 
 /// First version whose laptops are sent [`Kind::Stats`] frames.
@@ -71,6 +73,13 @@ pub const GSO_HEADER_LEN: usize = 10;
 /// Hello option type: the worker shard of this data connection, 4 bytes
 /// (`index: u16 | count: u16`), see [`Shard`].
 const HELLO_OPT_SHARD: u8 = 3;
+
+/// Hello option type: the worker connection's resume token, 16 bytes
+/// ([`Hello::resume_token`]).
+const HELLO_OPT_RESUME: u8 = 5;
+
+/// Bytes of a resume token (hello option 5): 128 random bits.
+pub const RESUME_TOKEN_LEN: usize = 16;
 
 /// Most workers (data connections) one session may have; the kernel allows 256
 /// TUN queues (`MAX_TAP_QUEUES`, include/linux/if_tun.h), a laptop needs few.
@@ -109,6 +118,11 @@ pub enum Kind {
     /// Laptop → manager: a [`GsoHeader`] and a TCP super-packet, sent only
     /// after the manager accepted [`OFFLOAD_TCP_GSO`] in its [`ManagerHello`].
     Gso,
+    /// Manager → laptop, answer to hello option 5 ([`Hello::resume_token`]):
+    /// one byte, [`ResumeAnswer`]. Sent early on the stream, only to laptops
+    /// that offered a token. Laptop → manager: [`ResumeAnswer::Leaving`]
+    /// before a deliberate close (disconnect), so nothing is parked.
+    Resume,
     /// A kind this version does not know. Decoded, not rejected, so that a
     /// newer peer's optional frames can be skipped.
     Unknown(u8),
@@ -123,6 +137,7 @@ impl Kind {
             Kind::Heartbeat => 3,
             Kind::Stats => 4,
             Kind::Gso => 5,
+            Kind::Resume => 6,
             Kind::Unknown(b) => b,
         }
     }
@@ -136,6 +151,7 @@ impl From<u8> for Kind {
             3 => Kind::Heartbeat,
             4 => Kind::Stats,
             5 => Kind::Gso,
+            6 => Kind::Resume,
             other => Kind::Unknown(other),
         }
     }
@@ -315,6 +331,9 @@ pub fn encode_into(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), 
 /// a manager that accepts any answers with a [`ManagerHello`].
 /// Option 3 (4 bytes, `index: u16 | count: u16`): the worker shard of this
 /// connection ([`Shard`]); older managers skip it.
+/// Option 5 (16 bytes): the connection's resume token
+/// ([`Hello::resume_token`]); a manager that knows it answers with a
+/// [`Kind::Resume`] frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     /// Data-channel protocol version ([`PROTOCOL_VERSION`]).
@@ -339,6 +358,51 @@ pub struct Hello {
     /// The worker shard (option 3): set only by laptops with more than one
     /// worker connection. Decoded only when `index < count <= MAX_WORKERS`.
     pub shard: Option<Shard>,
+    /// The resume token (option 5): random bits the laptop picks once per
+    /// worker per session and offers on every dial of that worker. A manager
+    /// that knows the option keeps the engine of a connection that ended
+    /// (its TCP sockets and the connections it dialed) parked for a grace
+    /// period, and gives it to the next connection of the same tunnel IP and
+    /// worker that offers the same token (and lease token), so in-flight TCP
+    /// flows survive a re-dial. `None`: today's behaviour (a fresh engine).
+    pub resume_token: Option<[u8; RESUME_TOKEN_LEN]>,
+}
+
+/// The manager's answer to hello option 5, the payload of a [`Kind::Resume`]
+/// frame (one byte).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeAnswer {
+    /// 0: a fresh engine; the flows of an earlier connection (if any) are
+    /// gone (manager restarted, grace expired, token not known).
+    New,
+    /// 1: the parked engine of the earlier connection with this token was
+    /// re-attached; its flows go on.
+    Resumed,
+    /// 2, laptop → manager: the laptop closes this connection on purpose
+    /// (disconnect); the manager drops the engine at once instead of parking it.
+    Leaving,
+}
+
+impl ResumeAnswer {
+    /// The payload byte.
+    pub const fn to_u8(self) -> u8 {
+        match self {
+            ResumeAnswer::New => 0,
+            ResumeAnswer::Resumed => 1,
+            ResumeAnswer::Leaving => 2,
+        }
+    }
+
+    /// Decode a [`Kind::Resume`] payload; `None` when it is not one byte of a
+    /// known value. Never panics.
+    pub fn decode(payload: &[u8]) -> Option<Self> {
+        match payload {
+            [0] => Some(ResumeAnswer::New),
+            [1] => Some(ResumeAnswer::Resumed),
+            [2] => Some(ResumeAnswer::Leaving),
+            _ => None,
+        }
+    }
 }
 
 /// Why a hello payload is invalid.
@@ -428,6 +492,13 @@ impl Hello {
             out.extend_from_slice(&shard.index.to_be_bytes());
             out.extend_from_slice(&shard.count.to_be_bytes());
         }
+        if let Some(token) = &self.resume_token {
+            if self.version < 2 {
+                return Err(HelloError::OptionsNeedVersion2(self.version));
+            }
+            out.extend_from_slice(&[HELLO_OPT_RESUME, RESUME_TOKEN_LEN as u8]);
+            out.extend_from_slice(token);
+        }
         Ok(out)
     }
 
@@ -470,6 +541,7 @@ impl Hello {
         let mut tunnel_ip_v6 = None;
         let mut offloads = None;
         let mut shard = None;
+        let mut resume_token = None;
         while let [kind, len, tail @ ..] = options {
             let value = tail.get(..usize::from(*len)).ok_or_else(trunc)?;
             let bad = |want| HelloError::BadOption {
@@ -494,6 +566,10 @@ impl Hello {
                 };
                 s.check()?;
                 shard = Some(s);
+            } else if *kind == HELLO_OPT_RESUME {
+                let b: [u8; RESUME_TOKEN_LEN] =
+                    value.try_into().map_err(|_| bad(RESUME_TOKEN_LEN as u8))?;
+                resume_token = Some(b);
             }
             options = &tail[value.len()..];
         }
@@ -508,6 +584,7 @@ impl Hello {
             tunnel_ip_v6,
             offloads,
             shard,
+            resume_token,
         })
     }
 }
@@ -783,6 +860,7 @@ mod tests {
             tunnel_ip_v6: None,
             offloads: None,
             shard: None,
+            resume_token: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(payload, [0, 1, 4, 100, 96, 0, 2, 2, b'a', b'b']);
@@ -799,6 +877,7 @@ mod tests {
             tunnel_ip_v6: None,
             offloads: None,
             shard: None,
+            resume_token: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(
@@ -859,6 +938,50 @@ mod tests {
     }
 
     #[test]
+    fn test_vector_resume_option_and_answer() {
+        // Hello option 5: 16 bytes of resume token after the token.
+        let hello = Hello {
+            version: 3,
+            tunnel_ip: IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2)),
+            token: Vec::new(),
+            mtu: None,
+            tunnel_ip_v6: None,
+            offloads: None,
+            shard: None,
+            resume_token: Some([7; RESUME_TOKEN_LEN]),
+        };
+        let enc = hello.encode().expect("encodes");
+        let mut want = vec![0, 3, 4, 100, 96, 0, 2, 0, 5, 16];
+        want.extend_from_slice(&[7; 16]);
+        assert_eq!(enc, want);
+        assert_eq!(Hello::decode(&enc), Ok(hello));
+        // A short token is an error, never a token the manager would match.
+        assert_eq!(
+            Hello::decode(&[0, 3, 4, 100, 96, 0, 2, 0, 5, 2, 1, 1]),
+            Err(HelloError::BadOption {
+                kind: 5,
+                len: 2,
+                want: 16
+            })
+        );
+        // Kind 6: one byte, 0 = new, 1 = resumed; anything else is not an answer.
+        let mut out = Vec::new();
+        encode_into(Kind::Resume, &[ResumeAnswer::Resumed.to_u8()], &mut out).expect("fits");
+        assert_eq!(out, [0, 2, 6, 1]);
+        let frame = decode_exact(&out).expect("one frame");
+        assert_eq!(frame.kind, Kind::Resume);
+        assert_eq!(
+            ResumeAnswer::decode(frame.payload),
+            Some(ResumeAnswer::Resumed)
+        );
+        assert_eq!(ResumeAnswer::decode(&[0]), Some(ResumeAnswer::New));
+        assert_eq!(ResumeAnswer::decode(&[2]), Some(ResumeAnswer::Leaving));
+        assert_eq!(ResumeAnswer::decode(&[3]), None);
+        assert_eq!(ResumeAnswer::decode(&[]), None);
+        assert_eq!(ResumeAnswer::decode(&[1, 1]), None);
+    }
+
+    #[test]
     fn test_vector_v3_gso_frame_and_offload_hellos() {
         // Kind 5: the 10-byte header (big-endian virtio_net_hdr fields), then
         // the super-packet.
@@ -897,6 +1020,7 @@ mod tests {
             tunnel_ip_v6: None,
             offloads: Some(OFFLOAD_TCP_GSO),
             shard: None,
+            resume_token: None,
         };
         let enc = hello.encode().expect("encodes");
         assert_eq!(enc, [0, 3, 4, 100, 96, 0, 2, 0, 1, 2, 0x23, 0x28, 4, 1, 1]);
@@ -1007,6 +1131,7 @@ mod tests {
             tunnel_ip_v6: Some(v6),
             offloads: None,
             shard: None,
+            resume_token: None,
         };
         let payload = hello.encode().expect("encodes");
         let mut want = vec![
@@ -1039,6 +1164,7 @@ mod tests {
             tunnel_ip_v6: None,
             offloads: None,
             shard: Some(Shard { index: 1, count: 2 }),
+            resume_token: None,
         };
         let payload = hello.encode().expect("encodes");
         assert_eq!(
@@ -1118,6 +1244,7 @@ mod tests {
             tunnel_ip_v6: None,
             offloads: None,
             shard: None,
+            resume_token: None,
         };
         assert_eq!(v1.encode(), Err(HelloError::OptionsNeedVersion2(1)));
     }
@@ -1158,6 +1285,7 @@ mod tests {
             let _ = Hello::decode(&buf);
             let _ = Stats::decode(&buf);
             let _ = ManagerHello::decode(&buf);
+            let _ = ResumeAnswer::decode(&buf);
             let _ = GsoHeader::split(&buf);
         }
 
@@ -1169,13 +1297,14 @@ mod tests {
         }
 
         #[test]
-        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>(), mtu in any::<Option<u16>>(), offloads in any::<Option<u8>>(), count in 0u16..20) {
+        fn hello_round_trip(v4 in any::<[u8; 4]>(), v6 in any::<[u8; 16]>(), six in any::<bool>(), token in proptest::collection::vec(any::<u8>(), 0..255), version in any::<u16>(), mtu in any::<Option<u16>>(), offloads in any::<Option<u8>>(), count in 0u16..20, resume in any::<Option<[u8; 16]>>()) {
             let ip = if six { IpAddr::V6(Ipv6Addr::from(v6)) } else { IpAddr::V4(Ipv4Addr::from(v4)) };
             let mtu = if version >= 2 { mtu } else { None };
             let second = (version >= 2 && !six).then(|| Ipv6Addr::from(v6));
             let offloads = if version >= 2 { offloads } else { None };
             let shard = (version >= 2).then_some(Shard { index: count.saturating_sub(1) / 2, count }).filter(|_| (1..=MAX_WORKERS).contains(&count));
-            let hello = Hello { version, tunnel_ip: ip, token, mtu, tunnel_ip_v6: second, offloads, shard };
+            let resume_token = if version >= 2 { resume } else { None };
+            let hello = Hello { version, tunnel_ip: ip, token, mtu, tunnel_ip_v6: second, offloads, shard, resume_token };
             let enc = hello.encode().expect("token fits");
             prop_assert_eq!(Hello::decode(&enc), Ok(hello));
         }

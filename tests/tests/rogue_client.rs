@@ -641,6 +641,7 @@ fn rogue_client_hello_without_the_leases_token_is_refused() {
                 tunnel_ip_v6: None,
                 offloads: None,
                 shard: None,
+                resume_token: None,
             }
             .encode()
             .expect("hello");

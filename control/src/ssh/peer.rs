@@ -151,6 +151,7 @@ pub async fn run(args: PeerArgs) -> i32 {
         tunnel_ip_v6: None,
         offloads: None,
         shard: None,
+        resume_token: None,
     };
     let mut out = Vec::new();
     if let Err(e) = hello

@@ -677,6 +677,7 @@ mod tests {
             tunnel_ip_v6: None,
             offloads: None,
             shard: None,
+            resume_token: None,
         };
         let mut wire = Vec::new();
         frame::encode_into(Kind::Hello, &hello.encode().expect("encode"), &mut wire)

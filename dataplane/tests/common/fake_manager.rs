@@ -200,6 +200,7 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                     }
                 }
                 Kind::Stats => panic!("the pump sent a stats frame (manager to laptop only)"),
+                Kind::Resume => panic!("the pump sent a resume frame (manager to laptop only)"),
                 // This test double never answers the hello's offload offer.
                 Kind::Gso => {
                     panic!("the pump sent a GSO frame to a manager that did not accept them")

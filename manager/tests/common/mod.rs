@@ -66,6 +66,15 @@ pub fn spawn_session(
 }
 
 pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
+    hello_frame_resumable(tunnel_ip, version, None)
+}
+
+/// [`hello_frame`] with hello option 5 (a resume token) when given.
+pub fn hello_frame_resumable(
+    tunnel_ip: IpAddr,
+    version: u16,
+    resume_token: Option<[u8; frame::RESUME_TOKEN_LEN]>,
+) -> Vec<u8> {
     let hello = Hello {
         version,
         tunnel_ip,
@@ -74,6 +83,7 @@ pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
         tunnel_ip_v6: None,
         offloads: None,
         shard: None,
+        resume_token,
     }
     .encode()
     .expect("hello encodes");
@@ -94,10 +104,38 @@ impl Laptop {
         pipe: DuplexStream,
         session: Option<JoinHandle<Result<Metrics, SessionError>>>,
     ) -> Self {
+        let hello = hello_frame(tunnel_ip, PROTOCOL_VERSION);
+        Self::with_pipe_hello(tunnel_ip, pipe, session, &hello).await
+    }
+
+    /// A laptop connected to a fresh manager session of `config` with `hello`.
+    pub async fn connect_with(tunnel_ip: IpAddr, config: SessionConfig, hello: &[u8]) -> Self {
+        let (pipe, session) = spawn_session(config);
+        Self::with_pipe_hello(tunnel_ip, pipe, Some(session), hello).await
+    }
+
+    /// The data connection breaks (both pipe ends of the laptop dropped: the
+    /// manager reads EOF) and the laptop re-dials a new session of `config`
+    /// with `hello`; the laptop's TCP/IP stack and its sockets stay.
+    pub async fn redial(&mut self, config: SessionConfig, hello: &[u8]) {
+        let (pipe, session) = spawn_session(config);
         let (rd, mut wr) = tokio::io::split(pipe);
-        wr.write_all(&hello_frame(tunnel_ip, PROTOCOL_VERSION))
-            .await
-            .expect("hello written");
+        wr.write_all(hello).await.expect("hello written");
+        self.rd = rd;
+        self.wr = wr;
+        self.rbuf.clear();
+        self.manager_closed = false;
+        self.session = Some(session);
+    }
+
+    pub async fn with_pipe_hello(
+        tunnel_ip: IpAddr,
+        pipe: DuplexStream,
+        session: Option<JoinHandle<Result<Metrics, SessionError>>>,
+        hello: &[u8],
+    ) -> Self {
+        let (rd, mut wr) = tokio::io::split(pipe);
+        wr.write_all(hello).await.expect("hello written");
         let mut device = QueueDevice::new(DEFAULT_MTU);
         let mut config = Config::new(HardwareAddress::Ip);
         config.random_seed = 0x001a_9707;
