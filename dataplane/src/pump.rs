@@ -60,7 +60,6 @@ use kvpn_proto::frame::{
     self, Decoder, FrameError, GSO_HEADER_LEN, HEADER_LEN, Kind, ManagerHello, OFFLOAD_TCP_GSO,
 };
 use kvpn_proto::gso::{self, GsoError};
-use kvpn_proto::lane;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -94,11 +93,6 @@ pub const READ_CHUNK_BYTES: usize = 256 * 1024;
 /// Bounds the memory per session to 4 × ~660 KiB outbound (TUN reads plus
 /// the segments of self-segmented super-packets) and 4 × 256 KiB inbound.
 pub const QUEUE_DEPTH: usize = 4;
-
-/// Frames of the small-packet lane in flight between `tun_reader` and
-/// `transport_writer` ([`kvpn_proto::lane`]); a small packet read while all
-/// are taken goes into the batch like any other.
-pub const SMALL_DEPTH: usize = 16;
 
 /// A packet device: the TUN device in production, a datagram socket in tests.
 ///
@@ -177,9 +171,6 @@ pub struct Counters {
     pub tx_bytes: AtomicU64,
     /// Outbound batches, i.e. vectored writes.
     pub tx_batches: AtomicU64,
-    /// Outbound packets sent in the small-packet lane, ahead of queued
-    /// batches ([`kvpn_proto::lane::is_small`]); counted in `tx_packets` too.
-    pub tx_small: AtomicU64,
     /// Inbound (cluster → laptop) packets written to the TUN.
     pub rx_packets: AtomicU64,
     /// Inbound IP bytes written to the TUN.
@@ -320,36 +311,6 @@ impl OutBatch {
         self.count == BATCH_PACKETS
             || self.buf_used >= BATCH_BYTES
             || self.framed.len() >= BATCH_BYTES
-    }
-
-    /// True when the last entry is a packet that takes the small-packet lane
-    /// ([`kvpn_proto::lane::is_small`]).
-    fn last_is_small(&self) -> bool {
-        self.count.checked_sub(1).is_some_and(|i| {
-            let e = self.entries[i];
-            e.kind == EntryKind::Packet && lane::is_small(&self.buf[e.start..e.end])
-        })
-    }
-
-    /// Moves the last entry, a packet read at `buf[read_start..]`, into
-    /// `frame` as a packet frame; its room in `buf` is reused.
-    fn take_last_small(&mut self, read_start: usize, frame: &mut Vec<u8>) -> bool {
-        let Some(i) = self.count.checked_sub(1) else {
-            return false;
-        };
-        let e = self.entries[i];
-        if e.kind != EntryKind::Packet {
-            return false;
-        }
-        frame.clear();
-        if frame::encode_into(Kind::Packet, &self.buf[e.start..e.end], frame).is_err() {
-            return false;
-        }
-        self.count = i;
-        self.buf_used = read_start;
-        self.packets -= 1;
-        self.ip_bytes -= (e.end - e.start) as u64;
-        true
     }
 
     fn push(&mut self, kind: EntryKind, start: usize, end: usize) {
@@ -580,12 +541,6 @@ where
     let (out_full_tx, out_full_rx) = mpsc::channel(QUEUE_DEPTH);
     let (in_free_tx, in_free_rx) = mpsc::channel(QUEUE_DEPTH);
     let (in_full_tx, in_full_rx) = mpsc::channel(QUEUE_DEPTH);
-    let (small_free_tx, small_free_rx) = mpsc::channel(SMALL_DEPTH);
-    let (small_tx, small_rx) = mpsc::channel(SMALL_DEPTH);
-    for _ in 0..SMALL_DEPTH {
-        // Cannot fail: the channel has room for exactly SMALL_DEPTH frames.
-        let _ = small_free_tx.try_send(Vec::with_capacity(HEADER_LEN + lane::SMALL_PACKET_MAX));
-    }
     for _ in 0..QUEUE_DEPTH {
         // Cannot fail: the channels have room for exactly QUEUE_DEPTH buffers.
         let _ = out_free_tx.try_send(OutBatch::new());
@@ -603,11 +558,6 @@ where
         tun.clone(),
         out_free_rx,
         out_full_tx,
-        Small {
-            free_rx: small_free_rx,
-            free_tx: small_free_tx.clone(),
-            tx: small_tx,
-        },
         liveness.clone(),
         refusal,
         counters.clone(),
@@ -617,7 +567,6 @@ where
         transport_tx,
         out_full_rx,
         out_free_tx,
-        (small_rx, small_free_tx),
         liveness.clone(),
         counters.clone(),
     ));
@@ -660,19 +609,10 @@ where
     exit
 }
 
-/// `tun_reader`'s end of the small-packet lane: free frames in, full out.
-struct Small {
-    free_rx: mpsc::Receiver<Vec<u8>>,
-    /// Gives a frame back to the pool when it was not used.
-    free_tx: mpsc::Sender<Vec<u8>>,
-    tx: mpsc::Sender<Vec<u8>>,
-}
-
 async fn tun_reader<T: PacketIo>(
     tun: Arc<T>,
     mut free_rx: mpsc::Receiver<OutBatch>,
     full_tx: mpsc::Sender<OutBatch>,
-    mut small: Small,
     liveness: Arc<Mutex<Liveness>>,
     refusal: Arc<Refusal>,
     counters: Arc<Counters>,
@@ -693,7 +633,6 @@ async fn tun_reader<T: PacketIo>(
         let mut dropped = 0;
         while !batch.is_full() {
             let start = batch.buf_used;
-            let before = batch.count;
             match tun.try_recv(&mut batch.buf[start..]) {
                 Ok(0) => continue,
                 Ok(n) if vnet => {
@@ -714,23 +653,6 @@ async fn tun_reader<T: PacketIo>(
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return PumpExit::Tun(e),
-            }
-            // A small packet skips the queued batches (not while
-            // reconnecting: then the batch's packets are refused in order).
-            if batch.count > before
-                && batch.last_is_small()
-                && let Ok(mut frame) = small.free_rx.try_recv()
-            {
-                if !lock(&liveness).is_reconnecting(Instant::now())
-                    && batch.take_last_small(start, &mut frame)
-                {
-                    // Cannot fail while the writer runs: the channel has room
-                    // for every frame; the writer gone ends the pump anyway.
-                    let _ = small.tx.try_send(frame);
-                } else {
-                    // Cannot fail: the frame came from this pool.
-                    let _ = small.free_tx.try_send(frame);
-                }
             }
         }
         Counters::add(&counters.tx_offload_dropped, dropped);
@@ -772,49 +694,10 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// Writes `first` and the small-packet frames queued behind it in one
-/// vectored write and gives the frames back to the pool.
-async fn write_small<W: AsyncWrite + Unpin>(
-    writer: &mut W,
-    first: Vec<u8>,
-    small_rx: &mut mpsc::Receiver<Vec<u8>>,
-    free_tx: &mpsc::Sender<Vec<u8>>,
-    counters: &Counters,
-) -> io::Result<()> {
-    let mut frames: [Vec<u8>; SMALL_DEPTH] = Default::default();
-    frames[0] = first;
-    let mut n = 1;
-    while n < SMALL_DEPTH {
-        match small_rx.try_recv() {
-            Ok(frame) => {
-                frames[n] = frame;
-                n += 1;
-            }
-            Err(_) => break,
-        }
-    }
-    let mut iov = [IoSlice::new(&[]); SMALL_DEPTH];
-    for (slot, frame) in iov.iter_mut().zip(&frames[..n]) {
-        *slot = IoSlice::new(frame);
-    }
-    let bytes: usize = frames[..n].iter().map(|f| f.len() - HEADER_LEN).sum();
-    write_all_vectored(writer, &mut iov[..n]).await?;
-    writer.flush().await?;
-    Counters::add(&counters.tx_packets, n as u64);
-    Counters::add(&counters.tx_small, n as u64);
-    Counters::add(&counters.tx_bytes, bytes as u64);
-    for frame in frames.into_iter().take(n) {
-        // Cannot fail: the frames came from this pool.
-        let _ = free_tx.try_send(frame);
-    }
-    Ok(())
-}
-
 async fn transport_writer<W: AsyncWrite + Unpin>(
     mut writer: W,
     mut full_rx: mpsc::Receiver<OutBatch>,
     free_tx: mpsc::Sender<OutBatch>,
-    (mut small_rx, small_free_tx): (mpsc::Receiver<Vec<u8>>, mpsc::Sender<Vec<u8>>),
     liveness: Arc<Mutex<Liveness>>,
     counters: Arc<Counters>,
 ) -> PumpExit {
@@ -845,12 +728,6 @@ async fn transport_writer<W: AsyncWrite + Unpin>(
                     }
                     Counters::add(&counters.heartbeats_sent, 1);
                     tracing::trace!(nonce = u64::from_be_bytes(nonce), "heartbeat sent");
-                }
-            }
-            // The small-packet lane goes before the next batch.
-            Some(frame) = small_rx.recv() => {
-                if let Err(e) = write_small(&mut writer, frame, &mut small_rx, &small_free_tx, &counters).await {
-                    return PumpExit::Transport(e);
                 }
             }
             batch = full_rx.recv() => {
@@ -1165,85 +1042,6 @@ mod tests {
             "10 queued packets must leave in one vectored write"
         );
         let bytes: usize = (0..10).map(len_for).sum();
-        assert_eq!(Counters::get(&counters.tx_bytes), bytes as u64);
-        pump.abort();
-    }
-
-    #[tokio::test]
-    async fn a_small_frame_queued_after_a_bulk_batch_is_written_first() {
-        let (full_tx, full_rx) = mpsc::channel(QUEUE_DEPTH);
-        let (free_tx, mut free_rx) = mpsc::channel(QUEUE_DEPTH);
-        let (small_tx, small_rx) = mpsc::channel(SMALL_DEPTH);
-        let (small_free_tx, mut small_free_rx) = mpsc::channel(SMALL_DEPTH);
-        // A bulk batch first, then a small frame (a UDP datagram).
-        let mut batch = OutBatch::new();
-        let bulk = packet(7, 9000);
-        batch.buf[..bulk.len()].copy_from_slice(&bulk);
-        batch.push_plain(0, bulk.len());
-        full_tx.send(batch).await.expect("queue the batch");
-        let small = udp_to_cluster(1);
-        assert!(lane::is_small(&small));
-        let mut frame = Vec::new();
-        frame::encode_into(Kind::Packet, &small, &mut frame).expect("frame");
-        small_tx.send(frame).await.expect("queue the small frame");
-        let (pump_end, manager_end) = tokio::io::duplex(1 << 20);
-        let counters = Arc::new(Counters::default());
-        let writer = tokio::spawn(transport_writer(
-            pump_end,
-            full_rx,
-            free_tx,
-            (small_rx, small_free_tx),
-            liveness_up(LONG),
-            counters.clone(),
-        ));
-        let mut frames = FrameReader::new(manager_end);
-        assert_eq!(frames.next_packet().await.as_deref(), Some(&small[..]));
-        assert_eq!(frames.next_packet().await.as_deref(), Some(&bulk[..]));
-        // Both buffers go back to their pools.
-        assert!(free_rx.recv().await.is_some());
-        assert!(small_free_rx.recv().await.is_some());
-        assert_eq!(Counters::get(&counters.tx_small), 1);
-        assert_eq!(Counters::get(&counters.tx_packets), 2);
-        assert_eq!(
-            Counters::get(&counters.tx_bytes),
-            (small.len() + bulk.len()) as u64
-        );
-        writer.abort();
-    }
-
-    #[tokio::test]
-    async fn small_packets_read_from_the_tun_take_the_small_lane() {
-        let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
-        // Bulk (not IP: never small), a small UDP datagram, bulk again.
-        let small = udp_to_cluster(3);
-        let sent = [packet(1, 1500), small.clone(), packet(2, 1500)];
-        for p in &sent {
-            app_side.send(p).await.expect("queue packet");
-        }
-        let (pump_end, manager_end) = tokio::io::duplex(1 << 20);
-        let (rx, tx) = tokio::io::split(pump_end);
-        let counters = Arc::new(Counters::default());
-        let pump = tokio::spawn(run(
-            Arc::new(tun_side),
-            rx,
-            tx,
-            liveness_up(LONG),
-            counters.clone(),
-            Arc::new(Refusal::default()),
-            PumpConfig::default(),
-        ));
-        let mut frames = FrameReader::new(manager_end);
-        let mut got = Vec::new();
-        for _ in 0..3 {
-            got.push(frames.next_packet().await.expect("a packet frame"));
-        }
-        // The bulk packets keep their order; the small one may go first.
-        let bulk: Vec<_> = got.iter().filter(|p| **p != small).cloned().collect();
-        assert_eq!(bulk, [sent[0].clone(), sent[2].clone()]);
-        assert!(got.contains(&small));
-        assert_eq!(Counters::get(&counters.tx_small), 1);
-        assert_eq!(Counters::get(&counters.tx_packets), 3);
-        let bytes: usize = sent.iter().map(Vec::len).sum();
         assert_eq!(Counters::get(&counters.tx_bytes), bytes as u64);
         pump.abort();
     }

@@ -35,7 +35,6 @@ use kvpn_proto::frame::{
     ManagerHello, OFFLOAD_TCP_GSO, PROTOCOL_VERSION, STATS_VERSION, Stats, stat,
 };
 use kvpn_proto::gso::{self, GsoKind};
-use kvpn_proto::lane;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, trace, warn};
@@ -79,10 +78,6 @@ const ROUND_BYTES: usize = 64 * 1024;
 /// (the flood-fairness measurement: `kvpn-bench --fairness-only`, bench/src/fairness.rs). 256 is still several bulk-TCP windows'
 /// worth of 9000-byte segments per round.
 const ROUND_FRAMES: usize = 256;
-
-/// Bytes of the intake's small-packet lane ([`kvpn_proto::lane`]): 64 KiB,
-/// about 700 pings or pure ACKs.
-pub const SMALL_INTAKE_BYTES: usize = 64 * 1024;
 
 /// Heartbeat echoes queued for the writer; the laptop sends one a second, so
 /// this only fills when the laptop stops reading (further echoes are dropped:
@@ -526,36 +521,12 @@ fn handle_frames(
     Ok(used)
 }
 
-/// Handle every whole frame of `buf` (a slice of [`ROUND_FRAMES`] at a time).
-fn handle_all(
-    buf: &[u8],
-    engine: &mut Engine,
-    out: &mut Vec<u8>,
-    now: Instant,
-    config: &SessionConfig,
-    gso: &mut GsoIntake,
-) -> Result<(), SessionError> {
-    let mut off = 0;
-    while off < buf.len() {
-        match handle_frames(&buf[off..], engine, out, now, config, usize::MAX, gso)? {
-            0 => break,
-            used => off += used,
-        }
-    }
-    Ok(())
-}
-
 /// Packet frames read from the laptop, waiting for the engine loop, and how
 /// the reader ended. Shared by the reader task and the engine loop.
 #[derive(Default)]
 struct Intake {
     /// Whole packet and GSO frames (headers included), at most [`INTAKE_BYTES`].
     frames: Vec<u8>,
-    /// The small-packet lane ([`lane::is_small`]: pings, pure ACKs, small
-    /// datagrams), at most [`SMALL_INTAKE_BYTES`]; the engine loop handles
-    /// these first, also between the slices of a long round. When it is full
-    /// they queue in `frames` like any other.
-    small: Vec<u8>,
     /// Packet frames dropped because `frames` was full.
     dropped: u64,
     /// Heartbeats read (and echoed) since the engine loop last looked.
@@ -580,9 +551,8 @@ impl IntakeShared {
     }
 }
 
-/// Sort the whole frames at the front of `buf` into the intake (packets, small
-/// ones into its small-packet lane) and the control queue (heartbeat echoes);
-/// returns the bytes used.
+/// Sort the whole frames at the front of `buf` into the intake (packets) and
+/// the control queue (heartbeat echoes); returns the bytes used.
 fn sort_frames(
     buf: &[u8],
     shared: &IntakeShared,
@@ -605,11 +575,6 @@ fn sort_frames(
                         "heartbeat echo dropped: the control queue is full (the laptop does not read)"
                     );
                 }
-            }
-            Kind::Packet
-                if lane::is_small(f.payload) && intake.small.len() + n <= SMALL_INTAKE_BYTES =>
-            {
-                intake.small.extend_from_slice(whole);
             }
             Kind::Packet | Kind::Gso => {
                 if intake.frames.len() + n <= INTAKE_BYTES {
@@ -933,7 +898,6 @@ where
     ));
     // The engine loop swaps its spent buffer for the intake's frames.
     let mut frames: Vec<u8> = Vec::new();
-    let mut small: Vec<u8> = Vec::new();
     // Other laptops' packets for this tunnel IP go straight to the writer.
     let _peer = config
         .peers
@@ -955,8 +919,6 @@ where
         let end = {
             let mut intake = intake.lock();
             std::mem::swap(&mut frames, &mut intake.frames);
-            small.clear();
-            std::mem::swap(&mut small, &mut intake.small);
             let m = engine.metrics_mut();
             m.heartbeats += std::mem::take(&mut intake.heartbeats);
             m.echoes_dropped += std::mem::take(&mut intake.echoes_dropped);
@@ -971,11 +933,9 @@ where
         // woken onto this worker thread (tokio's LIFO slot is not stolen by
         // the other worker), would otherwise not send a heartbeat echo for
         // seconds. Seen in tests/tests/flood.rs: echoes queued, no write.
-        // The small-packet lane first: a ping read after 2 MiB of bulk data
-        // does not wait for it.
-        let mut failed = handle_all(&small, &mut engine, &mut out, now, config, &mut gso).err();
         let mut off = 0;
-        while failed.is_none() && off < frames.len() {
+        let mut failed = None;
+        while off < frames.len() {
             match handle_frames(
                 &frames[off..],
                 &mut engine,
@@ -993,19 +953,6 @@ where
                 }
             }
             tokio::task::yield_now().await;
-            // Small packets read meanwhile go before the rest of the round,
-            // and what they ask of the kernel side (a ping sent) is done now.
-            small.clear();
-            std::mem::swap(&mut small, &mut intake.lock().small);
-            if !small.is_empty() {
-                if let Err(e) = handle_all(&small, &mut engine, &mut out, now, config, &mut gso) {
-                    failed = Some(e);
-                    break;
-                }
-                while let Some(request) = engine.poll_request() {
-                    kernel.apply(request);
-                }
-            }
         }
         if let Some(e) = failed {
             break Err(e);
@@ -1155,67 +1102,6 @@ mod tests {
         let mut payload = header.encode().to_vec();
         payload.extend_from_slice(packet);
         payload
-    }
-
-    #[test]
-    fn small_packets_read_after_bulk_go_to_the_small_lane() {
-        use crate::packet::test_support::{echo_request, tcp_segment, v4};
-        use smoltcp::wire::TcpControl;
-        let laptop = v4(LAPTOP.octets(), 40000);
-        let pod = v4([10, 244, 1, 20], 7007);
-        let bulk = tcp_segment(laptop, pod, TcpControl::None, 1, Some(1), &[7u8; 1400]);
-        let ack = tcp_segment(laptop, pod, TcpControl::None, 1401, Some(1), &[]);
-        let ping = echo_request(IpAddr::V4(LAPTOP), pod.ip(), 9, 1, &[0u8; 56]);
-        let mut wire = Vec::new();
-        for p in [&bulk, &bulk, &ping, &bulk, &ack] {
-            frame::encode_into(Kind::Packet, p, &mut wire).expect("frame");
-        }
-        let shared = IntakeShared {
-            intake: std::sync::Mutex::new(Intake::default()),
-            ready: tokio::sync::Notify::new(),
-        };
-        let (control_tx, _control_rx) = mpsc::channel(CONTROL_QUEUE);
-        assert_eq!(
-            sort_frames(&wire, &shared, &control_tx).expect("valid frames"),
-            wire.len()
-        );
-        let intake = shared.lock();
-        let payloads = |buf: &[u8]| {
-            let mut out = Vec::new();
-            let mut off = 0;
-            while let Some((f, n)) = Decoder::default().decode(&buf[off..]).expect("frame") {
-                out.push(f.payload.to_vec());
-                off += n;
-            }
-            out
-        };
-        assert_eq!(payloads(&intake.small), [ping.clone(), ack.clone()]);
-        assert_eq!(payloads(&intake.frames), [bulk.clone(), bulk.clone(), bulk]);
-    }
-
-    #[test]
-    fn a_full_small_lane_queues_small_packets_with_the_bulk() {
-        let ping = crate::packet::test_support::echo_request(
-            IpAddr::V4(LAPTOP),
-            IpAddr::V4(Ipv4Addr::new(10, 244, 1, 20)),
-            9,
-            1,
-            &[0u8; 56],
-        );
-        let mut one = Vec::new();
-        frame::encode_into(Kind::Packet, &ping, &mut one).expect("frame");
-        let fit = SMALL_INTAKE_BYTES / one.len();
-        let wire = one.repeat(fit + 3);
-        let shared = IntakeShared {
-            intake: std::sync::Mutex::new(Intake::default()),
-            ready: tokio::sync::Notify::new(),
-        };
-        let (control_tx, _control_rx) = mpsc::channel(CONTROL_QUEUE);
-        sort_frames(&wire, &shared, &control_tx).expect("valid frames");
-        let intake = shared.lock();
-        assert_eq!(intake.small.len(), fit * one.len());
-        assert_eq!(intake.frames.len(), 3 * one.len());
-        assert_eq!(intake.dropped, 0);
     }
 
     #[test]

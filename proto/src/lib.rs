@@ -9,8 +9,6 @@
 //! - [`gso`]: TCP segmentation of TUN super-packets and checksum completion
 //!   (`virtio_net_hdr` offloads), for the laptop's pump and the manager (pure,
 //!   no I/O).
-//! - [`lane`]: which packets take the data channel's small-packet lane (pure,
-//!   no I/O).
 //! - [`tunnel`]: the IPv6 tunnel IP of a dual-stack session, derived from its
 //!   IPv4 lease (pure, no I/O).
 //! - [`policy`]: the traffic manager's client-source policy ([`SourcePolicy`]),
@@ -32,7 +30,6 @@ pub mod device;
 pub mod frame;
 pub mod fuzzing;
 pub mod gso;
-pub mod lane;
 pub mod policy;
 pub mod tunnel;
 
