@@ -91,6 +91,12 @@ struct Args {
     /// Only the plain lab's rows (raw veth, kvpn direct, socat): no Kubernetes lab.
     #[arg(long)]
     plain_only: bool,
+    /// Only the latency figures of the plain lab, for iterating on the data path:
+    /// raw veth and kvpn direct (and `--workers N`) with TCP 1 and 4 streams up,
+    /// idle and busy ping RTT; no fairness, classifier or socat rows, no
+    /// Kubernetes lab.
+    #[arg(long)]
+    latency_only: bool,
 }
 
 const IPERF_PORT: u16 = 5201;
@@ -140,6 +146,8 @@ struct Bench {
     clk_tck: f64,
     load: Vec<serde_json::Value>,
     notes: std::cell::RefCell<Vec<String>>,
+    /// `--latency-only`: [`Bench::measure`] takes only the latency figures.
+    latency_only: bool,
 }
 
 fn laptop_output(lab: &Lab, args: &[&str]) -> Result<String> {
@@ -475,6 +483,9 @@ impl Bench {
     /// One row's figures for one round. `kvpn` holds the pids of kvpn's dataplane and
     /// manager for the kvpn CPU figure (empty on other rows).
     fn measure(&self, lab: &Lab, path: &str, t: Target, kvpn: &[u32]) -> Result<Sample> {
+        if self.latency_only {
+            return self.measure_latency(lab, path, t);
+        }
         println!("==> measuring {path}");
         let secs = self.seconds;
         let mut s = Sample::new();
@@ -527,6 +538,27 @@ impl Bench {
                 // The row's other figures stay; the failure is in the report.
                 Err(e) => self.note(format!("{path}: no UDP 64 B figure this round: {e:#}")),
             }
+        }
+        own_ratios(&mut s);
+        println!("    {s:?}");
+        Ok(s)
+    }
+
+    /// `--latency-only`: TCP 1 and 4 streams up, idle and busy ping RTT.
+    fn measure_latency(&self, lab: &Lab, path: &str, t: Target) -> Result<Sample> {
+        println!("==> measuring {path} (latency only)");
+        let mut s = Sample::new();
+        s.insert(
+            "tcp_1_gbps".into(),
+            iperf3_tcp(lab, t.iperf, self.seconds, 1, false)?,
+        );
+        s.insert(
+            "tcp_4_gbps".into(),
+            iperf3_tcp(lab, t.iperf, self.seconds, 4, false)?,
+        );
+        if let Some(ip) = t.icmp {
+            s.insert("idle_rtt_p50_ms".into(), self.ping_p50(lab, ip)?);
+            s.insert("busy_rtt_p50_ms".into(), self.busy_ping_p50(lab, t, ip)?);
         }
         own_ratios(&mut s);
         println!("    {s:?}");
@@ -768,8 +800,11 @@ fn plain_lab(
         for round in 1..=rounds {
             b.sample_load(&format!("before plain-lab round {round}"))?;
             let args: Vec<&str> = connect.iter().map(String::as_str).collect();
-            let fair = fairness::round(&lab, &mut laptop_a, b.seconds, b.clk_tck, &runtime, &args)?;
-            push(rows, fairness::ROW, "plain", fair);
+            if !b.latency_only {
+                let fair =
+                    fairness::round(&lab, &mut laptop_a, b.seconds, b.clk_tck, &runtime, &args)?;
+                push(rows, fairness::ROW, "plain", fair);
+            }
             if fairness_only {
                 continue;
             }
@@ -780,7 +815,7 @@ fn plain_lab(
                 "kvpn-direct",
                 pod,
                 || kvpn(&lab, &runtime, &args).map(|_| ()),
-                true,
+                !b.latency_only,
             )?;
             pair_with_baseline(&mut direct, &raw);
             let workers_row = format!("kvpn-direct-workers-{workers}");
@@ -793,13 +828,21 @@ fn plain_lab(
                     &workers_row,
                     pod,
                     || kvpn(&lab, &runtime, &sharded_args).map(|_| ()),
-                    true,
+                    !b.latency_only,
                 )?;
                 pair_with_baseline(&mut row, &raw);
                 Some(row)
             } else {
                 None
             };
+            if b.latency_only {
+                push(rows, "raw-veth", "plain", raw);
+                push(rows, "kvpn-direct", "plain", direct);
+                if let Some(row) = sharded {
+                    push(rows, &workers_row, "plain", row);
+                }
+                continue;
+            }
             let mut many = classifier_row(b, &lab, pod, &runtime, &connect)?;
             pair_ratio(&mut many, &direct, "tcp_1_gbps", "tcp_1_vs_1_route");
             pair_with_baseline(&mut many, &raw);
@@ -1110,6 +1153,7 @@ fn main() -> Result<()> {
         clk_tck: clk_tck(),
         load: Vec::new(),
         notes: Default::default(),
+        latency_only: args.latency_only,
     };
     let mut raw_rows: Rows = Vec::new();
     let started = Instant::now();
@@ -1125,7 +1169,7 @@ fn main() -> Result<()> {
     )
     .context("plain lab")
     .err();
-    if stopped.is_none() && !args.fairness_only && !args.plain_only {
+    if stopped.is_none() && !args.fairness_only && !args.plain_only && !args.latency_only {
         stopped = kube_lab(&mut b, args.rounds, &mut raw_rows)
             .context("Kubernetes lab")
             .err();
