@@ -1083,6 +1083,10 @@ impl Session {
         }
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the session's parts setup borrows, each used once; a struct would only rename them"
+    )]
     async fn setup(
         params: &SessionParams,
         workers: u16,

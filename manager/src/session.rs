@@ -936,11 +936,11 @@ where
     // the worker count, goes out before the manager's hello, because the
     // laptop reads frames up to that answer before its pump starts (and the
     // pump must see the manager's hello).
-    if let Some(s) = shard.filter(|_| hello.version >= STATS_VERSION) {
-        if let Some(answer) = stats_frame(&engine, Some(s)) {
-            // Cannot fail: the control queue is new and empty.
-            let _ = control_tx.try_send(answer);
-        }
+    if let Some(s) = shard.filter(|_| hello.version >= STATS_VERSION)
+        && let Some(answer) = stats_frame(&engine, Some(s))
+    {
+        // Cannot fail: the control queue is new and empty.
+        let _ = control_tx.try_send(answer);
     }
     if let Some(offered) = hello.offloads {
         let accepted = offered & OFFLOAD_TCP_GSO;
