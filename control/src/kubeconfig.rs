@@ -1297,9 +1297,9 @@ fn client_with_nodelay(config: kube::Config) -> Result<kube::Client, kube::Error
     let client: hyper_util::client::legacy::Client<_, kube::client::Body> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .build(connector);
-    let retry = config.default_retry.then(|| {
-        tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry())
-    });
+    let retry = config
+        .default_retry
+        .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(retry)

@@ -18,8 +18,9 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream};
 use std::time::{Duration, Instant};
 
+use kvpn_lab::k8s::workloads::DEV_NAMESPACE;
 use kvpn_lab::{ECHO_CLUSTER_IP, ECHO_SERVICE_PORT};
-use kvpn_tests::kube_lab::KubeFixture;
+use kvpn_tests::kube_lab::{KubeFixture, pod_ip};
 
 /// Sequential connections of the setup test.
 const CONNECTIONS: usize = 200;
@@ -94,5 +95,115 @@ fn short_connections_through_port_forward_never_stall() {
          (a delayed-ACK/Nagle stall on the path): {:?}",
         stalled.len(),
         &stalled[..stalled.len().min(20)]
+    );
+}
+
+/// The iperf3 server of the load test, in a web pod's netns; killed on drop.
+struct Iperf3Server(std::process::Child);
+
+impl Drop for Iperf3Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Port of the load test's iperf3 server (the web pods listen on 80 only).
+const IPERF_PORT: u16 = 5201;
+
+/// `sessions[0].liveness.transports_lost` of `kvpn status`.
+fn transports_lost(f: &KubeFixture) -> u64 {
+    let s = f.session();
+    s["liveness"]["transports_lost"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no liveness.transports_lost in {s:#}"))
+}
+
+/// iperf3 down (`-R`) with 1, 4 and 8 streams and up with 4 and 8 (the bench's
+/// runs) through the port-forward, back to back for `KVPN_PF_LOAD_SECS` seconds
+/// (default 30): every
+/// run completes (a data connection that broke under load re-dials, which by design
+/// ends the SNAT flows: iperf3's control connection then dies with "Connection
+/// reset by peer", the failure a bench run met), and no data connection was lost.
+#[test]
+fn iperf3_under_load_through_port_forward_keeps_the_data_connection() {
+    let f = KubeFixture::new();
+    let web = f
+        .pods(DEV_NAMESPACE, "app=web")
+        .into_iter()
+        .find(|p| p.status.as_ref().is_some_and(|s| s.pod_ip.is_some()))
+        .unwrap_or_else(|| panic!("no web pod with an IP"));
+    let ip = pod_ip(&web).to_string();
+    let netns = f.pod_netns(&web);
+    let mut cmd = netns.command("iperf3");
+    cmd.args(["-s", "-p", &IPERF_PORT.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let _server = Iperf3Server(
+        cmd.spawn()
+            .unwrap_or_else(|e| panic!("iperf3 server in {}: {e}", netns.name())),
+    );
+    f.connect_restricted();
+    f.wait_state("connected", Duration::from_secs(20));
+    let secs: u64 = std::env::var("KVPN_PF_LOAD_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let port = IPERF_PORT.to_string();
+    let runs: [&[&str]; 5] = [
+        &["-R"],
+        &["-R", "-P", "4"],
+        &["-R", "-P", "8"],
+        &["-P", "4"],
+        &["-P", "8"],
+    ];
+    let t0 = Instant::now();
+    let mut n = 0;
+    while t0.elapsed() < Duration::from_secs(secs) {
+        let extra = runs[n % runs.len()];
+        n += 1;
+        let mut args = vec!["iperf3", "-c", &ip, "-p", &port, "-t", "5"];
+        args.extend_from_slice(extra);
+        // The server may still be closing the previous test: "busy", retried.
+        let mut tries = 0;
+        let out = loop {
+            tries += 1;
+            let out = f.laptop(&args);
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if !out.status.success() && text.contains("server is busy") && tries < 10 {
+                std::thread::sleep(Duration::from_millis(300));
+                continue;
+            }
+            break (out.status.success(), text);
+        };
+        let last = out
+            .1
+            .lines()
+            .rev()
+            .find(|l| l.contains("receiver"))
+            .unwrap_or("");
+        eprintln!(
+            "run {n} {extra:?} at {:.0} s: {last}",
+            t0.elapsed().as_secs_f64()
+        );
+        assert!(
+            out.0,
+            "iperf3 {extra:?} (run {n}, after {:.0} s) failed: {}\nstatus: {:#}\n{}",
+            t0.elapsed().as_secs_f64(),
+            out.1,
+            f.session(),
+            f.diagnostics()
+        );
+    }
+    assert_eq!(
+        transports_lost(&f),
+        0,
+        "data connections lost during {n} iperf3 runs: {:#}\n{}",
+        f.session(),
+        f.diagnostics()
     );
 }
