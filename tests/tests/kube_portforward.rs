@@ -9,7 +9,9 @@
 //!   delayed ACK, 40 ms: one such stall per connection (the SYN-ACK's ACK and the
 //!   request go out together) capped the rate at ~25 connections/s. No single
 //!   connection may take 35 ms or more: that is a stall, a functional defect, not a
-//!   throughput figure (the lab does one in about 1–3 ms).
+//!   throughput figure (the lab does one in about 1–5 ms). [`SCHEDULING_SLACK`]
+//!   connections may, for a runner so overloaded that a thread waits that long for
+//!   a core; the defect stalled 117–167 of 200.
 //!
 //! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`) and the
 //! Kubernetes binaries of `scripts/build-kubernetes.sh`.
@@ -27,6 +29,11 @@ const CONNECTIONS: usize = 200;
 
 /// A connection that takes this long has met a delayed-ACK/Nagle stall (40 ms).
 const STALL: Duration = Duration::from_millis(35);
+
+/// Connections of [`CONNECTIONS`] allowed to reach [`STALL`] anyway (1 %): an
+/// overloaded machine's scheduling, not the path. A socket with Nagle on stalls
+/// more than half of them.
+const SCHEDULING_SLACK: usize = 2;
 
 /// One short connection: connect, 1 byte out, 1 byte echoed, close. Its duration.
 fn short_connection(to: SocketAddr) -> Result<Duration, String> {
@@ -90,7 +97,7 @@ fn short_connections_through_port_forward_never_stall() {
         stalled.len()
     );
     assert!(
-        stalled.is_empty(),
+        stalled.len() <= SCHEDULING_SLACK,
         "{} of {CONNECTIONS} connections through the port-forward took {STALL:?} or more \
          (a delayed-ACK/Nagle stall on the path): {:?}",
         stalled.len(),
@@ -150,7 +157,8 @@ fn iperf3_under_load_through_port_forward_keeps_the_data_connection() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(30);
     let port = IPERF_PORT.to_string();
-    let runs: [&[&str]; 5] = [
+    let runs: [&[&str]; 6] = [
+        &["-u", "-l", "64", "-b", "100M"],
         &["-R"],
         &["-R", "-P", "4"],
         &["-R", "-P", "8"],
