@@ -11,7 +11,9 @@
 //!   connection may take 35 ms or more: that is a stall, a functional defect, not a
 //!   throughput figure (the lab does one in about 1–5 ms). [`SCHEDULING_SLACK`]
 //!   connections may, for a runner so overloaded that a thread waits that long for
-//!   a core; the defect stalled 117–167 of 200.
+//!   a core (seen: 2 of 200 in a debug build next to another lab's iperf3); the
+//!   defect stalled 117–167 of 200. The load test of this file does not run at
+//!   the same time ([`SERIAL`]).
 //!
 //! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`) and the
 //! Kubernetes binaries of `scripts/build-kubernetes.sh`.
@@ -30,10 +32,14 @@ const CONNECTIONS: usize = 200;
 /// A connection that takes this long has met a delayed-ACK/Nagle stall (40 ms).
 const STALL: Duration = Duration::from_millis(35);
 
-/// Connections of [`CONNECTIONS`] allowed to reach [`STALL`] anyway (1 %): an
-/// overloaded machine's scheduling, not the path. A socket with Nagle on stalls
-/// more than half of them.
-const SCHEDULING_SLACK: usize = 2;
+/// Connections of [`CONNECTIONS`] allowed to reach [`STALL`] anyway (5 %): an
+/// overloaded machine's scheduling, not the path. A socket with Nagle on any hop
+/// stalls more than 40 % of them (84 of 200 with only the kube client's left on).
+const SCHEDULING_SLACK: usize = 10;
+
+/// The two tests of this file one at a time: the load test's iperf3 would take
+/// the cores the setup test's connections wait for.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// One short connection: connect, 1 byte out, 1 byte echoed, close. Its duration.
 fn short_connection(to: SocketAddr) -> Result<Duration, String> {
@@ -54,6 +60,9 @@ fn short_connection(to: SocketAddr) -> Result<Duration, String> {
 
 #[test]
 fn short_connections_through_port_forward_never_stall() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let f = KubeFixture::new();
     f.connect_restricted();
     f.wait_state("connected", Duration::from_secs(20));
@@ -134,6 +143,9 @@ fn transports_lost(f: &KubeFixture) -> u64 {
 /// reset by peer", the failure a bench run met), and no data connection was lost.
 #[test]
 fn iperf3_under_load_through_port_forward_keeps_the_data_connection() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let f = KubeFixture::new();
     let web = f
         .pods(DEV_NAMESPACE, "app=web")
