@@ -219,6 +219,12 @@ fn iperf3_under_load_through_port_forward_keeps_the_data_connection() {
             f.diagnostics()
         );
     }
+    // Where the UDP flood's losses happened (manager intake, flow caps), for the log.
+    let session = f.session();
+    eprintln!(
+        "manager drops: {}, liveness: {}",
+        session["manager_stats"]["drops"], session["liveness"]
+    );
     assert_eq!(
         transports_lost(&f),
         0,
