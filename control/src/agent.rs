@@ -249,6 +249,11 @@ impl OpenSession {
                             continue;
                         }
                     };
+                    // The relay writes every frame as soon as it arrives: Nagle
+                    // would hold the second of two back-to-back small frames (a
+                    // TCP handshake's last ACK, then the request) until the root
+                    // daemon's delayed ACK, 40 ms per connection through the tunnel.
+                    let _ = stream.set_nodelay(true);
                     if let Some((dialer, target)) = &ssh_direct {
                         let (dialer, target) = (dialer.clone(), *target);
                         forwards.spawn(async move {

@@ -1246,7 +1246,7 @@ impl KubeTarget {
     /// blocking thread; no request is sent.
     pub async fn client(&self) -> Result<kube::Client, Error> {
         let config = self.config().await?;
-        let built = tokio::task::spawn_blocking(move || kube::Client::try_from(config))
+        let built = tokio::task::spawn_blocking(move || client_with_nodelay(config))
             .await
             .map_err(|e| Error::Client {
                 context: self.selection.context.clone(),
@@ -1266,6 +1266,48 @@ impl KubeTarget {
             },
         })
     }
+}
+
+/// `kube::Client::try_from(config)` with TCP_NODELAY on its API server
+/// connections. kube's own builder leaves Nagle on, and every port-forward (the
+/// data channel, [`crate::agent`]) rides one of those connections as websocket
+/// messages: the second of two back-to-back small messages (a tunnelled TCP
+/// handshake's last ACK, then the request) waited for the API server's delayed
+/// ACK, 40 ms per tunnelled connection. Same layers as kube's builder (base URI,
+/// retry, auth, extra headers, connect/read/write timeouts) without its tracing
+/// spans; a proxied cluster (`proxy-url`) keeps kube's builder as it is. The one
+/// thing kube keeps private, the expiry of an exec plugin's client certificate
+/// (`Client::valid_until`), is not set; kvpn never reads it.
+fn client_with_nodelay(config: kube::Config) -> Result<kube::Client, kube::Error> {
+    use kube::client::ConfigExt as _;
+    use tower::ServiceBuilder;
+
+    if config.proxy_url.is_some() {
+        return kube::Client::try_from(config);
+    }
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    let https = config.rustls_https_connector_with_connector(http)?;
+    let mut connector = hyper_timeout::TimeoutConnector::new(https);
+    connector.set_connect_timeout(config.connect_timeout);
+    connector.set_read_timeout(config.read_timeout);
+    connector.set_write_timeout(config.write_timeout);
+    connector.set_reset_reader_on_write(config.reset_reader_on_write);
+    let client: hyper_util::client::legacy::Client<_, kube::client::Body> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build(connector);
+    let retry = config
+        .default_retry
+        .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(retry)
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(tower::BoxError::from)
+        .service(client);
+    Ok(kube::Client::new(service, config.default_namespace))
 }
 
 /// A ready client and what it talks to.

@@ -217,7 +217,11 @@ pub async fn connect_in_netns(
     .await
     .map_err(std::io::Error::other)?
     .map_err(std::io::Error::other)??;
-    socket.connect(addr).await
+    let stream = socket.connect(addr).await?;
+    // As the kubelet's runtime (Go, TCP_NODELAY by default): each websocket message
+    // goes to the pod at once, not held by Nagle behind an unacknowledged one.
+    stream.set_nodelay(true)?;
+    Ok(stream)
 }
 
 #[cfg(test)]
