@@ -97,6 +97,10 @@ struct Args {
     /// Kubernetes lab.
     #[arg(long)]
     latency_only: bool,
+    /// Only the SSH rows of the Kubernetes lab (raw veth, kvpn over SSH, sshuttle):
+    /// no plain lab, no port-forward or source-policy rows.
+    #[arg(long, conflicts_with_all = ["plain_only", "fairness_only", "latency_only"])]
+    ssh_only: bool,
 }
 
 const IPERF_PORT: u16 = 5201;
@@ -942,7 +946,8 @@ fn classifier_row(
 /// `--ssh-addr` to an sshd in the node netns (every kube call and the data channel,
 /// ssh-direct, checked in `kvpn status`, go through SSH); sshuttle through the same
 /// sshd to the pod CIDR (TCP only).
-fn kube_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
+/// `ssh_only`: only raw veth, kvpn over SSH and sshuttle.
+fn kube_lab(b: &mut Bench, rounds: u32, ssh_only: bool, rows: &mut Rows) -> Result<()> {
     println!("==> bringing up the Kubernetes lab");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -1001,29 +1006,35 @@ fn kube_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
             for round in 1..=rounds {
                 b.sample_load(&format!("before Kubernetes-lab round {round}"))?;
                 let raw = raw_row(b, lab, "raw-veth-k8s", pod)?;
-                let mut pf = b.kvpn_row(
-                    lab,
-                    "kvpn-port-forward",
-                    pod,
-                    || {
-                        // Explicit: a connect without the flag keeps the policy of the
-                        // last row's manager.
-                        kvpn(
-                            lab,
-                            &runtime,
-                            &[
-                                "connect",
-                                "--kubeconfig",
-                                &kubeconfig,
-                                "--source-policy",
-                                "snat",
-                            ],
-                        )
-                        .map(|_| ())
-                    },
-                    true,
-                )?;
-                pair_with_baseline(&mut pf, &raw);
+                let mut pf = if ssh_only {
+                    None
+                } else {
+                    Some(b.kvpn_row(
+                        lab,
+                        "kvpn-port-forward",
+                        pod,
+                        || {
+                            // Explicit: a connect without the flag keeps the policy of the
+                            // last row's manager.
+                            kvpn(
+                                lab,
+                                &runtime,
+                                &[
+                                    "connect",
+                                    "--kubeconfig",
+                                    &kubeconfig,
+                                    "--source-policy",
+                                    "snat",
+                                ],
+                            )
+                            .map(|_| ())
+                        },
+                        true,
+                    )?)
+                };
+                if let Some(pf) = &mut pf {
+                    pair_with_baseline(pf, &raw);
+                }
                 let mut over_ssh = b.kvpn_row(
                     lab,
                     "kvpn-ssh",
@@ -1056,21 +1067,25 @@ fn kube_lab(b: &mut Bench, rounds: u32, rows: &mut Rows) -> Result<()> {
                 let mut sshuttle = sshuttle?;
                 pair_with_baseline(&mut sshuttle, &raw);
                 pair_ratio(&mut over_ssh, &sshuttle, "tcp_1_gbps", "tcp_1_vs_sshuttle");
-                pair_ratio(&mut pf, &sshuttle, "tcp_1_gbps", "tcp_1_vs_sshuttle");
                 // The other source policies next to snat (kvpn-port-forward): the
                 // same path to the same pod, the manager rolled to each policy.
                 let mut policies = Vec::new();
-                for (path, policy) in [
-                    ("kvpn-ebpf-snat", "ebpf-snat"),
-                    ("kvpn-preserve", "preserve"),
-                ] {
-                    let mut row = b.policy_row(lab, path, pod, &kubeconfig, policy)?;
-                    pair_with_baseline(&mut row, &raw);
-                    pair_ratio(&mut row, &pf, "tcp_1_gbps", "tcp_1_vs_snat");
-                    policies.push((path, row));
+                if let Some(pf) = &mut pf {
+                    pair_ratio(pf, &sshuttle, "tcp_1_gbps", "tcp_1_vs_sshuttle");
+                    for (path, policy) in [
+                        ("kvpn-ebpf-snat", "ebpf-snat"),
+                        ("kvpn-preserve", "preserve"),
+                    ] {
+                        let mut row = b.policy_row(lab, path, pod, &kubeconfig, policy)?;
+                        pair_with_baseline(&mut row, &raw);
+                        pair_ratio(&mut row, pf, "tcp_1_gbps", "tcp_1_vs_snat");
+                        policies.push((path, row));
+                    }
                 }
                 push(rows, "raw-veth-k8s", "kubernetes", raw);
-                push(rows, "kvpn-port-forward", "kubernetes", pf);
+                if let Some(pf) = pf {
+                    push(rows, "kvpn-port-forward", "kubernetes", pf);
+                }
                 for (path, row) in policies {
                     push(rows, path, "kubernetes", row);
                 }
@@ -1160,17 +1175,21 @@ fn main() -> Result<()> {
     // A measurement that fails (a tool's error, a reset connection) stops the
     // run, but the rounds that finished are still reported, marked incomplete:
     // a long run is not thrown away for its last minute.
-    let mut stopped: Option<anyhow::Error> = plain_lab(
-        &mut b,
-        args.rounds,
-        args.workers,
-        args.fairness_only,
-        &mut raw_rows,
-    )
-    .context("plain lab")
-    .err();
+    let mut stopped: Option<anyhow::Error> = if args.ssh_only {
+        None
+    } else {
+        plain_lab(
+            &mut b,
+            args.rounds,
+            args.workers,
+            args.fairness_only,
+            &mut raw_rows,
+        )
+        .context("plain lab")
+        .err()
+    };
     if stopped.is_none() && !args.fairness_only && !args.plain_only && !args.latency_only {
-        stopped = kube_lab(&mut b, args.rounds, &mut raw_rows)
+        stopped = kube_lab(&mut b, args.rounds, args.ssh_only, &mut raw_rows)
             .context("Kubernetes lab")
             .err();
     }

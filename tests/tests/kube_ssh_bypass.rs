@@ -9,7 +9,9 @@
 //! On both: curl to the web ClusterIP works; killing the SSH connection (the sshd
 //! child serving it, by pid) and black-holing it (nftables drop in the laptop netns)
 //! make the session reconnect, redial SSH and carry traffic again within bounds;
-//! `kvpn uninstall` works through the jump host.
+//! `kvpn uninstall` works through the jump host. On the ssh-direct path also: the
+//! SSH connection has TCP_NODELAY (also after the redial) and 1-byte round trips
+//! through the tunnel do not stall on delayed ACKs.
 //!
 //! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`), the
 //! Kubernetes binaries of `scripts/build-kubernetes.sh` and openssh-server/-client.
@@ -42,6 +44,141 @@ const HOLE: Duration = Duration::from_secs(12);
 /// Traffic must flow again within this long after the hole healed: the agent's SSH
 /// redial may sit in a SYN retransmission (1 s, 3 s, 7 s apart) when the hole heals.
 const HEAL_RECOVERY: Duration = Duration::from_secs(30);
+
+/// 1-byte request/response round trips through the tunnel in
+/// [`small_round_trips`].
+const ROUND_TRIPS: usize = 200;
+
+/// A round trip this slow is a stall, not a slow machine: Linux delays an ACK by
+/// at least 40 ms, and a small SSH packet held back by Nagle's algorithm waits for
+/// just that ACK (the round trips here take about a millisecond).
+const STALL: Duration = Duration::from_millis(35);
+
+/// The most stalled round trips [`small_round_trips`] accepts: a Nagle/delayed-ACK
+/// defect stalls a large share of them; a few may stall on a busy machine.
+const MAX_STALLS: usize = ROUND_TRIPS / 20;
+
+/// The user daemon's TCP connections to `ssh_addr` (its SSH path's first hop)
+/// and whether each has TCP_NODELAY, read from the socket itself (`ss` does not
+/// show the option): the file descriptor is duplicated out of the daemon with
+/// `pidfd_getfd` (the test runs as root) and asked with `getsockopt`.
+fn ssh_sockets_nodelay(fx: &KubeFixture, ssh_addr: &str) -> Vec<(String, bool)> {
+    let mut found = Vec::new();
+    for pid in fx.user_daemon_pids() {
+        let out = fx.laptop(&["ss", "-Htnp", "state", "established"]);
+        for line in text(&out.stdout).lines() {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            // -H with a state filter: Recv-Q Send-Q Local Peer Process.
+            if cols.get(3) != Some(&ssh_addr) || !line.contains(&format!("pid={pid},")) {
+                continue;
+            }
+            let fd = line
+                .split(&format!("pid={pid},fd="))
+                .nth(1)
+                .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+                .and_then(|n| n.parse::<i32>().ok())
+                .unwrap_or_else(|| panic!("no fd in the ss line {line:?}"));
+            found.push((line.to_owned(), socket_nodelay(pid, fd)));
+        }
+    }
+    found
+}
+
+/// TCP_NODELAY of file descriptor `fd` of process `pid`.
+fn socket_nodelay(pid: u32, fd: i32) -> bool {
+    // SAFETY: plain syscalls on integers; every descriptor opened here is closed here.
+    unsafe {
+        let pidfd = libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) as libc::c_int;
+        assert!(
+            pidfd >= 0,
+            "pidfd_open({pid}): {}",
+            std::io::Error::last_os_error()
+        );
+        let own = libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) as libc::c_int;
+        let err = std::io::Error::last_os_error();
+        libc::close(pidfd);
+        assert!(own >= 0, "pidfd_getfd({pid}, {fd}): {err}");
+        let mut on: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        let r = libc::getsockopt(
+            own,
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&raw mut on).cast(),
+            &raw mut len,
+        );
+        let err = std::io::Error::last_os_error();
+        libc::close(own);
+        assert_eq!(r, 0, "getsockopt(TCP_NODELAY) on fd {fd} of {pid}: {err}");
+        on != 0
+    }
+}
+
+/// The user daemon's SSH connection to the first hop has TCP_NODELAY: without it
+/// a small SSH packet written while another is unacknowledged waits for sshd's
+/// delayed ACK (the ssh-direct path's idle ping took 16 ms, its connection setup
+/// ~40 ms, before it was set).
+fn assert_ssh_nodelay(fx: &KubeFixture, lab: &SshLab) {
+    let addr = lab.bastions[0].ssh_addr();
+    let sockets = ssh_sockets_nodelay(fx, &addr);
+    assert!(
+        !sockets.is_empty(),
+        "the user daemon holds no TCP connection to {addr}\n{}",
+        fx.diagnostics()
+    );
+    for (line, nodelay) in &sockets {
+        assert!(nodelay, "no TCP_NODELAY on the SSH connection {line}");
+    }
+}
+
+/// [`ROUND_TRIPS`] 1-byte requests to the echo Service through the tunnel, one at
+/// a time, each answered before the next: at most [`MAX_STALLS`] take [`STALL`]
+/// or longer. Returns the slowest.
+fn small_round_trips(fx: &KubeFixture) -> Duration {
+    use std::io::{Read, Write};
+    let echo = SocketAddr::from((
+        fx.lab().addressing().echo_cluster_ip(),
+        kvpn_lab::ECHO_SERVICE_PORT,
+    ));
+    let times = fx
+        .lab()
+        .netns_lab()
+        .run_in(
+            kvpn_lab::LAPTOP,
+            move || -> std::io::Result<Vec<Duration>> {
+                let mut s = std::net::TcpStream::connect_timeout(&echo, Duration::from_secs(5))?;
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(Duration::from_secs(5)))?;
+                let mut times = Vec::with_capacity(ROUND_TRIPS);
+                let mut b = [0u8; 1];
+                for i in 0..ROUND_TRIPS {
+                    let t0 = Instant::now();
+                    s.write_all(&[i as u8])?;
+                    s.read_exact(&mut b)?;
+                    times.push(t0.elapsed());
+                    if b[0] != i as u8 {
+                        return Err(std::io::Error::other(format!("echo of {i} was {}", b[0])));
+                    }
+                }
+                Ok(times)
+            },
+        )
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"))
+        .unwrap_or_else(|e| panic!("round trips to {echo}: {e}\n{}", fx.diagnostics()));
+    let mut sorted = times.clone();
+    sorted.sort();
+    let stalls = times.iter().filter(|t| **t >= STALL).count();
+    eprintln!(
+        "ssh-direct: {ROUND_TRIPS} 1-byte round trips to {echo}: p50 {:?}, max {:?}, {stalls} ≥ {STALL:?}",
+        sorted[ROUND_TRIPS / 2],
+        sorted[ROUND_TRIPS - 1]
+    );
+    assert!(
+        stalls <= MAX_STALLS,
+        "{stalls} of {ROUND_TRIPS} round trips took ≥ {STALL:?} (delayed-ACK stalls): {times:?}"
+    );
+    sorted[ROUND_TRIPS - 1]
+}
 
 /// The SSH flags for the first bastion, password login.
 fn ssh_flags(lab: &SshLab) -> Vec<String> {
@@ -259,8 +396,13 @@ fn sshd_on_a_node_reaches_the_manager_clusterip_so_the_data_channel_bypasses_the
         b.log()
     );
 
+    assert_ssh_nodelay(&fx, &lab);
+    small_round_trips(&fx);
+
     ssh_loss_and_recovery(&fx, &lab, Some(target));
     curl_web(&fx);
+    // The redialled SSH connection is set up the same way.
+    assert_ssh_nodelay(&fx, &lab);
     // No data connection ever took a port-forward through the API server.
     let logs = agent_logs(&fx);
     assert!(

@@ -236,7 +236,7 @@ pub async fn forward(
         tokio::time::sleep(OPEN_POLL).await;
     };
     let _ = laptop.set_nodelay(true);
-    tokio::io::copy_bidirectional(&mut laptop, &mut remote)
+    super::tunnel::relay(&mut laptop, &mut remote)
         .await
         .map_err(|e| ForwardError::Broken {
             hop: dialer.last_hop(),

@@ -104,10 +104,27 @@ impl Shared {
     async fn forward(&self, mut laptop: TcpStream) -> Result<(u64, u64), String> {
         let (host, port) = &self.target;
         let mut remote = self.open(host, *port).await.map_err(|e| e.to_string())?;
-        tokio::io::copy_bidirectional(&mut laptop, &mut remote)
+        relay(&mut laptop, &mut remote)
             .await
             .map_err(|e| e.to_string())
     }
+}
+
+/// Copy buffer per direction of [`relay`]: at least one SSH data packet (russh's
+/// channel writes take up to the server's maximum packet size, 32 KiB for
+/// OpenSSH), so every write to the channel is one full packet and every packet read
+/// from it one write to the local socket. tokio's default (8 KiB) cut each into
+/// four: four messages through russh's session task and four packets (MAC,
+/// header) on the wire for one.
+pub const RELAY_BUFFER: usize = 64 * 1024;
+
+/// Copies both ways between a local TCP connection and a channel until both ends
+/// closed; the bytes moved (local → channel, channel → local).
+pub async fn relay(
+    local: &mut TcpStream,
+    channel: &mut russh::ChannelStream<russh::client::Msg>,
+) -> std::io::Result<(u64, u64)> {
+    tokio::io::copy_bidirectional_with_sizes(local, channel, RELAY_BUFFER, RELAY_BUFFER).await
 }
 
 /// A running local forward through SSH to the API server. Dropping it stops the
