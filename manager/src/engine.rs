@@ -896,7 +896,7 @@ impl Engine {
                 None => true,
             };
             if !replace {
-                self.device.push_rx(buf.to_vec());
+                self.device.push_rx_copy(buf);
                 return;
             }
             // A new connection reuses the 4-tuple of a finished one.
@@ -915,7 +915,7 @@ impl Engine {
         }
         if !meta.is_initial_syn() {
             // No flow: smoltcp answers with RST (and ignores a stray RST).
-            self.device.push_rx(buf.to_vec());
+            self.device.push_rx_copy(buf);
             return;
         }
         match self.admit(self.tcp.len(), self.config.max_tcp_flows, true, now) {
@@ -1381,6 +1381,18 @@ impl Engine {
         self.metrics.packets_to_laptop += 1;
         self.metrics.bytes_to_laptop += p.len() as u64;
         Some(p)
+    }
+
+    /// Give back the buffer of a packet [`Engine::poll_transmit`] returned, once it
+    /// is framed: the engine reuses it, so a steady flow allocates no packet buffers.
+    pub fn recycle(&mut self, packet: Vec<u8>) {
+        self.device.recycle(packet);
+    }
+
+    /// Packet buffers the engine's device allocated so far (a steady flow reuses
+    /// them; see [`kvpn_proto::device`]).
+    pub fn packet_buffers_allocated(&self) -> u64 {
+        self.device.buffers_allocated()
     }
 
     /// The next request for the kernel side.

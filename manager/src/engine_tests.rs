@@ -1693,3 +1693,54 @@ fn dual_stack_session_accepts_both_tunnel_ips_and_answers_each_in_its_family() {
     assert!(h.reqs().is_empty());
     assert_eq!(h.e.metrics().dropped(DropReason::BadSource), 1);
 }
+
+/// A steady flow reuses the device's packet buffers: after the first round
+/// trips, relaying more data in both directions allocates no packet buffers
+/// (the session recycles every transmitted packet once it is framed).
+#[test]
+fn steady_flow_allocates_no_packet_buffers() {
+    let mut h = Harness::new();
+    let (mut c, _) = h.open(40009, backend());
+    let mut warm = 0;
+    let mut received = Vec::new();
+    for round in 0..400u32 {
+        if round == 20 {
+            warm = h.e.packet_buffers_allocated();
+        }
+        let up = round.to_be_bytes().repeat(250);
+        h.data(&mut c, &up);
+        assert_eq!(writes(&h.reqs(), c.flow), up, "round {round}: upload");
+        h.event(Event::TcpWritten {
+            flow: c.flow,
+            bytes: up.len(),
+        });
+        let down = (round ^ 0xffff_ffff).to_be_bytes().repeat(250);
+        h.event(Event::TcpData {
+            flow: c.flow,
+            data: down.clone(),
+        });
+        while let Some(p) = h.e.poll_transmit() {
+            let s = seg(&p);
+            if s.seq == c.rcv_nxt && !s.payload.is_empty() {
+                received.extend_from_slice(&s.payload);
+                c.rcv_nxt = c.rcv_nxt.wrapping_add(s.payload.len() as u32);
+            }
+            h.e.recycle(p);
+        }
+        h.ack(&mut c);
+        let _ = h.reqs();
+        while let Some(p) = h.e.poll_transmit() {
+            h.e.recycle(p);
+        }
+    }
+    let expected: Vec<u8> = (0..400u32)
+        .flat_map(|r| (r ^ 0xffff_ffff).to_be_bytes().repeat(250))
+        .collect();
+    assert!(received == expected, "download differs");
+    assert!(warm > 0, "the first rounds allocate");
+    assert_eq!(
+        h.e.packet_buffers_allocated(),
+        warm,
+        "380 more round trips allocated packet buffers"
+    );
+}

@@ -1067,6 +1067,7 @@ where
                 // The engine builds packets within the frame limit; smoltcp's are MTU-sized.
                 debug!(bytes = packet.len(), "packet too large for a frame");
             }
+            engine.recycle(packet);
         }
         peak_flows = peak_flows.max(engine.flows());
         config
