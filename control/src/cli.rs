@@ -52,7 +52,8 @@ pub enum Command {
     /// Show sessions: state, routes, counters.
     ///
     /// A session is "connected" once the traffic manager echoed a heartbeat
-    /// (one every 1 s) and "reconnecting" after 3 s without an echo. While it is
+    /// (one every 1 s), and "reconnecting" as soon as a data connection drops or
+    /// after 3 s without an echo. While it is
     /// reconnecting, kvpn re-dials (pauses of at most 2 s) and answers packets to
     /// cluster routes with ICMP host unreachable, so connections fail at once
     /// with "No route to host" instead of hanging; traffic resumes on its own

@@ -670,6 +670,12 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                         s.workers, s.workers_connected
                     );
                 }
+                if s.resumes > 0 || s.resumes_lost > 0 {
+                    println!(
+                        "    re-dials: {} resumed their flows, {} lost them (manager restarted or its grace period over)",
+                        s.resumes, s.resumes_lost
+                    );
+                }
                 match &s.route_source {
                     Some(r) if r.reason.is_empty() => println!(
                         "    routes from {} ({} Services; pod CIDRs from {})",

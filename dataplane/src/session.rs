@@ -226,11 +226,12 @@ impl DataPeer {
     pub fn loss_reason(self, target: &str, exit: &pump::PumpExit) -> String {
         match (self, exit) {
             (DataPeer::UserDaemon, pump::PumpExit::TransportClosed) => format!(
-                "the user daemon's port-forward listener at {target} closed the data connection \
-                 (the user daemon or its port-forward to the manager pod ended)"
+                "the user daemon's listener at {target} closed the data connection \
+                 (the user daemon or its port-forward or SSH path to the manager pod ended)"
             ),
             (DataPeer::UserDaemon, pump::PumpExit::Transport(e)) => format!(
-                "data connection to the user daemon's port-forward listener at {target} failed: {e}"
+                "data connection to the user daemon's listener at {target} (its port-forward or SSH \
+                 path to the manager pod) failed: {e}"
             ),
             _ => exit.to_string(),
         }
@@ -455,7 +456,8 @@ fn dial_error(target: &str, cause: &std::io::Error, peer: DataPeer) -> String {
             format!("cannot reach the traffic manager at {target}: {cause} — {fix}")
         }
         DataPeer::UserDaemon => format!(
-            "cannot reach the user daemon's port-forward listener at {target}: {cause} — {fix}"
+            "cannot reach the user daemon's listener at {target} (its port-forward or SSH path to \
+             the manager pod): {cause} — {fix}"
         ),
     }
 }
@@ -1836,6 +1838,8 @@ async fn supervise(
     let mut next = first;
     let mut backoff = REDIAL_BACKOFF.0;
     let mut refuser = Refuser(None);
+    // Workers 1.. dial their first connection in this loop: not a re-dial.
+    let mut ever_connected = next.is_some();
     let set_down = |reason: String| {
         worker
             .liveness
@@ -1856,7 +1860,11 @@ async fn supervise(
                 };
                 match dialled {
                     Ok(s) => {
-                        tracing::info!(manager = %target, "data connection re-established");
+                        if ever_connected {
+                            tracing::info!(manager = %target, "data connection re-established");
+                        } else {
+                            tracing::info!(manager = %target, "data connection established");
+                        }
                         s
                     }
                     Err(reason) => {
@@ -1873,6 +1881,7 @@ async fn supervise(
             }
         };
         refuser.stop().await;
+        ever_connected = true;
         worker
             .liveness
             .lock()
@@ -1941,7 +1950,7 @@ mod tests {
         let err = dial_peer(&target, DataPeer::UserDaemon, DIAL_TIMEOUT)
             .await
             .expect_err("nothing listens there");
-        assert!(err.contains("user daemon's port-forward listener"), "{err}");
+        assert!(err.contains("user daemon's listener at"), "{err}");
         assert!(err.contains(&target), "{err}");
         assert!(err.contains("connection refused"), "{err}");
         assert!(err.contains("kvpn status"), "{err}");
@@ -2062,7 +2071,7 @@ mod tests {
         let target = "127.0.0.1:40000";
         let closed = DataPeer::UserDaemon.loss_reason(target, &pump::PumpExit::TransportClosed);
         assert!(
-            closed.contains("user daemon's port-forward listener at 127.0.0.1:40000"),
+            closed.contains("user daemon's listener at 127.0.0.1:40000"),
             "{closed}"
         );
         assert!(!closed.contains("traffic manager closed"), "{closed}");
@@ -2071,7 +2080,7 @@ mod tests {
             &pump::PumpExit::Transport(std::io::Error::from_raw_os_error(libc::ECONNRESET)),
         );
         assert!(
-            reset.contains("user daemon's port-forward listener"),
+            reset.contains("user daemon's listener at 127.0.0.1:40000 (its port-forward or SSH"),
             "{reset}"
         );
         let direct = DataPeer::Manager.loss_reason(target, &pump::PumpExit::TransportClosed);

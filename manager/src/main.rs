@@ -101,7 +101,8 @@ struct Args {
     /// connections it dialed to pods) is kept for the laptop's re-dial: a
     /// laptop worker that re-dials with the same resume token (hello option 5)
     /// within it gets its flows back instead of losing them. 0 turns resuming
-    /// off (today's behaviour: a re-dial starts with no flows).
+    /// off: every re-dial then starts with no flows (the laptop's open
+    /// connections through the tunnel are lost).
     #[arg(long, env = "KVPN_RESUME_GRACE_MS", default_value_t = kvpn_manager::resume::DEFAULT_GRACE.as_millis() as u64)]
     resume_grace_ms: u64,
     /// Most engines parked for a resume at once (the oldest is dropped

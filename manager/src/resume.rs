@@ -4,7 +4,7 @@
 //! of that worker. When such a connection ends (the port-forward broke, the
 //! socket was killed), its session does not drop its engine (the smoltcp TCP
 //! sockets, the kernel connections they dialed to pods, their timers): it
-//! parks it here for the grace period (`kvpn-manager --resume-grace`). The
+//! parks it here for the grace period (`kvpn-manager --resume-grace-ms`). The
 //! next connection of the same tunnel IP and worker whose hello carries the
 //! same resume token and the same lease token takes it back, so in-flight TCP
 //! is simply retransmitted by both ends instead of reset (or, for a flow that
@@ -40,7 +40,7 @@ use tracing::{debug, info};
 
 use crate::metrics::ManagerCounters;
 
-/// Default of `--resume-grace`: how long an ended connection's engine waits
+/// Default of `--resume-grace-ms`: how long an ended connection's engine waits
 /// for the laptop's re-dial (a re-dial takes well under a second; a broken
 /// port-forward a few seconds).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(30);

@@ -148,6 +148,11 @@ fn download_survives_killed_connections(workers: u16) {
     assert_eq!(session["liveness"]["transports_lost"], n, "{session}");
     assert_eq!(session["resumes"], n, "{session}");
     assert_eq!(session["resumes_lost"], 0, "{session}");
+    let table = text(&f.kvpn(&["status"]).stdout);
+    assert!(
+        table.contains(&format!("re-dials: {n} resumed their flows, 0 lost them")),
+        "the status table shows the resumes: {table}"
+    );
     for w in 0..workers {
         assert!(
             f.daemon_log()
