@@ -170,8 +170,9 @@ fn bench_harness_produces_every_row_and_metric() {
     assert_eq!(report["rounds"], 1);
     assert_eq!(report["load"]["max_busy_threshold"], 0.25);
     assert!(
-        report["load"]["samples"].as_array().map(Vec::len) == Some(4),
-        "one load sample before each lab's round and after each lab's last: {}",
+        report["load"]["samples"].as_array().map(Vec::len) == Some(5),
+        "one load sample before each lab's round (the plain lab's fairness round too) and \
+         after each lab's last: {}",
         report["load"]
     );
     assert!(

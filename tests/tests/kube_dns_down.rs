@@ -81,6 +81,22 @@ fn cluster_dns_fails_fast_while_reconnecting_and_the_laptops_dns_keeps_working()
     assert_eq!(getent(&f, "web.default").as_deref(), Some(web.as_str()));
     let before = dns_counters(&f);
     assert_eq!(before["unreachable"], 0, "{before:#}");
+    // The forwarder knows a namespace exists once the route watch reported a
+    // Service in it: wait for kube-system's (kube-dns) before the outage, or
+    // `kube-dns.kube-system` below is not yet a cluster name (a race the
+    // faster port-forward made visible: it went upstream, REFUSED).
+    let t0 = Instant::now();
+    while !f.session()["services"]
+        .as_array()
+        .is_some_and(|v| v.iter().any(|s| s["namespace"] == "kube-system"))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the route watch never reported a Service in kube-system: {:#}",
+            f.session()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     // --- the hole opens
     let mut hole = BlackHole::open(&f);

@@ -602,6 +602,18 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
         .args
         .get_or_insert_with(Vec::new)
         .push("--snat-idle-timeout=1s".into());
+    // A closed flow keeps its port for the idle timeout plus up to a sweep
+    // (1 s each here), so at R connections/s about 2R ports per destination
+    // are taken. Since port-forward lost its 40 ms Nagle stall, this test's
+    // 8 threads reach ~2,000 connections/s, which fills most of the default
+    // 4,536 ports (61000-65535) to the one backend, and random probing
+    // (SNAT_PORT_TRIES) then misses now and then. A range of 15,536 ports
+    // keeps the claim under test — short connections never go without a
+    // port and the tables empty — independent of the transport's speed.
+    container
+        .args
+        .get_or_insert_with(Vec::new)
+        .push("--snat-ports=50000-65535".into());
     f.block_on(deployments.replace("kvpn-manager", &PostParams::default(), &d))
         .unwrap_or_else(|e| panic!("update the manager Deployment: {e}"));
     let short = f.wait_manager_pod(Duration::from_secs(90), |p| pod_name(p) != pod_name(&first));
