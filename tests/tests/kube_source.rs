@@ -627,7 +627,16 @@ fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
     // The sweeper publishes once a second: read the table right after the run.
     std::thread::sleep(Duration::from_millis(1100));
     let live_after_run = manager_metric(&f, &short, "ebpf_snat_flows");
-    let new_flows = manager_metric(&f, &short, "ebpf_snat_new_flows_total") - flows_before;
+    // The counter only grows; the sweeper publishes it once a second, so a
+    // read right after the run can miss the last flows: poll a little.
+    let t_count = Instant::now();
+    let new_flows = loop {
+        let n = manager_metric(&f, &short, "ebpf_snat_new_flows_total") - flows_before;
+        if n >= 10_000 || t_count.elapsed() > Duration::from_secs(5) {
+            break n;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
     let exhausted = manager_metric(&f, &short, "ebpf_snat_ports_exhausted_total");
     eprintln!(
         "ebpf-snat: 10000 short connections in {took:?} ({failed} failed), {new_flows} new flows, \
