@@ -665,14 +665,27 @@ impl<R: AsyncRead + Unpin> LaptopReader<R> {
         }
     }
 
-    /// Wait for bytes from the laptop (or its silence for `idle_timeout`).
-    /// Cancel-safe: nothing is read unless it completes.
+    /// Wait for bytes from the laptop. Cancel-safe: nothing is read unless
+    /// it completes.
     async fn readable(&mut self) -> io::Result<usize> {
         self.rbuf.reserve(READ_CHUNK);
-        let deadline = self.last_read + self.idle_timeout;
-        match tokio::time::timeout_at(deadline, self.rd.read_buf(&mut self.rbuf)).await {
-            Ok(read) => read,
-            Err(_) => Err(io::Error::from(io::ErrorKind::TimedOut)),
+        self.rd.read_buf(&mut self.rbuf).await
+    }
+
+    /// When the session ends for the laptop's silence, unless a byte comes.
+    fn silent_at(&self) -> tokio::time::Instant {
+        self.last_read + self.idle_timeout
+    }
+
+    /// `silence` fired: end the session if nothing came for `idle_timeout`,
+    /// else set it again for the new deadline (one timer for the whole
+    /// session, not one per read or engine round).
+    fn check_silence(&mut self, silence: std::pin::Pin<&mut tokio::time::Sleep>) {
+        let at = self.silent_at();
+        if at <= tokio::time::Instant::now() {
+            self.intake.end = Some(Err(SessionError::Silent(self.idle_timeout)));
+        } else {
+            silence.reset(at);
         }
     }
 
@@ -691,9 +704,6 @@ impl<R: AsyncRead + Unpin> LaptopReader<R> {
             Ok(_) => {
                 self.last_read = tokio::time::Instant::now();
                 self.sort();
-            }
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                self.intake.end = Some(Err(SessionError::Silent(self.idle_timeout)));
             }
             Err(e) => self.intake.end = Some(Err(SessionError::Read(e))),
         }
@@ -1050,6 +1060,8 @@ where
         config.stats_interval,
     );
     stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let silence = tokio::time::sleep_until(reader.silent_at());
+    tokio::pin!(silence);
     let mut stats_frames = tokio::time::interval(STATS_FRAME_INTERVAL);
     stats_frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
@@ -1166,6 +1178,7 @@ where
             .map(|t| tokio::time::Instant::now() + t.saturating_duration_since(Instant::now()));
         tokio::select! {
             read = reader.readable(), if reader.open() => reader.handle_read(read),
+            () = &mut silence, if reader.open() => reader.check_silence(silence.as_mut()),
             Some(event) = events_rx.recv() => {
                 let queued = u64::try_from(events_rx.len() + 1).unwrap_or(u64::MAX);
                 let m = engine.metrics_mut();
