@@ -1260,6 +1260,66 @@ mod tests {
 
     use super::*;
 
+    async fn next_frame(rd: &mut tokio::io::DuplexStream, buf: &mut Vec<u8>) -> (Kind, Vec<u8>) {
+        loop {
+            if let Some((f, n)) = Decoder::default().decode(buf).expect("valid frames") {
+                let found = (f.kind, f.payload.to_vec());
+                buf.drain(..n);
+                return found;
+            }
+            assert!(rd.read_buf(buf).await.expect("read") > 0, "manager closed");
+        }
+    }
+
+    /// The engine loop reads the laptop's stream itself: heartbeats are echoed,
+    /// every read puts the silence deadline off, and `idle_timeout` without a
+    /// byte ends the session.
+    #[tokio::test]
+    async fn heartbeats_are_echoed_and_silence_ends_the_session() {
+        let config = SessionConfig {
+            idle_timeout: Duration::from_millis(400),
+            ..SessionConfig::default()
+        };
+        let (mut laptop, manager) = tokio::io::duplex(1 << 16);
+        let session = tokio::spawn(async move { run_session(manager, &config).await });
+        let hello = Hello::new(PROTOCOL_VERSION, LAPTOP.into())
+            .encode()
+            .expect("hello encodes");
+        let mut wire = Vec::new();
+        frame::encode_into(Kind::Hello, &hello, &mut wire).expect("fits");
+        laptop.write_all(&wire).await.expect("hello sent");
+        let start = tokio::time::Instant::now();
+        let mut rbuf = Vec::new();
+        // Four heartbeats 250 ms apart: a session of 1 s, over twice the
+        // idle timeout, kept up by the reads alone.
+        for nonce in 1u64..=4 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let mut heartbeat = Vec::new();
+            frame::encode_into(Kind::Heartbeat, &nonce.to_be_bytes(), &mut heartbeat)
+                .expect("fits");
+            laptop.write_all(&heartbeat).await.expect("heartbeat sent");
+            loop {
+                match next_frame(&mut laptop, &mut rbuf).await {
+                    (Kind::Heartbeat, echo) => {
+                        assert_eq!(echo, nonce.to_be_bytes());
+                        break;
+                    }
+                    (Kind::Stats, _) => {}
+                    (kind, _) => panic!("unexpected frame {kind:?}"),
+                }
+            }
+        }
+        let ended = tokio::time::timeout(Duration::from_secs(10), session)
+            .await
+            .expect("the silent session ends")
+            .expect("session task");
+        assert!(
+            matches!(ended, Err(SessionError::Silent(_))),
+            "ended with {ended:?}"
+        );
+        assert!(start.elapsed() >= Duration::from_millis(1400));
+    }
+
     const LAPTOP: Ipv4Addr = Ipv4Addr::new(100, 96, 0, 2);
 
     /// An IPv4 TCP ACK with `payload` from the laptop to a pod, as a TSO

@@ -76,14 +76,8 @@ pub fn hello_frame_resumable(
     resume_token: Option<[u8; frame::RESUME_TOKEN_LEN]>,
 ) -> Vec<u8> {
     let hello = Hello {
-        version,
-        tunnel_ip,
-        token: Vec::new(),
-        mtu: None,
-        tunnel_ip_v6: None,
-        offloads: None,
-        shard: None,
         resume_token,
+        ..Hello::new(version, tunnel_ip)
     }
     .encode()
     .expect("hello encodes");
@@ -415,6 +409,11 @@ impl ManagerProcess {
             }
         };
         me
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Waits up to `within` for a log line containing `needle`.
