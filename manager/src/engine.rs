@@ -215,6 +215,9 @@ pub struct EngineConfig {
     /// The laptop's TUN MTU (bytes, from the hello): packets the manager builds
     /// for the laptop are fragmented to it. [`MIN_LAPTOP_MTU`]..=[`DEFAULT_MTU`].
     pub laptop_mtu: usize,
+    /// smoltcp receive buffer per TCP flow, bytes: the window the laptop's
+    /// sender may fill ([`TCP_RX_BUFFER`] unless the manager's `--tcp-window`).
+    pub tcp_window: usize,
 }
 
 impl EngineConfig {
@@ -253,6 +256,7 @@ impl EngineConfig {
             icmp_errors_per_sec: limit::ICMP_ERRORS_PER_SEC,
             icmp_error_burst: limit::ICMP_ERROR_BURST,
             laptop_mtu: DEFAULT_MTU,
+            tcp_window: TCP_RX_BUFFER,
         }
     }
 }
@@ -1132,7 +1136,7 @@ impl Engine {
                 // The dial's failed-flow token was not needed.
                 self.failed_flows.give_back();
                 let mut socket = tcp::Socket::new(
-                    tcp::SocketBuffer::new(vec![0u8; TCP_RX_BUFFER]),
+                    tcp::SocketBuffer::new(vec![0u8; self.config.tcp_window]),
                     tcp::SocketBuffer::new(vec![0u8; TCP_TX_BUFFER]),
                 );
                 // The laptop's kernel does its own Nagle; delaying here only adds latency.

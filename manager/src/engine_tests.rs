@@ -42,6 +42,16 @@ impl Harness {
         }
     }
 
+    fn with_tcp_window(bytes: usize) -> Self {
+        let now = Instant::now();
+        let mut config = EngineConfig::new(IpAddr::V4(LAPTOP.into()), 7);
+        config.tcp_window = bytes;
+        Self {
+            e: Engine::new(config, now),
+            now,
+        }
+    }
+
     fn send(&mut self, pkt: Vec<u8>) {
         self.e.handle_laptop_packet(&pkt, self.now);
         self.e.poll(self.now);
@@ -421,6 +431,40 @@ fn grants_never_exceed_free_send_buffer() {
         "credit beyond the unacknowledged buffer"
     );
     assert_eq!(credit, 0);
+}
+
+/// The SYN-ACK's window (the laptop's SYN offers no scaling, so the field is
+/// the window in bytes, at most 65,535) after a dial, for an engine whose
+/// flows get `tcp_window` bytes of receive buffer.
+fn synack_window(tcp_window: usize) -> u16 {
+    let mut h = Harness::with_tcp_window(tcp_window);
+    h.send(tcp_segment(
+        laptop(40020),
+        backend(),
+        TcpControl::Syn,
+        1000,
+        None,
+        &[],
+    ));
+    let reqs = h.reqs();
+    let [Request::TcpDial { flow, .. }] = reqs[..] else {
+        panic!("expected one dial, got {reqs:?}");
+    };
+    h.event(Event::TcpDialed {
+        flow,
+        result: Ok(()),
+    });
+    let out = h.out();
+    let synack = seg(&out[0]);
+    assert!(synack.syn && synack.ack, "{synack:?}");
+    synack.window
+}
+
+#[test]
+fn tcp_window_sizes_the_advertised_receive_window() {
+    assert_eq!(synack_window(16 * 1024), 16 * 1024);
+    assert_eq!(synack_window(40_000), 40_000);
+    assert_eq!(synack_window(TCP_RX_BUFFER), u16::MAX);
 }
 
 #[test]

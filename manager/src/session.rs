@@ -130,6 +130,8 @@ pub struct SessionConfig {
     /// How often a live session logs its flow counts, limits and the
     /// manager's memory (the manager's metrics log, `session stats`).
     pub stats_interval: Duration,
+    /// smoltcp receive buffer per TCP flow ([`EngineConfig::tcp_window`]).
+    pub tcp_window: usize,
     /// The manager-wide counters (refused hellos, drops of every session),
     /// served by [`crate::metrics_server`]. Clones share them.
     pub counters: Arc<ManagerCounters>,
@@ -167,6 +169,7 @@ impl Default for SessionConfig {
             new_flow_burst: crate::limit::NEW_FLOW_BURST,
             failed_dials_per_sec: crate::limit::FAILED_FLOWS_PER_SEC,
             stats_interval: Duration::from_secs(10),
+            tcp_window: crate::engine::TCP_RX_BUFFER,
             counters: Arc::default(),
             resumes: Resumes::off(),
         }
@@ -851,6 +854,7 @@ where
         .clamp(crate::engine::MIN_LAPTOP_MTU, crate::engine::DEFAULT_MTU);
     info!(laptop_mtu = engine_config.laptop_mtu, "session started");
     engine_config.allow_loopback = config.allow_loopback;
+    engine_config.tcp_window = config.tcp_window;
     // A laptop with N worker connections (hello option 3) gets one engine (one
     // smoltcp interface) per connection, so one worker's flows never wait on
     // another's; the per-client limits are split evenly over them (a fixed
