@@ -54,9 +54,7 @@ pub const FIRST_ECHO_WAIT: std::time::Duration = std::time::Duration::from_secs(
 /// it ("connected" is never claimed before that). `Ok(None)` once connected;
 /// `Ok(Some(session))` with its last state when `within` passed first.
 pub async fn wait_first_echo(
-    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
-        tonic::transport::Channel,
-    >,
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<crate::daemon_channel::DaemonChannel>,
     id: &str,
     within: std::time::Duration,
 ) -> Result<Option<Session>> {
@@ -82,9 +80,7 @@ pub async fn wait_first_echo(
 /// Tell the user how the session stands after Connect: "Connected …" only after
 /// the first heartbeat echo, else what it is waiting for.
 pub async fn report_connected(
-    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
-        tonic::transport::Channel,
-    >,
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<crate::daemon_channel::DaemonChannel>,
     id: &str,
     connected_line: &str,
 ) -> Result<()> {
@@ -247,7 +243,7 @@ pub fn ignored_flags_warning(flags: &[&str]) -> Option<String> {
 /// user-side half (port-forward, route watch) is gone or lost can never carry
 /// traffic again; it is replaced.
 async fn already_connected(
-    user: &mut UserDaemonClient<tonic::transport::Channel>,
+    user: &mut UserDaemonClient<crate::daemon_channel::DaemonChannel>,
     wanted: &Origin,
 ) -> Result<Option<String>> {
     let status = user

@@ -170,9 +170,7 @@ pub fn json(rows: &[Row], interval: Duration) -> serde_json::Value {
 }
 
 async fn sample(
-    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
-        tonic::transport::Channel,
-    >,
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<crate::daemon_channel::DaemonChannel>,
 ) -> Result<TopResponse> {
     Ok(client
         .top(TopRequest {})

@@ -184,3 +184,192 @@ fn download_survives_killed_connections(workers: u16) {
     );
     assert_eq!(manager_metric(&f, "engines_parked"), 0);
 }
+
+/// Runs `script` with bash in the laptop netns, in its own process group
+/// (killed on drop), stdout and stderr piped.
+fn spawn_in_laptop(f: &Fixture, script: &str) -> Spawned {
+    let mut cmd = f
+        .lab
+        .command_in(LAPTOP, "bash")
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    cmd.args(["-c", script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    Spawned(Some(cmd.spawn().expect("spawn bash")))
+}
+
+/// Kills the laptop's `workers` data connections with `ss -K`.
+fn kill_data_connections(f: &Fixture, workers: u16) {
+    let manager = kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string();
+    let killed = f.laptop(&["ss", "-K", "-Htn", "state", "established", "dst", &manager]);
+    assert!(
+        killed.status.success() && text(&killed.stdout).lines().count() == usize::from(workers),
+        "ss -K did not kill the {workers} data connections: {} {}",
+        text(&killed.stdout),
+        text(&killed.stderr)
+    );
+}
+
+/// A re-dial that cannot resume (`--resume-grace-ms 0`: the manager drops a
+/// lost connection's engine at once and answers "new") resets the flows the
+/// worker carried on the laptop: a receive-only download, which sends nothing
+/// that would draw a RST from the new engine, ends with "connection reset"
+/// at once instead of hanging until curl's own timeout (exit 28).
+#[test]
+fn receive_only_download_is_reset_when_the_redial_cannot_resume() {
+    let f = Fixture::with_manager_args(&["--resume-grace-ms", "0"]);
+    f.connect();
+    let len: u64 = 8 * 1024 * 1024;
+    let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes={len}");
+    // 8 MiB at 128 KiB/s: about a minute; curl's own timeout is 45 s.
+    let mut download = spawn_in_laptop(
+        &f,
+        &format!("curl -sS --limit-rate 128k --max-time 45 -o /dev/null {url}"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while f.status_json()["sessions"][0]["rx"]["bytes"]
+        .as_u64()
+        .unwrap_or(0)
+        < 200_000
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the download did not start\n{}",
+            f.daemon_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    kill_data_connections(&f, 1);
+    let killed_at = Instant::now();
+    let mut child = download.0.take().expect("download running");
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("curl status") {
+            break status;
+        }
+        // Well under curl's 45 s: the old behaviour waits for all of it.
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(20),
+            "curl still waits {:?} after the data connection was killed\ndaemon log:\n{}",
+            killed_at.elapsed(),
+            f.daemon_log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = killed_at.elapsed();
+    let out = child.wait_with_output().expect("curl output");
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        status.code(),
+        Some(56),
+        "curl must fail with a receive error (56), not time out (28): {stderr}\ndaemon log:\n{}",
+        f.daemon_log()
+    );
+    assert!(stderr.contains("reset"), "{stderr}");
+    eprintln!("curl reset {took:?} after the kill: {stderr}");
+
+    let session = f.status_json()["sessions"][0].clone();
+    assert_eq!(session["resumes_lost"], 1, "{session}");
+    assert_eq!(session["resumes"], 0, "{session}");
+    assert!(
+        session["tcp_flows_reset"].as_u64().unwrap_or(0) >= 1,
+        "{session}"
+    );
+    assert!(
+        f.daemon_log()
+            .contains("reset the TCP flows the lost data connection carried"),
+        "{}",
+        f.daemon_log()
+    );
+    // The session goes on: a new connection works on the new engine.
+    let again = f.laptop(&[
+        "curl",
+        "-sS",
+        "--max-time",
+        "10",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        &format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes=1000"),
+    ]);
+    assert_eq!(text(&again.stdout), "200", "{}", text(&again.stderr));
+}
+
+/// New connections opened back to back across a kill of every data
+/// connection (`--workers 4`, resumable re-dials) all succeed: while a worker
+/// re-dials, its packets are held and sent after the re-dial instead of being
+/// answered with ICMP unreachable ("No route to host").
+#[test]
+fn back_to_back_connections_across_a_redial_all_succeed() {
+    let workers = 4u16;
+    let f = Fixture::new();
+    f.connect_with(&["--workers", &workers.to_string()]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while f.status_json()["sessions"][0]["workers_connected"] != u64::from(workers) {
+        assert!(
+            Instant::now() < deadline,
+            "not all workers connected\n{}",
+            f.daemon_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = f.lab.dir().join("kvpn-curls.log");
+    let total = 300;
+    let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes=100");
+    let mut curls = spawn_in_laptop(
+        &f,
+        &format!(
+            "for i in $(seq {total}); do \
+               curl -sS --max-time 10 -o /dev/null -w '%{{http_code}}\\n' {url} >> {log} 2>&1 \
+                 || echo \"FAIL $i\" >> {log}; \
+             done",
+            log = log.display()
+        ),
+    );
+    let lines = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    // Kill every data connection twice while the connections go on.
+    for at in [80, 180] {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while lines() < at {
+            assert!(Instant::now() < deadline, "curls stalled at {}", lines());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        kill_data_connections(&f, workers);
+        // Until all workers are back (the next kill needs all four).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while f.status_json()["sessions"][0]["workers_connected"] != u64::from(workers) {
+            assert!(Instant::now() < deadline, "workers not back\n{}", f.daemon_log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let out = curls
+        .0
+        .take()
+        .expect("curls running")
+        .wait_with_output()
+        .expect("curl loop finished");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let results = std::fs::read_to_string(&log).expect("curl log");
+    let failed: Vec<&str> = results.lines().filter(|l| *l != "200").collect();
+    let session = f.status_json()["sessions"][0].clone();
+    assert!(
+        failed.is_empty() && results.lines().count() == total,
+        "{} of {total} connections failed across the re-dials: {failed:?}\nstatus: {session}\ndaemon log:\n{}",
+        failed.len(),
+        f.daemon_log()
+    );
+    let n = 2 * u64::from(workers);
+    assert_eq!(session["liveness"]["transports_lost"], n, "{session}");
+    assert_eq!(session["resumes"], n, "{session}");
+    eprintln!(
+        "held packets: {}, refused: {}",
+        session["held_packets"], session["liveness"]["refused_packets"]
+    );
+}
