@@ -54,7 +54,9 @@ pub const FIRST_ECHO_WAIT: std::time::Duration = std::time::Duration::from_secs(
 /// it ("connected" is never claimed before that). `Ok(None)` once connected;
 /// `Ok(Some(session))` with its last state when `within` passed first.
 pub async fn wait_first_echo(
-    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<crate::daemon_channel::DaemonChannel>,
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
+        crate::daemon_channel::DaemonChannel,
+    >,
     id: &str,
     within: std::time::Duration,
 ) -> Result<Option<Session>> {
@@ -80,7 +82,9 @@ pub async fn wait_first_echo(
 /// Tell the user how the session stands after Connect: "Connected …" only after
 /// the first heartbeat echo, else what it is waiting for.
 pub async fn report_connected(
-    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<crate::daemon_channel::DaemonChannel>,
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
+        crate::daemon_channel::DaemonChannel,
+    >,
     id: &str,
     connected_line: &str,
 ) -> Result<()> {

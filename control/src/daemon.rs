@@ -49,7 +49,9 @@ pub async fn sessions(
 }
 
 /// A client for a root daemon that is already running, or `None` when none answers.
-pub async fn connect_existing(runtime_dir: &Path) -> Result<Option<DataplaneClient<DaemonChannel>>> {
+pub async fn connect_existing(
+    runtime_dir: &Path,
+) -> Result<Option<DataplaneClient<DaemonChannel>>> {
     let socket = socket_path(runtime_dir);
     match channel(runtime_dir).await {
         Ok(ch) => Ok(Some(DataplaneClient::new(ch))),
@@ -109,7 +111,9 @@ pub async fn connect_or_start(runtime_dir: &Path) -> Result<DataplaneClient<Daem
 
 /// [`connect_or_start`], telling the user which of the two it did: a running
 /// root daemon is used ("Using root daemon"), only a missing one is started.
-pub async fn connect_or_start_announced(runtime_dir: &Path) -> Result<DataplaneClient<DaemonChannel>> {
+pub async fn connect_or_start_announced(
+    runtime_dir: &Path,
+) -> Result<DataplaneClient<DaemonChannel>> {
     let running = connect_existing(runtime_dir).await?;
     crate::output::step(&root_daemon_step(
         running.is_some(),

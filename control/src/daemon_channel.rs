@@ -125,7 +125,8 @@ fn message(daemon: &Daemon, what: &str, pid: Option<i32>, state: Option<char>) -
     };
     format!(
         "the {name} ({at}) is not answering: no reply within {} s; {cause} — resume it with \
-         `{sudo}kill -CONT {pid_arg}`, or end it with `{sudo}kill {pid_arg}` ({restart})",
+         `{sudo}kill -CONT {pid_arg}`, or end it with `{sudo}kill -CONT {pid_arg}; {sudo}kill {pid_arg}` \
+         (a stopped process takes SIGTERM only once continued; {restart})",
         ANSWER_TIMEOUT.as_secs()
     )
 }
@@ -192,7 +193,9 @@ pub async fn open(daemon: Daemon) -> std::io::Result<DaemonChannel> {
         Ok(Err(e)) => Err(e),
         Err(_) => Err(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            daemon.failed("keep-alive: the connection did not open").message(),
+            daemon
+                .failed("keep-alive: the connection did not open")
+                .message(),
         )),
     }
 }
@@ -232,18 +235,28 @@ mod tests {
     #[test]
     fn a_silent_daemon_is_named_with_its_cause_and_fix() {
         let m = message(&user(), "keep-alive timed out", Some(4242), Some('T'));
-        assert!(m.starts_with("the user daemon (kvpn daemon) (pid 4242"), "{m}");
+        assert!(
+            m.starts_with("the user daemon (kvpn daemon) (pid 4242"),
+            "{m}"
+        );
         assert!(m.contains("/run/user/1000/kvpn/userd.sock"), "{m}");
         assert!(m.contains("not answering: no reply within 6 s"), "{m}");
         assert!(m.contains("the process is stopped"), "{m}");
         assert!(m.contains("`kill -CONT 4242`"), "{m}");
-        let root = Daemon::new(Kind::Root, Path::new("/run/kvpn/dataplane.sock"), Path::new("/x"));
+        let root = Daemon::new(
+            Kind::Root,
+            Path::new("/run/kvpn/dataplane.sock"),
+            Path::new("/x"),
+        );
         let m = message(&root, "keep-alive timed out", Some(7), Some('S'));
         assert!(m.contains("root daemon (kvpn-dataplane)"), "{m}");
         assert!(m.contains("`sudo kill -CONT 7`"), "{m}");
         assert!(m.contains("state S"), "{m}");
         let m = message(&root, "connection reset", None, None);
-        assert!(m.starts_with("lost the connection to the root daemon"), "{m}");
+        assert!(
+            m.starts_with("lost the connection to the root daemon"),
+            "{m}"
+        );
     }
 
     /// A listener that never accepts stands for a stopped daemon: the kernel
@@ -259,17 +272,16 @@ mod tests {
         let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
         let daemon = Daemon::new(Kind::User, &socket, &dir.join("none.pid"));
         let started = std::time::Instant::now();
-        let channel = open(daemon).await.expect("the kernel completes the connect");
+        let channel = open(daemon)
+            .await
+            .expect("the kernel completes the connect");
         let err = UserDaemonClient::new(channel)
             .status(kvpn_proto::userd::StatusRequest {})
             .await
             .expect_err("nobody answers");
         let took = started.elapsed();
         let _ = std::fs::remove_dir_all(&dir);
-        assert!(
-            took < ANSWER_TIMEOUT + Duration::from_secs(3),
-            "{took:?}"
-        );
+        assert!(took < ANSWER_TIMEOUT + Duration::from_secs(3), "{took:?}");
         assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
         assert!(
             err.message().contains("user daemon") && err.message().contains("not answering"),

@@ -170,7 +170,9 @@ pub fn json(rows: &[Row], interval: Duration) -> serde_json::Value {
 }
 
 async fn sample(
-    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<crate::daemon_channel::DaemonChannel>,
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
+        crate::daemon_channel::DaemonChannel,
+    >,
 ) -> Result<TopResponse> {
     Ok(client
         .top(TopRequest {})

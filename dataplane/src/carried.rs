@@ -198,10 +198,9 @@ impl CarriedFlows {
     /// pass for (about) half the table, so a stream of new flows costs O(1)
     /// per flow on average.
     fn evict_older_half(&mut self) {
-        let (min, max) = self
-            .flows
-            .values()
-            .fold((u64::MAX, 0), |(lo, hi), s| (lo.min(s.seen), hi.max(s.seen)));
+        let (min, max) = self.flows.values().fold((u64::MAX, 0), |(lo, hi), s| {
+            (lo.min(s.seen), hi.max(s.seen))
+        });
         let cut = min + (max - min) / 2;
         let before = self.flows.len();
         self.flows.retain(|_, s| s.seen > cut);
@@ -452,14 +451,24 @@ mod tests {
         t.handle_inbound(&[0x45, 0, 0]);
         t.handle_inbound(&[]);
         assert!(t.is_empty());
-        assert_eq!(build_rst(&key(), TcpSeqNumber(5)).map(|p| p.len()), Some(40));
+        assert_eq!(
+            build_rst(&key(), TcpSeqNumber(5)).map(|p| p.len()),
+            Some(40)
+        );
     }
 
     #[test]
     fn a_full_table_drops_the_least_recently_seen_half() {
         let mut t = CarriedFlows::with_capacity(8);
         for port in 0..8u16 {
-            t.handle_inbound(&segment((POD, 8080), (LAPTOP, 1000 + port), 1, Some(1), &[], 1));
+            t.handle_inbound(&segment(
+                (POD, 8080),
+                (LAPTOP, 1000 + port),
+                1,
+                Some(1),
+                &[],
+                1,
+            ));
         }
         // Flow 0 is seen again: it is now the newest.
         t.handle_inbound(&segment((POD, 8080), (LAPTOP, 1000), 2, Some(1), &[], 1));

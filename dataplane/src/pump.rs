@@ -203,7 +203,8 @@ pub struct Counters {
     /// TCP flows reset on the laptop because a re-dial was answered "new"
     /// ([`crate::redial`]).
     pub tcp_flows_reset: AtomicU64,
-    /// TUN reads held during a re-dial that may resume, instead of refused
+    /// Packets held during a re-dial that may resume, or forwarded on the
+    /// fresh connection before its first echo, instead of refused
     /// ([`crate::redial`]).
     pub held_packets: AtomicU64,
 }
@@ -693,7 +694,9 @@ async fn tun_reader<T: PacketIo>(
         );
         // One lock per batch, not per packet.
         let now = Instant::now();
-        if lock(&liveness).is_reconnecting(now) && !redial::forwards_while_reconnecting(&redial, now) {
+        if lock(&liveness).is_reconnecting(now)
+            && !redial::forwards_while_reconnecting(&redial, now, &counters, batch.packets)
+        {
             for i in 0..batch.count {
                 if let Err(e) =
                     refuse_packet(&*tun, batch.ip_packet(i), &refusal, &counters, &mut out).await

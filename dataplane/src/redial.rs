@@ -188,15 +188,30 @@ pub fn track_inbound(redial: &Option<Arc<Redial>>, packet: &[u8]) {
     }
 }
 
-/// Pump hook: whether the pump forwards what it reads while the session is
-/// reconnecting (a re-dial inside its hold window), instead of refusing it.
-pub fn forwards_while_reconnecting(redial: &Option<Arc<Redial>>, now: Instant) -> bool {
-    redial.as_ref().is_some_and(|r| r.window_open(now))
+/// Pump hook, for a batch of `packets` read while the session is
+/// reconnecting: whether the pump forwards it on the fresh connection (a
+/// re-dial inside its hold window; counted in [`Counters::held_packets`])
+/// instead of refusing it.
+pub fn forwards_while_reconnecting(
+    redial: &Option<Arc<Redial>>,
+    now: Instant,
+    counters: &Counters,
+    packets: u64,
+) -> bool {
+    let forwards = redial.as_ref().is_some_and(|r| r.window_open(now));
+    if forwards {
+        Counters::add(&counters.held_packets, packets);
+    }
+    forwards
 }
 
 /// Pump hook, in place of `tun.try_recv`: a held read first (oldest first),
 /// then the TUN.
-pub fn recv<T: PacketIo>(redial: &Option<Arc<Redial>>, tun: &T, buf: &mut [u8]) -> io::Result<usize> {
+pub fn recv<T: PacketIo>(
+    redial: &Option<Arc<Redial>>,
+    tun: &T,
+    buf: &mut [u8],
+) -> io::Result<usize> {
     if let Some(r) = redial
         && r.holding.load(Ordering::Relaxed)
     {

@@ -185,6 +185,38 @@ fn download_survives_killed_connections(workers: u16) {
     assert_eq!(manager_metric(&f, "engines_parked"), 0);
 }
 
+/// The lab's manager process stopped (SIGSTOP) until drop (SIGCONT), also
+/// when the test fails.
+struct Paused(i32);
+
+impl Paused {
+    fn manager(f: &Fixture) -> Self {
+        let p = f
+            .lab
+            .processes()
+            .into_iter()
+            .find(|p| p.name.contains("manager") && p.alive)
+            .expect("the lab's manager process");
+        let comm = std::fs::read_to_string(format!("/proc/{}/comm", p.pid)).unwrap_or_default();
+        assert!(comm.starts_with("kvpn-manager"), "{p:?}: {comm}");
+        let pid = p.pid as i32;
+        // SAFETY: kill(2) on the lab's own manager process; no memory involved.
+        unsafe {
+            libc::kill(pid, libc::SIGSTOP);
+        }
+        Paused(pid)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe {
+            libc::kill(self.0, libc::SIGCONT);
+        }
+    }
+}
+
 /// Runs `script` with bash in the laptop netns, in its own process group
 /// (killed on drop), stdout and stderr piped.
 fn spawn_in_laptop(f: &Fixture, script: &str) -> Spawned {
@@ -315,18 +347,22 @@ fn back_to_back_connections_across_a_redial_all_succeed() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    // Twelve loops of back-to-back curls at once, so that new connections
+    // fall into every worker's few milliseconds of re-dial.
     let log = f.lab.dir().join("kvpn-curls.log");
-    let total = 300;
+    let (loops, per_loop) = (12, 34);
+    let total = loops * per_loop;
     let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes=100");
+    let one_loop = format!(
+        "for i in $(seq {per_loop}); do \
+           curl -sS --max-time 10 -o /dev/null -w '%{{http_code}}\\n' {url} >> {log} 2>&1 \
+             || echo \"FAIL $i\" >> {log}; \
+         done",
+        log = log.display()
+    );
     let mut curls = spawn_in_laptop(
         &f,
-        &format!(
-            "for i in $(seq {total}); do \
-               curl -sS --max-time 10 -o /dev/null -w '%{{http_code}}\\n' {url} >> {log} 2>&1 \
-                 || echo \"FAIL $i\" >> {log}; \
-             done",
-            log = log.display()
-        ),
+        &format!("{} wait", format!("( {one_loop} ) & ").repeat(loops)),
     );
     let lines = || {
         std::fs::read_to_string(&log)
@@ -334,18 +370,29 @@ fn back_to_back_connections_across_a_redial_all_succeed() {
             .lines()
             .count()
     };
-    // Kill every data connection twice while the connections go on.
-    for at in [80, 180] {
+    // Kill every data connection three times while the connections go on.
+    for at in [60, 160, 260] {
         let deadline = Instant::now() + Duration::from_secs(60);
         while lines() < at {
             assert!(Instant::now() < deadline, "curls stalled at {}", lines());
             std::thread::sleep(Duration::from_millis(5));
         }
+        // The manager pauses for 300 ms around the kill (as a loaded node
+        // or a slow port-forward would): every worker's re-dial connects (the
+        // kernel accepts) but waits that long for its answer, so connects
+        // fall into the re-dial instead of into its few milliseconds.
+        let paused = Paused::manager(&f);
         kill_data_connections(&f, workers);
+        std::thread::sleep(Duration::from_millis(300));
+        drop(paused);
         // Until all workers are back (the next kill needs all four).
         let deadline = Instant::now() + Duration::from_secs(10);
         while f.status_json()["sessions"][0]["workers_connected"] != u64::from(workers) {
-            assert!(Instant::now() < deadline, "workers not back\n{}", f.daemon_log());
+            assert!(
+                Instant::now() < deadline,
+                "workers not back\n{}",
+                f.daemon_log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -365,11 +412,15 @@ fn back_to_back_connections_across_a_redial_all_succeed() {
         failed.len(),
         f.daemon_log()
     );
-    let n = 2 * u64::from(workers);
+    let n = 3 * u64::from(workers);
     assert_eq!(session["liveness"]["transports_lost"], n, "{session}");
     assert_eq!(session["resumes"], n, "{session}");
     eprintln!(
         "held packets: {}, refused: {}",
         session["held_packets"], session["liveness"]["refused_packets"]
+    );
+    assert!(
+        session["held_packets"].as_u64().unwrap_or(0) > 0,
+        "connections fell into the re-dials and were held: {session}"
     );
 }

@@ -86,7 +86,11 @@ fn disconnect_and_status_name_a_stopped_user_daemon() {
 
     daemon.signal(libc::SIGSTOP);
     let pid = daemon.child.id().to_string();
-    for args in [&["disconnect", "--all"][..], &["status"], &["status", "-o", "json"]] {
+    for args in [
+        &["disconnect", "--all"][..],
+        &["status"],
+        &["status", "-o", "json"],
+    ] {
         let (out, took) = kvpn_bounded(&f, &kvpn, args);
         let stderr = text(&out.stderr);
         assert_ne!(
@@ -103,7 +107,10 @@ fn disconnect_and_status_name_a_stopped_user_daemon() {
             "kvpn {args:?}: {stderr}"
         );
         // The bound is 6 s of silence; room for a loaded machine.
-        assert!(took < Duration::from_secs(20), "kvpn {args:?} took {took:?}");
+        assert!(
+            took < Duration::from_secs(20),
+            "kvpn {args:?} took {took:?}"
+        );
         eprintln!("kvpn {args:?} failed after {took:?}: {}", stderr.trim());
     }
 

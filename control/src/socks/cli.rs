@@ -10,11 +10,11 @@
 use std::path::Path;
 use std::time::Duration;
 
+use crate::daemon_channel::DaemonChannel;
 use anyhow::{Context, Result, bail};
 use kvpn_proto::dataplane::{ConnectRequest, Origin};
 use kvpn_proto::userd::user_daemon_client::UserDaemonClient;
 use kvpn_proto::userd::{SocksSession, StartSessionRequest, StatusRequest, UserSession};
-use crate::daemon_channel::DaemonChannel;
 
 use crate::cli::ConnectArgs;
 use crate::connect as tun_connect;
