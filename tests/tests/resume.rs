@@ -245,25 +245,42 @@ fn kill_data_connections(f: &Fixture, workers: u16) {
 
 /// A re-dial that cannot resume (`--resume-grace-ms 0`: the manager drops a
 /// lost connection's engine at once and answers "new") resets the flows the
-/// worker carried on the laptop: a receive-only download, which sends nothing
-/// that would draw a RST from the new engine, ends with "connection reset"
-/// at once instead of hanging until curl's own timeout (exit 28).
+/// worker carried on the laptop: a download whose server went quiet (curl
+/// waits for the rest, and its socket sends nothing that would draw a RST
+/// from the new engine) ends with "connection reset" at once instead of
+/// hanging until curl's own timeout (exit 28 after 45 s).
 #[test]
-fn receive_only_download_is_reset_when_the_redial_cannot_resume() {
+fn waiting_download_is_reset_when_the_redial_cannot_resume() {
     let f = Fixture::with_manager_args(&["--resume-grace-ms", "0"]);
     f.connect();
-    let len: u64 = 8 * 1024 * 1024;
-    let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes={len}");
-    // 8 MiB at 128 KiB/s: about a minute; curl's own timeout is 45 s.
-    let mut download = spawn_in_laptop(
-        &f,
-        &format!("curl -sS --limit-rate 128k --max-time 45 -o /dev/null {url}"),
-    );
+    // A server in the backend pod that sends the head and 64 KiB of a 1 MiB
+    // body, then nothing, holding the connection until its peer closes.
+    let listener = f
+        .lab
+        .run_in(kvpn_lab::BACKEND_1_POD, || {
+            std::net::TcpListener::bind((BACKEND_1_IP, 0)).expect("bind in the backend pod")
+        })
+        .unwrap_or_else(|e| panic!("backend netns: {e:#}"));
+    let port = listener.local_addr().expect("local address").port();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut request = [0u8; 1024];
+        let _ = s.read(&mut request);
+        let head = "HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n";
+        s.write_all(head.as_bytes()).expect("head");
+        s.write_all(&[7u8; 65536]).expect("part of the body");
+        s.set_read_timeout(Some(Duration::from_secs(60)))
+            .expect("timeout");
+        // Until the manager's side closes (or 60 s).
+        let _ = s.read(&mut request);
+    });
+    let url = format!("http://{BACKEND_1_IP}:{port}/");
+    let mut download = spawn_in_laptop(&f, &format!("curl -sS --max-time 45 -o /dev/null {url}"));
     let deadline = Instant::now() + Duration::from_secs(15);
     while f.status_json()["sessions"][0]["rx"]["bytes"]
         .as_u64()
         .unwrap_or(0)
-        < 200_000
+        < 65536
     {
         assert!(
             Instant::now() < deadline,
@@ -272,6 +289,8 @@ fn receive_only_download_is_reset_when_the_redial_cannot_resume() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    // Everything sent was delivered and acknowledged: the flow is quiet.
+    std::thread::sleep(Duration::from_millis(300));
 
     kill_data_connections(&f, 1);
     let killed_at = Instant::now();
@@ -314,6 +333,7 @@ fn receive_only_download_is_reset_when_the_redial_cannot_resume() {
         "{}",
         f.daemon_log()
     );
+    let _ = server.join();
     // The session goes on: a new connection works on the new engine.
     let again = f.laptop(&[
         "curl",
