@@ -42,8 +42,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 
 use smoltcp::wire::{
-    IpAddress, IpProtocol, Ipv4Address, Ipv4Packet, Ipv4Repr, Ipv6Address, Ipv6Packet, Ipv6Repr,
-    TcpPacket, TcpSeqNumber,
+    IpAddress, IpProtocol, Ipv4Packet, Ipv4Repr, Ipv6Packet, Ipv6Repr, TcpPacket, TcpSeqNumber,
 };
 
 /// Flows tracked per worker. A laptop rarely has more than a few hundred TCP
@@ -301,8 +300,8 @@ pub fn build_rst(key: &FlowKey, seq: TcpSeqNumber) -> Option<Vec<u8>> {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
             let mut out = vec![0u8; 20 + 20];
             let repr = Ipv4Repr {
-                src_addr: Ipv4Address::from(s),
-                dst_addr: Ipv4Address::from(d),
+                src_addr: s,
+                dst_addr: d,
                 next_header: IpProtocol::Tcp,
                 payload_len: 20,
                 hop_limit: 64,
@@ -313,8 +312,8 @@ pub fn build_rst(key: &FlowKey, seq: TcpSeqNumber) -> Option<Vec<u8>> {
         (IpAddr::V6(s), IpAddr::V6(d)) => {
             let mut out = vec![0u8; 40 + 20];
             let repr = Ipv6Repr {
-                src_addr: Ipv6Address::from(s),
-                dst_addr: Ipv6Address::from(d),
+                src_addr: s,
+                dst_addr: d,
                 next_header: IpProtocol::Tcp,
                 payload_len: 20,
                 hop_limit: 64,

@@ -639,6 +639,10 @@ where
     exit
 }
 
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the reader's queues and shared state, moved into one task per pump"
+)]
 async fn tun_reader<T: PacketIo>(
     tun: Arc<T>,
     mut free_rx: mpsc::Receiver<OutBatch>,

@@ -9,7 +9,8 @@
 //! ([`crate::pump::refuse`]), so connects that fell into that gap failed with
 //! "No route to host". When the lost connection had been answered with a
 //! resume answer (the manager takes resume tokens, so it may keep the
-//! engine), the worker now holds the TUN reads instead, for at most
+//! engine) and ended abruptly (closed, reset; not silent, which points to a
+//! black hole whose re-dial waits out a timeout), the worker now holds the TUN reads instead, for at most
 //! [`HOLD_WINDOW`] after the loss and at most [`HOLD_PACKETS`] reads /
 //! [`HOLD_BYTES`] bytes, and the next pump sends them first, in order,
 //! through its normal offload path ([`recv`]). While the window is open the

@@ -1920,7 +1920,11 @@ async fn supervise(
         let reason = peer.loss_reason(&target, &exit);
         set_down(reason.clone());
         Counters::add(&worker.counters.transports_lost, 1);
-        worker.redial.transport_lost(Instant::now());
+        // A connection that went silent (a black hole, tr-10) is not worth
+        // holding packets for: its re-dial most likely waits out a timeout.
+        if !matches!(exit, pump::PumpExit::Silent(_)) {
+            worker.redial.transport_lost(Instant::now());
+        }
         refuser.start(&tun, worker, refusal);
         if proven {
             tracing::warn!(%reason, "transport lost, re-dialling");
