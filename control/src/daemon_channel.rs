@@ -29,6 +29,8 @@ use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::kubeconfig::error_chain;
+
 /// Silence from the daemon, while a call is open, after which a keep-alive
 /// PING is sent.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
@@ -137,21 +139,6 @@ fn process_state(pid: i32) -> Option<char> {
     stat.rsplit_once(") ")?.1.chars().next()
 }
 
-/// The text of an error and its causes, each once.
-fn chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
-}
-
 /// A [`Channel`] whose connection failures are [`Daemon::failed`] statuses.
 #[derive(Debug, Clone)]
 pub struct DaemonChannel {
@@ -209,14 +196,15 @@ impl tower::Service<http::Request<Body>> for DaemonChannel {
     type Future = ResponseFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        tower::Service::poll_ready(&mut self.inner, cx).map_err(|e| self.daemon.failed(&chain(&e)))
+        tower::Service::poll_ready(&mut self.inner, cx)
+            .map_err(|e| self.daemon.failed(&error_chain(&e)))
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         let call = tower::Service::call(&mut self.inner, request);
         let daemon = self.daemon.clone();
         // One allocation per call: the CLI makes a handful.
-        Box::pin(async move { call.await.map_err(|e| daemon.failed(&chain(&e))) })
+        Box::pin(async move { call.await.map_err(|e| daemon.failed(&error_chain(&e))) })
     }
 }
 

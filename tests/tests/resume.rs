@@ -60,6 +60,19 @@ fn manager_metric(f: &Fixture, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("{name} missing in the manager's metrics:\n{body}"))
 }
 
+/// Waits up to 10 s until all `workers` of the session are connected.
+fn wait_workers_connected(f: &Fixture, workers: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while f.status_json()["sessions"][0]["workers_connected"] != u64::from(workers) {
+        assert!(
+            Instant::now() < deadline,
+            "not all {workers} workers connected\n{}",
+            f.daemon_log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn receive_only_download_survives_a_killed_data_connection() {
     download_survives_killed_connections(1);
@@ -75,15 +88,7 @@ fn receive_only_download_survives_with_two_workers_both_killed() {
 fn download_survives_killed_connections(workers: u16) {
     let f = Fixture::with_manager_args(&["--metrics-listen", &format!("127.0.0.1:{METRICS_PORT}")]);
     f.connect_with(&["--workers", &workers.to_string()]);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while f.status_json()["sessions"][0]["workers_connected"] != u64::from(workers) {
-        assert!(
-            Instant::now() < deadline,
-            "not all {workers} workers connected\n{}",
-            f.daemon_log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_workers_connected(&f, workers);
     // 3 MiB at 256 KiB/s: about 12 s, receive-only.
     let len: u64 = 3 * 1024 * 1024;
     let url = format!("http://{BACKEND_1_IP}:{HTTP_PORT}/big?bytes={len}");
@@ -118,14 +123,7 @@ fn download_survives_killed_connections(workers: u16) {
     }
 
     // Kill every data connection; each worker re-dials.
-    let manager = kvpn_lab::MANAGER_ADDR_FROM_LAPTOP.to_string();
-    let killed = f.laptop(&["ss", "-K", "-Htn", "state", "established", "dst", &manager]);
-    assert!(
-        killed.status.success() && text(&killed.stdout).lines().count() == usize::from(workers),
-        "ss -K did not kill the {workers} data connections: {} {}",
-        text(&killed.stdout),
-        text(&killed.stderr)
-    );
+    kill_data_connections(&f, workers);
 
     let out = download
         .0
@@ -358,15 +356,7 @@ fn back_to_back_connections_across_a_redial_all_succeed() {
     let workers = 4u16;
     let f = Fixture::new();
     f.connect_with(&["--workers", &workers.to_string()]);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while f.status_json()["sessions"][0]["workers_connected"] != u64::from(workers) {
-        assert!(
-            Instant::now() < deadline,
-            "not all workers connected\n{}",
-            f.daemon_log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_workers_connected(&f, workers);
     // Twelve loops of back-to-back curls at once, so that new connections
     // fall into every worker's few milliseconds of re-dial.
     let log = f.lab.dir().join("kvpn-curls.log");
@@ -406,15 +396,7 @@ fn back_to_back_connections_across_a_redial_all_succeed() {
         std::thread::sleep(Duration::from_millis(300));
         drop(paused);
         // Until all workers are back (the next kill needs all four).
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while f.status_json()["sessions"][0]["workers_connected"] != u64::from(workers) {
-            assert!(
-                Instant::now() < deadline,
-                "workers not back\n{}",
-                f.daemon_log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_workers_connected(&f, workers);
     }
     let out = curls
         .0
