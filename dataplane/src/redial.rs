@@ -342,7 +342,197 @@ pub async fn refuse_or_hold<T: PacketIo>(
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
+    use kvpn_proto::frame::{self, Kind};
+    use smoltcp::wire::{IpAddress, Ipv4Packet, TcpPacket, TcpSeqNumber};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::UnixDatagram;
+
     use super::*;
+    use crate::liveness::Liveness;
+    use crate::pump::{self, PumpConfig};
+
+    const LAPTOP: Ipv4Addr = Ipv4Addr::new(100, 96, 0, 2);
+    const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
+
+    /// A TCP segment pod:8080 -> laptop:40000 (`inbound`) or back, ACK set.
+    fn tcp(inbound: bool, seq: u32, ack: u32, payload: usize) -> Vec<u8> {
+        let (src, dst, sp, dp) = if inbound {
+            (POD, LAPTOP, 8080, 40000)
+        } else {
+            (LAPTOP, POD, 40000, 8080)
+        };
+        let mut seg = vec![0u8; 20 + payload];
+        let mut t = TcpPacket::new_unchecked(&mut seg[..]);
+        t.set_src_port(sp);
+        t.set_dst_port(dp);
+        t.set_seq_number(TcpSeqNumber(seq as i32));
+        t.set_ack_number(TcpSeqNumber(ack as i32));
+        t.set_header_len(20);
+        t.clear_flags();
+        t.set_ack(true);
+        t.set_window_len(1000);
+        t.fill_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst));
+        kvpn_lab::packets::ipv4(6, src, dst, &seg)
+    }
+
+    fn frame_of(kind: Kind, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        frame::encode_into(kind, payload, &mut out).expect("fits");
+        out
+    }
+
+    async fn recv(app: &UnixDatagram) -> Vec<u8> {
+        let mut buf = vec![0u8; 65536];
+        let n = tokio::time::timeout(Duration::from_secs(2), app.recv(&mut buf))
+            .await
+            .expect("a packet in time")
+            .expect("recv");
+        buf.truncate(n);
+        buf
+    }
+
+    /// The pump's hooks end to end without root: a flow the worker carried
+    /// is reset in the TUN when the re-dialled connection is answered "new",
+    /// at the end of what was delivered; a flow opened after the answer is
+    /// not.
+    #[tokio::test]
+    async fn a_new_answer_after_a_redial_resets_the_carried_flows() {
+        let (tun_side, app) = UnixDatagram::pair().expect("socketpair");
+        let (pump_end, mut manager) = tokio::io::duplex(1 << 16);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let redial = Arc::new(Redial::default());
+        let counters = Arc::new(Counters::default());
+        Counters::add(&counters.transports_lost, 1);
+        let mut l = Liveness::new(Duration::from_secs(3600));
+        l.handle_transport_up(Instant::now());
+        let pump = tokio::spawn(pump::run(
+            Arc::new(tun_side),
+            rx,
+            tx,
+            Arc::new(Mutex::new(l)),
+            counters.clone(),
+            Arc::new(Refusal::default()),
+            PumpConfig {
+                redial: Some(redial.clone()),
+                ..PumpConfig::default()
+            },
+        ));
+        // The old connection delivered 100 bytes at 5000; the laptop acked 5050.
+        let data = tcp(true, 5000, 1, 100);
+        manager
+            .write_all(&frame_of(Kind::Packet, &data))
+            .await
+            .expect("write");
+        assert_eq!(recv(&app).await, data);
+        app.send(&tcp(false, 1, 5050, 0)).await.expect("send");
+        // The pump forwards the laptop's ACK (and a heartbeat).
+        let mut sink = vec![0u8; 4096];
+        let _ = manager.read(&mut sink).await.expect("pump output");
+        for _ in 0..100 {
+            if redial.flows() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(redial.flows(), 1);
+
+        manager
+            .write_all(&frame_of(Kind::Resume, &[ResumeAnswer::New.to_u8()]))
+            .await
+            .expect("write");
+        let mut seqs = Vec::new();
+        for _ in 0..2 {
+            let rst = recv(&app).await;
+            let ip = Ipv4Packet::new_checked(&rst[..]).expect("IPv4");
+            assert_eq!((ip.src_addr(), ip.dst_addr()), (POD, LAPTOP));
+            let t = TcpPacket::new_checked(ip.payload()).expect("TCP");
+            assert!(t.rst());
+            assert!(t.verify_checksum(&IpAddress::Ipv4(POD), &IpAddress::Ipv4(LAPTOP)));
+            seqs.push(t.seq_number().0 as u32);
+        }
+        assert_eq!(seqs, vec![5100, 5050]);
+        assert_eq!(Counters::get(&counters.tcp_flows_reset), 1);
+        assert_eq!(redial.flows(), 0);
+        pump.abort();
+    }
+
+    /// Between transports, reads are held while the window is open and the
+    /// next pump sends them first; without a window they are refused.
+    #[tokio::test]
+    async fn held_reads_go_out_first_on_the_next_pump() {
+        let (tun_side, app) = UnixDatagram::pair().expect("socketpair");
+        let tun = Arc::new(tun_side);
+        let redial = Arc::new(Redial::default());
+        let counters = Arc::new(Counters::default());
+        // The manager answered a resume token; the connection ends.
+        redial.resume_offered.store(true, Ordering::Relaxed);
+        redial.transport_lost(Instant::now());
+        let refuser = tokio::spawn(refuse_or_hold(
+            tun.clone(),
+            Arc::new(Refusal::default()),
+            counters.clone(),
+            redial.clone(),
+        ));
+        let syn = tcp(false, 1, 0, 0);
+        app.send(&syn).await.expect("send");
+        for _ in 0..100 {
+            if Counters::get(&counters.held_packets) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(Counters::get(&counters.held_packets), 1);
+        assert_eq!(Counters::get(&counters.refused_packets), 0);
+        refuser.abort();
+        let _ = refuser.await;
+
+        let (pump_end, mut manager) = tokio::io::duplex(1 << 16);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let mut l = Liveness::new(Duration::from_secs(3600));
+        l.handle_transport_up(Instant::now());
+        l.handle_transport_down("killed");
+        l.handle_transport_up(Instant::now());
+        let pump = tokio::spawn(pump::run(
+            tun,
+            rx,
+            tx,
+            Arc::new(Mutex::new(l)),
+            counters.clone(),
+            Arc::new(Refusal::default()),
+            PumpConfig {
+                redial: Some(redial.clone()),
+                ..PumpConfig::default()
+            },
+        ));
+        // Reconnecting (no echo yet), inside the window: the held SYN goes out.
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let packet = loop {
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout_at(deadline.into(), manager.read(&mut chunk))
+                .await
+                .expect("the held packet in time")
+                .expect("read");
+            got.extend_from_slice(&chunk[..n]);
+            let mut off = 0;
+            let mut found = None;
+            while let Ok(Some((f, used))) = frame::Decoder::default().decode(&got[off..]) {
+                if f.kind == Kind::Packet {
+                    found = Some(f.payload.to_vec());
+                    break;
+                }
+                off += used;
+            }
+            if let Some(p) = found {
+                break p;
+            }
+        };
+        assert_eq!(packet, syn);
+        assert_eq!(Counters::get(&counters.refused_packets), 0);
+        pump.abort();
+    }
 
     #[test]
     fn the_hold_keeps_reads_in_order_within_its_bounds() {
