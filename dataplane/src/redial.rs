@@ -383,6 +383,33 @@ mod tests {
         out
     }
 
+    /// A pump with `redial` on `tun`; returns it and the manager's end.
+    fn start_pump(
+        tun: Arc<UnixDatagram>,
+        liveness: Liveness,
+        counters: &Arc<Counters>,
+        redial: &Arc<Redial>,
+    ) -> (
+        tokio::task::JoinHandle<pump::PumpExit>,
+        tokio::io::DuplexStream,
+    ) {
+        let (pump_end, manager) = tokio::io::duplex(1 << 16);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let pump = tokio::spawn(pump::run(
+            tun,
+            rx,
+            tx,
+            Arc::new(Mutex::new(liveness)),
+            counters.clone(),
+            Arc::new(Refusal::default()),
+            PumpConfig {
+                redial: Some(redial.clone()),
+                ..PumpConfig::default()
+            },
+        ));
+        (pump, manager)
+    }
+
     async fn recv(app: &UnixDatagram) -> Vec<u8> {
         let mut buf = vec![0u8; 65536];
         let n = tokio::time::timeout(Duration::from_secs(2), app.recv(&mut buf))
@@ -400,25 +427,12 @@ mod tests {
     #[tokio::test]
     async fn a_new_answer_after_a_redial_resets_the_carried_flows() {
         let (tun_side, app) = UnixDatagram::pair().expect("socketpair");
-        let (pump_end, mut manager) = tokio::io::duplex(1 << 16);
-        let (rx, tx) = tokio::io::split(pump_end);
         let redial = Arc::new(Redial::default());
         let counters = Arc::new(Counters::default());
         Counters::add(&counters.transports_lost, 1);
         let mut l = Liveness::new(Duration::from_secs(3600));
         l.handle_transport_up(Instant::now());
-        let pump = tokio::spawn(pump::run(
-            Arc::new(tun_side),
-            rx,
-            tx,
-            Arc::new(Mutex::new(l)),
-            counters.clone(),
-            Arc::new(Refusal::default()),
-            PumpConfig {
-                redial: Some(redial.clone()),
-                ..PumpConfig::default()
-            },
-        ));
+        let (pump, mut manager) = start_pump(Arc::new(tun_side), l, &counters, &redial);
         // The old connection delivered 100 bytes at 5000; the laptop acked 5050.
         let data = tcp(true, 5000, 1, 100);
         manager
@@ -488,24 +502,11 @@ mod tests {
         refuser.abort();
         let _ = refuser.await;
 
-        let (pump_end, mut manager) = tokio::io::duplex(1 << 16);
-        let (rx, tx) = tokio::io::split(pump_end);
         let mut l = Liveness::new(Duration::from_secs(3600));
         l.handle_transport_up(Instant::now());
         l.handle_transport_down("killed");
         l.handle_transport_up(Instant::now());
-        let pump = tokio::spawn(pump::run(
-            tun,
-            rx,
-            tx,
-            Arc::new(Mutex::new(l)),
-            counters.clone(),
-            Arc::new(Refusal::default()),
-            PumpConfig {
-                redial: Some(redial.clone()),
-                ..PumpConfig::default()
-            },
-        ));
+        let (pump, mut manager) = start_pump(tun, l, &counters, &redial);
         // Reconnecting (no echo yet), inside the window: the held SYN goes out.
         let mut got = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(2);
