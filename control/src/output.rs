@@ -308,6 +308,8 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "workers_connected": s.workers_connected,
         "resumes": s.resumes,
         "resumes_lost": s.resumes_lost,
+        "tcp_flows_reset": s.tcp_flows_reset,
+        "held_packets": s.held_packets,
         "state": s.state,
         "reason": s.reason,
         "uptime_ms": s.uptime_ms,
@@ -674,6 +676,12 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                     println!(
                         "    re-dials: {} resumed their flows, {} lost them (manager restarted or its grace period over)",
                         s.resumes, s.resumes_lost
+                    );
+                }
+                if s.tcp_flows_reset > 0 {
+                    println!(
+                        "    TCP flows reset on the laptop after a re-dial that could not resume: {}",
+                        s.tcp_flows_reset
                     );
                 }
                 match &s.route_source {

@@ -66,6 +66,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::liveness::Liveness;
+use crate::redial::{self, Redial};
 use crate::tun::{MAX_READ, Offload, VNET_HDR_LEN, VNET_HDR_NONE, VnetError, VnetHdr};
 use crate::unreachable::{self, RateLimit};
 
@@ -199,6 +200,13 @@ pub struct Counters {
     /// Re-dials after which the manager answered "new": the flows of the lost
     /// connection were gone (manager restarted, grace expired).
     pub resumes_lost: AtomicU64,
+    /// TCP flows reset on the laptop because a re-dial was answered "new"
+    /// ([`crate::redial`]).
+    pub tcp_flows_reset: AtomicU64,
+    /// Packets held during a re-dial that may resume, or forwarded on the
+    /// fresh connection before its first echo, instead of refused
+    /// ([`crate::redial`]).
+    pub held_packets: AtomicU64,
 }
 
 impl Counters {
@@ -431,6 +439,9 @@ pub struct PumpConfig {
     /// [`ResumeAnswer::Leaving`] (so the manager drops this connection's
     /// engine at once instead of parking it for a resume) and the pump stops.
     pub stop: Option<watch::Receiver<bool>>,
+    /// The worker's re-dial state ([`crate::redial`]): flows to reset on a
+    /// "new" answer, reads held during a re-dial. `None`: neither.
+    pub redial: Option<Arc<Redial>>,
 }
 
 impl Default for PumpConfig {
@@ -439,6 +450,7 @@ impl Default for PumpConfig {
             max_frame_len: frame::MAX_FRAME_LEN,
             worker: 0,
             stop: None,
+            redial: None,
         }
     }
 }
@@ -475,7 +487,7 @@ impl Refusal {
 /// Answer one outbound `packet` that will not reach the manager with an ICMP
 /// unreachable written to the TUN, if it is eligible and the rate limit allows.
 /// `out` is scratch space. Fails only when the TUN write fails.
-async fn refuse_packet<T: PacketIo>(
+pub(crate) async fn refuse_packet<T: PacketIo>(
     tun: &T,
     packet: &[u8],
     refusal: &Refusal,
@@ -577,6 +589,7 @@ where
         refusal,
         counters.clone(),
         gso_ok.clone(),
+        config.redial.clone(),
     ));
     tasks.spawn(transport_writer(
         transport_tx,
@@ -586,6 +599,7 @@ where
         counters.clone(),
         config.stop.clone(),
     ));
+    let redial = config.redial.clone();
     tasks.spawn(transport_reader(
         transport_rx,
         in_free_rx,
@@ -595,7 +609,7 @@ where
         config,
         gso_ok,
     ));
-    tasks.spawn(tun_writer(tun, in_full_rx, in_free_tx, counters));
+    tasks.spawn(tun_writer(tun, in_full_rx, in_free_tx, counters, redial));
 
     // Watchdog: a black-holed transport can block the writer forever, so the
     // silence check cannot live in the writer.
@@ -625,6 +639,10 @@ where
     exit
 }
 
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the reader's queues and shared state, moved into one task per pump"
+)]
 async fn tun_reader<T: PacketIo>(
     tun: Arc<T>,
     mut free_rx: mpsc::Receiver<OutBatch>,
@@ -633,6 +651,7 @@ async fn tun_reader<T: PacketIo>(
     refusal: Arc<Refusal>,
     counters: Arc<Counters>,
     gso_ok: Arc<AtomicBool>,
+    redial: Option<Arc<Redial>>,
 ) -> PumpExit {
     let mut out = Vec::with_capacity(unreachable::MAX_V6_ERROR);
     let mut held: Option<OutBatch> = None;
@@ -649,7 +668,7 @@ async fn tun_reader<T: PacketIo>(
         let mut dropped = 0;
         while !batch.is_full() {
             let start = batch.buf_used;
-            match tun.try_recv(&mut batch.buf[start..]) {
+            match redial::recv(&redial, &*tun, &mut batch.buf[start..]) {
                 Ok(0) => continue,
                 Ok(n) if vnet => {
                     // The manager's hello may arrive while this batch fills.
@@ -678,7 +697,10 @@ async fn tun_reader<T: PacketIo>(
             "outbound batch read"
         );
         // One lock per batch, not per packet.
-        if lock(&liveness).is_reconnecting(Instant::now()) {
+        let now = Instant::now();
+        if lock(&liveness).is_reconnecting(now)
+            && !redial::forwards_while_reconnecting(&redial, now, &counters, batch.packets)
+        {
             for i in 0..batch.count {
                 if let Err(e) =
                     refuse_packet(&*tun, batch.ip_packet(i), &refusal, &counters, &mut out).await
@@ -690,6 +712,7 @@ async fn tun_reader<T: PacketIo>(
             held = Some(batch);
             continue;
         }
+        redial::track_outbound(&redial, (0..batch.count).map(|i| batch.ip_packet(i)));
         if full_tx.send(batch).await.is_err() {
             return PumpExit::Task("outbound batch queue closed".to_owned());
         }
@@ -951,6 +974,7 @@ async fn tun_writer<T: PacketIo>(
     mut full_rx: mpsc::Receiver<InChunk>,
     free_tx: mpsc::Sender<InChunk>,
     counters: Arc<Counters>,
+    redial: Option<Arc<Redial>>,
 ) -> PumpExit {
     // The reader validated every frame header already; this decoder only finds
     // the boundaries again.
@@ -974,6 +998,7 @@ async fn tun_writer<T: PacketIo>(
                     Ok(_) => {
                         packets += 1;
                         bytes += frame.payload.len() as u64;
+                        redial::track_inbound(&redial, frame.payload);
                     }
                     // The TUN driver rejects what is not IPv4/IPv6 with EINVAL
                     // (drivers/net/tun.c, tun_get_user); one bad packet from the
@@ -984,8 +1009,16 @@ async fn tun_writer<T: PacketIo>(
                     }
                     Err(e) => return PumpExit::Tun(e),
                 },
+                // In order with the packets: resets only the flows before it.
+                Kind::Resume => {
+                    if let Err(e) =
+                        redial::resume_answer(&redial, &*tun, frame.payload, &counters).await
+                    {
+                        return PumpExit::Tun(e);
+                    }
+                }
                 // Taken by `transport_reader` already.
-                Kind::Heartbeat | Kind::Stats | Kind::Hello | Kind::Resume => {}
+                Kind::Heartbeat | Kind::Stats | Kind::Hello => {}
                 Kind::Gso | Kind::Unknown(_) => {
                     tracing::debug!(
                         kind = frame.kind.to_u8(),

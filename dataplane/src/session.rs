@@ -32,6 +32,7 @@ use crate::ebpf::{self, RouteKind, Stats};
 use crate::liveness::{Liveness, State};
 use crate::netlink::{Netlink, RP_FILTER_LOOSE, RTPROT_KVPN};
 use crate::pump::{self, Counters, PumpConfig, Refusal};
+use crate::redial::{self, Redial};
 use crate::routes::{self, RoutePlan};
 use crate::tls::TlsClient;
 use crate::tun;
@@ -342,6 +343,8 @@ struct Worker {
     liveness: Arc<Mutex<Liveness>>,
     /// This worker's pump counters (Status sums the workers').
     counters: Arc<Counters>,
+    /// Flows it carried and reads held across its re-dials.
+    redial: Arc<Redial>,
 }
 
 /// State the pumps and Status share.
@@ -706,6 +709,7 @@ async fn pump_on(
     let config = PumpConfig {
         worker: index,
         stop: Some(stop),
+        redial: Some(worker.redial.clone()),
         ..PumpConfig::default()
     };
     match stream {
@@ -1015,6 +1019,7 @@ impl Session {
                                 params.heartbeat_interval,
                             ))),
                             counters: Arc::new(Counters::default()),
+                            redial: Arc::new(Redial::default()),
                         })
                         .collect(),
                     refusal: Arc::new(Refusal::default()),
@@ -1296,6 +1301,8 @@ impl Session {
                 (&sum.transports_lost, &c.transports_lost),
                 (&sum.resumes, &c.resumes),
                 (&sum.resumes_lost, &c.resumes_lost),
+                (&sum.tcp_flows_reset, &c.tcp_flows_reset),
+                (&sum.held_packets, &c.held_packets),
             ] {
                 Counters::add(to, Counters::get(from));
             }
@@ -1401,6 +1408,8 @@ impl Session {
             tx_offload_dropped: Counters::get(&c.tx_offload_dropped),
             resumes: Counters::get(&c.resumes),
             resumes_lost: Counters::get(&c.resumes_lost),
+            tcp_flows_reset: Counters::get(&c.tcp_flows_reset),
+            held_packets: Counters::get(&c.held_packets),
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
             ebpf,
@@ -1779,9 +1788,10 @@ impl Refuser {
             return;
         }
         let (tun, refusal, counters) = (tun.clone(), refusal.clone(), worker.counters.clone());
+        let held = worker.redial.clone();
         self.0 = Some(tokio::spawn(
             async move {
-                let e = pump::refuse(tun, refusal, counters).await;
+                let e = redial::refuse_or_hold(tun, refusal, counters, held).await;
                 tracing::warn!(error = %e, "cannot read the TUN device while reconnecting");
             }
             .in_current_span(),
@@ -1910,6 +1920,11 @@ async fn supervise(
         let reason = peer.loss_reason(&target, &exit);
         set_down(reason.clone());
         Counters::add(&worker.counters.transports_lost, 1);
+        // A connection that went silent (a black hole, tr-10) is not worth
+        // holding packets for: its re-dial most likely waits out a timeout.
+        if !matches!(exit, pump::PumpExit::Silent(_)) {
+            worker.redial.transport_lost(Instant::now());
+        }
         refuser.start(&tun, worker, refusal);
         if proven {
             tracing::warn!(%reason, "transport lost, re-dialling");
