@@ -65,8 +65,20 @@ const HELLO_OPT_TUNNEL_IP_V6: u8 = 2;
 /// what the manager accepts.
 const HELLO_OPT_OFFLOADS: u8 = 4;
 
-/// Offload bit: [`Kind::Gso`] frames carrying TCPv4/TCPv6 super-packets.
+/// Offload bit: [`Kind::Gso`] frames carrying TCPv4/TCPv6 super-packets,
+/// laptop → manager.
 pub const OFFLOAD_TCP_GSO: u8 = 1;
+
+/// Offload bit: [`Kind::Gso`] frames manager → laptop. The manager merges
+/// consecutive TCP segments of one flow ([`crate::gso::Coalescer`], the
+/// kernel's GRO rules) and the laptop's pump writes each super-packet to its
+/// TUN device (`IFF_VNET_HDR`) with one write. Offered by a laptop whose TUN
+/// device has a `virtio_net_hdr`; a laptop that does not offer it gets one
+/// [`Kind::Packet`] frame per packet.
+pub const OFFLOAD_TCP_GRO: u8 = 2;
+
+/// Largest super-packet in a [`Kind::Gso`] frame, IP bytes.
+pub const MAX_GSO_PACKET: usize = MAX_PAYLOAD_LEN - GSO_HEADER_LEN;
 
 /// Bytes of the [`GsoHeader`] at the start of a [`Kind::Gso`] payload.
 pub const GSO_HEADER_LEN: usize = 10;
@@ -713,6 +725,46 @@ impl GsoHeader {
             packet,
         ))
     }
+}
+
+/// Frame `packets` (the manager's output to one laptop, in order) into
+/// `out` for a laptop that accepted [`OFFLOAD_TCP_GRO`]: runs of one TCP
+/// flow become one [`Kind::Gso`] frame (flags `NEEDS_CSUM`, `gso_size` the
+/// MSS, see [`crate::gso::Coalescer`]), every other packet a
+/// [`Kind::Packet`] frame. Returns what was merged and how many packets were
+/// left out because they do not fit a frame.
+pub fn encode_coalesced<P: AsRef<[u8]>>(
+    coalescer: &mut crate::gso::Coalescer,
+    packets: &[P],
+    out: &mut Vec<u8>,
+) -> (crate::gso::Coalesced, usize) {
+    let mut too_large = 0;
+    let done = coalescer.coalesce(
+        packets,
+        MAX_GSO_PACKET,
+        out,
+        HEADER_LEN + GSO_HEADER_LEN,
+        |out, packet| {
+            if encode_into(Kind::Packet, packet, out).is_err() {
+                too_large += 1;
+            }
+        },
+        |head, sp, packet| {
+            // Cannot fail: the coalescer keeps packets within MAX_GSO_PACKET.
+            let frame = encode_header(Kind::Gso, GSO_HEADER_LEN + packet.len()).unwrap_or_default();
+            let gso = GsoHeader {
+                flags: crate::gso::F_NEEDS_CSUM,
+                gso_type: sp.gso_type,
+                hdr_len: sp.hdr_len,
+                gso_size: sp.gso_size,
+                csum_start: sp.csum_start,
+                csum_offset: crate::gso::TCP_CSUM_OFFSET,
+            };
+            head[..HEADER_LEN].copy_from_slice(&frame);
+            head[HEADER_LEN..].copy_from_slice(&gso.encode());
+        },
+    );
+    (done, too_large)
 }
 
 impl Shard {
