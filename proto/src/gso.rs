@@ -176,6 +176,7 @@ impl Segmented {
 }
 
 /// The IP and TCP header layout of a super-packet.
+#[derive(Debug, Clone, Copy)]
 struct Layout {
     /// Bytes of the IP header (IPv4 with options, IPv6 fixed header).
     l4: usize,
@@ -270,46 +271,101 @@ pub fn segment_tcp(
     out: &mut Vec<u8>,
     headroom: usize,
 ) -> Result<Segmented, GsoError> {
-    let l = layout(packet, kind)?;
-    if gso_size == 0 {
-        return Err(GsoError::ZeroSegmentSize);
-    }
-    let full_len = l.hdr_len + gso_size;
-    if full_len > usize::from(u16::MAX) {
-        return Err(GsoError::SegmentTooLarge(full_len));
-    }
-    let payload = &packet[l.hdr_len..l.end];
-    let count = payload.len().div_ceil(gso_size).max(1);
-    if count > MAX_SEGMENTS {
-        return Err(GsoError::TooManySegments(count));
-    }
-    let headers = &packet[..l.hdr_len];
-    let seq0 = u32::from_be_bytes([
-        packet[l.l4 + 4],
-        packet[l.l4 + 5],
-        packet[l.l4 + 6],
-        packet[l.l4 + 7],
-    ]);
-    let id0 = if l.v4 { be16(packet, 4) } else { 0 };
-    let flags0 = packet[l.l4 + 13];
+    let seg = Segmenter::new(packet, kind, gso_size)?;
     let base = out.len();
-    let mut last_len = full_len;
-    for i in 0..count {
-        let chunk = payload
-            .get(i * gso_size..)
-            .map(|rest| &rest[..rest.len().min(gso_size)])
-            .unwrap_or(&[]);
+    out.reserve(seg.count * (headroom + seg.full_len));
+    for i in 0..seg.count {
         out.resize(out.len() + headroom, 0);
+        seg.write(i, out);
+    }
+    Ok(Segmented {
+        count: seg.count,
+        headroom,
+        base,
+        full_len: seg.full_len,
+        last_len: seg.last_len(),
+    })
+}
+
+/// A validated TCP super-packet, ready to be cut: [`Segmenter::write`]
+/// appends one segment at a time wherever the caller wants it (the
+/// manager writes each straight into a smoltcp receive buffer, so the
+/// payload is copied once). What [`segment_tcp`] does, one segment at a time.
+#[derive(Debug, Clone, Copy)]
+pub struct Segmenter<'a> {
+    packet: &'a [u8],
+    l: Layout,
+    gso_size: usize,
+    count: usize,
+    full_len: usize,
+    seq0: u32,
+    id0: u16,
+    flags0: u8,
+}
+
+impl<'a> Segmenter<'a> {
+    /// Check `packet` (as [`segment_tcp`] takes it) and count its segments.
+    pub fn new(packet: &'a [u8], kind: GsoKind, gso_size: usize) -> Result<Self, GsoError> {
+        let l = layout(packet, kind)?;
+        if gso_size == 0 {
+            return Err(GsoError::ZeroSegmentSize);
+        }
+        let full_len = l.hdr_len + gso_size;
+        if full_len > usize::from(u16::MAX) {
+            return Err(GsoError::SegmentTooLarge(full_len));
+        }
+        let count = (l.end - l.hdr_len).div_ceil(gso_size).max(1);
+        if count > MAX_SEGMENTS {
+            return Err(GsoError::TooManySegments(count));
+        }
+        Ok(Self {
+            packet,
+            l,
+            gso_size,
+            count,
+            full_len,
+            seq0: u32::from_be_bytes([
+                packet[l.l4 + 4],
+                packet[l.l4 + 5],
+                packet[l.l4 + 6],
+                packet[l.l4 + 7],
+            ]),
+            id0: if l.v4 { be16(packet, 4) } else { 0 },
+            flags0: packet[l.l4 + 13],
+        })
+    }
+
+    /// Number of segments (at least 1).
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    fn last_len(&self) -> usize {
+        let payload = self.l.end - self.l.hdr_len;
+        self.l.hdr_len + (payload - (self.count - 1) * self.gso_size)
+    }
+
+    /// Append segment `i` (`0..count`; others append nothing) to `out`:
+    /// its headers with complete checksums, then its payload.
+    pub fn write(&self, i: usize, out: &mut Vec<u8>) {
+        if i >= self.count {
+            return;
+        }
+        let l = self.l;
+        let payload = &self.packet[l.hdr_len..l.end];
+        let chunk = payload
+            .get(i * self.gso_size..)
+            .map(|rest| &rest[..rest.len().min(self.gso_size)])
+            .unwrap_or(&[]);
         let start = out.len();
-        out.extend_from_slice(headers);
+        out.extend_from_slice(&self.packet[..l.hdr_len]);
         out.extend_from_slice(chunk);
         let seg = &mut out[start..];
         let seg_len = seg.len();
-        last_len = seg_len;
-        // Lengths fit: seg_len <= full_len <= u16::MAX (checked above).
+        // Lengths fit: seg_len <= full_len <= u16::MAX (checked in `new`).
         if l.v4 {
             seg[2..4].copy_from_slice(&(seg_len as u16).to_be_bytes());
-            seg[4..6].copy_from_slice(&id0.wrapping_add(i as u16).to_be_bytes());
+            seg[4..6].copy_from_slice(&self.id0.wrapping_add(i as u16).to_be_bytes());
             seg[10..12].copy_from_slice(&[0, 0]);
             let c = !fold(sum(&seg[..l.l4], 0));
             seg[10..12].copy_from_slice(&c.to_be_bytes());
@@ -317,10 +373,10 @@ pub fn segment_tcp(
             seg[4..6].copy_from_slice(&((seg_len - 40) as u16).to_be_bytes());
         }
         let t = l.l4;
-        let seq = seq0.wrapping_add((i * gso_size) as u32);
+        let seq = self.seq0.wrapping_add((i * self.gso_size) as u32);
         seg[t + 4..t + 8].copy_from_slice(&seq.to_be_bytes());
-        let mut flags = flags0;
-        if i + 1 < count {
+        let mut flags = self.flags0;
+        if i + 1 < self.count {
             flags &= !(TCP_FIN | TCP_PSH);
         }
         if i > 0 {
@@ -333,13 +389,6 @@ pub fn segment_tcp(
         let c = !fold(sum(&seg[t..], pseudo));
         seg[t + 16..t + 18].copy_from_slice(&c.to_be_bytes());
     }
-    Ok(Segmented {
-        count,
-        headroom,
-        base,
-        full_len,
-        last_len,
-    })
 }
 
 
