@@ -979,8 +979,15 @@ async fn write_gso<T: PacketIo>(tun: &T, payload: &[u8]) -> io::Result<Option<u6
         len: payload.len(),
     });
     let (h, packet) = match checked.and_then(|(h, p)| {
-        gso::check_super_packet(p, h.flags, h.gso_type, h.gso_size, h.csum_start, h.csum_offset)
-            .map(|_| (h, p))
+        gso::check_super_packet(
+            p,
+            h.flags,
+            h.gso_type,
+            h.gso_size,
+            h.csum_start,
+            h.csum_offset,
+        )
+        .map(|_| (h, p))
     }) {
         Ok(found) => found,
         Err(e) => {
@@ -988,7 +995,10 @@ async fn write_gso<T: PacketIo>(tun: &T, payload: &[u8]) -> io::Result<Option<u6
             return Ok(None);
         }
     };
-    match tun.send_vnet(&VnetHdr::from_frame_header(h).encode(), packet).await {
+    match tun
+        .send_vnet(&VnetHdr::from_frame_header(h).encode(), packet)
+        .await
+    {
         Ok(_) => Ok(Some(packet.len() as u64)),
         Err(e)
             if e.raw_os_error() == Some(libc::EINVAL) || e.kind() == io::ErrorKind::Unsupported =>
@@ -1041,7 +1051,9 @@ async fn tun_writer<T: PacketIo>(
                 // Taken by `transport_reader` already.
                 Kind::Heartbeat | Kind::Stats | Kind::Hello | Kind::Resume => {}
                 Kind::Gso => match write_gso(&*tun, frame.payload).await {
-                    Ok(Some(n)) => (packets, bytes, gso_frames) = (packets + 1, bytes + n, gso_frames + 1),
+                    Ok(Some(n)) => {
+                        (packets, bytes, gso_frames) = (packets + 1, bytes + n, gso_frames + 1)
+                    }
                     Ok(None) => invalid += 1,
                     Err(e) => return PumpExit::Tun(e),
                 },
@@ -1625,15 +1637,45 @@ mod tests {
             // Shorter than the GSO header.
             vec![1, 2, 3],
             // UDP_L4 (5), not a TCP super-packet.
-            gso_frame(GsoHeader { gso_type: 5, ..good }, &super_packet),
+            gso_frame(
+                GsoHeader {
+                    gso_type: 5,
+                    ..good
+                },
+                &super_packet,
+            ),
             // TCPv6 over an IPv4 packet.
-            gso_frame(GsoHeader { gso_type: gso::GSO_TCPV6, ..good }, &super_packet),
+            gso_frame(
+                GsoHeader {
+                    gso_type: gso::GSO_TCPV6,
+                    ..good
+                },
+                &super_packet,
+            ),
             // No NEEDS_CSUM, or the checksum elsewhere than TCP's.
             gso_frame(GsoHeader { flags: 0, ..good }, &super_packet),
-            gso_frame(GsoHeader { csum_offset: 6, ..good }, &super_packet),
+            gso_frame(
+                GsoHeader {
+                    csum_offset: 6,
+                    ..good
+                },
+                &super_packet,
+            ),
             // gso_size 0, and one byte per segment (too many segments).
-            gso_frame(GsoHeader { gso_size: 0, ..good }, &super_packet),
-            gso_frame(GsoHeader { gso_size: 1, ..good }, &super_packet),
+            gso_frame(
+                GsoHeader {
+                    gso_size: 0,
+                    ..good
+                },
+                &super_packet,
+            ),
+            gso_frame(
+                GsoHeader {
+                    gso_size: 1,
+                    ..good
+                },
+                &super_packet,
+            ),
             // Truncated: the IP length says more.
             gso_frame(good, &super_packet[..100]),
         ];
@@ -1650,7 +1692,11 @@ mod tests {
         let (hdr, offload, written) = VnetHdr::parse(&buf[..n]).expect("virtio_net_hdr");
         assert_eq!(hdr, VnetHdr::from_frame_header(good));
         assert!(matches!(offload, Offload::Tcp { gso_size: 1000, .. }));
-        assert_eq!(written, &super_packet[..], "one write, the whole super-packet");
+        assert_eq!(
+            written,
+            &super_packet[..],
+            "one write, the whole super-packet"
+        );
         let n = app_side.recv(&mut buf).await.expect("the packet after it");
         assert_eq!(&buf[VNET_HDR_LEN..n], &packet(7, 100)[..]);
         wait_counter(&counters.rx_packets, 2).await;

@@ -185,9 +185,14 @@ impl VnetHdr {
         let mut out = [0u8; VNET_HDR_LEN];
         out[0] = self.flags;
         out[1] = self.gso_type;
-        for (i, v) in [self.hdr_len, self.gso_size, self.csum_start, self.csum_offset]
-            .into_iter()
-            .enumerate()
+        for (i, v) in [
+            self.hdr_len,
+            self.gso_size,
+            self.csum_start,
+            self.csum_offset,
+        ]
+        .into_iter()
+        .enumerate()
         {
             out[2 + 2 * i..4 + 2 * i].copy_from_slice(&v.to_ne_bytes());
         }

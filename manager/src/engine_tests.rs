@@ -1800,9 +1800,14 @@ fn smoltcp_download_segments_coalesce_and_segment_back() {
     assert!(packets.len() > 10, "{} packets", packets.len());
     let mut wire = Vec::new();
     let mut coalescer = kvpn_proto::gso::Coalescer::default();
-    let (done, too_large) = kvpn_proto::frame::encode_coalesced(&mut coalescer, &packets, &mut wire);
+    let (done, too_large) =
+        kvpn_proto::frame::encode_coalesced(&mut coalescer, &packets, &mut wire);
     assert_eq!(too_large, 0);
-    assert_eq!(done.merged, packets.len(), "every data segment merged: {done:?}");
+    assert_eq!(
+        done.merged,
+        packets.len(),
+        "every data segment merged: {done:?}"
+    );
     let decoder = kvpn_proto::frame::Decoder::default();
     let (mut off, mut again, mut frames) = (0, Vec::new(), 0);
     while let Some((f, used)) = decoder.decode(&wire[off..]).expect("valid frames") {
@@ -1836,7 +1841,10 @@ fn smoltcp_download_segments_coalesce_and_segment_back() {
         p
     };
     assert!(
-        again.iter().map(without_id).eq(packets.iter().map(without_id)),
+        again
+            .iter()
+            .map(without_id)
+            .eq(packets.iter().map(without_id)),
         "segmenting the GSO frames gives smoltcp's packets back"
     );
 }

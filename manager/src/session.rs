@@ -32,7 +32,8 @@ use ipnet::Ipv4Net;
 
 use kvpn_proto::frame::{
     self, Decoder, FrameError, GsoHeader, Hello, HelloError, Kind, MIN_PROTOCOL_VERSION,
-    ManagerHello, OFFLOAD_TCP_GRO, OFFLOAD_TCP_GSO, PROTOCOL_VERSION, ResumeAnswer, STATS_VERSION, Stats, stat,
+    ManagerHello, OFFLOAD_TCP_GRO, OFFLOAD_TCP_GSO, PROTOCOL_VERSION, ResumeAnswer, STATS_VERSION,
+    Stats, stat,
 };
 use kvpn_proto::gso::{self, GsoKind};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -422,7 +423,12 @@ fn laptop_packet_pooled(buf: Vec<u8>, engine: &mut Engine, now: Instant, config:
 
 /// The part of [`laptop_packet`] before the engine: true when `packet` went
 /// to another laptop or into the pool TUN (or was dropped there).
-fn outside_engine(packet: &[u8], engine: &mut Engine, now: Instant, config: &SessionConfig) -> bool {
+fn outside_engine(
+    packet: &[u8],
+    engine: &mut Engine,
+    now: Instant,
+    config: &SessionConfig,
+) -> bool {
     config.trace.observe_laptop_packet(packet);
     if forward_to_peer(packet, engine, config) {
         // Another laptop's.
@@ -478,7 +484,8 @@ fn transmit(engine: &mut Engine, out: &mut Vec<u8>, gro: Option<&mut GroOutput>)
         }
         return;
     };
-    gro.packets.extend(std::iter::from_fn(|| engine.poll_transmit()));
+    gro.packets
+        .extend(std::iter::from_fn(|| engine.poll_transmit()));
     let (merged, too_large) = frame::encode_coalesced(&mut gro.coalescer, &gro.packets, out);
     if too_large > 0 {
         debug!(too_large, "packets too large for a frame");

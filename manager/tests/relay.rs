@@ -199,9 +199,16 @@ async fn download_in_gso_frames_only_when_offered() {
         let metrics = laptop.finish().await;
         if offered & frame::OFFLOAD_TCP_GRO != 0 {
             assert!(frames > 0, "no GSO frames in a {LEN}-byte download");
-            assert_eq!((metrics.gro_frames, metrics.gro_segments), (frames, segments));
+            assert_eq!(
+                (metrics.gro_frames, metrics.gro_segments),
+                (frames, segments)
+            );
         } else {
-            assert_eq!((frames, metrics.gro_frames), (0, 0), "not offered, not sent");
+            assert_eq!(
+                (frames, metrics.gro_frames),
+                (0, 0),
+                "not offered, not sent"
+            );
         }
     }
 }

@@ -116,7 +116,9 @@ pub enum GsoError {
     NotTcpGso(u8),
     /// A super-packet whose checksum offload is not `NEEDS_CSUM` at the TCP
     /// checksum field.
-    #[error("super-packet checksum offload flags {flags:#x} at {start}+{offset}, want NEEDS_CSUM at the TCP checksum")]
+    #[error(
+        "super-packet checksum offload flags {flags:#x} at {start}+{offset}, want NEEDS_CSUM at the TCP checksum"
+    )]
     ChecksumNotTcp {
         /// `virtio_net_hdr.flags`.
         flags: u8,
@@ -390,7 +392,6 @@ impl<'a> Segmenter<'a> {
         seg[t + 16..t + 18].copy_from_slice(&c.to_be_bytes());
     }
 }
-
 
 /// What a [`Coalescer`] emits for each run of packets it merged: the
 /// `virtio_net_hdr` fields of the super-packet it wrote.
@@ -1190,7 +1191,14 @@ mod tests {
             .map(|(i, chunk)| {
                 let end = (i + 1) * mss >= data.len();
                 let flags = if end { ACK | PSH } else { ACK };
-                tcp_packet(v6, port, seq.wrapping_add((i * mss) as u32), flags, chunk, 100 + i as u16)
+                tcp_packet(
+                    v6,
+                    port,
+                    seq.wrapping_add((i * mss) as u32),
+                    flags,
+                    chunk,
+                    100 + i as u16,
+                )
             })
             .collect()
     }
@@ -1200,7 +1208,14 @@ mod tests {
         for v6 in [false, true] {
             let packets = stream(v6, 40000, 0xffff_f000, 1448, 6, 500);
             let (emitted, done) = coalesce_all(&packets, 65_000);
-            assert_eq!(done, Coalesced { super_packets: 1, merged: 7 }, "v6={v6}");
+            assert_eq!(
+                done,
+                Coalesced {
+                    super_packets: 1,
+                    merged: 7
+                },
+                "v6={v6}"
+            );
             let Emitted::Super(sp, p) = &emitted[0] else {
                 panic!("not merged: {emitted:?}");
             };
@@ -1246,13 +1261,13 @@ mod tests {
             p(1000, ACK, 1000, 1),
             p(2000, ACK | PSH, 1000, 2), // run 1 ends at PSH
             p(3000, ACK, 1000, 3),
-            other_ack, // another ack number: run 2 ends
-            p(5000, ACK, 1000, 5), // a gap (4000 missing): run 3 starts
-            p(6000, ACK, 500, 6), // short: run 3 ends with it
-            p(6500, ACK, 500, 7), // starts run 4, alone
+            other_ack,                    // another ack number: run 2 ends
+            p(5000, ACK, 1000, 5),        // a gap (4000 missing): run 3 starts
+            p(6000, ACK, 500, 6),         // short: run 3 ends with it
+            p(6500, ACK, 500, 7),         // starts run 4, alone
             p(6000, 0x01 | ACK, 1000, 8), // FIN
-            p(7000, 0x04 | ACK, 0, 9),     // RST
-            p(0, 0x02, 0, 10),             // SYN
+            p(7000, 0x04 | ACK, 0, 9),    // RST
+            p(0, 0x02, 0, 10),            // SYN
         ];
         let (emitted, done) = coalesce_all(&packets, 65_000);
         let shape: Vec<usize> = emitted
@@ -1263,7 +1278,13 @@ mod tests {
             })
             .collect();
         assert_eq!(shape, vec![2, 1, 1, 2, 1, 1, 1, 1], "{emitted:?}");
-        assert_eq!(done, Coalesced { super_packets: 2, merged: 4 });
+        assert_eq!(
+            done,
+            Coalesced {
+                super_packets: 2,
+                merged: 4
+            }
+        );
         // In order: nothing of the flow moved.
         assert_eq!(resegment(&emitted), packets);
     }

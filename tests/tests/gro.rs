@@ -59,7 +59,8 @@ fn download_arrives_intact_in_gso_frames_written_to_the_tun() {
     let status = f.status_json();
     let s = &status["sessions"][0];
     let delta = |field: &str| {
-        s["rx"][field].as_u64().unwrap_or(0) - before["sessions"][0]["rx"][field].as_u64().unwrap_or(0)
+        s["rx"][field].as_u64().unwrap_or(0)
+            - before["sessions"][0]["rx"][field].as_u64().unwrap_or(0)
     };
     let (frames, packets, bytes) = (delta("gso_frames"), delta("packets"), delta("bytes"));
     eprintln!("{LEN} bytes: {bytes} bytes in {packets} TUN writes, {frames} of them GSO frames");
