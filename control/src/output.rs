@@ -363,7 +363,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "gso_segmented": s.tx_gso_segmented,
             "offload_dropped": s.tx_offload_dropped,
         },
-        "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
+        "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes, "gso_frames": s.rx_gso_frames},
         "ebpf": {
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},

@@ -759,9 +759,10 @@ fn worker_hellos(
                 Some(params.mtu),
                 params.tunnel_ip_v6,
                 // The TUN device always has IFF_VNET_HDR offloads (crate::tun):
-                // offer GSO frames; the pump segments itself until the manager
-                // accepts them.
-                Some(frame::OFFLOAD_TCP_GSO),
+                // offer GSO frames both ways; the pump segments itself until
+                // the manager accepts them, and writes the manager's
+                // super-packets with their virtio_net_hdr.
+                Some(frame::OFFLOAD_TCP_GSO | frame::OFFLOAD_TCP_GRO),
                 (workers > 1).then_some(frame::Shard {
                     index,
                     count: workers,
@@ -1293,6 +1294,7 @@ impl Session {
                 (&sum.rx_packets, &c.rx_packets),
                 (&sum.rx_bytes, &c.rx_bytes),
                 (&sum.rx_invalid, &c.rx_invalid),
+                (&sum.rx_gso_frames, &c.rx_gso_frames),
                 (&sum.heartbeats_sent, &c.heartbeats_sent),
                 (&sum.heartbeats_echoed, &c.heartbeats_echoed),
                 (&sum.refused_packets, &c.refused_packets),
@@ -1412,6 +1414,7 @@ impl Session {
             held_packets: Counters::get(&c.held_packets),
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
+            rx_gso_frames: Counters::get(&c.rx_gso_frames),
             ebpf,
             ebpf_unrouted_packets: unrouted.packets,
             ebpf_unrouted_bytes: unrouted.bytes,
@@ -1737,6 +1740,7 @@ impl Session {
             tx_offload_dropped = Counters::get(&c.tx_offload_dropped),
             rx_packets = Counters::get(&c.rx_packets),
             rx_invalid = Counters::get(&c.rx_invalid),
+            rx_gso_frames = Counters::get(&c.rx_gso_frames),
             "session torn down"
         );
         report
