@@ -55,7 +55,7 @@ pub const FIRST_ECHO_WAIT: std::time::Duration = std::time::Duration::from_secs(
 /// `Ok(Some(session))` with its last state when `within` passed first.
 pub async fn wait_first_echo(
     client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
-        tonic::transport::Channel,
+        crate::daemon_channel::DaemonChannel,
     >,
     id: &str,
     within: std::time::Duration,
@@ -83,7 +83,7 @@ pub async fn wait_first_echo(
 /// the first heartbeat echo, else what it is waiting for.
 pub async fn report_connected(
     client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
-        tonic::transport::Channel,
+        crate::daemon_channel::DaemonChannel,
     >,
     id: &str,
     connected_line: &str,
@@ -247,7 +247,7 @@ pub fn ignored_flags_warning(flags: &[&str]) -> Option<String> {
 /// user-side half (port-forward, route watch) is gone or lost can never carry
 /// traffic again; it is replaced.
 async fn already_connected(
-    user: &mut UserDaemonClient<tonic::transport::Channel>,
+    user: &mut UserDaemonClient<crate::daemon_channel::DaemonChannel>,
     wanted: &Origin,
 ) -> Result<Option<String>> {
     let status = user

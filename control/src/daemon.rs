@@ -6,10 +6,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use hyper_util::rt::TokioIo;
 use kvpn_proto::dataplane::dataplane_client::DataplaneClient;
-use tokio::net::UnixStream;
-use tonic::transport::{Channel, Endpoint};
+
+use crate::daemon_channel::{self, Daemon, DaemonChannel};
 
 /// How long to wait for a freshly started root daemon to answer on its socket.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -23,26 +22,21 @@ fn pid_path(runtime_dir: &Path) -> PathBuf {
     runtime_dir.join("dataplane.pid")
 }
 
-pub(crate) async fn channel(socket: &Path) -> std::io::Result<Channel> {
-    // Fail fast when nobody listens; tonic's connector would otherwise retry.
-    UnixStream::connect(socket).await?;
-    let socket = socket.to_path_buf();
-    // The URI is required by tonic but unused: the connector dials the socket.
-    let endpoint =
-        Endpoint::try_from("http://kvpn-dataplane.invalid").map_err(std::io::Error::other)?;
-    endpoint
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
-        }))
-        .await
-        .map_err(std::io::Error::other)
+/// A channel to the root daemon on `socket` in `runtime_dir`
+/// ([`crate::daemon_channel`]: calls fail, naming it, when it stops answering).
+async fn channel(runtime_dir: &Path) -> std::io::Result<DaemonChannel> {
+    daemon_channel::open(Daemon::new(
+        daemon_channel::Kind::Root,
+        &socket_path(runtime_dir),
+        &pid_path(runtime_dir),
+    ))
+    .await
 }
 
 /// The root daemon's sessions (`Status`), with `what` saying why we asked, for
 /// the error.
 pub async fn sessions(
-    client: &mut DataplaneClient<Channel>,
+    client: &mut DataplaneClient<DaemonChannel>,
     what: &'static str,
 ) -> Result<Vec<kvpn_proto::dataplane::Session>> {
     Ok(client
@@ -55,9 +49,11 @@ pub async fn sessions(
 }
 
 /// A client for a root daemon that is already running, or `None` when none answers.
-pub async fn connect_existing(runtime_dir: &Path) -> Result<Option<DataplaneClient<Channel>>> {
+pub async fn connect_existing(
+    runtime_dir: &Path,
+) -> Result<Option<DataplaneClient<DaemonChannel>>> {
     let socket = socket_path(runtime_dir);
-    match channel(&socket).await {
+    match channel(runtime_dir).await {
         Ok(ch) => Ok(Some(DataplaneClient::new(ch))),
         Err(e)
             if matches!(
@@ -86,7 +82,7 @@ pub async fn connect_existing(runtime_dir: &Path) -> Result<Option<DataplaneClie
 /// As root it is started directly; a normal user's kvpn starts it through
 /// `sudo -n` or `pkexec` ([`start_elevated`]), allowing that user's uid on its
 /// socket, and fails at once with what it tried and the fixes when neither works.
-pub async fn connect_or_start(runtime_dir: &Path) -> Result<DataplaneClient<Channel>> {
+pub async fn connect_or_start(runtime_dir: &Path) -> Result<DataplaneClient<DaemonChannel>> {
     if let Some(c) = connect_existing(runtime_dir).await? {
         return Ok(c);
     }
@@ -115,7 +111,9 @@ pub async fn connect_or_start(runtime_dir: &Path) -> Result<DataplaneClient<Chan
 
 /// [`connect_or_start`], telling the user which of the two it did: a running
 /// root daemon is used ("Using root daemon"), only a missing one is started.
-pub async fn connect_or_start_announced(runtime_dir: &Path) -> Result<DataplaneClient<Channel>> {
+pub async fn connect_or_start_announced(
+    runtime_dir: &Path,
+) -> Result<DataplaneClient<DaemonChannel>> {
     let running = connect_existing(runtime_dir).await?;
     crate::output::step(&root_daemon_step(
         running.is_some(),
@@ -208,7 +206,7 @@ fn who() -> (u32, String) {
 /// The root daemon started for this normal user through [`ELEVATORS`]: the
 /// first one whose daemon answers on the socket wins. Each attempt's failure
 /// (not installed, refused, the daemon exited) is kept for the error.
-async fn start_elevated(runtime_dir: &Path) -> Result<DataplaneClient<Channel>> {
+async fn start_elevated(runtime_dir: &Path) -> Result<DataplaneClient<DaemonChannel>> {
     let (uid, user) = who();
     let bin = absolute_dataplane_binary();
     let dir = std::path::absolute(runtime_dir).unwrap_or_else(|_| runtime_dir.to_path_buf());
@@ -272,7 +270,7 @@ fn show_args(cmd: &Command) -> String {
 async fn run_detached(
     cmd: &mut Command,
     runtime_dir: &Path,
-) -> std::result::Result<DataplaneClient<Channel>, String> {
+) -> std::result::Result<DataplaneClient<DaemonChannel>, String> {
     use std::io::{Read as _, Seek as _};
     use std::os::unix::process::CommandExt as _;
     // Its stderr goes to a file unlinked at once: read back if it fails,

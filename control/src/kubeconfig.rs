@@ -1365,7 +1365,7 @@ pub async fn connect_target(target: KubeTarget) -> Result<KubeConnection, Error>
 }
 
 /// `e: cause: cause…` (kube's errors keep the useful part in their sources).
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

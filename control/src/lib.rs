@@ -18,6 +18,7 @@ pub mod cidr;
 pub mod cli;
 pub mod connect;
 pub mod daemon;
+pub mod daemon_channel;
 pub mod diagnose;
 pub mod fuzzing;
 pub mod install;

@@ -308,6 +308,8 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "workers_connected": s.workers_connected,
         "resumes": s.resumes,
         "resumes_lost": s.resumes_lost,
+        "tcp_flows_reset": s.tcp_flows_reset,
+        "held_packets": s.held_packets,
         "state": s.state,
         "reason": s.reason,
         "uptime_ms": s.uptime_ms,
@@ -361,7 +363,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "gso_segmented": s.tx_gso_segmented,
             "offload_dropped": s.tx_offload_dropped,
         },
-        "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes},
+        "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes, "gso_frames": s.rx_gso_frames},
         "ebpf": {
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
@@ -674,6 +676,12 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
                     println!(
                         "    re-dials: {} resumed their flows, {} lost them (manager restarted or its grace period over)",
                         s.resumes, s.resumes_lost
+                    );
+                }
+                if s.tcp_flows_reset > 0 {
+                    println!(
+                        "    TCP flows reset on the laptop after a re-dial that could not resume: {}",
+                        s.tcp_flows_reset
                     );
                 }
                 match &s.route_source {

@@ -171,7 +171,7 @@ pub fn json(rows: &[Row], interval: Duration) -> serde_json::Value {
 
 async fn sample(
     client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
-        tonic::transport::Channel,
+        crate::daemon_channel::DaemonChannel,
     >,
 ) -> Result<TopResponse> {
     Ok(client

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use kvpn_proto::userd::user_daemon_client::UserDaemonClient;
-use tonic::transport::Channel;
 
 use crate::daemon;
+use crate::daemon_channel::{self, Daemon, DaemonChannel};
 
 /// The root daemon's default runtime folder (`--runtime-dir`, `KVPN_RUNTIME_DIR`).
 pub const DEFAULT_ROOT_RUNTIME_DIR: &str = "/run/kvpn";
@@ -106,8 +106,9 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 /// A client of a user daemon that answers, or `None`.
-pub async fn connect_existing(paths: &Paths) -> Result<Option<UserDaemonClient<Channel>>> {
-    match daemon::channel(&paths.socket).await {
+pub async fn connect_existing(paths: &Paths) -> Result<Option<UserDaemonClient<DaemonChannel>>> {
+    let daemon = Daemon::new(daemon_channel::Kind::User, &paths.socket, &paths.pid);
+    match daemon_channel::open(daemon).await {
         Ok(ch) => Ok(Some(UserDaemonClient::new(ch))),
         Err(e)
             if matches!(
@@ -130,7 +131,7 @@ pub fn store(paths: &Paths) -> Result<record::Store> {
 }
 
 /// A client of the user daemon, starting it first if none answers.
-pub async fn connect_or_start(root_runtime_dir: &Path) -> Result<UserDaemonClient<Channel>> {
+pub async fn connect_or_start(root_runtime_dir: &Path) -> Result<UserDaemonClient<DaemonChannel>> {
     let paths = Paths::current(root_runtime_dir);
     if let Some(c) = connect_existing(&paths).await? {
         return Ok(c);
@@ -169,7 +170,7 @@ pub async fn connect_or_start(root_runtime_dir: &Path) -> Result<UserDaemonClien
 /// `kvpn status` after `kvpn quit` leaves no daemon behind.
 pub async fn connect_if_needed(
     root_runtime_dir: &Path,
-) -> Result<Option<UserDaemonClient<Channel>>> {
+) -> Result<Option<UserDaemonClient<DaemonChannel>>> {
     let paths = Paths::current(root_runtime_dir);
     if let Some(c) = connect_existing(&paths).await? {
         return Ok(Some(c));

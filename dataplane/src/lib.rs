@@ -6,8 +6,10 @@
 //!
 //! Pure cores (no I/O): [`routes`] (CIDR normalisation), [`liveness`] (heartbeats
 //! and session state), [`unreachable`] (ICMP unreachable answers while
-//! reconnecting, and their rate limit). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
-//! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`session`]
+//! reconnecting, and their rate limit), [`carried`] (the TCP flows a worker carried,
+//! reset when a re-dial cannot resume). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
+//! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`redial`]
+//! (holding packets during a re-dial, resetting lost flows), [`session`]
 //! (TCP to the manager, setup and teardown), [`tls`] (TLS on the data channel,
 //! verified against the CA from the Connect request), [`daemon`] (gRPC socket, pid file,
 //! peer credentials), [`sweep`] (what a killed daemon left),
@@ -16,6 +18,7 @@
 //!
 //! Outbound means laptop → cluster, inbound cluster → laptop.
 
+pub mod carried;
 pub mod client;
 pub mod conflicts;
 pub mod daemon;
@@ -25,6 +28,7 @@ pub mod fuzzing;
 pub mod liveness;
 pub mod netlink;
 pub mod pump;
+pub mod redial;
 pub mod routes;
 pub mod session;
 pub mod sweep;

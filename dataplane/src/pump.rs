@@ -57,8 +57,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use kvpn_proto::frame::{
-    self, Decoder, FrameError, GSO_HEADER_LEN, HEADER_LEN, Kind, ManagerHello, OFFLOAD_TCP_GSO,
-    ResumeAnswer,
+    self, Decoder, FrameError, GSO_HEADER_LEN, GsoHeader, HEADER_LEN, Kind, ManagerHello,
+    OFFLOAD_TCP_GSO, ResumeAnswer,
 };
 use kvpn_proto::gso::{self, GsoError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -66,6 +66,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::liveness::Liveness;
+use crate::redial::{self, Redial};
 use crate::tun::{MAX_READ, Offload, VNET_HDR_LEN, VNET_HDR_NONE, VnetError, VnetHdr};
 use crate::unreachable::{self, RateLimit};
 
@@ -112,6 +113,17 @@ pub trait PacketIo: Send + Sync + 'static {
     fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize>;
     /// Write one packet, waiting while the device would block.
     fn send(&self, packet: &[u8]) -> impl Future<Output = io::Result<usize>> + Send;
+    /// Write one packet after the `virtio_net_hdr` `vnet` (a TCP
+    /// super-packet the kernel segments or takes whole), in one write.
+    /// Devices without [`PacketIo::vnet_hdr`] cannot: `Unsupported`.
+    fn send_vnet(
+        &self,
+        vnet: &[u8; VNET_HDR_LEN],
+        packet: &[u8],
+    ) -> impl Future<Output = io::Result<usize>> + Send {
+        let _ = (vnet, packet);
+        std::future::ready(Err(io::ErrorKind::Unsupported.into()))
+    }
 }
 
 impl PacketIo for tun_rs::AsyncDevice {
@@ -129,7 +141,13 @@ impl PacketIo for tun_rs::AsyncDevice {
         if !self.tcp_gso() {
             return tun_rs::AsyncDevice::send(self, packet).await;
         }
-        let iov = [IoSlice::new(&VNET_HDR_NONE), IoSlice::new(packet)];
+        self.send_vnet(&VNET_HDR_NONE, packet).await
+    }
+    async fn send_vnet(&self, vnet: &[u8; VNET_HDR_LEN], packet: &[u8]) -> io::Result<usize> {
+        if !self.tcp_gso() {
+            return Err(io::ErrorKind::Unsupported.into());
+        }
+        let iov = [IoSlice::new(vnet), IoSlice::new(packet)];
         let n = tun_rs::AsyncDevice::send_vectored(self, &iov).await?;
         Ok(n.saturating_sub(VNET_HDR_LEN))
     }
@@ -176,8 +194,13 @@ pub struct Counters {
     pub rx_packets: AtomicU64,
     /// Inbound IP bytes written to the TUN.
     pub rx_bytes: AtomicU64,
-    /// Inbound packets the TUN refused as malformed (EINVAL), or empty packet
-    /// frames. Counted, logged at debug, not fatal.
+    /// Inbound GSO frames (frame kind 5, offload bit 2 accepted): TCP
+    /// super-packets the manager merged, each written to the TUN with its
+    /// `virtio_net_hdr` in one write (and counted once in `rx_packets`).
+    pub rx_gso_frames: AtomicU64,
+    /// Inbound packets the TUN refused as malformed (EINVAL), empty packet
+    /// frames, and GSO frames that are not a valid TCP super-packet
+    /// ([`gso::check_super_packet`]). Counted, logged at debug, not fatal.
     pub rx_invalid: AtomicU64,
     /// Heartbeats sent.
     pub heartbeats_sent: AtomicU64,
@@ -199,6 +222,13 @@ pub struct Counters {
     /// Re-dials after which the manager answered "new": the flows of the lost
     /// connection were gone (manager restarted, grace expired).
     pub resumes_lost: AtomicU64,
+    /// TCP flows reset on the laptop because a re-dial was answered "new"
+    /// ([`crate::redial`]).
+    pub tcp_flows_reset: AtomicU64,
+    /// Packets held during a re-dial that may resume, or forwarded on the
+    /// fresh connection before its first echo, instead of refused
+    /// ([`crate::redial`]).
+    pub held_packets: AtomicU64,
 }
 
 impl Counters {
@@ -431,6 +461,9 @@ pub struct PumpConfig {
     /// [`ResumeAnswer::Leaving`] (so the manager drops this connection's
     /// engine at once instead of parking it for a resume) and the pump stops.
     pub stop: Option<watch::Receiver<bool>>,
+    /// The worker's re-dial state ([`crate::redial`]): flows to reset on a
+    /// "new" answer, reads held during a re-dial. `None`: neither.
+    pub redial: Option<Arc<Redial>>,
 }
 
 impl Default for PumpConfig {
@@ -439,6 +472,7 @@ impl Default for PumpConfig {
             max_frame_len: frame::MAX_FRAME_LEN,
             worker: 0,
             stop: None,
+            redial: None,
         }
     }
 }
@@ -475,7 +509,7 @@ impl Refusal {
 /// Answer one outbound `packet` that will not reach the manager with an ICMP
 /// unreachable written to the TUN, if it is eligible and the rate limit allows.
 /// `out` is scratch space. Fails only when the TUN write fails.
-async fn refuse_packet<T: PacketIo>(
+pub(crate) async fn refuse_packet<T: PacketIo>(
     tun: &T,
     packet: &[u8],
     refusal: &Refusal,
@@ -577,6 +611,7 @@ where
         refusal,
         counters.clone(),
         gso_ok.clone(),
+        config.redial.clone(),
     ));
     tasks.spawn(transport_writer(
         transport_tx,
@@ -586,6 +621,7 @@ where
         counters.clone(),
         config.stop.clone(),
     ));
+    let redial = config.redial.clone();
     tasks.spawn(transport_reader(
         transport_rx,
         in_free_rx,
@@ -595,7 +631,7 @@ where
         config,
         gso_ok,
     ));
-    tasks.spawn(tun_writer(tun, in_full_rx, in_free_tx, counters));
+    tasks.spawn(tun_writer(tun, in_full_rx, in_free_tx, counters, redial));
 
     // Watchdog: a black-holed transport can block the writer forever, so the
     // silence check cannot live in the writer.
@@ -625,6 +661,10 @@ where
     exit
 }
 
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the reader's queues and shared state, moved into one task per pump"
+)]
 async fn tun_reader<T: PacketIo>(
     tun: Arc<T>,
     mut free_rx: mpsc::Receiver<OutBatch>,
@@ -633,6 +673,7 @@ async fn tun_reader<T: PacketIo>(
     refusal: Arc<Refusal>,
     counters: Arc<Counters>,
     gso_ok: Arc<AtomicBool>,
+    redial: Option<Arc<Redial>>,
 ) -> PumpExit {
     let mut out = Vec::with_capacity(unreachable::MAX_V6_ERROR);
     let mut held: Option<OutBatch> = None;
@@ -649,7 +690,7 @@ async fn tun_reader<T: PacketIo>(
         let mut dropped = 0;
         while !batch.is_full() {
             let start = batch.buf_used;
-            match tun.try_recv(&mut batch.buf[start..]) {
+            match redial::recv(&redial, &*tun, &mut batch.buf[start..]) {
                 Ok(0) => continue,
                 Ok(n) if vnet => {
                     // The manager's hello may arrive while this batch fills.
@@ -678,7 +719,10 @@ async fn tun_reader<T: PacketIo>(
             "outbound batch read"
         );
         // One lock per batch, not per packet.
-        if lock(&liveness).is_reconnecting(Instant::now()) {
+        let now = Instant::now();
+        if lock(&liveness).is_reconnecting(now)
+            && !redial::forwards_while_reconnecting(&redial, now, &counters, batch.packets)
+        {
             for i in 0..batch.count {
                 if let Err(e) =
                     refuse_packet(&*tun, batch.ip_packet(i), &refusal, &counters, &mut out).await
@@ -690,6 +734,7 @@ async fn tun_reader<T: PacketIo>(
             held = Some(batch);
             continue;
         }
+        redial::track_outbound(&redial, (0..batch.count).map(|i| batch.ip_packet(i)));
         if full_tx.send(batch).await.is_err() {
             return PumpExit::Task("outbound batch queue closed".to_owned());
         }
@@ -855,6 +900,7 @@ async fn transport_reader<R: AsyncRead + Unpin>(
                                 tracing::info!(
                                     manager_version = h.version,
                                     gso_frames = accepted,
+                                    gso_frames_inbound = h.offloads & frame::OFFLOAD_TCP_GRO != 0,
                                     "manager hello read"
                                 );
                                 gso_ok.store(accepted, Ordering::Relaxed);
@@ -946,11 +992,53 @@ fn resume_answer(payload: &[u8], counters: &Counters, worker: usize) {
     }
 }
 
+/// Write the super-packet of a GSO frame from the manager to the TUN with
+/// its `virtio_net_hdr`: `Some(bytes)` written, `None` when the frame is not
+/// a valid TCP super-packet or the device refused it (EINVAL) or cannot take
+/// one (no `IFF_VNET_HDR`); an error only when the TUN write failed.
+async fn write_gso<T: PacketIo>(tun: &T, payload: &[u8]) -> io::Result<Option<u64>> {
+    let checked = GsoHeader::split(payload).ok_or(GsoError::Truncated {
+        need: GSO_HEADER_LEN,
+        len: payload.len(),
+    });
+    let (h, packet) = match checked.and_then(|(h, p)| {
+        gso::check_super_packet(
+            p,
+            h.flags,
+            h.gso_type,
+            h.gso_size,
+            h.csum_start,
+            h.csum_offset,
+        )
+        .map(|_| (h, p))
+    }) {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::debug!(error = %e, len = payload.len(), "GSO frame from the manager dropped");
+            return Ok(None);
+        }
+    };
+    match tun
+        .send_vnet(&VnetHdr::from_frame_header(h).encode(), packet)
+        .await
+    {
+        Ok(_) => Ok(Some(packet.len() as u64)),
+        Err(e)
+            if e.raw_os_error() == Some(libc::EINVAL) || e.kind() == io::ErrorKind::Unsupported =>
+        {
+            tracing::debug!(error = %e, len = packet.len(), "TUN refused a GSO super-packet");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 async fn tun_writer<T: PacketIo>(
     tun: Arc<T>,
     mut full_rx: mpsc::Receiver<InChunk>,
     free_tx: mpsc::Sender<InChunk>,
     counters: Arc<Counters>,
+    redial: Option<Arc<Redial>>,
 ) -> PumpExit {
     // The reader validated every frame header already; this decoder only finds
     // the boundaries again.
@@ -959,7 +1047,7 @@ async fn tun_writer<T: PacketIo>(
         let Some(chunk) = full_rx.recv().await else {
             return PumpExit::Task("inbound chunk queue closed".to_owned());
         };
-        let (mut packets, mut bytes, mut invalid) = (0u64, 0u64, 0u64);
+        let (mut packets, mut bytes, mut invalid, mut gso_frames) = (0u64, 0u64, 0u64, 0u64);
         let mut off = 0;
         while off < chunk.len {
             let (frame, used) = match decoder.decode(&chunk.buf[off..chunk.len]) {
@@ -974,6 +1062,7 @@ async fn tun_writer<T: PacketIo>(
                     Ok(_) => {
                         packets += 1;
                         bytes += frame.payload.len() as u64;
+                        redial::track_inbound(&redial, frame.payload);
                     }
                     // The TUN driver rejects what is not IPv4/IPv6 with EINVAL
                     // (drivers/net/tun.c, tun_get_user); one bad packet from the
@@ -984,9 +1073,29 @@ async fn tun_writer<T: PacketIo>(
                     }
                     Err(e) => return PumpExit::Tun(e),
                 },
+                // In order with the packets: resets only the flows before it.
+                Kind::Resume => {
+                    if let Err(e) =
+                        redial::resume_answer(&redial, &*tun, frame.payload, &counters).await
+                    {
+                        return PumpExit::Tun(e);
+                    }
+                }
                 // Taken by `transport_reader` already.
-                Kind::Heartbeat | Kind::Stats | Kind::Hello | Kind::Resume => {}
-                Kind::Gso | Kind::Unknown(_) => {
+                Kind::Heartbeat | Kind::Stats | Kind::Hello => {}
+                Kind::Gso => match write_gso(&*tun, frame.payload).await {
+                    Ok(Some(n)) => {
+                        (packets, bytes, gso_frames) = (packets + 1, bytes + n, gso_frames + 1);
+                        // The super-packet's sequence end is what the laptop got.
+                        redial::track_inbound(
+                            &redial,
+                            frame.payload.get(GSO_HEADER_LEN..).unwrap_or_default(),
+                        );
+                    }
+                    Ok(None) => invalid += 1,
+                    Err(e) => return PumpExit::Tun(e),
+                },
+                Kind::Unknown(_) => {
                     tracing::debug!(
                         kind = frame.kind.to_u8(),
                         "frame of a kind the client ignores"
@@ -997,6 +1106,7 @@ async fn tun_writer<T: PacketIo>(
         Counters::add(&counters.rx_packets, packets);
         Counters::add(&counters.rx_bytes, bytes);
         Counters::add(&counters.rx_invalid, invalid);
+        Counters::add(&counters.rx_gso_frames, gso_frames);
         if free_tx.send(chunk).await.is_err() {
             return PumpExit::Task("inbound buffer queue closed".to_owned());
         }
@@ -1517,6 +1627,124 @@ mod tests {
             let n = self.0.send(&with_header).await?;
             Ok(n - VNET_HDR_LEN)
         }
+        async fn send_vnet(&self, vnet: &[u8; VNET_HDR_LEN], packet: &[u8]) -> io::Result<usize> {
+            let mut with_header = vnet.to_vec();
+            with_header.extend_from_slice(packet);
+            let n = self.0.send(&with_header).await?;
+            Ok(n - VNET_HDR_LEN)
+        }
+    }
+
+    /// Offload bit 2: a GSO frame from the manager reaches the TUN in one
+    /// write, after the `virtio_net_hdr` its GSO header says (host byte
+    /// order), and is counted; garbled GSO frames (from the network) are
+    /// counted as invalid and dropped, never written, never a panic, and the
+    /// frames after them still arrive.
+    #[tokio::test]
+    async fn gso_frames_from_the_manager_are_written_whole_or_dropped() {
+        let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
+        let (pump_end, mut manager_end) = tokio::io::duplex(1 << 20);
+        let (rx, tx) = tokio::io::split(pump_end);
+        let counters = Arc::new(Counters::default());
+        let pump = tokio::spawn(run(
+            Arc::new(VnetDatagram(tun_side)),
+            rx,
+            tx,
+            liveness_up(LONG),
+            counters.clone(),
+            Arc::new(Refusal::default()),
+            PumpConfig::default(),
+        ));
+        let data: Vec<u8> = (0..3500u32).map(|i| (i % 251) as u8).collect();
+        // The manager's coalescer leaves the pseudo-header sum in place.
+        let super_packet = partial_tcp(&data, 0x18);
+        let good = GsoHeader {
+            flags: gso::F_NEEDS_CSUM,
+            gso_type: gso::GSO_TCPV4,
+            hdr_len: 40,
+            gso_size: 1000,
+            csum_start: 20,
+            csum_offset: 16,
+        };
+        let gso_frame = |h: GsoHeader, packet: &[u8]| {
+            let mut payload = h.encode().to_vec();
+            payload.extend_from_slice(packet);
+            payload
+        };
+        let bad = [
+            // Shorter than the GSO header.
+            vec![1, 2, 3],
+            // UDP_L4 (5), not a TCP super-packet.
+            gso_frame(
+                GsoHeader {
+                    gso_type: 5,
+                    ..good
+                },
+                &super_packet,
+            ),
+            // TCPv6 over an IPv4 packet.
+            gso_frame(
+                GsoHeader {
+                    gso_type: gso::GSO_TCPV6,
+                    ..good
+                },
+                &super_packet,
+            ),
+            // No NEEDS_CSUM, or the checksum elsewhere than TCP's.
+            gso_frame(GsoHeader { flags: 0, ..good }, &super_packet),
+            gso_frame(
+                GsoHeader {
+                    csum_offset: 6,
+                    ..good
+                },
+                &super_packet,
+            ),
+            // gso_size 0, and one byte per segment (too many segments).
+            gso_frame(
+                GsoHeader {
+                    gso_size: 0,
+                    ..good
+                },
+                &super_packet,
+            ),
+            gso_frame(
+                GsoHeader {
+                    gso_size: 1,
+                    ..good
+                },
+                &super_packet,
+            ),
+            // Truncated: the IP length says more.
+            gso_frame(good, &super_packet[..100]),
+        ];
+        let mut wire = Vec::new();
+        for payload in &bad {
+            frame::encode_into(Kind::Gso, payload, &mut wire).expect("fits");
+        }
+        frame::encode_into(Kind::Gso, &gso_frame(good, &super_packet), &mut wire).expect("fits");
+        frame::encode_into(Kind::Packet, &packet(7, 100), &mut wire).expect("fits");
+        manager_end.write_all(&wire).await.expect("write frames");
+
+        let mut buf = vec![0u8; 65536];
+        let n = app_side.recv(&mut buf).await.expect("the super-packet");
+        let (hdr, offload, written) = VnetHdr::parse(&buf[..n]).expect("virtio_net_hdr");
+        assert_eq!(hdr, VnetHdr::from_frame_header(good));
+        assert!(matches!(offload, Offload::Tcp { gso_size: 1000, .. }));
+        assert_eq!(
+            written,
+            &super_packet[..],
+            "one write, the whole super-packet"
+        );
+        let n = app_side.recv(&mut buf).await.expect("the packet after it");
+        assert_eq!(&buf[VNET_HDR_LEN..n], &packet(7, 100)[..]);
+        wait_counter(&counters.rx_packets, 2).await;
+        assert_eq!(Counters::get(&counters.rx_gso_frames), 1);
+        assert_eq!(Counters::get(&counters.rx_invalid), bad.len() as u64);
+        assert_eq!(
+            Counters::get(&counters.rx_bytes),
+            (super_packet.len() + 100) as u64
+        );
+        pump.abort();
     }
 
     const LAPTOP_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(100, 96, 0, 2);

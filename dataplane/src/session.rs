@@ -32,6 +32,7 @@ use crate::ebpf::{self, RouteKind, Stats};
 use crate::liveness::{Liveness, State};
 use crate::netlink::{Netlink, RP_FILTER_LOOSE, RTPROT_KVPN};
 use crate::pump::{self, Counters, PumpConfig, Refusal};
+use crate::redial::{self, Redial};
 use crate::routes::{self, RoutePlan};
 use crate::tls::TlsClient;
 use crate::tun;
@@ -342,6 +343,8 @@ struct Worker {
     liveness: Arc<Mutex<Liveness>>,
     /// This worker's pump counters (Status sums the workers').
     counters: Arc<Counters>,
+    /// Flows it carried and reads held across its re-dials.
+    redial: Arc<Redial>,
 }
 
 /// State the pumps and Status share.
@@ -706,6 +709,7 @@ async fn pump_on(
     let config = PumpConfig {
         worker: index,
         stop: Some(stop),
+        redial: Some(worker.redial.clone()),
         ..PumpConfig::default()
     };
     match stream {
@@ -755,9 +759,10 @@ fn worker_hellos(
                 Some(params.mtu),
                 params.tunnel_ip_v6,
                 // The TUN device always has IFF_VNET_HDR offloads (crate::tun):
-                // offer GSO frames; the pump segments itself until the manager
-                // accepts them.
-                Some(frame::OFFLOAD_TCP_GSO),
+                // offer GSO frames both ways; the pump segments itself until
+                // the manager accepts them, and writes the manager's
+                // super-packets with their virtio_net_hdr.
+                Some(frame::OFFLOAD_TCP_GSO | frame::OFFLOAD_TCP_GRO),
                 (workers > 1).then_some(frame::Shard {
                     index,
                     count: workers,
@@ -1015,6 +1020,7 @@ impl Session {
                                 params.heartbeat_interval,
                             ))),
                             counters: Arc::new(Counters::default()),
+                            redial: Arc::new(Redial::default()),
                         })
                         .collect(),
                     refusal: Arc::new(Refusal::default()),
@@ -1288,6 +1294,7 @@ impl Session {
                 (&sum.rx_packets, &c.rx_packets),
                 (&sum.rx_bytes, &c.rx_bytes),
                 (&sum.rx_invalid, &c.rx_invalid),
+                (&sum.rx_gso_frames, &c.rx_gso_frames),
                 (&sum.heartbeats_sent, &c.heartbeats_sent),
                 (&sum.heartbeats_echoed, &c.heartbeats_echoed),
                 (&sum.refused_packets, &c.refused_packets),
@@ -1296,6 +1303,8 @@ impl Session {
                 (&sum.transports_lost, &c.transports_lost),
                 (&sum.resumes, &c.resumes),
                 (&sum.resumes_lost, &c.resumes_lost),
+                (&sum.tcp_flows_reset, &c.tcp_flows_reset),
+                (&sum.held_packets, &c.held_packets),
             ] {
                 Counters::add(to, Counters::get(from));
             }
@@ -1401,8 +1410,11 @@ impl Session {
             tx_offload_dropped: Counters::get(&c.tx_offload_dropped),
             resumes: Counters::get(&c.resumes),
             resumes_lost: Counters::get(&c.resumes_lost),
+            tcp_flows_reset: Counters::get(&c.tcp_flows_reset),
+            held_packets: Counters::get(&c.held_packets),
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
+            rx_gso_frames: Counters::get(&c.rx_gso_frames),
             ebpf,
             ebpf_unrouted_packets: unrouted.packets,
             ebpf_unrouted_bytes: unrouted.bytes,
@@ -1728,6 +1740,7 @@ impl Session {
             tx_offload_dropped = Counters::get(&c.tx_offload_dropped),
             rx_packets = Counters::get(&c.rx_packets),
             rx_invalid = Counters::get(&c.rx_invalid),
+            rx_gso_frames = Counters::get(&c.rx_gso_frames),
             "session torn down"
         );
         report
@@ -1779,9 +1792,10 @@ impl Refuser {
             return;
         }
         let (tun, refusal, counters) = (tun.clone(), refusal.clone(), worker.counters.clone());
+        let held = worker.redial.clone();
         self.0 = Some(tokio::spawn(
             async move {
-                let e = pump::refuse(tun, refusal, counters).await;
+                let e = redial::refuse_or_hold(tun, refusal, counters, held).await;
                 tracing::warn!(error = %e, "cannot read the TUN device while reconnecting");
             }
             .in_current_span(),
@@ -1910,6 +1924,11 @@ async fn supervise(
         let reason = peer.loss_reason(&target, &exit);
         set_down(reason.clone());
         Counters::add(&worker.counters.transports_lost, 1);
+        // A connection that went silent (a black hole, tr-10) is not worth
+        // holding packets for: its re-dial most likely waits out a timeout.
+        if !matches!(exit, pump::PumpExit::Silent(_)) {
+            worker.redial.transport_lost(Instant::now());
+        }
         refuser.start(&tun, worker, refusal);
         if proven {
             tracing::warn!(%reason, "transport lost, re-dialling");

@@ -165,6 +165,40 @@ impl VnetHdr {
         Ok((hdr, offload, packet))
     }
 
+    /// The fields of a GSO frame from the manager ([`GsoHeader`], big-endian
+    /// on the wire) for a TUN write.
+    pub fn from_frame_header(h: GsoHeader) -> Self {
+        Self {
+            flags: h.flags,
+            gso_type: h.gso_type,
+            hdr_len: h.hdr_len,
+            gso_size: h.gso_size,
+            csum_start: h.csum_start,
+            csum_offset: h.csum_offset,
+        }
+    }
+
+    /// The header bytes for a TUN write, fields in the host's byte order
+    /// (`tun_get_user` reads them with `virtio16_to_cpu`, legacy native
+    /// endianness, as [`VnetHdr::parse`] explains).
+    pub fn encode(&self) -> [u8; VNET_HDR_LEN] {
+        let mut out = [0u8; VNET_HDR_LEN];
+        out[0] = self.flags;
+        out[1] = self.gso_type;
+        for (i, v) in [
+            self.hdr_len,
+            self.gso_size,
+            self.csum_start,
+            self.csum_offset,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            out[2 + 2 * i..4 + 2 * i].copy_from_slice(&v.to_ne_bytes());
+        }
+        out
+    }
+
     /// The same fields for a GSO frame to the manager.
     pub fn to_frame_header(self) -> GsoHeader {
         GsoHeader {

@@ -215,6 +215,9 @@ pub struct EngineConfig {
     /// The laptop's TUN MTU (bytes, from the hello): packets the manager builds
     /// for the laptop are fragmented to it. [`MIN_LAPTOP_MTU`]..=[`DEFAULT_MTU`].
     pub laptop_mtu: usize,
+    /// smoltcp receive buffer per TCP flow, bytes: the window the laptop's
+    /// sender may fill ([`TCP_RX_BUFFER`] unless the manager's `--tcp-window`).
+    pub tcp_window: usize,
 }
 
 impl EngineConfig {
@@ -253,6 +256,7 @@ impl EngineConfig {
             icmp_errors_per_sec: limit::ICMP_ERRORS_PER_SEC,
             icmp_error_burst: limit::ICMP_ERROR_BURST,
             laptop_mtu: DEFAULT_MTU,
+            tcp_window: TCP_RX_BUFFER,
         }
     }
 }
@@ -809,6 +813,32 @@ impl Engine {
 
     /// One raw IP packet from the laptop. Call [`Engine::poll`] after a batch.
     pub fn handle_laptop_packet(&mut self, buf: &[u8], now: Instant) {
+        self.handle_laptop(LaptopPacket::Borrowed(buf), now);
+    }
+
+    /// One raw IP packet from the laptop in a buffer from
+    /// [`Engine::rx_buffer`] (a GSO frame's segment written straight into
+    /// it): smoltcp gets the buffer itself, no copy. Otherwise as
+    /// [`Engine::handle_laptop_packet`].
+    pub fn handle_laptop_packet_pooled(&mut self, buf: Vec<u8>, now: Instant) {
+        self.handle_laptop(LaptopPacket::Owned(buf), now);
+    }
+
+    /// An empty buffer from the engine's receive pool, for
+    /// [`Engine::handle_laptop_packet_pooled`]; give it back with
+    /// [`Engine::recycle_rx`] when it is not handed over.
+    pub fn rx_buffer(&mut self) -> Vec<u8> {
+        self.device.take_rx_buffer()
+    }
+
+    /// Give back a buffer from [`Engine::rx_buffer`] that was not handed to
+    /// [`Engine::handle_laptop_packet_pooled`].
+    pub fn recycle_rx(&mut self, buf: Vec<u8>) {
+        self.device.recycle_rx(buf);
+    }
+
+    fn handle_laptop(&mut self, packet: LaptopPacket<'_>, now: Instant) {
+        let buf = packet.bytes();
         self.metrics.packets_from_laptop += 1;
         self.metrics.bytes_from_laptop += buf.len() as u64;
         // Checked before reassembly so nobody else's fragments are buffered.
@@ -825,20 +855,19 @@ impl Engine {
             }
             return;
         }
-        let reassembled;
-        let buf = match self.frags.push(buf, now) {
-            Reassembly::Whole => buf,
+        let packet = match self.frags.push(buf, now) {
+            Reassembly::Whole => packet,
             Reassembly::Pending => return,
             Reassembly::Complete(p) => {
                 self.metrics.datagrams_reassembled += 1;
-                reassembled = p;
-                &reassembled[..]
+                LaptopPacket::Owned(p)
             }
             Reassembly::Dropped(why) => {
                 trace!(?why, "fragment discarded");
                 return self.drop_packet(DropReason::Fragment);
             }
         };
+        let buf = packet.bytes();
         let parsed = match packet::parse(buf) {
             Ok(p) => p,
             Err(reason) => return self.drop_packet(reason),
@@ -851,7 +880,7 @@ impl Engine {
             return self.drop_packet(DropReason::ForbiddenDestination);
         }
         match parsed {
-            Parsed::Tcp(meta) => self.laptop_tcp(meta, buf, now),
+            Parsed::Tcp(meta) => self.laptop_tcp(meta, packet, now),
             Parsed::Udp { src, dst, payload } => self.laptop_udp(src, dst, payload, now),
             Parsed::EchoRequest {
                 dst,
@@ -863,7 +892,7 @@ impl Engine {
         }
     }
 
-    fn laptop_tcp(&mut self, meta: TcpMeta, buf: &[u8], now: Instant) {
+    fn laptop_tcp(&mut self, meta: TcpMeta, buf: LaptopPacket<'_>, now: Instant) {
         let key = TcpKey {
             laptop_port: meta.src.port(),
             dst: meta.dst,
@@ -896,8 +925,7 @@ impl Engine {
                 None => true,
             };
             if !replace {
-                self.device.push_rx_copy(buf);
-                return;
+                return buf.push_rx(&mut self.device);
             }
             // A new connection reuses the 4-tuple of a finished one.
             if let Some(TcpFlow {
@@ -915,8 +943,7 @@ impl Engine {
         }
         if !meta.is_initial_syn() {
             // No flow: smoltcp answers with RST (and ignores a stray RST).
-            self.device.push_rx_copy(buf);
-            return;
+            return buf.push_rx(&mut self.device);
         }
         match self.admit(self.tcp.len(), self.config.max_tcp_flows, true, now) {
             Admit::Yes => {}
@@ -938,7 +965,7 @@ impl Engine {
             TcpFlow {
                 key,
                 state: TcpState::Dialing {
-                    syn: buf.to_vec(),
+                    syn: buf.into_vec(),
                     meta,
                 },
                 last_active: now,
@@ -1132,7 +1159,7 @@ impl Engine {
                 // The dial's failed-flow token was not needed.
                 self.failed_flows.give_back();
                 let mut socket = tcp::Socket::new(
-                    tcp::SocketBuffer::new(vec![0u8; TCP_RX_BUFFER]),
+                    tcp::SocketBuffer::new(vec![0u8; self.config.tcp_window]),
                     tcp::SocketBuffer::new(vec![0u8; TCP_TX_BUFFER]),
                 );
                 // The laptop's kernel does its own Nagle; delaying here only adds latency.
@@ -1599,6 +1626,39 @@ impl Engine {
     /// Packets queued for smoltcp but not yet polled (tests).
     pub fn pending_laptop_packets(&self) -> usize {
         self.device.rx_len()
+    }
+}
+
+/// A laptop packet for [`Engine::handle_laptop_packet`] (borrowed: copied
+/// into a pooled buffer if smoltcp takes it) or
+/// [`Engine::handle_laptop_packet_pooled`] and reassembly (owned: handed over
+/// as it is).
+enum LaptopPacket<'a> {
+    Borrowed(&'a [u8]),
+    Owned(Vec<u8>),
+}
+
+impl LaptopPacket<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            LaptopPacket::Borrowed(b) => b,
+            LaptopPacket::Owned(v) => v,
+        }
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        match self {
+            LaptopPacket::Borrowed(b) => b.to_vec(),
+            LaptopPacket::Owned(v) => v,
+        }
+    }
+
+    /// Queue the packet for smoltcp: a copy of a borrowed one, an owned one as it is.
+    fn push_rx(self, device: &mut QueueDevice) {
+        match self {
+            LaptopPacket::Borrowed(b) => device.push_rx_copy(b),
+            LaptopPacket::Owned(v) => device.push_rx(v),
+        }
     }
 }
 

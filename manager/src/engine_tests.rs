@@ -42,6 +42,16 @@ impl Harness {
         }
     }
 
+    fn with_tcp_window(bytes: usize) -> Self {
+        let now = Instant::now();
+        let mut config = EngineConfig::new(IpAddr::V4(LAPTOP.into()), 7);
+        config.tcp_window = bytes;
+        Self {
+            e: Engine::new(config, now),
+            now,
+        }
+    }
+
     fn send(&mut self, pkt: Vec<u8>) {
         self.e.handle_laptop_packet(&pkt, self.now);
         self.e.poll(self.now);
@@ -421,6 +431,40 @@ fn grants_never_exceed_free_send_buffer() {
         "credit beyond the unacknowledged buffer"
     );
     assert_eq!(credit, 0);
+}
+
+/// The SYN-ACK's window (the laptop's SYN offers no scaling, so the field is
+/// the window in bytes, at most 65,535) after a dial, for an engine whose
+/// flows get `tcp_window` bytes of receive buffer.
+fn synack_window(tcp_window: usize) -> u16 {
+    let mut h = Harness::with_tcp_window(tcp_window);
+    h.send(tcp_segment(
+        laptop(40020),
+        backend(),
+        TcpControl::Syn,
+        1000,
+        None,
+        &[],
+    ));
+    let reqs = h.reqs();
+    let [Request::TcpDial { flow, .. }] = reqs[..] else {
+        panic!("expected one dial, got {reqs:?}");
+    };
+    h.event(Event::TcpDialed {
+        flow,
+        result: Ok(()),
+    });
+    let out = h.out();
+    let synack = seg(&out[0]);
+    assert!(synack.syn && synack.ack, "{synack:?}");
+    synack.window
+}
+
+#[test]
+fn tcp_window_sizes_the_advertised_receive_window() {
+    assert_eq!(synack_window(16 * 1024), 16 * 1024);
+    assert_eq!(synack_window(40_000), 40_000);
+    assert_eq!(synack_window(TCP_RX_BUFFER), u16::MAX);
 }
 
 #[test]
@@ -1699,6 +1743,41 @@ fn dual_stack_session_accepts_both_tunnel_ips_and_answers_each_in_its_family() {
 /// (the session recycles every transmitted packet once it is framed).
 #[test]
 fn steady_flow_allocates_no_packet_buffers() {
+    steady_flow(false);
+}
+
+/// The same with every upload a GSO frame's super-packet, its segments
+/// written straight into the engine's receive buffers (the manager's
+/// `gso_frame`): still no packet buffer allocated after the first rounds.
+#[test]
+fn steady_gso_upload_allocates_no_packet_buffers() {
+    steady_flow(true);
+}
+
+/// The laptop sends `payload` as one TCP super-packet cut into `mss`-byte
+/// segments the way the manager's session does for a GSO frame.
+fn data_gso(h: &mut Harness, c: &mut Conn, payload: &[u8], mss: usize) {
+    let sp = tcp_segment(
+        laptop(c.port),
+        c.dst,
+        TcpControl::Psh,
+        c.snd_nxt,
+        Some(c.rcv_nxt),
+        payload,
+    );
+    let seg = kvpn_proto::gso::Segmenter::new(&sp, kvpn_proto::gso::GsoKind::TcpV4, mss)
+        .expect("a super-packet");
+    assert!(seg.count() > 1);
+    for i in 0..seg.count() {
+        let mut buf = h.e.rx_buffer();
+        seg.write(i, &mut buf);
+        h.e.handle_laptop_packet_pooled(buf, h.now);
+    }
+    h.e.poll(h.now);
+    c.snd_nxt = c.snd_nxt.wrapping_add(payload.len() as u32);
+}
+
+fn steady_flow(gso: bool) {
     let mut h = Harness::new();
     let (mut c, _) = h.open(40009, backend());
     let mut warm = 0;
@@ -1708,7 +1787,11 @@ fn steady_flow_allocates_no_packet_buffers() {
             warm = h.e.packet_buffers_allocated();
         }
         let up = round.to_be_bytes().repeat(250);
-        h.data(&mut c, &up);
+        if gso {
+            data_gso(&mut h, &mut c, &up, 300);
+        } else {
+            h.data(&mut c, &up);
+        }
         assert_eq!(writes(&h.reqs(), c.flow), up, "round {round}: upload");
         h.event(Event::TcpWritten {
             flow: c.flow,
@@ -1742,5 +1825,70 @@ fn steady_flow_allocates_no_packet_buffers() {
         h.e.packet_buffers_allocated(),
         warm,
         "380 more round trips allocated packet buffers"
+    );
+}
+
+/// smoltcp's own segments of one download (MSS 536: the laptop's SYN had no
+/// MSS option) merge into GSO frames (offload bit 2) that segment back into
+/// exactly the packets smoltcp sent.
+#[test]
+fn smoltcp_download_segments_coalesce_and_segment_back() {
+    let mut h = Harness::new();
+    let (c, _) = h.open(40010, backend());
+    let down: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+    h.event(Event::TcpData {
+        flow: c.flow,
+        data: down,
+    });
+    let packets = h.out();
+    assert!(packets.len() > 10, "{} packets", packets.len());
+    let mut wire = Vec::new();
+    let mut coalescer = kvpn_proto::gso::Coalescer::default();
+    let (done, too_large) =
+        kvpn_proto::frame::encode_coalesced(&mut coalescer, &packets, &mut wire);
+    assert_eq!(too_large, 0);
+    assert_eq!(
+        done.merged,
+        packets.len(),
+        "every data segment merged: {done:?}"
+    );
+    let decoder = kvpn_proto::frame::Decoder::default();
+    let (mut off, mut again, mut frames) = (0, Vec::new(), 0);
+    while let Some((f, used)) = decoder.decode(&wire[off..]).expect("valid frames") {
+        off += used;
+        assert_eq!(f.kind, kvpn_proto::frame::Kind::Gso);
+        frames += 1;
+        let (gh, sp) = kvpn_proto::frame::GsoHeader::split(f.payload).expect("GSO header");
+        let kind = kvpn_proto::gso::check_super_packet(
+            sp,
+            gh.flags,
+            gh.gso_type,
+            gh.gso_size,
+            gh.csum_start,
+            gh.csum_offset,
+        )
+        .expect("valid super-packet");
+        let mut out = Vec::new();
+        let seg = kvpn_proto::gso::segment_tcp(sp, kind, usize::from(gh.gso_size), &mut out, 0)
+            .expect("segments");
+        again.extend(seg.spans().map(|r| out[r].to_vec()));
+    }
+    assert_eq!(off, wire.len());
+    assert_eq!(frames, done.super_packets);
+    // smoltcp sends every packet with IPv4 identification 0 and DF; the
+    // segments get the first one's plus their index (RFC 6864 §4.1: an
+    // atomic datagram's identification means nothing). All else is equal.
+    let without_id = |p: &Vec<u8>| {
+        let mut p = p.clone();
+        p[4..6].copy_from_slice(&[0, 0]);
+        p[10..12].copy_from_slice(&[0, 0]);
+        p
+    };
+    assert!(
+        again
+            .iter()
+            .map(without_id)
+            .eq(packets.iter().map(without_id)),
+        "segmenting the GSO frames gives smoltcp's packets back"
     );
 }

@@ -100,6 +100,14 @@ struct Args {
     /// --new-flows-per-sec 0).
     #[arg(long, env = "KVPN_FAILED_DIALS_PER_SEC", default_value_t = kvpn_manager::limit::FAILED_FLOWS_PER_SEC)]
     failed_dials_per_sec: u32,
+    /// Receive buffer of each laptop TCP flow in the manager's stack, bytes:
+    /// the most data the laptop's sender has in flight per flow. Everything in
+    /// flight waits in the tunnel's queues ahead of a packet of another flow,
+    /// so a smaller window lowers the round trip other flows see during a
+    /// bulk upload (about window ÷ throughput), and a window below the path's
+    /// bandwidth-delay product caps one flow's upload at about window ÷ RTT.
+    #[arg(long, env = "KVPN_TCP_WINDOW", default_value_t = kvpn_manager::engine::TCP_RX_BUFFER, value_parser = parse_tcp_window)]
+    tcp_window: usize,
     /// Seconds between the `session stats` log lines of each live session
     /// (flows against the cap, limits, manager memory).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
@@ -196,6 +204,23 @@ fn parse_positive(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(format!("{s:?}: expected a positive number of flows")),
+    }
+}
+
+/// `--tcp-window`: bytes, 16 KiB to 16 MiB (smoltcp's window scaling covers it).
+fn parse_tcp_window(s: &str) -> Result<usize, String> {
+    const RANGE: std::ops::RangeInclusive<usize> = 16 * 1024..=16 * 1024 * 1024;
+    let n: usize = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a byte count: {e}"))?;
+    if RANGE.contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!(
+            "{n} bytes is outside {}..={} (16 KiB to 16 MiB)",
+            RANGE.start(),
+            RANGE.end()
+        ))
     }
 }
 
@@ -360,6 +385,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         new_flow_burst: args.new_flow_burst,
         failed_dials_per_sec: args.failed_dials_per_sec,
         stats_interval: Duration::from_secs(args.stats_interval_secs),
+        tcp_window: args.tcp_window,
         counters: counters.clone(),
         resumes: kvpn_manager::resume::Resumes::new(
             Duration::from_millis(args.resume_grace_ms),

@@ -102,6 +102,12 @@ pub struct Metrics {
     /// Packets those GSO frames were segmented into (each also counted in
     /// `packets_from_laptop` or as a peer / pool-TUN packet).
     pub gso_segments: u64,
+    /// GSO frames (frame kind 5) sent to a laptop that accepted offload bit 2
+    /// (`OFFLOAD_TCP_GRO`): runs of one TCP flow's segments merged.
+    pub gro_frames: u64,
+    /// Packets merged into those GSO frames (each also counted in
+    /// `packets_to_laptop`).
+    pub gro_segments: u64,
 }
 
 impl Metrics {
@@ -136,7 +142,7 @@ impl fmt::Display for Metrics {
              forwarded: flows={} \
              mtu: reassembled={} fragmented={} too_big={} heartbeats={} \
              peer: {}p/{}B limits: refused_cap={} rate_limited={} icmp_rate_limited={} \
-             write_queue_full={} echoes_dropped={} tcp_events_peak={} tcp_events_full={} gso: frames={} segments={} drops={}",
+             write_queue_full={} echoes_dropped={} tcp_events_peak={} tcp_events_full={} gso: frames={} segments={} gro: frames={} segments={} drops={}",
             self.packets_from_laptop,
             self.bytes_from_laptop,
             self.packets_to_laptop,
@@ -174,6 +180,8 @@ impl fmt::Display for Metrics {
             self.tcp_events_full,
             self.gso_frames,
             self.gso_segments,
+            self.gro_frames,
+            self.gro_segments,
             self.dropped_total(),
         )?;
         for (reason, n) in DropReason::ALL.iter().zip(self.drops) {
@@ -278,6 +286,8 @@ pub struct ManagerCounters {
     tcp_events_full: AtomicU64,
     gso_frames: AtomicU64,
     gso_segments: AtomicU64,
+    gro_frames: AtomicU64,
+    gro_segments: AtomicU64,
     leases_granted: AtomicU64,
     lease_denied: [AtomicU64; LeaseDenial::ALL.len()],
     /// Engines parked now, waiting for their connection to resume.
@@ -310,6 +320,8 @@ pub struct DropsSynced {
     tcp_events_full: u64,
     gso_frames: u64,
     gso_segments: u64,
+    gro_frames: u64,
+    gro_segments: u64,
 }
 
 impl ManagerCounters {
@@ -396,6 +408,12 @@ impl ManagerCounters {
             &self.gso_segments,
             session.gso_segments,
             &mut synced.gso_segments,
+        );
+        sync(&self.gro_frames, session.gro_frames, &mut synced.gro_frames);
+        sync(
+            &self.gro_segments,
+            session.gro_segments,
+            &mut synced.gro_segments,
         );
     }
 
@@ -564,6 +582,18 @@ impl ManagerCounters {
             &[(None, load(&self.gso_segments))],
         );
         metric(
+            "gro_frames_total",
+            "counter",
+            "GSO frames (runs of one TCP flow's segments merged) the manager sent to laptops that accepted them, all sessions.",
+            &[(None, load(&self.gro_frames))],
+        );
+        metric(
+            "gro_segments_total",
+            "counter",
+            "Packets merged into those GSO frames, all sessions.",
+            &[(None, load(&self.gro_segments))],
+        );
+        metric(
             "leases_granted_total",
             "counter",
             "Lease calls answered with a lease (new or existing).",
@@ -685,6 +715,8 @@ mod tests {
         session.tcp_events_full = 4;
         session.gso_frames = 2;
         session.gso_segments = 14;
+        session.gro_frames = 5;
+        session.gro_segments = 40;
         c.add_drops(&session, &mut synced);
         c.add_drops(&session, &mut synced);
         assert_eq!(c.dropped(DropReason::BadSource), 2, "each drop added once");
@@ -705,6 +737,8 @@ mod tests {
             "kvpn_manager_tcp_event_queue_full_total 4",
             "kvpn_manager_gso_frames_total 2",
             "kvpn_manager_gso_segments_total 14",
+            "kvpn_manager_gro_frames_total 5",
+            "kvpn_manager_gro_segments_total 40",
             "kvpn_manager_lease_denied_total{reason=\"bad_client_id\"} 1",
             "# TYPE kvpn_manager_sessions_active gauge",
         ] {

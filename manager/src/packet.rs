@@ -789,6 +789,8 @@ pub(crate) mod test_support {
         pub rst: bool,
         pub seq: u32,
         pub ack_number: u32,
+        /// The window field as sent (not scaled).
+        pub window: u16,
         pub payload: Vec<u8>,
     }
 
@@ -806,6 +808,7 @@ pub(crate) mod test_support {
             rst: tcp.rst(),
             seq: tcp.seq_number().0 as u32,
             ack_number: tcp.ack_number().0 as u32,
+            window: tcp.window_len(),
             payload: tcp.payload().to_vec(),
         }
     }

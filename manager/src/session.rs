@@ -35,7 +35,8 @@ use ipnet::Ipv4Net;
 
 use kvpn_proto::frame::{
     self, Decoder, FrameError, GsoHeader, Hello, HelloError, Kind, MIN_PROTOCOL_VERSION,
-    ManagerHello, OFFLOAD_TCP_GSO, PROTOCOL_VERSION, ResumeAnswer, STATS_VERSION, Stats, stat,
+    ManagerHello, OFFLOAD_TCP_GRO, OFFLOAD_TCP_GSO, PROTOCOL_VERSION, ResumeAnswer, STATS_VERSION,
+    Stats, stat,
 };
 use kvpn_proto::gso::{self, GsoKind};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -133,6 +134,8 @@ pub struct SessionConfig {
     /// How often a live session logs its flow counts, limits and the
     /// manager's memory (the manager's metrics log, `session stats`).
     pub stats_interval: Duration,
+    /// smoltcp receive buffer per TCP flow ([`EngineConfig::tcp_window`]).
+    pub tcp_window: usize,
     /// The manager-wide counters (refused hellos, drops of every session),
     /// served by [`crate::metrics_server`]. Clones share them.
     pub counters: Arc<ManagerCounters>,
@@ -170,6 +173,7 @@ impl Default for SessionConfig {
             new_flow_burst: crate::limit::NEW_FLOW_BURST,
             failed_dials_per_sec: crate::limit::FAILED_FLOWS_PER_SEC,
             stats_interval: Duration::from_secs(10),
+            tcp_window: crate::engine::TCP_RX_BUFFER,
             counters: Arc::default(),
             resumes: Resumes::off(),
         }
@@ -408,39 +412,100 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
 /// frame: to another laptop, into the pool TUN (`preserve`, `ebpf-snat`) or
 /// to the engine.
 fn laptop_packet(packet: &[u8], engine: &mut Engine, now: Instant, config: &SessionConfig) {
-    config.trace.observe_laptop_packet(packet);
-    if forward_to_peer(packet, engine, config) {
-        // Another laptop's.
-    } else if let Some(tun) = config
-        .pool_tun
-        .as_ref()
-        .filter(|t| t.takes(packet, engine.tunnel_ip()))
-    {
-        // The flow cap and new-flow limits apply here too.
-        if engine.admit_forwarded(packet, now) {
-            tun.write(packet);
-        }
-    } else {
+    if !outside_engine(packet, engine, now, config) {
         engine.handle_laptop_packet(packet, now);
     }
 }
 
-/// GSO frames of one session: whether its hello offered them, and the
-/// reusable buffer their segments are cut into.
+/// [`laptop_packet`] for a packet in a buffer from [`Engine::rx_buffer`]:
+/// the engine keeps the buffer itself (no copy), or gets it back.
+fn laptop_packet_pooled(buf: Vec<u8>, engine: &mut Engine, now: Instant, config: &SessionConfig) {
+    if outside_engine(&buf, engine, now, config) {
+        engine.recycle_rx(buf);
+    } else {
+        engine.handle_laptop_packet_pooled(buf, now);
+    }
+}
+
+/// The part of [`laptop_packet`] before the engine: true when `packet` went
+/// to another laptop or into the pool TUN (or was dropped there).
+fn outside_engine(
+    packet: &[u8],
+    engine: &mut Engine,
+    now: Instant,
+    config: &SessionConfig,
+) -> bool {
+    config.trace.observe_laptop_packet(packet);
+    if forward_to_peer(packet, engine, config) {
+        // Another laptop's.
+        return true;
+    }
+    let Some(tun) = config
+        .pool_tun
+        .as_ref()
+        .filter(|t| t.takes(packet, engine.tunnel_ip()))
+    else {
+        return false;
+    };
+    // The flow cap and new-flow limits apply here too.
+    if engine.admit_forwarded(packet, now) {
+        tun.write(packet);
+    }
+    true
+}
+
+/// GSO frames of one session: whether its hello offered them, and a
+/// reusable buffer for a frame without segmentation (a checksum to complete).
+/// Segments go straight into the engine's receive buffers ([`gso_frame`]).
 #[derive(Debug, Default)]
 struct GsoIntake {
     /// The laptop's hello offered [`OFFLOAD_TCP_GSO`] (and the manager
     /// answered that it accepts them).
     accepted: bool,
-    /// Segments of the frame being handled; keeps its capacity (a 64 KiB
-    /// super-packet's segments plus their repeated headers).
+    /// The packet of a `GSO_NONE` frame being handled; keeps its capacity.
     segments: Vec<u8>,
 }
 
-/// Bytes reserved for [`GsoIntake::segments`] up front: a 64 KiB super-packet
-/// cut at MSS 1220 (TUN MTU 1280) is 54 segments, each repeating up to 120
-/// bytes of headers.
-const GSO_SEGMENTS_CAPACITY: usize = 64 * 1024 + 64 * 120;
+/// Merging the engine's TCP segments into [`Kind::Gso`] frames for a laptop
+/// that accepted [`OFFLOAD_TCP_GRO`]: the coalescer's scratch space and the
+/// packets of one transmit round, both reused.
+#[derive(Debug, Default)]
+struct GroOutput {
+    coalescer: gso::Coalescer,
+    packets: Vec<Vec<u8>>,
+}
+
+/// Frame everything the engine has for the laptop into `out`: one packet
+/// frame per packet, or, with `gro`, runs of one TCP flow merged into GSO
+/// frames ([`frame::encode_coalesced`]). Every buffer goes back to the
+/// engine.
+fn transmit(engine: &mut Engine, out: &mut Vec<u8>, gro: Option<&mut GroOutput>) {
+    let Some(gro) = gro else {
+        while let Some(packet) = engine.poll_transmit() {
+            if frame::encode_into(Kind::Packet, &packet, out).is_err() {
+                // The engine builds packets within the frame limit; smoltcp's are MTU-sized.
+                debug!(bytes = packet.len(), "packet too large for a frame");
+            }
+            engine.recycle(packet);
+        }
+        return;
+    };
+    gro.packets
+        .extend(std::iter::from_fn(|| engine.poll_transmit()));
+    let (merged, too_large) = frame::encode_coalesced(&mut gro.coalescer, &gro.packets, out);
+    if too_large > 0 {
+        debug!(too_large, "packets too large for a frame");
+    }
+    let m = engine.metrics_mut();
+    m.gro_frames += merged.super_packets as u64;
+    m.gro_segments += merged.merged as u64;
+    for packet in gro.packets.drain(..) {
+        engine.recycle(packet);
+    }
+}
+
+/// Bytes reserved for [`GsoIntake::segments`] up front: the largest packet.
+const GSO_SEGMENTS_CAPACITY: usize = 64 * 1024;
 
 /// A [`Kind::Gso`] frame: segment the TCP super-packet (or complete the
 /// checksum of a single packet) and hand each packet to [`laptop_packet`],
@@ -461,18 +526,16 @@ fn gso_frame(
     gso.segments.clear();
     let count = match GsoKind::from_gso_type(header.gso_type) {
         Some(kind) => {
-            match gso::segment_tcp(
-                packet,
-                kind,
-                usize::from(header.gso_size),
-                &mut gso.segments,
-                0,
-            ) {
+            match gso::Segmenter::new(packet, kind, usize::from(header.gso_size)) {
                 Ok(seg) => {
-                    for span in seg.spans() {
-                        laptop_packet(&gso.segments[span], engine, now, config);
+                    // Each segment straight into a smoltcp receive buffer:
+                    // its payload is copied once.
+                    for i in 0..seg.count() {
+                        let mut buf = engine.rx_buffer();
+                        seg.write(i, &mut buf);
+                        laptop_packet_pooled(buf, engine, now, config);
                     }
-                    seg.count
+                    seg.count()
                 }
                 Err(e) => {
                     debug!(error = %e, gso_type = header.gso_type, "GSO frame not segmented");
@@ -780,6 +843,8 @@ fn log_stats(engine: &Engine, kernel: &KernelSide, peak_flows: usize) {
         tcp_closed = m.tcp_closed,
         gso_frames = m.gso_frames,
         gso_segments = m.gso_segments,
+        gro_frames = m.gro_frames,
+        gro_segments = m.gro_segments,
         manager_rss_bytes = rss,
         manager_peak_rss_bytes = peak_rss,
         "session stats"
@@ -924,6 +989,7 @@ where
         .clamp(crate::engine::MIN_LAPTOP_MTU, crate::engine::DEFAULT_MTU);
     info!(laptop_mtu = engine_config.laptop_mtu, "session started");
     engine_config.allow_loopback = config.allow_loopback;
+    engine_config.tcp_window = config.tcp_window;
     // A laptop with N worker connections (hello option 3) gets one engine (one
     // smoltcp interface) per connection, so one worker's flows never wait on
     // another's; the per-client limits are split evenly over them (a fixed
@@ -1005,6 +1071,8 @@ where
     // manager's hello, first on the stream, saying they are accepted; until it
     // reads it, the laptop segments super-packets itself.
     let mut gso = GsoIntake::default();
+    // And one that offered to take them gets its TCP segments merged.
+    let mut gro: Option<GroOutput> = None;
     // A worker connection of a sharded session: the first stats frame, with
     // the worker count, goes out before the manager's hello, because the
     // laptop reads frames up to that answer before its pump starts (and the
@@ -1016,7 +1084,10 @@ where
         let _ = control_tx.try_send(answer);
     }
     if let Some(offered) = hello.offloads {
-        let accepted = offered & OFFLOAD_TCP_GSO;
+        let accepted = offered & (OFFLOAD_TCP_GSO | OFFLOAD_TCP_GRO);
+        if accepted & OFFLOAD_TCP_GRO != 0 {
+            gro = Some(GroOutput::default());
+        }
         let answer = ManagerHello {
             version: PROTOCOL_VERSION,
             offloads: accepted,
@@ -1026,7 +1097,7 @@ where
         let _ = frame::encode_into(Kind::Hello, &answer.encode(), &mut wire);
         // Cannot fail: the control queue is new and empty.
         let _ = control_tx.try_send(wire);
-        gso.accepted = accepted != 0;
+        gso.accepted = accepted & OFFLOAD_TCP_GSO != 0;
         if gso.accepted {
             gso.segments.reserve(GSO_SEGMENTS_CAPACITY);
         }
@@ -1138,13 +1209,7 @@ where
         }
         engine.metrics_mut().tcp_events_full = kernel.tcp_events_full();
         kernel.reap();
-        while let Some(packet) = engine.poll_transmit() {
-            if frame::encode_into(Kind::Packet, &packet, &mut out).is_err() {
-                // The engine builds packets within the frame limit; smoltcp's are MTU-sized.
-                debug!(bytes = packet.len(), "packet too large for a frame");
-            }
-            engine.recycle(packet);
-        }
+        transmit(&mut engine, &mut out, gro.as_mut());
         peak_flows = peak_flows.max(engine.flows());
         config
             .counters

@@ -88,3 +88,22 @@ fn worker_threads_setting_sizes_the_runtime() {
         drop(manager);
     }
 }
+
+/// `--tcp-window` outside 16 KiB..=16 MiB is refused before anything starts,
+/// naming the flag and the range.
+#[test]
+fn tcp_window_out_of_range_is_refused_with_the_range() {
+    for bad in ["100", "33554432", "lots"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpn-manager"))
+            .args(["--tcp-window", bad])
+            .output()
+            .expect("run kvpn-manager");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("--tcp-window"), "{bad}: {err}");
+        assert!(
+            err.contains("16 KiB to 16 MiB") || err.contains("not a byte count"),
+            "{bad}: {err}"
+        );
+    }
+}

@@ -149,6 +149,70 @@ async fn server_writes_then_closes_all_bytes_then_eof() {
     assert_eq!(metrics.tcp_bytes_in, LEN as u64);
 }
 
+/// Offload bit 2 (manager → laptop GSO frames): a laptop that offers it gets
+/// the manager's hello accepting it and the download in GSO frames (each
+/// checked and segmented as the laptop's kernel would, every byte intact);
+/// a laptop that offers only bit 1 gets one packet frame per packet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn download_in_gso_frames_only_when_offered() {
+    const LEN: usize = 4 * 1024 * 1024;
+    for offered in [
+        frame::OFFLOAD_TCP_GSO | frame::OFFLOAD_TCP_GRO,
+        frame::OFFLOAD_TCP_GSO,
+    ] {
+        let listener = TcpListener::bind((LOOPBACK, 0)).await.expect("bind");
+        let server = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            s.write_all(&pattern(LEN, 5)).await.expect("server write");
+        });
+        let hello = common::hello_frame_offloads(LAPTOP_V4, offered);
+        let mut laptop = Laptop::connect_with(LAPTOP_V4, session_config(), &hello).await;
+        let h = laptop.tcp_socket(1024 * 1024, 64 * 1024);
+        laptop.connect_tcp(h, server, 41003);
+        established(&mut laptop, h).await;
+        let mut got = Vec::with_capacity(LEN);
+        let ok = laptop
+            .run_until(Duration::from_secs(30), |l| {
+                let s = l.tcp(h);
+                while s.can_recv() {
+                    s.recv(|b| {
+                        got.extend_from_slice(b);
+                        (b.len(), ())
+                    })
+                    .expect("recv");
+                }
+                !s.may_recv()
+            })
+            .await;
+        assert!(ok, "offered {offered}: got {} of {LEN} bytes", got.len());
+        assert!(got == pattern(LEN, 5), "offered {offered}: bytes differ");
+        let answer = laptop
+            .other_frames
+            .iter()
+            .find(|(k, _)| *k == Kind::Hello)
+            .map(|(_, p)| frame::ManagerHello::decode(p).expect("manager hello"))
+            .expect("the manager answers an offer");
+        assert_eq!(answer.offloads, offered, "accepted what was offered");
+        let (frames, segments) = (laptop.gso_frames, laptop.gso_segments);
+        laptop.tcp(h).close();
+        let metrics = laptop.finish().await;
+        if offered & frame::OFFLOAD_TCP_GRO != 0 {
+            assert!(frames > 0, "no GSO frames in a {LEN}-byte download");
+            assert_eq!(
+                (metrics.gro_frames, metrics.gro_segments),
+                (frames, segments)
+            );
+        } else {
+            assert_eq!(
+                (frames, metrics.gro_frames),
+                (0, 0),
+                "not offered, not sent"
+            );
+        }
+    }
+}
+
 /// tr-05: the laptop half-closes; the server reads to EOF, then replies; the
 /// laptop reads the whole reply slowly (zero windows) and then EOF.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

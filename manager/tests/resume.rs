@@ -117,25 +117,64 @@ async fn receive_until(
         .await
 }
 
+/// A laptop with `token` (hello option 5) connected to a manager with
+/// `config`, with one TCP connection from local port `port` to `server`
+/// that received at least `want` bytes.
+async fn downloading(
+    config: &SessionConfig,
+    token: Option<[u8; 16]>,
+    server: SocketAddr,
+    port: u16,
+    rx_buffer: usize,
+    want: usize,
+) -> (Laptop, smoltcp::iface::SocketHandle, Vec<u8>) {
+    let hello = hello_frame_resumable(LAPTOP_V4, PROTOCOL_VERSION, token);
+    let mut laptop = Laptop::connect_with(LAPTOP_V4, config.clone(), &hello).await;
+    let h = laptop.tcp_socket(rx_buffer, 16 * 1024);
+    laptop.connect_tcp(h, server, port);
+    let mut got = Vec::new();
+    assert!(
+        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
+            .len()
+            >= want)
+        .await,
+        "the download started: {} of {want} bytes",
+        got.len()
+    );
+    (laptop, h, got)
+}
+
+/// Step the laptop every `step` until the server's connection ended (its
+/// result: bytes it sent after the laptop's close, or its error), within `timeout`.
+async fn server_end(
+    laptop: &mut Laptop,
+    ended: &mut oneshot::Receiver<Result<usize, String>>,
+    step: Duration,
+    timeout: Duration,
+) -> Result<usize, String> {
+    tokio::time::timeout(timeout, async {
+        loop {
+            laptop.step(step).await;
+            match ended.try_recv() {
+                Ok(r) => break r,
+                Err(oneshot::error::TryRecvError::Empty) => {}
+                Err(e) => panic!("server task gone: {e}"),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the server's connection did not end within {timeout:?}"))
+}
+
 #[tokio::test]
 async fn download_survives_a_redial_with_the_same_resume_token() {
     // 1 MiB in 16 KiB writes 10 ms apart: about 0.65 s of download.
     let total = 1 << 20;
     let (server, ended) = slow_sender(total, 16 * 1024, Duration::from_millis(10)).await;
     let (config, counters) = config(Duration::from_secs(30));
+    let (mut laptop, h, mut got) =
+        downloading(&config, Some(TOKEN), server, 40100, 256 * 1024, 100_000).await;
     let hello = hello_frame_resumable(LAPTOP_V4, PROTOCOL_VERSION, Some(TOKEN));
-    let mut laptop = Laptop::connect_with(LAPTOP_V4, config.clone(), &hello).await;
-    let h = laptop.tcp_socket(256 * 1024, 16 * 1024);
-    laptop.connect_tcp(h, server, 40100);
-    let mut got = Vec::new();
-    assert!(
-        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
-            .len()
-            >= 100_000)
-        .await,
-        "the download started: {} bytes",
-        got.len()
-    );
     assert_eq!(resume_answers(&laptop), [Some(ResumeAnswer::New)]);
 
     // The data connection breaks mid-download; the laptop re-dials at once.
@@ -164,18 +203,13 @@ async fn download_survives_a_redial_with_the_same_resume_token() {
     // The laptop closes; the server sees an orderly end, not a reset.
     laptop.tcp(h).close();
     let mut ended = ended;
-    let result = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            laptop.step(Duration::from_millis(5)).await;
-            match ended.try_recv() {
-                Ok(r) => break r,
-                Err(oneshot::error::TryRecvError::Empty) => {}
-                Err(e) => panic!("server task gone: {e}"),
-            }
-        }
-    })
-    .await
-    .expect("the server's connection ended");
+    let result = server_end(
+        &mut laptop,
+        &mut ended,
+        Duration::from_millis(5),
+        Duration::from_secs(10),
+    )
+    .await;
     assert_eq!(result, Ok(0), "the server saw EOF, not a reset");
 }
 
@@ -185,23 +219,8 @@ async fn a_wrong_token_gets_a_fresh_engine_and_the_parked_one_expires() {
     // 64 KiB at once, then the server waits for the laptop.
     let (server, mut ended) = slow_sender(64 * 1024, 64 * 1024, Duration::ZERO).await;
     let (config, counters) = config(grace);
-    let mut laptop = Laptop::connect_with(
-        LAPTOP_V4,
-        config.clone(),
-        &hello_frame_resumable(LAPTOP_V4, PROTOCOL_VERSION, Some(TOKEN)),
-    )
-    .await;
-    let h = laptop.tcp_socket(256 * 1024, 16 * 1024);
-    laptop.connect_tcp(h, server, 40101);
-    let mut got = Vec::new();
-    assert!(
-        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
-            .len()
-            >= 64 * 1024)
-        .await,
-        "received {} bytes",
-        got.len()
-    );
+    let (mut laptop, _h, _got) =
+        downloading(&config, Some(TOKEN), server, 40101, 256 * 1024, 64 * 1024).await;
 
     // Another laptop process (another token) re-dials as this tunnel IP.
     laptop
@@ -232,18 +251,13 @@ async fn a_wrong_token_gets_a_fresh_engine_and_the_parked_one_expires() {
 
     // The grace period ends: the parked engine is dropped and its connection
     // to the server reset.
-    let result = tokio::time::timeout(grace + Duration::from_secs(5), async {
-        loop {
-            laptop.step(Duration::from_millis(20)).await;
-            match ended.try_recv() {
-                Ok(r) => break r,
-                Err(oneshot::error::TryRecvError::Empty) => {}
-                Err(e) => panic!("server task gone: {e}"),
-            }
-        }
-    })
-    .await
-    .expect("the parked engine expired within the grace period and a bit");
+    let result = server_end(
+        &mut laptop,
+        &mut ended,
+        Duration::from_millis(20),
+        grace + Duration::from_secs(5),
+    )
+    .await;
     assert!(
         result.is_err() || result == Ok(0),
         "the server's connection ended: {result:?}"
@@ -271,21 +285,8 @@ async fn a_wrong_token_gets_a_fresh_engine_and_the_parked_one_expires() {
 async fn a_laptop_that_says_it_is_leaving_is_not_parked() {
     let (server, ended) = slow_sender(8 * 1024, 8 * 1024, Duration::ZERO).await;
     let (config, counters) = config(Duration::from_secs(30));
-    let mut laptop = Laptop::connect_with(
-        LAPTOP_V4,
-        config.clone(),
-        &hello_frame_resumable(LAPTOP_V4, PROTOCOL_VERSION, Some(TOKEN)),
-    )
-    .await;
-    let h = laptop.tcp_socket(64 * 1024, 16 * 1024);
-    laptop.connect_tcp(h, server, 40103);
-    let mut got = Vec::new();
-    assert!(
-        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
-            .len()
-            >= 8 * 1024)
-        .await
-    );
+    let (mut laptop, _h, _got) =
+        downloading(&config, Some(TOKEN), server, 40103, 64 * 1024, 8 * 1024).await;
     // Disconnect: frame kind 6 "leaving", then the laptop hangs up.
     let mut bye = Vec::new();
     kvpn_proto::frame::encode_into(Kind::Resume, &[ResumeAnswer::Leaving.to_u8()], &mut bye)
@@ -318,39 +319,23 @@ async fn a_laptop_that_says_it_is_leaving_is_not_parked() {
 async fn without_a_token_nothing_is_parked() {
     let (server, mut ended) = slow_sender(8 * 1024, 8 * 1024, Duration::ZERO).await;
     let (config, counters) = config(Duration::from_secs(30));
-    let mut laptop = Laptop::connect_with(
-        LAPTOP_V4,
-        config.clone(),
-        &hello_frame_resumable(LAPTOP_V4, PROTOCOL_VERSION, None),
-    )
-    .await;
-    let h = laptop.tcp_socket(64 * 1024, 16 * 1024);
-    laptop.connect_tcp(h, server, 40102);
-    let mut got = Vec::new();
-    assert!(
-        receive_until(&mut laptop, h, &mut got, Duration::from_secs(10), |g, _| g
-            .len()
-            >= 8 * 1024)
-        .await
-    );
+    let (mut laptop, _h, _got) =
+        downloading(&config, None, server, 40102, 64 * 1024, 8 * 1024).await;
     laptop
         .redial(
             config.clone(),
             &hello_frame_resumable(LAPTOP_V4, PROTOCOL_VERSION, None),
         )
         .await;
-    // Today's behaviour: the old engine is dropped at once, resetting its
+    // Without a token the old engine is dropped at once, resetting its
     // connection; no resume answer is ever sent.
-    let result = tokio::time::timeout(Duration::from_secs(5), async {
-        loop {
-            laptop.step(Duration::from_millis(20)).await;
-            if let Ok(r) = ended.try_recv() {
-                break r;
-            }
-        }
-    })
-    .await
-    .expect("the old engine's connection ended at once");
+    let result = server_end(
+        &mut laptop,
+        &mut ended,
+        Duration::from_millis(20),
+        Duration::from_secs(5),
+    )
+    .await;
     assert!(result.is_err() || result == Ok(0), "{result:?}");
     assert!(resume_answers(&laptop).is_empty());
     assert_eq!(metric(&counters, "engines_parked_total"), 0);

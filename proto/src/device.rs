@@ -67,6 +67,18 @@ impl QueueDevice {
         self.rx.push_back(buf);
     }
 
+    /// An empty buffer from the receive pool (allocated only when the pool is
+    /// empty), to be filled and queued with [`QueueDevice::push_rx`], or given
+    /// back with [`QueueDevice::recycle_rx`].
+    pub fn take_rx_buffer(&mut self) -> Vec<u8> {
+        take(&mut self.rx_free, &mut self.allocated)
+    }
+
+    /// Give back a buffer from [`QueueDevice::take_rx_buffer`] that was not queued.
+    pub fn recycle_rx(&mut self, buf: Vec<u8>) {
+        give_back(&mut self.rx_free, buf);
+    }
+
     /// Give back a buffer [`Self::pop_tx`] or [`Self::drain_tx`] returned, once
     /// its packet is sent on.
     pub fn recycle(&mut self, buf: Vec<u8>) {

@@ -14,7 +14,8 @@
 //! offered offloads, see [`ManagerHello`]), [`Kind::Heartbeat`] (liveness; empty
 //! payload or an 8-byte opaque nonce echoed by the manager), [`Kind::Stats`]
 //! (manager → laptop: the session's counters, see [`Stats`]), [`Kind::Gso`]
-//! (laptop → manager, negotiated: a TCP super-packet, see [`GsoHeader`]). The decoder is zero-copy, reads
+//! (negotiated, a TCP super-packet, see [`GsoHeader`]: laptop → manager with
+//! [`OFFLOAD_TCP_GSO`], manager → laptop with [`OFFLOAD_TCP_GRO`]). The decoder is zero-copy, reads
 //! no clock and never panics on any input: every malformed frame is a typed
 //! [`FrameError`].
 
@@ -65,8 +66,20 @@ const HELLO_OPT_TUNNEL_IP_V6: u8 = 2;
 /// what the manager accepts.
 const HELLO_OPT_OFFLOADS: u8 = 4;
 
-/// Offload bit: [`Kind::Gso`] frames carrying TCPv4/TCPv6 super-packets.
+/// Offload bit: [`Kind::Gso`] frames carrying TCPv4/TCPv6 super-packets,
+/// laptop → manager.
 pub const OFFLOAD_TCP_GSO: u8 = 1;
+
+/// Offload bit: [`Kind::Gso`] frames manager → laptop. The manager merges
+/// consecutive TCP segments of one flow ([`crate::gso::Coalescer`], the
+/// kernel's GRO rules) and the laptop's pump writes each super-packet to its
+/// TUN device (`IFF_VNET_HDR`) with one write. Offered by a laptop whose TUN
+/// device has a `virtio_net_hdr`; a laptop that does not offer it gets one
+/// [`Kind::Packet`] frame per packet.
+pub const OFFLOAD_TCP_GRO: u8 = 2;
+
+/// Largest super-packet in a [`Kind::Gso`] frame, IP bytes.
+pub const MAX_GSO_PACKET: usize = MAX_PAYLOAD_LEN - GSO_HEADER_LEN;
 
 /// Bytes of the [`GsoHeader`] at the start of a [`Kind::Gso`] payload.
 pub const GSO_HEADER_LEN: usize = 10;
@@ -115,8 +128,11 @@ pub enum Kind {
     Heartbeat,
     /// Manager → laptop: the session's counters ([`Stats`]), version 3 on.
     Stats,
-    /// Laptop → manager: a [`GsoHeader`] and a TCP super-packet, sent only
-    /// after the manager accepted [`OFFLOAD_TCP_GSO`] in its [`ManagerHello`].
+    /// A [`GsoHeader`] and a TCP super-packet. Laptop → manager only after
+    /// the manager accepted [`OFFLOAD_TCP_GSO`] in its [`ManagerHello`];
+    /// manager → laptop only to a laptop that offered [`OFFLOAD_TCP_GRO`]
+    /// (and the manager accepted it), always `NEEDS_CSUM` at the TCP
+    /// checksum ([`encode_coalesced`]).
     Gso,
     /// Manager → laptop, answer to hello option 5 ([`Hello::resume_token`]):
     /// one byte, [`ResumeAnswer`]. Sent early on the stream, only to laptops
@@ -327,7 +343,7 @@ pub fn encode_into(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), 
 /// error there). Option 1: the laptop's TUN MTU (`u16`, bytes). Option 2
 /// (version 3): the laptop's IPv6 tunnel IP (16 bytes), the session's second
 /// accepted source address when the primary tunnel IP is IPv4 (dual stack).
-/// Option 4: offloads the laptop offers (1 byte of bits, [`OFFLOAD_TCP_GSO`]);
+/// Option 4: offloads the laptop offers (1 byte of bits, [`OFFLOAD_TCP_GSO`], [`OFFLOAD_TCP_GRO`]);
 /// a manager that accepts any answers with a [`ManagerHello`].
 /// Option 3 (4 bytes, `index: u16 | count: u16`): the worker shard of this
 /// connection ([`Shard`]); older managers skip it.
@@ -622,7 +638,7 @@ impl Hello {
 pub struct ManagerHello {
     /// The manager's data-channel protocol version.
     pub version: u16,
-    /// Offloads the manager accepts ([`OFFLOAD_TCP_GSO`] bits).
+    /// Offloads the manager accepts ([`OFFLOAD_TCP_GSO`], [`OFFLOAD_TCP_GRO`] bits).
     pub offloads: u8,
 }
 
@@ -727,6 +743,46 @@ impl GsoHeader {
             packet,
         ))
     }
+}
+
+/// Frame `packets` (the manager's output to one laptop, in order) into
+/// `out` for a laptop that accepted [`OFFLOAD_TCP_GRO`]: runs of one TCP
+/// flow become one [`Kind::Gso`] frame (flags `NEEDS_CSUM`, `gso_size` the
+/// MSS, see [`crate::gso::Coalescer`]), every other packet a
+/// [`Kind::Packet`] frame. Returns what was merged and how many packets were
+/// left out because they do not fit a frame.
+pub fn encode_coalesced<P: AsRef<[u8]>>(
+    coalescer: &mut crate::gso::Coalescer,
+    packets: &[P],
+    out: &mut Vec<u8>,
+) -> (crate::gso::Coalesced, usize) {
+    let mut too_large = 0;
+    let done = coalescer.coalesce(
+        packets,
+        MAX_GSO_PACKET,
+        out,
+        HEADER_LEN + GSO_HEADER_LEN,
+        |out, packet| {
+            if encode_into(Kind::Packet, packet, out).is_err() {
+                too_large += 1;
+            }
+        },
+        |head, sp, packet| {
+            // Cannot fail: the coalescer keeps packets within MAX_GSO_PACKET.
+            let frame = encode_header(Kind::Gso, GSO_HEADER_LEN + packet.len()).unwrap_or_default();
+            let gso = GsoHeader {
+                flags: crate::gso::F_NEEDS_CSUM,
+                gso_type: sp.gso_type,
+                hdr_len: sp.hdr_len,
+                gso_size: sp.gso_size,
+                csum_start: sp.csum_start,
+                csum_offset: crate::gso::TCP_CSUM_OFFSET,
+            };
+            head[..HEADER_LEN].copy_from_slice(&frame);
+            head[HEADER_LEN..].copy_from_slice(&gso.encode());
+        },
+    );
+    (done, too_large)
 }
 
 impl Shard {
@@ -1038,7 +1094,7 @@ mod tests {
         };
         let enc = hello.encode().expect("encodes");
         assert_eq!(enc, [0, 3, 4, 100, 96, 0, 2, 0, 1, 2, 0x23, 0x28, 4, 1, 1]);
-        assert_eq!(Hello::decode(&enc), Ok(hello));
+        assert_eq!(Hello::decode(&enc), Ok(hello.clone()));
         assert_eq!(
             Hello::decode(&[0, 3, 4, 100, 96, 0, 2, 0, 4, 2, 1, 1]),
             Err(HelloError::BadOption {
@@ -1055,6 +1111,19 @@ mod tests {
         };
         assert_eq!(answer.encode(), [0, 3, 4, 1, 1]);
         assert_eq!(ManagerHello::decode(&answer.encode()), Ok(answer));
+        // Bit 2: GSO frames manager -> laptop, offered and accepted.
+        let both = Hello {
+            offloads: Some(OFFLOAD_TCP_GSO | OFFLOAD_TCP_GRO),
+            ..hello.clone()
+        };
+        let enc = both.encode().expect("encodes");
+        assert_eq!(enc[enc.len() - 3..], [4, 1, 3]);
+        assert_eq!(Hello::decode(&enc), Ok(both));
+        let answer = ManagerHello {
+            version: 3,
+            offloads: OFFLOAD_TCP_GSO | OFFLOAD_TCP_GRO,
+        };
+        assert_eq!(answer.encode(), [0, 3, 4, 1, 3]);
         // Unknown options skipped; none at all means no offloads.
         assert_eq!(
             ManagerHello::decode(&[0, 4, 9, 2, 0, 0, 4, 1, 1]),

@@ -153,6 +153,21 @@ impl Fixture {
         std::fs::read_to_string(self.runtime_dir.join("dataplane.log")).unwrap_or_default()
     }
 
+    /// The lab manager's metric `kvpn_manager_<name>` (a name may carry
+    /// labels, e.g. `packets_dropped_total{reason="gso"}`), read with
+    /// `GET /metrics` on `127.0.0.1:port` in the manager pod's netns (the
+    /// manager runs with `--metrics-listen 127.0.0.1:<port>`).
+    pub fn manager_metric(&self, port: u16, name: &str) -> u64 {
+        let text = self
+            .lab
+            .run_in(kvpn_lab::MANAGER_POD, || http_get_metrics(port))
+            .unwrap_or_else(|e| panic!("manager pod netns: {e:#}"));
+        let full = format!("kvpn_manager_{name}");
+        prometheus_samples(&text)
+            .find_map(|(n, v)| (n == full).then_some(v))
+            .unwrap_or_else(|| panic!("{full} missing in the manager's metrics:\n{text}"))
+    }
+
     /// The manager pod's log (for failure messages).
     pub fn manager_log(&self) -> String {
         self.lab
@@ -179,6 +194,34 @@ impl Drop for Fixture {
             eprintln!("lab down: {e:#}");
         }
     }
+}
+
+/// `GET /metrics` on `127.0.0.1:port` of the calling thread's netns; the
+/// whole HTTP answer, which must be `200`.
+pub fn http_get_metrics(port: u16) -> String {
+    use std::io::{Read as _, Write as _};
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+        .unwrap_or_else(|e| panic!("metrics {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap_or_else(|e| panic!("metrics read timeout: {e}"));
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvpn-manager\r\nConnection: close\r\n\r\n")
+        .unwrap_or_else(|e| panic!("metrics request to {addr}: {e}"));
+    let mut text = String::new();
+    s.read_to_string(&mut text)
+        .unwrap_or_else(|e| panic!("metrics response from {addr}: {e}"));
+    assert!(text.starts_with("HTTP/1.1 200"), "metrics answer: {text}");
+    text
+}
+
+/// The samples of a Prometheus text exposition (after the HTTP head, if
+/// any), as (`name{labels}`, value); comments and non-integer values skipped.
+pub fn prometheus_samples(text: &str) -> impl Iterator<Item = (&str, u64)> {
+    let body = text.split_once("\r\n\r\n").map_or(text, |(_, b)| b);
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(name, value)| Some((name, value.trim().parse().ok()?)))
 }
 
 /// Lossy UTF-8 of command output.

@@ -41,6 +41,13 @@ const SCHEDULING_SLACK: usize = 10;
 /// the cores the setup test's connections wait for.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// [`SERIAL`], also after the other test failed while holding it.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// One short connection: connect, 1 byte out, 1 byte echoed, close. Its duration.
 fn short_connection(to: SocketAddr) -> Result<Duration, String> {
     let t0 = Instant::now();
@@ -60,9 +67,7 @@ fn short_connection(to: SocketAddr) -> Result<Duration, String> {
 
 #[test]
 fn short_connections_through_port_forward_never_stall() {
-    let _serial = SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _serial = one_at_a_time();
     let f = KubeFixture::new();
     f.connect_restricted();
     f.wait_state("connected", Duration::from_secs(20));
@@ -143,9 +148,7 @@ fn transports_lost(f: &KubeFixture) -> u64 {
 /// reset by peer", the failure a bench run met), and no data connection was lost.
 #[test]
 fn iperf3_under_load_through_port_forward_keeps_the_data_connection() {
-    let _serial = SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _serial = one_at_a_time();
     let f = KubeFixture::new();
     let web = f
         .pods(DEV_NAMESPACE, "app=web")

@@ -132,35 +132,10 @@ impl RogueLab {
     fn metrics(&self) -> BTreeMap<String, u64> {
         let text = self
             .lab
-            .run_in(MANAGER_POD, || {
-                let mut s =
-                    TcpStream::connect_timeout(&SocketAddr::V4(METRICS), Duration::from_secs(5))
-                        .unwrap_or_else(|e| panic!("metrics {METRICS}: {e}"));
-                s.set_read_timeout(Some(Duration::from_secs(5)))
-                    .expect("timeout");
-                s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvpn-manager\r\n\r\n")
-                    .unwrap_or_else(|e| panic!("metrics request: {e}"));
-                let mut out = String::new();
-                s.read_to_string(&mut out)
-                    .unwrap_or_else(|e| panic!("metrics response: {e}"));
-                out
-            })
+            .run_in(MANAGER_POD, || kvpn_tests::http_get_metrics(METRICS.port()))
             .unwrap_or_else(|e| panic!("manager pod netns: {e:#}"));
-        let (head, body) = text
-            .split_once("\r\n\r\n")
-            .unwrap_or_else(|| panic!("no HTTP head in {text:?}"));
-        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-        body.lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-            .map(|l| {
-                let (name, value) = l
-                    .rsplit_once(' ')
-                    .unwrap_or_else(|| panic!("metrics line {l:?}"));
-                let value = value
-                    .parse()
-                    .unwrap_or_else(|e| panic!("metrics value in {l:?}: {e}"));
-                (name.to_owned(), value)
-            })
+        kvpn_tests::prometheus_samples(&text)
+            .map(|(name, value)| (name.to_owned(), value))
             .collect()
     }
 

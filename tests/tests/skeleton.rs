@@ -383,28 +383,7 @@ fn bad_manager_address_is_named_in_the_error() {
 /// The manager's `/metrics` value of counter `name` (`--metrics-listen` on the
 /// manager pod's loopback).
 fn manager_counter(f: &Fixture, name: &str) -> u64 {
-    let body = f
-        .lab
-        .run_in(kvpn_lab::MANAGER_POD, || {
-            let mut s = TcpStream::connect_timeout(
-                &SocketAddr::from(([127, 0, 0, 1], GSO_METRICS_PORT)),
-                Duration::from_secs(5),
-            )
-            .expect("connect to the manager's metrics");
-            s.set_read_timeout(Some(Duration::from_secs(5)))
-                .expect("timeout");
-            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                .expect("request");
-            let mut body = String::new();
-            s.read_to_string(&mut body).expect("metrics response");
-            body
-        })
-        .unwrap_or_else(|e| panic!("manager netns: {e:#}"));
-    let prefix = format!("kvpn_manager_{name} ");
-    body.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} missing in the manager's metrics:\n{body}"))
+    f.manager_metric(GSO_METRICS_PORT, name)
 }
 
 const GSO_METRICS_PORT: u16 = 10803;

@@ -10,11 +10,11 @@
 use std::path::Path;
 use std::time::Duration;
 
+use crate::daemon_channel::DaemonChannel;
 use anyhow::{Context, Result, bail};
 use kvpn_proto::dataplane::{ConnectRequest, Origin};
 use kvpn_proto::userd::user_daemon_client::UserDaemonClient;
 use kvpn_proto::userd::{SocksSession, StartSessionRequest, StatusRequest, UserSession};
-use tonic::transport::Channel;
 
 use crate::cli::ConnectArgs;
 use crate::connect as tun_connect;
@@ -22,7 +22,7 @@ use crate::kubeconfig::{KubeConnection, UserEnv};
 use crate::{daemon, output, userd};
 
 /// The user daemon's SOCKS sessions.
-async fn socks_sessions(user: &mut UserDaemonClient<Channel>) -> Result<Vec<UserSession>> {
+async fn socks_sessions(user: &mut UserDaemonClient<DaemonChannel>) -> Result<Vec<UserSession>> {
     Ok(user
         .status(StatusRequest {})
         .await
@@ -68,7 +68,7 @@ pub async fn disconnect_sessions_of(
 /// Wait (bounded) until SOCKS session `id` says connected; the error names the
 /// reason it last gave.
 async fn wait_connected(
-    user: &mut UserDaemonClient<Channel>,
+    user: &mut UserDaemonClient<DaemonChannel>,
     id: &str,
     wait: Duration,
 ) -> Result<()> {

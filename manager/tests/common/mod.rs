@@ -16,6 +16,7 @@ use kvpn_manager::metrics::Metrics;
 use kvpn_manager::session::{SessionConfig, SessionError, run_session};
 use kvpn_proto::device::QueueDevice;
 use kvpn_proto::frame::{self, Decoder, Hello, Kind, PROTOCOL_VERSION};
+use kvpn_proto::gso;
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
 use smoltcp::socket::{tcp, udp};
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr};
@@ -46,6 +47,11 @@ pub struct Laptop {
     pub session: Option<JoinHandle<Result<Metrics, SessionError>>>,
     pub manager_closed: bool,
     pub tunnel_ip: IpAddr,
+    /// GSO frames (manager → laptop, offload bit 2) received; each was
+    /// checked and segmented as the laptop's kernel would.
+    pub gso_frames: u64,
+    /// Packets those GSO frames were segmented into.
+    pub gso_segments: u64,
 }
 
 pub fn session_config() -> SessionConfig {
@@ -67,6 +73,19 @@ pub fn spawn_session(
 
 pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
     hello_frame_resumable(tunnel_ip, version, None)
+}
+
+/// A current hello offering `offloads` (hello option 4).
+pub fn hello_frame_offloads(tunnel_ip: IpAddr, offloads: u8) -> Vec<u8> {
+    let hello = Hello {
+        offloads: Some(offloads),
+        ..Hello::new(PROTOCOL_VERSION, tunnel_ip)
+    }
+    .encode()
+    .expect("hello encodes");
+    let mut out = Vec::new();
+    frame::encode_into(Kind::Hello, &hello, &mut out).expect("fits");
+    out
 }
 
 /// [`hello_frame`] with hello option 5 (a resume token) when given.
@@ -172,6 +191,8 @@ impl Laptop {
             session,
             manager_closed: false,
             tunnel_ip,
+            gso_frames: 0,
+            gso_segments: 0,
         }
     }
 
@@ -282,6 +303,33 @@ impl Laptop {
                 // The manager's stats frames (about once a second, the first at
                 // once) would race the frames the tests wait for.
                 Kind::Stats => {}
+                // What the laptop's kernel does with a super-packet written
+                // to its TUN: check it, cut it into segments.
+                Kind::Gso => {
+                    let (h, packet) = frame::GsoHeader::split(f.payload).expect("GSO header");
+                    let kind = gso::check_super_packet(
+                        packet,
+                        h.flags,
+                        h.gso_type,
+                        h.gso_size,
+                        h.csum_start,
+                        h.csum_offset,
+                    )
+                    .expect("a valid super-packet from the manager");
+                    let mut segments = Vec::new();
+                    let seg =
+                        gso::segment_tcp(packet, kind, usize::from(h.gso_size), &mut segments, 0)
+                            .expect("segments");
+                    assert!(seg.count >= 2, "a GSO frame of one segment");
+                    self.gso_frames += 1;
+                    self.gso_segments += seg.count as u64;
+                    for span in seg.spans() {
+                        if self.keep_packets {
+                            self.packets.push(segments[span.clone()].to_vec());
+                        }
+                        self.device.push_rx(segments[span].to_vec());
+                    }
+                }
                 other => self.other_frames.push((other, f.payload.to_vec())),
             }
         }
