@@ -83,6 +83,13 @@ pub const METRICS: &[Metric] = &[
         false,
         3,
     ),
+    m(
+        "kvpn_cpu_4_core_s_per_gbit",
+        "kvpn dataplane+manager CPU per Gbit (TCP 4 up, --latency-only)",
+        "core-s/Gbit",
+        false,
+        3,
+    ),
     m("connect_s", "kvpn connect, wall time", "s", false, 2),
     m(
         "manager_rss_mib",

@@ -490,7 +490,7 @@ impl Bench {
     /// manager for the kvpn CPU figure (empty on other rows).
     fn measure(&self, lab: &Lab, path: &str, t: Target, kvpn: &[u32]) -> Result<Sample> {
         if self.latency_only {
-            return self.measure_latency(lab, path, t);
+            return self.measure_latency(lab, path, t, kvpn);
         }
         println!("==> measuring {path}");
         let secs = self.seconds;
@@ -550,18 +550,26 @@ impl Bench {
         Ok(s)
     }
 
-    /// `--latency-only`: TCP 1 and 4 streams up, idle and busy ping RTT.
-    fn measure_latency(&self, lab: &Lab, path: &str, t: Target) -> Result<Sample> {
+    /// `--latency-only`: TCP 1 and 4 streams up (with the kvpn processes' CPU per
+    /// Gbit of each), idle and busy ping RTT.
+    fn measure_latency(&self, lab: &Lab, path: &str, t: Target, kvpn: &[u32]) -> Result<Sample> {
         println!("==> measuring {path} (latency only)");
         let mut s = Sample::new();
-        s.insert(
-            "tcp_1_gbps".into(),
-            iperf3_tcp(lab, t.iperf, self.seconds, 1, false)?,
-        );
-        s.insert(
-            "tcp_4_gbps".into(),
-            iperf3_tcp(lab, t.iperf, self.seconds, 4, false)?,
-        );
+        for (key, cpu_key, streams) in [
+            ("tcp_1_gbps", "kvpn_cpu_core_s_per_gbit", 1),
+            ("tcp_4_gbps", "kvpn_cpu_4_core_s_per_gbit", 4),
+        ] {
+            let k0 = pids_cpu_ticks(kvpn);
+            let gbps = iperf3_tcp(lab, t.iperf, self.seconds, streams, false)?;
+            let k1 = pids_cpu_ticks(kvpn);
+            s.insert(key.into(), gbps);
+            if !kvpn.is_empty() {
+                s.insert(
+                    cpu_key.into(),
+                    (k1 - k0) as f64 / self.clk_tck / (gbps * f64::from(self.seconds)),
+                );
+            }
+        }
         if let Some(ip) = t.icmp {
             s.insert("idle_rtt_p50_ms".into(), self.ping_p50(lab, ip)?);
             s.insert("busy_rtt_p50_ms".into(), self.busy_ping_p50(lab, t, ip)?);

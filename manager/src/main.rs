@@ -29,6 +29,13 @@ struct Args {
     /// Address of the data channel (framed packets from laptops).
     #[arg(long, default_value = "0.0.0.0:10801")]
     listen: SocketAddr,
+    /// Tokio worker threads; 0 = one per core. 1 puts every session's tasks on
+    /// one thread: no hand-off between threads per packet (on the 2-core lab
+    /// VM ~16% less kvpn CPU per Gbit, but a higher busy-ping RTT; see
+    /// docs/queues.md), and the manager then uses at most one core for all
+    /// laptops.
+    #[arg(long, env = "KVPN_MANAGER_WORKER_THREADS", default_value_t = 0)]
+    worker_threads: usize,
     /// Give up a TCP dial after this many milliseconds (the laptop then gets
     /// ICMP host unreachable).
     #[arg(long, default_value_t = 5000)]
@@ -340,8 +347,7 @@ async fn shutdown_signal() -> anyhow::Result<&'static str> {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         // Plain text when the log goes to a file or pipe (the lab, kubectl logs).
@@ -352,6 +358,22 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if args.worker_threads > 0 {
+        runtime.worker_threads(args.worker_threads);
+    }
+    let runtime = runtime
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    info!(
+        worker_threads = args.worker_threads,
+        "runtime started (0: one worker thread per core)"
+    );
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     raise_fd_limit();
     fix_mmap_threshold();
     let counters = Arc::new(ManagerCounters::default());

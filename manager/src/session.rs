@@ -5,15 +5,18 @@
 //! the engine, echoes heartbeats, carries out the engine's requests through
 //! [`KernelSide`] and writes the engine's packets back as frames.
 //!
-//! Three tasks per session, so that control frames never wait behind data:
+//! Two tasks per session, so that control frames never wait behind data:
 //!
 //! ```text
-//! laptop ──reader──▶ [intake: packet frames, ≤ INTAKE_BYTES] ──engine loop──▶ [out: ≤ 64 batches] ──writer──▶ laptop
-//!             └─ heartbeats ──▶ [control: ≤ 64 echoes] ─────────────────────────────────────────┘ (first)
+//! laptop ──engine loop: read, [intake: packet frames, ≤ INTAKE_BYTES], engine──▶ [out: ≤ 64 batches] ──writer──▶ laptop
+//!             └─ heartbeats ──▶ [control: ≤ 64 echoes] ────────────────────────────────────────────────┘ (first)
 //! ```
 //!
-//! The reader drains the socket at all times: a heartbeat is echoed as soon as
-//! it is read, and packet frames go to a byte-bounded intake. When the engine
+//! The engine loop reads the laptop's stream itself ([`LaptopReader`]: no
+//! reader task, so a packet from the laptop wakes one task, not two) whenever
+//! it waits and between the slices of a long intake, so the socket is drained
+//! all the time: a heartbeat is echoed as soon as it is read, and packet frames
+//! go to a byte-bounded intake. When the engine
 //! falls behind (a flood of small datagrams costs far more to process than to
 //! read), packet frames beyond the intake's bound are dropped and counted
 //! ([`DropReason::IntakeFull`]) instead of piling up in the kernel's socket
@@ -606,49 +609,35 @@ fn handle_frames(
     Ok(used)
 }
 
-/// Packet frames read from the laptop, waiting for the engine loop, and how
-/// the reader ended. Shared by the reader task and the engine loop.
+/// Packet frames read from the laptop, waiting for the engine, and how the
+/// stream ended.
 #[derive(Default)]
 struct Intake {
     /// Whole packet and GSO frames (headers included), at most [`INTAKE_BYTES`].
     frames: Vec<u8>,
     /// Packet frames dropped because `frames` was full.
     dropped: u64,
-    /// Heartbeats read (and echoed) since the engine loop last looked.
+    /// Heartbeats read (and echoed) since the engine last looked.
     heartbeats: u64,
-    /// Heartbeat echoes dropped (control queue full) since the engine loop
-    /// last looked.
+    /// Heartbeat echoes dropped (control queue full) since the engine last
+    /// looked.
     echoes_dropped: u64,
-    /// Why the reader stopped: `Ok` when the laptop closed the stream.
+    /// Why reading stopped: `Ok` when the laptop closed the stream.
     end: Option<Result<(), SessionError>>,
     /// The laptop said it is leaving ([`ResumeAnswer::Leaving`]): its
     /// engine is not parked when the connection ends.
     leaving: bool,
 }
 
-struct IntakeShared {
-    intake: std::sync::Mutex<Intake>,
-    ready: tokio::sync::Notify,
-}
-
-impl IntakeShared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Intake> {
-        self.intake
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
 /// Sort the whole frames at the front of `buf` into the intake (packets) and
 /// the control queue (heartbeat echoes); returns the bytes used.
 fn sort_frames(
     buf: &[u8],
-    shared: &IntakeShared,
+    intake: &mut Intake,
     control_tx: &mpsc::Sender<Vec<u8>>,
 ) -> Result<usize, SessionError> {
     let decoder = Decoder::default();
     let mut used = 0;
-    let mut intake = shared.lock();
     while let Some((f, n)) = decoder.decode(&buf[used..])? {
         let whole = &buf[used..used + n];
         used += n;
@@ -684,43 +673,127 @@ fn sort_frames(
     Ok(used)
 }
 
-/// The reader task: read the laptop's stream as fast as it comes, echo
-/// heartbeats through `control_tx` at once and queue packet frames for the
-/// engine loop (dropping them when the intake is full). Ends on EOF, a read
-/// error, an invalid frame or `idle_timeout` without a byte.
-async fn read_frames<R: AsyncRead + Unpin>(
-    mut rd: R,
-    mut rbuf: Vec<u8>,
-    shared: Arc<IntakeShared>,
+/// Reads the laptop's stream inside the engine loop's task (no reader task
+/// of its own: a hand-off less per packet). Heartbeats are echoed through
+/// `control_tx` as soon as they are read, packet frames queue in the intake
+/// (dropped when it is full). The engine loop reads whenever it waits (for
+/// the laptop, a kernel event, a timer or room in the write queue) and
+/// between the slices of a long intake, so the socket is drained about as
+/// often as a reader task of its own drained it.
+struct LaptopReader<R> {
+    rd: R,
+    rbuf: Vec<u8>,
+    intake: Intake,
     control_tx: mpsc::Sender<Vec<u8>>,
     idle_timeout: Duration,
-) {
-    let end = loop {
-        match sort_frames(&rbuf, &shared, &control_tx) {
+    /// When the last byte came; `idle_timeout` after it the session ends.
+    last_read: tokio::time::Instant,
+}
+
+/// Reads of the laptop's stream between two slices of the intake, at most:
+/// bounds the time a flood's reads take from the engine.
+const DRAIN_READS: usize = INTAKE_BYTES / READ_CHUNK + 1;
+
+impl<R: AsyncRead + Unpin> LaptopReader<R> {
+    fn new(
+        rd: R,
+        rbuf: Vec<u8>,
+        control_tx: mpsc::Sender<Vec<u8>>,
+        idle_timeout: Duration,
+    ) -> Self {
+        let mut reader = LaptopReader {
+            rd,
+            rbuf,
+            intake: Intake::default(),
+            control_tx,
+            idle_timeout,
+            last_read: tokio::time::Instant::now(),
+        };
+        // Frames that came with the hello.
+        reader.sort();
+        reader
+    }
+
+    /// Whether reading goes on (no EOF, error or timeout yet).
+    fn open(&self) -> bool {
+        self.intake.end.is_none()
+    }
+
+    fn sort(&mut self) {
+        match sort_frames(&self.rbuf, &mut self.intake, &self.control_tx) {
             Ok(used) => {
-                rbuf.drain(..used);
+                self.rbuf.drain(..used);
             }
-            Err(e) => break Err(e),
+            Err(e) => self.intake.end = Some(Err(e)),
         }
-        shared.ready.notify_one();
-        rbuf.reserve(READ_CHUNK);
-        match tokio::time::timeout(idle_timeout, rd.read_buf(&mut rbuf)).await {
-            Ok(Ok(0)) => {
-                if !rbuf.is_empty() {
+    }
+
+    /// Wait for bytes from the laptop. Cancel-safe: nothing is read unless
+    /// it completes.
+    async fn readable(&mut self) -> io::Result<usize> {
+        self.rbuf.reserve(READ_CHUNK);
+        self.rd.read_buf(&mut self.rbuf).await
+    }
+
+    /// When the session ends for the laptop's silence, unless a byte comes.
+    fn silent_at(&self) -> tokio::time::Instant {
+        self.last_read + self.idle_timeout
+    }
+
+    /// `silence` fired: end the session if nothing came for `idle_timeout`,
+    /// else set it again for the new deadline (one timer for the whole
+    /// session, not one per read or engine round).
+    fn check_silence(&mut self, silence: std::pin::Pin<&mut tokio::time::Sleep>) {
+        let at = self.silent_at();
+        if at <= tokio::time::Instant::now() {
+            self.intake.end = Some(Err(SessionError::Silent(self.idle_timeout)));
+        } else {
+            silence.reset(at);
+        }
+    }
+
+    /// Take the outcome of [`LaptopReader::readable`].
+    fn handle_read(&mut self, read: io::Result<usize>) {
+        match read {
+            Ok(0) => {
+                if !self.rbuf.is_empty() {
                     debug!(
-                        bytes = rbuf.len(),
+                        bytes = self.rbuf.len(),
                         "laptop closed the stream inside a frame"
                     );
                 }
-                break Ok(());
+                self.intake.end = Some(Ok(()));
             }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => break Err(SessionError::Read(e)),
-            Err(_) => break Err(SessionError::Silent(idle_timeout)),
+            Ok(_) => {
+                self.last_read = tokio::time::Instant::now();
+                self.sort();
+            }
+            Err(e) => self.intake.end = Some(Err(SessionError::Read(e))),
         }
-    };
-    shared.lock().end = Some(end);
-    shared.ready.notify_one();
+    }
+
+    /// Read what the laptop sent so far without waiting (at most
+    /// [`DRAIN_READS`] reads).
+    async fn drain(&mut self) {
+        for _ in 0..DRAIN_READS {
+            if !self.open() {
+                return;
+            }
+            self.rbuf.reserve(READ_CHUNK);
+            let (rd, rbuf) = (&mut self.rd, &mut self.rbuf);
+            // One poll: ready data or nothing (the task's waker stays
+            // registered, a spurious wake-up at worst).
+            let read = std::future::poll_fn(|cx| {
+                let mut read = std::pin::pin!(rd.read_buf(rbuf));
+                std::task::Poll::Ready(read.as_mut().poll(cx))
+            })
+            .await;
+            match read {
+                std::task::Poll::Ready(read) => self.handle_read(read),
+                std::task::Poll::Pending => return,
+            }
+        }
+    }
 }
 
 /// The manager's memory from `/proc/self/status`: (resident, peak resident),
@@ -1045,13 +1118,7 @@ where
     let _writer = AbortOnDrop(tokio::spawn(
         write_frames(wr, control_rx, out_rx).in_current_span(),
     ));
-    let intake = Arc::new(IntakeShared {
-        intake: std::sync::Mutex::new(Intake::default()),
-        ready: tokio::sync::Notify::new(),
-    });
-    let _reader = AbortOnDrop(tokio::spawn(
-        read_frames(rd, rbuf, intake.clone(), control_tx, config.idle_timeout).in_current_span(),
-    ));
+    let mut reader = LaptopReader::new(rd, rbuf, control_tx, config.idle_timeout);
     // The engine loop swaps its spent buffer for the intake's frames.
     let mut frames: Vec<u8> = Vec::new();
     // Other laptops' packets for this tunnel IP go straight to the writer.
@@ -1064,6 +1131,8 @@ where
         config.stats_interval,
     );
     stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let silence = tokio::time::sleep_until(reader.silent_at());
+    tokio::pin!(silence);
     let mut stats_frames = tokio::time::interval(STATS_FRAME_INTERVAL);
     stats_frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
@@ -1071,7 +1140,7 @@ where
         let now = Instant::now();
         frames.clear();
         let end = {
-            let mut intake = intake.lock();
+            let intake = &mut reader.intake;
             std::mem::swap(&mut frames, &mut intake.frames);
             let m = engine.metrics_mut();
             m.heartbeats += std::mem::take(&mut intake.heartbeats);
@@ -1087,9 +1156,17 @@ where
         // woken onto this worker thread (tokio's LIFO slot is not stolen by
         // the other worker), would otherwise not send a heartbeat echo for
         // seconds. Seen in tests/tests/flood.rs: echoes queued, no write.
+        // Between slices it also reads what the laptop sent meanwhile (echoing
+        // heartbeats at once, dropping packets beyond the intake's bound), as
+        // a reader task of its own would. No yield after the last slice: the
+        // loop goes on to wait below, which lets the writer run.
         let mut off = 0;
         let mut failed = None;
         while off < frames.len() {
+            if off > 0 {
+                tokio::task::yield_now().await;
+                reader.drain().await;
+            }
             match handle_frames(
                 &frames[off..],
                 &mut engine,
@@ -1106,7 +1183,6 @@ where
                     break;
                 }
             }
-            tokio::task::yield_now().await;
         }
         if let Some(e) = failed {
             break Err(e);
@@ -1143,9 +1219,17 @@ where
             let sent = match out_tx.try_send(batch) {
                 Ok(()) => Ok(()),
                 Err(mpsc::error::TrySendError::Full(batch)) => {
-                    // Backpressure: stop reading the laptop until the writer drains.
+                    // Backpressure: the engine waits until the writer drains;
+                    // the laptop is still read meanwhile (echoes go out,
+                    // packets beyond the intake's bound are dropped).
                     engine.metrics_mut().write_queue_full += 1;
-                    out_tx.send(batch).await.map_err(|_| ())
+                    loop {
+                        tokio::select! {
+                            biased;
+                            permit = out_tx.reserve() => break permit.map(|p| p.send(batch)).map_err(|_| ()),
+                            read = reader.readable(), if reader.open() => reader.handle_read(read),
+                        }
+                    }
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
             };
@@ -1158,7 +1242,8 @@ where
             .poll_timeout(now)
             .map(|t| tokio::time::Instant::now() + t.saturating_duration_since(Instant::now()));
         tokio::select! {
-            () = intake.ready.notified() => {}
+            read = reader.readable(), if reader.open() => reader.handle_read(read),
+            () = &mut silence, if reader.open() => reader.check_silence(silence.as_mut()),
             Some(event) = events_rx.recv() => {
                 let queued = u64::try_from(events_rx.len() + 1).unwrap_or(u64::MAX);
                 let m = engine.metrics_mut();
@@ -1209,7 +1294,7 @@ where
     // A connection that offered a resume token parks its engine for the
     // grace period (dropped at once when resuming is off); otherwise dropping
     // the kernel side resets the remaining connections.
-    let leaving = intake.lock().leaving;
+    let leaving = reader.intake.leaving;
     if let Some(claim) = claim.filter(|_| !leaving) {
         claim.park(ParkedEngine {
             engine,
@@ -1239,6 +1324,66 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
+
+    async fn next_frame(rd: &mut tokio::io::DuplexStream, buf: &mut Vec<u8>) -> (Kind, Vec<u8>) {
+        loop {
+            if let Some((f, n)) = Decoder::default().decode(buf).expect("valid frames") {
+                let found = (f.kind, f.payload.to_vec());
+                buf.drain(..n);
+                return found;
+            }
+            assert!(rd.read_buf(buf).await.expect("read") > 0, "manager closed");
+        }
+    }
+
+    /// The engine loop reads the laptop's stream itself: heartbeats are echoed,
+    /// every read puts the silence deadline off, and `idle_timeout` without a
+    /// byte ends the session.
+    #[tokio::test]
+    async fn heartbeats_are_echoed_and_silence_ends_the_session() {
+        let config = SessionConfig {
+            idle_timeout: Duration::from_millis(400),
+            ..SessionConfig::default()
+        };
+        let (mut laptop, manager) = tokio::io::duplex(1 << 16);
+        let session = tokio::spawn(async move { run_session(manager, &config).await });
+        let hello = Hello::new(PROTOCOL_VERSION, LAPTOP.into())
+            .encode()
+            .expect("hello encodes");
+        let mut wire = Vec::new();
+        frame::encode_into(Kind::Hello, &hello, &mut wire).expect("fits");
+        laptop.write_all(&wire).await.expect("hello sent");
+        let start = tokio::time::Instant::now();
+        let mut rbuf = Vec::new();
+        // Four heartbeats 250 ms apart: a session of 1 s, over twice the
+        // idle timeout, kept up by the reads alone.
+        for nonce in 1u64..=4 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let mut heartbeat = Vec::new();
+            frame::encode_into(Kind::Heartbeat, &nonce.to_be_bytes(), &mut heartbeat)
+                .expect("fits");
+            laptop.write_all(&heartbeat).await.expect("heartbeat sent");
+            loop {
+                match next_frame(&mut laptop, &mut rbuf).await {
+                    (Kind::Heartbeat, echo) => {
+                        assert_eq!(echo, nonce.to_be_bytes());
+                        break;
+                    }
+                    (Kind::Stats, _) => {}
+                    (kind, _) => panic!("unexpected frame {kind:?}"),
+                }
+            }
+        }
+        let ended = tokio::time::timeout(Duration::from_secs(10), session)
+            .await
+            .expect("the silent session ends")
+            .expect("session task");
+        assert!(
+            matches!(ended, Err(SessionError::Silent(_))),
+            "ended with {ended:?}"
+        );
+        assert!(start.elapsed() >= Duration::from_millis(1400));
+    }
 
     const LAPTOP: Ipv4Addr = Ipv4Addr::new(100, 96, 0, 2);
 

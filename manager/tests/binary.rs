@@ -16,16 +16,7 @@ fn binary_serves_a_session_and_stops_on_sigterm() {
     let mut s = TcpStream::connect(manager.addr).expect("connect to the manager");
     s.set_read_timeout(Some(Duration::from_secs(5)))
         .expect("timeout");
-    let hello = Hello {
-        version: PROTOCOL_VERSION,
-        tunnel_ip: "100.96.0.2".parse().expect("ip"),
-        token: Vec::new(),
-        mtu: None,
-        tunnel_ip_v6: None,
-        offloads: None,
-        shard: None,
-        resume_token: None,
-    };
+    let hello = Hello::new(PROTOCOL_VERSION, "100.96.0.2".parse().expect("ip"));
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");
     frame::encode_into(Kind::Heartbeat, b"12345678", &mut out).expect("fits");
@@ -67,6 +58,35 @@ fn binary_serves_a_session_and_stops_on_sigterm() {
         "{log:#?}"
     );
     assert!(log.iter().any(|l| l.contains("heartbeats=1")), "{log:#?}");
+}
+
+/// The runtime's worker threads (tokio names them `tokio-rt-worker`).
+fn tokio_workers(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("task list")
+        .filter_map(Result::ok)
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|comm| comm.trim() == "tokio-rt-worker")
+        })
+        .count()
+}
+
+#[test]
+fn worker_threads_setting_sizes_the_runtime() {
+    for (setting, want) in [("1", 1), ("3", 3)] {
+        let manager = common::ManagerProcess::start(&[(
+            "KVPN_MANAGER_WORKER_THREADS",
+            std::path::Path::new(setting),
+        )]);
+        assert_eq!(
+            tokio_workers(manager.pid()),
+            want,
+            "--worker-threads {setting}"
+        );
+        // Killed on drop: a SIGTERM this early may come before the handler.
+        drop(manager);
+    }
 }
 
 /// `--tcp-window` outside 16 KiB..=16 MiB is refused before anything starts,

@@ -86,16 +86,7 @@ async fn tls_connect(
 
 /// Send a hello and a heartbeat; return the first frame the manager sends back.
 async fn hello_and_heartbeat<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> (Kind, Vec<u8>) {
-    let hello = Hello {
-        version: PROTOCOL_VERSION,
-        tunnel_ip: "100.96.0.2".parse().expect("ip"),
-        token: Vec::new(),
-        mtu: None,
-        tunnel_ip_v6: None,
-        offloads: None,
-        shard: None,
-        resume_token: None,
-    };
+    let hello = Hello::new(PROTOCOL_VERSION, "100.96.0.2".parse().expect("ip"));
     let mut out = Vec::new();
     frame::encode_into(Kind::Hello, &hello.encode().expect("hello"), &mut out).expect("fits");
     frame::encode_into(Kind::Heartbeat, b"tls-echo", &mut out).expect("fits");
@@ -150,18 +141,9 @@ async fn tls_listener_serves_trusting_laptops_and_refuses_the_rest() {
     let mut hello = Vec::new();
     frame::encode_into(
         Kind::Hello,
-        &Hello {
-            version: PROTOCOL_VERSION,
-            tunnel_ip: "100.96.0.3".parse().expect("ip"),
-            token: Vec::new(),
-            mtu: None,
-            tunnel_ip_v6: None,
-            offloads: None,
-            shard: None,
-            resume_token: None,
-        }
-        .encode()
-        .expect("hello"),
+        &Hello::new(PROTOCOL_VERSION, "100.96.0.3".parse().expect("ip"))
+            .encode()
+            .expect("hello"),
         &mut hello,
     )
     .expect("fits");

@@ -461,6 +461,20 @@ pub enum HelloError {
 }
 
 impl Hello {
+    /// A hello with the required fields only: no token and none of the options.
+    pub fn new(version: u16, tunnel_ip: IpAddr) -> Self {
+        Hello {
+            version,
+            tunnel_ip,
+            token: Vec::new(),
+            mtu: None,
+            tunnel_ip_v6: None,
+            offloads: None,
+            shard: None,
+            resume_token: None,
+        }
+    }
+
     /// Encode to a payload.
     pub fn encode(&self) -> Result<Vec<u8>, HelloError> {
         let token_len = u8::try_from(self.token.len())

@@ -78,14 +78,8 @@ pub fn hello_frame(tunnel_ip: IpAddr, version: u16) -> Vec<u8> {
 /// A current hello offering `offloads` (hello option 4).
 pub fn hello_frame_offloads(tunnel_ip: IpAddr, offloads: u8) -> Vec<u8> {
     let hello = Hello {
-        version: PROTOCOL_VERSION,
-        tunnel_ip,
-        token: Vec::new(),
-        mtu: None,
-        tunnel_ip_v6: None,
         offloads: Some(offloads),
-        shard: None,
-        resume_token: None,
+        ..Hello::new(PROTOCOL_VERSION, tunnel_ip)
     }
     .encode()
     .expect("hello encodes");
@@ -101,14 +95,8 @@ pub fn hello_frame_resumable(
     resume_token: Option<[u8; frame::RESUME_TOKEN_LEN]>,
 ) -> Vec<u8> {
     let hello = Hello {
-        version,
-        tunnel_ip,
-        token: Vec::new(),
-        mtu: None,
-        tunnel_ip_v6: None,
-        offloads: None,
-        shard: None,
         resume_token,
+        ..Hello::new(version, tunnel_ip)
     }
     .encode()
     .expect("hello encodes");
@@ -469,6 +457,11 @@ impl ManagerProcess {
             }
         };
         me
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Waits up to `within` for a log line containing `needle`.
