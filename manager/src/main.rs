@@ -338,12 +338,23 @@ fn fix_mmap_threshold() {
     }
 }
 
-async fn shutdown_signal() -> anyhow::Result<&'static str> {
+/// SIGTERM and SIGINT handlers, installed before the manager says it listens:
+/// a signal that comes right after a laptop's first session (a test, or a
+/// rollout) must stop the manager cleanly, not kill it by the default action.
+fn shutdown_signals() -> anyhow::Result<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>
+{
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    let term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    let int = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    Ok((term, int))
+}
+
+async fn shutdown_signal(
+    (mut term, mut int): (tokio::signal::unix::Signal, tokio::signal::unix::Signal),
+) -> &'static str {
     tokio::select! {
-        r = tokio::signal::ctrl_c() => { r.context("cannot install the SIGINT handler")?; Ok("SIGINT") }
-        _ = term.recv() => Ok("SIGTERM"),
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
     }
 }
 
@@ -374,6 +385,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let signals = shutdown_signals()?;
     raise_fd_limit();
     fix_mmap_threshold();
     let counters = Arc::new(ManagerCounters::default());
@@ -555,8 +567,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     tokio::select! {
         () = server::serve(listener, Arc::new(config), tls) => Ok(()),
         r = grpc_failed => r,
-        sig = shutdown_signal() => {
-            info!(signal = sig?, "shutting down");
+        sig = shutdown_signal(signals) => {
+            info!(signal = sig, "shutting down");
             Ok(())
         }
     }

@@ -786,16 +786,16 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
     }
 
     let quit = state.quit.clone();
+    // Installed before the first request is served, so a SIGTERM right after
+    // one stops the daemon through this path, not by the default action.
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| warn!("cannot watch SIGTERM: {e}"))
+        .ok();
     let shutdown = async move {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(t) => t,
-                Err(e) => {
-                    warn!("cannot watch SIGTERM: {e}");
-                    quit.cancelled().await;
-                    return;
-                }
-            };
+        let Some(mut term) = term else {
+            quit.cancelled().await;
+            return;
+        };
         tokio::select! {
             _ = term.recv() => info!("SIGTERM"),
             _ = tokio::signal::ctrl_c() => info!("SIGINT"),
