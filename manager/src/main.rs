@@ -34,8 +34,9 @@ struct Args {
     /// VM ~16% less kvpn CPU per Gbit, but a higher busy-ping RTT; see
     /// docs/queues.md), and the manager then uses at most one core for all
     /// laptops.
-    #[arg(long, env = "KVPN_MANAGER_WORKER_THREADS", default_value_t = 0)]
-    worker_threads: usize,
+    /// At most 256.
+    #[arg(long, env = "KVPN_MANAGER_WORKER_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=256))]
+    worker_threads: u16,
     /// Give up a TCP dial after this many milliseconds (the laptop then gets
     /// ICMP host unreachable).
     #[arg(long, default_value_t = 5000)]
@@ -106,6 +107,7 @@ struct Args {
     /// so a smaller window lowers the round trip other flows see during a
     /// bulk upload (about window ÷ throughput), and a window below the path's
     /// bandwidth-delay product caps one flow's upload at about window ÷ RTT.
+    /// 16384 (16 KiB) to 16777216 (16 MiB), a plain byte count.
     #[arg(long, env = "KVPN_TCP_WINDOW", default_value_t = kvpn_manager::engine::TCP_RX_BUFFER, value_parser = parse_tcp_window)]
     tcp_window: usize,
     /// Seconds between the `session stats` log lines of each live session
@@ -369,17 +371,19 @@ fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if args.worker_threads > 0 {
-        runtime.worker_threads(args.worker_threads);
-    }
-    let runtime = runtime
+    let threads = match args.worker_threads {
+        0 => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        n => usize::from(n),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
         .enable_all()
         .build()
         .context("cannot start the tokio runtime")?;
     info!(
-        worker_threads = args.worker_threads,
-        "runtime started (0: one worker thread per core)"
+        worker_threads = threads,
+        setting = args.worker_threads,
+        "runtime started (setting 0: one worker thread per core)"
     );
     runtime.block_on(run(args))
 }

@@ -107,3 +107,18 @@ fn tcp_window_out_of_range_is_refused_with_the_range() {
         );
     }
 }
+
+/// `--worker-threads` above 256 is refused before any thread starts (a
+/// tester's 100000 aborted the manager while it spawned them).
+#[test]
+fn worker_threads_beyond_the_bound_are_refused() {
+    for bad in ["257", "100000", "many"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpn-manager"))
+            .args(["--worker-threads", bad])
+            .output()
+            .expect("run kvpn-manager");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("--worker-threads"), "{bad}: {err}");
+    }
+}

@@ -322,8 +322,13 @@ impl UserDaemonState {
         {
             Ok(r) => Ok(r.into_inner().stopped),
             Err(s) if s.code() == tonic::Code::NotFound => Ok(Vec::new()),
-            Err(s) => Err(daemon::status_to_error(s))
-                .with_context(|| format!("the root daemon did not disconnect {id:?}")),
+            Err(s) => Err(daemon::status_to_error(s)).with_context(|| {
+                if id.is_empty() {
+                    "the root daemon did not disconnect its sessions".to_owned()
+                } else {
+                    format!("the root daemon did not disconnect session {id}")
+                }
+            }),
         }
     }
 
