@@ -608,6 +608,10 @@ fn tr_08_port_forward_killed_five_times_recovers_each_time_on_the_same_tun() {
     assert_eq!(listening0.len(), 1, "the agent listens once: {sockets0:?}");
     assert_eq!(listening0[0].local, agent_addr, "{sockets0:?}");
     let fds0 = KubeFixture::fd_count(agent);
+    let to_api0 = sockets0
+        .iter()
+        .filter(|s| s.state == "ESTAB" && s.peer == "172.31.255.1:6443")
+        .count();
     let daemon_log =
         || std::fs::read_to_string(f.runtime_dir().join("dataplane.log")).unwrap_or_default();
 
@@ -680,10 +684,22 @@ fn tr_08_port_forward_killed_five_times_recovers_each_time_on_the_same_tun() {
         );
         std::thread::sleep(Duration::from_millis(100));
     };
-    let fds = KubeFixture::fd_count(agent);
+    // One more descriptor than before (slack, as ever), plus one per API-server
+    // connection above the start's (the pool's idle keep-alives allowed above;
+    // a CI run saw 16 -> 18 with them): a leak per kill shows as 5 more.
+    let allowed = fds0 + 1 + to_api.saturating_sub(to_api0);
+    let t2 = Instant::now();
+    let fds = loop {
+        let fds = KubeFixture::fd_count(agent);
+        if fds <= allowed || t2.elapsed() > Duration::from_secs(5) {
+            break fds;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert!(
-        fds <= fds0 + 1,
-        "agent file descriptors: {fds0} before, {fds} after five kills"
+        fds <= allowed,
+        "agent file descriptors: {fds0} before, {fds} after five kills (allowed {allowed}: \
+         API-server connections {to_api0} before, {to_api} after)"
     );
     assert_eq!(
         f.user_daemon_pids(),
