@@ -1125,6 +1125,25 @@ mod tests {
 
     const LONG: Duration = Duration::from_secs(3600);
 
+    /// A pump with default settings on a vnet-header TUN stand-in (`tun_side`)
+    /// and the transport `pump_end`, connected (liveness up).
+    fn vnet_pump(
+        tun_side: UnixDatagram,
+        pump_end: tokio::io::DuplexStream,
+        counters: &Arc<Counters>,
+    ) -> tokio::task::JoinHandle<PumpExit> {
+        let (rx, tx) = tokio::io::split(pump_end);
+        tokio::spawn(run(
+            Arc::new(VnetDatagram(tun_side)),
+            rx,
+            tx,
+            liveness_up(LONG),
+            counters.clone(),
+            Arc::new(Refusal::default()),
+            PumpConfig::default(),
+        ))
+    }
+
     fn liveness_up(interval: Duration) -> Arc<Mutex<Liveness>> {
         let mut l = Liveness::new(interval);
         l.handle_transport_up(Instant::now());
@@ -1644,17 +1663,8 @@ mod tests {
     async fn gso_frames_from_the_manager_are_written_whole_or_dropped() {
         let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
         let (pump_end, mut manager_end) = tokio::io::duplex(1 << 20);
-        let (rx, tx) = tokio::io::split(pump_end);
         let counters = Arc::new(Counters::default());
-        let pump = tokio::spawn(run(
-            Arc::new(VnetDatagram(tun_side)),
-            rx,
-            tx,
-            liveness_up(LONG),
-            counters.clone(),
-            Arc::new(Refusal::default()),
-            PumpConfig::default(),
-        ));
+        let pump = vnet_pump(tun_side, pump_end, &counters);
         let data: Vec<u8> = (0..3500u32).map(|i| (i % 251) as u8).collect();
         // The manager's coalescer leaves the pseudo-header sum in place.
         let super_packet = partial_tcp(&data, 0x18);
@@ -1797,18 +1807,9 @@ mod tests {
     async fn super_packets_are_segmented_until_the_manager_accepts_gso_frames() {
         let (tun_side, app_side) = UnixDatagram::pair().expect("socketpair");
         let (pump_end, manager_end) = tokio::io::duplex(1 << 20);
-        let (rx, tx) = tokio::io::split(pump_end);
         let (manager_rx, mut manager_tx) = tokio::io::split(manager_end);
         let counters = Arc::new(Counters::default());
-        let pump = tokio::spawn(run(
-            Arc::new(VnetDatagram(tun_side)),
-            rx,
-            tx,
-            liveness_up(LONG),
-            counters.clone(),
-            Arc::new(Refusal::default()),
-            PumpConfig::default(),
-        ));
+        let pump = vnet_pump(tun_side, pump_end, &counters);
         let mut frames = FrameReader::new(manager_rx);
         let data: Vec<u8> = (0..3500u32).map(|i| (i % 251) as u8).collect();
         let super_packet = partial_tcp(&data, 0x18);
