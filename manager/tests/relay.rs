@@ -44,13 +44,7 @@ async fn echo_through(
             if sent < data.len() && s.can_send() {
                 sent += s.send_slice(&data[sent..]).expect("send");
             }
-            while s.can_recv() {
-                s.recv(|b| {
-                    got.extend_from_slice(b);
-                    (b.len(), ())
-                })
-                .expect("recv");
-            }
+            common::drain(s, &mut got);
             got.len() >= data.len()
         })
         .await;
@@ -120,13 +114,7 @@ async fn server_writes_then_closes_all_bytes_then_eof() {
     let ok = laptop
         .run_until(Duration::from_secs(30), |l| {
             let s = l.tcp(h);
-            while s.can_recv() {
-                s.recv(|b| {
-                    got.extend_from_slice(b);
-                    (b.len(), ())
-                })
-                .expect("recv");
-            }
+            common::drain(s, &mut got);
             // EOF: the manager's FIN arrived and everything before it was read.
             if !s.may_recv() && eof_at.is_none() {
                 eof_at = Some(Instant::now());
@@ -175,13 +163,7 @@ async fn download_in_gso_frames_only_when_offered() {
         let ok = laptop
             .run_until(Duration::from_secs(30), |l| {
                 let s = l.tcp(h);
-                while s.can_recv() {
-                    s.recv(|b| {
-                        got.extend_from_slice(b);
-                        (b.len(), ())
-                    })
-                    .expect("recv");
-                }
+                common::drain(s, &mut got);
                 !s.may_recv()
             })
             .await;
@@ -251,13 +233,7 @@ async fn half_close_then_reply_with_slow_reader() {
                 closed = true;
             }
             if steps.is_multiple_of(4) {
-                while s.can_recv() {
-                    s.recv(|b| {
-                        got.extend_from_slice(b);
-                        (b.len(), ())
-                    })
-                    .expect("recv");
-                }
+                common::drain(s, &mut got);
             }
             closed && !s.may_recv() && !s.can_recv()
         })

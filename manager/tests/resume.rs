@@ -106,12 +106,7 @@ async fn receive_until(
     laptop
         .run_until(timeout, |l| {
             let s = l.tcp(h);
-            while s.can_recv() {
-                let _ = s.recv(|b| {
-                    got.extend_from_slice(b);
-                    (b.len(), ())
-                });
-            }
+            common::drain(s, got);
             done(got, l)
         })
         .await

@@ -381,6 +381,17 @@ impl Laptop {
     }
 }
 
+/// Move everything `s` has received into `got`.
+pub fn drain(s: &mut smoltcp::socket::tcp::Socket<'_>, got: &mut Vec<u8>) {
+    while s.can_recv() {
+        s.recv(|b| {
+            got.extend_from_slice(b);
+            (b.len(), ())
+        })
+        .expect("recv");
+    }
+}
+
 /// Bytes whose content depends on position (detects reordering and loss).
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
