@@ -70,13 +70,14 @@ impl LaptopA {
 
     fn kvpn(&self, lab: &Lab, args: &[&str]) -> Result<String> {
         let bin = kvpn_lab::bin_path("kvpn")?;
-        let out = lab
-            .command_in(LAPTOP_A, &bin.to_string_lossy())?
-            .args(args)
-            .env("KVPN_RUNTIME_DIR", &self.runtime)
-            .env("KVPN_RESOLV_CONF", self.etc.join("resolv.conf"))
-            .env("KVPN_HOSTS", self.etc.join("hosts"))
-            .output()?;
+        let out = crate::kvpn_cli(
+            lab.command_in(LAPTOP_A, &bin.to_string_lossy())?
+                .args(args)
+                .env("KVPN_RUNTIME_DIR", &self.runtime)
+                .env("KVPN_RESOLV_CONF", self.etc.join("resolv.conf"))
+                .env("KVPN_HOSTS", self.etc.join("hosts")),
+            args,
+        )?;
         if !out.status.success() {
             bail!(
                 "kvpn {args:?} on laptop A: {}",

@@ -231,6 +231,10 @@ impl Sshuttle {
         };
         let t0 = Instant::now();
         loop {
+            if let Err(e) = crate::interrupt::check() {
+                this.stop(lab);
+                return Err(e.into());
+            }
             let ok = lab
                 .run_in(LAPTOP, move || {
                     TcpStream::connect_timeout(&probe, Duration::from_secs(1)).is_ok()

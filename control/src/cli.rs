@@ -44,6 +44,35 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// Flag rules checked after clap, with their own words. `--steer` without
+    /// `--allow-route-conflict`: as a clap `requires`, its usage line listed
+    /// every flag given or set by environment (`--runtime-dir <RUNTIME_DIR>`
+    /// from KVPN_RUNTIME_DIR) as if that were required.
+    pub fn validate(self) -> Result<Self, clap::Error> {
+        if let Command::Connect(a) = &self.command
+            && a.steer.is_some()
+            && !a.allow_route_conflict
+        {
+            return Err(clap::Error::raw(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "--steer needs --allow-route-conflict (it chooses how cluster-bound traffic \
+                 is steered past routes that conflict with the laptop's)\n\n\
+                 Usage: kvpn connect --allow-route-conflict --steer <STEER> [OPTIONS]\n\n\
+                 For more information, try '--help'.\n",
+            ));
+        }
+        Ok(self)
+    }
+}
+
+impl ConnectArgs {
+    /// `--steer`, `routes` when not given.
+    pub fn steer(&self) -> Steer {
+        self.steer.unwrap_or(Steer::Routes)
+    }
+}
+
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -51,13 +80,27 @@ pub enum Command {
     Connect(ConnectArgs),
     /// Show sessions: state, routes, counters.
     ///
-    /// A session is "connected" once the traffic manager echoed a heartbeat
-    /// (one every 1 s), and "reconnecting" as soon as a data connection drops or
-    /// after 3 s without an echo. While it is
-    /// reconnecting, kvpn re-dials (pauses of at most 2 s) and answers packets to
-    /// cluster routes with ICMP host unreachable, so connections fail at once
-    /// with "No route to host" instead of hanging; traffic resumes on its own
-    /// when the path heals, on the same TUN device, addresses and routes.
+    /// States (STATE column; docs/status.md has the details):
+    ///   connecting    the root daemon dials the traffic manager for the first time
+    ///   connected     the manager echoed a heartbeat (one every 1 s) within 3 s
+    ///   reconnecting  a data connection dropped or 3 s without an echo: kvpn
+    ///                 re-dials by itself
+    ///   degraded      the root daemon's process runs but does not answer (stopped,
+    ///                 hung): the session is kept; `sudo kill -CONT PID` resumes it
+    ///   failed        cannot carry traffic and will not recover by itself; the
+    ///                 reason says what to run
+    ///   lost          its TUN device and routes are gone (a restarted user daemon
+    ///                 could not bring it back); listed until `kvpn disconnect ID`
+    ///
+    /// While a session is reconnecting, kvpn re-dials (pauses of at most 2 s) and
+    /// answers packets to cluster routes with ICMP host unreachable, so connections
+    /// fail at once with "No route to host" instead of hanging; traffic resumes on
+    /// its own when the path heals, on the same TUN device, addresses and routes.
+    /// (`restoring` is the state of a session's user daemon half, in `-o json`,
+    /// while a restarted user daemon brings its port-forward back.)
+    /// `-` in the table: not known (e.g. counters of a session whose root daemon
+    /// half is gone).
+    #[command(verbatim_doc_comment)]
     Status(StatusArgs),
     /// Tear a session down (TUN device, routes, eBPF classifier, port-forward).
     Disconnect(DisconnectArgs),
@@ -170,13 +213,13 @@ pub struct ConnectArgs {
     #[arg(long)]
     pub image: Option<String>,
     /// A pod CIDR to route through the tunnel (repeatable).
-    #[arg(long = "pod-cidr", value_name = "CIDR")]
+    #[arg(long = "pod-cidr", value_name = "CIDR", value_parser = parse_cidr)]
     pub pod_cidrs: Vec<IpNet>,
     /// The service CIDR (ClusterIPs) to route through the tunnel (repeatable).
-    #[arg(long = "service-cidr", value_name = "CIDR")]
+    #[arg(long = "service-cidr", value_name = "CIDR", value_parser = parse_cidr)]
     pub service_cidrs: Vec<IpNet>,
     /// Any other CIDR to route through the tunnel (repeatable).
-    #[arg(long = "cidr", visible_alias = "extra-cidr", value_name = "CIDR")]
+    #[arg(long = "cidr", visible_alias = "extra-cidr", value_name = "CIDR", value_parser = parse_cidr)]
     pub extra_cidrs: Vec<IpNet>,
     /// Detect the cluster's pod and service CIDRs again instead of using the ones a
     /// previous connect cached in the manager's ConfigMap (the cache is rewritten).
@@ -189,8 +232,9 @@ pub struct ConnectArgs {
     /// TUN device name (default: the first free kvpnN).
     #[arg(long)]
     pub tun_name: Option<String>,
-    /// TUN MTU in bytes (default: the root daemon's, 9000 for byte-stream transports).
-    #[arg(long)]
+    /// TUN MTU in bytes, 1280 to 65534 (default: the root daemon's, 9000 for
+    /// byte-stream transports).
+    #[arg(long, value_parser = parse_connect_mtu)]
     pub mtu: Option<u32>,
     /// Pump workers (1 to 16): TUN queues, each with its own data connection to
     /// the traffic manager and its own smoltcp interface there. The kernel keeps
@@ -235,8 +279,11 @@ pub struct ConnectArgs {
     /// IPv4 packets into the TUN device with the tunnel IP as source, and the
     /// replies are translated back. IPv4 only (an IPv6 conflict there is refused);
     /// kernel >= 6.6; detached on disconnect.
-    #[arg(long, value_enum, default_value_t = Steer::Routes, requires = "allow_route_conflict")]
-    pub steer: Steer,
+    /// Needs --allow-route-conflict ([`Cli::validate`] says so: clap's own
+    /// `requires` error listed --runtime-dir as if required when KVPN_RUNTIME_DIR
+    /// was set).
+    #[arg(long, value_enum)]
+    pub steer: Option<Steer>,
     /// Whose address the cluster's backends see: `snat` (the traffic manager pod's
     /// IP; smoltcp terminates), `ebpf-snat` (the pod's IP, rewritten in the pod's
     /// kernel by TC programs; BPF and NET_ADMIN) or `preserve` (this laptop's tunnel
@@ -306,6 +353,59 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
         ));
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// `--mtu` value parser: the TUN MTU bounds the root daemon enforces
+/// ([`kvpn_dataplane::tun::MIN_MTU`], [`kvpn_dataplane::tun::MAX_MTU`]), checked
+/// while parsing so a bad value fails before any cluster or laptop work.
+pub(crate) fn parse_tun_mtu(text: &str) -> Result<u16, String> {
+    use kvpn_dataplane::tun::{MAX_MTU, MIN_MTU};
+    let range = || format!("must be between {MIN_MTU} and {MAX_MTU} bytes");
+    match text.trim().parse::<u64>() {
+        Ok(m) if (u64::from(MIN_MTU)..=u64::from(MAX_MTU)).contains(&m) => Ok(m as u16),
+        Ok(m) => Err(format!("invalid TUN MTU {m}: {}", range())),
+        Err(_) => Err(format!(
+            "invalid TUN MTU {text:?}: not a number; {}",
+            range()
+        )),
+    }
+}
+
+/// [`parse_tun_mtu`] for `kvpn connect --mtu` (a u32 on the wire).
+fn parse_connect_mtu(text: &str) -> Result<u32, String> {
+    parse_tun_mtu(text).map(u32::from)
+}
+
+/// `--pod-cidr`/`--service-cidr`/`--cidr` value parser: ADDRESS/PREFIX, where a
+/// prefix length over 32 (IPv4) or 128 (IPv6) is named as such instead of
+/// ipnet's "invalid IP address syntax".
+fn parse_cidr(text: &str) -> Result<IpNet, String> {
+    let example = "e.g. 10.244.0.0/16 or fd00:10:244::/64";
+    let Some((addr, prefix)) = text.split_once('/') else {
+        return Err(format!(
+            "{text:?} has no prefix length — give ADDRESS/PREFIX, {example}"
+        ));
+    };
+    let addr: IpAddr = addr.parse().map_err(|_| {
+        format!("{addr:?} is no IPv4 or IPv6 address — give ADDRESS/PREFIX, {example}")
+    })?;
+    let (family, max) = if addr.is_ipv4() {
+        ("IPv4", 32)
+    } else {
+        ("IPv6", 128)
+    };
+    let too_long =
+        || format!("prefix length /{prefix} is too long: an {family} CIDR has at most /{max}");
+    let prefix_len: u8 = match prefix.parse::<u32>() {
+        Ok(p) if p <= max => p as u8,
+        Ok(_) => return Err(too_long()),
+        Err(_) => {
+            return Err(format!(
+                "prefix length {prefix:?} is not a number from 0 to {max} ({family}) — {example}"
+            ));
+        }
+    };
+    IpNet::new(addr, prefix_len).map_err(|_| too_long())
 }
 
 /// `kvpn diagnose source TARGET` value parser: HOST:PORT with a port 1-65535
@@ -434,6 +534,147 @@ mod tests {
             };
             assert_eq!(args.target, good);
         }
+    }
+
+    /// `--mtu` out of the TUN bounds is refused while parsing (on main it was
+    /// refused by the root daemon, after the manager install, lease and
+    /// port-forward), with the same words the root daemon used.
+    #[test]
+    fn connect_mtu_is_checked_while_parsing() {
+        for bad in ["10", "1279", "65535", "100000", "4294967296", "-1", "big"] {
+            let err = Cli::try_parse_from(["kvpn", "connect", &format!("--mtu={bad}")])
+                .expect_err(&format!("--mtu {bad} was accepted"))
+                .to_string();
+            assert!(err.contains("--mtu"), "{bad}: no flag in {err}");
+            assert!(err.contains("invalid TUN MTU"), "{bad}: {err}");
+            assert!(
+                err.contains("between 1280 and 65534"),
+                "{bad}: no range in {err}"
+            );
+        }
+        for (good, want) in [("1280", 1280), ("9000", 9000), ("65534", 65534)] {
+            let cli = Cli::try_parse_from(["kvpn", "connect", "--mtu", good])
+                .unwrap_or_else(|e| panic!("--mtu {good}: {e}"));
+            let Command::Connect(args) = cli.command else {
+                panic!("not connect");
+            };
+            assert_eq!(args.mtu, Some(want));
+        }
+    }
+
+    /// A CIDR with a too long prefix names the prefix length, its maximum and
+    /// the flag (on main: "invalid IP address syntax").
+    #[test]
+    fn cidr_flags_name_a_too_long_prefix() {
+        for flag in ["--pod-cidr", "--service-cidr", "--cidr"] {
+            for (bad, want) in [
+                ("10.0.0.0/33", "at most /32"),
+                ("fd00::/129", "at most /128"),
+                ("10.0.0.0/x", "not a number"),
+                ("10.0.0.0", "no prefix length"),
+                ("10.0.0/8", "no IPv4 or IPv6 address"),
+            ] {
+                let err = Cli::try_parse_from(["kvpn", "connect", flag, bad])
+                    .expect_err(&format!("{flag} {bad} was accepted"))
+                    .to_string();
+                assert!(err.contains(flag), "{flag} {bad}: no flag in {err}");
+                assert!(err.contains(want), "{flag} {bad}: no {want:?} in {err}");
+            }
+            let cli =
+                Cli::try_parse_from(["kvpn", "connect", flag, "10.244.0.0/16", flag, "fd00::/128"])
+                    .unwrap_or_else(|e| panic!("{flag}: {e}"));
+            let Command::Connect(args) = cli.command else {
+                panic!("not connect");
+            };
+            let all = [args.pod_cidrs, args.service_cidrs, args.extra_cidrs].concat();
+            assert_eq!(
+                all,
+                vec![
+                    "10.244.0.0/16".parse::<IpNet>().expect("cidr"),
+                    "fd00::/128".parse().expect("cidr")
+                ]
+            );
+        }
+    }
+
+    /// `kvpn status --help` lists every session state of docs/status.md's
+    /// States table, one per line (on main it named only connected and
+    /// reconnecting).
+    #[test]
+    fn status_help_lists_the_states_of_the_docs() {
+        let doc = include_str!("../../docs/status.md");
+        let table = doc
+            .split("## States")
+            .nth(1)
+            .expect("docs/status.md has a States section");
+        let states: Vec<&str> = table
+            .lines()
+            .skip_while(|l| !l.starts_with("| `"))
+            .take_while(|l| l.starts_with('|'))
+            .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+            .collect();
+        assert!(states.len() >= 6, "states read from the docs: {states:?}");
+        let err = Cli::try_parse_from(["kvpn", "status", "--help"]).expect_err("--help exits");
+        let help = err.to_string();
+        for state in states {
+            assert!(
+                help.lines()
+                    .any(|l| l.trim_start().starts_with(&format!("{state} "))),
+                "state {state} missing from kvpn status --help:\n{help}"
+            );
+        }
+    }
+
+    /// `--steer` without `--allow-route-conflict` is refused with a usage
+    /// line of just those two flags, also with KVPN_RUNTIME_DIR set (on main
+    /// clap's line added `--runtime-dir <RUNTIME_DIR>` as if it were required).
+    #[test]
+    fn steer_needs_allow_route_conflict_and_says_only_that() {
+        let parse = |argv: &[&str]| Cli::try_parse_from(argv).and_then(Cli::validate);
+        for argv in [
+            &["kvpn", "connect", "--steer", "ebpf"][..],
+            &[
+                "kvpn",
+                "--runtime-dir",
+                "/tmp/kvpn-x",
+                "connect",
+                "--steer",
+                "routes",
+            ][..],
+        ] {
+            let err = parse(argv).expect_err(&format!("{argv:?} was accepted"));
+            assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+            let text = err.to_string();
+            let usage = text
+                .lines()
+                .find(|l| l.starts_with("Usage:"))
+                .unwrap_or_else(|| panic!("no usage line in {text}"));
+            assert_eq!(
+                usage,
+                "Usage: kvpn connect --allow-route-conflict --steer <STEER> [OPTIONS]"
+            );
+            assert!(
+                text.contains("--steer needs --allow-route-conflict"),
+                "{text}"
+            );
+        }
+        let ok = parse(&[
+            "kvpn",
+            "connect",
+            "--allow-route-conflict",
+            "--steer",
+            "ebpf",
+        ])
+        .expect("both flags parse");
+        let Command::Connect(a) = ok.command else {
+            panic!("not connect");
+        };
+        assert_eq!(a.steer(), Steer::Ebpf);
+        let plain = parse(&["kvpn", "connect"]).expect("no --steer parses");
+        let Command::Connect(a) = plain.command else {
+            panic!("not connect");
+        };
+        assert_eq!(a.steer(), Steer::Routes);
     }
 
     /// SOCKS5 mode has no TUN device: `--workers`, `--allow-route-conflict`

@@ -100,7 +100,131 @@ pub async fn report_connected(
             s.reason
         )),
     }
+    let sessions =
+        daemon::sessions(client, "cannot ask the root daemon for the session's state").await?;
+    if let Some(s) = sessions.iter().find(|s| s.id == id) {
+        for w in unhandled_conflicts(s) {
+            output::warn(&w);
+        }
+    }
     Ok(())
+}
+
+/// How long `kvpn connect` still waits for the session setup (StartSession,
+/// Connect) after Ctrl-C, to disconnect the session it answers with: the
+/// setup takes well under a second as a rule, its dial is bounded at 10 s.
+pub const INTERRUPTED_SETUP_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A session setup call's outcome, with Ctrl-C watched.
+pub(crate) enum Setup<T> {
+    /// It answered before any Ctrl-C.
+    Done(Result<T, tonic::Status>),
+    /// Ctrl-C came first: the session it then answered with (to be
+    /// disconnected), or `None` when it failed, did not answer within
+    /// [`INTERRUPTED_SETUP_WAIT`] or a second Ctrl-C came (the call is
+    /// dropped: the daemon rolls back a setup whose caller went away).
+    Interrupted(Option<T>),
+}
+
+/// Run `setup` until it answers or Ctrl-C. After Ctrl-C it still waits for
+/// the answer (bounded), because dropping the call at once raced with the
+/// answer: a daemon that had just sent it took it as delivered and kept the
+/// session while the CLI said "not connected" (kube_interrupt, direct_interrupt).
+pub(crate) async fn setup_or_interrupt<T>(
+    setup: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    interrupt: &mut tokio::signal::unix::Signal,
+) -> Setup<T> {
+    tokio::pin!(setup);
+    tokio::select! {
+        r = &mut setup => Setup::Done(r.map(tonic::Response::into_inner)),
+        _ = interrupt.recv() => {
+            output::detail("interrupted: waiting for the session setup to finish, to undo it");
+            tokio::select! {
+                r = tokio::time::timeout(INTERRUPTED_SETUP_WAIT, &mut setup) => {
+                    Setup::Interrupted(r.ok().and_then(Result::ok).map(tonic::Response::into_inner))
+                }
+                _ = interrupt.recv() => Setup::Interrupted(None),
+            }
+        }
+    }
+}
+
+/// Who set the session up when `kvpn connect` got Ctrl-C, and how far.
+pub(crate) enum Interrupted<'a> {
+    /// Its StartSession (the user daemon) or Connect (the root daemon, a
+    /// `--manager` session) had not answered: that daemon rolls back the
+    /// setup this process stops waiting for.
+    Pending(&'static str),
+    /// The user daemon started session `id`.
+    User(
+        &'a mut kvpn_proto::userd::user_daemon_client::UserDaemonClient<
+            crate::daemon_channel::DaemonChannel,
+        >,
+        &'a str,
+    ),
+    /// The root daemon connected session `id` (a `--manager` session).
+    Root(
+        &'a mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
+            crate::daemon_channel::DaemonChannel,
+        >,
+        &'a str,
+    ),
+}
+
+/// Ctrl-C during `kvpn connect`: disconnect the session it started, if it has
+/// one yet, say so and exit as SIGINT would (130). README: a Connect is all
+/// or nothing.
+pub(crate) async fn interrupted(started: Interrupted<'_>) -> ! {
+    let disconnected = |id: &str, result: Result<(), tonic::Status>| match result {
+        Ok(()) => format!("interrupted: session {id} disconnected — not connected"),
+        Err(s) => format!(
+            "interrupted: session {id} could not be disconnected ({}) — run `kvpn disconnect {id}`",
+            s.message()
+        ),
+    };
+    let message = match started {
+        Interrupted::Pending(who) => {
+            format!("interrupted: the {who} rolls back what it set up — not connected")
+        }
+        Interrupted::User(user, id) => {
+            let result = user
+                .disconnect(kvpn_proto::userd::DisconnectRequest {
+                    session_id: id.to_owned(),
+                })
+                .await;
+            disconnected(id, result.map(drop))
+        }
+        Interrupted::Root(root, id) => {
+            let result = root
+                .disconnect(DisconnectRequest {
+                    session_id: id.to_owned(),
+                })
+                .await;
+            disconnected(id, result.map(drop))
+        }
+    };
+    output::error(&message);
+    std::process::exit(130)
+}
+
+/// A warning for each route conflict of `session` that nothing handles
+/// (`--allow-route-conflict` without `--steer ebpf` against a route in a table
+/// a policy rule consults before main): those cluster addresses stay unreachable.
+pub fn unhandled_conflicts(session: &Session) -> Vec<String> {
+    session
+        .conflicts
+        .iter()
+        .filter(|c| c.handling == "unhandled")
+        .map(|c| {
+            format!(
+                "route conflict not handled: the laptop's route {} dev {} in table {} (proto {}) \
+                 covers cluster range {} and is consulted before kvpn's routes, so those cluster \
+                 addresses stay unreachable — disconnect and connect again with \
+                 `--allow-route-conflict --steer ebpf` to steer them past it",
+                c.laptop_cidr, c.laptop_dev, c.laptop_table, c.laptop_proto, c.cidr
+            )
+        })
+        .collect()
 }
 
 /// How an existing session relates to the cluster a connect asks for.
@@ -202,7 +326,7 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
         (args.mtu.is_some(), "--mtu"),
         (args.workers != 1, "--workers"),
         (args.allow_route_conflict, "--allow-route-conflict"),
-        (args.steer != crate::cli::Steer::Routes, "--steer"),
+        (args.steer() != crate::cli::Steer::Routes, "--steer"),
         (args.hosts, "--hosts"),
     ] {
         if set {
@@ -908,60 +1032,71 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             manager.pod_name, manager.data_port
         )),
     }
-    let started = user
-        .start_session(StartSessionRequest {
-            grpc_port: u32::from(manager.grpc_port),
-            keep_out: keep_out.iter().map(ToString::to_string).collect(),
-            ssh_direct: data_path
-                .ssh_direct_target()
-                .map(|t| t.to_string())
-                .unwrap_or_default(),
-            connect: Some(ConnectRequest {
-                // The user daemon's loopback listener; it fills this in.
-                manager: String::new(),
-                routes: routes.clone(),
-                tunnel_ip: tunnel_ip.to_string(),
-                tunnel_ip_v6: tunnel_ip_v6.map(|a| a.to_string()).unwrap_or_default(),
-                tun_name: args.tun_name.clone().unwrap_or_default(),
-                mtu: args.mtu.unwrap_or(0),
-                origin: Some(origin),
-                session_token: leased.session_token.clone(),
-                // TLS end to end through the port-forward: the root daemon verifies the
-                // manager against the CA from Secret kvpn-manager-tls, by its Service name.
-                tls_ca_pem: manager.ca_pem.clone(),
-                tls_server_name: manager.server_name.clone(),
-                dns,
-                hosts_file: args.hosts,
-                allow_route_conflict: args.allow_route_conflict,
-                steer_ebpf: args.steer == crate::cli::Steer::Ebpf,
-                workers: args.workers,
-            }),
-            socks: None,
-            ..session_request(&env, args, &conn, plan.as_ref(), &manager)
-        })
-        .await
-        .map_err(daemon::status_to_error)
-        .context("connect failed")?
-        .into_inner();
+    // Ctrl-C from here on rolls back what was made (README: a Connect is all
+    // or nothing): this process waits for StartSession's answer (bounded,
+    // [`setup_or_interrupt`]) and disconnects the session; the user daemon
+    // undoes a setup whose caller went away before it answered.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("cannot watch SIGINT")?;
+    let mut start_client = user.clone();
+    let start = start_client.start_session(StartSessionRequest {
+        grpc_port: u32::from(manager.grpc_port),
+        keep_out: keep_out.iter().map(ToString::to_string).collect(),
+        ssh_direct: data_path
+            .ssh_direct_target()
+            .map(|t| t.to_string())
+            .unwrap_or_default(),
+        connect: Some(ConnectRequest {
+            // The user daemon's loopback listener; it fills this in.
+            manager: String::new(),
+            routes: routes.clone(),
+            tunnel_ip: tunnel_ip.to_string(),
+            tunnel_ip_v6: tunnel_ip_v6.map(|a| a.to_string()).unwrap_or_default(),
+            tun_name: args.tun_name.clone().unwrap_or_default(),
+            mtu: args.mtu.unwrap_or(0),
+            origin: Some(origin),
+            session_token: leased.session_token.clone(),
+            // TLS end to end through the port-forward: the root daemon verifies the
+            // manager against the CA from Secret kvpn-manager-tls, by its Service name.
+            tls_ca_pem: manager.ca_pem.clone(),
+            tls_server_name: manager.server_name.clone(),
+            dns,
+            hosts_file: args.hosts,
+            allow_route_conflict: args.allow_route_conflict,
+            steer_ebpf: args.steer() == crate::cli::Steer::Ebpf,
+            workers: args.workers,
+        }),
+        socks: None,
+        ..session_request(&env, args, &conn, plan.as_ref(), &manager)
+    });
+    let started = match setup_or_interrupt(start, &mut interrupt).await {
+        Setup::Done(r) => r
+            .map_err(daemon::status_to_error)
+            .context("connect failed")?,
+        Setup::Interrupted(None) => interrupted(Interrupted::Pending("user daemon")).await,
+        Setup::Interrupted(Some(started)) => {
+            let id = started.connect.map(|c| c.session_id).unwrap_or_default();
+            interrupted(Interrupted::User(&mut user, &id)).await
+        }
+    };
     let resp = started.connect.unwrap_or_default();
     output::done(&format!(
         "The user daemon (pid {}) forwards {} to the traffic manager",
         started.daemon_pid, started.data_addr
     ));
     output::step("Waiting for the traffic manager's first heartbeat echo");
-    report_connected(
-        &mut client,
-        &resp.session_id,
-        &format!(
-            "Connected to {} through {}: session {} on TUN device {} (ifindex {})",
-            conn.description.cluster,
-            data_path.kind(),
-            resp.session_id,
-            resp.tun_name,
-            resp.tun_ifindex
-        ),
-    )
-    .await?;
+    let connected_line = format!(
+        "Connected to {} through {}: session {} on TUN device {} (ifindex {})",
+        conn.description.cluster,
+        data_path.kind(),
+        resp.session_id,
+        resp.tun_name,
+        resp.tun_ifindex
+    );
+    tokio::select! {
+        r = report_connected(&mut client, &resp.session_id, &connected_line) => r?,
+        _ = interrupt.recv() => interrupted(Interrupted::User(&mut user, &resp.session_id)).await,
+    }
     for r in &routes {
         output::detail(&format!("route {} ({})", r.cidr, output::kind_name(r.kind)));
     }
@@ -975,7 +1110,10 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 
 #[cfg(test)]
 mod tests {
-    use super::{SessionMatch, flags_not_applied, host_of, ignored_flags_warning, match_session};
+    use super::{
+        SessionMatch, flags_not_applied, host_of, ignored_flags_warning, match_session,
+        unhandled_conflicts,
+    };
     use crate::cli::{Cli, Command, ConnectArgs};
     use clap::Parser as _;
     use kvpn_proto::dataplane::{Origin, Session};
@@ -1123,6 +1261,34 @@ mod tests {
         assert_eq!(host_of("https://172.31.255.1:6443"), "172.31.255.1");
         assert_eq!(host_of("https://api.example.com"), "api.example.com");
         assert_eq!(host_of("https://[fd00::1]:6443/prefix"), "fd00::1");
+    }
+
+    #[test]
+    fn only_an_unhandled_conflict_is_warned_about_naming_route_table_and_fix() {
+        let conflict = |handling: &str| kvpn_proto::dataplane::RouteConflict {
+            cidr: "10.244.0.0/16".to_owned(),
+            laptop_cidr: "10.244.0.0/16".to_owned(),
+            laptop_dev: "kvpntest0".to_owned(),
+            laptop_table: "100".to_owned(),
+            laptop_proto: "static".to_owned(),
+            handling: handling.to_owned(),
+            ..Default::default()
+        };
+        let session = Session {
+            conflicts: vec![conflict("steered"), conflict("unhandled")],
+            ..Default::default()
+        };
+        let w = unhandled_conflicts(&session);
+        assert_eq!(w.len(), 1, "{w:?}");
+        for part in [
+            "10.244.0.0/16",
+            "kvpntest0",
+            "table 100",
+            "unreachable",
+            "--steer ebpf",
+        ] {
+            assert!(w[0].contains(part), "{part}: {}", w[0]);
+        }
     }
 }
 

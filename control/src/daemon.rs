@@ -18,7 +18,8 @@ pub fn socket_path(runtime_dir: &Path) -> PathBuf {
     runtime_dir.join("dataplane.sock")
 }
 
-fn pid_path(runtime_dir: &Path) -> PathBuf {
+/// `$runtime_dir/dataplane.pid`: the root daemon's pid.
+pub fn pid_path(runtime_dir: &Path) -> PathBuf {
     runtime_dir.join("dataplane.pid")
 }
 
@@ -519,13 +520,7 @@ pub fn repair_leftovers(runtime_dir: &Path) -> Result<bool> {
 
 /// Whether `pid` still runs (a zombie counts as gone: it runs no code).
 pub(crate) fn process_alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(") ")
-            .and_then(|(_, rest)| rest.chars().next())
-            .is_some_and(|state| state != 'Z' && state != 'X'),
-        Err(_) => false,
-    }
+    crate::liveness::proc_stat(pid).is_some_and(|s| !s.dead())
 }
 
 /// This process's real uid.

@@ -201,6 +201,24 @@ pub enum Error {
         reason: String,
     },
     #[error(
+        "the {ca} holds no PEM certificate (no `-----BEGIN CERTIFICATE-----` block) — put the cluster's CA certificate there (compare with `kubectl config view --raw --minify --context {context}`)"
+    )]
+    CaNotPem {
+        context: String,
+        /// [`KubeTarget::ca_entry`]: which CA entry of which cluster in which file.
+        ca: String,
+    },
+    #[error(
+        "the API server {server} of context {context:?} has a certificate that is not signed by the {ca} ({cause}) — put the cluster's CA there (compare with `kubectl config view --raw --minify --context {context}` and the CA the cluster was set up with), or pick another --context"
+    )]
+    UntrustedServer {
+        server: String,
+        context: String,
+        /// As in [`Error::CaNotPem`].
+        ca: String,
+        cause: String,
+    },
+    #[error(
         "cannot reach the API server {server} of context {context:?}: {cause} — check that the cluster runs and is reachable from this machine, or pick another --context"
     )]
     Unreachable {
@@ -686,6 +704,8 @@ pub struct Selection {
     /// The file that defined the context.
     pub context_file: PathBuf,
     pub cluster: String,
+    /// The file that defined the cluster.
+    pub cluster_file: PathBuf,
     pub server: String,
     /// None: the context names no user (allowed, as client-go: no credentials).
     pub user: Option<String>,
@@ -772,6 +792,11 @@ pub fn select(merged: &Merged, flags: &KubeFlags) -> Result<Selection, Error> {
     Ok(Selection {
         context: name,
         context_file,
+        cluster_file: merged
+            .cluster_file
+            .get(&ctx.cluster)
+            .cloned()
+            .unwrap_or_default(),
         cluster: ctx.cluster,
         server,
         user,
@@ -1216,6 +1241,15 @@ impl KubeTarget {
                 source,
             })?;
         config.default_namespace = self.selection.namespace.clone();
+        // kube reads a CA without a PEM certificate in it as an empty trust
+        // list, and the handshake then fails with UnknownIssuer, as if the CA
+        // were the wrong one: say what is wrong with it instead.
+        if config.root_cert.as_ref().is_some_and(Vec::is_empty) {
+            return Err(Error::CaNotPem {
+                context: self.selection.context.clone(),
+                ca: self.ca_entry(),
+            });
+        }
         if let Some(via) = self.api_via {
             let original = config.cluster_url.clone();
             let host = original.host().unwrap_or_default();
@@ -1240,6 +1274,34 @@ impl KubeTarget {
             }
         }
         Ok(config)
+    }
+
+    /// Where the chosen cluster's CA comes from, for messages:
+    /// `certificate-authority PATH of cluster "c" (in FILE)`, the same with
+    /// `certificate-authority-data`, or the system trust store when the
+    /// cluster entry names neither.
+    pub fn ca_entry(&self) -> String {
+        let cluster = self
+            .kubeconfig
+            .clusters
+            .iter()
+            .find(|c| c.name == self.selection.cluster)
+            .and_then(|c| c.cluster.as_ref());
+        let entry = match cluster {
+            Some(c) if c.certificate_authority_data.is_some() => {
+                "certificate-authority-data".to_owned()
+            }
+            Some(c) if c.certificate_authority.is_some() => format!(
+                "certificate-authority {}",
+                c.certificate_authority.as_deref().unwrap_or_default()
+            ),
+            _ => "system trust store (no certificate-authority in the entry)".to_owned(),
+        };
+        format!(
+            "{entry} of cluster {:?} (in {})",
+            self.selection.cluster,
+            self.selection.cluster_file.display()
+        )
     }
 
     /// A client for the chosen context. Runs the exec plugin (if any) on a
@@ -1354,6 +1416,24 @@ pub async fn connect_target(target: KubeTarget) -> Result<KubeConnection, Error>
                 reason: s.reason.clone(),
             });
         }
+        // UnknownIssuer: no CA of that name; BadSignature: a CA of the same name
+        // with another key (a cluster set up again under the same name).
+        Ok(Err(e))
+            if matches!(
+                certificate_error(&e),
+                Some(
+                    rustls::CertificateError::UnknownIssuer
+                        | rustls::CertificateError::BadSignature
+                )
+            ) =>
+        {
+            return Err(Error::UntrustedServer {
+                server: target.selection.server.clone(),
+                context: target.selection.context.clone(),
+                ca: target.ca_entry(),
+                cause: error_chain(&e),
+            });
+        }
         Ok(Err(e)) => return Err(unreachable(error_chain(&e))),
         Ok(Ok(info)) => description.server_version = Some(info.git_version),
     }
@@ -1362,6 +1442,30 @@ pub async fn connect_target(target: KubeTarget) -> Result<KubeConnection, Error>
         description,
         target,
     })
+}
+
+/// The rustls certificate verdict somewhere in `e`'s source chain. An
+/// `io::Error` hides the error it wraps from `source()` (it returns the
+/// wrapped error's source), so the walk goes into the wrapped error instead.
+pub(crate) fn certificate_error<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a rustls::CertificateError> {
+    let mut cur = Some(e);
+    // Bounded: a cyclic chain is a bug elsewhere, not a reason to spin.
+    for _ in 0..32 {
+        let err = cur?;
+        if let Some(rustls::Error::InvalidCertificate(c)) = err.downcast_ref::<rustls::Error>() {
+            return Some(c);
+        }
+        cur = match err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
+            None => err.source(),
+        };
+    }
+    None
 }
 
 /// `e: cause: cause…` (kube's errors keep the useful part in their sources).
@@ -2057,5 +2161,115 @@ current-context: rel
         let e = KubeTarget::resolve_for(&KubeFlags::default(), &env, me).expect_err("bad yaml");
         assert!(matches!(e, Error::Parse { .. }), "{e}");
         assert!(e.to_string().contains("is not a valid kubeconfig"), "{e}");
+    }
+
+    /// A TLS server on loopback with a certificate of one CA, and kubeconfig
+    /// clusters pointing at it: with another CA, with a CA file of garbage, and
+    /// with the right CA. On main the first two read "cannot reach the API
+    /// server … UnknownIssuer — check that the cluster runs"; now each names
+    /// the CA entry, the cluster and the file. The right CA gets past TLS (the
+    /// server speaks no HTTP), so it is no certificate error.
+    #[tokio::test]
+    async fn a_wrong_or_garbage_ca_is_named_not_called_unreachable() {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let loopback = std::net::IpAddr::from([127, 0, 0, 1]);
+        let served = crate::install::certs::generate("kvpn-ca-test", Some(loopback))
+            .expect("server certificate");
+        // Another CA by name (UnknownIssuer), and one of the same name with
+        // another key (BadSignature: the cluster was set up again).
+        let other =
+            crate::install::certs::generate("kvpn-ca-other", Some(loopback)).expect("another CA");
+        let again = crate::install::certs::generate("kvpn-ca-test", Some(loopback))
+            .expect("a CA of the same name");
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(served.cert_pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .expect("cert is PEM");
+        let key = PrivateKeyDer::from_pem_slice(served.key_pem.as_bytes()).expect("key is PEM");
+        let server = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("protocols")
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .expect("key matches cert");
+        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(server));
+        let listener = tokio::net::TcpListener::bind((loopback, 0))
+            .await
+            .expect("bind loopback");
+        let port = listener.local_addr().expect("addr").port();
+        let accept = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    // Handshake, then close: no HTTP.
+                    let _ = acceptor.accept(tcp).await;
+                });
+            }
+        });
+
+        let s = Scratch::new("ca");
+        std::fs::write(s.0.join("wrong.crt"), &other.ca_pem).expect("write");
+        std::fs::write(s.0.join("again.crt"), &again.ca_pem).expect("write");
+        std::fs::write(s.0.join("garbage.crt"), "garbage\n").expect("write");
+        std::fs::write(s.0.join("right.crt"), &served.ca_pem).expect("write");
+        let mut yaml = String::from("clusters:\n");
+        for c in ["wrong", "again", "garbage", "right"] {
+            yaml.push_str(&format!(
+                "- name: {c}-cluster\n  cluster: {{server: \"https://127.0.0.1:{port}\", certificate-authority: {c}.crt}}\n"
+            ));
+        }
+        yaml.push_str("contexts:\n");
+        for c in ["wrong", "again", "garbage", "right"] {
+            yaml.push_str(&format!(
+                "- {{name: {c}, context: {{cluster: {c}-cluster}}}}\n"
+            ));
+        }
+        let config = s.0.join("config");
+        std::fs::write(&config, yaml).expect("write config");
+        let env = UserEnv::current()
+            .expect("env")
+            .with_cwd(&s.0)
+            .without_var("KUBECONFIG");
+        let flags = |c: &str| KubeFlags {
+            kubeconfig: Some(config.clone()),
+            context: Some(c.into()),
+            namespace: None,
+        };
+
+        for (c, cause) in [("wrong", "UnknownIssuer"), ("again", "BadSignature")] {
+            let e = connect(&flags(c), &env).await.expect_err("wrong CA");
+            let msg = e.to_string();
+            assert!(matches!(e, Error::UntrustedServer { .. }), "{msg}");
+            for want in [
+                "not signed by the certificate-authority",
+                &format!("{c}.crt"),
+                &format!("\"{c}-cluster\""),
+                config.to_str().expect("utf-8 path"),
+                "kubectl config view --raw",
+                cause,
+            ] {
+                assert!(msg.contains(want), "no {want:?} in {msg}");
+            }
+            assert!(!msg.contains("check that the cluster runs"), "{msg}");
+        }
+
+        let e = connect(&flags("garbage"), &env)
+            .await
+            .expect_err("garbage CA");
+        let msg = e.to_string();
+        assert!(matches!(e, Error::CaNotPem { .. }), "{msg}");
+        for want in [
+            "garbage.crt",
+            "holds no PEM certificate",
+            "\"garbage-cluster\"",
+        ] {
+            assert!(msg.contains(want), "no {want:?} in {msg}");
+        }
+
+        let e = connect(&flags("right"), &env).await.expect_err("no HTTP");
+        assert!(matches!(e, Error::Unreachable { .. }), "right CA: {e}");
+        accept.abort();
     }
 }

@@ -25,6 +25,7 @@ pub mod install;
 pub mod kubeconfig;
 pub mod lab;
 pub mod lease;
+pub mod liveness;
 pub mod output;
 pub mod route_watch;
 pub mod socks;
@@ -82,6 +83,12 @@ pub async fn run(cli: Cli) -> Result<()> {
 }
 
 async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()> {
+    // A stopped root daemon keeps its socket: without this check the connect
+    // did the kubeconfig, API server and CIDR work, then timed out on its first call.
+    if !args.socks {
+        liveness::check_before_connect(&daemon::pid_path(runtime_dir))
+            .map_err(anyhow::Error::msg)?;
+    }
     let Some(manager) = args.manager.clone() else {
         return connect::kube_connect(runtime_dir, &args).await;
     };
@@ -124,43 +131,57 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             "--hosts needs the route watch of a port-forward session; a --manager session writes no hosts-file entries",
         );
     }
-    let resp = client
-        .connect(ConnectRequest {
-            manager: manager.clone(),
-            routes: routes.clone(),
-            tunnel_ip: args.tunnel_ip.to_string(),
-            tunnel_ip_v6: tunnel_ip_v6.map(|a| a.to_string()).unwrap_or_default(),
-            tun_name: args.tun_name.clone().unwrap_or_default(),
-            mtu: args.mtu.unwrap_or(0),
-            origin: Some(kvpn_proto::dataplane::Origin {
-                transport: connect::TRANSPORT_DIRECT.to_owned(),
-                ..Default::default()
-            }),
-            // Direct mode talks to a manager without a certificate (static lab).
-            tls_ca_pem: String::new(),
-            tls_server_name: String::new(),
-            session_token: String::new(),
-            // Direct mode knows no Kubernetes API to ask for the cluster DNS.
-            dns: None,
-            // Without the route watch there are no Services to write.
-            hosts_file: false,
-            allow_route_conflict: args.allow_route_conflict,
-            steer_ebpf: args.steer == cli::Steer::Ebpf,
-            workers: args.workers,
-        })
-        .await
-        .map_err(daemon::status_to_error)
-        .context("connect failed")?
-        .into_inner();
-    connect::report_connected(
-        &mut client,
-        &resp.session_id,
-        &format!(
-            "Connected: session {} on TUN device {} (ifindex {})",
-            resp.session_id, resp.tun_name, resp.tun_ifindex
-        ),
-    )
-    .await?;
+    // Ctrl-C from here on rolls back what was made (README: a Connect is all
+    // or nothing), as in kube mode: this process waits for Connect's answer
+    // (bounded) and disconnects the session; the root daemon tears down a
+    // Connect whose caller went away before it answered.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("cannot watch SIGINT")?;
+    let mut connect_client = client.clone();
+    let connect = connect_client.connect(ConnectRequest {
+        manager: manager.clone(),
+        routes: routes.clone(),
+        tunnel_ip: args.tunnel_ip.to_string(),
+        tunnel_ip_v6: tunnel_ip_v6.map(|a| a.to_string()).unwrap_or_default(),
+        tun_name: args.tun_name.clone().unwrap_or_default(),
+        mtu: args.mtu.unwrap_or(0),
+        origin: Some(kvpn_proto::dataplane::Origin {
+            transport: connect::TRANSPORT_DIRECT.to_owned(),
+            ..Default::default()
+        }),
+        // Direct mode talks to a manager without a certificate (static lab).
+        tls_ca_pem: String::new(),
+        tls_server_name: String::new(),
+        session_token: String::new(),
+        // Direct mode knows no Kubernetes API to ask for the cluster DNS.
+        dns: None,
+        // Without the route watch there are no Services to write.
+        hosts_file: false,
+        allow_route_conflict: args.allow_route_conflict,
+        steer_ebpf: args.steer() == cli::Steer::Ebpf,
+        workers: args.workers,
+    });
+    let resp = match connect::setup_or_interrupt(connect, &mut interrupt).await {
+        connect::Setup::Done(r) => r
+            .map_err(daemon::status_to_error)
+            .context("connect failed")?,
+        connect::Setup::Interrupted(None) => {
+            connect::interrupted(connect::Interrupted::Pending("root daemon")).await
+        }
+        connect::Setup::Interrupted(Some(resp)) => {
+            connect::interrupted(connect::Interrupted::Root(&mut client, &resp.session_id)).await
+        }
+    };
+    let connected_line = format!(
+        "Connected: session {} on TUN device {} (ifindex {})",
+        resp.session_id, resp.tun_name, resp.tun_ifindex
+    );
+    tokio::select! {
+        r = connect::report_connected(&mut connect_client, &resp.session_id, &connected_line) => r?,
+        _ = interrupt.recv() => {
+            connect::interrupted(connect::Interrupted::Root(&mut client, &resp.session_id)).await
+        }
+    }
     for r in &routes {
         output::detail(&format!("route {} ({})", r.cidr, output::kind_name(r.kind)));
     }
@@ -223,45 +244,84 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
                 output::RootDaemon {
                     running: st.root_running,
                     refused_peers: st.root_running.then_some(st.root_refused_peers),
+                    not_answering: (!st.root_running)
+                        .then(|| root_not_answering(runtime_dir))
+                        .flatten(),
                 },
                 output::merge_sessions(st.root_sessions, st.user_sessions),
             )
         }
-        None => match daemon::connect_existing(runtime_dir).await? {
-            Some(mut client) => {
-                let st = client
-                    .status(kvpn_proto::dataplane::StatusRequest {})
-                    .await
-                    .map_err(daemon::status_to_error)
-                    .context("status failed")?
-                    .into_inner();
-                (
-                    output::RootDaemon {
-                        running: true,
-                        refused_peers: Some(st.refused_peers),
-                    },
-                    output::merge_sessions(st.sessions, Vec::new()),
-                )
+        None => match root_status_direct(runtime_dir).await? {
+            DirectStatus::Answered(root, sessions) => {
+                (root, output::merge_sessions(sessions, Vec::new()))
             }
-            None => (
-                output::RootDaemon {
-                    running: false,
-                    refused_peers: None,
-                },
-                Vec::new(),
-            ),
+            DirectStatus::Other(root) => (root, Vec::new()),
         },
     };
     let root_running = root.running;
-    if !root_running && rows.is_empty() {
+    if !root_running && root.not_answering.is_none() && rows.is_empty() {
         output::not_running(runtime_dir, args.output);
         return Ok(());
     }
     output::status(&rows, root, args.output)?;
     if !root_running {
-        output::warn_dns_left_changed(runtime_dir);
+        output::warn_dns_left_changed(runtime_dir, root.not_answering);
     }
     Ok(())
+}
+
+/// The root daemon's process when it did not answer: its pid and /proc state
+/// when it still runs (stopped, hung), `None` when it is gone.
+fn root_not_answering(runtime_dir: &std::path::Path) -> Option<(i32, char)> {
+    match liveness::probe(&daemon::pid_path(runtime_dir), None) {
+        liveness::Liveness::NotAnswering { pid, state } => Some((pid, state)),
+        liveness::Liveness::Gone => None,
+    }
+}
+
+/// `kvpn status` without a user daemon: the root daemon's own answer.
+enum DirectStatus {
+    /// It answered, with its sessions.
+    Answered(output::RootDaemon, Vec<kvpn_proto::dataplane::Session>),
+    /// It did not: gone, or its process runs and does not answer.
+    Other(output::RootDaemon),
+}
+
+async fn root_status_direct(runtime_dir: &std::path::Path) -> Result<DirectStatus> {
+    let silent = |not_answering| {
+        DirectStatus::Other(output::RootDaemon {
+            running: false,
+            refused_peers: None,
+            not_answering,
+        })
+    };
+    // A stopped root daemon answers nothing: say so now, not after the
+    // channel's keep-alive gave up (6 s).
+    let before = root_not_answering(runtime_dir);
+    if before.is_some_and(|(_, state)| matches!(state, 'T' | 't')) {
+        return Ok(silent(before));
+    }
+    let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
+        return Ok(silent(root_not_answering(runtime_dir)));
+    };
+    match client.status(kvpn_proto::dataplane::StatusRequest {}).await {
+        Ok(st) => {
+            let st = st.into_inner();
+            Ok(DirectStatus::Answered(
+                output::RootDaemon {
+                    running: true,
+                    refused_peers: Some(st.refused_peers),
+                    not_answering: None,
+                },
+                st.sessions,
+            ))
+        }
+        Err(e) => match root_not_answering(runtime_dir) {
+            // Stopped or hung while we asked: its sessions are still there.
+            Some(p) => Ok(silent(Some(p))),
+            None => Err(daemon::status_to_error(e)).context("status failed"),
+        },
+    }
 }
 
 async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Result<()> {
@@ -270,45 +330,101 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
     } else {
         args.id.unwrap_or_default()
     };
-    let stopped = if let Some(mut user) = userd::connect_if_needed(runtime_dir).await? {
-        user.disconnect(kvpn_proto::userd::DisconnectRequest { session_id })
+    let direct = direct_sessions(runtime_dir).await;
+    let (stopped, tcp_reset) = if let Some(mut user) = userd::connect_if_needed(runtime_dir).await?
+    {
+        let r = user
+            .disconnect(kvpn_proto::userd::DisconnectRequest { session_id })
             .await
             .map_err(daemon::status_to_error)
             .context("disconnect failed")?
-            .into_inner()
-            .stopped
+            .into_inner();
+        (r.stopped, r.tcp_reset)
     } else {
         let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
-            if daemon::repair_leftovers(runtime_dir)? {
-                output::done(
-                    "The root daemon had died with this machine's DNS pointing at it: \
-                     resolv.conf restored and kvpn's routes removed",
-                );
-            }
+            repair_after_dead_root(runtime_dir)?;
             output::done("Not connected: the root daemon is not running, nothing to disconnect");
             return Ok(());
         };
-        client
+        let r = client
             .disconnect(DisconnectRequest { session_id })
             .await
             .map_err(daemon::status_to_error)
             .context("disconnect failed")?
-            .into_inner()
-            .stopped
+            .into_inner();
+        (r.stopped, r.tcp_reset)
     };
+    // A session whose root daemon was killed: the user daemon only stopped its
+    // port-forward; resolv.conf and the routes are repaired here, as by quit.
+    let root_gone = daemon::connect_existing(runtime_dir).await?.is_none();
+    if root_gone {
+        repair_after_dead_root(runtime_dir)?;
+    }
     if stopped.is_empty() {
         output::done("No session to disconnect");
     }
     for id in stopped {
+        let reset = tcp_reset_text(tcp_reset.get(&id).copied().unwrap_or(0));
         if id.starts_with(socks::ID_PREFIX) {
             output::done(&format!(
                 "Disconnected SOCKS session {id}: proxy, data channel and port-forward stopped"
             ));
+        } else if root_gone {
+            output::done(&format!(
+                "Disconnected session {id}: port-forward stopped (its TUN device went with the \
+                 root daemon that died)"
+            ));
+        } else if direct.contains(&id) {
+            output::done(&format!(
+                "Disconnected session {id}: TUN device, routes and eBPF classifier removed{reset}"
+            ));
         } else {
             output::done(&format!(
-                "Disconnected session {id}: TUN device, routes, eBPF classifier and port-forward removed"
+                "Disconnected session {id}: TUN device, routes, eBPF classifier and port-forward \
+                 removed{reset}"
             ));
         }
+    }
+    Ok(())
+}
+
+/// The ids of the root daemon's direct sessions (`--manager`: no
+/// port-forward), for the disconnect output; empty when it does not answer
+/// within a second.
+async fn direct_sessions(runtime_dir: &std::path::Path) -> std::collections::HashSet<String> {
+    let ask = async {
+        let mut client = daemon::connect_existing(runtime_dir).await.ok()??;
+        daemon::sessions(&mut client, "status before disconnect")
+            .await
+            .ok()
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(1), ask).await {
+        Ok(Some(sessions)) => sessions
+            .into_iter()
+            .filter(|s| s.origin.as_ref().is_some_and(|o| o.transport == "direct"))
+            .map(|s| s.id)
+            .collect(),
+        _ => Default::default(),
+    }
+}
+
+/// The disconnect output's note on `n` laptop TCP connections the root daemon
+/// reset through a session (empty for none).
+fn tcp_reset_text(n: u64) -> String {
+    if n == 0 {
+        return String::new();
+    }
+    format!("; reset {} through the session", output::tcp_connections(n))
+}
+
+/// With no root daemon answering: undo what a killed one left
+/// ([`daemon::repair_leftovers`]) and say so when there was something.
+fn repair_after_dead_root(runtime_dir: &std::path::Path) -> Result<()> {
+    if daemon::repair_leftovers(runtime_dir)? {
+        output::done(
+            "The root daemon had died with this machine's DNS pointing at it: resolv.conf \
+             restored and kvpn's routes removed",
+        );
     }
     Ok(())
 }
@@ -479,9 +595,10 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
 
 async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
     // The user daemon first: it disconnects its sessions (both halves) and exits.
-    let (stopped, user_daemon) = userd::quit(runtime_dir).await?;
+    let ((stopped, tcp_reset), user_daemon) = userd::quit(runtime_dir).await?;
     for id in stopped {
-        output::done(&format!("Disconnected session {id}"));
+        let reset = tcp_reset_text(tcp_reset.get(&id).copied().unwrap_or(0));
+        output::done(&format!("Disconnected session {id}{reset}"));
     }
     match user_daemon {
         Some(Some(pid)) => output::done(&format!("Stopped the user daemon (pid {pid})")),
@@ -498,17 +615,13 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
             .context("disconnect before quit failed")?
             .into_inner();
         for id in resp.stopped {
-            output::done(&format!("Disconnected session {id}"));
+            let reset = tcp_reset_text(resp.tcp_reset.get(&id).copied().unwrap_or(0));
+            output::done(&format!("Disconnected session {id}{reset}"));
         }
     }
     // What a killed root daemon left: resolv.conf pointing at its forwarder, routes.
-    if daemon::connect_existing(runtime_dir).await?.is_none()
-        && daemon::repair_leftovers(runtime_dir)?
-    {
-        output::done(
-            "The root daemon had died with this machine's DNS pointing at it: resolv.conf \
-             restored and kvpn's routes removed",
-        );
+    if daemon::connect_existing(runtime_dir).await?.is_none() {
+        repair_after_dead_root(runtime_dir)?;
     }
     daemon::stop(runtime_dir).await
 }

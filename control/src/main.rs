@@ -6,7 +6,9 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
-    let cli = kvpn_control::cli::Cli::parse();
+    let cli = kvpn_control::cli::Cli::parse()
+        .validate()
+        .unwrap_or_else(|e| e.exit());
     kvpn_control::init_tracing(cli.verbose);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -132,18 +132,35 @@ pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
             crate::daemon::socket_path(runtime_dir).display()
         ),
     }
-    warn_dns_left_changed(runtime_dir);
+    warn_dns_left_changed(runtime_dir, None);
 }
 
-/// The warning about a resolv.conf a killed root daemon left pointing at its
-/// forwarder, if it did.
-pub fn warn_dns_left_changed(runtime_dir: &Path) {
+/// The warning about a resolv.conf the root daemon left pointing at its
+/// forwarder while it does not answer, if it did: `not_answering` is its pid
+/// and /proc state letter when its process still runs (stopped, hung), `None`
+/// when it died.
+pub fn warn_dns_left_changed(runtime_dir: &Path, not_answering: Option<(i32, char)>) {
     if crate::daemon::dns_left_changed(runtime_dir) {
-        warn(
-            "the root daemon died and left this machine's resolv.conf pointing at its DNS \
-             forwarder, so name lookups fail — run `kvpn quit` (or `kvpn disconnect`) to \
-             restore it",
-        );
+        warn(&dns_left_changed_text(not_answering));
+    }
+}
+
+fn dns_left_changed_text(not_answering: Option<(i32, char)>) -> String {
+    match not_answering {
+        None => "the root daemon died and left this machine's resolv.conf pointing at its DNS \
+                 forwarder, so name lookups fail — run `kvpn quit` (or `kvpn disconnect`) to \
+                 restore it"
+            .to_owned(),
+        Some((pid, state)) => format!(
+            "this machine's resolv.conf points at the DNS forwarder of the root daemon \
+             (pid {pid}), which {} — name lookups fail until it runs again: resume it with \
+             `sudo kill -CONT {pid}`",
+            if matches!(state, 'T' | 't') {
+                "is stopped (SIGSTOP or a debugger)".to_owned()
+            } else {
+                format!("is not answering (process state {state}: hung or overloaded)")
+            }
+        ),
     }
 }
 
@@ -169,6 +186,11 @@ pub struct StatusRow {
     /// The user daemon's half; `None` for direct sessions and for port-forward
     /// sessions whose user half is gone.
     pub user: Option<UserSession>,
+    /// Whether `session`'s counters and uptime were measured: the root daemon's
+    /// half, or a SOCKS session's own. False for a row built from the user
+    /// daemon's record alone (`lost`, `degraded`, `failed` without the root
+    /// half): its zeros mean "unknown", and the table shows `-` for them.
+    pub measured: bool,
 }
 
 /// `state` of a session whose user-side half is gone for good.
@@ -224,6 +246,7 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
                 namespace: u.as_ref().map(|u| u.namespace.clone()).unwrap_or_default(),
                 session: s,
                 user: u,
+                measured: true,
             }
         })
         .collect();
@@ -234,17 +257,27 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
     user_only.sort_by(|a, b| a.id.cmp(&b.id));
     for u in user_only {
         let socks = u.socks.clone().unwrap_or_default();
-        let (state, reason) = if u.state == STATE_LOST {
-            (STATE_LOST.to_owned(), u.reason.clone())
-        } else if u.socks.is_some() {
-            // SOCKS sessions have no root daemon half: their own state.
-            (socks.state.clone(), socks.reason.clone())
-        } else {
-            (
-                "failed".to_owned(),
-                "the root daemon does not have this session".to_owned(),
-            )
-        };
+        let (state, reason) =
+            if u.state == STATE_LOST || u.state == crate::userd::server::STATE_DEGRADED {
+                // Lost, or kept while the root daemon does not answer (its reason
+                // names the pid and `kill -CONT`).
+                (u.state.clone(), u.reason.clone())
+            } else if u.state == crate::userd::server::STATE_RESTORING && !u.reason.is_empty() {
+                // A restarted user daemon waits for a root daemon that does not
+                // answer (its reason says which and the fix): kept, not failed.
+                (
+                    crate::userd::server::STATE_DEGRADED.to_owned(),
+                    u.reason.clone(),
+                )
+            } else if u.socks.is_some() {
+                // SOCKS sessions have no root daemon half: their own state.
+                (socks.state.clone(), socks.reason.clone())
+            } else {
+                (
+                    "failed".to_owned(),
+                    "the root daemon does not have this session".to_owned(),
+                )
+            };
         rows.push(StatusRow {
             session: Session {
                 id: u.id.clone(),
@@ -268,6 +301,8 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
             },
             namespace: u.namespace.clone(),
             user: Some(u.clone()),
+            // A SOCKS session's counters are read only while it runs.
+            measured: u.socks.is_some() && u.state == crate::userd::server::STATE_RUNNING,
         });
     }
     rows
@@ -276,6 +311,15 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
 fn session_json(row: &StatusRow) -> serde_json::Value {
     let s = &row.session;
     let origin = s.origin.clone().unwrap_or_default();
+    // A row built from the user daemon's record alone has no counters,
+    // uptime or TUN facts: null, not made-up zeros (the table shows `-`).
+    let known = |v: serde_json::Value| {
+        if row.measured {
+            v
+        } else {
+            serde_json::Value::Null
+        }
+    };
     serde_json::json!({
         "id": s.id,
         "namespace": text_or_null(&row.namespace),
@@ -302,18 +346,21 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "tunnel_ip": s.tunnel_ip,
         "tunnel_ip_v6": text_or_null(&s.tunnel_ip_v6),
         "tun_name": s.tun_name,
-        "mtu": s.mtu,
+        "mtu": known(serde_json::json!(s.mtu)),
         "data_channel": text_or_null(&s.data_channel),
-        "workers": s.workers.max(1),
-        "workers_connected": s.workers_connected,
-        "resumes": s.resumes,
-        "resumes_lost": s.resumes_lost,
-        "tcp_flows_reset": s.tcp_flows_reset,
-        "held_packets": s.held_packets,
+        "workers": known(serde_json::json!(s.workers.max(1))),
+        "workers_connected": known(serde_json::json!(s.workers_connected)),
+        "resumes": known(serde_json::json!(s.resumes)),
+        "resumes_lost": known(serde_json::json!(s.resumes_lost)),
+        "tcp_flows_reset": known(serde_json::json!(s.tcp_flows_reset)),
+        "held_packets": known(serde_json::json!(s.held_packets)),
+        "stale_tcp_flows_reset": known(serde_json::json!(s.stale_tcp_flows_reset)),
         "state": s.state,
         "reason": s.reason,
-        "uptime_ms": s.uptime_ms,
-        "routes": s.routes.iter().map(|r| serde_json::json!({"cidr": r.cidr, "kind": kind_name(r.kind), "watched": r.watched})).collect::<Vec<_>>(),
+        "uptime_ms": known(serde_json::json!(s.uptime_ms)),
+        // Unknown (null) for a row from the user daemon's record alone, which
+        // holds no routes, Services or conflicts: `[]` would read as "none".
+        "routes": known(s.routes.iter().map(|r| serde_json::json!({"cidr": r.cidr, "kind": kind_name(r.kind), "watched": r.watched})).collect()),
         "route_source": s.route_source.as_ref().map(|r| serde_json::json!({
             "mode": r.mode,
             "reason": text_or_null(&r.reason),
@@ -339,13 +386,13 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "malformed": c.malformed,
             "unreachable": c.unreachable,
         })),
-        "services": s.services.iter().map(|v| serde_json::json!({
+        "services": known(s.services.iter().map(|v| serde_json::json!({
             "namespace": v.namespace,
             "name": v.name,
             "cluster_ips": v.cluster_ips,
             "ports": v.ports,
-        })).collect::<Vec<_>>(),
-        "conflicts": s.conflicts.iter().map(|c| serde_json::json!({
+        })).collect()),
+        "conflicts": known(s.conflicts.iter().map(|c| serde_json::json!({
             "cidr": c.cidr,
             "kind": kind_name(c.kind),
             "laptop_cidr": c.laptop_cidr,
@@ -355,16 +402,21 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "message": c.message,
             "handling": c.handling,
             "pinned": c.pinned,
-        })).collect::<Vec<_>>(),
-        "tx": {
+        })).collect()),
+        "tx": known(serde_json::json!({
             "packets": s.tx_packets,
             "bytes": s.tx_bytes,
             "gso_frames": s.tx_gso_frames,
             "gso_segmented": s.tx_gso_segmented,
             "offload_dropped": s.tx_offload_dropped,
-        },
-        "rx": {"packets": s.rx_packets, "bytes": s.rx_bytes, "gso_frames": s.rx_gso_frames},
-        "ebpf": {
+        })),
+        "rx": known(serde_json::json!({
+            "packets": s.rx_packets,
+            "bytes": s.rx_bytes,
+            "gso_frames": s.rx_gso_frames,
+            "gso_segments": s.rx_gso_segments,
+        })),
+        "ebpf": known(serde_json::json!({
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
             "ingress": s.ebpf_ingress.as_ref().map(|i| {
@@ -385,13 +437,16 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
                 };
                 serde_json::json!({
                     "devices": t.devices,
+                    "attached": t.attached.iter().map(|d| serde_json::json!({"device": d.name, "ifindex": d.ifindex})).collect::<Vec<_>>(),
+                    "reattachments": t.reattachments,
+                    "errors": t.errors,
                     "steered": c(&t.steered),
                     "reverse_translated": c(&t.reverse_translated),
                     "no_conntrack": c(&t.no_conntrack),
                     "failed": c(&t.failed),
                 })
             }),
-        },
+        })),
         "liveness": s.liveness.as_ref().map(|l| serde_json::json!({
             "heartbeat_interval_ms": l.heartbeat_interval_ms,
             "window_ms": l.window_ms,
@@ -469,10 +524,13 @@ fn uptime(ms: u64) -> String {
 }
 
 /// The root daemon as `kvpn status` shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RootDaemon {
     /// Whether one answered.
     pub running: bool,
+    /// When none answered but its process runs (stopped, hung): its pid and
+    /// /proc state letter ([`crate::liveness`]).
+    pub not_answering: Option<(i32, char)>,
     /// Calls it refused because of the caller's uid (SO_PEERCRED), since it
     /// started; `None` when it does not run.
     pub refused_peers: Option<u64>,
@@ -484,6 +542,13 @@ pub fn status_document(rows: &[StatusRow], root: RootDaemon) -> serde_json::Valu
     if let Some(n) = root.refused_peers {
         root_daemon["refused_peers"] = n.into();
     }
+    if let Some((pid, state)) = root.not_answering {
+        root_daemon["not_answering"] = serde_json::json!({
+            "pid": pid,
+            "stopped": matches!(state, 'T' | 't'),
+            "reason": crate::liveness::not_answering_text(pid, state),
+        });
+    }
     serde_json::json!({
         "root_daemon": root_daemon,
         "sessions": rows.iter().map(session_json).collect::<Vec<_>>(),
@@ -491,12 +556,12 @@ pub fn status_document(rows: &[StatusRow], root: RootDaemon) -> serde_json::Valu
 }
 
 /// The table's line about refused callers of the root socket, when there were any.
-fn refused_peers_line(root: RootDaemon) {
+fn refused_peers_line(out: &mut String, root: RootDaemon) {
     if let Some(n) = root.refused_peers.filter(|&n| n > 0) {
-        println!(
+        out.push_str(&format!(
             "The root daemon refused {n} call(s) from uids it does not accept (its socket admits \
-             root and the uid it was started for) — `kvpn logs` names them"
-        );
+             root and the uid it was started for) — `kvpn logs` names them\n"
+        ));
     }
 }
 
@@ -513,244 +578,321 @@ pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Res
             let text = serde_yaml_ng::to_string(&status_document(rows, root))?;
             println!("{}", text.trim_end());
         }
-        OutputFormat::Table => {
-            if rows.is_empty() {
-                println!("Not connected (the root daemon runs, with no session)");
-                refused_peers_line(root);
-                return Ok(());
-            }
-            let dash = |t: &str| {
-                if t.is_empty() {
-                    "-".to_owned()
-                } else {
-                    t.to_owned()
-                }
-            };
-            let mut table: Vec<[String; 11]> = vec![
-                [
-                    "ID",
-                    "CLUSTER",
-                    "CONTEXT",
-                    "NAMESPACE",
-                    "TRANSPORT",
-                    "TUNNEL IP",
-                    "TUN",
-                    "STATE",
-                    "UPTIME",
-                    "TX PKTS/B",
-                    "RX PKTS/B",
-                ]
-                .map(str::to_owned),
-            ];
-            for r in rows {
-                let s = &r.session;
-                let o = s.origin.clone().unwrap_or_default();
-                table.push([
-                    s.id.clone(),
-                    dash(&o.cluster),
-                    dash(&o.context),
-                    dash(&r.namespace),
-                    dash(&o.transport),
-                    if s.tunnel_ip_v6.is_empty() {
-                        dash(&s.tunnel_ip)
-                    } else {
-                        format!("{},{}", s.tunnel_ip, s.tunnel_ip_v6)
-                    },
-                    dash(&s.tun_name),
-                    s.state.clone(),
-                    uptime(s.uptime_ms),
-                    format!("{}/{}", s.tx_packets, s.tx_bytes),
-                    format!("{}/{}", s.rx_packets, s.rx_bytes),
-                ]);
-            }
-            let widths: Vec<usize> = (0..11)
-                .map(|c| {
-                    table
-                        .iter()
-                        .map(|r| r[c].chars().count())
-                        .max()
-                        .unwrap_or(0)
-                })
-                .collect();
-            let line = |cells: &[String; 11]| {
-                cells
-                    .iter()
-                    .zip(&widths)
-                    .map(|(c, w)| format!("{c:<w$}"))
-                    .collect::<Vec<_>>()
-                    .join("  ")
-                    .trim_end()
-                    .to_owned()
-            };
-            println!("{}", line(&table[0]));
-            for (r, cells) in rows.iter().zip(&table[1..]) {
-                println!("{}", line(cells));
-                let s = &r.session;
-                if !s.manager.is_empty() {
-                    println!("    data channel to {}", s.manager);
-                }
-                if let Some(x) = r.user.as_ref().and_then(|u| u.socks.as_ref()) {
-                    println!(
-                        "    SOCKS5 proxy on {}, no TUN device; {} open flows; names resolve through the cluster DNS {}",
-                        x.listen,
-                        x.open_flows,
-                        if x.dns_servers.is_empty() {
-                            "(none: IP addresses only)".to_owned()
-                        } else {
-                            x.dns_servers.join(",")
-                        }
-                    );
-                }
-                if !s.reason.is_empty() {
-                    println!("    reason: {}", s.reason);
-                }
-                if let Some(u) = &r.user
-                    && u.restores > 0
-                {
-                    println!(
-                        "    port-forward brought back {} time(s) by a restarted user daemon",
-                        u.restores
-                    );
-                }
-                if let Some(l) = &s.liveness {
-                    println!(
-                        "    heartbeat every {} ms, reconnecting after {} ms without an echo; \
-                         while reconnecting {} packets refused ({} ICMP unreachable sent, {} rate-limited)",
-                        l.heartbeat_interval_ms,
-                        l.window_ms,
-                        l.refused_packets,
-                        l.unreachable_sent,
-                        l.unreachable_rate_limited
-                    );
-                }
-                if let Some(line) = s.manager_stats.as_ref().and_then(manager_stats_line) {
-                    println!("    {line}");
-                }
-                match &s.origin {
-                    Some(o) if !o.cluster.is_empty() => {
-                        println!(
-                            "    cluster {} (context {}, {}) through {}, traffic manager in {}",
-                            o.cluster,
-                            o.context,
-                            o.server,
-                            if o.data_path.is_empty() {
-                                &o.transport
-                            } else {
-                                &o.data_path
-                            },
-                            o.manager_namespace
-                        );
-                        if !o.source_policy.is_empty() {
-                            println!(
-                                "    source policy {} (backends see {})",
-                                o.source_policy,
-                                match o.source_policy.as_str() {
-                                    "preserve" => "this laptop's tunnel IP",
-                                    "ebpf-snat" => {
-                                        "the traffic manager pod's IP, rewritten in its kernel"
-                                    }
-                                    _ => "the traffic manager pod's IP",
-                                }
-                            );
-                        }
-                    }
-                    Some(o) if !o.transport.is_empty() => {
-                        println!("    transport {}", o.transport);
-                    }
-                    _ => {}
-                }
-                match s.data_channel.as_str() {
-                    "tls" => {
-                        println!("    data channel tls (TLS 1.3, manager certificate verified)")
-                    }
-                    "plain" => println!("    data channel plain (unencrypted TCP)"),
-                    _ => {}
-                }
-                if s.workers > 1 {
-                    println!(
-                        "    workers {} ({} connected): a TUN queue and a data connection each",
-                        s.workers, s.workers_connected
-                    );
-                }
-                if s.resumes > 0 || s.resumes_lost > 0 {
-                    println!(
-                        "    re-dials: {} resumed their flows, {} lost them (manager restarted or its grace period over)",
-                        s.resumes, s.resumes_lost
-                    );
-                }
-                if s.tcp_flows_reset > 0 {
-                    println!(
-                        "    TCP flows reset on the laptop after a re-dial that could not resume: {}",
-                        s.tcp_flows_reset
-                    );
-                }
-                match &s.route_source {
-                    Some(r) if r.reason.is_empty() => println!(
-                        "    routes from {} ({} Services; pod CIDRs from {})",
-                        r.mode,
-                        s.services.len(),
-                        r.pod_cidr_source
-                    ),
-                    Some(r) => println!("    routes from {}: {}", r.mode, r.reason),
-                    None => {}
-                }
-                if let Some(d) = &s.dns {
-                    println!(
-                        "    cluster DNS {} domain {} search {}",
-                        if d.servers.is_empty() {
-                            "(no kube-dns Service)".to_owned()
-                        } else {
-                            d.servers.join(",")
-                        },
-                        d.domain,
-                        d.search.join(" ")
-                    );
-                }
-                if let Some(c) = &s.dns_counters {
-                    println!(
-                        "    DNS forwarder {} queries ({} UDP, {} TCP): {} cluster, {} expanded, {} upstream, {} NXDOMAIN, {} empty AAAA, {} truncated, {} dropped, {} SERVFAIL ({} while the session was down)",
-                        c.udp_queries + c.tcp_queries,
-                        c.udp_queries,
-                        c.tcp_queries,
-                        c.cluster,
-                        c.expanded,
-                        c.upstream,
-                        c.nxdomain,
-                        c.empty_aaaa,
-                        c.truncated,
-                        c.dropped,
-                        c.servfail,
-                        c.unreachable
-                    );
-                }
-                for r in &s.routes {
-                    println!(
-                        "    route {:<20} {}{}",
-                        r.cidr,
-                        kind_name(r.kind),
-                        if r.watched { " (watched)" } else { "" }
-                    );
-                }
-                for c in &s.conflicts {
-                    println!(
-                        "    conflict {} [{}{}]",
-                        c.message,
-                        c.handling,
-                        if c.pinned.is_empty() {
-                            String::new()
-                        } else {
-                            format!(", pinned {}", c.pinned.join(" "))
-                        }
-                    );
-                }
-                for l in ebpf_lines(s) {
-                    println!("{l}");
-                }
-            }
-            refused_peers_line(root);
-        }
+        OutputFormat::Table => print!("{}", status_table(rows, root)),
     }
     Ok(())
+}
+
+/// The `kvpn status` table (pure).
+fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
+    let mut out = String::new();
+    macro_rules! say {
+        ($($arg:tt)*) => {{
+            out.push_str(&format!($($arg)*));
+            out.push('\n');
+        }};
+    }
+    let not_answering = root
+        .not_answering
+        .map(|(pid, state)| crate::liveness::not_answering_text(pid, state))
+        .map(|t| format!("T{}", t.strip_prefix('t').unwrap_or(&t)));
+    if rows.is_empty() {
+        match not_answering {
+            // Its `direct` sessions are known only to it.
+            Some(t) => say!("{t} (they are listed once it answers)"),
+            None => say!("Not connected (the root daemon runs, with no session)"),
+        }
+        refused_peers_line(&mut out, root);
+        return out;
+    }
+    if let Some(t) = not_answering {
+        say!("{t}");
+    }
+    let dash = |t: &str| {
+        if t.is_empty() {
+            "-".to_owned()
+        } else {
+            t.to_owned()
+        }
+    };
+    let mut table: Vec<[String; 11]> = vec![
+        [
+            "ID",
+            "CLUSTER",
+            "CONTEXT",
+            "NAMESPACE",
+            "TRANSPORT",
+            "TUNNEL IP",
+            "TUN",
+            "STATE",
+            "UPTIME",
+            "TX PKTS/B",
+            "RX PKTS/B",
+        ]
+        .map(str::to_owned),
+    ];
+    for r in rows {
+        let s = &r.session;
+        let o = s.origin.clone().unwrap_or_default();
+        table.push([
+            s.id.clone(),
+            dash(&o.cluster),
+            dash(&o.context),
+            dash(&r.namespace),
+            dash(&o.transport),
+            if s.tunnel_ip_v6.is_empty() {
+                dash(&s.tunnel_ip)
+            } else {
+                format!("{},{}", s.tunnel_ip, s.tunnel_ip_v6)
+            },
+            dash(&s.tun_name),
+            s.state.clone(),
+            measured(r, || uptime(s.uptime_ms)),
+            measured(r, || format!("{}/{}", s.tx_packets, s.tx_bytes)),
+            measured(r, || format!("{}/{}", rx_segments(s), s.rx_bytes)),
+        ]);
+    }
+    let widths: Vec<usize> = (0..11)
+        .map(|c| {
+            table
+                .iter()
+                .map(|r| r[c].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: &[String; 11]| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_owned()
+    };
+    say!("{}", line(&table[0]));
+    for (r, cells) in rows.iter().zip(&table[1..]) {
+        say!("{}", line(cells));
+        let s = &r.session;
+        if !s.manager.is_empty() {
+            say!("    data channel to {}", s.manager);
+        }
+        if let Some(x) = r.user.as_ref().and_then(|u| u.socks.as_ref()) {
+            say!(
+                "    SOCKS5 proxy on {}, no TUN device; {} open flows; names resolve through the cluster DNS {}",
+                x.listen,
+                x.open_flows,
+                if x.dns_servers.is_empty() {
+                    "(none: IP addresses only)".to_owned()
+                } else {
+                    x.dns_servers.join(",")
+                }
+            );
+        }
+        if !s.reason.is_empty() {
+            say!("    reason: {}", s.reason);
+        }
+        if let Some(u) = &r.user
+            && u.restores > 0
+        {
+            say!(
+                "    port-forward brought back {} time(s) by a restarted user daemon",
+                u.restores
+            );
+        }
+        if let Some(l) = &s.liveness {
+            say!(
+                "    heartbeat every {} ms, reconnecting after {} ms without an echo; \
+                     while reconnecting {} packets refused ({} ICMP unreachable sent, {} rate-limited)",
+                l.heartbeat_interval_ms,
+                l.window_ms,
+                l.refused_packets,
+                l.unreachable_sent,
+                l.unreachable_rate_limited
+            );
+        }
+        if let Some(line) = s.manager_stats.as_ref().and_then(manager_stats_line) {
+            say!("    {line}");
+        }
+        match &s.origin {
+            Some(o) if !o.cluster.is_empty() => {
+                say!(
+                    "    cluster {} (context {}, {}) through {}, traffic manager in {}",
+                    o.cluster,
+                    o.context,
+                    o.server,
+                    if o.data_path.is_empty() {
+                        &o.transport
+                    } else {
+                        &o.data_path
+                    },
+                    o.manager_namespace
+                );
+                if !o.source_policy.is_empty() {
+                    say!(
+                        "    source policy {} (backends see {})",
+                        o.source_policy,
+                        match o.source_policy.as_str() {
+                            "preserve" => "this laptop's tunnel IP",
+                            "ebpf-snat" => {
+                                "the traffic manager pod's IP, rewritten in its kernel"
+                            }
+                            _ => "the traffic manager pod's IP",
+                        }
+                    );
+                }
+            }
+            Some(o) if !o.transport.is_empty() => {
+                say!("    transport {}", o.transport);
+            }
+            _ => {}
+        }
+        match s.data_channel.as_str() {
+            "tls" => {
+                say!("    data channel tls (TLS 1.3, manager certificate verified)")
+            }
+            "plain" => say!("    data channel plain (unencrypted TCP)"),
+            _ => {}
+        }
+        if s.workers > 1 {
+            say!(
+                "    workers {} ({} connected): a TUN queue and a data connection each",
+                s.workers,
+                s.workers_connected
+            );
+        }
+        for line in redial_and_offload_lines(s) {
+            say!("    {line}");
+        }
+        match &s.route_source {
+            Some(r) if r.reason.is_empty() => say!(
+                "    routes from {} ({} Services; pod CIDRs from {})",
+                r.mode,
+                s.services.len(),
+                r.pod_cidr_source
+            ),
+            Some(r) => say!("    routes from {}: {}", r.mode, r.reason),
+            None => {}
+        }
+        if let Some(d) = &s.dns {
+            say!(
+                "    cluster DNS {} domain {} search {}",
+                if d.servers.is_empty() {
+                    "(no kube-dns Service)".to_owned()
+                } else {
+                    d.servers.join(",")
+                },
+                d.domain,
+                d.search.join(" ")
+            );
+        }
+        if let Some(c) = &s.dns_counters {
+            say!(
+                "    DNS forwarder {} queries ({} UDP, {} TCP): {} cluster, {} expanded, {} upstream, {} NXDOMAIN, {} empty AAAA, {} truncated, {} dropped, {} SERVFAIL ({} while the session was down)",
+                c.udp_queries + c.tcp_queries,
+                c.udp_queries,
+                c.tcp_queries,
+                c.cluster,
+                c.expanded,
+                c.upstream,
+                c.nxdomain,
+                c.empty_aaaa,
+                c.truncated,
+                c.dropped,
+                c.servfail,
+                c.unreachable
+            );
+        }
+        if !r.measured && r.user.as_ref().is_none_or(|u| u.socks.is_none()) {
+            say!("    routes unknown: the root daemon did not report this session");
+        }
+        for r in &s.routes {
+            say!(
+                "    route {:<20} {}{}",
+                r.cidr,
+                kind_name(r.kind),
+                if r.watched { " (watched)" } else { "" }
+            );
+        }
+        for c in &s.conflicts {
+            say!(
+                "    conflict {} [{}{}]",
+                c.message,
+                c.handling,
+                if c.pinned.is_empty() {
+                    String::new()
+                } else {
+                    format!(", pinned {}", c.pinned.join(" "))
+                }
+            );
+        }
+        for l in ebpf_lines(s).into_iter().filter(|_| r.measured) {
+            say!("{l}");
+        }
+    }
+    refused_peers_line(&mut out, root);
+    out
+}
+
+/// "1 TCP connection", "N TCP connections".
+pub fn tcp_connections(n: u64) -> String {
+    if n == 1 {
+        "1 TCP connection".to_owned()
+    } else {
+        format!("{n} TCP connections")
+    }
+}
+
+/// A table cell of a measured value, `-` when the row's values are unknown
+/// ([`StatusRow::measured`]) rather than a made-up zero.
+fn measured(r: &StatusRow, cell: impl FnOnce() -> String) -> String {
+    if r.measured { cell() } else { "-".to_owned() }
+}
+
+/// The packets the laptop's stack got from the tunnel: `rx_packets` counts
+/// TUN writes, a GSO super-packet once; this counts its segments instead
+/// (the table's RX PKTS).
+fn rx_segments(s: &Session) -> u64 {
+    s.rx_packets
+        .saturating_sub(s.rx_gso_frames)
+        .saturating_add(s.rx_gso_segments)
+}
+
+/// The table's re-dial line (when a worker re-dialed or held packets), stale
+/// connection line (when connect reset some) and offload line (when any GSO
+/// frame went either way).
+fn redial_and_offload_lines(s: &Session) -> Vec<String> {
+    let mut lines = Vec::new();
+    if s.resumes > 0 || s.resumes_lost > 0 || s.tcp_flows_reset > 0 || s.held_packets > 0 {
+        lines.push(format!(
+            "re-dials: {} resumed their flows, {} lost them (manager restarted or its grace period over); \
+             {} TCP flows reset on the laptop, {} packets held during re-dials",
+            s.resumes, s.resumes_lost, s.tcp_flows_reset, s.held_packets
+        ));
+    }
+    if s.stale_tcp_flows_reset > 0 {
+        lines.push(format!(
+            "connect reset {} an earlier session left on the laptop (its root daemon died)",
+            tcp_connections(s.stale_tcp_flows_reset)
+        ));
+    }
+    if s.tx_gso_frames > 0
+        || s.tx_gso_segmented > 0
+        || s.tx_offload_dropped > 0
+        || s.rx_gso_frames > 0
+    {
+        lines.push(format!(
+            "offloads: tx {} GSO frames, {} super-packets segmented here, {} dropped; \
+             rx {} GSO frames ({} segments)",
+            s.tx_gso_frames,
+            s.tx_gso_segmented,
+            s.tx_offload_dropped,
+            s.rx_gso_frames,
+            s.rx_gso_segments
+        ));
+    }
+    lines
 }
 
 /// The eBPF counter lines of a session in the table; none for a session
@@ -786,15 +928,31 @@ fn ebpf_lines(s: &Session) -> Vec<String> {
     }
     if let Some(t) = &s.ebpf_steer {
         let c = |c: &Option<kvpn_proto::dataplane::Counter>| c.unwrap_or_default().packets;
+        let devices: Vec<String> = if t.attached.is_empty() {
+            t.devices.clone()
+        } else {
+            t.attached
+                .iter()
+                .map(|d| format!("{} (ifindex {})", d.name, d.ifindex))
+                .collect()
+        };
+        let devices = if devices.is_empty() {
+            "no device".to_owned()
+        } else {
+            devices.join(", ")
+        };
         lines.push(format!(
-            "    eBPF steering on {}: steered {} packets, {} replies translated back, \
-             {} left to the laptop's route (no conntrack), {} failed",
-            t.devices.join(", "),
+            "    eBPF steering on {devices}: steered {} packets, {} replies translated back, \
+             {} left to the laptop's route (no conntrack), {} failed, {} re-attached",
             c(&t.steered),
             c(&t.reverse_translated),
             c(&t.no_conntrack),
-            c(&t.failed)
+            c(&t.failed),
+            t.reattachments
         ));
+        for e in &t.errors {
+            lines.push(format!("    eBPF steering error: {e}"));
+        }
     }
     lines
 }
@@ -803,6 +961,60 @@ fn ebpf_lines(s: &Session) -> Vec<String> {
 mod tests {
     use super::*;
     use kvpn_proto::dataplane::Origin;
+
+    /// The re-dial counters and GSO frames show in the table (they were
+    /// JSON only, but for tcp_flows_reset), and RX PKTS counts the segments
+    /// of a super-packet, not one per TUN write.
+    #[test]
+    fn table_shows_redial_and_offload_counters_and_counts_rx_segments() {
+        let mut s = Session {
+            rx_packets: 10,
+            ..Default::default()
+        };
+        assert!(redial_and_offload_lines(&s).is_empty(), "nothing to say");
+        assert_eq!(rx_segments(&s), 10);
+        // 10 TUN writes: 6 packets and 4 super-packets of 45 segments.
+        s.rx_gso_frames = 4;
+        s.rx_gso_segments = 180;
+        assert_eq!(rx_segments(&s), 186);
+        s.held_packets = 3;
+        assert_eq!(
+            redial_and_offload_lines(&s),
+            [
+                "re-dials: 0 resumed their flows, 0 lost them (manager restarted or its grace period over); \
+                 0 TCP flows reset on the laptop, 3 packets held during re-dials",
+                "offloads: tx 0 GSO frames, 0 super-packets segmented here, 0 dropped; \
+                 rx 4 GSO frames (180 segments)",
+            ]
+        );
+        let json = session_json(&StatusRow {
+            session: s,
+            user: None,
+            namespace: String::new(),
+            measured: true,
+        });
+        assert_eq!(json["rx"]["gso_segments"], 180);
+        let s = Session {
+            stale_tcp_flows_reset: 2,
+            ..Default::default()
+        };
+        assert_eq!(
+            redial_and_offload_lines(&s),
+            [
+                "connect reset 2 TCP connections an earlier session left on the laptop (its root daemon died)"
+            ]
+        );
+        let s = Session {
+            stale_tcp_flows_reset: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            redial_and_offload_lines(&s),
+            [
+                "connect reset 1 TCP connection an earlier session left on the laptop (its root daemon died)"
+            ]
+        );
+    }
 
     #[test]
     fn manager_stats_line_only_when_a_limit_bit() {
@@ -955,6 +1167,157 @@ mod tests {
         }
     }
 
+    /// Rows built from the user daemon's record alone (`lost`, `degraded`)
+    /// show `-` for uptime and counters and no eBPF lines, instead of the
+    /// made-up `0s`, `0/0` and "eBPF unrouted (dropped) 0 packets" (on main);
+    /// a row with the root daemon's half keeps its numbers.
+    #[test]
+    fn table_shows_unknown_counters_and_uptime_as_dashes() {
+        let mut live = root("a", "port-forward", "connected");
+        live.tun_name = "kvpn0".into();
+        live.uptime_ms = 61_000;
+        live.tx_packets = 5;
+        live.tx_bytes = 500;
+        live.rx_packets = 7;
+        live.rx_bytes = 700;
+        let mut lost = user("z", "lost", "the root daemon no longer has this session");
+        lost.uptime_ms = 31;
+        let degraded = user("y", crate::userd::server::STATE_DEGRADED, "stopped");
+        let rows = merge_sessions(vec![live], vec![user("a", "running", ""), lost, degraded]);
+        assert_eq!(
+            rows.iter().map(|r| r.measured).collect::<Vec<_>>(),
+            [true, false, false]
+        );
+        let table = status_table(&rows, RootDaemon::default());
+        let cells = |id: &str| -> Vec<String> {
+            let line = table
+                .lines()
+                .find(|l| l.starts_with(&format!("{id} ")))
+                .unwrap_or_else(|| panic!("no row {id} in\n{table}"));
+            line.split_whitespace().map(str::to_owned).collect()
+        };
+        let tail = |id: &str| cells(id)[cells(id).len() - 3..].to_vec();
+        assert_eq!(tail("a"), ["1m1s", "5/500", "7/700"], "\n{table}");
+        assert_eq!(tail("z"), ["-", "-", "-"], "\n{table}");
+        assert_eq!(tail("y"), ["-", "-", "-"], "\n{table}");
+        assert_eq!(
+            table.matches("eBPF unrouted").count(),
+            1,
+            "only the measured row has eBPF lines:\n{table}"
+        );
+        assert_eq!(
+            table.matches("routes unknown").count(),
+            2,
+            "the unmeasured rows say their routes are unknown, not absent:\n{table}"
+        );
+        assert!(
+            !table.contains("0/0") && !table.contains(" 0s"),
+            "\n{table}"
+        );
+    }
+
+    /// The JSON agrees with the table: a row from the user daemon's record
+    /// alone has `null` uptime, counters and TUN facts (on main: zeros and the
+    /// user half's uptime as if measured); a measured row keeps its numbers,
+    /// and the user half's own uptime stays under `user_daemon`.
+    #[test]
+    fn json_shows_unknown_counters_and_uptime_as_null() {
+        let mut live = root("a", "port-forward", "connected");
+        live.uptime_ms = 61_000;
+        live.tx_packets = 5;
+        live.mtu = 1400;
+        let mut lost = user("z", "lost", "the root daemon no longer has this session");
+        lost.uptime_ms = 31;
+        let degraded = user("y", crate::userd::server::STATE_DEGRADED, "stopped");
+        let rows = merge_sessions(vec![live], vec![user("a", "running", ""), lost, degraded]);
+        let unknown = [
+            "uptime_ms",
+            "mtu",
+            "workers",
+            "workers_connected",
+            "resumes",
+            "resumes_lost",
+            "tcp_flows_reset",
+            "held_packets",
+            "stale_tcp_flows_reset",
+            "tx",
+            "rx",
+            "ebpf",
+            "liveness",
+            "manager_stats",
+            "routes",
+            "services",
+            "conflicts",
+        ];
+        for r in &rows[1..] {
+            let doc = session_json(r);
+            for key in unknown {
+                assert!(doc[key].is_null(), "{key} of {}: {doc:#}", r.session.id);
+            }
+        }
+        let lost = rows.iter().find(|r| r.session.id == "z").expect("row z");
+        let doc = session_json(lost);
+        assert_eq!(doc["user_daemon"]["uptime_ms"], 31, "{doc:#}");
+        let doc = session_json(&rows[0]);
+        assert_eq!(doc["uptime_ms"], 61_000);
+        assert_eq!(doc["mtu"], 1400);
+        assert_eq!(doc["tx"]["packets"], 5);
+        assert_eq!(doc["rx"]["packets"], 0);
+        assert_eq!(doc["resumes"], 0);
+    }
+
+    /// A stopped root daemon: its sessions are `degraded` with the user
+    /// daemon's reason, the document names pid and fix, and the resolv.conf
+    /// warning says "stopped", never "died".
+    #[test]
+    fn a_stopped_root_daemon_is_named_not_declared_dead() {
+        let reason = crate::liveness::not_answering_text(4242, 'T');
+        let rows = merge_sessions(
+            Vec::new(),
+            vec![user("s1", crate::userd::server::STATE_DEGRADED, &reason)],
+        );
+        assert_eq!(rows[0].session.state, "degraded");
+        assert_eq!(rows[0].session.reason, reason);
+        let doc = status_document(
+            &rows,
+            RootDaemon {
+                running: false,
+                refused_peers: None,
+                not_answering: Some((4242, 'T')),
+            },
+        );
+        let na = &doc["root_daemon"]["not_answering"];
+        assert_eq!(na["pid"], 4242);
+        assert_eq!(na["stopped"], true);
+        assert!(
+            na["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("`sudo kill -CONT 4242`"))
+        );
+        let stopped = dns_left_changed_text(Some((4242, 'T')));
+        assert!(
+            stopped.contains("pid 4242")
+                && stopped.contains("stopped")
+                && stopped.contains("kill -CONT 4242")
+                && !stopped.contains("died"),
+            "{stopped}"
+        );
+        // A restarted user daemon waiting for it: degraded too, with its reason.
+        let waiting = format!("waiting for the root daemon: {reason}");
+        let rows = merge_sessions(
+            Vec::new(),
+            vec![user("s1", crate::userd::server::STATE_RESTORING, &waiting)],
+        );
+        assert_eq!(rows[0].session.state, "degraded");
+        assert_eq!(rows[0].session.reason, waiting);
+        let hung = dns_left_changed_text(Some((4242, 'S')));
+        assert!(
+            hung.contains("not answering") && !hung.contains("died"),
+            "{hung}"
+        );
+        assert!(dns_left_changed_text(None).contains("died"));
+    }
+
     /// During an SSH outage the reason is the SSH path's error (hop, cause,
     /// fix), the root daemon's symptom after it; once connected, no stale error.
     #[test]
@@ -1026,6 +1389,7 @@ mod tests {
             RootDaemon {
                 running: true,
                 refused_peers: Some(2),
+                not_answering: None,
             },
         );
         assert_eq!(doc["root_daemon"]["refused_peers"], 2);
@@ -1059,6 +1423,7 @@ mod tests {
             RootDaemon {
                 running: false,
                 refused_peers: None,
+                not_answering: None,
             },
         );
         assert!(doc["root_daemon"].get("refused_peers").is_none());
@@ -1070,6 +1435,7 @@ mod tests {
             RootDaemon {
                 running: true,
                 refused_peers: Some(0),
+                not_answering: None,
             },
         );
         assert_eq!(plain["sessions"][0]["socks"], serde_json::Value::Null);

@@ -250,12 +250,16 @@ pub fn pid(paths: &Paths) -> Option<i32> {
         .ok()
 }
 
+/// Stopped session ids and, per id, the laptop TCP sockets through the session
+/// that the root daemon destroyed (a session with none is absent).
+pub type Stopped = (Vec<String>, std::collections::HashMap<String, u64>);
+
 /// `kvpn quit`'s part: ask a running user daemon to disconnect its sessions
-/// and exit, and wait until it did. Returns the stopped session ids and, when a
-/// user daemon ran, its pid (`Some(None)` when its pid file was unreadable).
+/// and exit, and wait until it did. Returns the stopped session ids, the laptop
+/// TCP sockets reset per id (none: absent), and, when a user daemon ran, its pid (`Some(None)` when its pid file was unreadable).
 /// Without a running daemon, forgets the sessions it would restore (the root
 /// daemon, stopped next, takes their other halves down).
-pub async fn quit(root_runtime_dir: &Path) -> Result<(Vec<String>, Option<Option<i32>>)> {
+pub async fn quit(root_runtime_dir: &Path) -> Result<(Stopped, Option<Option<i32>>)> {
     let paths = Paths::current(root_runtime_dir);
     let Some(mut client) = connect_existing(&paths).await? else {
         let store = store(&paths)?;
@@ -264,16 +268,16 @@ pub async fn quit(root_runtime_dir: &Path) -> Result<(Vec<String>, Option<Option
                 .clear()
                 .with_context(|| format!("cannot remove {}", store.dir().display()))?;
         }
-        return Ok((Vec::new(), None));
+        return Ok((Stopped::default(), None));
     };
     let pid = pid(&paths);
-    let stopped = client
+    let answer = client
         .quit(kvpn_proto::userd::QuitRequest {})
         .await
         .map_err(daemon::status_to_error)
         .context("the user daemon refused to quit")?
-        .into_inner()
-        .stopped;
+        .into_inner();
+    let stopped = (answer.stopped, answer.tcp_reset);
     let deadline = Instant::now() + STOP_TIMEOUT;
     while pid.is_some_and(daemon::process_alive) || paths.socket.exists() {
         if Instant::now() > deadline {

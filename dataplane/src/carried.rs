@@ -35,11 +35,29 @@
 //! packet of a known flow updates it in place, no allocation per packet.
 //! When the table is full, the least recently seen half is dropped (counted
 //! in [`CarriedFlows::evicted`]): a flow not seen for that long is the one
-//! least likely to hang a user. A RST seen either way removes its flow; a
-//! flow whose FIN was seen both ways is removed too.
+//! least likely to hang a user.
+//!
+//! Only live flows are reset (and counted in `tcp_flows_reset`). A flow ends
+//! in the table when:
+//! - a RST is seen either way, or a FIN both ways: it becomes a tombstone
+//!   for [`CLOSED_LINGER`] (never reset; the stragglers of the close, e.g.
+//!   the last ACK, a retransmitted FIN, data in flight behind a RST, find it
+//!   and do not open the flow again), then leaves;
+//! - the cluster end sent a FIN and the flow then stays idle for
+//!   [`FIN_IN_LINGER`] (the laptop's application read EOF; if it still
+//!   sends, the new engine answers that with a RST itself);
+//! - the laptop sent a FIN (and the cluster end did not) and the flow stays
+//!   idle for [`FIN_OUT_LINGER`];
+//! - it is idle for [`IDLE_TIMEOUT`].
+//!
+//! A segment of an unknown flow opens an entry only when it carries data or
+//! is a SYN-ACK: a bare ACK, FIN or RST of a flow not in the table is the
+//! tail of a connection that ended (or left the table) and would otherwise
+//! sit there, never closed, until the idle timeout.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::time::{Duration, Instant};
 
 use smoltcp::wire::{
     IpAddress, IpProtocol, Ipv4Packet, Ipv4Repr, Ipv6Packet, Ipv6Repr, TcpPacket, TcpSeqNumber,
@@ -48,6 +66,43 @@ use smoltcp::wire::{
 /// Flows tracked per worker. A laptop rarely has more than a few hundred TCP
 /// connections into a cluster; 4096 keeps the table (~300 KiB) small.
 pub const CAPACITY: usize = 4096;
+
+/// How long a closed flow (RST either way, FIN both ways) stays as a
+/// tombstone: Linux's TIME-WAIT (`TCP_TIMEWAIT_LEN`, 60 s), the longest
+/// either end still sends segments of a closed connection (a lost last ACK
+/// draws a retransmitted FIN that the laptop answers), so none of them opens
+/// the flow again.
+pub const CLOSED_LINGER: Duration = Duration::from_secs(60);
+
+/// How long a flow whose cluster end sent a FIN (the laptop's application
+/// read EOF) stays once idle: the laptop closes within a round trip as a
+/// rule, and a laptop that keeps its end open and sends later draws a RST
+/// from the new engine without help, so a reset is never needed here.
+pub const FIN_IN_LINGER: Duration = Duration::from_secs(5);
+
+/// How long a flow whose laptop end sent a FIN (and the cluster end not yet)
+/// stays once idle: Linux's `tcp_fin_timeout` (60 s), after which a closed
+/// socket in FIN-WAIT-2 is forgotten without a segment. A half-closed socket
+/// that still waits for its answer keeps its entry while data comes.
+pub const FIN_OUT_LINGER: Duration = Duration::from_secs(60);
+
+/// How long an open flow stays without a segment either way. The reset is
+/// useful only for a flow whose application still waits on the cluster end;
+/// such a flow rarely stays silent for 10 minutes (HTTP clients time out,
+/// Kubernetes watches get bookmarks or events, HTTP/2 and SSH clients send
+/// pings, kernel keep-alives of long-lived connections are usually tuned
+/// below that), while a flow that ended without its close passing this
+/// worker (the application's namespace went away, the laptop's kernel gave
+/// up on its retransmissions, the close went over another worker after a
+/// steering change) would otherwise be counted as "reset" at every "new"
+/// answer. A flow silent longer than this that still waits loses the
+/// early reset only: the application's own timeout applies, as without
+/// this table.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How often at most the table is swept for ended flows (a pass over at
+/// most [`CAPACITY`] entries).
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
 /// A flow, from the laptop's side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -66,8 +121,45 @@ struct FlowState {
     delivered_end: Option<TcpSeqNumber>,
     fin_out: bool,
     fin_in: bool,
+    /// A RST was seen, or a FIN both ways: a tombstone, never reset.
+    closed: bool,
     /// [`CarriedFlows::clock`] when last seen.
     seen: u64,
+    /// When last seen (a tombstone: when it closed).
+    last: Instant,
+}
+
+impl FlowState {
+    fn new(seen: u64, now: Instant) -> Self {
+        Self {
+            laptop_ack: None,
+            delivered_end: None,
+            fin_out: false,
+            fin_in: false,
+            closed: false,
+            seen,
+            last: now,
+        }
+    }
+
+    /// Whether the flow has ended by `now` ([module docs](self)): it can go.
+    fn ended(&self, now: Instant) -> bool {
+        let linger = if self.closed {
+            CLOSED_LINGER
+        } else if self.fin_in {
+            FIN_IN_LINGER
+        } else if self.fin_out {
+            FIN_OUT_LINGER
+        } else {
+            IDLE_TIMEOUT
+        };
+        now.saturating_duration_since(self.last) >= linger
+    }
+
+    /// Whether the flow is live at `now`: worth a RST when the manager lost it.
+    fn live(&self, now: Instant) -> bool {
+        !self.closed && !self.ended(now)
+    }
 }
 
 /// One TCP segment's fields the table needs.
@@ -89,6 +181,8 @@ pub struct CarriedFlows {
     capacity: usize,
     /// Counts packets; orders the flows by when last seen.
     clock: u64,
+    /// When the table is next swept for ended flows.
+    next_sweep: Option<Instant>,
     /// Flows dropped because the table was full.
     pub evicted: u64,
 }
@@ -107,11 +201,12 @@ impl CarriedFlows {
             flows: HashMap::with_capacity(capacity),
             capacity,
             clock: 0,
+            next_sweep: None,
             evicted: 0,
         }
     }
 
-    /// Flows in the table.
+    /// Entries in the table (live flows and those about to leave).
     pub fn len(&self) -> usize {
         self.flows.len()
     }
@@ -121,46 +216,56 @@ impl CarriedFlows {
         self.flows.is_empty()
     }
 
+    /// Flows live at `now`: the ones a "new" answer would reset.
+    pub fn live(&self, now: Instant) -> usize {
+        self.flows.values().filter(|s| s.live(now)).count()
+    }
+
     /// An outbound packet (laptop → cluster, as read from the TUN) the
-    /// worker sends to the manager. Anything but TCP, or malformed, is
-    /// ignored.
-    pub fn handle_outbound(&mut self, packet: &[u8]) {
+    /// worker sends to the manager at `now`. Anything but TCP, or
+    /// malformed, is ignored.
+    pub fn handle_outbound(&mut self, packet: &[u8], now: Instant) {
         let Some(seg) = parse(packet, false) else {
             return;
         };
-        if seg.rst {
-            self.flows.remove(&seg.key);
-            return;
-        }
+        self.sweep(now);
         // A bare SYN opens nothing the manager could forget yet: the new
-        // engine takes its retransmission.
+        // engine takes its retransmission. It starts a new connection on
+        // the 4-tuple, so a tombstone of the old one goes.
         if seg.syn && seg.ack.is_none() {
+            if self.flows.get(&seg.key).is_some_and(|s| s.closed) {
+                self.flows.remove(&seg.key);
+            }
             return;
         }
-        let Some(state) = self.entry(seg.key) else {
+        let Some(state) = self.entry(&seg, now) else {
             return;
         };
+        if seg.rst {
+            state.closed = true;
+            return;
+        }
         if let Some(ack) = seg.ack {
             state.laptop_ack = Some(ack);
         }
         state.fin_out |= seg.fin;
-        if state.fin_out && state.fin_in {
-            self.flows.remove(&seg.key);
-        }
+        state.closed = state.fin_out && state.fin_in;
     }
 
-    /// An inbound packet (cluster → laptop) the worker writes to the TUN.
-    pub fn handle_inbound(&mut self, packet: &[u8]) {
+    /// An inbound packet (cluster → laptop) the worker writes to the TUN at
+    /// `now`.
+    pub fn handle_inbound(&mut self, packet: &[u8], now: Instant) {
         let Some(seg) = parse(packet, true) else {
             return;
         };
-        if seg.rst {
-            self.flows.remove(&seg.key);
-            return;
-        }
-        let Some(state) = self.entry(seg.key) else {
+        self.sweep(now);
+        let Some(state) = self.entry(&seg, now) else {
             return;
         };
+        if seg.rst {
+            state.closed = true;
+            return;
+        }
         let end = seg.seq + seg.len;
         state.delivered_end = Some(match state.delivered_end {
             Some(old) if old > end => old,
@@ -171,26 +276,53 @@ impl CarriedFlows {
             state.delivered_end = Some(end);
         }
         state.fin_in |= seg.fin;
-        if state.fin_out && state.fin_in {
-            self.flows.remove(&seg.key);
+        state.closed = state.fin_out && state.fin_in;
+    }
+
+    /// The state of `seg`'s flow, to update; `None` when the segment is a
+    /// straggler of a closed flow (a tombstone) or opens nothing ([module
+    /// docs](self)). A SYN-ACK on a tombstone starts the flow afresh.
+    fn entry(&mut self, seg: &Segment, now: Instant) -> Option<&mut FlowState> {
+        self.clock += 1;
+        let clock = self.clock;
+        let opens = seg.syn || (seg.len > usize::from(seg.fin) && !seg.rst);
+        match self.flows.get(&seg.key) {
+            Some(s) if s.closed && !seg.syn => return None,
+            Some(_) => {}
+            None if !opens => return None,
+            None => {
+                if self.flows.len() >= self.capacity {
+                    self.sweep_now(now);
+                }
+                if self.flows.len() >= self.capacity {
+                    self.evict_older_half();
+                }
+            }
+        }
+        let state = self
+            .flows
+            .entry(seg.key)
+            .or_insert_with(|| FlowState::new(clock, now));
+        if state.closed {
+            // A SYN-ACK: a new connection on the old 4-tuple.
+            *state = FlowState::new(clock, now);
+        }
+        state.seen = clock;
+        state.last = now;
+        Some(state)
+    }
+
+    /// Drop the ended flows, at most every [`SWEEP_EVERY`].
+    fn sweep(&mut self, now: Instant) {
+        match self.next_sweep {
+            Some(at) if now < at => {}
+            _ => self.sweep_now(now),
         }
     }
 
-    fn entry(&mut self, key: FlowKey) -> Option<&mut FlowState> {
-        self.clock += 1;
-        let clock = self.clock;
-        if !self.flows.contains_key(&key) && self.flows.len() >= self.capacity {
-            self.evict_older_half();
-        }
-        let state = self.flows.entry(key).or_insert(FlowState {
-            laptop_ack: None,
-            delivered_end: None,
-            fin_out: false,
-            fin_in: false,
-            seen: clock,
-        });
-        state.seen = clock;
-        Some(state)
+    fn sweep_now(&mut self, now: Instant) {
+        self.next_sweep = Some(now + SWEEP_EVERY);
+        self.flows.retain(|_, s| !s.ended(now));
     }
 
     /// Drop the flows seen before the midpoint of the oldest and newest: one
@@ -211,12 +343,15 @@ impl CarriedFlows {
         self.evicted += (before - self.flows.len()) as u64;
     }
 
-    /// The manager lost every flow: the RSTs to write into the TUN (into
-    /// `out`, each a whole IP packet, appended), and the table cleared.
-    /// Returns the number of flows reset.
-    pub fn take_resets(&mut self, out: &mut Vec<Vec<u8>>) -> usize {
+    /// The manager lost every flow at `now`: the RSTs of the live flows to
+    /// write into the TUN (into `out`, each a whole IP packet, appended),
+    /// and the table cleared. Returns the number of flows reset.
+    pub fn take_resets(&mut self, out: &mut Vec<Vec<u8>>, now: Instant) -> usize {
         let mut flows = 0;
         for (key, state) in self.flows.drain() {
+            if !state.live(now) {
+                continue;
+            }
             let mut seqs = [state.delivered_end, state.laptop_ack];
             if seqs[0] == seqs[1] {
                 seqs[1] = None;
@@ -380,6 +515,21 @@ mod tests {
         kvpn_lab::packets::ipv4(6, src.0, dst.0, &tcp)
     }
 
+    /// A fixed instant plus `secs` (the table's clock is its caller's).
+    fn at(secs: u64) -> Instant {
+        static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *BASE.get_or_init(Instant::now) + Duration::from_secs(secs)
+    }
+
+    impl CarriedFlows {
+        fn out(&mut self, packet: &[u8]) {
+            self.handle_outbound(packet, at(0));
+        }
+        fn inb(&mut self, packet: &[u8]) {
+            self.handle_inbound(packet, at(0));
+        }
+    }
+
     fn key() -> FlowKey {
         FlowKey {
             laptop: (IpAddr::V4(LAPTOP), 40000),
@@ -407,17 +557,17 @@ mod tests {
     fn a_download_is_reset_at_the_end_of_what_was_delivered() {
         let mut t = CarriedFlows::default();
         let (l, r) = ((LAPTOP, 40000), (POD, 8080));
-        t.handle_outbound(&segment(l, r, 100, None, &["syn"], 0));
+        t.out(&segment(l, r, 100, None, &["syn"], 0));
         assert!(t.is_empty(), "a bare SYN is not tracked");
-        t.handle_inbound(&segment(r, l, 5000, Some(101), &["syn"], 0));
-        t.handle_outbound(&segment(l, r, 101, Some(5001), &[], 0));
-        t.handle_inbound(&segment(r, l, 5001, Some(101), &[], 1000));
-        t.handle_inbound(&segment(r, l, 6001, Some(101), &[], 1000));
+        t.inb(&segment(r, l, 5000, Some(101), &["syn"], 0));
+        t.out(&segment(l, r, 101, Some(5001), &[], 0));
+        t.inb(&segment(r, l, 5001, Some(101), &[], 1000));
+        t.inb(&segment(r, l, 6001, Some(101), &[], 1000));
         // The laptop acknowledged up to 6001 so far (a delayed ACK).
-        t.handle_outbound(&segment(l, r, 101, Some(6001), &[], 0));
+        t.out(&segment(l, r, 101, Some(6001), &[], 0));
         assert_eq!(t.len(), 1);
         let mut out = Vec::new();
-        assert_eq!(t.take_resets(&mut out), 1);
+        assert_eq!(t.take_resets(&mut out, at(0)), 1);
         assert_eq!(rst_seqs(&out), vec![7001, 6001]);
         assert!(t.is_empty(), "cleared");
     }
@@ -426,41 +576,142 @@ mod tests {
     fn sequence_numbers_wrap_and_old_segments_do_not_move_the_end_back() {
         let mut t = CarriedFlows::default();
         let (l, r) = ((LAPTOP, 40000), (POD, 8080));
-        t.handle_inbound(&segment(r, l, u32::MAX - 10, Some(1), &[], 100));
+        t.inb(&segment(r, l, u32::MAX - 10, Some(1), &[], 100));
         // A retransmission of an older segment.
-        t.handle_inbound(&segment(r, l, u32::MAX - 10, Some(1), &[], 20));
-        t.handle_outbound(&segment(l, r, 1, Some(89), &[], 0));
+        t.inb(&segment(r, l, u32::MAX - 10, Some(1), &[], 20));
+        t.out(&segment(l, r, 1, Some(89), &[], 0));
         let mut out = Vec::new();
-        t.take_resets(&mut out);
+        t.take_resets(&mut out, at(0));
         assert_eq!(rst_seqs(&out), vec![89]);
     }
 
     #[test]
-    fn reset_or_closed_flows_leave_the_table() {
+    fn reset_or_closed_flows_are_not_reset_and_leave_the_table() {
         let mut t = CarriedFlows::default();
         let (l, r) = ((LAPTOP, 40000), (POD, 8080));
-        t.handle_inbound(&segment(r, l, 1, Some(1), &[], 10));
-        t.handle_outbound(&segment(l, r, 1, None, &["rst"], 0));
-        assert!(t.is_empty());
-        t.handle_inbound(&segment(r, l, 1, Some(1), &["fin"], 10));
-        t.handle_outbound(&segment(l, r, 1, Some(12), &["fin"], 0));
-        assert!(t.is_empty(), "FIN both ways");
+        t.inb(&segment(r, l, 1, Some(1), &[], 10));
+        t.out(&segment(l, r, 1, None, &["rst"], 0));
+        assert_eq!(t.live(at(0)), 0, "a RST from the laptop ends the flow");
+        // Data in flight behind the RST does not open it again.
+        t.inb(&segment(r, l, 11, Some(1), &[], 10));
+        assert_eq!(t.live(at(0)), 0);
+        // Another flow: a RST from the cluster end.
+        t.inb(&segment(r, (LAPTOP, 40001), 1, Some(1), &[], 10));
+        t.inb(&segment(r, (LAPTOP, 40001), 11, None, &["rst"], 0));
+        t.out(&segment((LAPTOP, 40001), r, 1, Some(11), &[], 0));
+        assert_eq!(t.live(at(0)), 0, "a RST from the cluster ends the flow");
         // UDP and garbage are ignored.
-        t.handle_outbound(&kvpn_lab::packets::ipv4(17, LAPTOP, POD, &[0u8; 12]));
-        t.handle_inbound(&[0x45, 0, 0]);
-        t.handle_inbound(&[]);
-        assert!(t.is_empty());
+        t.out(&kvpn_lab::packets::ipv4(17, LAPTOP, POD, &[0u8; 12]));
+        t.inb(&[0x45, 0, 0]);
+        t.inb(&[]);
+        let mut out = Vec::new();
+        assert_eq!(t.take_resets(&mut out, at(1)), 0);
+        assert!(out.is_empty() && t.is_empty());
         assert_eq!(
             build_rst(&key(), TcpSeqNumber(5)).map(|p| p.len()),
             Some(40)
         );
     }
 
+    /// A connection the laptop closes first, then one the cluster end closes
+    /// first: the last ACK (and a retransmitted FIN) after both FINs used to
+    /// open the flow again, for good; 364 such flows were "reset" once.
+    #[test]
+    fn the_stragglers_of_a_close_do_not_open_the_flow_again() {
+        let mut t = CarriedFlows::default();
+        let r = (POD, 8080);
+        let (a, b) = ((LAPTOP, 40000), (LAPTOP, 40001));
+        // a: the laptop closes first (it then sits in TIME-WAIT).
+        t.inb(&segment(r, a, 1, Some(1), &[], 100));
+        t.out(&segment(a, r, 1, Some(101), &["fin"], 0));
+        t.inb(&segment(r, a, 101, Some(2), &["fin"], 0));
+        t.out(&segment(a, r, 2, Some(102), &[], 0));
+        // The last ACK was lost: the FIN comes again and is answered again.
+        t.inb(&segment(r, a, 101, Some(2), &["fin"], 0));
+        t.out(&segment(a, r, 2, Some(102), &[], 0));
+        // b: the cluster end closes first.
+        t.inb(&segment(r, b, 1, Some(1), &["fin"], 100));
+        t.out(&segment(b, r, 1, Some(102), &["fin"], 0));
+        t.inb(&segment(r, b, 102, Some(2), &[], 0));
+        assert_eq!(t.live(at(0)), 0);
+        // Tombstones until TIME-WAIT is over, then gone.
+        assert_eq!(t.len(), 2);
+        t.handle_inbound(
+            &segment(r, (LAPTOP, 40009), 1, Some(1), &[], 1),
+            at(CLOSED_LINGER.as_secs()),
+        );
+        assert_eq!(t.len(), 1, "swept: only the new flow is left");
+        let mut out = Vec::new();
+        assert_eq!(t.take_resets(&mut out, at(CLOSED_LINGER.as_secs())), 1);
+    }
+
+    #[test]
+    fn bare_acks_fins_and_resets_of_unknown_flows_open_nothing() {
+        let mut t = CarriedFlows::default();
+        let (l, r) = ((LAPTOP, 40000), (POD, 8080));
+        t.out(&segment(l, r, 1, Some(1), &[], 0));
+        t.inb(&segment(r, l, 1, Some(1), &[], 0));
+        t.inb(&segment(r, l, 1, Some(1), &["fin"], 0));
+        t.out(&segment(l, r, 1, Some(2), &["fin"], 0));
+        t.out(&segment(l, r, 1, None, &["rst"], 0));
+        assert!(t.is_empty());
+        // Data does, either way.
+        t.out(&segment(l, r, 1, Some(1), &[], 10));
+        t.inb(&segment(r, (LAPTOP, 40001), 1, Some(1), &[], 10));
+        assert_eq!(t.live(at(0)), 2);
+    }
+
+    #[test]
+    fn a_new_connection_on_a_closed_flows_ports_is_tracked_afresh() {
+        let mut t = CarriedFlows::default();
+        let (l, r) = ((LAPTOP, 40000), (POD, 8080));
+        t.inb(&segment(r, l, 1, Some(1), &[], 10));
+        t.out(&segment(l, r, 1, None, &["rst"], 0));
+        t.out(&segment(l, r, 500, None, &["syn"], 0));
+        assert!(t.is_empty(), "the SYN took the tombstone away");
+        t.inb(&segment(r, l, 9000, Some(501), &["syn"], 0));
+        t.out(&segment(l, r, 501, Some(9001), &[], 0));
+        let mut out = Vec::new();
+        assert_eq!(t.take_resets(&mut out, at(0)), 1);
+        assert_eq!(rst_seqs(&out), vec![9001]);
+    }
+
+    #[test]
+    fn half_closed_and_idle_flows_age_out() {
+        let (l, r) = ((LAPTOP, 40000), (POD, 8080));
+        // The cluster end sent its FIN: gone after FIN_IN_LINGER idle.
+        let mut t = CarriedFlows::default();
+        t.inb(&segment(r, l, 1, Some(1), &["fin"], 10));
+        let just_before = at(FIN_IN_LINGER.as_secs()) - Duration::from_millis(1);
+        assert_eq!(t.live(just_before), 1);
+        assert_eq!(t.live(at(FIN_IN_LINGER.as_secs())), 0);
+        // The laptop half-closed and still receives: live while data comes,
+        // gone FIN_OUT_LINGER after the last segment.
+        let mut t = CarriedFlows::default();
+        t.out(&segment(l, r, 1, Some(1), &["fin"], 10));
+        let later = FIN_OUT_LINGER.as_secs() - 1;
+        t.handle_inbound(&segment(r, l, 1, Some(12), &[], 1000), at(later));
+        assert_eq!(t.live(at(later + FIN_OUT_LINGER.as_secs() - 1)), 1);
+        assert_eq!(t.live(at(later + FIN_OUT_LINGER.as_secs())), 0);
+        // An open flow: gone after IDLE_TIMEOUT without a segment.
+        let mut t = CarriedFlows::default();
+        t.inb(&segment(r, l, 1, Some(1), &[], 10));
+        let idle = IDLE_TIMEOUT.as_secs();
+        assert_eq!(t.live(at(idle - 1)), 1);
+        let mut out = Vec::new();
+        assert_eq!(t.take_resets(&mut out, at(idle)), 0, "idle: not reset");
+        assert!(out.is_empty());
+        // An idle flow leaves at the first sweep past its timeout.
+        t.inb(&segment(r, l, 11, Some(1), &[], 10));
+        t.handle_inbound(&segment(r, (LAPTOP, 1), 1, Some(1), &[], 1), at(idle));
+        assert_eq!(t.len(), 1);
+    }
+
     #[test]
     fn a_full_table_drops_the_least_recently_seen_half() {
         let mut t = CarriedFlows::with_capacity(8);
         for port in 0..8u16 {
-            t.handle_inbound(&segment(
+            t.inb(&segment(
                 (POD, 8080),
                 (LAPTOP, 1000 + port),
                 1,
@@ -470,8 +721,8 @@ mod tests {
             ));
         }
         // Flow 0 is seen again: it is now the newest.
-        t.handle_inbound(&segment((POD, 8080), (LAPTOP, 1000), 2, Some(1), &[], 1));
-        t.handle_inbound(&segment((POD, 8080), (LAPTOP, 2000), 1, Some(1), &[], 1));
+        t.inb(&segment((POD, 8080), (LAPTOP, 1000), 2, Some(1), &[], 1));
+        t.inb(&segment((POD, 8080), (LAPTOP, 2000), 1, Some(1), &[], 1));
         assert!(t.len() <= 8 && t.len() >= 4, "{}", t.len());
         assert!(t.evicted >= 4, "{}", t.evicted);
         let kept: Vec<u16> = t.flows.keys().map(|k| k.laptop.1).collect();

@@ -303,26 +303,46 @@ pub fn pinned_hosts<'a>(
 /// kvpn's routes cannot win), each once, as (name, ifindex). Main-table conflicts are
 /// left to routes (they win there by prefix length, and the laptop's own subnet
 /// stays the laptop's). An IPv6 conflict outside main/local is an error: steering is
-/// IPv4 only.
+/// IPv4 only. Connect refuses on the first error; the steering watch
+/// ([`crate::steer_watch`]) steers the devices it can and reports the errors.
 pub fn steer_targets(conflicts: &[Conflict]) -> Result<Vec<(String, u32)>, String> {
-    let mut out: Vec<(String, u32)> = Vec::new();
+    let plan = steer_plan(conflicts);
+    match plan.errors.into_iter().next() {
+        Some(error) => Err(error),
+        None => Ok(plan.devices),
+    }
+}
+
+/// What [`steer_targets`]' rules make of `conflicts`, every error kept.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SteerPlan {
+    /// Devices to steer, each once, as (name, ifindex), in conflict order.
+    pub devices: Vec<(String, u32)>,
+    /// Conflicts steering cannot handle (IPv6 outside main/local), as messages.
+    pub errors: Vec<String>,
+}
+
+/// [`steer_targets`] without stopping at the first error.
+pub fn steer_plan(conflicts: &[Conflict]) -> SteerPlan {
+    let mut plan = SteerPlan::default();
     for c in conflicts {
         if matches!(c.laptop.table, TABLE_MAIN | TABLE_LOCAL) || c.laptop.oif == 0 {
             continue;
         }
         if c.cluster.addr().is_ipv6() {
-            return Err(format!(
+            plan.errors.push(format!(
                 "{c}: --steer ebpf steers IPv4 only and routes cannot win over a route \
                  in table {} — leave out --steer ebpf (and handle this range yourself) \
                  or remove the IPv6 range from the session",
                 table_name(c.laptop.table)
             ));
+            continue;
         }
-        if !out.iter().any(|(_, oif)| *oif == c.laptop.oif) {
-            out.push((c.laptop.dev.clone(), c.laptop.oif));
+        if !plan.devices.iter().any(|(_, oif)| *oif == c.laptop.oif) {
+            plan.devices.push((c.laptop.dev.clone(), c.laptop.oif));
         }
     }
-    Ok(out)
+    plan
 }
 
 #[cfg(test)]
@@ -492,5 +512,23 @@ mod tests {
             Some(99),
         );
         assert_eq!(steer_targets(&found), Ok(Vec::new()));
+    }
+
+    /// The steering watch keeps steering what it can beside an IPv6 conflict that
+    /// connect would refuse.
+    #[test]
+    fn rt_05_steer_plan_keeps_the_ipv4_devices_beside_an_ipv6_error() {
+        let ranges = [
+            (net("10.244.0.0/16"), RouteKind::Pod),
+            (net("fd00:10::/64"), RouteKind::Pod),
+        ];
+        let mut v6 = route("fd00::/8", "vpn6", 4, 100);
+        v6.oif = 8;
+        let routes = [route("10.244.0.0/16", "vpn0", 4, 100), v6];
+        let plan = steer_plan(&find(&ranges, &routes, 107, Some(99)));
+        assert_eq!(plan.devices, vec![("vpn0".to_owned(), 7)]);
+        assert_eq!(plan.errors.len(), 1, "{plan:?}");
+        assert!(plan.errors[0].contains("vpn6"), "{plan:?}");
+        assert!(steer_targets(&find(&ranges, &routes, 107, Some(99))).is_err());
     }
 }

@@ -249,6 +249,9 @@ pub struct Daemon {
     /// Where TUN devices are recorded for the sweep after a crash (`None`:
     /// nothing recorded, as in tests without a runtime directory).
     record: Option<crate::sweep::Record>,
+    /// This daemon as [`Daemon::serve`] shares it: Connect runs its setup as
+    /// a task of its own through it ([`Daemon::connect_owned`]).
+    me: std::sync::OnceLock<std::sync::Weak<Daemon>>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -364,6 +367,7 @@ impl Daemon {
             shutdown_requested: tokio::sync::Notify::new(),
             started: std::time::Instant::now(),
             record: None,
+            me: std::sync::OnceLock::new(),
         }
     }
 
@@ -591,6 +595,12 @@ impl Daemon {
     /// Tear a session down (DNS first, then the session) and forget its TUN
     /// device; what was left behind.
     async fn stop_session(&self, session: Session) -> Vec<String> {
+        self.stop_session_counted(session).await.0
+    }
+
+    /// [`Self::stop_session`], also returning how many laptop TCP sockets
+    /// through the session it destroyed.
+    async fn stop_session_counted(&self, session: Session) -> (Vec<String>, u64) {
         let mut leftovers = self.stop_dns(session.id()).await;
         let ifindex = session.ifindex();
         let report = session.teardown(&self.netlink).await;
@@ -598,7 +608,50 @@ impl Daemon {
             self.forget_tun(ifindex);
         }
         leftovers.extend(report.leftovers);
-        leftovers
+        (leftovers, report.tcp_reset)
+    }
+
+    /// Connect's setup, to completion whether or not its caller waits.
+    async fn connect_owned(&self, request: &ConnectRequest) -> Result<ConnectResponse, Status> {
+        let params = params_from_request(request, self.heartbeat_interval)?;
+        let origin = request.origin.clone();
+        let id = new_session_id();
+        let mut session = Session::start(id.clone(), params, &self.netlink, &*self.classifiers)
+            .await
+            .map_err(|e| match &e {
+                ConnectError::Unreachable(_) => Status::unavailable(e.to_string()),
+                ConnectError::Step { .. } => Status::failed_precondition(e.to_string()),
+            })?;
+        session.set_origin(origin);
+        self.record_tun(&session);
+        let dns = match self.start_dns(&session, request).await {
+            Ok(line) => line,
+            Err(message) => {
+                // Case lc-03: the session is not half set up; undo TUN, routes
+                // and classifier, and name the step.
+                let leftovers = self.stop_session(session).await;
+                let rollback = if leftovers.is_empty() {
+                    " (rolled back: TUN device, routes and eBPF classifier removed)".to_owned()
+                } else {
+                    format!(" (rollback incomplete: {})", leftovers.join("; "))
+                };
+                let e = ConnectError::Step {
+                    step: session::Step::ConfigureDns,
+                    message,
+                    rollback,
+                };
+                tracing::warn!(error = %e, "connect failed");
+                return Err(Status::failed_precondition(e.to_string()));
+            }
+        };
+        let response = ConnectResponse {
+            session_id: id.clone(),
+            tun_name: session.tun_name().to_owned(),
+            tun_ifindex: session.ifindex(),
+            dns,
+        };
+        self.sessions().insert(id, session);
+        Ok(response)
     }
 
     /// Tear down every session (SIGINT/SIGTERM). Returns what was left behind.
@@ -618,6 +671,7 @@ impl Daemon {
         listener: tokio::net::UnixListener,
         shutdown: impl std::future::Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
+        let _ = self.me.set(Arc::downgrade(&self));
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
         let checker = self.clone();
         let service = tonic::service::interceptor::InterceptedService::new(
@@ -665,45 +719,31 @@ impl Dataplane for Daemon {
         &self,
         request: Request<ConnectRequest>,
     ) -> Result<Response<ConnectResponse>, Status> {
-        let params = params_from_request(request.get_ref(), self.heartbeat_interval)?;
-        let origin = request.get_ref().origin.clone();
-        let id = new_session_id();
-        let mut session = Session::start(id.clone(), params, &self.netlink, &*self.classifiers)
-            .await
-            .map_err(|e| match &e {
-                ConnectError::Unreachable(_) => Status::unavailable(e.to_string()),
-                ConnectError::Step { .. } => Status::failed_precondition(e.to_string()),
-            })?;
-        session.set_origin(origin);
-        self.record_tun(&session);
-        let dns = match self.start_dns(&session, request.get_ref()).await {
-            Ok(line) => line,
-            Err(message) => {
-                // Case lc-03: the session is not half set up; undo TUN, routes
-                // and classifier, and name the step.
-                let leftovers = self.stop_session(session).await;
-                let rollback = if leftovers.is_empty() {
-                    " (rolled back: TUN device, routes and eBPF classifier removed)".to_owned()
-                } else {
-                    format!(" (rollback incomplete: {})", leftovers.join("; "))
-                };
-                let e = ConnectError::Step {
-                    step: session::Step::ConfigureDns,
-                    message,
-                    rollback,
-                };
-                tracing::warn!(error = %e, "connect failed");
-                return Err(Status::failed_precondition(e.to_string()));
+        let req = request.into_inner();
+        // tonic drops this future when the caller goes away (a Ctrl-C'd CLI):
+        // the setup runs as its own task so that nothing is left half made,
+        // and a session nobody took the answer of is torn down.
+        let Some(this) = self.me.get().and_then(std::sync::Weak::upgrade) else {
+            return self.connect_owned(&req).await.map(Response::new);
+        };
+        let (answer, taken) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let result = this.connect_owned(&req).await;
+            if let Err(Ok(resp)) = answer.send(result) {
+                tracing::warn!(session = %resp.session_id, "the caller went away during Connect: tearing the session down");
+                let session = this.sessions().remove(&resp.session_id);
+                if let Some(session) = session {
+                    let leftovers = this.stop_session(session).await;
+                    if !leftovers.is_empty() {
+                        tracing::warn!(session = %resp.session_id, ?leftovers, "teardown incomplete");
+                    }
+                }
             }
-        };
-        let response = ConnectResponse {
-            session_id: id.clone(),
-            tun_name: session.tun_name().to_owned(),
-            tun_ifindex: session.ifindex(),
-            dns,
-        };
-        self.sessions().insert(id, session);
-        Ok(Response::new(response))
+        });
+        taken
+            .await
+            .map_err(|_| Status::internal("the session setup task ended without an answer"))?
+            .map(Response::new)
     }
 
     async fn disconnect(
@@ -728,9 +768,15 @@ impl Dataplane for Daemon {
         };
         let mut stopped = Vec::new();
         let mut leftovers = Vec::new();
+        let mut tcp_reset = std::collections::HashMap::new();
         for session in sessions {
-            stopped.push(session.id().to_owned());
-            leftovers.extend(self.stop_session(session).await);
+            let id = session.id().to_owned();
+            let (left, reset) = self.stop_session_counted(session).await;
+            leftovers.extend(left);
+            if reset > 0 {
+                tcp_reset.insert(id.clone(), reset);
+            }
+            stopped.push(id);
         }
         if !leftovers.is_empty() {
             return Err(Status::internal(format!(
@@ -739,7 +785,7 @@ impl Dataplane for Daemon {
                 leftovers.join("; ")
             )));
         }
-        Ok(Response::new(DisconnectResponse { stopped }))
+        Ok(Response::new(DisconnectResponse { stopped, tcp_reset }))
     }
 
     async fn status(

@@ -254,7 +254,7 @@ pub enum EbpfError {
 pub struct Classifier {
     // Fields drop in declaration order: detach first, then maps, then the programs.
     /// Steering program links, one per laptop device (`--steer ebpf`).
-    steer_links: Vec<(String, SchedClassifierLink)>,
+    steer_links: Vec<SteerLink>,
     link: Option<SchedClassifierLink>,
     ingress_link: Option<SchedClassifierLink>,
     routes_v4: LpmTrie<MapData, Ipv4Prefix, RouteEntry>,
@@ -274,6 +274,15 @@ pub struct Classifier {
     ebpf: Ebpf,
     ifname: Option<String>,
     l2_hdr_len: u32,
+}
+
+/// The steering program's link on one laptop device; dropping it detaches.
+struct SteerLink {
+    ifname: String,
+    /// The device's ifindex when attached: a device deleted and created again
+    /// under the same name has another one, and no program.
+    ifindex: u32,
+    _link: SchedClassifierLink,
 }
 
 impl std::fmt::Debug for Classifier {

@@ -10,7 +10,8 @@
 //! reset when a re-dial cannot resume). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
 //! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`redial`]
 //! (holding packets during a re-dial, resetting lost flows), [`session`]
-//! (TCP to the manager, setup and teardown), [`tls`] (TLS on the data channel,
+//! (TCP to the manager, setup and teardown), [`steer_watch`] (eBPF steering that
+//! follows the laptop's devices while a session runs), [`tls`] (TLS on the data channel,
 //! verified against the CA from the Connect request), [`daemon`] (gRPC socket, pid file,
 //! peer credentials), [`sweep`] (what a killed daemon left),
 //! [`client`] (gRPC client over the socket). [`fuzzing`]: entry points of the cargo-fuzz
@@ -31,6 +32,8 @@ pub mod pump;
 pub mod redial;
 pub mod routes;
 pub mod session;
+pub mod stale_tcp;
+pub mod steer_watch;
 pub mod sweep;
 pub mod tls;
 pub mod tun;

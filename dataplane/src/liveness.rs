@@ -81,6 +81,8 @@ pub struct Liveness {
     next_due: Option<Instant>,
     last_sent: Option<(u64, Instant)>,
     last_rtt: Option<Duration>,
+    /// The pump watchdog's last tick on the current transport ([`Self::handle_tick`]).
+    last_tick: Option<Instant>,
 }
 
 impl Liveness {
@@ -98,6 +100,7 @@ impl Liveness {
             next_due: None,
             last_sent: None,
             last_rtt: None,
+            last_tick: None,
         }
     }
 
@@ -114,6 +117,7 @@ impl Liveness {
             last_echo: None,
         };
         self.next_due = Some(now);
+        self.last_tick = None;
     }
 
     /// The transport ended for `reason`.
@@ -125,6 +129,7 @@ impl Liveness {
         }
         self.transport = Transport::Down { reason };
         self.next_due = None;
+        self.last_tick = None;
     }
 
     /// Connecting is only the first attempt; after a transport was lost or an
@@ -195,6 +200,67 @@ impl Liveness {
         }
     }
 
+    /// The process itself did not run for a while (SIGSTOP, a debugger, a starved
+    /// CPU): the watchdog saw a tick far later than scheduled at `now`. Silence
+    /// measured across the stall says nothing about the transport — the echoes
+    /// may be waiting, unread, in the socket — so the transport gets one more
+    /// heartbeat interval from `now` to prove itself (a heartbeat goes at once,
+    /// the reader drains what arrived) before it counts as dead. Only the silence
+    /// reference moves forward, never back.
+    pub fn handle_stall(&mut self, now: Instant) {
+        let limit = self.silence_limit();
+        let Some(grace_start) = now.checked_sub(limit.saturating_sub(self.interval)) else {
+            return;
+        };
+        match &mut self.transport {
+            Transport::Up {
+                last_echo: Some(at),
+                ..
+            } => *at = grace_start.max(*at),
+            Transport::Up {
+                since,
+                last_echo: None,
+                ..
+            } => *since = grace_start.max(*since),
+            Transport::Down { .. } => {}
+        }
+    }
+
+    /// The pump's watchdog ticked at `now` (it ticks every interval/4 while a
+    /// transport is up). A tick more than a whole interval after the previous one
+    /// means this process did not run in between: [`Self::handle_stall`], and the
+    /// stall's length is returned (for the log).
+    pub fn handle_tick(&mut self, now: Instant) -> Option<Duration> {
+        let gap = self
+            .last_tick
+            .map(|t| now.saturating_duration_since(t))
+            .filter(|gap| *gap > self.interval);
+        if gap.is_some() {
+            self.handle_stall(now);
+        }
+        self.last_tick = Some(now);
+        gap
+    }
+
+    /// Whether the watchdog is overdue at `now`: the process has just woken from a
+    /// stall and the watchdog has not run yet. Other tasks (the TUN reader, DNS)
+    /// may look first; they must see what the watchdog will decide
+    /// ([`Self::handle_stall`]), not the stall's silence.
+    fn stalled(&self, now: Instant) -> bool {
+        self.last_tick
+            .is_some_and(|t| now.saturating_duration_since(t) > self.interval)
+    }
+
+    /// The silence reference `at`, moved forward as [`Self::handle_stall`] would
+    /// while a stall is not handled yet.
+    fn silence_since(&self, at: Instant, now: Instant) -> Instant {
+        if !self.stalled(now) {
+            return at;
+        }
+        now.checked_sub(self.silence_limit().saturating_sub(self.interval))
+            .map_or(at, |grace| grace.max(at))
+    }
+
     /// Round-trip time of the latest heartbeat that was echoed.
     pub fn last_rtt(&self) -> Option<Duration> {
         self.last_rtt
@@ -220,9 +286,10 @@ impl Liveness {
             Transport::Up {
                 since, last_echo, ..
             } => match last_echo {
-                Some(at) => now.saturating_duration_since(*at) > limit,
+                Some(at) => now.saturating_duration_since(self.silence_since(*at, now)) > limit,
                 None => {
-                    now.saturating_duration_since(*since) > limit || self.past_first_transport()
+                    now.saturating_duration_since(self.silence_since(*since, now)) > limit
+                        || self.past_first_transport()
                 }
             },
         }
@@ -234,7 +301,10 @@ impl Liveness {
         match &self.transport {
             Transport::Up {
                 since, last_echo, ..
-            } => now.saturating_duration_since(last_echo.unwrap_or(*since)) > self.silence_limit(),
+            } => {
+                let at = self.silence_since(last_echo.unwrap_or(*since), now);
+                now.saturating_duration_since(at) > self.silence_limit()
+            }
             Transport::Down { .. } => false,
         }
     }
@@ -256,7 +326,7 @@ impl Liveness {
                 last_echo: None,
                 ..
             } => {
-                let waited = now.saturating_duration_since(*since);
+                let waited = now.saturating_duration_since(self.silence_since(*since, now));
                 if waited > limit {
                     (
                         State::Reconnecting,
@@ -289,7 +359,7 @@ impl Liveness {
                 last_echo: Some(at),
                 ..
             } => {
-                let silent = now.saturating_duration_since(*at);
+                let silent = now.saturating_duration_since(self.silence_since(*at, now));
                 if silent > limit {
                     (
                         State::Reconnecting,
@@ -356,6 +426,83 @@ mod tests {
         assert_eq!(state, State::Reconnecting);
         assert!(reason.expect("a reason").contains("no heartbeat echo"));
         assert!(l.transport_dead(now));
+    }
+
+    #[test]
+    fn a_stall_gives_the_transport_one_more_interval() {
+        let t0 = Instant::now();
+        let i = Duration::from_secs(1);
+        let mut l = Liveness::new(i);
+        l.handle_transport_up(t0);
+        let hb = l.poll_heartbeat(t0).expect("due at once");
+        assert!(l.handle_echo(&hb, t0 + Duration::from_millis(1)));
+        // The process was stopped for 8 s: without the stall that is silence.
+        let woke = t0 + Duration::from_secs(8);
+        assert!(l.transport_dead(woke));
+        l.handle_stall(woke);
+        assert!(!l.transport_dead(woke), "dead at once after a stall");
+        assert_eq!(l.state(woke).0, State::Connected);
+        assert!(!l.transport_dead(woke + i - Duration::from_millis(1)));
+        // No echo within one interval after the stall: dead as before.
+        assert!(l.transport_dead(woke + i + Duration::from_millis(1)));
+        // The echo waiting in the socket proves it: connected again.
+        let mut l2 = l.clone();
+        assert!(l2.handle_echo(&hb, woke + Duration::from_millis(5)));
+        assert!(!l2.transport_dead(woke + i + Duration::from_millis(1)));
+        // A stall never moves the reference back.
+        let later = woke + Duration::from_millis(500);
+        l2.handle_stall(woke);
+        assert!(!l2.transport_dead(later));
+        // A transport that never echoed gets the same one interval.
+        let mut l3 = Liveness::new(i);
+        l3.handle_transport_up(t0);
+        l3.handle_stall(woke);
+        assert!(!l3.transport_dead(woke));
+        assert!(l3.transport_dead(woke + i + Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn before_the_watchdog_runs_after_a_stall_nobody_sees_silence() {
+        let t0 = Instant::now();
+        let i = Duration::from_secs(1);
+        let mut l = Liveness::new(i);
+        l.handle_transport_up(t0);
+        assert_eq!(l.handle_tick(t0), None, "the first tick is no stall");
+        let hb = l.poll_heartbeat(t0).expect("due at once");
+        assert!(l.handle_echo(&hb, t0 + Duration::from_millis(1)));
+        for q in 1..8 {
+            assert_eq!(l.handle_tick(t0 + i / 4 * q), None, "regular ticks");
+        }
+        // A real black hole with the watchdog ticking: reconnecting after 3 s.
+        let mut hole = l.clone();
+        let mut t = t0 + i * 2;
+        while t < t0 + Duration::from_millis(3100) {
+            t += i / 4;
+            assert_eq!(hole.handle_tick(t), None);
+        }
+        assert!(hole.is_reconnecting(t) && hole.transport_dead(t));
+        // Stopped 45 s: the TUN reader looks before the watchdog ticks.
+        let woke = t0 + Duration::from_secs(47);
+        assert!(!l.is_reconnecting(woke), "TUN reader answered unreachable");
+        assert!(!l.transport_dead(woke));
+        assert_eq!(l.state(woke).0, State::Connected);
+        assert_eq!(
+            l.handle_tick(woke + Duration::from_millis(2)),
+            Some(Duration::from_millis(47_002) - i * 7 / 4)
+        );
+        // The same one interval of grace as handle_stall, then silence counts.
+        assert!(!l.is_reconnecting(woke + i / 2));
+        let mut t = woke + Duration::from_millis(2);
+        for _ in 0..4 {
+            t += i / 4;
+            assert_eq!(l.handle_tick(t), None, "the watchdog ticks again");
+        }
+        assert!(l.is_reconnecting(t + Duration::from_millis(1)));
+        assert!(l.transport_dead(t + Duration::from_millis(1)));
+        // A new transport starts without a stale tick.
+        l.handle_transport_down("closed");
+        l.handle_transport_up(woke + i * 5);
+        assert_eq!(l.handle_tick(woke + i * 5), None);
     }
 
     #[test]

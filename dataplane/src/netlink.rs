@@ -27,6 +27,15 @@ use crate::conflicts::LaptopRoute;
 /// 107 is not in iproute2's `rt_protos` list.
 pub const RTPROT_KVPN: u8 = 0x6b;
 
+/// Transmit queue of the TUN device, packets (the kernel's default for TUN is
+/// 500). Applications hand the kernel bursts faster than the pump reads: a
+/// process closing 1,000 sockets with SO_LINGER 0 (the bench's idle flows)
+/// queues 1,000 RSTs at once, and with 500 up to 228 of them were dropped, so
+/// the manager kept those flows (and their pod connections) open. Only queued
+/// packets cost memory; TCP's own small-queue limit keeps bulk flows far
+/// below it.
+pub const TUN_TX_QUEUE_LEN: u32 = 4096;
+
 /// rp_filter value for loose reverse-path filtering (RFC 3704 loose mode;
 /// Documentation/networking/ip-sysctl.rst). The kernel applies
 /// max(conf/all, conf/<dev>), so 2 on the TUN wins over a strict `all=1` (rt-06).
@@ -360,11 +369,17 @@ impl Netlink {
         Ok(None)
     }
 
-    /// Bring interface `index` up (RTM_SETLINK, IFF_UP).
+    /// Bring interface `index` up (RTM_SETLINK, IFF_UP) with a transmit queue
+    /// of [`TUN_TX_QUEUE_LEN`] packets.
     pub async fn set_link_up(&self, index: u32) -> Result<(), NetlinkError> {
         self.handle
             .link()
-            .set(LinkUnspec::new_with_index(index).up().build())
+            .set(
+                LinkUnspec::new_with_index(index)
+                    .up()
+                    .txqueuelen(TUN_TX_QUEUE_LEN)
+                    .build(),
+            )
             .execute()
             .await
             .map_err(|e| NetlinkError::new(format!("bring interface #{index} up"), e))

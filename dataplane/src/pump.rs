@@ -39,7 +39,8 @@
 //! direction. A reader that finds no free buffer waits, so a slow transport stops
 //! the TUN reads (the kernel's TUN queue then applies its own policy) and a slow
 //! TUN stops the transport reads (TCP flow control reaches the manager). All
-//! buffers are allocated when the pump starts; per-packet work does not allocate.
+//! buffers are allocated when the pump starts; per-packet work does not allocate
+//! (dataplane/tests/pump_alloc.rs counts the pump thread's allocations).
 //!
 //! Failing fast (case tr-10): while the session is reconnecting
 //! ([`Liveness::is_reconnecting`]), `tun_reader` does not queue packets into the
@@ -198,6 +199,10 @@ pub struct Counters {
     /// super-packets the manager merged, each written to the TUN with its
     /// `virtio_net_hdr` in one write (and counted once in `rx_packets`).
     pub rx_gso_frames: AtomicU64,
+    /// The TCP segments those super-packets carried (the packets the
+    /// laptop's stack took from them): `rx_packets - rx_gso_frames +
+    /// rx_gso_segments` is the packet count.
+    pub rx_gso_segments: AtomicU64,
     /// Inbound packets the TUN refused as malformed (EINVAL), empty packet
     /// frames, and GSO frames that are not a valid TCP super-packet
     /// ([`gso::check_super_packet`]). Counted, logged at debug, not fatal.
@@ -649,7 +654,17 @@ where
             }
             _ = watchdog.tick() => {
                 let now = Instant::now();
-                let liveness = lock(&liveness);
+                let mut liveness = lock(&liveness);
+                // Ticks come every interval/4; one a whole interval late means this
+                // process did not run (stopped, starved), not that the manager was
+                // silent: the echoes may be unread in the socket.
+                if let Some(stall) = liveness.handle_tick(now) {
+                    tracing::info!(
+                        stalled_ms = stall.as_millis() as u64,
+                        "the pump did not run for a while (process stopped?); giving the \
+                         transport one heartbeat interval before judging its silence"
+                    );
+                }
                 if liveness.transport_dead(now) {
                     let reason = liveness.state(now).1.unwrap_or_else(|| "no heartbeat echo".to_owned());
                     break PumpExit::Silent(reason);
@@ -993,16 +1008,16 @@ fn resume_answer(payload: &[u8], counters: &Counters, worker: usize) {
 }
 
 /// Write the super-packet of a GSO frame from the manager to the TUN with
-/// its `virtio_net_hdr`: `Some(bytes)` written, `None` when the frame is not
+/// its `virtio_net_hdr`: `Some((bytes, segments))` written, `None` when the frame is not
 /// a valid TCP super-packet or the device refused it (EINVAL) or cannot take
 /// one (no `IFF_VNET_HDR`); an error only when the TUN write failed.
-async fn write_gso<T: PacketIo>(tun: &T, payload: &[u8]) -> io::Result<Option<u64>> {
+async fn write_gso<T: PacketIo>(tun: &T, payload: &[u8]) -> io::Result<Option<(u64, u64)>> {
     let checked = GsoHeader::split(payload).ok_or(GsoError::Truncated {
         need: GSO_HEADER_LEN,
         len: payload.len(),
     });
-    let (h, packet) = match checked.and_then(|(h, p)| {
-        gso::check_super_packet(
+    let (h, packet, segments) = match checked.and_then(|(h, p)| {
+        gso::super_packet_segments(
             p,
             h.flags,
             h.gso_type,
@@ -1010,7 +1025,7 @@ async fn write_gso<T: PacketIo>(tun: &T, payload: &[u8]) -> io::Result<Option<u6
             h.csum_start,
             h.csum_offset,
         )
-        .map(|_| (h, p))
+        .map(|(_, segments)| (h, p, segments as u64))
     }) {
         Ok(found) => found,
         Err(e) => {
@@ -1022,7 +1037,7 @@ async fn write_gso<T: PacketIo>(tun: &T, payload: &[u8]) -> io::Result<Option<u6
         .send_vnet(&VnetHdr::from_frame_header(h).encode(), packet)
         .await
     {
-        Ok(_) => Ok(Some(packet.len() as u64)),
+        Ok(_) => Ok(Some((packet.len() as u64, segments))),
         Err(e)
             if e.raw_os_error() == Some(libc::EINVAL) || e.kind() == io::ErrorKind::Unsupported =>
         {
@@ -1032,6 +1047,10 @@ async fn write_gso<T: PacketIo>(tun: &T, payload: &[u8]) -> io::Result<Option<u6
         Err(e) => Err(e),
     }
 }
+
+/// Room for this many inbound packets per chunk in the writer's re-dial
+/// tracking list before it grows (16 bytes each).
+const TRACKED_PER_CHUNK: usize = 1024;
 
 async fn tun_writer<T: PacketIo>(
     tun: Arc<T>,
@@ -1043,70 +1062,105 @@ async fn tun_writer<T: PacketIo>(
     // The reader validated every frame header already; this decoder only finds
     // the boundaries again.
     let decoder = Decoder::default();
+    // The spans (in the chunk) of the IP packets written to the TUN and not
+    // yet tracked for re-dials: tracked once per chunk, under one lock taken
+    // after the TUN writes (and before a resume answer, which resets only
+    // the flows before it). Allocated once; it grows only past the most
+    // packets a chunk ever held.
+    let mut delivered: Vec<(usize, usize)> = if redial.is_some() {
+        Vec::with_capacity(TRACKED_PER_CHUNK)
+    } else {
+        Vec::new()
+    };
+    let track = |delivered: &mut Vec<(usize, usize)>, buf: &[u8]| {
+        redial::track_inbound(
+            &redial,
+            delivered
+                .drain(..)
+                .filter_map(|(start, end)| buf.get(start..end)),
+        );
+    };
     loop {
         let Some(chunk) = full_rx.recv().await else {
             return PumpExit::Task("inbound chunk queue closed".to_owned());
         };
-        let (mut packets, mut bytes, mut invalid, mut gso_frames) = (0u64, 0u64, 0u64, 0u64);
+        let (mut packets, mut bytes, mut invalid) = (0u64, 0u64, 0u64);
+        let (mut gso_frames, mut gso_segments) = (0u64, 0u64);
         let mut off = 0;
-        while off < chunk.len {
-            let (frame, used) = match decoder.decode(&chunk.buf[off..chunk.len]) {
-                Ok(Some(found)) => found,
-                Ok(None) => break,
-                Err(e) => return PumpExit::Protocol(e),
-            };
-            off += used;
-            match frame.kind {
-                Kind::Packet if frame.payload.is_empty() => invalid += 1,
-                Kind::Packet => match tun.send(frame.payload).await {
-                    Ok(_) => {
-                        packets += 1;
-                        bytes += frame.payload.len() as u64;
-                        redial::track_inbound(&redial, frame.payload);
+        // An error ends the pump, after the packets written so far are
+        // tracked (the next re-dial may need to reset their flows).
+        let exit = 'frames: {
+            while off < chunk.len {
+                let (frame, used) = match decoder.decode(&chunk.buf[off..chunk.len]) {
+                    Ok(Some(found)) => found,
+                    Ok(None) => break,
+                    Err(e) => break 'frames Some(PumpExit::Protocol(e)),
+                };
+                off += used;
+                match frame.kind {
+                    Kind::Packet if frame.payload.is_empty() => invalid += 1,
+                    Kind::Packet => match tun.send(frame.payload).await {
+                        Ok(_) => {
+                            packets += 1;
+                            bytes += frame.payload.len() as u64;
+                            if redial.is_some() {
+                                delivered.push((off - frame.payload.len(), off));
+                            }
+                        }
+                        // The TUN driver rejects what is not IPv4/IPv6 with EINVAL
+                        // (drivers/net/tun.c, tun_get_user); one bad packet from the
+                        // manager must not end the session.
+                        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                            invalid += 1;
+                            tracing::debug!(
+                                len = frame.payload.len(),
+                                "TUN refused an inbound packet"
+                            );
+                        }
+                        Err(e) => break 'frames Some(PumpExit::Tun(e)),
+                    },
+                    // In order with the packets: resets only the flows before it.
+                    Kind::Resume => {
+                        track(&mut delivered, &chunk.buf);
+                        if let Err(e) =
+                            redial::resume_answer(&redial, &*tun, frame.payload, &counters).await
+                        {
+                            break 'frames Some(PumpExit::Tun(e));
+                        }
                     }
-                    // The TUN driver rejects what is not IPv4/IPv6 with EINVAL
-                    // (drivers/net/tun.c, tun_get_user); one bad packet from the
-                    // manager must not end the session.
-                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                        invalid += 1;
-                        tracing::debug!(len = frame.payload.len(), "TUN refused an inbound packet");
-                    }
-                    Err(e) => return PumpExit::Tun(e),
-                },
-                // In order with the packets: resets only the flows before it.
-                Kind::Resume => {
-                    if let Err(e) =
-                        redial::resume_answer(&redial, &*tun, frame.payload, &counters).await
-                    {
-                        return PumpExit::Tun(e);
-                    }
-                }
-                // Taken by `transport_reader` already.
-                Kind::Heartbeat | Kind::Stats | Kind::Hello => {}
-                Kind::Gso => match write_gso(&*tun, frame.payload).await {
-                    Ok(Some(n)) => {
-                        (packets, bytes, gso_frames) = (packets + 1, bytes + n, gso_frames + 1);
-                        // The super-packet's sequence end is what the laptop got.
-                        redial::track_inbound(
-                            &redial,
-                            frame.payload.get(GSO_HEADER_LEN..).unwrap_or_default(),
+                    // Taken by `transport_reader` already.
+                    Kind::Heartbeat | Kind::Stats | Kind::Hello => {}
+                    Kind::Gso => match write_gso(&*tun, frame.payload).await {
+                        Ok(Some((n, segments))) => {
+                            (packets, bytes) = (packets + 1, bytes + n);
+                            (gso_frames, gso_segments) = (gso_frames + 1, gso_segments + segments);
+                            // The super-packet's sequence end is what the laptop got.
+                            if redial.is_some() && frame.payload.len() > GSO_HEADER_LEN {
+                                delivered.push((off - frame.payload.len() + GSO_HEADER_LEN, off));
+                            }
+                        }
+                        Ok(None) => invalid += 1,
+                        Err(e) => break 'frames Some(PumpExit::Tun(e)),
+                    },
+                    Kind::Unknown(_) => {
+                        tracing::debug!(
+                            kind = frame.kind.to_u8(),
+                            "frame of a kind the client ignores"
                         );
                     }
-                    Ok(None) => invalid += 1,
-                    Err(e) => return PumpExit::Tun(e),
-                },
-                Kind::Unknown(_) => {
-                    tracing::debug!(
-                        kind = frame.kind.to_u8(),
-                        "frame of a kind the client ignores"
-                    );
                 }
             }
-        }
+            None
+        };
+        track(&mut delivered, &chunk.buf);
         Counters::add(&counters.rx_packets, packets);
         Counters::add(&counters.rx_bytes, bytes);
         Counters::add(&counters.rx_invalid, invalid);
         Counters::add(&counters.rx_gso_frames, gso_frames);
+        Counters::add(&counters.rx_gso_segments, gso_segments);
+        if let Some(exit) = exit {
+            return exit;
+        }
         if free_tx.send(chunk).await.is_err() {
             return PumpExit::Task("inbound buffer queue closed".to_owned());
         }
@@ -1764,19 +1818,12 @@ mod tests {
     /// (the pseudo-header sum only), as the kernel hands it over with
     /// TUN_F_CSUM / TUN_F_TSO4.
     fn partial_tcp(payload: &[u8], flags: u8) -> Vec<u8> {
-        let mut tcp = vec![0u8; 20];
-        tcp[0..2].copy_from_slice(&40000u16.to_be_bytes());
-        tcp[2..4].copy_from_slice(&7007u16.to_be_bytes());
-        tcp[4..8].copy_from_slice(&5000u32.to_be_bytes());
-        tcp[12] = 5 << 4;
-        tcp[13] = flags;
-        tcp[14..16].copy_from_slice(&512u16.to_be_bytes());
-        tcp.extend_from_slice(payload);
-        let len = (tcp.len() as u16).to_be_bytes();
-        let pseudo = [&LAPTOP_IP.octets()[..], &POD_IP.octets(), &[0, 6], &len].concat();
-        let partial = !kvpn_lab::packets::checksum(&[&pseudo]);
-        tcp[16..18].copy_from_slice(&partial.to_be_bytes());
-        kvpn_lab::packets::ipv4(6, LAPTOP_IP, POD_IP, &tcp)
+        kvpn_lab::packets::tcp_partial_checksum(
+            std::net::SocketAddrV4::new(LAPTOP_IP, 40000),
+            std::net::SocketAddrV4::new(POD_IP, 7007),
+            payload,
+            flags,
+        )
     }
 
     /// A TUN read: `virtio_net_hdr` (host byte order) + `packet`.

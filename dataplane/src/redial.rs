@@ -144,6 +144,9 @@ pub struct Redial {
     /// The current connection got a resume answer (the manager takes
     /// resume tokens; the next re-dial may resume).
     resume_offered: AtomicBool,
+    /// Times the inbound hook took the flow table's lock.
+    #[cfg(test)]
+    inbound_locks: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -172,21 +175,43 @@ impl Redial {
     }
 }
 
-/// Pump hook: the outbound packets of a batch that goes to the manager.
+/// Pump hook: the outbound packets of a batch that goes to the manager
+/// (one lock and one clock read per batch).
 pub fn track_outbound<'a>(redial: &Option<Arc<Redial>>, packets: impl Iterator<Item = &'a [u8]>) {
-    if let Some(r) = redial {
-        let mut flows = lock(&r.flows);
-        for p in packets {
-            flows.handle_outbound(p);
-        }
+    track(redial, packets, CarriedFlows::handle_outbound);
+}
+
+/// Pump hook: the inbound packets of a chunk written to the TUN (one lock
+/// and one clock read per call; the caller calls it after its TUN writes,
+/// so the outbound side never waits on one).
+pub fn track_inbound<'a>(redial: &Option<Arc<Redial>>, packets: impl Iterator<Item = &'a [u8]>) {
+    let _locked = track(redial, packets, CarriedFlows::handle_inbound);
+    #[cfg(test)]
+    if let Some(r) = redial.as_ref().filter(|_| _locked) {
+        r.inbound_locks.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Pump hook: one inbound packet written to the TUN.
-pub fn track_inbound(redial: &Option<Arc<Redial>>, packet: &[u8]) {
-    if let Some(r) = redial {
-        lock(&r.flows).handle_inbound(packet);
+/// Feed `packets` to the flow table under one lock; whether it was taken
+/// (not for an empty batch).
+fn track<'a>(
+    redial: &Option<Arc<Redial>>,
+    packets: impl Iterator<Item = &'a [u8]>,
+    handle: fn(&mut CarriedFlows, &[u8], Instant),
+) -> bool {
+    let Some(r) = redial else {
+        return false;
+    };
+    let mut packets = packets.peekable();
+    if packets.peek().is_none() {
+        return false;
     }
+    let now = Instant::now();
+    let mut flows = lock(&r.flows);
+    for p in packets {
+        handle(&mut flows, p, now);
+    }
+    true
 }
 
 /// Pump hook, for a batch of `packets` read while the session is
@@ -250,7 +275,7 @@ pub async fn resume_answer<T: PacketIo>(
         return Ok(());
     }
     let mut resets = Vec::new();
-    let flows = lock(&r.flows).take_resets(&mut resets);
+    let flows = lock(&r.flows).take_resets(&mut resets, Instant::now());
     for rst in &resets {
         match tun.send(rst).await {
             Ok(_) => {}
@@ -358,10 +383,15 @@ mod tests {
 
     /// A TCP segment pod:8080 -> laptop:40000 (`inbound`) or back, ACK set.
     fn tcp(inbound: bool, seq: u32, ack: u32, payload: usize) -> Vec<u8> {
+        tcp_port(40000, inbound, seq, ack, payload)
+    }
+
+    /// [`tcp`] with laptop port `port`.
+    fn tcp_port(port: u16, inbound: bool, seq: u32, ack: u32, payload: usize) -> Vec<u8> {
         let (src, dst, sp, dp) = if inbound {
-            (POD, LAPTOP, 8080, 40000)
+            (POD, LAPTOP, 8080, port)
         } else {
-            (LAPTOP, POD, 40000, 8080)
+            (LAPTOP, POD, port, 8080)
         };
         let mut seg = vec![0u8; 20 + payload];
         let mut t = TcpPacket::new_unchecked(&mut seg[..]);
@@ -469,6 +499,59 @@ mod tests {
         assert_eq!(seqs, vec![5100, 5050]);
         assert_eq!(Counters::get(&counters.tcp_flows_reset), 1);
         assert_eq!(redial.flows(), 0);
+        pump.abort();
+    }
+
+    /// The inbound packets of a chunk are tracked under one lock, not one
+    /// per packet (on main: one lock per packet, 64 here), and in order with
+    /// a resume answer in the same chunk: the flow before a "new" answer is
+    /// reset at the end of what it delivered, the one after it is not.
+    #[tokio::test]
+    async fn inbound_packets_are_tracked_per_chunk_in_order_with_the_answer() {
+        let (tun_side, app) = UnixDatagram::pair().expect("socketpair");
+        let redial = Arc::new(Redial::default());
+        let counters = Arc::new(Counters::default());
+        Counters::add(&counters.transports_lost, 1);
+        let mut l = Liveness::new(Duration::from_secs(3600));
+        l.handle_transport_up(Instant::now());
+        let (pump, mut manager) = start_pump(Arc::new(tun_side), l, &counters, &redial);
+        let mut wire = Vec::new();
+        for i in 0..32 {
+            wire.extend(frame_of(
+                Kind::Packet,
+                &tcp_port(40000, true, 5000 + i * 100, 1, 100),
+            ));
+        }
+        wire.extend(frame_of(Kind::Resume, &[ResumeAnswer::New.to_u8()]));
+        for i in 0..32 {
+            wire.extend(frame_of(
+                Kind::Packet,
+                &tcp_port(40001, true, 9000 + i * 100, 1, 100),
+            ));
+        }
+        manager.write_all(&wire).await.expect("write");
+        let mut got = Vec::new();
+        for _ in 0..65 {
+            got.push(recv(&app).await);
+        }
+        let rst = Ipv4Packet::new_checked(&got[32][..]).expect("IPv4");
+        let t = TcpPacket::new_checked(rst.payload()).expect("TCP");
+        assert!(t.rst(), "the answer's RST comes right after the first flow");
+        assert_eq!((t.dst_port(), t.seq_number().0 as u32), (40000, 8200));
+        assert_eq!(got[33], tcp_port(40001, true, 9000, 1, 100));
+        for _ in 0..100 {
+            if redial.flows() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(redial.flows(), 1, "the flow after the answer is tracked");
+        assert_eq!(Counters::get(&counters.tcp_flows_reset), 1);
+        let locks = redial.inbound_locks.load(Ordering::Relaxed);
+        assert!(
+            (1..16).contains(&locks),
+            "64 inbound packets took the lock {locks} times"
+        );
         pump.abort();
     }
 

@@ -53,14 +53,30 @@ pub fn plan(routes: &[(IpNet, RouteKind)]) -> RoutePlan {
         }
     }
 
-    // Widest first, so that a prefix is only compared with prefixes that could
-    // cover it. Quadratic, but Connect carries tens of CIDRs, not thousands.
+    // Widest first, so that a prefix is only looked up among the kept prefixes
+    // that could cover it: its own truncation to each shorter length kept so
+    // far (at most 33 or 129 lookups, not one per kept prefix). Measured on
+    // the bench's 10,002 routes (`--cidr` ×10,000 /32s, pod and service
+    // CIDR), debug build: 4.1 s with the pairwise comparison, enough for the
+    // root daemon to miss the daemon channel's 6 s keep-alive under load; 28
+    // ms with the lookups.
     let mut by_width = classifier.clone();
     by_width.sort_by_key(|(net, _)| (net.prefix_len(), *net));
     let mut kernel: Vec<(IpNet, RouteKind)> = Vec::with_capacity(by_width.len());
+    let mut kept: HashSet<IpNet> = HashSet::with_capacity(by_width.len());
+    let mut kept_lens: Vec<u8> = Vec::new();
     for (net, kind) in by_width {
-        if !kernel.iter().any(|(wider, _)| wider.contains(&net)) {
+        let covered = kept_lens
+            .iter()
+            .filter(|&&len| len < net.prefix_len())
+            .filter_map(|&len| IpNet::new(net.network(), len).ok())
+            .any(|wider| kept.contains(&wider.trunc()));
+        if !covered {
             kernel.push((net, kind));
+            kept.insert(net);
+            if !kept_lens.contains(&net.prefix_len()) {
+                kept_lens.push(net.prefix_len());
+            }
         }
     }
     kernel.sort_by_key(|(net, _)| *net);

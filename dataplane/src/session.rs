@@ -34,6 +34,8 @@ use crate::netlink::{Netlink, RP_FILTER_LOOSE, RTPROT_KVPN};
 use crate::pump::{self, Counters, PumpConfig, Refusal};
 use crate::redial::{self, Redial};
 use crate::routes::{self, RoutePlan};
+use crate::stale_tcp;
+use crate::steer_watch::{self, SteerWatch};
 use crate::tls::TlsClient;
 use crate::tun;
 use crate::watched::{ClassifierSlot, WatchHandle, Watched};
@@ -89,8 +91,12 @@ pub trait AttachedClassifier: Send {
         let _ = (ifindex, l2_hdr_len, tunnel_ip, tun_ifindex);
         Err(format!("this classifier cannot steer {ifname}").into())
     }
-    /// The laptop devices steered.
-    fn steered_devices(&self) -> Vec<String> {
+    /// Stop steering laptop interface `ifindex` ([`ebpf::Classifier::unsteer`]).
+    fn unsteer(&mut self, ifindex: u32) -> Result<(), BoxError> {
+        Err(format!("this classifier cannot unsteer #{ifindex}").into())
+    }
+    /// The laptop devices steered, as (name, ifindex).
+    fn steered_devices(&self) -> Vec<(String, u32)> {
         Vec::new()
     }
 }
@@ -146,7 +152,10 @@ impl AttachedClassifier for ebpf::Classifier {
             tun_ifindex,
         )?)
     }
-    fn steered_devices(&self) -> Vec<String> {
+    fn unsteer(&mut self, ifindex: u32) -> Result<(), BoxError> {
+        Ok(ebpf::Classifier::unsteer(self, ifindex)?)
+    }
+    fn steered_devices(&self) -> Vec<(String, u32)> {
         ebpf::Classifier::steered_devices(self)
     }
 }
@@ -325,6 +334,9 @@ pub struct TeardownReport {
     pub routes_removed: usize,
     /// Things still present afterwards (empty = clean).
     pub leftovers: Vec<String>,
+    /// The laptop's TCP sockets through the session destroyed before it went
+    /// ([`stale_tcp`]): their applications got ECONNABORTED.
+    pub tcp_reset: u64,
 }
 
 /// How long a stopping worker waits for its pump to tell the manager it is
@@ -416,6 +428,10 @@ pub struct Session {
     tun: Option<Arc<AsyncDevice>>,
     /// Which cluster this session leads to, as the client said (reported only).
     origin: Option<kvpn_proto::dataplane::Origin>,
+    /// `--steer ebpf`: keeps steering on the devices of conflicting routes.
+    steer_watch: Option<SteerWatch>,
+    /// TCP sockets of an earlier session that Connect destroyed ([`stale_tcp`]).
+    stale_tcp_flows_reset: u64,
 }
 
 impl fmt::Debug for Session {
@@ -894,7 +910,19 @@ impl Session {
                 });
             }
             for c in &found {
-                tracing::warn!(conflict = %c, "route conflict allowed: steering only cluster-bound traffic");
+                // kvpn's routes win over main- and local-table routes by prefix
+                // length only; a table a policy rule consults first stays ahead
+                // of them unless `--steer ebpf` steers its device.
+                if matches!(
+                    c.laptop.table,
+                    conflicts::TABLE_MAIN | conflicts::TABLE_LOCAL
+                ) {
+                    tracing::warn!(conflict = %c, "route conflict allowed: kvpn's more specific routes take the cluster-bound traffic");
+                } else if params.steer_ebpf {
+                    tracing::warn!(conflict = %c, table = %conflicts::table_name(c.laptop.table), "route conflict allowed: --steer ebpf steers the cluster-bound traffic past it");
+                } else {
+                    tracing::warn!(conflict = %c, table = %conflicts::table_name(c.laptop.table), "route conflict allowed but not handled: the table is consulted before kvpn's routes, so these cluster addresses stay unreachable (--steer ebpf would steer them)");
+                }
             }
         }
         // `--steer ebpf`: the devices of conflicting routes routes cannot win over.
@@ -986,6 +1014,26 @@ impl Session {
             .filter(|(net, _)| found.iter().any(|c| c.cluster == *net && c.exact_in_main()))
             .copied()
             .collect();
+        // Before the TUN device has the tunnel IP: the sockets a dead root
+        // daemon's session left are the ones into these routes from an address
+        // no interface but a TUN device has (another cluster's session may
+        // hold the same tunnel IP; see stale_tcp).
+        let kernel_routes: Vec<IpNet> = plan.kernel.iter().map(|(net, _)| *net).collect();
+        let stale_tcp_flows_reset = match stale_tcp::sweep(&kernel_routes) {
+            Ok(destroyed) if destroyed.is_empty() => 0,
+            Ok(destroyed) => {
+                let flows: Vec<String> = destroyed
+                    .iter()
+                    .map(|(local, remote)| format!("{local} -> {remote}"))
+                    .collect();
+                tracing::warn!(count = flows.len(), flows = %flows.join(", "), "destroyed laptop TCP sockets an earlier session left (its root daemon died): their applications get ECONNABORTED now");
+                flows.len() as u64
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for laptop TCP sockets an earlier session left: a download of a dead root daemon's session may hang until its application's timeout");
+                0
+            }
+        };
         let mut undo = Undo {
             netlink,
             tun: None,
@@ -1057,6 +1105,35 @@ impl Session {
                         )
                     })
                     .collect();
+                let classifier: ClassifierSlot = Arc::new(Mutex::new(classifier));
+                let watched = Arc::new(Mutex::new(Watched {
+                    not_installed: not_installed.into_iter().collect(),
+                    ..Watched::default()
+                }));
+                let steer_watch = match (
+                    params.steer_ebpf && params.allow_route_conflict,
+                    params.tunnel_ip,
+                ) {
+                    (true, IpAddr::V4(tunnel_ip)) => {
+                        match steer_watch::spawn(steer_watch::Inputs {
+                            netlink: netlink.clone(),
+                            classifier: classifier.clone(),
+                            watched: watched.clone(),
+                            connect: plan.kernel.clone(),
+                            tun_ifindex: ifindex,
+                            tunnel_ip,
+                        }) {
+                            Ok(watch) => Some(watch),
+                            Err(e) => {
+                                // Steering as found at connect still works; only
+                                // following the laptop's devices does not.
+                                tracing::warn!(error = %e, "cannot watch the laptop's links and routes: eBPF steering stays on the devices found at connect");
+                                None
+                            }
+                        }
+                    }
+                    _ => None,
+                };
                 tracing::info!(tun = %tun_name, ifindex, routes = plan.kernel.len(), workers, "session up");
                 Ok(Session {
                     id,
@@ -1066,16 +1143,15 @@ impl Session {
                     ifindex,
                     started: Instant::now(),
                     shared,
-                    classifier: Arc::new(Mutex::new(classifier)),
-                    watched: Arc::new(Mutex::new(Watched {
-                        not_installed: not_installed.into_iter().collect(),
-                        ..Watched::default()
-                    })),
+                    classifier,
+                    watched,
                     watched_update: Arc::default(),
                     stop_tx,
                     supervisors,
                     tun: Some(device),
                     origin: None,
+                    steer_watch,
+                    stale_tcp_flows_reset,
                 })
             }
             Err((step, message)) => {
@@ -1295,6 +1371,7 @@ impl Session {
                 (&sum.rx_bytes, &c.rx_bytes),
                 (&sum.rx_invalid, &c.rx_invalid),
                 (&sum.rx_gso_frames, &c.rx_gso_frames),
+                (&sum.rx_gso_segments, &c.rx_gso_segments),
                 (&sum.heartbeats_sent, &c.heartbeats_sent),
                 (&sum.heartbeats_echoed, &c.heartbeats_echoed),
                 (&sum.refused_packets, &c.refused_packets),
@@ -1321,8 +1398,9 @@ impl Session {
         guard.as_ref().map(|c| c.stats())
     }
 
-    /// The laptop devices eBPF steering is attached to (`--steer ebpf`).
-    pub fn steered_devices(&self) -> Vec<String> {
+    /// The laptop devices eBPF steering is attached to (`--steer ebpf`), as (name,
+    /// ifindex).
+    pub fn steered_devices(&self) -> Vec<(String, u32)> {
         self.classifier
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -1344,13 +1422,29 @@ impl Session {
         let mut steer = None;
         let (ebpf, unrouted, ingress) = match self.classifier_stats() {
             Some(Ok(stats)) => {
-                if !steered_devices.is_empty() {
+                // With the watch, also while no device is steered: its count and
+                // errors stay visible.
+                if !steered_devices.is_empty() || self.steer_watch.is_some() {
+                    let watch = self
+                        .steer_watch
+                        .as_ref()
+                        .map(SteerWatch::state)
+                        .unwrap_or_default();
                     steer = Some(api::SteerCounters {
-                        devices: steered_devices.clone(),
+                        devices: steered_devices.iter().map(|(d, _)| d.clone()).collect(),
                         steered: Some(counter(stats.steer.steered)),
                         reverse_translated: Some(counter(stats.steer.reversed)),
                         no_conntrack: Some(counter(stats.steer.no_conntrack)),
                         failed: Some(counter(stats.steer.failed)),
+                        attached: steered_devices
+                            .iter()
+                            .map(|(name, ifindex)| api::SteeredDevice {
+                                name: name.clone(),
+                                ifindex: *ifindex,
+                            })
+                            .collect(),
+                        reattachments: watch.reattachments,
+                        errors: watch.errors.into_values().collect(),
                     });
                 }
                 (
@@ -1412,9 +1506,11 @@ impl Session {
             resumes_lost: Counters::get(&c.resumes_lost),
             tcp_flows_reset: Counters::get(&c.tcp_flows_reset),
             held_packets: Counters::get(&c.held_packets),
+            stale_tcp_flows_reset: self.stale_tcp_flows_reset,
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
             rx_gso_frames: Counters::get(&c.rx_gso_frames),
+            rx_gso_segments: Counters::get(&c.rx_gso_segments),
             ebpf,
             ebpf_unrouted_packets: unrouted.packets,
             ebpf_unrouted_bytes: unrouted.bytes,
@@ -1485,7 +1581,9 @@ impl Session {
                 } else if !matches!(
                     c.laptop.table,
                     conflicts::TABLE_MAIN | conflicts::TABLE_LOCAL
-                ) && steered_devices.contains(&c.laptop.dev)
+                ) && steered_devices
+                    .iter()
+                    .any(|(dev, ifindex)| *dev == c.laptop.dev && *ifindex == c.laptop.oif)
                 {
                     "steered (ebpf)"
                 } else if self.params.allow_route_conflict
@@ -1669,7 +1767,15 @@ impl Session {
     /// Stop the pump, detach the classifier, delete the routes and the TUN
     /// device, and verify that none of them remains.
     pub async fn teardown(mut self, netlink: &Netlink) -> TeardownReport {
+        // While the TUN device, its routes and the pump are still there: the
+        // sockets through the session would hang once they are gone, and the
+        // aborts' RSTs still reach the manager through the tunnel.
+        let tcp_reset = self.reset_tcp_through();
         let _ = self.stop_tx.send(true);
+        // Before the classifier goes: the watch attaches through it.
+        if let Some(watch) = self.steer_watch.as_mut() {
+            watch.stop().await;
+        }
         for mut supervisor in std::mem::take(&mut self.supervisors) {
             if tokio::time::timeout(Duration::from_secs(2), &mut supervisor)
                 .await
@@ -1705,16 +1811,7 @@ impl Session {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        let watched = self.watched();
-        let routes: Vec<IpNet> = self
-            .plan
-            .kernel
-            .iter()
-            .map(|(n, _)| *n)
-            .filter(|n| !watched.not_installed.contains_key(n))
-            .chain(watched.routes.into_keys())
-            .chain(watched.pinned)
-            .collect();
+        let routes = self.all_routes();
         let mut report = match self.tun.take() {
             Some(device) => {
                 remove_device(netlink, device, self.ifindex, &self.tun_name, &routes).await
@@ -1727,11 +1824,13 @@ impl Session {
                 self.tun_name
             ));
         }
+        report.tcp_reset = tcp_reset;
         let c = self.counters();
         tracing::info!(
             id = %self.id,
             tun = %self.tun_name,
             routes_removed = report.routes_removed,
+            tcp_reset,
             leftovers = report.leftovers.len(),
             tx_packets = Counters::get(&c.tx_packets),
             tx_batches = Counters::get(&c.tx_batches),
@@ -1741,9 +1840,47 @@ impl Session {
             rx_packets = Counters::get(&c.rx_packets),
             rx_invalid = Counters::get(&c.rx_invalid),
             rx_gso_frames = Counters::get(&c.rx_gso_frames),
+            rx_gso_segments = Counters::get(&c.rx_gso_segments),
             "session torn down"
         );
         report
+    }
+}
+
+impl Session {
+    /// The session's routes: planned (less those the laptop kept), watched and
+    /// pinned.
+    fn all_routes(&self) -> Vec<IpNet> {
+        let watched = self.watched();
+        self.plan
+            .kernel
+            .iter()
+            .map(|(n, _)| *n)
+            .filter(|n| !watched.not_installed.contains_key(n))
+            .chain(watched.routes.into_keys())
+            .chain(watched.pinned)
+            .collect()
+    }
+
+    /// Destroy the laptop's TCP sockets through this session ([`stale_tcp`]:
+    /// into its routes, from its tunnel IP or another address no interface
+    /// but a TUN device has); how many.
+    fn reset_tcp_through(&self) -> u64 {
+        match stale_tcp::sweep(&self.all_routes()) {
+            Ok(destroyed) if destroyed.is_empty() => 0,
+            Ok(destroyed) => {
+                let flows: Vec<String> = destroyed
+                    .iter()
+                    .map(|(local, remote)| format!("{local} -> {remote}"))
+                    .collect();
+                tracing::info!(id = %self.id, count = flows.len(), flows = %flows.join(", "), "destroyed the laptop TCP sockets through the session being disconnected: their applications get ECONNABORTED now");
+                flows.len() as u64
+            }
+            Err(e) => {
+                tracing::warn!(id = %self.id, error = %e, "cannot look for laptop TCP sockets through the session being disconnected: a download in flight may hang until its application's timeout");
+                0
+            }
+        }
     }
 }
 
@@ -1768,7 +1905,9 @@ pub fn kind_from_api(raw: i32) -> Option<RouteKind> {
     }
 }
 
-fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+/// `err` and its sources, joined with ": " (a source whose text is already in
+/// the message left out).
+pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut out = err.to_string();
     let mut source = err.source();
     while let Some(s) = source {

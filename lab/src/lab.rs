@@ -201,6 +201,9 @@ pub struct Lab {
     persist_as: Option<String>,
     keep_dir: bool,
     manager_desc: String,
+    /// What [`Lab::restart_manager`] starts again: the options the manager pod's
+    /// process was started with (`None` for an attached lab or one without a manager).
+    manager_options: Option<LabOptions>,
     static_workloads: bool,
     addressing: Addressing,
     /// False when the laptop netns is another lab's ([`LabOptions::laptop`]).
@@ -388,6 +391,7 @@ impl Lab {
             persist_as: options.persist_as.clone(),
             keep_dir: options.keep_dir,
             manager_desc: String::new(),
+            manager_options: None,
             static_workloads: options.static_workloads,
             addressing,
             own_laptop,
@@ -472,7 +476,30 @@ impl Lab {
                 ));
             }
         }
-        let manager_cmd = match &options.manager {
+        let manager_cmd = self.manager_command(options)?;
+        self.manager_desc = match &manager_cmd {
+            Some(cmd) => crate::netns::describe(cmd),
+            None => "nothing (LabOptions: no manager)".to_owned(),
+        };
+        if let Some(cmd) = manager_cmd {
+            self.spawn_pod_process(MANAGER_POD, MANAGER_POD_IP, cmd, options)?;
+            self.manager_options = Some(options.clone());
+            waits.push((
+                MANAGER_POD.to_owned(),
+                vec![SocketAddrV4::new(MANAGER_POD_IP, MANAGER_PORT)],
+            ));
+        }
+        for (name, addrs) in waits {
+            for addr in addrs {
+                self.wait_process_ready(&name, addr, options.ready_timeout)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The manager pod's command per [`LabOptions::manager`] (`None`: nothing runs).
+    fn manager_command(&self, options: &LabOptions) -> Result<Option<Command>> {
+        Ok(match &options.manager {
             ManagerProcess::None => None,
             ManagerProcess::Kvpn { extra_args } => {
                 let mut cmd = Command::new(bin_path("kvpn-manager")?);
@@ -485,24 +512,40 @@ impl Lab {
                 cmd.args(args);
                 Some(cmd)
             }
+        })
+    }
+
+    /// Stops the manager pod's process (SIGTERM, SIGKILL after 3 s) and starts it again
+    /// with the same command and environment, waiting until it listens; returns the new
+    /// pid. Every session on the old process is gone; the memory figures of a fresh
+    /// manager are its own (the bench restarts it each round). Fails for a lab without
+    /// a manager process of its own ([`LabOptions::without_manager`], an attached lab).
+    pub fn restart_manager(&self) -> Result<u32> {
+        let Some(options) = &self.manager_options else {
+            return Err(LabError::Invalid {
+                what: "manager restart",
+                value: self.name.clone(),
+                why: "this lab handle started no manager process (no manager, or attached)",
+            });
         };
-        self.manager_desc = match &manager_cmd {
-            Some(cmd) => crate::netns::describe(cmd),
-            None => "nothing (LabOptions: no manager)".to_owned(),
+        let old = {
+            let mut processes = self.lock_processes();
+            let index = processes.iter().position(|p| p.name() == MANAGER_POD);
+            index.map(|i| processes.remove(i))
         };
-        if let Some(cmd) = manager_cmd {
-            self.spawn_pod_process(MANAGER_POD, MANAGER_POD_IP, cmd, options)?;
-            waits.push((
-                MANAGER_POD.to_owned(),
-                vec![SocketAddrV4::new(MANAGER_POD_IP, MANAGER_PORT)],
-            ));
+        if let Some(mut process) = old {
+            process.terminate(STOP_GRACE);
         }
-        for (name, addrs) in waits {
-            for addr in addrs {
-                self.wait_process_ready(&name, addr, options.ready_timeout)?;
-            }
-        }
-        Ok(())
+        let cmd = self
+            .manager_command(options)?
+            .expect("manager_options is set only when a manager command exists");
+        let pid = self.spawn_pod_process(MANAGER_POD, MANAGER_POD_IP, cmd, options)?;
+        self.wait_process_ready(
+            MANAGER_POD,
+            SocketAddrV4::new(MANAGER_POD_IP, MANAGER_PORT),
+            options.ready_timeout,
+        )?;
+        Ok(pid)
     }
 
     fn spawn_pod_process(
@@ -643,6 +686,7 @@ impl Lab {
             persist_as: Some(name.to_owned()),
             keep_dir: state.keep_dir,
             manager_desc: state.manager,
+            manager_options: None,
             teardown_on_drop: false,
             down: false,
         })
@@ -1347,6 +1391,7 @@ pub fn reap_orphaned_labs() -> Result<Vec<String>> {
             persist_as: None,
             keep_dir: false,
             manager_desc: String::new(),
+            manager_options: None,
             static_workloads: false,
             addressing: Addressing::default(),
             own_laptop: true,

@@ -1,6 +1,7 @@
 //! Hand-made IP packets for the eBPF tests (dataplane/tests/ebpf_classifier.rs,
 //! ebpf_tun_netns.rs, tests/tests/ebpf_antispoof.rs), the rogue client
-//! (tests/tests/rogue_client.rs) and the bench's SYN flood: header layouts the
+//! (tests/tests/rogue_client.rs), the pump's offload tests (dataplane/src/pump.rs,
+//! dataplane/tests/pump_alloc.rs) and the bench's SYN flood: header layouts the
 //! classifier must parse, built byte by byte so a test controls every field
 //! (RFC 791, RFC 8200, RFC 768, RFC 9293, checksums per RFC 1071), and draining
 //! a non-blocking reader for a while. Pure apart from [`drain_for`].
@@ -131,6 +132,38 @@ pub fn tcp_syn(src: SocketAddrV4, dst: SocketAddrV4) -> Vec<u8> {
     .concat();
     let sum = checksum(&[&pseudo, &tcp]);
     tcp[16..18].copy_from_slice(&sum.to_be_bytes());
+    ipv4(PROTO_TCP, *src.ip(), *dst.ip(), &tcp)
+}
+
+/// An IPv4 TCP segment `src -> dst` (sequence number 5000, window 512, no
+/// options) carrying `payload` with TCP `flags`, its checksum partial: the
+/// pseudo-header sum only, as the kernel hands a segment to a TUN device with
+/// `TUN_F_CSUM` / `TUN_F_TSO4` (a super-packet when `payload` is longer than
+/// one MSS). Valid IPv4 header checksum.
+pub fn tcp_partial_checksum(
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    payload: &[u8],
+    flags: u8,
+) -> Vec<u8> {
+    let mut tcp = vec![0u8; 20];
+    tcp[0..2].copy_from_slice(&src.port().to_be_bytes());
+    tcp[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    tcp[4..8].copy_from_slice(&5000u32.to_be_bytes());
+    tcp[12] = 5 << 4;
+    tcp[13] = flags;
+    tcp[14..16].copy_from_slice(&512u16.to_be_bytes());
+    tcp.extend_from_slice(payload);
+    let len = (tcp.len() as u16).to_be_bytes();
+    let pseudo = [
+        &src.ip().octets()[..],
+        &dst.ip().octets()[..],
+        &[0, PROTO_TCP],
+        &len,
+    ]
+    .concat();
+    let partial = !checksum(&[&pseudo]);
+    tcp[16..18].copy_from_slice(&partial.to_be_bytes());
     ipv4(PROTO_TCP, *src.ip(), *dst.ip(), &tcp)
 }
 

@@ -704,3 +704,43 @@ fn pods_added_later_are_reachable_and_usable_by_role() {
         "{link:?}"
     );
 }
+
+#[test]
+fn restart_manager_starts_a_new_process_that_serves() {
+    let lab = lab_with_stand_in_manager();
+    let url = format!("http://{}/", lab.manager_addr_from_laptop());
+    assert_eq!(page(&lab, LAPTOP, &url).pod, "manager");
+    let manager_pids = |lab: &Lab| -> Vec<u32> {
+        lab.processes()
+            .iter()
+            .filter(|p| p.name == MANAGER_POD && p.alive)
+            .map(|p| p.pid)
+            .collect()
+    };
+    let before = manager_pids(&lab);
+    assert_eq!(before.len(), 1, "one manager process before: {before:?}");
+
+    let pid = lab.restart_manager().expect("restart the manager");
+    assert_ne!(pid, before[0], "a new process");
+    assert!(
+        !alive(before[0]),
+        "the old manager {} still runs",
+        before[0]
+    );
+    assert_eq!(
+        manager_pids(&lab),
+        vec![pid],
+        "exactly the new manager runs"
+    );
+    // It listens already when restart_manager returns.
+    assert_eq!(page(&lab, LAPTOP, &url).pod, "manager");
+
+    let without = lab_without_manager();
+    let err = without
+        .restart_manager()
+        .expect_err("no manager to restart");
+    assert!(
+        err.to_string().contains("no manager process"),
+        "error names the cause: {err}"
+    );
+}

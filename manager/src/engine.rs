@@ -467,6 +467,9 @@ enum TcpState {
 #[derive(Debug)]
 struct OpenTcp {
     handle: SocketHandle,
+    /// The laptop's initial sequence number (of the SYN that opened the flow):
+    /// a SYN with another one is a new connection on the same 4-tuple.
+    syn_seq: u32,
     /// Inbound credit granted but not yet used.
     granted: usize,
     /// Outbound bytes requested to be written but not yet confirmed.
@@ -913,14 +916,45 @@ impl Engine {
                         self.remove_tcp(id);
                     } else if !meta.is_initial_syn() {
                         self.drop_packet(DropReason::TcpWhileDialing);
+                    } else if let Some(TcpFlow {
+                        state: TcpState::Dialing { syn, meta: held },
+                        ..
+                    }) = self.tcp.get_mut(&id)
+                        && held.seq != meta.seq
+                    {
+                        // A new connection on the 4-tuple (the laptop gave up
+                        // on the first and its RST was lost): the dial answers
+                        // this one.
+                        *syn = buf.into_vec();
+                        *held = meta;
                     }
                     // A retransmitted SYN is answered by the held one.
                     return;
                 }
-                Some(TcpState::Open(o)) => {
+                Some(TcpState::Open(o)) if meta.is_initial_syn() => {
                     let st = self.sockets.get::<tcp::Socket>(o.handle).state();
-                    meta.is_initial_syn() && matches!(st, tcp::State::Closed | tcp::State::TimeWait)
+                    if matches!(st, tcp::State::Closed | tcp::State::TimeWait) {
+                        true
+                    } else if meta.seq != o.syn_seq {
+                        // A SYN with another initial sequence number: the laptop
+                        // has no connection on this 4-tuple any more (its RST
+                        // for the old one was lost, e.g. dropped from a full
+                        // TUN queue in a burst of resets) and reuses the port.
+                        // smoltcp drops a SYN without ACK in a synchronized
+                        // state without an answer, so feeding it there would
+                        // make the 4-tuple unusable until the idle timeout.
+                        // The laptop is the only sender into its session, so
+                        // the new connection wins, as a kernel's TIME-WAIT
+                        // lets a new SYN take over.
+                        debug!(flow = %id, dst = %meta.dst, laptop_port = meta.src.port(), state = %st, "SYN for a new connection on a live flow's 4-tuple: replacing the flow");
+                        self.metrics.tcp_replaced_by_syn += 1;
+                        true
+                    } else {
+                        // A retransmission of this flow's own SYN.
+                        false
+                    }
                 }
+                Some(TcpState::Open(_)) => false,
                 Some(TcpState::Lingering { .. }) => meta.is_initial_syn(),
                 None => true,
             };
@@ -1190,6 +1224,7 @@ impl Engine {
                 };
                 flow.state = TcpState::Open(OpenTcp {
                     handle,
+                    syn_seq: meta.seq,
                     granted: 0,
                     write_inflight: 0,
                     overflow: Vec::new(),

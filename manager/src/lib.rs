@@ -14,7 +14,8 @@
 //!   ICMP echo sockets).
 //! - [`session`]: the tokio shell of one data-channel session (frames in and
 //!   out); [`server`]: the :10801 listener, plain TCP or TLS 1.3 ([`tls`]);
-//!   [`peers`]: live sessions by tunnel IP (laptop-to-laptop forwarding).
+//!   [`peers`]: live sessions by tunnel IP (laptop-to-laptop forwarding);
+//!   [`window`]: the TCP flows' receive window from the connection's round trip.
 //! - [`lease`]: the pure lease table (tunnel IPs from the pool, tokens,
 //!   expiry); [`leases`]: its shell (clock, randomness, the ConfigMap store);
 //!   [`grpc`]: the control gRPC API on :10802 (`Lease`, `WatchRoutes`).
@@ -47,5 +48,6 @@ pub mod server;
 pub mod session;
 pub mod tls;
 pub mod trace;
+pub mod window;
 
 pub use engine::DEFAULT_MTU;

@@ -107,9 +107,20 @@ struct Args {
     /// so a smaller window lowers the round trip other flows see during a
     /// bulk upload (about window ÷ throughput), and a window below the path's
     /// bandwidth-delay product caps one flow's upload at about window ÷ RTT.
-    /// 16384 (16 KiB) to 16777216 (16 MiB), a plain byte count.
+    /// 16384 (16 KiB) to 16777216 (16 MiB), a plain byte count. Unless
+    /// --fixed-tcp-window, this is the most: a data connection whose round
+    /// trip (measured by the kernel when it is accepted) is short gives its
+    /// flows the bandwidth-delay product of 10 Gbit/s at that round trip, at
+    /// least 256 KiB; connections from loopback (kubectl port-forward, SSH)
+    /// always get this value.
     #[arg(long, env = "KVPN_TCP_WINDOW", default_value_t = kvpn_manager::engine::TCP_RX_BUFFER, value_parser = parse_tcp_window)]
     tcp_window: usize,
+    /// Give every TCP flow --tcp-window, whatever the data connection's round
+    /// trip: for a laptop that reaches the manager through a TCP proxy near
+    /// the pod (the manager then measures the proxy's round trip, not the
+    /// laptop's, and would cap a long path's flows at 256 KiB ÷ RTT).
+    #[arg(long, env = "KVPN_FIXED_TCP_WINDOW")]
+    fixed_tcp_window: bool,
     /// Seconds between the `session stats` log lines of each live session
     /// (flows against the cap, limits, manager memory).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
@@ -402,6 +413,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         failed_dials_per_sec: args.failed_dials_per_sec,
         stats_interval: Duration::from_secs(args.stats_interval_secs),
         tcp_window: args.tcp_window,
+        auto_tcp_window: !args.fixed_tcp_window,
         counters: counters.clone(),
         resumes: kvpn_manager::resume::Resumes::new(
             Duration::from_millis(args.resume_grace_ms),

@@ -34,6 +34,9 @@ pub struct Metrics {
     pub tcp_unreachable: u64,
     /// TCP flows reset by the laptop.
     pub tcp_reset_by_laptop: u64,
+    /// TCP flows a laptop SYN for a new connection on the same 4-tuple replaced
+    /// (the laptop's RST for the old one never arrived).
+    pub tcp_replaced_by_syn: u64,
     /// TCP flows reset by the real destination.
     pub tcp_reset_by_remote: u64,
     /// TCP flows that ended with FIN both ways.
@@ -137,7 +140,7 @@ impl fmt::Display for Metrics {
         write!(
             f,
             "from_laptop={}p/{}B to_laptop={}p/{}B tcp: dials={} connected={} refused={} unreachable={} \
-             reset_by_laptop={} reset_by_remote={} closed={} idle_expired={} bytes_out={} bytes_in={} \
+             reset_by_laptop={} replaced_by_syn={} reset_by_remote={} closed={} idle_expired={} bytes_out={} bytes_in={} \
              udp: flows={} expired={} out={} in={} icmp_errors={} icmp: sent={} replies={} \
              forwarded: flows={} \
              mtu: reassembled={} fragmented={} too_big={} heartbeats={} \
@@ -152,6 +155,7 @@ impl fmt::Display for Metrics {
             self.tcp_refused,
             self.tcp_unreachable,
             self.tcp_reset_by_laptop,
+            self.tcp_replaced_by_syn,
             self.tcp_reset_by_remote,
             self.tcp_closed,
             self.tcp_idle_expired,
@@ -298,6 +302,9 @@ pub struct ManagerCounters {
     engines_resumed: AtomicU64,
     /// Parked engines dropped unresumed: grace over, replaced, or over the cap.
     engines_expired: AtomicU64,
+    /// Parked engines dropped because a newer session of their lease's
+    /// tunnel IP came for the same worker (also in `engines_expired`).
+    engines_replaced: AtomicU64,
     /// `ebpf-snat` is on: its metrics are rendered.
     snat_on: std::sync::atomic::AtomicBool,
     /// `ebpf-snat`, as of the sweeper's last round: flows in the forward table,
@@ -355,6 +362,12 @@ impl ManagerCounters {
         } else {
             self.engines_expired.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// A parked engine was dropped for a newer session of its tunnel IP
+    /// ([`crate::resume`]); [`ManagerCounters::engine_unparked`] counts it too.
+    pub fn engine_replaced(&self) {
+        self.engines_replaced.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A data channel was refused before its session started.
@@ -528,6 +541,12 @@ impl ManagerCounters {
             "counter",
             "Parked engines dropped without a resume (grace over, replaced, or over the cap).",
             &[(None, load(&self.engines_expired))],
+        );
+        metric(
+            "engines_replaced_total",
+            "counter",
+            "Parked engines dropped because a newer session of their tunnel IP (another lease token, or the same lease with another resume token) connected the same worker.",
+            &[(None, load(&self.engines_replaced))],
         );
         let refused: Vec<_> = HelloRefusal::ALL
             .iter()

@@ -14,8 +14,22 @@
 //! - only an exact (tunnel IP, worker, resume token, lease token) match
 //!   resumes; the lease token was already checked against the tunnel IP's
 //!   lease (leases mode), and TLS identities are bound to leases there;
-//! - a connection with another token gets a fresh engine and leaves the parked
-//!   one alone (it is not parkable itself while that one waits);
+//! - without leases (nothing checked the hello's tokens), a connection with
+//!   another token gets a fresh engine and leaves the parked one alone (it is
+//!   not parkable itself while that one waits): an unchecked party must not
+//!   reset another's flows;
+//! - with leases, the hello's lease token was checked: this connection belongs
+//!   to the tunnel IP's current lease, so a slot of its (tunnel IP, worker)
+//!   with other credentials belongs to a session that is over (another lease
+//!   token: that lease is gone; the same lease token with another resume
+//!   token: the laptop started a new session, its old one cannot re-dial
+//!   with the old token any more). Such a parked engine is dropped (counted
+//!   in `engines_replaced_total`, logged with the reason) and such a live
+//!   connection loses its slot (it can no longer park), so a dead session
+//!   never shadows the live one for the grace period. The same goes for the
+//!   parked engines of the tunnel IP's other workers that hold another lease
+//!   token (workers of the same lease keep theirs: their resume tokens are
+//!   their own);
 //! - a parked engine is dropped (its connections reset) after the grace
 //!   period, or when more than `--resume-max-parked` engines are parked (the
 //!   oldest first), so parked engines are bounded like sessions are.
@@ -171,14 +185,21 @@ impl<T: Send + 'static> Resumes<T> {
     }
 
     /// A new connection of `key` presenting `credentials`: take the parked
-    /// engine when they match, and claim the slot. Parks, resumes and
-    /// expiries are counted in `counters`.
+    /// engine when they match, and claim the slot. `lease_checked`: the
+    /// lease token was checked against the tunnel IP's lease (leases on), so
+    /// slots with other credentials are a finished session's and are
+    /// replaced ([module docs](self)). Parks, resumes and expiries are
+    /// counted in `counters`.
     pub async fn attach(
         self: &Arc<Self>,
         key: Key,
         credentials: Credentials,
+        lease_checked: bool,
         counters: &Arc<ManagerCounters>,
     ) -> Attached<T> {
+        if lease_checked {
+            self.drop_other_leases(key.0, &credentials.lease_token);
+        }
         let deadline = tokio::time::Instant::now() + SUPERSEDE_WAIT;
         loop {
             let changed = self.changed.notified();
@@ -192,6 +213,7 @@ impl<T: Send + 'static> Resumes<T> {
                     Vacant,
                     Ours,
                     Running,
+                    Finished,
                     Other,
                 }
                 let found = match slots.get(&key) {
@@ -208,6 +230,7 @@ impl<T: Send + 'static> Resumes<T> {
                         stop.notify_one();
                         Found::Running
                     }
+                    Some(_) if lease_checked => Found::Finished,
                     Some(_) => Found::Other,
                 };
                 match found {
@@ -235,6 +258,31 @@ impl<T: Send + 'static> Resumes<T> {
                         };
                     }
                     Found::Running => {}
+                    Found::Finished => {
+                        let old = slots.remove(&key);
+                        let same_lease = matches!(&old, Some(Slot::Parked { credentials: c, .. }) if c.lease_token == credentials.lease_token);
+                        let claim = self.claim(&mut slots, key, credentials, counters);
+                        drop(slots);
+                        self.changed.notify_waiters();
+                        match old {
+                            Some(slot @ Slot::Parked { .. }) => {
+                                let reason = if same_lease {
+                                    "same lease, another resume token: the laptop started a new session"
+                                } else {
+                                    OTHER_LEASE
+                                };
+                                replaced(&slot, key, reason);
+                            }
+                            Some(Slot::Live { .. }) => {
+                                info!(tunnel_ip = %key.0, worker = key.1, "a connection of this worker's earlier session still runs: it loses its slot (it will not park) to the lease's new session");
+                            }
+                            None => {}
+                        }
+                        return Attached {
+                            state: None,
+                            claim: Some(claim),
+                        };
+                    }
                     Found::Other => {
                         debug!(tunnel_ip = %key.0, worker = key.1, "another resume token holds this worker's slot: fresh engine, not parkable");
                         return Attached {
@@ -280,6 +328,31 @@ impl<T: Send + 'static> Resumes<T> {
         }
     }
 
+    /// Drop the engines parked for `ip` under another lease token than
+    /// `lease_token` (the caller's was checked: theirs is gone).
+    fn drop_other_leases(&self, ip: IpAddr, lease_token: &[u8]) {
+        let dropped: Vec<(Key, Slot<T>)> = {
+            let mut slots = self.lock();
+            let keys: Vec<Key> = slots
+                .iter()
+                .filter(|(k, s)| {
+                    k.0 == ip
+                        && matches!(s, Slot::Parked { credentials, .. } if credentials.lease_token != lease_token)
+                })
+                .map(|(k, _)| *k)
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| slots.remove(&k).map(|s| (k, s)))
+                .collect()
+        };
+        for (key, slot) in &dropped {
+            replaced(slot, *key, OTHER_LEASE);
+        }
+        if !dropped.is_empty() {
+            self.changed.notify_waiters();
+        }
+    }
+
     /// Drop every engine parked for `ip` (its lease went away).
     pub fn drop_ip(&self, ip: IpAddr) {
         let dropped: Vec<Slot<T>> = {
@@ -299,6 +372,18 @@ impl<T: Send + 'static> Resumes<T> {
         if !dropped.is_empty() {
             self.changed.notify_waiters();
         }
+    }
+}
+
+const OTHER_LEASE: &str = "another lease token: the old lease is gone";
+
+/// A parked `slot` of `key` was dropped for a newer session: count and log
+/// it (`reason`); the engine and its connections drop with the slot.
+fn replaced<T>(slot: &Slot<T>, key: Key, reason: &str) {
+    if let Slot::Parked { counters, .. } = slot {
+        counters.engine_unparked(false);
+        counters.engine_replaced();
+        info!(tunnel_ip = %key.0, worker = key.1, reason, "parked engine of a finished session dropped: its flows are reset");
     }
 }
 
@@ -422,21 +507,31 @@ mod tests {
         let r = Resumes::<u32>::new(Duration::from_secs(30), 2);
         // Three connections end; only two may stay parked: the oldest goes.
         for (n, last) in [(1u32, 2u8), (2, 3), (3, 4)] {
-            let a = r.attach((ip(last), 0), creds(1, b"lease"), &counters).await;
+            let a = r
+                .attach((ip(last), 0), creds(1, b"lease"), false, &counters)
+                .await;
             assert!(a.state.is_none());
             assert!(a.claim.expect("vacant slot").park(n));
         }
         assert_eq!(r.parked(), 2);
-        let oldest = r.attach((ip(2), 0), creds(1, b"lease"), &counters).await;
+        let oldest = r
+            .attach((ip(2), 0), creds(1, b"lease"), false, &counters)
+            .await;
         assert_eq!(oldest.state, None, "evicted over the cap");
         drop(oldest);
         // Another lease token, another worker: nothing, and the parked one stays.
-        let other = r.attach((ip(3), 0), creds(1, b"other"), &counters).await;
+        let other = r
+            .attach((ip(3), 0), creds(1, b"other"), false, &counters)
+            .await;
         assert!(other.state.is_none() && other.claim.is_none());
-        let worker = r.attach((ip(3), 1), creds(1, b"lease"), &counters).await;
+        let worker = r
+            .attach((ip(3), 1), creds(1, b"lease"), false, &counters)
+            .await;
         assert!(worker.state.is_none());
         drop(worker);
-        let same = r.attach((ip(3), 0), creds(1, b"lease"), &counters).await;
+        let same = r
+            .attach((ip(3), 0), creds(1, b"lease"), false, &counters)
+            .await;
         assert_eq!(same.state, Some(2));
         drop(same);
         // A lease that goes takes its parked engines along.
@@ -454,13 +549,56 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn with_a_checked_lease_a_finished_sessions_slots_give_way() {
+        let counters = Arc::new(ManagerCounters::default());
+        let r = Resumes::<u32>::new(Duration::from_secs(30), 16);
+        // Lease A's session parks workers 0 and 1.
+        for worker in [0, 1] {
+            let a = r
+                .attach((ip(2), worker), creds(1, b"A"), true, &counters)
+                .await;
+            assert!(a.claim.expect("vacant").park(u32::from(worker)));
+        }
+        // Lease B holds the IP now: both of A's engines go at B's first
+        // connection, and B's worker 0 parks and resumes.
+        let b = r.attach((ip(2), 0), creds(2, b"B"), true, &counters).await;
+        assert!(b.state.is_none());
+        assert_eq!(r.parked(), 0, "lease A's engines were dropped");
+        assert!(b.claim.expect("B claims the slot").park(10));
+        let again = r.attach((ip(2), 0), creds(2, b"B"), true, &counters).await;
+        assert_eq!(again.state, Some(10), "B resumes");
+        // B's live connection; B's laptop starts a new session (same lease,
+        // new resume token) while the old connection still runs: the new
+        // one takes the slot, the old one can no longer park.
+        let newer = r.attach((ip(2), 0), creds(3, b"B"), true, &counters).await;
+        let newer_claim = newer.claim.expect("the new session claims the slot");
+        assert!(
+            !again.claim.expect("old claim").park(11),
+            "the old session cannot park"
+        );
+        assert!(newer_claim.park(12));
+        // A new session of the same lease replaces a parked engine too.
+        let newest = r.attach((ip(2), 0), creds(4, b"B"), true, &counters).await;
+        assert!(newest.state.is_none() && newest.claim.is_some());
+        assert_eq!(r.parked(), 0);
+        let text = counters.render_prometheus();
+        for line in [
+            "kvpn_manager_engines_replaced_total 3\n",
+            "kvpn_manager_engines_expired_total 3\n",
+            "kvpn_manager_engines_resumed_total 1\n",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+    }
+
+    #[tokio::test]
     async fn resuming_off_never_parks() {
         let counters = Arc::new(ManagerCounters::default());
         let r = Resumes::<u32>::off();
-        let a = r.attach((ip(2), 0), creds(1, b""), &counters).await;
+        let a = r.attach((ip(2), 0), creds(1, b""), false, &counters).await;
         assert!(!a.claim.expect("vacant slot").park(7));
         assert_eq!(r.parked(), 0);
-        let again = r.attach((ip(2), 0), creds(1, b""), &counters).await;
+        let again = r.attach((ip(2), 0), creds(1, b""), false, &counters).await;
         assert!(again.state.is_none() && again.claim.is_some());
     }
 }

@@ -16,6 +16,7 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::metrics::HelloRefusal;
 use crate::session::{SessionConfig, run_session};
+use crate::window;
 
 /// TCP keepalive on data channels: probes after this much silence, so a
 /// vanished laptop's session ends even if no heartbeat deadline is armed.
@@ -34,6 +35,32 @@ fn tune(stream: &TcpStream) {
     if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive) {
         debug!(error = %e, "cannot enable TCP keepalive on data channel");
     }
+}
+
+/// The session config for a connection from `peer`: with
+/// [`SessionConfig::auto_tcp_window`], its TCP flows' window follows the
+/// connection's round trip ([`window::flow_window`]; `tcp_window` is the most).
+fn with_flow_window(
+    config: &Arc<SessionConfig>,
+    stream: &TcpStream,
+    peer: SocketAddr,
+) -> Arc<SessionConfig> {
+    if !config.auto_tcp_window {
+        return config.clone();
+    }
+    let rtt = window::connection_rtt(stream).unwrap_or_else(|e| {
+        debug!(error = %e, "cannot read TCP_INFO of data channel");
+        None
+    });
+    let tcp_window = window::flow_window(peer.ip(), rtt, config.tcp_window);
+    debug!(?rtt, tcp_window, "flow window of data channel");
+    if tcp_window == config.tcp_window {
+        return config.clone();
+    }
+    Arc::new(SessionConfig {
+        tcp_window,
+        ..SessionConfig::clone(config)
+    })
 }
 
 /// Accept sessions on `listener` forever. With `tls`, every connection must
@@ -55,7 +82,7 @@ pub async fn serve(
             }
         };
         tune(&stream);
-        let config = config.clone();
+        let config = with_flow_window(&config, &stream, peer);
         let acceptor = acceptor.clone();
         let security = if acceptor.is_some() { "tls" } else { "plain" };
         let span = tracing::info_span!("conn", %peer, security);

@@ -134,8 +134,13 @@ pub struct SessionConfig {
     /// How often a live session logs its flow counts, limits and the
     /// manager's memory (the manager's metrics log, `session stats`).
     pub stats_interval: Duration,
-    /// smoltcp receive buffer per TCP flow ([`EngineConfig::tcp_window`]).
+    /// smoltcp receive buffer per TCP flow ([`EngineConfig::tcp_window`]); with
+    /// `auto_tcp_window`, the most the listener gives a connection's flows.
     pub tcp_window: usize,
+    /// Size each data connection's flow windows from its round trip
+    /// ([`crate::window::flow_window`], done by [`crate::server::serve`]);
+    /// false: every flow gets `tcp_window` (`kvpn-manager --fixed-tcp-window`).
+    pub auto_tcp_window: bool,
     /// The manager-wide counters (refused hellos, drops of every session),
     /// served by [`crate::metrics_server`]. Clones share them.
     pub counters: Arc<ManagerCounters>,
@@ -174,6 +179,7 @@ impl Default for SessionConfig {
             failed_dials_per_sec: crate::limit::FAILED_FLOWS_PER_SEC,
             stats_interval: Duration::from_secs(10),
             tcp_window: crate::engine::TCP_RX_BUFFER,
+            auto_tcp_window: true,
             counters: Arc::default(),
             resumes: Resumes::off(),
         }
@@ -987,7 +993,11 @@ where
         .mtu
         .map_or(crate::engine::DEFAULT_MTU, usize::from)
         .clamp(crate::engine::MIN_LAPTOP_MTU, crate::engine::DEFAULT_MTU);
-    info!(laptop_mtu = engine_config.laptop_mtu, "session started");
+    info!(
+        laptop_mtu = engine_config.laptop_mtu,
+        tcp_window = config.tcp_window,
+        "session started"
+    );
     engine_config.allow_loopback = config.allow_loopback;
     engine_config.tcp_window = config.tcp_window;
     // A laptop with N worker connections (hello option 3) gets one engine (one
@@ -1023,7 +1033,7 @@ where
             };
             let a = config
                 .resumes
-                .attach(key, credentials, &config.counters)
+                .attach(key, credentials, config.leases.is_some(), &config.counters)
                 .await;
             (a.state, a.claim)
         }

@@ -335,3 +335,139 @@ async fn without_a_token_nothing_is_parked() {
     assert!(resume_answers(&laptop).is_empty());
     assert_eq!(metric(&counters, "engines_parked_total"), 0);
 }
+
+/// A hello with lease token `lease` and resume token `resume` (worker 0).
+fn leased_hello(ip: IpAddr, lease: &str, resume: [u8; 16]) -> Vec<u8> {
+    let hello = kvpn_proto::frame::Hello {
+        token: lease.as_bytes().to_vec(),
+        resume_token: Some(resume),
+        ..kvpn_proto::frame::Hello::new(PROTOCOL_VERSION, ip)
+    }
+    .encode()
+    .expect("hello encodes");
+    let mut out = Vec::new();
+    kvpn_proto::frame::encode_into(Kind::Hello, &hello, &mut out).expect("fits");
+    out
+}
+
+/// Step `laptop` until it has read `n` resume answers; they.
+async fn answers(laptop: &mut Laptop, n: usize) -> Vec<Option<ResumeAnswer>> {
+    assert!(
+        laptop
+            .run_until(Duration::from_secs(5), |l| resume_answers(l).len() >= n)
+            .await,
+        "the manager answered hello number {n}: {:?}",
+        resume_answers(laptop)
+    );
+    resume_answers(laptop)
+}
+
+/// The tester's case: session A's engine is parked for (tunnel IP, worker 0)
+/// when A's lease expires and the `Lease` call of another client takes the
+/// same IP (the call expires A's lease itself, before the manager's periodic
+/// round). Session B's worker 0 must then park and resume normally instead
+/// of being answered "new" until A's engine's grace runs out; A's engine is
+/// dropped (its connection to the server reset). Then B's laptop starts a
+/// new session on the same lease (another resume token): B's parked engine
+/// gives way too. On main, B's re-dial was answered "new" (A's engine held
+/// the slot for the 30 s grace).
+#[tokio::test]
+async fn a_new_session_of_the_tunnel_ip_replaces_a_finished_sessions_parked_engine() {
+    use kvpn_manager::lease::LeaseTable;
+    use kvpn_manager::leases::Leases;
+
+    let leases = Leases::in_memory(LeaseTable::new(
+        "100.96.0.0/16".parse().expect("pool"),
+        Duration::from_secs(1),
+    ));
+    let (counters_config, counters) = config(Duration::from_secs(30));
+    let config = SessionConfig {
+        leases: Some(leases.clone()),
+        tunnel_pool: Some("100.96.0.0/16".parse().expect("pool")),
+        ..counters_config
+    };
+    let (a, _) = leases.lease("client-a").await.expect("lease a");
+    let ip = IpAddr::V4(a.ip);
+
+    // Session A downloads, then its connection breaks: its engine parks.
+    let (server, mut a_ended) = slow_sender(64 * 1024, 64 * 1024, Duration::ZERO).await;
+    let mut laptop_a =
+        Laptop::connect_with(ip, config.clone(), &leased_hello(ip, &a.token, TOKEN)).await;
+    let h = laptop_a.tcp_socket(256 * 1024, 16 * 1024);
+    laptop_a.connect_tcp(h, server, 40104);
+    let mut got = Vec::new();
+    assert!(
+        receive_until(
+            &mut laptop_a,
+            h,
+            &mut got,
+            Duration::from_secs(10),
+            |g, _| g.len() >= 64 * 1024
+        )
+        .await,
+        "session A's download arrived: {} bytes",
+        got.len()
+    );
+    laptop_a.hang_up().await;
+    let parked = tokio::time::timeout(Duration::from_secs(5), async {
+        while metric(&counters, "engines_parked") == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(parked.is_ok(), "session A's engine parked");
+
+    // A's lease runs out (1 s after its data channel ended; whole seconds);
+    // client B's Lease call gets the same IP with its own token.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let (b, _) = leases.lease("client-b").await.expect("lease b");
+    assert_eq!(b.ip, a.ip, "the pool's first address again");
+    assert_ne!(b.token, a.token);
+
+    // B's worker 0 connects; A's engine goes at once (its connection to the
+    // server is reset, checked below).
+    let mut laptop_b =
+        Laptop::connect_with(ip, config.clone(), &leased_hello(ip, &b.token, OTHER_TOKEN)).await;
+    assert_eq!(answers(&mut laptop_b, 1).await, [Some(ResumeAnswer::New)]);
+
+    // B's connection breaks and B re-dials with its token: resumed.
+    laptop_b
+        .redial(config.clone(), &leased_hello(ip, &b.token, OTHER_TOKEN))
+        .await;
+    assert_eq!(
+        answers(&mut laptop_b, 2).await,
+        [Some(ResumeAnswer::New), Some(ResumeAnswer::Resumed)],
+        "B's re-dial resumed B's engine"
+    );
+    assert_eq!(metric(&counters, "engines_resumed_total"), 1);
+    assert_eq!(metric(&counters, "engines_replaced_total"), 1);
+    let result = server_end(
+        &mut laptop_b,
+        &mut a_ended,
+        Duration::from_millis(20),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        result.is_err() || result == Ok(0),
+        "A's connection to the server ended with A's engine: {result:?}"
+    );
+
+    // B's laptop starts a new session on the same lease (a new resume
+    // token) while the manager still runs the old connection: the new
+    // session takes the slot and re-dials resume it.
+    let third = [0x33; 16];
+    laptop_b
+        .redial(config.clone(), &leased_hello(ip, &b.token, third))
+        .await;
+    assert_eq!(answers(&mut laptop_b, 3).await[2], Some(ResumeAnswer::New));
+    laptop_b
+        .redial(config.clone(), &leased_hello(ip, &b.token, third))
+        .await;
+    assert_eq!(
+        answers(&mut laptop_b, 4).await[3],
+        Some(ResumeAnswer::Resumed),
+        "the newest session's re-dial resumed"
+    );
+    assert_eq!(metric(&counters, "engines_resumed_total"), 2);
+}

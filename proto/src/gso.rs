@@ -750,6 +750,20 @@ pub fn check_super_packet(
     csum_start: u16,
     csum_offset: u16,
 ) -> Result<GsoKind, GsoError> {
+    super_packet_segments(packet, flags, gso_type, gso_size, csum_start, csum_offset)
+        .map(|(kind, _)| kind)
+}
+
+/// [`check_super_packet`], also returning how many TCP segments the
+/// super-packet carries (what the receiving stack takes from it).
+pub fn super_packet_segments(
+    packet: &[u8],
+    flags: u8,
+    gso_type: u8,
+    gso_size: u16,
+    csum_start: u16,
+    csum_offset: u16,
+) -> Result<(GsoKind, usize), GsoError> {
     let kind = GsoKind::from_gso_type(gso_type).ok_or(GsoError::NotTcpGso(gso_type))?;
     let l = layout(packet, kind)?;
     if gso_size == 0 {
@@ -769,7 +783,7 @@ pub fn check_super_packet(
     if count > MAX_SEGMENTS {
         return Err(GsoError::TooManySegments(count));
     }
-    Ok(kind)
+    Ok((kind, count.max(1)))
 }
 
 const TCP_FIN: u8 = 0x01;

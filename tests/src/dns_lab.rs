@@ -286,12 +286,27 @@ pub fn latency(f: &KubeFixture, name: &str, n: usize) -> (u64, Vec<String>) {
 /// pid file and the user daemon of its runtime folder); returns once the daemon
 /// is gone and its socket refuses connections. Returns the daemon's pid.
 pub fn kill_daemon_and_agents(f: &KubeFixture) -> i32 {
+    kill_daemons(f, true)
+}
+
+/// SIGKILL to the fixture's root daemon only (the user daemon lives on);
+/// returns once it is gone and its socket refuses connections, with its pid.
+pub fn kill_root_daemon(f: &KubeFixture) -> i32 {
+    kill_daemons(f, false)
+}
+
+fn kill_daemons(f: &KubeFixture, user_daemon_too: bool) -> i32 {
     let pid_file = f.runtime_dir().join("dataplane.pid");
     let pid: i32 = std::fs::read_to_string(&pid_file)
         .ok()
         .and_then(|p| p.trim().parse().ok())
         .unwrap_or_else(|| panic!("no daemon pid in {}", pid_file.display()));
-    for p in std::iter::once(pid).chain(f.user_daemon_pids().into_iter().map(|p| p as i32)) {
+    let users = if user_daemon_too {
+        f.user_daemon_pids()
+    } else {
+        Vec::new()
+    };
+    for p in std::iter::once(pid).chain(users.into_iter().map(|p| p as i32)) {
         // SAFETY: pids of this fixture's root daemon (its pid file) and user daemon.
         unsafe { libc::kill(p, libc::SIGKILL) };
     }

@@ -374,6 +374,15 @@ impl KubeFixture {
 
     /// [`KubeFixture::kvpn`] with `env` set on top (e.g. another HOME or KUBECONFIG).
     pub fn kvpn_env(&self, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Output {
+        let mut cmd = self.kvpn_command(args);
+        cmd.envs(env.iter().copied());
+        cmd.output()
+            .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
+    }
+
+    /// The command `kvpn <args>` in the laptop netns with this fixture's runtime
+    /// folder, not started (`ip netns exec` execs kvpn: the child's pid is kvpn's).
+    pub fn kvpn_command(&self, args: &[&str]) -> std::process::Command {
         let mut cmd = self
             .lab()
             .netns_lab()
@@ -388,9 +397,7 @@ impl KubeFixture {
             .env("KVPN_HOSTS", self.laptop_hosts())
             .env("XDG_STATE_HOME", &self.state_dir)
             .env_remove("KUBECONFIG");
-        cmd.envs(env.iter().copied());
-        cmd.output()
-            .unwrap_or_else(|e| panic!("run kvpn {args:?}: {e}"))
+        cmd
     }
 
     /// `kvpn <args>`, which must succeed; its stdout.

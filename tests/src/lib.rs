@@ -129,6 +129,12 @@ impl Fixture {
             .unwrap_or_else(|e| panic!("status JSON: {e}: {}", text(&out.stdout)))
     }
 
+    /// Runs `script` with bash in the laptop netns, in its own process group
+    /// (killed on drop), stdout and stderr piped.
+    pub fn spawn_in_laptop(&self, script: &str) -> Spawned {
+        spawn_in_laptop(&self.lab, script)
+    }
+
     /// Runs a command in the laptop netns.
     pub fn laptop(&self, args: &[&str]) -> Output {
         self.lab
@@ -224,6 +230,70 @@ pub fn prometheus_samples(text: &str) -> impl Iterator<Item = (&str, u64)> {
         .filter_map(|(name, value)| Some((name, value.trim().parse().ok()?)))
 }
 
+/// Runs `script` with bash in the laptop netns of `lab`, in its own process
+/// group (killed on drop), stdout and stderr piped.
+pub fn spawn_in_laptop(lab: &Lab, script: &str) -> Spawned {
+    use std::os::unix::process::CommandExt as _;
+    let mut cmd = lab
+        .command_in(LAPTOP, "bash")
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    cmd.args(["-c", script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0);
+    Spawned(Some(cmd.spawn().expect("spawn bash")))
+}
+
+/// A command of the test running in its own process group, killed (the whole
+/// group) on drop unless waited for.
+pub struct Spawned(pub Option<std::process::Child>);
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            // The group: bash and the curl it started.
+            let pgid = child.id() as i32;
+            // SAFETY: kill(2) with a process group id we created; no memory involved.
+            unsafe {
+                libc::kill(-pgid, libc::SIGKILL);
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The lab's manager process stopped (SIGSTOP) until drop (SIGCONT), also
+/// when the test fails.
+pub struct Paused(i32);
+
+impl Paused {
+    pub fn manager(f: &Fixture) -> Self {
+        let p = f
+            .lab
+            .processes()
+            .into_iter()
+            .find(|p| p.name.contains("manager") && p.alive)
+            .expect("the lab's manager process");
+        let comm = std::fs::read_to_string(format!("/proc/{}/comm", p.pid)).unwrap_or_default();
+        assert!(comm.starts_with("kvpn-manager"), "{p:?}: {comm}");
+        let pid = p.pid as i32;
+        // SAFETY: kill(2) on the lab's own manager process; no memory involved.
+        unsafe {
+            libc::kill(pid, libc::SIGSTOP);
+        }
+        Paused(pid)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe {
+            libc::kill(self.0, libc::SIGCONT);
+        }
+    }
+}
+
 /// Lossy UTF-8 of command output.
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -232,4 +302,66 @@ pub fn text(b: &[u8]) -> String {
 /// Runs `cmd` and returns its output.
 pub fn output(cmd: &mut Command) -> Output {
     cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"))
+}
+
+/// A user daemon (`kvpn daemon`) a test started in the fixture's laptop netns,
+/// logging to `user-test.log` in the runtime folder: continued (SIGCONT) and
+/// killed on drop, also when the test fails, so no stopped process is left.
+pub struct UserDaemon {
+    child: std::process::Child,
+}
+
+impl UserDaemon {
+    /// Starts it and waits (10 s at most) until its socket exists.
+    pub fn start(f: &Fixture) -> Self {
+        let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
+        std::fs::create_dir_all(f.runtime_dir()).expect("runtime dir");
+        let log = std::fs::File::create(f.runtime_dir().join("user-test.log")).expect("log file");
+        let mut cmd = f
+            .lab
+            .command_in(LAPTOP, &kvpn.to_string_lossy())
+            .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+        cmd.arg("--runtime-dir")
+            .arg(f.runtime_dir())
+            .arg("daemon")
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log);
+        let d = UserDaemon {
+            child: cmd.spawn().expect("start kvpn daemon"),
+        };
+        // As root, the user daemon's socket is in the root runtime folder.
+        let socket = f.runtime_dir().join("user.sock");
+        let t0 = std::time::Instant::now();
+        while !socket.exists() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "no user daemon socket {}",
+                socket.display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `sig` to it.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on the pid of a child this process spawned and has not
+        // reaped; no memory involved.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+}
+
+impl Drop for UserDaemon {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+    }
 }

@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use kvpn_lab::{BACKEND_1_IP, ECHO_PORT};
-use kvpn_tests::Fixture;
+use kvpn_tests::{Fixture, text};
 use sha2::{Digest, Sha256};
 
 #[test]
@@ -76,4 +76,31 @@ fn download_arrives_intact_in_gso_frames_written_to_the_tun() {
         bytes / packets > 9000,
         "{bytes} bytes in {packets} TUN writes ({frames} GSO frames): segments were not merged: {s}"
     );
+    // rx.gso_segments counts what the super-packets carried (each merged at
+    // least two segments); the table's RX PKTS counts those segments and an
+    // offloads line shows the frames (the table showed TUN writes and no
+    // GSO count before).
+    let segments = delta("gso_segments");
+    assert!(
+        segments >= 2 * frames,
+        "{segments} segments in {frames} GSO frames: {s}"
+    );
+    let table = text(&f.kvpn(&["status"]).stdout);
+    let rx = |s: &serde_json::Value, field: &str| s["rx"][field].as_u64().unwrap_or(0);
+    let rx_segments = rx(s, "packets") - rx(s, "gso_frames") + rx(s, "gso_segments");
+    let id = s["id"].as_str().unwrap_or_default();
+    let shown: u64 = table
+        .lines()
+        .find(|l| l.starts_with(id))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|c| c.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no RX PKTS for {id}:\n{table}"));
+    // At least what the JSON said before (more may have come since).
+    assert!(
+        shown >= rx_segments && shown > rx(s, "packets"),
+        "RX PKTS {shown}: segments {rx_segments}, TUN writes {}:\n{table}",
+        rx(s, "packets")
+    );
+    assert!(table.contains("offloads: tx "), "{table}");
 }

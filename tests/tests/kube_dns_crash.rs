@@ -1,18 +1,13 @@
 //! After a SIGKILL of the root daemon the laptop's resolv.conf still names the dead
 //! daemon's DNS forwarder: `kvpn status` must say so (not just "not connected"),
 //! and `kvpn quit` must restore the file byte for byte without the cluster
-//! (`kvpn-dataplane --repair`), instead of reporting that all is well.
+//! (`kvpn-dataplane --repair`), instead of reporting that all is well. So must
+//! `kvpn disconnect` (an id or `--all`), which the warning names too.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use kvpn_tests::dns_lab::{kill_daemon_and_agents, kill_root_daemon};
 use kvpn_tests::kube_lab::KubeFixture;
-
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(") ")
-            .is_some_and(|(_, r)| !r.starts_with('Z'))
-    })
-}
 
 #[test]
 fn status_warns_and_quit_restores_resolv_conf_after_the_daemon_was_killed() {
@@ -27,26 +22,7 @@ fn status_warns_and_quit_restores_resolv_conf_after_the_daemon_was_killed() {
         "connect names kvpn's forwarder in resolv.conf"
     );
 
-    let pid_file = f.runtime_dir().join("dataplane.pid");
-    let pid: i32 = std::fs::read_to_string(&pid_file)
-        .ok()
-        .and_then(|p| p.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no daemon pid in {}", pid_file.display()));
-    for p in std::iter::once(pid).chain(f.user_daemon_pids().into_iter().map(|p| p as i32)) {
-        // SAFETY: pids of this fixture's root daemon (its pid file) and user daemon.
-        unsafe { libc::kill(p, libc::SIGKILL) };
-    }
-    // A killed multi-threaded process shows as a zombie while its other threads
-    // still hold its descriptors: wait until the socket refuses connections too.
-    let socket = f.runtime_dir().join("dataplane.sock");
-    let t0 = Instant::now();
-    while alive(pid) || std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "daemon {pid} survived SIGKILL"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    kill_daemon_and_agents(&f);
     assert_ne!(std::fs::read(&path).unwrap_or_default(), before);
 
     let status = f.kvpn(&["status"]);
@@ -63,15 +39,63 @@ fn status_warns_and_quit_restores_resolv_conf_after_the_daemon_was_killed() {
         !out.contains("No such process"),
         "no raw shell output: {out}"
     );
+    assert_restored(&f, &path, &before, "quit");
+}
+
+/// resolv.conf is `before` byte for byte, kvpn's backup of it is gone and
+/// `kvpn status` has nothing left to warn about (`what` restored it).
+fn assert_restored(f: &KubeFixture, path: &std::path::Path, before: &[u8], what: &str) {
     assert_eq!(
-        std::fs::read(&path).unwrap_or_default(),
+        std::fs::read(path).unwrap_or_default(),
         before,
-        "resolv.conf restored byte for byte"
+        "{what}: resolv.conf restored byte for byte"
     );
     assert!(!f.runtime_dir().join("resolv.conf.kvpn-backup").exists());
-    let status = f.kvpn(&["status"]);
+    let status = f.kvpn(&["status", "-o", "json"]);
     assert!(
         !String::from_utf8_lossy(&status.stderr).contains("resolv.conf"),
-        "nothing left to warn about"
+        "{what}: nothing left to warn about"
     );
+}
+
+/// Tester finding: with only the root daemon killed, `kvpn disconnect ID`
+/// printed "Disconnected session …" and `disconnect --all` nothing, and both
+/// left resolv.conf naming the dead forwarder although the status warning
+/// recommends them. Both now repair it as quit does, and say so.
+#[test]
+fn disconnect_restores_resolv_conf_after_the_root_daemon_was_killed() {
+    let f = KubeFixture::new();
+    let path = f.laptop_resolv_conf();
+    let before = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    for how in ["id", "--all"] {
+        f.connect_restricted();
+        f.wait_state("connected", Duration::from_secs(15));
+        let id = f.session()["id"].as_str().unwrap_or_default().to_owned();
+        assert_ne!(std::fs::read(&path).unwrap_or_default(), before);
+        kill_root_daemon(&f);
+        let status = f.kvpn(&["status"]);
+        let stderr = String::from_utf8_lossy(&status.stderr);
+        assert!(
+            stderr.contains("kvpn disconnect"),
+            "status recommends disconnect: {stderr}"
+        );
+        let out = if how == "id" {
+            f.kvpn_ok(&["disconnect", &id])
+        } else {
+            f.kvpn_ok(&["disconnect", "--all"])
+        };
+        assert!(
+            out.contains("resolv.conf restored") && out.contains(&id),
+            "disconnect {how} says what it did: {out}"
+        );
+        assert!(
+            !out.contains("TUN device, routes"),
+            "no claim of removing what died with the root daemon: {out}"
+        );
+        assert_restored(&f, &path, &before, &format!("disconnect {how}\n{out}"));
+        let status = f.kvpn(&["status", "-o", "json"]);
+        let doc: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap_or_default();
+        assert_eq!(doc["sessions"], serde_json::json!([]), "{doc:#}");
+        assert!(f.tun_devices().is_empty(), "{:?}", f.tun_devices());
+    }
 }

@@ -241,6 +241,20 @@ impl Drop for NormalUser {
     }
 }
 
+/// A [`NormalUser`] whose sudo rule outlives its drop (struct fields drop in
+/// declaration order).
+struct UserWithRule {
+    user: NormalUser,
+    _sudo: SudoRule,
+}
+
+impl std::ops::Deref for UserWithRule {
+    type Target = NormalUser;
+    fn deref(&self) -> &NormalUser {
+        &self.user
+    }
+}
+
 /// `/etc/sudoers.d/kvpn-test-<id>`: `user` may run `program` (only it) as
 /// root without a password. Removed on drop.
 struct SudoRule(PathBuf);
@@ -421,7 +435,10 @@ fn lc_01_normal_user_starts_root_daemon_through_sudo_and_recovers_after_sigkill(
     let id = unique_id();
     let netns = f.lab().netns_lab().laptop_netns().name().to_owned();
     let user = NormalUser::new(&id, f.runtime_dir(), &netns);
-    let _sudo = SudoRule::new(&id, &user.name, &user.dataplane_bin());
+    // Dropped after `user` (declared before it would be dropped first): the
+    // user's `kvpn quit` on a failure path needs the rule to repair resolv.conf.
+    let sudo = SudoRule::new(&id, &user.name, &user.dataplane_bin());
+    let user = UserWithRule { user, _sudo: sudo };
     let kubeconfig = user.own_kubeconfig(Path::new(&f.user_kubeconfig()));
     let kubeconfig = kubeconfig.to_string_lossy().into_owned();
     let web = web();

@@ -18,7 +18,6 @@
 //! - (d) `rogue_client_grpc_surface_is_only_its_own_lease`
 
 use std::collections::BTreeMap;
-use std::io::{Read as _, Write as _};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};

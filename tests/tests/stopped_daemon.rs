@@ -3,35 +3,10 @@
 //! (the kernel completes the connect and takes the request), so without a
 //! bound `kvpn disconnect` and `kvpn status` waited forever with no output.
 
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpn_lab::LAPTOP;
-use kvpn_tests::{Fixture, text};
-
-/// The user daemon the test started: continued and ended on drop, also when
-/// the test fails.
-struct UserDaemon {
-    child: Child,
-}
-
-impl UserDaemon {
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on the pid of a child this test spawned and has not
-        // reaped; no memory involved.
-        unsafe {
-            libc::kill(self.child.id() as i32, sig);
-        }
-    }
-}
-
-impl Drop for UserDaemon {
-    fn drop(&mut self) {
-        self.signal(libc::SIGCONT);
-        self.signal(libc::SIGKILL);
-        let _ = self.child.wait();
-    }
-}
+use kvpn_tests::{Fixture, UserDaemon, text};
 
 /// `kvpn ARGS` in the laptop netns, cut off by the test after 60 s (`timeout`
 /// exits 124 then) so a regression fails instead of hanging the suite.
@@ -53,22 +28,7 @@ fn disconnect_and_status_name_a_stopped_user_daemon() {
     let f = Fixture::new();
     let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
     let kvpn = kvpn.to_string_lossy().into_owned();
-    std::fs::create_dir_all(f.runtime_dir()).expect("runtime dir");
-    let log = std::fs::File::create(f.runtime_dir().join("user-test.log")).expect("log file");
-    let mut cmd = f
-        .lab
-        .command_in(LAPTOP, &kvpn)
-        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
-    cmd.arg("--runtime-dir")
-        .arg(f.runtime_dir())
-        .arg("daemon")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log);
-    let daemon = UserDaemon {
-        child: cmd.spawn().expect("start kvpn daemon"),
-    };
-    // As root, the user daemon's files are in the root runtime folder.
+    let daemon = UserDaemon::start(&f);
     let socket = f.runtime_dir().join("user.sock");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -85,7 +45,7 @@ fn disconnect_and_status_name_a_stopped_user_daemon() {
     }
 
     daemon.signal(libc::SIGSTOP);
-    let pid = daemon.child.id().to_string();
+    let pid = daemon.pid().to_string();
     for args in [
         &["disconnect", "--all"][..],
         &["status"],

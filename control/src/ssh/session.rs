@@ -72,8 +72,8 @@ pub struct SshCommandArgs {
     /// The SSH host's tunnel IP (with --tunnel-ip).
     #[arg(long, value_name = "IP", requires = "tunnel_ip")]
     pub remote_tunnel_ip: Option<Ipv4Addr>,
-    /// MTU in bytes of both TUN devices.
-    #[arg(long, default_value_t = DEFAULT_MTU)]
+    /// MTU in bytes of both TUN devices (1280 to 65534).
+    #[arg(long, default_value_t = DEFAULT_MTU, value_parser = crate::cli::parse_tun_mtu)]
     pub mtu: u16,
     /// Ask for a remote pty even for a command or without a local terminal.
     #[arg(short = 't', conflicts_with = "no_tty")]

@@ -12,10 +12,18 @@
 //! alive. Status reconciles the same way: a running session the root daemon no
 //! longer has becomes `lost`.
 //!
+//! A root daemon that does not answer is not taken for a dead one: only when
+//! its process is gone ([`crate::liveness`]: pid file, /proc, start time) are
+//! its sessions `lost`. While it is stopped or hung the sessions stay as they
+//! are — listener, port-forwards, route watch — and are `degraded` with the
+//! reason (pid, cause, `kill -CONT`); the first Status it answers again makes
+//! them `running`. (Marking them lost closed the listener the root daemon
+//! dials, so once continued it re-dialled a refused port for ever.)
+//!
 //! I/O: the Unix socket, the root daemon's socket, session records, the API
 //! server (through the session tasks), signals.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt as _;
 use std::os::unix::fs::PermissionsExt as _;
@@ -39,11 +47,50 @@ use super::record::{SessionRecord, Store};
 use crate::agent::{self, AgentConfig};
 use crate::daemon;
 use crate::kubeconfig::{KubeFlags, UserEnv};
+use crate::liveness::{self, Identity, Liveness};
 
 /// States of a session's user-side half (`UserSession.state`).
 pub const STATE_RUNNING: &str = "running";
 pub const STATE_RESTORING: &str = "restoring";
 pub const STATE_LOST: &str = "lost";
+/// The root daemon's process runs but does not answer (stopped, hung): the
+/// session is kept and comes back to `running` when it answers again.
+pub const STATE_DEGRADED: &str = "degraded";
+
+/// What Status does to a TUN session's user half, given the root daemon's
+/// answer (its sessions) or why there was none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Change {
+    /// Its root half is gone for good.
+    Lost(String),
+    /// The root daemon does not answer; the session is kept.
+    Degraded(String),
+    /// The root daemon answers (again) and has the session.
+    Running,
+}
+
+/// The [`Change`] for session `id` in `state` (`running` or `degraded`); pure.
+fn reconcile_change(
+    id: &str,
+    state: &str,
+    root: Result<&[dataplane::Session], Liveness>,
+) -> Option<Change> {
+    let gone = |why: &str| {
+        Some(Change::Lost(format!(
+            "{why}, so its TUN device and routes are gone — run `kvpn connect` again"
+        )))
+    };
+    match root {
+        Ok(sessions) if sessions.iter().any(|s| s.id == id) => {
+            (state != STATE_RUNNING).then_some(Change::Running)
+        }
+        Ok(_) => gone("the root daemon no longer has this session (it was restarted)"),
+        Err(Liveness::Gone) => gone("the root daemon is not running any more"),
+        Err(Liveness::NotAnswering { pid, state }) => {
+            Some(Change::Degraded(liveness::not_answering_text(pid, state)))
+        }
+    }
+}
 
 struct Entry {
     record: SessionRecord,
@@ -124,6 +171,12 @@ pub struct UserDaemonState {
     store: Store,
     sessions: Mutex<BTreeMap<String, Entry>>,
     quit: CancellationToken,
+    /// The root daemon process that last answered: a later silence is its
+    /// death only if this process is gone ([`liveness::judge`]).
+    root_identity: Mutex<Option<Identity>>,
+    /// This state itself, for the tasks a handler spawns to outlive its caller
+    /// (StartSession: [`UserDaemonState::start_owned`]).
+    me: std::sync::Weak<Self>,
 }
 
 fn now_unix_ms() -> u64 {
@@ -292,27 +345,67 @@ impl UserDaemonState {
         }
     }
 
-    /// The root daemon's sessions; `None` when it does not answer.
-    async fn root_sessions(&self) -> Option<Vec<dataplane::Session>> {
+    /// The root daemon's sessions, or why it did not answer.
+    async fn root_sessions(&self) -> Result<Vec<dataplane::Session>, Liveness> {
         self.root_status().await.map(|s| s.sessions)
     }
 
-    /// The root daemon's Status, or `None` when none answers.
-    async fn root_status(&self) -> Option<dataplane::StatusResponse> {
-        let mut client = daemon::connect_existing(&self.root_runtime_dir)
-            .await
-            .ok()
-            .flatten()?;
-        client
-            .status(dataplane::StatusRequest {})
-            .await
-            .ok()
-            .map(tonic::Response::into_inner)
+    fn root_identity(&self) -> std::sync::MutexGuard<'_, Option<Identity>> {
+        // Only ever assigned whole: a poisoned value is still consistent.
+        self.root_identity
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    async fn root_disconnect(&self, id: &str) -> Result<Vec<String>> {
+    /// The root daemon's Status, or what its process is when it did not
+    /// answer: gone, or alive and not answering ([`liveness::probe`]).
+    async fn root_status(&self) -> Result<dataplane::StatusResponse, Liveness> {
+        let pid_file = daemon::pid_path(&self.root_runtime_dir);
+        let known = *self.root_identity();
+        // A stopped process answers nothing: say so now, not after the
+        // channel's keep-alive gave up (6 s).
+        let before = liveness::probe(&pid_file, known);
+        if before.stopped() {
+            return Err(before);
+        }
+        let answered = async {
+            let mut client = daemon::connect_existing(&self.root_runtime_dir)
+                .await
+                .ok()
+                .flatten()?;
+            client
+                .status(dataplane::StatusRequest {})
+                .await
+                .ok()
+                .map(tonic::Response::into_inner)
+        }
+        .await;
+        match answered {
+            Some(st) => {
+                *self.root_identity() = liveness::identity(&pid_file);
+                Ok(st)
+            }
+            None => Err(liveness::probe(&pid_file, known)),
+        }
+    }
+
+    /// The stopped ids and, per id, the laptop TCP sockets the root daemon
+    /// destroyed ([`dataplane::DisconnectResponse::tcp_reset`]).
+    async fn root_disconnect(&self, id: &str) -> Result<(Vec<String>, HashMap<String, u64>)> {
+        // A stopped root daemon would keep the call waiting for the keep-alive's
+        // 6 s and then fail: fail now, with the same cause and fix.
+        if let Liveness::NotAnswering { pid, state } = liveness::probe(
+            &daemon::pid_path(&self.root_runtime_dir),
+            *self.root_identity(),
+        ) && matches!(state, 'T' | 't')
+        {
+            anyhow::bail!(
+                "cannot disconnect: {}",
+                liveness::not_answering_text(pid, state)
+            );
+        }
         let Some(mut client) = daemon::connect_existing(&self.root_runtime_dir).await? else {
-            return Ok(Vec::new());
+            return Ok(Default::default());
         };
         match client
             .disconnect(dataplane::DisconnectRequest {
@@ -320,8 +413,11 @@ impl UserDaemonState {
             })
             .await
         {
-            Ok(r) => Ok(r.into_inner().stopped),
-            Err(s) if s.code() == tonic::Code::NotFound => Ok(Vec::new()),
+            Ok(r) => {
+                let r = r.into_inner();
+                Ok((r.stopped, r.tcp_reset))
+            }
+            Err(s) if s.code() == tonic::Code::NotFound => Ok(Default::default()),
             Err(s) => Err(daemon::status_to_error(s)).with_context(|| {
                 if id.is_empty() {
                     "the root daemon did not disconnect its sessions".to_owned()
@@ -344,17 +440,34 @@ impl UserDaemonState {
             self.restore_socks(record, &req, &socks).await;
             return;
         }
-        let root = match self.root_sessions().await {
-            None => {
-                self.mark_lost(
-                    &id,
-                    "the root daemon is not running any more, so the TUN device and routes \
-                     are gone — run `kvpn connect` again"
-                        .to_owned(),
-                );
-                return;
+        let root = loop {
+            match self.root_sessions().await {
+                Err(Liveness::Gone) => {
+                    self.mark_lost(
+                        &id,
+                        "the root daemon is not running any more, so the TUN device and routes \
+                         are gone — run `kvpn connect` again"
+                            .to_owned(),
+                    );
+                    return;
+                }
+                // Stopped or hung: its sessions may well be there; wait for it.
+                Err(Liveness::NotAnswering { pid, state }) => {
+                    let reason = format!(
+                        "waiting for the root daemon: {}",
+                        liveness::not_answering_text(pid, state)
+                    );
+                    match self.sessions().get_mut(&id) {
+                        Some(e) => e.reason = reason,
+                        // Disconnected while waiting.
+                        None => return,
+                    }
+                    // Cheap while it is stopped (/proc only, no call): poll
+                    // often, so the session is back soon after `kill -CONT`.
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Ok(r) => break r,
             }
-            Some(r) => r,
         };
         let Some(root_session) = root.iter().find(|s| s.id == id) else {
             self.mark_lost(
@@ -459,25 +572,40 @@ impl UserDaemonState {
         }
     }
 
-    /// Sessions whose root half is gone become lost (Status).
-    fn reconcile(&self, root: Option<&[dataplane::Session]>) {
-        let gone: Vec<String> = self
+    /// Status: sessions whose root half is gone become lost; while the root
+    /// daemon runs but does not answer they are `degraded` (kept, listener and
+    /// all), and `running` again once it answers ([`reconcile_change`]).
+    fn reconcile(&self, root: Result<&[dataplane::Session], Liveness>) {
+        let changes: Vec<(String, Change)> = self
             .sessions()
             .values()
-            .filter(|e| e.state == STATE_RUNNING && e.socks_status.is_none())
-            .filter(|e| root.is_none_or(|r| !r.iter().any(|s| s.id == e.record.id)))
-            .map(|e| e.record.id.clone())
+            .filter(|e| {
+                (e.state == STATE_RUNNING || e.state == STATE_DEGRADED) && e.socks_status.is_none()
+            })
+            .filter_map(|e| {
+                reconcile_change(&e.record.id, e.state, root).map(|c| (e.record.id.clone(), c))
+            })
             .collect();
-        for id in gone {
-            let why = if root.is_none() {
-                "the root daemon is not running any more"
-            } else {
-                "the root daemon no longer has this session (it was restarted)"
-            };
-            self.mark_lost(
-                &id,
-                format!("{why}, so its TUN device and routes are gone — run `kvpn connect` again"),
-            );
+        for (id, change) in changes {
+            match change {
+                Change::Lost(reason) => self.mark_lost(&id, reason),
+                Change::Degraded(reason) => {
+                    if let Some(e) = self.sessions().get_mut(&id) {
+                        if e.state != STATE_DEGRADED {
+                            warn!(session = %id, %reason, "session degraded: kept until the root daemon answers or its process is gone");
+                        }
+                        e.state = STATE_DEGRADED;
+                        e.reason = reason;
+                    }
+                }
+                Change::Running => {
+                    if let Some(e) = self.sessions().get_mut(&id) {
+                        info!(session = %id, "the root daemon answers again: session running");
+                        e.state = STATE_RUNNING;
+                        e.reason.clear();
+                    }
+                }
+            }
         }
     }
 
@@ -574,42 +702,10 @@ impl UserDaemonState {
         Ok((addr, cancel, status_file))
     }
 
-    /// Stop `id` (empty = all) on both sides; the stopped ids.
-    async fn disconnect(&self, id: &str) -> Result<Vec<String>> {
-        let mut stopped = self.root_disconnect(id).await?;
-        let mine: Vec<String> = self
-            .sessions()
-            .keys()
-            .filter(|k| id.is_empty() || k.as_str() == id)
-            .cloned()
-            .collect();
-        for k in mine {
-            if let Some(e) = self.sessions().remove(&k) {
-                e.stop();
-            }
-            if let Err(e) = self.store.remove(&k) {
-                warn!(session = %k, "cannot remove the session record: {e}");
-            }
-            if !stopped.contains(&k) {
-                stopped.push(k);
-            }
-        }
-        if !id.is_empty() && stopped.is_empty() {
-            anyhow::bail!("no session {id} — `kvpn status` lists the sessions");
-        }
-        Ok(stopped)
-    }
-}
-
-#[tonic::async_trait]
-impl UserDaemon for UserDaemonState {
-    async fn start_session(
-        &self,
-        request: Request<StartSessionRequest>,
-    ) -> Result<Response<StartSessionResponse>, Status> {
-        let req = request.into_inner();
+    /// StartSession's setup, to completion whether or not its caller waits.
+    async fn start_owned(&self, req: StartSessionRequest) -> Result<StartSessionResponse, Status> {
         if let Some(socks) = req.socks.clone() {
-            return self.start_socks(req, socks).await.map(Response::new);
+            return self.start_socks(req, socks).await;
         }
         let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
         let config = agent_config(&req, &self.root_runtime_dir, listen).map_err(internal)?;
@@ -621,7 +717,9 @@ impl UserDaemon for UserDaemonState {
             .map_err(internal)?
             .ok_or_else(|| {
                 Status::failed_precondition(
-                    "the root daemon is not running (the CLI starts it before the session)",
+                    "the root daemon is not running any more: it exited after `kvpn connect` \
+                     started or found it (killed or crashed; `kvpn logs` shows why) — run \
+                     `kvpn connect` again: it starts a new one",
                 )
             })?;
         let connect = ConnectRequest {
@@ -660,11 +758,74 @@ impl UserDaemon for UserDaemonState {
             e.ssh = ssh;
         }
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
-        Ok(Response::new(StartSessionResponse {
+        Ok(StartSessionResponse {
             connect: Some(resp),
             data_addr: addr.to_string(),
             daemon_pid: std::process::id(),
-        }))
+        })
+    }
+
+    /// Stop `id` (empty = all) on both sides; the stopped ids and the TCP
+    /// sockets reset per id.
+    async fn disconnect(&self, id: &str) -> Result<(Vec<String>, HashMap<String, u64>)> {
+        let (mut stopped, tcp_reset) = self.root_disconnect(id).await?;
+        let mine: Vec<String> = self
+            .sessions()
+            .keys()
+            .filter(|k| id.is_empty() || k.as_str() == id)
+            .cloned()
+            .collect();
+        for k in mine {
+            if let Some(e) = self.sessions().remove(&k) {
+                e.stop();
+            }
+            if let Err(e) = self.store.remove(&k) {
+                warn!(session = %k, "cannot remove the session record: {e}");
+            }
+            if !stopped.contains(&k) {
+                stopped.push(k);
+            }
+        }
+        if !id.is_empty() && stopped.is_empty() {
+            anyhow::bail!("no session {id} — `kvpn status` lists the sessions");
+        }
+        Ok((stopped, tcp_reset))
+    }
+}
+
+#[tonic::async_trait]
+impl UserDaemon for UserDaemonState {
+    async fn start_session(
+        &self,
+        request: Request<StartSessionRequest>,
+    ) -> Result<Response<StartSessionResponse>, Status> {
+        // tonic drops this handler's future when the caller goes away (a
+        // Ctrl-C'd `kvpn connect`): the setup runs as its own task, so no
+        // listener, port-forward or root daemon session is left half made,
+        // and rolls back what it made when nobody takes the answer.
+        let this = self
+            .me
+            .upgrade()
+            .ok_or_else(|| Status::unavailable("the user daemon is stopping"))?;
+        let (answer, taken) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let result = this.start_owned(request.into_inner()).await;
+            if let Err(Ok(resp)) = answer.send(result) {
+                let id = resp.connect.map(|c| c.session_id).unwrap_or_default();
+                warn!(session = %id, "the caller went away during StartSession: disconnecting the session it started");
+                if id.is_empty() {
+                    return;
+                }
+                match this.disconnect(&id).await {
+                    Ok(_) => info!(session = %id, "session rolled back"),
+                    Err(e) => warn!(session = %id, "cannot roll the session back: {e:#}"),
+                }
+            }
+        });
+        taken
+            .await
+            .map_err(|_| Status::internal("the session setup task ended without an answer"))?
+            .map(Response::new)
     }
 
     async fn status(
@@ -674,10 +835,11 @@ impl UserDaemon for UserDaemonState {
         let root_status = self.root_status().await;
         let refused_peers = root_status.as_ref().map_or(0, |s| s.refused_peers);
         let root = root_status.map(|s| s.sessions);
-        self.reconcile(root.as_deref());
+        self.reconcile(root.as_deref().map_err(|l| *l));
         let user_sessions = self.sessions().values().map(Entry::to_proto).collect();
+        // Not running = did not answer; the CLI tells stopped from gone from /proc.
         Ok(Response::new(StatusResponse {
-            root_running: root.is_some(),
+            root_running: root.is_ok(),
             root_sessions: root.unwrap_or_default(),
             user_sessions,
             daemon_pid: std::process::id(),
@@ -690,19 +852,19 @@ impl UserDaemon for UserDaemonState {
         request: Request<DisconnectRequest>,
     ) -> Result<Response<DisconnectResponse>, Status> {
         let id = request.into_inner().session_id;
-        let stopped = UserDaemonState::disconnect(self, &id)
+        let (stopped, tcp_reset) = UserDaemonState::disconnect(self, &id)
             .await
             .map_err(internal)?;
-        Ok(Response::new(DisconnectResponse { stopped }))
+        Ok(Response::new(DisconnectResponse { stopped, tcp_reset }))
     }
 
     async fn quit(&self, _request: Request<QuitRequest>) -> Result<Response<QuitResponse>, Status> {
-        let stopped = UserDaemonState::disconnect(self, "")
+        let (stopped, tcp_reset) = UserDaemonState::disconnect(self, "")
             .await
             .map_err(internal)?;
         info!(?stopped, "quit");
         self.quit.cancel();
-        Ok(Response::new(QuitResponse { stopped }))
+        Ok(Response::new(QuitResponse { stopped, tcp_reset }))
     }
 }
 
@@ -761,12 +923,14 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
         .with_context(|| format!("cannot write {}", paths.pid.display()))?;
     let store = super::store(&paths)?;
     info!(pid = std::process::id(), socket = %paths.socket.display(), state = %store.dir().display(), "user daemon started");
-    let state = Arc::new(UserDaemonState {
+    let state = Arc::new_cyclic(|me| UserDaemonState {
+        me: me.clone(),
         root_runtime_dir,
         socks_dir: paths.dir.clone(),
         store,
         sessions: Mutex::new(BTreeMap::new()),
         quit: CancellationToken::new(),
+        root_identity: Mutex::new(None),
     });
 
     let (records, problems) = state.store.load_all();
@@ -823,4 +987,55 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
     let _ = std::fs::remove_file(&paths.pid);
     info!("user daemon stopped");
     served.context("the user daemon's gRPC server failed")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root(ids: &[&str]) -> Vec<dataplane::Session> {
+        ids.iter()
+            .map(|id| dataplane::Session {
+                id: (*id).to_owned(),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_silent_root_daemon_degrades_the_session_only_a_gone_one_loses_it() {
+        let stopped = Liveness::NotAnswering {
+            pid: 42,
+            state: 'T',
+        };
+        let Some(Change::Degraded(reason)) = reconcile_change("s1", STATE_RUNNING, Err(stopped))
+        else {
+            panic!("a stopped root daemon degrades the session")
+        };
+        assert!(
+            reason.contains("pid 42") && reason.contains("`sudo kill -CONT 42`"),
+            "{reason}"
+        );
+        // It answers again and has the session: running, nothing re-opened.
+        let sessions = root(&["s1"]);
+        assert_eq!(
+            reconcile_change("s1", STATE_DEGRADED, Ok(&sessions)),
+            Some(Change::Running)
+        );
+        assert_eq!(reconcile_change("s1", STATE_RUNNING, Ok(&sessions)), None);
+        // Its process is gone: lost, as before.
+        for state in [STATE_RUNNING, STATE_DEGRADED] {
+            let Some(Change::Lost(reason)) = reconcile_change("s1", state, Err(Liveness::Gone))
+            else {
+                panic!("a gone root daemon loses the session")
+            };
+            assert!(reason.contains("not running any more"), "{reason}");
+        }
+        // It answers without the session (restarted): lost.
+        let other = root(&["s2"]);
+        assert!(matches!(
+            reconcile_change("s1", STATE_DEGRADED, Ok(&other)),
+            Some(Change::Lost(r)) if r.contains("no longer has this session")
+        ));
+    }
 }

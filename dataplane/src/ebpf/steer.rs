@@ -43,7 +43,8 @@ impl Classifier {
     /// `l2_hdr_len` bytes of L2 header at its TC egress) into the TUN device
     /// `tun_ifindex`, with `tunnel_ip` as their source. Must be called from a thread in
     /// the network namespace of `ifname`. Calling it for a device already steered
-    /// does nothing.
+    /// (same name and ifindex) does nothing; a device of the same name with another
+    /// ifindex (deleted and created again) is left to [`Self::unsteer`].
     pub fn steer(
         &mut self,
         ifname: &str,
@@ -52,7 +53,11 @@ impl Classifier {
         tunnel_ip: Ipv4Addr,
         tun_ifindex: u32,
     ) -> Result<(), EbpfError> {
-        if self.steer_links.iter().any(|(name, _)| name == ifname) {
+        if self
+            .steer_links
+            .iter()
+            .any(|l| l.ifname == ifname && l.ifindex == ifindex)
+        {
             return Ok(());
         }
         if !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
@@ -64,18 +69,50 @@ impl Classifier {
         self.add_steer_device(ifindex, l2_hdr_len)?;
         self.load_steer()?;
         let link = self.attach_one(common::PROGRAM_STEER, ifname, TcAttachType::Egress)?;
-        self.steer_links.push((ifname.to_owned(), link));
+        self.steer_links.push(super::SteerLink {
+            ifname: ifname.to_owned(),
+            ifindex,
+            _link: link,
+        });
         tracing::info!(
             ifname,
+            ifindex,
             %tunnel_ip,
             "eBPF steering attached to TC egress: cluster-bound packets go to the TUN"
         );
         Ok(())
     }
 
-    /// The devices steering is attached to.
-    pub fn steered_devices(&self) -> Vec<String> {
-        self.steer_links.iter().map(|(n, _)| n.clone()).collect()
+    /// Stop steering interface `ifindex`: release its TCX link (a device already
+    /// deleted took the program with it; the link's descriptor is closed) and take
+    /// it out of the devices the program acts on. An ifindex not steered does
+    /// nothing. The connection table stays: replies of flows steered before still
+    /// translate back.
+    pub fn unsteer(&mut self, ifindex: u32) -> Result<(), EbpfError> {
+        let before = self.steer_links.len();
+        self.steer_links.retain(|l| l.ifindex != ifindex);
+        if before == self.steer_links.len() {
+            return Ok(());
+        }
+        match self.steer_devices.remove(&ifindex) {
+            Ok(()) => Ok(()),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(())
+            }
+            Err(source) => Err(map_error(
+                common::MAP_STEER_DEVICES,
+                format!("remove {ifindex}"),
+                source,
+            )),
+        }
+    }
+
+    /// The devices steering is attached to, as (name, ifindex), in attach order.
+    pub fn steered_devices(&self) -> Vec<(String, u32)> {
+        self.steer_links
+            .iter()
+            .map(|l| (l.ifname.clone(), l.ifindex))
+            .collect()
     }
 
     /// Write the steering config (the redirect target and the new source). Also

@@ -1,8 +1,10 @@
 //! `kvpn-lab-server`: the lab's backend pod server (lab-only).
 //!
 //! - HTTP/1.1 on :8080 — `GET /` a text page naming the pod, its IP and the client
-//!   ([`kvpn_lab::protocol::PageInfo`]); `GET /big[?bytes=N]` N bytes (default 50 MiB) of
-//!   [`kvpn_lab::payload`]; `GET /peer` the client address as seen here.
+//!   ([`kvpn_lab::protocol::PageInfo`]); `GET /big[?bytes=N][&rate=R]` N bytes (default
+//!   50 MiB) of [`kvpn_lab::payload`], at most R bytes a second when given (the server
+//!   paces its writes: a download in flight that the client reads as fast as it comes);
+//!   `GET /peer` the client address as seen here.
 //! - TCP echo on :7007 — echoes until EOF, then closes; a first line `WRITE <n> CLOSE`
 //!   makes it write n bytes and close, `RESET` makes it abort with a RST
 //!   ([`kvpn_lab::protocol::EchoCommand`]).
@@ -249,9 +251,13 @@ async fn respond(
                     }
                 },
             };
+            let rate = request
+                .query_param("rate")
+                .and_then(|r| r.parse::<u64>().ok())
+                .filter(|r| *r > 0);
             write_head(stream, "200 OK", "application/octet-stream", bytes, ka).await?;
             if !head_only {
-                write_payload(stream, bytes).await?;
+                write_payload(stream, bytes, rate).await?;
             }
             Ok(())
         }
@@ -299,16 +305,24 @@ async fn write_body(
 }
 
 /// Writes `len` bytes of the lab payload.
-async fn write_payload(stream: &mut TcpStream, len: u64) -> std::io::Result<()> {
-    let mut buf = vec![0u8; CHUNK];
+/// `len` bytes of the payload; with `rate` (bytes a second), a tenth of it
+/// every 100 ms.
+async fn write_payload(stream: &mut TcpStream, len: u64, rate: Option<u64>) -> std::io::Result<()> {
+    let chunk = rate.map_or(CHUNK, |r| {
+        usize::try_from(r / 10).unwrap_or(CHUNK).clamp(1, CHUNK)
+    });
+    let mut buf = vec![0u8; chunk];
     let mut offset = 0u64;
     while offset < len {
         let n = usize::try_from(len - offset)
             .unwrap_or(usize::MAX)
-            .min(CHUNK);
+            .min(chunk);
         payload::fill(offset, &mut buf[..n]);
         stream.write_all(&buf[..n]).await?;
         offset += n as u64;
+        if rate.is_some() {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
     }
     Ok(())
 }
@@ -353,7 +367,7 @@ async fn echo_connection(mut stream: TcpStream) -> std::io::Result<()> {
                 command: EchoCommand::WriteThenClose { bytes },
                 ..
             } => {
-                write_payload(&mut stream, bytes).await?;
+                write_payload(&mut stream, bytes, None).await?;
                 stream.shutdown().await?;
                 // Read the client's leftovers until its EOF: closing with unread data
                 // would send a RST and could destroy the tail of what we wrote.
