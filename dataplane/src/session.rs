@@ -1019,21 +1019,8 @@ impl Session {
         // no interface but a TUN device has (another cluster's session may
         // hold the same tunnel IP; see stale_tcp).
         let kernel_routes: Vec<IpNet> = plan.kernel.iter().map(|(net, _)| *net).collect();
-        let stale_tcp_flows_reset = match stale_tcp::sweep(&kernel_routes) {
-            Ok(destroyed) if destroyed.is_empty() => 0,
-            Ok(destroyed) => {
-                let flows: Vec<String> = destroyed
-                    .iter()
-                    .map(|(local, remote)| format!("{local} -> {remote}"))
-                    .collect();
-                tracing::warn!(count = flows.len(), flows = %flows.join(", "), "destroyed laptop TCP sockets an earlier session left (its root daemon died): their applications get ECONNABORTED now");
-                flows.len() as u64
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot look for laptop TCP sockets an earlier session left: a download of a dead root daemon's session may hang until its application's timeout");
-                0
-            }
-        };
+        let stale_tcp_flows_reset =
+            stale_tcp::reset(&kernel_routes, stale_tcp::Why::EarlierSession);
         let mut undo = Undo {
             netlink,
             tun: None,
@@ -1866,21 +1853,7 @@ impl Session {
     /// into its routes, from its tunnel IP or another address no interface
     /// but a TUN device has); how many.
     fn reset_tcp_through(&self) -> u64 {
-        match stale_tcp::sweep(&self.all_routes()) {
-            Ok(destroyed) if destroyed.is_empty() => 0,
-            Ok(destroyed) => {
-                let flows: Vec<String> = destroyed
-                    .iter()
-                    .map(|(local, remote)| format!("{local} -> {remote}"))
-                    .collect();
-                tracing::info!(id = %self.id, count = flows.len(), flows = %flows.join(", "), "destroyed the laptop TCP sockets through the session being disconnected: their applications get ECONNABORTED now");
-                flows.len() as u64
-            }
-            Err(e) => {
-                tracing::warn!(id = %self.id, error = %e, "cannot look for laptop TCP sockets through the session being disconnected: a download in flight may hang until its application's timeout");
-                0
-            }
-        }
+        stale_tcp::reset(&self.all_routes(), stale_tcp::Why::Disconnecting(&self.id))
     }
 }
 

@@ -352,6 +352,51 @@ pub fn sweep(routes: &[IpNet]) -> Result<Vec<(SocketAddr, SocketAddr)>, SweepErr
     Ok(destroyed)
 }
 
+/// Why a [`reset`] runs; names the sockets in its log lines.
+#[derive(Debug, Clone, Copy)]
+pub enum Why<'a> {
+    /// A new session's Connect: sockets a dead root daemon's session left.
+    EarlierSession,
+    /// Disconnect, quit or shutdown of the session with this id.
+    Disconnecting(&'a str),
+}
+
+/// [`sweep`], log what it destroyed (or why it could not look) and return how
+/// many sockets it destroyed; an error is logged and counts as none.
+pub fn reset(routes: &[IpNet], why: Why<'_>) -> u64 {
+    let destroyed = match sweep(routes) {
+        Ok(destroyed) => destroyed,
+        Err(e) => {
+            match why {
+                Why::EarlierSession => {
+                    tracing::warn!(error = %e, "cannot look for laptop TCP sockets an earlier session left: a download of a dead root daemon's session may hang until its application's timeout")
+                }
+                Why::Disconnecting(id) => {
+                    tracing::warn!(%id, error = %e, "cannot look for laptop TCP sockets through the session being disconnected: a download in flight may hang until its application's timeout")
+                }
+            }
+            return 0;
+        }
+    };
+    if destroyed.is_empty() {
+        return 0;
+    }
+    let flows: Vec<String> = destroyed
+        .iter()
+        .map(|(local, remote)| format!("{local} -> {remote}"))
+        .collect();
+    let flows_text = flows.join(", ");
+    match why {
+        Why::EarlierSession => {
+            tracing::warn!(count = flows.len(), flows = %flows_text, "destroyed laptop TCP sockets an earlier session left (its root daemon died): their applications get ECONNABORTED now")
+        }
+        Why::Disconnecting(id) => {
+            tracing::info!(%id, count = flows.len(), flows = %flows_text, "destroyed the laptop TCP sockets through the session being disconnected: their applications get ECONNABORTED now")
+        }
+    }
+    flows.len() as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

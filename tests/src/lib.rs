@@ -21,6 +21,28 @@ use std::time::Duration;
 
 use kvpn_lab::{LAPTOP, Lab, LabOptions, ManagerProcess};
 
+/// `kvpn-bench` for a test run of seconds: one 1-second round of each metric,
+/// `--force` (tests run beside other tests' load), 10 Mbit/s of 64-byte UDP
+/// (enough to check the UDP metric works; the 100 Mbit/s default floods the
+/// tunnel, a figure for the full bench only), output under `out_dir`. The
+/// caller adds row selections such as `--plain-only`.
+pub fn short_bench(out_dir: &std::path::Path) -> Command {
+    let bench = kvpn_lab::bin_path("kvpn-bench").unwrap_or_else(|e| panic!("kvpn-bench: {e:#}"));
+    let mut cmd = Command::new(bench);
+    cmd.args([
+        "--rounds",
+        "1",
+        "--seconds",
+        "1",
+        "--force",
+        "--udp-rate",
+        "10M",
+        "--out-dir",
+    ])
+    .arg(out_dir);
+    cmd
+}
+
 /// The laptop-side connect arguments for the lab's cluster.
 pub fn lab_connect_args() -> Vec<String> {
     vec![

@@ -83,30 +83,18 @@ struct Bench {
 
 impl Bench {
     fn start(name: &str) -> Bench {
-        let bin = kvpn_lab::bin_path("kvpn-bench").unwrap_or_else(|e| panic!("kvpn-bench: {e:#}"));
         let out_dir = std::env::temp_dir().join(format!(
             "kvpn-bench-interrupt-{name}-{}",
             std::process::id()
         ));
         let _ = std::fs::remove_dir_all(&out_dir);
-        let mut child = Command::new(&bin)
-            .args([
-                "--plain-only",
-                "--rounds",
-                "1",
-                "--seconds",
-                "1",
-                "--force",
-                "--udp-rate",
-                "10M",
-                "--out-dir",
-            ])
-            .arg(&out_dir)
+        let mut child = kvpn_tests::short_bench(&out_dir)
+            .arg("--plain-only")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("run {}: {e}", bin.display()));
+            .unwrap_or_else(|e| panic!("run kvpn-bench: {e}"));
         let (line_tx, lines) = channel();
         let stdout = Arc::new(Mutex::new(String::new()));
         let stderr = Arc::new(Mutex::new(String::new()));

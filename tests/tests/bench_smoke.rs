@@ -13,8 +13,6 @@
 //! Kubernetes binaries of `scripts/build-kubernetes.sh`, openssh-server/-client,
 //! sshuttle, socat and iptables (scripts/setup.sh).
 
-use std::process::Command;
-
 use kvpn_tests::text;
 
 /// Every row, and the metrics it must have (positive and finite).
@@ -78,25 +76,11 @@ fn absent(report: &serde_json::Value, path: &str, key: &str) {
 
 #[test]
 fn bench_harness_produces_every_row_and_metric() {
-    let bench = kvpn_lab::bin_path("kvpn-bench").unwrap_or_else(|e| panic!("kvpn-bench: {e:#}"));
     let out_dir = std::env::temp_dir().join(format!("kvpn-bench-smoke-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out_dir);
-    let out = Command::new(&bench)
-        // 10 Mbit/s of 64-byte UDP: enough to check the UDP metric works; the
-        // 100 Mbit/s default floods the tunnel, a figure for the full bench only.
-        .args([
-            "--rounds",
-            "1",
-            "--seconds",
-            "1",
-            "--force",
-            "--udp-rate",
-            "10M",
-            "--out-dir",
-        ])
-        .arg(&out_dir)
+    let out = kvpn_tests::short_bench(&out_dir)
         .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", bench.display()));
+        .unwrap_or_else(|e| panic!("run kvpn-bench: {e}"));
     let stdout = text(&out.stdout);
     assert!(
         out.status.success(),
