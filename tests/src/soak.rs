@@ -597,10 +597,14 @@ impl Driver<'_> {
         let at = self.now();
         eprintln!("soak: {:>6.1} s  {what}", at.as_secs_f64());
         inject(self.f);
-        let inject = self.now() - at;
+        let injected = self.now();
+        let inject = injected - at;
         let limit = at + self.opts.bounds.recover_within;
+        // Only requests started once the injection took effect show recovery:
+        // one started earlier may still have been served by what the fault
+        // removes (an old manager pod still stopping), before the outage began.
         let recovered = loop {
-            if let Some(t) = self.tr.recovered_after(at) {
+            if let Some(t) = self.tr.recovered_after(injected) {
                 break Some(t);
             }
             if self.now() > limit {
@@ -674,6 +678,11 @@ fn kill_root_daemon(f: &KubeFixture) {
     wait_one_connected(f, Duration::from_secs(20));
 }
 
+/// Deletes the ready manager pod; returns once the old pod object is gone (the
+/// kubelet stand-in removes it after its process ended), a replacement is
+/// ready, the root daemon re-established its data connection and the session
+/// is `connected` with a heartbeat echoed after that: from then on every
+/// request goes to the new pod.
 fn delete_manager_pod(f: &KubeFixture) {
     let old = f
         .manager_pods()
@@ -681,10 +690,44 @@ fn delete_manager_pod(f: &KubeFixture) {
         .find(pod_ready)
         .unwrap_or_else(|| panic!("no ready manager pod"));
     let name = pod_name(&old);
+    let log = f.runtime_dir().join("dataplane.log");
+    let redials_before = count_in_file(&log, "data connection re-established");
     let pods: Api<Pod> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
     f.block_on(pods.delete(&name, &DeleteParams::default()))
         .unwrap_or_else(|e| panic!("delete manager pod {name}: {e}"));
     f.wait_manager_pod(Duration::from_secs(30), |p| pod_name(p) != name);
+    let t0 = Instant::now();
+    while f.manager_pods().iter().any(|p| pod_name(p) == name) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "deleted manager pod {name} still listed after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let echoed = |f: &KubeFixture| {
+        f.session()["liveness"]["heartbeats_echoed"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let t0 = Instant::now();
+    while count_in_file(&log, "data connection re-established") <= redials_before {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the root daemon did not re-establish its data connection within 30 s of deleting manager pod {name}\n{}",
+            f.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    wait_one_connected(f, Duration::from_secs(20));
+    let echoed_then = echoed(f);
+    let t0 = Instant::now();
+    while echoed(f) <= echoed_then {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no heartbeat echoed within 10 s of the re-dial to the new manager pod"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Kills the established TCP connections to `dst` in the laptop netns.
