@@ -462,7 +462,9 @@ pub enum LabCommand {
     /// Show what runs where in the lab.
     Info,
     /// Run a command inside one of the lab's network namespaces (in `laptop`, KUBECONFIG
-    /// points at the lab's admin kubeconfig unless already set).
+    /// points at the lab's admin kubeconfig unless already set, and KVPN_HOSTS at the
+    /// laptop netns's own hosts file, /etc/netns/<laptop netns>/hosts, so that
+    /// `kvpn connect --hosts` there never edits this machine's /etc/hosts).
     Exec {
         /// `laptop`, `node`, or a pod name (`kubectl get pods -A`).
         role: String,

@@ -112,6 +112,21 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
                 // What a developer's laptop has: a kubeconfig for the cluster.
                 cmd.env("KUBECONFIG", &state.laptop_admin_kubeconfig);
             }
+            if role == kvpn_lab::LAPTOP {
+                // The laptop's own hosts file, which `ip netns exec` binds over
+                // /etc/hosts there. A root daemon started from here edits the file
+                // KVPN_HOSTS names (`kvpn connect --hosts`); without it, it would be
+                // whichever /etc/hosts its mount namespace shows, this machine's when
+                // the lab has no file of its own (a lab from an older kvpn: made now,
+                // as a copy of /etc/hosts). Always set: an inherited KVPN_HOSTS could
+                // name this machine's file.
+                kvpn_lab::write_laptop_hosts(&netns, false)
+                    .context("cannot write the lab laptop's hosts file")?;
+                cmd.env(
+                    "KVPN_HOSTS",
+                    netns.etc_dir().join(kvpn_lab::LAPTOP_HOSTS_FILE),
+                );
+            }
             let status = cmd
                 .status()
                 .with_context(|| format!("cannot run {program:?} in the lab's {role} namespace"))?;

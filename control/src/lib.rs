@@ -89,6 +89,11 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         liveness::check_before_connect(&daemon::pid_path(runtime_dir))
             .map_err(anyhow::Error::msg)?;
     }
+    // One connect at a time per user daemon, held to the end (also by an exit on
+    // Ctrl-C: the kernel drops it): two connects started together both found no
+    // session, both set one up, and the second failed with "add route … File
+    // exists". The second now waits and finds the first one's session.
+    let _connect_lock = userd::connect_lock::ConnectLock::for_connect(runtime_dir).await?;
     let Some(manager) = args.manager.clone() else {
         return connect::kube_connect(runtime_dir, &args).await;
     };
@@ -594,6 +599,10 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
 }
 
 async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
+    // A `kvpn connect` running now would start the daemons again after this
+    // stopped them: interrupt it (it undoes its session), wait for it, and keep
+    // the lock until both daemons are gone.
+    let _connect_lock = userd::connect_lock::ConnectLock::for_quit(runtime_dir).await?;
     // The user daemon first: it disconnects its sessions (both halves) and exits.
     let ((stopped, tcp_reset), user_daemon) = userd::quit(runtime_dir).await?;
     for id in stopped {

@@ -10,6 +10,7 @@
 //!
 //! I/O: the Unix socket, spawning the daemon, reading its pid file and log.
 
+pub mod connect_lock;
 pub mod record;
 pub mod server;
 
@@ -239,6 +240,33 @@ pub fn create_private_dir(dir: &Path) -> Result<()> {
             .with_context(|| format!("cannot make {} private (mode 0700)", dir.display()))?;
     }
     Ok(())
+}
+
+/// Take an exclusive `flock(2)` on `path` (created, mode 0600, if missing) without
+/// waiting: the open file, which holds the lock until it is closed (also when the
+/// process dies), or `Ok(None)` when another open file holds it.
+pub fn try_flock(path: &Path) -> Result<Option<std::fs::File>> {
+    use std::os::fd::AsRawFd as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    // SAFETY: flock on a descriptor we own; no memory is involved.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(Some(f));
+    }
+    let e = std::io::Error::last_os_error();
+    if e.kind() == std::io::ErrorKind::WouldBlock {
+        Ok(None)
+    } else {
+        Err(anyhow!(e).context(format!("cannot lock {}", path.display())))
+    }
 }
 
 /// The pid the running user daemon wrote, if any.

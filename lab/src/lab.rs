@@ -308,6 +308,31 @@ pub fn down_named(name: &str) -> Result<bool> {
 /// on the laptop's loopback (none runs there unless a test starts one).
 pub const LAPTOP_RESOLV_CONF: &str = "# kvpn lab laptop: ip netns exec binds /etc/netns/<laptop netns>/resolv.conf here\nnameserver 127.0.0.1\n";
 
+/// The file name, in `/etc/netns/<laptop netns>/`, of the laptop netns's own hosts
+/// file: `ip netns exec` binds it over /etc/hosts, and `kvpn lab exec laptop` names it
+/// in `KVPN_HOSTS`, so `kvpn connect --hosts` in the lab edits it, never this
+/// machine's /etc/hosts.
+pub const LAPTOP_HOSTS_FILE: &str = "hosts";
+
+/// What a lab laptop's hosts file starts as: this machine's /etc/hosts (read, never
+/// written), so names it resolves (localhost, the machine's own name) resolve in the
+/// laptop netns as before; a localhost-only file when it cannot be read.
+pub fn laptop_hosts_content() -> Vec<u8> {
+    std::fs::read("/etc/hosts").unwrap_or_else(|_| {
+        b"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n".to_vec()
+    })
+}
+
+/// Writes the laptop netns's own hosts file ([`LAPTOP_HOSTS_FILE`]) unless it has one
+/// and `overwrite` is false (a laptop another lab made keeps its file, and any kvpn
+/// block in it).
+pub fn write_laptop_hosts(laptop: &Netns, overwrite: bool) -> Result<()> {
+    if overwrite || !laptop.etc_dir().join(LAPTOP_HOSTS_FILE).exists() {
+        laptop.write_etc_file(LAPTOP_HOSTS_FILE, &laptop_hosts_content())?;
+    }
+    Ok(())
+}
+
 impl Lab {
     /// Builds a lab: netns, bridge, pods, uplink, nftables, processes; waits until each
     /// started process answers on its port (bounded by `ready_timeout`). On any error
@@ -443,6 +468,9 @@ impl Lab {
         // the laptop's DNS can reach this machine's real /etc/resolv.conf.
         self.laptop
             .write_etc_file("resolv.conf", LAPTOP_RESOLV_CONF.as_bytes())?;
+        // Likewise its own hosts file, for `kvpn connect --hosts` (`kvpn lab exec
+        // laptop` points KVPN_HOSTS at it too).
+        write_laptop_hosts(&self.laptop, self.own_laptop)?;
         if !options.static_workloads {
             self.manager_desc = "no static pods (Kubernetes lab: see the kubelet stand-in)".into();
             return Ok(());
@@ -890,7 +918,10 @@ impl Lab {
         let netns = Netns::create(&netns_name(&self.id, role))?;
         // Its own resolv.conf, like the first laptop's: kvpn's DNS setup there must
         // never reach this machine's /etc/resolv.conf.
-        if let Err(e) = netns.write_etc_file("resolv.conf", LAPTOP_RESOLV_CONF.as_bytes()) {
+        if let Err(e) = netns
+            .write_etc_file("resolv.conf", LAPTOP_RESOLV_CONF.as_bytes())
+            .and_then(|_| write_laptop_hosts(&netns, true))
+        {
             let _ = netns.delete();
             return Err(e);
         }

@@ -43,8 +43,9 @@ use std::path::PathBuf;
 use ipnet::Ipv4Net;
 
 pub use lab::{
-    DEFAULT_LAB_NAME, ExtraLaptop, Lab, LabOptions, ManagerProcess, ProcessInfo, down_named,
-    reap_orphaned_labs, state_dir, state_path,
+    DEFAULT_LAB_NAME, ExtraLaptop, LAPTOP_HOSTS_FILE, Lab, LabOptions, ManagerProcess, ProcessInfo,
+    down_named, laptop_hosts_content, reap_orphaned_labs, state_dir, state_path,
+    write_laptop_hosts,
 };
 pub use netns::{Netns, lab_netns, list_kvpn_netns, run_in_netns};
 pub use nft::{NodePort, Protocol, Service};

@@ -267,8 +267,9 @@ impl KubeFixture {
             .join("resolv.conf")
     }
 
-    /// The laptop netns's hosts file (`/etc/netns/<laptop netns>/hosts`, seen as
-    /// /etc/hosts by programs started in the laptop netns once it exists); the root
+    /// The laptop netns's hosts file (`/etc/netns/<laptop netns>/hosts`, which the
+    /// lab makes as a copy of /etc/hosts, seen as /etc/hosts by programs started in
+    /// the laptop netns); the root
     /// daemon of this fixture writes `kvpn connect --hosts` entries there (env
     /// `KVPN_HOSTS`), never to this machine's /etc/hosts.
     pub fn laptop_hosts(&self) -> PathBuf {

@@ -870,24 +870,7 @@ impl UserDaemon for UserDaemonState {
 
 /// Take the daemon's lock; `Ok(None)` when another user daemon holds it.
 fn lock(paths: &Paths) -> Result<Option<std::fs::File>> {
-    use std::os::fd::AsRawFd as _;
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&paths.lock)
-        .with_context(|| format!("cannot open {}", paths.lock.display()))?;
-    // SAFETY: flock on a descriptor we own; no memory is involved.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc == 0 {
-        return Ok(Some(f));
-    }
-    let e = std::io::Error::last_os_error();
-    if e.kind() == std::io::ErrorKind::WouldBlock {
-        Ok(None)
-    } else {
-        Err(anyhow!(e).context(format!("cannot lock {}", paths.lock.display())))
-    }
+    super::try_flock(&paths.lock)
 }
 
 /// Bind the socket with mode 0600 (removing one a killed daemon left).
