@@ -103,7 +103,19 @@ pub async fn ready_manager_pod(api: &Api<Pod>) -> Result<String> {
         .context("cannot list the traffic manager's pods")?;
     pick_manager_pod(&pods.items)
         .and_then(|p| p.metadata.name.clone())
-        .ok_or_else(|| anyhow!("no ready traffic manager pod ({MANAGER_SELECTOR}) — see `kubectl get pods -l {MANAGER_SELECTOR}`"))
+        .ok_or_else(|| anyhow!(no_ready_pod_message(api.namespace())))
+}
+
+/// The error of [`ready_manager_pod`] when no manager pod in `namespace` is
+/// ready, with the `kubectl` line that lists them there (without `-n` kubectl
+/// looks in the context's namespace, not the manager's).
+pub fn no_ready_pod_message(namespace: Option<&str>) -> String {
+    let ns = namespace.map(|n| format!(" -n {n}")).unwrap_or_default();
+    let place = namespace.map(|n| format!(" in {n}")).unwrap_or_default();
+    format!(
+        "no ready traffic manager pod ({MANAGER_SELECTOR}){place} — see \
+         `kubectl get pods{ns} -l {MANAGER_SELECTOR}`"
+    )
 }
 
 /// How long a new data connection waits for a ready manager pod (or a
@@ -368,5 +380,25 @@ mod tests {
         let c = pod("c", ours, "2026-11-30T10:00:09Z", false);
         assert_eq!(picked(&[c]), None);
         assert_eq!(picked(&[a]), Some("a".into()));
+    }
+
+    /// The "no ready pod" hint lists the pods in the manager's namespace (on main
+    /// it had no `-n`, so kubectl looked in the context's namespace and listed
+    /// nothing: a tester's finding).
+    #[test]
+    fn no_ready_pod_hint_names_the_manager_namespace() {
+        let msg = no_ready_pod_message(Some("kvpn-test"));
+        assert!(
+            msg.contains(&format!(
+                "`kubectl get pods -n kvpn-test -l {MANAGER_SELECTOR}`"
+            )),
+            "{msg}"
+        );
+        assert!(msg.contains("in kvpn-test"), "{msg}");
+        let msg = no_ready_pod_message(None);
+        assert!(
+            msg.contains(&format!("`kubectl get pods -l {MANAGER_SELECTOR}`")),
+            "{msg}"
+        );
     }
 }

@@ -1,11 +1,14 @@
 //! Command-line flags of `kvpn`.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use ipnet::IpNet;
+
+/// `kvpn connect --manager` without `--tunnel-ip`: this machine's address inside the tunnel.
+pub const DEFAULT_TUNNEL_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2));
 
 /// kvpn puts this machine on a Kubernetes cluster's network: after `kvpn connect`,
 /// pod IPs, ClusterIPs and service names are reachable over TCP, UDP and ICMP.
@@ -30,14 +33,10 @@ pub struct Cli {
     pub verbose: u8,
 
     /// Folder of the root daemon's socket, pid file and log (and, for root or when
-    /// given, of the user daemon's; else that is $XDG_RUNTIME_DIR/kvpn).
-    #[arg(
-        long,
-        env = "KVPN_RUNTIME_DIR",
-        default_value = "/run/kvpn",
-        global = true
-    )]
-    pub runtime_dir: PathBuf,
+    /// given, of the user daemon's; else that is $XDG_RUNTIME_DIR/kvpn). Default:
+    /// $KVPN_RUNTIME_DIR, else /run/kvpn.
+    #[arg(long = "runtime-dir", value_name = "RUNTIME_DIR", global = true)]
+    runtime_dir_flag: Option<PathBuf>,
 
     /// The command.
     #[command(subcommand)]
@@ -45,28 +44,102 @@ pub struct Cli {
 }
 
 impl Cli {
+    /// `--runtime-dir`, else `KVPN_RUNTIME_DIR` (when not empty), else
+    /// /run/kvpn. The variable is read here, not by clap's `env`: clap counts a
+    /// value from the environment as given, and the usage line of its errors
+    /// (`requires`, `conflicts_with`) then listed `--runtime-dir <RUNTIME_DIR>`
+    /// as if the command needed it.
+    pub fn runtime_dir(&self) -> PathBuf {
+        runtime_dir_from(
+            self.runtime_dir_flag.clone(),
+            std::env::var_os("KVPN_RUNTIME_DIR"),
+        )
+    }
+
     /// Flag rules checked after clap, with their own words. `--steer` without
-    /// `--allow-route-conflict`: as a clap `requires`, its usage line listed
-    /// every flag given or set by environment (`--runtime-dir <RUNTIME_DIR>`
-    /// from KVPN_RUNTIME_DIR) as if that were required.
+    /// `--allow-route-conflict`: its usage line names just those two flags.
     pub fn validate(self) -> Result<Self, clap::Error> {
-        if let Command::Connect(a) = &self.command
-            && a.steer.is_some()
-            && !a.allow_route_conflict
-        {
-            return Err(clap::Error::raw(
-                clap::error::ErrorKind::MissingRequiredArgument,
-                "--steer needs --allow-route-conflict (it chooses how cluster-bound traffic \
-                 is steered past routes that conflict with the laptop's)\n\n\
-                 Usage: kvpn connect --allow-route-conflict --steer <STEER> [OPTIONS]\n\n\
-                 For more information, try '--help'.\n",
-            ));
+        if let Command::Connect(a) = &self.command {
+            a.validate()?;
         }
         Ok(self)
     }
 }
 
+/// [`Cli::runtime_dir`] given the flag and the environment variable.
+fn runtime_dir_from(flag: Option<PathBuf>, env: Option<std::ffi::OsString>) -> PathBuf {
+    flag.or_else(|| env.filter(|v| !v.is_empty()).map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(crate::userd::DEFAULT_ROOT_RUNTIME_DIR))
+}
+
+/// A usage error with kvpn's words and a usage line of the flags it is about.
+fn usage_error(kind: clap::error::ErrorKind, message: &str, usage: &str) -> clap::Error {
+    clap::Error::raw(
+        kind,
+        format!("{message}\n\nUsage: {usage}\n\nFor more information, try '--help'.\n"),
+    )
+}
+
+/// Whether a SOCKS listen address is reachable from this machine only
+/// (127.0.0.0/8, ::1, or ::ffff:127.x.y.z).
+pub fn is_loopback_listen(addr: SocketAddr) -> bool {
+    addr.ip().to_canonical().is_loopback()
+}
+
 impl ConnectArgs {
+    /// The flag rules of `kvpn connect` clap cannot say in kvpn's words.
+    fn validate(&self) -> Result<(), clap::Error> {
+        use clap::error::ErrorKind;
+        if self.steer.is_some() && !self.allow_route_conflict {
+            return Err(usage_error(
+                ErrorKind::MissingRequiredArgument,
+                "--steer needs --allow-route-conflict (it chooses how cluster-bound traffic \
+                 is steered past routes that conflict with the laptop's)",
+                "kvpn connect --allow-route-conflict --steer <STEER> [OPTIONS]",
+            ));
+        }
+        if let Some(ip) = self.tunnel_ip
+            && self.manager.is_none()
+        {
+            let mode = if self.socks {
+                "SOCKS5 mode (--socks)"
+            } else {
+                "kubeconfig mode (no --manager)"
+            };
+            return Err(usage_error(
+                ErrorKind::ArgumentConflict,
+                &format!(
+                    "--tunnel-ip {ip} is not used in {mode}: there the traffic manager leases \
+                     the tunnel IP — leave --tunnel-ip out (it only sets the address with \
+                     --manager HOST:PORT)"
+                ),
+                "kvpn connect --manager <HOST:PORT> --tunnel-ip <IP> [OPTIONS]",
+            ));
+        }
+        if let Some(listen) = self.socks_listen
+            && !self.socks_allow_remote
+            && !is_loopback_listen(listen)
+        {
+            return Err(usage_error(
+                ErrorKind::ValueValidation,
+                &format!(
+                    "--socks-listen {listen} is not a loopback address: other machines could \
+                     reach the SOCKS5 server, which has no authentication, and use it to open \
+                     connections into the cluster — listen on loopback (e.g. --socks-listen \
+                     127.0.0.1:{port}), or add --socks-allow-remote to accept that risk",
+                    port = listen.port()
+                ),
+                "kvpn connect --socks --socks-listen <IP:PORT> --socks-allow-remote [OPTIONS]",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `--tunnel-ip`, [`DEFAULT_TUNNEL_IP`] when not given (with --manager).
+    pub fn tunnel_ip(&self) -> IpAddr {
+        self.tunnel_ip.unwrap_or(DEFAULT_TUNNEL_IP)
+    }
+
     /// `--steer`, `routes` when not given.
     pub fn steer(&self) -> Steer {
         self.steer.unwrap_or(Steer::Routes)
@@ -173,10 +246,10 @@ pub struct KubeArgs {
     #[arg(long)]
     pub context: Option<String>,
     /// Namespace whose services short names resolve in (default: the context's).
-    #[arg(short, long)]
+    #[arg(short, long, value_parser = parse_namespace)]
     pub namespace: Option<String>,
     /// Namespace of the traffic manager.
-    #[arg(long, default_value = "kvpn-system")]
+    #[arg(long, default_value = "kvpn-system", value_parser = parse_namespace)]
     pub manager_namespace: String,
     /// SSH jump hosts to the API server.
     #[command(flatten, next_help_heading = "SSH jump host to the API server")]
@@ -225,10 +298,10 @@ pub struct ConnectArgs {
     /// previous connect cached in the manager's ConfigMap (the cache is rewritten).
     #[arg(long)]
     pub redetect_cidrs: bool,
-    /// This machine's address inside the tunnel, with --manager only (with a
-    /// kubeconfig the traffic manager leases one).
-    #[arg(long, default_value = "100.96.0.2")]
-    pub tunnel_ip: IpAddr,
+    /// This machine's address inside the tunnel, with --manager only (default
+    /// 100.96.0.2); with a kubeconfig or --socks the traffic manager leases one.
+    #[arg(long, value_name = "IP")]
+    pub tunnel_ip: Option<IpAddr>,
     /// TUN device name (default: the first free kvpnN).
     #[arg(long)]
     pub tun_name: Option<String>,
@@ -260,9 +333,15 @@ pub struct ConnectArgs {
     /// as in `curl --socks5-hostname`) carries flows through the traffic manager.
     #[arg(long, conflicts_with = "manager")]
     pub socks: bool,
-    /// Where the SOCKS5 server listens (with --socks).
-    #[arg(long, value_name = "IP:PORT", requires = "socks")]
-    pub socks_listen: Option<String>,
+    /// Where the SOCKS5 server listens (with --socks; default 127.0.0.1:1080). An
+    /// address other machines can reach needs --socks-allow-remote.
+    #[arg(long, value_name = "IP:PORT", requires = "socks", value_parser = parse_socks_listen)]
+    pub socks_listen: Option<SocketAddr>,
+    /// Let --socks-listen take an address that is not loopback (e.g. 0.0.0.0).
+    /// RISK: the SOCKS5 server has no authentication, so anyone who can reach that
+    /// address can open connections into the cluster through your session.
+    #[arg(long, requires = "socks")]
+    pub socks_allow_remote: bool,
     /// Connect even where a cluster range overlaps a route the laptop already has
     /// (case rt-05: e.g. a docker bridge owning the service CIDR). The laptop's
     /// route stays untouched; only cluster-bound traffic goes through kvpn: a
@@ -279,9 +358,7 @@ pub struct ConnectArgs {
     /// IPv4 packets into the TUN device with the tunnel IP as source, and the
     /// replies are translated back. IPv4 only (an IPv6 conflict there is refused);
     /// kernel >= 6.6; detached on disconnect.
-    /// Needs --allow-route-conflict ([`Cli::validate`] says so: clap's own
-    /// `requires` error listed --runtime-dir as if required when KVPN_RUNTIME_DIR
-    /// was set).
+    /// Needs --allow-route-conflict.
     #[arg(long, value_enum)]
     pub steer: Option<Steer>,
     /// Whose address the cluster's backends see: `snat` (the traffic manager pod's
@@ -408,6 +485,47 @@ fn parse_cidr(text: &str) -> Result<IpNet, String> {
     IpNet::new(addr, prefix_len).map_err(|_| too_long())
 }
 
+/// `--socks-listen` value parser: IP:PORT (`[IPv6]:PORT`); a name is not
+/// resolved, so the address the server listens on is the one given.
+fn parse_socks_listen(text: &str) -> Result<SocketAddr, String> {
+    text.trim().parse().map_err(|_| {
+        format!("{text:?} is not IP:PORT with an IP address — e.g. 127.0.0.1:1080 or [::1]:1080")
+    })
+}
+
+/// The longest Kubernetes namespace name (an RFC 1123 label).
+const NAMESPACE_MAX_LEN: usize = 63;
+
+/// `-n/--namespace` and `--manager-namespace` value parser: a Kubernetes
+/// namespace name is an RFC 1123 label (lowercase letters, digits and '-',
+/// starting and ending with a letter or digit, at most 63 characters), as the
+/// API server validates it. Anything else would never name a namespace, and
+/// as a DNS search domain or certificate name it breaks name resolution.
+pub(crate) fn parse_namespace(text: &str) -> Result<String, String> {
+    let rule = "a namespace name is an RFC 1123 label: lowercase letters (a-z), digits and \
+                '-', starting and ending with a letter or digit, at most 63 characters, \
+                e.g. default or kvpn-system";
+    let why = if text.is_empty() {
+        "it is empty".to_owned()
+    } else if text.len() > NAMESPACE_MAX_LEN {
+        format!("it has {} characters", text.chars().count())
+    } else if let Some(c) = text
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-'))
+    {
+        if c.is_ascii_uppercase() {
+            format!("{c:?} is uppercase")
+        } else {
+            format!("{c:?} is not allowed")
+        }
+    } else if text.starts_with('-') || text.ends_with('-') {
+        "it starts or ends with '-'".to_owned()
+    } else {
+        return Ok(text.to_owned());
+    };
+    Err(format!("{why}; {rule}"))
+}
+
 /// `kvpn diagnose source TARGET` value parser: HOST:PORT with a port 1-65535
 /// (port 0 is no port a backend listens on). HOST is resolved later.
 fn parse_target(text: &str) -> Result<String, String> {
@@ -476,6 +594,8 @@ pub enum LabCommand {
 
 #[cfg(test)]
 mod tests {
+    use clap::CommandFactory as _;
+
     use super::*;
 
     /// `kvpn top --interval nan|inf|-1|0` is refused by clap with the flag, the value
@@ -677,6 +797,241 @@ mod tests {
             panic!("not connect");
         };
         assert_eq!(a.steer(), Steer::Routes);
+    }
+
+    fn connect_args(argv: &[&str]) -> Result<ConnectArgs, clap::Error> {
+        let cli = Cli::try_parse_from(argv).and_then(Cli::validate)?;
+        match cli.command {
+            Command::Connect(a) => Ok(a),
+            other => panic!("not connect: {other:?}"),
+        }
+    }
+
+    /// `--socks-listen` on an address other machines can reach is refused
+    /// unless `--socks-allow-remote` accepts the risk (on main `0.0.0.0:1081`
+    /// was taken silently: an unauthenticated SOCKS5 server on the network).
+    #[test]
+    fn socks_listen_off_loopback_needs_allow_remote() {
+        for bad in [
+            "0.0.0.0:1081",
+            "[::]:1080",
+            "192.0.2.7:1080",
+            "[fd00::1]:1080",
+        ] {
+            let err = connect_args(&["kvpn", "connect", "--socks", "--socks-listen", bad])
+                .expect_err(&format!("--socks-listen {bad} was accepted"))
+                .to_string();
+            assert!(
+                err.contains(&format!("--socks-listen {bad}")),
+                "{bad}: {err}"
+            );
+            assert!(err.contains("no authentication"), "{bad}: {err}");
+            assert!(err.contains("--socks-allow-remote"), "{bad}: {err}");
+            let a = connect_args(&[
+                "kvpn",
+                "connect",
+                "--socks",
+                "--socks-listen",
+                bad,
+                "--socks-allow-remote",
+            ])
+            .unwrap_or_else(|e| panic!("{bad} with --socks-allow-remote: {e}"));
+            assert_eq!(a.socks_listen, Some(bad.parse().expect("address")));
+        }
+        for good in [
+            "127.0.0.1:1081",
+            "127.0.0.2:1080",
+            "[::1]:1080",
+            "[::ffff:127.0.0.1]:1080",
+        ] {
+            let a = connect_args(&["kvpn", "connect", "--socks", "--socks-listen", good])
+                .unwrap_or_else(|e| panic!("--socks-listen {good}: {e}"));
+            assert_eq!(a.socks_listen, Some(good.parse().expect("address")));
+        }
+        let err = connect_args(&[
+            "kvpn",
+            "connect",
+            "--socks",
+            "--socks-listen",
+            "localhost:1080",
+        ])
+        .expect_err("a name is no listen address")
+        .to_string();
+        assert!(
+            err.contains("--socks-listen") && err.contains("IP:PORT"),
+            "{err}"
+        );
+        connect_args(&["kvpn", "connect", "--socks-allow-remote"])
+            .expect_err("--socks-allow-remote needs --socks");
+        let help = Cli::command()
+            .find_subcommand_mut("connect")
+            .expect("connect")
+            .render_long_help()
+            .to_string();
+        let flag = help
+            .split("\n      --socks-allow-remote\n")
+            .nth(1)
+            .expect("--socks-allow-remote in kvpn connect --help");
+        assert!(
+            flag.contains("RISK") && flag.contains("no authentication"),
+            "{help}"
+        );
+    }
+
+    /// Namespace flags take RFC 1123 labels only; the error names the flag and
+    /// the rule (on main `-n 'Bad_NS!'` was taken, and DNS broke later).
+    #[test]
+    fn namespace_flags_take_rfc_1123_labels_only() {
+        let long = "a".repeat(64);
+        let max = "a".repeat(63);
+        let commands: [&[&str]; 3] = [
+            &["kvpn", "connect"],
+            &["kvpn", "uninstall"],
+            &["kvpn", "diagnose", "source", "web:80"],
+        ];
+        for command in commands {
+            for (flag, named) in [
+                ("-n", "--namespace"),
+                ("--namespace", "--namespace"),
+                ("--manager-namespace", "--manager-namespace"),
+            ] {
+                for bad in [
+                    "Bad_NS!",
+                    "Dev",
+                    "-dev",
+                    "dev-",
+                    "a.b",
+                    "",
+                    "ns with space",
+                    &long,
+                ] {
+                    // `--flag=VALUE`: as a separate word, "-dev" would be read
+                    // as flags and "" as no value; `-n` takes the others.
+                    let joined = format!("{flag}={bad}");
+                    let mut argv = command.to_vec();
+                    if flag.starts_with("--") {
+                        argv.push(&joined);
+                    } else if bad.starts_with('-') || bad.is_empty() {
+                        continue;
+                    } else {
+                        argv.extend([flag, bad]);
+                    }
+                    let err = Cli::try_parse_from(&argv)
+                        .expect_err(&format!("{argv:?} was accepted"))
+                        .to_string();
+                    assert!(err.contains(named), "{argv:?}: no flag in {err}");
+                    assert!(err.contains("RFC 1123 label"), "{argv:?}: no rule in {err}");
+                    assert!(err.contains("at most 63"), "{argv:?}: {err}");
+                }
+                for good in ["default", "kvpn-system", "a", "0ns", "a-1-b", &max] {
+                    let mut argv = command.to_vec();
+                    argv.extend([flag, good]);
+                    Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+                }
+            }
+        }
+    }
+
+    /// `--tunnel-ip` without `--manager` is a usage error saying the manager
+    /// leases the tunnel IP there (on main it was silently ignored).
+    #[test]
+    fn tunnel_ip_is_refused_where_the_manager_leases_it() {
+        for argv in [
+            &["kvpn", "connect", "--tunnel-ip", "100.96.0.9"][..],
+            &[
+                "kvpn",
+                "connect",
+                "--kubeconfig",
+                "/k",
+                "--tunnel-ip",
+                "100.96.0.9",
+            ][..],
+            &["kvpn", "connect", "--socks", "--tunnel-ip", "100.96.0.9"][..],
+        ] {
+            let err = connect_args(argv)
+                .expect_err(&format!("{argv:?} was accepted"))
+                .to_string();
+            assert!(err.contains("--tunnel-ip 100.96.0.9"), "{argv:?}: {err}");
+            assert!(
+                err.contains("the traffic manager leases the tunnel IP"),
+                "{argv:?}: {err}"
+            );
+        }
+        let a = connect_args(&[
+            "kvpn",
+            "connect",
+            "--manager",
+            "10.0.0.1:10801",
+            "--tunnel-ip",
+            "100.96.0.9",
+        ])
+        .expect("--tunnel-ip with --manager");
+        assert_eq!(a.tunnel_ip(), "100.96.0.9".parse::<IpAddr>().expect("ip"));
+        let a = connect_args(&["kvpn", "connect", "--manager", "10.0.0.1:10801"])
+            .expect("--manager alone");
+        assert_eq!(a.tunnel_ip(), DEFAULT_TUNNEL_IP);
+        connect_args(&["kvpn", "connect", "--kubeconfig", "/k"]).expect("kubeconfig alone");
+    }
+
+    /// The long help of every command and subcommand, hidden ones included
+    /// (with its path, for messages).
+    fn all_long_help() -> Vec<(String, String)> {
+        fn walk(cmd: &mut clap::Command, path: String, out: &mut Vec<(String, String)>) {
+            out.push((path.clone(), cmd.render_long_help().to_string()));
+            for sub in cmd.get_subcommands_mut() {
+                let p = format!("{path} {}", sub.get_name());
+                walk(sub, p, out);
+            }
+        }
+        let mut cmd = Cli::command();
+        cmd.build();
+        let mut out = Vec::new();
+        walk(&mut cmd, "kvpn".into(), &mut out);
+        out
+    }
+
+    /// No help text shows rustdoc syntax (on main `kvpn connect --help` said
+    /// "([`Cli::validate`] says so ...)").
+    #[test]
+    fn help_texts_have_no_rustdoc_links() {
+        let all = all_long_help();
+        assert!(all.len() >= 15, "commands walked: {}", all.len());
+        for (path, help) in all {
+            assert!(
+                !help.contains("[`"),
+                "{path} --help shows a rustdoc link:\n{help}"
+            );
+        }
+    }
+
+    /// `--runtime-dir` wins over KVPN_RUNTIME_DIR, which wins over /run/kvpn;
+    /// an empty variable counts as unset. Clap no longer reads the variable, so
+    /// its usage lines never list `--runtime-dir` the user did not give
+    /// (control/tests/cli_usage.rs runs the binary with the variable set).
+    #[test]
+    fn runtime_dir_is_the_flag_then_the_variable_then_run_kvpn() {
+        let flag = Some(PathBuf::from("/f"));
+        assert_eq!(
+            runtime_dir_from(flag.clone(), Some("/e".into())),
+            PathBuf::from("/f")
+        );
+        assert_eq!(
+            runtime_dir_from(None, Some("/e".into())),
+            PathBuf::from("/e")
+        );
+        assert_eq!(
+            runtime_dir_from(None, Some("".into())),
+            PathBuf::from("/run/kvpn")
+        );
+        assert_eq!(runtime_dir_from(None, None), PathBuf::from("/run/kvpn"));
+        let cli = Cli::try_parse_from(["kvpn", "status", "--runtime-dir", "/x"]).expect("parses");
+        assert_eq!(cli.runtime_dir_flag, Some(PathBuf::from("/x")));
+        let cmd = Cli::command();
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_long() == Some("runtime-dir"))
+            .expect("--runtime-dir");
+        assert_eq!(arg.get_env(), None, "clap must not read KVPN_RUNTIME_DIR");
     }
 
     /// SOCKS5 mode has no TUN device: `--workers`, `--allow-route-conflict`

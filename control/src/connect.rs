@@ -841,11 +841,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         // the API server is asked anything. A port in use may be this cluster's
         // running session (connect is idempotent): that one is checked once the
         // sessions are known (socks::cli::connect).
-        let listen = crate::socks::parse_listen(
-            args.socks_listen
-                .as_deref()
-                .unwrap_or(crate::socks::DEFAULT_LISTEN),
-        )?;
+        let listen = args.socks_listen.unwrap_or(crate::socks::DEFAULT_LISTEN);
         match crate::socks::check_listen(listen) {
             Err(e) if e.kind() != std::io::ErrorKind::AddrInUse => {
                 return Err(crate::socks::listen_error(listen, &e));

@@ -58,7 +58,7 @@ pub fn init_tracing(verbose: u8) {
 
 /// Run one CLI command.
 pub async fn run(cli: Cli) -> Result<()> {
-    let runtime_dir = cli.runtime_dir.clone();
+    let runtime_dir = cli.runtime_dir();
     match cli.command {
         Command::Connect(args) => connect(&runtime_dir, args).await,
         Command::Status(args) => status(&runtime_dir, args).await,
@@ -97,7 +97,8 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     let Some(manager) = args.manager.clone() else {
         return connect::kube_connect(runtime_dir, &args).await;
     };
-    validate_tunnel_ip(args.tunnel_ip)?;
+    let tunnel_ip = args.tunnel_ip();
+    validate_tunnel_ip(tunnel_ip)?;
     // Never route the manager's own address into the tunnel that leads to it (rt-02):
     // the session could never come up.
     let keep_out: Vec<std::net::IpAddr> = manager_ip(&manager).into_iter().collect();
@@ -120,7 +121,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     validate_manager_addr(&manager)?;
     // Dual stack without a lease: the IPv6 tunnel IP the manager derives from
     // the IPv4 one (kvpn_proto::tunnel), when IPv6 ranges are routed.
-    let tunnel_ip_v6 = match args.tunnel_ip {
+    let tunnel_ip_v6 = match tunnel_ip {
         std::net::IpAddr::V4(v4) if connect::has_ipv6_route(&routes) => {
             Some(kvpn_proto::tunnel::ipv6_tunnel_ip(v4))
         }
@@ -129,7 +130,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     let mut client = daemon::connect_or_start_announced(runtime_dir).await?;
     output::step(&format!(
         "Connecting to traffic manager at {} (tunnel IP {})",
-        manager, args.tunnel_ip
+        manager, tunnel_ip
     ));
     if args.hosts {
         output::warn(
@@ -146,7 +147,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     let connect = connect_client.connect(ConnectRequest {
         manager: manager.clone(),
         routes: routes.clone(),
-        tunnel_ip: args.tunnel_ip.to_string(),
+        tunnel_ip: tunnel_ip.to_string(),
         tunnel_ip_v6: tunnel_ip_v6.map(|a| a.to_string()).unwrap_or_default(),
         tun_name: args.tun_name.clone().unwrap_or_default(),
         mtu: args.mtu.unwrap_or(0),

@@ -359,7 +359,7 @@ pub enum Error {
     )]
     UnknownAlias { alias: String, config: String },
     #[error(
-        "cannot tell which user to log in as on {host}: no --ssh-username, no User in the SSH config and no USER/LOGNAME — pass --ssh-username"
+        "cannot tell which user to log in as on {host}: no --ssh-username, no User in the SSH config, no USER/LOGNAME and no passwd entry for this uid — pass --ssh-username"
     )]
     NoUser { host: String },
     #[error("the session agent's SSH settings are unreadable ({0}) — run `kvpn connect` again")]
@@ -655,15 +655,30 @@ pub fn server_host_port(server: &str) -> Option<(String, u16)> {
 }
 
 /// The user kvpn logs in as when nothing names one: the invoking user under sudo,
-/// else `USER`/`LOGNAME`.
+/// else `USER`/`LOGNAME`, else the passwd name of the effective uid (as OpenSSH,
+/// which always takes that one: a cron job or `env -i` has neither variable).
 fn default_user(env: &crate::kubeconfig::UserEnv) -> Option<String> {
+    default_user_with(env, |uid| {
+        crate::kubeconfig::Account::by_uid(uid)
+            .ok()
+            .flatten()
+            .map(|a| a.name)
+    })
+}
+
+/// [`default_user`] with the passwd lookup `name_of_uid` (uid → login name).
+fn default_user_with(
+    env: &crate::kubeconfig::UserEnv,
+    name_of_uid: impl FnOnce(u32) -> Option<String>,
+) -> Option<String> {
     if let Some(u) = crate::kubeconfig::sudo_user(env) {
         return Some(u.to_owned());
     }
     ["USER", "LOGNAME"]
         .iter()
-        .find_map(|v| env.var(v).map(|s| s.to_string_lossy().into_owned()))
-        .filter(|s| !s.is_empty())
+        .filter_map(|v| env.var(v).map(|s| s.to_string_lossy().into_owned()))
+        .find(|s| !s.is_empty())
+        .or_else(|| name_of_uid(env.euid).filter(|s| !s.is_empty()))
 }
 
 /// [`resolve_plan`] in the user's environment (their home's `~/.ssh`, their name).
@@ -763,6 +778,58 @@ mod tests {
         hops.iter()
             .map(|h| format!("{}={}@{}:{}", h.label, h.user, h.host, h.port))
             .collect()
+    }
+
+    fn env_of(vars: &[(&str, &str)], euid: u32) -> crate::kubeconfig::UserEnv {
+        crate::kubeconfig::UserEnv::from_parts(
+            vars.iter().map(|(k, v)| ((*k).into(), (*v).into())),
+            PathBuf::from("/"),
+            euid,
+        )
+    }
+
+    /// With USER and LOGNAME unset (cron, `env -i`) the login user is the
+    /// passwd name of the effective uid, as OpenSSH takes it (on main: no user,
+    /// "pass --ssh-username"); the variables and sudo's user still come first.
+    #[test]
+    fn default_user_falls_back_to_the_passwd_name_of_the_uid() {
+        let passwd = |uid: u32| (uid == 1000).then(|| "alice".to_owned());
+        assert_eq!(
+            default_user_with(&env_of(&[], 1000), passwd).as_deref(),
+            Some("alice")
+        );
+        assert_eq!(
+            default_user_with(&env_of(&[("USER", "")], 1000), passwd).as_deref(),
+            Some("alice")
+        );
+        assert_eq!(
+            default_user_with(&env_of(&[("LOGNAME", "bob")], 1000), passwd).as_deref(),
+            Some("bob")
+        );
+        assert_eq!(
+            default_user_with(
+                &env_of(&[("USER", "carol"), ("LOGNAME", "bob")], 1000),
+                passwd
+            )
+            .as_deref(),
+            Some("carol")
+        );
+        assert_eq!(
+            default_user_with(
+                &env_of(&[("SUDO_USER", "dave"), ("USER", "root")], 0),
+                passwd
+            )
+            .as_deref(),
+            Some("dave")
+        );
+        assert_eq!(default_user_with(&env_of(&[], 4242), passwd), None);
+        // The real lookup: this process's uid has a passwd entry here.
+        let uid = nix::unistd::geteuid().as_raw();
+        let want = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+            .expect("getpwuid_r")
+            .expect("this uid is in passwd")
+            .name;
+        assert_eq!(default_user(&env_of(&[], uid)), Some(want));
     }
 
     #[test]

@@ -246,6 +246,23 @@ fn socks5_mode_carries_tcp_udp_and_cluster_names_without_tun_or_root_daemon() {
     // A second connect is a no-op.
     let again = f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig, "--socks"]);
     assert!(again.contains("Already connected"), "{again}");
+    // One asking for another listen address says it was not applied, and how.
+    let moved = f.kvpn(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--socks",
+        "--socks-listen",
+        "127.0.0.1:1081",
+    ]);
+    let (out, err) = (text(&moved.stdout), text(&moved.stderr));
+    assert!(moved.status.success(), "{out}\n{err}");
+    assert!(out.contains("Already connected"), "{out}");
+    assert!(
+        err.contains("--socks-listen 127.0.0.1:1081 not applied")
+            && err.contains(&format!("already listens on {LISTEN}")),
+        "{err}"
+    );
     assert_eq!(f.user_daemon_pids(), daemons);
     assert_eq!(f.sessions().len(), 1);
 

@@ -105,11 +105,7 @@ pub async fn connect(
     plan: Option<&crate::ssh::SshPlan>,
     env: &UserEnv,
 ) -> Result<()> {
-    let listen = super::parse_listen(
-        args.socks_listen
-            .as_deref()
-            .unwrap_or(super::DEFAULT_LISTEN),
-    )?;
+    let listen = args.socks_listen.unwrap_or(super::DEFAULT_LISTEN);
     let origin = Origin {
         transport: super::TRANSPORT_SOCKS.to_owned(),
         cluster: conn.description.cluster.clone(),
@@ -125,12 +121,13 @@ pub async fn connect(
         .into_iter()
         .find(|s| s.origin.as_ref() == Some(&origin) && s.state != userd::server::STATE_LOST)
     {
+        let session_listen = s.socks.map(|x| x.listen).unwrap_or_default();
+        if let Some(w) = super::listen_not_applied(args.socks_listen, &s.id, &session_listen) {
+            output::warn(&w);
+        }
         output::done(&format!(
             "Already connected: SOCKS session {} on {} leads to cluster {} (context {}) — nothing to do",
-            s.id,
-            s.socks.map(|x| x.listen).unwrap_or_default(),
-            origin.cluster,
-            origin.context
+            s.id, session_listen, origin.cluster, origin.context
         ));
         return Ok(());
     }
@@ -193,8 +190,6 @@ pub async fn connect(
             "{e:#} — the session keeps re-dialling on its own; watch `kvpn status`, or `kvpn disconnect {id}` to give up"
         )),
     }
-    output::detail(&format!(
-        "try: curl --socks5-hostname {listen} http://<service>.<namespace>/ (names resolve through the cluster DNS)"
-    ));
+    output::detail(&super::curl_hint(listen));
     Ok(())
 }

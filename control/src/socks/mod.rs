@@ -40,8 +40,50 @@ use self::stack::Stack;
 /// `Origin.transport` / the `transport` column of a SOCKS session.
 pub const TRANSPORT_SOCKS: &str = "socks";
 
-/// The default SOCKS listen address.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:1080";
+/// The default SOCKS listen address, 127.0.0.1:1080.
+pub const DEFAULT_LISTEN: SocketAddr =
+    SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 1080);
+
+/// The address a client on this machine dials for a SOCKS server listening on
+/// `listen`: a wildcard (0.0.0.0, ::) is no address to dial, so its loopback
+/// address of the same family, on the same port.
+pub fn dial_address(listen: SocketAddr) -> SocketAddr {
+    match listen.ip() {
+        IpAddr::V4(v4) if v4.is_unspecified() => {
+            SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), listen.port())
+        }
+        IpAddr::V6(v6) if v6.is_unspecified() => {
+            SocketAddr::new(std::net::Ipv6Addr::LOCALHOST.into(), listen.port())
+        }
+        _ => listen,
+    }
+}
+
+/// The `curl` line `kvpn connect --socks` prints for a server on `listen`.
+pub fn curl_hint(listen: SocketAddr) -> String {
+    format!(
+        "try: curl --socks5-hostname {} http://<service>.<namespace>/ (names resolve through the cluster DNS)",
+        dial_address(listen)
+    )
+}
+
+/// The warning of a connect that found its SOCKS session running and was
+/// asked for another listen address (`None`: nothing asked, or the same).
+/// The session keeps its address: moving it would cut the flows open on it.
+pub fn listen_not_applied(
+    asked: Option<SocketAddr>,
+    session_id: &str,
+    session_listen: &str,
+) -> Option<String> {
+    let asked = asked?;
+    if session_listen.parse::<SocketAddr>().ok() == Some(asked) {
+        return None;
+    }
+    Some(format!(
+        "--socks-listen {asked} not applied: session {session_id} already listens on \
+         {session_listen} — `kvpn disconnect {session_id}`, then connect again with it"
+    ))
+}
 
 /// Which cluster a SOCKS session leads to (shown by `kvpn status`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -307,6 +349,44 @@ mod tests {
         assert!(msg.contains("not an address of this machine"), "{msg}");
         assert!(msg.contains("--socks-listen 127.0.0.1:1080"), "{msg}");
         assert!(!msg.contains("another proxy"), "{msg}");
+    }
+
+    /// The printed curl line dials loopback when the server listens on a
+    /// wildcard address (on main: `curl --socks5-hostname 0.0.0.0:1081`).
+    #[test]
+    fn curl_hint_dials_loopback_for_a_wildcard_listen() {
+        for (listen, dial) in [
+            ("0.0.0.0:1081", "127.0.0.1:1081"),
+            ("[::]:1080", "[::1]:1080"),
+            ("127.0.0.1:1080", "127.0.0.1:1080"),
+            ("192.0.2.7:1080", "192.0.2.7:1080"),
+            ("[fd00::1]:1080", "[fd00::1]:1080"),
+        ] {
+            let listen: SocketAddr = listen.parse().expect("test address");
+            let hint = curl_hint(listen);
+            assert!(
+                hint.contains(&format!("curl --socks5-hostname {dial} ")),
+                "{listen}: {hint}"
+            );
+        }
+    }
+
+    /// A connect that found its SOCKS session on another address says the
+    /// asked one was not applied and how to get it (on main: only "nothing to
+    /// do"); the same address, or none asked, is no warning.
+    #[test]
+    fn another_listen_address_for_a_running_session_is_named() {
+        let asked: SocketAddr = "127.0.0.1:1081".parse().expect("test address");
+        let w =
+            listen_not_applied(Some(asked), "socks-abc123", "127.0.0.1:1080").expect("a warning");
+        assert_eq!(
+            w,
+            "--socks-listen 127.0.0.1:1081 not applied: session socks-abc123 already listens \
+             on 127.0.0.1:1080 — `kvpn disconnect socks-abc123`, then connect again with it"
+        );
+        assert_eq!(listen_not_applied(None, "s", "127.0.0.1:1080"), None);
+        let same: SocketAddr = "127.0.0.1:1080".parse().expect("test address");
+        assert_eq!(listen_not_applied(Some(same), "s", "127.0.0.1:1080"), None);
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! I/O: TCP to the first hop, the ssh-agent socket, key files, the known_hosts file.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -134,6 +135,37 @@ struct HostKeyCheck {
     known_hosts: PathBuf,
     accept_new: bool,
     refused: Arc<Mutex<Option<ConnectError>>>,
+    /// Set once the server showed its host key (the key exchange got that far).
+    key_seen: Arc<AtomicBool>,
+}
+
+/// The error of a handshake with `hop` that failed with `e`, `key_seen` telling
+/// whether the server had shown its host key. A peer that closes the
+/// connection, or answers with something other than an SSH version line,
+/// before that is most likely no SSH server (a web server, a closed service
+/// behind a proxy): say so, with the fix, instead of a bare "Disconnected".
+fn handshake_error(hop: &str, e: &russh::Error, key_seen: bool) -> ConnectError {
+    let closed_early = !key_seen
+        && match e {
+            russh::Error::Disconnect | russh::Error::Version => true,
+            russh::Error::IO(io) => matches!(
+                io.kind(),
+                std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+            ),
+            _ => false,
+        };
+    let hint = if closed_early {
+        " — the peer closed the connection before the SSH key exchange: is this address \
+         an SSH server (sshd)? check the host and port"
+    } else {
+        ""
+    };
+    ConnectError::Ssh {
+        hop: hop.to_owned(),
+        cause: format!("SSH handshake failed: {e}{hint}"),
+    }
 }
 
 impl HostKeyCheck {
@@ -214,6 +246,7 @@ impl client::Handler for HostKeyCheck {
         &mut self,
         server_public_key: &PublicKeyOrCertificate,
     ) -> Result<bool, Self::Error> {
+        self.key_seen.store(true, Ordering::Relaxed);
         let key = match server_public_key {
             PublicKeyOrCertificate::PublicKey { key, .. } => key.clone(),
             // Not asked for (no certificate algorithms are advertised).
@@ -449,7 +482,9 @@ pub async fn connect(plan: &SshPlan, agent_sock: Option<&Path>) -> Result<SshCha
     for hop in &plan.hops {
         let name = hop.display();
         let refused = Arc::new(Mutex::new(None));
+        let key_seen = Arc::new(AtomicBool::new(false));
         let handler = HostKeyCheck {
+            key_seen: key_seen.clone(),
             hop: name.clone(),
             host: hop.host.clone(),
             port: hop.port,
@@ -501,10 +536,7 @@ pub async fn connect(plan: &SshPlan, agent_sock: Option<&Path>) -> Result<SshCha
                     .lock()
                     .ok()
                     .and_then(|mut r| r.take())
-                    .unwrap_or_else(|| ConnectError::Ssh {
-                        hop: name.clone(),
-                        cause: format!("SSH handshake failed: {e}"),
-                    })
+                    .unwrap_or_else(|| handshake_error(&name, &e, key_seen.load(Ordering::Relaxed)))
             })
         };
         let mut session = tokio::time::timeout(HOP_TIMEOUT, handshake)
@@ -828,5 +860,80 @@ mod tests {
         .to_string();
         assert!(e.contains("showed an ssh-ed25519 key"), "{e}");
         assert!(e.contains("lists only an ecdsa-sha2-nistp256 key"), "{e}");
+    }
+
+    /// A plan of one hop to 127.0.0.1:`port`.
+    fn loopback_plan(port: u16) -> SshPlan {
+        SshPlan {
+            hops: vec![Hop {
+                label: format!("127.0.0.1:{port}"),
+                host: "127.0.0.1".into(),
+                port,
+                user: "nobody".into(),
+                identity_files: Vec::new(),
+                password: None,
+                gssapi: None,
+            }],
+            known_hosts: PathBuf::from("/nonexistent/kvpn-test-known_hosts"),
+            accept_new: false,
+            keepalive_ms: None,
+            default_ccache: None,
+        }
+    }
+
+    /// `kvpn ssh` to a port where no sshd listens (a service that answers
+    /// with something else and closes): the error asks whether the address is
+    /// an SSH server (on main: only "SSH handshake failed: Disconnected").
+    #[tokio::test]
+    async fn a_peer_closing_before_the_key_exchange_is_asked_about() {
+        for answer in [&b""[..], b"HTTP/1.1 400 Bad Request\r\n\r\n"] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind 127.0.0.1:0");
+            let port = listener.local_addr().expect("local address").port();
+            let server = tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt as _;
+                let (mut s, _) = listener.accept().await.expect("accept");
+                let _ = s.write_all(answer).await;
+            });
+            let e = match connect(&loopback_plan(port), None).await {
+                Ok(_) => panic!("a non-SSH peer logged in"),
+                Err(e) => e.to_string(),
+            };
+            server.await.expect("server task");
+            assert!(e.contains("SSH handshake failed"), "{e}");
+            assert!(
+                e.contains("is this address an SSH server (sshd)? check the host and port"),
+                "{answer:?}: {e}"
+            );
+        }
+    }
+
+    /// Errors after the server showed its host key, or of other kinds, keep
+    /// their own words without the "is this sshd" question.
+    #[test]
+    fn handshake_errors_after_the_host_key_get_no_sshd_question() {
+        let asked = "is this address an SSH server";
+        for e in [
+            russh::Error::Disconnect,
+            russh::Error::Version,
+            russh::Error::IO(std::io::ErrorKind::UnexpectedEof.into()),
+            russh::Error::IO(std::io::ErrorKind::ConnectionReset.into()),
+        ] {
+            assert!(
+                handshake_error("h", &e, false).to_string().contains(asked),
+                "{e}"
+            );
+            assert!(
+                !handshake_error("h", &e, true).to_string().contains(asked),
+                "{e}"
+            );
+        }
+        let other = handshake_error("h", &russh::Error::Kex, false).to_string();
+        assert!(!other.contains(asked), "{other}");
+        assert!(
+            other.contains("SSH host h: SSH handshake failed: Key exchange failed"),
+            "{other}"
+        );
     }
 }
