@@ -4,6 +4,7 @@
 //! between commands: `up` records it under a name and leaves its control plane and its
 //! node agent (`kvpn-lab-agent`) running; `exec`/`info`/`down` find it by that name.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
@@ -127,6 +128,20 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
                     netns.etc_dir().join(kvpn_lab::LAPTOP_HOSTS_FILE),
                 );
             }
+            if role == kvpn_lab::LAPTOP {
+                // The root daemon's runtime folder is a path, not part of the netns:
+                // with the default (/run/kvpn) a `kvpn connect` here would talk to a
+                // root daemon of this machine's own network namespace, if one runs,
+                // and make its TUN device and routes there. The laptop gets a folder
+                // of its own unless the caller chose one (the demo does).
+                let inherited = std::env::var_os("KVPN_RUNTIME_DIR").map(PathBuf::from);
+                if inherited.as_deref().is_none_or(|d| {
+                    d.as_os_str().is_empty()
+                        || d == Path::new(crate::userd::DEFAULT_ROOT_RUNTIME_DIR)
+                }) {
+                    cmd.env("KVPN_RUNTIME_DIR", laptop_runtime_dir(&lab));
+                }
+            }
             let status = cmd
                 .status()
                 .with_context(|| format!("cannot run {program:?} in the lab's {role} namespace"))?;
@@ -134,6 +149,12 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
             std::process::exit(status.code().unwrap_or(1));
         }
     }
+}
+
+/// The runtime folder `kvpn lab exec laptop` gives kvpn there when the caller
+/// set none: `<lab state folder>/<lab name>-laptop-runtime`.
+pub fn laptop_runtime_dir(lab: &Lab) -> PathBuf {
+    kvpn_lab::state_dir().join(format!("{}-laptop-runtime", lab.name()))
 }
 
 /// The netns of `role`: `laptop`, `node`, a static pod, or a Kubernetes pod by its name

@@ -222,6 +222,51 @@ fn lab_exec_connect_hosts_writes_the_laptop_netns_hosts_file_not_the_machines() 
         laptop_hosts.to_string_lossy(),
         "KVPN_HOSTS in lab exec"
     );
+    // Without a runtime folder of the caller's (or with the default /run/kvpn),
+    // kvpn in the laptop gets the lab's own: the default would reach a root
+    // daemon of this machine's network namespace.
+    let lab_runtime = lab
+        .dir
+        .join("lab-state")
+        .join(format!("{}-laptop-runtime", kvpn_lab::DEFAULT_LAB_NAME));
+    for inherited in [None, Some("/run/kvpn")] {
+        let mut cmd = lab.kvpn(&[
+            "lab",
+            "exec",
+            "laptop",
+            "--",
+            "printenv",
+            "KVPN_RUNTIME_DIR",
+        ]);
+        match inherited {
+            None => cmd.env_remove("KVPN_RUNTIME_DIR"),
+            Some(dir) => cmd.env("KVPN_RUNTIME_DIR", dir),
+        };
+        let got = ok(
+            "kvpn lab exec laptop -- printenv KVPN_RUNTIME_DIR",
+            &run(&mut cmd),
+            String::new,
+        );
+        assert_eq!(
+            got.trim(),
+            lab_runtime.to_string_lossy(),
+            "KVPN_RUNTIME_DIR in lab exec with {inherited:?} inherited"
+        );
+    }
+    // A folder the caller chose is kept.
+    let got = ok(
+        "kvpn lab exec laptop -- printenv KVPN_RUNTIME_DIR",
+        &run(&mut lab.kvpn(&[
+            "lab",
+            "exec",
+            "laptop",
+            "--",
+            "printenv",
+            "KVPN_RUNTIME_DIR",
+        ])),
+        String::new,
+    );
+    assert_eq!(got.trim(), lab.dir.join("runtime").to_string_lossy());
     let with_block = String::from_utf8_lossy(
         &std::fs::read(&laptop_hosts)
             .unwrap_or_else(|e| panic!("read {}: {e}", laptop_hosts.display())),
