@@ -355,6 +355,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "tcp_flows_reset": known(serde_json::json!(s.tcp_flows_reset)),
         "held_packets": known(serde_json::json!(s.held_packets)),
         "stale_tcp_flows_reset": known(serde_json::json!(s.stale_tcp_flows_reset)),
+        "routes_repaired": known(serde_json::json!(s.routes_repaired)),
         "state": s.state,
         "reason": s.reason,
         "uptime_ms": known(serde_json::json!(s.uptime_ms)),
@@ -860,8 +861,9 @@ fn rx_segments(s: &Session) -> u64 {
 }
 
 /// The table's re-dial line (when a worker re-dialed or held packets), stale
-/// connection line (when connect reset some) and offload line (when any GSO
-/// frame went either way).
+/// connection line (when connect reset some), repaired-routes line (when the
+/// route guard re-added any) and offload line (when any GSO frame went either
+/// way).
 fn redial_and_offload_lines(s: &Session) -> Vec<String> {
     let mut lines = Vec::new();
     if s.resumes > 0 || s.resumes_lost > 0 || s.tcp_flows_reset > 0 || s.held_packets > 0 {
@@ -875,6 +877,12 @@ fn redial_and_offload_lines(s: &Session) -> Vec<String> {
         lines.push(format!(
             "connect reset {} an earlier session left on the laptop (its root daemon died)",
             tcp_connections(s.stale_tcp_flows_reset)
+        ));
+    }
+    if s.routes_repaired > 0 {
+        lines.push(format!(
+            "routes: {} re-added after they were deleted from outside kvpn (`ip route del`)",
+            s.routes_repaired
         ));
     }
     if s.tx_gso_frames > 0
@@ -1014,6 +1022,21 @@ mod tests {
                 "connect reset 1 TCP connection an earlier session left on the laptop (its root daemon died)"
             ]
         );
+        let s = Session {
+            routes_repaired: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            redial_and_offload_lines(&s),
+            ["routes: 1 re-added after they were deleted from outside kvpn (`ip route del`)"]
+        );
+        let json = session_json(&StatusRow {
+            session: s,
+            user: None,
+            namespace: String::new(),
+            measured: true,
+        });
+        assert_eq!(json["routes_repaired"], 1);
     }
 
     #[test]
@@ -1240,6 +1263,7 @@ mod tests {
             "tcp_flows_reset",
             "held_packets",
             "stale_tcp_flows_reset",
+            "routes_repaired",
             "tx",
             "rx",
             "ebpf",

@@ -11,7 +11,8 @@
 //! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`redial`]
 //! (holding packets during a re-dial, resetting lost flows), [`session`]
 //! (TCP to the manager, setup and teardown), [`steer_watch`] (eBPF steering that
-//! follows the laptop's devices while a session runs), [`tls`] (TLS on the data channel,
+//! follows the laptop's devices while a session runs), [`route_guard`] (re-adds a
+//! session's routes deleted from outside kvpn), [`tls`] (TLS on the data channel,
 //! verified against the CA from the Connect request), [`daemon`] (gRPC socket, pid file,
 //! peer credentials), [`sweep`] (what a killed daemon left),
 //! [`client`] (gRPC client over the socket). [`fuzzing`]: entry points of the cargo-fuzz
@@ -30,6 +31,7 @@ pub mod liveness;
 pub mod netlink;
 pub mod pump;
 pub mod redial;
+pub mod route_guard;
 pub mod routes;
 pub mod session;
 pub mod stale_tcp;

@@ -8,6 +8,8 @@
 //! while an echo arrived within [`MISSED_ECHOES_BEFORE_RECONNECT`] intervals
 //! ([`LIVENESS_WINDOW`], 3 s) on the current transport, and *reconnecting* (with
 //! a reason) otherwise. "Connected" is never claimed before the first echo.
+//! A worker whose TUN device is gone is *failed* ([`Liveness::handle_failed`]),
+//! for good: the supervisor stops re-dialling it.
 //!
 //! A black-holed transport (everything silently dropped, no RST, no FIN, case
 //! tr-10) therefore shows as reconnecting at most [`LIVENESS_WINDOW`] plus one
@@ -41,6 +43,9 @@ pub enum State {
     Connected,
     /// The transport is down or silent; the supervisor is re-dialling.
     Reconnecting,
+    /// The worker cannot carry traffic again and does not re-dial (its TUN
+    /// device was deleted from outside kvpn); the reason says what to run.
+    Failed,
 }
 
 impl State {
@@ -50,6 +55,7 @@ impl State {
             State::Connecting => "connecting",
             State::Connected => "connected",
             State::Reconnecting => "reconnecting",
+            State::Failed => "failed",
         }
     }
 }
@@ -83,6 +89,8 @@ pub struct Liveness {
     last_rtt: Option<Duration>,
     /// The pump watchdog's last tick on the current transport ([`Self::handle_tick`]).
     last_tick: Option<Instant>,
+    /// Why the worker failed for good ([`Self::handle_failed`]); final.
+    failed: Option<String>,
 }
 
 impl Liveness {
@@ -101,6 +109,7 @@ impl Liveness {
             last_sent: None,
             last_rtt: None,
             last_tick: None,
+            failed: None,
         }
     }
 
@@ -130,6 +139,15 @@ impl Liveness {
         self.transport = Transport::Down { reason };
         self.next_due = None;
         self.last_tick = None;
+    }
+
+    /// The worker stopped for good for `reason` (its TUN device is gone): the
+    /// state is [`State::Failed`] from now on, whatever happens later, and no
+    /// heartbeat is due.
+    pub fn handle_failed(&mut self, reason: impl Into<String>) {
+        let reason = reason.into();
+        self.handle_transport_down(reason.clone());
+        self.failed = Some(reason);
     }
 
     /// Connecting is only the first attempt; after a transport was lost or an
@@ -280,6 +298,10 @@ impl Liveness {
     /// reports), without building the reason. While it is, the pump answers
     /// packets toward the cluster with ICMP unreachable.
     pub fn is_reconnecting(&self, now: Instant) -> bool {
+        if self.failed.is_some() {
+            // Nothing will carry the packets: refuse as while reconnecting.
+            return true;
+        }
         let limit = self.silence_limit();
         match &self.transport {
             Transport::Down { .. } => self.past_first_transport(),
@@ -311,6 +333,9 @@ impl Liveness {
 
     /// The state and, unless connected, why.
     pub fn state(&self, now: Instant) -> (State, Option<String>) {
+        if let Some(reason) = &self.failed {
+            return (State::Failed, Some(reason.clone()));
+        }
         let limit = self.silence_limit();
         match &self.transport {
             Transport::Down { reason } => {
@@ -381,6 +406,27 @@ mod tests {
     use super::*;
 
     const I: Duration = HEARTBEAT_INTERVAL;
+
+    #[test]
+    fn failed_is_final_and_refuses() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(I);
+        l.handle_transport_up(t0);
+        let nonce = l.poll_heartbeat(t0).expect("due");
+        assert!(l.handle_echo(&nonce, t0));
+        l.handle_failed("TUN device kvpn0 was deleted");
+        assert_eq!(
+            l.state(t0),
+            (
+                State::Failed,
+                Some("TUN device kvpn0 was deleted".to_owned())
+            )
+        );
+        assert!(l.is_reconnecting(t0), "packets are refused");
+        assert_eq!(l.poll_timeout(), None, "no heartbeat is due");
+        l.handle_transport_down("later loss");
+        assert_eq!(l.state(t0 + I).0, State::Failed, "failed is final");
+    }
 
     #[test]
     fn echo_makes_connected() {

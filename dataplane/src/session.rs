@@ -33,6 +33,7 @@ use crate::liveness::{Liveness, State};
 use crate::netlink::{Netlink, RP_FILTER_LOOSE, RTPROT_KVPN};
 use crate::pump::{self, Counters, PumpConfig, Refusal};
 use crate::redial::{self, Redial};
+use crate::route_guard::{self, RouteGuard};
 use crate::routes::{self, RoutePlan};
 use crate::stale_tcp;
 use crate::steer_watch::{self, SteerWatch};
@@ -385,9 +386,10 @@ impl Shared {
 }
 
 /// The session's state from its workers' (one worker: its state as is). With
-/// several, the worst wins: reconnecting while any worker is (its flows get
-/// ICMP unreachable), else connecting while any is, else connected; the reason
-/// names the worker.
+/// several, the worst wins: failed while any worker is (its TUN queue is
+/// gone, nothing brings it back), else reconnecting while any worker is (its
+/// flows get ICMP unreachable), else connecting while any is, else connected;
+/// the reason names the worker.
 fn combine_states(states: Vec<(State, Option<String>)>) -> (State, Option<String>) {
     let n = states.len();
     if n <= 1 {
@@ -396,7 +398,7 @@ fn combine_states(states: Vec<(State, Option<String>)>) -> (State, Option<String
             .next()
             .unwrap_or((State::Connecting, None));
     }
-    for want in [State::Reconnecting, State::Connecting] {
+    for want in [State::Failed, State::Reconnecting, State::Connecting] {
         if let Some((i, (state, reason))) = states
             .iter()
             .enumerate()
@@ -432,6 +434,9 @@ pub struct Session {
     steer_watch: Option<SteerWatch>,
     /// TCP sockets of an earlier session that Connect destroyed ([`stale_tcp`]).
     stale_tcp_flows_reset: u64,
+    /// Re-adds the session's routes deleted from outside kvpn; stopped first
+    /// in teardown.
+    route_guard: RouteGuard,
 }
 
 impl fmt::Debug for Session {
@@ -1079,6 +1084,11 @@ impl Session {
                         tokio::spawn(
                             supervise(
                                 queue,
+                                TunDevice {
+                                    session: id.clone(),
+                                    name: tun_name.clone(),
+                                    ifindex,
+                                },
                                 first.take(),
                                 params.manager.clone(),
                                 params.data_peer,
@@ -1121,6 +1131,16 @@ impl Session {
                     }
                     _ => None,
                 };
+                let watched_update: Arc<tokio::sync::Mutex<()>> = Arc::default();
+                let route_guard = RouteGuard::spawn(route_guard::Inputs {
+                    netlink: netlink.clone(),
+                    ifindex,
+                    tun_name: tun_name.clone(),
+                    tunnel_ips: params.tunnel_ips(),
+                    connect: plan.kernel.iter().map(|(n, _)| *n).collect(),
+                    watched: watched.clone(),
+                    update_lock: watched_update.clone(),
+                });
                 tracing::info!(tun = %tun_name, ifindex, routes = plan.kernel.len(), workers, "session up");
                 Ok(Session {
                     id,
@@ -1132,13 +1152,14 @@ impl Session {
                     shared,
                     classifier,
                     watched,
-                    watched_update: Arc::default(),
+                    watched_update,
                     stop_tx,
                     supervisors,
                     tun: Some(device),
                     origin: None,
                     steer_watch,
                     stale_tcp_flows_reset,
+                    route_guard,
                 })
             }
             Err((step, message)) => {
@@ -1494,6 +1515,7 @@ impl Session {
             tcp_flows_reset: Counters::get(&c.tcp_flows_reset),
             held_packets: Counters::get(&c.held_packets),
             stale_tcp_flows_reset: self.stale_tcp_flows_reset,
+            routes_repaired: self.route_guard.repaired(),
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
             rx_gso_frames: Counters::get(&c.rx_gso_frames),
@@ -1754,6 +1776,8 @@ impl Session {
     /// Stop the pump, detach the classifier, delete the routes and the TUN
     /// device, and verify that none of them remains.
     pub async fn teardown(mut self, netlink: &Netlink) -> TeardownReport {
+        // First: the routes deleted below must not be put back.
+        self.route_guard.stop().await;
         // While the TUN device, its routes and the pump are still there: the
         // sockets through the session would hang once they are gone, and the
         // aborts' RSTs still reach the manager through the tunnel.
@@ -1838,15 +1862,8 @@ impl Session {
     /// The session's routes: planned (less those the laptop kept), watched and
     /// pinned.
     fn all_routes(&self) -> Vec<IpNet> {
-        let watched = self.watched();
-        self.plan
-            .kernel
-            .iter()
-            .map(|(n, _)| *n)
-            .filter(|n| !watched.not_installed.contains_key(n))
-            .chain(watched.routes.into_keys())
-            .chain(watched.pinned)
-            .collect()
+        let connect: Vec<IpNet> = self.plan.kernel.iter().map(|(n, _)| *n).collect();
+        route_guard::expected(&connect, &self.watched())
     }
 
     /// Destroy the laptop's TCP sockets through this session ([`stale_tcp`]:
@@ -1894,9 +1911,40 @@ pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
+/// The TUN device a session's workers read and write (one queue each), as
+/// the reason of a worker whose device was deleted names it.
+#[derive(Debug, Clone)]
+struct TunDevice {
+    /// The session's id (the reason says `kvpn disconnect ID`).
+    session: String,
+    /// The device's name.
+    name: String,
+    /// Its interface index.
+    ifindex: u32,
+}
+
+impl TunDevice {
+    /// After a read or write on a queue failed with `error`: the worker's
+    /// failure reason when the device is gone ([`tun::device_gone`]), else
+    /// `None` (the pump's usual exit: re-dial).
+    fn deleted(&self, error: &std::io::Error) -> Option<String> {
+        tun::device_gone(self.ifindex).then(|| tun_deleted_reason(&self.name, &self.session, error))
+    }
+}
+
+/// Status reason of a worker whose TUN device `name` was deleted from outside
+/// kvpn while session `session` ran: the device, the cause and the fix.
+fn tun_deleted_reason(name: &str, session: &str, error: &std::io::Error) -> String {
+    format!(
+        "TUN device {name} was deleted from outside kvpn while the session ran (e.g. \
+         `ip link del {name}`; its queue fails with: {error}); kvpn does not recreate it and \
+         closed the data connection: run `kvpn disconnect {session}`, then `kvpn connect` again"
+    )
+}
+
 /// The [`pump::refuse`] task that answers the TUN while no pump runs; aborted
 /// (and awaited, so that only one reader touches the TUN) before the next pump.
-struct Refuser(Option<JoinHandle<()>>);
+struct Refuser(Option<JoinHandle<std::io::Error>>);
 
 impl Refuser {
     fn start(&mut self, tun: &Arc<AsyncDevice>, worker: &Worker, refusal: &Arc<Refusal>) {
@@ -1909,9 +1957,25 @@ impl Refuser {
             async move {
                 let e = redial::refuse_or_hold(tun, refusal, counters, held).await;
                 tracing::warn!(error = %e, "cannot read the TUN device while reconnecting");
+                e
             }
             .in_current_span(),
         ));
+    }
+
+    /// The TUN error the running refuser ended with; pending while it runs
+    /// or when none runs (cancel-safe: the task is kept until it ends).
+    async fn ended(&mut self) -> std::io::Error {
+        let Some(task) = self.0.as_mut() else {
+            return std::future::pending().await;
+        };
+        let joined = task.await;
+        self.0 = None;
+        match joined {
+            Ok(e) => e,
+            // Aborted or panicked: no TUN error to judge; wait as if running.
+            Err(_) => std::future::pending().await,
+        }
     }
 
     async fn stop(&mut self) {
@@ -1930,6 +1994,31 @@ impl Drop for Refuser {
     }
 }
 
+/// Run `until` (a dial, a pause) while no pump runs, watching the stop signal
+/// and the [`Refuser`]: `None` when the session stops or the refuser's TUN
+/// error shows the device gone (`failed` marked the worker failed), else
+/// `until`'s output. A refuser that ends for another reason is only logged (by
+/// itself); `until` goes on.
+async fn watching<F: std::future::Future>(
+    until: F,
+    stop_rx: &mut watch::Receiver<bool>,
+    refuser: &mut Refuser,
+    failed: &impl Fn(&std::io::Error) -> bool,
+) -> Option<F::Output> {
+    tokio::pin!(until);
+    loop {
+        tokio::select! {
+            _ = stop_rx.changed() => return None,
+            e = refuser.ended() => {
+                if failed(&e) {
+                    return None;
+                }
+            }
+            out = &mut until => return Some(out),
+        }
+    }
+}
+
 /// Keep the transport up: run the pump, and when it stops, re-dial with backoff
 /// and run it again on the same TUN device, until told to stop. While no pump
 /// runs, [`Refuser`] answers packets toward the cluster with ICMP unreachable.
@@ -1941,12 +2030,21 @@ impl Drop for Refuser {
 /// the agent list pods hundreds of times a second. A transport that had proved
 /// itself (an echo, or one that lived to the silence watchdog) is re-dialled at
 /// once, so a killed transport recovers in well under tr-08's 3 s.
+///
+/// A TUN read or write (pump or refuser) that fails because the device is gone
+/// (deleted from outside kvpn, `ip link del`) ends the worker as failed
+/// ([`TunDevice::deleted`]) and drops its data connection: a re-dial could never
+/// carry traffic again (every queue of the device is detached for good), and the
+/// device is not recreated, since its addresses, routes, rp_filter and
+/// classifier went with it and only a new Connect sets all of them up. Whether
+/// the device is gone is asked only then, never per packet.
 #[allow(
     clippy::too_many_arguments,
     reason = "the supervisor's whole state, moved into one task once per session"
 )]
 async fn supervise(
     tun: Arc<AsyncDevice>,
+    device: TunDevice,
     first: Option<DataStream>,
     target: String,
     peer: DataPeer,
@@ -1973,6 +2071,20 @@ async fn supervise(
             .unwrap_or_else(PoisonError::into_inner)
             .handle_transport_down(reason);
     };
+    // Only after a TUN read or write failed: is the device gone? Then the
+    // worker fails for good (its data connection is dropped on return).
+    let failed = |error: &std::io::Error| match device.deleted(error) {
+        Some(reason) => {
+            tracing::error!(%reason, tun = %device.name, "TUN device deleted from outside kvpn: worker failed, its data connection closed and not dialled again");
+            worker
+                .liveness
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .handle_failed(reason);
+            true
+        }
+        None => false,
+    };
     loop {
         let stream = match next.take() {
             Some(s) => s,
@@ -1980,9 +2092,10 @@ async fn supervise(
                 // Workers 1.. start here, without a connection: their TUN
                 // queue is answered until the first dial succeeds.
                 refuser.start(&tun, worker, refusal);
-                let dialled = tokio::select! {
-                    _ = stop_rx.changed() => return,
-                    r = dial_and_hello(&target, peer, &hello, tls.as_ref()) => r,
+                let dial = dial_and_hello(&target, peer, &hello, tls.as_ref());
+                let Some(dialled) = watching(dial, &mut stop_rx, &mut refuser, &failed).await
+                else {
+                    return;
                 };
                 match dialled {
                     Ok(s) => {
@@ -1996,9 +2109,12 @@ async fn supervise(
                     Err(reason) => {
                         tracing::warn!(%reason, retry_in_ms = backoff.as_millis(), "re-dial failed");
                         set_down(reason);
-                        tokio::select! {
-                            _ = stop_rx.changed() => return,
-                            () = tokio::time::sleep(backoff) => {}
+                        let pause = tokio::time::sleep(backoff);
+                        if watching(pause, &mut stop_rx, &mut refuser, &failed)
+                            .await
+                            .is_none()
+                        {
+                            return;
                         }
                         backoff = (backoff * 2).min(REDIAL_BACKOFF.1);
                         continue;
@@ -2025,6 +2141,11 @@ async fn supervise(
             }
             exit = &mut pump => exit,
         };
+        if let pump::PumpExit::Tun(e) = &exit
+            && failed(e)
+        {
+            return;
+        }
         let proven = matches!(exit, pump::PumpExit::Silent(_))
             || worker
                 .liveness
@@ -2051,9 +2172,12 @@ async fn supervise(
                 retry_in_ms = backoff.as_millis(),
                 "transport ended before the traffic manager answered; re-dialling after a pause"
             );
-            tokio::select! {
-                _ = stop_rx.changed() => return,
-                () = tokio::time::sleep(backoff) => {}
+            let pause = tokio::time::sleep(backoff);
+            if watching(pause, &mut stop_rx, &mut refuser, &failed)
+                .await
+                .is_none()
+            {
+                return;
             }
             backoff = (backoff * 2).min(REDIAL_BACKOFF.1);
         }
@@ -2194,7 +2318,40 @@ mod tests {
                 Some("worker 2 of 3: connection reset".to_owned())
             )
         );
-        assert_eq!(combine_states(vec![dialling, up]).0, State::Connecting);
+        assert_eq!(
+            combine_states(vec![dialling, up.clone()]).0,
+            State::Connecting
+        );
+        let gone = (
+            State::Failed,
+            Some("TUN device kvpn0 was deleted".to_owned()),
+        );
+        assert_eq!(
+            combine_states(vec![up, down, gone]),
+            (
+                State::Failed,
+                Some("worker 2 of 3: TUN device kvpn0 was deleted".to_owned())
+            ),
+            "failed wins over reconnecting"
+        );
+    }
+
+    #[test]
+    fn deleted_tun_reason_names_device_cause_and_fix() {
+        let reason = tun_deleted_reason(
+            "kvpn0",
+            "s1",
+            &std::io::Error::from_raw_os_error(libc::EBADFD),
+        );
+        assert!(!reason.contains("  "), "{reason}");
+        for part in [
+            "TUN device kvpn0 was deleted",
+            "ip link del kvpn0",
+            "File descriptor in bad state",
+            "`kvpn disconnect s1`, then `kvpn connect`",
+        ] {
+            assert!(reason.contains(part), "{part:?} missing: {reason}");
+        }
     }
 
     #[test]

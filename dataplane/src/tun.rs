@@ -375,6 +375,28 @@ pub fn create_with_queues(name: Option<&str>, mtu: u16, queues: u16) -> Result<T
     })
 }
 
+/// Whether interface `ifindex` is gone from the calling thread's network
+/// namespace (`if_indextoname(3)` fails with ENXIO or ENODEV). Called only
+/// after a TUN read or write failed: when the device is deleted from outside
+/// (`ip link del kvpn0`), the kernel detaches every queue
+/// (`tun_detach_all`, drivers/net/tun.c) and each read and write on a queue's
+/// descriptor fails with EBADFD from then on, which by itself does not say
+/// why. Interface indexes are not reused at once (`dev_index_reserve`
+/// allocates upwards), so a new device of the same name is not taken for it.
+pub fn device_gone(ifindex: u32) -> bool {
+    let mut name: [libc::c_char; libc::IF_NAMESIZE] = [0; libc::IF_NAMESIZE];
+    // SAFETY: `name` has the IF_NAMESIZE bytes if_indextoname(3) may write,
+    // and outlives the call.
+    let found = unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) };
+    if !found.is_null() {
+        return false;
+    }
+    matches!(
+        io::Error::last_os_error().raw_os_error(),
+        Some(libc::ENXIO) | Some(libc::ENODEV)
+    )
+}
+
 /// `TUNSETVNETHDRSZ` [`VNET_HDR_LEN`] and `TUNSETOFFLOAD TUN_F_CSUM |
 /// TUN_F_TSO4 | TUN_F_TSO6` on an `IFF_VNET_HDR` device (drivers/net/tun.c,
 /// `__tun_chr_ioctl`, `set_offload`): TCP super-packets and partial checksums,
@@ -478,6 +500,17 @@ mod tests {
                 proptest::prop_assert_eq!(packet.len() + VNET_HDR_LEN, buf.len());
             }
         }
+    }
+
+    #[test]
+    fn only_a_missing_interface_is_gone() {
+        // The loopback device exists in every network namespace.
+        let lo = std::ffi::CString::new("lo").expect("no NUL");
+        // SAFETY: a valid NUL-terminated name.
+        let lo = unsafe { libc::if_nametoindex(lo.as_ptr()) };
+        assert_ne!(lo, 0, "no lo");
+        assert!(!device_gone(lo));
+        assert!(device_gone(u32::MAX - 7), "no such interface index");
     }
 
     #[test]
