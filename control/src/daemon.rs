@@ -466,12 +466,26 @@ pub fn dns_left_changed(runtime_dir: &Path) -> bool {
     runtime_dir.join(DNS_BACKUP).exists()
 }
 
+/// What `kvpn-dataplane --repair` undid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Repaired {
+    /// resolv.conf pointed at the dead daemon's DNS forwarder (now restored).
+    pub dns: bool,
+    /// Laptop TCP connections on the dead sessions' tunnel IPs, reset.
+    pub tcp_reset: u64,
+}
+
 /// With no root daemon answering: undo what a killed one left (resolv.conf from
-/// its backup, kvpn's routes) by running `kvpn-dataplane --repair`. Returns
-/// whether there was something to undo.
-pub fn repair_leftovers(runtime_dir: &Path) -> Result<bool> {
-    if !dns_left_changed(runtime_dir) {
-        return Ok(false);
+/// its backup, kvpn's routes, TCP connections still on its tunnel IPs) by
+/// running `kvpn-dataplane --repair`. `None` when there was nothing to undo.
+pub fn repair_leftovers(runtime_dir: &Path) -> Result<Option<Repaired>> {
+    let dns = dns_left_changed(runtime_dir);
+    if !dns
+        && !runtime_dir
+            .join(kvpn_dataplane::sweep::RECORD_NAME)
+            .exists()
+    {
+        return Ok(None);
     }
     // SAFETY: geteuid has no preconditions and cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
@@ -515,7 +529,12 @@ pub fn repair_leftovers(runtime_dir: &Path) -> Result<bool> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    Ok(true)
+    // Its one stdout line: `tcp_reset N`.
+    let tcp_reset = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("tcp_reset ")?.trim().parse().ok())
+        .unwrap_or(0);
+    Ok(Some(Repaired { dns, tcp_reset }))
 }
 
 /// Whether `pid` still runs (a zombie counts as gone: it runs no code).

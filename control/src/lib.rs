@@ -426,11 +426,21 @@ fn tcp_reset_text(n: u64) -> String {
 /// With no root daemon answering: undo what a killed one left
 /// ([`daemon::repair_leftovers`]) and say so when there was something.
 fn repair_after_dead_root(runtime_dir: &std::path::Path) -> Result<()> {
-    if daemon::repair_leftovers(runtime_dir)? {
+    let Some(repaired) = daemon::repair_leftovers(runtime_dir)? else {
+        return Ok(());
+    };
+    if repaired.dns {
         output::done(
             "The root daemon had died with this machine's DNS pointing at it: resolv.conf \
              restored and kvpn's routes removed",
         );
+    }
+    if repaired.tcp_reset > 0 {
+        output::done(&format!(
+            "Reset {} the dead root daemon's sessions left: their applications get \
+             ECONNABORTED now instead of hanging",
+            output::tcp_connections(repaired.tcp_reset)
+        ));
     }
     Ok(())
 }

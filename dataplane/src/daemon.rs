@@ -565,20 +565,24 @@ impl Daemon {
     }
 
     /// Delete what a killed daemon of this runtime directory left (case lc-02):
-    /// its recorded TUN devices and their routes ([`crate::sweep`]). Runs at
-    /// start, before serving; without a record there is nothing in scope.
+    /// its recorded TUN devices and their routes ([`crate::sweep`]), and with
+    /// `reset_tcp` the laptop TCP sockets still on its sessions' tunnel IPs
+    /// (`--repair`, run by disconnect and quit; a daemon that serves leaves
+    /// them to its first Connect, which counts them for the new session). Runs
+    /// at start, before serving; without a record there is nothing in scope.
     pub async fn sweep_leftovers(
         &self,
+        reset_tcp: bool,
     ) -> Result<crate::sweep::SweepReport, crate::sweep::SweepError> {
         match &self.record {
-            Some(record) => crate::sweep::sweep(&self.netlink, record).await,
+            Some(record) => crate::sweep::sweep(&self.netlink, record, reset_tcp).await,
             None => Ok(crate::sweep::SweepReport::default()),
         }
     }
 
     fn record_tun(&self, session: &Session) {
         if let Some(record) = &self.record
-            && let Err(e) = record.add(session.tun_name(), session.ifindex())
+            && let Err(e) = record.add(session.tun_name(), session.ifindex(), &session.tunnel_ips())
         {
             tracing::warn!(path = %record.path().display(), error = %e, "cannot record the TUN device for the sweep after a crash");
         }

@@ -130,11 +130,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
 /// The daemon with its DNS, after undoing what an earlier (killed) daemon of
 /// `runtime_dir` left: resolv.conf (case dns-06), hosts-file lines (dns-07), and
 /// its recorded TUN devices with their routes (lc-02, [`kvpn_dataplane::sweep`]).
-/// Errors: what could not be undone.
+/// With `reset_tcp` (`--repair`) also the laptop TCP sockets on its sessions'
+/// tunnel IPs. Returns the daemon, what could not be undone, and how many TCP
+/// sockets were reset.
 async fn repaired_daemon(
     runtime_dir: &std::path::Path,
     allowed_uid: Option<u32>,
-) -> anyhow::Result<(Arc<Daemon>, Vec<String>)> {
+    reset_tcp: bool,
+) -> anyhow::Result<(Arc<Daemon>, Vec<String>, u64)> {
     let netlink = Netlink::new().context("cannot open a NETLINK_ROUTE socket")?;
     let settings = DnsSettings::from_env(runtime_dir).map_err(anyhow::Error::msg)?;
     let dns = Arc::new(Dns::new(settings));
@@ -165,19 +168,24 @@ async fn repaired_daemon(
             .with_allowed_uid(allowed_uid)
             .with_record(Record::new(runtime_dir)),
     );
-    match daemon.sweep_leftovers().await {
+    let mut tcp_reset = 0;
+    match daemon.sweep_leftovers(reset_tcp).await {
         Ok(report) if report == SweepReport::default() => {}
-        Ok(report) => tracing::info!(
-            tuns = ?report.tuns,
-            routes = report.routes,
-            "removed TUN devices and routes left by an earlier daemon"
-        ),
+        Ok(report) => {
+            tcp_reset = report.tcp_reset;
+            tracing::info!(
+                tuns = ?report.tuns,
+                routes = report.routes,
+                tcp_reset = report.tcp_reset,
+                "removed TUN devices and routes left by an earlier daemon"
+            );
+        }
         Err(e) => {
             tracing::warn!(error = %e, "cannot sweep leftover TUN devices and routes");
             failed.push(format!("TUN devices and routes: {e}"));
         }
     }
-    Ok((daemon, failed))
+    Ok((daemon, failed, tcp_reset))
 }
 
 /// `--repair`: undo an earlier daemon's leftovers without serving.
@@ -190,10 +198,12 @@ async fn repair(runtime_dir: &std::path::Path) -> anyhow::Result<()> {
             socket.display()
         );
     }
-    let (_daemon, failed) = repaired_daemon(runtime_dir, None).await?;
+    let (_daemon, failed, tcp_reset) = repaired_daemon(runtime_dir, None, true).await?;
     if !failed.is_empty() {
         anyhow::bail!("could not undo: {}", failed.join("; "));
     }
+    // For `kvpn disconnect`/`quit` (control/src/daemon.rs reads this line).
+    println!("tcp_reset {tcp_reset}");
     Ok(())
 }
 
@@ -202,7 +212,7 @@ async fn serve(
     listener: tokio::net::UnixListener,
     allowed_uid: Option<u32>,
 ) -> anyhow::Result<()> {
-    let (daemon, _failed) = repaired_daemon(dir.path(), allowed_uid).await?;
+    let (daemon, _failed, _) = repaired_daemon(dir.path(), allowed_uid, false).await?;
     let mut sigterm =
         signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut sigint =

@@ -1299,6 +1299,11 @@ impl Session {
         &self.tun_name
     }
 
+    /// The tunnel IPs on its TUN device.
+    pub fn tunnel_ips(&self) -> Vec<IpAddr> {
+        self.params.tunnel_ips()
+    }
+
     /// The TUN device's interface index.
     pub fn ifindex(&self) -> u32 {
         self.ifindex

@@ -291,6 +291,19 @@ fn is_tun_device(name: &str) -> bool {
         .exists()
 }
 
+/// Every address on the laptop's interfaces (this network namespace).
+fn all_addresses() -> io::Result<Vec<IpAddr>> {
+    let addrs = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
+    Ok(addrs
+        .filter_map(|a| a.address)
+        .filter_map(|a| {
+            a.as_sockaddr_in()
+                .map(|s| IpAddr::V4(s.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())))
+        })
+        .collect())
+}
+
 /// The addresses on the laptop's interfaces (this network namespace) other
 /// than TUN devices.
 fn non_tun_addresses() -> io::Result<Vec<IpAddr>> {
@@ -317,6 +330,30 @@ fn non_tun_addresses() -> io::Result<Vec<IpAddr>> {
 /// the dump and its destruction (ENOENT) is not counted.
 pub fn sweep(routes: &[IpNet]) -> Result<Vec<(SocketAddr, SocketAddr)>, SweepError> {
     let addresses = non_tun_addresses()?;
+    destroy_where(|s| is_stale(s, routes, &addresses))
+}
+
+/// Whether `socket`'s local address is one of `dead` (tunnel IPs of a dead
+/// root daemon's sessions) and on none of `addresses` (every address of every
+/// interface now): a session of another root daemon that holds the same
+/// tunnel IP on its TUN device keeps its sockets.
+pub fn is_dead_local(socket: &DiagSocket, dead: &[IpAddr], addresses: &[IpAddr]) -> bool {
+    let local = socket.local.ip();
+    dead.contains(&local) && !addresses.contains(&local)
+}
+
+/// Destroy the TCP sockets whose local address is one of `dead` and on no
+/// interface any more ([`is_dead_local`]); the (local, remote) addresses of
+/// those destroyed.
+pub fn sweep_dead_locals(dead: &[IpAddr]) -> Result<Vec<(SocketAddr, SocketAddr)>, SweepError> {
+    let addresses = all_addresses()?;
+    destroy_where(|s| is_dead_local(s, dead, &addresses))
+}
+
+/// Dump this netns's TCP sockets and destroy those `stale_if` picks.
+fn destroy_where(
+    stale_if: impl Fn(&DiagSocket) -> bool,
+) -> Result<Vec<(SocketAddr, SocketAddr)>, SweepError> {
     let fd = diag_socket()?;
     // 32 KiB: the kernel fills a dump datagram up to about a page or two.
     let mut buf = vec![0u8; 32 * 1024];
@@ -328,12 +365,7 @@ pub fn sweep(routes: &[IpNet]) -> Result<Vec<(SocketAddr, SocketAddr)>, SweepErr
             if let Some(code) = answer.error.filter(|c| *c != 0) {
                 return Err(SweepError::Refused(io::Error::from_raw_os_error(-code)));
             }
-            stale.extend(
-                answer
-                    .sockets
-                    .into_iter()
-                    .filter(|s| is_stale(s, routes, &addresses)),
-            );
+            stale.extend(answer.sockets.into_iter().filter(|s| stale_if(s)));
             if answer.done {
                 break;
             }
@@ -359,22 +391,52 @@ pub enum Why<'a> {
     EarlierSession,
     /// Disconnect, quit or shutdown of the session with this id.
     Disconnecting(&'a str),
+    /// The sweep of a new root daemon (or `--repair`): sockets on the tunnel
+    /// IPs of a killed root daemon's sessions.
+    DeadDaemon,
+}
+
+impl Why<'_> {
+    /// Whose sockets, and what happens if they cannot be looked for.
+    fn texts(self) -> (&'static str, &'static str) {
+        match self {
+            Why::EarlierSession => (
+                "laptop TCP sockets an earlier session left (its root daemon died)",
+                "a download of a dead root daemon's session may hang until its application's timeout",
+            ),
+            Why::Disconnecting(_) => (
+                "the laptop TCP sockets through the session being disconnected",
+                "a download in flight may hang until its application's timeout",
+            ),
+            Why::DeadDaemon => (
+                "laptop TCP sockets on the tunnel IPs of a killed root daemon's sessions",
+                "a download through it may hang until the next `kvpn connect` or its application's timeout",
+            ),
+        }
+    }
 }
 
 /// [`sweep`], log what it destroyed (or why it could not look) and return how
 /// many sockets it destroyed; an error is logged and counts as none.
 pub fn reset(routes: &[IpNet], why: Why<'_>) -> u64 {
-    let destroyed = match sweep(routes) {
+    report(sweep(routes), why)
+}
+
+/// [`sweep_dead_locals`], logged and counted like [`reset`].
+pub fn reset_dead_locals(dead: &[IpAddr]) -> u64 {
+    report(sweep_dead_locals(dead), Why::DeadDaemon)
+}
+
+fn report(swept: Result<Vec<(SocketAddr, SocketAddr)>, SweepError>, why: Why<'_>) -> u64 {
+    let (whose, risk) = why.texts();
+    let id = match why {
+        Why::Disconnecting(id) => id,
+        _ => "",
+    };
+    let destroyed = match swept {
         Ok(destroyed) => destroyed,
         Err(e) => {
-            match why {
-                Why::EarlierSession => {
-                    tracing::warn!(error = %e, "cannot look for laptop TCP sockets an earlier session left: a download of a dead root daemon's session may hang until its application's timeout")
-                }
-                Why::Disconnecting(id) => {
-                    tracing::warn!(%id, error = %e, "cannot look for laptop TCP sockets through the session being disconnected: a download in flight may hang until its application's timeout")
-                }
-            }
+            tracing::warn!(%id, error = %e, "cannot look for {whose}: {risk}");
             return 0;
         }
     };
@@ -386,13 +448,11 @@ pub fn reset(routes: &[IpNet], why: Why<'_>) -> u64 {
         .map(|(local, remote)| format!("{local} -> {remote}"))
         .collect();
     let flows_text = flows.join(", ");
-    match why {
-        Why::EarlierSession => {
-            tracing::warn!(count = flows.len(), flows = %flows_text, "destroyed laptop TCP sockets an earlier session left (its root daemon died): their applications get ECONNABORTED now")
-        }
-        Why::Disconnecting(id) => {
-            tracing::info!(%id, count = flows.len(), flows = %flows_text, "destroyed the laptop TCP sockets through the session being disconnected: their applications get ECONNABORTED now")
-        }
+    // Asked for on a disconnect; a dead daemon's leftovers are worth a warning.
+    if matches!(why, Why::Disconnecting(_)) {
+        tracing::info!(%id, count = flows.len(), flows = %flows_text, "destroyed {whose}: their applications get ECONNABORTED now");
+    } else {
+        tracing::warn!(count = flows.len(), flows = %flows_text, "destroyed {whose}: their applications get ECONNABORTED now");
     }
     flows.len() as u64
 }
@@ -534,6 +594,38 @@ mod tests {
         mapped.extend_from_slice(&[0; 32]);
         let s = parse_socket(&mapped).expect("parses");
         assert!(is_stale(&s, &routes, &laptop), "{s:?}");
+    }
+
+    /// After a root daemon was killed: sockets on its sessions' tunnel IPs, to
+    /// anywhere, while no interface holds the address; not while another root
+    /// daemon's session holds the same tunnel IP on its TUN device.
+    #[test]
+    fn dead_local_means_a_dead_tunnel_ip_no_interface_holds() {
+        let dead: Vec<IpAddr> = vec!["100.96.0.2".parse().expect("ip")];
+        let socket = |local: &str, remote: &str| DiagSocket {
+            family: libc::AF_INET as u8,
+            state: 1,
+            local: sa(local),
+            remote: sa(remote),
+            id: [0; SOCKID_LEN],
+        };
+        let laptop: Vec<IpAddr> = vec!["192.168.1.5".parse().expect("ip")];
+        let mut with_other_session = laptop.clone();
+        with_other_session.push("100.96.0.2".parse().expect("ip"));
+        let s = socket("100.96.0.2:5000", "10.244.1.11:80");
+        assert!(is_dead_local(&s, &dead, &laptop));
+        assert!(is_dead_local(
+            &socket("100.96.0.2:5001", "172.20.0.9:443"),
+            &dead,
+            &laptop
+        ));
+        assert!(!is_dead_local(&s, &dead, &with_other_session));
+        assert!(!is_dead_local(
+            &socket("192.168.1.5:5000", "10.244.1.11:80"),
+            &dead,
+            &laptop
+        ));
+        assert!(!is_dead_local(&s, &[], &laptop));
     }
 
     #[test]

@@ -28,6 +28,7 @@
 
 use std::fs;
 use std::io;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
@@ -43,22 +44,30 @@ pub struct RecordedTun {
     pub name: String,
     /// Its interface index.
     pub ifindex: u32,
+    /// The session's tunnel IPs on it (none in a record of an older kvpn).
+    pub tunnel_ips: Vec<IpAddr>,
 }
 
-/// Parse the record: one `NAME IFINDEX` per line; lines that do not parse are
-/// skipped (a torn write of an older format must not stop the sweep).
+/// Parse the record: one `NAME IFINDEX [TUNNEL_IP ...]` per line; lines that do
+/// not parse are skipped (a torn write of an older format must not stop the
+/// sweep).
 pub fn parse_record(text: &str) -> Vec<RecordedTun> {
     text.lines()
         .filter_map(|line| {
             let mut parts = line.split_whitespace();
             let name = parts.next()?;
             let ifindex = parts.next()?.parse().ok()?;
-            if parts.next().is_some() || crate::tun::validate_name(name).is_err() {
+            let tunnel_ips = parts
+                .map(str::parse)
+                .collect::<Result<Vec<IpAddr>, _>>()
+                .ok()?;
+            if crate::tun::validate_name(name).is_err() {
                 return None;
             }
             Some(RecordedTun {
                 name: name.to_owned(),
                 ifindex,
+                tunnel_ips,
             })
         })
         .collect()
@@ -66,7 +75,15 @@ pub fn parse_record(text: &str) -> Vec<RecordedTun> {
 
 fn format_record(tuns: &[RecordedTun]) -> String {
     tuns.iter()
-        .map(|t| format!("{} {}\n", t.name, t.ifindex))
+        .map(|t| {
+            let mut line = format!("{} {}", t.name, t.ifindex);
+            for ip in &t.tunnel_ips {
+                line.push(' ');
+                line.push_str(&ip.to_string());
+            }
+            line.push('\n');
+            line
+        })
         .collect()
 }
 
@@ -114,13 +131,14 @@ impl Record {
     }
 
     /// Add a device (before anything goes through it).
-    pub fn add(&self, name: &str, ifindex: u32) -> io::Result<()> {
+    pub fn add(&self, name: &str, ifindex: u32, tunnel_ips: &[IpAddr]) -> io::Result<()> {
         let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
         let mut tuns = self.read()?;
         tuns.retain(|t| t.ifindex != ifindex);
         tuns.push(RecordedTun {
             name: name.to_owned(),
             ifindex,
+            tunnel_ips: tunnel_ips.to_vec(),
         });
         self.write(&tuns)
     }
@@ -147,6 +165,11 @@ pub struct SweepReport {
     pub tuns: Vec<String>,
     /// Routes deleted.
     pub routes: usize,
+    /// Laptop TCP sockets into those routes that the earlier daemon's session
+    /// left on its TUN device's address, destroyed ([`crate::stale_tcp`]): a
+    /// download through a killed root daemon ends here instead of hanging until
+    /// the next `kvpn connect`.
+    pub tcp_reset: u64,
 }
 
 /// Why the sweep failed.
@@ -170,7 +193,11 @@ pub enum SweepError {
 /// network namespace: its recorded TUN devices that still exist under the same
 /// name and ifindex, and kvpn's routes through them; then clear the record. Must
 /// run before the daemon creates anything.
-pub async fn sweep(netlink: &Netlink, record: &Record) -> Result<SweepReport, SweepError> {
+pub async fn sweep(
+    netlink: &Netlink,
+    record: &Record,
+    reset_tcp: bool,
+) -> Result<SweepReport, SweepError> {
     let record_err = |source| SweepError::Record {
         path: record.path().to_owned(),
         source,
@@ -195,6 +222,16 @@ pub async fn sweep(netlink: &Netlink, record: &Record) -> Result<SweepReport, Sw
         tracing::info!(name = %tun.name, ifindex = tun.ifindex, "deleted TUN device left by an earlier daemon");
         report.tuns.push(format!("{} #{}", tun.name, tun.ifindex));
     }
+    // The killed daemon's TUN devices are gone (closing their fds deleted
+    // them) or deleted above, and with them their tunnel IPs: TCP sockets still
+    // bound to such an address would hang until their applications' timeouts.
+    let dead: Vec<IpAddr> = recorded
+        .iter()
+        .flat_map(|t| t.tunnel_ips.iter().copied())
+        .collect();
+    if reset_tcp && !dead.is_empty() {
+        report.tcp_reset = crate::stale_tcp::reset_dead_locals(&dead);
+    }
     record.clear().map_err(record_err)?;
     Ok(report)
 }
@@ -209,10 +246,15 @@ mod tests {
             RecordedTun {
                 name: "kvpn0".into(),
                 ifindex: 7,
+                tunnel_ips: vec![
+                    "100.96.0.2".parse().expect("ip"),
+                    "fd00:100:96::2".parse().expect("ip"),
+                ],
             },
             RecordedTun {
                 name: "kvab12tun".into(),
                 ifindex: 12,
+                tunnel_ips: Vec::new(),
             },
         ];
         let text = format_record(&tuns);
@@ -226,15 +268,17 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kvpn-sweep-unit-{}", std::process::id()));
         fs::create_dir_all(&dir).expect("dir");
         let record = Record::new(&dir);
-        record.add("kvpn0", 5).expect("add");
-        record.add("kvpn1", 6).expect("add");
+        record.add("kvpn0", 5, &[]).expect("add");
+        let ip: IpAddr = "100.96.0.3".parse().expect("ip");
+        record.add("kvpn1", 6, &[ip]).expect("add");
         assert_eq!(record.read().expect("read").len(), 2);
         record.remove(5).expect("remove");
         assert_eq!(
             record.read().expect("read"),
             vec![RecordedTun {
                 name: "kvpn1".into(),
-                ifindex: 6
+                ifindex: 6,
+                tunnel_ips: vec![ip],
             }]
         );
         record.remove(6).expect("remove");

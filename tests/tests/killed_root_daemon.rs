@@ -242,6 +242,60 @@ fn a_cluster_ip_download_of_a_killed_root_daemons_session_fails_promptly_after_r
     );
 }
 
+/// Tester finding: after `kill -9` of the root daemon a download hung until
+/// the next `kvpn connect`; `kvpn disconnect` and `kvpn quit` did not end it.
+/// Both run `kvpn-dataplane --repair` when the root daemon is gone, which now
+/// destroys the sockets on the dead sessions' recorded tunnel IPs (on no
+/// interface any more) and says how many. Kubernetes lab (port-forward session,
+/// resolv.conf changed) with `disconnect`; plain lab (direct session, no DNS:
+/// only the TUN record tells there was a session) with `quit`.
+#[test]
+fn a_download_of_a_killed_root_daemons_session_ends_on_disconnect_or_quit() {
+    let f = KubeFixture::new();
+    f.connect_restricted();
+    f.wait_state("connected", Duration::from_secs(15));
+    let web = SocketAddr::from((f.lab().addressing().web_cluster_ip(), WEB_SERVICE_PORT));
+    let mut download = start_download(f.lab().netns_lab(), web);
+    wait_download_started(|| f.session()["rx"]["bytes"].as_u64().unwrap_or(0));
+    kill_root_daemon(f.runtime_dir(), || f.tun_devices().join(" "));
+    assert_eq!(established_to(|a| f.laptop(a), &web.ip().to_string()), 1);
+    let asked = Instant::now();
+    let said = f.kvpn_ok(&["disconnect", "--all"]);
+    assert_aborted_promptly(&mut download, asked, || f.diagnostics());
+    assert!(
+        said.contains("Reset 1 TCP connection the dead root daemon's sessions left"),
+        "{said}"
+    );
+    assert_eq!(established_to(|a| f.laptop(a), &web.ip().to_string()), 0);
+
+    let p = Fixture::connected();
+    let backend = BACKEND_1_IP.to_string();
+    let mut download = start_download(&p.lab, SocketAddr::from((BACKEND_1_IP, HTTP_PORT)));
+    wait_download_started(|| {
+        p.status_json()["sessions"][0]["rx"]["bytes"]
+            .as_u64()
+            .unwrap_or(0)
+    });
+    let tuns = || {
+        text(
+            &p.laptop(&["ip", "-o", "link", "show", "type", "tun"])
+                .stdout,
+        )
+    };
+    kill_root_daemon(p.runtime_dir(), tuns);
+    assert_eq!(established_to(|a| p.laptop(a), &backend), 1);
+    let asked = Instant::now();
+    let out = p.kvpn(&["quit"]);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "kvpn quit: {said}");
+    assert_aborted_promptly(&mut download, asked, || p.daemon_log());
+    assert!(
+        said.contains("Reset 1 TCP connection the dead root daemon's sessions left"),
+        "{said}"
+    );
+    assert_eq!(established_to(|a| p.laptop(a), &backend), 0);
+}
+
 /// The second traffic manager's port on the lab's node (uplink address): a
 /// second "cluster" reached directly, with its own tunnel IP pool.
 const MANAGER_2_PORT: u16 = 10802;
