@@ -203,7 +203,8 @@ async fn repair(runtime_dir: &std::path::Path) -> anyhow::Result<()> {
         anyhow::bail!("could not undo: {}", failed.join("; "));
     }
     // For `kvpn disconnect`/`quit` (control/src/daemon.rs reads this line).
-    println!("tcp_reset {tcp_reset}");
+    use std::io::Write as _;
+    writeln!(std::io::stdout(), "tcp_reset {tcp_reset}").context("cannot write to stdout")?;
     Ok(())
 }
 
