@@ -79,10 +79,20 @@ fn worker_threads_setting_sizes_the_runtime() {
             "KVPN_MANAGER_WORKER_THREADS",
             std::path::Path::new(setting),
         )]);
+        // A worker thread names itself once it runs: poll (a CI run read 0 of
+        // 1 right after start-up), then check no more appear.
+        let t0 = Instant::now();
+        let mut seen = tokio_workers(manager.pid());
+        while seen < want && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+            seen = tokio_workers(manager.pid());
+        }
+        std::thread::sleep(Duration::from_millis(200));
         assert_eq!(
             tokio_workers(manager.pid()),
             want,
-            "--worker-threads {setting}"
+            "--worker-threads {setting} (after {:?})",
+            t0.elapsed()
         );
         // Killed on drop: a SIGTERM this early may come before the handler.
         drop(manager);
