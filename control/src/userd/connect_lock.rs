@@ -85,6 +85,10 @@ pub fn is_connect_cmdline(cmdline: &[u8]) -> bool {
 pub struct ConnectLock {
     file: std::fs::File,
     path: PathBuf,
+    /// The folders this connect created for the lock, innermost first: removed
+    /// on drop if the lock is still all they hold (the connect failed before a
+    /// user daemon started there), so a failed connect leaves no folder behind.
+    created_dirs: Vec<PathBuf>,
 }
 
 impl ConnectLock {
@@ -97,10 +101,17 @@ impl ConnectLock {
     /// the wait) while another connect or a quit holds it, after saying so.
     pub async fn for_connect(root_runtime_dir: &Path) -> Result<ConnectLock> {
         let path = Self::path(root_runtime_dir);
+        let created_dirs: Vec<PathBuf> = path
+            .ancestors()
+            .skip(1)
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .map(Path::to_path_buf)
+            .collect();
         if let Some(dir) = path.parent() {
             create_folder(dir)?;
         }
-        if let Some(lock) = Self::try_take(&path, "connect")? {
+        if let Some(mut lock) = Self::try_take(&path, "connect")? {
+            lock.created_dirs = created_dirs;
             return Ok(lock);
         }
         let holder = holder_pid(&path).await;
@@ -177,6 +188,7 @@ impl ConnectLock {
         Ok(Some(ConnectLock {
             file,
             path: path.to_owned(),
+            created_dirs: Vec::new(),
         }))
     }
 }
@@ -187,6 +199,20 @@ impl Drop for ConnectLock {
         // next holder's. A process that dies leaves its pid; readers check it runs.
         if let Err(e) = self.file.set_len(0) {
             tracing::debug!(path = %self.path.display(), error = %e, "cannot empty the connect lock");
+        }
+        if let Some(dir) = self.created_dirs.first() {
+            let only_the_lock = std::fs::read_dir(dir).is_ok_and(|entries| {
+                entries
+                    .flatten()
+                    .all(|e| e.file_name() == std::ffi::OsStr::new(FILE_NAME))
+            });
+            if only_the_lock {
+                let _ = std::fs::remove_file(&self.path);
+                // remove_dir takes only empty folders: one a daemon uses stays.
+                for d in &self.created_dirs {
+                    let _ = std::fs::remove_dir(d);
+                }
+            }
         }
     }
 }
