@@ -577,15 +577,16 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
             "Disconnected SOCKS session {id} first: it runs through the traffic manager being removed"
         ));
     }
-    let print = |e: install::ProgressEvent| output::info_block(&e.to_string());
-    let report = install::uninstall(&conn.client, &kube.manager_namespace, &print)
-        .await
-        .context("uninstall failed")?;
-    if report.deleted.is_empty() {
-        output::done("Nothing of kvpn's was installed");
-    } else {
-        output::done(&format!("Removed {} objects", report.deleted.len()));
-    }
+    // install::uninstall ends with the summary ("Removed the traffic manager from
+    // NS (N objects)" or "… nothing to remove"), printed as a done line here; the
+    // CLI says it once.
+    install::uninstall(
+        &conn.client,
+        &kube.manager_namespace,
+        &connect::print_progress,
+    )
+    .await
+    .context("uninstall failed")?;
     Ok(())
 }
 
