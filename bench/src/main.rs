@@ -93,7 +93,7 @@ struct Args {
     #[arg(long)]
     compare: Option<PathBuf>,
     /// Only the flood-fairness row (plain lab): laptop B's TCP throughput alone
-    /// and under laptop A's SYN and UDP floods (bench/src/fairness.rs).
+    /// and under laptop A's SYN and UDP floods (README: the kvpn-fairness row).
     #[arg(long)]
     fairness_only: bool,
     /// Also measure kvpn direct with `kvpn connect --workers N` (row
@@ -1514,6 +1514,16 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<Args, clap::Error> {
         Args::try_parse_from(std::iter::once("kvpn-bench").chain(args.iter().copied()))
+    }
+
+    /// User help names no source files (`--fairness-only` cited
+    /// bench/src/fairness.rs).
+    #[test]
+    fn help_cites_no_source_files() {
+        use clap::CommandFactory as _;
+        let help = Args::command().render_long_help().to_string();
+        assert!(help.contains("--fairness-only"), "{help}");
+        assert!(!help.contains("src/") && !help.contains(".rs"), "{help}");
     }
 
     #[test]

@@ -66,6 +66,63 @@ impl Cli {
     }
 }
 
+impl Cli {
+    /// Parses `argv` (the program name first) as [`clap::Parser::try_parse_from`]
+    /// does, with kvpn's tips added to clap's errors, then [`Cli::validate`]s it.
+    pub fn try_parse_with_tips<I, T>(argv: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let argv: Vec<std::ffi::OsString> = argv.into_iter().map(Into::into).collect();
+        Self::try_parse_from(&argv)
+            .map_err(|e| with_tips(e, &argv))
+            .and_then(Self::validate)
+    }
+}
+
+/// Adds a tip to clap's "unexpected argument" error for `--json` and `--yaml`
+/// (common in other tools) on a command that has `-o/--output`: there it is
+/// `-o json` / `-o yaml`.
+fn with_tips(mut e: clap::Error, argv: &[std::ffi::OsString]) -> clap::Error {
+    use clap::CommandFactory as _;
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if e.kind() != ErrorKind::UnknownArgument {
+        return e;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return e;
+    };
+    let format = match arg.split_once('=').map_or(arg.as_str(), |(name, _)| name) {
+        "--json" => "json",
+        "--yaml" => "yaml",
+        _ => return e,
+    };
+    // The (sub)command the arguments name: the last subcommand found on the way.
+    let mut cmd = Cli::command();
+    for a in argv.iter().skip(1).filter_map(|a| a.to_str()) {
+        if let Some(sub) = cmd.find_subcommand(a) {
+            cmd = sub.clone();
+        }
+    }
+    if !cmd.get_arguments().any(|a| a.get_id() == "output") {
+        return e;
+    }
+    let mut tips = match e.get(ContextKind::Suggested) {
+        Some(ContextValue::StyledStrs(tips)) => tips.clone(),
+        _ => Vec::new(),
+    };
+    tips.push(
+        format!(
+            "for {} output give '-o {format}' (--output {format})",
+            format.to_uppercase()
+        )
+        .into(),
+    );
+    e.insert(ContextKind::Suggested, ContextValue::StyledStrs(tips));
+    e
+}
+
 /// [`Cli::runtime_dir`] given the flag and the environment variable.
 fn runtime_dir_from(flag: Option<PathBuf>, env: Option<std::ffi::OsString>) -> PathBuf {
     flag.or_else(|| env.filter(|v| !v.is_empty()).map(PathBuf::from))
@@ -228,7 +285,7 @@ pub struct DiagnoseSourceArgs {
     /// One UDP datagram instead of a TCP connection.
     #[arg(long)]
     pub udp: bool,
-    /// Output format.
+    /// Output format (json/yaml: the report's fields as in the table).
     #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
     /// Which cluster.
@@ -267,12 +324,35 @@ impl KubeArgs {
     }
 }
 
-/// `kvpn uninstall` flags.
+/// `kvpn uninstall` flags: [`KubeArgs`] without `-n/--namespace`, which says
+/// where short service names resolve and means nothing to an uninstall.
 #[derive(Debug, Args)]
 pub struct UninstallArgs {
-    /// Which cluster.
-    #[command(flatten)]
-    pub kube: KubeArgs,
+    /// Kubeconfig file (default: $KUBECONFIG, a colon-separated list, else ~/.kube/config).
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context (default: its current-context).
+    #[arg(long)]
+    pub context: Option<String>,
+    /// Namespace of the traffic manager to remove.
+    #[arg(long, default_value = "kvpn-system", value_parser = parse_namespace)]
+    pub manager_namespace: String,
+    /// SSH jump hosts to the API server.
+    #[command(flatten, next_help_heading = "SSH jump host to the API server")]
+    pub ssh: crate::ssh::SshArgs,
+}
+
+impl UninstallArgs {
+    /// The cluster flags as the other Kubernetes commands take them (no namespace).
+    pub fn kube(&self) -> KubeArgs {
+        KubeArgs {
+            kubeconfig: self.kubeconfig.clone(),
+            context: self.context.clone(),
+            namespace: None,
+            manager_namespace: self.manager_namespace.clone(),
+            ssh: self.ssh.clone(),
+        }
+    }
 }
 
 /// `kvpn connect` flags.
@@ -280,7 +360,12 @@ pub struct UninstallArgs {
 pub struct ConnectArgs {
     /// Traffic manager data address, host:port: a direct TCP transport instead of
     /// installing the manager and port-forwarding through the API server.
-    #[arg(long, value_name = "HOST:PORT", conflicts_with_all = ["kubeconfig", "context"])]
+    #[arg(
+        long,
+        value_name = "HOST:PORT",
+        conflicts_with_all = ["kubeconfig", "context"],
+        value_parser = parse_manager_addr
+    )]
     pub manager: Option<String>,
     /// Traffic manager image to install or upgrade to.
     #[arg(long)]
@@ -333,8 +418,11 @@ pub struct ConnectArgs {
     /// as in `curl --socks5-hostname`) carries flows through the traffic manager.
     #[arg(long, conflicts_with = "manager")]
     pub socks: bool,
-    /// Where the SOCKS5 server listens (with --socks; default 127.0.0.1:1080). An
-    /// address other machines can reach needs --socks-allow-remote.
+    /// Where the SOCKS5 server listens (with --socks). An address other machines
+    /// can reach needs --socks-allow-remote. [default: 127.0.0.1:1080]
+    // The default is written out, not clap's `default_value`: `None` says the flag
+    // was not given (an existing session on another address is then no mismatch to
+    // warn about). A unit test keeps the text equal to socks::DEFAULT_LISTEN.
     #[arg(long, value_name = "IP:PORT", requires = "socks", value_parser = parse_socks_listen)]
     pub socks_listen: Option<SocketAddr>,
     /// Let --socks-listen take an address that is not loopback (e.g. 0.0.0.0).
@@ -382,7 +470,7 @@ pub enum OutputFormat {
     /// A table for people.
     #[default]
     Table,
-    /// JSON for programs (schema: docs/status.md).
+    /// JSON for programs.
     Json,
     /// YAML, the same document as JSON.
     Yaml,
@@ -391,7 +479,7 @@ pub enum OutputFormat {
 /// `kvpn status` flags.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// Output format.
+    /// Output format (the json/yaml fields: docs/status.md).
     #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
 }
@@ -399,7 +487,8 @@ pub struct StatusArgs {
 /// `kvpn top` flags.
 #[derive(Debug, Args)]
 pub struct TopArgs {
-    /// Output format (json: one document per refresh, on its own line).
+    /// Output format (json: one document per refresh, on its own line; yaml: one
+    /// `---` document per refresh; the fields: README.md, `kvpn top`).
     #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
     /// Print one refresh (two samples one interval apart) and exit.
@@ -483,6 +572,25 @@ fn parse_cidr(text: &str) -> Result<IpNet, String> {
         }
     };
     IpNet::new(addr, prefix_len).map_err(|_| too_long())
+}
+
+/// `--manager` value parser: HOST:PORT with a host and a port from 1 to 65535,
+/// checked while parsing so a bad address is named before anything else (it was
+/// reported only after the "nothing to route" check).
+fn parse_manager_addr(addr: &str) -> Result<String, String> {
+    let example = "write it as HOST:PORT, e.g. 172.31.255.1:10801";
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(format!("{addr:?} has no port: {example}"));
+    };
+    if host.is_empty() {
+        return Err(format!("{addr:?} has no host: {example}"));
+    }
+    match port.parse::<u16>() {
+        Ok(0) | Err(_) => Err(format!(
+            "{addr:?}: port {port:?} is not a number from 1 to 65535 — {example}"
+        )),
+        Ok(_) => Ok(addr.to_owned()),
+    }
 }
 
 /// `--socks-listen` value parser: IP:PORT (`[IPv6]:PORT`); a name is not
@@ -799,6 +907,141 @@ mod tests {
         assert_eq!(a.steer(), Steer::Routes);
     }
 
+    /// The long help of `kvpn <path…>`.
+    fn long_help(path: &[&str]) -> String {
+        let mut cmd = Cli::command();
+        cmd.build();
+        let mut cmd = &mut cmd;
+        for name in path {
+            cmd = cmd
+                .find_subcommand_mut(name)
+                .unwrap_or_else(|| panic!("no subcommand {name}"));
+        }
+        cmd.render_long_help().to_string()
+    }
+
+    /// `-o json` points at a description of its fields only where one exists:
+    /// docs/status.md describes `kvpn status`'s document, not `kvpn top`'s (the
+    /// README's `kvpn top` paragraph has those) nor `kvpn diagnose source`'s.
+    #[test]
+    fn output_help_points_at_the_right_schema() {
+        assert!(long_help(&["status"]).contains("docs/status.md"));
+        let top = long_help(&["top"]);
+        assert!(!top.contains("docs/status.md"), "{top}");
+        assert!(top.contains("yaml"), "{top}");
+        let diagnose = long_help(&["diagnose", "source"]);
+        assert!(!diagnose.contains("docs/status.md"), "{diagnose}");
+        // README's synopsis lists what `-o` takes.
+        let readme = include_str!("../../README.md");
+        assert!(
+            readme.contains("kvpn top [--once] [-o table|json|yaml]"),
+            "README's kvpn top synopsis"
+        );
+        for value in ["table", "json", "yaml"] {
+            let cli = Cli::try_parse_from(["kvpn", "top", "-o", value])
+                .unwrap_or_else(|e| panic!("top -o {value}: {e}"));
+            assert!(matches!(cli.command, Command::Top(_)));
+        }
+    }
+
+    /// `kvpn uninstall` has no `-n/--namespace` (where short service names
+    /// resolve: nothing an uninstall uses); `--manager-namespace` stays.
+    #[test]
+    fn uninstall_takes_no_namespace_flag() {
+        for flag in ["-n", "--namespace"] {
+            let e = Cli::try_parse_from(["kvpn", "uninstall", flag, "default"])
+                .expect_err(&format!("uninstall {flag} accepted"));
+            assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument, "{e}");
+        }
+        let help = long_help(&["uninstall"]);
+        assert!(!help.contains("short names"), "{help}");
+        let cli = Cli::try_parse_from([
+            "kvpn",
+            "uninstall",
+            "--manager-namespace",
+            "kvpn-x",
+            "--context",
+            "c",
+        ])
+        .expect("uninstall flags");
+        let Command::Uninstall(a) = cli.command else {
+            panic!("not uninstall");
+        };
+        let kube = a.kube();
+        assert_eq!(kube.manager_namespace, "kvpn-x");
+        assert_eq!(kube.context.as_deref(), Some("c"));
+        assert_eq!(kube.namespace, None);
+        // connect keeps it.
+        assert!(Cli::try_parse_from(["kvpn", "connect", "-n", "default"]).is_ok());
+    }
+
+    /// `--socks-listen`'s help shows its default, the one kvpn uses.
+    #[test]
+    fn socks_listen_help_shows_the_default() {
+        let help = long_help(&["connect"]);
+        let want = format!("[default: {}]", crate::socks::DEFAULT_LISTEN);
+        let at = help
+            .find("--socks-listen <IP:PORT>")
+            .expect("--socks-listen in help");
+        let end = help[at..]
+            .find("--socks-allow-remote\n")
+            .expect("next flag")
+            + at;
+        assert!(help[at..end].contains(&want), "{}", &help[at..end]);
+    }
+
+    /// `--json` (as in other tools) on a command with `-o` is still an error,
+    /// one that says to use `-o json`; elsewhere clap's error stays as it was.
+    #[test]
+    fn json_flag_error_suggests_output_json() {
+        for (argv, format) in [
+            (&["kvpn", "status", "--json"][..], "json"),
+            (&["kvpn", "-v", "top", "--once", "--json"][..], "json"),
+            (&["kvpn", "status", "--yaml"][..], "yaml"),
+            (
+                &["kvpn", "diagnose", "source", "web.default:80", "--json=1"][..],
+                "json",
+            ),
+        ] {
+            let e = Cli::try_parse_with_tips(argv.iter().copied())
+                .expect_err(&format!("{argv:?} accepted"));
+            assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument, "{e}");
+            let text = e.to_string();
+            assert!(text.contains(&format!("'-o {format}'")), "{argv:?}: {text}");
+        }
+        let e = Cli::try_parse_with_tips(["kvpn", "connect", "--json"]).expect_err("accepted");
+        assert!(!e.to_string().contains("-o json"), "{e}");
+        assert!(Cli::try_parse_with_tips(["kvpn", "status", "-o", "json"]).is_ok());
+    }
+
+    /// A bad `--manager` is named before anything else (it was reported only
+    /// after "nothing to route", i.e. only when a CIDR was given too).
+    #[test]
+    fn manager_address_is_validated_while_parsing() {
+        for (bad, why) in [
+            ("foo", "has no port"),
+            (":80", "has no host"),
+            ("foo:0", "from 1 to 65535"),
+            ("foo:65536", "from 1 to 65535"),
+            ("foo:http", "from 1 to 65535"),
+        ] {
+            let e = connect_args(&["kvpn", "connect", "--manager", bad])
+                .expect_err(&format!("--manager {bad} accepted"));
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{e}");
+            let text = e.to_string();
+            assert!(
+                text.contains("--manager") && text.contains(why),
+                "{bad}: {text}"
+            );
+            assert!(!text.contains("nothing to route"), "{text}");
+        }
+        for good in ["172.31.255.1:10801", "mgr.example:1", "[fd00::1]:65535"] {
+            let a = connect_args(&["kvpn", "connect", "--manager", good])
+                .unwrap_or_else(|e| panic!("--manager {good}: {e}"));
+            assert_eq!(a.manager.as_deref(), Some(good));
+        }
+    }
+
     fn connect_args(argv: &[&str]) -> Result<ConnectArgs, clap::Error> {
         let cli = Cli::try_parse_from(argv).and_then(Cli::validate)?;
         match cli.command {
@@ -895,6 +1138,11 @@ mod tests {
                 ("--namespace", "--namespace"),
                 ("--manager-namespace", "--manager-namespace"),
             ] {
+                // `kvpn uninstall` has no -n/--namespace (see
+                // uninstall_takes_no_namespace_flag).
+                if command[1] == "uninstall" && flag != "--manager-namespace" {
+                    continue;
+                }
                 for bad in [
                     "Bad_NS!",
                     "Dev",

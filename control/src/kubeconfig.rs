@@ -910,7 +910,7 @@ fn read_sources(sources: &Sources, user: &ActingUser) -> Result<Merged, Error> {
             },
             other => Error::Parse {
                 path: path.clone(),
-                message: other.to_string(),
+                message: parse_message(&other),
             },
         })?;
         files.push((path.clone(), kc));
@@ -921,6 +921,47 @@ fn read_sources(sources: &Sources, user: &ActingUser) -> Result<Merged, Error> {
         });
     }
     Ok(merge(files))
+}
+
+/// A kubeconfig parse error in words that quote nothing of the file: the YAML
+/// parser's message carries a snippet of the lines around the error (the first
+/// lines of `--kubeconfig /etc/passwd`, say), and its wording can quote a value
+/// (`invalid type: string "…"`). Like kubectl, kvpn names only what was expected
+/// and where: line and column.
+fn parse_message(e: &KubeconfigError) -> String {
+    let KubeconfigError::Parse(yaml) = e else {
+        return e.to_string();
+    };
+    let plain = yaml.without_snippet().to_string();
+    // First line only, and nothing between quotes: the words of the error stay.
+    let first = plain.lines().next().unwrap_or_default();
+    let mut out = String::with_capacity(first.len());
+    let mut quote: Option<char> = None;
+    for c in first.chars() {
+        match quote {
+            Some(q) if c == q => {
+                out.push('…');
+                out.push(c);
+                quote = None;
+            }
+            Some(_) => {}
+            None => {
+                out.push(c);
+                if c == '"' || c == '`' {
+                    quote = Some(c);
+                }
+            }
+        }
+    }
+    if quote.is_some() {
+        out.push('…');
+    }
+    match yaml.location() {
+        Some(l) if !out.contains(" at line ") => {
+            format!("{out} at line {}, column {}", l.line(), l.column())
+        }
+        _ => out,
+    }
 }
 
 /// How an exec plugin will be run, for the description.
@@ -2118,6 +2159,65 @@ current-context: rel
             msg.contains("resolved against the kubeconfig's folder"),
             "{msg}"
         );
+    }
+
+    /// A file that is no kubeconfig (`--kubeconfig /etc/passwd`): the error names
+    /// the file, where parsing failed and the fix, and quotes none of the file's
+    /// lines (the YAML parser's message showed the first three).
+    #[test]
+    fn parse_errors_do_not_echo_the_file() {
+        let s = Scratch::new("parse-echo");
+        let env = UserEnv::current()
+            .expect("env")
+            .with_cwd(&s.0)
+            .without_var("KUBECONFIG");
+        let me = ActingUser::Current {
+            home: Some(s.0.join("home")),
+        };
+        let secret = "hunter2-s3cr3t";
+        for (name, text) in [
+            (
+                "passwd",
+                format!(
+                    "root:x:0:0:root:/root:/bin/bash\nalice:{secret}:1000:1000::/home/alice:/bin/sh\nbob:x:1001:1001::/home/bob:/bin/sh\n"
+                ),
+            ),
+            ("scalar", format!("token-{secret}\n")),
+            (
+                "badyaml",
+                format!("apiVersion: v1\nusers: [{{name: a, token: {secret}}}\nclusters: [oops\n"),
+            ),
+            ("wrongtype", format!("apiVersion: v1\nclusters: {secret}\n")),
+            (
+                "wrongfield",
+                format!("apiVersion: v1\nclusters:\n- name: c\n  cluster: \"{secret}\"\n"),
+            ),
+            (
+                "badport",
+                format!("apiVersion: v1\npreferences: {{colors: \"{secret}\"}}\n"),
+            ),
+        ] {
+            let path = s.0.join(name);
+            std::fs::write(&path, text).expect("write");
+            let flags = KubeFlags {
+                kubeconfig: Some(path.clone()),
+                ..Default::default()
+            };
+            let e = KubeTarget::resolve_for(&flags, &env, me.clone()).expect_err(name);
+            let msg = e.to_string();
+            assert!(matches!(e, Error::Parse { .. }), "{name}: {msg}");
+            assert!(
+                !msg.contains(secret) && !msg.contains("root:x"),
+                "{name} echoes the file: {msg}"
+            );
+            assert!(!msg.contains(" | "), "{name} quotes lines: {msg}");
+            assert!(msg.contains(&path.display().to_string()), "{name}: {msg}");
+            assert!(msg.contains("line "), "{name}: no line in {msg}");
+            assert!(
+                msg.contains("pick another with --kubeconfig"),
+                "{name}: {msg}"
+            );
+        }
     }
 
     #[test]

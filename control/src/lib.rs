@@ -118,7 +118,6 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
              (e.g. --pod-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/12)"
         );
     }
-    validate_manager_addr(&manager)?;
     // Dual stack without a lease: the IPv6 tunnel IP the manager derives from
     // the IPv4 one (kvpn_proto::tunnel), when IPv6 ranges are routed.
     let tunnel_ip_v6 = match tunnel_ip {
@@ -213,26 +212,6 @@ fn validate_tunnel_ip(ip: std::net::IpAddr) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn validate_manager_addr(addr: &str) -> Result<()> {
-    let Some((host, port)) = addr.rsplit_once(':') else {
-        bail!("--manager {addr:?} has no port: write it as HOST:PORT, e.g. 172.31.255.1:10801");
-    };
-    if host.is_empty() {
-        bail!("--manager {addr:?} has no host: write it as HOST:PORT, e.g. 172.31.255.1:10801");
-    }
-    port.parse::<u16>()
-        .map_err(|_| {
-            anyhow::anyhow!("--manager {addr:?}: port {port:?} is not a number from 1 to 65535")
-        })
-        .and_then(|p| {
-            if p == 0 {
-                bail!("--manager {addr:?}: port 0 is not a valid port")
-            } else {
-                Ok(())
-            }
-        })
 }
 
 async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
@@ -564,21 +543,22 @@ async fn diagnose_source(
 
 async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArgs) -> Result<()> {
     let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
-    let plan = ssh::plan_for(&args.kube.ssh, &env)?;
+    let kube = args.kube();
+    let plan = ssh::plan_for(&kube.ssh, &env)?;
     if let Some(p) = &plan {
         output::step(&format!(
             "Opening the SSH path to the API server: {}",
             p.describe()
         ));
     }
-    let (conn, _tunnel) = ssh::connect_kube(&args.kube.flags(), plan.as_ref(), &env).await?;
+    let (conn, _tunnel) = ssh::connect_kube(&kube.flags(), plan.as_ref(), &env).await?;
     output::done(&format!("Using {}", conn.description));
     // This laptop's sessions through the manager being removed would only hang in
     // "reconnecting": end them first, and say so.
     for id in connect::disconnect_sessions_of(
         runtime_dir,
         &conn.description.server,
-        &args.kube.manager_namespace,
+        &kube.manager_namespace,
     )
     .await?
     {
@@ -589,7 +569,7 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     for id in socks::cli::disconnect_sessions_of(
         runtime_dir,
         &conn.description.server,
-        &args.kube.manager_namespace,
+        &kube.manager_namespace,
     )
     .await?
     {
@@ -597,15 +577,16 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
             "Disconnected SOCKS session {id} first: it runs through the traffic manager being removed"
         ));
     }
-    let print = |e: install::ProgressEvent| output::info_block(&e.to_string());
-    let report = install::uninstall(&conn.client, &args.kube.manager_namespace, &print)
-        .await
-        .context("uninstall failed")?;
-    if report.deleted.is_empty() {
-        output::done("Nothing of kvpn's was installed");
-    } else {
-        output::done(&format!("Removed {} objects", report.deleted.len()));
-    }
+    // install::uninstall ends with the summary ("Removed the traffic manager from
+    // NS (N objects)" or "… nothing to remove"), printed as a done line here; the
+    // CLI says it once.
+    install::uninstall(
+        &conn.client,
+        &kube.manager_namespace,
+        &connect::print_progress,
+    )
+    .await
+    .context("uninstall failed")?;
     Ok(())
 }
 

@@ -3,11 +3,8 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
-
 fn main() -> ExitCode {
-    let cli = kvpn_control::cli::Cli::parse()
-        .validate()
+    let cli = kvpn_control::cli::Cli::try_parse_with_tips(std::env::args_os())
         .unwrap_or_else(|e| e.exit());
     kvpn_control::init_tracing(cli.verbose);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
