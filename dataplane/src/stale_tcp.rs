@@ -291,10 +291,12 @@ fn is_tun_device(name: &str) -> bool {
         .exists()
 }
 
-/// Every address on the laptop's interfaces (this network namespace).
-fn all_addresses() -> io::Result<Vec<IpAddr>> {
+/// The addresses on the laptop's interfaces (this network namespace) whose
+/// interface name `keep` accepts.
+fn addresses_where(mut keep: impl FnMut(&str) -> bool) -> io::Result<Vec<IpAddr>> {
     let addrs = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
     Ok(addrs
+        .filter(|a| keep(&a.interface_name))
         .filter_map(|a| a.address)
         .filter_map(|a| {
             a.as_sockaddr_in()
@@ -304,24 +306,19 @@ fn all_addresses() -> io::Result<Vec<IpAddr>> {
         .collect())
 }
 
-/// The addresses on the laptop's interfaces (this network namespace) other
-/// than TUN devices.
+/// Every address on the laptop's interfaces.
+fn all_addresses() -> io::Result<Vec<IpAddr>> {
+    addresses_where(|_| true)
+}
+
+/// The addresses on the laptop's interfaces other than TUN devices.
 fn non_tun_addresses() -> io::Result<Vec<IpAddr>> {
-    let addrs = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
     let mut tun: std::collections::HashMap<String, bool> = std::collections::HashMap::new();
-    Ok(addrs
-        .filter(|a| {
-            !*tun
-                .entry(a.interface_name.clone())
-                .or_insert_with(|| is_tun_device(&a.interface_name))
-        })
-        .filter_map(|a| a.address)
-        .filter_map(|a| {
-            a.as_sockaddr_in()
-                .map(|s| IpAddr::V4(s.ip()))
-                .or_else(|| a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())))
-        })
-        .collect())
+    addresses_where(|name| {
+        !*tun
+            .entry(name.to_owned())
+            .or_insert_with(|| is_tun_device(name))
+    })
 }
 
 /// Destroy the TCP sockets of this network namespace that an earlier (or
@@ -537,19 +534,23 @@ mod tests {
         assert_eq!(parse(&error).expect("parses").error, Some(-libc::ENOENT));
     }
 
+    /// An established IPv4 socket as a dump reports it.
+    fn socket(local: &str, remote: &str) -> DiagSocket {
+        DiagSocket {
+            family: libc::AF_INET as u8,
+            state: 1,
+            local: sa(local),
+            remote: sa(remote),
+            id: [0; SOCKID_LEN],
+        }
+    }
+
     /// Only sockets into the routes whose local address is on no interface
     /// but a TUN device (`laptop` holds the other interfaces' addresses).
     #[test]
     fn stale_means_into_the_routes_from_an_address_no_interface_but_a_tun_has() {
         let routes: Vec<IpNet> = vec!["10.244.0.0/16".parse().expect("net")];
         let laptop: Vec<IpAddr> = vec!["192.168.1.5".parse().expect("ip")];
-        let socket = |local: &str, remote: &str| DiagSocket {
-            family: libc::AF_INET as u8,
-            state: 1,
-            local: sa(local),
-            remote: sa(remote),
-            id: [0; SOCKID_LEN],
-        };
         // The dead session's tunnel IP, into the cluster.
         assert!(is_stale(
             &socket("100.96.0.2:5000", "10.244.1.11:80"),
@@ -602,13 +603,6 @@ mod tests {
     #[test]
     fn dead_local_means_a_dead_tunnel_ip_no_interface_holds() {
         let dead: Vec<IpAddr> = vec!["100.96.0.2".parse().expect("ip")];
-        let socket = |local: &str, remote: &str| DiagSocket {
-            family: libc::AF_INET as u8,
-            state: 1,
-            local: sa(local),
-            remote: sa(remote),
-            id: [0; SOCKID_LEN],
-        };
         let laptop: Vec<IpAddr> = vec!["192.168.1.5".parse().expect("ip")];
         let mut with_other_session = laptop.clone();
         with_other_session.push("100.96.0.2".parse().expect("ip"));
