@@ -49,6 +49,8 @@ use super::dns::{ClusterDns, ClusterDnsOptions};
 use super::kube_proxy::{KubeProxy, KubeProxyConfig};
 use super::kubeconfig::{self, KubeconfigSpec};
 use super::kubelet::{ClusterDns as KubeletDns, Kubelet, KubeletConfig, KubeletSetup};
+use super::node::egress::EgressProxy;
+use super::node::{ImageArchive, RealNodes, RealNodesConfig};
 use super::relay::{API_PORT, ApiRelay};
 use super::workloads::{self, Workloads};
 use super::{ControlPlane, ControlPlaneConfig, KVPN_NAMESPACE, RESTRICTED_USER};
@@ -92,6 +94,8 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    RealNode(Box<super::node::Error>),
     #[error("lab {name}: {message}")]
     State { name: String, message: String },
     #[error("kvpn-lab-agent {message}; last lines of {log}:\n{tail}")]
@@ -111,6 +115,18 @@ impl From<super::Error> for Error {
 impl From<super::kube_proxy::Error> for Error {
     fn from(e: super::kube_proxy::Error) -> Self {
         Error::KubeProxy(Box::new(e))
+    }
+}
+
+impl From<super::node::Error> for Error {
+    fn from(e: super::node::Error) -> Self {
+        Error::RealNode(Box::new(e))
+    }
+}
+
+impl From<super::node::egress::Error> for Error {
+    fn from(e: super::node::egress::Error) -> Self {
+        Error::RealNode(Box::new(e.into()))
     }
 }
 
@@ -135,6 +151,23 @@ pub struct K8sLabOptions {
     pub ready_timeout: Duration,
     /// Bound for each control-plane start-up step.
     pub control_plane_step_timeout: Duration,
+    /// Real node software ([`super::node`]) instead of the kubelet, kube-proxy, CNI
+    /// and DNS stand-ins. None (the default): the stand-ins.
+    pub real_nodes: Option<RealNodeOptions>,
+}
+
+/// How many real nodes and what to load into them (see [`K8sLabOptions::real_nodes`]).
+/// For now without the sample workloads, the manager and the cluster DNS (they need
+/// the project's images) and only in-process (not `kvpn lab up`).
+#[derive(Debug, Clone)]
+pub struct RealNodeOptions {
+    pub count: usize,
+    /// Image archives imported into every node's containerd.
+    pub images: Vec<ImageArchive>,
+    /// The pod sandbox image (one of `images`).
+    pub sandbox_image: String,
+    /// Bound for every node to be Ready with kube-proxy's rules in place.
+    pub ready_timeout: Duration,
 }
 
 impl Default for K8sLabOptions {
@@ -144,6 +177,7 @@ impl Default for K8sLabOptions {
             workloads: Workloads::default(),
             ready_timeout: Duration::from_secs(60),
             control_plane_step_timeout: Duration::from_secs(120),
+            real_nodes: None,
         }
     }
 }
@@ -153,6 +187,17 @@ impl K8sLabOptions {
     /// outlives this process (`kvpn lab up`).
     pub fn persist_as(mut self, name: &str) -> Self {
         self.lab = self.lab.persist_as(name);
+        self
+    }
+
+    /// Real nodes instead of the stand-ins (see [`RealNodeOptions`]); turns the sample
+    /// workloads and the manager off.
+    pub fn real_nodes(mut self, real: RealNodeOptions) -> Self {
+        self.real_nodes = Some(real);
+        self.workloads = Workloads {
+            samples: false,
+            manager: false,
+        };
         self
     }
 
@@ -437,9 +482,12 @@ fn kubelet_setup(
 /// is left running (see [`K8sLab::detach`]).
 #[derive(Debug)]
 pub struct K8sLab {
-    // Field order is drop order: node services, control plane, then the lab.
+    // Field order is drop order: node services or real nodes, control plane, the
+    // real nodes' network helpers, then the lab.
     services: Option<NodeServices>,
+    real_nodes: Option<RealNodes>,
     control_plane: Option<ControlPlane>,
+    real_net: Option<(Option<ApiRelay>, EgressProxy)>,
     lab: Option<Lab>,
     state: K8sLabState,
     persistent: bool,
@@ -523,6 +571,8 @@ impl K8sLab {
         let cluster_name = format!("kvpn-lab-{}", lab.id());
         let mut this = K8sLab {
             services: None,
+            real_nodes: None,
+            real_net: None,
             control_plane: None,
             state: K8sLabState {
                 control_plane_dir: cp_dir.clone(),
@@ -552,6 +602,33 @@ impl K8sLab {
         config
             .apiserver_extra_args
             .push(format!("--service-node-port-range={NODE_PORT_RANGE}"));
+        if let Some(real) = &options.real_nodes {
+            if persistent {
+                return Err(Error::State {
+                    name: cluster_name,
+                    message: "real nodes run only in-process for now (not with `kvpn lab up`)"
+                        .into(),
+                });
+            }
+            if options.workloads.samples || options.workloads.manager {
+                return Err(Error::State {
+                    name: cluster_name,
+                    message: "real nodes do not run the sample workloads or the manager yet (they need the project's images): use K8sLabOptions::real_nodes, which turns them off".into(),
+                });
+            }
+            if real.count == 0 {
+                return Err(Error::State {
+                    name: cluster_name,
+                    message: "real nodes: count must be at least 1".into(),
+                });
+            }
+            let lab = this.lab()?;
+            let egress = EgressProxy::start(&lab.dir().join("egress.sock"), lab.node_netns())?;
+            config.real_nodes = Some(super::RealNodesControl {
+                egress_uds: egress.path().to_owned(),
+            });
+            this.real_net = Some((None, egress));
+        }
         let cp = ControlPlane::start(config).await?;
         this.state.apiserver = SocketAddr::from((cp.listen_ip(), cp.ports().apiserver));
         this.state.admin_kubeconfig = cp.admin_kubeconfig();
@@ -565,6 +642,42 @@ impl K8sLab {
             elapsed_ms = t0.elapsed().as_millis(),
             "lab control plane up"
         );
+
+        if let Some(real) = &options.real_nodes {
+            let lab = this.lab()?;
+            let relay = ApiRelay::start(
+                lab.node_netns(),
+                node_ip,
+                &[API_PORT, this.state.apiserver.port()],
+                this.state.apiserver,
+            )?;
+            let nodes_config = RealNodesConfig {
+                lab_id: lab.id().to_owned(),
+                dir: lab_dir.join("nodes"),
+                router: lab.node_netns().clone(),
+                node_net: super::node::NODE_NET,
+                pod_cidrs: super::node::node_pod_cidrs(addressing.pod_cidr, real.count),
+                cluster_cidr: addressing.pod_cidr,
+                cluster_dns: addressing.dns_service_ip(),
+                apiserver_url: uplink_url(node_ip),
+                pki_dir: cp_dir.join("pki"),
+                cluster_name: cluster_name.clone(),
+                admin_kubeconfig: this.state.admin_kubeconfig.clone(),
+                images: real.images.clone(),
+                sandbox_image: real.sandbox_image.clone(),
+                bin_dir: super::k8s_bin_dir(),
+                ready_timeout: real.ready_timeout,
+            };
+            if let Some((r, _)) = &mut this.real_net {
+                *r = Some(relay);
+            }
+            this.real_nodes = Some(RealNodes::start(nodes_config).await?);
+            tracing::info!(
+                elapsed_ms = t0.elapsed().as_millis(),
+                "Kubernetes lab up (real nodes)"
+            );
+            return Ok(this);
+        }
 
         if persistent {
             let name = this.lab()?.name().to_owned();
@@ -600,6 +713,11 @@ impl K8sLab {
             name: self.state.cluster_name.clone(),
             message: "already torn down".into(),
         })
+    }
+
+    /// The real nodes, when the lab runs them ([`K8sLabOptions::real_nodes`]).
+    pub fn real_nodes(&self) -> Option<&RealNodes> {
+        self.real_nodes.as_ref()
     }
 
     /// The underlying netns lab (laptop, node, netns lookup, exec).
@@ -693,6 +811,11 @@ impl K8sLab {
         {
             first.get_or_insert(e);
         }
+        if let Some(n) = self.real_nodes.take()
+            && let Err(e) = n.stop()
+        {
+            first.get_or_insert(e.into());
+        }
         if let Some((pid, ticks)) = self.state.agent.take() {
             stop_agent(pid, ticks);
         }
@@ -700,6 +823,12 @@ impl K8sLab {
             && let Err(e) = cp.stop()
         {
             first.get_or_insert(e.into());
+        }
+        if let Some((relay, egress)) = self.real_net.take() {
+            if let Some(r) = relay {
+                r.stop();
+            }
+            egress.stop();
         }
         if let Some(mut lab) = self.lab.take()
             && let Err(e) = lab.down()

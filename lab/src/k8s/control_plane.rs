@@ -59,6 +59,9 @@ const DUAL_STACK_GATE: &str = "--feature-gates=IPv6DualStack=true";
 
 const CONTROLLERS: &str = "deployment,replicaset,endpoint,endpointslice,serviceaccount,\
 serviceaccount-token,namespace,garbagecollector,podgc,root-ca-cert-publisher";
+/// With real nodes: the node lifecycle controller (Ready/NotReady, the `not-ready`
+/// taint) and the TTL controller (node annotations the kubelet reads).
+const REAL_NODE_CONTROLLERS: &str = "nodelifecycle,ttl";
 const BUILD_HINT: &str = "run scripts/build-kubernetes.sh (as root) to build and cache it";
 const ETCD_HINT: &str = "install Debian's etcd-server (scripts/setup.sh does)";
 
@@ -95,6 +98,18 @@ pub struct ControlPlaneConfig {
     /// kube-controller-manager (alpha, off by default, in 1.20), for a
     /// `service_cidr` of two ranges ("<IPv4>,<IPv6>").
     pub dual_stack: bool,
+    /// Real nodes ([`super::node`]): also run kube-scheduler and the node lifecycle
+    /// controller (which lifts the `not-ready` taint the apiserver puts on new
+    /// Nodes), and send the apiserver's cluster traffic (kubelets, pod proxy)
+    /// through the HTTP CONNECT proxy on this unix socket (`--egress-selector-config-file`).
+    pub real_nodes: Option<RealNodesControl>,
+}
+
+/// The control plane's part for real nodes (see [`ControlPlaneConfig::real_nodes`]).
+#[derive(Debug, Clone)]
+pub struct RealNodesControl {
+    /// The unix socket of the lab's egress proxy ([`super::node::egress`]).
+    pub egress_uds: PathBuf,
 }
 
 impl ControlPlaneConfig {
@@ -116,6 +131,7 @@ impl ControlPlaneConfig {
             tie_to_process: true,
             apiserver_extra_args: Vec::new(),
             dual_stack: false,
+            real_nodes: None,
         }
     }
 }
@@ -286,6 +302,7 @@ impl ControlPlane {
             "etcd.log",
             "kube-apiserver.log",
             "kube-controller-manager.log",
+            "kube-scheduler.log",
         ] {
             let p = dir.join(stale);
             let r = if p.is_dir() {
@@ -328,6 +345,11 @@ impl ControlPlane {
         cp.start_apiserver(&apiserver_bin).await?;
         let admin = cp.admin_client().await?;
         cp.start_controller_manager(&kcm_bin, &admin).await?;
+        if cp.config.real_nodes.is_some() {
+            let bin = cp.config.bin_dir.join("kube-scheduler");
+            require_binary("kube-scheduler", &bin, BUILD_HINT)?;
+            cp.start_scheduler(&bin).await?;
+        }
         cp.apply_rbac(&admin).await?;
         tracing::info!(
             name = %cp.config.name,
@@ -394,6 +416,10 @@ impl ControlPlane {
                 RESTRICTED_USER,
                 ca.issue(&CertSpec::client(RESTRICTED_USER, &[]))?,
             ),
+            (
+                "scheduler",
+                ca.issue(&CertSpec::client("system:kube-scheduler", &[]))?,
+            ),
         ];
         for (name, cert) in &issued {
             write_file(&self.pki(&format!("{name}.crt")), &cert.cert_pem, false)?;
@@ -417,6 +443,12 @@ impl ControlPlane {
                 "controller-manager.kubeconfig",
                 "controller-manager",
                 "system:kube-controller-manager",
+                None,
+            ),
+            (
+                "scheduler.kubeconfig",
+                "scheduler",
+                "system:kube-scheduler",
                 None,
             ),
         ] {
@@ -553,6 +585,15 @@ impl ControlPlane {
         if self.config.dual_stack {
             args.push(DUAL_STACK_GATE.into());
         }
+        if let Some(real) = &self.config.real_nodes {
+            let file = self.config.dir.join("egress-selector.json");
+            write_file(
+                &file,
+                &super::node::render::egress_selector_config(&real.egress_uds),
+                false,
+            )?;
+            args.push(format!("--egress-selector-config-file={}", file.display()));
+        }
         args.extend(self.config.apiserver_extra_args.iter().cloned());
         let idx = self.spawn("kube-apiserver", bin, args)?;
         let admin = self.admin_client().await?;
@@ -587,6 +628,11 @@ impl ControlPlane {
         admin: &kube::Client,
     ) -> Result<(), Error> {
         let p = |f: &str| self.pki(f).display().to_string();
+        let controllers = if self.config.real_nodes.is_some() {
+            format!("{CONTROLLERS},{REAL_NODE_CONTROLLERS}")
+        } else {
+            CONTROLLERS.to_owned()
+        };
         let mut args = vec![
             format!(
                 "--kubeconfig={}",
@@ -596,7 +642,7 @@ impl ControlPlane {
                     .display()
             ),
             "--leader-elect=false".into(),
-            format!("--controllers={CONTROLLERS}"),
+            format!("--controllers={controllers}"),
             "--use-service-account-credentials=true".into(),
             format!("--service-account-private-key-file={}", p("sa.key")),
             format!("--root-ca-file={}", p("ca.crt")),
@@ -628,6 +674,26 @@ impl ControlPlane {
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
         tracing::debug!(elapsed = ?t0.elapsed(), "kube-controller-manager working");
+        Ok(())
+    }
+
+    /// kube-scheduler without leader election and without serving ports. It has no
+    /// readiness signal of its own: it counts as started when it is still running
+    /// after its first second (placing a pod is the real check).
+    async fn start_scheduler(&mut self, bin: &Path) -> Result<(), Error> {
+        let kubeconfig = self.config.dir.join("scheduler.kubeconfig");
+        let args = vec![
+            format!("--kubeconfig={}", kubeconfig.display()),
+            format!("--authentication-kubeconfig={}", kubeconfig.display()),
+            format!("--authorization-kubeconfig={}", kubeconfig.display()),
+            "--leader-elect=false".into(),
+            "--port=0".into(),
+            "--secure-port=0".into(),
+            "--v=1".into(),
+        ];
+        let idx = self.spawn("kube-scheduler", bin, args)?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        self.check_running(idx)?;
         Ok(())
     }
 
@@ -851,6 +917,7 @@ fn static_name(name: &str) -> &'static str {
         "etcd" => "etcd",
         "kube-apiserver" => "kube-apiserver",
         "kube-controller-manager" => "kube-controller-manager",
+        "kube-scheduler" => "kube-scheduler",
         _ => "a control-plane process",
     }
 }

@@ -26,6 +26,7 @@ pub mod dns;
 pub mod kube_proxy;
 pub mod kubeconfig;
 pub mod kubelet;
+pub mod node;
 pub mod pki;
 pub mod process;
 pub mod rbac;
@@ -36,8 +37,10 @@ pub mod workloads;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use cluster::{K8sLab, K8sLabOptions};
-pub use control_plane::{ControlPlane, ControlPlaneConfig, Ports, client_from_kubeconfig};
+pub use cluster::{K8sLab, K8sLabOptions, RealNodeOptions};
+pub use control_plane::{
+    ControlPlane, ControlPlaneConfig, Ports, RealNodesControl, client_from_kubeconfig,
+};
 pub use pki::CertificateAuthority;
 
 /// The Kubernetes version `scripts/build-kubernetes.sh` builds.

@@ -143,6 +143,19 @@ impl Managed {
         log: &Path,
         spawner: Option<&Spawner>,
     ) -> Result<Self, Error> {
+        Self::spawn_with(name, program, args, log, spawner, |_| {})
+    }
+
+    /// [`Managed::spawn`] with `prepare` applied to the command last (e.g. more
+    /// `pre_exec` hooks, which run after the tie/untie hook).
+    pub fn spawn_with(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        log: &Path,
+        spawner: Option<&Spawner>,
+        prepare: impl FnOnce(&mut Command),
+    ) -> Result<Self, Error> {
         let out = File::options()
             .create(true)
             .append(true)
@@ -180,6 +193,7 @@ impl Managed {
                 });
             }
         }
+        prepare(&mut cmd);
         let child = match spawner {
             Some(s) => s.spawn(cmd),
             None => cmd.spawn(),
