@@ -74,6 +74,25 @@ fn kubectl_exec(kubeconfig: &Path, pod: &str, cmd: &[&str]) -> Output {
     kubectl(kubeconfig, &args)
 }
 
+/// One HTTP/1.0 GET of `http://<addr>/` from inside `pod` (`kubectl exec`), with
+/// busybox `nc` (Debian's busybox-static `wget -q -T 5` dies with SIGSEGV, also on
+/// the host); the body.
+fn get_from_pod(kubeconfig: &Path, pod: &str, addr: &str) -> Result<String, String> {
+    let (ip, port) = addr.rsplit_once(':').expect("ip:port");
+    let script = format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {ip} {port}");
+    let o = kubectl_exec(kubeconfig, pod, &["sh", "-c", &script]);
+    if !o.status.success() {
+        return Err(text(&o));
+    }
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    match out.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.") && head.contains(" 200 ") => {
+            Ok(body.trim().to_owned())
+        }
+        _ => Err(format!("not an HTTP 200 answer: {out:?}")),
+    }
+}
+
 fn global_sysctls() -> Vec<(String, String)> {
     [
         "vm/overcommit_memory",
@@ -251,14 +270,17 @@ async fn two_real_nodes_run_pods_across_nodes_with_services_and_port_forward() {
     let image = images::busybox_archive(&scratch).expect("build the busybox image");
 
     let t0 = Instant::now();
-    let lab = K8sLab::up(K8sLabOptions::default().real_nodes(RealNodeOptions {
+    let mut options = K8sLabOptions::default().real_nodes(RealNodeOptions {
         count: 2,
         images: vec![image],
         sandbox_image: images::PAUSE_IMAGE.to_owned(),
         ready_timeout: Duration::from_secs(180),
-    }))
-    .await
-    .expect("lab with two real nodes");
+    });
+    // KVPN_LAB_KEEP_DIR=1 keeps the lab folder (node logs, configs) for a post-mortem.
+    if std::env::var_os("KVPN_LAB_KEEP_DIR").is_some() {
+        options.lab = options.lab.keep_dir(true);
+    }
+    let lab = K8sLab::up(options).await.expect("lab with two real nodes");
     let lab_up = t0.elapsed();
     let real = lab.real_nodes().expect("real nodes");
     eprintln!(
@@ -346,16 +368,9 @@ async fn two_real_nodes_run_pods_across_nodes_with_services_and_port_forward() {
 
     // Pod A reaches pod B (other node) by pod IP; `kubectl exec` runs through the
     // apiserver, the egress proxy, the kubelet and containerd's streaming server.
-    let url_b = format!("http://{}:8080/", b.2);
-    let o = kubectl_exec(&kc, &a.0, &["wget", "-q", "-T", "5", "-O", "-", &url_b]);
-    assert!(
-        o.status.success(),
-        "pod {} -> pod {}: {}",
-        a.0,
-        b.0,
-        text(&o)
-    );
-    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), b.0);
+    let got = get_from_pod(&kc, &a.0, &format!("{}:8080", b.2))
+        .unwrap_or_else(|e| panic!("pod {} -> pod {} ({}): {e}", a.0, b.0, b.2));
+    assert_eq!(got, b.0);
 
     // The ClusterIP through kube-proxy: both backends answer within a bounded number
     // of tries (kube-proxy picks at random).
@@ -363,26 +378,18 @@ async fn two_real_nodes_run_pods_across_nodes_with_services_and_port_forward() {
         &kc,
         &["get", "service", "web", "-o", "jsonpath={.spec.clusterIP}"],
     );
-    let svc_url = format!("http://{}:80/", cluster_ip.trim());
+    let svc = format!("{}:80", cluster_ip.trim());
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..30 {
-        let o = kubectl_exec(&kc, &a.0, &["wget", "-q", "-T", "5", "-O", "-", &svc_url]);
-        assert!(
-            o.status.success(),
-            "pod {} -> ClusterIP {svc_url}: {}",
-            a.0,
-            text(&o)
-        );
-        seen.insert(String::from_utf8_lossy(&o.stdout).trim().to_owned());
+        let got = get_from_pod(&kc, &a.0, &svc)
+            .unwrap_or_else(|e| panic!("pod {} -> ClusterIP {svc}: {e}", a.0));
+        seen.insert(got);
         if seen.len() == 2 {
             break;
         }
     }
     let want: std::collections::BTreeSet<String> = [a.0.clone(), b.0.clone()].into();
-    assert_eq!(
-        seen, want,
-        "ClusterIP {svc_url} did not reach both backends"
-    );
+    assert_eq!(seen, want, "ClusterIP {svc} did not reach both backends");
 
     // kubectl port-forward to pod B carries 1 MiB intact.
     let o = kubectl_exec(&kc, &b.0, &["sha256sum", "/www/blob"]);

@@ -22,7 +22,7 @@ pub const PAUSE_IMAGE: &str = "kvpn.local/lab:pause";
 /// Debian's busybox-static.
 const BUSYBOX: &str = "/usr/bin/busybox";
 /// Applets linked in `/bin` (what the lab's tests and pods call).
-const APPLETS: [&str; 19] = [
+const APPLETS: [&str; 20] = [
     "sh",
     "sleep",
     "httpd",
@@ -42,6 +42,7 @@ const APPLETS: [&str; 19] = [
     "env",
     "true",
     "sha256sum",
+    "printf",
 ];
 
 fn run(cmd: &mut Command) -> Result<(), Error> {
