@@ -241,6 +241,10 @@ pub enum Command {
     Quit,
     /// Print the user daemon's and the root daemon's logs.
     Logs(LogsArgs),
+    /// Install or upgrade the traffic manager without connecting; with --dry-run,
+    /// print every object an install would apply (for GitOps and review), touching
+    /// no cluster.
+    Install(InstallArgs),
     /// Remove the traffic manager and every object kvpn created in the cluster.
     Uninstall(UninstallArgs),
     /// An interactive shell (or one command, after `--`) on an SSH host, reached
@@ -324,6 +328,68 @@ impl KubeArgs {
     }
 }
 
+/// `kvpn install` flags.
+#[derive(Debug, Args)]
+pub struct InstallArgs {
+    /// Print the objects instead of applying them (no cluster is contacted; the
+    /// TLS Secret is generated fresh, valid for the Service's DNS names). Apply
+    /// them with `kubectl apply -f -`; developers then connect with --no-install.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Output format of --dry-run: a YAML stream of documents, or a JSON List.
+    #[arg(short = 'o', long, value_enum, default_value_t = ManifestFormat::Yaml)]
+    pub output: ManifestFormat,
+    /// Traffic manager image (also $KVPN_IMAGE or the settings file; see
+    /// `kvpn connect --help`).
+    #[arg(long, value_name = "IMAGE", value_parser = parse_image)]
+    pub image: Option<String>,
+    /// Secret the nodes use to pull the image (repeatable).
+    #[arg(long = "image-pull-secret", value_name = "NAME", value_parser = parse_secret_name)]
+    pub image_pull_secrets: Vec<String>,
+    /// When the nodes pull the image.
+    #[arg(long, value_name = "POLICY", value_parser = ["Always", "IfNotPresent", "Never"])]
+    pub image_pull_policy: Option<String>,
+    /// Whose address the cluster's backends see (see `kvpn connect --help`).
+    #[arg(long, value_enum)]
+    pub source_policy: Option<crate::install::SourcePolicy>,
+    /// Kubeconfig file (default: $KUBECONFIG, a colon-separated list, else ~/.kube/config).
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context (default: its current-context); also picks the settings
+    /// file's per-context entry with --dry-run.
+    #[arg(long)]
+    pub context: Option<String>,
+    /// Namespace of the traffic manager.
+    #[arg(long, default_value = "kvpn-system", value_parser = parse_namespace)]
+    pub manager_namespace: String,
+    /// SSH jump hosts to the API server.
+    #[command(flatten, next_help_heading = "SSH jump host to the API server")]
+    pub ssh: crate::ssh::SshArgs,
+}
+
+/// `kvpn install --dry-run -o` formats.
+#[derive(Debug, Clone, Copy, ValueEnum, Default, PartialEq, Eq)]
+pub enum ManifestFormat {
+    /// YAML documents separated by `---` (kubectl apply -f -).
+    #[default]
+    Yaml,
+    /// One JSON `v1/List` (kubectl apply -f -).
+    Json,
+}
+
+impl InstallArgs {
+    /// The cluster flags as the other Kubernetes commands take them (no namespace).
+    pub fn kube(&self) -> KubeArgs {
+        KubeArgs {
+            kubeconfig: self.kubeconfig.clone(),
+            context: self.context.clone(),
+            namespace: None,
+            manager_namespace: self.manager_namespace.clone(),
+            ssh: self.ssh.clone(),
+        }
+    }
+}
+
 /// `kvpn uninstall` flags: [`KubeArgs`] without `-n/--namespace`, which says
 /// where short service names resolve and means nothing to an uninstall.
 #[derive(Debug, Args)]
@@ -367,9 +433,30 @@ pub struct ConnectArgs {
         value_parser = parse_manager_addr
     )]
     pub manager: Option<String>,
-    /// Traffic manager image to install or upgrade to.
-    #[arg(long)]
+    /// Traffic manager image to install or upgrade to (also $KVPN_IMAGE, or
+    /// `image:` in ~/.config/kvpn/config.yaml, per context under `contexts:`).
+    /// Remembered by the install: a later connect without it keeps this image (at
+    /// this kvpn's version when its tag was the manager's version). Default:
+    /// localhost/kvpn/manager:<version>, which `./x image manager` builds; load it
+    /// into the cluster or push it to a registry (README: "Use kvpn with your own
+    /// cluster").
+    #[arg(long, value_name = "IMAGE", value_parser = parse_image)]
     pub image: Option<String>,
+    /// A Secret (type kubernetes.io/dockerconfigjson, in the manager namespace) the
+    /// nodes use to pull the manager image from a private registry (repeatable;
+    /// remembered by the install like --image).
+    #[arg(long = "image-pull-secret", value_name = "NAME", value_parser = parse_secret_name)]
+    pub image_pull_secrets: Vec<String>,
+    /// When the nodes pull the manager image (remembered by the install like
+    /// --image). Kubernetes' default: IfNotPresent for a tagged image.
+    #[arg(long, value_name = "POLICY", value_parser = ["Always", "IfNotPresent", "Never"])]
+    pub image_pull_policy: Option<String>,
+    /// Use a traffic manager someone installed (e.g. from `kvpn install --dry-run
+    /// -o yaml`): write nothing to the cluster, fail with the fix when it is
+    /// missing, not ready or of another version. A developer then needs only
+    /// get/list/watch and pods/portforward (README: "Use kvpn with your own cluster").
+    #[arg(long)]
+    pub no_install: bool,
     /// A pod CIDR to route through the tunnel (repeatable).
     #[arg(long = "pod-cidr", value_name = "CIDR", value_parser = parse_cidr)]
     pub pod_cidrs: Vec<IpNet>,
@@ -590,6 +677,35 @@ fn parse_manager_addr(addr: &str) -> Result<String, String> {
             "{addr:?}: port {port:?} is not a number from 1 to 65535 — {example}"
         )),
         Ok(_) => Ok(addr.to_owned()),
+    }
+}
+
+/// `--image` value parser: the reference grammar registries use
+/// ([`crate::install::image::validate`]), checked before anything is written.
+fn parse_image(image: &str) -> Result<String, String> {
+    crate::install::image::validate(image)
+        .map(|()| image.to_owned())
+        .map_err(|e| e.to_string())
+}
+
+/// `--image-pull-secret` value parser: a Secret name (RFC 1123 subdomain).
+fn parse_secret_name(name: &str) -> Result<String, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name
+            .split('.')
+            .all(|l| {
+                !l.is_empty()
+                    && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+            });
+    if ok {
+        Ok(name.to_owned())
+    } else {
+        Err(format!(
+            "{name:?} is not a Secret name (lower-case letters, digits, '-' and '.', e.g. regcred)"
+        ))
     }
 }
 

@@ -22,7 +22,7 @@ use crate::cli::ConnectArgs;
 use crate::install::{self, InstallOptions, ProgressEvent};
 use crate::kubeconfig::{KubeConnection, UserEnv};
 use crate::lease;
-use crate::{daemon, output, userd};
+use crate::{daemon, output, settings, userd};
 use kvpn_proto::manager::LeaseResponse;
 use kvpn_proto::userd::StartSessionRequest;
 use kvpn_proto::userd::user_daemon_client::UserDaemonClient;
@@ -322,6 +322,8 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
         (args.redetect_cidrs, "--redetect-cidrs"),
         (args.kube.namespace.is_some(), "--namespace"),
         (args.image.is_some(), "--image"),
+        (!args.image_pull_secrets.is_empty(), "--image-pull-secret"),
+        (args.image_pull_policy.is_some(), "--image-pull-policy"),
         (args.tun_name.is_some(), "--tun-name"),
         (args.mtu.is_some(), "--mtu"),
         (args.workers != 1, "--workers"),
@@ -753,14 +755,56 @@ pub(crate) async fn ensure_manager(
         namespace: args.kube.manager_namespace.clone(),
         ..InstallOptions::default()
     };
-    if let Some(image) = &args.image {
-        opts.image = image.clone();
+    let choice = image_choice(conn, args)?;
+    if let Some(image) = &choice.image {
+        crate::install::image::validate(&image.value)
+            .with_context(|| format!("the manager image from {}", image.origin))?;
+        output::detail(&format!("manager image {} (from {})", image.value, image.origin));
+        opts.image = image.value.clone();
     }
+    opts.keep_installed_image = choice.image.is_none();
+    opts.keep_installed_pull_secrets = choice.pull_secrets.is_none();
+    opts.image_pull_secrets = choice.pull_secrets.map(|c| c.value).unwrap_or_default();
+    opts.keep_installed_pull_policy = choice.pull_policy.is_none();
+    opts.image_pull_policy = choice.pull_policy.map(|c| c.value);
     opts.source_policy = args.source_policy.unwrap_or_default();
     opts.keep_installed_policy = args.source_policy.is_none();
+    if args.no_install {
+        return install::find_manager(&conn.client, &opts, &print_progress)
+            .await
+            .context("no usable traffic manager (--no-install)");
+    }
     install::ensure_manager(&conn.client, &opts, &print_progress)
         .await
         .context("the traffic manager is not ready")
+}
+
+/// The manager image and pull settings this connect asks for: flags, then
+/// `$KVPN_IMAGE`, then the settings file (per context, then top level); see
+/// [`crate::settings`].
+fn image_choice(conn: &KubeConnection, args: &ConnectArgs) -> Result<settings::ImageChoice> {
+    let file = conn
+        .target
+        .config_dir
+        .as_ref()
+        .map(|d| d.join(settings::FILE_NAME));
+    let loaded = match &file {
+        Some(f) => settings::load(f)?,
+        None => settings::Settings::default(),
+    };
+    let env_image = std::env::var(settings::IMAGE_ENV).ok();
+    let flags = settings::ImageFlags {
+        image: args.image.as_deref(),
+        pull_secrets: &args.image_pull_secrets,
+        pull_policy: args.image_pull_policy.as_deref(),
+        env_image: env_image.as_deref(),
+    };
+    Ok(settings::choose(
+        &flags,
+        &loaded,
+        file.as_deref().unwrap_or(std::path::Path::new(settings::FILE_NAME)),
+        &conn.description.context,
+    ))
 }
 
 /// The lease step of both modes: this user's client id for the cluster, `Lease`

@@ -11,6 +11,8 @@
 //!   replay, eBPF BPF_PROG_TEST_RUN, end-to-end lab tests).
 //! - `bench`: the benchmark harness (release build) against a raw veth baseline.
 //! - `fuzz`: a bounded cargo-fuzz run of every target.
+//! - `image`: the OCI images (manager, lab server, pause) as reproducible
+//!   archives, without Docker (xtask/src/image.rs).
 //! - `soak`: the bounded soak on the Kubernetes lab (tests/src/soak.rs):
 //!   mixed traffic, faults, then fds, memory, reconnects and residue checked.
 #![allow(clippy::print_stdout, reason = "xtask reports progress on stdout")]
@@ -20,6 +22,8 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+
+mod image;
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "kvpn developer tasks")]
@@ -51,6 +55,18 @@ enum Task {
         /// Extra arguments for the bench binary.
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
+    },
+    /// Build the OCI images (static musl binaries on an empty base, user 65532) as
+    /// reproducible OCI archives: the traffic manager, and the lab's server and pause.
+    Image {
+        /// Where the archives go (default: $KVPN_CACHE/images, /var/cache/kvpn/images).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Use the binaries already built for the images (no cargo build).
+        #[arg(long)]
+        no_build: bool,
+        /// Images to build (manager, lab-server, pause; default: all).
+        images: Vec<String>,
     },
     /// Run every cargo-fuzz target (or the named ones) for a bounded time.
     Fuzz {
@@ -112,6 +128,12 @@ fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
+/// Where `image` writes its archives unless told otherwise.
+fn default_image_dir() -> PathBuf {
+    let cache = std::env::var("KVPN_CACHE").unwrap_or_else(|_| "/var/cache/kvpn".into());
+    PathBuf::from(cache).join("images")
+}
+
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
@@ -146,12 +168,28 @@ fn main() -> Result<()> {
         }
         Task::Test { args } => {
             let bin = build(false)?;
+            // The image tests (tests/tests/image.rs) run the project's images
+            // under containerd: build them first.
+            println!("==> building the OCI images");
+            let images = default_image_dir();
+            for b in image::build(&image::ImageRequest {
+                root: root(),
+                target_dir: target_dir(),
+                out: images.clone(),
+                only: Vec::new(),
+                no_build: false,
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                path: path_with_tools(),
+            })? {
+                println!("    {}  {}  {:.1} MiB", b.name, b.digest, b.archive_bytes as f64 / 1048576.0);
+            }
             println!("==> running every test");
             let mut cmd = cargo();
             // Every test binary runs even after one fails, so one failure never
             // hides another; the exit status still says something failed.
             cmd.args(["test", "--no-fail-fast"])
-                .env("KVPN_BIN_DIR", &bin);
+                .env("KVPN_BIN_DIR", &bin)
+                .env("KVPN_IMAGE_DIR", &images);
             if !args.is_empty() {
                 cmd.args(&args);
             }
@@ -162,6 +200,31 @@ fn main() -> Result<()> {
             let mut cmd = Command::new(bin.join("kvpn-bench"));
             cmd.env("KVPN_BIN_DIR", &bin).args(&args);
             run(&mut cmd)
+        }
+        Task::Image {
+            out,
+            no_build,
+            images,
+        } => {
+            let req = image::ImageRequest {
+                root: root(),
+                target_dir: target_dir(),
+                out: out.unwrap_or_else(default_image_dir),
+                only: images,
+                no_build,
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                path: path_with_tools(),
+            };
+            for b in image::build(&req)? {
+                println!(
+                    "{}  {}  {:.1} MiB  {}",
+                    b.name,
+                    b.digest,
+                    b.archive_bytes as f64 / (1024.0 * 1024.0),
+                    b.archive.display()
+                );
+            }
+            Ok(())
         }
         Task::Fuzz {
             seconds,
