@@ -692,14 +692,13 @@ fn parse_image(image: &str) -> Result<String, String> {
 fn parse_secret_name(name: &str) -> Result<String, String> {
     let ok = !name.is_empty()
         && name.len() <= 253
-        && name
-            .split('.')
-            .all(|l| {
-                !l.is_empty()
-                    && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                    && !l.starts_with('-')
-                    && !l.ends_with('-')
-            });
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        });
     if ok {
         Ok(name.to_owned())
     } else {

@@ -759,7 +759,10 @@ pub(crate) async fn ensure_manager(
     if let Some(image) = &choice.image {
         crate::install::image::validate(&image.value)
             .with_context(|| format!("the manager image from {}", image.origin))?;
-        output::detail(&format!("manager image {} (from {})", image.value, image.origin));
+        output::detail(&format!(
+            "manager image {} (from {})",
+            image.value, image.origin
+        ));
         opts.image = image.value.clone();
     }
     opts.keep_installed_image = choice.image.is_none();
@@ -802,7 +805,8 @@ fn image_choice(conn: &KubeConnection, args: &ConnectArgs) -> Result<settings::I
     Ok(settings::choose(
         &flags,
         &loaded,
-        file.as_deref().unwrap_or(std::path::Path::new(settings::FILE_NAME)),
+        file.as_deref()
+            .unwrap_or(std::path::Path::new(settings::FILE_NAME)),
         &conn.description.context,
     ))
 }

@@ -704,7 +704,14 @@ impl Installer<'_> {
             }
             Err(e) => return Err(e),
         };
-        let info = manager_info(&ns, &deployment, (pod_name, pod_ip), cluster_ip, tls.ca_pem, outcome);
+        let info = manager_info(
+            &ns,
+            &deployment,
+            (pod_name, pod_ip),
+            cluster_ip,
+            tls.ca_pem,
+            outcome,
+        );
         info!(namespace = %ns, pod = %info.pod_name, ip = %info.pod_ip, outcome = ?info.outcome, "traffic manager ready");
         Ok(info)
     }
@@ -880,7 +887,10 @@ pub fn manifests(opts: &InstallOptions) -> Result<Vec<serde_json::Value>, Error>
         value(serde_json::to_value(objects::config_map(&spec)))?,
         value(serde_json::to_value(objects::service(&spec)))?,
         value(serde_json::to_value(secret))?,
-        value(serde_json::to_value(objects::deployment(&spec, &tls.ca_pem)))?,
+        value(serde_json::to_value(objects::deployment(
+            &spec,
+            &tls.ca_pem,
+        )))?,
     ])
 }
 
@@ -946,7 +956,9 @@ pub async fn find_manager(
             namespace: ns.clone(),
             version: opts.version.clone(),
         })?;
-    let installed = version_of(&deployment.metadata).unwrap_or("(none)").to_owned();
+    let installed = version_of(&deployment.metadata)
+        .unwrap_or("(none)")
+        .to_owned();
     if compare_versions(&installed, &opts.version) != Some(std::cmp::Ordering::Equal) {
         return Err(Error::OtherVersion {
             namespace: ns,
@@ -962,13 +974,22 @@ pub async fn find_manager(
         .and_then(|s| s.spec)
         .and_then(|s| s.cluster_ip)
         .and_then(|ip| ip.parse::<IpAddr>().ok());
-    let tls = read_tls(client, &ns).await?.ok_or_else(|| Error::NotInstalled {
-        namespace: ns.clone(),
-        version: opts.version.clone(),
-    })?;
+    let tls = read_tls(client, &ns)
+        .await?
+        .ok_or_else(|| Error::NotInstalled {
+            namespace: ns.clone(),
+            version: opts.version.clone(),
+        })?;
     let template_hash = objects::template_hash(&deployment).map(str::to_owned);
     let ready = installer.wait_ready(template_hash, opts.wait).await?;
-    Ok(manager_info(&ns, &deployment, ready, cluster_ip, tls.ca_pem, Outcome::AlreadyInstalled))
+    Ok(manager_info(
+        &ns,
+        &deployment,
+        ready,
+        cluster_ip,
+        tls.ca_pem,
+        Outcome::AlreadyInstalled,
+    ))
 }
 
 /// The `--source-policy` a manager Deployment's container runs with (`snat` when

@@ -561,8 +561,7 @@ async fn install_command(args: crate::cli::InstallArgs) -> Result<()> {
         env_image: env_image.as_deref(),
     };
     let acting = kubeconfig::ActingUser::detect(&env)?;
-    let settings_file =
-        kubeconfig::config_dir(&env, &acting).map(|d| d.join(settings::FILE_NAME));
+    let settings_file = kubeconfig::config_dir(&env, &acting).map(|d| d.join(settings::FILE_NAME));
     let loaded = match &settings_file {
         Some(f) => settings::load(f)?,
         None => settings::Settings::default(),

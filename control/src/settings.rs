@@ -95,7 +95,10 @@ pub fn parse(path: &Path, text: &str) -> Result<Settings, SettingsError> {
 pub enum Origin {
     Flag(&'static str),
     Env(&'static str),
-    File { path: PathBuf, context: Option<String> },
+    File {
+        path: PathBuf,
+        context: Option<String>,
+    },
 }
 
 impl std::fmt::Display for Origin {
@@ -265,7 +268,12 @@ mod tests {
 
     #[test]
     fn nothing_asked_keeps_the_installed_manager() {
-        let c = choose(&ImageFlags::default(), &Settings::default(), Path::new(FILE), "x");
+        let c = choose(
+            &ImageFlags::default(),
+            &Settings::default(),
+            Path::new(FILE),
+            "x",
+        );
         assert_eq!(c, ImageChoice::default());
     }
 
@@ -273,7 +281,13 @@ mod tests {
     fn an_unknown_key_is_refused_with_the_file_and_the_fix() {
         let e = parse(Path::new(FILE), "imgae: x\n").expect_err("typo");
         let msg = e.to_string();
-        assert!(msg.contains(FILE) && msg.contains("imgae") && msg.contains("keys: image"), "{msg}");
-        assert_eq!(parse(Path::new(FILE), "  \n").expect("empty"), Settings::default());
+        assert!(
+            msg.contains(FILE) && msg.contains("imgae") && msg.contains("keys: image"),
+            "{msg}"
+        );
+        assert_eq!(
+            parse(Path::new(FILE), "  \n").expect("empty"),
+            Settings::default()
+        );
     }
 }

@@ -214,13 +214,21 @@ async fn image_that_does_not_exist_fails_within_the_bound_with_the_kubelets_reas
     let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
         kube::Api::namespaced(user.clone(), k8s::KVPN_NAMESPACE);
     assert!(
-        deployments.get_opt("kvpn-manager").await.expect("get").is_none(),
+        deployments
+            .get_opt("kvpn-manager")
+            .await
+            .expect("get")
+            .is_none(),
         "the Deployment of the failed install is left"
     );
     let config_maps: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
         kube::Api::namespaced(user.clone(), k8s::KVPN_NAMESPACE);
     assert!(
-        config_maps.get_opt("kvpn-manager").await.expect("get").is_none(),
+        config_maps
+            .get_opt("kvpn-manager")
+            .await
+            .expect("get")
+            .is_none(),
         "the ConfigMap of the failed install is left"
     );
     lab.down().expect("lab down");

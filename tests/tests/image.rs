@@ -23,12 +23,47 @@ use kvpn_tests::{Fixture, text};
 
 /// Every capability runc knows (Linux 6.x), for `--cap-drop`: ctr has no "ALL".
 const ALL_CAPS: &[&str] = &[
-    "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
-    "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
-    "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT",
-    "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "MKNOD",
-    "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG",
-    "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF", "CHECKPOINT_RESTORE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "LINUX_IMMUTABLE",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_ADMIN",
+    "NET_RAW",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "SYS_MODULE",
+    "SYS_RAWIO",
+    "SYS_CHROOT",
+    "SYS_PTRACE",
+    "SYS_PACCT",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_NICE",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "MKNOD",
+    "LEASE",
+    "AUDIT_WRITE",
+    "AUDIT_CONTROL",
+    "SETFCAP",
+    "MAC_OVERRIDE",
+    "MAC_ADMIN",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "BLOCK_SUSPEND",
+    "AUDIT_READ",
+    "PERFMON",
+    "BPF",
+    "CHECKPOINT_RESTORE",
 ];
 
 fn spec(policy: SourcePolicy) -> Spec {
@@ -52,7 +87,10 @@ fn pod_spec(policy: SourcePolicy) -> PodSpec {
 /// `ctr run` flags for the rendered pod's security settings (see the module docs).
 fn ctr_flags(pod: &PodSpec) -> Vec<String> {
     let c = &pod.containers[0];
-    let sc = c.security_context.as_ref().expect("container securityContext");
+    let sc = c
+        .security_context
+        .as_ref()
+        .expect("container securityContext");
     let psc = pod.security_context.as_ref().expect("pod securityContext");
     let mut flags = Vec::new();
     let uid = sc.run_as_user.or(psc.run_as_user).expect("runAsUser");
@@ -129,15 +167,25 @@ fn untar(archive: &Path) -> (tempdir::Dir, serde_json::Value, serde_json::Value)
     assert!(out.status.success(), "untar: {}", text(&out.stderr));
     let read = |rel: &str| -> serde_json::Value {
         let p = dir.path().join(rel);
-        serde_json::from_slice(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
-            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        serde_json::from_slice(
+            &std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
     };
     let index = read("index.json");
-    let digest = index["manifests"][0]["digest"].as_str().expect("manifest digest");
+    let digest = index["manifests"][0]["digest"]
+        .as_str()
+        .expect("manifest digest");
     let manifest = read(&format!("blobs/sha256/{}", &digest[7..]));
-    let config_digest = manifest["config"]["digest"].as_str().expect("config digest");
+    let config_digest = manifest["config"]["digest"]
+        .as_str()
+        .expect("config digest");
     let config = read(&format!("blobs/sha256/{}", &config_digest[7..]));
-    (dir, index, serde_json::json!({"manifest": manifest, "config": config}))
+    (
+        dir,
+        index,
+        serde_json::json!({"manifest": manifest, "config": config}),
+    )
 }
 
 mod tempdir {
@@ -182,23 +230,34 @@ fn manager_image_runs_as_65532_with_the_manager_as_entrypoint_and_names_its_vers
     assert_eq!(config["User"], "65532:65532");
     assert_eq!(config["Entrypoint"], serde_json::json!(["/kvpn-manager"]));
     let labels = &config["Labels"];
-    assert_eq!(labels["org.opencontainers.image.version"], env!("CARGO_PKG_VERSION"));
-    let revision = labels["org.opencontainers.image.revision"].as_str().unwrap_or("");
-    assert!(revision.len() >= 40, "revision label is a commit: {revision:?}");
+    assert_eq!(
+        labels["org.opencontainers.image.version"],
+        env!("CARGO_PKG_VERSION")
+    );
+    let revision = labels["org.opencontainers.image.revision"]
+        .as_str()
+        .unwrap_or("");
+    assert!(
+        revision.len() >= 40,
+        "revision label is a commit: {revision:?}"
+    );
     let annotations = &doc["manifest"]["annotations"];
     assert_eq!(annotations["org.opencontainers.image.revision"], revision);
     assert_eq!(doc["config"]["os"], "linux");
     let layers = doc["manifest"]["layers"].as_array().expect("layers");
-    assert_eq!(layers.len(), 1, "one layer: the static binary on an empty base");
+    assert_eq!(
+        layers.len(),
+        1,
+        "one layer: the static binary on an empty base"
+    );
 }
 
 /// Two image builds from the same binaries and commit give the same manifest
 /// digest and byte-identical archives (timestamps are the commit's, tar is sorted).
 #[test]
 fn manager_image_builds_reproducibly() {
-    let xtask = kvpn_lab::bin_path("xtask").unwrap_or_else(|e| {
-        panic!("xtask binary (built by `cargo xtask`): {e:#}")
-    });
+    let xtask = kvpn_lab::bin_path("xtask")
+        .unwrap_or_else(|e| panic!("xtask binary (built by `cargo xtask`): {e:#}"));
     let a = tempdir::Dir::new("kvpn-image-a");
     let b = tempdir::Dir::new("kvpn-image-b");
     let mut digests = Vec::new();
@@ -262,7 +321,11 @@ fn serve_a_session_from_the_image(policy: SourcePolicy) {
         f.manager_log(),
         ctrd.log()
     );
-    assert!(text(&out.stdout).contains("backend-1"), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("backend-1"),
+        "{}",
+        text(&out.stdout)
+    );
     // ICMP: the manager's echo sockets are allowed only by the pod's sysctl (the
     // namespace's range was closed before it was applied).
     let ping = f.laptop(&["ping", "-c", "1", "-W", "3", &BACKEND_1_IP.to_string()]);
@@ -291,7 +354,8 @@ fn serve_a_session_from_the_image(policy: SourcePolicy) {
     assert!(
         proc_status
             .lines()
-            .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some(&want_uid.to_string())),
+            .any(|l| l.starts_with("Uid:")
+                && l.split_whitespace().nth(2) == Some(&want_uid.to_string())),
         "{policy:?}: manager uid is not {want_uid}:\n{proc_status}"
     );
     assert!(
@@ -300,7 +364,9 @@ fn serve_a_session_from_the_image(policy: SourcePolicy) {
     );
     if policy == SourcePolicy::Snat {
         assert!(
-            proc_status.lines().any(|l| l == "CapEff:\t0000000000000000"),
+            proc_status
+                .lines()
+                .any(|l| l == "CapEff:\t0000000000000000"),
             "snat: the manager holds capabilities:\n{proc_status}"
         );
     }

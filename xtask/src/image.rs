@@ -99,9 +99,9 @@ pub struct Built {
 
 fn run(cmd: &mut Command) -> Result<()> {
     let shown = format!("{cmd:?}");
-    let out = cmd
-        .output()
-        .with_context(|| format!("cannot run {shown} (is it installed? scripts/setup.sh installs umoci, skopeo)"))?;
+    let out = cmd.output().with_context(|| {
+        format!("cannot run {shown} (is it installed? scripts/setup.sh installs umoci, skopeo)")
+    })?;
     if !out.status.success() {
         bail!(
             "{shown} failed with {}: {}",
@@ -126,13 +126,17 @@ pub fn source(root: &Path) -> (String, u64) {
     let Some(commit) = git(&["rev-parse", "HEAD"]) else {
         return ("unknown".into(), 0);
     };
-    let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
-        .is_some_and(|s| !s.is_empty());
+    let dirty =
+        git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     let time = git(&["log", "-1", "--format=%ct"])
         .and_then(|t| t.parse().ok())
         .unwrap_or(0);
     (
-        if dirty { format!("{commit}-dirty") } else { commit },
+        if dirty {
+            format!("{commit}-dirty")
+        } else {
+            commit
+        },
         time,
     )
 }
@@ -165,10 +169,17 @@ pub fn select(only: &[String]) -> Result<Vec<ImageDef>> {
     }
     only.iter()
         .map(|k| {
-            IMAGES.iter().copied().find(|d| d.key == k).with_context(|| {
-                let known: Vec<_> = IMAGES.iter().map(|d| d.key).collect();
-                format!("no image named {k:?}: the project builds {}", known.join(", "))
-            })
+            IMAGES
+                .iter()
+                .copied()
+                .find(|d| d.key == k)
+                .with_context(|| {
+                    let known: Vec<_> = IMAGES.iter().map(|d| d.key).collect();
+                    format!(
+                        "no image named {k:?}: the project builds {}",
+                        known.join(", ")
+                    )
+                })
         })
         .collect()
 }
@@ -201,7 +212,10 @@ pub fn build(req: &ImageRequest) -> Result<Vec<Built>> {
 /// independent of where the checkout and the cargo home are.
 fn compile(req: &ImageRequest, defs: &[ImageDef]) -> Result<()> {
     let cargo_home = std::env::var("CARGO_HOME").unwrap_or_else(|_| {
-        format!("{}/.cargo", std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
+        format!(
+            "{}/.cargo",
+            std::env::var("HOME").unwrap_or_else(|_| "/root".into())
+        )
     });
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(&req.root)
@@ -222,7 +236,9 @@ fn compile(req: &ImageRequest, defs: &[ImageDef]) -> Result<()> {
         ),
     );
     let shown = format!("{cmd:?}");
-    let status = cmd.status().with_context(|| format!("cannot run {shown}"))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot run {shown}"))?;
     if !status.success() {
         bail!(
             "{shown} failed with {status} (the musl target comes from `rustup target add {TARGET}`, musl-gcc from musl-tools: scripts/setup.sh installs both)"
@@ -256,16 +272,24 @@ fn assemble(
 
     let layout = scratch.join("layout");
     let img = format!("{}:build", layout.display());
-    run(Command::new("umoci").args(["init", "--layout"]).arg(&layout))?;
+    run(Command::new("umoci")
+        .args(["init", "--layout"])
+        .arg(&layout))?;
     run(Command::new("umoci").args(["new", "--image", &img]))?;
     run(Command::new("umoci")
         .args(["insert", "--image", &img, "--history.created", &created])
-        .args(["--history.created_by", &format!("kvpn image {}", def.binary)])
+        .args([
+            "--history.created_by",
+            &format!("kvpn image {}", def.binary),
+        ])
         .arg(&stage)
         .arg("/"))?;
     let labels = [
         ("org.opencontainers.image.title", def.binary.to_owned()),
-        ("org.opencontainers.image.description", def.description.to_owned()),
+        (
+            "org.opencontainers.image.description",
+            def.description.to_owned(),
+        ),
         ("org.opencontainers.image.version", version.to_owned()),
         ("org.opencontainers.image.revision", commit.to_owned()),
         ("org.opencontainers.image.created", created.clone()),
@@ -274,7 +298,14 @@ fn assemble(
     ];
     let mut config = Command::new("umoci");
     config
-        .args(["config", "--image", &img, "--created", &created, "--no-history"])
+        .args([
+            "config",
+            "--image",
+            &img,
+            "--created",
+            &created,
+            "--no-history",
+        ])
         .args(["--config.user", USER])
         .args(["--config.entrypoint", &format!("/{}", def.binary)])
         .args(["--config.workingdir", "/"]);
@@ -325,8 +356,8 @@ fn assemble(
 fn manifest_digest(index: &Path) -> Result<String> {
     let text = std::fs::read_to_string(index)
         .with_context(|| format!("cannot read {}", index.display()))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not JSON", index.display()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", index.display()))?;
     json["manifests"][0]["digest"]
         .as_str()
         .map(str::to_owned)

@@ -181,7 +181,12 @@ fn main() -> Result<()> {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
                 path: path_with_tools(),
             })? {
-                println!("    {}  {}  {:.1} MiB", b.name, b.digest, b.archive_bytes as f64 / 1048576.0);
+                println!(
+                    "    {}  {}  {:.1} MiB",
+                    b.name,
+                    b.digest,
+                    b.archive_bytes as f64 / 1048576.0
+                );
             }
             println!("==> running every test");
             let mut cmd = cargo();

@@ -36,9 +36,13 @@ pub enum RefError {
         "image {image:?}: path component {component:?} is not valid (lower-case letters, digits and single '.', '_', '__' or '-' between them)"
     )]
     Component { image: String, component: String },
-    #[error("image {image:?}: tag {tag:?} is not valid (letters, digits, '_', '.', '-', at most 128, not starting with '.' or '-')")]
+    #[error(
+        "image {image:?}: tag {tag:?} is not valid (letters, digits, '_', '.', '-', at most 128, not starting with '.' or '-')"
+    )]
     Tag { image: String, tag: String },
-    #[error("image {image:?}: digest {digest:?} is not valid (sha256: and 64 lower-case hex digits)")]
+    #[error(
+        "image {image:?}: digest {digest:?} is not valid (sha256: and 64 lower-case hex digits)"
+    )]
     Digest { image: String, digest: String },
     #[error("image {image:?}: registry {registry:?} is not a valid host[:port]")]
     Registry { image: String, registry: String },
@@ -58,9 +62,11 @@ pub fn validate(image: &str) -> Result<(), RefError> {
         None => (image, None),
     };
     if let Some(d) = digest {
-        let ok = d
-            .strip_prefix("sha256:")
-            .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
+        let ok = d.strip_prefix("sha256:").is_some_and(|h| {
+            h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        });
         if !ok {
             return Err(RefError::Digest {
                 image: err_image(),
@@ -78,7 +84,8 @@ pub fn validate(image: &str) -> Result<(), RefError> {
         let ok = !t.is_empty()
             && t.len() <= 128
             && !t.starts_with(['.', '-'])
-            && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+            && t.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
         if !ok {
             return Err(RefError::Tag {
                 image: err_image(),
@@ -102,9 +109,9 @@ pub fn validate(image: &str) -> Result<(), RefError> {
             None => (r, None),
         };
         let host_ok = !host.is_empty()
-            && host
-                .split('.')
-                .all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
+            && host.split('.').all(|l| {
+                !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            });
         let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok());
         if !host_ok || !port_ok {
             return Err(RefError::Registry {
@@ -144,7 +151,12 @@ fn component_ok(c: &str) -> bool {
     let mut sep = String::new();
     for ch in c.chars() {
         if ch.is_ascii_lowercase() || ch.is_ascii_digit() {
-            if !(sep.is_empty() || sep == "." || sep == "_" || sep == "__" || sep.chars().all(|s| s == '-')) {
+            if !(sep.is_empty()
+                || sep == "."
+                || sep == "_"
+                || sep == "__"
+                || sep.chars().all(|s| s == '-'))
+            {
                 return false;
             }
             sep.clear();
@@ -217,13 +229,34 @@ mod tests {
             validate("Kvpn/Manager:1"),
             Err(RefError::UpperCase { ref suggest, .. }) if suggest == "--image kvpn/manager:1"
         ));
-        assert!(matches!(validate("kvpn/manager:"), Err(RefError::Tag { .. })));
-        assert!(matches!(validate("kvpn/manager:-x"), Err(RefError::Tag { .. })));
-        assert!(matches!(validate("kvpn//manager"), Err(RefError::Component { .. })));
-        assert!(matches!(validate("kvpn/man ager"), Err(RefError::Component { .. })));
-        assert!(matches!(validate("kvpn/manager-"), Err(RefError::Component { .. })));
-        assert!(matches!(validate("x/y@sha256:abc"), Err(RefError::Digest { .. })));
-        assert!(matches!(validate("reg.io:99999/x"), Err(RefError::Registry { .. })));
+        assert!(matches!(
+            validate("kvpn/manager:"),
+            Err(RefError::Tag { .. })
+        ));
+        assert!(matches!(
+            validate("kvpn/manager:-x"),
+            Err(RefError::Tag { .. })
+        ));
+        assert!(matches!(
+            validate("kvpn//manager"),
+            Err(RefError::Component { .. })
+        ));
+        assert!(matches!(
+            validate("kvpn/man ager"),
+            Err(RefError::Component { .. })
+        ));
+        assert!(matches!(
+            validate("kvpn/manager-"),
+            Err(RefError::Component { .. })
+        ));
+        assert!(matches!(
+            validate("x/y@sha256:abc"),
+            Err(RefError::Digest { .. })
+        ));
+        assert!(matches!(
+            validate("reg.io:99999/x"),
+            Err(RefError::Registry { .. })
+        ));
         let e = validate("kvpn/manager:").expect_err("bad tag").to_string();
         assert!(e.contains("kvpn/manager:") && e.contains("tag"), "{e}");
     }
@@ -238,7 +271,8 @@ mod tests {
             remembered("reg.example/kvpn/manager:custom", Some("0.1.0"), "0.2.0"),
             "reg.example/kvpn/manager:custom"
         );
-        let pinned = "reg.example/m@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+        let pinned =
+            "reg.example/m@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
         assert_eq!(remembered(pinned, Some("0.1.0"), "0.2.0"), pinned);
         assert_eq!(remembered("x:0.1.0", None, "0.2.0"), "x:0.1.0");
     }

@@ -21,10 +21,10 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, HostPathVolumeSource,
-    Namespace,
-    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
-    LocalObjectReference, SeccompProfile, Secret, SecretVolumeSource, SecurityContext, Service,
-    ServiceAccount, ServicePort, ServiceSpec, Sysctl, TCPSocketAction, Volume, VolumeMount,
+    LocalObjectReference, Namespace, ObjectFieldSelector, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, Secret, SecretVolumeSource,
+    SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Sysctl, TCPSocketAction,
+    Volume, VolumeMount,
 };
 use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
@@ -720,7 +720,10 @@ mod tests {
             assert!(v.host_path.is_none(), "no hostPath volumes: {v:?}");
         }
         let c = &pod.containers[0];
-        let sc = c.security_context.as_ref().expect("container security context");
+        let sc = c
+            .security_context
+            .as_ref()
+            .expect("container security context");
         assert_eq!(sc.privileged, Some(false));
         assert_eq!(sc.allow_privilege_escalation, Some(false));
         assert_eq!(sc.read_only_root_filesystem, Some(true));
@@ -741,7 +744,12 @@ mod tests {
         for policy in [SourcePolicy::Preserve, SourcePolicy::EbpfSnat] {
             let mut s = spec();
             s.source_policy = policy;
-            let pod = deployment(&s, "CA").spec.expect("spec").template.spec.expect("pod");
+            let pod = deployment(&s, "CA")
+                .spec
+                .expect("spec")
+                .template
+                .spec
+                .expect("pod");
             let c = &pod.containers[0];
             let sc = c.security_context.as_ref().expect("security context");
             assert_eq!(sc.run_as_user, Some(0), "{policy:?}");
@@ -786,7 +794,10 @@ mod tests {
             .map(|r| r.name.clone())
             .collect();
         assert_eq!(names, ["regcred", "other"]);
-        assert_eq!(pod.containers[0].image_pull_policy.as_deref(), Some("Always"));
+        assert_eq!(
+            pod.containers[0].image_pull_policy.as_deref(),
+            Some("Always")
+        );
     }
 
     #[test]
