@@ -119,13 +119,27 @@ impl Containerd {
         c
     }
 
-    /// `ctr -a <sock> -n <namespace> <args>` (not run).
+    /// The argv prefix that runs `ctr` in containerd's mount namespace: ctr makes
+    /// the task's stdio fifos under /run/containerd/fifo itself, where containerd
+    /// must find them.
+    pub fn ctr_prefix(&self) -> Vec<String> {
+        let pid = self.child.as_ref().map_or(0, Child::id);
+        vec![
+            "nsenter".into(),
+            format!("--mount=/proc/{pid}/ns/mnt"),
+            "ctr".into(),
+            "-a".into(),
+            self.sock.display().to_string(),
+            "-n".into(),
+            self.namespace.clone(),
+        ]
+    }
+
+    /// `ctr -a <sock> -n <namespace> <args>` in containerd's mount namespace (not run).
     pub fn ctr_command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new("ctr");
-        cmd.arg("-a")
-            .arg(&self.sock)
-            .args(["-n", &self.namespace])
-            .args(args);
+        let prefix = self.ctr_prefix();
+        let mut cmd = Command::new(&prefix[0]);
+        cmd.args(&prefix[1..]).args(args);
         cmd
     }
 
@@ -145,11 +159,6 @@ impl Containerd {
             archive.display(),
             String::from_utf8_lossy(&out.stderr)
         );
-    }
-
-    /// The socket address (`ctr -a`).
-    pub fn socket(&self) -> &Path {
-        &self.sock
     }
 
     /// The containerd namespace (`ctr -n`).

@@ -93,9 +93,6 @@ fn ctr_flags(pod: &PodSpec) -> Vec<String> {
         .expect("container securityContext");
     let psc = pod.security_context.as_ref().expect("pod securityContext");
     let mut flags = Vec::new();
-    let uid = sc.run_as_user.or(psc.run_as_user).expect("runAsUser");
-    let gid = sc.run_as_group.or(psc.run_as_group).expect("runAsGroup");
-    flags.push(format!("--user={uid}:{gid}"));
     assert_eq!(sc.privileged, Some(false), "never privileged");
     let caps = sc.capabilities.as_ref().expect("capabilities");
     assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]));
@@ -131,9 +128,89 @@ fn ctr_flags(pod: &PodSpec) -> Vec<String> {
     flags
 }
 
+/// The rendered pod's user and group (`runAsUser`/`runAsGroup`, container over pod).
+fn run_as(pod: &PodSpec) -> (i64, i64) {
+    let sc = pod.containers[0].security_context.as_ref();
+    let psc = pod.security_context.as_ref();
+    let uid = sc
+        .and_then(|s| s.run_as_user)
+        .or(psc.and_then(|p| p.run_as_user));
+    let gid = sc
+        .and_then(|s| s.run_as_group)
+        .or(psc.and_then(|p| p.run_as_group));
+    (uid.expect("runAsUser"), gid.expect("runAsGroup"))
+}
+
+/// Imports the manager image into `ctrd` as the rendered pod runs it and returns
+/// its name. `ctr run` (1.6) has no `--user`, so a runAsUser other than the image's
+/// own `USER` becomes an image of the same layer whose config names that user,
+/// made with umoci: what runAsUser does at run time, done before.
+fn import_as(ctrd: &Containerd, uid: i64, gid: i64) -> String {
+    let archive = image_archive("manager");
+    if (uid, gid) == (65532, 65532) {
+        ctrd.import(&archive);
+        return image_name("manager");
+    }
+    let work = tempdir::Dir::new("kvpn-image-user");
+    let layout = work.path().join("layout");
+    let tag = format!("{}:uid{uid}", work.path().join("tagged").display());
+    let name = format!(
+        "localhost/kvpn/manager-uid{uid}:{}",
+        env!("CARGO_PKG_VERSION")
+    );
+    let variant = work.path().join("variant.oci.tar");
+    let steps: Vec<Vec<String>> = vec![
+        vec!["mkdir".into(), "-p".into(), layout.display().to_string()],
+        vec![
+            "tar".into(),
+            "-xf".into(),
+            archive.display().to_string(),
+            "-C".into(),
+            layout.display().to_string(),
+        ],
+        vec![
+            "skopeo".into(),
+            "copy".into(),
+            "--quiet".into(),
+            format!("oci:{}:{}", layout.display(), image_name("manager")),
+            format!("oci:{tag}"),
+        ],
+        vec![
+            "umoci".into(),
+            "config".into(),
+            "--image".into(),
+            tag.clone(),
+            "--config.user".into(),
+            format!("{uid}:{gid}"),
+        ],
+        vec![
+            "skopeo".into(),
+            "copy".into(),
+            "--quiet".into(),
+            format!("oci:{tag}"),
+            format!("oci-archive:{}:{name}", variant.display()),
+        ],
+    ];
+    for step in steps {
+        let out = Command::new(&step[0])
+            .args(&step[1..])
+            .output()
+            .expect("run");
+        assert!(out.status.success(), "{step:?}: {}", text(&out.stderr));
+    }
+    ctrd.import(&variant);
+    name
+}
+
 /// The shell line that applies the pod's sysctls to its netns (as the CRI does)
 /// and `exec`s `ctr run` of the manager there.
-fn manager_script(ctrd: &Containerd, pod: &PodSpec, id: &str, args: &[&str]) -> String {
+fn manager_script(
+    ctrd: &Containerd,
+    pod: &PodSpec,
+    image: &str,
+    id: &str,
+    args: &[&str],
+) -> String {
     let mut script = String::from("set -e; sysctl -qw net.ipv4.ping_group_range='1 0'; ");
     for s in pod
         .security_context
@@ -145,11 +222,10 @@ fn manager_script(ctrd: &Containerd, pod: &PodSpec, id: &str, args: &[&str]) -> 
         script.push_str(&format!("sysctl -qw {}='{}'; ", s.name, s.value));
     }
     script.push_str(&format!(
-        "exec ctr -a {} -n {} run --rm --with-ns network:/proc/$$/ns/net {} {} {id} /kvpn-manager {}",
-        ctrd.socket().display(),
-        ctrd.namespace(),
+        "exec {} run --rm --with-ns network:/proc/$$/ns/net {} {} {id} /kvpn-manager {}",
+        ctrd.ctr_prefix().join(" "),
         ctr_flags(pod).join(" "),
-        image_name("manager"),
+        image,
         args.join(" ")
     ));
     script
@@ -290,15 +366,16 @@ fn manager_image_builds_reproducibly() {
 
 fn serve_a_session_from_the_image(policy: SourcePolicy) {
     let ctrd = Containerd::start();
-    ctrd.import(&image_archive("manager"));
     let pod = pod_spec(policy);
+    let (uid, gid) = run_as(&pod);
+    let image = import_as(&ctrd, uid, gid);
     let id = format!("manager-{}", policy.as_str());
     let mut args: Vec<&str> = vec!["--listen", "0.0.0.0:10801"];
     if policy == SourcePolicy::Preserve {
         // The test routes the tunnel pool itself (below), as the node route does.
         args.extend(["--source-policy", "preserve", "--preserve-gateway", "none"]);
     }
-    let script = manager_script(&ctrd, &pod, &id, &args);
+    let script = manager_script(&ctrd, &pod, &image, &id, &args);
     let options = LabOptions::default().manager(ManagerProcess::Command {
         program: PathBuf::from("sh"),
         args: vec!["-c".into(), script.clone()],
