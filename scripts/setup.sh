@@ -32,6 +32,8 @@ APT_PACKAGES=(
     # (`./x image`), skopeo copies them to registries, containerd + runc + the CNI
     # plugins run them; busybox-static gives the lab's images a shell and tools.
     umoci skopeo containerd runc containernetworking-plugins busybox-static
+    # a registry on loopback for the image tests (skopeo push and pull)
+    docker-registry
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -47,7 +49,9 @@ if [ "${#missing[@]}" -gt 0 ]; then
     # Likewise the Kerberos packages' system KDC and kadmind: the lab runs its own.
     systemctl disable --now krb5-kdc krb5-admin-server >/dev/null 2>&1 || true
     # containerd's package starts a system containerd; each lab node runs its own.
-    systemctl disable --now containerd >/dev/null 2>&1 || true
+    systemctl disable --now containerd docker-registry >/dev/null 2>&1 || true
+    # Without systemd the package's init script may have started it.
+    [ -x /etc/init.d/docker-registry ] && /etc/init.d/docker-registry stop >/dev/null 2>&1 || true
 fi
 
 # --- systemd-resolved, for the dns-04 test only ----------------------------

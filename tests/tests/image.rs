@@ -458,3 +458,99 @@ fn snat_manager_image_serves_a_session_under_the_restricted_security_context() {
 fn preserve_manager_image_serves_a_session_with_only_its_named_capabilities() {
     serve_a_session_from_the_image(SourcePolicy::Preserve);
 }
+
+/// A registry on loopback (Debian's docker-registry, distribution 2.8) for the
+/// README's `skopeo copy oci-archive:… docker://REGISTRY/…`; stopped and its
+/// storage removed on drop.
+struct Registry {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+    _dir: tempdir::Dir,
+}
+
+impl Registry {
+    fn start() -> Registry {
+        let dir = tempdir::Dir::new("kvpn-registry");
+        // A free loopback port: bound, read, released.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port");
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
+                dir.path().join("storage").display()
+            ),
+        )
+        .expect("registry config");
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("docker-registry (apt package docker-registry; scripts/setup.sh installs it)");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "registry did not listen on {addr}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Registry {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The README's registry path: `skopeo copy oci-archive:… docker://REGISTRY/…`
+/// pushes the archive, and what a node pulls back has the same manifest digest.
+#[test]
+fn manager_archive_pushes_to_a_registry_and_pulls_back_with_the_same_digest() {
+    let registry = Registry::start();
+    let archive = image_archive("manager");
+    let remote = format!(
+        "docker://{}/kvpn/manager:{}",
+        registry.addr,
+        env!("CARGO_PKG_VERSION")
+    );
+    let push = Command::new("skopeo")
+        .args(["copy", "--quiet", "--dest-tls-verify=false"])
+        .arg(format!("oci-archive:{}", archive.display()))
+        .arg(&remote)
+        .output()
+        .expect("skopeo copy");
+    assert!(push.status.success(), "push: {}", text(&push.stderr));
+    let inspect = Command::new("skopeo")
+        .args(["inspect", "--tls-verify=false"])
+        .arg(&remote)
+        .output()
+        .expect("skopeo inspect");
+    assert!(
+        inspect.status.success(),
+        "inspect: {}",
+        text(&inspect.stderr)
+    );
+    let remote_doc: serde_json::Value =
+        serde_json::from_slice(&inspect.stdout).expect("inspect JSON");
+    let (_dir, index, _) = untar(&archive);
+    assert_eq!(
+        remote_doc["Digest"], index["manifests"][0]["digest"],
+        "the registry serves the archive's manifest unchanged"
+    );
+    assert_eq!(
+        remote_doc["Labels"]["org.opencontainers.image.version"],
+        env!("CARGO_PKG_VERSION")
+    );
+}
