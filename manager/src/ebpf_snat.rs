@@ -3,7 +3,7 @@
 //! egress interface translate their source to the pod IP (and back on replies) with
 //! their own connection table — kernel-speed SNAT without smoltcp termination. The
 //! programs and their loader live with kvpn's other eBPF code
-//! (`dataplane-ebpf/src/snat.rs`, `kvpn_dataplane::ebpf::snat`); this module finds
+//! (`dataplane-ebpf/src/snat.rs`, [`kvpn_ebpf::snat`]); this module finds
 //! the pod IP, attaches them, and runs the sweeper that expires idle flows and
 //! publishes the table's size and counters on the metrics endpoint.
 //!
@@ -19,7 +19,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use futures::TryStreamExt as _;
 use ipnet::Ipv4Net;
-use kvpn_dataplane::ebpf::snat::{Snat, SnatSettings, SnatTimeouts, monotonic_ns};
+use kvpn_ebpf::snat::{Snat, SnatSettings, SnatTimeouts, monotonic_ns};
 use rtnetlink::packet_route::address::AddressAttribute;
 use tracing::{info, warn};
 
@@ -111,7 +111,7 @@ pub async fn setup(config: &EbpfSnatConfig, counters: Arc<ManagerCounters>) -> a
         ports: config.ports.clone(),
     };
     let mut snat = Snat::attach(&config.egress, &settings)
-        .map_err(|e| anyhow::anyhow!("{}", kvpn_dataplane_error_chain(&e)))
+        .map_err(|e| anyhow::anyhow!("{}", error_chain(&e)))
         .with_context(|| {
             format!(
                 "cannot attach the ebpf-snat programs to {} — the pod needs CAP_BPF and \
@@ -134,14 +134,14 @@ pub async fn setup(config: &EbpfSnatConfig, counters: Arc<ManagerCounters>) -> a
                     match snat.sweep(monotonic_ns(), timeouts) {
                         Ok(r) => expired = r.expired + r.orphans,
                         Err(e) => {
-                            warn!(error = %kvpn_dataplane_error_chain(&e), "ebpf-snat sweep failed; idle flows keep their ports until the next round")
+                            warn!(error = %error_chain(&e), "ebpf-snat sweep failed; idle flows keep their ports until the next round")
                         }
                     }
                 }
                 match snat.stats() {
                     Ok(stats) => counters.snat_update(&stats, expired as u64),
                     Err(e) => {
-                        warn!(error = %kvpn_dataplane_error_chain(&e), "cannot read the ebpf-snat counters")
+                        warn!(error = %error_chain(&e), "cannot read the ebpf-snat counters")
                     }
                 }
                 std::thread::sleep(PUBLISH_INTERVAL);
@@ -161,7 +161,7 @@ pub async fn setup(config: &EbpfSnatConfig, counters: Arc<ManagerCounters>) -> a
 }
 
 /// An error and its sources on one line.
-fn kvpn_dataplane_error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {

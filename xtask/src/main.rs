@@ -4,7 +4,7 @@
 //! - `setup`: idempotent machine set-up (apt packages, nightly rust-src,
 //!   bpf-linker, Kubernetes binaries), as root.
 //! - `build`: every binary of the workspace (the eBPF object is built by
-//!   dataplane/build.rs).
+//!   ebpf/build.rs).
 //! - `demo`: build, bring the lab up, connect from the laptop netns, show what
 //!   works, disconnect, bring the lab down.
 //! - `test`: build, then every test of the workspace (unit, property, corpus
@@ -146,7 +146,7 @@ fn build(release: bool) -> Result<PathBuf> {
         if release { "release" } else { "debug" }
     );
     let mut cmd = cargo();
-    // Default members only: the eBPF crate is built by dataplane/build.rs for bpfel.
+    // Default members only: the eBPF crate is built by ebpf/build.rs for bpfel.
     cmd.args(["build", "--bins"]);
     if release {
         cmd.arg("--release");
