@@ -734,7 +734,11 @@ impl Installer<'_> {
                 image::remembered(installed, version_of(&d.metadata), &self.spec.version);
         }
         if self.keep.pull_policy {
-            self.spec.image_pull_policy = container.and_then(|c| c.image_pull_policy.clone());
+            // The apiserver fills in the default policy: only one that differs from
+            // it was asked for (and is kept).
+            self.spec.image_pull_policy = container
+                .and_then(|c| c.image_pull_policy.clone())
+                .filter(|p| *p != image::default_pull_policy(&self.spec.image));
         }
         if self.keep.pull_secrets {
             self.spec.image_pull_secrets = d

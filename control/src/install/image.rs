@@ -184,6 +184,19 @@ pub fn remembered(installed_image: &str, installed_version: Option<&str>, ours: 
     installed_image.to_owned()
 }
 
+/// The pull policy the apiserver gives a container that names none: `Always` for
+/// an image tagged `latest` or without a tag (and no digest), else `IfNotPresent`.
+pub fn default_pull_policy(image: &str) -> &'static str {
+    if image.contains('@') {
+        return "IfNotPresent";
+    }
+    let last = image.rsplit('/').next().unwrap_or(image);
+    match last.rsplit_once(':') {
+        Some((_, "latest")) | None => "Always",
+        Some(_) => "IfNotPresent",
+    }
+}
+
 /// The fix for an image the nodes cannot pull.
 pub fn pull_hint(image: &str) -> String {
     if image.starts_with(&format!("{DEFAULT_REPOSITORY}:")) {
@@ -275,6 +288,22 @@ mod tests {
             "reg.example/m@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
         assert_eq!(remembered(pinned, Some("0.1.0"), "0.2.0"), pinned);
         assert_eq!(remembered("x:0.1.0", None, "0.2.0"), "x:0.1.0");
+    }
+
+    #[test]
+    fn default_pull_policy_follows_the_tag_like_the_apiserver() {
+        assert_eq!(
+            default_pull_policy("localhost/kvpn/manager:0.1.0"),
+            "IfNotPresent"
+        );
+        assert_eq!(default_pull_policy("localhost:5000/kvpn/manager"), "Always");
+        assert_eq!(default_pull_policy("kvpn/manager:latest"), "Always");
+        assert_eq!(
+            default_pull_policy(
+                "m@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+            ),
+            "IfNotPresent"
+        );
     }
 
     #[test]
