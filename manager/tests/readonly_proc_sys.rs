@@ -5,7 +5,9 @@
 //! echo to the `node` netns is forwarded by the pod's kernel (TUN → veth, and the
 //! reply veth → TUN) while `net.ipv4.ip_forward` stays 0. The same mount refuses
 //! the write the manager used to make (`/proc/sys/net/ipv4/ip_forward`), so the
-//! old code path could not have started there. Also `devconf::ensure` directly:
+//! old code path could not have started there. The manager runs with only the
+//! capabilities its policy needs, and [`each_capability_is_needed`] shows which
+//! step fails without each of them. Also `devconf::ensure` directly:
 //! without CAP_NET_ADMIN it fails naming the capability, and with forwarding
 //! already on it changes nothing.
 
@@ -102,19 +104,39 @@ impl Topology {
             .to_owned()
     }
 
-    /// The manager binary in the pod netns with a read-only `/proc/sys`.
-    fn manager(&self, policy: &str) -> common::ManagerProcess {
+    /// The manager binary in the pod netns with a read-only `/proc/sys`, as root
+    /// with only `caps` (setpriv: bounding set, no inheritable or ambient
+    /// capabilities, no_new_privs — what a runtime gives a container whose
+    /// securityContext drops ALL and adds `caps`); the log if it does not start.
+    fn manager(
+        &self,
+        policy: &str,
+        caps: &[&str],
+        gateway: &str,
+    ) -> Result<common::ManagerProcess, Vec<String>> {
+        let bounding: String = std::iter::once("-all".to_owned())
+            .chain(caps.iter().map(|c| format!("+{c}")))
+            .collect::<Vec<_>>()
+            .join(",");
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.pod])
             .args(["unshare", "--mount", "--propagation", "private"])
             .args(["sh", "-c", READ_ONLY_PROC_SYS, "sh"])
+            .args([
+                "setpriv",
+                "--no-new-privs",
+                "--inh-caps=-all",
+                "--ambient-caps=-all",
+            ])
+            .arg(format!("--bounding-set={bounding}"))
             .arg(env!("CARGO_BIN_EXE_kvpn-manager"))
             .args(["--listen", &format!("{POD}:0")])
             .args(["--source-policy", policy, "--tunnel-pool", POOL])
             .args(["--egress-interface", &self.pod_if, "--pool-tun", &self.tun])
-            .args(["--preserve-gateway", "none"])
-            .env("RUST_LOG", "info");
-        common::ManagerProcess::spawn(cmd)
+            .args(["--preserve-gateway", gateway])
+            .env("RUST_LOG", "info")
+            .env("RUST_BACKTRACE", "0");
+        common::ManagerProcess::try_spawn(cmd)
     }
 
     /// What writing `net.ipv4.ip_forward` (the manager's old step) gives in the
@@ -241,11 +263,23 @@ fn ping_through_the_pod(addr: SocketAddr) -> Duration {
     unreachable!("the loop returns or panics")
 }
 
-/// One source policy end to end under a read-only `/proc/sys`.
-fn forwards_with_read_only_proc_sys(policy: &str, node_routes_pool: bool) {
+/// The capabilities each policy needs, measured by
+/// [`each_capability_is_needed`]: preserve creates the TUN device, its route, the
+/// interfaces' IPv4 settings and the gateway address (NET_ADMIN) and announces the
+/// gateway by gratuitous ARP (NET_RAW); ebpf-snat needs NET_ADMIN for the same TUN
+/// path and to load and attach TC programs, BPF for the maps and programs, and
+/// PERFMON because the verifier refuses the programs' variable-offset stack
+/// writes without it ("pointer arithmetic with it prohibited for !root").
+const PRESERVE_CAPS: &[&str] = &["net_admin", "net_raw"];
+const EBPF_SNAT_CAPS: &[&str] = &["bpf", "net_admin", "perfmon"];
+
+/// One source policy end to end under a read-only `/proc/sys` and only `caps`.
+fn forwards_with_read_only_proc_sys(policy: &str, caps: &[&str]) {
     let t = Topology::new(policy);
-    if node_routes_pool {
-        // preserve: the node routes the pool back to the pod (the cluster's part).
+    let preserve = policy == "preserve";
+    if preserve {
+        // preserve: the node routes the pool back to the pod (the cluster's part);
+        // ebpf-snat's replies can only come back translated (no route to the pool).
         run(&[
             "ip",
             "-n",
@@ -267,7 +301,10 @@ fn forwards_with_read_only_proc_sys(policy: &str, node_routes_pool: bool) {
          here, got success={ok} stderr={stderr:?}"
     );
 
-    let manager = t.manager(policy);
+    let gateway = if preserve { "169.254.96.1" } else { "none" };
+    let manager = t
+        .manager(policy, caps, gateway)
+        .unwrap_or_else(|log| panic!("{policy} with {caps:?} did not start: {log:#?}"));
     assert!(
         proc_sys_read_only(manager.pid()),
         "the manager must run with /proc/sys read-only"
@@ -293,24 +330,77 @@ fn forwards_with_read_only_proc_sys(policy: &str, node_routes_pool: bool) {
         );
     }
     let log = manager.stop();
-    assert!(
+    assert_eq!(
         log.iter()
             .filter(|l| l.contains("IPv4 forwarding on") && l.contains("changed=true"))
-            .count()
-            == 2,
+            .count(),
+        2,
         "both interfaces set over rtnetlink: {log:#?}"
     );
+    if preserve {
+        assert!(
+            log.iter()
+                .any(|l| l.contains("stable gateway claimed and announced")),
+            "the gratuitous ARP went out: {log:#?}"
+        );
+    }
 }
 
 #[test]
 fn preserve_forwards_with_read_only_proc_sys() {
-    forwards_with_read_only_proc_sys("preserve", true);
+    forwards_with_read_only_proc_sys("preserve", PRESERVE_CAPS);
 }
 
 #[test]
 fn ebpf_snat_forwards_with_read_only_proc_sys() {
-    // No node route to the pool: the reply can only come back translated.
-    forwards_with_read_only_proc_sys("ebpf-snat", false);
+    forwards_with_read_only_proc_sys("ebpf-snat", EBPF_SNAT_CAPS);
+}
+
+/// Each policy's set minus one capability: which step fails, and how.
+#[test]
+fn each_capability_is_needed() {
+    let t = Topology::new("caps");
+    let without = |policy: &str, all: &[&str], drop: &str| {
+        let caps: Vec<&str> = all.iter().copied().filter(|c| *c != drop).collect();
+        let gateway = if policy == "preserve" {
+            "169.254.96.1"
+        } else {
+            "none"
+        };
+        let outcome = t.manager(policy, &caps, gateway);
+        // The TUN device goes with the process; the next run creates it anew.
+        match outcome {
+            Ok(m) => Ok(m.stop().join("\n")),
+            Err(log) => Err(log.join("\n")),
+        }
+    };
+    // preserve without NET_ADMIN: the first step, the TUN device.
+    let log = without("preserve", PRESERVE_CAPS, "net_admin").expect_err("cannot start");
+    assert!(
+        log.contains("cannot create TUN device") && log.contains("CAP_NET_ADMIN"),
+        "{log}"
+    );
+    // preserve without NET_RAW: serves, but the gateway is not announced (a
+    // rescheduled pod is found when the nodes' neighbour entries expire).
+    let log = without("preserve", PRESERVE_CAPS, "net_raw").expect("starts without NET_RAW");
+    assert!(
+        log.contains("gratuitous ARP failed") && log.contains("needs NET_RAW"),
+        "{log}"
+    );
+    let log = without("ebpf-snat", EBPF_SNAT_CAPS, "net_admin").expect_err("cannot start");
+    assert!(log.contains("cannot create TUN device"), "{log}");
+    let log = without("ebpf-snat", EBPF_SNAT_CAPS, "bpf").expect_err("cannot start");
+    assert!(
+        log.contains("cannot attach the ebpf-snat programs")
+            && log.contains("failed to create map")
+            && log.contains("Operation not permitted"),
+        "{log}"
+    );
+    let log = without("ebpf-snat", EBPF_SNAT_CAPS, "perfmon").expect_err("cannot start");
+    assert!(
+        log.contains("cannot attach the ebpf-snat programs") && log.contains("for !root"),
+        "{log}"
+    );
 }
 
 /// CAP_NET_ADMIN off in this thread's effective set (capabilities are per thread).

@@ -440,7 +440,18 @@ impl ManagerProcess {
     /// Starts `cmd` (the binary, possibly behind wrappers that exec it, such as
     /// `ip netns exec`), reading its stderr, and waits up to 10 s for the address
     /// it logs as `listen=`; the log so far in the panic message if it never comes.
-    pub fn spawn(mut cmd: std::process::Command) -> Self {
+    pub fn spawn(cmd: std::process::Command) -> Self {
+        Self::try_spawn(cmd).unwrap_or_else(|log| {
+            panic!(
+                "kvpn-manager did not log its listening address; its log:\n{}",
+                log.join("\n")
+            )
+        })
+    }
+
+    /// [`Self::spawn`], or the whole log when the process ends (or stays silent
+    /// for 10 s) before it logs its listening address.
+    pub fn try_spawn(mut cmd: std::process::Command) -> Result<Self, Vec<String>> {
         use std::io::{BufRead, BufReader};
         cmd.stderr(std::process::Stdio::piped());
         let mut child = cmd.spawn().expect("start kvpn-manager");
@@ -462,15 +473,9 @@ impl ManagerProcess {
         };
         let mut seen = Vec::new();
         me.addr = loop {
-            let line = me
-                .lines
-                .recv_timeout(Duration::from_secs(10))
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "kvpn-manager did not log its listening address ({e}); its log:\n{}",
-                        seen.join("\n")
-                    )
-                });
+            let Ok(line) = me.lines.recv_timeout(Duration::from_secs(10)) else {
+                return Err(seen);
+            };
             seen.push(line.clone());
             if let Some(rest) = line.split("listen=").nth(1) {
                 break rest
@@ -481,7 +486,7 @@ impl ManagerProcess {
                     .expect("socket address");
             }
         };
-        me
+        Ok(me)
     }
 
     /// The process id.
