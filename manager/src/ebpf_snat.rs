@@ -7,9 +7,11 @@
 //! the pod IP, attaches them, and runs the sweeper that expires idle flows and
 //! publishes the table's size and counters on the metrics endpoint.
 //!
-//! Needs CAP_BPF and CAP_NET_ADMIN in the pod (the TUN device, the route, the TC
-//! attachment), and `/dev/net/tun`; never privileged. Nothing outside the pod: replies
-//! come to the pod IP, so no node route and no masquerade exclusion.
+//! Needs CAP_NET_ADMIN in the pod (the TUN device, the route, forwarding on the TUN
+//! and the egress interface, loading and attaching TC programs), CAP_BPF (maps,
+//! programs) and CAP_PERFMON (the verifier refuses the programs without it), and
+//! `/dev/net/tun`; never privileged, no write to `/proc/sys`. Nothing outside the
+//! pod: replies come to the pod IP, so no node route and no masquerade exclusion.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::ops::RangeInclusive;
@@ -114,9 +116,9 @@ pub async fn setup(config: &EbpfSnatConfig, counters: Arc<ManagerCounters>) -> a
         .map_err(|e| anyhow::anyhow!("{}", error_chain(&e)))
         .with_context(|| {
             format!(
-                "cannot attach the ebpf-snat programs to {} — the pod needs CAP_BPF and \
-                 CAP_NET_ADMIN (CAP_SYS_ADMIN before Linux 5.8) and a kernel with BPF; \
-                 or use --source-policy snat",
+                "cannot attach the ebpf-snat programs to {} — the pod needs CAP_BPF, \
+                 CAP_PERFMON and CAP_NET_ADMIN (CAP_SYS_ADMIN before Linux 5.8) and a \
+                 kernel with BPF; or use --source-policy snat",
                 config.egress
             )
         })?;
