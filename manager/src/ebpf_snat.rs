@@ -8,9 +8,8 @@
 //! publishes the table's size and counters on the metrics endpoint.
 //!
 //! Needs CAP_NET_ADMIN in the pod (the TUN device, the route, forwarding on the TUN
-//! and the egress interface, loading and attaching TC programs), CAP_BPF (maps,
-//! programs) and CAP_PERFMON (the verifier refuses the programs without it), and
-//! `/dev/net/tun`; never privileged, no write to `/proc/sys`. Nothing outside the
+//! and the egress interface, loading and attaching TC programs) and CAP_BPF (maps,
+//! programs), and `/dev/net/tun`; never privileged, no write to `/proc/sys`. Nothing outside the
 //! pod: replies come to the pod IP, so no node route and no masquerade exclusion.
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -116,9 +115,9 @@ pub async fn setup(config: &EbpfSnatConfig, counters: Arc<ManagerCounters>) -> a
         .map_err(|e| anyhow::anyhow!("{}", error_chain(&e)))
         .with_context(|| {
             format!(
-                "cannot attach the ebpf-snat programs to {} — the pod needs CAP_BPF, \
-                 CAP_PERFMON and CAP_NET_ADMIN (CAP_SYS_ADMIN before Linux 5.8) and a \
-                 kernel with BPF; or use --source-policy snat",
+                "cannot attach the ebpf-snat programs to {} — the pod needs CAP_BPF and \
+                 CAP_NET_ADMIN (CAP_SYS_ADMIN before Linux 5.8) and a kernel with BPF; \
+                 or use --source-policy snat",
                 config.egress
             )
         })?;

@@ -142,7 +142,7 @@ struct Args {
     /// pod's kernel forwards through a TUN device, needs NET_ADMIN and NET_RAW, and
     /// the nodes must route --tunnel-pool via --preserve-gateway).
     /// `ebpf-snat`: the pod's IP, rewritten by kvpn's TC programs on
-    /// --egress-interface (no termination; CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN).
+    /// --egress-interface (no termination; CAP_BPF and CAP_NET_ADMIN).
     #[arg(long, env = "KVPN_SOURCE_POLICY", value_enum, default_value_t = SourcePolicy::Snat)]
     source_policy: SourcePolicy,
     /// With ebpf-snat: the ports translated flows leave with, per destination. The

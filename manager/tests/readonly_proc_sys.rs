@@ -267,11 +267,13 @@ fn ping_through_the_pod(addr: SocketAddr) -> Duration {
 /// [`each_capability_is_needed`]: preserve creates the TUN device, its route, the
 /// interfaces' IPv4 settings and the gateway address (NET_ADMIN) and announces the
 /// gateway by gratuitous ARP (NET_RAW); ebpf-snat needs NET_ADMIN for the same TUN
-/// path and to load and attach TC programs, BPF for the maps and programs, and
-/// PERFMON because the verifier refuses the programs' variable-offset stack
-/// writes without it ("pointer arithmetic with it prohibited for !root").
+/// path and to load and attach TC programs, and BPF for the maps and programs —
+/// not PERFMON (the verifier accepts the programs from a loader without it; a
+/// variable-offset stack write, such as an out-of-line memset, would need it).
+/// The same sets as `kvpn install` renders, minus NET_RAW for ebpf-snat (there
+/// only for `kvpn diagnose source`).
 const PRESERVE_CAPS: &[&str] = &["net_admin", "net_raw"];
-const EBPF_SNAT_CAPS: &[&str] = &["bpf", "net_admin", "perfmon"];
+const EBPF_SNAT_CAPS: &[&str] = &["bpf", "net_admin"];
 
 /// One source policy end to end under a read-only `/proc/sys` and only `caps`.
 fn forwards_with_read_only_proc_sys(policy: &str, caps: &[&str]) {
@@ -394,11 +396,6 @@ fn each_capability_is_needed() {
         log.contains("cannot attach the ebpf-snat programs")
             && log.contains("failed to create map")
             && log.contains("Operation not permitted"),
-        "{log}"
-    );
-    let log = without("ebpf-snat", EBPF_SNAT_CAPS, "perfmon").expect_err("cannot start");
-    assert!(
-        log.contains("cannot attach the ebpf-snat programs") && log.contains("for !root"),
         "{log}"
     );
 }

@@ -111,7 +111,7 @@ pub struct Spec {
 pub const MANAGER_UID: i64 = 65532;
 
 /// The uid (and gid) the manager runs as under `policy`: [`MANAGER_UID`] for snat,
-/// which needs no capability. `preserve` and `ebpf-snat` need NET_ADMIN (and BPF, PERFMON):
+/// which needs no capability. `preserve` and `ebpf-snat` need NET_ADMIN (and BPF):
 /// Kubernetes adds capabilities to a container's bounding and permitted sets, but
 /// a non-root process gets no effective capabilities without ambient ones, which
 /// Kubernetes does not set; so those policies run as uid 0 with every other
@@ -444,10 +444,9 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
         // and an address (NET_ADMIN) and announces the stable gateway by ARP
         // (NET_RAW). ebpf-snat creates the same TUN device and route (NET_ADMIN),
         // loads its TC programs and maps (BPF) and attaches them to eth0
-        // (NET_ADMIN); the verifier also wants PERFMON for them (without it:
-        // "pointer arithmetic with it prohibited for !root", measured on Linux 6.18
-        // by kvpn-manager's readonly_proc_sys::each_capability_is_needed); NET_RAW is
-        // for `kvpn diagnose source`'s capture of the pod's egress. Neither policy
+        // (NET_ADMIN); NET_RAW is for `kvpn diagnose source`'s capture of the pod's
+        // egress. No PERFMON: the programs pass the verifier without it (measured by
+        // kvpn-manager's readonly_proc_sys::each_capability_is_needed). Neither policy
         // writes /proc/sys (read-only under a runtime): the manager turns IPv4
         // forwarding on per interface over rtnetlink. Never privileged.
         image_pull_policy: spec.image_pull_policy.clone(),
@@ -467,12 +466,9 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
                 add: match spec.source_policy {
                     SourcePolicy::Snat => None,
                     SourcePolicy::Preserve => Some(vec!["NET_ADMIN".into(), "NET_RAW".into()]),
-                    SourcePolicy::EbpfSnat => Some(vec![
-                        "BPF".into(),
-                        "NET_ADMIN".into(),
-                        "NET_RAW".into(),
-                        "PERFMON".into(),
-                    ]),
+                    SourcePolicy::EbpfSnat => {
+                        Some(vec!["BPF".into(), "NET_ADMIN".into(), "NET_RAW".into()])
+                    }
                 },
             }),
             ..Default::default()
@@ -646,7 +642,7 @@ mod tests {
             (SourcePolicy::Preserve, Some(vec!["NET_ADMIN", "NET_RAW"])),
             (
                 SourcePolicy::EbpfSnat,
-                Some(vec!["BPF", "NET_ADMIN", "NET_RAW", "PERFMON"]),
+                Some(vec!["BPF", "NET_ADMIN", "NET_RAW"]),
             ),
         ] {
             let d = deployment(
