@@ -7,9 +7,10 @@
 //! the pod IP, attaches them, and runs the sweeper that expires idle flows and
 //! publishes the table's size and counters on the metrics endpoint.
 //!
-//! Needs CAP_BPF and CAP_NET_ADMIN in the pod (the TUN device, the route, the TC
-//! attachment), and `/dev/net/tun`; never privileged. Nothing outside the pod: replies
-//! come to the pod IP, so no node route and no masquerade exclusion.
+//! Needs CAP_NET_ADMIN in the pod (the TUN device, the route, forwarding on the TUN
+//! and the egress interface, loading and attaching TC programs) and CAP_BPF (maps,
+//! programs), and `/dev/net/tun`; never privileged, no write to `/proc/sys`. Nothing outside the
+//! pod: replies come to the pod IP, so no node route and no masquerade exclusion.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::ops::RangeInclusive;

@@ -445,7 +445,10 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
         // (NET_RAW). ebpf-snat creates the same TUN device and route (NET_ADMIN),
         // loads its TC programs and maps (BPF) and attaches them to eth0
         // (NET_ADMIN); NET_RAW is for `kvpn diagnose source`'s capture of the pod's
-        // egress. Never privileged.
+        // egress. No PERFMON: the programs pass the verifier without it (measured by
+        // kvpn-manager's readonly_proc_sys::each_capability_is_needed). Neither policy
+        // writes /proc/sys (read-only under a runtime): the manager turns IPv4
+        // forwarding on per interface over rtnetlink. Never privileged.
         image_pull_policy: spec.image_pull_policy.clone(),
         // The "restricted" Pod Security Standard in snat mode (non-root, no privilege
         // escalation, every capability dropped, RuntimeDefault seccomp on the pod);
