@@ -15,7 +15,7 @@ pub const DEFAULT_TUNNEL_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2));
 #[derive(Debug, Parser)]
 #[command(
     name = "kvpn",
-    version,
+    version = kvpn_build_info::VERSION_LINE,
     about = "Put this machine on a Kubernetes cluster's network",
     long_about = "kvpn puts this machine on a Kubernetes cluster's network: after `kvpn connect`, \
 pod IPs, ClusterIPs and service names (`web.default`) are reachable over TCP, UDP and ICMP, \
@@ -239,6 +239,11 @@ pub enum Command {
     Top(TopArgs),
     /// Disconnect every session, then stop the user daemon and the root daemon.
     Quit,
+    /// The version and source commit of this CLI, the user daemon, the root
+    /// daemon (when running; none is started for this) and each connected
+    /// cluster's traffic manager. A daemon of another build than the CLI is named
+    /// with the fix (`kvpn quit`), or restarted when no session exists.
+    Version(VersionArgs),
     /// Print the user daemon's and the root daemon's logs.
     Logs(LogsArgs),
     /// Remove the traffic manager and every object kvpn created in the cluster.
@@ -480,6 +485,14 @@ pub enum OutputFormat {
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// Output format (the json/yaml fields: docs/status.md).
+    #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+}
+
+/// `kvpn version` flags.
+#[derive(Debug, Args)]
+pub struct VersionArgs {
+    /// Output format (json/yaml: cli, user_daemon, root_daemon, managers).
     #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
 }

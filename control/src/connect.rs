@@ -930,6 +930,22 @@ pub(crate) async fn lease_step(
     Ok((leased, tunnel_ip))
 }
 
+/// The manager's version and commit in `origin` (`kvpn version` shows them):
+/// its Lease answer, else (a manager older than those fields) its Deployment's
+/// `kvpn.dev/version` and no commit.
+pub(crate) fn set_manager_build(
+    origin: &mut Origin,
+    leased: &LeaseResponse,
+    manager: &install::ManagerInfo,
+) {
+    origin.manager_version = if leased.manager_version.is_empty() {
+        manager.version.clone()
+    } else {
+        leased.manager_version.clone()
+    };
+    origin.manager_commit = leased.manager_commit.clone();
+}
+
 /// What every session request carries, whatever the mode: who asks (environment,
 /// working directory, euid), how the user daemon reaches the cluster again
 /// (kubeconfig, context, namespace, SSH plan) and the manager's data port. The
@@ -1012,6 +1028,8 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         manager_namespace: args.kube.manager_namespace.clone(),
         data_path: String::new(),
         source_policy: String::new(),
+        manager_version: String::new(),
+        manager_commit: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(session_policy) = already_connected(&mut user, &origin).await? {
@@ -1063,6 +1081,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     // The tunnel IP and session token come from the manager (item 4, tr-11): the
     // same client id, kept per user and cluster, gets the same IP back.
     let (leased, tunnel_ip) = lease_step(&conn, args, &env, &manager).await?;
+    set_manager_build(&mut origin, &leased, &manager);
     let tunnel_pool: IpNet = leased.pool_cidr.parse().with_context(|| {
         format!(
             "the traffic manager sent an invalid tunnel pool {:?}",
@@ -1310,6 +1329,8 @@ mod tests {
             manager_namespace: ns.into(),
             data_path: String::new(),
             source_policy: String::new(),
+            manager_version: String::new(),
+            manager_commit: String::new(),
         }
     }
 

@@ -32,6 +32,7 @@ pub mod socks;
 pub mod ssh;
 pub mod top;
 pub mod userd;
+pub mod version;
 
 use anyhow::{Context, Result, bail};
 use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest};
@@ -65,6 +66,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
         Command::Top(args) => top::run(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
+        Command::Version(args) => version::run(&runtime_dir, args).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
