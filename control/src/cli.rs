@@ -15,7 +15,7 @@ pub const DEFAULT_TUNNEL_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2));
 #[derive(Debug, Parser)]
 #[command(
     name = "kvpn",
-    version,
+    version = kvpn_build_info::VERSION_LINE,
     about = "Put this machine on a Kubernetes cluster's network",
     long_about = "kvpn puts this machine on a Kubernetes cluster's network: after `kvpn connect`, \
 pod IPs, ClusterIPs and service names (`web.default`) are reachable over TCP, UDP and ICMP, \
@@ -239,6 +239,11 @@ pub enum Command {
     Top(TopArgs),
     /// Disconnect every session, then stop the user daemon and the root daemon.
     Quit,
+    /// The version and source commit of this CLI, the user daemon, the root
+    /// daemon (when running; none is started for this) and each connected
+    /// cluster's traffic manager. A daemon of another build than the CLI is named
+    /// with the fix (`kvpn quit`), or restarted when no session exists.
+    Version(VersionArgs),
     /// Print the user daemon's and the root daemon's logs.
     Logs(LogsArgs),
     /// Install or upgrade the traffic manager without connecting; with --dry-run,
@@ -571,6 +576,14 @@ pub struct StatusArgs {
     pub output: OutputFormat,
 }
 
+/// `kvpn version` flags.
+#[derive(Debug, Args)]
+pub struct VersionArgs {
+    /// Output format (json/yaml: cli, user_daemon, root_daemon, managers).
+    #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+}
+
 /// `kvpn top` flags.
 #[derive(Debug, Args)]
 pub struct TopArgs {
@@ -631,7 +644,12 @@ fn parse_connect_mtu(text: &str) -> Result<u32, String> {
 
 /// `--pod-cidr`/`--service-cidr`/`--cidr` value parser: ADDRESS/PREFIX, where a
 /// prefix length over 32 (IPv4) or 128 (IPv6) is named as such instead of
-/// ipnet's "invalid IP address syntax".
+/// ipnet's "invalid IP address syntax", and an address with host bits set
+/// (`10.1.2.3/8`) is refused with the network it would be, as `ip route` refuses
+/// it ("Invalid prefix for given prefix length"): taking it silently as
+/// 10.0.0.0/8 routed 16 million addresses where the user may have meant one.
+/// CIDRs kvpn detects itself are normalised without a word instead
+/// ([`kvpn_proto::cidr::normalise`]).
 fn parse_cidr(text: &str) -> Result<IpNet, String> {
     let example = "e.g. 10.244.0.0/16 or fd00:10:244::/64";
     let Some((addr, prefix)) = text.split_once('/') else {
@@ -658,7 +676,23 @@ fn parse_cidr(text: &str) -> Result<IpNet, String> {
             ));
         }
     };
-    IpNet::new(addr, prefix_len).map_err(|_| too_long())
+    let net = IpNet::new(addr, prefix_len).map_err(|_| too_long())?;
+    if net.trunc() != net {
+        return Err(host_bits_message(net));
+    }
+    Ok(net)
+}
+
+/// The refusal of a CIDR whose address has bits set after its prefix length,
+/// with both things the user may have meant: the whole network, or the address.
+fn host_bits_message(net: IpNet) -> String {
+    let host = IpNet::from(net.addr());
+    format!(
+        "{net} has host bits set (the address of a /{} network ends in zero bits); did you \
+         mean {} (the network) or {host} (that one address)?",
+        net.prefix_len(),
+        net.trunc(),
+    )
 }
 
 /// `--manager` value parser: HOST:PORT with a host and a port from 1 to 65535,
@@ -939,6 +973,54 @@ mod tests {
                     "fd00::/128".parse().expect("cidr")
                 ]
             );
+        }
+    }
+
+    /// A CIDR typed with host bits set is refused, naming the network and the
+    /// one address the user may have meant (on main `--cidr 10.1.2.3/8` became
+    /// 10.0.0.0/8 without a word); a network address and a /32 or /128 pass.
+    #[test]
+    fn cidr_flags_refuse_host_bits_with_what_was_meant() {
+        for flag in ["--pod-cidr", "--service-cidr", "--cidr", "--extra-cidr"] {
+            for (bad, network, host) in [
+                ("10.1.2.3/8", "10.0.0.0/8", "10.1.2.3/32"),
+                ("10.42.2.5/24", "10.42.2.0/24", "10.42.2.5/32"),
+                ("192.168.1.1/31", "192.168.1.0/31", "192.168.1.1/32"),
+                ("0.0.0.1/0", "0.0.0.0/0", "0.0.0.1/32"),
+                ("fd00::1/64", "fd00::/64", "fd00::1/128"),
+            ] {
+                let err = Cli::try_parse_from(["kvpn", "connect", flag, bad])
+                    .expect_err(&format!("{flag} {bad} was accepted"))
+                    .to_string();
+                let want = format!(
+                    "{bad} has host bits set (the address of a /{} network ends in zero \
+                     bits); did you mean {network} (the network) or {host} (that one address)?",
+                    bad.split_once('/').expect("prefix").1
+                );
+                assert!(err.contains(&want), "{flag} {bad}: no {want:?} in {err}");
+                let shown = if flag == "--extra-cidr" {
+                    "--cidr"
+                } else {
+                    flag
+                };
+                assert!(err.contains(shown), "{flag} {bad}: no flag in {err}");
+            }
+            for good in [
+                "10.0.0.0/8",
+                "10.1.2.3/32",
+                "0.0.0.0/0",
+                "fd00::/64",
+                "fd00::1/128",
+                "::/0",
+            ] {
+                let cli = Cli::try_parse_from(["kvpn", "connect", flag, good])
+                    .unwrap_or_else(|e| panic!("{flag} {good}: {e}"));
+                let Command::Connect(args) = cli.command else {
+                    panic!("not connect");
+                };
+                let all = [args.pod_cidrs, args.service_cidrs, args.extra_cidrs].concat();
+                assert_eq!(all, vec![good.parse::<IpNet>().expect("cidr")], "{flag}");
+            }
         }
     }
 

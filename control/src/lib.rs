@@ -33,6 +33,7 @@ pub mod socks;
 pub mod ssh;
 pub mod top;
 pub mod userd;
+pub mod version;
 
 use anyhow::{Context, Result, bail};
 use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest};
@@ -67,6 +68,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Top(args) => top::run(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
         Command::Install(args) => install_command(args).await,
+        Command::Version(args) => version::run(&runtime_dir, args).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
@@ -104,9 +106,11 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     // Never route the manager's own address into the tunnel that leads to it (rt-02):
     // the session could never come up.
     let keep_out: Vec<std::net::IpAddr> = manager_ip(&manager).into_iter().collect();
-    connect::warn_never_routed(
-        &[&args.pod_cidrs[..], &args.service_cidrs, &args.extra_cidrs].concat(),
-    );
+    let labelled: Vec<(std::net::IpAddr, String)> = keep_out
+        .iter()
+        .map(|ip| (*ip, "the traffic manager".to_owned()))
+        .collect();
+    connect::warn_typed_cidr_holes(&args, &labelled);
     let routes = connect::cluster_routes(
         &args.pod_cidrs,
         &args.service_cidrs,
@@ -171,6 +175,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     let resp = match connect::setup_or_interrupt(connect, &mut interrupt).await {
         connect::Setup::Done(r) => r
             .map_err(daemon::status_to_error)
+            .map_err(|e| connect::with_split_refusal_hint(e, &args, &keep_out))
             .context("connect failed")?,
         connect::Setup::Interrupted(None) => {
             connect::interrupted(connect::Interrupted::Pending("root daemon")).await

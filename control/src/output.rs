@@ -25,6 +25,16 @@ use kvpn_proto::userd::UserSession;
 
 use crate::cli::OutputFormat;
 
+/// `kvpn version`'s report.
+pub fn version(r: &crate::version::Report, format: OutputFormat) -> Result<()> {
+    match format {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(r)?),
+        OutputFormat::Yaml => print!("{}", serde_yaml_ng::to_string(r)?),
+        OutputFormat::Table => print!("{}", crate::version::table(r)),
+    }
+    Ok(())
+}
+
 /// A step of a long operation is starting.
 pub fn step(msg: &str) {
     println!("• {msg}…");

@@ -46,14 +46,15 @@ enum Task {
     Demo,
     /// Build, then run every test (unit, property, eBPF, end-to-end on the lab).
     Test {
-        /// Extra arguments for `cargo test` (after `--`).
-        #[arg(trailing_var_arg = true)]
+        /// Arguments for `cargo test`, as given (`./x test -p kvpn-control --lib`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
     /// Benchmarks: kvpn against a raw veth baseline in the same run (release build).
     Bench {
-        /// Extra arguments for the bench binary.
-        #[arg(trailing_var_arg = true)]
+        /// kvpn-bench's own flags, as given (`./x bench --rounds 1`; `./x bench -- --help`
+        /// lists them).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
     /// Build the OCI images (static musl binaries on an empty base, user 65532) as
@@ -79,6 +80,10 @@ enum Task {
         merge: bool,
         /// Targets to run (default: every file in fuzz/fuzz_targets/).
         targets: Vec<String>,
+        /// libFuzzer's own flags for every run, after `--` (`./x fuzz dns_query --
+        /// -max_len=512`).
+        #[arg(last = true)]
+        libfuzzer: Vec<String>,
     },
     /// Bounded soak on the lab (root): TCP/UDP/DNS traffic, transport kills, a manager
     /// pod deletion, SIGKILL of each daemon; fails when a bound breaks.
@@ -92,6 +97,9 @@ enum Task {
         /// Where to write the JSON report (default: printed after the table).
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Any other kvpn-soak flag, as given.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
 }
 
@@ -235,11 +243,13 @@ fn main() -> Result<()> {
             seconds,
             merge,
             targets,
-        } => fuzz(seconds, merge, &targets),
+            libfuzzer,
+        } => fuzz(seconds, merge, &targets, &libfuzzer),
         Task::Soak {
             seconds,
             rate,
             json,
+            args,
         } => {
             // Debug build, like the end-to-end tests: the soak's bounds were
             // measured on it. `--bins` builds the driver (kvpn-soak) too.
@@ -252,7 +262,7 @@ fn main() -> Result<()> {
             if let Some(json) = json {
                 cmd.arg("--json").arg(json);
             }
-            run(&mut cmd)
+            run(cmd.args(&args))
         }
     }
 }
@@ -300,10 +310,11 @@ fn cargo_fuzz(sub: &str) -> Command {
     cmd
 }
 
-/// `./x fuzz`: a bounded run of each target. New inputs go to a scratch corpus
-/// in the cache (the committed one in fuzz/corpus/ is only read, unless
-/// `merge`); a crash stops with the input under fuzz/artifacts/<target>/.
-fn fuzz(seconds: u32, merge: bool, only: &[String]) -> Result<()> {
+/// `./x fuzz`: a bounded run of each target, with `libfuzzer`'s flags after
+/// kvpn's (libFuzzer takes the last of a repeated flag). New inputs go to a
+/// scratch corpus in the cache (the committed one in fuzz/corpus/ is only read,
+/// unless `merge`); a crash stops with the input under fuzz/artifacts/<target>/.
+fn fuzz(seconds: u32, merge: bool, only: &[String], libfuzzer: &[String]) -> Result<()> {
     if Command::new("cargo")
         .args(["fuzz", "--version"])
         .output()
@@ -340,6 +351,7 @@ fn fuzz(seconds: u32, merge: bool, only: &[String]) -> Result<()> {
             .arg("--")
             .arg(format!("-max_total_time={seconds}"))
             .args(["-timeout=10", "-rss_limit_mb=2048", "-print_final_stats=1"])
+            .args(libfuzzer)
             .output()
             .with_context(|| format!("cannot run cargo fuzz for {target}"))?;
         let log = String::from_utf8_lossy(&out.stderr);
@@ -383,4 +395,137 @@ fn fuzz(seconds: u32, merge: bool, only: &[String]) -> Result<()> {
     }
     println!("==> fuzzing done\n{}", summary.join("\n"));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(argv: &[&str]) -> Task {
+        let mut full = vec!["cargo xtask"];
+        full.extend_from_slice(argv);
+        Args::try_parse_from(&full)
+            .unwrap_or_else(|e| panic!("{argv:?} refused: {e}"))
+            .task
+    }
+
+    fn bench_args(argv: &[&str]) -> Vec<String> {
+        match task(argv) {
+            Task::Bench { args } => args,
+            _ => panic!("{argv:?}: not bench"),
+        }
+    }
+
+    /// `./x bench --rounds 1` (the README's form) hands kvpn-bench its flags as
+    /// given; on main clap refused it with "unexpected argument '--rounds'" and
+    /// only `./x bench -- --rounds 1` worked, which still does.
+    #[test]
+    fn bench_passes_its_own_flags_through() {
+        assert_eq!(bench_args(&["bench", "--rounds", "1"]), ["--rounds", "1"]);
+        assert_eq!(
+            bench_args(&["bench", "--rounds", "2", "--workers", "4", "--plain-only"]),
+            ["--rounds", "2", "--workers", "4", "--plain-only"]
+        );
+        assert_eq!(
+            bench_args(&["bench", "--", "--rounds", "1"]),
+            ["--rounds", "1"]
+        );
+        assert_eq!(
+            bench_args(&["bench", "--busy-fraction", "-0.5"]),
+            ["--busy-fraction", "-0.5"]
+        );
+        assert!(bench_args(&["bench"]).is_empty());
+    }
+
+    /// `./x test -p kvpn-control --lib` reaches cargo test as given.
+    #[test]
+    fn test_passes_cargo_test_flags_through() {
+        let Task::Test { args } = task(&["test", "-p", "kvpn-control", "--lib"]) else {
+            panic!("not test");
+        };
+        assert_eq!(args, ["-p", "kvpn-control", "--lib"]);
+    }
+
+    /// The soak's flags as the README writes them, in any order; anything else
+    /// goes to kvpn-soak as given.
+    #[test]
+    fn soak_takes_its_flags_and_passes_the_rest_through() {
+        let Task::Soak {
+            seconds,
+            rate,
+            json,
+            args,
+        } = task(&[
+            "soak",
+            "--seconds",
+            "60",
+            "--json",
+            "/tmp/soak.json",
+            "--rate",
+            "2.5",
+        ])
+        else {
+            panic!("not soak");
+        };
+        assert_eq!(
+            (seconds, rate, json, args),
+            (60, 2.5, Some(PathBuf::from("/tmp/soak.json")), vec![])
+        );
+        let Task::Soak { seconds, args, .. } = task(&["soak"]) else {
+            panic!("not soak");
+        };
+        assert_eq!((seconds, args), (600, vec![]));
+        let Task::Soak { seconds, args, .. } = task(&["soak", "--", "--seconds", "45"]) else {
+            panic!("not soak");
+        };
+        // kvpn-soak takes the last --seconds: the one given after `--`.
+        assert_eq!(
+            (seconds, args),
+            (600, vec!["--seconds".into(), "45".into()])
+        );
+        assert!(
+            Args::try_parse_from(["cargo xtask", "soak", "--seconds", "x"]).is_err(),
+            "--seconds x was accepted"
+        );
+    }
+
+    /// `./x fuzz --seconds 60 --merge dns_query -- -max_len=512`: fuzz's own
+    /// flags and targets, and libFuzzer's flags after `--`.
+    #[test]
+    fn fuzz_takes_its_flags_targets_and_libfuzzer_flags() {
+        let Task::Fuzz {
+            seconds,
+            merge,
+            targets,
+            libfuzzer,
+        } = task(&[
+            "fuzz",
+            "--seconds",
+            "60",
+            "--merge",
+            "dns_query",
+            "frame",
+            "--",
+            "-max_len=512",
+            "-jobs=2",
+        ])
+        else {
+            panic!("not fuzz");
+        };
+        assert_eq!((seconds, merge), (60, true));
+        assert_eq!(targets, ["dns_query", "frame"]);
+        assert_eq!(libfuzzer, ["-max_len=512", "-jobs=2"]);
+        let Task::Fuzz {
+            seconds,
+            merge,
+            targets,
+            libfuzzer,
+        } = task(&["fuzz", "dns_query", "--seconds", "5"])
+        else {
+            panic!("not fuzz");
+        };
+        assert_eq!((seconds, merge), (5, false));
+        assert_eq!(targets, ["dns_query"]);
+        assert!(libfuzzer.is_empty());
+    }
 }
