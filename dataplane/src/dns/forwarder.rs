@@ -134,7 +134,9 @@ pub struct Counters {
     pub expanded: AtomicU64,
     /// Relayed to the laptop's upstream nameservers.
     pub upstream: AtomicU64,
-    /// NXDOMAIN for a single label that exists nowhere in the cluster.
+    /// NXDOMAIN answered here: a single label that exists nowhere in the
+    /// cluster, a missing `….svc` name, or a `svc.ns` name the cluster denied
+    /// and the laptop's upstream gave no answer for.
     pub local_nxdomain: AtomicU64,
     /// AAAA answered NOERROR/empty for an IPv4-only cluster.
     pub empty_aaaa: AtomicU64,
