@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Builds the lab's Kubernetes control-plane binaries (kube-apiserver and
-# kube-controller-manager 1.20.2) from Debian 12's `kubernetes` source package
-# with Debian's golang-1.19-go, and caches them by version outside the checkout:
+# Builds the lab's Kubernetes binaries 1.20.2 (control plane: kube-apiserver,
+# kube-controller-manager, kube-scheduler; node: kubelet, kube-proxy) from Debian
+# 12's `kubernetes` source package with Debian's golang-1.19-go, and caches them by
+# version outside the checkout:
 #
-#   $KVPN_CACHE/kubernetes/1.20.2/bin/{kube-apiserver,kube-controller-manager,kubectl}
+#   $KVPN_CACHE/kubernetes/1.20.2/bin/{kube-apiserver,kube-controller-manager,kube-scheduler,kubelet,kube-proxy,kubectl}
 #
 # (KVPN_CACHE defaults to /var/cache/kvpn.) A second run finds the binaries and
-# exits in seconds. The build (about 7 minutes on 2 cores, 1.3 GB of scratch
+# exits in seconds. The build (about 9 minutes on 2 cores, 1.3 GB of scratch
 # space) happens in a work dir under the cache; the binaries are moved into
 # place only when complete, so an interrupted run leaves nothing half-built.
 # Facts behind each step: shared/TOOLCHAIN.md, "A real Kubernetes API server".
@@ -92,14 +93,19 @@ provide_kubectl() {
 }
 
 # --- cached? -------------------------------------------------------------------
-if is_ours "$OUT/kube-apiserver" && is_ours "$OUT/kube-controller-manager"; then
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
+all_ours() {
+    local b
+    for b in "${BINARIES[@]}"; do is_ours "$1/$b" || return 1; done
+}
+if all_ours "$OUT"; then
     provide_kubectl "$OUT"
     step "Kubernetes $K8S_VERSION binaries cached in $OUT"
     exit 0
 fi
 
 start=$(date +%s)
-step "building kube-apiserver and kube-controller-manager $K8S_VERSION (about 7 minutes; log: $K8S_CACHE/$K8S_VERSION/build.log)"
+step "building ${BINARIES[*]} $K8S_VERSION (about 9 minutes; log: $K8S_CACHE/$K8S_VERSION/build.log)"
 
 # --- packages ------------------------------------------------------------------
 need=()
@@ -156,7 +162,9 @@ find "$r2" -maxdepth 1 -type f \( -name '*.go' -o -name '*.s' -o -name 'LICENSE'
     -exec cp {} "$src/vendor/github.com/modern-go/reflect2/" \;
 
 # --- make ----------------------------------------------------------------------------
-step "make WHAT=\"cmd/kube-apiserver cmd/kube-controller-manager\" with Go $("$GO_ROOT/bin/go" env GOVERSION)"
+what="$(printf 'cmd/%s ' "${BINARIES[@]}")"
+what="${what% }"
+step "make WHAT=\"$what\" with Go $("$GO_ROOT/bin/go" env GOVERSION)"
 log="$K8S_CACHE/$K8S_VERSION/build.log"
 (
     cd "$src"
@@ -173,7 +181,7 @@ log="$K8S_CACHE/$K8S_VERSION/build.log"
     export KUBE_GIT_MAJOR="${K8S_VERSION%%.*}"
     minor="${K8S_VERSION#*.}"
     export KUBE_GIT_MINOR="${minor%%.*}"
-    nice -n 10 make WHAT="cmd/kube-apiserver cmd/kube-controller-manager"
+    nice -n 10 make WHAT="$what"
 ) >"$log" 2>&1 &
 make_pid=$!
 # Progress: the build's own step lines as they come, and a heartbeat each minute
@@ -201,7 +209,7 @@ fi
 built="$src/_output/bin"
 [ -d "$built" ] || built="$src/_output/local/bin/linux/amd64"
 mkdir -p "$OUT.tmp"
-for b in kube-apiserver kube-controller-manager; do
+for b in "${BINARIES[@]}"; do
     [ -x "$built/$b" ] || die "make finished but $built/$b is missing (log: $log)"
     install -m 0755 "$built/$b" "$OUT.tmp/$b"
     is_ours "$OUT.tmp/$b" || die "$OUT.tmp/$b --version does not report v$K8S_VERSION"

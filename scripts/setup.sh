@@ -28,6 +28,12 @@ APT_PACKAGES=(
     # headers: libclang and its builtin headers) and the lab's KDC, kadmin.local, kinit
     libkrb5-dev libclang1-14 libclang-common-14-dev pkg-config
     krb5-kdc krb5-admin-server krb5-user
+    # Container images and real node software: umoci builds the OCI images
+    # (`./x image`), skopeo copies them to registries, containerd + runc + the CNI
+    # plugins run them; busybox-static gives the lab's images a shell and tools.
+    umoci skopeo containerd runc containernetworking-plugins busybox-static
+    # a registry on loopback for the image tests (skopeo push and pull)
+    docker-registry
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -42,6 +48,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
     systemctl disable --now etcd >/dev/null 2>&1 || true
     # Likewise the Kerberos packages' system KDC and kadmind: the lab runs its own.
     systemctl disable --now krb5-kdc krb5-admin-server >/dev/null 2>&1 || true
+    # containerd's package starts a system containerd; each lab node runs its own.
+    systemctl disable --now containerd docker-registry >/dev/null 2>&1 || true
+    # Without systemd the package's init script may have started it.
+    [ -x /etc/init.d/docker-registry ] && /etc/init.d/docker-registry stop >/dev/null 2>&1 || true
 fi
 
 # --- systemd-resolved, for the dns-04 test only ----------------------------
@@ -108,6 +118,12 @@ fi
 if ! rustup component list --toolchain nightly --installed | grep -q '^rust-src'; then
     step "adding rust-src to nightly"
     rustup component add rust-src --toolchain nightly
+fi
+
+# --- musl target, for the static kvpn-manager in the image ---------------------
+if ! rustup target list --installed | grep -q '^x86_64-unknown-linux-musl$'; then
+    step "adding the x86_64-unknown-linux-musl target (static manager image)"
+    rustup target add x86_64-unknown-linux-musl
 fi
 
 # --- bpf-linker against the toolchain's own LLVM (TOOLCHAIN.md) -------------

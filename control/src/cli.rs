@@ -15,7 +15,7 @@ pub const DEFAULT_TUNNEL_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(100, 96, 0, 2));
 #[derive(Debug, Parser)]
 #[command(
     name = "kvpn",
-    version,
+    version = kvpn_build_info::VERSION_LINE,
     about = "Put this machine on a Kubernetes cluster's network",
     long_about = "kvpn puts this machine on a Kubernetes cluster's network: after `kvpn connect`, \
 pod IPs, ClusterIPs and service names (`web.default`) are reachable over TCP, UDP and ICMP, \
@@ -239,8 +239,17 @@ pub enum Command {
     Top(TopArgs),
     /// Disconnect every session, then stop the user daemon and the root daemon.
     Quit,
+    /// The version and source commit of this CLI, the user daemon, the root
+    /// daemon (when running; none is started for this) and each connected
+    /// cluster's traffic manager. A daemon of another build than the CLI is named
+    /// with the fix (`kvpn quit`), or restarted when no session exists.
+    Version(VersionArgs),
     /// Print the user daemon's and the root daemon's logs.
     Logs(LogsArgs),
+    /// Install or upgrade the traffic manager without connecting; with --dry-run,
+    /// print every object an install would apply (for GitOps and review), touching
+    /// no cluster.
+    Install(InstallArgs),
     /// Remove the traffic manager and every object kvpn created in the cluster.
     Uninstall(UninstallArgs),
     /// An interactive shell (or one command, after `--`) on an SSH host, reached
@@ -324,6 +333,68 @@ impl KubeArgs {
     }
 }
 
+/// `kvpn install` flags.
+#[derive(Debug, Args)]
+pub struct InstallArgs {
+    /// Print the objects instead of applying them (no cluster is contacted; the
+    /// TLS Secret is generated fresh, valid for the Service's DNS names). Apply
+    /// them with `kubectl apply -f -`; developers then connect with --no-install.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Output format of --dry-run: a YAML stream of documents, or a JSON List.
+    #[arg(short = 'o', long, value_enum, default_value_t = ManifestFormat::Yaml)]
+    pub output: ManifestFormat,
+    /// Traffic manager image (also $KVPN_IMAGE or the settings file; see
+    /// `kvpn connect --help`).
+    #[arg(long, value_name = "IMAGE", value_parser = parse_image)]
+    pub image: Option<String>,
+    /// Secret the nodes use to pull the image (repeatable).
+    #[arg(long = "image-pull-secret", value_name = "NAME", value_parser = parse_secret_name)]
+    pub image_pull_secrets: Vec<String>,
+    /// When the nodes pull the image.
+    #[arg(long, value_name = "POLICY", value_parser = ["Always", "IfNotPresent", "Never"])]
+    pub image_pull_policy: Option<String>,
+    /// Whose address the cluster's backends see (see `kvpn connect --help`).
+    #[arg(long, value_enum)]
+    pub source_policy: Option<crate::install::SourcePolicy>,
+    /// Kubeconfig file (default: $KUBECONFIG, a colon-separated list, else ~/.kube/config).
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context (default: its current-context); also picks the settings
+    /// file's per-context entry with --dry-run.
+    #[arg(long)]
+    pub context: Option<String>,
+    /// Namespace of the traffic manager.
+    #[arg(long, default_value = "kvpn-system", value_parser = parse_namespace)]
+    pub manager_namespace: String,
+    /// SSH jump hosts to the API server.
+    #[command(flatten, next_help_heading = "SSH jump host to the API server")]
+    pub ssh: crate::ssh::SshArgs,
+}
+
+/// `kvpn install --dry-run -o` formats.
+#[derive(Debug, Clone, Copy, ValueEnum, Default, PartialEq, Eq)]
+pub enum ManifestFormat {
+    /// YAML documents separated by `---` (kubectl apply -f -).
+    #[default]
+    Yaml,
+    /// One JSON `v1/List` (kubectl apply -f -).
+    Json,
+}
+
+impl InstallArgs {
+    /// The cluster flags as the other Kubernetes commands take them (no namespace).
+    pub fn kube(&self) -> KubeArgs {
+        KubeArgs {
+            kubeconfig: self.kubeconfig.clone(),
+            context: self.context.clone(),
+            namespace: None,
+            manager_namespace: self.manager_namespace.clone(),
+            ssh: self.ssh.clone(),
+        }
+    }
+}
+
 /// `kvpn uninstall` flags: [`KubeArgs`] without `-n/--namespace`, which says
 /// where short service names resolve and means nothing to an uninstall.
 #[derive(Debug, Args)]
@@ -367,9 +438,30 @@ pub struct ConnectArgs {
         value_parser = parse_manager_addr
     )]
     pub manager: Option<String>,
-    /// Traffic manager image to install or upgrade to.
-    #[arg(long)]
+    /// Traffic manager image to install or upgrade to (also $KVPN_IMAGE, or
+    /// `image:` in ~/.config/kvpn/config.yaml, per context under `contexts:`).
+    /// Remembered by the install: a later connect without it keeps this image (at
+    /// this kvpn's version when its tag was the manager's version). Default:
+    /// localhost/kvpn/manager:<version>, which `./x image manager` builds; load it
+    /// into the cluster or push it to a registry (README: "Use kvpn with your own
+    /// cluster").
+    #[arg(long, value_name = "IMAGE", value_parser = parse_image)]
     pub image: Option<String>,
+    /// A Secret (type kubernetes.io/dockerconfigjson, in the manager namespace) the
+    /// nodes use to pull the manager image from a private registry (repeatable;
+    /// remembered by the install like --image).
+    #[arg(long = "image-pull-secret", value_name = "NAME", value_parser = parse_secret_name)]
+    pub image_pull_secrets: Vec<String>,
+    /// When the nodes pull the manager image (remembered by the install like
+    /// --image). Kubernetes' default: IfNotPresent for a tagged image.
+    #[arg(long, value_name = "POLICY", value_parser = ["Always", "IfNotPresent", "Never"])]
+    pub image_pull_policy: Option<String>,
+    /// Use a traffic manager someone installed (e.g. from `kvpn install --dry-run
+    /// -o yaml`): write nothing to the cluster, fail with the fix when it is
+    /// missing, not ready or of another version. A developer then needs only
+    /// get/list/watch and pods/portforward (README: "Use kvpn with your own cluster").
+    #[arg(long)]
+    pub no_install: bool,
     /// A pod CIDR to route through the tunnel (repeatable).
     #[arg(long = "pod-cidr", value_name = "CIDR", value_parser = parse_cidr)]
     pub pod_cidrs: Vec<IpNet>,
@@ -484,6 +576,14 @@ pub struct StatusArgs {
     pub output: OutputFormat,
 }
 
+/// `kvpn version` flags.
+#[derive(Debug, Args)]
+pub struct VersionArgs {
+    /// Output format (json/yaml: cli, user_daemon, root_daemon, managers).
+    #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+}
+
 /// `kvpn top` flags.
 #[derive(Debug, Args)]
 pub struct TopArgs {
@@ -544,7 +644,12 @@ fn parse_connect_mtu(text: &str) -> Result<u32, String> {
 
 /// `--pod-cidr`/`--service-cidr`/`--cidr` value parser: ADDRESS/PREFIX, where a
 /// prefix length over 32 (IPv4) or 128 (IPv6) is named as such instead of
-/// ipnet's "invalid IP address syntax".
+/// ipnet's "invalid IP address syntax", and an address with host bits set
+/// (`10.1.2.3/8`) is refused with the network it would be, as `ip route` refuses
+/// it ("Invalid prefix for given prefix length"): taking it silently as
+/// 10.0.0.0/8 routed 16 million addresses where the user may have meant one.
+/// CIDRs kvpn detects itself are normalised without a word instead
+/// ([`kvpn_proto::cidr::normalise`]).
 fn parse_cidr(text: &str) -> Result<IpNet, String> {
     let example = "e.g. 10.244.0.0/16 or fd00:10:244::/64";
     let Some((addr, prefix)) = text.split_once('/') else {
@@ -571,7 +676,23 @@ fn parse_cidr(text: &str) -> Result<IpNet, String> {
             ));
         }
     };
-    IpNet::new(addr, prefix_len).map_err(|_| too_long())
+    let net = IpNet::new(addr, prefix_len).map_err(|_| too_long())?;
+    if net.trunc() != net {
+        return Err(host_bits_message(net));
+    }
+    Ok(net)
+}
+
+/// The refusal of a CIDR whose address has bits set after its prefix length,
+/// with both things the user may have meant: the whole network, or the address.
+fn host_bits_message(net: IpNet) -> String {
+    let host = IpNet::from(net.addr());
+    format!(
+        "{net} has host bits set (the address of a /{} network ends in zero bits); did you \
+         mean {} (the network) or {host} (that one address)?",
+        net.prefix_len(),
+        net.trunc(),
+    )
 }
 
 /// `--manager` value parser: HOST:PORT with a host and a port from 1 to 65535,
@@ -590,6 +711,34 @@ fn parse_manager_addr(addr: &str) -> Result<String, String> {
             "{addr:?}: port {port:?} is not a number from 1 to 65535 — {example}"
         )),
         Ok(_) => Ok(addr.to_owned()),
+    }
+}
+
+/// `--image` value parser: the reference grammar registries use
+/// ([`crate::install::image::validate`]), checked before anything is written.
+fn parse_image(image: &str) -> Result<String, String> {
+    crate::install::image::validate(image)
+        .map(|()| image.to_owned())
+        .map_err(|e| e.to_string())
+}
+
+/// `--image-pull-secret` value parser: a Secret name (RFC 1123 subdomain).
+fn parse_secret_name(name: &str) -> Result<String, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        });
+    if ok {
+        Ok(name.to_owned())
+    } else {
+        Err(format!(
+            "{name:?} is not a Secret name (lower-case letters, digits, '-' and '.', e.g. regcred)"
+        ))
     }
 }
 
@@ -824,6 +973,54 @@ mod tests {
                     "fd00::/128".parse().expect("cidr")
                 ]
             );
+        }
+    }
+
+    /// A CIDR typed with host bits set is refused, naming the network and the
+    /// one address the user may have meant (on main `--cidr 10.1.2.3/8` became
+    /// 10.0.0.0/8 without a word); a network address and a /32 or /128 pass.
+    #[test]
+    fn cidr_flags_refuse_host_bits_with_what_was_meant() {
+        for flag in ["--pod-cidr", "--service-cidr", "--cidr", "--extra-cidr"] {
+            for (bad, network, host) in [
+                ("10.1.2.3/8", "10.0.0.0/8", "10.1.2.3/32"),
+                ("10.42.2.5/24", "10.42.2.0/24", "10.42.2.5/32"),
+                ("192.168.1.1/31", "192.168.1.0/31", "192.168.1.1/32"),
+                ("0.0.0.1/0", "0.0.0.0/0", "0.0.0.1/32"),
+                ("fd00::1/64", "fd00::/64", "fd00::1/128"),
+            ] {
+                let err = Cli::try_parse_from(["kvpn", "connect", flag, bad])
+                    .expect_err(&format!("{flag} {bad} was accepted"))
+                    .to_string();
+                let want = format!(
+                    "{bad} has host bits set (the address of a /{} network ends in zero \
+                     bits); did you mean {network} (the network) or {host} (that one address)?",
+                    bad.split_once('/').expect("prefix").1
+                );
+                assert!(err.contains(&want), "{flag} {bad}: no {want:?} in {err}");
+                let shown = if flag == "--extra-cidr" {
+                    "--cidr"
+                } else {
+                    flag
+                };
+                assert!(err.contains(shown), "{flag} {bad}: no flag in {err}");
+            }
+            for good in [
+                "10.0.0.0/8",
+                "10.1.2.3/32",
+                "0.0.0.0/0",
+                "fd00::/64",
+                "fd00::1/128",
+                "::/0",
+            ] {
+                let cli = Cli::try_parse_from(["kvpn", "connect", flag, good])
+                    .unwrap_or_else(|e| panic!("{flag} {good}: {e}"));
+                let Command::Connect(args) = cli.command else {
+                    panic!("not connect");
+                };
+                let all = [args.pod_cidrs, args.service_cidrs, args.extra_cidrs].concat();
+                assert_eq!(all, vec![good.parse::<IpNet>().expect("cidr")], "{flag}");
+            }
         }
     }
 

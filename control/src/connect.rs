@@ -22,7 +22,7 @@ use crate::cli::ConnectArgs;
 use crate::install::{self, InstallOptions, ProgressEvent};
 use crate::kubeconfig::{KubeConnection, UserEnv};
 use crate::lease;
-use crate::{daemon, output, userd};
+use crate::{daemon, output, settings, userd};
 use kvpn_proto::manager::LeaseResponse;
 use kvpn_proto::userd::StartSessionRequest;
 use kvpn_proto::userd::user_daemon_client::UserDaemonClient;
@@ -322,6 +322,8 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
         (args.redetect_cidrs, "--redetect-cidrs"),
         (args.kube.namespace.is_some(), "--namespace"),
         (args.image.is_some(), "--image"),
+        (!args.image_pull_secrets.is_empty(), "--image-pull-secret"),
+        (args.image_pull_policy.is_some(), "--image-pull-policy"),
         (args.tun_name.is_some(), "--tun-name"),
         (args.mtu.is_some(), "--mtu"),
         (args.workers != 1, "--workers"),
@@ -501,6 +503,140 @@ pub fn warn_never_routed(cidrs: &[IpNet]) {
             hit.join(", ")
         ));
     }
+}
+
+/// [`typed_cidr_holes`] of every CIDR flag of `args`, as warnings.
+pub fn warn_typed_cidr_holes(args: &ConnectArgs, keep_out: &[(IpAddr, String)]) {
+    for (flag, typed) in [
+        ("--pod-cidr", &args.pod_cidrs),
+        ("--service-cidr", &args.service_cidrs),
+        ("--cidr", &args.extra_cidrs),
+    ] {
+        for line in typed_cidr_holes(flag, typed, keep_out) {
+            output::warn(&line);
+        }
+    }
+}
+
+/// The CIDR flags of `args` with their values, as the user typed them.
+pub fn typed_cidrs(args: &ConnectArgs) -> Vec<(&'static str, IpNet)> {
+    [
+        ("--pod-cidr", &args.pod_cidrs),
+        ("--service-cidr", &args.service_cidrs),
+        ("--cidr", &args.extra_cidrs),
+    ]
+    .into_iter()
+    .flat_map(|(flag, nets)| nets.iter().map(move |n| (flag, *n)))
+    .collect()
+}
+
+/// When the root daemon refused routes for overlapping the laptop's (its
+/// `message` names each as "<CIDR> overlaps …") and some are pieces of a CIDR the
+/// user typed but kvpn split (around the [`NEVER_ROUTED`] ranges and the
+/// `keep_out` addresses), which typed CIDR they are parts of and the two ways
+/// out (pure). `None` when no refused range is such a piece.
+pub fn split_refusal_hint(
+    message: &str,
+    typed: &[(&str, IpNet)],
+    keep_out: &[IpAddr],
+) -> Option<String> {
+    let never = never_routed();
+    let mut hints = Vec::new();
+    for (flag, net) in typed {
+        let pieces = cidr::exclude(&kvpn_proto::cidr::subtract(&[*net], &never), keep_out);
+        if pieces == [*net] {
+            continue;
+        }
+        let refused: Vec<String> = pieces
+            .iter()
+            .map(ToString::to_string)
+            .filter(|p| message.contains(&format!(" {p} overlaps ")))
+            .collect();
+        if refused.is_empty() {
+            continue;
+        }
+        let (these, are) = if refused.len() == 1 {
+            ("range", "is a part")
+        } else {
+            ("ranges", "are parts")
+        };
+        hints.push(format!(
+            "the refused {these} {} {are} of {flag} {net}, which kvpn routes as {} smaller \
+             ranges around the addresses it keeps off the tunnel; {net} covers routes this \
+             laptop already has (below) — give narrower {flag} ranges that leave the laptop's \
+             own subnets out, or pass --allow-route-conflict to keep the laptop's routes and \
+             send the rest of {net} through the tunnel",
+            refused.join(", "),
+            pieces.len()
+        ));
+    }
+    (!hints.is_empty()).then(|| hints.join("; "))
+}
+
+/// `e` (a failed connect) with [`split_refusal_hint`] in front when it applies.
+pub fn with_split_refusal_hint(
+    e: anyhow::Error,
+    args: &ConnectArgs,
+    keep_out: &[IpAddr],
+) -> anyhow::Error {
+    match split_refusal_hint(&format!("{e:#}"), &typed_cidrs(args), keep_out) {
+        Some(hint) => e.context(hint),
+        None => e,
+    }
+}
+
+/// For each CIDR the user typed with `flag` ("--cidr", "--pod-cidr", …) that kvpn
+/// does not route whole, one line saying what it keeps off the tunnel inside it
+/// and why: the [`NEVER_ROUTED`] ranges it overlaps and the `keep_out` addresses
+/// (with what each is: "the API server", "a nameserver", …) it contains (pure).
+/// A wide CIDR such as 0.0.0.0/0 is installed as many smaller ranges around
+/// them; this names the holes, so a route conflict on one of those ranges is
+/// not a surprise.
+pub fn typed_cidr_holes(flag: &str, typed: &[IpNet], keep_out: &[(IpAddr, String)]) -> Vec<String> {
+    let never: Vec<(IpNet, &str)> = NEVER_ROUTED
+        .iter()
+        .filter_map(|(c, why)| c.parse().ok().map(|n| (n, *why)))
+        .collect();
+    let never_nets: Vec<IpNet> = never.iter().map(|(n, _)| *n).collect();
+    let keep_out_ips: Vec<IpAddr> = keep_out.iter().map(|(ip, _)| *ip).collect();
+    let mut out = Vec::new();
+    for net in typed {
+        let mut holes: Vec<String> = never
+            .iter()
+            .filter(|(n, _)| n.contains(net) || net.contains(n))
+            .map(|(n, why)| format!("{n} ({why})"))
+            .collect();
+        let mut seen = Vec::new();
+        for (ip, _) in keep_out {
+            if net.contains(ip) && !never_nets.iter().any(|n| n.contains(ip)) && !seen.contains(ip)
+            {
+                seen.push(*ip);
+                let all: Vec<&str> = keep_out
+                    .iter()
+                    .filter(|(other, _)| other == ip)
+                    .map(|(_, w)| w.as_str())
+                    .collect();
+                holes.push(format!("{ip} ({})", all.join(", ")));
+            }
+        }
+        if holes.is_empty() {
+            continue;
+        }
+        let pieces = cidr::exclude(
+            &kvpn_proto::cidr::subtract(&[*net], &never_nets),
+            &keep_out_ips,
+        );
+        let how = match pieces.len() {
+            0 => "is not routed at all".to_owned(),
+            1 => format!("is routed as {}", pieces[0]),
+            n => format!("is routed as {n} smaller ranges"),
+        };
+        out.push(format!(
+            "{flag} {net} {how}: kvpn keeps {} off the tunnel — the laptop needs them itself",
+            holes.join(", ")
+        ));
+    }
+    out
 }
 
 /// The routes of a session: each kind's CIDRs normalised, without the
@@ -753,14 +889,60 @@ pub(crate) async fn ensure_manager(
         namespace: args.kube.manager_namespace.clone(),
         ..InstallOptions::default()
     };
-    if let Some(image) = &args.image {
-        opts.image = image.clone();
+    let choice = image_choice(conn, args)?;
+    if let Some(image) = &choice.image {
+        crate::install::image::validate(&image.value)
+            .with_context(|| format!("the manager image from {}", image.origin))?;
+        output::detail(&format!(
+            "manager image {} (from {})",
+            image.value, image.origin
+        ));
+        opts.image = image.value.clone();
     }
+    opts.keep_installed_image = choice.image.is_none();
+    opts.keep_installed_pull_secrets = choice.pull_secrets.is_none();
+    opts.image_pull_secrets = choice.pull_secrets.map(|c| c.value).unwrap_or_default();
+    opts.keep_installed_pull_policy = choice.pull_policy.is_none();
+    opts.image_pull_policy = choice.pull_policy.map(|c| c.value);
     opts.source_policy = args.source_policy.unwrap_or_default();
     opts.keep_installed_policy = args.source_policy.is_none();
+    if args.no_install {
+        return install::find_manager(&conn.client, &opts, &print_progress)
+            .await
+            .context("no usable traffic manager (--no-install)");
+    }
     install::ensure_manager(&conn.client, &opts, &print_progress)
         .await
         .context("the traffic manager is not ready")
+}
+
+/// The manager image and pull settings this connect asks for: flags, then
+/// `$KVPN_IMAGE`, then the settings file (per context, then top level); see
+/// [`crate::settings`].
+fn image_choice(conn: &KubeConnection, args: &ConnectArgs) -> Result<settings::ImageChoice> {
+    let file = conn
+        .target
+        .config_dir
+        .as_ref()
+        .map(|d| d.join(settings::FILE_NAME));
+    let loaded = match &file {
+        Some(f) => settings::load(f)?,
+        None => settings::Settings::default(),
+    };
+    let env_image = std::env::var(settings::IMAGE_ENV).ok();
+    let flags = settings::ImageFlags {
+        image: args.image.as_deref(),
+        pull_secrets: &args.image_pull_secrets,
+        pull_policy: args.image_pull_policy.as_deref(),
+        env_image: env_image.as_deref(),
+    };
+    Ok(settings::choose(
+        &flags,
+        &loaded,
+        file.as_deref()
+            .unwrap_or(std::path::Path::new(settings::FILE_NAME)),
+        &conn.description.context,
+    ))
 }
 
 /// The lease step of both modes: this user's client id for the cluster, `Lease`
@@ -794,6 +976,22 @@ pub(crate) async fn lease_step(
         )
     })?;
     Ok((leased, tunnel_ip))
+}
+
+/// The manager's version and commit in `origin` (`kvpn version` shows them):
+/// its Lease answer, else (a manager older than those fields) its Deployment's
+/// `kvpn.dev/version` and no commit.
+pub(crate) fn set_manager_build(
+    origin: &mut Origin,
+    leased: &LeaseResponse,
+    manager: &install::ManagerInfo,
+) {
+    origin.manager_version = if leased.manager_version.is_empty() {
+        manager.version.clone()
+    } else {
+        leased.manager_version.clone()
+    };
+    origin.manager_commit = leased.manager_commit.clone();
 }
 
 /// What every session request carries, whatever the mode: who asks (environment,
@@ -878,6 +1076,8 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         manager_namespace: args.kube.manager_namespace.clone(),
         data_path: String::new(),
         source_policy: String::new(),
+        manager_version: String::new(),
+        manager_commit: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(session_policy) = already_connected(&mut user, &origin).await? {
@@ -929,6 +1129,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     // The tunnel IP and session token come from the manager (item 4, tr-11): the
     // same client id, kept per user and cluster, gets the same IP back.
     let (leased, tunnel_ip) = lease_step(&conn, args, &env, &manager).await?;
+    set_manager_build(&mut origin, &leased, &manager);
     let tunnel_pool: IpNet = leased.pool_cidr.parse().with_context(|| {
         format!(
             "the traffic manager sent an invalid tunnel pool {:?}",
@@ -976,7 +1177,8 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         output::warn(p);
     }
     let keep_out: Vec<IpAddr> = essentials.addresses();
-    warn_never_routed(&[&pod[..], &service, &args.extra_cidrs].concat());
+    warn_never_routed(&[&detected_pod[..], &detected_service].concat());
+    warn_typed_cidr_holes(args, &essentials.labelled());
     let mut routes = cluster_routes(&pod, &service, &args.extra_cidrs, &keep_out);
     // Other laptops' tunnel IPs (laptop-to-laptop through the manager). The
     // laptop's own tunnel IP is in the local routing table, which wins, so the
@@ -1068,6 +1270,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     let started = match setup_or_interrupt(start, &mut interrupt).await {
         Setup::Done(r) => r
             .map_err(daemon::status_to_error)
+            .map_err(|e| with_split_refusal_hint(e, args, &keep_out))
             .context("connect failed")?,
         Setup::Interrupted(None) => interrupted(Interrupted::Pending("user daemon")).await,
         Setup::Interrupted(Some(started)) => {
@@ -1174,6 +1377,8 @@ mod tests {
             manager_namespace: ns.into(),
             data_path: String::new(),
             source_policy: String::new(),
+            manager_version: String::new(),
+            manager_commit: String::new(),
         }
     }
 
@@ -1357,5 +1562,135 @@ mod never_routed_tests {
         let cidrs: Vec<&str> = routes.iter().map(|r| r.cidr.as_str()).collect();
         assert_eq!(cidrs, ["10.244.0.0/16", "10.96.0.0/12"]);
         assert!(never_routed_overlaps(&[pod, svc].concat()).is_empty());
+    }
+
+    fn labelled(pairs: &[(&str, &str)]) -> Vec<(IpAddr, String)> {
+        pairs
+            .iter()
+            .map(|(ip, what)| {
+                (
+                    ip.parse().unwrap_or_else(|e| panic!("{ip}: {e}")),
+                    (*what).to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    /// `--cidr 0.0.0.0/0` names every hole kvpn cuts into it and why: the
+    /// ranges no route may take and the laptop's essentials (on main the user
+    /// saw only the sub-ranges a conflict named, none of which they typed).
+    #[test]
+    fn a_wide_typed_cidr_names_what_kvpn_keeps_off_the_tunnel_and_why() {
+        let keep = labelled(&[
+            ("172.31.255.1", "the API server"),
+            ("192.168.1.1", "a nameserver"),
+            ("192.168.1.1", "a default gateway"),
+            ("10.9.9.9", "an SSH jump host"),
+            ("fd00::53", "a nameserver"),
+        ]);
+        let lines = super::typed_cidr_holes("--cidr", &nets(&["0.0.0.0/0"]), &keep);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let line = &lines[0];
+        assert!(line.starts_with("--cidr 0.0.0.0/0 is routed as "), "{line}");
+        for hole in [
+            "0.0.0.0/8 (\"this network\")",
+            "127.0.0.0/8 (loopback)",
+            "169.254.0.0/16 (link-local)",
+            "224.0.0.0/4 (multicast)",
+            "255.255.255.255/32 (broadcast)",
+            "172.31.255.1 (the API server)",
+            "192.168.1.1 (a nameserver, a default gateway)",
+            "10.9.9.9 (an SSH jump host)",
+        ] {
+            assert!(line.contains(hole), "no {hole} in {line}");
+        }
+        assert!(
+            !line.contains("fd00::53"),
+            "an IPv6 address is no hole in IPv4: {line}"
+        );
+        assert!(
+            line.ends_with("off the tunnel — the laptop needs them itself"),
+            "{line}"
+        );
+        // The count is the number of ranges actually installed.
+        let routes = super::cluster_routes(
+            &[],
+            &[],
+            &nets(&["0.0.0.0/0"]),
+            &keep.iter().map(|(ip, _)| *ip).collect::<Vec<_>>(),
+        );
+        assert!(
+            line.contains(&format!("is routed as {} smaller ranges", routes.len())),
+            "{line} vs {} routes",
+            routes.len()
+        );
+    }
+
+    /// The root daemon's refusal names pieces of a split `--cidr 0.0.0.0/0`; the
+    /// hint says whose pieces they are and the two ways out. A refusal of a
+    /// range the user typed whole gets no hint (it names the user's own words).
+    #[test]
+    fn a_refused_piece_of_a_split_typed_cidr_is_traced_back_to_it() {
+        let refusal = "connect failed at step \"check route conflicts\": extra CIDR \
+             172.31.255.0/32 overlaps 172.31.255.0/30 dev eth0 (proto kernel, table main); \
+             extra CIDR 172.31.255.2/31 overlaps 172.31.255.0/30 dev eth0 (proto kernel, table \
+             main) — the laptop already routes these addresses elsewhere";
+        let all: IpNet = "0.0.0.0/0".parse().expect("cidr");
+        let manager: IpAddr = "172.31.255.1".parse().expect("ip");
+        let hint =
+            super::split_refusal_hint(refusal, &[("--cidr", all)], &[manager]).expect("a hint");
+        let pieces = cluster_routes(&[], &[], &[all], &[manager]).len();
+        assert_eq!(
+            hint,
+            format!(
+                "the refused ranges 172.31.255.0/32, 172.31.255.2/31 are parts of --cidr \
+                 0.0.0.0/0, which kvpn routes as {pieces} smaller ranges around the addresses \
+                 it keeps off the tunnel; 0.0.0.0/0 covers routes this laptop already has \
+                 (below) — give narrower --cidr ranges that leave the laptop's own subnets \
+                 out, or pass --allow-route-conflict to keep the laptop's routes and send the \
+                 rest of 0.0.0.0/0 through the tunnel"
+            )
+        );
+        let whole: IpNet = "172.31.255.0/30".parse().expect("cidr");
+        assert_eq!(
+            super::split_refusal_hint(
+                "extra CIDR 172.31.255.0/30 overlaps 172.31.255.0/30 dev eth0",
+                &[("--cidr", whole)],
+                &[]
+            ),
+            None
+        );
+        // Another range's refusal is not blamed on the typed one.
+        assert_eq!(
+            super::split_refusal_hint(
+                "pod CIDR 10.244.0.0/16 overlaps 10.244.0.0/16 dev br0",
+                &[("--cidr", all)],
+                &[manager]
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn typed_cidrs_routed_whole_are_not_mentioned_and_one_inside_a_never_routed_range_is() {
+        let keep = labelled(&[("172.31.255.1", "the API server")]);
+        assert!(
+            super::typed_cidr_holes("--pod-cidr", &nets(&["10.244.0.0/16", "fd00::/64"]), &keep)
+                .is_empty()
+        );
+        assert_eq!(
+            super::typed_cidr_holes("--cidr", &nets(&["127.0.0.0/24"]), &keep),
+            [
+                "--cidr 127.0.0.0/24 is not routed at all: kvpn keeps 127.0.0.0/8 (loopback) off \
+              the tunnel — the laptop needs them itself"
+            ]
+        );
+        assert_eq!(
+            super::typed_cidr_holes("--service-cidr", &nets(&["172.31.255.0/31"]), &keep),
+            [
+                "--service-cidr 172.31.255.0/31 is routed as 172.31.255.0/32: kvpn keeps \
+              172.31.255.1 (the API server) off the tunnel — the laptop needs them itself"
+            ]
+        );
     }
 }

@@ -398,14 +398,43 @@ fn start(runtime_dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// What [`stop_quietly`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// No root daemon answered, or it had no pid file.
+    NotRunning,
+    /// Its pid file named a process that was gone.
+    WasNotRunning(i32),
+    /// It stopped.
+    Stopped(i32),
+}
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stopped::NotRunning => write!(f, "The root daemon is not running"),
+            Stopped::WasNotRunning(pid) => {
+                write!(f, "The root daemon (pid {pid}) was not running")
+            }
+            Stopped::Stopped(pid) => write!(f, "Stopped the root daemon (pid {pid})"),
+        }
+    }
+}
+
 /// Stop the root daemon (SIGTERM to the pid in its pid file; a normal user,
 /// who may not signal root's processes, asks it over its socket with Shutdown)
-/// and wait for the process to go.
+/// and wait for the process to go, saying what happened.
 pub async fn stop(runtime_dir: &Path) -> Result<()> {
+    let stopped = stop_quietly(runtime_dir).await?;
+    crate::output::done(&stopped.to_string());
+    Ok(())
+}
+
+/// [`stop`] without a word: what happened is the answer.
+pub async fn stop_quietly(runtime_dir: &Path) -> Result<Stopped> {
     if nix_uid() != 0 {
         let Some(mut client) = connect_existing(runtime_dir).await? else {
-            crate::output::done("The root daemon is not running");
-            return Ok(());
+            return Ok(Stopped::NotRunning);
         };
         let pid = client
             .shutdown(kvpn_proto::dataplane::ShutdownRequest {})
@@ -415,7 +444,8 @@ pub async fn stop(runtime_dir: &Path) -> Result<()> {
             .into_inner()
             .pid;
         let pid = i32::try_from(pid).context("the root daemon sent an invalid pid")?;
-        return wait_gone(pid, runtime_dir).await;
+        wait_gone(pid, runtime_dir).await?;
+        return Ok(Stopped::Stopped(pid));
     }
     let pid_file = pid_path(runtime_dir);
     let pid = match std::fs::read_to_string(&pid_file) {
@@ -423,20 +453,17 @@ pub async fn stop(runtime_dir: &Path) -> Result<()> {
             .trim()
             .parse::<i32>()
             .with_context(|| format!("bad pid file {}", pid_file.display()))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            crate::output::done("The root daemon is not running");
-            return Ok(());
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Stopped::NotRunning),
         Err(e) => return Err(anyhow!(e).context(format!("cannot read {}", pid_file.display()))),
     };
     // SAFETY: kill(2) with a pid and a signal number has no memory preconditions.
     let sent = unsafe { libc::kill(pid, libc::SIGTERM) } == 0;
     if !sent || !process_alive(pid) {
-        crate::output::done(&format!("The root daemon (pid {pid}) was not running"));
         let _ = std::fs::remove_file(&pid_file);
-        return Ok(());
+        return Ok(Stopped::WasNotRunning(pid));
     }
-    wait_gone(pid, runtime_dir).await
+    wait_gone(pid, runtime_dir).await?;
+    Ok(Stopped::Stopped(pid))
 }
 
 /// Wait for the root daemon `pid` itself to go: its socket may still exist
@@ -452,7 +479,6 @@ async fn wait_gone(pid: i32, runtime_dir: &Path) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    crate::output::done(&format!("Stopped the root daemon (pid {pid})"));
     Ok(())
 }
 

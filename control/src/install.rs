@@ -26,6 +26,7 @@
 //! about pods live in the pure [`wait`] core, certificate work in [`certs`].
 
 pub mod certs;
+pub mod image;
 pub mod objects;
 pub mod wait;
 
@@ -62,10 +63,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(500);
 /// period, the namespace controller empties a namespace in a few seconds).
 pub const UNINSTALL_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// The default manager image for a kvpn version (`--image` overrides it).
-pub fn default_image(version: &str) -> String {
-    format!("ghcr.io/kvpn/manager:{version}")
-}
+pub use self::image::default_image;
 
 /// What to install where.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,6 +81,17 @@ pub struct InstallOptions {
     /// No `--source-policy` was given: an installed manager keeps the policy it
     /// runs with (`source_policy` applies only to a new install).
     pub keep_installed_policy: bool,
+    /// No image was asked for (flag, `KVPN_IMAGE`, settings file): an installed
+    /// manager keeps its image ([`image::remembered`]); `image` is for a new install.
+    pub keep_installed_image: bool,
+    /// `--image-pull-secret` names (Secrets in the manager namespace).
+    pub image_pull_secrets: Vec<String>,
+    /// None asked: an installed manager keeps its pull secrets.
+    pub keep_installed_pull_secrets: bool,
+    /// `--image-pull-policy`.
+    pub image_pull_policy: Option<String>,
+    /// None asked: an installed manager keeps its pull policy.
+    pub keep_installed_pull_policy: bool,
 }
 
 impl Default for InstallOptions {
@@ -95,6 +104,11 @@ impl Default for InstallOptions {
             wait: WaitConfig::default(),
             source_policy: SourcePolicy::Snat,
             keep_installed_policy: false,
+            keep_installed_image: false,
+            image_pull_secrets: Vec::new(),
+            keep_installed_pull_secrets: false,
+            image_pull_policy: None,
+            keep_installed_pull_policy: false,
         }
     }
 }
@@ -237,6 +251,24 @@ pub enum Error {
         message: String,
         hint: String,
     },
+    #[error("cannot render the manager's objects: {0}")]
+    Manifest(String),
+    #[error(
+        "no traffic manager installed in {namespace} (--no-install): install it with \
+         `kvpn install --dry-run -o yaml --manager-namespace {namespace} | kubectl apply -f -` \
+         (someone allowed to create its objects), or connect without --no-install"
+    )]
+    NotInstalled { namespace: String, version: String },
+    #[error(
+        "the traffic manager in {namespace} is v{installed}, this kvpn needs v{ours} (--no-install writes nothing): \
+         apply this kvpn's manifests (`kvpn install --dry-run -o yaml --manager-namespace {namespace} | kubectl apply -f -`), \
+         or use the kvpn that matches it"
+    )]
+    OtherVersion {
+        namespace: String,
+        installed: String,
+        ours: String,
+    },
     #[error("traffic manager in {namespace} not ready after {}s: {last}", .after.as_secs())]
     NotReady {
         namespace: String,
@@ -322,6 +354,21 @@ impl<K> Kind for K where
 {
 }
 
+impl Spec {
+    /// The objects' parameters as `opts` ask, before an installed manager's
+    /// settings are kept.
+    fn of(opts: &InstallOptions) -> Spec {
+        Spec {
+            namespace: opts.namespace.clone(),
+            image: opts.image.clone(),
+            version: opts.version.clone(),
+            source_policy: opts.source_policy,
+            image_pull_secrets: opts.image_pull_secrets.clone(),
+            image_pull_policy: opts.image_pull_policy.clone(),
+        }
+    }
+}
+
 /// What happened to one object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
@@ -335,8 +382,28 @@ struct Installer<'a> {
     client: &'a kube::Client,
     spec: Spec,
     progress: &'a dyn Progress,
-    /// [`InstallOptions::keep_installed_policy`].
-    keep_installed_policy: bool,
+    /// What an installed manager keeps ([`InstallOptions`]'s `keep_installed_*`).
+    keep: Keep,
+}
+
+/// Which settings an installed manager keeps when nobody asked for others.
+#[derive(Debug, Clone, Copy, Default)]
+struct Keep {
+    policy: bool,
+    image: bool,
+    pull_secrets: bool,
+    pull_policy: bool,
+}
+
+impl Keep {
+    fn of(opts: &InstallOptions) -> Keep {
+        Keep {
+            policy: opts.keep_installed_policy,
+            image: opts.keep_installed_image,
+            pull_secrets: opts.keep_installed_pull_secrets,
+            pull_policy: opts.keep_installed_pull_policy,
+        }
+    }
 }
 
 impl Installer<'_> {
@@ -533,10 +600,8 @@ impl Installer<'_> {
             .get_opt(MANAGER)
             .await
             .map_err(api_error::<Deployment>("get", Some(&ns), MANAGER))?;
-        if self.keep_installed_policy
-            && let Some(installed) = existing.as_ref().map(deployment_policy)
-        {
-            self.spec.source_policy = installed;
+        if let Some(d) = existing.as_ref() {
+            self.keep_installed_settings(d);
         }
         let installed = existing
             .as_ref()
@@ -599,6 +664,7 @@ impl Installer<'_> {
         let tls = self.ensure_secret(cluster_ip).await?;
 
         let desired = objects::deployment(&self.spec, &tls.ca_pem);
+        let previous = existing.clone();
         let deployment = match (existing, &outcome) {
             (Some(e), Outcome::NewerInstalled { version }) => {
                 self.progress.report(ProgressEvent::Warning(format!(
@@ -630,31 +696,109 @@ impl Installer<'_> {
             }
         };
         let template_hash = objects::template_hash(&deployment).map(str::to_owned);
-        let (pod_name, pod_ip) = self.wait_ready(template_hash, wait_config).await?;
-        let container = deployment
+        let (pod_name, pod_ip) = match self.wait_ready(template_hash, wait_config).await {
+            Ok(ready) => ready,
+            Err(e @ Error::CannotStart { .. }) => {
+                self.roll_back(&outcome, previous.as_ref()).await;
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
+        let info = manager_info(
+            &ns,
+            &deployment,
+            (pod_name, pod_ip),
+            cluster_ip,
+            tls.ca_pem,
+            outcome,
+        );
+        info!(namespace = %ns, pod = %info.pod_name, ip = %info.pod_ip, outcome = ?info.outcome, "traffic manager ready");
+        Ok(info)
+    }
+
+    /// Takes the image, pull settings and source policy an installed manager runs
+    /// with, for each one nobody asked to change.
+    fn keep_installed_settings(&mut self, d: &Deployment) {
+        let container = d
             .spec
             .as_ref()
             .and_then(|s| s.template.spec.as_ref())
             .and_then(|s| s.containers.first());
-        let info = ManagerInfo {
-            namespace: ns.clone(),
-            version: version_of(&deployment.metadata)
-                .unwrap_or_default()
-                .to_owned(),
-            image: container.and_then(|c| c.image.clone()).unwrap_or_default(),
-            pod_name,
-            pod_ip,
-            service: MANAGER.to_owned(),
-            cluster_ip,
-            data_port: objects::DATA_PORT,
-            grpc_port: objects::GRPC_PORT,
-            source_policy: deployment_policy(&deployment),
-            ca_pem: tls.ca_pem,
-            server_name: objects::server_name(&ns),
-            outcome,
-        };
-        info!(namespace = %ns, pod = %info.pod_name, ip = %info.pod_ip, outcome = ?info.outcome, "traffic manager ready");
-        Ok(info)
+        if self.keep.policy {
+            self.spec.source_policy = deployment_policy(d);
+        }
+        if self.keep.image
+            && let Some(installed) = container.and_then(|c| c.image.as_deref())
+        {
+            self.spec.image =
+                image::remembered(installed, version_of(&d.metadata), &self.spec.version);
+        }
+        if self.keep.pull_policy {
+            // The apiserver fills in the default policy: only one that differs from
+            // it was asked for (and is kept).
+            self.spec.image_pull_policy = container
+                .and_then(|c| c.image_pull_policy.clone())
+                .filter(|p| *p != image::default_pull_policy(&self.spec.image));
+        }
+        if self.keep.pull_secrets {
+            self.spec.image_pull_secrets = d
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref())
+                .and_then(|s| s.image_pull_secrets.as_ref())
+                .map(|refs| refs.iter().map(|r| r.name.clone()).collect())
+                .unwrap_or_default();
+        }
+    }
+
+    /// After a manager pod that cannot start: a new install is removed again, an
+    /// updated Deployment gets its previous pod template back (its old pod kept
+    /// serving meanwhile: a rolling update replaces it only once the new pod is
+    /// ready). Nothing is left half-installed; failures here are reported, not
+    /// returned (the caller's error is the cause).
+    async fn roll_back(&self, outcome: &Outcome, previous: Option<&Deployment>) {
+        let ns = self.ns().to_owned();
+        match (outcome, previous) {
+            (Outcome::Installed, _) => {
+                self.progress.report(ProgressEvent::Step(format!(
+                    "Removing the traffic manager objects just created in {ns} (its pod cannot start)"
+                )));
+                if let Err(e) = uninstall(self.client, &ns, self.progress).await {
+                    self.progress.report(ProgressEvent::Warning(format!(
+                        "could not remove them: {e} — run `kvpn uninstall`"
+                    )));
+                }
+            }
+            (_, Some(old)) => {
+                self.progress.report(ProgressEvent::Step(format!(
+                    "Restoring the previous Deployment {MANAGER} in {ns} (the new pod cannot start)"
+                )));
+                let restored = Deployment {
+                    metadata: kube::api::ObjectMeta {
+                        name: old.metadata.name.clone(),
+                        namespace: old.metadata.namespace.clone(),
+                        labels: old.metadata.labels.clone(),
+                        annotations: old.metadata.annotations.clone().map(|mut a| {
+                            a.remove("deployment.kubernetes.io/revision");
+                            a.remove("kubectl.kubernetes.io/last-applied-configuration");
+                            a
+                        }),
+                        ..Default::default()
+                    },
+                    spec: old.spec.clone(),
+                    status: None,
+                };
+                if let Err(e) = self
+                    .apply(&self.namespaced::<Deployment>(), Some(&ns), &restored)
+                    .await
+                {
+                    self.progress.report(ProgressEvent::Warning(format!(
+                        "could not restore the previous Deployment: {e}"
+                    )));
+                }
+            }
+            (_, None) => {}
+        }
     }
 
     /// Polls the manager's pods until one of `template_hash` is ready, reporting
@@ -703,7 +847,7 @@ impl Installer<'_> {
                     return Ok((pod, ip));
                 }
                 Verdict::Failed(WaitFailure::CannotStart { pod, fatal }) => {
-                    let hint = wait::hint(&ns, pod.as_deref(), &fatal);
+                    let hint = wait::hint(&ns, pod.as_deref(), &fatal, &self.spec.image);
                     return Err(Error::CannotStart {
                         what: pod.map_or_else(
                             || format!("Deployment {MANAGER}"),
@@ -724,6 +868,132 @@ impl Installer<'_> {
             }
         }
     }
+}
+
+/// Every object an install applies, in apply order, as `kubectl apply -f -` takes
+/// them (`kvpn install --dry-run`). The TLS Secret is generated fresh for the
+/// Service's DNS names (the ClusterIP is not known before the Service exists; the
+/// client verifies the DNS name).
+pub fn manifests(opts: &InstallOptions) -> Result<Vec<serde_json::Value>, Error> {
+    let spec = Spec::of(opts);
+    let tls = certs::generate(&spec.namespace, None)?;
+    let secret = objects::tls_secret(&spec, &tls.ca_pem, &tls.cert_pem, &tls.key_pem);
+    let value = |r: Result<serde_json::Value, serde_json::Error>| {
+        r.map_err(|e| Error::Manifest(e.to_string()))
+    };
+    Ok(vec![
+        value(serde_json::to_value(objects::namespace(&spec)))?,
+        value(serde_json::to_value(objects::service_account(&spec)))?,
+        value(serde_json::to_value(objects::role(&spec)))?,
+        value(serde_json::to_value(objects::role_binding(&spec)))?,
+        value(serde_json::to_value(objects::cluster_role(&spec)))?,
+        value(serde_json::to_value(objects::cluster_role_binding(&spec)))?,
+        value(serde_json::to_value(objects::config_map(&spec)))?,
+        value(serde_json::to_value(objects::service(&spec)))?,
+        value(serde_json::to_value(secret))?,
+        value(serde_json::to_value(objects::deployment(
+            &spec,
+            &tls.ca_pem,
+        )))?,
+    ])
+}
+
+/// The ready manager of `deployment`, as a client connects to it.
+fn manager_info(
+    ns: &str,
+    deployment: &Deployment,
+    (pod_name, pod_ip): (String, IpAddr),
+    cluster_ip: Option<IpAddr>,
+    ca_pem: String,
+    outcome: Outcome,
+) -> ManagerInfo {
+    let container = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|s| s.containers.first());
+    ManagerInfo {
+        namespace: ns.to_owned(),
+        version: version_of(&deployment.metadata)
+            .unwrap_or_default()
+            .to_owned(),
+        image: container.and_then(|c| c.image.clone()).unwrap_or_default(),
+        pod_name,
+        pod_ip,
+        service: MANAGER.to_owned(),
+        cluster_ip,
+        data_port: objects::DATA_PORT,
+        grpc_port: objects::GRPC_PORT,
+        source_policy: deployment_policy(deployment),
+        ca_pem,
+        server_name: objects::server_name(ns),
+        outcome,
+    }
+}
+
+/// `kvpn connect --no-install`: the manager someone installed (from `kvpn install
+/// --dry-run -o yaml`, a GitOps tool, a platform team), used as it is. Nothing is
+/// written; a missing manager, one of another version, or a missing TLS Secret
+/// fails with the fix. Needs only get on Deployments, Services and the Secret
+/// and list on pods.
+pub async fn find_manager(
+    client: &kube::Client,
+    opts: &InstallOptions,
+    progress: &dyn Progress,
+) -> Result<ManagerInfo, Error> {
+    let installer = Installer {
+        client,
+        spec: Spec::of(opts),
+        progress,
+        keep: Keep::default(),
+    };
+    let ns = opts.namespace.clone();
+    installer.progress.report(ProgressEvent::Step(format!(
+        "Looking for the installed traffic manager in {ns} (--no-install)"
+    )));
+    let deployments: Api<Deployment> = installer.namespaced();
+    let deployment = deployments
+        .get_opt(MANAGER)
+        .await
+        .map_err(api_error::<Deployment>("get", Some(&ns), MANAGER))?
+        .ok_or_else(|| Error::NotInstalled {
+            namespace: ns.clone(),
+            version: opts.version.clone(),
+        })?;
+    let installed = version_of(&deployment.metadata)
+        .unwrap_or("(none)")
+        .to_owned();
+    if compare_versions(&installed, &opts.version) != Some(std::cmp::Ordering::Equal) {
+        return Err(Error::OtherVersion {
+            namespace: ns,
+            installed,
+            ours: opts.version.clone(),
+        });
+    }
+    let services: Api<Service> = installer.namespaced();
+    let cluster_ip = services
+        .get_opt(MANAGER)
+        .await
+        .map_err(api_error::<Service>("get", Some(&ns), MANAGER))?
+        .and_then(|s| s.spec)
+        .and_then(|s| s.cluster_ip)
+        .and_then(|ip| ip.parse::<IpAddr>().ok());
+    let tls = read_tls(client, &ns)
+        .await?
+        .ok_or_else(|| Error::NotInstalled {
+            namespace: ns.clone(),
+            version: opts.version.clone(),
+        })?;
+    let template_hash = objects::template_hash(&deployment).map(str::to_owned);
+    let ready = installer.wait_ready(template_hash, opts.wait).await?;
+    Ok(manager_info(
+        &ns,
+        &deployment,
+        ready,
+        cluster_ip,
+        tls.ca_pem,
+        Outcome::AlreadyInstalled,
+    ))
 }
 
 /// The `--source-policy` a manager Deployment's container runs with (`snat` when
@@ -751,14 +1021,9 @@ pub async fn ensure_manager(
 ) -> Result<ManagerInfo, Error> {
     let installer = Installer {
         client,
-        spec: Spec {
-            namespace: opts.namespace.clone(),
-            image: opts.image.clone(),
-            version: opts.version.clone(),
-            source_policy: opts.source_policy,
-        },
+        spec: Spec::of(opts),
         progress,
-        keep_installed_policy: opts.keep_installed_policy,
+        keep: Keep::of(opts),
     };
     installer.run(opts.wait).await
 }
@@ -775,14 +1040,9 @@ pub async fn ensure_tls_secret(
 ) -> Result<certs::TlsMaterial, Error> {
     let installer = Installer {
         client,
-        spec: Spec {
-            namespace: opts.namespace.clone(),
-            image: opts.image.clone(),
-            version: opts.version.clone(),
-            source_policy: opts.source_policy,
-        },
+        spec: Spec::of(opts),
         progress,
-        keep_installed_policy: false,
+        keep: Keep::default(),
     };
     installer.ensure_secret(cluster_ip).await
 }

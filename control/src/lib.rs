@@ -28,10 +28,12 @@ pub mod lease;
 pub mod liveness;
 pub mod output;
 pub mod route_watch;
+pub mod settings;
 pub mod socks;
 pub mod ssh;
 pub mod top;
 pub mod userd;
+pub mod version;
 
 use anyhow::{Context, Result, bail};
 use kvpn_proto::dataplane::{ConnectRequest, DisconnectRequest};
@@ -65,6 +67,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
         Command::Top(args) => top::run(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
+        Command::Install(args) => install_command(args).await,
+        Command::Version(args) => version::run(&runtime_dir, args).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
@@ -102,9 +106,11 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     // Never route the manager's own address into the tunnel that leads to it (rt-02):
     // the session could never come up.
     let keep_out: Vec<std::net::IpAddr> = manager_ip(&manager).into_iter().collect();
-    connect::warn_never_routed(
-        &[&args.pod_cidrs[..], &args.service_cidrs, &args.extra_cidrs].concat(),
-    );
+    let labelled: Vec<(std::net::IpAddr, String)> = keep_out
+        .iter()
+        .map(|ip| (*ip, "the traffic manager".to_owned()))
+        .collect();
+    connect::warn_typed_cidr_holes(&args, &labelled);
     let routes = connect::cluster_routes(
         &args.pod_cidrs,
         &args.service_cidrs,
@@ -169,6 +175,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     let resp = match connect::setup_or_interrupt(connect, &mut interrupt).await {
         connect::Setup::Done(r) => r
             .map_err(daemon::status_to_error)
+            .map_err(|e| connect::with_split_refusal_hint(e, &args, &keep_out))
             .context("connect failed")?,
         connect::Setup::Interrupted(None) => {
             connect::interrupted(connect::Interrupted::Pending("root daemon")).await
@@ -539,6 +546,70 @@ async fn diagnose_source(
     .await
     .with_context(|| format!("cannot trace the source towards {}", args.target))?;
     output::diagnose_source(&report, args.output)
+}
+
+/// `kvpn install`: with --dry-run, print the objects (no cluster); otherwise
+/// install or upgrade the manager as connect's first step does, and stop there.
+async fn install_command(args: crate::cli::InstallArgs) -> Result<()> {
+    let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
+    let mut opts = install::InstallOptions {
+        namespace: args.manager_namespace.clone(),
+        source_policy: args.source_policy.unwrap_or_default(),
+        keep_installed_policy: args.source_policy.is_none(),
+        ..install::InstallOptions::default()
+    };
+    let env_image = std::env::var(settings::IMAGE_ENV).ok();
+    let flags = settings::ImageFlags {
+        image: args.image.as_deref(),
+        pull_secrets: &args.image_pull_secrets,
+        pull_policy: args.image_pull_policy.as_deref(),
+        env_image: env_image.as_deref(),
+    };
+    let acting = kubeconfig::ActingUser::detect(&env)?;
+    let settings_file = kubeconfig::config_dir(&env, &acting).map(|d| d.join(settings::FILE_NAME));
+    let loaded = match &settings_file {
+        Some(f) => settings::load(f)?,
+        None => settings::Settings::default(),
+    };
+    let apply_choice = |opts: &mut install::InstallOptions, context: &str| -> Result<()> {
+        let choice = settings::choose(
+            &flags,
+            &loaded,
+            settings_file
+                .as_deref()
+                .unwrap_or(std::path::Path::new(settings::FILE_NAME)),
+            context,
+        );
+        if let Some(image) = &choice.image {
+            install::image::validate(&image.value)
+                .with_context(|| format!("the manager image from {}", image.origin))?;
+            opts.image = image.value.clone();
+        }
+        opts.keep_installed_image = choice.image.is_none();
+        opts.keep_installed_pull_secrets = choice.pull_secrets.is_none();
+        opts.image_pull_secrets = choice.pull_secrets.map(|c| c.value).unwrap_or_default();
+        opts.keep_installed_pull_policy = choice.pull_policy.is_none();
+        opts.image_pull_policy = choice.pull_policy.map(|c| c.value);
+        Ok(())
+    };
+    if args.dry_run {
+        apply_choice(&mut opts, args.context.as_deref().unwrap_or_default())?;
+        let objects = install::manifests(&opts)?;
+        return output::manifests(&objects, args.output);
+    }
+    let kube = args.kube();
+    let plan = ssh::plan_for(&kube.ssh, &env)?;
+    let (conn, _tunnel) = ssh::connect_kube(&kube.flags(), plan.as_ref(), &env).await?;
+    output::done(&format!("Using {}", conn.description));
+    apply_choice(&mut opts, &conn.description.context)?;
+    let info = install::ensure_manager(&conn.client, &opts, &connect::print_progress)
+        .await
+        .context("the traffic manager is not ready")?;
+    output::done(&format!(
+        "Traffic manager v{} ({}) ready in {}: connect with `kvpn connect`",
+        info.version, info.image, info.namespace
+    ));
+    Ok(())
 }
 
 async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArgs) -> Result<()> {

@@ -10,6 +10,13 @@ macro_rules! println {
     }};
 }
 
+/// `print!` that ignores a closed stdout, like [`println`].
+macro_rules! print {
+    ($($arg:tt)*) => {{
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 use std::path::Path;
 
 use anyhow::Result;
@@ -18,9 +25,37 @@ use kvpn_proto::userd::UserSession;
 
 use crate::cli::OutputFormat;
 
+/// `kvpn version`'s report.
+pub fn version(r: &crate::version::Report, format: OutputFormat) -> Result<()> {
+    match format {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(r)?),
+        OutputFormat::Yaml => print!("{}", serde_yaml_ng::to_string(r)?),
+        OutputFormat::Table => print!("{}", crate::version::table(r)),
+    }
+    Ok(())
+}
+
 /// A step of a long operation is starting.
 pub fn step(msg: &str) {
     println!("• {msg}…");
+}
+
+/// Kubernetes objects for `kubectl apply -f -` (`kvpn install --dry-run`): YAML
+/// documents separated by `---`, or one JSON `v1/List`.
+pub fn manifests(objects: &[serde_json::Value], format: crate::cli::ManifestFormat) -> Result<()> {
+    match format {
+        crate::cli::ManifestFormat::Yaml => {
+            for o in objects {
+                println!("---");
+                print!("{}", serde_yaml_ng::to_string(o)?);
+            }
+        }
+        crate::cli::ManifestFormat::Json => {
+            let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
+            println!("{}", serde_json::to_string_pretty(&list)?);
+        }
+    }
+    Ok(())
 }
 
 /// A step finished.

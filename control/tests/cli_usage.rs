@@ -72,3 +72,37 @@ fn the_testers_command_lines_are_usage_errors() {
         assert!(err.contains(want), "kvpn {args:?}: no {want:?} in {err}");
     }
 }
+
+/// `kvpn connect --cidr 10.1.2.3/8` is a usage error naming the flag, the value
+/// and both things it may have meant (on main it connected with 10.0.0.0/8 and
+/// said nothing); `--pod-cidr` and `--service-cidr` likewise.
+#[test]
+fn a_cidr_with_host_bits_is_refused_with_the_network_it_would_be() {
+    for (flag, value, want) in [
+        (
+            "--cidr",
+            "10.1.2.3/8",
+            "10.1.2.3/8 has host bits set (the address of a /8 network ends in zero bits); \
+             did you mean 10.0.0.0/8 (the network) or 10.1.2.3/32 (that one address)?",
+        ),
+        (
+            "--pod-cidr",
+            "10.244.1.7/16",
+            "did you mean 10.244.0.0/16 (the network) or 10.244.1.7/32 (that one address)?",
+        ),
+        (
+            "--service-cidr",
+            "fd00:10:96::1/112",
+            "did you mean fd00:10:96::/112 (the network) or fd00:10:96::1/128",
+        ),
+    ] {
+        let args = ["connect", "--manager", "127.0.0.1:10801", flag, value];
+        let (code, err) = kvpn(&args);
+        assert_eq!(code, Some(2), "kvpn {args:?} is a usage error: {err}");
+        assert!(err.contains(want), "kvpn {args:?}: no {want:?} in {err}");
+        assert!(
+            err.contains(&format!("'{value}' for '{flag} <CIDR>'")),
+            "kvpn {args:?}: the flag and value are not named in {err}"
+        );
+    }
+}

@@ -49,6 +49,7 @@ fn opts(version: &str) -> InstallOptions {
         wait: WaitConfig::default(),
         source_policy: install::SourcePolicy::Snat,
         keep_installed_policy: false,
+        ..InstallOptions::default()
     }
 }
 
@@ -189,7 +190,10 @@ async fn image_that_does_not_exist_fails_within_the_bound_with_the_kubelets_reas
         "{msg}"
     );
     assert!(msg.contains("does-not-exist"), "{msg}");
-    assert!(msg.ends_with("— check --image or the registry"), "{msg}");
+    assert!(
+        msg.contains("the nodes cannot pull does-not-exist") && msg.contains("--image-pull-secret"),
+        "the hint names the image and the fix: {msg}"
+    );
     // Default bounds: 10 s of a fatal reason, well inside the 120 s ready timeout.
     assert!(took < Duration::from_secs(30), "took {took:?}");
     assert!(
@@ -199,8 +203,33 @@ async fn image_that_does_not_exist_fails_within_the_bound_with_the_kubelets_reas
         "{:#?}",
         rec.lines()
     );
-    install::uninstall(&user, k8s::KVPN_NAMESPACE, &install::Quiet)
-        .await
-        .expect("clean up");
+    // A new install whose pod cannot start is removed again: nothing half-installed.
+    assert!(
+        rec.lines()
+            .iter()
+            .any(|l| l.contains("Removing the traffic manager objects just created")),
+        "{:#?}",
+        rec.lines()
+    );
+    let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
+        kube::Api::namespaced(user.clone(), k8s::KVPN_NAMESPACE);
+    assert!(
+        deployments
+            .get_opt("kvpn-manager")
+            .await
+            .expect("get")
+            .is_none(),
+        "the Deployment of the failed install is left"
+    );
+    let config_maps: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
+        kube::Api::namespaced(user.clone(), k8s::KVPN_NAMESPACE);
+    assert!(
+        config_maps
+            .get_opt("kvpn-manager")
+            .await
+            .expect("get")
+            .is_none(),
+        "the ConfigMap of the failed install is left"
+    );
     lab.down().expect("lab down");
 }

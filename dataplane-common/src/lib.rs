@@ -1,5 +1,5 @@
 //! Map keys, values and names shared by kvpn's eBPF programs (`dataplane-ebpf`) and
-//! the userspace loader (`dataplane/src/ebpf.rs`).
+//! the userspace loader (`ebpf/src/lib.rs`, crate `kvpn-ebpf`).
 //!
 //! This crate owns the *layout* of every eBPF map: both sides compile against these
 //! types, so a layout change happens in one place. It does no I/O. With the `user`

@@ -1,6 +1,6 @@
 //! The eBPF object `kvpn-dataplane-ebpf`: kvpn's kernel-side programs, built for
-//! `bpfel-unknown-none` by `dataplane/build.rs` (aya-build) and embedded in the
-//! `kvpn-dataplane` binary. Built for the host (e.g. by `cargo clippy --workspace`) it
+//! `bpfel-unknown-none` by `ebpf/build.rs` (aya-build) and embedded in the loader
+//! crate `kvpn-ebpf`, so in the `kvpn-dataplane` and `kvpn-manager` binaries. Built for the host (e.g. by `cargo clippy --workspace`) it
 //! is an empty program, so host builds of the whole workspace keep working.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]

@@ -286,14 +286,7 @@ pub fn kvpn_snat_out(ctx: TcContext) -> i32 {
         count(SNAT_UNTRANSLATABLE, &ctx);
         return DROP;
     }
-    let key = SnatKey {
-        protocol: p.protocol,
-        reserved: [0; 3],
-        src: p.src,
-        dst: p.dst,
-        src_port: p.src_port,
-        dst_port: p.dst_port,
-    };
+    let key = snat_key(p.protocol, p.src, p.dst, p.src_port, p.dst_port);
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let state = if p.closing { SNAT_STATE_CLOSING } else { 0 };
@@ -310,12 +303,7 @@ pub fn kvpn_snat_out(ctx: TcContext) -> i32 {
         }
         _ => match allocate(&p, cfg, now, state) {
             Some(port) => {
-                let fwd = SnatForward {
-                    last_ns: now,
-                    port,
-                    state,
-                    reserved: [0; 5],
-                };
+                let fwd = snat_forward(now, port, state);
                 if KVPN_SNAT_FWD.insert(&key, &fwd, 0).is_err() {
                     count(SNAT_PORTS_EXHAUSTED, &ctx);
                     return DROP;
@@ -346,17 +334,42 @@ pub fn kvpn_snat_out(ctx: TcContext) -> i32 {
     PASS
 }
 
+/// A [`SnatKey`] (`reserved` zero) built from whole 32-bit words. A struct literal
+/// with `reserved: [0; 3]` at byte 1 compiles to an out-of-line memset whose loop
+/// walks the stack with a variable offset; the verifier accepts that only from a
+/// loader with CAP_PERFMON ("pointer arithmetic with it prohibited for !root"), which
+/// the manager pod should not need.
+#[inline(always)]
+fn snat_key(protocol: u8, src: [u8; 4], dst: [u8; 4], src_port: u16, dst_port: u16) -> SnatKey {
+    let [s0, s1] = src_port.to_ne_bytes();
+    let [d0, d1] = dst_port.to_ne_bytes();
+    let words: [u32; 4] = [
+        u32::from_ne_bytes([protocol, 0, 0, 0]),
+        u32::from_ne_bytes(src),
+        u32::from_ne_bytes(dst),
+        u32::from_ne_bytes([s0, s1, d0, d1]),
+    ];
+    // SAFETY: SnatKey is repr(C), 16 bytes with no padding (protocol, reserved[3],
+    // src[4], dst[4], src_port, dst_port) and every bit pattern is valid; the words
+    // lay those bytes out in memory order.
+    unsafe { core::mem::transmute::<[u32; 4], SnatKey>(words) }
+}
+
+/// A [`SnatForward`] (`reserved` zero) from two 64-bit words, for the reason
+/// [`snat_key`] gives (`reserved: [0; 5]` at byte 11).
+#[inline(always)]
+fn snat_forward(last_ns: u64, port: u16, state: u8) -> SnatForward {
+    let [p0, p1] = port.to_ne_bytes();
+    let words: [u64; 2] = [last_ns, u64::from_ne_bytes([p0, p1, state, 0, 0, 0, 0, 0])];
+    // SAFETY: SnatForward is repr(C), 16 bytes with no padding (last_ns, port, state,
+    // reserved[5]) and every bit pattern is valid.
+    unsafe { core::mem::transmute::<[u64; 2], SnatForward>(words) }
+}
+
 /// The reverse key of a laptop packet's flow leaving with `port`.
 #[inline(always)]
 fn reverse_key(p: &Parsed, cfg: &SnatConfig, port: u16) -> SnatKey {
-    SnatKey {
-        protocol: p.protocol,
-        reserved: [0; 3],
-        src: p.dst,
-        dst: cfg.pod_ip,
-        src_port: p.dst_port,
-        dst_port: port,
-    }
+    snat_key(p.protocol, p.dst, cfg.pod_ip, p.dst_port, port)
 }
 
 #[inline(always)]
@@ -439,14 +452,7 @@ pub fn kvpn_snat_in(ctx: TcContext) -> i32 {
         PROTO_ICMP => return PASS,
         _ => (p.src_port, p.dst_port, p.l4 + 2),
     };
-    let key = SnatKey {
-        protocol: p.protocol,
-        reserved: [0; 3],
-        src: p.src,
-        dst: p.dst,
-        src_port: key_src_port,
-        dst_port: key_dst_port,
-    };
+    let key = snat_key(p.protocol, p.src, p.dst, key_src_port, key_dst_port);
     let Some(rev) = KVPN_SNAT_REV.get_ptr_mut(&key) else {
         return PASS;
     };
@@ -593,14 +599,7 @@ fn translate_icmp_error(ctx: &TcContext, cfg: &SnatConfig, p: &Parsed) -> Result
     let Ok(old_port) = ctx.load::<u16>(port_off) else {
         return Ok(false);
     };
-    let key = SnatKey {
-        protocol,
-        reserved: [0; 3],
-        src: inner_dst,
-        dst: cfg.pod_ip,
-        src_port: key_src_port,
-        dst_port: old_port,
-    };
+    let key = snat_key(protocol, inner_dst, cfg.pod_ip, key_src_port, old_port);
     let Some(rev) = KVPN_SNAT_REV.get_ptr(&key) else {
         return Ok(false);
     };

@@ -841,6 +841,8 @@ impl Dataplane for Daemon {
         Ok(Response::new(StatusResponse {
             sessions,
             refused_peers: self.refused_peers(),
+            version: kvpn_build_info::VERSION.to_owned(),
+            commit: kvpn_build_info::COMMIT.to_owned(),
         }))
     }
 

@@ -8,7 +8,8 @@
 //! and session state), [`unreachable`] (ICMP unreachable answers while
 //! reconnecting, and their rate limit), [`carried`] (the TCP flows a worker carried,
 //! reset when a re-dial cannot resume). I/O shells: [`tun`] (`/dev/net/tun`), [`netlink`]
-//! (NETLINK_ROUTE), [`ebpf`] (bpf(2)), [`pump`] (TUN ↔ transport), [`redial`]
+//! (NETLINK_ROUTE), [`ebpf`] (bpf(2); the `kvpn-ebpf` crate, which the traffic
+//! manager shares), [`pump`] (TUN ↔ transport), [`redial`]
 //! (holding packets during a re-dial, resetting lost flows), [`session`]
 //! (TCP to the manager, setup and teardown), [`steer_watch`] (eBPF steering that
 //! follows the laptop's devices while a session runs), [`route_guard`] (re-adds a
@@ -25,7 +26,6 @@ pub mod client;
 pub mod conflicts;
 pub mod daemon;
 pub mod dns;
-pub mod ebpf;
 pub mod fuzzing;
 pub mod liveness;
 pub mod netlink;
@@ -43,3 +43,7 @@ pub mod unreachable;
 pub mod watched;
 
 pub use tun::DEFAULT_MTU;
+
+/// The eBPF loader and map wrappers (`kvpn-ebpf`), under the path the root
+/// daemon's modules, tests and the other laptop crates use.
+pub use kvpn_ebpf as ebpf;

@@ -34,14 +34,13 @@ use kvpn_proto::frame::GsoHeader;
 use kvpn_proto::gso::{self, GsoKind};
 use tun_rs::{AsyncDevice, DeviceBuilder};
 
-/// Default TUN MTU in bytes. Equal to the manager's stack MTU (`kvpn-manager`'s
-/// `DEFAULT_MTU`): the transport is a byte stream, so the MTU bounds only the
-/// packet size, and 9000 measured ~3× the throughput of 1500 on the batched TUN
-/// path (TOOLCHAIN.md: 7.2 vs 2.3 Gbit/s).
-pub const DEFAULT_MTU: u16 = 9000;
+/// Default TUN MTU in bytes, the same as the manager's stack MTU
+/// ([`kvpn_proto::frame::DEFAULT_TUN_MTU`], which says why 9000).
+pub const DEFAULT_MTU: u16 = kvpn_proto::frame::DEFAULT_TUN_MTU;
 
-/// Smallest MTU accepted (bytes): the IPv6 minimum link MTU (RFC 8200 §5).
-pub const MIN_MTU: u16 = 1280;
+/// Smallest MTU accepted (bytes): the IPv6 minimum link MTU (RFC 8200 §5;
+/// [`kvpn_proto::frame::MIN_TUN_MTU`]).
+pub const MIN_MTU: u16 = kvpn_proto::frame::MIN_TUN_MTU;
 
 /// Largest MTU accepted (bytes): a packet must fit one frame.
 pub const MAX_MTU: u16 = kvpn_proto::frame::MAX_PAYLOAD_LEN as u16;

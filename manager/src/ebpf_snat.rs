@@ -3,13 +3,14 @@
 //! egress interface translate their source to the pod IP (and back on replies) with
 //! their own connection table — kernel-speed SNAT without smoltcp termination. The
 //! programs and their loader live with kvpn's other eBPF code
-//! (`dataplane-ebpf/src/snat.rs`, `kvpn_dataplane::ebpf::snat`); this module finds
+//! (`dataplane-ebpf/src/snat.rs`, [`kvpn_ebpf::snat`]); this module finds
 //! the pod IP, attaches them, and runs the sweeper that expires idle flows and
 //! publishes the table's size and counters on the metrics endpoint.
 //!
-//! Needs CAP_BPF and CAP_NET_ADMIN in the pod (the TUN device, the route, the TC
-//! attachment), and `/dev/net/tun`; never privileged. Nothing outside the pod: replies
-//! come to the pod IP, so no node route and no masquerade exclusion.
+//! Needs CAP_NET_ADMIN in the pod (the TUN device, the route, forwarding on the TUN
+//! and the egress interface, loading and attaching TC programs) and CAP_BPF (maps,
+//! programs), and `/dev/net/tun`; never privileged, no write to `/proc/sys`. Nothing outside the
+//! pod: replies come to the pod IP, so no node route and no masquerade exclusion.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::ops::RangeInclusive;
@@ -19,7 +20,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use futures::TryStreamExt as _;
 use ipnet::Ipv4Net;
-use kvpn_dataplane::ebpf::snat::{Snat, SnatSettings, SnatTimeouts, monotonic_ns};
+use kvpn_ebpf::snat::{Snat, SnatSettings, SnatTimeouts, monotonic_ns};
 use rtnetlink::packet_route::address::AddressAttribute;
 use tracing::{info, warn};
 
@@ -111,7 +112,7 @@ pub async fn setup(config: &EbpfSnatConfig, counters: Arc<ManagerCounters>) -> a
         ports: config.ports.clone(),
     };
     let mut snat = Snat::attach(&config.egress, &settings)
-        .map_err(|e| anyhow::anyhow!("{}", kvpn_dataplane_error_chain(&e)))
+        .map_err(|e| anyhow::anyhow!("{}", error_chain(&e)))
         .with_context(|| {
             format!(
                 "cannot attach the ebpf-snat programs to {} — the pod needs CAP_BPF and \
@@ -134,14 +135,14 @@ pub async fn setup(config: &EbpfSnatConfig, counters: Arc<ManagerCounters>) -> a
                     match snat.sweep(monotonic_ns(), timeouts) {
                         Ok(r) => expired = r.expired + r.orphans,
                         Err(e) => {
-                            warn!(error = %kvpn_dataplane_error_chain(&e), "ebpf-snat sweep failed; idle flows keep their ports until the next round")
+                            warn!(error = %error_chain(&e), "ebpf-snat sweep failed; idle flows keep their ports until the next round")
                         }
                     }
                 }
                 match snat.stats() {
                     Ok(stats) => counters.snat_update(&stats, expired as u64),
                     Err(e) => {
-                        warn!(error = %kvpn_dataplane_error_chain(&e), "cannot read the ebpf-snat counters")
+                        warn!(error = %error_chain(&e), "cannot read the ebpf-snat counters")
                     }
                 }
                 std::thread::sleep(PUBLISH_INTERVAL);
@@ -161,7 +162,7 @@ pub async fn setup(config: &EbpfSnatConfig, counters: Arc<ManagerCounters>) -> a
 }
 
 /// An error and its sources on one line.
-fn kvpn_dataplane_error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {

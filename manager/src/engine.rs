@@ -96,14 +96,15 @@ use crate::metrics::Metrics;
 use crate::packet::{self, DropReason, Offending, Parsed, TcpMeta, Unreachable};
 use kvpn_proto::device::QueueDevice;
 
-/// IP MTU of the manager's stack, bytes. Equal to the laptop's TUN MTU
-/// (`kvpn_dataplane::DEFAULT_MTU`): the transport is a byte stream, so large
-/// packets cost nothing extra and cut per-packet work.
-pub const DEFAULT_MTU: usize = 9000;
+/// IP MTU of the manager's stack, bytes. Equal to the laptop's default TUN MTU
+/// ([`kvpn_proto::frame::DEFAULT_TUN_MTU`]): the transport is a byte stream, so
+/// large packets cost nothing extra and cut per-packet work.
+pub const DEFAULT_MTU: usize = kvpn_proto::frame::DEFAULT_TUN_MTU as usize;
 
 /// Smallest laptop TUN MTU the manager fragments to (bytes): the IPv6 minimum
-/// link MTU (RFC 8200 §5), also the laptop's smallest TUN MTU.
-pub const MIN_LAPTOP_MTU: usize = 1280;
+/// link MTU (RFC 8200 §5), also the laptop's smallest TUN MTU
+/// ([`kvpn_proto::frame::MIN_TUN_MTU`]).
+pub const MIN_LAPTOP_MTU: usize = kvpn_proto::frame::MIN_TUN_MTU as usize;
 
 /// The manager stack's own IPv4 address (first address of the tunnel pool
 /// 100.96.0.0/16); the default route points at it for any-IP.

@@ -260,6 +260,8 @@ impl Manager for ManagerService {
                     pool_cidr: self.pool.clone(),
                     session_token: rec.token,
                     expires_in_s,
+                    manager_version: kvpn_build_info::VERSION.to_owned(),
+                    manager_commit: kvpn_build_info::COMMIT.to_owned(),
                 }))
             }
             Err(LeaseServiceError::Lease(e @ LeaseError::BadClientId(_))) => {

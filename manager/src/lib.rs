@@ -21,11 +21,16 @@
 //!   [`grpc`]: the control gRPC API on :10802 (`Lease`, `WatchRoutes`).
 //! - [`metrics_server`]: `GET /metrics` (the manager-wide [`metrics::ManagerCounters`],
 //!   Prometheus text) on `--metrics-listen` (the install: pod loopback :10803).
+//! - [`preserve`], [`ebpf_snat`]: the source policies that hand the laptops'
+//!   packets to the pod's kernel (pool TUN, eBPF SNAT); [`devconf`]: the
+//!   per-interface IPv4 forwarding and rp_filter they need, over rtnetlink
+//!   (the pod's `/proc/sys` is read-only under a container runtime).
 //! - [`fuzzing`]: entry points of the cargo-fuzz targets and the corpus replay.
 //! - [`routes`]: the pure route and DNS discovery core (watch events in, pod
 //!   CIDRs, Services and cluster DNS out, deltas per client); [`route_watch`]:
 //!   its shell (kube-runtime watches, debounce, subscribers).
 
+pub mod devconf;
 pub mod ebpf_snat;
 pub mod engine;
 pub mod forwarded;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use kvpn_dataplane::ebpf::snat::SnatTimeouts;
+use kvpn_ebpf::snat::SnatTimeouts;
 use kvpn_manager::ebpf_snat::{self, EbpfSnatConfig};
 use kvpn_manager::lease::LeaseTable;
 use kvpn_manager::leases::Leases;

@@ -470,7 +470,7 @@ impl ManagerCounters {
 
     /// The ebpf-snat sweeper's round: the kernel's counters and table sizes, and
     /// `expired` more flows removed.
-    pub fn snat_update(&self, stats: &kvpn_dataplane::ebpf::snat::SnatStats, expired: u64) {
+    pub fn snat_update(&self, stats: &kvpn_ebpf::snat::SnatStats, expired: u64) {
         let values = [
             stats.forward_entries as u64,
             stats.reverse_entries as u64,

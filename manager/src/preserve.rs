@@ -3,11 +3,14 @@
 //! device inside the pod and the pod's kernel routes them with the client's tunnel
 //! IP as source).
 //!
-//! `preserve` needs, in the pod's netns (NET_ADMIN, NET_RAW; never privileged):
+//! `preserve` needs, in the pod's netns (NET_ADMIN, NET_RAW; never privileged, and
+//! no write to `/proc/sys`, which runtimes mount read-only):
 //! - a TUN device ([`PoolTun`], default `kvpn-pool`) with the route `pool dev
-//!   kvpn-pool`, and `net.ipv4.ip_forward=1`, so the kernel forwards laptop packets
-//!   out of `eth0` and replies for the pool back into the TUN;
-//! - rp_filter loose (2) on the TUN and on `eth0`: replies for a tunnel IP arrive on
+//!   kvpn-pool`;
+//! - IPv4 forwarding on the TUN (laptop → cluster) and on `eth0` (replies → the
+//!   pool), per device over rtnetlink ([`crate::devconf`]), not the global
+//!   `net.ipv4.ip_forward`: the kernel decides forwarding by the input device;
+//! - rp_filter loose (2) on the same two: replies for a tunnel IP arrive on
 //!   `eth0` while that source's route is the TUN (RFC 3704 loose mode,
 //!   Documentation/networking/ip-sysctl.rst: the kernel applies max(all, dev));
 //! - the stable gateway address (default 169.254.96.1/32) on `eth0`, announced with a
@@ -19,8 +22,8 @@
 //! masquerade. Replies read from the TUN go to the session that owns their
 //! destination tunnel IP ([`Peers`]).
 //!
-//! I/O: the TUN device, one rtnetlink socket, `/proc/sys`, one AF_PACKET socket for
-//! the ARP announcement.
+//! I/O: the TUN device, one rtnetlink socket, one AF_PACKET socket for the ARP
+//! announcement.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
@@ -30,11 +33,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::{Context as _, bail};
 use futures::TryStreamExt as _;
 use ipnet::Ipv4Net;
-use rtnetlink::packet_route::link::{AfSpecInet, AfSpecUnspec, InetDevConf, LinkAttribute};
+use rtnetlink::RouteMessageBuilder;
+use rtnetlink::packet_route::link::LinkAttribute;
 use rtnetlink::packet_route::route::{RouteProtocol, RouteScope};
-use rtnetlink::{LinkUnspec, RouteMessageBuilder};
 use tracing::{debug, info, warn};
 
+use crate::devconf;
 use crate::peers::{self, Peers};
 
 /// Whose address the backends see (defined once, in kvpn-proto).
@@ -53,8 +57,6 @@ pub struct PreserveConfig {
     pub gateway: Option<Ipv4Addr>,
 }
 
-/// rp_filter loose mode (RFC 3704).
-const RP_FILTER_LOOSE: i32 = 2;
 /// `rtm_protocol` of kvpn's routes (as the dataplane's).
 const RTPROT_KVPN: u8 = 0x6b;
 /// The TUN's MTU: laptops send up to the data channel's 9000-byte MTU; the pod's
@@ -152,20 +154,24 @@ async fn link_index(handle: &rtnetlink::Handle, name: &str) -> anyhow::Result<(u
     Ok((link.header.index, mac))
 }
 
-async fn set_rp_filter(handle: &rtnetlink::Handle, index: u32, name: &str) -> anyhow::Result<()> {
-    let mut conf = InetDevConf::default();
-    conf.rp_filter = RP_FILTER_LOOSE;
-    let msg = LinkUnspec::new_with_index(index)
-        .append_extra_attribute(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(vec![
-            AfSpecInet::DevConfRequest(conf),
-        ])]))
-        .build();
-    handle
-        .link()
-        .set(msg)
-        .execute()
-        .await
-        .with_context(|| format!("cannot set rp_filter=2 on {name}"))
+/// Forwarding on and rp_filter loose on interface `index` ([`devconf::ensure`]),
+/// logged with what it was before.
+async fn forward_through(
+    handle: &rtnetlink::Handle,
+    index: u32,
+    name: &str,
+    role: &str,
+) -> anyhow::Result<()> {
+    let outcome = devconf::ensure(handle, index, name).await?;
+    info!(
+        interface = name,
+        role,
+        forwarding_before = outcome.before.0,
+        rp_filter_before = outcome.before.1,
+        changed = outcome.changed,
+        "IPv4 forwarding on and rp_filter loose on the interface (rtnetlink, no /proc/sys write)"
+    );
+    Ok(())
 }
 
 /// Sets up `preserve` in the pod (see the module docs) and returns the TUN. Errors
@@ -183,10 +189,6 @@ pub async fn setup(config: &PreserveConfig) -> anyhow::Result<Arc<PoolTun>> {
                 config.tun_name
             )
         })?;
-    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").context(
-        "cannot set net.ipv4.ip_forward=1 in the pod (preserve forwards laptop packets) — \
-         allow the sysctl for the pod or run it with NET_ADMIN and a writable /proc/sys",
-    )?;
     let (connection, handle, _) =
         rtnetlink::new_connection().context("cannot open a NETLINK_ROUTE socket")?;
     tokio::spawn(connection);
@@ -204,9 +206,9 @@ pub async fn setup(config: &PreserveConfig) -> anyhow::Result<Arc<PoolTun>> {
         .execute()
         .await
         .with_context(|| format!("cannot route {} into {}", config.pool, config.tun_name))?;
-    set_rp_filter(&handle, tun_index, &config.tun_name).await?;
+    forward_through(&handle, tun_index, &config.tun_name, "laptops → cluster").await?;
     let (egress_index, mac) = link_index(&handle, &config.egress).await?;
-    set_rp_filter(&handle, egress_index, &config.egress).await?;
+    forward_through(&handle, egress_index, &config.egress, "replies → laptops").await?;
     if let Some(gateway) = config.gateway {
         // Replace: a restarted manager in the same pod already holds it.
         handle

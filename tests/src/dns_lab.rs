@@ -136,6 +136,13 @@ pub struct Upstream {
 
 impl Upstream {
     pub fn start(f: &KubeFixture) -> Upstream {
+        Self::start_with(f, &[])
+    }
+
+    /// [`Upstream::start`] that also answers `records` (name, IPv4 address),
+    /// e.g. public-looking names under a top-level domain that is also a
+    /// namespace of the cluster (`go.dev`).
+    pub fn start_with(f: &KubeFixture, records: &[(&str, &str)]) -> Upstream {
         let lab = f.lab().netns_lab();
         let log = lab.dir().join("laptop-dnsmasq-queries.log");
         let mut cmd = Command::new("dnsmasq");
@@ -156,6 +163,9 @@ impl Upstream {
         .arg(format!("--log-facility={}", log.display()))
         .arg(format!("--host-record={},{}", CORP_HOST.0, CORP_HOST.1))
         .arg(format!("--host-record={},{}", PUBLIC_HOST.0, PUBLIC_HOST.1));
+        for (name, ip) in records {
+            cmd.arg(format!("--host-record={name},{ip}"));
+        }
         lab.spawn_in(LAPTOP, "laptop-dnsmasq", &cmd)
             .unwrap_or_else(|e| {
                 panic!(

@@ -397,8 +397,18 @@ impl KubeFixture {
             .env("KVPN_RESOLV_CONF", self.laptop_resolv_conf())
             .env("KVPN_HOSTS", self.laptop_hosts())
             .env("XDG_STATE_HOME", &self.state_dir)
+            // The settings file (config.yaml) and $KVPN_IMAGE of the machine
+            // running the tests must not reach the lab's kvpn.
+            .env("XDG_CONFIG_HOME", self.config_dir())
+            .env_remove("KVPN_IMAGE")
             .env_remove("KUBECONFIG");
         cmd
+    }
+
+    /// This fixture's `XDG_CONFIG_HOME` (kvpn's settings file is
+    /// `<it>/kvpn/config.yaml`).
+    pub fn config_dir(&self) -> PathBuf {
+        self.state_dir.with_file_name("kvpn-config")
     }
 
     /// `kvpn <args>`, which must succeed; its stdout.

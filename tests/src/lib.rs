@@ -7,6 +7,7 @@
 //! [`soak`] is the bounded soak that `./x soak` (binary `kvpn-soak`) and
 //! tests/tests/soak.rs run on it.
 
+pub mod containerd;
 pub mod dns_lab;
 pub mod krb5_lab;
 pub mod kube_lab;
@@ -75,6 +76,12 @@ impl Fixture {
         let options = LabOptions::default().manager(ManagerProcess::Kvpn {
             extra_args: args.iter().map(|a| (*a).to_owned()).collect(),
         });
+        Self::with_options(options)
+    }
+
+    /// A fresh lab built with `options` (e.g. a manager run by another program),
+    /// not connected yet.
+    pub fn with_lab_options(options: LabOptions) -> Self {
         Self::with_options(options)
     }
 

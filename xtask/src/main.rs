@@ -4,13 +4,15 @@
 //! - `setup`: idempotent machine set-up (apt packages, nightly rust-src,
 //!   bpf-linker, Kubernetes binaries), as root.
 //! - `build`: every binary of the workspace (the eBPF object is built by
-//!   dataplane/build.rs).
+//!   ebpf/build.rs).
 //! - `demo`: build, bring the lab up, connect from the laptop netns, show what
 //!   works, disconnect, bring the lab down.
 //! - `test`: build, then every test of the workspace (unit, property, corpus
 //!   replay, eBPF BPF_PROG_TEST_RUN, end-to-end lab tests).
 //! - `bench`: the benchmark harness (release build) against a raw veth baseline.
 //! - `fuzz`: a bounded cargo-fuzz run of every target.
+//! - `image`: the OCI images (manager, lab server, pause) as reproducible
+//!   archives, without Docker (xtask/src/image.rs).
 //! - `soak`: the bounded soak on the Kubernetes lab (tests/src/soak.rs):
 //!   mixed traffic, faults, then fds, memory, reconnects and residue checked.
 #![allow(clippy::print_stdout, reason = "xtask reports progress on stdout")]
@@ -20,6 +22,8 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+
+mod image;
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "kvpn developer tasks")]
@@ -42,15 +46,28 @@ enum Task {
     Demo,
     /// Build, then run every test (unit, property, eBPF, end-to-end on the lab).
     Test {
-        /// Extra arguments for `cargo test` (after `--`).
-        #[arg(trailing_var_arg = true)]
+        /// Arguments for `cargo test`, as given (`./x test -p kvpn-control --lib`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
     /// Benchmarks: kvpn against a raw veth baseline in the same run (release build).
     Bench {
-        /// Extra arguments for the bench binary.
-        #[arg(trailing_var_arg = true)]
+        /// kvpn-bench's own flags, as given (`./x bench --rounds 1`; `./x bench -- --help`
+        /// lists them).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// Build the OCI images (static musl binaries on an empty base, user 65532) as
+    /// reproducible OCI archives: the traffic manager, and the lab's server and pause.
+    Image {
+        /// Where the archives go (default: $KVPN_CACHE/images, /var/cache/kvpn/images).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Use the binaries already built for the images (no cargo build).
+        #[arg(long)]
+        no_build: bool,
+        /// Images to build (manager, lab-server, pause; default: all).
+        images: Vec<String>,
     },
     /// Run every cargo-fuzz target (or the named ones) for a bounded time.
     Fuzz {
@@ -63,6 +80,10 @@ enum Task {
         merge: bool,
         /// Targets to run (default: every file in fuzz/fuzz_targets/).
         targets: Vec<String>,
+        /// libFuzzer's own flags for every run, after `--` (`./x fuzz dns_query --
+        /// -max_len=512`).
+        #[arg(last = true)]
+        libfuzzer: Vec<String>,
     },
     /// Bounded soak on the lab (root): TCP/UDP/DNS traffic, transport kills, a manager
     /// pod deletion, SIGKILL of each daemon; fails when a bound breaks.
@@ -76,6 +97,9 @@ enum Task {
         /// Where to write the JSON report (default: printed after the table).
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Any other kvpn-soak flag, as given.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
 }
 
@@ -112,6 +136,12 @@ fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
+/// Where `image` writes its archives unless told otherwise.
+fn default_image_dir() -> PathBuf {
+    let cache = std::env::var("KVPN_CACHE").unwrap_or_else(|_| "/var/cache/kvpn".into());
+    PathBuf::from(cache).join("images")
+}
+
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
@@ -124,7 +154,7 @@ fn build(release: bool) -> Result<PathBuf> {
         if release { "release" } else { "debug" }
     );
     let mut cmd = cargo();
-    // Default members only: the eBPF crate is built by dataplane/build.rs for bpfel.
+    // Default members only: the eBPF crate is built by ebpf/build.rs for bpfel.
     cmd.args(["build", "--bins"]);
     if release {
         cmd.arg("--release");
@@ -146,12 +176,33 @@ fn main() -> Result<()> {
         }
         Task::Test { args } => {
             let bin = build(false)?;
+            // The image tests (tests/tests/image.rs) run the project's images
+            // under containerd: build them first.
+            println!("==> building the OCI images");
+            let images = default_image_dir();
+            for b in image::build(&image::ImageRequest {
+                root: root(),
+                target_dir: target_dir(),
+                out: images.clone(),
+                only: Vec::new(),
+                no_build: false,
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                path: path_with_tools(),
+            })? {
+                println!(
+                    "    {}  {}  {:.1} MiB",
+                    b.name,
+                    b.digest,
+                    b.archive_bytes as f64 / 1048576.0
+                );
+            }
             println!("==> running every test");
             let mut cmd = cargo();
             // Every test binary runs even after one fails, so one failure never
             // hides another; the exit status still says something failed.
             cmd.args(["test", "--no-fail-fast"])
-                .env("KVPN_BIN_DIR", &bin);
+                .env("KVPN_BIN_DIR", &bin)
+                .env("KVPN_IMAGE_DIR", &images);
             if !args.is_empty() {
                 cmd.args(&args);
             }
@@ -163,15 +214,42 @@ fn main() -> Result<()> {
             cmd.env("KVPN_BIN_DIR", &bin).args(&args);
             run(&mut cmd)
         }
+        Task::Image {
+            out,
+            no_build,
+            images,
+        } => {
+            let req = image::ImageRequest {
+                root: root(),
+                target_dir: target_dir(),
+                out: out.unwrap_or_else(default_image_dir),
+                only: images,
+                no_build,
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                path: path_with_tools(),
+            };
+            for b in image::build(&req)? {
+                println!(
+                    "{}  {}  {:.1} MiB  {}",
+                    b.name,
+                    b.digest,
+                    b.archive_bytes as f64 / (1024.0 * 1024.0),
+                    b.archive.display()
+                );
+            }
+            Ok(())
+        }
         Task::Fuzz {
             seconds,
             merge,
             targets,
-        } => fuzz(seconds, merge, &targets),
+            libfuzzer,
+        } => fuzz(seconds, merge, &targets, &libfuzzer),
         Task::Soak {
             seconds,
             rate,
             json,
+            args,
         } => {
             // Debug build, like the end-to-end tests: the soak's bounds were
             // measured on it. `--bins` builds the driver (kvpn-soak) too.
@@ -184,7 +262,7 @@ fn main() -> Result<()> {
             if let Some(json) = json {
                 cmd.arg("--json").arg(json);
             }
-            run(&mut cmd)
+            run(cmd.args(&args))
         }
     }
 }
@@ -232,10 +310,11 @@ fn cargo_fuzz(sub: &str) -> Command {
     cmd
 }
 
-/// `./x fuzz`: a bounded run of each target. New inputs go to a scratch corpus
-/// in the cache (the committed one in fuzz/corpus/ is only read, unless
-/// `merge`); a crash stops with the input under fuzz/artifacts/<target>/.
-fn fuzz(seconds: u32, merge: bool, only: &[String]) -> Result<()> {
+/// `./x fuzz`: a bounded run of each target, with `libfuzzer`'s flags after
+/// kvpn's (libFuzzer takes the last of a repeated flag). New inputs go to a
+/// scratch corpus in the cache (the committed one in fuzz/corpus/ is only read,
+/// unless `merge`); a crash stops with the input under fuzz/artifacts/<target>/.
+fn fuzz(seconds: u32, merge: bool, only: &[String], libfuzzer: &[String]) -> Result<()> {
     if Command::new("cargo")
         .args(["fuzz", "--version"])
         .output()
@@ -272,6 +351,7 @@ fn fuzz(seconds: u32, merge: bool, only: &[String]) -> Result<()> {
             .arg("--")
             .arg(format!("-max_total_time={seconds}"))
             .args(["-timeout=10", "-rss_limit_mb=2048", "-print_final_stats=1"])
+            .args(libfuzzer)
             .output()
             .with_context(|| format!("cannot run cargo fuzz for {target}"))?;
         let log = String::from_utf8_lossy(&out.stderr);
@@ -315,4 +395,137 @@ fn fuzz(seconds: u32, merge: bool, only: &[String]) -> Result<()> {
     }
     println!("==> fuzzing done\n{}", summary.join("\n"));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(argv: &[&str]) -> Task {
+        let mut full = vec!["cargo xtask"];
+        full.extend_from_slice(argv);
+        Args::try_parse_from(&full)
+            .unwrap_or_else(|e| panic!("{argv:?} refused: {e}"))
+            .task
+    }
+
+    fn bench_args(argv: &[&str]) -> Vec<String> {
+        match task(argv) {
+            Task::Bench { args } => args,
+            _ => panic!("{argv:?}: not bench"),
+        }
+    }
+
+    /// `./x bench --rounds 1` (the README's form) hands kvpn-bench its flags as
+    /// given; on main clap refused it with "unexpected argument '--rounds'" and
+    /// only `./x bench -- --rounds 1` worked, which still does.
+    #[test]
+    fn bench_passes_its_own_flags_through() {
+        assert_eq!(bench_args(&["bench", "--rounds", "1"]), ["--rounds", "1"]);
+        assert_eq!(
+            bench_args(&["bench", "--rounds", "2", "--workers", "4", "--plain-only"]),
+            ["--rounds", "2", "--workers", "4", "--plain-only"]
+        );
+        assert_eq!(
+            bench_args(&["bench", "--", "--rounds", "1"]),
+            ["--rounds", "1"]
+        );
+        assert_eq!(
+            bench_args(&["bench", "--busy-fraction", "-0.5"]),
+            ["--busy-fraction", "-0.5"]
+        );
+        assert!(bench_args(&["bench"]).is_empty());
+    }
+
+    /// `./x test -p kvpn-control --lib` reaches cargo test as given.
+    #[test]
+    fn test_passes_cargo_test_flags_through() {
+        let Task::Test { args } = task(&["test", "-p", "kvpn-control", "--lib"]) else {
+            panic!("not test");
+        };
+        assert_eq!(args, ["-p", "kvpn-control", "--lib"]);
+    }
+
+    /// The soak's flags as the README writes them, in any order; anything else
+    /// goes to kvpn-soak as given.
+    #[test]
+    fn soak_takes_its_flags_and_passes_the_rest_through() {
+        let Task::Soak {
+            seconds,
+            rate,
+            json,
+            args,
+        } = task(&[
+            "soak",
+            "--seconds",
+            "60",
+            "--json",
+            "/tmp/soak.json",
+            "--rate",
+            "2.5",
+        ])
+        else {
+            panic!("not soak");
+        };
+        assert_eq!(
+            (seconds, rate, json, args),
+            (60, 2.5, Some(PathBuf::from("/tmp/soak.json")), vec![])
+        );
+        let Task::Soak { seconds, args, .. } = task(&["soak"]) else {
+            panic!("not soak");
+        };
+        assert_eq!((seconds, args), (600, vec![]));
+        let Task::Soak { seconds, args, .. } = task(&["soak", "--", "--seconds", "45"]) else {
+            panic!("not soak");
+        };
+        // kvpn-soak takes the last --seconds: the one given after `--`.
+        assert_eq!(
+            (seconds, args),
+            (600, vec!["--seconds".into(), "45".into()])
+        );
+        assert!(
+            Args::try_parse_from(["cargo xtask", "soak", "--seconds", "x"]).is_err(),
+            "--seconds x was accepted"
+        );
+    }
+
+    /// `./x fuzz --seconds 60 --merge dns_query -- -max_len=512`: fuzz's own
+    /// flags and targets, and libFuzzer's flags after `--`.
+    #[test]
+    fn fuzz_takes_its_flags_targets_and_libfuzzer_flags() {
+        let Task::Fuzz {
+            seconds,
+            merge,
+            targets,
+            libfuzzer,
+        } = task(&[
+            "fuzz",
+            "--seconds",
+            "60",
+            "--merge",
+            "dns_query",
+            "frame",
+            "--",
+            "-max_len=512",
+            "-jobs=2",
+        ])
+        else {
+            panic!("not fuzz");
+        };
+        assert_eq!((seconds, merge), (60, true));
+        assert_eq!(targets, ["dns_query", "frame"]);
+        assert_eq!(libfuzzer, ["-max_len=512", "-jobs=2"]);
+        let Task::Fuzz {
+            seconds,
+            merge,
+            targets,
+            libfuzzer,
+        } = task(&["fuzz", "dns_query", "--seconds", "5"])
+        else {
+            panic!("not fuzz");
+        };
+        assert_eq!((seconds, merge), (5, false));
+        assert_eq!(targets, ["dns_query"]);
+        assert!(libfuzzer.is_empty());
+    }
 }

@@ -35,6 +35,21 @@ pub struct Essentials {
 }
 
 impl Essentials {
+    /// Every address with what it is ("the API server", "a nameserver", …), in
+    /// the order api servers, SSH hosts, nameservers, gateways; an address that
+    /// is two things appears twice.
+    pub fn labelled(&self) -> Vec<(IpAddr, String)> {
+        [
+            (&self.api_servers, "the API server"),
+            (&self.ssh_hosts, "an SSH jump host"),
+            (&self.nameservers, "a nameserver"),
+            (&self.gateways, "a default gateway"),
+        ]
+        .into_iter()
+        .flat_map(|(ips, what)| ips.iter().map(move |ip| (*ip, what.to_owned())))
+        .collect()
+    }
+
     /// Every address, sorted, without duplicates.
     pub fn addresses(&self) -> Vec<IpAddr> {
         let mut all: Vec<IpAddr> = self

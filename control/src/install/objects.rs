@@ -20,10 +20,11 @@ use std::collections::BTreeMap;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, Namespace,
-    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
-    SeccompProfile, Secret, SecretVolumeSource, SecurityContext, Service, ServiceAccount,
-    ServicePort, ServiceSpec, TCPSocketAction, Volume, VolumeMount,
+    Capabilities, ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, HostPathVolumeSource,
+    LocalObjectReference, Namespace, ObjectFieldSelector, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, Secret, SecretVolumeSource,
+    SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Sysctl, TCPSocketAction,
+    Volume, VolumeMount,
 };
 use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
@@ -96,7 +97,54 @@ pub struct Spec {
     pub version: String,
     /// The manager's `--source-policy`.
     pub source_policy: SourcePolicy,
+    /// `--image-pull-secret` (names of Secrets in the manager namespace).
+    pub image_pull_secrets: Vec<String>,
+    /// `--image-pull-policy` (`Always`, `IfNotPresent`, `Never`); None leaves the
+    /// Kubernetes default (IfNotPresent for a tagged image, Always for `:latest`).
+    pub image_pull_policy: Option<String>,
 }
+
+/// The numeric user and group the manager runs as: the image's `USER` (images/
+/// Containerfile, `cargo xtask image`), stated again in the pod spec so the
+/// "restricted" Pod Security Standard's runAsNonRoot can be checked by the kubelet
+/// without reading the image.
+pub const MANAGER_UID: i64 = 65532;
+
+/// The uid (and gid) the manager runs as under `policy`: [`MANAGER_UID`] for snat,
+/// which needs no capability. `preserve` and `ebpf-snat` need NET_ADMIN (and BPF):
+/// Kubernetes adds capabilities to a container's bounding and permitted sets, but
+/// a non-root process gets no effective capabilities without ambient ones, which
+/// Kubernetes does not set; so those policies run as uid 0 with every other
+/// capability dropped (never privileged, no host namespaces). Measured with runc:
+/// uid 65532 with `--cap-add CAP_NET_ADMIN` shows `CapEff: 0`.
+pub fn manager_uid(policy: SourcePolicy) -> i64 {
+    match policy {
+        SourcePolicy::Snat => MANAGER_UID,
+        SourcePolicy::Preserve | SourcePolicy::EbpfSnat => 0,
+    }
+}
+
+/// The TUN clone device. Container runtimes give a container a fresh /dev without
+/// it (the device cgroup allows it, the node is just not there), so the policies
+/// that create a TUN device mount the node's as a hostPath CharDevice: no MKNOD
+/// capability, no privileged container.
+pub const TUN_DEVICE: &str = "/dev/net/tun";
+const TUN_VOLUME: &str = "dev-net-tun";
+
+/// Whether `policy` creates a TUN device in the pod (the pool TUN of preserve and
+/// ebpf-snat).
+pub fn needs_tun(policy: SourcePolicy) -> bool {
+    policy != SourcePolicy::Snat
+}
+
+/// `net.ipv4.ping_group_range` for the manager pod: ICMP echo through unprivileged
+/// datagram sockets (the manager's ping path) for every group. A namespaced sysctl
+/// in the Kubernetes "safe" set since 1.18, so every kubelet allows it; it changes
+/// only the pod's own network namespace.
+pub const PING_GROUP_RANGE: (&str, &str) = ("net.ipv4.ping_group_range", "0 2147483647");
+
+/// The image pull policies Kubernetes knows.
+pub const PULL_POLICIES: [&str; 3] = ["Always", "IfNotPresent", "Never"];
 
 /// Whose address the cluster's backends see (`kvpn-manager --source-policy`; the
 /// README's "Choosing a source policy"); defined once, in kvpn-proto.
@@ -354,12 +402,22 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
                 }),
             },
         ]),
-        volume_mounts: Some(vec![VolumeMount {
-            name: "tls".into(),
-            mount_path: TLS_MOUNT.into(),
-            read_only: Some(true),
-            ..Default::default()
-        }]),
+        volume_mounts: Some({
+            let mut mounts = vec![VolumeMount {
+                name: "tls".into(),
+                mount_path: TLS_MOUNT.into(),
+                read_only: Some(true),
+                ..Default::default()
+            }];
+            if needs_tun(spec.source_policy) {
+                mounts.push(VolumeMount {
+                    name: TUN_VOLUME.into(),
+                    mount_path: TUN_DEVICE.into(),
+                    ..Default::default()
+                });
+            }
+            mounts
+        }),
         readiness_probe: Some(Probe {
             tcp_socket: Some(TCPSocketAction {
                 port: IntOrString::Int(i32::from(DATA_PORT)),
@@ -387,10 +445,22 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
         // (NET_RAW). ebpf-snat creates the same TUN device and route (NET_ADMIN),
         // loads its TC programs and maps (BPF) and attaches them to eth0
         // (NET_ADMIN); NET_RAW is for `kvpn diagnose source`'s capture of the pod's
-        // egress. Never privileged.
+        // egress. No PERFMON: the programs pass the verifier without it (measured by
+        // kvpn-manager's readonly_proc_sys::each_capability_is_needed). Neither policy
+        // writes /proc/sys (read-only under a runtime): the manager turns IPv4
+        // forwarding on per interface over rtnetlink. Never privileged.
+        image_pull_policy: spec.image_pull_policy.clone(),
+        // The "restricted" Pod Security Standard in snat mode (non-root, no privilege
+        // escalation, every capability dropped, RuntimeDefault seccomp on the pod);
+        // the manager writes nothing to its root filesystem (its TLS material is a
+        // read-only Secret mount, its logs go to stderr).
         security_context: Some(SecurityContext {
             privileged: Some(false),
             allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(spec.source_policy == SourcePolicy::Snat),
+            run_as_user: Some(manager_uid(spec.source_policy)),
+            run_as_group: Some(manager_uid(spec.source_policy)),
             capabilities: Some(Capabilities {
                 drop: Some(vec!["ALL".into()]),
                 add: match spec.source_policy {
@@ -432,18 +502,47 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
                     type_: "RuntimeDefault".into(),
                     localhost_profile: None,
                 }),
+                run_as_non_root: Some(spec.source_policy == SourcePolicy::Snat),
+                run_as_user: Some(manager_uid(spec.source_policy)),
+                run_as_group: Some(manager_uid(spec.source_policy)),
+                // The Secret volume's files get this group, so the non-root manager
+                // can read its key (mode 0440).
+                fs_group: Some(MANAGER_UID),
+                sysctls: Some(vec![Sysctl {
+                    name: PING_GROUP_RANGE.0.into(),
+                    value: PING_GROUP_RANGE.1.into(),
+                }]),
                 ..Default::default()
             }),
+            image_pull_secrets: (!spec.image_pull_secrets.is_empty()).then(|| {
+                spec.image_pull_secrets
+                    .iter()
+                    .map(|name| LocalObjectReference { name: name.clone() })
+                    .collect()
+            }),
             containers: vec![container],
-            volumes: Some(vec![Volume {
-                name: "tls".into(),
-                secret: Some(SecretVolumeSource {
-                    secret_name: Some(TLS_SECRET.into()),
-                    default_mode: Some(0o440),
+            volumes: Some({
+                let mut volumes = vec![Volume {
+                    name: "tls".into(),
+                    secret: Some(SecretVolumeSource {
+                        secret_name: Some(TLS_SECRET.into()),
+                        default_mode: Some(0o440),
+                        ..Default::default()
+                    }),
                     ..Default::default()
-                }),
-                ..Default::default()
-            }]),
+                }];
+                if needs_tun(spec.source_policy) {
+                    volumes.push(Volume {
+                        name: TUN_VOLUME.into(),
+                        host_path: Some(HostPathVolumeSource {
+                            path: TUN_DEVICE.into(),
+                            type_: Some("CharDevice".into()),
+                        }),
+                        ..Default::default()
+                    });
+                }
+                volumes
+            }),
             ..Default::default()
         }),
     }
@@ -528,9 +627,11 @@ mod tests {
     fn spec() -> Spec {
         Spec {
             namespace: "kvpn-system".into(),
-            image: "ghcr.io/kvpn/manager:0.1.0".into(),
+            image: "localhost/kvpn/manager:0.1.0".into(),
             version: "0.1.0".into(),
             source_policy: SourcePolicy::Snat,
+            image_pull_secrets: Vec::new(),
+            image_pull_policy: None,
         }
     }
 
@@ -595,6 +696,111 @@ mod tests {
         older.version = "0.0.9".into();
         assert_ne!(template_hash(&deployment(&older, "CA1")), Some(h.as_str()));
         assert_ne!(template_hash(&deployment(&spec(), "CA2")), Some(h.as_str()));
+    }
+
+    /// Every control of the "restricted" Pod Security Standard (Kubernetes docs,
+    /// pod-security-standards, Restricted) holds for the snat manager, and its ICMP
+    /// comes from the safe namespaced sysctl, not from a privilege.
+    #[test]
+    fn snat_manager_meets_the_restricted_pod_security_standard() {
+        let d = deployment(&spec(), "CA");
+        let pod = d.spec.expect("spec").template.spec.expect("pod spec");
+        assert_eq!(pod.host_network, None);
+        assert_eq!(pod.host_pid, None);
+        assert_eq!(pod.host_ipc, None);
+        let psc = pod.security_context.as_ref().expect("pod security context");
+        assert_eq!(psc.run_as_non_root, Some(true));
+        assert_eq!(psc.run_as_user, Some(65532));
+        assert_eq!(psc.fs_group, Some(65532));
+        assert_eq!(
+            psc.seccomp_profile.as_ref().map(|p| p.type_.as_str()),
+            Some("RuntimeDefault")
+        );
+        let sysctls = psc.sysctls.as_deref().expect("sysctls");
+        assert_eq!(sysctls.len(), 1);
+        assert_eq!(sysctls[0].name, "net.ipv4.ping_group_range");
+        for v in pod.volumes.as_deref().unwrap_or_default() {
+            assert!(v.host_path.is_none(), "no hostPath volumes: {v:?}");
+        }
+        let c = &pod.containers[0];
+        let sc = c
+            .security_context
+            .as_ref()
+            .expect("container security context");
+        assert_eq!(sc.privileged, Some(false));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.run_as_non_root, Some(true));
+        let caps = sc.capabilities.as_ref().expect("capabilities");
+        assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]));
+        assert_eq!(caps.add, None);
+        assert!(c.ports.iter().flatten().all(|p| p.host_port.is_none()));
+        assert_eq!(c.image_pull_policy, None);
+        assert_eq!(pod.image_pull_secrets, None);
+    }
+
+    /// preserve and ebpf-snat: uid 0 (added capabilities are effective only for
+    /// root without ambient capabilities) with only their named capabilities,
+    /// never privileged, and the node's TUN clone device.
+    #[test]
+    fn capability_policies_run_as_root_with_named_capabilities_and_the_tun_device() {
+        for policy in [SourcePolicy::Preserve, SourcePolicy::EbpfSnat] {
+            let mut s = spec();
+            s.source_policy = policy;
+            let pod = deployment(&s, "CA")
+                .spec
+                .expect("spec")
+                .template
+                .spec
+                .expect("pod");
+            let c = &pod.containers[0];
+            let sc = c.security_context.as_ref().expect("security context");
+            assert_eq!(sc.run_as_user, Some(0), "{policy:?}");
+            assert_eq!(sc.run_as_non_root, Some(false), "{policy:?}");
+            assert_eq!(sc.privileged, Some(false), "{policy:?}");
+            assert_eq!(sc.allow_privilege_escalation, Some(false), "{policy:?}");
+            assert_eq!(sc.read_only_root_filesystem, Some(true), "{policy:?}");
+            let tun = pod
+                .volumes
+                .iter()
+                .flatten()
+                .find_map(|v| v.host_path.as_ref())
+                .expect("hostPath /dev/net/tun");
+            assert_eq!(tun.path, "/dev/net/tun");
+            assert_eq!(tun.type_.as_deref(), Some("CharDevice"));
+            assert!(
+                c.volume_mounts
+                    .iter()
+                    .flatten()
+                    .any(|m| m.mount_path == "/dev/net/tun"),
+                "{policy:?}"
+            );
+            assert_eq!(pod.host_network, None);
+        }
+    }
+
+    #[test]
+    fn pull_secrets_and_policy_reach_the_pod_spec() {
+        let mut s = spec();
+        s.image_pull_secrets = vec!["regcred".into(), "other".into()];
+        s.image_pull_policy = Some("Always".into());
+        let pod = deployment(&s, "CA")
+            .spec
+            .expect("spec")
+            .template
+            .spec
+            .expect("pod spec");
+        let names: Vec<_> = pod
+            .image_pull_secrets
+            .iter()
+            .flatten()
+            .map(|r| r.name.clone())
+            .collect();
+        assert_eq!(names, ["regcred", "other"]);
+        assert_eq!(
+            pod.containers[0].image_pull_policy.as_deref(),
+            Some("Always")
+        );
     }
 
     #[test]

@@ -475,7 +475,7 @@ impl ReadyWait {
 }
 
 /// What the user can do about `fatal` (shown after the reason).
-pub fn hint(namespace: &str, pod: Option<&str>, fatal: &Fatal) -> String {
+pub fn hint(namespace: &str, pod: Option<&str>, fatal: &Fatal, image: &str) -> String {
     let Some(pod) = pod else {
         return format!(
             "the Deployment cannot create its pod (quota, admission or RBAC); see \
@@ -483,9 +483,11 @@ pub fn hint(namespace: &str, pod: Option<&str>, fatal: &Fatal) -> String {
         );
     };
     match fatal.reason.as_str() {
-        "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName" | "ErrImageNeverPull" => {
-            "check --image or the registry".to_owned()
-        }
+        "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName" => super::image::pull_hint(image),
+        "ErrImageNeverPull" => format!(
+            "imagePullPolicy is Never and the pod's node does not have {image}: load it on every node \
+             (README: \"Use kvpn with your own cluster\") or connect with --image-pull-policy IfNotPresent"
+        ),
         "CreateContainerConfigError" | "CreateContainerError" => format!(
             "its Secret or ConfigMap may be missing; see `kubectl -n {namespace} describe pod {pod}`"
         ),
@@ -640,9 +642,10 @@ mod tests {
                 "Pod m-1: Waiting: ImagePullBackOff: Back-off pulling image \"does-not-exist\"",
             ]
         );
-        assert_eq!(
-            hint("ns", Some("m-1"), &fatal),
-            "check --image or the registry"
+        let h = hint("ns", Some("m-1"), &fatal, "reg.example/kvpn/manager:9");
+        assert!(
+            h.contains("reg.example/kvpn/manager:9") && h.contains("--image-pull-secret"),
+            "{h}"
         );
     }
 
@@ -719,7 +722,7 @@ mod tests {
             "{}",
             fatal.message
         );
-        assert!(hint("ns", Some("m-1"), &fatal).contains("logs m-1 --previous"));
+        assert!(hint("ns", Some("m-1"), &fatal, "x").contains("logs m-1 --previous"));
     }
 
     #[test]

@@ -97,6 +97,15 @@ async fn wait_connected(
     }
 }
 
+/// Whether a session's `have` origin is the `wanted` cluster: every field but
+/// the manager's build, which the session recorded at its connect.
+fn same_cluster(have: &Origin, wanted: &Origin) -> bool {
+    let mut have = have.clone();
+    have.manager_version.clone_from(&wanted.manager_version);
+    have.manager_commit.clone_from(&wanted.manager_commit);
+    have == *wanted
+}
+
 /// `kvpn connect --socks` on an open API-server connection.
 pub async fn connect(
     runtime_dir: &Path,
@@ -114,13 +123,14 @@ pub async fn connect(
         manager_namespace: args.kube.manager_namespace.clone(),
         data_path: tun_connect::TRANSPORT_PORT_FORWARD.to_owned(),
         source_policy: String::new(),
+        manager_version: String::new(),
+        manager_commit: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
-    if let Some(s) = socks_sessions(&mut user)
-        .await?
-        .into_iter()
-        .find(|s| s.origin.as_ref() == Some(&origin) && s.state != userd::server::STATE_LOST)
-    {
+    if let Some(s) = socks_sessions(&mut user).await?.into_iter().find(|s| {
+        s.origin.as_ref().is_some_and(|o| same_cluster(o, &origin))
+            && s.state != userd::server::STATE_LOST
+    }) {
         let session_listen = s.socks.map(|x| x.listen).unwrap_or_default();
         if let Some(w) = super::listen_not_applied(args.socks_listen, &s.id, &session_listen) {
             output::warn(&w);
@@ -138,6 +148,8 @@ pub async fn connect(
     let manager = tun_connect::ensure_manager(conn, args).await?;
     let (leased, tunnel_ip) = tun_connect::lease_step(conn, args, env, &manager).await?;
     output::done(&format!("Tunnel IP {tunnel_ip}"));
+    let mut origin = origin;
+    tun_connect::set_manager_build(&mut origin, &leased, &manager);
 
     let dns = match tun_connect::cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(d) => (d.servers, d.search),

@@ -37,8 +37,8 @@ use tracing::{debug, trace, warn};
 pub const TUNNEL_RANGE: Ipv4Net = Ipv4Net::new_assert(Ipv4Addr::new(198, 19, 0, 0), 16);
 
 /// Default TUN MTU in bytes: a byte-stream transport, like the manager sessions
-/// (the dataplane's `DEFAULT_MTU`), so bulk TCP needs few frames.
-pub const DEFAULT_MTU: u16 = 9000;
+/// ([`frame::DEFAULT_TUN_MTU`]), so bulk TCP needs few frames.
+pub const DEFAULT_MTU: u16 = frame::DEFAULT_TUN_MTU;
 
 /// TUN device name pattern on both ends (the kernel fills in the number).
 pub const TUN_NAME: &str = "kvssh%d";

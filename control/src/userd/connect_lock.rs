@@ -176,6 +176,17 @@ impl ConnectLock {
         }
     }
 
+    /// Take the lock for a daemon restart (`kvpn version`) when nobody holds it:
+    /// `None` while a `kvpn connect` or `kvpn quit` runs, or when the user
+    /// daemon's folder does not exist. Never waits.
+    pub fn try_for_restart(root_runtime_dir: &Path) -> Result<Option<ConnectLock>> {
+        let path = Self::path(root_runtime_dir);
+        if !path.parent().is_some_and(Path::is_dir) {
+            return Ok(None);
+        }
+        Self::try_take(&path, "version")
+    }
+
     fn try_take(path: &Path, command: &str) -> Result<Option<ConnectLock>> {
         let Some(mut file) = try_flock(path)? else {
             return Ok(None);

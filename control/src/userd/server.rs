@@ -844,6 +844,8 @@ impl UserDaemon for UserDaemonState {
             user_sessions,
             daemon_pid: std::process::id(),
             root_refused_peers: refused_peers,
+            version: kvpn_build_info::VERSION.to_owned(),
+            commit: kvpn_build_info::COMMIT.to_owned(),
         }))
     }
 

@@ -12,7 +12,10 @@
 //! - Cluster-relative spellings are expanded: each search-list expansion is asked
 //!   of the cluster DNS (in parallel, gated by its anchor, [`super::names`]), and
 //!   the first in search-list order that exists answers, as a CNAME from the asked
-//!   name plus the cluster's records.
+//!   name plus the cluster's records. When none exists and the cluster said
+//!   NXDOMAIN for a `svc.ns` spelling (`go.dev` with a namespace `dev`), the
+//!   question goes on to the laptop's upstream, whose answer stands; the
+//!   cluster's NXDOMAIN is answered only when the upstream has none to give.
 //! - The cluster DNS is plain UDP/TCP to its ClusterIP: the TUN device's routes
 //!   carry it, with the tunnel IP as source. UDP to the cluster DNS goes over one
 //!   long-lived socket per server ([`UdpMux`], queries told apart by a message id
@@ -45,10 +48,11 @@ use hickory_proto::rr::Name;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::{Semaphore, oneshot, watch};
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 use super::message::{self, Reject};
 use super::names::{self, Candidate, ClusterDns, ExistenceCache, Otherwise, Plan};
+use super::port_holder;
 
 /// Questions handled at once; beyond this UDP questions are dropped (counted).
 pub const MAX_IN_FLIGHT: usize = 1024;
@@ -74,9 +78,7 @@ const ANCHOR_CACHE_SIZE: usize = 4096;
 #[derive(Debug, thiserror::Error)]
 pub enum ForwarderError {
     /// The listen address is taken or not local.
-    #[error(
-        "cannot listen for DNS on {addr} ({proto}): {source} — another DNS server may use it; set KVPN_DNS_IP to a free loopback address"
-    )]
+    #[error("cannot listen for DNS on {addr} ({proto}): {source} — {hint}")]
     Bind {
         /// The address.
         addr: SocketAddr,
@@ -85,7 +87,38 @@ pub enum ForwarderError {
         /// The error.
         #[source]
         source: std::io::Error,
+        /// Why and what to do: for a port in use, the process that holds it
+        /// ([`super::port_holder`]).
+        hint: String,
     },
+}
+
+impl ForwarderError {
+    fn bind(addr: SocketAddr, proto: port_holder::Proto, source: std::io::Error) -> Self {
+        const FIX: &str = "stop it, or set KVPN_DNS_IP to a free loopback address";
+        let hint = match source.kind() {
+            std::io::ErrorKind::AddrInUse => port_holder::describe(addr, proto, FIX),
+            std::io::ErrorKind::AddrNotAvailable => format!(
+                "{} is no address of this laptop — set KVPN_DNS_IP to a loopback address such as {}",
+                addr.ip(),
+                super::DEFAULT_LISTEN_IP
+            ),
+            std::io::ErrorKind::PermissionDenied => format!(
+                "port {} needs root or CAP_NET_BIND_SERVICE — run the root daemon as root",
+                addr.port()
+            ),
+            _ => "set KVPN_DNS_IP to a free loopback address".to_owned(),
+        };
+        ForwarderError::Bind {
+            addr,
+            proto: match proto {
+                port_holder::Proto::Udp => "udp",
+                port_holder::Proto::Tcp => "tcp",
+            },
+            source,
+            hint,
+        }
+    }
 }
 
 /// Counters of the forwarder (monotonic).
@@ -101,7 +134,9 @@ pub struct Counters {
     pub expanded: AtomicU64,
     /// Relayed to the laptop's upstream nameservers.
     pub upstream: AtomicU64,
-    /// NXDOMAIN for a single label that exists nowhere in the cluster.
+    /// NXDOMAIN answered here: a single label that exists nowhere in the
+    /// cluster, a missing `….svc` name, or a `svc.ns` name the cluster denied
+    /// and the laptop's upstream gave no answer for.
     pub local_nxdomain: AtomicU64,
     /// AAAA answered NOERROR/empty for an IPv4-only cluster.
     pub empty_aaaa: AtomicU64,
@@ -446,26 +481,14 @@ impl Forwarder {
             tries -= 1;
             let udp = UdpSocket::bind(listen)
                 .await
-                .map_err(|source| ForwarderError::Bind {
-                    addr: listen,
-                    proto: "udp",
-                    source,
-                })?;
-            let local = udp.local_addr().map_err(|source| ForwarderError::Bind {
-                addr: listen,
-                proto: "udp",
-                source,
-            })?;
+                .map_err(|e| ForwarderError::bind(listen, port_holder::Proto::Udp, e))?;
+            let local = udp
+                .local_addr()
+                .map_err(|e| ForwarderError::bind(listen, port_holder::Proto::Udp, e))?;
             match TcpListener::bind(local).await {
                 Ok(tcp) => break (udp, local, tcp),
                 Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries > 0 => {}
-                Err(source) => {
-                    return Err(ForwarderError::Bind {
-                        addr: local,
-                        proto: "tcp",
-                        source,
-                    });
-                }
+                Err(e) => return Err(ForwarderError::bind(local, port_holder::Proto::Tcp, e)),
             }
         };
         let shared = Arc::new(Shared {
@@ -520,17 +543,43 @@ impl Forwarder {
         self.shared.counters.snapshot()
     }
 
-    /// Stop listening; questions in flight are abandoned.
+    /// Stop listening; questions in flight are abandoned. When this returns,
+    /// every socket of the forwarder is closed, the listening ones included, so
+    /// a new forwarder can bind the same address at once (issue 29 item 4: a
+    /// question still in flight kept the UDP socket open for seconds, and the
+    /// next `kvpn connect` failed with "Address already in use").
     pub async fn stop(mut self) {
         let _ = self.stop_tx.send(true);
-        for t in self.tasks.drain(..) {
-            if tokio::time::timeout(Duration::from_secs(1), t)
+        for mut t in self.tasks.drain(..) {
+            // The listeners end their questions' tasks before they return.
+            if tokio::time::timeout(Duration::from_secs(1), &mut t)
                 .await
                 .is_err()
             {
-                tracing::debug!("DNS listener did not stop within 1 s; aborted");
+                tracing::debug!("DNS listener did not stop within 1 s; aborting it");
+                t.abort();
+                // Returns once the task is dropped, with its sockets.
+                let _ = t.await;
             }
         }
+        let readers = std::mem::take(
+            &mut *self
+                .shared
+                .cluster_udp
+                .readers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for r in readers {
+            r.abort();
+            let _ = r.await;
+        }
+        self.shared
+            .cluster_udp
+            .sockets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
         tracing::info!(local = %self.local, counters = ?self.counters(), "DNS forwarder stopped");
     }
 }
@@ -541,9 +590,13 @@ async fn serve_udp(
     mut stop_rx: watch::Receiver<bool>,
 ) {
     let mut buf = vec![0u8; 65535];
+    // The questions in flight hold the socket (to answer on it): they end
+    // with the listener, so the socket is closed when this returns.
+    let mut questions = JoinSet::new();
     loop {
         let (n, src) = tokio::select! {
-            _ = stop_rx.changed() => return,
+            _ = stop_rx.changed() => break,
+            Some(_) = questions.join_next(), if !questions.is_empty() => continue,
             r = socket.recv_from(&mut buf) => match r {
                 Ok(x) => x,
                 Err(e) => {
@@ -560,7 +613,7 @@ async fn serve_udp(
         };
         let raw = buf[..n].to_vec();
         let (socket, shared) = (socket.clone(), shared.clone());
-        tokio::spawn(async move {
+        questions.spawn(async move {
             let _permit = permit;
             if let Some(answer) = handle(&shared, &raw, Transport::Udp).await
                 && let Err(e) = socket.send_to(&answer, src).await
@@ -569,13 +622,18 @@ async fn serve_udp(
             }
         });
     }
+    // Aborts them and waits until each is dropped.
+    questions.shutdown().await;
 }
 
 async fn serve_tcp(listener: TcpListener, shared: Arc<Shared>, mut stop_rx: watch::Receiver<bool>) {
     let connections = Arc::new(Semaphore::new(MAX_TCP_CONNECTIONS));
+    // Each client's connection ends with the listener (see serve_udp).
+    let mut clients = JoinSet::new();
     loop {
         let (stream, src) = tokio::select! {
-            _ = stop_rx.changed() => return,
+            _ = stop_rx.changed() => break,
+            Some(_) = clients.join_next(), if !clients.is_empty() => continue,
             r = listener.accept() => match r {
                 Ok(x) => x,
                 Err(e) => {
@@ -591,11 +649,13 @@ async fn serve_tcp(listener: TcpListener, shared: Arc<Shared>, mut stop_rx: watc
         };
         let shared = shared.clone();
         let stop_rx = stop_rx.clone();
-        tokio::spawn(async move {
+        clients.spawn(async move {
             let _permit = permit;
             serve_tcp_client(stream, &shared, stop_rx).await;
         });
     }
+    drop(listener);
+    clients.shutdown().await;
 }
 
 /// RFC 1035 §4.2.2 / RFC 7766: two-byte length, then the message; several queries
@@ -756,12 +816,13 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
                         limit,
                     )
                 }
-                // The cluster says an expansion does not exist while its anchor
-                // (`default.svc.<domain>` of `nosuch.default`) does: a cluster name
-                // that does not exist, NXDOMAIN — never the laptop's upstream,
-                // which would leak it and, silent, turn it into SERVFAIL.
+                // The cluster says a `….svc` expansion does not exist while its
+                // anchor `svc.<domain>` does: a cluster name that does not exist,
+                // NXDOMAIN — never the laptop's upstream, which would leak it
+                // and, silent, turn it into SERVFAIL.
                 Found::Nothing {
                     in_cluster_zone: true,
+                    ..
                 } => {
                     bump(&shared.counters.local_nxdomain);
                     encode(
@@ -772,6 +833,7 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
                 }
                 Found::Nothing {
                     in_cluster_zone: false,
+                    cluster_nxdomain,
                 } => match otherwise {
                     Otherwise::NxDomain => {
                         bump(&shared.counters.local_nxdomain);
@@ -780,6 +842,11 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
                             &message::local_answer(&query, ResponseCode::NXDomain),
                             limit,
                         )
+                    }
+                    // The cluster said NXDOMAIN for the `svc.ns` form (`go.dev`
+                    // with a namespace `dev`): the laptop's resolvers decide.
+                    Otherwise::Upstream if cluster_nxdomain => {
+                        upstream_after_cluster_nxdomain(shared, raw, &query, transport, limit).await
                     }
                     Otherwise::Upstream => upstream(shared, raw, &query, transport, limit).await,
                 },
@@ -804,6 +871,47 @@ async fn upstream(
     relay(shared, &servers, raw, query, transport, limit, false).await
 }
 
+/// A name the cluster said NXDOMAIN for in its `svc.ns` form goes to the
+/// laptop's upstream nameservers (issue 29 item 2: a public `go.dev` with a
+/// namespace `dev`), whose answer stands when they give one (NOERROR or
+/// NXDOMAIN). When they cannot (no answer, SERVFAIL, REFUSED: e.g. a resolver
+/// that only serves its own zones), the cluster's NXDOMAIN is the only word
+/// anyone said about the name, and the client gets that rather than SERVFAIL.
+async fn upstream_after_cluster_nxdomain(
+    shared: &Shared,
+    raw: &[u8],
+    query: &Message,
+    transport: Transport,
+    limit: Option<usize>,
+) -> Option<Vec<u8>> {
+    bump(&shared.counters.upstream);
+    let servers = shared
+        .upstreams
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    let answer = first_answer(shared, &servers, raw, transport, false).await;
+    match answer {
+        Some(answer)
+            if !matches!(
+                message::response_code(&answer),
+                Some(ResponseCode::ServFail | ResponseCode::Refused) | None
+            ) =>
+        {
+            sized(shared, answer, query, limit)
+        }
+        _ => {
+            tracing::debug!(name = ?query.queries.first().map(|q| q.name().to_string()), "the laptop's upstream gave no answer; the cluster's NXDOMAIN stands");
+            bump(&shared.counters.local_nxdomain);
+            encode(
+                shared,
+                &message::local_answer(query, ResponseCode::NXDomain),
+                limit,
+            )
+        }
+    }
+}
+
 /// Send `raw` to each server in turn until one answers; its answer unchanged, or
 /// TC when it exceeds `limit`, or SERVFAIL when nobody answered.
 async fn relay(
@@ -815,6 +923,41 @@ async fn relay(
     limit: Option<usize>,
     to_cluster: bool,
 ) -> Option<Vec<u8>> {
+    if let Some(answer) = first_answer(shared, servers, raw, transport, to_cluster).await {
+        return sized(shared, answer, query, limit);
+    }
+    bump(&shared.counters.servfail);
+    encode(
+        shared,
+        &message::local_answer(query, ResponseCode::ServFail),
+        limit,
+    )
+}
+
+/// `answer` unchanged, or an empty answer with TC when it exceeds `limit`.
+fn sized(
+    shared: &Shared,
+    answer: Vec<u8>,
+    query: &Message,
+    limit: Option<usize>,
+) -> Option<Vec<u8>> {
+    if let Some(limit) = limit
+        && answer.len() > limit
+    {
+        return encode(shared, &message::truncated_for(query), Some(limit));
+    }
+    Some(answer)
+}
+
+/// Send `raw` to each server in turn until one answers; that answer, or `None`
+/// when nobody did.
+async fn first_answer(
+    shared: &Shared,
+    servers: &[SocketAddr],
+    raw: &[u8],
+    transport: Transport,
+    to_cluster: bool,
+) -> Option<Vec<u8>> {
     // One server: a second try, as a stub resolver would.
     let tries = servers.len().max(2).min(servers.len() * 2);
     for server in servers.iter().cycle().take(tries) {
@@ -824,23 +967,11 @@ async fn relay(
             exchange(*server, raw, transport).await
         };
         match answer {
-            Ok(answer) => {
-                if let Some(limit) = limit
-                    && answer.len() > limit
-                {
-                    return encode(shared, &message::truncated_for(query), Some(limit));
-                }
-                return Some(answer);
-            }
+            Ok(answer) => return Some(answer),
             Err(e) => tracing::debug!(%server, error = %e, "DNS server did not answer"),
         }
     }
-    bump(&shared.counters.servfail);
-    encode(
-        shared,
-        &message::local_answer(query, ResponseCode::ServFail),
-        limit,
-    )
+    None
 }
 
 fn unspecified_for(server: SocketAddr) -> SocketAddr {
@@ -994,10 +1125,13 @@ async fn try_candidate(
 
 enum Found {
     Answer(Name, Box<Message>),
-    /// No expansion exists; `in_cluster_zone`: one of them is under an anchor
-    /// that exists ([`Tried::Missing`]).
+    /// No expansion exists; `in_cluster_zone`: one of them whose NXDOMAIN is
+    /// final ([`Candidate::if_missing`]) is under an anchor that exists
+    /// ([`Tried::Missing`]); `cluster_nxdomain`: one whose NXDOMAIN falls
+    /// through to the laptop's upstream is.
     Nothing {
         in_cluster_zone: bool,
+        cluster_nxdomain: bool,
     },
     Failed,
 }
@@ -1019,15 +1153,22 @@ async fn search(
     )
     .await;
     let mut in_cluster_zone = false;
+    let mut cluster_nxdomain = false;
     for (candidate, result) in candidates.iter().zip(tried) {
         match result {
             Tried::Absent => continue,
-            Tried::Missing => in_cluster_zone = true,
+            Tried::Missing => match candidate.if_missing {
+                Otherwise::NxDomain => in_cluster_zone = true,
+                Otherwise::Upstream => cluster_nxdomain = true,
+            },
             Tried::Present(answer) => {
                 return Found::Answer(candidate.name.clone(), Box::new(answer));
             }
             Tried::Failed => return Found::Failed,
         }
     }
-    Found::Nothing { in_cluster_zone }
+    Found::Nothing {
+        in_cluster_zone,
+        cluster_nxdomain,
+    }
 }

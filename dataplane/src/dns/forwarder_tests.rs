@@ -69,6 +69,20 @@ fn upstream_zone(q: &Query) -> (ResponseCode, Vec<Record>) {
             ResponseCode::NoError,
             vec![a(q.name(), Ipv4Addr::new(192, 0, 2, 20))],
         ),
+        // Public names under a top-level domain that is also a namespace of the
+        // cluster (`dev`), issue 29 item 2.
+        ("go.dev.", RecordType::A) => (
+            ResponseCode::NoError,
+            vec![a(q.name(), Ipv4Addr::new(192, 0, 2, 30))],
+        ),
+        ("pkg.go.dev.", RecordType::A) => (
+            ResponseCode::NoError,
+            vec![a(q.name(), Ipv4Addr::new(192, 0, 2, 31))],
+        ),
+        ("mycorp.dev.", RecordType::A) => (
+            ResponseCode::NoError,
+            vec![a(q.name(), Ipv4Addr::new(192, 0, 2, 32))],
+        ),
         _ => (ResponseCode::NXDomain, Vec::new()),
     }
 }
@@ -425,13 +439,15 @@ async fn no_upstream_answer_is_servfail_not_a_hang() {
     f.stop().await;
 }
 
-/// `nosuch.default` of an existing namespace that has no such Service is the
-/// cluster's NXDOMAIN (the lab laptop's silent upstream made it SERVFAIL), and
-/// neither it nor `nosuch.dev.svc` reaches the laptop's upstream; a name whose
-/// last label is no namespace (`nope.corp.test`) still does.
+/// A missing Service of an existing namespace is NXDOMAIN. Its `….svc`
+/// spelling (`nosuch.dev.svc`) is the cluster's alone and never reaches the
+/// laptop's upstream; its `svc.ns` spellings (`nosuch.default`, `nosuch.dev`)
+/// have the shape of public names (`go.dev`), so after the cluster's NXDOMAIN
+/// they do (issue 29 item 2), and the upstream's NXDOMAIN is the answer. A name
+/// whose last label is no namespace (`nope.corp.test`) goes upstream as before.
 #[tokio::test]
-async fn a_missing_service_of_an_existing_namespace_is_nxdomain_not_upstream() {
-    let (f, _cluster_log, upstream_log) = setup().await;
+async fn a_missing_service_is_nxdomain_and_only_its_svc_ns_spellings_ask_upstream() {
+    let (f, cluster_log, upstream_log) = setup().await;
     for spelling in [
         "nosuch.default",
         "nosuch.dev",
@@ -449,10 +465,208 @@ async fn a_missing_service_of_an_existing_namespace_is_nxdomain_not_upstream() {
     assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
     assert_eq!(
         upstream_log.lock().expect("log").clone(),
-        vec!["nope.corp.test."],
-        "only the laptop's name goes upstream"
+        vec![
+            "nosuch.default.",
+            "nosuch.dev.",
+            "nosuch.default.",
+            "nope.corp.test."
+        ],
+        "the svc.ns spellings after the cluster's NXDOMAIN, and the laptop's name; never nosuch.dev.svc"
+    );
+    let cluster = cluster_log.lock().expect("log").clone();
+    for asked in [
+        "nosuch.default.svc.cluster.local.",
+        "nosuch.dev.svc.cluster.local.",
+    ] {
+        assert!(
+            cluster.iter().any(|n| n == asked),
+            "the cluster is asked first: {asked} not in {cluster:?}"
+        );
+    }
+    f.stop().await;
+}
+
+/// Issue 29 item 2: with a namespace `dev`, public names under `.dev` get the
+/// laptop's upstream answer (they were NXDOMAIN without reaching it), over UDP
+/// and TCP, after the cluster said it has no such Service; a Service that does
+/// exist (`web.dev`) still answers from the cluster and never goes upstream.
+#[tokio::test]
+async fn public_names_under_a_namespace_named_like_their_tld_get_the_upstream_answer() {
+    let (f, cluster_log, upstream_log) = setup().await;
+    let fwd = f.local_addr();
+    for (n, ip) in [
+        ("go.dev", Ipv4Addr::new(192, 0, 2, 30)),
+        ("pkg.go.dev", Ipv4Addr::new(192, 0, 2, 31)),
+        ("mycorp.dev", Ipv4Addr::new(192, 0, 2, 32)),
+        ("go.dev.", Ipv4Addr::new(192, 0, 2, 30)),
+    ] {
+        for tcp in [false, true] {
+            let m = ask(fwd, n, RecordType::A, Some(1232), tcp).await;
+            assert_eq!(
+                m.metadata.response_code,
+                ResponseCode::NoError,
+                "{n} tcp={tcp}"
+            );
+            assert_eq!(a_records(&m), vec![ip], "{n} tcp={tcp}");
+            assert!(
+                m.answers.iter().all(|r| r.record_type() == RecordType::A
+                    && r.name.to_lowercase().to_ascii().trim_end_matches('.')
+                        == n.trim_end_matches('.')),
+                "the upstream's answer unchanged, no CNAME into the cluster: {m:?}"
+            );
+        }
+    }
+    let m = ask(fwd, "web.dev", RecordType::A, None, false).await;
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(10, 96, 0, 200)]);
+    let upstream = upstream_log.lock().expect("log").clone();
+    assert!(
+        !upstream.iter().any(|n| n == "web.dev."),
+        "a Service of the cluster leaked upstream: {upstream:?}"
+    );
+    assert!(upstream.iter().any(|n| n == "pkg.go.dev."), "{upstream:?}");
+    let cluster = cluster_log.lock().expect("log").clone();
+    assert!(
+        cluster.iter().any(|n| n == "go.dev.svc.cluster.local."),
+        "the cluster is asked first (a Service go in dev would win): {cluster:?}"
     );
     f.stop().await;
+}
+
+/// When the laptop's upstream says nothing useful (REFUSED from a resolver
+/// that only serves its own zones, or no answer at all), a name the cluster
+/// said NXDOMAIN for gets that NXDOMAIN rather than SERVFAIL; other names get
+/// the upstream's answer unchanged, as before.
+#[tokio::test]
+async fn the_cluster_nxdomain_stands_when_the_upstream_refuses_or_is_silent() {
+    fn refuse(_: &Query) -> (ResponseCode, Vec<Record>) {
+        (ResponseCode::Refused, Vec::new())
+    }
+    let (cluster_addr, _) = server(cluster_zone).await;
+    let (refusing, refusing_log) = server(refuse).await;
+    // Bound, never read: questions to it time out.
+    let silent = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let cluster = ClusterDns::new(
+        &[cluster_addr.to_string()],
+        "cluster.local",
+        &[
+            "dev.svc.cluster.local".into(),
+            "svc.cluster.local".into(),
+            "cluster.local".into(),
+        ],
+        false,
+    )
+    .expect("config");
+    for upstream in [refusing, silent.local_addr().expect("addr")] {
+        let f = Forwarder::start("127.0.0.1:0".parse().expect("addr"), vec![upstream])
+            .await
+            .expect("forwarder");
+        f.set_clusters(vec![(cluster.clone(), Reach::always())]);
+        let fwd = f.local_addr();
+        let names = ["nosuch.default", "go.dev"];
+        let answers = futures::future::join_all(
+            names.map(|n| async move { ask(fwd, n, RecordType::A, None, true).await }),
+        )
+        .await;
+        for (n, m) in names.iter().zip(answers) {
+            assert_eq!(
+                m.metadata.response_code,
+                ResponseCode::NXDomain,
+                "{n} via {upstream}"
+            );
+        }
+        if upstream == refusing {
+            let m = ask(fwd, "www.example.com", RecordType::A, None, false).await;
+            assert_eq!(m.metadata.response_code, ResponseCode::Refused);
+            assert!(
+                refusing_log
+                    .lock()
+                    .expect("log")
+                    .iter()
+                    .any(|n| n == "go.dev."),
+                "go.dev was asked upstream"
+            );
+        }
+        f.stop().await;
+    }
+}
+
+/// Issue 29 item 4: `kvpn disconnect && kvpn connect` failed with "Address
+/// already in use" while a question was in flight (its task held the UDP
+/// socket for the seconds of an upstream timeout). After `stop`, the same
+/// address binds at once, whatever was in flight; repeated.
+#[tokio::test]
+async fn stop_closes_the_listening_sockets_even_with_questions_in_flight() {
+    // An upstream that never answers, over UDP or TCP: every question waits
+    // out EXCHANGE_TIMEOUT, twice.
+    let silent_udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let silent = silent_udp.local_addr().expect("addr");
+    let _silent_tcp = TcpListener::bind(silent).await;
+    let mut f = Forwarder::start("127.0.0.1:0".parse().expect("addr"), vec![silent])
+        .await
+        .expect("forwarder");
+    let at = f.local_addr();
+    for round in 0..5 {
+        // Questions over UDP and TCP, left in flight.
+        let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+        let mut q = Message::query();
+        q.add_query(Query::query(name("www.example.com."), RecordType::A));
+        let raw = q.to_vec().expect("encode");
+        for _ in 0..20 {
+            udp.send_to(&raw, at).await.expect("send");
+        }
+        let mut tcp = TcpStream::connect(at).await.expect("connect");
+        let n = u16::try_from(raw.len()).expect("small");
+        tcp.write_all(&n.to_be_bytes()).await.expect("write");
+        tcp.write_all(&raw).await.expect("write");
+        // Received and waiting for the upstream.
+        let t0 = Instant::now();
+        while f.counters().udp_queries < 20 || f.counters().tcp_queries < 1 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", f.counters());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let t0 = Instant::now();
+        f.stop().await;
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(1), "stop took {took:?}");
+        f = match Forwarder::start(at, vec![silent]).await {
+            Ok(f) => f,
+            Err(e) => panic!("round {round}: the same address right after stop: {e}"),
+        };
+        // The TCP client's connection was closed, not left hanging.
+        let mut buf = [0u8; 2];
+        let read = tokio::time::timeout(Duration::from_secs(1), tcp.read(&mut buf)).await;
+        assert!(
+            matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+            "round {round}: TCP client not closed by stop: {read:?}"
+        );
+    }
+    f.stop().await;
+}
+
+/// An address that is taken: the error names the process that holds it (here
+/// this test process, which is what a forwarder of the same daemon looks
+/// like), not "another DNS server may use it".
+#[tokio::test]
+async fn a_taken_address_names_its_holder() {
+    let holder = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let at = holder.local_addr().expect("addr");
+    let e = Forwarder::start(at, Vec::new())
+        .await
+        .expect_err("the address is taken");
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("cannot listen for DNS on {at} (udp)")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "held by this kvpn root daemon itself (pid {})",
+            std::process::id()
+        )),
+        "{text}"
+    );
+    assert!(!text.contains("another DNS server"), "{text}");
 }
 
 /// A cluster DNS on UDP that ignores the first copy of every datagram (a lossy

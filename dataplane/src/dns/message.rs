@@ -84,6 +84,14 @@ pub fn message_id(raw: &[u8]) -> Option<u16> {
         .map(|h| h.metadata.id)
 }
 
+/// The header's response code of a DNS message, if it has a header (the low 4
+/// bits only: an EDNS extended rcode is not combined in).
+pub fn response_code(raw: &[u8]) -> Option<ResponseCode> {
+    Header::read(&mut BinDecoder::new(raw))
+        .ok()
+        .map(|h| h.metadata.response_code)
+}
+
 /// The largest UDP answer this client accepts, bytes.
 pub fn udp_limit(query: &Message) -> usize {
     query.edns.as_ref().map_or(CLASSIC_UDP_LIMIT, |e| {

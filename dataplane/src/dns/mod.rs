@@ -38,10 +38,11 @@ mod forwarder_tests;
 pub mod hosts;
 pub mod message;
 pub mod names;
+pub mod port_holder;
 pub mod resolv_conf;
 pub mod resolved;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV6};
 use std::path::{Path, PathBuf};
 
 use tokio::sync::Mutex;
@@ -184,6 +185,9 @@ struct State {
     active: Option<Active>,
     /// Most recent first.
     hosts: Vec<HostsSession>,
+    /// Why nameservers of the laptop's resolv.conf are not the forwarder's
+    /// upstreams ([`upstreams_with`]), shown with each session's DNS line.
+    upstream_warnings: Vec<String>,
 }
 
 /// Split DNS for the daemon's sessions.
@@ -204,20 +208,71 @@ impl std::fmt::Debug for Dns {
 
 /// The laptop's nameservers from resolv.conf bytes, as forwarder upstreams: port 53,
 /// never the forwarder itself; none listed means 127.0.0.1 as for the resolver.
+/// Scopes (`fe80::1%eth0`) become interface indexes of this network namespace;
+/// nameservers that cannot be used are logged as warnings ([`upstreams_with`]).
 pub fn upstreams_from(original: &[u8], forwarder: SocketAddr) -> Vec<SocketAddr> {
-    let mut list: Vec<SocketAddr> = resolv_conf::parse(original)
-        .nameservers
-        .into_iter()
-        .map(|ip| SocketAddr::new(ip, DNS_PORT))
-        .filter(|s| *s != forwarder)
-        .collect();
+    let (list, warnings) = upstreams_with(original, forwarder, interface_index);
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
+    list
+}
+
+/// The index of interface `name` in this network namespace.
+fn interface_index(name: &str) -> Option<u32> {
+    nix::net::if_::if_nametoindex(name).ok().filter(|i| *i != 0)
+}
+
+/// [`upstreams_from`] with `index_of` resolving interface names (pure), and
+/// one warning per nameserver line that cannot be used (issue 29 item 5: a
+/// link-local nameserver lost its `%eth0` scope, and with only such a
+/// nameserver every non-cluster name got SERVFAIL without a word):
+/// - `fe80::1%eth0` or `fe80::1%2`: the scope becomes the address's scope id
+///   (an interface name first, then a number, as glibc reads it);
+/// - a scope naming no interface, or a link-local address without a scope
+///   (the kernel cannot send to it): skipped, with a warning.
+pub fn upstreams_with(
+    original: &[u8],
+    forwarder: SocketAddr,
+    index_of: impl Fn(&str) -> Option<u32>,
+) -> (Vec<SocketAddr>, Vec<String>) {
+    let mut warnings = Vec::new();
+    let mut list: Vec<SocketAddr> = Vec::new();
+    for ns in resolv_conf::parse(original).scoped_nameservers {
+        let addr = match (ns.ip, ns.scope.as_deref()) {
+            (IpAddr::V6(ip), Some(scope)) => match index_of(scope).or_else(|| scope.parse().ok()) {
+                Some(index) => SocketAddr::V6(SocketAddrV6::new(ip, DNS_PORT, 0, index)),
+                None => {
+                    warnings.push(format!(
+                            "nameserver {ip}%{scope} in resolv.conf: no interface {scope} in this network namespace — kvpn's DNS forwarder skips it; fix the interface name in resolv.conf"
+                        ));
+                    continue;
+                }
+            },
+            (IpAddr::V6(ip), None) if ip.is_unicast_link_local() => {
+                warnings.push(format!(
+                    "nameserver {ip} in resolv.conf: a link-local address without its interface (write {ip}%<interface>, e.g. {ip}%eth0) cannot be reached — kvpn's DNS forwarder skips it"
+                ));
+                continue;
+            }
+            (ip, _) => SocketAddr::new(ip, DNS_PORT),
+        };
+        if addr != forwarder && !list.contains(&addr) {
+            list.push(addr);
+        }
+    }
     if list.is_empty() {
         let localhost = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DNS_PORT);
         if localhost != forwarder {
+            if !warnings.is_empty() {
+                warnings.push(format!(
+                    "no usable nameserver in resolv.conf: kvpn's DNS forwarder asks {localhost} for names outside the cluster"
+                ));
+            }
             list.push(localhost);
         }
     }
-    list
+    (list, warnings)
 }
 
 /// The forwarder's view of the sessions: cluster DNS and reachability, most
@@ -436,9 +491,14 @@ impl Dns {
             if use_resolved {
                 state.active = Some(Active::Resolved);
             } else {
-                let upstreams = upstreams_from(&original, self.settings.listen);
+                let (upstreams, warnings) =
+                    upstreams_with(&original, self.settings.listen, interface_index);
+                for w in &warnings {
+                    tracing::warn!("{w}");
+                }
                 let forwarder = Forwarder::start(self.settings.listen, upstreams).await?;
                 state.active = Some(Active::Forwarder(forwarder));
+                state.upstream_warnings = warnings;
             }
         }
         // A session's settings again (the route watch reports the manager's view):
@@ -473,12 +533,17 @@ impl Dns {
                 f.set_clusters(clusters_of(&state));
                 let local = f.local_addr();
                 self.write_resolv_conf(&state, local.ip()).map(|()| {
-                    format!(
+                    let mut line = format!(
                         "forwarder on {local} (cluster DNS {}, search {}); {} names it",
                         cluster.servers_text(),
                         cluster.search_text().join(" "),
                         self.resolv.path().display()
-                    )
+                    );
+                    for w in &state.upstream_warnings {
+                        line.push_str("; warning: ");
+                        line.push_str(w);
+                    }
+                    line
                 })
             }
             None => Ok(String::new()),
@@ -552,6 +617,7 @@ impl Dns {
                 f.stop().await;
             }
             state.active = None;
+            state.upstream_warnings.clear();
         }
         leftovers
     }
@@ -574,5 +640,68 @@ mod tests {
         );
         assert_eq!("off".parse::<Mode>(), Ok(Mode::Off));
         assert!("maybe".parse::<Mode>().is_err());
+    }
+
+    /// Issue 29 item 5: `fe80::1%eth0` keeps its scope as the interface's index.
+    #[test]
+    fn scoped_link_local_nameservers_keep_their_interface() {
+        let fwd: SocketAddr = "127.0.0.153:53".parse().expect("addr");
+        let index_of = |name: &str| (name == "eth0").then_some(7);
+        let v6 = |text: &str, scope: u32| {
+            let ip = text.parse().expect("ip");
+            SocketAddr::V6(SocketAddrV6::new(ip, 53, 0, scope))
+        };
+        let (list, warnings) = upstreams_with(b"nameserver fe80::1%eth0\n", fwd, index_of);
+        assert_eq!(list, vec![v6("fe80::1", 7)]);
+        assert_eq!(list[0].to_string(), "[fe80::1%7]:53");
+        assert!(warnings.is_empty(), "{warnings:?}");
+        // A numeric scope, a global address without one, IPv4 unchanged.
+        let (list, warnings) = upstreams_with(
+            b"nameserver fe80::2%3\nnameserver fd00::53\nnameserver 10.0.0.2\n",
+            fwd,
+            index_of,
+        );
+        assert_eq!(
+            list,
+            vec![
+                v6("fe80::2", 3),
+                v6("fd00::53", 0),
+                "10.0.0.2:53".parse().expect("addr")
+            ]
+        );
+        assert!(warnings.is_empty(), "{warnings:?}");
+        // Unusable ones are skipped, each with a warning that names it.
+        let (list, warnings) = upstreams_with(
+            b"nameserver fe80::1%wlan9\nnameserver fe80::5\nnameserver 10.0.0.2\n",
+            fwd,
+            index_of,
+        );
+        assert_eq!(
+            list,
+            vec!["10.0.0.2:53".parse::<SocketAddr>().expect("addr")]
+        );
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(
+            warnings[0].contains("fe80::1%wlan9") && warnings[0].contains("no interface wlan9")
+        );
+        assert!(warnings[1].contains("fe80::5") && warnings[1].contains("without its interface"));
+        // Only an unusable one: the resolver's default, and a warning saying so.
+        let (list, warnings) = upstreams_with(b"nameserver fe80::5\n", fwd, index_of);
+        assert_eq!(
+            list,
+            vec!["127.0.0.1:53".parse::<SocketAddr>().expect("addr")]
+        );
+        assert!(
+            warnings
+                .last()
+                .is_some_and(|w| w.contains("no usable nameserver"))
+        );
+        // The real lookup: the loopback interface exists everywhere.
+        let (list, warnings) = upstreams_with(b"nameserver fe80::1%lo\n", fwd, interface_index);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert!(
+            matches!(list[0], SocketAddr::V6(a) if a.scope_id() > 0),
+            "{list:?}"
+        );
     }
 }

@@ -10,9 +10,19 @@
 //!   resolver would. A single label never goes to the laptop's upstream: none of
 //!   the expansions existing means NXDOMAIN (case dns-01). Longer names that expand
 //!   to nothing in the cluster (`example.com`, `web.dev` when there is no namespace
-//!   `dev`) are the laptop's and go upstream unchanged; one whose anchor exists
-//!   but that does not (`nosuch.default`: namespace `default` exists, Service
-//!   `nosuch` does not) is the cluster's NXDOMAIN and never goes upstream;
+//!   `dev`) are the laptop's and go upstream unchanged. One whose anchor exists but
+//!   that does not itself ([`Candidate::if_missing`]):
+//!   - a `….svc` spelling (`nosuch.dev.svc`: anchor `svc.<domain>`) names the
+//!     cluster's Service zone, which no public name ends in: the cluster's
+//!     NXDOMAIN stands and nothing goes upstream;
+//!   - any other (the `svc.ns` form `nosuch.default`, and `go.dev`, `pkg.go.dev`,
+//!     `mycorp.dev` when a namespace is called `dev`, issue 29 item 2): a public
+//!     name has the same shape as a Service in a namespace named like its
+//!     top-level domain (`dev`, `app`, `io`, `prod`…), so the cluster's NXDOMAIN
+//!     falls through to the laptop's upstream, as it does in a pod (whose search
+//!     list ends with the absolute name). A public name never loses its answer;
+//!     the price is that a missing Service's `svc.ns` name reaches the laptop's
+//!     resolver, as it would from a pod;
 //! - a reverse name (`100.0.96.10.in-addr.arpa`, `….ip6.arpa`) of an address in the
 //!   cluster's pod or service CIDRs ([`ClusterDns::reverse`]): the cluster DNS answers
 //!   it, so `dig -x <ClusterIP>` gives the Service's name;
@@ -230,6 +240,11 @@ pub struct Candidate {
     /// The ancestor that must exist for `name` to exist (`None` for single labels,
     /// where the candidate is asked directly).
     pub anchor: Option<Name>,
+    /// What the cluster's NXDOMAIN for `name` means while `anchor` exists:
+    /// [`Otherwise::NxDomain`] for `….svc` spellings (anchor `svc.<domain>`) and
+    /// single labels, [`Otherwise::Upstream`] for every other spelling (see the
+    /// module header: `go.dev` with a namespace `dev`).
+    pub if_missing: Otherwise,
 }
 
 /// What to do when no expansion exists.
@@ -239,6 +254,24 @@ pub enum Otherwise {
     NxDomain,
     /// Forward the question unchanged to the laptop's upstream nameservers.
     Upstream,
+}
+
+/// What the cluster's NXDOMAIN for an expansion under an existing `anchor` means
+/// (pure; see the module header): final only when the anchor is the cluster's
+/// Service zone `svc.<domain>` (the asked name ends in `.svc`, which no public
+/// name does) or there is no anchor (a single label).
+pub fn if_missing(anchor: Option<&Name>, cluster: &ClusterDns) -> Otherwise {
+    let Some(anchor) = anchor else {
+        return Otherwise::NxDomain;
+    };
+    let service_zone = Name::from_ascii("svc")
+        .and_then(|svc| svc.append_domain(&cluster.domain))
+        .is_ok_and(|svc| svc == anchor.to_lowercase());
+    if service_zone {
+        Otherwise::NxDomain
+    } else {
+        Otherwise::Upstream
+    }
 }
 
 /// Where a question goes.
@@ -366,9 +399,11 @@ pub fn classify(query: &Query, cluster: &ClusterDns) -> Plan {
         } else {
             None
         };
+        let if_missing = if_missing(anchor.as_ref(), cluster);
         candidates.push(Candidate {
             name: expanded,
             anchor,
+            if_missing,
         });
     }
     Plan::Search {
@@ -661,6 +696,92 @@ mod tests {
         );
         let plan = classify(&q("_http._tcp.web.dev", RecordType::SRV), &c);
         assert_eq!(names(&plan)[1].0, "_http._tcp.web.dev.svc.cluster.local.");
+    }
+
+    /// Issue 29 item 2: with a namespace named like a top-level domain (`dev`),
+    /// `go.dev`, `pkg.go.dev` and `mycorp.dev` still ask the cluster first (a
+    /// Service `go` in `dev` would answer, as in a pod), but the cluster's
+    /// NXDOMAIN for them falls through to the laptop's upstream; only a
+    /// `….svc` spelling's NXDOMAIN is final.
+    #[test]
+    fn the_cluster_nxdomain_of_svc_ns_spellings_falls_through_but_not_of_svc_ones() {
+        for connected in ["dev", "default"] {
+            let c = cluster(connected);
+            for n in [
+                "go.dev",
+                "mycorp.dev.",
+                "pkg.go.dev",
+                "_http._tcp.web.dev",
+                "web.default",
+                "nosuch.default",
+            ] {
+                let t = if n.starts_with('_') {
+                    RecordType::SRV
+                } else {
+                    RecordType::A
+                };
+                let Plan::Search {
+                    candidates,
+                    otherwise,
+                } = classify(&q(n, t), &c)
+                else {
+                    panic!("{n}: not a search plan");
+                };
+                assert_eq!(otherwise, Otherwise::Upstream, "{n}");
+                assert_eq!(candidates.len(), 3, "{n}");
+                for cand in &candidates {
+                    assert_eq!(
+                        cand.if_missing,
+                        Otherwise::Upstream,
+                        "{n} ({connected}): {} must not end a public name",
+                        cand.name
+                    );
+                }
+            }
+            // `….svc`: the expansion under `svc.<domain>` is the cluster's own.
+            for n in ["nosuch.dev.svc", "pod-1.web.dev.svc"] {
+                let Plan::Search { candidates, .. } = classify(&q(n, RecordType::A), &c) else {
+                    panic!("{n}: not a search plan");
+                };
+                let finals: Vec<String> = candidates
+                    .iter()
+                    .filter(|c| c.if_missing == Otherwise::NxDomain)
+                    .map(|c| c.name.to_ascii())
+                    .collect();
+                assert_eq!(finals, vec![format!("{}.cluster.local.", n)], "{n}");
+            }
+            // Single labels have no anchor: NXDOMAIN, never upstream.
+            let Plan::Search {
+                candidates,
+                otherwise,
+            } = classify(&q("web", RecordType::A), &c)
+            else {
+                panic!("web: not a search plan");
+            };
+            assert_eq!(otherwise, Otherwise::NxDomain);
+            assert!(
+                candidates
+                    .iter()
+                    .all(|c| c.if_missing == Otherwise::NxDomain)
+            );
+        }
+        // Case does not matter, nor another cluster domain.
+        let other =
+            ClusterDns::new(&["10.0.0.10".into()], "Corp.Cluster", &[], false).expect("valid");
+        let anchor = |s: &str| Name::from_ascii(s).expect("name");
+        assert_eq!(
+            if_missing(Some(&anchor("SVC.corp.cluster.")), &other),
+            Otherwise::NxDomain
+        );
+        assert_eq!(
+            if_missing(Some(&anchor("svc.cluster.local.")), &other),
+            Otherwise::Upstream
+        );
+        assert_eq!(
+            if_missing(Some(&anchor("dev.svc.corp.cluster.")), &other),
+            Otherwise::Upstream
+        );
+        assert_eq!(if_missing(None, &other), Otherwise::NxDomain);
     }
 
     #[test]

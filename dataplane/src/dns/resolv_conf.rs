@@ -82,17 +82,46 @@ pub enum ResolvConfError {
 
 // --- pure: parse and render ----------------------------------------------------
 
+/// A `nameserver` line's address with its scope, as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nameserver {
+    /// The address.
+    pub ip: IpAddr,
+    /// The `%scope` of an IPv6 address (`fe80::1%eth0`: `eth0`; an interface
+    /// name or index, as glibc's resolver accepts), `None` without one. A
+    /// link-local address is only reachable through its interface, so the
+    /// forwarder needs the scope to reach it ([`super::upstreams_with`]).
+    pub scope: Option<String>,
+}
+
 /// What kvpn reads from a resolv.conf.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Resolv {
-    /// `nameserver` lines, in order (a `%scope` suffix is dropped).
+    /// `nameserver` lines, in order (a `%scope` suffix is dropped; it is in
+    /// [`Resolv::scoped_nameservers`]).
     pub nameservers: Vec<IpAddr>,
+    /// The same `nameserver` lines with their scopes.
+    pub scoped_nameservers: Vec<Nameserver>,
     /// The search list: the last `search` or `domain` line wins, as in glibc.
     pub search: Vec<String>,
     /// `options` lines, verbatim (without the keyword), in order.
     pub options: Vec<String>,
     /// `sortlist` lines, verbatim (without the keyword).
     pub sortlist: Vec<String>,
+}
+
+/// One `nameserver` address: `192.168.1.1`, `fd00::53`, `fe80::1%eth0`,
+/// `fe80::1%2`. A scope on an IPv4 address, or an empty one, is dropped.
+pub fn parse_nameserver(word: &str) -> Option<Nameserver> {
+    let (addr, scope) = match word.split_once('%') {
+        Some((addr, scope)) => (addr, Some(scope)),
+        None => (word, None),
+    };
+    let ip: IpAddr = addr.parse().ok()?;
+    let scope = scope
+        .filter(|s| ip.is_ipv6() && !s.is_empty())
+        .map(str::to_owned);
+    Some(Nameserver { ip, scope })
 }
 
 /// Parse resolv.conf bytes. Never fails: unknown or broken lines are skipped, as
@@ -112,12 +141,9 @@ pub fn parse(bytes: &[u8]) -> Resolv {
         let rest: Vec<&str> = words.take_while(|w| !w.starts_with(['#', ';'])).collect();
         match keyword {
             "nameserver" => {
-                if let Some(ip) = rest
-                    .first()
-                    .and_then(|w| w.split('%').next())
-                    .and_then(|w| w.parse().ok())
-                {
-                    r.nameservers.push(ip);
+                if let Some(ns) = rest.first().and_then(|w| parse_nameserver(w)) {
+                    r.nameservers.push(ns.ip);
+                    r.scoped_nameservers.push(ns);
                 }
             }
             "search" | "domain" => r.search = rest.iter().map(|s| (*s).to_owned()).collect(),
@@ -711,6 +737,14 @@ mod tests {
                 "10.0.0.53".parse().expect("ip")
             ]
         );
+        assert_eq!(
+            r.scoped_nameservers
+                .iter()
+                .map(|n| n.scope.as_deref())
+                .collect::<Vec<_>>(),
+            vec![None, Some("eth0"), None],
+            "the scope of fe80::1%eth0 is kept"
+        );
         assert_eq!(r.search, vec!["corp.test", "lab.test"]);
         assert_eq!(r.options, vec!["ndots:2 timeout:1", "edns0"]);
         assert_eq!(r.sortlist, vec!["10.0.0.0/255.0.0.0"]);
@@ -718,6 +752,24 @@ mod tests {
         assert_eq!(parse(b"search a b\ndomain c\n").search, vec!["c"]);
         assert_eq!(parse(b"").nameservers, Vec::<IpAddr>::new());
         assert_eq!(parse(&[0xff, 0xfe, b'\n']).search, Vec::<String>::new());
+    }
+
+    #[test]
+    fn nameserver_scopes_are_kept_for_ipv6_only() {
+        let ns = |w: &str| parse_nameserver(w).map(|n| (n.ip.to_string(), n.scope));
+        assert_eq!(
+            ns("fe80::1%eth0"),
+            Some(("fe80::1".to_owned(), Some("eth0".to_owned())))
+        );
+        assert_eq!(
+            ns("FE80::1%2"),
+            Some(("fe80::1".to_owned(), Some("2".to_owned())))
+        );
+        assert_eq!(ns("fd00::53"), Some(("fd00::53".to_owned(), None)));
+        assert_eq!(ns("fe80::1%"), Some(("fe80::1".to_owned(), None)));
+        assert_eq!(ns("10.0.0.1%eth0"), Some(("10.0.0.1".to_owned(), None)));
+        assert_eq!(ns("eth0%fe80::1"), None);
+        assert_eq!(ns("dns.example"), None);
     }
 
     #[test]

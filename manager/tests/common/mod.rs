@@ -428,14 +428,32 @@ impl ManagerProcess {
     /// Starts the binary with `RUST_LOG=info`, `--listen 127.0.0.1:0` and `envs`, and
     /// waits up to 10 s for its listening address.
     pub fn start(envs: &[(&str, &std::path::Path)]) -> Self {
-        use std::io::{BufRead, BufReader};
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kvpn-manager"));
         cmd.args(["--listen", "127.0.0.1:0"])
-            .env("RUST_LOG", "info")
-            .stderr(std::process::Stdio::piped());
+            .env("RUST_LOG", "info");
         for (k, v) in envs {
             cmd.env(k, v);
         }
+        Self::spawn(cmd)
+    }
+
+    /// Starts `cmd` (the binary, possibly behind wrappers that exec it, such as
+    /// `ip netns exec`), reading its stderr, and waits up to 10 s for the address
+    /// it logs as `listen=`; the log so far in the panic message if it never comes.
+    pub fn spawn(cmd: std::process::Command) -> Self {
+        Self::try_spawn(cmd).unwrap_or_else(|log| {
+            panic!(
+                "kvpn-manager did not log its listening address; its log:\n{}",
+                log.join("\n")
+            )
+        })
+    }
+
+    /// [`Self::spawn`], or the whole log when the process ends (or stays silent
+    /// for 10 s) before it logs its listening address.
+    pub fn try_spawn(mut cmd: std::process::Command) -> Result<Self, Vec<String>> {
+        use std::io::{BufRead, BufReader};
+        cmd.stderr(std::process::Stdio::piped());
         let mut child = cmd.spawn().expect("start kvpn-manager");
         let stderr = child.stderr.take().expect("stderr");
         let (line_tx, lines) = std::sync::mpsc::channel::<String>();
@@ -453,11 +471,12 @@ impl ManagerProcess {
             log: Some(log),
             addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         };
+        let mut seen = Vec::new();
         me.addr = loop {
-            let line = me
-                .lines
-                .recv_timeout(Duration::from_secs(10))
-                .expect("kvpn-manager did not log its listening address");
+            let Ok(line) = me.lines.recv_timeout(Duration::from_secs(10)) else {
+                return Err(seen);
+            };
+            seen.push(line.clone());
             if let Some(rest) = line.split("listen=").nth(1) {
                 break rest
                     .split_whitespace()
@@ -467,7 +486,7 @@ impl ManagerProcess {
                     .expect("socket address");
             }
         };
-        me
+        Ok(me)
     }
 
     /// The process id.

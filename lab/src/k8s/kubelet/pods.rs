@@ -844,7 +844,8 @@ impl PodWorker {
                 None => base,
             };
             out.push(MountRequest {
-                source_is_file: source.is_file(),
+                // A hostPath of type CharDevice or Socket binds like a file.
+                source_is_file: source.exists() && !source.is_dir(),
                 source,
                 target: PathBuf::from(&vm.mount_path),
                 read_only: vm.read_only.unwrap_or(false),

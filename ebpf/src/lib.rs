@@ -1,8 +1,12 @@
-//! The one wrapper around kvpn's eBPF objects: loads the TC programs built from
-//! `dataplane-ebpf` (embedded at build time by `build.rs`), attaches the classifier to
-//! the TUN device's egress and the anti-spoofing check to its ingress, and owns their
-//! maps. Nothing else in kvpn touches the raw maps; their
-//! layout lives in `dataplane-common`.
+//! `kvpn-ebpf`: the one wrapper around kvpn's eBPF object. It loads the TC programs
+//! built from `dataplane-ebpf` (embedded at build time by `build.rs`), attaches them and
+//! owns their maps; nothing else in kvpn touches the raw maps, whose layout lives in
+//! `dataplane-common`. Two processes use it: the laptop's root daemon
+//! (`kvpn-dataplane`, which re-exports it as `kvpn_dataplane::ebpf`) for the
+//! [`Classifier`] (TUN egress) with its anti-spoofing check (TUN ingress) and for
+//! steering ([`steer`]), and the traffic manager (`kvpn-manager`) for [`snat`]
+//! (`--source-policy ebpf-snat`). It depends on no kvpn crate but `dataplane-common`,
+//! so the manager links no laptop code.
 //!
 //! I/O: the `bpf(2)` syscall (load, map updates, BPF_PROG_TEST_RUN) and, for attaching,
 //! a TCX link on kernels >= 6.6 or a netlink clsact filter on older ones. Attaching
@@ -161,7 +165,7 @@ impl TcAction {
 pub enum EbpfError {
     /// The binary was built with `AYA_BUILD_SKIP=1`, so it embeds no eBPF object.
     #[error(
-        "eBPF classifier not built: kvpn-dataplane was compiled with AYA_BUILD_SKIP=1 — \
+        "eBPF programs not built: kvpn-ebpf was compiled with AYA_BUILD_SKIP=1 — \
          rebuild without it (needs bpf-linker and nightly rust-src: run scripts/setup.sh)"
     )]
     NotBuilt,

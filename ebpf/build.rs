@@ -1,5 +1,5 @@
 //! Builds the eBPF object (`dataplane-ebpf`, binary `kvpn-dataplane-ebpf`) with aya-build
-//! and leaves it in `$OUT_DIR/kvpn-dataplane-ebpf`, where `src/ebpf.rs` embeds it.
+//! and leaves it in `$OUT_DIR/kvpn-dataplane-ebpf`, where `src/lib.rs` embeds it.
 //!
 //! aya-build runs `rustup run nightly cargo build --target bpfel-unknown-none
 //! -Z build-std=core` (TOOLCHAIN.md), which links with `bpf-linker`. `scripts/setup.sh`
@@ -35,7 +35,8 @@ fn main() -> anyhow::Result<()> {
         fs::write(&object, b"")
             .with_context(|| format!("cannot write placeholder {}", object.display()))?;
         println!(
-            "cargo:warning=AYA_BUILD_SKIP set: kvpn-dataplane is built without its eBPF classifier"
+            "cargo:warning=AYA_BUILD_SKIP set: kvpn-ebpf is built without the eBPF object \
+             (kvpn-dataplane and kvpn-manager cannot load their eBPF programs)"
         );
         return Ok(());
     }
@@ -47,7 +48,7 @@ fn main() -> anyhow::Result<()> {
         PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR not set")?);
     let ebpf_dir = manifest_dir
         .parent()
-        .context("dataplane crate has no parent directory")?
+        .context("ebpf crate has no parent directory")?
         .join("dataplane-ebpf");
     let ebpf_dir = ebpf_dir
         .to_str()
@@ -97,8 +98,8 @@ fn ensure_bpf_linker_on_path() -> anyhow::Result<PathBuf> {
     let Some(found) = find_in([tools_bin.clone()], "bpf-linker") else {
         bail!(
             "bpf-linker not found on PATH nor in {} — run scripts/setup.sh (as root) to build it \
-             against the nightly toolchain's LLVM, or set AYA_BUILD_SKIP=1 to build kvpn-dataplane \
-             without its eBPF classifier",
+             against the nightly toolchain's LLVM, or set AYA_BUILD_SKIP=1 to build kvpn-ebpf \
+             without the eBPF object",
             tools_bin.display()
         );
     };
