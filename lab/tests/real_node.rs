@@ -8,7 +8,7 @@
 //!
 //! Needs root, the Kubernetes binaries of `scripts/build-kubernetes.sh` (kubelet,
 //! kube-proxy, kube-scheduler too), etcd, kubectl, and Debian's containerd, runc,
-//! containernetworking-plugins, umoci and busybox-static.
+//! containernetworking-plugins, umoci and busybox-static, and the pause image of `cargo xtask image`.
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
@@ -267,13 +267,17 @@ async fn two_real_nodes_run_pods_across_nodes_with_services_and_port_forward() {
     let sysctls_before = global_sysctls();
     let scratch = std::env::temp_dir().join(format!("kvpn-realnode-test-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).expect("scratch dir");
+    // The workload needs a shell (`kubectl exec`): busybox. The sandbox is the
+    // project's pause image (`cargo xtask image`).
     let image = images::busybox_archive(&scratch).expect("build the busybox image");
+    let pause = images::project_archive("pause").unwrap_or_else(|e| panic!("{e}"));
 
     let t0 = Instant::now();
     let mut options = K8sLabOptions::default().real_nodes(RealNodeOptions {
         count: 2,
-        images: vec![image],
-        sandbox_image: images::PAUSE_IMAGE.to_owned(),
+        images: vec![image, pause],
+        sandbox_image: images::project_image("pause"),
+        samples_image: None,
         ready_timeout: Duration::from_secs(180),
     });
     // KVPN_LAB_KEEP_DIR=1 keeps the lab folder (node logs, configs) for a post-mortem.

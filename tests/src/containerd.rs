@@ -22,11 +22,7 @@ use std::time::{Duration, Instant};
 /// `$KVPN_CACHE/images` (where `cargo xtask image` writes them; `./x test` builds
 /// them first).
 pub fn image_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("KVPN_IMAGE_DIR") {
-        return PathBuf::from(d);
-    }
-    let cache = std::env::var("KVPN_CACHE").unwrap_or_else(|_| "/var/cache/kvpn".into());
-    PathBuf::from(cache).join("images")
+    kvpn_lab::k8s::node::images::project_image_dir()
 }
 
 /// The archive of image `key` (`manager`, `lab-server`, `pause`) at this version;
@@ -43,7 +39,7 @@ pub fn image_archive(key: &str) -> PathBuf {
 
 /// The image name inside the project's archives.
 pub fn image_name(key: &str) -> String {
-    format!("localhost/kvpn/{key}:{}", env!("CARGO_PKG_VERSION"))
+    kvpn_lab::k8s::node::images::project_image(key)
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);

@@ -30,7 +30,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use kvpn_lab::k8s::cluster::K8sLaptop;
 use kvpn_lab::k8s::workloads::Workloads;
-use kvpn_lab::k8s::{K8sLab, K8sLabOptions};
+use kvpn_lab::k8s::{K8sLab, K8sLabOptions, RealNodeOptions};
 use kvpn_lab::protocol::PageInfo;
 use kvpn_lab::{Addressing, LAPTOP, Netns};
 
@@ -199,18 +199,46 @@ impl KubeFixture {
         Self::with_addressing(Addressing::default().dual_stack())
     }
 
+    /// A lab on real node software ([`kvpn_lab::k8s::node`]): `count` nodes, each
+    /// with containerd + runc, CNI, a real kubelet and kube-proxy 1.20.2, and the
+    /// project's images (`cargo xtask image`) imported: pause as the sandbox image,
+    /// the lab server running the sample workloads (`default/web`'s replicas on
+    /// different nodes), the manager for `kvpn connect` to install. No traffic
+    /// manager and no cluster DNS.
+    pub fn real_nodes(count: usize) -> Self {
+        use kvpn_lab::k8s::node::images;
+        let archive =
+            |key: &str| images::project_archive(key).unwrap_or_else(|e| panic!("real nodes: {e}"));
+        let mut options = K8sLabOptions::default().real_nodes(RealNodeOptions {
+            count,
+            images: vec![archive("pause"), archive("lab-server"), archive("manager")],
+            sandbox_image: images::project_image("pause"),
+            samples_image: Some(images::project_image("lab-server")),
+            ready_timeout: Duration::from_secs(120),
+        });
+        // KVPN_LAB_KEEP_DIR keeps the lab folder (node logs, configs) for a post-mortem.
+        if std::env::var_os("KVPN_LAB_KEEP_DIR").is_some() {
+            options.lab = options.lab.keep_dir(true);
+        }
+        Self::with_options(options)
+    }
+
     fn with_addressing(addressing: Addressing) -> Self {
+        let mut options = K8sLabOptions::default().workloads(Workloads {
+            manager: false,
+            ..Default::default()
+        });
+        options.lab = options.lab.addressing(addressing);
+        Self::with_options(options)
+    }
+
+    fn with_options(options: K8sLabOptions) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap_or_else(|e| panic!("tokio runtime: {e}"));
         let t0 = Instant::now();
-        let mut options = K8sLabOptions::default().workloads(Workloads {
-            manager: false,
-            ..Default::default()
-        });
-        options.lab = options.lab.addressing(addressing);
         let lab = rt
             .block_on(K8sLab::up(options))
             .unwrap_or_else(|e| panic!("Kubernetes lab up: {e}"));

@@ -157,8 +157,8 @@ pub struct K8sLabOptions {
 }
 
 /// How many real nodes and what to load into them (see [`K8sLabOptions::real_nodes`]).
-/// For now without the sample workloads, the manager and the cluster DNS (they need
-/// the project's images) and only in-process (not `kvpn lab up`).
+/// Without the lab's manager Deployment (`kvpn connect` installs the manager from its
+/// image) and the cluster DNS, and only in-process (not `kvpn lab up`).
 #[derive(Debug, Clone)]
 pub struct RealNodeOptions {
     pub count: usize,
@@ -166,6 +166,10 @@ pub struct RealNodeOptions {
     pub images: Vec<ImageArchive>,
     /// The pod sandbox image (one of `images`).
     pub sandbox_image: String,
+    /// The lab server image (one of `images`, e.g. `localhost/kvpn/lab-server:0.1.0`
+    /// of `cargo xtask image`): the sample workloads run it, pull policy
+    /// IfNotPresent, `default/web`'s replicas on different nodes. None: no samples.
+    pub samples_image: Option<String>,
     /// Bound for every node to be Ready with kube-proxy's rules in place.
     pub ready_timeout: Duration,
 }
@@ -190,14 +194,15 @@ impl K8sLabOptions {
         self
     }
 
-    /// Real nodes instead of the stand-ins (see [`RealNodeOptions`]); turns the sample
-    /// workloads and the manager off.
+    /// Real nodes instead of the stand-ins (see [`RealNodeOptions`]); turns the lab's
+    /// manager Deployment off, and the sample workloads too unless
+    /// [`RealNodeOptions::samples_image`] names their image.
     pub fn real_nodes(mut self, real: RealNodeOptions) -> Self {
-        self.real_nodes = Some(real);
         self.workloads = Workloads {
-            samples: false,
+            samples: real.samples_image.is_some(),
             manager: false,
         };
+        self.real_nodes = Some(real);
         self
     }
 
@@ -610,10 +615,16 @@ impl K8sLab {
                         .into(),
                 });
             }
-            if options.workloads.samples || options.workloads.manager {
+            if options.workloads.manager {
                 return Err(Error::State {
                     name: cluster_name,
-                    message: "real nodes do not run the sample workloads or the manager yet (they need the project's images): use K8sLabOptions::real_nodes, which turns them off".into(),
+                    message: "real nodes do not run the lab's manager Deployment (`kvpn connect` installs the manager from its image): use K8sLabOptions::real_nodes, which turns it off".into(),
+                });
+            }
+            if options.workloads.samples && real.samples_image.is_none() {
+                return Err(Error::State {
+                    name: cluster_name,
+                    message: "real nodes run the sample workloads only from an image: set RealNodeOptions::samples_image (the lab server image of `cargo xtask image`, imported with RealNodeOptions::images)".into(),
                 });
             }
             if real.count == 0 {
@@ -672,6 +683,15 @@ impl K8sLab {
                 *r = Some(relay);
             }
             this.real_nodes = Some(RealNodes::start(nodes_config).await?);
+            if let Some(image) = &real.samples_image {
+                let client = this.admin_client().await?;
+                let samples = Workloads {
+                    samples: options.workloads.samples,
+                    manager: false,
+                };
+                workloads::apply_on_real_nodes(&client, samples, &addressing, image).await?;
+                workloads::wait_ready(&client, samples, options.ready_timeout).await?;
+            }
             tracing::info!(
                 elapsed_ms = t0.elapsed().as_millis(),
                 "Kubernetes lab up (real nodes)"

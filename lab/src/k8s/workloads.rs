@@ -254,13 +254,62 @@ fn params() -> PatchParams {
     PatchParams::apply(FIELD_MANAGER).force()
 }
 
+/// [`objects_for`] for real nodes ([`super::node`]): the lab server Deployments run
+/// `image` (imported into the nodes, pull policy IfNotPresent) instead of the
+/// kubelet stand-in's image name, and `default/web`'s replicas must land on
+/// different nodes (required pod anti-affinity on the hostname), so a node always
+/// has a `web` pod on another node.
+pub fn objects_for_real_nodes(
+    which: Workloads,
+    addressing: &Addressing,
+    image: &str,
+) -> Vec<Object> {
+    let mut v = objects_for(which, addressing);
+    for object in &mut v {
+        let Object::Deployment(d) = object else {
+            continue;
+        };
+        if d["spec"]["template"]["spec"]["containers"][0]["image"] != LAB_SERVER_IMAGE {
+            continue;
+        }
+        let spread = d["metadata"]["namespace"] == "default";
+        let app = d["metadata"]["name"].clone();
+        let pod = &mut d["spec"]["template"]["spec"];
+        pod["containers"][0]["image"] = json!(image);
+        pod["containers"][0]["imagePullPolicy"] = json!("IfNotPresent");
+        if spread {
+            pod["affinity"] = json!({"podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [{
+                    "labelSelector": {"matchLabels": {"app": app}},
+                    "topologyKey": "kubernetes.io/hostname",
+                }],
+            }});
+        }
+    }
+    v
+}
+
 /// Applies the objects of `which` (ClusterIPs of `addressing`) with server-side apply.
 pub async fn apply(
     client: &kube::Client,
     which: Workloads,
     addressing: &Addressing,
 ) -> Result<(), Error> {
-    for object in objects_for(which, addressing) {
+    apply_objects(client, objects_for(which, addressing)).await
+}
+
+/// [`apply`] of [`objects_for_real_nodes`].
+pub async fn apply_on_real_nodes(
+    client: &kube::Client,
+    which: Workloads,
+    addressing: &Addressing,
+    image: &str,
+) -> Result<(), Error> {
+    apply_objects(client, objects_for_real_nodes(which, addressing, image)).await
+}
+
+async fn apply_objects(client: &kube::Client, objects: Vec<Object>) -> Result<(), Error> {
+    for object in objects {
         let what = format!("applying {}", object.describe());
         match &object {
             Object::Namespace(v) => {
@@ -348,6 +397,53 @@ pub async fn wait_ready(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn real_node_samples_run_the_given_image_and_spread_default_web() {
+        let image = "localhost/kvpn/lab-server:0.1.0";
+        let objs = objects_for_real_nodes(
+            Workloads {
+                samples: true,
+                manager: false,
+            },
+            &Addressing::default(),
+            image,
+        );
+        let deployments: Vec<&Value> = objs
+            .iter()
+            .filter_map(|o| match o {
+                Object::Deployment(v) => Some(v),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(deployments.len(), 2, "default/web and dev/web");
+        for d in &deployments {
+            let pod = &d["spec"]["template"]["spec"];
+            assert_eq!(pod["containers"][0]["image"], json!(image), "{d:#}");
+            assert_eq!(
+                pod["containers"][0]["imagePullPolicy"],
+                json!("IfNotPresent")
+            );
+            let spread = &pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                [0];
+            if d["metadata"]["namespace"] == "default" {
+                assert_eq!(
+                    spread["topologyKey"],
+                    json!("kubernetes.io/hostname"),
+                    "{d:#}"
+                );
+                assert_eq!(spread["labelSelector"]["matchLabels"]["app"], json!("web"));
+            } else {
+                assert!(spread.is_null(), "only default/web is spread: {d:#}");
+            }
+        }
+        // The stand-in lab's objects are untouched.
+        let stand_in = objects(Workloads::default());
+        assert!(stand_in.iter().all(|o| match o {
+            Object::Deployment(v) => v["spec"]["template"]["spec"]["affinity"].is_null(),
+            _ => true,
+        }));
+    }
 
     #[test]
     fn samples_cover_the_required_shapes() {

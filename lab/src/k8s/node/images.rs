@@ -1,12 +1,14 @@
-//! A small OCI image archive for the real nodes until the project's own images
-//! (`cargo xtask image`) exist: Debian's busybox-static in an empty image, built with
-//! umoci, with two tags — `busybox` (no entrypoint; pods give a command) and `pause`
-//! (the pod sandbox: `busybox sleep` for ~68 years).
+//! Images for the real nodes.
 //!
-//! Import it with `--base-name` [`BASE_NAME`]: the images are then
-//! `kvpn.local/lab:busybox` and `kvpn.local/lab:pause`.
+//! The project's own archives (`cargo xtask image`: manager, lab server, pause) are
+//! found with [`project_archive`] and imported as they are. For pods that need a
+//! shell (`kubectl exec` tests), a small archive of Debian's busybox-static built
+//! with umoci, with two tags — `busybox` (no entrypoint; pods give a command) and
+//! `pause` (`busybox sleep` for ~68 years). Import it with `--base-name`
+//! [`BASE_NAME`]: the images are then `kvpn.local/lab:busybox` and
+//! `kvpn.local/lab:pause`.
 //!
-//! I/O: runs `umoci` and `tar`, writes under the given folder.
+//! I/O: reads the environment, runs `umoci` and `tar`, writes under the given folder.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,6 +46,41 @@ const APPLETS: [&str; 20] = [
     "sha256sum",
     "printf",
 ];
+
+/// The folder of the project's OCI image archives (`cargo xtask image`):
+/// `$KVPN_IMAGE_DIR`, else `$KVPN_CACHE/images`, else `/var/cache/kvpn/images`.
+pub fn project_image_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KVPN_IMAGE_DIR") {
+        return PathBuf::from(d);
+    }
+    let cache = std::env::var("KVPN_CACHE").unwrap_or_else(|_| "/var/cache/kvpn".into());
+    PathBuf::from(cache).join("images")
+}
+
+/// The name of the project's image `key` (`manager`, `lab-server`, `pause`) at this
+/// version, as its archive's index names it: `localhost/kvpn/<key>:<version>`.
+pub fn project_image(key: &str) -> String {
+    format!("localhost/kvpn/{key}:{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// The archive `kvpn-<key>-<version>.oci.tar` of [`project_image_dir`], to import as
+/// it is (its index names the image in full); an error with the fix when it was not
+/// built.
+pub fn project_archive(key: &str) -> Result<ImageArchive, Error> {
+    let path =
+        project_image_dir().join(format!("kvpn-{key}-{}.oci.tar", env!("CARGO_PKG_VERSION")));
+    if !path.is_file() {
+        return Err(Error::MissingBinary {
+            name: format!("the {key} image archive"),
+            path,
+            hint: "build the project's images with `cargo xtask image` (`./x test` does it first) or point KVPN_IMAGE_DIR at them",
+        });
+    }
+    Ok(ImageArchive {
+        path,
+        base_name: None,
+    })
+}
 
 fn run(cmd: &mut Command) -> Result<(), Error> {
     let text = format!("{cmd:?}");

@@ -82,9 +82,13 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 }
 
 /// The node's CNI conflist: bridge `bridge` with the first address of `pod_cidr` as
-/// every pod's gateway, host-local IPAM over `pod_cidr`, masquerade for traffic
-/// leaving the pod CIDR (`ipMasq`, like the usual bridge set-ups), and portmap for
-/// `hostPort`. containerd runs the loopback plugin itself.
+/// every pod's gateway, host-local IPAM over `pod_cidr`, and portmap for
+/// `hostPort`. containerd runs the loopback plugin itself. No `ipMasq`: the bridge
+/// plugin would masquerade everything leaving the node's own `/24`, pod-to-pod
+/// traffic across nodes too, so a backend would see the other node's address
+/// instead of the client pod's (real clusters keep pod IPs between nodes, e.g.
+/// kubenet's non-masquerade CIDR); the lab routes every pod CIDR, so nothing needs
+/// masquerading.
 pub fn cni_conflist(bridge: &str, pod_cidr: Ipv4Net) -> String {
     let gateway = pod_cidr.hosts().next().unwrap_or(pod_cidr.addr());
     let v = json!({
@@ -95,7 +99,7 @@ pub fn cni_conflist(bridge: &str, pod_cidr: Ipv4Net) -> String {
                 "type": "bridge",
                 "bridge": bridge,
                 "isGateway": true,
-                "ipMasq": true,
+                "ipMasq": false,
                 "hairpinMode": true,
                 "ipam": {
                     "type": "host-local",
