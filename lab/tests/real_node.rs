@@ -93,18 +93,10 @@ fn get_from_pod(kubeconfig: &Path, pod: &str, addr: &str) -> Result<String, Stri
     }
 }
 
+/// The global sysctls a 1.20 kubelet sets at start, read while no lab's kubelets
+/// are starting (docs/lab-real-node.md).
 fn global_sysctls() -> Vec<(String, String)> {
-    [
-        "vm/overcommit_memory",
-        "kernel/panic",
-        "kernel/panic_on_oops",
-    ]
-    .iter()
-    .map(|k| {
-        let v = std::fs::read_to_string(format!("/proc/sys/{k}")).expect("read sysctl");
-        ((*k).to_owned(), v.trim().to_owned())
-    })
-    .collect()
+    node::settled_global_sysctls().unwrap_or_else(|e| panic!("global sysctls: {e}"))
 }
 
 /// Pods of the `web` Deployment: (name, node, podIP, phase).

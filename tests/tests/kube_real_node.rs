@@ -26,20 +26,10 @@ use kvpn_lab::k8s::node::{self, images};
 use kvpn_lab::protocol::PageInfo;
 use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name, pod_ready, web};
 
-/// The global sysctls a 1.20 kubelet sets at start (docs/lab-real-node.md).
+/// The global sysctls a 1.20 kubelet sets at start, read while no lab's kubelets
+/// are starting (docs/lab-real-node.md).
 fn global_sysctls() -> Vec<(String, String)> {
-    [
-        "vm/overcommit_memory",
-        "kernel/panic",
-        "kernel/panic_on_oops",
-    ]
-    .iter()
-    .map(|k| {
-        let v = std::fs::read_to_string(format!("/proc/sys/{k}"))
-            .unwrap_or_else(|e| panic!("read /proc/sys/{k}: {e}"));
-        ((*k).to_owned(), v.trim().to_owned())
-    })
-    .collect()
+    node::settled_global_sysctls().unwrap_or_else(|e| panic!("global sysctls: {e}"))
 }
 
 /// `curl` from the laptop netns (5 s bound); the lab page it got.

@@ -19,6 +19,8 @@
 //!   namespace between fork and exec, so the child's pid is the program's.
 //! - [`GlobalSysctls`]: the machine-wide values the kubelet sets at start
 //!   (vm.overcommit_memory, kernel.panic, kernel.panic_on_oops), saved and put back.
+//!   [`KubeletStartLock`] serializes that window between labs on one machine, so no
+//!   lab saves another's kubelet values as the originals.
 
 use std::fs::File;
 use std::io::Write as _;
@@ -529,6 +531,45 @@ pub const KUBELET_SYSCTLS: [&str; 3] = [
     "kernel/panic",
     "kernel/panic_on_oops",
 ];
+
+/// An exclusive `flock(2)` on the kubelet binary, held by a lab from saving the
+/// global sysctls until it has put them back after its kubelets started (and by
+/// tests while they read them). Every lab on the machine runs the same cached
+/// kubelet, so two labs starting at once take turns instead of one saving the
+/// other's kubelet values as the originals; the lock goes with the descriptor, also
+/// when the process dies, and no file is created for it.
+#[derive(Debug)]
+pub struct KubeletStartLock {
+    _lock: nix::fcntl::Flock<File>,
+}
+
+impl KubeletStartLock {
+    /// Takes the lock on `kubelet`, waiting at most `timeout` for another lab.
+    pub fn take(kubelet: &Path, timeout: Duration) -> Result<KubeletStartLock, Error> {
+        use nix::fcntl::{Flock, FlockArg};
+        let t0 = Instant::now();
+        let mut file =
+            File::open(kubelet).map_err(io(format!("opening {} to lock it", kubelet.display())))?;
+        loop {
+            match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+                Ok(lock) => return Ok(KubeletStartLock { _lock: lock }),
+                Err((f, nix::errno::Errno::EWOULDBLOCK)) if t0.elapsed() < timeout => {
+                    file = f;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err((_, e)) => {
+                    return Err(Error::Node {
+                        node: "(all)".into(),
+                        message: format!(
+                            "cannot lock {} within {timeout:?} ({e}): another lab's kubelets are starting (it holds the lock until they run and the global sysctls are back); retry when it is up",
+                            kubelet.display()
+                        ),
+                    });
+                }
+            }
+        }
+    }
+}
 
 /// Saved values of [`KUBELET_SYSCTLS`].
 #[derive(Debug, Clone)]

@@ -48,7 +48,7 @@ use super::pki::{CertSpec, CertificateAuthority};
 use super::process::{Managed, Spawner};
 use crate::netns::Netns;
 use crate::topology::netns_name;
-use host::{GlobalSysctls, MountNs, NodeCgroup, NodeEntry};
+use host::{GlobalSysctls, KubeletStartLock, MountNs, NodeCgroup, NodeEntry};
 
 /// Errors of the real nodes.
 #[derive(Debug, thiserror::Error)]
@@ -337,6 +337,8 @@ pub struct RealNodes {
     config: RealNodesConfig,
     nodes: Vec<RealNode>,
     sysctls: Option<GlobalSysctls>,
+    /// Held from saving the sysctls until they are back after the kubelets started.
+    start_lock: Option<KubeletStartLock>,
     router_bridge: bool,
     // Last: the processes are tied to this thread's life (PR_SET_PDEATHSIG).
     spawner: Option<Spawner>,
@@ -396,9 +398,12 @@ impl RealNodes {
         }
         std::fs::create_dir_all(&config.dir)
             .map_err(io(format!("creating {}", config.dir.display())))?;
+        let start_lock =
+            KubeletStartLock::take(&config.bin_dir.join("kubelet"), config.ready_timeout)?;
         let mut this = RealNodes {
             nodes: Vec::new(),
             sysctls: Some(GlobalSysctls::save()?),
+            start_lock: Some(start_lock),
             router_bridge: false,
             spawner: Some(Spawner::new()?),
             startup: Duration::ZERO,
@@ -798,6 +803,8 @@ impl RealNodes {
         if let Some(s) = &self.sysctls {
             s.restore()?;
         }
+        // The kubelets set them once, at start: the next lab may save them now.
+        self.start_lock = None;
         // kube-proxy: its first sync writes KUBE-SERVICES into the node's nat table.
         for i in 0..self.nodes.len() {
             loop {
@@ -874,6 +881,7 @@ impl RealNodes {
         {
             first.get_or_insert(e);
         }
+        self.start_lock = None;
         drop(self.spawner.take());
         match first {
             Some(e) => Err(e),
@@ -888,6 +896,27 @@ impl Drop for RealNodes {
             tracing::error!(error = %e, "real nodes: teardown incomplete");
         }
     }
+}
+
+/// The machine-wide sysctls a kubelet changes at start ([`host::KUBELET_SYSCTLS`]:
+/// key, value), read while no lab's kubelets are starting (under the
+/// [`KubeletStartLock`] of the lab's kubelet, waiting at most 180 s): the values a
+/// test compares before and after a lab. Two labs starting at once could otherwise
+/// show each other's kubelet values.
+pub fn settled_global_sysctls() -> Result<Vec<(String, String)>, Error> {
+    let _lock = KubeletStartLock::take(
+        &super::k8s_bin_dir().join("kubelet"),
+        Duration::from_secs(180),
+    )?;
+    host::KUBELET_SYSCTLS
+        .iter()
+        .map(|k| {
+            let path = format!("/proc/sys/{k}");
+            std::fs::read_to_string(&path)
+                .map(|v| ((*k).to_owned(), v.trim().to_owned()))
+                .map_err(io(format!("reading {path}")))
+        })
+        .collect()
 }
 
 struct NodeFiles {
