@@ -249,6 +249,16 @@ fn http_get_body(port: u16, path: &str) -> Vec<u8> {
     all[split + 4..].to_vec()
 }
 
+/// The test's scratch folder (the busybox archive), removed on drop, also when the
+/// test fails.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 fn in_cidr(ip: &str, cidr: Ipv4Net) -> bool {
     ip.parse::<Ipv4Addr>().is_ok_and(|a| cidr.contains(&a))
 }
@@ -257,11 +267,12 @@ fn in_cidr(ip: &str, cidr: Ipv4Net) -> bool {
 async fn two_real_nodes_run_pods_across_nodes_with_services_and_port_forward() {
     kvpn_lab::require_root().expect("root");
     let sysctls_before = global_sysctls();
-    let scratch = std::env::temp_dir().join(format!("kvpn-realnode-test-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let scratch =
+        Scratch(std::env::temp_dir().join(format!("kvpn-realnode-test-{}", std::process::id())));
+    std::fs::create_dir_all(&scratch.0).expect("scratch dir");
     // The workload needs a shell (`kubectl exec`): busybox. The sandbox is the
     // project's pause image (`cargo xtask image`).
-    let image = images::busybox_archive(&scratch).expect("build the busybox image");
+    let image = images::busybox_archive(&scratch.0).expect("build the busybox image");
     let pause = images::project_archive("pause").unwrap_or_else(|e| panic!("{e}"));
 
     let t0 = Instant::now();
@@ -428,5 +439,4 @@ async fn two_real_nodes_run_pods_across_nodes_with_services_and_port_forward() {
         sysctls_before,
         "kubelet sysctls not restored"
     );
-    let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -6,7 +6,8 @@
 //! manager exactly as `kvpn install --dry-run` renders it (image, restricted
 //! securityContext; no pull policy named, so the apiserver's IfNotPresent), the kubelet runs it from the imported image under
 //! runc, and the laptop reaches a pod on the other node over TCP (curl), the `web`
-//! ClusterIP (kube-proxy's iptables rules on the manager's node) and pings a pod.
+//! ClusterIP (kube-proxy's iptables rules on the manager's node), UDP through the
+//! `udp-echo` ClusterIP, and pings a pod; the backends see the manager pod's IP.
 //! Then everything goes: kvpn, nodes, netns, cgroups, and the global sysctls the
 //! kubelet changes are back.
 //!
@@ -249,6 +250,15 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
         "ClusterIP {svc} answered from {page:?}, not a web pod"
     );
 
+    // UDP through the udp-echo ClusterIP: the backend sees the manager pod's IP.
+    let udp_echo =
+        std::net::SocketAddr::from((kvpn_lab::UDP_ECHO_CLUSTER_IP, kvpn_lab::ECHO_SERVICE_PORT));
+    assert_eq!(
+        f.udp_peer(udp_echo).ip(),
+        pod_ip(&manager),
+        "UDP via {udp_echo}: snat source"
+    );
+
     // Ping to the pod on the other node.
     let ping = f.laptop(&[
         "ping",
@@ -266,6 +276,16 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
         "ping {other_ip}: {}\n{out}{}",
         ping.status,
         String::from_utf8_lossy(&ping.stderr)
+    );
+
+    // Disconnect: the session goes.
+    let t_disconnect = Instant::now();
+    f.kvpn_ok(&["disconnect"]);
+    let disconnect = t_disconnect.elapsed();
+    assert!(
+        f.sessions().is_empty(),
+        "sessions after disconnect: {:#?}",
+        f.sessions()
     );
 
     // Everything goes: kvpn quits, the nodes and the lab go down.
@@ -307,10 +327,11 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
         "kubelet sysctls not restored"
     );
     eprintln!(
-        "real nodes: lab up {:.1} s, kvpn connect {:.1} s, first GET {:.0} ms, down {:.1} s, total {:.1} s",
+        "real nodes: lab up {:.1} s, kvpn connect {:.1} s, first GET {:.0} ms, disconnect {:.1} s, down {:.1} s, total {:.1} s",
         lab_up.as_secs_f64(),
         connect.as_secs_f64(),
         first_get.as_secs_f64() * 1000.0,
+        disconnect.as_secs_f64(),
         down.as_secs_f64(),
         t0.elapsed().as_secs_f64()
     );
