@@ -134,6 +134,7 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
     let connect = t_connect.elapsed();
     let session = f.session();
     assert_eq!(session["source_policy"], "snat", "{session:#}");
+    assert_eq!(session["transport"], "port-forward", "{session:#}");
     f.wait_state("connected", Duration::from_secs(30));
 
     // The installed Deployment is the rendered one (image, pull policy, security).
@@ -243,6 +244,19 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
 
     // The web ClusterIP: kube-proxy's rules in the manager's node netns.
     let svc = web();
+    let real = f.lab().real_nodes().expect("a real-node lab");
+    let node = real
+        .nodes()
+        .iter()
+        .find(|n| n.name() == manager_node)
+        .unwrap_or_else(|| panic!("manager on unknown node {manager_node}"));
+    let rules = node
+        .exec("iptables", &["-t", "nat", "-S", "KUBE-SERVICES"])
+        .unwrap_or_else(|e| panic!("iptables on {manager_node}: {e}"));
+    assert!(
+        rules.contains(&format!("-d {}/32", svc.ip())),
+        "kube-proxy has no rule for {svc} on {manager_node}:\n{rules}"
+    );
     let page =
         curl(&f, &format!("http://{svc}/")).unwrap_or_else(|e| panic!("{e}\n{}", f.diagnostics()));
     assert!(
