@@ -266,6 +266,12 @@ fn in_cidr(ip: &str, cidr: Ipv4Net) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_real_nodes_run_pods_across_nodes_with_services_and_port_forward() {
     kvpn_lab::require_root().expect("root");
+    // The lab's warnings (a process killed after its SIGTERM grace, an incomplete
+    // teardown) in the test's output; not kube's errors while the apiserver starts.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("warn,kube_client=off"))
+        .with_test_writer()
+        .try_init();
     let sysctls_before = global_sysctls();
     let scratch =
         Scratch(std::env::temp_dir().join(format!("kvpn-realnode-test-{}", std::process::id())));
