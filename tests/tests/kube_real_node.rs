@@ -1,15 +1,18 @@
 //! kvpn on real node software (issue #23): a lab with two real nodes (containerd
 //! 1.6 + runc, CNI bridge, kubelet and kube-proxy 1.20.2; `kvpn_lab::k8s::node`)
 //! into which the project's images (`cargo xtask image`) are imported: pause as the
-//! sandbox, the lab server running the sample workloads, the manager. `kvpn connect`
-//! (port-forward transport, source policy snat) from the laptop netns installs the
-//! manager exactly as `kvpn install --dry-run` renders it (image, restricted
-//! securityContext; no pull policy named, so the apiserver's IfNotPresent), the kubelet runs it from the imported image under
-//! runc, and the laptop reaches a pod on the other node over TCP (curl), the `web`
-//! ClusterIP (kube-proxy's iptables rules on the manager's node), UDP through the
-//! `udp-echo` ClusterIP, and pings a pod; the backends see the manager pod's IP.
-//! Then everything goes: kvpn, nodes, netns, cgroups, and the global sysctls the
-//! kubelet changes are back.
+//! sandbox, the lab server running the sample workloads, the manager.
+//!
+//! `kvpn connect` (port-forward transport; source policy snat, and ebpf-snat in a
+//! second test) from the laptop netns installs the manager exactly as `kvpn install
+//! --dry-run` renders it (image, securityContext; no pull policy named, so the
+//! apiserver's IfNotPresent); the kubelet runs it from the imported image under runc
+//! as the rendered user with exactly the policy's capabilities; the laptop reaches a
+//! pod on the other node over TCP (curl), the `web` ClusterIP (kube-proxy's iptables
+//! rules on the manager's node), UDP through the `udp-echo` ClusterIP, and pings a
+//! pod; the backends see the manager pod's IP. Then everything goes: kvpn, nodes,
+//! netns, cgroups, container processes, and the global sysctls the kubelet changes
+//! are back.
 //!
 //! Not covered: cluster DNS (the real-node lab runs no DNS pod yet).
 //!
@@ -48,7 +51,11 @@ fn curl(f: &KubeFixture, url: &str) -> Result<PageInfo, String> {
 }
 
 /// The manager container as `kvpn install --dry-run -o json` renders it.
-fn rendered_manager_container(f: &KubeFixture, kubeconfig: &str) -> serde_json::Value {
+fn rendered_manager_container(
+    f: &KubeFixture,
+    kubeconfig: &str,
+    policy: &str,
+) -> serde_json::Value {
     let out = f.kvpn_ok(&[
         "install",
         "--dry-run",
@@ -57,7 +64,7 @@ fn rendered_manager_container(f: &KubeFixture, kubeconfig: &str) -> serde_json::
         "--kubeconfig",
         kubeconfig,
         "--source-policy",
-        "snat",
+        policy,
     ]);
     let list: serde_json::Value =
         serde_json::from_str(&out).unwrap_or_else(|e| panic!("dry-run JSON: {e}: {out}"));
@@ -99,6 +106,18 @@ fn status_field(pid: u32, key: &str) -> String {
 
 #[test]
 fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_and_ping() {
+    connect_on_two_real_nodes("snat", 65532, "0000000000000000");
+}
+
+/// ebpf-snat: uid 0 with only BPF (39), NET_ADMIN (12) and NET_RAW (13) effective.
+#[test]
+fn connect_ebpf_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_and_ping() {
+    connect_on_two_real_nodes("ebpf-snat", 0, "0000008000003000");
+}
+
+/// The whole test under source policy `policy`, whose manager runs as `uid` with
+/// the effective capabilities `cap_eff` (/proc/<pid>/status hex).
+fn connect_on_two_real_nodes(policy: &str, uid: u32, cap_eff: &str) {
     let t0 = Instant::now();
     let sysctls_before = global_sysctls();
     let f = KubeFixture::real_nodes(2);
@@ -114,7 +133,7 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
 
     // The install the laptop would render: the project's manager image, pulled only
     // when the node lacks it (it was imported), restricted securityContext.
-    let rendered = rendered_manager_container(&f, &kubeconfig);
+    let rendered = rendered_manager_container(&f, &kubeconfig, policy);
     let image = images::project_image("manager");
     assert_eq!(rendered["image"], image.as_str(), "{rendered:#}");
     // No policy named: the apiserver's default for a tagged image, IfNotPresent.
@@ -129,11 +148,11 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
         "--kubeconfig",
         &kubeconfig,
         "--source-policy",
-        "snat",
+        policy,
     ]);
     let connect = t_connect.elapsed();
     let session = f.session();
-    assert_eq!(session["source_policy"], "snat", "{session:#}");
+    assert_eq!(session["source_policy"], policy, "{session:#}");
     assert_eq!(session["transport"], "port-forward", "{session:#}");
     f.wait_state("connected", Duration::from_secs(30));
 
@@ -157,15 +176,15 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
         installed["imagePullPolicy"], "IfNotPresent",
         "{installed:#}"
     );
-    assert_eq!(installed["securityContext"]["runAsUser"], 65532);
+    assert_eq!(installed["securityContext"]["runAsUser"], uid);
     assert_eq!(installed["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(
         installed["securityContext"]["capabilities"]["drop"][0],
         "ALL"
     );
 
-    // The kubelet runs it from the imported image under containerd + runc, as uid
-    // 65532 without capabilities.
+    // The kubelet runs it from the imported image under containerd + runc, as `uid`
+    // with exactly the capabilities the policy needs.
     let manager: Pod = f.wait_manager_pod(Duration::from_secs(30), |_| true);
     let status = manager
         .status
@@ -189,14 +208,14 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
         })
         .unwrap_or_else(|| panic!("no kvpn-manager process in container {container_id}: {pids:?}"));
     assert!(
-        status_field(manager_pid, "Uid:").starts_with("65532\t"),
+        status_field(manager_pid, "Uid:").starts_with(&format!("{uid}\t")),
         "manager uid: {}",
         status_field(manager_pid, "Uid:")
     );
     assert_eq!(
         status_field(manager_pid, "CapEff:"),
-        "0000000000000000",
-        "the manager has no effective capability"
+        cap_eff,
+        "the manager's effective capabilities under {policy}"
     );
     let manager_node = manager
         .spec
@@ -240,7 +259,11 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
     );
     assert_eq!(page.pod_ip, IpAddr::V4(other_ip));
     // snat: the backend sees the manager pod's IP.
-    assert_eq!(page.client.ip(), pod_ip(&manager), "snat source: {page:?}");
+    assert_eq!(
+        page.client.ip(),
+        pod_ip(&manager),
+        "{policy} source: {page:?}"
+    );
 
     // The web ClusterIP: kube-proxy's rules in the manager's node netns.
     let svc = web();
@@ -270,7 +293,7 @@ fn connect_snat_on_two_real_nodes_reaches_a_pod_on_the_other_node_a_cluster_ip_a
     assert_eq!(
         f.udp_peer(udp_echo).ip(),
         pod_ip(&manager),
-        "UDP via {udp_echo}: snat source"
+        "UDP via {udp_echo}: {policy} source"
     );
 
     // Ping to the pod on the other node.
