@@ -90,6 +90,8 @@ pub struct SourceReport {
     /// What the backend reported; `None` when it cannot (not a lab backend) or
     /// no answer came.
     pub backend_source: Option<SocketAddr>,
+    /// The traced manager pod's own addresses (`status.podIPs`).
+    pub manager_pod_ips: Vec<IpAddr>,
     pub outcome: Outcome,
     /// Where the source changed ("manager", "downstream", "none", "unknown") or the
     /// flow ended ("refused", "unreachable", "dropped-in-manager-pod", "lost").
@@ -281,6 +283,30 @@ pub fn explain(r: &SourceReport) -> (String, String) {
             ),
         );
     }
+    // The egress was not observed (a manager without NET_RAW: snat's install
+    // grants no capability), yet the backend saw the manager pod's own address:
+    // only the pod sends from it, so under a policy that replaces the source the
+    // change happened inside the manager pod.
+    if let (Some(d), None, Some(b)) = (decap, egress, backend)
+        && d != b
+        && (r.policy == "snat" || r.policy == "ebpf-snat")
+        && r.manager_pod_ips.contains(&b)
+    {
+        return (
+            "manager".into(),
+            format!(
+                "changed inside the manager pod ({d} → {b}): the backend saw the manager pod's own \
+                 address, which only the pod sends from — policy {}; the pod's egress itself was not \
+                 observed ({}); use --source-policy preserve if the backend needs the client's address",
+                r.policy,
+                if r.note.is_empty() {
+                    "no outgoing packet matched"
+                } else {
+                    r.note.as_str()
+                },
+            ),
+        );
+    }
     if let (Some(d), None, Some(b)) = (decap, egress, backend)
         && d != b
     {
@@ -444,8 +470,8 @@ fn probe_udp(target: SocketAddr) -> (Option<SocketAddr>, Option<SocketAddr>, Out
     }
 }
 
-/// A ready manager pod's name.
-async fn manager_pod(client: &kube::Client, namespace: &str) -> Result<String> {
+/// A ready manager pod's name and addresses (`status.podIPs`).
+async fn manager_pod(client: &kube::Client, namespace: &str) -> Result<(String, Vec<IpAddr>)> {
     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let pods = api
         .list(&ListParams::default().labels(&objects::selector()))
@@ -460,7 +486,15 @@ async fn manager_pod(client: &kube::Client, namespace: &str) -> Result<String> {
                     .and_then(|s| s.conditions.as_ref())
                     .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
         })
-        .and_then(|p| p.metadata.name.clone())
+        .and_then(|p| {
+            let ips = p
+                .status
+                .as_ref()
+                .and_then(|s| s.pod_ips.as_ref())
+                .map(|ips| ips.iter().filter_map(|i| i.ip.parse().ok()).collect())
+                .unwrap_or_default();
+            Some((p.metadata.name.clone()?, ips))
+        })
         .ok_or_else(|| {
             anyhow!("no ready traffic manager pod in {namespace} — `kvpn connect` installs it")
         })
@@ -554,7 +588,7 @@ pub async fn source(
         bail!("{target}: only IPv4 destinations can be traced");
     };
     require_route(sessions, target.ip())?;
-    let pod = manager_pod(client, namespace).await?;
+    let (pod, manager_pod_ips) = manager_pod(client, namespace).await?;
     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let (pf, channel) = crate::lease::grpc_channel(&api, &pod, objects::GRPC_PORT).await?;
     let mut stream = ManagerClient::new(channel)
@@ -594,6 +628,7 @@ pub async fn source(
         egress_source: parse(&last.egress_source),
         egress_interface: last.egress_interface,
         backend_source,
+        manager_pod_ips,
         outcome,
         verdict: String::new(),
         explanation: String::new(),
@@ -621,11 +656,36 @@ mod tests {
             egress_source: p(egress),
             egress_interface: "eth0".into(),
             backend_source: p(backend),
+            manager_pod_ips: vec!["10.244.1.5".parse().expect("ip")],
             outcome,
             verdict: String::new(),
             explanation: String::new(),
             note: String::new(),
         }
+    }
+
+    /// A manager without NET_RAW (snat's restricted install on a real node) cannot
+    /// capture its egress; the backend seeing the manager pod's own address still
+    /// places the change in the manager, and any other address leaves it open.
+    #[test]
+    fn an_unobserved_egress_with_the_pod_ip_at_the_backend_is_the_manager() {
+        let mut r = report("100.96.0.2:5000", "", "10.244.1.5:40000", Outcome::Answered);
+        r.note = "no capture at the pod's egress eth0: Operation not permitted (os error 1) \
+                  (needs NET_RAW in the manager pod)"
+            .into();
+        let (verdict, why) = explain(&r);
+        assert_eq!(verdict, "manager", "{why}");
+        assert!(why.contains("NET_RAW"), "{why}");
+        r.policy = "ebpf-snat".into();
+        assert_eq!(explain(&r).0, "manager");
+        // Another address (the node's masquerade): kvpn cannot tell who did it.
+        r.policy = "snat".into();
+        r.backend_source = "172.30.0.12:40000".parse().ok();
+        assert_eq!(explain(&r).0, "changed");
+        // preserve never replaces the source in the manager.
+        r.policy = "preserve".into();
+        r.backend_source = "10.244.1.5:40000".parse().ok();
+        assert_eq!(explain(&r).0, "changed");
     }
 
     #[test]

@@ -1114,6 +1114,7 @@ mod tests {
             egress_source: None,
             egress_interface: "eth0".into(),
             backend_source: None,
+            manager_pod_ips: Vec::new(),
             outcome: Outcome::Unreachable { code: None },
             verdict: "unreachable".into(),
             explanation: "why".into(),

@@ -265,6 +265,65 @@ fn connect_on_two_real_nodes(policy: &str, uid: u32, cap_eff: &str) {
         "{policy} source: {page:?}"
     );
 
+    // `kvpn diagnose source` at its three points: the laptop's packet arrives from
+    // the tunnel IP, leaves the manager pod (observed only with NET_RAW: ebpf-snat)
+    // and reaches the backend on the other node with the manager pod's IP: the
+    // source changes in the manager.
+    let target = format!("{other_ip}:{}", kvpn_lab::HTTP_PORT);
+    let t_diagnose = Instant::now();
+    let out = f.kvpn_ok(&[
+        "diagnose",
+        "source",
+        &target,
+        "-o",
+        "json",
+        "--kubeconfig",
+        &kubeconfig,
+    ]);
+    let diagnose = t_diagnose.elapsed();
+    let d: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("diagnose JSON: {e}: {out}"));
+    let addr_ip = |v: &serde_json::Value| {
+        v.as_str()
+            .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+            .map(|a| a.ip())
+    };
+    let tunnel: Option<IpAddr> = session["tunnel_ip"].as_str().and_then(|t| t.parse().ok());
+    assert_eq!(d["policy"], policy, "{d:#}");
+    assert_eq!(addr_ip(&d["decapsulated_source"]), tunnel, "{d:#}");
+    if policy == "snat" {
+        // The restricted install grants no NET_RAW: no capture at the pod's egress;
+        // the backend seeing the pod's own address still places the change.
+        assert!(d["egress_source"].is_null(), "{d:#}");
+        assert!(
+            d["note"].as_str().is_some_and(|n| n.contains("NET_RAW")),
+            "{d:#}"
+        );
+    } else {
+        assert_eq!(
+            addr_ip(&d["egress_source"]),
+            Some(pod_ip(&manager)),
+            "{d:#}"
+        );
+    }
+    assert_eq!(
+        d["manager_pod_ips"][0]
+            .as_str()
+            .and_then(|a| a.parse::<IpAddr>().ok()),
+        Some(pod_ip(&manager)),
+        "{d:#}"
+    );
+    assert_eq!(
+        addr_ip(&d["backend_source"]),
+        Some(pod_ip(&manager)),
+        "{d:#}"
+    );
+    assert_eq!(d["verdict"], "manager", "{d:#}");
+    assert!(
+        diagnose < Duration::from_secs(20),
+        "diagnose took {diagnose:?}"
+    );
+
     // The web ClusterIP: kube-proxy's rules in the manager's node netns.
     let svc = web();
     let real = f.lab().real_nodes().expect("a real-node lab");
