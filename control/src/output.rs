@@ -159,8 +159,18 @@ pub fn kind_name(kind: i32) -> &'static str {
 
 /// `kvpn status` when no root daemon runs.
 pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
+    let guard = kvpn_dataplane::dns::guard::Note::read(runtime_dir);
     match format {
-        OutputFormat::Json => println!("{{\"root_daemon\":{{\"running\":false}},\"sessions\":[]}}"),
+        OutputFormat::Json => {
+            let mut root = serde_json::json!({"running": false});
+            if let Some(note) = &guard {
+                root["dns_guard"] = dns_guard_json(note);
+            }
+            println!(
+                "{}",
+                serde_json::json!({"root_daemon": root, "sessions": []})
+            );
+        }
         OutputFormat::Yaml => println!("root_daemon:\n  running: false\nsessions: []"),
         OutputFormat::Table => println!(
             "Not connected (no root daemon answers on {})",
@@ -177,7 +187,26 @@ pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
 pub fn warn_dns_left_changed(runtime_dir: &Path, not_answering: Option<(i32, char)>) {
     if crate::daemon::dns_left_changed(runtime_dir) {
         warn(&dns_left_changed_text(not_answering));
+    } else if not_answering.is_none()
+        && let Some(note) = kvpn_dataplane::dns::guard::Note::read(runtime_dir)
+    {
+        // The DNS guard repaired after the daemon died (issue 29 item 12).
+        warn(&note.describe());
     }
+}
+
+/// The DNS guard's note in `-o json` (`root_daemon.dns_guard`, docs/status.md).
+fn dns_guard_json(note: &kvpn_dataplane::dns::guard::Note) -> serde_json::Value {
+    serde_json::json!({
+        "daemon_pid": note.daemon_pid,
+        "guard_pid": note.guard_pid,
+        "died_at_unix": note.died_at_unix,
+        "repaired_after_ms": note.repaired_after_ms,
+        "resolv_conf": note.resolv_conf,
+        "resolv_conf_outcome": note.resolv_conf_outcome,
+        "hosts_outcome": note.hosts_outcome,
+        "reason": note.describe(),
+    })
 }
 
 fn dns_left_changed_text(not_answering: Option<(i32, char)>) -> String {
@@ -602,16 +631,28 @@ fn refused_peers_line(out: &mut String, root: RootDaemon) {
 }
 
 /// `kvpn status` output.
-pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Result<()> {
+pub fn status(
+    rows: &[StatusRow],
+    root: RootDaemon,
+    format: OutputFormat,
+    runtime_dir: &Path,
+) -> Result<()> {
+    let document = || {
+        let mut doc = status_document(rows, root);
+        // After a death of the root daemon: what its DNS guard did.
+        if !root.running
+            && let Some(note) = kvpn_dataplane::dns::guard::Note::read(runtime_dir)
+        {
+            doc["root_daemon"]["dns_guard"] = dns_guard_json(&note);
+        }
+        doc
+    };
     match format {
         OutputFormat::Json => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&status_document(rows, root))?
-            );
+            println!("{}", serde_json::to_string_pretty(&document())?);
         }
         OutputFormat::Yaml => {
-            let text = serde_yaml_ng::to_string(&status_document(rows, root))?;
+            let text = serde_yaml_ng::to_string(&document())?;
             println!("{}", text.trim_end());
         }
         OutputFormat::Table => print!("{}", status_table(rows, root)),

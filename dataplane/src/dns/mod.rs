@@ -35,6 +35,7 @@
 pub mod forwarder;
 #[cfg(test)]
 mod forwarder_tests;
+pub mod guard;
 pub mod hosts;
 pub mod message;
 pub mod names;
