@@ -450,6 +450,9 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "servfail": c.servfail,
             "malformed": c.malformed,
             "unreachable": c.unreachable,
+            "upstreams": c.upstreams,
+            "resolv_conf_reapplied": c.resolv_conf_reapplied,
+            "resolv_conf_reapplied_at_unix": c.resolv_conf_reapplied_at_unix,
         })),
         "services": known(s.services.iter().map(|v| serde_json::json!({
             "namespace": v.namespace,
@@ -880,6 +883,15 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                 c.servfail,
                 c.unreachable
             );
+            if c.resolv_conf_reapplied > 0 {
+                say!(
+                    "    resolv.conf was rewritten by something else {} time(s) while connected \
+                     (NetworkManager, a DHCP client); kvpn put its entry back and forwards other \
+                     names to the new nameservers {}",
+                    c.resolv_conf_reapplied,
+                    c.upstreams.join(" ")
+                );
+            }
         }
         if !r.measured && r.user.as_ref().is_none_or(|u| u.socks.is_none()) {
             say!("    routes unknown: the root daemon did not report this session");
