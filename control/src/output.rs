@@ -453,6 +453,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "upstreams": c.upstreams,
             "resolv_conf_reapplied": c.resolv_conf_reapplied,
             "resolv_conf_reapplied_at_unix": c.resolv_conf_reapplied_at_unix,
+            "cluster_socket_reopened": c.cluster_socket_reopened,
         })),
         "services": known(s.services.iter().map(|v| serde_json::json!({
             "namespace": v.namespace,
@@ -883,6 +884,14 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                 c.servfail,
                 c.unreachable
             );
+            if c.cluster_socket_reopened > 0 {
+                say!(
+                    "    DNS forwarder reopened its socket to the cluster DNS {} time(s): the \
+                     routes gave the cluster DNS another source address (a route through the \
+                     TUN device added after the first question)",
+                    c.cluster_socket_reopened
+                );
+            }
             if c.resolv_conf_reapplied > 0 {
                 say!(
                     "    resolv.conf was rewritten by something else {} time(s) while connected \

@@ -824,6 +824,7 @@ impl Dataplane for Daemon {
                     servfail: c.servfail,
                     malformed: c.malformed,
                     unreachable: c.unreachable,
+                    cluster_socket_reopened: c.cluster_socket_reopened,
                 }),
             None => None,
         };
