@@ -255,7 +255,7 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
         output::not_running(runtime_dir, args.output);
         return Ok(());
     }
-    output::status(&rows, root, args.output)?;
+    output::status(&rows, root, args.output, runtime_dir)?;
     if !root_running {
         output::warn_dns_left_changed(runtime_dir, root.not_answering);
     }

@@ -159,8 +159,18 @@ pub fn kind_name(kind: i32) -> &'static str {
 
 /// `kvpn status` when no root daemon runs.
 pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
+    let guard = kvpn_dataplane::dns::guard::Note::read(runtime_dir);
     match format {
-        OutputFormat::Json => println!("{{\"root_daemon\":{{\"running\":false}},\"sessions\":[]}}"),
+        OutputFormat::Json => {
+            let mut root = serde_json::json!({"running": false});
+            if let Some(note) = &guard {
+                root["dns_guard"] = dns_guard_json(note);
+            }
+            println!(
+                "{}",
+                serde_json::json!({"root_daemon": root, "sessions": []})
+            );
+        }
         OutputFormat::Yaml => println!("root_daemon:\n  running: false\nsessions: []"),
         OutputFormat::Table => println!(
             "Not connected (no root daemon answers on {})",
@@ -177,7 +187,26 @@ pub fn not_running(runtime_dir: &Path, format: OutputFormat) {
 pub fn warn_dns_left_changed(runtime_dir: &Path, not_answering: Option<(i32, char)>) {
     if crate::daemon::dns_left_changed(runtime_dir) {
         warn(&dns_left_changed_text(not_answering));
+    } else if not_answering.is_none()
+        && let Some(note) = kvpn_dataplane::dns::guard::Note::read(runtime_dir)
+    {
+        // The DNS guard repaired after the daemon died (issue 29 item 12).
+        warn(&note.describe());
     }
+}
+
+/// The DNS guard's note in `-o json` (`root_daemon.dns_guard`, docs/status.md).
+fn dns_guard_json(note: &kvpn_dataplane::dns::guard::Note) -> serde_json::Value {
+    serde_json::json!({
+        "daemon_pid": note.daemon_pid,
+        "guard_pid": note.guard_pid,
+        "died_at_unix": note.died_at_unix,
+        "repaired_after_ms": note.repaired_after_ms,
+        "resolv_conf": note.resolv_conf,
+        "resolv_conf_outcome": note.resolv_conf_outcome,
+        "hosts_outcome": note.hosts_outcome,
+        "reason": note.describe(),
+    })
 }
 
 fn dns_left_changed_text(not_answering: Option<(i32, char)>) -> String {
@@ -421,6 +450,10 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "servfail": c.servfail,
             "malformed": c.malformed,
             "unreachable": c.unreachable,
+            "upstreams": c.upstreams,
+            "resolv_conf_reapplied": c.resolv_conf_reapplied,
+            "resolv_conf_reapplied_at_unix": c.resolv_conf_reapplied_at_unix,
+            "cluster_socket_reopened": c.cluster_socket_reopened,
         })),
         "services": known(s.services.iter().map(|v| serde_json::json!({
             "namespace": v.namespace,
@@ -602,16 +635,28 @@ fn refused_peers_line(out: &mut String, root: RootDaemon) {
 }
 
 /// `kvpn status` output.
-pub fn status(rows: &[StatusRow], root: RootDaemon, format: OutputFormat) -> Result<()> {
+pub fn status(
+    rows: &[StatusRow],
+    root: RootDaemon,
+    format: OutputFormat,
+    runtime_dir: &Path,
+) -> Result<()> {
+    let document = || {
+        let mut doc = status_document(rows, root);
+        // After a death of the root daemon: what its DNS guard did.
+        if !root.running
+            && let Some(note) = kvpn_dataplane::dns::guard::Note::read(runtime_dir)
+        {
+            doc["root_daemon"]["dns_guard"] = dns_guard_json(&note);
+        }
+        doc
+    };
     match format {
         OutputFormat::Json => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&status_document(rows, root))?
-            );
+            println!("{}", serde_json::to_string_pretty(&document())?);
         }
         OutputFormat::Yaml => {
-            let text = serde_yaml_ng::to_string(&status_document(rows, root))?;
+            let text = serde_yaml_ng::to_string(&document())?;
             println!("{}", text.trim_end());
         }
         OutputFormat::Table => print!("{}", status_table(rows, root)),
@@ -839,6 +884,23 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                 c.servfail,
                 c.unreachable
             );
+            if c.cluster_socket_reopened > 0 {
+                say!(
+                    "    DNS forwarder reopened its socket to the cluster DNS {} time(s): the \
+                     routes gave the cluster DNS another source address (a route through the \
+                     TUN device added after the first question)",
+                    c.cluster_socket_reopened
+                );
+            }
+            if c.resolv_conf_reapplied > 0 {
+                say!(
+                    "    resolv.conf was rewritten by something else {} time(s) while connected \
+                     (NetworkManager, a DHCP client); kvpn put its entry back and forwards other \
+                     names to the new nameservers {}",
+                    c.resolv_conf_reapplied,
+                    c.upstreams.join(" ")
+                );
+            }
         }
         if !r.measured && r.user.as_ref().is_none_or(|u| u.socks.is_none()) {
             say!("    routes unknown: the root daemon did not report this session");

@@ -435,6 +435,10 @@ impl Daemon {
 
     /// Set up split DNS with `dns` for sessions that ask for it.
     pub fn with_dns(mut self, dns: Arc<Dns>) -> Self {
+        // Put kvpn's entry back when something else rewrites resolv.conf.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(Dns::watch_resolv_conf(Arc::downgrade(&dns)));
+        }
         self.dns = Some(dns);
         self
     }
@@ -796,11 +800,18 @@ impl Dataplane for Daemon {
         &self,
         _request: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
+        let watch = match &self.dns {
+            Some(dns) => dns.resolv_watch().await.unwrap_or_default(),
+            None => Default::default(),
+        };
         let dns_counters = match &self.dns {
             Some(dns) => dns
                 .counters()
                 .await
                 .map(|c| kvpn_proto::dataplane::DnsCounters {
+                    resolv_conf_reapplied: watch.count,
+                    resolv_conf_reapplied_at_unix: watch.last_at_unix,
+                    upstreams: watch.upstreams.iter().map(|u| u.to_string()).collect(),
                     udp_queries: c.udp_queries,
                     tcp_queries: c.tcp_queries,
                     cluster: c.cluster,
@@ -813,6 +824,7 @@ impl Dataplane for Daemon {
                     servfail: c.servfail,
                     malformed: c.malformed,
                     unreachable: c.unreachable,
+                    cluster_socket_reopened: c.cluster_socket_reopened,
                 }),
             None => None,
         };
@@ -835,7 +847,7 @@ impl Dataplane for Daemon {
             })
             .collect();
         for s in &mut sessions {
-            s.dns_counters = dns_counters;
+            s.dns_counters = dns_counters.clone();
         }
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
         Ok(Response::new(StatusResponse {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::Parser;
 use kvpn_dataplane::daemon::{DEFAULT_RUNTIME_DIR, Daemon, RuntimeDir};
-use kvpn_dataplane::dns::{Dns, DnsSettings, resolv_conf::Restored};
+use kvpn_dataplane::dns::{Dns, DnsSettings, guard::Guard, resolv_conf::Restored};
 use kvpn_dataplane::liveness::HEARTBEAT_INTERVAL;
 use kvpn_dataplane::netlink::Netlink;
 use kvpn_dataplane::session::EbpfClassifiers;
@@ -47,6 +47,11 @@ struct Args {
     /// cannot be used to append to any file.
     #[arg(long)]
     log_to_runtime_dir: bool,
+    /// Internal: the DNS guard the daemon starts for itself (see
+    /// `dataplane/src/dns/guard.rs`): waits on stdin for the daemon to exit and,
+    /// if it died without cleaning up, restores resolv.conf and the hosts file.
+    #[arg(long, hide = true)]
+    dns_guard: bool,
 }
 
 /// The uid that started this daemon through sudo or pkexec (`SUDO_UID`,
@@ -101,6 +106,11 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
+    if args.dns_guard {
+        let settings = DnsSettings::from_env(&args.runtime_dir).map_err(anyhow::Error::msg)?;
+        kvpn_dataplane::dns::guard::run(&args.runtime_dir, &Dns::new(settings));
+        return Ok(());
+    }
     if !nix::unistd::Uid::effective().is_root() {
         tracing::warn!(
             "not running as root: creating TUN devices, routes and eBPF programs will fail"
@@ -124,7 +134,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let result = serve(&dir, listener, allowed_uid).await;
     dir.cleanup();
     tracing::info!("kvpn-dataplane stopped");
-    result
+    // Everything was torn down and restored: the guard has nothing to do.
+    // (On an error the guard sees the pipe close and repairs what is left.)
+    match result {
+        Ok(guard) => {
+            if let Some(guard) = guard {
+                guard.release(dir.path());
+            }
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// The daemon with its DNS, after undoing what an earlier (killed) daemon of
@@ -208,12 +228,26 @@ async fn repair(runtime_dir: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Serve until SIGTERM/SIGINT; returns the DNS guard to release after a clean
+/// teardown (`None` when it could not start).
 async fn serve(
     dir: &RuntimeDir,
     listener: tokio::net::UnixListener,
     allowed_uid: Option<u32>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<Guard>> {
     let (daemon, _failed, _) = repaired_daemon(dir.path(), allowed_uid, false).await?;
+    // After the start's own repair, before any session can change resolv.conf.
+    let guard = match Guard::spawn(dir.path()) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                "cannot start the DNS guard: if this daemon dies without cleaning up, \
+                 resolv.conf stays pointed at its forwarder until `kvpn quit` or the next start"
+            );
+            None
+        }
+    };
     let mut sigterm =
         signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut sigint =
@@ -229,5 +263,5 @@ async fn serve(
         .serve(listener, shutdown)
         .await
         .context("gRPC server failed")?;
-    Ok(())
+    Ok(guard)
 }

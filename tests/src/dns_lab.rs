@@ -292,20 +292,57 @@ pub fn latency(f: &KubeFixture, name: &str, n: usize) -> (u64, Vec<String>) {
     (median(times), a)
 }
 
-/// SIGKILL to the fixture's root daemon and user daemon (by pid: the daemon's
-/// pid file and the user daemon of its runtime folder); returns once the daemon
-/// is gone and its socket refuses connections. Returns the daemon's pid.
+/// SIGKILL to the fixture's root daemon, its DNS guard and the user daemon (by
+/// pid: the daemon's and the guard's pid files, the user daemon of its runtime
+/// folder); returns once the daemon is gone and its socket refuses
+/// connections. Returns the daemon's pid. The guard goes first, so nothing
+/// repairs the laptop's DNS: what tests of the fallbacks (`kvpn quit`, the next
+/// daemon start) need.
 pub fn kill_daemon_and_agents(f: &KubeFixture) -> i32 {
-    kill_daemons(f, true)
+    kill_daemons(f, true, true)
 }
 
-/// SIGKILL to the fixture's root daemon only (the user daemon lives on);
-/// returns once it is gone and its socket refuses connections, with its pid.
+/// SIGKILL to the fixture's root daemon and its DNS guard (the user daemon
+/// lives on); returns once the daemon is gone and its socket refuses
+/// connections, with its pid.
 pub fn kill_root_daemon(f: &KubeFixture) -> i32 {
-    kill_daemons(f, false)
+    kill_daemons(f, false, true)
 }
 
-fn kill_daemons(f: &KubeFixture, user_daemon_too: bool) -> i32 {
+/// SIGKILL to the fixture's root daemon alone, as the OOM killer does it: its
+/// DNS guard and the user daemon live on. Returns the daemon's pid.
+pub fn kill_root_daemon_only(f: &KubeFixture) -> i32 {
+    kill_daemons(f, false, false)
+}
+
+/// The pid of the root daemon's DNS guard (its pid file), if it runs.
+pub fn dns_guard_pid(f: &KubeFixture) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(f.runtime_dir().join("dns-guard.pid"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.contains("--dns-guard"))
+        .then_some(pid)
+}
+
+fn kill_daemons(f: &KubeFixture, user_daemon_too: bool, guard_too: bool) -> i32 {
+    if guard_too && let Some(guard) = dns_guard_pid(f) {
+        // SAFETY: the pid of this fixture's DNS guard (its pid file, cmdline checked).
+        unsafe { libc::kill(guard, libc::SIGKILL) };
+        let t0 = Instant::now();
+        while std::fs::read_to_string(format!("/proc/{guard}/stat")).is_ok_and(|s| {
+            s.rsplit_once(") ")
+                .is_some_and(|(_, r)| !r.starts_with('Z'))
+        }) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "DNS guard {guard} survived SIGKILL"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     let pid_file = f.runtime_dir().join("dataplane.pid");
     let pid: i32 = std::fs::read_to_string(&pid_file)
         .ok()

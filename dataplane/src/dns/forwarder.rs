@@ -181,6 +181,9 @@ pub struct CounterSnapshot {
     pub unreachable: u64,
     /// See [`Counters`].
     pub dropped: u64,
+    /// UDP sockets to the cluster DNS opened again because the route's source
+    /// address changed since they were opened ([`route_source`]).
+    pub cluster_socket_reopened: u64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -204,6 +207,7 @@ impl Counters {
             servfail: g(&self.servfail),
             unreachable: g(&self.unreachable),
             dropped: g(&self.dropped),
+            cluster_socket_reopened: 0,
         }
     }
 }
@@ -263,6 +267,10 @@ struct Shared {
 /// One connected UDP socket to one server, with the questions waiting on it.
 struct MuxSocket {
     socket: UdpSocket,
+    /// The source address the kernel gave it at `connect` (fixed from then on).
+    source: IpAddr,
+    /// Its reader task.
+    reader: Mutex<Option<JoinHandle<()>>>,
     /// Our message id → the original id and who waits.
     pending: Mutex<std::collections::HashMap<u16, oneshot::Sender<Vec<u8>>>>,
 }
@@ -274,33 +282,59 @@ struct MuxSocket {
 /// so a late duplicate answer (to a resent question) never meets a newer
 /// question with the same id; guessing them needs a place on the cluster path,
 /// inside the authenticated tunnel.
+///
+/// A connected UDP socket keeps the source address the routes gave it at
+/// `connect`, also after the routes change (issue 29 item 1: with
+/// `--allow-route-conflict` the first question went out before the cluster
+/// DNS's /32 through the TUN device existed, the socket kept the laptop's LAN
+/// address, and the manager dropped every later question as a bad source for
+/// the whole session). So before each question the source the routes give
+/// *now* is looked up ([`route_source`]: a throwaway socket's `connect`, no
+/// packet sent) and a socket whose source differs is replaced
+/// ([`reopen_needed`]); questions in flight on the old one may still be
+/// answered there until [`EXCHANGE_TIMEOUT`].
 struct UdpMux {
     sockets: Mutex<std::collections::HashMap<SocketAddr, Arc<MuxSocket>>>,
-    readers: Mutex<Vec<JoinHandle<()>>>,
     next_id: std::sync::atomic::AtomicU16,
+    /// Sockets replaced because the route's source changed.
+    reopened: AtomicU64,
+    /// Readers of replaced sockets, ended [`EXCHANGE_TIMEOUT`] after (or at stop).
+    retired: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Default for UdpMux {
     fn default() -> Self {
         UdpMux {
             sockets: Mutex::default(),
-            readers: Mutex::default(),
             next_id: std::sync::atomic::AtomicU16::new(random_u16()),
+            reopened: AtomicU64::new(0),
+            retired: Mutex::default(),
         }
     }
 }
 
 impl Drop for UdpMux {
     fn drop(&mut self) {
-        for r in self
-            .readers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-        {
+        for r in self.take_readers() {
             r.abort();
         }
     }
+}
+
+/// The source address the laptop's routes give a datagram to `server` now:
+/// `connect` of a throwaway UDP socket (a route lookup, nothing is sent).
+/// `None` when there is no route.
+pub fn route_source(server: SocketAddr) -> Option<IpAddr> {
+    let probe = std::net::UdpSocket::bind(unspecified_for(server)).ok()?;
+    probe.connect(server).ok()?;
+    Some(probe.local_addr().ok()?.ip())
+}
+
+/// Whether a socket connected with source `bound` must be replaced, the
+/// routes giving `now` (pure). Without a route now, the old socket stays: a
+/// new one could not be connected either.
+pub fn reopen_needed(bound: IpAddr, now: Option<IpAddr>) -> bool {
+    now.is_some_and(|now| now != bound)
 }
 
 fn random_u16() -> u16 {
@@ -312,17 +346,74 @@ fn random_u16() -> u16 {
 }
 
 impl UdpMux {
+    /// Every reader task, current and retired (at stop), leaving none behind.
+    fn take_readers(&self) -> Vec<JoinHandle<()>> {
+        let mut all =
+            std::mem::take(&mut *self.retired.lock().unwrap_or_else(PoisonError::into_inner));
+        for s in self
+            .sockets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+        {
+            all.extend(
+                s.reader
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take(),
+            );
+        }
+        all
+    }
+
     async fn socket(&self, server: SocketAddr) -> std::io::Result<Arc<MuxSocket>> {
-        if let Some(s) = self
+        let cached = self
             .sockets
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&server)
-        {
-            return Ok(s.clone());
+            .cloned();
+        if let Some(s) = cached {
+            let now = route_source(server);
+            if !reopen_needed(s.source, now) {
+                return Ok(s);
+            }
+            tracing::warn!(
+                %server,
+                old_source = %s.source,
+                new_source = ?now,
+                "the route to the cluster DNS changed since its socket was opened (a route \
+                 through the TUN device added after the first question, e.g. a ClusterIP \
+                 pinned with --allow-route-conflict); the old source would be refused by \
+                 the manager, so the socket is opened again"
+            );
+            self.reopened.fetch_add(1, Ordering::Relaxed);
+            let mut sockets = self.sockets.lock().unwrap_or_else(PoisonError::into_inner);
+            if sockets.get(&server).is_some_and(|x| Arc::ptr_eq(x, &s)) {
+                sockets.remove(&server);
+            }
+            drop(sockets);
+            // Answers to questions already sent may still come on the old one.
+            if let Some(reader) = s
+                .reader
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+            {
+                let abort = reader.abort_handle();
+                let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
+                retired.retain(|r| !r.is_finished());
+                retired.push(reader);
+                drop(retired);
+                tokio::spawn(async move {
+                    tokio::time::sleep(EXCHANGE_TIMEOUT).await;
+                    abort.abort();
+                });
+            }
         }
         let socket = UdpSocket::bind(unspecified_for(server)).await?;
         socket.connect(server).await?;
+        let source = socket.local_addr()?.ip();
         if let Err(e) = nix::sys::socket::setsockopt(
             &socket,
             nix::sys::socket::sockopt::RcvBuf,
@@ -332,6 +423,8 @@ impl UdpMux {
         }
         let mux = Arc::new(MuxSocket {
             socket,
+            source,
+            reader: Mutex::new(None),
             pending: Mutex::new(std::collections::HashMap::new()),
         });
         let mut sockets = self.sockets.lock().unwrap_or_else(PoisonError::into_inner);
@@ -340,11 +433,12 @@ impl UdpMux {
             return Ok(s.clone());
         }
         sockets.insert(server, mux.clone());
+        drop(sockets);
+        // The task holds the socket; it is aborted (closing the socket) when the
+        // mux is dropped, or EXCHANGE_TIMEOUT after the socket was replaced.
         let reader = mux.clone();
-        self.readers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(tokio::spawn(async move {
+        *mux.reader.lock().unwrap_or_else(PoisonError::into_inner) = Some(tokio::spawn(
+            async move {
                 let mut buf = vec![0u8; 65535];
                 loop {
                     let n = match reader.socket.recv(&mut buf).await {
@@ -369,7 +463,8 @@ impl UdpMux {
                         let _ = tx.send(buf[..n].to_vec());
                     }
                 }
-            }));
+            },
+        ));
         Ok(mux)
     }
 
@@ -540,7 +635,10 @@ impl Forwarder {
 
     /// Its counters.
     pub fn counters(&self) -> CounterSnapshot {
-        self.shared.counters.snapshot()
+        CounterSnapshot {
+            cluster_socket_reopened: self.shared.cluster_udp.reopened.load(Ordering::Relaxed),
+            ..self.shared.counters.snapshot()
+        }
     }
 
     /// Stop listening; questions in flight are abandoned. When this returns,
@@ -562,15 +660,7 @@ impl Forwarder {
                 let _ = t.await;
             }
         }
-        let readers = std::mem::take(
-            &mut *self
-                .shared
-                .cluster_udp
-                .readers
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-        );
-        for r in readers {
+        for r in self.shared.cluster_udp.take_readers() {
             r.abort();
             let _ = r.await;
         }

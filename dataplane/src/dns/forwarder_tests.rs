@@ -845,3 +845,23 @@ async fn while_the_session_is_down_cluster_names_fail_at_once_and_upstream_names
     assert_eq!(f.counters().unreachable, answered);
     f.stop().await;
 }
+
+/// Issue 29 item 1: a cluster DNS socket is replaced when the routes give its
+/// server another source address, kept otherwise (also without a route).
+#[test]
+fn a_cluster_dns_socket_is_reopened_only_when_the_route_source_changed() {
+    use super::forwarder::{reopen_needed, route_source};
+    let lan: std::net::IpAddr = "192.168.1.20".parse().expect("ip");
+    let tunnel: std::net::IpAddr = "100.96.0.2".parse().expect("ip");
+    assert!(reopen_needed(lan, Some(tunnel)));
+    assert!(!reopen_needed(tunnel, Some(tunnel)));
+    assert!(
+        !reopen_needed(tunnel, None),
+        "no route now: keep the old socket"
+    );
+    // The lookup is the kernel's: loopback's source is loopback; nothing is sent.
+    assert_eq!(
+        route_source("127.0.0.1:53".parse().expect("addr")),
+        Some("127.0.0.1".parse().expect("ip"))
+    );
+}

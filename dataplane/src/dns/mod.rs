@@ -35,6 +35,7 @@
 pub mod forwarder;
 #[cfg(test)]
 mod forwarder_tests;
+pub mod guard;
 pub mod hosts;
 pub mod message;
 pub mod names;
@@ -188,6 +189,29 @@ struct State {
     /// Why nameservers of the laptop's resolv.conf are not the forwarder's
     /// upstreams ([`upstreams_with`]), shown with each session's DNS line.
     upstream_warnings: Vec<String>,
+    /// The forwarder's upstreams now.
+    upstreams: Vec<SocketAddr>,
+    /// Rewrites of resolv.conf by something else that kvpn answered
+    /// ([`Dns::watch_resolv_conf`]).
+    reapplied: ResolvWatch,
+    /// What the last poll saw when it was not kvpn's file: acted on when the
+    /// next poll sees the same bytes (a writer in the middle of its write is
+    /// not raced).
+    pending: Option<Vec<u8>>,
+}
+
+/// How often [`Dns::watch_resolv_conf`] looks at resolv.conf.
+pub const RESOLV_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// What [`Dns::watch_resolv_conf`] did since the forwarder started.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResolvWatch {
+    /// Times something else rewrote resolv.conf and kvpn put its entry back.
+    pub count: u64,
+    /// When it last did (seconds since the epoch; 0: never).
+    pub last_at_unix: u64,
+    /// The forwarder's upstreams now.
+    pub upstreams: Vec<SocketAddr>,
 }
 
 /// Split DNS for the daemon's sessions.
@@ -435,6 +459,105 @@ impl Dns {
         }
     }
 
+    /// What the resolv.conf watch did, with the forwarder's upstreams (`None`
+    /// without a forwarder).
+    pub async fn resolv_watch(&self) -> Option<ResolvWatch> {
+        let state = self.state.lock().await;
+        match &state.active {
+            Some(Active::Forwarder(_)) => Some(ResolvWatch {
+                upstreams: state.upstreams.clone(),
+                ..state.reapplied.clone()
+            }),
+            _ => None,
+        }
+    }
+
+    /// Issue 29 item 6: while the forwarder serves, look at resolv.conf every
+    /// [`RESOLV_POLL`]; when something else (NetworkManager on a Wi-Fi change,
+    /// a DHCP client) rewrote it, and two polls in a row see the same bytes,
+    /// take its nameservers as the forwarder's upstreams, record its file as
+    /// the one to restore, and write kvpn's entry again
+    /// ([`ResolvConf::reapply_if_rewritten`]); logged, and counted in status.
+    /// A poll rather than inotify: the path may be a bind mount (containers,
+    /// `ip netns exec`) or replaced by rename or by a symlink, which a watch on
+    /// the file misses, and the cost is one small read per poll. Ends when the
+    /// [`Dns`] is dropped.
+    pub async fn watch_resolv_conf(dns: std::sync::Weak<Dns>) {
+        loop {
+            tokio::time::sleep(RESOLV_POLL).await;
+            let Some(dns) = dns.upgrade() else { return };
+            dns.check_resolv_conf().await;
+        }
+    }
+
+    /// One poll of [`Dns::watch_resolv_conf`].
+    pub async fn check_resolv_conf(&self) {
+        let mut state = self.state.lock().await;
+        let Some(Active::Forwarder(f)) = &state.active else {
+            state.pending = None;
+            return;
+        };
+        let listen = f.local_addr();
+        match self.resolv.is_ours() {
+            Ok(true) => {
+                state.pending = None;
+                return;
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot check resolv.conf");
+                return;
+            }
+        }
+        let now = std::fs::read(self.resolv.path()).unwrap_or_default();
+        if state.pending.as_ref() != Some(&now) {
+            state.pending = Some(now);
+            return;
+        }
+        state.pending = None;
+        let search = state
+            .sessions
+            .first()
+            .map(|s| s.cluster.search_text())
+            .unwrap_or_default();
+        let original = match self.resolv.reapply_if_rewritten(|original| {
+            resolv_conf::render(listen.ip(), &search, &resolv_conf::parse(original))
+        }) {
+            Ok(Some(original)) => original,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(
+                    path = %self.resolv.path().display(),
+                    error = %e,
+                    "resolv.conf was rewritten by something else and kvpn cannot put its \
+                     entry back: cluster names do not resolve until `kvpn disconnect` and \
+                     `kvpn connect`"
+                );
+                return;
+            }
+        };
+        let (upstreams, warnings) = upstreams_with(&original, listen, interface_index);
+        for w in &warnings {
+            tracing::warn!("{w}");
+        }
+        if let Some(Active::Forwarder(f)) = &state.active {
+            f.set_upstreams(upstreams.clone());
+        }
+        tracing::warn!(
+            path = %self.resolv.path().display(),
+            upstreams = ?upstreams,
+            "resolv.conf was rewritten by something else (NetworkManager, a DHCP client) while \
+             kvpn's forwarder served; kvpn's entry is back, the new file's nameservers are the \
+             forwarder's upstreams now, and the new file is what disconnect restores"
+        );
+        state.upstreams = upstreams;
+        state.upstream_warnings = warnings;
+        state.reapplied.count += 1;
+        state.reapplied.last_at_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+    }
+
     fn original(&self) -> Result<Vec<u8>, DnsError> {
         if let Some(b) = self.resolv.backup()? {
             return Ok(b.original);
@@ -496,9 +619,12 @@ impl Dns {
                 for w in &warnings {
                     tracing::warn!("{w}");
                 }
-                let forwarder = Forwarder::start(self.settings.listen, upstreams).await?;
+                let forwarder = Forwarder::start(self.settings.listen, upstreams.clone()).await?;
                 state.active = Some(Active::Forwarder(forwarder));
                 state.upstream_warnings = warnings;
+                state.upstreams = upstreams;
+                state.reapplied = ResolvWatch::default();
+                state.pending = None;
             }
         }
         // A session's settings again (the route watch reports the manager's view):
@@ -618,6 +744,8 @@ impl Dns {
             }
             state.active = None;
             state.upstream_warnings.clear();
+            state.upstreams.clear();
+            state.pending = None;
         }
         leftovers
     }

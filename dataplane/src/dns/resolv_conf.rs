@@ -628,6 +628,62 @@ impl ResolvConf {
         Ok(backup.original)
     }
 
+    /// Whether the file is exactly what kvpn last wrote (`true` without a
+    /// backup: nothing of kvpn's to watch). A symlink where kvpn wrote a
+    /// regular file is not kvpn's.
+    pub fn is_ours(&self) -> Result<bool, ResolvConfError> {
+        let Some(backup) = self.backup()? else {
+            return Ok(true);
+        };
+        match fs::symlink_metadata(&self.path) {
+            Ok(m) if m.file_type().is_file() => Ok(fs::read(&self.path)
+                .map_err(io("cannot read", &self.path))?
+                == backup.written.as_bytes()),
+            Ok(_) => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(io("cannot inspect", &self.path)(e)),
+        }
+    }
+
+    /// While kvpn's entry is in place, somebody else (NetworkManager on a
+    /// Wi-Fi change, a DHCP client) rewrote the file (issue 29 item 6): their
+    /// version becomes the new original (kind, mode, owner and bytes, without
+    /// kvpn's own nameserver line if they copied it), so the next restore
+    /// gives *their* file back, and `render(new original)` is written again.
+    /// Returns the new original, or `None` when the file is still kvpn's (or
+    /// there is no backup: kvpn has nothing in place).
+    pub fn reapply_if_rewritten(
+        &self,
+        render: impl FnOnce(&[u8]) -> String,
+    ) -> Result<Option<Vec<u8>>, ResolvConfError> {
+        if self.is_ours()? {
+            return Ok(None);
+        }
+        let mut now = self.snapshot()?;
+        if let Some(own) = self.own_nameserver
+            && let Some(clean) = without_own_nameserver(&now.original, own)
+        {
+            now.original = clean;
+        }
+        let content = render(&now.original);
+        now.written = content.clone();
+        self.save_backup(&now)?;
+        let mode = if now.kind == Kind::File {
+            now.mode
+        } else {
+            0o644
+        };
+        replace_with_file(&self.path, content.as_bytes(), mode)?;
+        if now.kind == Kind::File {
+            let _ = nix::unistd::chown(
+                &self.path,
+                Some(nix::unistd::Uid::from_raw(now.uid)),
+                Some(nix::unistd::Gid::from_raw(now.gid)),
+            );
+        }
+        Ok(Some(now.original))
+    }
+
     /// Put the original back (see the module header) and remove the backup.
     pub fn restore(&self) -> Result<Restored, ResolvConfError> {
         let Some(backup) = self.backup()? else {
@@ -995,6 +1051,74 @@ mod tests {
 
         // Without kvpn's line nothing changes.
         assert_eq!(without_own_nameserver(laptop, own), None);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 29 item 6: a rewrite by somebody else while connected becomes the
+    /// new original (also a symlink, also a copy of kvpn's text); kvpn's
+    /// entry is written again; the restore gives their version back.
+    #[test]
+    fn a_rewrite_by_others_becomes_the_original_and_kvpn_s_entry_comes_back() {
+        let own: IpAddr = "127.0.0.153".parse().expect("ip");
+        let dir = scratch("rewrite");
+        let path = dir.join("resolv.conf");
+        fs::write(&path, ORIGINAL).expect("write");
+        let rc = ResolvConf::new(&path, &dir).with_own_nameserver(own);
+        assert!(
+            rc.is_ours().expect("no backup"),
+            "nothing of kvpn's in place"
+        );
+        rc.apply(render_test).expect("apply");
+        assert!(rc.is_ours().expect("is ours"));
+        assert_eq!(rc.reapply_if_rewritten(render_test).expect("noop"), None);
+
+        // dhclient writes in place.
+        let wifi = b"# dhclient\nnameserver 10.9.9.9\nsearch wifi.test\n";
+        fs::write(&path, wifi).expect("write");
+        assert!(!rc.is_ours().expect("not ours"));
+        let original = rc.reapply_if_rewritten(render_test).expect("reapply");
+        assert_eq!(original.as_deref(), Some(&wifi[..]));
+        let now = parse(&fs::read(&path).expect("read"));
+        assert_eq!(now.nameservers, vec![own], "kvpn's entry is back");
+        assert_eq!(now.search, vec!["dev.svc.cluster.local", "wifi.test"]);
+        assert!(rc.is_ours().expect("ours again"));
+        assert_eq!(rc.reapply_if_rewritten(render_test).expect("noop"), None);
+
+        // A copy of kvpn's file with one line changed: kvpn's line is not recorded.
+        let copied = format!("{}nameserver 10.8.8.8\n", render_test(wifi));
+        fs::write(&path, &copied).expect("write");
+        let original = rc
+            .reapply_if_rewritten(render_test)
+            .expect("reapply")
+            .expect("rewritten");
+        let original = parse(&original);
+        assert!(!original.nameservers.contains(&own), "{original:?}");
+        assert!(
+            original
+                .nameservers
+                .contains(&"10.8.8.8".parse().expect("ip"))
+        );
+
+        // NetworkManager replaces it with a symlink: the restore makes it one again.
+        let target = dir.join("nm-resolv.conf");
+        fs::write(&target, b"nameserver 10.7.7.7\n").expect("write");
+        fs::remove_file(&path).expect("rm");
+        std::os::unix::fs::symlink("nm-resolv.conf", &path).expect("symlink");
+        rc.reapply_if_rewritten(render_test)
+            .expect("reapply")
+            .expect("rewritten");
+        assert!(
+            !fs::symlink_metadata(&path)
+                .expect("meta")
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(fs::read(&target).expect("read"), b"nameserver 10.7.7.7\n");
+        assert_eq!(rc.restore().expect("restore"), Restored::Original);
+        assert_eq!(
+            fs::read_link(&path).expect("link"),
+            Path::new("nm-resolv.conf")
+        );
         let _ = fs::remove_dir_all(&dir);
     }
 
