@@ -239,14 +239,22 @@ pub enum SessionMatch<'a> {
     Conflict(&'a Session),
 }
 
+/// Whether `have` (a session's origin) leads to the same cluster as the API
+/// server URL `server` with [`crate::kubeconfig::cluster_id`] `cluster_id`: the
+/// URL alone does not say (two clusters answer at https://127.0.0.1:6443 on
+/// many laptops), the CA does.
+pub fn same_cluster(have: &Origin, server: &str, cluster_id: &str) -> bool {
+    have.server == server && crate::kubeconfig::same_cluster_id(&have.cluster_id, cluster_id)
+}
+
 /// Find the session (of `sessions`, from Status) that leads where `wanted` does.
-/// The API server URL identifies the cluster; sessions without an origin
-/// (direct transport) never match.
+/// The API server URL and the cluster's CA identify the cluster
+/// ([`same_cluster`]); sessions without an origin (direct transport) never match.
 pub fn match_session<'a>(sessions: &'a [Session], wanted: &Origin) -> SessionMatch<'a> {
     let mut conflict = None;
     for s in sessions {
         let Some(o) = &s.origin else { continue };
-        if o.transport != wanted.transport || o.server != wanted.server {
+        if o.transport != wanted.transport || !same_cluster(o, &wanted.server, &wanted.cluster_id) {
             continue;
         }
         if o.cluster == wanted.cluster
@@ -261,11 +269,13 @@ pub fn match_session<'a>(sessions: &'a [Session], wanted: &Origin) -> SessionMat
 }
 
 /// Disconnect every port-forward session of this laptop that runs through the
-/// traffic manager in `manager_namespace` of the API server `server` (before that
-/// manager is uninstalled). Returns the stopped session ids.
+/// traffic manager in `manager_namespace` of the cluster at API server `server`
+/// with [`crate::kubeconfig::cluster_id`] `cluster_id` (before that manager is
+/// uninstalled). Returns the stopped session ids.
 pub async fn disconnect_sessions_of(
     runtime_dir: &Path,
     server: &str,
+    cluster_id: &str,
     manager_namespace: &str,
 ) -> Result<Vec<String>> {
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
@@ -278,7 +288,7 @@ pub async fn disconnect_sessions_of(
     for s in sessions {
         let Some(o) = &s.origin else { continue };
         if o.transport != TRANSPORT_PORT_FORWARD
-            || o.server != server
+            || !same_cluster(o, server, cluster_id)
             || o.manager_namespace != manager_namespace
         {
             continue;
@@ -1078,6 +1088,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         source_policy: String::new(),
         manager_version: String::new(),
         manager_commit: String::new(),
+        cluster_id: conn.description.cluster_id.clone(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(session_policy) = already_connected(&mut user, &origin).await? {
@@ -1311,7 +1322,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 mod tests {
     use super::{
         SessionMatch, flags_not_applied, host_of, ignored_flags_warning, match_session,
-        unhandled_conflicts,
+        same_cluster, unhandled_conflicts,
     };
     use crate::cli::{Cli, Command, ConnectArgs};
     use clap::Parser as _;
@@ -1379,6 +1390,7 @@ mod tests {
             source_policy: String::new(),
             manager_version: String::new(),
             manager_commit: String::new(),
+            cluster_id: String::new(),
         }
     }
 
@@ -1418,6 +1430,34 @@ mod tests {
         let elsewhere = origin("https://192.0.2.1:6443", "user@lab", "kvpn-system");
         assert_eq!(match_session(&sessions, &elsewhere), SessionMatch::None);
         assert_eq!(match_session(&[], &a), SessionMatch::None);
+    }
+
+    #[test]
+    fn another_ca_at_the_same_url_is_another_cluster() {
+        let url = "https://127.0.0.1:6443";
+        let with_ca = |ca: &str| Origin {
+            cluster_id: ca.into(),
+            ..origin(url, "default", "kvpn-system")
+        };
+        let (a, b) = (with_ca("ca-sha256:aa"), with_ca("ca-sha256:bb"));
+        let sessions = vec![session("a", Some(a.clone()))];
+        assert_eq!(match_session(&sessions, &b), SessionMatch::None);
+        assert_eq!(
+            match_session(&sessions, &a),
+            SessionMatch::Same(&sessions[0])
+        );
+        // Another context of cluster B at the URL is no conflict with A either.
+        let b_admin = Origin {
+            context: "admin".into(),
+            ..b.clone()
+        };
+        assert_eq!(match_session(&sessions, &b_admin), SessionMatch::None);
+        // A session recorded without a CA (older kvpn) still matches by URL.
+        let old = vec![session("old", Some(origin(url, "default", "kvpn-system")))];
+        assert_eq!(match_session(&old, &b), SessionMatch::Same(&old[0]));
+        assert!(same_cluster(&a, url, "ca-sha256:aa"));
+        assert!(!same_cluster(&a, url, "ca-sha256:bb"));
+        assert!(!same_cluster(&a, "https://127.0.0.2:6443", "ca-sha256:aa"));
     }
 
     #[test]

@@ -629,6 +629,7 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     for id in connect::disconnect_sessions_of(
         runtime_dir,
         &conn.description.server,
+        &conn.description.cluster_id,
         &kube.manager_namespace,
     )
     .await?
@@ -640,6 +641,7 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     for id in socks::cli::disconnect_sessions_of(
         runtime_dir,
         &conn.description.server,
+        &conn.description.cluster_id,
         &kube.manager_namespace,
     )
     .await?
