@@ -427,6 +427,78 @@ async fn already_connected(
             .with_context(|| format!("cannot disconnect the stale session {}", s.id))?;
             Ok(None)
         }
+        SessionMatch::Same(s) if s.reason.contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH) => {
+            // Its manager was replaced (uninstall + connect elsewhere): the
+            // session's CA and lease are gone with it, only a new connect (new
+            // CA, new lease) helps, and that is what the user asked for.
+            output::warn(&format!(
+                "session {} cannot verify the traffic manager's certificate: the manager was \
+                 reinstalled since it connected (new CA in Secret kvpn-manager-tls); replacing it",
+                s.id
+            ));
+            user.disconnect(kvpn_proto::userd::DisconnectRequest {
+                session_id: s.id.clone(),
+            })
+            .await
+            .map_err(daemon::status_to_error)
+            .with_context(|| format!("cannot disconnect session {}", s.id))?;
+            Ok(None)
+        }
+        SessionMatch::Same(s) if s.state != "connected" => {
+            // Not connected: give a session that is re-dialling a moment, then
+            // say plainly that it is not connected rather than "nothing to do".
+            let id = s.id.clone();
+            let deadline = tokio::time::Instant::now() + FIRST_ECHO_WAIT;
+            output::step(&format!(
+                "Session {id} of this cluster is {} ({}); waiting up to {} s for it to connect",
+                s.state,
+                s.reason,
+                FIRST_ECHO_WAIT.as_secs()
+            ));
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                let status = user
+                    .status(kvpn_proto::userd::StatusRequest {})
+                    .await
+                    .map_err(daemon::status_to_error)
+                    .context("cannot ask the user daemon for its sessions")?
+                    .into_inner();
+                let Some(now) = status.root_sessions.into_iter().find(|r| r.id == id) else {
+                    bail!("session {id} ended while connect waited for it — connect again");
+                };
+                if now
+                    .reason
+                    .contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH)
+                {
+                    // Found out while waiting: replace it as above.
+                    return Box::pin(already_connected(user, wanted)).await;
+                }
+                if now.state == "connected" {
+                    output::done(&format!(
+                        "Connected again: session {id} on TUN device {} — nothing else to do",
+                        now.tun_name
+                    ));
+                    return Ok(Some(
+                        now.origin.map(|o| o.source_policy).unwrap_or_default(),
+                    ));
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    bail!(
+                        "session {id} to {} (context {}) is {}, not connected: {} — kvpn keeps \
+                         re-dialling on its own; watch `kvpn status`, or `kvpn disconnect {id}` \
+                         and connect again to start over",
+                        wanted.cluster,
+                        wanted.context,
+                        now.state,
+                        if now.reason.is_empty() {
+                            "no reason given"
+                        } else {
+                            &now.reason
+                        }
+                    );
+                }
+            }
+        }
         SessionMatch::Same(s) => {
             let reason = if s.reason.is_empty() {
                 String::new()
