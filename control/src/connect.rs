@@ -464,23 +464,19 @@ async fn already_connected(
                     .context("cannot ask the user daemon for its sessions")?
                     .into_inner();
                 let Some(now) = status.root_sessions.into_iter().find(|r| r.id == id) else {
-                    bail!("session {id} ended while connect waited for it — connect again");
+                    output::warn(&format!(
+                        "session {id} ended while connect waited for it; connecting anew"
+                    ));
+                    return Ok(None);
                 };
-                if now
-                    .reason
-                    .contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH)
+                // Connected now (said as for any running session), or found to
+                // be through a reinstalled manager (replaced as above).
+                if now.state == "connected"
+                    || now
+                        .reason
+                        .contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH)
                 {
-                    // Found out while waiting: replace it as above.
                     return Box::pin(already_connected(user, wanted)).await;
-                }
-                if now.state == "connected" {
-                    output::done(&format!(
-                        "Connected again: session {id} on TUN device {} — nothing else to do",
-                        now.tun_name
-                    ));
-                    return Ok(Some(
-                        now.origin.map(|o| o.source_policy).unwrap_or_default(),
-                    ));
                 }
                 if tokio::time::Instant::now() >= deadline {
                     bail!(
