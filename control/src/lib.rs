@@ -639,9 +639,10 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
         Ok(others) if !others.is_empty() => {
             let list: Vec<String> = others.iter().map(|l| l.describe(now_s)).collect();
             let what = format!(
-                "{} other client(s) hold live leases on the traffic manager in {}: {} — \
-                 removing it disconnects them; they must `kvpn connect` again once a manager \
-                 is back",
+                "{} other client(s) hold live leases on the traffic manager in {} (connected \
+                 now, or within the manager's lease time): {} — removing the manager \
+                 disconnects those still connected for good; they must `kvpn connect` again \
+                 once a manager is back",
                 others.len(),
                 kube.manager_namespace,
                 list.join(", ")
