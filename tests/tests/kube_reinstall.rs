@@ -210,3 +210,90 @@ fn connect_on_a_session_that_is_not_connected_says_so_and_fails() {
         t1.elapsed()
     );
 }
+
+/// When laptop 2 cannot renew its session on its own (here: the kubeconfig it
+/// connected with is gone, so its user daemon cannot reach the API server
+/// again; the running port-forward keeps its client), its session says the
+/// manager was reinstalled and to connect again, and `kvpn connect` there
+/// replaces the session instead of answering "nothing to do".
+#[test]
+fn connect_replaces_a_session_whose_manager_was_reinstalled_when_it_cannot_renew_itself() {
+    let mut f = KubeFixture::new();
+    f.add_laptop("laptop2");
+    let kubeconfig = f.user_kubeconfig();
+    f.connect_restricted();
+    f.wait_state("connected", Duration::from_secs(15));
+    let l2 = f.laptop_of("laptop2");
+    let original = l2.lab.user_kubeconfig.clone();
+    let moved = original.with_file_name("laptop2-moved.kubeconfig");
+    std::fs::copy(&original, &moved).unwrap_or_else(|e| panic!("copy kubeconfig: {e}"));
+    let moved_str = moved.to_string_lossy().into_owned();
+    l2.kvpn_ok(&["connect", "--kubeconfig", &moved_str]);
+    let s2 = wait_session_of(l2, Duration::from_secs(15), "connected", |s| {
+        s["state"] == "connected"
+    });
+    let old_id2 = s2["id"].as_str().unwrap_or_default().to_owned();
+    std::fs::remove_file(&moved).unwrap_or_else(|e| panic!("remove kubeconfig: {e}"));
+
+    f.kvpn_ok(&["uninstall", "--kubeconfig", &kubeconfig, "--force"]);
+    f.connect_restricted();
+    f.wait_state("connected", Duration::from_secs(20));
+
+    let stuck = wait_session_of(l2, Duration::from_secs(60), "naming the reinstall", |s| {
+        s["state"] != "connected"
+            && s["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("reinstalled"))
+    });
+    assert_eq!(stuck["id"], old_id2.as_str(), "not renewed: {stuck:#}");
+    let reason = stuck["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("run `kvpn connect` again") && !reason.contains("kvpn uninstall"),
+        "{reason}"
+    );
+    // Its watcher looks every 2 s: wait for its verdict.
+    let t0 = Instant::now();
+    while !l2
+        .diagnostics()
+        .contains("cannot renew the session through the reinstalled traffic manager")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the user daemon says why it did not renew: {}",
+            l2.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        l2.sessions()[0]["id"],
+        old_id2.as_str(),
+        "still the old session"
+    );
+
+    // The kubeconfig is back (same cluster, CA and context): connect replaces.
+    std::fs::copy(&original, &moved).unwrap_or_else(|e| panic!("copy kubeconfig: {e}"));
+    let out2 = l2.kvpn(&["connect", "--kubeconfig", &moved_str]);
+    let again = format!("{}{}", text(&out2.stdout), text(&out2.stderr));
+    assert!(out2.status.success(), "connect on laptop2: {again}");
+    assert!(
+        again.contains("reinstalled") && again.contains("replacing it"),
+        "connect says what it does: {again}"
+    );
+    assert!(!again.contains("nothing to do"), "{again}");
+    let s2 = wait_session_of(l2, Duration::from_secs(20), "connected again", |s| {
+        s["state"] == "connected"
+    });
+    assert_ne!(s2["id"], old_id2.as_str(), "a new session");
+    let t0 = Instant::now();
+    loop {
+        match curl_web(l2) {
+            Ok(page) if page.contains("kvpn-lab-server") => break,
+            other => assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "laptop2 through the new manager: {other:?}\n{}",
+                l2.diagnostics()
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
