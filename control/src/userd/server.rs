@@ -794,8 +794,21 @@ impl UserDaemonState {
                 {
                     continue;
                 }
+                // A `kvpn connect` (which may replace this very session) or
+                // `kvpn quit` running now: look again next round.
+                let lock = match super::connect_lock::ConnectLock::try_for_renew(
+                    &self.root_runtime_dir,
+                ) {
+                    Ok(Some(lock)) => lock,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        warn!(session = %s.id, "cannot take the connect lock to renew the session: {e:#}");
+                        continue;
+                    }
+                };
                 tried.insert(s.id.clone(), Instant::now());
                 self.renew(&s.id, req).await;
+                drop(lock);
             }
         }
     }
