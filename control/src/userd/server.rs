@@ -775,6 +775,14 @@ impl UserDaemonState {
                 () = self.quit.cancelled() => return,
                 () = tokio::time::sleep(super::renew::CHECK_EVERY) => {}
             }
+            // No TUN session of this daemon, no Status call to the root daemon.
+            let any = self
+                .sessions()
+                .values()
+                .any(|e| e.state == STATE_RUNNING && e.socks_status.is_none());
+            if !any {
+                continue;
+            }
             let Ok(root) = self.root_sessions().await else {
                 continue;
             };
