@@ -408,6 +408,10 @@ pub struct UninstallArgs {
     /// Namespace of the traffic manager to remove.
     #[arg(long, default_value = "kvpn-system", value_parser = parse_namespace)]
     pub manager_namespace: String,
+    /// Remove the manager although other laptops hold live leases on it (they
+    /// are disconnected, and must `kvpn connect` again to use a new manager).
+    #[arg(long)]
+    pub force: bool,
     /// SSH jump hosts to the API server.
     #[command(flatten, next_help_heading = "SSH jump host to the API server")]
     pub ssh: crate::ssh::SshArgs,

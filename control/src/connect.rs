@@ -239,14 +239,22 @@ pub enum SessionMatch<'a> {
     Conflict(&'a Session),
 }
 
+/// Whether `have` (a session's origin) leads to the same cluster as the API
+/// server URL `server` with [`crate::kubeconfig::cluster_id`] `cluster_id`: the
+/// URL alone does not say (two clusters answer at https://127.0.0.1:6443 on
+/// many laptops), the CA does.
+pub fn same_cluster(have: &Origin, server: &str, cluster_id: &str) -> bool {
+    have.server == server && crate::kubeconfig::same_cluster_id(&have.cluster_id, cluster_id)
+}
+
 /// Find the session (of `sessions`, from Status) that leads where `wanted` does.
-/// The API server URL identifies the cluster; sessions without an origin
-/// (direct transport) never match.
+/// The API server URL and the cluster's CA identify the cluster
+/// ([`same_cluster`]); sessions without an origin (direct transport) never match.
 pub fn match_session<'a>(sessions: &'a [Session], wanted: &Origin) -> SessionMatch<'a> {
     let mut conflict = None;
     for s in sessions {
         let Some(o) = &s.origin else { continue };
-        if o.transport != wanted.transport || o.server != wanted.server {
+        if o.transport != wanted.transport || !same_cluster(o, &wanted.server, &wanted.cluster_id) {
             continue;
         }
         if o.cluster == wanted.cluster
@@ -261,11 +269,13 @@ pub fn match_session<'a>(sessions: &'a [Session], wanted: &Origin) -> SessionMat
 }
 
 /// Disconnect every port-forward session of this laptop that runs through the
-/// traffic manager in `manager_namespace` of the API server `server` (before that
-/// manager is uninstalled). Returns the stopped session ids.
+/// traffic manager in `manager_namespace` of the cluster at API server `server`
+/// with [`crate::kubeconfig::cluster_id`] `cluster_id` (before that manager is
+/// uninstalled). Returns the stopped session ids.
 pub async fn disconnect_sessions_of(
     runtime_dir: &Path,
     server: &str,
+    cluster_id: &str,
     manager_namespace: &str,
 ) -> Result<Vec<String>> {
     let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
@@ -278,7 +288,7 @@ pub async fn disconnect_sessions_of(
     for s in sessions {
         let Some(o) = &s.origin else { continue };
         if o.transport != TRANSPORT_PORT_FORWARD
-            || o.server != server
+            || !same_cluster(o, server, cluster_id)
             || o.manager_namespace != manager_namespace
         {
             continue;
@@ -416,6 +426,74 @@ async fn already_connected(
             .map_err(daemon::status_to_error)
             .with_context(|| format!("cannot disconnect the stale session {}", s.id))?;
             Ok(None)
+        }
+        SessionMatch::Same(s) if s.reason.contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH) => {
+            // Its manager was replaced (uninstall + connect elsewhere): the
+            // session's CA and lease are gone with it, only a new connect (new
+            // CA, new lease) helps, and that is what the user asked for.
+            output::warn(&format!(
+                "session {} cannot verify the traffic manager's certificate: the manager was \
+                 reinstalled since it connected (new CA in Secret kvpn-manager-tls); replacing it",
+                s.id
+            ));
+            user.disconnect(kvpn_proto::userd::DisconnectRequest {
+                session_id: s.id.clone(),
+            })
+            .await
+            .map_err(daemon::status_to_error)
+            .with_context(|| format!("cannot disconnect session {}", s.id))?;
+            Ok(None)
+        }
+        SessionMatch::Same(s) if s.state != "connected" => {
+            // Not connected: give a session that is re-dialling a moment, then
+            // say plainly that it is not connected rather than "nothing to do".
+            let id = s.id.clone();
+            let deadline = tokio::time::Instant::now() + FIRST_ECHO_WAIT;
+            output::step(&format!(
+                "Session {id} of this cluster is {} ({}); waiting up to {} s for it to connect",
+                s.state,
+                s.reason,
+                FIRST_ECHO_WAIT.as_secs()
+            ));
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                let status = user
+                    .status(kvpn_proto::userd::StatusRequest {})
+                    .await
+                    .map_err(daemon::status_to_error)
+                    .context("cannot ask the user daemon for its sessions")?
+                    .into_inner();
+                let Some(now) = status.root_sessions.into_iter().find(|r| r.id == id) else {
+                    output::warn(&format!(
+                        "session {id} ended while connect waited for it; connecting anew"
+                    ));
+                    return Ok(None);
+                };
+                // Connected now (said as for any running session), or found to
+                // be through a reinstalled manager (replaced as above).
+                if now.state == "connected"
+                    || now
+                        .reason
+                        .contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH)
+                {
+                    return Box::pin(already_connected(user, wanted)).await;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    bail!(
+                        "session {id} to {} (context {}) is {}, not connected: {} — kvpn keeps \
+                         re-dialling on its own; watch `kvpn status`, or `kvpn disconnect {id}` \
+                         and connect again to start over",
+                        wanted.cluster,
+                        wanted.context,
+                        now.state,
+                        if now.reason.is_empty() {
+                            "no reason given"
+                        } else {
+                            &now.reason
+                        }
+                    );
+                }
+            }
         }
         SessionMatch::Same(s) => {
             let reason = if s.reason.is_empty() {
@@ -1078,6 +1156,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         source_policy: String::new(),
         manager_version: String::new(),
         manager_commit: String::new(),
+        cluster_id: conn.description.cluster_id.clone(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(session_policy) = already_connected(&mut user, &origin).await? {
@@ -1311,7 +1390,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
 mod tests {
     use super::{
         SessionMatch, flags_not_applied, host_of, ignored_flags_warning, match_session,
-        unhandled_conflicts,
+        same_cluster, unhandled_conflicts,
     };
     use crate::cli::{Cli, Command, ConnectArgs};
     use clap::Parser as _;
@@ -1379,6 +1458,7 @@ mod tests {
             source_policy: String::new(),
             manager_version: String::new(),
             manager_commit: String::new(),
+            cluster_id: String::new(),
         }
     }
 
@@ -1418,6 +1498,34 @@ mod tests {
         let elsewhere = origin("https://192.0.2.1:6443", "user@lab", "kvpn-system");
         assert_eq!(match_session(&sessions, &elsewhere), SessionMatch::None);
         assert_eq!(match_session(&[], &a), SessionMatch::None);
+    }
+
+    #[test]
+    fn another_ca_at_the_same_url_is_another_cluster() {
+        let url = "https://127.0.0.1:6443";
+        let with_ca = |ca: &str| Origin {
+            cluster_id: ca.into(),
+            ..origin(url, "default", "kvpn-system")
+        };
+        let (a, b) = (with_ca("ca-sha256:aa"), with_ca("ca-sha256:bb"));
+        let sessions = vec![session("a", Some(a.clone()))];
+        assert_eq!(match_session(&sessions, &b), SessionMatch::None);
+        assert_eq!(
+            match_session(&sessions, &a),
+            SessionMatch::Same(&sessions[0])
+        );
+        // Another context of cluster B at the URL is no conflict with A either.
+        let b_admin = Origin {
+            context: "admin".into(),
+            ..b.clone()
+        };
+        assert_eq!(match_session(&sessions, &b_admin), SessionMatch::None);
+        // A session recorded without a CA (older kvpn) still matches by URL.
+        let old = vec![session("old", Some(origin(url, "default", "kvpn-system")))];
+        assert_eq!(match_session(&old, &b), SessionMatch::Same(&old[0]));
+        assert!(same_cluster(&a, url, "ca-sha256:aa"));
+        assert!(!same_cluster(&a, url, "ca-sha256:bb"));
+        assert!(!same_cluster(&a, "https://127.0.0.2:6443", "ca-sha256:aa"));
     }
 
     #[test]

@@ -1117,6 +1117,9 @@ pub struct ClusterDescription {
     pub acting_for: Option<String>,
     /// The API server's `gitVersion`, once [`connect`] asked.
     pub server_version: Option<String>,
+    /// [`cluster_id`] of the kubeconfig's CA (empty without one): with the
+    /// server URL, what identifies this cluster's sessions.
+    pub cluster_id: String,
 }
 
 impl fmt::Display for ClusterDescription {
@@ -1255,6 +1258,7 @@ impl KubeTarget {
             auth: self.auth.clone(),
             acting_for: self.acting.sudo_account().map(|a| a.name.clone()),
             server_version: None,
+            cluster_id: String::new(),
         }
     }
 
@@ -1348,7 +1352,17 @@ impl KubeTarget {
     /// A client for the chosen context. Runs the exec plugin (if any) on a
     /// blocking thread; no request is sent.
     pub async fn client(&self) -> Result<kube::Client, Error> {
+        Ok(self.client_and_id().await?.0)
+    }
+
+    /// [`KubeTarget::client`] and the [`cluster_id`] of the CA it trusts.
+    pub async fn client_and_id(&self) -> Result<(kube::Client, String), Error> {
         let config = self.config().await?;
+        let id = cluster_id(config.root_cert.as_deref());
+        self.client_of(config).await.map(|c| (c, id))
+    }
+
+    async fn client_of(&self, config: kube::Config) -> Result<kube::Client, Error> {
         let built = tokio::task::spawn_blocking(move || client_with_nodelay(config))
             .await
             .map_err(|e| Error::Client {
@@ -1437,10 +1451,46 @@ pub async fn connect(flags: &KubeFlags, env: &UserEnv) -> Result<KubeConnection,
     connect_target(target).await
 }
 
+/// What identifies a cluster besides its API server URL: `ca-sha256:<hex>`, the
+/// SHA-256 of the CA certificates `roots` (DER, in kubeconfig order) the client
+/// trusts; empty without a CA of the kubeconfig's own.
+///
+/// Why the CA and not the `kube-system` namespace UID or the manager's install:
+/// every cluster installer (kind, k3s, kubeadm, the lab) makes its own CA, so
+/// two clusters answering at one URL have different ones; it is known from the
+/// kubeconfig alone, before the cluster is asked anything, so disconnect and
+/// uninstall can match sessions without a request; it needs no RBAC (a
+/// least-privileged user may not read namespaces: the lab's kvpn-user cannot);
+/// and it survives a manager reinstall, which a manager's install id would not.
+/// A CA rotation makes the cluster look new to sessions connected before it;
+/// those could not verify the API server any more anyway.
+pub fn cluster_id(roots: Option<&[Vec<u8>]>) -> String {
+    use sha2::{Digest as _, Sha256};
+    match roots {
+        Some(certs) if !certs.is_empty() => {
+            let mut h = Sha256::new();
+            for der in certs {
+                h.update(der);
+            }
+            let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            format!("ca-sha256:{hex}")
+        }
+        _ => String::new(),
+    }
+}
+
+/// Whether `a` and `b` (two [`cluster_id`]s) may name the same cluster: equal,
+/// or one of them unknown (an older session, a kubeconfig without a CA), when
+/// the API server URL alone decides as before.
+pub fn same_cluster_id(a: &str, b: &str) -> bool {
+    a.is_empty() || b.is_empty() || a == b
+}
+
 /// [`connect`] for an already resolved target.
 pub async fn connect_target(target: KubeTarget) -> Result<KubeConnection, Error> {
-    let client = target.client().await?;
+    let (client, cluster_id) = target.client_and_id().await?;
     let mut description = target.description();
+    description.cluster_id = cluster_id;
     let unreachable = |cause: String| Error::Unreachable {
         server: target.selection.server.clone(),
         context: target.selection.context.clone(),
@@ -2002,6 +2052,24 @@ contexts:
     }
 
     #[test]
+    fn cluster_id_tells_cas_apart_and_is_empty_without_one() {
+        let a = cluster_id(Some(&[b"ca one".to_vec()]));
+        let b = cluster_id(Some(&[b"ca two".to_vec()]));
+        assert!(
+            a.starts_with("ca-sha256:") && a.len() == "ca-sha256:".len() + 64,
+            "{a}"
+        );
+        assert_ne!(a, b);
+        assert_eq!(a, cluster_id(Some(&[b"ca one".to_vec()])), "stable");
+        assert_eq!(cluster_id(None), "");
+        assert_eq!(cluster_id(Some(&[])), "");
+        assert!(same_cluster_id(&a, &a));
+        assert!(!same_cluster_id(&a, &b));
+        assert!(same_cluster_id(&a, ""), "an older session matches by URL");
+        assert!(same_cluster_id("", &b));
+    }
+
+    #[test]
     fn description_reads_as_one_line() {
         let d = ClusterDescription {
             server: "https://127.1.2.3:6443".into(),
@@ -2014,6 +2082,7 @@ contexts:
             auth: "client certificate".into(),
             acting_for: Some("alice".into()),
             server_version: Some("v1.20.2".into()),
+            cluster_id: String::new(),
         };
         assert_eq!(
             d.to_string(),

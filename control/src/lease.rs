@@ -107,6 +107,87 @@ pub fn client_id(
     load_or_create_client_id(&client_id_path(&dir, server, cluster), owner)
 }
 
+/// This user's client id for a cluster when one was ever made (None otherwise);
+/// never creates one.
+pub fn existing_client_id(
+    env: &UserEnv,
+    acting: &ActingUser,
+    server: &str,
+    cluster: &str,
+) -> Option<String> {
+    let dir = kubeconfig::config_dir(env, acting)?;
+    let text = std::fs::read_to_string(client_id_path(&dir, server, cluster)).ok()?;
+    let id = text.trim();
+    valid_id(id).then(|| id.to_owned())
+}
+
+/// Key of the manager's lease list in its ConfigMap (the manager owns the
+/// format: `manager/src/leases.rs` `LEASES_KEY`, a JSON list of records; the
+/// CLI only reads the three fields below, for `kvpn uninstall`).
+pub const LEASES_KEY: &str = "leases.json";
+
+/// A lease of the traffic manager that has not expired: some laptop connected
+/// now, or within the manager's lease time.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct LiveLease {
+    pub client_id: String,
+    /// The leased tunnel IP.
+    pub ip: String,
+    /// Expiry, seconds since the Unix epoch.
+    pub expires_at: u64,
+}
+
+impl LiveLease {
+    /// `100.96.0.3 (client 1a2b3c4d…, expires in 3540 s)`.
+    pub fn describe(&self, now_s: u64) -> String {
+        let short: String = self.client_id.chars().take(8).collect();
+        format!(
+            "{} (client {short}…, expires in {} s)",
+            self.ip,
+            self.expires_at.saturating_sub(now_s)
+        )
+    }
+}
+
+/// The leases in `text` (the ConfigMap's [`LEASES_KEY`]) that expire after
+/// `now_s` and are not `own_client_id`'s, by IP.
+pub fn live_leases_of_others(
+    text: &str,
+    now_s: u64,
+    own_client_id: Option<&str>,
+) -> Result<Vec<LiveLease>, serde_json::Error> {
+    let mut all: Vec<LiveLease> = serde_json::from_str(text)?;
+    all.retain(|l| l.expires_at > now_s && Some(l.client_id.as_str()) != own_client_id);
+    all.sort_by(|a, b| a.ip.cmp(&b.ip));
+    Ok(all)
+}
+
+/// The live leases of other clients on the traffic manager in `namespace`
+/// (its ConfigMap); empty when there is no manager or no lease.
+pub async fn live_leases(
+    client: &kube::Client,
+    namespace: &str,
+    now_s: u64,
+    own_client_id: Option<&str>,
+) -> Result<Vec<LiveLease>> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    let name = crate::install::objects::MANAGER;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let Some(cm) = api
+        .get_opt(name)
+        .await
+        .with_context(|| format!("cannot read ConfigMap {namespace}/{name} (the leases)"))?
+    else {
+        return Ok(Vec::new());
+    };
+    let Some(text) = cm.data.as_ref().and_then(|d| d.get(LEASES_KEY)) else {
+        return Ok(Vec::new());
+    };
+    live_leases_of_others(text, now_s, own_client_id).with_context(|| {
+        format!("key {LEASES_KEY} of ConfigMap {namespace}/{name} is not a lease list")
+    })
+}
+
 /// One HTTP/2 (gRPC) connection to `pod`'s `port` over one `pods/portforward`
 /// stream. Keep the [`kube::api::Portforwarder`] while using the channel; abort
 /// it when done. HTTP/2 keepalive pings (every 10 s, 5 s to answer) find a
@@ -178,6 +259,26 @@ pub async fn lease(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn live_leases_leave_out_expired_and_own() {
+        let text = r#"[
+            {"client_id":"mine0000000000000000","ip":"100.96.0.2","token":"t","expires_at":2000},
+            {"client_id":"other111111111111111","ip":"100.96.0.4","token":"t","expires_at":2000},
+            {"client_id":"gone2222222222222222","ip":"100.96.0.3","token":"t","expires_at":999},
+            {"client_id":"other333333333333333","ip":"100.96.0.1","token":"t","expires_at":1500}
+        ]"#;
+        let live = live_leases_of_others(text, 1000, Some("mine0000000000000000")).expect("parse");
+        let ips: Vec<&str> = live.iter().map(|l| l.ip.as_str()).collect();
+        assert_eq!(ips, ["100.96.0.1", "100.96.0.4"]);
+        assert_eq!(
+            live[1].describe(1000),
+            "100.96.0.4 (client other111…, expires in 1000 s)"
+        );
+        let all = live_leases_of_others(text, 1000, None).expect("parse");
+        assert_eq!(all.len(), 3, "without an own id every live lease counts");
+        assert!(live_leases_of_others("{", 0, None).is_err());
+    }
 
     #[test]
     fn client_id_is_created_once_and_per_cluster() {

@@ -624,11 +624,45 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     }
     let (conn, _tunnel) = ssh::connect_kube(&kube.flags(), plan.as_ref(), &env).await?;
     output::done(&format!("Using {}", conn.description));
+    // Other laptops connected through this manager lose their sessions for good
+    // (a new manager has a new CA and no leases): say who, and ask for --force.
+    let own = lease::existing_client_id(
+        &env,
+        &conn.target.acting,
+        &conn.description.server,
+        &conn.description.cluster,
+    );
+    let now_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    match lease::live_leases(&conn.client, &kube.manager_namespace, now_s, own.as_deref()).await {
+        Ok(others) if !others.is_empty() => {
+            let list: Vec<String> = others.iter().map(|l| l.describe(now_s)).collect();
+            let what = format!(
+                "{} other client(s) hold live leases on the traffic manager in {} (connected \
+                 now, or within the manager's lease time): {} — removing the manager \
+                 disconnects those still connected for good; they must `kvpn connect` again \
+                 once a manager is back",
+                others.len(),
+                kube.manager_namespace,
+                list.join(", ")
+            );
+            if !args.force {
+                bail!("{what}. Rerun with --force to remove it anyway");
+            }
+            output::warn(&format!("{what} (--force given: removing it)"));
+        }
+        Ok(_) => {}
+        Err(e) => output::warn(&format!(
+            "cannot tell whether other laptops use this traffic manager: {e:#} — removing it anyway"
+        )),
+    }
     // This laptop's sessions through the manager being removed would only hang in
     // "reconnecting": end them first, and say so.
     for id in connect::disconnect_sessions_of(
         runtime_dir,
         &conn.description.server,
+        &conn.description.cluster_id,
         &kube.manager_namespace,
     )
     .await?
@@ -640,6 +674,7 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     for id in socks::cli::disconnect_sessions_of(
         runtime_dir,
         &conn.description.server,
+        &conn.description.cluster_id,
         &kube.manager_namespace,
     )
     .await?

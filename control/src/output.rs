@@ -404,6 +404,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "source_policy": text_or_null(&origin.source_policy),
         "cluster": text_or_null(&origin.cluster),
         "server": text_or_null(&origin.server),
+        "cluster_id": text_or_null(&origin.cluster_id),
         "context": text_or_null(&origin.context),
         "manager_namespace": text_or_null(&origin.manager_namespace),
         "manager": s.manager,
@@ -798,8 +799,14 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
         }
         match &s.origin {
             Some(o) if !o.cluster.is_empty() => {
+                // The CA's digest, short: what tells two clusters at one URL apart.
+                let ca = o
+                    .cluster_id
+                    .strip_prefix("ca-sha256:")
+                    .map(|hex| format!(", CA sha256 {}", hex.get(..12).unwrap_or(hex)))
+                    .unwrap_or_default();
                 say!(
-                    "    cluster {} (context {}, {}) through {}, traffic manager in {}",
+                    "    cluster {} (context {}, {}{ca}) through {}, traffic manager in {}",
                     o.cluster,
                     o.context,
                     o.server,

@@ -12,6 +12,7 @@
 
 pub mod connect_lock;
 pub mod record;
+pub mod renew;
 pub mod server;
 
 use std::os::unix::ffi::OsStrExt as _;

@@ -113,15 +113,21 @@ impl TlsClient {
     }
 }
 
+/// What a session's reason says when the manager's certificate does not
+/// verify against the CA the session was set up with (`kvpn connect` looks for
+/// it to replace such a session: its manager was replaced).
+pub const CERTIFICATE_MISMATCH: &str = "presented a certificate that does not verify";
+
 fn handshake_error(target: &str, name: &str, e: &std::io::Error) -> String {
     let rustls_error = e
         .get_ref()
         .and_then(|inner| inner.downcast_ref::<rustls::Error>());
     match rustls_error {
         Some(rustls::Error::InvalidCertificate(cause)) => format!(
-            "the traffic manager at {target} presented a certificate that does not verify as {name}: {cause} — \
-             the manager's certificate must be signed by ca.crt of Secret kvpn-manager-tls and name {name}; \
-             reinstall the manager (`kvpn uninstall`, then connect) if the Secret was replaced"
+            "the traffic manager at {target} {CERTIFICATE_MISMATCH} as {name}: {cause} — \
+             the traffic manager was probably reinstalled since this session connected (a new CA \
+             in Secret kvpn-manager-tls, and none of this laptop's lease): run `kvpn connect` \
+             again on this laptop, which replaces this session and reads the new CA"
         ),
         Some(other) => format!(
             "TLS handshake with the traffic manager at {target} failed: {other} — is it a kvpn-manager with TLS (--tls-cert/--tls-key)?"

@@ -35,11 +35,12 @@ async fn socks_sessions(user: &mut UserDaemonClient<DaemonChannel>) -> Result<Ve
         .collect())
 }
 
-/// Stop the SOCKS sessions through the traffic manager of `server` in
-/// `manager_namespace` (uninstall); the stopped ids.
+/// Stop the SOCKS sessions through the traffic manager of the cluster at
+/// `server` with `cluster_id` in `manager_namespace` (uninstall); the stopped ids.
 pub async fn disconnect_sessions_of(
     runtime_dir: &Path,
     server: &str,
+    cluster_id: &str,
     manager_namespace: &str,
 ) -> Result<Vec<String>> {
     let Some(mut user) = userd::connect_if_needed(runtime_dir).await? else {
@@ -48,7 +49,9 @@ pub async fn disconnect_sessions_of(
     let mut stopped = Vec::new();
     for s in socks_sessions(&mut user).await? {
         let Some(o) = &s.origin else { continue };
-        if o.server != server || o.manager_namespace != manager_namespace {
+        if !tun_connect::same_cluster(o, server, cluster_id)
+            || o.manager_namespace != manager_namespace
+        {
             continue;
         }
         stopped.extend(
@@ -125,6 +128,7 @@ pub async fn connect(
         source_policy: String::new(),
         manager_version: String::new(),
         manager_commit: String::new(),
+        cluster_id: conn.description.cluster_id.clone(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(s) = socks_sessions(&mut user).await?.into_iter().find(|s| {

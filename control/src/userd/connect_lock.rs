@@ -37,11 +37,14 @@ pub const QUIT_WAIT: Duration = Duration::from_secs(20);
 /// How often a waiter tries the lock again.
 const POLL: Duration = Duration::from_millis(50);
 
+/// The lock file's command while the user daemon renews a session.
+pub const RENEW: &str = "renew";
+
 /// Who took the lock, as its file says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
     pub pid: i32,
-    /// `connect` or `quit`.
+    /// `connect`, `quit`, `version` or [`RENEW`].
     pub command: String,
 }
 
@@ -52,6 +55,11 @@ impl Holder {
             Some(h) if h.command == "quit" => {
                 format!("Waiting for `kvpn quit` (pid {}) to finish", h.pid)
             }
+            Some(h) if h.command == RENEW => format!(
+                "Waiting for the user daemon (pid {}) to renew a session whose traffic manager \
+                 was reinstalled",
+                h.pid
+            ),
             Some(h) => format!(
                 "Waiting for another `kvpn connect` (pid {}) to finish",
                 h.pid
@@ -187,6 +195,18 @@ impl ConnectLock {
         Self::try_take(&path, "version")
     }
 
+    /// Take the lock for the user daemon's renewal of a session whose manager
+    /// was reinstalled ([`super::renew`]), so no `kvpn connect` replaces the
+    /// same session meanwhile: `None` while a connect or quit holds it. Never
+    /// waits.
+    pub fn try_for_renew(root_runtime_dir: &Path) -> Result<Option<ConnectLock>> {
+        let path = Self::path(root_runtime_dir);
+        if !path.parent().is_some_and(Path::is_dir) {
+            return Ok(None);
+        }
+        Self::try_take(&path, RENEW)
+    }
+
     fn try_take(path: &Path, command: &str) -> Result<Option<ConnectLock>> {
         let Some(mut file) = try_flock(path)? else {
             return Ok(None);
@@ -295,6 +315,13 @@ mod tests {
         assert_eq!(
             Holder::waiting_message(None),
             "Waiting for another `kvpn connect` to finish"
+        );
+        let r = parse_holder("42 renew\n").expect("renew");
+        assert!(
+            Holder::waiting_message(Some(&r))
+                .starts_with("Waiting for the user daemon (pid 42) to renew"),
+            "{}",
+            Holder::waiting_message(Some(&r))
         );
         for garbled in ["", "\n", "x connect", "-5 connect", "0"] {
             assert_eq!(parse_holder(garbled), None, "{garbled:?}");

@@ -40,7 +40,7 @@ use kvpn_proto::userd::{
 };
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::Paths;
 use super::record::{SessionRecord, Store};
@@ -194,7 +194,7 @@ fn nonempty(s: &str) -> Option<String> {
 }
 
 /// The CLI's environment, working folder and euid as its request carried them.
-fn request_env(req: &StartSessionRequest) -> UserEnv {
+pub(crate) fn request_env(req: &StartSessionRequest) -> UserEnv {
     UserEnv::from_parts(
         req.env.iter().map(|v| {
             (
@@ -208,7 +208,7 @@ fn request_env(req: &StartSessionRequest) -> UserEnv {
 }
 
 /// The CLI's `--kubeconfig`, `--context`, `--namespace` as its request carried them.
-fn request_flags(req: &StartSessionRequest) -> KubeFlags {
+pub(crate) fn request_flags(req: &StartSessionRequest) -> KubeFlags {
     KubeFlags {
         kubeconfig: nonempty(&req.kubeconfig).map(PathBuf::from),
         context: nonempty(&req.context),
@@ -765,6 +765,92 @@ impl UserDaemonState {
         })
     }
 
+    /// Replace every session whose traffic manager was reinstalled under it
+    /// (its reason: the manager's certificate does not verify) with one through
+    /// the new manager ([`super::renew`]); until `quit`.
+    async fn watch_reinstalls(self: Arc<Self>) {
+        let mut tried: HashMap<String, Instant> = HashMap::new();
+        loop {
+            tokio::select! {
+                () = self.quit.cancelled() => return,
+                () = tokio::time::sleep(super::renew::CHECK_EVERY) => {}
+            }
+            // No TUN session of this daemon, no Status call to the root daemon.
+            let any = self
+                .sessions()
+                .values()
+                .any(|e| e.state == STATE_RUNNING && e.socks_status.is_none());
+            if !any {
+                continue;
+            }
+            let Ok(root) = self.root_sessions().await else {
+                continue;
+            };
+            for s in root {
+                if !s.reason.contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH) {
+                    continue;
+                }
+                let req = self
+                    .sessions()
+                    .get(&s.id)
+                    .filter(|e| e.state == STATE_RUNNING && e.socks_status.is_none())
+                    .and_then(|e| e.record.request().ok());
+                let Some(req) = req else { continue };
+                if tried
+                    .get(&s.id)
+                    .is_some_and(|t| t.elapsed() < super::renew::RETRY_AFTER)
+                {
+                    continue;
+                }
+                // A `kvpn connect` (which may replace this very session) or
+                // `kvpn quit` running now: look again next round.
+                let lock = match super::connect_lock::ConnectLock::try_for_renew(
+                    &self.root_runtime_dir,
+                ) {
+                    Ok(Some(lock)) => lock,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        warn!(session = %s.id, "cannot take the connect lock to renew the session: {e:#}");
+                        continue;
+                    }
+                };
+                tried.insert(s.id.clone(), Instant::now());
+                self.renew(&s.id, req).await;
+                drop(lock);
+            }
+        }
+    }
+
+    /// [`Self::watch_reinstalls`] for session `id`.
+    async fn renew(&self, id: &str, req: StartSessionRequest) {
+        let renewed = match super::renew::renewed_request(&req).await {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                debug!(session = %id, "the manager's CA is the session's: not a reinstall");
+                return;
+            }
+            Err(e) => {
+                warn!(session = %id, "cannot renew the session through the reinstalled traffic manager: {e:#}");
+                return;
+            }
+        };
+        warn!(session = %id, "the traffic manager was reinstalled (new CA in Secret kvpn-manager-tls): replacing the session with a new lease and the new CA");
+        if let Err(e) = self.disconnect(id).await {
+            warn!(session = %id, "cannot disconnect the session to renew it: {e:#}");
+            return;
+        }
+        match self.start_owned(renewed).await {
+            Ok(resp) => info!(
+                session = %id,
+                replaced_by = %resp.connect.map(|c| c.session_id).unwrap_or_default(),
+                "session renewed through the reinstalled traffic manager"
+            ),
+            Err(s) => {
+                warn!(session = %id, "the renewed session did not start: {} — run `kvpn connect` again", s.message())
+            }
+        }
+    }
+
     /// Stop `id` (empty = all) on both sides; the stopped ids and the TCP
     /// sockets reset per id.
     async fn disconnect(&self, id: &str) -> Result<(Vec<String>, HashMap<String, u64>)> {
@@ -939,6 +1025,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
         tokio::spawn(state.clone().restore(record));
     }
 
+    tokio::spawn(state.clone().watch_reinstalls());
     let quit = state.quit.clone();
     // Installed before the first request is served, so a SIGTERM right after
     // one stops the daemon through this path, not by the default action.
