@@ -199,11 +199,15 @@ impl Drop for Containerd {
             let _ = child.kill();
             let _ = child.wait();
         }
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        } else {
-            // Keep the log for the failure; the snapshots go.
-            let _ = std::fs::remove_dir_all(self.dir.join("root"));
+        if std::thread::panicking() {
+            // The failure's report gets the log's end; nothing stays in /tmp.
+            let log = std::fs::read_to_string(self.dir.join("containerd.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "--- containerd log (last 40 lines):\n{}",
+                lines[lines.len().saturating_sub(40)..].join("\n")
+            );
         }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
