@@ -207,7 +207,7 @@ impl ConnectArgs {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Connect to a traffic manager and route cluster CIDRs through a TUN device.
-    Connect(ConnectArgs),
+    Connect(Box<ConnectArgs>),
     /// Show sessions: state, routes, counters.
     ///
     /// States (STATE column; docs/status.md has the details):
@@ -249,7 +249,7 @@ pub enum Command {
     /// Install or upgrade the traffic manager without connecting; with --dry-run,
     /// print every object an install would apply (for GitOps and review), touching
     /// no cluster.
-    Install(InstallArgs),
+    Install(Box<InstallArgs>),
     /// Remove the traffic manager and every object kvpn created in the cluster.
     Uninstall(UninstallArgs),
     /// An interactive shell (or one command, after `--`) on an SSH host, reached
@@ -1246,7 +1246,7 @@ mod tests {
     fn connect_args(argv: &[&str]) -> Result<ConnectArgs, clap::Error> {
         let cli = Cli::try_parse_from(argv).and_then(Cli::validate)?;
         match cli.command {
-            Command::Connect(a) => Ok(a),
+            Command::Connect(a) => Ok(*a),
             other => panic!("not connect: {other:?}"),
         }
     }

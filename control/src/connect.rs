@@ -1402,7 +1402,7 @@ mod tests {
             .expect("kvpn connect parses")
             .command
         {
-            Command::Connect(args) => args,
+            Command::Connect(args) => *args,
             other => panic!("not connect: {other:?}"),
         }
     }

@@ -62,12 +62,12 @@ pub fn init_tracing(verbose: u8) {
 pub async fn run(cli: Cli) -> Result<()> {
     let runtime_dir = cli.runtime_dir();
     match cli.command {
-        Command::Connect(args) => connect(&runtime_dir, args).await,
+        Command::Connect(args) => connect(&runtime_dir, *args).await,
         Command::Status(args) => status(&runtime_dir, args).await,
         Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
         Command::Top(args) => top::run(&runtime_dir, args).await,
         Command::Quit => quit(&runtime_dir).await,
-        Command::Install(args) => install_command(args).await,
+        Command::Install(args) => install_command(*args).await,
         Command::Version(args) => version::run(&runtime_dir, args).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Logs(args) => logs(&runtime_dir, args).await,
