@@ -39,7 +39,7 @@ use aya::{
     sys::SyscallError,
     util::KernelVersion,
 };
-use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use ipnet::IpNet;
 use kvpn_dataplane_common::{
     self as common, CounterValue, Ipv4Prefix, Ipv6Prefix, L2_HDR_LEN_ETHERNET, L2_HDR_LEN_TUN,
     RouteEntry,
@@ -578,34 +578,12 @@ impl Classifier {
     /// All route entries, IPv4 first, in the tries' iteration order.
     pub fn routes(&self) -> Result<Vec<(IpNet, RouteKind)>, EbpfError> {
         let mut routes = Vec::new();
-        for item in self.routes_v4.iter() {
-            let (key, entry) =
-                item.map_err(|source| map_error(common::MAP_ROUTES_V4, "iterate", source))?;
-            let addr = Ipv4Addr::from(key.data().addr);
-            let cidr = u8::try_from(key.prefix_len())
-                .ok()
-                .and_then(|len| Ipv4Net::new(addr, len).ok())
-                .ok_or_else(|| EbpfError::CorruptRoute {
-                    map: common::MAP_ROUTES_V4,
-                    detail: format!("prefix length {} for {addr}", key.prefix_len()),
-                })?;
-            let cidr = IpNet::V4(cidr);
-            routes.push((cidr, route_kind(common::MAP_ROUTES_V4, cidr, entry)?));
-        }
-        for item in self.routes_v6.iter() {
-            let (key, entry) =
-                item.map_err(|source| map_error(common::MAP_ROUTES_V6, "iterate", source))?;
-            let addr = Ipv6Addr::from(key.data().addr);
-            let cidr = u8::try_from(key.prefix_len())
-                .ok()
-                .and_then(|len| Ipv6Net::new(addr, len).ok())
-                .ok_or_else(|| EbpfError::CorruptRoute {
-                    map: common::MAP_ROUTES_V6,
-                    detail: format!("prefix length {} for {addr}", key.prefix_len()),
-                })?;
-            let cidr = IpNet::V6(cidr);
-            routes.push((cidr, route_kind(common::MAP_ROUTES_V6, cidr, entry)?));
-        }
+        trie_routes(common::MAP_ROUTES_V4, &self.routes_v4, &mut routes, |k| {
+            Ipv4Addr::from(k.addr).into()
+        })?;
+        trie_routes(common::MAP_ROUTES_V6, &self.routes_v6, &mut routes, |k| {
+            Ipv6Addr::from(k.addr).into()
+        })?;
         Ok(routes)
     }
 
@@ -850,6 +828,28 @@ fn map_error(map: &'static str, action: impl Into<String>, source: MapError) -> 
         action: action.into(),
         source,
     }
+}
+
+/// Appends one route trie's entries to `routes`; `addr` reads a key's address.
+fn trie_routes<K: aya::Pod>(
+    map: &'static str,
+    trie: &LpmTrie<MapData, K, RouteEntry>,
+    routes: &mut Vec<(IpNet, RouteKind)>,
+    addr: impl Fn(K) -> IpAddr,
+) -> Result<(), EbpfError> {
+    for item in trie.iter() {
+        let (key, entry) = item.map_err(|source| map_error(map, "iterate", source))?;
+        let addr = addr(key.data());
+        let cidr = u8::try_from(key.prefix_len())
+            .ok()
+            .and_then(|len| IpNet::new(addr, len).ok())
+            .ok_or_else(|| EbpfError::CorruptRoute {
+                map,
+                detail: format!("prefix length {} for {addr}", key.prefix_len()),
+            })?;
+        routes.push((cidr, route_kind(map, cidr, entry)?));
+    }
+    Ok(())
 }
 
 fn route_kind(map: &'static str, cidr: IpNet, entry: RouteEntry) -> Result<RouteKind, EbpfError> {

@@ -945,6 +945,16 @@ async fn handle(shared: &Shared, raw: &[u8], transport: Transport) -> Option<Vec
     }
 }
 
+/// The laptop's upstream nameservers as they are now (a resolv.conf rewrite
+/// replaces them while connected).
+fn upstream_servers(shared: &Shared) -> Vec<SocketAddr> {
+    shared
+        .upstreams
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone()
+}
+
 async fn upstream(
     shared: &Shared,
     raw: &[u8],
@@ -953,11 +963,7 @@ async fn upstream(
     limit: Option<usize>,
 ) -> Option<Vec<u8>> {
     bump(&shared.counters.upstream);
-    let servers = shared
-        .upstreams
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
+    let servers = upstream_servers(shared);
     relay(shared, &servers, raw, query, transport, limit, false).await
 }
 
@@ -975,11 +981,7 @@ async fn upstream_after_cluster_nxdomain(
     limit: Option<usize>,
 ) -> Option<Vec<u8>> {
     bump(&shared.counters.upstream);
-    let servers = shared
-        .upstreams
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
+    let servers = upstream_servers(shared);
     let answer = first_answer(shared, &servers, raw, transport, false).await;
     match answer {
         Some(answer)
