@@ -4,10 +4,11 @@
 set -uo pipefail
 
 BIN="${KVPN_BIN_DIR:?run this through ./x demo}"
+BUILD="${KVPN_DEMO_BUILD:-unknown}"
 export PATH="$BIN:$PATH"
-# The demo's root daemon lives in the lab's laptop netns, with its own runtime
-# folder so it never talks to a kvpn daemon of the real machine.
-export KVPN_RUNTIME_DIR="/run/kvpn-lab/demo-runtime"
+# The demo's daemons live in the lab's laptop netns, in the runtime folder
+# `kvpn lab exec laptop` gives them (never a kvpn daemon of the real machine);
+# `kvpn lab down` stops them and removes that folder.
 
 bold() { printf '\n\033[1m%s\033[0m\n' "$*"; }
 show() { printf '\033[36m$ %s\033[0m\n' "$*"; "$@"; }
@@ -22,6 +23,12 @@ cleanup() {
     kvpn lab down >/dev/null 2>&1
 }
 trap cleanup EXIT
+
+if [ "$BUILD" = release ]; then
+    bold "kvpn build: release ($BIN), the build the benchmarks measure"
+else
+    bold "kvpn build: $BUILD ($BIN) -- NOT the release build: throughput and latency below are several times worse than what kvpn does; \`./x demo\` without --debug runs release (see the README's benchmarks)"
+fi
 
 bold "1. Bring up the lab: a laptop, a node, a Kubernetes control plane, pods, ClusterIPs, cluster DNS"
 kvpn lab down >/dev/null 2>&1
@@ -74,7 +81,7 @@ check_download() {
     local start end a b
     start=$(date +%s.%N); a=$(sum_tunnel); end=$(date +%s.%N)
     b=$(sum_pod)
-    echo "through kvpn: $a ($(echo "scale=1; 52428800*8/($end-$start)/1000000" | bc) Mbit/s)"
+    echo "through kvpn: $a ($(echo "scale=1; 52428800*8/($end-$start)/1000000" | bc) Mbit/s, $BUILD build)"
     echo "inside pod:   $b"
     [ -n "$a" ] && [ "$a" = "$b" ]
 }

@@ -63,6 +63,8 @@ pub struct AgentConfig {
     /// Addresses the route watch never routes into the tunnel (API server,
     /// nameservers, gateways: what connect kept out).
     pub keep_out: Vec<std::net::IpAddr>,
+    /// Ranges the route watch never routes into the tunnel (`--never-proxy`).
+    pub never_proxy: Vec<ipnet::IpNet>,
     /// The root daemon's runtime folder (the route watch's UpdateRoutes).
     pub runtime_dir: PathBuf,
 }
@@ -242,6 +244,7 @@ impl OpenSession {
                     grpc_port,
                     namespace: conn.description.namespace.clone(),
                     keep_out: config.keep_out.clone(),
+                    never_proxy: config.never_proxy.clone(),
                     runtime_dir: config.runtime_dir.clone(),
                     data_addr: addr,
                 },

@@ -33,6 +33,7 @@
 
 pub mod cache;
 pub mod essentials;
+pub mod vpn;
 
 use std::fmt;
 use std::net::IpAddr;

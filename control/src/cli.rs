@@ -475,6 +475,11 @@ pub struct ConnectArgs {
     /// Any other CIDR to route through the tunnel (repeatable).
     #[arg(long = "cidr", visible_alias = "extra-cidr", value_name = "CIDR", value_parser = parse_cidr)]
     pub extra_cidrs: Vec<IpNet>,
+    /// A range kept off the tunnel even inside a cluster range (repeatable): the
+    /// laptop reaches it the way it did before connect. Also for the watched
+    /// routes that appear later.
+    #[arg(long = "never-proxy", value_name = "CIDR", value_parser = parse_cidr)]
+    pub never_proxy: Vec<IpNet>,
     /// Detect the cluster's pod and service CIDRs again instead of using the ones a
     /// previous connect cached in the manager's ConfigMap (the cache is rewritten).
     #[arg(long)]

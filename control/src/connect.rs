@@ -79,6 +79,115 @@ pub async fn wait_first_echo(
     }
 }
 
+/// How long `kvpn connect` waits for the route watch's first report (the
+/// traffic manager's snapshot of pod CIDRs and Services, applied by the root
+/// daemon). Measured in the lab: 0.1-0.4 s after the first heartbeat echo (a
+/// port-forward to the manager's gRPC port, one WatchRoutes call); a manager pod
+/// still starting can take a few seconds more.
+pub const ROUTE_WATCH_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// What the route watch of a session has put in place, as connect reports it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RouteWatchReport {
+    /// The watch's first snapshot is applied: its routes, the Services and the
+    /// host routes pinned past conflicting laptop routes exist.
+    Watching { pinned: Vec<String> },
+    /// No route watch (refused, an older manager, or broken before its first
+    /// snapshot): only the connect-time CIDRs are routed, and why.
+    CidrOnly(String),
+    /// Nothing reported within the wait.
+    NotYet,
+}
+
+/// What `session` says of its route watch ([`RouteWatchReport::NotYet`] until
+/// the root daemon applied its first report). The root daemon records the route
+/// source only after the request's routes and pinned host routes are installed,
+/// so a reported source means they exist.
+pub fn route_watch_report(session: &Session) -> RouteWatchReport {
+    match &session.route_source {
+        Some(src) if src.mode == crate::route_watch::MODE_WATCH => RouteWatchReport::Watching {
+            pinned: session
+                .conflicts
+                .iter()
+                .flat_map(|c| c.pinned.iter().cloned())
+                .collect(),
+        },
+        Some(src) if !src.mode.is_empty() => RouteWatchReport::CidrOnly(src.reason.clone()),
+        _ => RouteWatchReport::NotYet,
+    }
+}
+
+/// Wait (bounded by `within`) until the route watch of session `id` reported,
+/// so that connect returns only when the routes it reports are in place (issue
+/// 29 item 1: connect returned 100-170 ms before the pinned ClusterIP host
+/// routes existed, and a curl right after it failed). Says what it found.
+pub async fn wait_route_watch(
+    client: &mut kvpn_proto::dataplane::dataplane_client::DataplaneClient<
+        crate::daemon_channel::DaemonChannel,
+    >,
+    id: &str,
+    within: std::time::Duration,
+) -> Result<RouteWatchReport> {
+    let started = tokio::time::Instant::now();
+    let deadline = started + within;
+    loop {
+        let sessions = daemon::sessions(
+            client,
+            "cannot ask the root daemon for the session's routes",
+        )
+        .await?;
+        let Some(session) = sessions.into_iter().find(|s| s.id == id) else {
+            bail!(
+                "session {id} disappeared from the root daemon while connect waited for its \
+                 route watch — see `kvpn status` and the root daemon's log"
+            );
+        };
+        let report = route_watch_report(&session);
+        match &report {
+            RouteWatchReport::Watching { pinned } => {
+                tracing::debug!(
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "route watch reported"
+                );
+                output::done(&format!(
+                    "Route watch: {} Service(s), {} pod CIDR(s) of the traffic manager routed",
+                    session.services.len(),
+                    session
+                        .route_source
+                        .as_ref()
+                        .map_or(0, |s| s.pod_cidrs.len())
+                ));
+                for p in pinned {
+                    output::detail(&format!(
+                        "pinned {p} through {} past a conflicting laptop route",
+                        session.tun_name
+                    ));
+                }
+                return Ok(report);
+            }
+            RouteWatchReport::CidrOnly(why) => {
+                output::warn(&format!(
+                    "no route watch: only the CIDRs detected at connect are routed ({why}); \
+                     ClusterIPs inside conflicting laptop routes and pod CIDRs of new nodes are \
+                     not — kvpn asks the traffic manager again on its own, see `kvpn status`"
+                ));
+                return Ok(report);
+            }
+            RouteWatchReport::NotYet if tokio::time::Instant::now() >= deadline => {
+                output::warn(&format!(
+                    "the route watch of session {id} has not reported within {} s: ClusterIPs \
+                     inside conflicting laptop routes and pod CIDRs added since detection are \
+                     not routed yet — they follow when it does; see `kvpn status` (route source)",
+                    within.as_secs()
+                ));
+                return Ok(report);
+            }
+            RouteWatchReport::NotYet => {}
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// Tell the user how the session stands after Connect: "Connected …" only after
 /// the first heartbeat echo, else what it is waiting for.
 pub async fn report_connected(
@@ -726,7 +835,20 @@ pub fn cluster_routes(
     extra: &[IpNet],
     keep_out: &[IpAddr],
 ) -> Vec<Route> {
-    let never = never_routed();
+    cluster_routes_avoiding(pod, service, extra, keep_out, &[])
+}
+
+/// [`cluster_routes`] that also leaves out the `never_proxy` ranges
+/// (`kvpn connect --never-proxy`).
+pub fn cluster_routes_avoiding(
+    pod: &[IpNet],
+    service: &[IpNet],
+    extra: &[IpNet],
+    keep_out: &[IpAddr],
+    never_proxy: &[IpNet],
+) -> Vec<Route> {
+    let mut never = never_routed();
+    never.extend(never_proxy.iter().map(IpNet::trunc));
     [
         (pod, RouteKind::Pod),
         (service, RouteKind::Service),
@@ -743,6 +865,70 @@ pub fn cluster_routes(
             })
     })
     .collect()
+}
+
+/// The laptop's addresses (`labelled`: essentials with why) and `never_proxy`
+/// ranges that lie inside one of the cluster `ranges` (with their kind name):
+/// what connect keeps off the tunnel although a cluster range covers it, for
+/// connect's output and status (issue 29 item 3: a pod route split around a
+/// nameserver or another VPN's endpoint was never shown). Sorted by address,
+/// one entry per address (its first reason).
+pub fn kept_out_inside(
+    ranges: &[(&[IpNet], &str)],
+    labelled: &[(IpAddr, String)],
+    never_proxy: &[IpNet],
+) -> Vec<kvpn_proto::dataplane::KeptOut> {
+    let inside = |net: &IpNet| {
+        ranges.iter().find_map(|(nets, kind)| {
+            nets.iter()
+                .find(|r| r.contains(net) || net.contains(*r))
+                .map(|r| (r.trunc(), *kind))
+        })
+    };
+    let mut out: Vec<kvpn_proto::dataplane::KeptOut> = Vec::new();
+    for (ip, why) in labelled {
+        let host = IpNet::from(*ip);
+        if out.iter().any(|k| k.address == ip.to_string()) {
+            continue;
+        }
+        if let Some((cidr, kind)) = inside(&host) {
+            out.push(kvpn_proto::dataplane::KeptOut {
+                address: ip.to_string(),
+                why: why.clone(),
+                cidr: cidr.to_string(),
+                kind: kind.to_owned(),
+            });
+        }
+    }
+    for net in never_proxy {
+        let net = net.trunc();
+        if let Some((cidr, kind)) = inside(&net) {
+            out.push(kvpn_proto::dataplane::KeptOut {
+                address: net.to_string(),
+                why: "--never-proxy".to_owned(),
+                cidr: cidr.to_string(),
+                kind: kind.to_owned(),
+            });
+        }
+    }
+    out.sort_by(|a, b| {
+        let key = |k: &kvpn_proto::dataplane::KeptOut| {
+            k.address
+                .parse::<IpNet>()
+                .ok()
+                .or_else(|| k.address.parse::<IpAddr>().ok().map(IpNet::from))
+        };
+        key(a).cmp(&key(b))
+    });
+    out
+}
+
+/// One line of connect's and status's output for `k`.
+pub fn kept_out_line(k: &kvpn_proto::dataplane::KeptOut) -> String {
+    format!(
+        "kept off the tunnel: {} inside {} CIDR {} — {}",
+        k.address, k.kind, k.cidr, k.why
+    )
 }
 
 /// Why IPv6 is off in the calling thread's network namespace (case rt-08), or
@@ -1157,6 +1343,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         manager_version: String::new(),
         manager_commit: String::new(),
         cluster_id: conn.description.cluster_id.clone(),
+        kept_out: Vec::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(session_policy) = already_connected(&mut user, &origin).await? {
@@ -1258,7 +1445,33 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     let keep_out: Vec<IpAddr> = essentials.addresses();
     warn_never_routed(&[&detected_pod[..], &detected_service].concat());
     warn_typed_cidr_holes(args, &essentials.labelled());
-    let mut routes = cluster_routes(&pod, &service, &args.extra_cidrs, &keep_out);
+    let mut routes = cluster_routes_avoiding(
+        &pod,
+        &service,
+        &args.extra_cidrs,
+        &keep_out,
+        &args.never_proxy,
+    );
+    // Say what the laptop keeps for itself inside the cluster ranges.
+    origin.kept_out = kept_out_inside(
+        &[
+            (&pod[..], "pod"),
+            (&service[..], "service"),
+            (&args.extra_cidrs[..], "extra"),
+        ],
+        &essentials.labelled(),
+        &args.never_proxy,
+    );
+    if !origin.kept_out.is_empty() {
+        output::done(&format!(
+            "Kept {} laptop address(es) off the tunnel inside the cluster ranges (the laptop \
+             needs them itself)",
+            origin.kept_out.len()
+        ));
+        for k in &origin.kept_out {
+            output::detail(&kept_out_line(k));
+        }
+    }
     // Other laptops' tunnel IPs (laptop-to-laptop through the manager). The
     // laptop's own tunnel IP is in the local routing table, which wins, so the
     // pool needs no hole for it. Two clusters whose managers use the same pool
@@ -1319,6 +1532,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     let start = start_client.start_session(StartSessionRequest {
         grpc_port: u32::from(manager.grpc_port),
         keep_out: keep_out.iter().map(ToString::to_string).collect(),
+        never_proxy: args.never_proxy.iter().map(ToString::to_string).collect(),
         ssh_direct: data_path
             .ssh_direct_target()
             .map(|t| t.to_string())
@@ -1375,6 +1589,12 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         r = report_connected(&mut client, &resp.session_id, &connected_line) => r?,
         _ = interrupt.recv() => interrupted(Interrupted::User(&mut user, &resp.session_id)).await,
     }
+    // The watched routes and the pinned ClusterIP host routes come from the
+    // route watch: connect returns once they are in place.
+    tokio::select! {
+        r = wait_route_watch(&mut client, &resp.session_id, ROUTE_WATCH_WAIT) => { r?; }
+        _ = interrupt.recv() => interrupted(Interrupted::User(&mut user, &resp.session_id)).await,
+    }
     for r in &routes {
         output::detail(&format!("route {} ({})", r.cidr, output::kind_name(r.kind)));
     }
@@ -1405,6 +1625,69 @@ mod tests {
             Command::Connect(args) => *args,
             other => panic!("not connect: {other:?}"),
         }
+    }
+
+    /// What connect keeps off the tunnel inside the cluster ranges is listed
+    /// with its range and reason; addresses outside every range are not (they
+    /// need no hole), and --never-proxy ranges are.
+    #[test]
+    fn kept_out_lists_essentials_and_never_proxy_ranges_inside_cluster_ranges() {
+        let net = |s: &str| s.parse::<ipnet::IpNet>().expect("cidr");
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+        let pod = [net("10.244.0.0/16")];
+        let svc = [net("10.96.0.0/12")];
+        let labelled = vec![
+            (ip("10.244.1.250"), "another VPN's endpoint (…)".to_owned()),
+            (ip("10.244.1.253"), "a nameserver".to_owned()),
+            (ip("10.244.1.253"), "a default gateway".to_owned()),
+            (ip("192.168.1.1"), "a default gateway".to_owned()),
+        ];
+        let kept = super::kept_out_inside(
+            &[(&pod[..], "pod"), (&svc[..], "service"), (&[][..], "extra")],
+            &labelled,
+            &[net("10.96.5.0/24"), net("172.16.0.0/12")],
+        );
+        let got: Vec<(&str, &str, &str, &str)> = kept
+            .iter()
+            .map(|k| {
+                (
+                    k.address.as_str(),
+                    k.kind.as_str(),
+                    k.cidr.as_str(),
+                    k.why.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("10.96.5.0/24", "service", "10.96.0.0/12", "--never-proxy"),
+                (
+                    "10.244.1.250",
+                    "pod",
+                    "10.244.0.0/16",
+                    "another VPN's endpoint (…)"
+                ),
+                ("10.244.1.253", "pod", "10.244.0.0/16", "a nameserver"),
+            ]
+        );
+        assert_eq!(
+            super::kept_out_line(&kept[2]),
+            "kept off the tunnel: 10.244.1.253 inside pod CIDR 10.244.0.0/16 — a nameserver"
+        );
+        // --never-proxy leaves its range out of the routes.
+        let routes = super::cluster_routes_avoiding(&pod, &svc, &[], &[], &[net("10.96.5.0/24")]);
+        assert!(
+            !routes
+                .iter()
+                .any(|r| net(&r.cidr).contains(&ip("10.96.5.9"))),
+            "{routes:?}"
+        );
+        assert!(
+            routes
+                .iter()
+                .any(|r| net(&r.cidr).contains(&ip("10.96.6.9")))
+        );
     }
 
     /// A repeat connect with another --source-policy than the running session's
@@ -1459,6 +1742,7 @@ mod tests {
             manager_version: String::new(),
             manager_commit: String::new(),
             cluster_id: String::new(),
+            kept_out: Vec::new(),
         }
     }
 

@@ -77,12 +77,28 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
         LabCommand::Up { .. } => Err(anyhow!("`kvpn lab up` runs on the async path")),
         LabCommand::Down => {
             output::step(&format!("Tearing the lab {DEFAULT_LAB_NAME} down"));
-            if cluster::down_named(DEFAULT_LAB_NAME).context("kvpn lab down failed")? {
+            let runtime = laptop_runtime_dir_named(DEFAULT_LAB_NAME);
+            // kvpn's daemons started by `kvpn lab exec laptop` live in the laptop
+            // netns with the runtime folder below: stop them first (they put the
+            // laptop's DNS back and remove their TUN device), or they would outlive
+            // the lab holding its netns and their folder.
+            if let Ok(lab) = Lab::attach(DEFAULT_LAB_NAME) {
+                quit_laptop_daemons(&lab, &runtime);
+            }
+            let was_up = cluster::down_named(DEFAULT_LAB_NAME).context("kvpn lab down failed")?;
+            let removed = remove_runtime_dir(&runtime)?;
+            if was_up {
                 output::done(
                     "Lab is down: its agent, control plane, pods, network namespaces, nftables rules and folder are gone",
                 );
             } else {
                 output::done(&format!("No lab named {DEFAULT_LAB_NAME} was up"));
+            }
+            if removed {
+                output::done(&format!(
+                    "The laptop's runtime folder {} (kvpn's logs, sockets and lock files there) is gone",
+                    runtime.display()
+                ));
             }
             Ok(())
         }
@@ -240,7 +256,99 @@ fn find_program(program: &str, path_var: Option<&std::ffi::OsStr>) -> Result<Pat
 /// The runtime folder `kvpn lab exec laptop` gives kvpn there when the caller
 /// set none: `<lab state folder>/<lab name>-laptop-runtime`.
 pub fn laptop_runtime_dir(lab: &Lab) -> PathBuf {
-    kvpn_lab::state_dir().join(format!("{}-laptop-runtime", lab.name()))
+    laptop_runtime_dir_named(lab.name())
+}
+
+/// [`laptop_runtime_dir`] of the lab called `name` (whether or not it is up).
+pub fn laptop_runtime_dir_named(name: &str) -> PathBuf {
+    kvpn_lab::state_dir().join(format!("{name}-laptop-runtime"))
+}
+
+/// How long `kvpn lab down` lets `kvpn quit` stop the laptop's daemons: a quit
+/// with one session takes well under a second; a hung daemon must not keep the
+/// lab up.
+const QUIT_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Run `kvpn quit` in the laptop netns for the daemons of `runtime` (best effort:
+/// what fails is said, the teardown goes on).
+fn quit_laptop_daemons(lab: &Lab, runtime: &Path) {
+    // Whatever is left there (live daemons, or a killed root daemon's DNS
+    // change to repair): `kvpn quit` handles both, and does nothing otherwise.
+    if !runtime.exists() {
+        return;
+    }
+    let Ok(netns) = lab.netns(kvpn_lab::LAPTOP) else {
+        return;
+    };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            output::warn(&format!(
+                "cannot stop kvpn's daemons in the lab laptop: this program's path is unknown ({e}) \
+                 — run `kvpn lab exec laptop -- kvpn quit` before `kvpn lab down`"
+            ));
+            return;
+        }
+    };
+    let mut cmd = netns.command(&exe);
+    cmd.arg("quit")
+        .env("KVPN_RUNTIME_DIR", runtime)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            output::warn(&format!(
+                "cannot run `kvpn quit` in the lab laptop: {e} — its daemons may outlive the lab; \
+                 stop them by the pids in {}",
+                runtime.display()
+            ));
+            return;
+        }
+    };
+    let pid = child.id();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done_tx.send(child.wait_with_output());
+    });
+    match done_rx.recv_timeout(QUIT_WAIT) {
+        Ok(Ok(out)) if out.status.success() => {
+            output::detail("Stopped kvpn's daemons in the lab laptop (`kvpn quit`)");
+        }
+        Ok(Ok(out)) => output::warn(&format!(
+            "`kvpn quit` in the lab laptop failed ({}): {} — its daemons may outlive the lab",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Ok(Err(e)) => output::warn(&format!("`kvpn quit` in the lab laptop: {e}")),
+        Err(_) => {
+            // SAFETY: kill(2) on the pid of the child this function spawned (not
+            // yet reaped: its waiter thread is still blocked); no memory involved.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+            output::warn(&format!(
+                "`kvpn quit` in the lab laptop did not finish within {} s; stopped it (pid {pid})",
+                QUIT_WAIT.as_secs()
+            ));
+        }
+    }
+}
+
+/// Remove the laptop's runtime folder `runtime` the lab's `exec` chose; `Ok(false)`
+/// when there was none. Only this folder: a folder the caller chose with
+/// `KVPN_RUNTIME_DIR` is theirs.
+fn remove_runtime_dir(runtime: &Path) -> Result<bool> {
+    match std::fs::remove_dir_all(runtime) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e).with_context(|| {
+            format!(
+                "cannot remove the lab laptop's runtime folder {} — remove it by hand (`rm -r`)",
+                runtime.display()
+            )
+        }),
+    }
 }
 
 /// The netns of `role`: `laptop`, `node`, a static pod, or a Kubernetes pod by its name

@@ -111,11 +111,12 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         .map(|ip| (*ip, "the traffic manager".to_owned()))
         .collect();
     connect::warn_typed_cidr_holes(&args, &labelled);
-    let routes = connect::cluster_routes(
+    let routes = connect::cluster_routes_avoiding(
         &args.pod_cidrs,
         &args.service_cidrs,
         &args.extra_cidrs,
         &keep_out,
+        &args.never_proxy,
     );
     let routes = connect::ipv4_only_if_ipv6_off(routes);
     if routes.is_empty() {

@@ -427,6 +427,13 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         // Unknown (null) for a row from the user daemon's record alone, which
         // holds no routes, Services or conflicts: `[]` would read as "none".
         "routes": known(s.routes.iter().map(|r| serde_json::json!({"cidr": r.cidr, "kind": kind_name(r.kind), "watched": r.watched})).collect()),
+        // Laptop addresses inside the cluster ranges kept off the tunnel, with why.
+        "kept_out": origin.kept_out.iter().map(|k| serde_json::json!({
+            "address": k.address,
+            "why": k.why,
+            "cidr": k.cidr,
+            "kind": k.kind,
+        })).collect::<Vec<_>>(),
         "route_source": s.route_source.as_ref().map(|r| serde_json::json!({
             "mode": r.mode,
             "reason": text_or_null(&r.reason),
@@ -852,6 +859,11 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
         }
         for line in redial_and_offload_lines(s) {
             say!("    {line}");
+        }
+        if let Some(o) = &s.origin {
+            for k in &o.kept_out {
+                say!("    {}", crate::connect::kept_out_line(k));
+            }
         }
         match &s.route_source {
             Some(r) if r.reason.is_empty() => say!(

@@ -58,6 +58,8 @@ pub struct RouteWatchState {
     connect: Vec<IpNet>,
     /// Addresses never routed into the tunnel (rt-02).
     keep_out: Vec<IpAddr>,
+    /// Ranges never routed into the tunnel (`--never-proxy`).
+    never_proxy: Vec<IpNet>,
     pod_cidrs: BTreeSet<IpNet>,
     pod_cidr_source: String,
     services: BTreeMap<(String, String), ServiceRecord>,
@@ -109,6 +111,7 @@ impl RouteWatchState {
         Self {
             connect,
             keep_out,
+            never_proxy: Vec::new(),
             pod_cidrs: BTreeSet::new(),
             pod_cidr_source: String::new(),
             services: BTreeMap::new(),
@@ -120,6 +123,12 @@ impl RouteWatchState {
             dns_changed: false,
             ipv4_only: false,
         }
+    }
+
+    /// Never route `ranges` (`kvpn connect --never-proxy`).
+    pub fn never_proxy(mut self, ranges: Vec<IpNet>) -> Self {
+        self.never_proxy = ranges;
+        self
     }
 
     /// Leave IPv6 routes out (a laptop with IPv6 off, rt-08).
@@ -185,7 +194,13 @@ impl RouteWatchState {
         let pod_needed = kvpn_proto::cidr::subtract(&pods, &self.connect);
         let svc_needed = kvpn_proto::cidr::subtract(&cluster_ips, &self.connect);
         let mut out = BTreeMap::new();
-        for r in connect::cluster_routes(&pod_needed, &svc_needed, &[], &self.keep_out) {
+        for r in connect::cluster_routes_avoiding(
+            &pod_needed,
+            &svc_needed,
+            &[],
+            &self.keep_out,
+            &self.never_proxy,
+        ) {
             if let Ok(net) = r.cidr.parse::<IpNet>()
                 && !(self.ipv4_only && net.addr().is_ipv6())
             {
@@ -301,6 +316,8 @@ pub struct WatchConfig {
     pub namespace: String,
     /// Addresses never routed into the tunnel.
     pub keep_out: Vec<IpAddr>,
+    /// Ranges never routed into the tunnel (`--never-proxy`).
+    pub never_proxy: Vec<IpNet>,
     /// The root daemon's runtime folder.
     pub runtime_dir: PathBuf,
     /// The agent's data listener: the session whose manager address this is
@@ -436,7 +453,8 @@ pub async fn run(client: kube::Client, cfg: WatchConfig) {
     let (session_id, connect_routes) = find_session(&cfg).await;
     info!(session = %session_id, routes = connect_routes.len(), "route watch for session");
     let mut state = RouteWatchState::new(connect_routes, cfg.keep_out.clone())
-        .ipv4_only(connect::laptop_ipv6_off().is_some());
+        .ipv4_only(connect::laptop_ipv6_off().is_some())
+        .never_proxy(cfg.never_proxy.clone());
     let mut backoff = RECONNECT_BACKOFF.0;
     let mut ever_watched = false;
     loop {

@@ -363,9 +363,6 @@ impl WatchHandle {
             for net in &plan.add {
                 st.service_entries.remove(&net.0);
             }
-            if let Some(source) = &req.route_source {
-                st.source = Some(source.clone());
-            }
             if let Some(dns) = &req.dns {
                 st.dns = Some(dns.clone());
             }
@@ -395,6 +392,11 @@ impl WatchHandle {
         }
         if self.allow_route_conflict {
             self.sync_pinned(netlink, &laptop).await;
+        }
+        // Last: a reported source tells `kvpn connect` (which waits for it) that
+        // this request's routes and pinned host routes are in place.
+        if let Some(source) = &req.route_source {
+            lock(&self.state).source = Some(source.clone());
         }
         Ok(resp)
     }

@@ -1,6 +1,7 @@
 //! The laptop's essentials: addresses that must keep their current route even when a
 //! cluster CIDR covers them (case rt-02) — the API server, the SSH jump hosts, the
-//! laptop's nameservers and its default gateways. [`super::exclude`] punches them out
+//! laptop's nameservers, its default gateways and other VPNs' endpoints
+//! ([`super::vpn`]). [`super::exclude`] punches them out
 //! of the cluster ranges before routes are installed.
 //!
 //! I/O: reads `/etc/resolv.conf` (and systemd-resolved's upstream list when the
@@ -29,6 +30,8 @@ pub struct Essentials {
     pub ssh_hosts: Vec<IpAddr>,
     pub nameservers: Vec<IpAddr>,
     pub gateways: Vec<IpAddr>,
+    /// Other VPNs' endpoints, each with how it was found ([`super::vpn`]).
+    pub vpn_endpoints: Vec<(IpAddr, String)>,
     /// What could not be found out (unreadable file, netlink error, unresolvable
     /// host), for progress output; the lists above then miss those addresses.
     pub problems: Vec<String>,
@@ -47,6 +50,7 @@ impl Essentials {
         ]
         .into_iter()
         .flat_map(|(ips, what)| ips.iter().map(move |ip| (*ip, what.to_owned())))
+        .chain(self.vpn_endpoints.iter().cloned())
         .collect()
     }
 
@@ -59,6 +63,7 @@ impl Essentials {
             .chain(&self.nameservers)
             .chain(&self.gateways)
             .copied()
+            .chain(self.vpn_endpoints.iter().map(|(ip, _)| *ip))
             .collect();
         all.sort_unstable();
         all.dedup();
@@ -157,6 +162,12 @@ pub fn default_gateways_of(routes: &[RouteMessage]) -> Vec<IpAddr> {
 /// The default gateways of the calling thread's network namespace, both families.
 /// Needs a tokio runtime (the netlink connection is spawned on it).
 pub async fn default_gateways() -> Result<Vec<IpAddr>, EssentialsError> {
+    dump_routes().await.map(|r| default_gateways_of(&r))
+}
+
+/// Every route of the calling thread's network namespace (all tables), both
+/// families. Needs a tokio runtime.
+pub async fn dump_routes() -> Result<Vec<RouteMessage>, EssentialsError> {
     let (connection, handle, _) =
         rtnetlink::new_connection().map_err(|e| EssentialsError::Netlink(e.to_string()))?;
     let task = tokio::spawn(connection);
@@ -180,7 +191,7 @@ pub async fn default_gateways() -> Result<Vec<IpAddr>, EssentialsError> {
         }
     }
     task.abort();
-    result.map(|()| default_gateways_of(&routes))
+    result.map(|()| routes)
 }
 
 /// The addresses of `host`: an IP literal (IPv6 possibly in brackets, as in a URL)
@@ -222,12 +233,68 @@ pub async fn gather(api_server_hosts: &[&str], ssh_hosts: &[&str]) -> Essentials
         Ok(ns) => e.nameservers = ns,
         Err(err) => e.problems.push(err.to_string()),
     }
-    match default_gateways().await {
-        Ok(gw) => e.gateways = gw,
-        Err(err) => e.problems.push(err.to_string()),
-    }
+    let routes = match dump_routes().await {
+        Ok(r) => r,
+        Err(err) => {
+            e.problems.push(err.to_string());
+            Vec::new()
+        }
+    };
+    e.gateways = default_gateways_of(&routes);
+    let (endpoints, problems) = vpn_endpoints(&routes).await;
+    e.vpn_endpoints = endpoints;
+    e.problems.extend(problems);
     for p in &e.problems {
         tracing::warn!(problem = %p, "an address to keep out of the tunnel is unknown");
     }
     e
+}
+
+/// Other VPNs' endpoints ([`super::vpn`]) from `routes` (a dump of every table),
+/// the policy rules and the sockets; and what could not be found out.
+pub async fn vpn_endpoints(routes: &[RouteMessage]) -> (Vec<(IpAddr, String)>, Vec<String>) {
+    use super::vpn;
+    let mut found = vpn::gateway_host_routes(routes);
+    let mut problems = Vec::new();
+    let rules = match vpn::dump_rules().await {
+        Ok(r) => r,
+        Err(err) => {
+            problems.push(format!(
+                "cannot list the laptop's policy rules over rtnetlink: {err} — another VPN's \
+                 endpoint inside a cluster range may be captured; keep it off with --never-proxy"
+            ));
+            Vec::new()
+        }
+    };
+    found.extend(vpn::host_rules(&rules));
+    let marks = vpn::mark_rules(&rules);
+    if !marks.is_empty() {
+        match tokio::task::spawn_blocking(vpn::dump_sockets).await {
+            Ok(Ok(sockets)) => {
+                if !sockets.is_empty() && sockets.iter().all(|s| s.mark.is_none()) {
+                    problems.push(format!(
+                        "the laptop routes by firewall mark ({}), as VPNs such as wg-quick do, but \
+                         socket marks are visible only with CAP_NET_ADMIN (run connect as root): \
+                         that VPN's endpoint is unknown and, if inside a cluster range, would be \
+                         captured — keep it off with --never-proxy <endpoint>/32",
+                        marks
+                            .iter()
+                            .map(vpn::MarkRule::describe)
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    ));
+                }
+                found.extend(vpn::marked_endpoints(&sockets, &marks));
+            }
+            Ok(Err(err)) => problems.push(format!(
+                "{err} — the endpoint of the VPN behind {} is unknown; keep it off with \
+                 --never-proxy",
+                marks[0].describe()
+            )),
+            Err(err) => problems.push(format!("socket listing task failed: {err}")),
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    found.retain(|(ip, _)| seen.insert(*ip));
+    (found, problems)
 }

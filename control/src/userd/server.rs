@@ -273,6 +273,14 @@ fn agent_config(
                     .with_context(|| format!("bad keep-out address {ip:?}"))
             })
             .collect::<Result<_>>()?,
+        never_proxy: req
+            .never_proxy
+            .iter()
+            .map(|c| {
+                c.parse()
+                    .with_context(|| format!("bad never-proxy range {c:?}"))
+            })
+            .collect::<Result<_>>()?,
         runtime_dir: root_runtime_dir.to_path_buf(),
     })
 }

@@ -1,0 +1,169 @@
+//! End-to-end, the README's lab workflow ends with `kvpn lab down`: it must leave
+//! nothing of the lab behind, the laptop's runtime folder included (issue 29 item
+//! 9: kvpn's logs, sockets, pid and lock files stayed in
+//! `<lab state>/kvpn-lab-laptop-runtime`, and daemons a user forgot to quit kept
+//! running in the deleted laptop netns).
+//!
+//! The lab's persistent state goes to a folder of this test (`KVPN_LAB_STATE_DIR`),
+//! so `kvpn lab up` cannot meet another lab of that name; kvpn in the laptop gets
+//! the lab's own runtime folder (no `KVPN_RUNTIME_DIR` of the caller's), as a user
+//! who follows the README does.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kvpn_tests::text;
+
+/// A persistent lab of this test's own. Drop: `kvpn lab down` (again: a failed
+/// test must not leave it up), the folder.
+struct LabRun {
+    dir: PathBuf,
+    kvpn: PathBuf,
+}
+
+impl LabRun {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("kvpn-labdown-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for sub in ["lab-state", "xdg-state", "kvpn-state"] {
+            std::fs::create_dir_all(dir.join(sub))
+                .unwrap_or_else(|e| panic!("create {}: {e}", dir.join(sub).display()));
+        }
+        let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
+        LabRun { dir, kvpn }
+    }
+
+    /// `kvpn <args>` with the test's lab state folder, no runtime folder of the
+    /// caller's, bounded at 180 s.
+    fn kvpn(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new("timeout");
+        cmd.arg("180")
+            .arg(&self.kvpn)
+            .args(args)
+            .env("KVPN_LAB_STATE_DIR", self.dir.join("lab-state"))
+            .env("XDG_STATE_HOME", self.dir.join("xdg-state"))
+            .env("KVPN_STATE_DIR", self.dir.join("kvpn-state"))
+            .env_remove("KVPN_RUNTIME_DIR")
+            .env_remove("KUBECONFIG")
+            .env_remove("KVPN_RESOLV_CONF")
+            .env_remove("KVPN_HOSTS");
+        cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"))
+    }
+
+    /// The runtime folder `kvpn lab exec laptop` gives kvpn.
+    fn laptop_runtime(&self) -> PathBuf {
+        self.dir
+            .join("lab-state")
+            .join(format!("{}-laptop-runtime", kvpn_lab::DEFAULT_LAB_NAME))
+    }
+}
+
+impl Drop for LabRun {
+    fn drop(&mut self) {
+        let down = self.kvpn(&["lab", "down"]);
+        if !down.status.success() {
+            eprintln!(
+                "kvpn lab down: {}{}",
+                text(&down.stdout),
+                text(&down.stderr)
+            );
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn ok(what: &str, out: &Output, logs: impl FnOnce() -> String) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr),
+        logs()
+    );
+    text(&out.stdout)
+}
+
+fn pid_in(path: &Path) -> Option<i32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+fn alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .nth(2)
+            .is_some_and(|state| state == "Z")
+}
+
+#[test]
+fn lab_down_removes_the_laptop_runtime_folder_and_stops_its_daemons() {
+    let lab = LabRun::new();
+    ok("kvpn lab up", &lab.kvpn(&["lab", "up"]), String::new);
+    let runtime = lab.laptop_runtime();
+    let logs = || kvpn_tests::kube_lab::diagnostics_of(&lab.laptop_runtime());
+    // A user who connects and then tears the lab down without `kvpn quit`.
+    let kvpn = lab.kvpn.to_string_lossy().into_owned();
+    ok(
+        "kvpn lab exec laptop -- kvpn connect",
+        &lab.kvpn(&[
+            "lab",
+            "exec",
+            "laptop",
+            "--",
+            &kvpn,
+            "connect",
+            "--namespace",
+            "default",
+        ]),
+        logs,
+    );
+    // Precondition: the folder holds the daemons' logs and pid files.
+    for f in ["dataplane.log", "dataplane.pid", "user.log", "user.pid"] {
+        assert!(
+            runtime.join(f).exists(),
+            "{} has no {f} after connect: {:?}",
+            runtime.display(),
+            std::fs::read_dir(&runtime)
+                .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+                .unwrap_or_default()
+        );
+    }
+    let pids: Vec<i32> = ["dataplane.pid", "user.pid"]
+        .iter()
+        .filter_map(|f| pid_in(&runtime.join(f)))
+        .collect();
+    assert_eq!(pids.len(), 2, "both daemons' pids: {pids:?}");
+    assert!(pids.iter().all(|p| alive(*p)), "daemons running: {pids:?}");
+
+    let down = lab.kvpn(&["lab", "down"]);
+    let said = ok("kvpn lab down", &down, String::new);
+    assert!(
+        !runtime.exists(),
+        "`kvpn lab down` left the laptop's runtime folder {}: {:?}\n{said}",
+        runtime.display(),
+        std::fs::read_dir(&runtime)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+            .unwrap_or_default()
+    );
+    assert!(
+        said.contains(&runtime.display().to_string()),
+        "lab down names the folder it removed: {said}"
+    );
+    let left: Vec<i32> = pids.iter().copied().filter(|p| alive(*p)).collect();
+    assert!(
+        left.is_empty(),
+        "kvpn daemons of the lab laptop still run after `kvpn lab down`: {left:?}\n{said}"
+    );
+    // Nothing else of the lab in its state folder but what belongs to no lab.
+    let state: Vec<String> = std::fs::read_dir(lab.dir.join("lab-state"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(kvpn_lab::DEFAULT_LAB_NAME))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(state.is_empty(), "left in the lab state folder: {state:?}");
+}
