@@ -60,32 +60,35 @@ fn connect_returns_only_when_the_pinned_cluster_ip_routes_exist() {
             "--allow-route-conflict",
         ]);
         let took = t0.elapsed();
-        // At once: the pinned host route through the TUN device exists …
-        let tun = f.session()["tun_name"]
-            .as_str()
+        // At once, before anything else runs: the pinned host route exists and a
+        // curl to the ClusterIP works, first try.
+        let route = laptop_ok(&f, &["ip", "route", "show", &host]);
+        let url = format!("http://{web}/");
+        let curl = f.laptop(&["curl", "-sS", "--max-time", "5", &url]);
+        // The TUN device, as connect named it ("… on TUN device kvpn0 …").
+        let tun = said
+            .split("on TUN device ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
             .unwrap_or_default()
             .to_owned();
-        let route = laptop_ok(&f, &["ip", "route", "show", &host]);
         assert!(
             !tun.is_empty() && route.contains(&format!("dev {tun}")),
             "round {round}: {host} not pinned through {tun:?} when connect returned: {route:?}\n\
              connect said:\n{said}\n{}",
             f.diagnostics()
         );
-        // … and connect said so.
-        assert!(
-            said.contains(&format!("pinned {host} through {tun}")),
-            "round {round}: connect does not report the pinned route:\n{said}"
-        );
-        // A curl right after connect works, first try.
-        let url = format!("http://{web}/");
-        let curl = f.laptop(&["curl", "-sS", "--max-time", "5", &url]);
         assert!(
             curl.status.success() && text(&curl.stdout).starts_with("kvpn-lab-server"),
             "round {round}: curl {url} right after connect: {}{}\n{}",
             text(&curl.stdout),
             text(&curl.stderr),
             f.diagnostics()
+        );
+        // … and connect said so.
+        assert!(
+            said.contains(&format!("pinned {host} through {tun}")),
+            "round {round}: connect does not report the pinned route:\n{said}"
         );
         eprintln!("round {round}: connect took {took:?}; pinned route and curl fine at once");
         f.kvpn_ok(&["disconnect", "--all"]);
