@@ -65,6 +65,8 @@ pub struct AgentConfig {
     pub keep_out: Vec<std::net::IpAddr>,
     /// Ranges the route watch never routes into the tunnel (`--never-proxy`).
     pub never_proxy: Vec<ipnet::IpNet>,
+    /// Names resolved through the cluster DNS and routed (`--extra-domain`).
+    pub extra_domains: Vec<String>,
     /// The root daemon's runtime folder (the route watch's UpdateRoutes).
     pub runtime_dir: PathBuf,
 }
@@ -245,6 +247,7 @@ impl OpenSession {
                     namespace: conn.description.namespace.clone(),
                     keep_out: config.keep_out.clone(),
                     never_proxy: config.never_proxy.clone(),
+                    extra_domains: config.extra_domains.clone(),
                     runtime_dir: config.runtime_dir.clone(),
                     data_addr: addr,
                 },

@@ -480,6 +480,18 @@ pub struct ConnectArgs {
     /// routes that appear later.
     #[arg(long = "never-proxy", value_name = "CIDR", value_parser = parse_cidr)]
     pub never_proxy: Vec<IpNet>,
+    /// A name the cluster resolves (repeatable): the laptop asks the cluster DNS
+    /// for it and routes its addresses through the tunnel (re-resolved every
+    /// 30 s). A name the cluster DNS does not know only warns.
+    #[arg(long = "extra-domain", value_name = "NAME", value_parser = parse_domain)]
+    pub extra_domains: Vec<String>,
+    /// Names under this suffix go to the cluster DNS (repeatable), unchanged.
+    #[arg(long = "include-suffix", value_name = "SUFFIX", value_parser = parse_domain)]
+    pub include_suffixes: Vec<String>,
+    /// Names under this suffix always go to the laptop's own nameservers
+    /// (repeatable), also under the cluster domain: it wins over every other rule.
+    #[arg(long = "exclude-suffix", value_name = "SUFFIX", value_parser = parse_domain)]
+    pub exclude_suffixes: Vec<String>,
     /// Detect the cluster's pod and service CIDRs again instead of using the ones a
     /// previous connect cached in the manager's ConfigMap (the cache is rewritten).
     #[arg(long)]
@@ -659,6 +671,38 @@ fn parse_connect_mtu(text: &str) -> Result<u32, String> {
 /// 10.0.0.0/8 routed 16 million addresses where the user may have meant one.
 /// CIDRs kvpn detects itself are normalised without a word instead
 /// ([`kvpn_proto::cidr::normalise`]).
+/// A domain name or suffix as typed (`db.corp.example`, `.corp.example`,
+/// trailing dot allowed): lower-cased, without the dots at either end.
+fn parse_domain(text: &str) -> Result<String, String> {
+    let name = text.trim().trim_start_matches('.').trim_end_matches('.');
+    let bad = |why: &str| {
+        Err(format!(
+            "{text:?} is not a domain name: {why} — give one such as db.corp.example"
+        ))
+    };
+    if name.is_empty() {
+        return bad("it is empty");
+    }
+    if name.len() > 253 {
+        return bad("longer than 253 characters");
+    }
+    for label in name.split('.') {
+        if label.is_empty() {
+            return bad("an empty label (two dots in a row)");
+        }
+        if label.len() > 63 {
+            return bad("a label longer than 63 characters");
+        }
+        if !label
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return bad("only letters, digits, '-' and '_' go in a label");
+        }
+    }
+    Ok(name.to_ascii_lowercase())
+}
+
 fn parse_cidr(text: &str) -> Result<IpNet, String> {
     let example = "e.g. 10.244.0.0/16 or fd00:10:244::/64";
     let Some((addr, prefix)) = text.split_once('/') else {

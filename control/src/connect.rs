@@ -163,6 +163,17 @@ pub async fn wait_route_watch(
                         session.tun_name
                     ));
                 }
+                let extra = session
+                    .route_source
+                    .as_ref()
+                    .map(|s| s.extra_domains.clone())
+                    .unwrap_or_default();
+                for line in extra_domain_lines(&extra, &session.tun_name) {
+                    match line {
+                        Ok(l) => output::done(&l),
+                        Err(l) => output::warn(&l),
+                    }
+                }
                 return Ok(report);
             }
             RouteWatchReport::CidrOnly(why) => {
@@ -186,6 +197,31 @@ pub async fn wait_route_watch(
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// One line per `--extra-domain` name: `Ok` when its addresses are routed
+/// through `tun`, `Err` (a warning: connect goes on) when it has none.
+pub fn extra_domain_lines(
+    extra: &[kvpn_proto::dataplane::ExtraDomain],
+    tun: &str,
+) -> Vec<Result<String, String>> {
+    extra
+        .iter()
+        .map(|d| {
+            if d.error.is_empty() {
+                Ok(format!(
+                    "extra domain {} resolved through the cluster DNS: {} routed through {tun}",
+                    d.name,
+                    d.addresses.join(", ")
+                ))
+            } else {
+                Err(format!(
+                    "extra domain {}: {} — nothing routed for it; connect goes on",
+                    d.name, d.error
+                ))
+            }
+        })
+        .collect()
 }
 
 /// Tell the user how the session stands after Connect: "Connected …" only after
@@ -1120,6 +1156,9 @@ pub(crate) async fn cluster_dns(
             format!("svc.{CLUSTER_DOMAIN}"),
             CLUSTER_DOMAIN.to_owned(),
         ],
+        // Set by connect from its flags.
+        include_suffixes: Vec::new(),
+        exclude_suffixes: Vec::new(),
     })
 }
 
@@ -1344,6 +1383,10 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         manager_commit: String::new(),
         cluster_id: conn.description.cluster_id.clone(),
         kept_out: Vec::new(),
+        extra_domains: args.extra_domains.clone(),
+        include_suffixes: args.include_suffixes.clone(),
+        exclude_suffixes: args.exclude_suffixes.clone(),
+        never_proxy: args.never_proxy.iter().map(ToString::to_string).collect(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(session_policy) = already_connected(&mut user, &origin).await? {
@@ -1501,11 +1544,30 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     }
 
     let dns = match cluster_dns(&conn.client, &conn.description.namespace).await {
-        Ok(dns) => Some(dns),
+        Ok(mut dns) => {
+            // --extra-domain names are the cluster DNS's to answer too.
+            dns.include_suffixes = args
+                .include_suffixes
+                .iter()
+                .chain(&args.extra_domains)
+                .cloned()
+                .collect();
+            dns.exclude_suffixes = args.exclude_suffixes.clone();
+            Some(dns)
+        }
         Err(why) => {
             output::warn(&format!(
                 "cluster names will not resolve on this laptop: {why}"
             ));
+            if !(args.extra_domains.is_empty()
+                && args.include_suffixes.is_empty()
+                && args.exclude_suffixes.is_empty())
+            {
+                output::warn(
+                    "--extra-domain, --include-suffix and --exclude-suffix have no effect \
+                     without the cluster DNS",
+                );
+            }
             None
         }
     };
@@ -1533,6 +1595,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         grpc_port: u32::from(manager.grpc_port),
         keep_out: keep_out.iter().map(ToString::to_string).collect(),
         never_proxy: args.never_proxy.iter().map(ToString::to_string).collect(),
+        extra_domains: args.extra_domains.clone(),
         ssh_direct: data_path
             .ssh_direct_target()
             .map(|t| t.to_string())
@@ -1742,7 +1805,7 @@ mod tests {
             manager_version: String::new(),
             manager_commit: String::new(),
             cluster_id: String::new(),
-            kept_out: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -434,6 +434,19 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "cidr": k.cidr,
             "kind": k.kind,
         })).collect::<Vec<_>>(),
+        // connect's DNS and routing options, and what the cluster DNS said of
+        // each --extra-domain (null until the route watch asked).
+        "never_proxy": origin.never_proxy,
+        "include_suffixes": origin.include_suffixes,
+        "exclude_suffixes": origin.exclude_suffixes,
+        "extra_domains": origin.extra_domains.iter().map(|name| {
+            let got = s.route_source.as_ref().and_then(|r| r.extra_domains.iter().find(|d| d.name == *name));
+            serde_json::json!({
+                "name": name,
+                "addresses": got.map(|d| d.addresses.clone()),
+                "error": got.map(|d| text_or_null(&d.error)),
+            })
+        }).collect::<Vec<_>>(),
         "route_source": s.route_source.as_ref().map(|r| serde_json::json!({
             "mode": r.mode,
             "reason": text_or_null(&r.reason),
@@ -863,6 +876,44 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
         if let Some(o) = &s.origin {
             for k in &o.kept_out {
                 say!("    {}", crate::connect::kept_out_line(k));
+            }
+            if !o.never_proxy.is_empty() {
+                say!(
+                    "    never proxied (--never-proxy): {}",
+                    o.never_proxy.join(" ")
+                );
+            }
+            if !o.include_suffixes.is_empty() {
+                say!(
+                    "    DNS to the cluster for suffixes (--include-suffix): {}",
+                    o.include_suffixes.join(" ")
+                );
+            }
+            if !o.exclude_suffixes.is_empty() {
+                say!(
+                    "    DNS to the laptop's nameservers for suffixes (--exclude-suffix): {}",
+                    o.exclude_suffixes.join(" ")
+                );
+            }
+            let reported = s
+                .route_source
+                .as_ref()
+                .map(|r| r.extra_domains.clone())
+                .unwrap_or_default();
+            for name in &o.extra_domains {
+                match reported.iter().find(|d| d.name == *name) {
+                    Some(d) => match crate::connect::extra_domain_lines(
+                        std::slice::from_ref(d),
+                        &s.tun_name,
+                    )
+                    .remove(0)
+                    {
+                        Ok(l) | Err(l) => say!("    {l}"),
+                    },
+                    None => say!(
+                        "    extra domain {name}: not asked yet (the route watch has not reported)"
+                    ),
+                }
             }
         }
         match &s.route_source {

@@ -60,6 +60,9 @@ pub struct RouteWatchState {
     keep_out: Vec<IpAddr>,
     /// Ranges never routed into the tunnel (`--never-proxy`).
     never_proxy: Vec<IpNet>,
+    /// `--extra-domain` names and the cluster DNS's last answer for each
+    /// (`None` until asked): addresses, or why there are none.
+    extra: BTreeMap<String, Option<Result<Vec<IpAddr>, String>>>,
     pod_cidrs: BTreeSet<IpNet>,
     pod_cidr_source: String,
     services: BTreeMap<(String, String), ServiceRecord>,
@@ -102,6 +105,9 @@ fn dns_for_daemon(d: &kvpn_proto::manager::ClusterDns) -> ClusterDns {
         servers: d.servers.clone(),
         domain: d.domain.clone(),
         search: d.search.clone(),
+        // The forwarder's suffixes come with Connect only; this copy is for status.
+        include_suffixes: Vec::new(),
+        exclude_suffixes: Vec::new(),
     }
 }
 
@@ -112,6 +118,7 @@ impl RouteWatchState {
             connect,
             keep_out,
             never_proxy: Vec::new(),
+            extra: BTreeMap::new(),
             pod_cidrs: BTreeSet::new(),
             pod_cidr_source: String::new(),
             services: BTreeMap::new(),
@@ -129,6 +136,46 @@ impl RouteWatchState {
     pub fn never_proxy(mut self, ranges: Vec<IpNet>) -> Self {
         self.never_proxy = ranges;
         self
+    }
+
+    /// Resolve `names` through the cluster DNS and route their answers.
+    pub fn extra_domains(mut self, names: &[String]) -> Self {
+        self.extra = names
+            .iter()
+            .map(|n| (n.trim().trim_end_matches('.').to_ascii_lowercase(), None))
+            .filter(|(n, _)| !n.is_empty())
+            .collect();
+        self
+    }
+
+    /// The `--extra-domain` names, and the cluster DNS servers to ask
+    /// (empty until the watch reported them).
+    pub fn extra_to_resolve(&self) -> (Vec<String>, Vec<String>) {
+        (
+            self.extra.keys().cloned().collect(),
+            self.dns
+                .as_ref()
+                .map(|d| d.servers.clone())
+                .unwrap_or_default(),
+        )
+    }
+
+    /// Take in the cluster DNS's answer for an `--extra-domain` name; whether
+    /// it changed what the session should route or report.
+    pub fn handle_extra_answer(&mut self, name: &str, answer: Result<Vec<IpAddr>, String>) -> bool {
+        let answer = answer.map(|mut ips| {
+            ips.retain(|ip| !(self.ipv4_only && ip.is_ipv6()));
+            ips.sort_unstable();
+            ips.dedup();
+            ips
+        });
+        match self.extra.get_mut(name) {
+            Some(slot) if slot.as_ref() != Some(&answer) => {
+                *slot = Some(answer);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Leave IPv6 routes out (a laptop with IPv6 off, rt-08).
@@ -193,11 +240,18 @@ impl RouteWatchState {
             .collect();
         let pod_needed = kvpn_proto::cidr::subtract(&pods, &self.connect);
         let svc_needed = kvpn_proto::cidr::subtract(&cluster_ips, &self.connect);
+        let extra_ips: Vec<IpNet> = self
+            .extra
+            .values()
+            .flat_map(|a| a.iter().flat_map(|r| r.iter().flatten()))
+            .map(|ip| IpNet::from(*ip))
+            .collect();
+        let extra_needed = kvpn_proto::cidr::subtract(&extra_ips, &self.connect);
         let mut out = BTreeMap::new();
         for r in connect::cluster_routes_avoiding(
             &pod_needed,
             &svc_needed,
-            &[],
+            &extra_needed,
             &self.keep_out,
             &self.never_proxy,
         ) {
@@ -257,6 +311,7 @@ impl RouteWatchState {
                 reason: reason.to_owned(),
                 pod_cidr_source: self.pod_cidr_source.clone(),
                 pod_cidrs: self.pod_cidrs.iter().map(ToString::to_string).collect(),
+                extra_domains: self.extra_report(),
             }),
             dns: if self.resync || self.dns_changed {
                 self.dns.clone()
@@ -267,6 +322,28 @@ impl RouteWatchState {
             services_upsert,
             services_remove,
         }
+    }
+
+    /// The `--extra-domain` names as last resolved, for status.
+    pub fn extra_report(&self) -> Vec<kvpn_proto::dataplane::ExtraDomain> {
+        self.extra
+            .iter()
+            .map(|(name, answer)| kvpn_proto::dataplane::ExtraDomain {
+                name: name.clone(),
+                addresses: match answer {
+                    Some(Ok(ips)) => ips.iter().map(ToString::to_string).collect(),
+                    _ => Vec::new(),
+                },
+                error: match answer {
+                    None => "not asked yet: the cluster DNS is not known yet".to_owned(),
+                    Some(Ok(ips)) if ips.is_empty() => {
+                        "the cluster DNS has no address for it (NOERROR, no A/AAAA)".to_owned()
+                    }
+                    Some(Ok(_)) => String::new(),
+                    Some(Err(e)) => e.clone(),
+                },
+            })
+            .collect()
     }
 
     /// The root daemon took `request(..)`: its routes are now the desired ones.
@@ -318,6 +395,9 @@ pub struct WatchConfig {
     pub keep_out: Vec<IpAddr>,
     /// Ranges never routed into the tunnel (`--never-proxy`).
     pub never_proxy: Vec<IpNet>,
+    /// Names resolved through the cluster DNS, their answers routed
+    /// (`--extra-domain`).
+    pub extra_domains: Vec<String>,
     /// The root daemon's runtime folder.
     pub runtime_dir: PathBuf,
     /// The agent's data listener: the session whose manager address this is
@@ -410,10 +490,32 @@ async fn watch_once(
             Err(s) => return end_of(&s),
         };
         info!(%pod, namespace = %cfg.namespace, "watching routes");
+        let mut refresh = tokio::time::interval(EXTRA_DOMAIN_REFRESH);
+        refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first tick is immediate; the first update resolves anyway.
+        refresh.tick().await;
         loop {
-            match stream.message().await {
+            let message = tokio::select! {
+                m = stream.message() => m,
+                _ = refresh.tick(), if !cfg.extra_domains.is_empty() => {
+                    if resolve_extra(state).await {
+                        match push(cfg, state.request(session_id, "")).await {
+                            Ok(()) => state.acknowledge(),
+                            Err(e) => {
+                                warn!("{e:#}");
+                                state.refused();
+                            }
+                        }
+                    }
+                    continue;
+                }
+            };
+            match message {
                 Ok(Some(update)) => {
                     state.handle_update(&update);
+                    if update.snapshot || update.dns.is_some() {
+                        resolve_extra(state).await;
+                    }
                     match push(cfg, state.request(session_id, "")).await {
                         Ok(()) => {
                             state.acknowledge();
@@ -437,6 +539,124 @@ async fn watch_once(
     end
 }
 
+/// How often `--extra-domain` names are asked again: their answers can change
+/// (a failover, a DNS-balanced service); the lab's cluster DNS gives TTL 5 s,
+/// CoreDNS's default is 30 s.
+pub const EXTRA_DOMAIN_REFRESH: Duration = Duration::from_secs(30);
+
+/// How long one question to the cluster DNS may take (each of A and AAAA, two
+/// tries): through the tunnel a cluster DNS answers in milliseconds.
+const EXTRA_DOMAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Ask the cluster DNS for every `--extra-domain` name; whether anything changed.
+async fn resolve_extra(state: &mut RouteWatchState) -> bool {
+    let (names, servers) = state.extra_to_resolve();
+    if names.is_empty() || servers.is_empty() {
+        return false;
+    }
+    let mut changed = false;
+    for name in names {
+        let answer = resolve_through(&servers, &name).await;
+        match &answer {
+            Ok(ips) => {
+                info!(%name, addresses = ?ips, "extra domain resolved through the cluster DNS")
+            }
+            Err(e) => warn!(%name, error = %e, "extra domain not resolved"),
+        }
+        changed |= state.handle_extra_answer(&name, answer);
+    }
+    changed
+}
+
+/// The A and AAAA addresses of `name` from the first of `servers` that
+/// answers (UDP, port 53 unless given).
+async fn resolve_through(servers: &[String], name: &str) -> Result<Vec<IpAddr>, String> {
+    use hickory_proto::op::{Message, Query, ResponseCode};
+    use hickory_proto::rr::{Name, RData, RecordType};
+    let fqdn = Name::from_ascii(format!("{name}.")).map_err(|e| {
+        format!("{name:?} is not a domain name ({e}) — give a name such as db.corp.example")
+    })?;
+    let mut last = String::from("no cluster DNS server");
+    for server in servers {
+        let addr: SocketAddr = match server.parse::<SocketAddr>() {
+            Ok(a) => a,
+            Err(_) => match server.parse::<IpAddr>() {
+                Ok(ip) => SocketAddr::new(ip, 53),
+                Err(_) => continue,
+            },
+        };
+        let mut ips = Vec::new();
+        let mut nx = false;
+        let mut failed = None;
+        for qtype in [RecordType::A, RecordType::AAAA] {
+            let mut q = Message::query();
+            q.metadata.id = rand::random();
+            q.metadata.recursion_desired = true;
+            q.add_query(Query::query(fqdn.clone(), qtype));
+            let Ok(bytes) = q.to_vec() else { continue };
+            let answer = async {
+                let bind: SocketAddr = if addr.is_ipv4() {
+                    (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+                } else {
+                    (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+                };
+                let sock = tokio::net::UdpSocket::bind(bind).await?;
+                sock.connect(addr).await?;
+                let mut buf = vec![0u8; 4096];
+                for _ in 0..2 {
+                    sock.send(&bytes).await?;
+                    if let Ok(n) =
+                        tokio::time::timeout(EXTRA_DOMAIN_TIMEOUT, sock.recv(&mut buf)).await
+                    {
+                        let n = n?;
+                        if let Ok(m) = Message::from_vec(&buf[..n])
+                            && m.metadata.id == q.metadata.id
+                        {
+                            return Ok(m);
+                        }
+                    }
+                }
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "no answer within {} s, twice",
+                        EXTRA_DOMAIN_TIMEOUT.as_secs()
+                    ),
+                ))
+            }
+            .await;
+            match answer {
+                Ok(m) if m.metadata.response_code == ResponseCode::NXDomain => nx = true,
+                Ok(m) if m.metadata.response_code == ResponseCode::NoError => {
+                    ips.extend(m.answers.iter().filter_map(|r| match &r.data {
+                        RData::A(a) => Some(IpAddr::V4(a.0)),
+                        RData::AAAA(a) => Some(IpAddr::V6(a.0)),
+                        _ => None,
+                    }));
+                }
+                Ok(m) => {
+                    failed = Some(format!(
+                        "the cluster DNS {addr} answered {}",
+                        m.metadata.response_code
+                    ));
+                }
+                Err(e) => failed = Some(format!("the cluster DNS {addr}: {e}")),
+            }
+        }
+        if nx {
+            return Err(format!(
+                "does not exist in the cluster DNS {addr} (NXDOMAIN) — check the name; kvpn asks again every {} s",
+                EXTRA_DOMAIN_REFRESH.as_secs()
+            ));
+        }
+        if !ips.is_empty() || failed.is_none() {
+            return Ok(ips);
+        }
+        last = failed.unwrap_or_default();
+    }
+    Err(last)
+}
+
 fn end_of(s: &tonic::Status) -> WatchEnd {
     use tonic::Code;
     match s.code() {
@@ -454,7 +674,8 @@ pub async fn run(client: kube::Client, cfg: WatchConfig) {
     info!(session = %session_id, routes = connect_routes.len(), "route watch for session");
     let mut state = RouteWatchState::new(connect_routes, cfg.keep_out.clone())
         .ipv4_only(connect::laptop_ipv6_off().is_some())
-        .never_proxy(cfg.never_proxy.clone());
+        .never_proxy(cfg.never_proxy.clone())
+        .extra_domains(&cfg.extra_domains);
     let mut backoff = RECONNECT_BACKOFF.0;
     let mut ever_watched = false;
     loop {

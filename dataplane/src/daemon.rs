@@ -542,7 +542,9 @@ impl Daemon {
                 )
             })
             .map(|(cidr, _)| *cidr);
-        let cluster = match ClusterDns::new(&api.servers, &api.domain, &api.search, ipv6) {
+        let cluster = match ClusterDns::new(&api.servers, &api.domain, &api.search, ipv6)
+            .and_then(|c| c.with_suffixes(&api.include_suffixes, &api.exclude_suffixes))
+        {
             Ok(c) => c.with_reverse(reverse),
             Err(e) => return Ok(format!("not configured: {e}")),
         };
@@ -897,6 +899,14 @@ impl Dataplane for Daemon {
         // The manager's view of the cluster DNS (its domain flag, the kube-dns
         // Service) replaces what the CLI guessed at connect.
         if let Some(api) = req.dns.as_ref() {
+            // The route watch never sends suffixes: they are connect's (the
+            // user's flags) and stay.
+            let mut api = api.clone();
+            if let Some(dns) = &self.dns {
+                (api.include_suffixes, api.exclude_suffixes) =
+                    dns.suffixes_of(&req.session_id).await;
+            }
+            let api = &api;
             let found = self
                 .sessions()
                 .get(&req.session_id)

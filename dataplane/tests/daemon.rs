@@ -435,6 +435,7 @@ fn update_routes_adds_and_removes_watched_routes() {
                     servers: vec!["10.96.0.10".into()],
                     domain: "cluster.local".into(),
                     search: vec!["default.svc.cluster.local".into()],
+                    ..Default::default()
                 }),
                 services_replace: true,
                 services_upsert: vec![ClusterService {

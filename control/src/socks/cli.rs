@@ -129,8 +129,8 @@ pub async fn connect(
         manager_version: String::new(),
         manager_commit: String::new(),
         cluster_id: conn.description.cluster_id.clone(),
-        // No routes in SOCKS mode: nothing is kept off a tunnel.
-        kept_out: Vec::new(),
+        // No routes in SOCKS mode: nothing is kept off a tunnel, no DNS options.
+        ..Default::default()
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     if let Some(s) = socks_sessions(&mut user).await?.into_iter().find(|s| {

@@ -281,6 +281,7 @@ fn agent_config(
                     .with_context(|| format!("bad never-proxy range {c:?}"))
             })
             .collect::<Result<_>>()?,
+        extra_domains: req.extra_domains.clone(),
         runtime_dir: root_runtime_dir.to_path_buf(),
     })
 }

@@ -392,6 +392,25 @@ impl Dns {
     /// The namespaces the route watch reported Services in for session `id`:
     /// while the session is down their `svc.ns` spellings stay cluster names
     /// ([`names::while_unreachable`]) instead of going to the laptop's resolvers.
+    /// The include and exclude suffixes session `id` was connected with (empty
+    /// lists for an unknown session): the user's, which a later update of the
+    /// cluster's DNS settings keeps.
+    pub async fn suffixes_of(&self, id: &str) -> (Vec<String>, Vec<String>) {
+        let state = self.state.lock().await;
+        let text = |names: &[hickory_proto::rr::Name]| {
+            names
+                .iter()
+                .map(|n| n.to_ascii().trim_end_matches('.').to_owned())
+                .collect::<Vec<_>>()
+        };
+        state
+            .sessions
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (text(&s.cluster.include), text(&s.cluster.exclude)))
+            .unwrap_or_default()
+    }
+
     pub async fn set_namespaces<'a>(
         &self,
         id: &str,

@@ -26,7 +26,14 @@
 //! - a reverse name (`100.0.96.10.in-addr.arpa`, `….ip6.arpa`) of an address in the
 //!   cluster's pod or service CIDRs ([`ClusterDns::reverse`]): the cluster DNS answers
 //!   it, so `dig -x <ClusterIP>` gives the Service's name;
+//! - a name under one of the session's include suffixes (`kvpn connect
+//!   --include-suffix`, and every `--extra-domain`): the cluster DNS, unchanged
+//!   (the cluster's resolver knows names the laptop's does not: stub domains,
+//!   ExternalName targets);
 //! - everything else: the laptop's upstream nameservers, unchanged (case dns-05).
+//!
+//! A name under one of the session's exclude suffixes (`--exclude-suffix`) is the
+//! laptop's whatever the rules above say: the user's word wins.
 //!
 //! While a cluster's session is not connected, [`while_unreachable`] turns the
 //! questions that would go to that cluster into an immediate SERVFAIL.
@@ -97,6 +104,12 @@ pub struct ClusterDns {
     /// cluster told the session, so [`while_unreachable`] keeps their `svc.ns`
     /// spellings in the cluster during an outage.
     pub namespaces: Vec<Name>,
+    /// Suffixes whose names go to the cluster DNS unchanged
+    /// ([`ClusterDns::with_suffixes`]), lower case, fully qualified.
+    pub include: Vec<Name>,
+    /// Suffixes whose names always go to the laptop's upstream (they win over
+    /// every other rule), lower case, fully qualified.
+    pub exclude: Vec<Name>,
 }
 
 fn fqdn(text: &str) -> Result<Name, ConfigError> {
@@ -163,6 +176,8 @@ impl ClusterDns {
             ipv6,
             reverse: Vec::new(),
             namespaces: Vec::new(),
+            include: Vec::new(),
+            exclude: Vec::new(),
         })
     }
 
@@ -173,6 +188,28 @@ impl ClusterDns {
         self.reverse.sort();
         self.reverse.dedup();
         self
+    }
+
+    /// The same, with names under `include` sent to the cluster DNS unchanged
+    /// and names under `exclude` always sent upstream (suffixes such as
+    /// `corp.example` or `.corp.example`).
+    pub fn with_suffixes(
+        mut self,
+        include: &[String],
+        exclude: &[String],
+    ) -> Result<Self, ConfigError> {
+        let parse = |list: &[String]| -> Result<Vec<Name>, ConfigError> {
+            let mut out: Vec<Name> = list
+                .iter()
+                .map(|s| fqdn(s.trim().trim_start_matches('.')))
+                .collect::<Result<_, _>>()?;
+            out.sort();
+            out.dedup();
+            Ok(out)
+        };
+        self.include = parse(include)?;
+        self.exclude = parse(exclude)?;
+        Ok(self)
     }
 
     /// The same, knowing that `namespaces` exist (the route watch reported
@@ -365,6 +402,12 @@ pub fn classify(query: &Query, cluster: &ClusterDns) -> Plan {
     name.set_fqdn(true);
     if name.is_root() || name.is_localhost() {
         return Plan::Upstream;
+    }
+    if cluster.exclude.iter().any(|s| s.zone_of(&name)) {
+        return Plan::Upstream;
+    }
+    if cluster.include.iter().any(|s| s.zone_of(&name)) && !cluster.domain.zone_of(&name) {
+        return Plan::Cluster;
     }
     if cluster.domain.zone_of(&name) {
         return if query.query_type() == RecordType::AAAA && !cluster.ipv6 {
@@ -1026,6 +1069,53 @@ mod tests {
         assert_eq!(
             cache.get(&x, t0 + Duration::from_millis(100_500)),
             Some(true)
+        );
+    }
+
+    /// Include suffixes send their names to the cluster DNS unchanged (no
+    /// search expansion, no empty-AAAA shortcut); exclude suffixes send names
+    /// upstream even under the cluster domain; both match the suffix itself and
+    /// every name below it, case-insensitively, with or without a leading dot.
+    #[test]
+    fn include_and_exclude_suffixes_decide_before_the_other_rules() {
+        let c = ClusterDns::new(
+            &["10.96.0.10".into()],
+            "cluster.local",
+            &[
+                "dev.svc.cluster.local".into(),
+                "svc.cluster.local".into(),
+                "cluster.local".into(),
+            ],
+            false,
+        )
+        .expect("config")
+        .with_suffixes(
+            &[".corp.example".into(), "db.internal".into()],
+            &["legacy.cluster.local".into(), "public.corp.example".into()],
+        )
+        .expect("suffixes");
+        let q = |name: &str, t: RecordType| {
+            classify(&Query::query(Name::from_ascii(name).expect("name"), t), &c)
+        };
+        assert_eq!(q("corp.example", RecordType::A), Plan::Cluster);
+        assert_eq!(q("Api.CORP.example.", RecordType::A), Plan::Cluster);
+        assert_eq!(q("api.corp.example", RecordType::AAAA), Plan::Cluster);
+        assert_eq!(q("db.internal", RecordType::A), Plan::Cluster);
+        assert_eq!(q("x.db.internal", RecordType::A), Plan::Cluster);
+        // Not a suffix match: "notcorp.example" is another name.
+        assert_ne!(q("notcorp.example", RecordType::A), Plan::Cluster);
+        // Exclusion wins, also over the cluster domain and an include suffix.
+        assert_eq!(q("a.legacy.cluster.local", RecordType::A), Plan::Upstream);
+        assert_eq!(q("www.public.corp.example", RecordType::A), Plan::Upstream);
+        // The rest as before.
+        assert_eq!(q("web.dev.svc.cluster.local", RecordType::A), Plan::Cluster);
+        assert_eq!(q("www.example.com", RecordType::NS), Plan::Upstream);
+        assert_eq!(
+            ClusterDns::new(&["10.96.0.10".into()], "cluster.local", &[], false)
+                .expect("config")
+                .with_suffixes(&["bad..name".into()], &[])
+                .err(),
+            Some(ConfigError::Domain("bad..name".into()))
         );
     }
 }
