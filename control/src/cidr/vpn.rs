@@ -10,10 +10,17 @@
 //!   from sock_diag (`INET_DIAG_MARK`), which the kernel only reports to a
 //!   caller with CAP_NET_ADMIN: without it, a found fwmark rule becomes a
 //!   problem the user is told about.
-//! - an `ip rule` for one host (`to 203.0.113.7 lookup main`): a VPN exempting
-//!   its endpoint by rule;
+//! - an `ip rule` sending one host to the main table (`to 203.0.113.7 lookup
+//!   main`): a VPN exempting its endpoint from its own catch-all table, so the
+//!   main table, where kvpn's routes are, decides;
 //! - a host route through a gateway (`203.0.113.7 via 192.168.1.1`, OpenVPN,
 //!   vpnc, strongSwan's table 220): a VPN pinning its endpoint to the uplink.
+//!
+//! Rules are consulted by priority, so only traffic that ends up in the main
+//! table can meet kvpn's routes: a host or mark rule that sends its traffic to
+//! another table (which routes it) is no capture risk and names nothing; an
+//! inverted mark rule (`not fwmark M lookup T`) lets the marked traffic fall
+//! through to main, and so does `fwmark M lookup main` (Tailscale's).
 //!
 //! Pure: [`mark_rules`], [`host_rules`], [`gateway_host_routes`],
 //! [`parse_diag_msg`], [`marked_endpoints`]. I/O: [`dump_rules`] (rtnetlink,
@@ -46,6 +53,13 @@ impl MarkRule {
     /// what it lets through: the VPN's own packets).
     pub fn matches(&self, mark: u32) -> bool {
         mark != 0 && mark & self.mask == self.mark
+    }
+
+    /// Whether the marked traffic this rule is about reaches the main table
+    /// (where kvpn's routes are): an inverted rule lets it fall through, a
+    /// rule to `main` sends it there.
+    pub fn leads_to_main(&self) -> bool {
+        self.invert || self.table == Some(254)
     }
 
     /// `ip rule`'s wording of it.
@@ -129,8 +143,8 @@ pub fn mark_rules(rules: &[RuleMessage]) -> Vec<MarkRule> {
         .collect()
 }
 
-/// Hosts that a rule selects by destination (`to <host>`, full prefix length,
-/// not inverted), with the rule's wording.
+/// Hosts that a rule sends to the main table by destination (`to <host> lookup
+/// main`, full prefix length, not inverted), with the rule's wording.
 pub fn host_rules(rules: &[RuleMessage]) -> Vec<(IpAddr, String)> {
     rules
         .iter()
@@ -141,13 +155,10 @@ pub fn host_rules(rules: &[RuleMessage]) -> Vec<(IpAddr, String)> {
                 _ => None,
             })?;
             let full = if dst.is_ipv4() { 32 } else { 128 };
-            if r.header.dst_len != full {
+            if r.header.dst_len != full || rule_table(r) != Some(254) {
                 return None;
             }
-            let action = rule_table(r).map_or_else(
-                || "goto/other".to_owned(),
-                |t| format!("lookup {}", table_name(t)),
-            );
+            let action = "lookup main";
             Some((
                 dst,
                 format!(
@@ -275,7 +286,7 @@ pub fn marked_endpoints(sockets: &[DiagSocket], rules: &[MarkRule]) -> Vec<(IpAd
         if s.peer.is_unspecified() || s.peer_port == 0 || s.peer.is_loopback() {
             continue;
         }
-        let Some(rule) = rules.iter().find(|r| r.matches(mark)) else {
+        let Some(rule) = rules.iter().find(|r| r.leads_to_main() && r.matches(mark)) else {
             continue;
         };
         if out.iter().any(|(ip, _)| *ip == s.peer) {
@@ -529,7 +540,7 @@ mod tests {
     }
 
     #[test]
-    fn host_rules_take_full_length_destinations_only() {
+    fn host_rules_take_full_length_destinations_to_main_only() {
         let rules = vec![
             rule(
                 vec![
@@ -544,16 +555,52 @@ mod tests {
                 vec![
                     RuleAttribute::Priority(101),
                     RuleAttribute::Destination("10.0.0.0".parse().expect("ip")),
-                    RuleAttribute::Table(100),
+                    RuleAttribute::Table(254),
                 ],
                 false,
                 8,
+            ),
+            // To another table: that table routes it, kvpn's main routes never
+            // see it.
+            rule(
+                vec![
+                    RuleAttribute::Priority(50),
+                    RuleAttribute::Destination("10.96.0.10".parse().expect("ip")),
+                    RuleAttribute::Table(29001),
+                ],
+                false,
+                32,
             ),
         ];
         let hosts = host_rules(&rules);
         assert_eq!(hosts.len(), 1, "{hosts:?}");
         assert_eq!(hosts[0].0, "203.0.113.7".parse::<IpAddr>().expect("ip"));
         assert!(hosts[0].1.contains("pref 100 to 203.0.113.7 lookup main"));
+    }
+
+    /// A mark rule that sends the marked traffic to its own table keeps it
+    /// away from the main table: its sockets' peers are no capture risk.
+    #[test]
+    fn marked_traffic_sent_to_another_table_names_no_endpoint() {
+        let own_table = MarkRule {
+            pref: 100,
+            mark: 0x1,
+            mask: u32::MAX,
+            invert: false,
+            table: Some(100),
+        };
+        let tailscale = MarkRule {
+            table: Some(254),
+            ..own_table.clone()
+        };
+        let s = DiagSocket {
+            proto: "udp",
+            peer: "10.244.1.9".parse().expect("ip"),
+            peer_port: 41641,
+            mark: Some(0x1),
+        };
+        assert!(marked_endpoints(std::slice::from_ref(&s), &[own_table]).is_empty());
+        assert_eq!(marked_endpoints(&[s], &[tailscale]).len(), 1);
     }
 
     #[test]
