@@ -765,6 +765,67 @@ mod tests {
         }
     }
 
+    /// `--extra-domain` answers become extra /32 routes (not those a Connect
+    /// route covers, not inside --never-proxy), reported with their addresses;
+    /// a name without addresses is reported with why; an unchanged answer asks
+    /// for no new request.
+    #[test]
+    fn extra_domain_answers_are_routed_and_reported() {
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        let mut st = RouteWatchState::new(vec!["10.96.0.0/12".parse().expect("cidr")], vec![])
+            .never_proxy(vec!["198.18.9.0/24".parse().expect("cidr")])
+            .extra_domains(&["DB.corp.example.".to_owned(), "nosuch.example".to_owned()]);
+        // Nothing to ask before the watch gave the cluster DNS.
+        assert_eq!(st.extra_to_resolve().1, Vec::<String>::new());
+        st.handle_update(&snapshot());
+        let (names, servers) = st.extra_to_resolve();
+        assert_eq!(names, ["db.corp.example", "nosuch.example"]);
+        assert_eq!(servers, ["10.96.0.10"]);
+        assert!(st.handle_extra_answer(
+            "db.corp.example",
+            Ok(vec![
+                ip("198.18.5.44"),
+                ip("10.96.3.3"),
+                ip("198.18.9.9"),
+                ip("198.18.5.44")
+            ]),
+        ));
+        assert!(st.handle_extra_answer("nosuch.example", Err("does not exist (NXDOMAIN)".into())));
+        // The same answer again changes nothing.
+        assert!(!st.handle_extra_answer(
+            "db.corp.example",
+            Ok(vec![ip("198.18.9.9"), ip("10.96.3.3"), ip("198.18.5.44")])
+        ));
+        let req = st.request("s1", "");
+        let added = cidrs(&req.add);
+        assert!(added.contains(&"198.18.5.44/32"), "{added:?}");
+        assert!(
+            !added.iter().any(|c| c.starts_with("10.96.3.3")),
+            "covered by Connect: {added:?}"
+        );
+        assert!(
+            !added.iter().any(|c| c.starts_with("198.18.9.")),
+            "--never-proxy: {added:?}"
+        );
+        let report = req.route_source.expect("source").extra_domains;
+        assert_eq!(report.len(), 2);
+        assert_eq!(report[0].name, "db.corp.example");
+        assert_eq!(
+            report[0].addresses,
+            ["10.96.3.3", "198.18.5.44", "198.18.9.9"]
+        );
+        assert_eq!(report[0].error, "");
+        assert_eq!(report[1].name, "nosuch.example");
+        assert!(report[1].addresses.is_empty());
+        assert!(report[1].error.contains("NXDOMAIN"));
+        // A later answer without the address removes its route.
+        st.acknowledge();
+        assert!(st.handle_extra_answer("db.corp.example", Ok(vec![ip("198.18.6.6")])));
+        let req = st.request("s1", "");
+        assert_eq!(cidrs(&req.add), ["198.18.6.6/32"]);
+        assert_eq!(cidrs(&req.remove), ["198.18.5.44/32"]);
+    }
+
     #[test]
     fn an_ipv4_only_laptop_asks_for_no_ipv6_routes() {
         let update = RoutesUpdate {

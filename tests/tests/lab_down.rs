@@ -89,12 +89,11 @@ fn pid_in(path: &Path) -> Option<i32> {
 }
 
 fn alive(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .unwrap_or_default()
-            .split_whitespace()
-            .nth(2)
-            .is_some_and(|state| state == "Z")
+    // A zombie (state Z, the third field of /proc/<pid>/stat) is gone too.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| stat.split_whitespace().nth(2).map(|s| s != "Z"))
+        .unwrap_or(false)
 }
 
 #[test]
