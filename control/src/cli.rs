@@ -549,7 +549,7 @@ pub struct ConnectArgs {
     /// IP; smoltcp terminates), `ebpf-snat` (the pod's IP, rewritten in the pod's
     /// kernel by TC programs; BPF and NET_ADMIN) or `preserve` (this laptop's tunnel
     /// IP; the nodes must route the tunnel pool back via the manager's stable
-    /// gateway, see the README's "Choosing a source policy"). Installs or updates
+    /// gateway, see docs/source-policy.md). Installs or updates
     /// the manager with it. Not given: an installed manager keeps its policy, a
     /// new install gets `snat`.
     #[arg(long, value_enum)]
@@ -592,7 +592,7 @@ pub struct VersionArgs {
 #[derive(Debug, Args)]
 pub struct TopArgs {
     /// Output format (json: one document per refresh, on its own line; yaml: one
-    /// `---` document per refresh; the fields: README.md, `kvpn top`).
+    /// `---` document per refresh; the fields: docs/usage.md, `kvpn top`).
     #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
     /// Print one refresh (two samples one interval apart) and exit.
@@ -1122,8 +1122,8 @@ mod tests {
     }
 
     /// `-o json` points at a description of its fields only where one exists:
-    /// docs/status.md describes `kvpn status`'s document, not `kvpn top`'s (the
-    /// README's `kvpn top` paragraph has those) nor `kvpn diagnose source`'s.
+    /// docs/status.md describes `kvpn status`'s document, not `kvpn top`'s
+    /// (docs/usage.md's `kvpn top` paragraph has those) nor `kvpn diagnose source`'s.
     #[test]
     fn output_help_points_at_the_right_schema() {
         assert!(long_help(&["status"]).contains("docs/status.md"));
@@ -1132,11 +1132,11 @@ mod tests {
         assert!(top.contains("yaml"), "{top}");
         let diagnose = long_help(&["diagnose", "source"]);
         assert!(!diagnose.contains("docs/status.md"), "{diagnose}");
-        // README's synopsis lists what `-o` takes.
-        let readme = include_str!("../../README.md");
+        // docs/usage.md's synopsis lists what `-o` takes.
+        let readme = include_str!("../../docs/usage.md");
         assert!(
             readme.contains("kvpn top [--once] [-o table|json|yaml]"),
-            "README's kvpn top synopsis"
+            "docs/usage.md: kvpn top synopsis"
         );
         for value in ["table", "json", "yaml"] {
             let cli = Cli::try_parse_from(["kvpn", "top", "-o", value])

@@ -17,7 +17,7 @@
 //!   gratuitous ARP: the nodes route the pool `via` that address, so whichever manager
 //!   pod is live receives the replies and a reschedule changes no node route.
 //!
-//! Outside the pod (the cluster's part, see the README "Choosing a source policy"):
+//! Outside the pod (the cluster's part, see docs/source-policy.md):
 //! a node route `pool via <stable gateway>` and the pool kept out of the CNI's
 //! masquerade. Replies read from the TUN go to the session that owns their
 //! destination tunnel IP ([`Peers`]).
