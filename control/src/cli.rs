@@ -266,9 +266,10 @@ pub enum Command {
     /// watch and SSH connections; started on demand by the other commands.
     #[command(hide = true)]
     Daemon,
-    /// The built-in lab: a cluster in network namespaces for trying kvpn out.
-    #[command(subcommand)]
-    Lab(LabCommand),
+    /// The built-in lab: a cluster in network namespaces for trying kvpn out
+    /// (runs the `kvpn-lab` program, which ships with kvpn's source tree, not with
+    /// kvpn itself).
+    Lab(LabArgs),
     /// Checks of the path through the traffic manager.
     #[command(subcommand)]
     Diagnose(DiagnoseCommand),
@@ -822,35 +823,17 @@ pub struct LogsArgs {
     pub follow: bool,
 }
 
-/// `kvpn lab` subcommands.
-#[derive(Debug, Subcommand)]
-pub enum LabCommand {
-    /// Bring the lab up: laptop and node network namespaces, a Kubernetes control plane
-    /// (etcd, kube-apiserver, kube-controller-manager), kubelet/kube-proxy/DNS stand-ins
-    /// and sample workloads; prints the kubeconfig paths. The traffic manager is not
-    /// pre-installed: `kvpn connect --kubeconfig …` installs it.
-    Up {
-        /// A dual-stack cluster: IPv6 pod range fd00:10:244:1::/64 and service range
-        /// fd00:10:96::/112 besides the IPv4 ones; `web`, `echo` and `udp-echo` get
-        /// an IPv6 ClusterIP too (PreferDualStack), so `kvpn connect` routes both.
-        #[arg(long)]
-        dual_stack: bool,
-    },
-    /// Tear the lab down; nothing of it remains.
-    Down,
-    /// Show what runs where in the lab.
-    Info,
-    /// Run a command inside one of the lab's network namespaces (in `laptop`, KUBECONFIG
-    /// points at the lab's admin kubeconfig unless already set, and KVPN_HOSTS at the
-    /// laptop netns's own hosts file, /etc/netns/<laptop netns>/hosts, so that
-    /// `kvpn connect --hosts` there never edits this machine's /etc/hosts).
-    Exec {
-        /// `laptop`, `node`, or a pod name (`kubectl get pods -A`).
-        role: String,
-        /// The command and its arguments (after `--`).
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
-        command: Vec<String>,
-    },
+/// `kvpn lab`'s arguments, handed to the `kvpn-lab` program as they are.
+#[derive(Debug, Args)]
+#[command(disable_help_flag = true)]
+pub struct LabArgs {
+    /// `up [--dual-stack]`, `down`, `info`, `exec ROLE -- CMD…` (`kvpn lab --help`).
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "ARGS"
+    )]
+    pub args: Vec<std::ffi::OsString>,
 }
 
 #[cfg(test)]

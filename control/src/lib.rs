@@ -72,7 +72,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
-        Command::Lab(cmd) => lab::run(cmd).await,
+        Command::Lab(args) => lab::run(args),
         Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => {
             diagnose_source(&runtime_dir, args).await
         }
