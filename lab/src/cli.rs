@@ -339,9 +339,9 @@ fn quit_laptop_daemons(lab: &Lab, runtime: &Path) {
         .ok()
         .and_then(|exe| exe.parent().map(|d| d.join("kvpn")))
         .filter(|p| p.is_file());
-    let Some(kvpn) = beside.or_else(|| {
-        find_program("kvpn", std::env::var_os("PATH").as_deref()).ok()
-    }) else {
+    let Some(kvpn) =
+        beside.or_else(|| find_program("kvpn", std::env::var_os("PATH").as_deref()).ok())
+    else {
         output::warn(&format!(
             "cannot stop kvpn's daemons in the lab laptop: no kvpn next to kvpn-lab nor in \
              PATH — they may outlive the lab; stop them by the pids in {}",
