@@ -14,6 +14,9 @@ use kvpn_lab::{DEFAULT_LAB_NAME, Lab, LabError, Netns};
 
 use crate::cli::LabCommand;
 use crate::output;
+#[cfg(test)]
+use crate::run::NotRunnable;
+use crate::run::find_program;
 
 /// Run a `kvpn lab` subcommand.
 pub async fn run(cmd: LabCommand) -> Result<()> {
@@ -156,85 +159,6 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
             std::process::exit(status.code().unwrap_or(1));
         }
     }
-}
-
-/// Why `kvpn lab exec` cannot start a command.
-#[derive(Debug, PartialEq, Eq)]
-enum NotRunnable {
-    /// No such file (a path), or in no folder of PATH (a name).
-    NotFound(String),
-    /// It exists but is a folder or has no execute permission.
-    NotExecutable(PathBuf),
-}
-
-impl NotRunnable {
-    /// A shell's exit code for it.
-    fn exit_code(&self) -> i32 {
-        match self {
-            NotRunnable::NotFound(_) => 127,
-            NotRunnable::NotExecutable(_) => 126,
-        }
-    }
-}
-
-impl std::fmt::Display for NotRunnable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            NotRunnable::NotFound(p) if p.contains('/') => {
-                write!(f, "{p}: no such file — check the path")
-            }
-            NotRunnable::NotFound(p) => write!(
-                f,
-                "{p}: command not found — install it, or give its full path (PATH is searched)"
-            ),
-            NotRunnable::NotExecutable(p) => write!(
-                f,
-                "{}: permission denied (a folder, or no execute permission) — `chmod +x` it",
-                p.display()
-            ),
-        }
-    }
-}
-
-/// The file `program` names as a shell finds it: a path (with a `/`) as it is,
-/// a name in the folders of `path_var` (an empty entry is the working folder),
-/// the first executable file winning.
-fn find_program(program: &str, path_var: Option<&std::ffi::OsStr>) -> Result<PathBuf, NotRunnable> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let executable = |p: &Path| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    if program.contains('/') {
-        let p = PathBuf::from(program);
-        return if executable(&p) {
-            Ok(p)
-        } else if p.exists() {
-            Err(NotRunnable::NotExecutable(p))
-        } else {
-            Err(NotRunnable::NotFound(program.to_owned()))
-        };
-    }
-    let mut not_executable = None;
-    if !program.is_empty() {
-        for dir in std::env::split_paths(path_var.unwrap_or_default()) {
-            let dir = if dir.as_os_str().is_empty() {
-                PathBuf::from(".")
-            } else {
-                dir
-            };
-            let p = dir.join(program);
-            if executable(&p) {
-                return Ok(p);
-            }
-            if not_executable.is_none() && p.is_file() {
-                not_executable = Some(p);
-            }
-        }
-    }
-    Err(not_executable.map_or_else(
-        || NotRunnable::NotFound(program.to_owned()),
-        NotRunnable::NotExecutable,
-    ))
 }
 
 /// The runtime folder `kvpn lab exec laptop` gives kvpn there when the caller

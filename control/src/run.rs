@@ -34,19 +34,86 @@ pub const EXIT_NOT_FOUND: i32 = 127;
 /// Exit status of a command that was found but cannot be executed.
 pub const EXIT_NOT_EXECUTABLE: i32 = 126;
 
-/// Where `program` is: itself when it has a slash, else the first executable
-/// file of that name on `path` (a `PATH` value); `None` when there is none.
-pub fn find_program(program: &Path, path: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
+/// Why a command cannot be started (`kvpn run`, `kvpn lab exec`).
+#[derive(Debug, PartialEq, Eq)]
+pub enum NotRunnable {
+    /// No such file (a path), or in no folder of PATH (a name).
+    NotFound(String),
+    /// It exists but is a folder or has no execute permission.
+    NotExecutable(PathBuf),
+}
+
+impl NotRunnable {
+    /// A shell's exit code for it.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            NotRunnable::NotFound(_) => 127,
+            NotRunnable::NotExecutable(_) => 126,
+        }
+    }
+}
+
+impl std::fmt::Display for NotRunnable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotRunnable::NotFound(p) if p.contains('/') => {
+                write!(f, "{p}: no such file — check the path")
+            }
+            NotRunnable::NotFound(p) => write!(
+                f,
+                "{p}: command not found — install it, or give its full path (PATH is searched)"
+            ),
+            NotRunnable::NotExecutable(p) => write!(
+                f,
+                "{}: permission denied (a folder, or no execute permission) — `chmod +x` it",
+                p.display()
+            ),
+        }
+    }
+}
+
+/// The file `program` names as a shell finds it: a path (with a `/`) as it is,
+/// a name in the folders of `path_var` (an empty entry is the working folder),
+/// the first executable file winning.
+pub fn find_program(
+    program: &str,
+    path_var: Option<&std::ffi::OsStr>,
+) -> Result<PathBuf, NotRunnable> {
     use std::os::unix::fs::PermissionsExt as _;
     let executable = |p: &Path| {
         std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
     };
-    if program.as_os_str().as_bytes().contains(&b'/') {
-        return executable(program).then(|| program.to_owned());
+    if program.contains('/') {
+        let p = PathBuf::from(program);
+        return if executable(&p) {
+            Ok(p)
+        } else if p.exists() {
+            Err(NotRunnable::NotExecutable(p))
+        } else {
+            Err(NotRunnable::NotFound(program.to_owned()))
+        };
     }
-    std::env::split_paths(path?)
-        .map(|dir| dir.join(program))
-        .find(|p| executable(p))
+    let mut not_executable = None;
+    if !program.is_empty() {
+        for dir in std::env::split_paths(path_var.unwrap_or_default()) {
+            let dir = if dir.as_os_str().is_empty() {
+                PathBuf::from(".")
+            } else {
+                dir
+            };
+            let p = dir.join(program);
+            if executable(&p) {
+                return Ok(p);
+            }
+            if not_executable.is_none() && p.is_file() {
+                not_executable = Some(p);
+            }
+        }
+    }
+    Err(not_executable.map_or_else(
+        || NotRunnable::NotFound(program.to_owned()),
+        NotRunnable::NotExecutable,
+    ))
 }
 
 /// The exit status kvpn reports for `status` (pure): the code, or 128 + the
@@ -143,17 +210,15 @@ pub async fn run(runtime_dir: &Path, args: RunArgs) -> Result<i32> {
              http://web.default`"
         );
     };
-    let Some(program) = find_program(Path::new(first), std::env::var_os("PATH").as_deref()) else {
-        output::error(&format!(
-            "command not found: {} (not an executable file{}) — nothing was connected",
-            first.to_string_lossy(),
-            if first.as_bytes().contains(&b'/') {
-                ""
-            } else {
-                " in any PATH folder"
-            }
-        ));
-        return Ok(EXIT_NOT_FOUND);
+    let Some(first_str) = first.to_str() else {
+        bail!("the command's name {first:?} is not UTF-8 — rename it or use a link");
+    };
+    let program = match find_program(first_str, std::env::var_os("PATH").as_deref()) {
+        Ok(p) => p,
+        Err(e) => {
+            output::error(&format!("kvpn run: {e} (nothing was connected)"));
+            return Ok(e.exit_code());
+        }
     };
     if args.connect.manager.is_some() {
         bail!(
@@ -265,24 +330,6 @@ async fn run_in(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn programs_are_found_on_path_or_by_path_and_missing_ones_are_none() {
-        let path = std::ffi::OsString::from("/nonexistent-kvpn:/bin:/usr/bin");
-        let sh = find_program(Path::new("sh"), Some(&path)).expect("sh on /bin or /usr/bin");
-        assert!(sh.ends_with("sh"), "{sh:?}");
-        assert_eq!(
-            find_program(Path::new("kvpn-no-such-command"), Some(&path)),
-            None
-        );
-        assert_eq!(find_program(Path::new("sh"), None), None);
-        assert_eq!(
-            find_program(Path::new("/bin/sh"), None),
-            Some(PathBuf::from("/bin/sh"))
-        );
-        // A folder is not a command.
-        assert_eq!(find_program(Path::new("/bin"), None), None);
-    }
 
     #[test]
     fn exit_codes_are_the_status_or_128_plus_the_signal() {

@@ -645,6 +645,25 @@ impl Daemon {
         &self,
         reset_tcp: bool,
     ) -> Result<crate::sweep::SweepReport, crate::sweep::SweepError> {
+        // A killed daemon's run sessions leave their fwmark rules (their TUN
+        // devices and the routes through them went with it); one daemon serves a
+        // network namespace, so every run rule in it was a daemon of this socket's.
+        match self
+            .netlink
+            .del_mark_rules(
+                run_scope::RUN_RULE_PRIORITY,
+                run_scope::RUN_MARK_BASE
+                    ..run_scope::RUN_MARK_BASE + u32::from(run_scope::MAX_RUN_SESSIONS),
+            )
+            .await
+        {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                rules = n,
+                "removed the fwmark rules of an earlier daemon's run sessions"
+            ),
+            Err(e) => tracing::warn!(error = %e, "cannot sweep run sessions' fwmark rules"),
+        }
         match &self.record {
             Some(record) => crate::sweep::sweep(&self.netlink, record, reset_tcp).await,
             None => Ok(crate::sweep::SweepReport::default()),

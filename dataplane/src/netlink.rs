@@ -182,6 +182,48 @@ impl Netlink {
         }
     }
 
+    /// Delete every IPv4 rule at `priority` whose fwmark is in `marks` (what a
+    /// killed daemon's run sessions left in this network namespace); how many.
+    pub async fn del_mark_rules(
+        &self,
+        priority: u32,
+        marks: std::ops::Range<u32>,
+    ) -> Result<usize, NetlinkError> {
+        let found: Vec<(u32, u32)> = {
+            let _dump = self.dumps.lock().await;
+            let mut rules = self.handle.rule().get(rtnetlink::IpVersion::V4).execute();
+            let mut found = Vec::new();
+            while let Some(rule) = rules
+                .try_next()
+                .await
+                .map_err(|e| NetlinkError::new("dump rules", e))?
+            {
+                let mut mark = None;
+                let mut table = None;
+                let mut prio = None;
+                for a in &rule.attributes {
+                    match a {
+                        RuleAttribute::FwMark(m) => mark = Some(*m),
+                        RuleAttribute::Table(t) => table = Some(*t),
+                        RuleAttribute::Priority(p) => prio = Some(*p),
+                        _ => {}
+                    }
+                }
+                if let (Some(m), Some(t), Some(p)) = (mark, table, prio)
+                    && p == priority
+                    && marks.contains(&m)
+                {
+                    found.push((m, t));
+                }
+            }
+            found
+        };
+        for (mark, table) in &found {
+            self.del_mark_rule(*mark, *table, priority).await?;
+        }
+        Ok(found.len())
+    }
+
     /// Whether a rule with fwmark `mark` exists (IPv4), for leftover checks.
     pub async fn mark_rule_exists(&self, mark: u32) -> Result<bool, NetlinkError> {
         let _dump = self.dumps.lock().await;

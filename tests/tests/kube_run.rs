@@ -188,7 +188,7 @@ fn a_run_reaches_its_cluster_by_ip_and_name_and_nothing_outside_it_does() {
     let main_before = main_table();
 
     let t0 = Instant::now();
-    let mut child = spawn_run(&f, &kubeconfig, &curl_script(ip, 4));
+    let mut child = spawn_run(&f, &kubeconfig, &curl_script(ip, 8));
     let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
     let setup = t0.elapsed();
     let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
@@ -228,6 +228,26 @@ fn a_run_reaches_its_cluster_by_ip_and_name_and_nothing_outside_it_does() {
         text(&dns.stdout)
     );
 
+    // `kvpn top` counts the run's traffic per session (its classifier on its TUN).
+    let t_top = Instant::now();
+    loop {
+        let out = f.kvpn_ok(&["top", "--once", "-o", "json", "--interval", "0.2"]);
+        let v: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("top JSON: {e}: {out}"));
+        let counted = v["rows"].as_array().is_some_and(|rows| {
+            rows.iter().any(|r| {
+                r["session"] == id.as_str() && r["kind"] == "pod" && r["packets"].as_u64() > Some(0)
+            })
+        });
+        if counted {
+            break;
+        }
+        assert!(
+            t_top.elapsed() < Duration::from_secs(5),
+            "kvpn top shows no pod packets of run session {id}: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let out = wait_output(child, "kvpn run curl", &f);
     let total = t0.elapsed();
     let got = pages(&text(&out.stdout));
@@ -275,7 +295,7 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
         text(&missing.stderr)
     );
     assert!(
-        text(&missing.stderr).contains("command not found: kvpn-no-such-command"),
+        text(&missing.stderr).contains("kvpn-no-such-command: command not found"),
         "{}",
         text(&missing.stderr)
     );
