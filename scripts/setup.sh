@@ -32,8 +32,9 @@ APT_PACKAGES=(
     # (`./x image`), skopeo copies them to registries, containerd + runc + the CNI
     # plugins run them; busybox-static gives the lab's images a shell and tools.
     umoci skopeo containerd runc containernetworking-plugins busybox-static
-    # a registry on loopback for the image tests (skopeo push and pull)
-    docker-registry
+    # a registry on loopback for the image tests (skopeo push and pull); podman
+    # loads the archive and buildah builds images/Containerfile (tests/tests/image.rs)
+    docker-registry podman buildah
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -93,7 +93,7 @@ struct Args {
     #[arg(long)]
     compare: Option<PathBuf>,
     /// Only the flood-fairness row (plain lab): laptop B's TCP throughput alone
-    /// and under laptop A's SYN and UDP floods (README: the kvpn-fairness row).
+    /// and under laptop A's SYN and UDP floods (docs/benchmarks.md: the kvpn-fairness row).
     #[arg(long)]
     fairness_only: bool,
     /// Also measure kvpn direct with `kvpn connect --workers N` (row

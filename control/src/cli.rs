@@ -274,9 +274,10 @@ pub enum Command {
     /// watch and SSH connections; started on demand by the other commands.
     #[command(hide = true)]
     Daemon,
-    /// The built-in lab: a cluster in network namespaces for trying kvpn out.
-    #[command(subcommand)]
-    Lab(LabCommand),
+    /// The built-in lab: a cluster in network namespaces for trying kvpn out
+    /// (runs the `kvpn-lab` program, which ships with kvpn's source tree, not with
+    /// kvpn itself).
+    Lab(LabArgs),
     /// Checks of the path through the traffic manager.
     #[command(subcommand)]
     Diagnose(DiagnoseCommand),
@@ -567,7 +568,7 @@ pub struct ConnectArgs {
     /// IP; smoltcp terminates), `ebpf-snat` (the pod's IP, rewritten in the pod's
     /// kernel by TC programs; BPF and NET_ADMIN) or `preserve` (this laptop's tunnel
     /// IP; the nodes must route the tunnel pool back via the manager's stable
-    /// gateway, see the README's "Choosing a source policy"). Installs or updates
+    /// gateway, see docs/source-policy.md). Installs or updates
     /// the manager with it. Not given: an installed manager keeps its policy, a
     /// new install gets `snat`.
     #[arg(long, value_enum)]
@@ -610,7 +611,7 @@ pub struct VersionArgs {
 #[derive(Debug, Args)]
 pub struct TopArgs {
     /// Output format (json: one document per refresh, on its own line; yaml: one
-    /// `---` document per refresh; the fields: README.md, `kvpn top`).
+    /// `---` document per refresh; the fields: docs/usage.md, `kvpn top`).
     #[arg(short, long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
     /// Print one refresh (two samples one interval apart) and exit.
@@ -840,35 +841,17 @@ pub struct LogsArgs {
     pub follow: bool,
 }
 
-/// `kvpn lab` subcommands.
-#[derive(Debug, Subcommand)]
-pub enum LabCommand {
-    /// Bring the lab up: laptop and node network namespaces, a Kubernetes control plane
-    /// (etcd, kube-apiserver, kube-controller-manager), kubelet/kube-proxy/DNS stand-ins
-    /// and sample workloads; prints the kubeconfig paths. The traffic manager is not
-    /// pre-installed: `kvpn connect --kubeconfig …` installs it.
-    Up {
-        /// A dual-stack cluster: IPv6 pod range fd00:10:244:1::/64 and service range
-        /// fd00:10:96::/112 besides the IPv4 ones; `web`, `echo` and `udp-echo` get
-        /// an IPv6 ClusterIP too (PreferDualStack), so `kvpn connect` routes both.
-        #[arg(long)]
-        dual_stack: bool,
-    },
-    /// Tear the lab down; nothing of it remains.
-    Down,
-    /// Show what runs where in the lab.
-    Info,
-    /// Run a command inside one of the lab's network namespaces (in `laptop`, KUBECONFIG
-    /// points at the lab's admin kubeconfig unless already set, and KVPN_HOSTS at the
-    /// laptop netns's own hosts file, /etc/netns/<laptop netns>/hosts, so that
-    /// `kvpn connect --hosts` there never edits this machine's /etc/hosts).
-    Exec {
-        /// `laptop`, `node`, or a pod name (`kubectl get pods -A`).
-        role: String,
-        /// The command and its arguments (after `--`).
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
-        command: Vec<String>,
-    },
+/// `kvpn lab`'s arguments, handed to the `kvpn-lab` program as they are.
+#[derive(Debug, Args)]
+#[command(disable_help_flag = true)]
+pub struct LabArgs {
+    /// `up [--dual-stack]`, `down`, `info`, `exec ROLE -- CMD…` (`kvpn lab --help`).
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "ARGS"
+    )]
+    pub args: Vec<std::ffi::OsString>,
 }
 
 #[cfg(test)]
@@ -1140,8 +1123,8 @@ mod tests {
     }
 
     /// `-o json` points at a description of its fields only where one exists:
-    /// docs/status.md describes `kvpn status`'s document, not `kvpn top`'s (the
-    /// README's `kvpn top` paragraph has those) nor `kvpn diagnose source`'s.
+    /// docs/status.md describes `kvpn status`'s document, not `kvpn top`'s
+    /// (docs/usage.md's `kvpn top` paragraph has those) nor `kvpn diagnose source`'s.
     #[test]
     fn output_help_points_at_the_right_schema() {
         assert!(long_help(&["status"]).contains("docs/status.md"));
@@ -1150,11 +1133,11 @@ mod tests {
         assert!(top.contains("yaml"), "{top}");
         let diagnose = long_help(&["diagnose", "source"]);
         assert!(!diagnose.contains("docs/status.md"), "{diagnose}");
-        // README's synopsis lists what `-o` takes.
-        let readme = include_str!("../../README.md");
+        // docs/usage.md's synopsis lists what `-o` takes.
+        let readme = include_str!("../../docs/usage.md");
         assert!(
             readme.contains("kvpn top [--once] [-o table|json|yaml]"),
-            "README's kvpn top synopsis"
+            "docs/usage.md: kvpn top synopsis"
         );
         for value in ["table", "json", "yaml"] {
             let cli = Cli::try_parse_from(["kvpn", "top", "-o", value])

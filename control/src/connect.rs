@@ -172,7 +172,7 @@ pub(crate) enum Interrupted<'a> {
 }
 
 /// Ctrl-C during `kvpn connect`: disconnect the session it started, if it has
-/// one yet, say so and exit as SIGINT would (130). README: a Connect is all
+/// one yet, say so and exit as SIGINT would (130). docs/root-daemon.md: a Connect is all
 /// or nothing.
 pub(crate) async fn interrupted(started: Interrupted<'_>) -> ! {
     let disconnected = |id: &str, result: Result<(), tonic::Status>| match result {
@@ -1341,7 +1341,7 @@ pub async fn kube_connect_as(
             manager.pod_name, manager.data_port
         )),
     }
-    // Ctrl-C from here on rolls back what was made (README: a Connect is all
+    // Ctrl-C from here on rolls back what was made (docs/root-daemon.md: a Connect is all
     // or nothing): this process waits for StartSession's answer (bounded,
     // [`setup_or_interrupt`]) and disconnects the session; the user daemon
     // undoes a setup whose caller went away before it answered.

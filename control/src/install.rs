@@ -1167,10 +1167,30 @@ async fn delete_cluster_scoped<
     Ok(())
 }
 
+/// Whether any container of `pod` has run (running or terminated now, or before a
+/// restart): one that never did holds nothing to wait for.
+fn ever_started(pod: &Pod) -> bool {
+    let Some(status) = pod.status.as_ref() else {
+        return false;
+    };
+    status
+        .container_statuses
+        .iter()
+        .flatten()
+        .chain(status.init_container_statuses.iter().flatten())
+        .any(|c| {
+            let ran = |s: Option<&k8s_openapi::api::core::v1::ContainerState>| {
+                s.is_some_and(|s| s.running.is_some() || s.terminated.is_some())
+            };
+            ran(c.state.as_ref()) || ran(c.last_state.as_ref()) || c.restart_count > 0
+        })
+}
+
 /// Removes the traffic manager from `namespace`: every object kvpn created there
 /// (found by its labels), its ClusterRole and ClusterRoleBinding, and the
 /// namespace itself when kvpn created it. Waits (bounded by
-/// [`UNINSTALL_TIMEOUT`]) until each is gone, including the manager's pods.
+/// [`UNINSTALL_TIMEOUT`]) until each is gone, including the manager's pods that
+/// ever ran (see [`ever_started`]).
 /// Idempotent: nothing left is not an error.
 pub async fn uninstall(
     client: &kube::Client,
@@ -1192,7 +1212,11 @@ pub async fn uninstall(
     delete_cluster_scoped::<ClusterRoleBinding>(client, &cluster_name, deadline, p, r).await?;
     delete_cluster_scoped::<ClusterRole>(client, &cluster_name, deadline, p, r).await?;
 
-    // The Deployment's pods go with it (garbage collector); wait for them.
+    // The Deployment's pods go with it (garbage collector); wait for those that
+    // ran. A pod whose manager never started (its image could not be pulled, its
+    // container never created) holds no session, flow or lease, and a real
+    // kubelet (1.20) removes such a pod only at its next full pod sync, about a
+    // minute later: its deletion is requested and not waited for.
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let lp = ListParams::default().labels(&objects::selector());
     let mut shown = Vec::<String>::new();
@@ -1202,15 +1226,22 @@ pub async fn uninstall(
             .await
             .map_err(api_error::<Pod>("list", Some(namespace), "(all)"))?
             .items;
-        if items.is_empty() {
-            break;
-        }
+        let mut running = 0;
         for pod in &items {
             let name = pod.metadata.name.clone().unwrap_or_default();
+            let started = ever_started(pod);
+            running += usize::from(started);
             if !shown.contains(&name) {
-                p.report(ProgressEvent::Detail(format!("Pod {name}: terminating")));
+                p.report(ProgressEvent::Detail(if started {
+                    format!("Pod {name}: terminating")
+                } else {
+                    format!("Pod {name}: never started; its deletion is requested, not waited for")
+                }));
                 shown.push(name);
             }
+        }
+        if running == 0 {
+            break;
         }
         if Instant::now() >= deadline {
             return Err(Error::DeleteTimeout {
@@ -1252,4 +1283,45 @@ pub async fn uninstall(
         )
     }));
     Ok(report)
+}
+
+#[cfg(test)]
+mod uninstall_tests {
+    use super::*;
+
+    fn pod(status: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": { "name": "kvpn-manager-1" },
+            "status": status,
+        }))
+        .expect("pod")
+    }
+
+    /// Pods that never ran (image not pulled, not scheduled) are not waited for;
+    /// any container that ran, now or before a restart, is.
+    #[test]
+    fn only_pods_whose_manager_ever_ran_are_waited_for() {
+        let waiting = serde_json::json!({ "waiting": { "reason": "ImagePullBackOff" } });
+        assert!(!ever_started(&pod(serde_json::json!({}))));
+        assert!(!ever_started(&pod(
+            serde_json::json!({ "phase": "Pending" })
+        )));
+        assert!(!ever_started(&pod(serde_json::json!({
+            "containerStatuses": [{ "name": "manager", "image": "i", "imageID": "", "ready": false,
+                                    "restartCount": 0, "state": waiting }]
+        }))));
+        assert!(ever_started(&pod(serde_json::json!({
+            "containerStatuses": [{ "name": "manager", "image": "i", "imageID": "", "ready": true,
+                                    "restartCount": 0, "state": { "running": {} } }]
+        }))));
+        assert!(ever_started(&pod(serde_json::json!({
+            "containerStatuses": [{ "name": "manager", "image": "i", "imageID": "", "ready": false,
+                                    "restartCount": 0, "state": { "terminated": { "exitCode": 0 } } }]
+        }))));
+        assert!(ever_started(&pod(serde_json::json!({
+            "containerStatuses": [{ "name": "manager", "image": "i", "imageID": "", "ready": false,
+                                    "restartCount": 3, "state": waiting,
+                                    "lastState": { "terminated": { "exitCode": 1 } } }]
+        }))));
+    }
 }

@@ -78,7 +78,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
-        Command::Lab(cmd) => lab::run(cmd).await,
+        Command::Lab(args) => lab::run(args),
         Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => {
             diagnose_source(&runtime_dir, args).await
         }
@@ -148,7 +148,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
             "--hosts needs the route watch of a port-forward session; a --manager session writes no hosts-file entries",
         );
     }
-    // Ctrl-C from here on rolls back what was made (README: a Connect is all
+    // Ctrl-C from here on rolls back what was made (docs/root-daemon.md: a Connect is all
     // or nothing), as in kube mode: this process waits for Connect's answer
     // (bounded) and disconnects the session; the root daemon tears down a
     // Connect whose caller went away before it answered.

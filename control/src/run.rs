@@ -332,6 +332,40 @@ mod tests {
     use super::*;
 
     #[test]
+    fn not_found_is_127_not_executable_is_126_and_path_is_searched_in_order() {
+        let root = std::env::temp_dir().join(format!("kvpn-runfind-{}", std::process::id()));
+        let (a, b) = (root.join("a"), root.join("b"));
+        std::fs::create_dir_all(&a).expect("mkdir");
+        std::fs::create_dir_all(&b).expect("mkdir");
+        let plain = a.join("run-me");
+        std::fs::write(&plain, "").expect("write");
+        let run = b.join("run-me");
+        std::fs::write(&run, "#!/bin/sh\n").expect("write");
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+        let path = std::env::join_paths([&a, &b]).expect("PATH");
+        let path = Some(path.as_os_str());
+        // The first executable wins over an earlier plain file.
+        assert_eq!(find_program("run-me", path), Ok(run.clone()));
+        let missing = find_program("kvpn-no-such-command", path).expect_err("missing");
+        assert_eq!(missing.exit_code(), 127);
+        assert!(
+            missing.to_string().contains("command not found"),
+            "{missing}"
+        );
+        let e = find_program(plain.to_str().expect("utf-8"), None).expect_err("plain");
+        assert_eq!(e, NotRunnable::NotExecutable(plain.clone()));
+        assert_eq!(e.exit_code(), 126);
+        assert_eq!(
+            find_program(run.to_str().expect("utf-8"), None),
+            Ok(run.clone())
+        );
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
     fn exit_codes_are_the_status_or_128_plus_the_signal() {
         let pid = Pid::from_raw(1);
         assert_eq!(exit_code(WaitStatus::Exited(pid, 3)), Some(3));

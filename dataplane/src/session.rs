@@ -660,19 +660,15 @@ impl DataStream {
             DataStream::Plain(s) => s.read_exact(&mut header).await?,
             DataStream::Tls(s) => s.read_exact(&mut header).await?,
         };
-        let len = usize::from(u16::from_be_bytes([header[0], header[1]]));
-        if len == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                frame::FrameError::ZeroLength,
-            ));
-        }
-        payload.resize(len - 1, 0);
+        let header = frame::Decoder::default()
+            .header(&header)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        payload.resize(header.payload_len, 0);
         match self {
             DataStream::Plain(s) => s.read_exact(&mut payload[..]).await?,
             DataStream::Tls(s) => s.read_exact(&mut payload[..]).await?,
         };
-        Ok(Kind::from(header[2]))
+        Ok(header.kind)
     }
 
     /// After a hello with option 3: whether the manager answered it, i.e. sent

@@ -26,6 +26,7 @@
 //! netns (nothing is added to the machine's root netns), and teardown only signals
 //! processes the lab started or that run inside the lab's own netns.
 
+pub mod cli;
 pub mod flood;
 pub mod k8s;
 pub mod lab;

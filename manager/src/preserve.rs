@@ -17,7 +17,7 @@
 //!   gratuitous ARP: the nodes route the pool `via` that address, so whichever manager
 //!   pod is live receives the replies and a reschedule changes no node route.
 //!
-//! Outside the pod (the cluster's part, see the README "Choosing a source policy"):
+//! Outside the pod (the cluster's part, see docs/source-policy.md):
 //! a node route `pool via <stable gateway>` and the pool kept out of the CNI's
 //! masquerade. Replies read from the TUN go to the session that owns their
 //! destination tunnel IP ([`Peers`]).
@@ -59,9 +59,10 @@ pub struct PreserveConfig {
 
 /// `rtm_protocol` of kvpn's routes (as the dataplane's).
 const RTPROT_KVPN: u8 = 0x6b;
-/// The TUN's MTU: laptops send up to the data channel's 9000-byte MTU; the pod's
-/// kernel fragments or answers "fragmentation needed" towards `eth0` itself.
-const TUN_MTU: u16 = 9000;
+/// The TUN's MTU: laptops send up to the data channel's MTU
+/// ([`kvpn_proto::frame::DEFAULT_TUN_MTU`]); the pod's kernel fragments or answers
+/// "fragmentation needed" towards `eth0` itself.
+const TUN_MTU: u16 = kvpn_proto::frame::DEFAULT_TUN_MTU;
 
 /// The pod's TUN device of `preserve` and its counters.
 pub struct PoolTun {

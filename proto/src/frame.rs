@@ -283,6 +283,19 @@ impl Decoder {
         Ok(Some((Frame { kind, payload }, total)))
     }
 
+    /// Decode a frame header read on its own, for readers that take the header
+    /// first and then exactly the payload (never a byte of the next frame): the
+    /// payload's length and the frame's kind, with the checks of
+    /// [`Decoder::decode`].
+    pub fn header(&self, header: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
+        let len = usize::from(u16::from_be_bytes([header[0], header[1]]));
+        self.check_len(len)?;
+        Ok(Header {
+            payload_len: len - 1,
+            kind: Kind::from(header[2]),
+        })
+    }
+
     fn check_len(&self, len: usize) -> Result<(), FrameError> {
         if len == 0 {
             return Err(FrameError::ZeroLength);
@@ -295,6 +308,15 @@ impl Decoder {
         }
         Ok(())
     }
+}
+
+/// A frame header decoded by [`Decoder::header`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Bytes of payload that follow the header.
+    pub payload_len: usize,
+    /// The frame's kind.
+    pub kind: Kind,
 }
 
 /// Decode `buf` as exactly one frame: a short buffer is [`FrameError::Truncated`].
@@ -1180,6 +1202,35 @@ mod tests {
         assert_eq!(
             Decoder::default().decode(&[0, 0, 1]),
             Err(FrameError::ZeroLength)
+        );
+    }
+
+    /// A header read on its own says what `decode` would: the payload's length
+    /// and kind, or the same refusal.
+    #[test]
+    fn header_alone_decodes_as_the_whole_frame_does() {
+        let mut out = Vec::new();
+        encode_into(Kind::Packet, &[7; 300], &mut out).expect("encode");
+        let header: [u8; HEADER_LEN] = out[..HEADER_LEN].try_into().expect("3 bytes");
+        let (frame, used) = Decoder::default()
+            .decode(&out)
+            .expect("valid")
+            .expect("whole");
+        assert_eq!(
+            Decoder::default().header(&header),
+            Ok(Header {
+                payload_len: frame.payload.len(),
+                kind: frame.kind
+            })
+        );
+        assert_eq!(HEADER_LEN + 300, used);
+        assert_eq!(
+            Decoder::default().header(&[0, 0, 1]),
+            Err(FrameError::ZeroLength)
+        );
+        assert_eq!(
+            Decoder::with_max_len(100).header(&header),
+            Err(FrameError::Oversized { len: 301, max: 100 })
         );
     }
 

@@ -1,7 +1,7 @@
 //! The traffic manager's client-source policy (`kvpn-manager --source-policy`,
 //! `kvpn connect --source-policy`, `Origin.source_policy` on the wire): whose
 //! address the cluster's backends see. One definition for the manager and the
-//! laptop side; the README's "Choosing a source policy" explains the choice.
+//! laptop side; docs/source-policy.md explains the choice.
 //! With the `clap` feature it is a `clap::ValueEnum` (the CLIs' flags).
 
 use std::fmt;

@@ -1,6 +1,7 @@
 //! The arrows between kvpn's crates that must never exist (DESIGN, "Repository
 //! layout"): the traffic manager links no laptop code, the root daemon links no
-//! Kubernetes/SSH code (the user daemon's `kvpn-control`) and no lab, the eBPF
+//! Kubernetes/SSH code (the user daemon's `kvpn-control`) and no lab, the CLI links no
+//! lab (`kvpn lab` runs the separate kvpn-lab program), the eBPF
 //! loader links neither daemon, and the wire formats and map layouts depend on no
 //! kvpn crate at all.
 //!
@@ -22,11 +23,12 @@ enum Forbidden {
 }
 
 /// The rules: (crate, what it must not reach, why).
-///
-/// `kvpn-control -> kvpn-lab` is forbidden by DESIGN too, but that arrow exists
-/// today and removing it is issue #24's other item; it is deliberately not checked
-/// here until then.
 const RULES: &[(&str, Forbidden, &str)] = &[
+    (
+        "kvpn-control",
+        Forbidden::Crates(&["kvpn-lab"]),
+        "the CLI and user daemon users install ship no lab (`kvpn lab` runs the kvpn-lab program)",
+    ),
     (
         "kvpn-manager",
         Forbidden::Crates(&["kvpn-dataplane", "kvpn-control", "kvpn-lab"]),
@@ -218,6 +220,8 @@ fn direct_and_transitive_arrows_are_reported_dev_dependencies_are_not() {
     assert_eq!(
         arrows,
         [
+            "kvpn-control -> kvpn-lab (normal): the CLI and user daemon users install ship \
+             no lab (`kvpn lab` runs the kvpn-lab program)",
             "kvpn-manager -> kvpn-ebpf (normal) -> kvpn-dataplane (build): \
              the traffic manager links no laptop or lab code",
             "kvpn-ebpf -> kvpn-dataplane (build): \

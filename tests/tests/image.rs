@@ -554,3 +554,224 @@ fn manager_archive_pushes_to_a_registry_and_pulls_back_with_the_same_digest() {
         env!("CARGO_PKG_VERSION")
     );
 }
+
+/// podman and buildah with a private store (vfs, their own root and runroot,
+/// cgroupfs, file events: no systemd here), removed on drop, so the machine's
+/// own images are never touched.
+struct PodmanStore {
+    dir: tempdir::Dir,
+}
+
+impl PodmanStore {
+    fn new() -> PodmanStore {
+        PodmanStore {
+            dir: tempdir::Dir::new("kvpn-podman"),
+        }
+    }
+
+    fn store_flags(&self) -> Vec<String> {
+        let p = |s: &str| self.dir.path().join(s).display().to_string();
+        vec![
+            "--root".into(),
+            p("root"),
+            "--runroot".into(),
+            p("run"),
+            "--storage-driver".into(),
+            "vfs".into(),
+        ]
+    }
+
+    /// `podman ARGS…`, its stdout; the test fails with stderr when it fails.
+    fn podman(&self, args: &[&str]) -> String {
+        let tmp = self.dir.path().join("tmp");
+        std::fs::create_dir_all(&tmp).expect("podman tmpdir");
+        let mut cmd = Command::new("podman");
+        cmd.args(self.store_flags())
+            .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
+            .arg("--tmpdir")
+            .arg(&tmp)
+            .args(args);
+        Self::run(cmd, "podman", args)
+    }
+
+    /// `buildah ARGS…`, its stdout.
+    fn buildah(&self, args: &[&str]) -> String {
+        let mut cmd = Command::new("buildah");
+        cmd.args(self.store_flags()).args(args);
+        Self::run(cmd, "buildah", args)
+    }
+
+    fn run(mut cmd: Command, tool: &str, args: &[&str]) -> String {
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {tool} (scripts/setup.sh installs it): {e}"));
+        assert!(
+            out.status.success(),
+            "{tool} {args:?} failed ({}): {}{}",
+            out.status,
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+    }
+}
+
+impl Drop for PodmanStore {
+    fn drop(&mut self) {
+        // vfs layers are plain folders; containers were run with --rm. Nothing
+        // is mounted once the commands ended, but unmount defensively so the
+        // folder can go.
+        let _ = Command::new("buildah")
+            .args(self.store_flags())
+            .args(["rm", "--all"])
+            .output();
+    }
+}
+
+/// The README's `podman load -i kvpn-manager-….oci.tar`: the archive loads under
+/// kvpn's default image name with the same image ID (the config's digest), its
+/// config as built, and podman runs it (runc). The run lowers RLIMIT_NOFILE and
+/// RLIMIT_NPROC below this machine's hard limits: podman asks for 1048576 open
+/// files and root here lacks CAP_SYS_RESOURCE (TOOLCHAIN.md), which a user's
+/// machine does not.
+#[test]
+fn manager_archive_loads_into_podman_under_the_default_name_and_runs() {
+    let archive = image_archive("manager");
+    let (_dir, _index, doc) = untar(&archive);
+    let config_digest = doc["manifest"]["config"]["digest"]
+        .as_str()
+        .expect("config digest")
+        .to_owned();
+    let store = PodmanStore::new();
+    let archive_arg = archive.display().to_string();
+    let loaded = store.podman(&["load", "-i", &archive_arg]);
+    let name = image_name("manager");
+    assert!(
+        loaded.contains(&format!("Loaded image: {name}")),
+        "podman load named no image {name}: {loaded}"
+    );
+    let inspect: serde_json::Value =
+        serde_json::from_str(&store.podman(&["image", "inspect", &name]))
+            .expect("podman image inspect JSON");
+    let image = &inspect[0];
+    assert_eq!(
+        format!("sha256:{}", image["Id"].as_str().expect("Id")),
+        config_digest,
+        "podman's image ID is the archive's config digest"
+    );
+    assert_eq!(image["Config"]["User"], "65532:65532");
+    assert_eq!(
+        image["Config"]["Entrypoint"],
+        serde_json::json!(["/kvpn-manager"])
+    );
+    let out = store.podman(&[
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "--ulimit",
+        "nofile=1024:1024",
+        "--ulimit",
+        "nproc=1024:1024",
+        &name,
+        "--version",
+    ]);
+    assert_eq!(
+        out.trim(),
+        format!("kvpn-manager {}", env!("CARGO_PKG_VERSION")),
+        "the entrypoint is the manager"
+    );
+}
+
+/// images/Containerfile (for docker, podman and buildah) builds the image
+/// `cargo xtask image` builds: from the archive's own static binary, with the
+/// archive's version and revision, buildah gives the same user, entrypoint,
+/// working folder and labels, and a root filesystem of that one binary, mode
+/// 0755, byte for byte.
+#[test]
+fn containerfile_builds_the_image_xtask_builds() {
+    let archive = image_archive("manager");
+    let (dir, _index, doc) = untar(&archive);
+    let layers = doc["manifest"]["layers"].as_array().expect("layers");
+    let layer = layers[0]["digest"].as_str().expect("layer digest");
+    let context = tempdir::Dir::new("kvpn-containerfile-ctx");
+    let out = Command::new("tar")
+        .arg("-xf")
+        .arg(dir.path().join("blobs/sha256").join(&layer[7..]))
+        .arg("-C")
+        .arg(context.path())
+        .arg("kvpn-manager")
+        .output()
+        .expect("tar");
+    assert!(
+        out.status.success(),
+        "the layer holds kvpn-manager at its root: {}",
+        text(&out.stderr)
+    );
+    let binary = std::fs::read(context.path().join("kvpn-manager")).expect("binary");
+
+    let labels = &doc["config"]["config"]["Labels"];
+    let label = |k: &str| labels[k].as_str().unwrap_or_default().to_owned();
+    let (version, revision, created) = (
+        label("org.opencontainers.image.version"),
+        label("org.opencontainers.image.revision"),
+        label("org.opencontainers.image.created"),
+    );
+    let containerfile = Path::new(env!("CARGO_MANIFEST_DIR")).join("../images/Containerfile");
+    let store = PodmanStore::new();
+    let tag = "localhost/kvpn/manager:containerfile";
+    store.buildah(&[
+        "bud",
+        "--isolation",
+        "chroot",
+        "--timestamp",
+        "0",
+        "-f",
+        &containerfile.display().to_string(),
+        "--build-arg",
+        &format!("VERSION={version}"),
+        "--build-arg",
+        &format!("REVISION={revision}"),
+        "--build-arg",
+        &format!("CREATED={created}"),
+        "-t",
+        tag,
+        &context.path().display().to_string(),
+    ]);
+    let inspect: serde_json::Value =
+        serde_json::from_str(&store.buildah(&["inspect", "--type", "image", tag]))
+            .expect("buildah inspect JSON");
+    let built = &inspect["OCIv1"]["config"];
+    let ours = &doc["config"]["config"];
+    for key in ["User", "Entrypoint", "WorkingDir"] {
+        assert_eq!(built[key], ours[key], "{key}: Containerfile vs xtask");
+    }
+    let mut built_labels = built["Labels"].as_object().expect("labels").clone();
+    built_labels.remove("io.buildah.version");
+    assert_eq!(
+        serde_json::Value::Object(built_labels),
+        ours["Labels"],
+        "labels: Containerfile vs xtask"
+    );
+
+    // The built root filesystem: exactly /kvpn-manager, 0755, the same bytes.
+    let container = store.buildah(&["from", tag]).trim().to_owned();
+    let mount = store.buildah(&["mount", &container]).trim().to_owned();
+    let root = Path::new(&mount);
+    let entries: Vec<String> = std::fs::read_dir(root)
+        .expect("rootfs")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(entries, ["kvpn-manager"], "one file on an empty base");
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(root.join("kvpn-manager"))
+        .expect("binary in rootfs")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o7777, 0o755);
+    assert!(
+        std::fs::read(root.join("kvpn-manager")).expect("read") == binary,
+        "the Containerfile's binary is the archive's"
+    );
+    store.buildah(&["umount", &container]);
+}

@@ -1,4 +1,4 @@
-//! End-to-end: Ctrl-C during `kvpn connect --kubeconfig` (README: "A Connect is
+//! End-to-end: Ctrl-C during `kvpn connect --kubeconfig` (docs/root-daemon.md: "A Connect is
 //! all or nothing"), on the Kubernetes lab. `kvpn connect` runs as a child and
 //! gets SIGINT at delays from 50 to 400 ms; afterwards nothing of the attempt is
 //! left: no loopback listener in the user daemon, no TUN device, no kvpn route,

@@ -1,4 +1,4 @@
-//! End-to-end, the README's lab workflow: `kvpn lab up`, then
+//! End-to-end, the lab workflow of docs/lab.md: `kvpn lab up`, then
 //! `kvpn lab exec laptop -- kvpn connect --hosts`. Tester finding: the lab gave the
 //! laptop netns only its own resolv.conf, so the root daemon started from there
 //! wrote kvpn's hosts-file block into this machine's /etc/hosts. Now `kvpn lab up`
@@ -164,7 +164,7 @@ fn lab_exec_connect_hosts_writes_the_laptop_netns_hosts_file_not_the_machines() 
     let laptop_hosts = Path::new("/etc/netns").join(&netns).join("hosts");
     let throwaway_before = snapshot(&lab.throwaway_hosts());
 
-    // The README's workflow, with --hosts.
+    // docs/lab.md's workflow, with --hosts.
     let connect = run(&mut lab.sandboxed(&[
         "lab",
         "exec",

@@ -9,7 +9,8 @@
 //! 1. `cargo build --profile image --target x86_64-unknown-linux-musl` of the
 //!    binaries (the manager's eBPF object is embedded by its build script);
 //! 2. a staging folder with the binary, every mtime set to the commit's time;
-//! 3. `umoci init/new/insert/config/gc` into a scratch OCI layout, with every
+//! 3. the layer as a GNU tar (ustar, sorted, fixed mtime and owner), then
+//!    `umoci init/new/raw add-layer/config/gc` into a scratch OCI layout, with every
 //!    timestamp set to the commit's time (so two builds of one commit give the same
 //!    digest);
 //! 4. `skopeo copy oci:… oci:…:NAME` so the layout's index names the image in full
@@ -276,14 +277,33 @@ fn assemble(
         .args(["init", "--layout"])
         .arg(&layout))?;
     run(Command::new("umoci").args(["new", "--image", &img]))?;
+    // The layer is a tar GNU tar writes (ustar, sorted, the commit's mtime, owner
+    // 0), added verbatim: `umoci insert` (0.4.7) left its layer tar unterminated —
+    // no padding after the binary's last 72 bytes and no end-of-archive blocks —
+    // which Go readers (containerd, podman) took but GNU tar truncates.
+    let layer = scratch.join("layer.tar");
+    run(Command::new("tar")
+        .args([
+            "--sort=name",
+            &format!("--mtime=@{time}"),
+            "--owner=0",
+            "--group=0",
+            "--numeric-owner",
+            "--format=ustar",
+        ])
+        .arg("-C")
+        .arg(&stage)
+        .arg("-cf")
+        .arg(&layer)
+        .arg(def.binary))?;
     run(Command::new("umoci")
-        .args(["insert", "--image", &img, "--history.created", &created])
+        .args(["raw", "add-layer", "--image", &img])
+        .args(["--history.created", &created])
         .args([
             "--history.created_by",
             &format!("kvpn image {}", def.binary),
         ])
-        .arg(&stage)
-        .arg("/"))?;
+        .arg(&layer))?;
     let labels = [
         ("org.opencontainers.image.title", def.binary.to_owned()),
         (
@@ -294,7 +314,6 @@ fn assemble(
         ("org.opencontainers.image.revision", commit.to_owned()),
         ("org.opencontainers.image.created", created.clone()),
         ("org.opencontainers.image.licenses", "Apache-2.0".to_owned()),
-        ("org.opencontainers.image.ref.name", name.clone()),
     ];
     let mut config = Command::new("umoci");
     config
@@ -314,6 +333,13 @@ fn assemble(
             .args(["--config.label", &format!("{k}={v}")])
             .args(["--manifest.annotation", &format!("{k}={v}")]);
     }
+    // The image's name is an annotation (as `skopeo copy` writes it into the
+    // index), not a label: a label would travel with the image to a registry
+    // under another name (images/Containerfile sets the same labels).
+    config.args([
+        "--manifest.annotation",
+        &format!("org.opencontainers.image.ref.name={name}"),
+    ]);
     run(&mut config)?;
     run(Command::new("umoci").args(["gc", "--layout"]).arg(&layout))?;
 

@@ -147,7 +147,7 @@ pub const PING_GROUP_RANGE: (&str, &str) = ("net.ipv4.ping_group_range", "0 2147
 pub const PULL_POLICIES: [&str; 3] = ["Always", "IfNotPresent", "Never"];
 
 /// Whose address the cluster's backends see (`kvpn-manager --source-policy`; the
-/// README's "Choosing a source policy"); defined once, in kvpn-proto.
+/// docs/source-policy.md); defined once, in kvpn-proto.
 pub use kvpn_proto::SourcePolicy;
 
 /// The policy a manager container runs with, from its args (`snat` when absent

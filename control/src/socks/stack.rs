@@ -28,9 +28,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 
 /// The stack's MTU: the root daemon's TUN default and the manager's stack MTU
-/// (9000 bytes for byte-stream transports, DESIGN.md), so the manager never sees
-/// a segment larger than it expects and one frame carries about 8.9 KB of data.
-pub const MTU: usize = 9000;
+/// ([`kvpn_proto::frame::DEFAULT_TUN_MTU`], 9000 bytes for byte-stream transports),
+/// so the manager never sees a segment larger than it expects and one frame
+/// carries about 8.9 KB of data.
+pub const MTU: usize = kvpn_proto::frame::DEFAULT_TUN_MTU as usize;
 
 /// Receive and send buffer of one TCP flow, bytes. 512 KiB each: with window
 /// scaling the manager can keep about one bandwidth-delay product of the

@@ -608,9 +608,13 @@ async fn read_hello<R: AsyncRead + Unpin>(reader: Option<&mut R>) -> Result<Hell
             .read_exact(&mut header)
             .await
             .map_err(|_| "it exited before its TUN device was up".to_owned())?;
-        let len = usize::from(u16::from_be_bytes([header[0], header[1]]));
         let mut whole = header.to_vec();
-        whole.resize(2 + len.max(1), 0);
+        // A header the decoder refuses (length 0) is read no further: the
+        // parse below names what the agent wrote instead of a hello.
+        let payload_len = frame::Decoder::default()
+            .header(&header)
+            .map_or(0, |h| h.payload_len);
+        whole.resize(frame::HEADER_LEN + payload_len, 0);
         reader
             .read_exact(&mut whole[frame::HEADER_LEN..])
             .await

@@ -172,6 +172,11 @@ pub struct NodePlan {
     pub pod_cidr: Ipv4Net,
 }
 
+/// The port of the lab's plain-HTTP registry on the router's node-network address
+/// (nothing listens there unless a test starts a registry): every node's containerd
+/// pulls `<router>:5000/…` images over HTTP.
+pub const LAB_REGISTRY_PORT: u16 = 5000;
+
 /// The router's address on the node network (its first host).
 pub fn router_ip(node_net: Ipv4Net) -> Ipv4Addr {
     node_net.hosts().next().unwrap_or(node_net.addr())
@@ -650,6 +655,7 @@ impl RealNodes {
             &render::containerd_config(&render::ContainerdSpec {
                 cni_conf_dir: &cni_dir,
                 sandbox_image: &c.sandbox_image,
+                http_registry: Some(&format!("{}:{LAB_REGISTRY_PORT}", router_ip(c.node_net))),
             }),
             false,
         )?;

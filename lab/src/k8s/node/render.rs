@@ -31,6 +31,10 @@ pub struct ContainerdSpec<'a> {
     pub cni_conf_dir: &'a Path,
     /// The pod sandbox ("pause") image, imported before the kubelet starts.
     pub sandbox_image: &'a str,
+    /// `HOST:PORT` of a plain-HTTP registry the node may pull from (the lab's,
+    /// [`super::LAB_REGISTRY_PORT`] on the router), as a cluster admin configures
+    /// an internal registry without TLS: a mirror entry with an `http://` endpoint.
+    pub http_registry: Option<&'a str>,
 }
 
 /// containerd 1.6's `config.toml` (version 2).
@@ -73,11 +77,16 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = {bin}
     conf_dir = {conf}
-"#,
+{registry}"#,
         socket = q(CONTAINERD_SOCKET),
         sandbox = q(spec.sandbox_image),
         bin = q(CNI_BIN_DIR),
         conf = q(&spec.cni_conf_dir.to_string_lossy()),
+        registry = spec.http_registry.map_or_else(String::new, |host| format!(
+            "  [plugins.\"io.containerd.grpc.v1.cri\".registry.mirrors.{host}]\n    endpoint = [{endpoint}]\n",
+            host = q(host),
+            endpoint = q(&format!("http://{host}")),
+        )),
     )
 }
 
@@ -271,7 +280,14 @@ mod tests {
         let text = containerd_config(&ContainerdSpec {
             cni_conf_dir: Path::new("/tmp/kvpn-lab-abcde/nodes/n1/cni"),
             sandbox_image: "kvpn.local/lab:pause",
+            http_registry: Some("172.30.0.1:5000"),
         });
+        assert!(
+            text.contains(
+                "[plugins.\"io.containerd.grpc.v1.cri\".registry.mirrors.\"172.30.0.1:5000\"]\n    endpoint = [\"http://172.30.0.1:5000\"]"
+            ),
+            "{text}"
+        );
         assert!(text.contains("restrict_oom_score_adj = true"), "{text}");
         assert!(text.contains("snapshotter = \"overlayfs\""), "{text}");
         assert!(text.contains("SystemdCgroup = false"), "{text}");
