@@ -847,7 +847,13 @@ impl Installer<'_> {
                     return Ok((pod, ip));
                 }
                 Verdict::Failed(WaitFailure::CannotStart { pod, fatal }) => {
-                    let hint = wait::hint(&ns, pod.as_deref(), &fatal, &self.spec.image);
+                    let hint = wait::hint(
+                        &ns,
+                        pod.as_deref(),
+                        &fatal,
+                        &self.spec.image,
+                        &self.spec.image_pull_secrets,
+                    );
                     return Err(Error::CannotStart {
                         what: pod.map_or_else(
                             || format!("Deployment {MANAGER}"),

@@ -9,7 +9,8 @@
 //! Without a pull secret the registry refuses the node (401): `kvpn connect --image
 //! REGISTRY/…` fails within seconds with the kubelet's reason, the registry's
 //! refusal, the image and the fix (`--image-pull-secret`), and the failed install
-//! is removed. With `--image-pull-secret` naming a docker-registry Secret in the
+//! is removed; a pull secret with a wrong password fails the same way and the
+//! error names the secret to check. With `--image-pull-secret` naming a docker-registry Secret in the
 //! manager namespace, the node pulls the image, the session connects and reaches a
 //! pod, and the Deployment carries the secret.
 
@@ -104,7 +105,7 @@ fn deployment_exists(f: &KubeFixture) -> bool {
 }
 
 #[test]
-fn a_registry_that_refuses_the_node_fails_connect_with_its_reason_and_the_pull_secret_gets_the_image()
+fn a_registry_that_refuses_the_node_fails_connect_with_its_reason_a_wrong_secret_is_named_the_right_one_gets_the_image()
  {
     let f = KubeFixture::real_nodes(2);
     let router = f
@@ -184,21 +185,52 @@ fn a_registry_that_refuses_the_node_fails_connect_with_its_reason_and_the_pull_s
         f.block_on(namespaces.create(&PostParams::default(), &ns))
             .expect("create namespace");
     }
-    let dockerconfig = serde_json::json!({
-        "auths": { addr.to_string(): { "username": USER, "password": PASSWORD } }
-    });
     let mut secret = Secret::default();
     secret.metadata.name = Some(SECRET.to_owned());
     secret.type_ = Some("kubernetes.io/dockerconfigjson".to_owned());
-    secret.data = Some(
-        [(
-            ".dockerconfigjson".to_owned(),
-            ByteString(dockerconfig.to_string().into_bytes()),
-        )]
-        .into(),
-    );
     let secrets: Api<Secret> = Api::namespaced(client.clone(), MANAGER_NAMESPACE);
-    f.block_on(secrets.create(&PostParams::default(), &secret))
+    let with_password = |password: &str| {
+        let dockerconfig = serde_json::json!({
+            "auths": { addr.to_string(): { "username": USER, "password": password } }
+        });
+        let mut secret = secret.clone();
+        secret.data = Some(
+            [(
+                ".dockerconfigjson".to_owned(),
+                ByteString(dockerconfig.to_string().into_bytes()),
+            )]
+            .into(),
+        );
+        secret
+    };
+
+    // A wrong pull secret: refused too, and the error names the secret.
+    f.block_on(secrets.create(&PostParams::default(), &with_password("not-it")))
+        .expect("create pull secret");
+    let out = f.kvpn(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--image",
+        &image,
+        "--image-pull-secret",
+        SECRET,
+    ]);
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        !out.status.success(),
+        "connected with a wrong password: {all}"
+    );
+    assert!(
+        all.contains("401") && all.contains(&format!("pull secret {SECRET}")),
+        "the refusal and the secret to check: {all}"
+    );
+    assert!(!deployment_exists(&f), "the failed install was removed");
+
+    // The right one.
+    f.block_on(secrets.delete(SECRET, &Default::default()))
+        .expect("delete the wrong secret");
+    f.block_on(secrets.create(&PostParams::default(), &with_password(PASSWORD)))
         .expect("create pull secret");
 
     let out = f.kvpn(&[

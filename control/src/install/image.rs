@@ -197,9 +197,31 @@ pub fn default_pull_policy(image: &str) -> &'static str {
     }
 }
 
-/// The fix for an image the nodes cannot pull.
-pub fn pull_hint(image: &str) -> String {
-    if image.starts_with(&format!("{DEFAULT_REPOSITORY}:")) {
+/// The fix for an image the nodes cannot pull, given the pull secrets the pod
+/// had (in `namespace`).
+pub fn pull_hint(image: &str, namespace: &str, pull_secrets: &[String]) -> String {
+    if let Some(first) = pull_secrets.first() {
+        let registry = image.split('/').next().unwrap_or(image);
+        format!(
+            "the nodes cannot pull {image} with the pull secret{s} {names}: check that {it} \
+             {hold} credentials the registry {registry} accepts (`kubectl -n {namespace} get secret {first} \
+             -o jsonpath='{{.data.\\.dockerconfigjson}}' | base64 -d`; recreate with `kubectl -n {namespace} \
+             create secret docker-registry …`), the name and tag (`skopeo inspect docker://{image}`), \
+             and that the registry is reachable from the nodes",
+            s = if pull_secrets.len() == 1 { "" } else { "s" },
+            names = pull_secrets.join(", "),
+            it = if pull_secrets.len() == 1 {
+                "it"
+            } else {
+                "they"
+            },
+            hold = if pull_secrets.len() == 1 {
+                "holds"
+            } else {
+                "hold"
+            },
+        )
+    } else if image.starts_with(&format!("{DEFAULT_REPOSITORY}:")) {
         format!(
             "the nodes do not have {image} and no registry serves it: build it with `./x image manager` \
              (an OCI archive under /var/cache/kvpn/images) and load it on every node \
@@ -308,9 +330,18 @@ mod tests {
 
     #[test]
     fn pull_hint_for_the_default_image_says_how_to_load_it() {
-        let h = pull_hint(&default_image("0.1.0"));
+        let h = pull_hint(&default_image("0.1.0"), "kvpn-system", &[]);
         assert!(h.contains("./x image") && h.contains("--image"), "{h}");
-        let h = pull_hint("reg.example/x:1");
+        let h = pull_hint("reg.example/x:1", "kvpn-system", &[]);
         assert!(h.contains("--image-pull-secret"), "{h}");
+        // With a secret that did not help: the secret, the registry and how to
+        // look at what it holds.
+        let h = pull_hint("reg.example:5000/x:1", "ns", &["regcred".to_owned()]);
+        assert!(
+            h.contains("pull secret regcred")
+                && h.contains("registry reg.example:5000 accepts")
+                && h.contains("kubectl -n ns get secret regcred"),
+            "{h}"
+        );
     }
 }

@@ -475,7 +475,13 @@ impl ReadyWait {
 }
 
 /// What the user can do about `fatal` (shown after the reason).
-pub fn hint(namespace: &str, pod: Option<&str>, fatal: &Fatal, image: &str) -> String {
+pub fn hint(
+    namespace: &str,
+    pod: Option<&str>,
+    fatal: &Fatal,
+    image: &str,
+    pull_secrets: &[String],
+) -> String {
     let Some(pod) = pod else {
         return format!(
             "the Deployment cannot create its pod (quota, admission or RBAC); see \
@@ -483,7 +489,9 @@ pub fn hint(namespace: &str, pod: Option<&str>, fatal: &Fatal, image: &str) -> S
         );
     };
     match fatal.reason.as_str() {
-        "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName" => super::image::pull_hint(image),
+        "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName" => {
+            super::image::pull_hint(image, namespace, pull_secrets)
+        }
         "ErrImageNeverPull" => format!(
             "imagePullPolicy is Never and the pod's node does not have {image}: load it on every node \
              (README: \"Use kvpn with your own cluster\") or connect with --image-pull-policy IfNotPresent"
@@ -642,7 +650,7 @@ mod tests {
                 "Pod m-1: Waiting: ImagePullBackOff: Back-off pulling image \"does-not-exist\"",
             ]
         );
-        let h = hint("ns", Some("m-1"), &fatal, "reg.example/kvpn/manager:9");
+        let h = hint("ns", Some("m-1"), &fatal, "reg.example/kvpn/manager:9", &[]);
         assert!(
             h.contains("reg.example/kvpn/manager:9") && h.contains("--image-pull-secret"),
             "{h}"
@@ -722,7 +730,7 @@ mod tests {
             "{}",
             fatal.message
         );
-        assert!(hint("ns", Some("m-1"), &fatal, "x").contains("logs m-1 --previous"));
+        assert!(hint("ns", Some("m-1"), &fatal, "x", &[]).contains("logs m-1 --previous"));
     }
 
     #[test]
