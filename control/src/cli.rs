@@ -208,6 +208,14 @@ impl ConnectArgs {
 pub enum Command {
     /// Connect to a traffic manager and route cluster CIDRs through a TUN device.
     Connect(Box<ConnectArgs>),
+    /// Run a command that, with its children and only they, reaches the cluster:
+    /// pod IPs, ClusterIPs and Service names. A session of its own (its own TUN
+    /// device, routing table, cgroup and DNS forwarder; no laptop-wide route or
+    /// DNS change) that ends with the command; kvpn exits with the command's
+    /// status. Takes `kvpn connect`'s flags.
+    ///
+    /// Example: kvpn run --context staging -- curl http://web.default
+    Run(Box<RunArgs>),
     /// Show sessions: state, routes, counters.
     ///
     /// States (STATE column; docs/status.md has the details):
@@ -429,6 +437,16 @@ impl UninstallArgs {
             ssh: self.ssh.clone(),
         }
     }
+}
+
+/// `kvpn run` flags and command.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub connect: ConnectArgs,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, value_name = "COMMAND")]
+    pub command: Vec<std::ffi::OsString>,
 }
 
 /// `kvpn connect` flags.

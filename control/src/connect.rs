@@ -1329,6 +1329,33 @@ pub(crate) fn session_request(
 }
 
 pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> {
+    kube_connect_as(runtime_dir, args, Scope::Laptop)
+        .await
+        .map(drop)
+}
+
+/// Who a session is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// The whole laptop (`kvpn connect`): laptop-wide routes and DNS, one
+    /// session per cluster.
+    Laptop,
+    /// One process tree (`kvpn run`): always a new session of its own, no
+    /// laptop-wide route or DNS change (ConnectRequest.run_scope).
+    Run,
+}
+
+/// [`kube_connect`] for `scope`; the new session's id (`None`: an existing
+/// session of the same cluster was found, laptop scope only).
+pub async fn kube_connect_as(
+    runtime_dir: &Path,
+    args: &ConnectArgs,
+    scope: Scope,
+) -> Result<Option<String>> {
+    let run = scope == Scope::Run;
+    if run && args.socks {
+        bail!("kvpn run does not take --socks: a run gets its own TUN device, routes and DNS");
+    }
     let env = UserEnv::current().context("cannot read this process's environment")?;
     // A normal user needs a root daemon that accepts their uid: find or start
     // it (sudo, pkexec) before anything else, so that when neither works the
@@ -1369,7 +1396,9 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     }
     output::done(&format!("Using {}", conn.description));
     if args.socks {
-        return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), &env).await;
+        return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), &env)
+            .await
+            .map(|()| None);
     }
     let mut origin = Origin {
         transport: TRANSPORT_PORT_FORWARD.to_owned(),
@@ -1389,11 +1418,12 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         never_proxy: args.never_proxy.iter().map(ToString::to_string).collect(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
-    if let Some(session_policy) = already_connected(&mut user, &origin).await? {
+    // A run never shares a session: a laptop-wide one routes for everybody.
+    if !run && let Some(session_policy) = already_connected(&mut user, &origin).await? {
         if let Some(warning) = ignored_flags_warning(&flags_not_applied(args, &session_policy)) {
             output::warn(&warning);
         }
-        return Ok(());
+        return Ok(None);
     }
 
     let manager = ensure_manager(&conn, args).await?;
@@ -1520,7 +1550,9 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     // pool needs no hole for it. Two clusters whose managers use the same pool
     // (the default) cannot both own it: the session that routes it first keeps
     // it, and this one reaches the cluster but not the laptops behind it.
+    // A run's processes reach the cluster, not other laptops.
     match session_routing(&current_sessions(runtime_dir).await?, &tunnel_pool) {
+        _ if run => {}
         None => routes.push(Route {
             cidr: tunnel_pool.to_string(),
             kind: RouteKind::Extra as i32,
@@ -1619,6 +1651,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
             allow_route_conflict: args.allow_route_conflict,
             steer_ebpf: args.steer() == crate::cli::Steer::Ebpf,
             workers: args.workers,
+            run_scope: run,
         }),
         socks: None,
         ..session_request(&env, args, &conn, plan.as_ref(), &manager)
@@ -1666,7 +1699,7 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
         None if !resp.dns.is_empty() => output::detail(&format!("DNS: {}", resp.dns)),
         None => {}
     }
-    Ok(())
+    Ok(Some(resp.session_id))
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ pub mod lease;
 pub mod liveness;
 pub mod output;
 pub mod route_watch;
+pub mod run;
 pub mod settings;
 pub mod socks;
 pub mod ssh;
@@ -63,6 +64,11 @@ pub async fn run(cli: Cli) -> Result<()> {
     let runtime_dir = cli.runtime_dir();
     match cli.command {
         Command::Connect(args) => connect(&runtime_dir, *args).await,
+        // Ends with the command's exit status, after the session is gone.
+        Command::Run(args) => {
+            let code = run::run(&runtime_dir, *args).await?;
+            std::process::exit(code)
+        }
         Command::Status(args) => status(&runtime_dir, args).await,
         Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
         Command::Top(args) => top::run(&runtime_dir, args).await,
@@ -172,6 +178,7 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
         allow_route_conflict: args.allow_route_conflict,
         steer_ebpf: args.steer() == cli::Steer::Ebpf,
         workers: args.workers,
+        run_scope: false,
     });
     let resp = match connect::setup_or_interrupt(connect, &mut interrupt).await {
         connect::Setup::Done(r) => r

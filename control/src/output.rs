@@ -35,9 +35,27 @@ pub fn version(r: &crate::version::Report, format: OutputFormat) -> Result<()> {
     Ok(())
 }
 
+/// Progress lines (step, done, detail) go to stderr instead of stdout: `kvpn
+/// run`, whose stdout is its command's.
+static PROGRESS_ON_STDERR: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Send progress lines to stderr from now on ([`PROGRESS_ON_STDERR`]).
+pub fn progress_to_stderr() {
+    PROGRESS_ON_STDERR.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn progress(line: std::fmt::Arguments<'_>) {
+    if PROGRESS_ON_STDERR.load(std::sync::atomic::Ordering::Relaxed) {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+}
+
 /// A step of a long operation is starting.
 pub fn step(msg: &str) {
-    println!("• {msg}…");
+    progress(format_args!("• {msg}…"));
 }
 
 /// Kubernetes objects for `kubectl apply -f -` (`kvpn install --dry-run`): YAML
@@ -60,12 +78,12 @@ pub fn manifests(objects: &[serde_json::Value], format: crate::cli::ManifestForm
 
 /// A step finished.
 pub fn done(msg: &str) {
-    println!("✓ {msg}");
+    progress(format_args!("✓ {msg}"));
 }
 
 /// A detail line under a step.
 pub fn detail(msg: &str) {
-    println!("    {msg}");
+    progress(format_args!("    {msg}"));
 }
 
 /// A block of text as it is (e.g. the lab's description).
@@ -421,6 +439,11 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "held_packets": known(serde_json::json!(s.held_packets)),
         "stale_tcp_flows_reset": known(serde_json::json!(s.stale_tcp_flows_reset)),
         "routes_repaired": known(serde_json::json!(s.routes_repaired)),
+        // `kvpn run` sessions: null for a laptop-wide one.
+        "run_cgroup": text_or_null(&s.run_cgroup),
+        "run_table": if s.run_table == 0 { serde_json::Value::Null } else { serde_json::json!(s.run_table) },
+        "run_mark": if s.run_mark == 0 { serde_json::Value::Null } else { serde_json::json!(s.run_mark) },
+        "run_dns": text_or_null(&s.run_dns),
         "state": s.state,
         "reason": s.reason,
         "uptime_ms": known(serde_json::json!(s.uptime_ms)),
@@ -1044,6 +1067,13 @@ fn redial_and_offload_lines(s: &Session) -> Vec<String> {
         lines.push(format!(
             "connect reset {} an earlier session left on the laptop (its root daemon died)",
             tcp_connections(s.stale_tcp_flows_reset)
+        ));
+    }
+    if !s.run_cgroup.is_empty() {
+        lines.push(format!(
+            "kvpn run: only the processes of cgroup {} reach this cluster (routing table {:#x}, \
+             fwmark {:#x}, DNS forwarder {})",
+            s.run_cgroup, s.run_table, s.run_mark, s.run_dns
         ));
     }
     if s.routes_repaired > 0 {

@@ -361,6 +361,53 @@ pub struct SteerKey {
     pub local_port: u16,
 }
 
+/// Name of the run scope's `cgroup/sock_create` program (`kvpn run`): gives every
+/// socket a process of the run's cgroup creates the session's fwmark, so policy
+/// routing (`ip rule fwmark M lookup T`) sends it to the session's own table.
+pub const PROGRAM_RUN_SOCK_CREATE: &str = "kvpn_run_mark";
+/// Name of the run scope's `cgroup/connect4` program: TCP and connected UDP to port
+/// 53 go to the session's own DNS forwarder instead.
+pub const PROGRAM_RUN_CONNECT4: &str = "kvpn_run_connect4";
+/// Name of the run scope's `cgroup/sendmsg4` program: unconnected UDP to port 53,
+/// the same redirect.
+pub const PROGRAM_RUN_SENDMSG4: &str = "kvpn_run_sendmsg4";
+/// Name of the run scope's `cgroup/recvmsg4` program: answers from the forwarder
+/// show the nameserver the process asked as their source (resolvers such as glibc's
+/// drop answers from another address).
+pub const PROGRAM_RUN_RECVMSG4: &str = "kvpn_run_recvmsg4";
+/// Name of the run scope's one-entry config array (index 0 → [`RunConfig`]).
+pub const MAP_RUN_CONFIG: &str = "KVPN_RUN_CFG";
+/// Name of the run scope's table of redirected DNS sockets (LRU hash, socket
+/// cookie → [`RunDnsOrigin`]: the nameserver the process asked).
+pub const MAP_RUN_DNS_ORIGIN: &str = "KVPN_RUN_DNS";
+/// Capacity of [`MAP_RUN_DNS_ORIGIN`]: sockets with a DNS redirect alive at once.
+pub const RUN_DNS_MAX_SOCKETS: u32 = 4096;
+/// The DNS port the run scope redirects, host order.
+pub const DNS_PORT: u16 = 53;
+
+/// Value of the run scope's config array, written before the programs are attached.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunConfig {
+    /// The session's fwmark (host order), set on every socket of the cgroup.
+    pub mark: u32,
+    /// The session's DNS forwarder: IPv4 address, network byte order.
+    pub dns_ip: [u8; 4],
+    /// The forwarder's port, network byte order.
+    pub dns_port: u16,
+    /// Zero.
+    pub reserved: u16,
+}
+
+/// The destination a redirected DNS socket of a run asked for (network byte order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunDnsOrigin {
+    pub ip: [u8; 4],
+    pub port: u16,
+    pub reserved: u16,
+}
+
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: all four are #[repr(C)], Copy, 'static, made only of integers and byte
@@ -373,6 +420,10 @@ mod user {
     unsafe impl aya::Pod for super::RouteEntry {}
     // SAFETY: see above.
     unsafe impl aya::Pod for super::CounterValue {}
+    // SAFETY: #[repr(C)], integers and byte arrays only, 12 and 8 bytes, no padding.
+    unsafe impl aya::Pod for super::RunConfig {}
+    // SAFETY: see above.
+    unsafe impl aya::Pod for super::RunDnsOrigin {}
     // SAFETY: as above; SnatKey (16 bytes), SnatForward (16), SnatReverse (16) and
     // SnatConfig (16) spell out every byte, so none is padding.
     unsafe impl aya::Pod for super::SnatKey {}

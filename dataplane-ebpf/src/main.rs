@@ -10,6 +10,8 @@ mod csum;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
+mod run_scope;
+#[cfg(target_arch = "bpf")]
 mod snat;
 #[cfg(target_arch = "bpf")]
 mod steer;

@@ -30,14 +30,15 @@ use std::time::Duration;
 use ipnet::IpNet;
 use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
 use kvpn_proto::dataplane::{
-    ConnectRequest, ConnectResponse, DisconnectRequest, DisconnectResponse, ShutdownRequest,
-    ShutdownResponse, StatusRequest, StatusResponse, TopRequest, TopResponse, UpdateRoutesRequest,
-    UpdateRoutesResponse,
+    AdmitToRunRequest, AdmitToRunResponse, ConnectRequest, ConnectResponse, DisconnectRequest,
+    DisconnectResponse, ShutdownRequest, ShutdownResponse, StatusRequest, StatusResponse,
+    TopRequest, TopResponse, UpdateRoutesRequest, UpdateRoutesResponse,
 };
 use tonic::{Request, Response, Status};
 
 use crate::dns::{ClusterDns, Dns};
 use crate::netlink::Netlink;
+use crate::run_scope::{self, RunScope};
 use crate::session::{self, ClassifierAttach, ConnectError, Session, SessionParams};
 use crate::tls::TlsClient;
 use crate::tun;
@@ -252,6 +253,11 @@ pub struct Daemon {
     /// This daemon as [`Daemon::serve`] shares it: Connect runs its setup as
     /// a task of its own through it ([`Daemon::connect_owned`]).
     me: std::sync::OnceLock<std::sync::Weak<Daemon>>,
+    /// The cgroup, programs, rule and forwarder of each `kvpn run` session, by
+    /// session id.
+    runs: Mutex<HashMap<String, RunScope>>,
+    /// Run slots taken, also by Connects still setting up.
+    run_slots: Mutex<Vec<u16>>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -345,6 +351,8 @@ pub fn params_from_request(
         data_peer: session::DataPeer::from_transport(
             req.origin.as_ref().map_or("", |o| o.transport.as_str()),
         ),
+        // Set by Connect once the run slot is chosen.
+        run_table: None,
     })
 }
 
@@ -368,6 +376,8 @@ impl Daemon {
             started: std::time::Instant::now(),
             record: None,
             me: std::sync::OnceLock::new(),
+            runs: Mutex::new(HashMap::new()),
+            run_slots: Mutex::new(Vec::new()),
         }
     }
 
@@ -521,8 +531,13 @@ impl Daemon {
         if api.servers.is_empty() {
             return Ok(String::new());
         }
-        let Some(dns) = &self.dns else {
-            return Ok("not configured: this daemon runs without split DNS".to_owned());
+        let run = self.runs().contains_key(id);
+        let dns = match &self.dns {
+            Some(dns) => Some(dns),
+            None if run => None,
+            None => {
+                return Ok("not configured: this daemon runs without split DNS".to_owned());
+            }
         };
         // IPv4-only clusters get AAAA answered empty at once (dns-09).
         let ipv6 = routes.iter().any(|(cidr, kind)| {
@@ -548,6 +563,24 @@ impl Daemon {
             Ok(c) => c.with_reverse(reverse),
             Err(e) => return Ok(format!("not configured: {e}")),
         };
+        if run {
+            // A run session's names go to its own forwarder alone.
+            let runs = self.runs();
+            let Some(scope) = runs.get(id) else {
+                return Ok(String::new());
+            };
+            if let Some(f) = scope.forwarder() {
+                f.set_clusters(vec![(cluster, reach)]);
+                return Ok(format!(
+                    "forwarder {} for this run's processes only (the laptop's DNS is unchanged)",
+                    f.local_addr()
+                ));
+            }
+            return Ok(String::new());
+        }
+        let Some(dns) = dns else {
+            return Ok(String::new());
+        };
         if dns.has_session(id, &cluster).await {
             return Ok(String::new());
         }
@@ -565,6 +598,40 @@ impl Daemon {
         }
     }
 
+    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunScope>> {
+        self.runs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn run_slots(&self) -> std::sync::MutexGuard<'_, Vec<u16>> {
+        self.run_slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The laptop's nameservers (the resolv.conf split DNS manages, else
+    /// /etc/resolv.conf), as upstreams of a run's forwarder at `forwarder`.
+    fn laptop_nameservers(&self, forwarder: std::net::SocketAddr) -> Vec<std::net::SocketAddr> {
+        let path = self.dns.as_ref().map_or_else(
+            || PathBuf::from(crate::dns::resolv_conf::DEFAULT_PATH),
+            |d| d.settings().resolv_conf.clone(),
+        );
+        let bytes = fs::read(&path).unwrap_or_default();
+        crate::dns::upstreams_from(&bytes, forwarder)
+    }
+
+    /// Tear a run session's scope down (its processes are killed); what was
+    /// left behind.
+    async fn stop_run(&self, id: &str) -> Vec<String> {
+        let scope = self.runs().remove(id);
+        let Some(scope) = scope else {
+            return Vec::new();
+        };
+        let slot = scope.slot;
+        let leftovers = scope.teardown(&self.netlink).await;
+        self.run_slots().retain(|s| *s != slot);
+        leftovers
+    }
+
     fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
         // Sessions stay valid even if a Status call panicked mid-read.
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
@@ -580,6 +647,25 @@ impl Daemon {
         &self,
         reset_tcp: bool,
     ) -> Result<crate::sweep::SweepReport, crate::sweep::SweepError> {
+        // A killed daemon's run sessions leave their fwmark rules (their TUN
+        // devices and the routes through them went with it); one daemon serves a
+        // network namespace, so every run rule in it was a daemon of this socket's.
+        match self
+            .netlink
+            .del_mark_rules(
+                run_scope::RUN_RULE_PRIORITY,
+                run_scope::RUN_MARK_BASE
+                    ..run_scope::RUN_MARK_BASE + u32::from(run_scope::MAX_RUN_SESSIONS),
+            )
+            .await
+        {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                rules = n,
+                "removed the fwmark rules of an earlier daemon's run sessions"
+            ),
+            Err(e) => tracing::warn!(error = %e, "cannot sweep run sessions' fwmark rules"),
+        }
         match &self.record {
             Some(record) => crate::sweep::sweep(&self.netlink, record, reset_tcp).await,
             None => Ok(crate::sweep::SweepReport::default()),
@@ -611,7 +697,9 @@ impl Daemon {
     /// [`Self::stop_session`], also returning how many laptop TCP sockets
     /// through the session it destroyed.
     async fn stop_session_counted(&self, session: Session) -> (Vec<String>, u64) {
-        let mut leftovers = self.stop_dns(session.id()).await;
+        // A run's processes go first, while their session still carries them.
+        let mut leftovers = self.stop_run(session.id()).await;
+        leftovers.extend(self.stop_dns(session.id()).await);
         let ifindex = session.ifindex();
         let report = session.teardown(&self.netlink).await;
         if report.leftovers.is_empty() {
@@ -623,17 +711,68 @@ impl Daemon {
 
     /// Connect's setup, to completion whether or not its caller waits.
     async fn connect_owned(&self, request: &ConnectRequest) -> Result<ConnectResponse, Status> {
-        let params = params_from_request(request, self.heartbeat_interval)?;
+        let mut params = params_from_request(request, self.heartbeat_interval)?;
+        let slot = if request.run_scope {
+            let mut slots = self.run_slots();
+            let slot = run_scope::free_slot(&slots).ok_or_else(|| {
+                Status::resource_exhausted(format!(
+                    "{} `kvpn run` sessions are running already — end one first",
+                    run_scope::MAX_RUN_SESSIONS
+                ))
+            })?;
+            slots.push(slot);
+            drop(slots);
+            params.run_table = Some(run_scope::slot_params(slot).0);
+            Some(slot)
+        } else {
+            None
+        };
+        let release_slot = |this: &Self| {
+            if let Some(slot) = slot {
+                this.run_slots().retain(|s| *s != slot);
+            }
+        };
         let origin = request.origin.clone();
         let id = new_session_id();
-        let mut session = Session::start(id.clone(), params, &self.netlink, &*self.classifiers)
-            .await
-            .map_err(|e| match &e {
-                ConnectError::Unreachable(_) => Status::unavailable(e.to_string()),
-                ConnectError::Step { .. } => Status::failed_precondition(e.to_string()),
-            })?;
+        let mut session =
+            match Session::start(id.clone(), params, &self.netlink, &*self.classifiers).await {
+                Ok(s) => s,
+                Err(e) => {
+                    release_slot(self);
+                    return Err(match &e {
+                        ConnectError::Unreachable(_) => Status::unavailable(e.to_string()),
+                        ConnectError::Step { .. } => Status::failed_precondition(e.to_string()),
+                    });
+                }
+            };
         session.set_origin(origin);
         self.record_tun(&session);
+        if let Some(slot) = slot {
+            let (_, _, dns_addr) = run_scope::slot_params(slot);
+            let upstreams = self.laptop_nameservers(std::net::SocketAddr::V4(dns_addr));
+            match RunScope::setup(&id, slot, &self.netlink, upstreams).await {
+                Ok(scope) => {
+                    tracing::info!(session = %id, cgroup = %scope.cgroup().display(), table = scope.table, mark = scope.mark, dns = %scope.dns, "run scope set up");
+                    self.runs().insert(id.clone(), scope);
+                }
+                Err(message) => {
+                    release_slot(self);
+                    let leftovers = self.stop_session(session).await;
+                    let rollback = if leftovers.is_empty() {
+                        " (rolled back: TUN device, routes and eBPF classifier removed)".to_owned()
+                    } else {
+                        format!(" (rollback incomplete: {})", leftovers.join("; "))
+                    };
+                    let e = ConnectError::Step {
+                        step: session::Step::RunScope,
+                        message,
+                        rollback,
+                    };
+                    tracing::warn!(error = %e, "connect failed");
+                    return Err(Status::failed_precondition(e.to_string()));
+                }
+            }
+        }
         let dns = match self.start_dns(&session, request).await {
             Ok(line) => line,
             Err(message) => {
@@ -671,6 +810,7 @@ impl Daemon {
         for session in sessions {
             leftovers.extend(self.stop_session(session).await);
         }
+        run_scope::release_own_mount();
         leftovers
     }
 
@@ -848,6 +988,19 @@ impl Dataplane for Daemon {
                 status
             })
             .collect();
+        {
+            let runs = self.runs();
+            for s in &mut sessions {
+                if let Some(scope) = runs.get(&s.id) {
+                    s.run_cgroup = scope.cgroup().display().to_string();
+                    s.run_table = scope.table;
+                    s.run_mark = scope.mark;
+                    s.run_dns = scope.dns.to_string();
+                    // The laptop's split DNS is not this session's.
+                    s.conflicts.clear();
+                }
+            }
+        }
         for s in &mut sessions {
             s.dns_counters = dns_counters.clone();
         }
@@ -857,6 +1010,37 @@ impl Dataplane for Daemon {
             refused_peers: self.refused_peers(),
             version: kvpn_build_info::VERSION.to_owned(),
             commit: kvpn_build_info::COMMIT.to_owned(),
+        }))
+    }
+
+    async fn admit_to_run(
+        &self,
+        request: Request<AdmitToRunRequest>,
+    ) -> Result<Response<AdmitToRunResponse>, Status> {
+        let caller = request
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|info| info.peer_cred)
+            .map(|c| c.uid())
+            .ok_or_else(|| {
+                Status::permission_denied(
+                    "AdmitToRun needs the caller's credentials (SO_PEERCRED): call over the Unix socket",
+                )
+            })?;
+        let req = request.into_inner();
+        let runs = self.runs();
+        let scope = runs.get(&req.session_id).ok_or_else(|| {
+            Status::not_found(format!(
+                "no run session {} — `kvpn status` lists the sessions; only sessions of                  `kvpn run` take processes",
+                req.session_id
+            ))
+        })?;
+        scope
+            .admit(req.pid, caller)
+            .map_err(Status::permission_denied)?;
+        tracing::info!(session = %req.session_id, pid = req.pid, caller_uid = caller, "process admitted to the run");
+        Ok(Response::new(AdmitToRunResponse {
+            cgroup: scope.cgroup().display().to_string(),
         }))
     }
 
@@ -886,10 +1070,10 @@ impl Dataplane for Daemon {
         request: Request<UpdateRoutesRequest>,
     ) -> Result<Response<UpdateRoutesResponse>, Status> {
         let req = request.get_ref();
-        let handle = self
+        let (handle, netlink) = self
             .sessions()
             .get(&req.session_id)
-            .map(Session::watch_handle)
+            .map(|s| (s.watch_handle(), s.route_netlink(&self.netlink)))
             .ok_or_else(|| {
                 Status::not_found(format!(
                     "no session {} — `kvpn status` lists the sessions",
@@ -922,15 +1106,12 @@ impl Dataplane for Daemon {
                 }
             }
         }
-        let resp = handle
-            .update(&self.netlink, req)
-            .await
-            .map_err(|e| match e {
-                crate::watched::UpdateError::Invalid(m) => Status::invalid_argument(m),
-                crate::watched::UpdateError::Apply(m) => {
-                    Status::internal(format!("session {}: {m}", req.session_id))
-                }
-            })?;
+        let resp = handle.update(&netlink, req).await.map_err(|e| match e {
+            crate::watched::UpdateError::Invalid(m) => Status::invalid_argument(m),
+            crate::watched::UpdateError::Apply(m) => {
+                Status::internal(format!("session {}: {m}", req.session_id))
+            }
+        })?;
         if req.services_replace
             || !req.services_upsert.is_empty()
             || !req.services_remove.is_empty()

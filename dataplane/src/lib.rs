@@ -33,6 +33,7 @@ pub mod pump;
 pub mod redial;
 pub mod route_guard;
 pub mod routes;
+pub mod run_scope;
 pub mod session;
 pub mod stale_tcp;
 pub mod steer_watch;

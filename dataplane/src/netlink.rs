@@ -18,6 +18,7 @@ use rtnetlink::packet_route::link::{
 use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope,
 };
+use rtnetlink::packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
 
 use crate::conflicts::LaptopRoute;
@@ -94,6 +95,10 @@ pub struct Netlink {
     /// (`netlink_dump_start`), and Status, Connect and the route watch dump
     /// routes concurrently.
     dumps: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// The routing table [`Netlink::add_route`], [`Netlink::del_route`] and
+    /// [`Netlink::kvpn_routes`] work on: main, or a run session's own
+    /// ([`Netlink::in_table`]).
+    table: u32,
 }
 
 impl Netlink {
@@ -105,7 +110,138 @@ impl Netlink {
         Ok(Self {
             handle,
             dumps: std::sync::Arc::new(tokio::sync::Mutex::new(())),
+            table: u32::from(RouteHeader::RT_TABLE_MAIN),
         })
+    }
+
+    /// This connection, its route calls working on routing table `table` (a
+    /// `kvpn run` session's own table) instead of main.
+    pub fn in_table(&self, table: u32) -> Self {
+        Self {
+            table,
+            ..self.clone()
+        }
+    }
+
+    /// The routing table route calls work on.
+    pub fn table(&self) -> u32 {
+        self.table
+    }
+
+    fn rule_message(mark: u32, table: u32, priority: u32) -> RuleMessage {
+        let mut msg = RuleMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        msg.header.action = RuleAction::ToTable;
+        if let Ok(t) = u8::try_from(table) {
+            msg.header.table = t;
+        }
+        msg.attributes.push(RuleAttribute::Table(table));
+        msg.attributes.push(RuleAttribute::FwMark(mark));
+        msg.attributes.push(RuleAttribute::Priority(priority));
+        msg
+    }
+
+    /// Add the IPv4 policy rule `fwmark <mark> lookup <table> priority <priority>`
+    /// (a `kvpn run` session: the sockets of its cgroup carry the mark).
+    pub async fn add_mark_rule(
+        &self,
+        mark: u32,
+        table: u32,
+        priority: u32,
+    ) -> Result<(), NetlinkError> {
+        let mut req = self.handle.rule().add();
+        *req.message_mut() = Self::rule_message(mark, table, priority);
+        req.execute().await.map_err(|e| {
+            NetlinkError::new(
+                format!("add rule fwmark {mark:#x} lookup {table} priority {priority}"),
+                e,
+            )
+        })
+    }
+
+    /// Delete the rule [`Netlink::add_mark_rule`] added. A missing rule is not an error.
+    pub async fn del_mark_rule(
+        &self,
+        mark: u32,
+        table: u32,
+        priority: u32,
+    ) -> Result<(), NetlinkError> {
+        match self
+            .handle
+            .rule()
+            .del(Self::rule_message(mark, table, priority))
+            .execute()
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) if matches!(errno_of(&e), Some(libc::ENOENT) | Some(libc::ESRCH)) => Ok(()),
+            Err(e) => Err(NetlinkError::new(
+                format!("delete rule fwmark {mark:#x} lookup {table}"),
+                e,
+            )),
+        }
+    }
+
+    /// Delete every IPv4 rule at `priority` whose fwmark is in `marks` (what a
+    /// killed daemon's run sessions left in this network namespace); how many.
+    pub async fn del_mark_rules(
+        &self,
+        priority: u32,
+        marks: std::ops::Range<u32>,
+    ) -> Result<usize, NetlinkError> {
+        let found: Vec<(u32, u32)> = {
+            let _dump = self.dumps.lock().await;
+            let mut rules = self.handle.rule().get(rtnetlink::IpVersion::V4).execute();
+            let mut found = Vec::new();
+            while let Some(rule) = rules
+                .try_next()
+                .await
+                .map_err(|e| NetlinkError::new("dump rules", e))?
+            {
+                let mut mark = None;
+                let mut table = None;
+                let mut prio = None;
+                for a in &rule.attributes {
+                    match a {
+                        RuleAttribute::FwMark(m) => mark = Some(*m),
+                        RuleAttribute::Table(t) => table = Some(*t),
+                        RuleAttribute::Priority(p) => prio = Some(*p),
+                        _ => {}
+                    }
+                }
+                if let (Some(m), Some(t), Some(p)) = (mark, table, prio)
+                    && p == priority
+                    && marks.contains(&m)
+                {
+                    found.push((m, t));
+                }
+            }
+            found
+        };
+        for (mark, table) in &found {
+            self.del_mark_rule(*mark, *table, priority).await?;
+        }
+        Ok(found.len())
+    }
+
+    /// Whether a rule with fwmark `mark` exists (IPv4), for leftover checks.
+    pub async fn mark_rule_exists(&self, mark: u32) -> Result<bool, NetlinkError> {
+        let _dump = self.dumps.lock().await;
+        let mut rules = self.handle.rule().get(rtnetlink::IpVersion::V4).execute();
+        while let Some(rule) = rules
+            .try_next()
+            .await
+            .map_err(|e| NetlinkError::new("dump rules", e))?
+        {
+            if rule
+                .attributes
+                .iter()
+                .any(|a| matches!(a, RuleAttribute::FwMark(m) if *m == mark))
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// The index of the interface called `name`, if there is one.
@@ -169,6 +305,7 @@ impl Netlink {
     }
 
     fn route_message(
+        table: u32,
         index: u32,
         dst: IpNet,
         pref_src: &[IpAddr],
@@ -186,7 +323,7 @@ impl Netlink {
             .output_interface(index)
             .protocol(RouteProtocol::Other(RTPROT_KVPN))
             .scope(RouteScope::Link)
-            .table_id(u32::from(RouteHeader::RT_TABLE_MAIN));
+            .table_id(table);
         if let Some(&src) = pref_src
             .iter()
             .find(|s| s.is_ipv4() == dst.addr().is_ipv4())
@@ -206,7 +343,7 @@ impl Netlink {
         dst: IpNet,
         pref_src: &[IpAddr],
     ) -> Result<(), NetlinkError> {
-        let msg = Self::route_message(index, dst, pref_src)?;
+        let msg = Self::route_message(self.table, index, dst, pref_src)?;
         self.handle.route().add(msg).execute().await.map_err(|e| {
             let mut err = NetlinkError::new(format!("add route {dst} dev #{index}"), e);
             if err.errno == Some(libc::EEXIST) {
@@ -218,7 +355,7 @@ impl Netlink {
 
     /// Remove kvpn's route to `dst` through interface `index`.
     pub async fn del_route(&self, index: u32, dst: IpNet) -> Result<(), NetlinkError> {
-        let msg = Self::route_message(index, dst, &[])?;
+        let msg = Self::route_message(self.table, index, dst, &[])?;
         self.handle
             .route()
             .del(msg)
@@ -234,7 +371,7 @@ impl Netlink {
         let mut out = Vec::new();
         for route in self.dump_routes().await? {
             if route.header.protocol != RouteProtocol::Other(RTPROT_KVPN)
-                || table_of(&route) != u32::from(RouteHeader::RT_TABLE_MAIN)
+                || table_of(&route) != self.table
             {
                 continue;
             }

@@ -199,6 +199,11 @@ pub struct SessionParams {
     /// port-forward listener. Only the wording of errors and Status reasons
     /// depends on it.
     pub data_peer: DataPeer,
+    /// A `kvpn run` session ([`crate::run_scope`]): its routes go into this
+    /// routing table instead of main, and neither route conflicts nor stale TCP
+    /// sockets of other sessions concern it (another run session may route the
+    /// very same CIDRs from the very same tunnel IP). `None` = laptop-wide.
+    pub run_table: Option<u32>,
 }
 
 impl SessionParams {
@@ -279,6 +284,9 @@ pub enum Step {
     /// Split DNS for the cluster (resolv.conf and the forwarder, or
     /// systemd-resolved); run by the daemon after the session is up.
     ConfigureDns,
+    /// A `kvpn run` session's cgroup, eBPF programs, policy rule and DNS
+    /// forwarder ([`crate::run_scope`]); run by the daemon after the session is up.
+    RunScope,
 }
 
 impl fmt::Display for Step {
@@ -295,6 +303,7 @@ impl fmt::Display for Step {
             Step::AttachClassifier => "attach the eBPF classifier",
             Step::LinkUp => "bring the TUN device up",
             Step::ConfigureDns => "configure DNS",
+            Step::RunScope => "set up the run's cgroup, eBPF programs, rule and DNS forwarder",
         })
     }
 }
@@ -892,15 +901,22 @@ impl Session {
         netlink: &Netlink,
         classifiers: &dyn ClassifierAttach,
     ) -> Result<Session, ConnectError> {
+        // A run session's routes live in a table of their own.
+        let scoped = params.run_table.map(|t| netlink.in_table(t));
+        let netlink = scoped.as_ref().unwrap_or(netlink);
         // Before anything else, so that a refusal leaves nothing behind.
-        let laptop = netlink
-            .laptop_routes()
-            .await
-            .map_err(|e| ConnectError::Step {
-                step: Step::CheckRouteConflicts,
-                message: format!("cannot read the laptop's routes: {e}"),
-                rollback: String::new(),
-            })?;
+        let laptop = if params.run_table.is_some() {
+            Vec::new()
+        } else {
+            netlink
+                .laptop_routes()
+                .await
+                .map_err(|e| ConnectError::Step {
+                    step: Step::CheckRouteConflicts,
+                    message: format!("cannot read the laptop's routes: {e}"),
+                    rollback: String::new(),
+                })?
+        };
         let found = conflicts::find(&params.routes, &laptop, RTPROT_KVPN, None);
         if !found.is_empty() {
             if !params.allow_route_conflict {
@@ -1020,8 +1036,11 @@ impl Session {
         // no interface but a TUN device has (another cluster's session may
         // hold the same tunnel IP; see stale_tcp).
         let kernel_routes: Vec<IpNet> = plan.kernel.iter().map(|(net, _)| *net).collect();
-        let stale_tcp_flows_reset =
-            stale_tcp::reset(&kernel_routes, stale_tcp::Why::EarlierSession);
+        let stale_tcp_flows_reset = if params.run_table.is_some() {
+            0
+        } else {
+            stale_tcp::reset(&kernel_routes, stale_tcp::Why::EarlierSession)
+        };
         let mut undo = Undo {
             netlink,
             tun: None,
@@ -1219,16 +1238,24 @@ impl Session {
                 .await
                 .map_err(|e| step_err(Step::AddAddress, e))?;
         }
+        // A run session's replies come from addresses no unmarked lookup routes
+        // into this device (crate::run_scope): loose mode would need a default
+        // route, so the check is off on its own TUN device.
+        let rp_filter = if params.run_table.is_some() {
+            0
+        } else {
+            RP_FILTER_LOOSE
+        };
         netlink
-            .set_rp_filter(ifindex, RP_FILTER_LOOSE)
+            .set_rp_filter(ifindex, rp_filter)
             .await
             .map_err(|e| step_err(Step::SetRpFilter, e))?;
         match netlink.rp_filter(ifindex).await {
-            Ok(Some(RP_FILTER_LOOSE)) => {}
+            Ok(Some(v)) if v == rp_filter => {}
             Ok(other) => {
                 return Err(step_err(
                     Step::SetRpFilter,
-                    format!("rp_filter on {name} reads {other:?} after setting {RP_FILTER_LOOSE}"),
+                    format!("rp_filter on {name} reads {other:?} after setting {rp_filter}"),
                 ));
             }
             Err(e) => return Err(step_err(Step::SetRpFilter, e)),
@@ -1277,6 +1304,20 @@ impl Session {
             undo.routes.push(*cidr);
         }
         Ok(Some(classifier))
+    }
+
+    /// `base` working on this session's routing table (its own for a `kvpn run`
+    /// session, else main).
+    pub fn route_netlink(&self, base: &Netlink) -> Netlink {
+        match self.params.run_table {
+            Some(t) => base.in_table(t),
+            None => base.clone(),
+        }
+    }
+
+    /// The routing table of a `kvpn run` session (`None`: laptop-wide).
+    pub fn run_table(&self) -> Option<u32> {
+        self.params.run_table
     }
 
     /// Record which cluster the session leads to (from the Connect request);
@@ -1517,6 +1558,11 @@ impl Session {
             held_packets: Counters::get(&c.held_packets),
             stale_tcp_flows_reset: self.stale_tcp_flows_reset,
             routes_repaired: self.route_guard.repaired(),
+            // Filled in by the daemon, which owns the run scope.
+            run_cgroup: String::new(),
+            run_table: 0,
+            run_mark: 0,
+            run_dns: String::new(),
             rx_packets: Counters::get(&c.rx_packets),
             rx_bytes: Counters::get(&c.rx_bytes),
             rx_gso_frames: Counters::get(&c.rx_gso_frames),
@@ -1777,12 +1823,19 @@ impl Session {
     /// Stop the pump, detach the classifier, delete the routes and the TUN
     /// device, and verify that none of them remains.
     pub async fn teardown(mut self, netlink: &Netlink) -> TeardownReport {
+        let netlink = &self.route_netlink(netlink);
         // First: the routes deleted below must not be put back.
         self.route_guard.stop().await;
         // While the TUN device, its routes and the pump are still there: the
         // sockets through the session would hang once they are gone, and the
-        // aborts' RSTs still reach the manager through the tunnel.
-        let tcp_reset = self.reset_tcp_through();
+        // aborts' RSTs still reach the manager through the tunnel. A run
+        // session's processes are killed with its cgroup instead, and its routes
+        // may be another run session's too.
+        let tcp_reset = if self.params.run_table.is_some() {
+            0
+        } else {
+            self.reset_tcp_through()
+        };
         let _ = self.stop_tx.send(true);
         // Before the classifier goes: the watch attaches through it.
         if let Some(watch) = self.steer_watch.as_mut() {

@@ -92,6 +92,7 @@ fn params(
         steer_ebpf: false,
         workers: 1,
         data_peer: Default::default(),
+        run_table: None,
     }
 }
 

@@ -60,6 +60,7 @@ fn params(manager: SocketAddr, tls: Option<TlsClient>, heartbeat: Duration) -> S
         steer_ebpf: false,
         workers: 1,
         data_peer: Default::default(),
+        run_table: None,
     }
 }
 

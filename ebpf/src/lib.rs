@@ -24,6 +24,7 @@
 //! ingress check translates their replies back. TCX only, owned here like the TUN
 //! links, so dropping the wrapper (or the daemon dying) detaches it.
 
+pub mod run_scope;
 pub mod snat;
 pub mod steer;
 

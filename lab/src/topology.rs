@@ -113,6 +113,17 @@ impl Addressing {
         }
     }
 
+    /// A second cluster with the default one's pod and service CIDRs (as every
+    /// kind or k3d cluster has) but its own uplink 172.31.254.0/30, so that both can
+    /// hang off one laptop netns ([`crate::k8s::K8sLabOptions::laptop_of`]): the
+    /// same pod IPs and ClusterIPs lead to different pods in each (`kvpn run`).
+    pub fn overlapping() -> Self {
+        Addressing {
+            uplink: Self::second().uplink,
+            ..Self::default()
+        }
+    }
+
     /// This plan plus the default IPv6 ranges ([`Ipv6Addressing::default`]): pods
     /// get an IPv6 address too, the apiserver a second service range.
     pub fn dual_stack(mut self) -> Self {

@@ -714,3 +714,69 @@ fn normal_user_without_sudo_rights_or_root_daemon_fails_at_once_with_the_fix() {
         assert!(left.is_empty(), "left in {}: {left:?}", dir.display());
     }
 }
+
+/// `kvpn run` as a normal user (issue 27 item 5): the root daemon is started
+/// through sudo as for connect, moves the user's own command into the run's
+/// cgroup (its uid is checked against the caller's), and the command reaches the
+/// web ClusterIP by IP and by name while nothing outside the run does; the session
+/// ends with the command.
+#[test]
+fn normal_user_kvpn_run_reaches_the_cluster_and_leaves_nothing() {
+    let f = KubeFixture::new();
+    if !f.laptop_hosts().exists() {
+        std::fs::write(f.laptop_hosts(), "127.0.0.1 localhost\n")
+            .unwrap_or_else(|e| panic!("{}: {e}", f.laptop_hosts().display()));
+    }
+    let id = unique_id();
+    let netns = f.lab().netns_lab().laptop_netns().name().to_owned();
+    let user = NormalUser::new(&id, f.runtime_dir(), &netns);
+    let sudo = SudoRule::new(&id, &user.name, &user.dataplane_bin());
+    let user = UserWithRule { user, _sudo: sudo };
+    let kubeconfig = user.own_kubeconfig(Path::new(&f.user_kubeconfig()));
+    let kubeconfig = kubeconfig.to_string_lossy().into_owned();
+    let web = web();
+    let url = format!("http://{web}/");
+    let t0 = Instant::now();
+    let out = user.kvpn(&[
+        "run",
+        "--kubeconfig",
+        &kubeconfig,
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "curl -sS --max-time 10 {url} && curl -sS --max-time 10 http://web.default/ && id -u"
+        ),
+    ]);
+    eprintln!(
+        "normal-user kvpn run: {:.1} s, {}\nstdout:\n{}\nstderr:\n{}",
+        t0.elapsed().as_secs_f64(),
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "kvpn run as {}: {}\n{}",
+        user.name,
+        text(&out.stderr),
+        f.diagnostics()
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        stdout.matches("kvpn-lab-server").count(),
+        2,
+        "two pages (by ClusterIP and by name): {stdout}"
+    );
+    assert!(
+        stdout.trim_end().ends_with(&user.uid.to_string()),
+        "the command ran as the user: {stdout}"
+    );
+    let doc = status_doc(&user, &f);
+    let sessions = doc["sessions"].as_array().cloned().unwrap_or_default();
+    assert!(sessions.is_empty(), "sessions left: {sessions:#?}");
+    let rules = text(&f.laptop(&["ip", "rule", "show"]).stdout);
+    assert!(!rules.contains("fwmark 0x6b76"), "run rules left:\n{rules}");
+    let outside = f.http_get(web, Duration::from_secs(2));
+    assert!(outside.is_err(), "reachable outside a run: {outside:?}");
+}

@@ -35,8 +35,9 @@ use anyhow::{Context, Result, anyhow};
 use kvpn_proto::dataplane::{self, ConnectRequest};
 use kvpn_proto::userd::user_daemon_server::{UserDaemon, UserDaemonServer};
 use kvpn_proto::userd::{
-    DisconnectRequest, DisconnectResponse, QuitRequest, QuitResponse, SocksSession, SocksState,
-    StartSessionRequest, StartSessionResponse, StatusRequest, StatusResponse, UserSession,
+    DisconnectRequest, DisconnectResponse, HoldRunEvent, HoldRunRequest, QuitRequest, QuitResponse,
+    SocksSession, SocksState, StartSessionRequest, StartSessionResponse, StatusRequest,
+    StatusResponse, UserSession,
 };
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -300,7 +301,10 @@ impl UserDaemonState {
         socks_status: Option<PathBuf>,
     ) {
         let record = SessionRecord::new(id, addr, tun_name, now_unix_ms(), req);
-        if let Err(e) = self.store.save(&record) {
+        let run = req.connect.as_ref().is_some_and(|c| c.run_scope);
+        // A `kvpn run` session lives as long as its command: a restarted user
+        // daemon has nothing to bring back.
+        if !run && let Err(e) = self.store.save(&record) {
             warn!(session = %id, "cannot record the session ({e}): a restarted user daemon will not bring it back");
         }
         self.sessions().insert(
@@ -890,6 +894,67 @@ impl UserDaemonState {
 
 #[tonic::async_trait]
 impl UserDaemon for UserDaemonState {
+    type HoldRunStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<HoldRunEvent, Status>> + Send + 'static>,
+    >;
+
+    async fn hold_run(
+        &self,
+        request: Request<HoldRunRequest>,
+    ) -> Result<Response<Self::HoldRunStream>, Status> {
+        let req = request.into_inner();
+        if !self.sessions().contains_key(&req.session_id) {
+            return Err(Status::not_found(format!(
+                "no session {} — `kvpn status` lists the sessions",
+                req.session_id
+            )));
+        }
+        let this = self
+            .me
+            .upgrade()
+            .ok_or_else(|| Status::unavailable("the user daemon is stopping"))?;
+        let id = req.session_id.clone();
+        // Whatever happens next, the session ends with this call.
+        let (event_tx, event_rx) = tokio::sync::mpsc::channel(1);
+        let holder = event_tx.clone();
+        tokio::spawn(async move {
+            holder.closed().await;
+            match this.disconnect(&id).await {
+                Ok((stopped, _)) if !stopped.is_empty() => {
+                    info!(session = %id, "the run's caller went away: session disconnected");
+                }
+                Ok(_) => {}
+                // Already disconnected by the caller (the normal end).
+                Err(e) => debug!(session = %id, "run session already gone: {e:#}"),
+            }
+        });
+        let mut root = daemon::connect_existing(&self.root_runtime_dir)
+            .await
+            .map_err(internal)?
+            .ok_or_else(|| {
+                Status::failed_precondition(
+                    "the root daemon is not running any more (`kvpn logs` shows why)",
+                )
+            })?;
+        let admitted = root
+            .admit_to_run(dataplane::AdmitToRunRequest {
+                session_id: req.session_id.clone(),
+                pid: req.pid,
+            })
+            .await
+            .map_err(|s| Status::new(s.code(), s.message()))?
+            .into_inner();
+        let _ = event_tx
+            .send(Ok(HoldRunEvent {
+                admitted_cgroup: admitted.cgroup,
+            }))
+            .await;
+        info!(session = %req.session_id, pid = req.pid, "process admitted to the run; holding the session");
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(event_rx),
+        )))
+    }
+
     async fn start_session(
         &self,
         request: Request<StartSessionRequest>,

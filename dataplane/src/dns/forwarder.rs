@@ -262,6 +262,9 @@ struct Shared {
     counters: Counters,
     in_flight: Arc<Semaphore>,
     cluster_udp: UdpMux,
+    /// SO_MARK of every socket towards a DNS server (a `kvpn run` session's
+    /// forwarder: its routes live in a table only that mark reaches).
+    mark: Option<u32>,
 }
 
 /// One connected UDP socket to one server, with the questions waiting on it.
@@ -294,6 +297,8 @@ struct MuxSocket {
 /// ([`reopen_needed`]); questions in flight on the old one may still be
 /// answered there until [`EXCHANGE_TIMEOUT`].
 struct UdpMux {
+    /// SO_MARK of its sockets ([`Shared::mark`]).
+    mark: Option<u32>,
     sockets: Mutex<std::collections::HashMap<SocketAddr, Arc<MuxSocket>>>,
     next_id: std::sync::atomic::AtomicU16,
     /// Sockets replaced because the route's source changed.
@@ -302,9 +307,10 @@ struct UdpMux {
     retired: Mutex<Vec<JoinHandle<()>>>,
 }
 
-impl Default for UdpMux {
-    fn default() -> Self {
+impl UdpMux {
+    fn marked(mark: Option<u32>) -> Self {
         UdpMux {
+            mark,
             sockets: Mutex::default(),
             next_id: std::sync::atomic::AtomicU16::new(random_u16()),
             reopened: AtomicU64::new(0),
@@ -325,7 +331,13 @@ impl Drop for UdpMux {
 /// `connect` of a throwaway UDP socket (a route lookup, nothing is sent).
 /// `None` when there is no route.
 pub fn route_source(server: SocketAddr) -> Option<IpAddr> {
+    route_source_marked(server, None)
+}
+
+/// [`route_source`] for a socket with SO_MARK `mark`.
+fn route_source_marked(server: SocketAddr, mark: Option<u32>) -> Option<IpAddr> {
     let probe = std::net::UdpSocket::bind(unspecified_for(server)).ok()?;
+    set_mark(&probe, mark).ok()?;
     probe.connect(server).ok()?;
     Some(probe.local_addr().ok()?.ip())
 }
@@ -335,6 +347,15 @@ pub fn route_source(server: SocketAddr) -> Option<IpAddr> {
 /// new one could not be connected either.
 pub fn reopen_needed(bound: IpAddr, now: Option<IpAddr>) -> bool {
     now.is_some_and(|now| now != bound)
+}
+
+/// SO_MARK `mark` on `socket` (nothing for `None`).
+fn set_mark(socket: &impl std::os::fd::AsFd, mark: Option<u32>) -> std::io::Result<()> {
+    if let Some(mark) = mark {
+        nix::sys::socket::setsockopt(socket, nix::sys::socket::sockopt::Mark, &mark)
+            .map_err(std::io::Error::from)?;
+    }
+    Ok(())
 }
 
 fn random_u16() -> u16 {
@@ -374,7 +395,7 @@ impl UdpMux {
             .get(&server)
             .cloned();
         if let Some(s) = cached {
-            let now = route_source(server);
+            let now = route_source_marked(server, self.mark);
             if !reopen_needed(s.source, now) {
                 return Ok(s);
             }
@@ -412,6 +433,7 @@ impl UdpMux {
             }
         }
         let socket = UdpSocket::bind(unspecified_for(server)).await?;
+        set_mark(&socket, self.mark)?;
         socket.connect(server).await?;
         let source = socket.local_addr()?.ip();
         if let Err(e) = nix::sys::socket::setsockopt(
@@ -568,6 +590,17 @@ impl Forwarder {
         listen: SocketAddr,
         upstreams: Vec<SocketAddr>,
     ) -> Result<Forwarder, ForwarderError> {
+        Self::start_marked(listen, upstreams, None).await
+    }
+
+    /// [`Forwarder::start`] whose sockets towards DNS servers carry SO_MARK
+    /// `mark` (a `kvpn run` session's: its cluster routes are in a table only
+    /// that mark reaches).
+    pub async fn start_marked(
+        listen: SocketAddr,
+        upstreams: Vec<SocketAddr>,
+        mark: Option<u32>,
+    ) -> Result<Forwarder, ForwarderError> {
         // UDP and TCP on the same port. With port 0 (tests) the kernel picks the
         // UDP port, and that TCP port may be taken (e.g. as the local port of some
         // connection): pick again a few times.
@@ -592,7 +625,8 @@ impl Forwarder {
             anchors: Mutex::new(ExistenceCache::new(ANCHOR_CACHE_SIZE)),
             counters: Counters::default(),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-            cluster_udp: UdpMux::default(),
+            cluster_udp: UdpMux::marked(mark),
+            mark,
         });
         let (stop_tx, stop_rx) = watch::channel(false);
         let tasks = vec![
@@ -1056,7 +1090,7 @@ async fn first_answer(
         let answer = if to_cluster && transport == Transport::Udp {
             shared.cluster_udp.exchange(*server, raw).await
         } else {
-            exchange(*server, raw, transport).await
+            exchange(*server, raw, transport, shared.mark).await
         };
         match answer {
             Ok(answer) => return Some(answer),
@@ -1079,12 +1113,14 @@ async fn exchange(
     server: SocketAddr,
     raw: &[u8],
     transport: Transport,
+    mark: Option<u32>,
 ) -> std::io::Result<Vec<u8>> {
     let id = message::message_id(raw);
     let attempt = async {
         match transport {
             Transport::Udp => {
                 let socket = UdpSocket::bind(unspecified_for(server)).await?;
+                set_mark(&socket, mark)?;
                 socket.connect(server).await?;
                 socket.send(raw).await?;
                 let mut buf = vec![0u8; 65535];
@@ -1097,7 +1133,12 @@ async fn exchange(
                 }
             }
             Transport::Tcp => {
-                let mut stream = TcpStream::connect(server).await?;
+                let socket = match server {
+                    SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+                    SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+                };
+                set_mark(&socket, mark)?;
+                let mut stream = socket.connect(server).await?;
                 let len = u16::try_from(raw.len())
                     .map_err(|_| std::io::Error::other("query too large for TCP"))?;
                 let mut out = Vec::with_capacity(raw.len() + 2);
@@ -1132,7 +1173,7 @@ async fn ask_cluster(
     for server in &cluster.servers {
         let answer = match transport {
             Transport::Udp => shared.cluster_udp.exchange(*server, &raw).await,
-            Transport::Tcp => exchange(*server, &raw, transport).await,
+            Transport::Tcp => exchange(*server, &raw, transport, shared.mark).await,
         };
         match answer {
             Ok(answer) => match Message::from_vec(&answer) {

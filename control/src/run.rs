@@ -1,0 +1,378 @@
+//! `kvpn run -- CMD`: one command (and its children) reaches a cluster, nothing
+//! else on the laptop does (issue 27; docs/run.md).
+//!
+//! The CLI connects as `kvpn connect` does, asking for a process-scoped session
+//! (its own TUN device, routing table, cgroup and DNS forwarder in the root
+//! daemon; [`crate::connect::Scope::Run`]), forks the command held on a pipe,
+//! asks the user daemon to put it into the session's cgroup (`HoldRun`, which
+//! goes to the root daemon's `AdmitToRun`, checked against the caller's uid),
+//! then lets it exec. kvpn forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to it
+//! and exits with its status (128 + signal number when a signal ended it). When
+//! the command ends, the session is disconnected; when kvpn itself is killed,
+//! its `HoldRun` call breaks and the user daemon disconnects the session, and
+//! the root daemon kills whatever is left in the cgroup.
+//!
+//! I/O: fork/exec, a pipe, signals, gRPC to the user daemon.
+
+use std::ffi::{CString, OsString};
+use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result, bail};
+use nix::sys::signal::Signal;
+use nix::sys::wait::{WaitStatus, waitpid};
+use nix::unistd::{ForkResult, Pid};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::cli::RunArgs;
+use crate::connect::{self, Scope};
+use crate::{daemon, liveness, output, userd};
+
+/// Exit status of a command that cannot be found (as shells use it).
+pub const EXIT_NOT_FOUND: i32 = 127;
+/// Exit status of a command that was found but cannot be executed.
+pub const EXIT_NOT_EXECUTABLE: i32 = 126;
+
+/// Why a command cannot be started (`kvpn run`, `kvpn lab exec`).
+#[derive(Debug, PartialEq, Eq)]
+pub enum NotRunnable {
+    /// No such file (a path), or in no folder of PATH (a name).
+    NotFound(String),
+    /// It exists but is a folder or has no execute permission.
+    NotExecutable(PathBuf),
+}
+
+impl NotRunnable {
+    /// A shell's exit code for it.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            NotRunnable::NotFound(_) => 127,
+            NotRunnable::NotExecutable(_) => 126,
+        }
+    }
+}
+
+impl std::fmt::Display for NotRunnable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotRunnable::NotFound(p) if p.contains('/') => {
+                write!(f, "{p}: no such file — check the path")
+            }
+            NotRunnable::NotFound(p) => write!(
+                f,
+                "{p}: command not found — install it, or give its full path (PATH is searched)"
+            ),
+            NotRunnable::NotExecutable(p) => write!(
+                f,
+                "{}: permission denied (a folder, or no execute permission) — `chmod +x` it",
+                p.display()
+            ),
+        }
+    }
+}
+
+/// The file `program` names as a shell finds it: a path (with a `/`) as it is,
+/// a name in the folders of `path_var` (an empty entry is the working folder),
+/// the first executable file winning.
+pub fn find_program(
+    program: &str,
+    path_var: Option<&std::ffi::OsStr>,
+) -> Result<PathBuf, NotRunnable> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let executable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        let p = PathBuf::from(program);
+        return if executable(&p) {
+            Ok(p)
+        } else if p.exists() {
+            Err(NotRunnable::NotExecutable(p))
+        } else {
+            Err(NotRunnable::NotFound(program.to_owned()))
+        };
+    }
+    let mut not_executable = None;
+    if !program.is_empty() {
+        for dir in std::env::split_paths(path_var.unwrap_or_default()) {
+            let dir = if dir.as_os_str().is_empty() {
+                PathBuf::from(".")
+            } else {
+                dir
+            };
+            let p = dir.join(program);
+            if executable(&p) {
+                return Ok(p);
+            }
+            if not_executable.is_none() && p.is_file() {
+                not_executable = Some(p);
+            }
+        }
+    }
+    Err(not_executable.map_or_else(
+        || NotRunnable::NotFound(program.to_owned()),
+        NotRunnable::NotExecutable,
+    ))
+}
+
+/// The exit status kvpn reports for `status` (pure): the code, or 128 + the
+/// signal number, as shells report them.
+pub fn exit_code(status: WaitStatus) -> Option<i32> {
+    match status {
+        WaitStatus::Exited(_, code) => Some(code),
+        WaitStatus::Signaled(_, sig, _) => Some(128 + sig as i32),
+        _ => None,
+    }
+}
+
+/// The forked command, waiting on its pipe for the go-ahead.
+struct Held {
+    pid: Pid,
+    go: Option<OwnedFd>,
+}
+
+impl Held {
+    /// Fork; the child waits for one byte on a pipe, then execs `command`
+    /// (`program` resolved already). Everything the child needs is prepared
+    /// before the fork: after it, the child only calls read, execv, write and
+    /// _exit (async-signal-safe; this process has threads).
+    fn fork(program: &Path, command: &[OsString]) -> Result<Held> {
+        let program_c = CString::new(program.as_os_str().as_bytes())
+            .context("the command's path contains a NUL byte")?;
+        let args_c: Vec<CString> = command
+            .iter()
+            .map(|a| CString::new(a.as_bytes()))
+            .collect::<Result<_, _>>()
+            .context("an argument of the command contains a NUL byte")?;
+        let mut argv: Vec<*const libc::c_char> = args_c.iter().map(|a| a.as_ptr()).collect();
+        argv.push(std::ptr::null());
+        let failed = format!(
+            "kvpn run: cannot execute {}\n",
+            program.as_os_str().to_string_lossy()
+        );
+        let (read_end, write_end) = nix::unistd::pipe().context("cannot create a pipe")?;
+        // SAFETY: the child calls only async-signal-safe functions (read, execv,
+        // write, _exit) on memory prepared before the fork, then execs or exits.
+        match unsafe { nix::unistd::fork() }.context("cannot fork")? {
+            ForkResult::Child => {
+                let fd = read_end.as_raw_fd();
+                let mut byte = 0u8;
+                // SAFETY: plain syscalls on a valid fd and valid buffers.
+                unsafe {
+                    libc::close(write_end.as_raw_fd());
+                    let n = libc::read(fd, (&raw mut byte).cast(), 1);
+                    if n != 1 {
+                        // kvpn gave up (admission failed, or it died): do not run.
+                        libc::_exit(EXIT_NOT_EXECUTABLE);
+                    }
+                    libc::close(fd);
+                    libc::execv(program_c.as_ptr(), argv.as_ptr());
+                    let errno = *libc::__errno_location();
+                    libc::write(2, failed.as_ptr().cast(), failed.len());
+                    libc::_exit(if errno == libc::ENOENT {
+                        EXIT_NOT_FOUND
+                    } else {
+                        EXIT_NOT_EXECUTABLE
+                    });
+                }
+            }
+            ForkResult::Parent { child } => {
+                drop(read_end);
+                Ok(Held {
+                    pid: child,
+                    go: Some(write_end),
+                })
+            }
+        }
+    }
+
+    /// Let the command exec.
+    fn release(&mut self) -> Result<()> {
+        let fd = self.go.take().context("the command was released already")?;
+        nix::unistd::write(&fd, &[1]).context("cannot signal the held command")?;
+        Ok(())
+    }
+
+    /// Stop a command that never ran (closing the pipe makes it exit) and reap it.
+    fn abandon(mut self) {
+        drop(self.go.take());
+        let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
+        let _ = waitpid(self.pid, None);
+    }
+}
+
+/// `kvpn run`: the command's exit status.
+pub async fn run(runtime_dir: &Path, args: RunArgs) -> Result<i32> {
+    let Some(first) = args.command.first() else {
+        bail!(
+            "no command given — put it after `--`, e.g. `kvpn run --context staging -- curl \
+             http://web.default`"
+        );
+    };
+    let Some(first_str) = first.to_str() else {
+        bail!("the command's name {first:?} is not UTF-8 — rename it or use a link");
+    };
+    let program = match find_program(first_str, std::env::var_os("PATH").as_deref()) {
+        Ok(p) => p,
+        Err(e) => {
+            output::error(&format!("kvpn run: {e} (nothing was connected)"));
+            return Ok(e.exit_code());
+        }
+    };
+    if args.connect.manager.is_some() {
+        bail!(
+            "kvpn run works through the Kubernetes API (--kubeconfig, --context), not with \
+             --manager"
+        );
+    }
+    output::progress_to_stderr();
+    liveness::check_before_connect(&daemon::pid_path(runtime_dir)).map_err(anyhow::Error::msg)?;
+    let Some(session_id) = connect::kube_connect_as(runtime_dir, &args.connect, Scope::Run).await?
+    else {
+        bail!("internal error: a run session was not created");
+    };
+    let mut user = userd::connect_or_start(runtime_dir).await?;
+    let result = run_in(&mut user, &session_id, &program, &args.command).await;
+    // The normal end: the session goes with the command, before kvpn exits.
+    if let Err(e) = user
+        .disconnect(kvpn_proto::userd::DisconnectRequest {
+            session_id: session_id.clone(),
+        })
+        .await
+        && e.code() != tonic::Code::NotFound
+    {
+        output::warn(&format!(
+            "cannot disconnect run session {session_id}: {} — `kvpn disconnect {session_id}` ends it",
+            e.message()
+        ));
+    }
+    result
+}
+
+async fn run_in(
+    user: &mut kvpn_proto::userd::user_daemon_client::UserDaemonClient<
+        crate::daemon_channel::DaemonChannel,
+    >,
+    session_id: &str,
+    program: &Path,
+    command: &[OsString],
+) -> Result<i32> {
+    // Watch the signals before the command exists, so none is lost.
+    let mut sigint = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut sighup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
+    let mut sigquit = signal(SignalKind::quit()).context("cannot watch SIGQUIT")?;
+    let mut held = Held::fork(program, command)?;
+    let pid = u32::try_from(held.pid.as_raw()).unwrap_or_default();
+    // The call stays open while the command runs: it holds the session.
+    let admitted = user
+        .hold_run(kvpn_proto::userd::HoldRunRequest {
+            session_id: session_id.to_owned(),
+            pid,
+        })
+        .await;
+    let mut hold = match admitted {
+        Ok(stream) => stream.into_inner(),
+        Err(e) => {
+            held.abandon();
+            return Err(daemon::status_to_error(e))
+                .context("cannot put the command into the run's cgroup");
+        }
+    };
+    match hold.message().await {
+        Ok(Some(event)) => {
+            tracing::debug!(cgroup = %event.admitted_cgroup, pid, "command admitted")
+        }
+        Ok(None) => {
+            held.abandon();
+            bail!("the user daemon ended the run before admitting the command");
+        }
+        Err(e) => {
+            held.abandon();
+            return Err(daemon::status_to_error(e))
+                .context("cannot put the command into the run's cgroup");
+        }
+    }
+    held.release()?;
+    let child = held.pid;
+    let mut wait = tokio::task::spawn_blocking(move || {
+        loop {
+            match waitpid(child, None) {
+                Ok(status) => {
+                    if let Some(code) = exit_code(status) {
+                        return Ok(code);
+                    }
+                }
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    loop {
+        let forward = tokio::select! {
+            r = &mut wait => {
+                let code = r.context("the wait for the command failed")?
+                    .context("cannot wait for the command")?;
+                drop(hold);
+                return Ok(code);
+            }
+            _ = sigint.recv() => Signal::SIGINT,
+            _ = sigterm.recv() => Signal::SIGTERM,
+            _ = sighup.recv() => Signal::SIGHUP,
+            _ = sigquit.recv() => Signal::SIGQUIT,
+        };
+        tracing::debug!(signal = ?forward, pid, "forwarding a signal to the command");
+        let _ = nix::sys::signal::kill(child, forward);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_found_is_127_not_executable_is_126_and_path_is_searched_in_order() {
+        let root = std::env::temp_dir().join(format!("kvpn-runfind-{}", std::process::id()));
+        let (a, b) = (root.join("a"), root.join("b"));
+        std::fs::create_dir_all(&a).expect("mkdir");
+        std::fs::create_dir_all(&b).expect("mkdir");
+        let plain = a.join("run-me");
+        std::fs::write(&plain, "").expect("write");
+        let run = b.join("run-me");
+        std::fs::write(&run, "#!/bin/sh\n").expect("write");
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+        let path = std::env::join_paths([&a, &b]).expect("PATH");
+        let path = Some(path.as_os_str());
+        // The first executable wins over an earlier plain file.
+        assert_eq!(find_program("run-me", path), Ok(run.clone()));
+        let missing = find_program("kvpn-no-such-command", path).expect_err("missing");
+        assert_eq!(missing.exit_code(), 127);
+        assert!(
+            missing.to_string().contains("command not found"),
+            "{missing}"
+        );
+        let e = find_program(plain.to_str().expect("utf-8"), None).expect_err("plain");
+        assert_eq!(e, NotRunnable::NotExecutable(plain.clone()));
+        assert_eq!(e.exit_code(), 126);
+        assert_eq!(
+            find_program(run.to_str().expect("utf-8"), None),
+            Ok(run.clone())
+        );
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn exit_codes_are_the_status_or_128_plus_the_signal() {
+        let pid = Pid::from_raw(1);
+        assert_eq!(exit_code(WaitStatus::Exited(pid, 3)), Some(3));
+        assert_eq!(
+            exit_code(WaitStatus::Signaled(pid, Signal::SIGTERM, false)),
+            Some(143)
+        );
+        assert_eq!(exit_code(WaitStatus::StillAlive), None);
+    }
+}

@@ -1,0 +1,463 @@
+//! `kvpn run -- CMD` (issue 27) end to end on the Kubernetes lab: real
+//! kube-apiservers, the traffic manager installed by kvpn, the root daemon's run
+//! scope (own TUN device and routing table, cgroup v2 folder with eBPF cgroup
+//! programs, fwmark rule, per-run DNS forwarder).
+//!
+//! - One cluster: curl inside the run reaches a pod by IP and the `web` Service by
+//!   name; a process outside the run (same laptop netns, same time) reaches
+//!   neither and the laptop's main table gains no route; nothing is left after.
+//! - Exit status, signal forwarding, SIGKILL of kvpn, bad input.
+//! - Two clusters with the same pod and service CIDRs (and the same pod IPs, with
+//!   different pods behind them) from one laptop netns: two runs at once each
+//!   reach their own cluster by IP and by name.
+//!
+//! Needs the workspace binaries (`cargo build --bins`, then `KVPN_BIN_DIR`) and the
+//! Kubernetes binaries of `scripts/build-kubernetes.sh`.
+
+use std::io::{BufRead as _, BufReader};
+use std::net::{IpAddr, SocketAddr};
+use std::process::{Child, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kvpn_lab::k8s::K8sLab;
+use kvpn_lab::protocol::PageInfo;
+use kvpn_lab::{Addressing, HTTP_PORT};
+use kvpn_tests::kube_lab::{KubeFixture, pod_ip, pod_name};
+use kvpn_tests::text;
+
+/// Where the lab's machine mounts cgroup v2 (TOOLCHAIN.md: hybrid hierarchy).
+fn cgroup_root() -> std::path::PathBuf {
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.join("cgroup.controllers").exists())
+        .unwrap_or_else(|| panic!("no cgroup v2 mount"))
+}
+
+/// A run session's cgroup folder as this process sees it (the root daemon may
+/// see the hierarchy at another mount point: its own, under `ip netns exec`).
+fn host_cgroup(session: &serde_json::Value) -> std::path::PathBuf {
+    let path = std::path::PathBuf::from(session["run_cgroup"].as_str().unwrap_or_default());
+    let name = path
+        .file_name()
+        .unwrap_or_else(|| panic!("no run cgroup in {session:#}"));
+    cgroup_root().join(name)
+}
+
+/// `default/web` pods of `lab`, Running with an IP.
+fn web_pods(f: &KubeFixture, lab: &K8sLab) -> Vec<Pod> {
+    let client = f
+        .block_on(lab.admin_client())
+        .unwrap_or_else(|e| panic!("admin client: {e}"));
+    let api: Api<Pod> = Api::namespaced(client, "default");
+    let pods = f
+        .block_on(api.list(&ListParams::default().labels("app=web")))
+        .unwrap_or_else(|e| panic!("list web pods: {e}"))
+        .items;
+    assert!(
+        !pods.is_empty(),
+        "no web pods in {}",
+        lab.state().cluster_name
+    );
+    pods
+}
+
+/// The pages in `stdout` (each starts with `kvpn-lab-server`).
+fn pages(stdout: &str) -> Vec<PageInfo> {
+    stdout
+        .split("kvpn-lab-server\n")
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            PageInfo::parse(&format!("kvpn-lab-server\n{p}"))
+                .unwrap_or_else(|| panic!("not a lab page: {p:?} in {stdout:?}"))
+        })
+        .collect()
+}
+
+/// What a run leaves to check afterwards: sessions, TUN devices, fwmark rules and
+/// `kvpn-run-*` cgroups of `ids`.
+fn assert_nothing_left(f: &KubeFixture, ids: &[String], when: &str) {
+    let sessions = f.sessions();
+    assert!(sessions.is_empty(), "{when}: sessions left: {sessions:#?}");
+    let tuns = f.tun_devices();
+    assert!(tuns.is_empty(), "{when}: TUN devices left: {tuns:?}");
+    let rules = text(&f.laptop(&["ip", "rule", "show"]).stdout);
+    assert!(
+        !rules.contains("fwmark 0x6b76"),
+        "{when}: run rules left:\n{rules}"
+    );
+    for id in ids {
+        let cg = cgroup_root().join(format!("kvpn-run-{id}"));
+        assert!(!cg.exists(), "{when}: cgroup {} left", cg.display());
+    }
+}
+
+/// Polls until there is a run session (its id and cgroup), or panics.
+fn wait_run_session(
+    f: &KubeFixture,
+    children: &mut [&mut Child],
+    n: usize,
+    within: Duration,
+) -> Vec<serde_json::Value> {
+    let t0 = Instant::now();
+    loop {
+        for c in children.iter_mut() {
+            if let Ok(Some(status)) = c.try_wait() {
+                let mut err = String::new();
+                if let Some(e) = c.stderr.as_mut() {
+                    let _ = std::io::Read::read_to_string(e, &mut err);
+                }
+                panic!(
+                    "kvpn run ended ({status}) before its session showed:\n{err}\n{}",
+                    f.diagnostics()
+                );
+            }
+        }
+        let runs: Vec<serde_json::Value> = f
+            .sessions()
+            .into_iter()
+            .filter(|s| s["run_cgroup"].as_str().is_some_and(|c| !c.is_empty()))
+            .collect();
+        if runs.len() == n
+            && runs.iter().all(|s| {
+                std::fs::read_to_string(host_cgroup(s).join("cgroup.procs"))
+                    .is_ok_and(|p| !p.trim().is_empty())
+            })
+        {
+            return runs;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "not {n} run sessions with processes within {within:?}: {runs:#?}\n{}",
+            f.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn spawn_run(f: &KubeFixture, kubeconfig: &str, script: &str) -> Child {
+    f.kvpn_command(&["run", "--kubeconfig", kubeconfig, "--", "sh", "-c", script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn kvpn run: {e}"))
+}
+
+fn wait_output(child: Child, what: &str, f: &KubeFixture) -> Output {
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("wait for {what}: {e}"));
+    eprintln!(
+        "{what}: {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr),
+        f.diagnostics()
+    );
+    out
+}
+
+/// The curl script of a run: pod by IP, Service by name, pause (so that two runs
+/// overlap and the test looks from outside meanwhile), pod by IP again.
+fn curl_script(pod: IpAddr, pause_s: u32) -> String {
+    let ip = format!("http://{pod}:{HTTP_PORT}/");
+    format!(
+        "curl -sS --max-time 10 {ip} && curl -sS --max-time 10 http://web.default/ && \
+         sleep {pause_s} && curl -sS --max-time 10 {ip}"
+    )
+}
+
+#[test]
+fn a_run_reaches_its_cluster_by_ip_and_name_and_nothing_outside_it_does() {
+    let f = KubeFixture::new();
+    let kubeconfig = f.user_kubeconfig();
+    let pods = web_pods(&f, f.lab());
+    let names: Vec<String> = pods.iter().map(pod_name).collect();
+    let ip = pod_ip(&pods[0]);
+    let main_table = || text(&f.laptop(&["ip", "route", "show", "table", "main"]).stdout);
+    let main_before = main_table();
+
+    let t0 = Instant::now();
+    let mut child = spawn_run(&f, &kubeconfig, &curl_script(ip, 8));
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let setup = t0.elapsed();
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    // Meanwhile, outside the run: no route, no answer, main table unchanged.
+    let outside = f.http_get(SocketAddr::from((ip, HTTP_PORT)), Duration::from_secs(2));
+    assert!(
+        outside.is_err(),
+        "a process outside the run reached {ip}: {outside:?}"
+    );
+    let get = text(&f.laptop(&["ip", "route", "get", &ip.to_string()]).stdout);
+    assert!(
+        !get.contains("kvpn"),
+        "outside the run {ip} routes into a TUN: {get}"
+    );
+    assert_eq!(main_table(), main_before, "the main table changed");
+    // The run's table holds the cluster routes, through its own TUN device.
+    let table = runs[0]["run_table"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no run_table: {:#}", runs[0]));
+    let run_routes = text(
+        &f.laptop(&["ip", "route", "show", "table", &table.to_string()])
+            .stdout,
+    );
+    assert!(
+        run_routes.contains("10.244."),
+        "run table {table}: {run_routes}"
+    );
+    let resolv = std::fs::read_to_string(f.laptop_resolv_conf()).unwrap_or_default();
+    assert!(
+        !resolv.contains("127.0.0.153"),
+        "resolv.conf changed: {resolv}"
+    );
+    let dns = f.laptop(&["getent", "hosts", "web.default.svc.cluster.local"]);
+    assert!(
+        !dns.status.success(),
+        "a cluster name resolved outside the run: {}",
+        text(&dns.stdout)
+    );
+
+    // `kvpn top` counts the run's traffic per session (its classifier on its TUN).
+    let t_top = Instant::now();
+    loop {
+        let out = f.kvpn_ok(&["top", "--once", "-o", "json", "--interval", "0.2"]);
+        let v: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("top JSON: {e}: {out}"));
+        let counted = v["rows"].as_array().is_some_and(|rows| {
+            rows.iter().any(|r| {
+                r["session"] == id.as_str() && r["kind"] == "pod" && r["packets"].as_u64() > Some(0)
+            })
+        });
+        if counted {
+            break;
+        }
+        assert!(
+            t_top.elapsed() < Duration::from_secs(5),
+            "kvpn top shows no pod packets of run session {id}: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = wait_output(child, "kvpn run curl", &f);
+    let total = t0.elapsed();
+    let got = pages(&text(&out.stdout));
+    assert_eq!(got.len(), 3, "three pages expected: {got:?}");
+    for p in &got {
+        assert!(
+            names.contains(&p.pod),
+            "page from {} (not a web pod {names:?})",
+            p.pod
+        );
+    }
+    assert_eq!(got[0].pod_ip, ip, "the pod asked by IP answered");
+    eprintln!(
+        "run session {id} up with its process in {:.1} s; whole run {:.1} s",
+        setup.as_secs_f64(),
+        total.as_secs_f64()
+    );
+    assert_nothing_left(&f, &[id], "after the run");
+}
+
+#[test]
+fn run_exit_status_signals_sigkill_and_bad_input() {
+    let f = KubeFixture::new();
+    let kubeconfig = f.user_kubeconfig();
+
+    // Bad input first: nothing may be made.
+    let none = f.kvpn(&["run", "--kubeconfig", &kubeconfig]);
+    assert!(!none.status.success());
+    assert!(
+        text(&none.stderr).contains("no command given"),
+        "{}",
+        text(&none.stderr)
+    );
+    let missing = f.kvpn(&[
+        "run",
+        "--kubeconfig",
+        &kubeconfig,
+        "--",
+        "kvpn-no-such-command",
+    ]);
+    assert_eq!(
+        missing.status.code(),
+        Some(127),
+        "{}",
+        text(&missing.stderr)
+    );
+    assert!(
+        text(&missing.stderr).contains("kvpn-no-such-command: command not found"),
+        "{}",
+        text(&missing.stderr)
+    );
+    let ctx = f.kvpn(&[
+        "run",
+        "--kubeconfig",
+        &kubeconfig,
+        "--context",
+        "kvpn-no-such-context",
+        "--",
+        "true",
+    ]);
+    assert!(!ctx.status.success(), "{}", text(&ctx.stdout));
+    assert!(
+        text(&ctx.stderr).contains("kvpn-no-such-context"),
+        "the error names the context: {}",
+        text(&ctx.stderr)
+    );
+    assert_nothing_left(&f, &[], "after bad input");
+
+    // The command's exit status is kvpn's.
+    let seven = f.kvpn(&[
+        "run",
+        "--kubeconfig",
+        &kubeconfig,
+        "--",
+        "sh",
+        "-c",
+        "exit 7",
+    ]);
+    assert_eq!(seven.status.code(), Some(7), "{}", text(&seven.stderr));
+    assert_nothing_left(&f, &[], "after exit 7");
+
+    // SIGTERM to kvpn reaches the command, whose status comes back.
+    let mut child = spawn_run(
+        &f,
+        &kubeconfig,
+        "trap 'echo got-term; exit 42' TERM; echo ready; while :; do sleep 0.1; done",
+    );
+    let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    assert_eq!(first, "ready", "{}", f.diagnostics());
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(30));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(0));
+    let t0 = Instant::now();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)
+        .unwrap_or_else(|e| panic!("SIGTERM kvpn: {e}"));
+    let status = child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert_eq!(status.code(), Some(42), "after SIGTERM: {rest:?}");
+    assert_eq!(rest, vec!["got-term".to_owned()]);
+    eprintln!(
+        "SIGTERM to exit of kvpn with the session gone: {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_nothing_left(&f, &[id], "after SIGTERM");
+
+    // SIGKILL of kvpn: the user daemon notices, the session goes, the command
+    // (still in the run's cgroup) is killed with it.
+    let mut child = spawn_run(&f, &kubeconfig, "exec sleep 300");
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let cg = host_cgroup(&runs[0]);
+    let procs: Vec<i32> = std::fs::read_to_string(cg.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect();
+    assert!(!procs.is_empty(), "the command is in {}", cg.display());
+    child.kill().unwrap_or_else(|e| panic!("SIGKILL kvpn: {e}"));
+    let _ = child.wait();
+    let t0 = Instant::now();
+    loop {
+        let gone = f.sessions().is_empty()
+            && !cg.exists()
+            && procs
+                .iter()
+                .all(|p| !std::path::Path::new(&format!("/proc/{p}")).exists());
+        if gone {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the run was not cleaned up after SIGKILL of kvpn: sessions {:#?}, cgroup {} exists: {}\n{}",
+            f.sessions(),
+            cg.display(),
+            cg.exists(),
+            f.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "SIGKILL of kvpn to the run cleaned up: {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_nothing_left(&f, &[id], "after SIGKILL of kvpn");
+}
+
+#[test]
+fn two_runs_reach_two_clusters_with_the_same_cidrs_and_pod_ips() {
+    let mut f = KubeFixture::new();
+    let b = f.add_cluster(Addressing::overlapping());
+    let kube_a = f.user_kubeconfig();
+    let kube_b = f
+        .cluster(b)
+        .laptop_user_kubeconfig()
+        .to_string_lossy()
+        .into_owned();
+    let pods_a = web_pods(&f, f.lab());
+    let pods_b = web_pods(&f, f.cluster(b));
+    let names_a: Vec<String> = pods_a.iter().map(pod_name).collect();
+    let names_b: Vec<String> = pods_b.iter().map(pod_name).collect();
+    assert!(
+        names_a.iter().all(|n| !names_b.contains(n)),
+        "the clusters' pods must differ: {names_a:?} {names_b:?}"
+    );
+    let ips_b: Vec<IpAddr> = pods_b.iter().map(pod_ip).collect();
+    let shared = pods_a
+        .iter()
+        .map(pod_ip)
+        .find(|ip| ips_b.contains(ip))
+        .unwrap_or_else(|| panic!("no pod IP in both clusters: {pods_a:?} {ips_b:?}"));
+
+    let mut run_a = spawn_run(&f, &kube_a, &curl_script(shared, 6));
+    let mut run_b = spawn_run(&f, &kube_b, &curl_script(shared, 6));
+    let runs = wait_run_session(
+        &f,
+        &mut [&mut run_a, &mut run_b],
+        2,
+        Duration::from_secs(120),
+    );
+    let ids: Vec<String> = runs
+        .iter()
+        .map(|s| s["id"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let tunnel_ips: Vec<&str> = runs
+        .iter()
+        .filter_map(|s| s["tunnel_ip"].as_str())
+        .collect();
+    eprintln!("two run sessions {ids:?}, tunnel IPs {tunnel_ips:?}");
+    let out_a = wait_output(run_a, "kvpn run on cluster A", &f);
+    let out_b = wait_output(run_b, "kvpn run on cluster B", &f);
+    for (out, names, other, which) in [
+        (&out_a, &names_a, &names_b, "A"),
+        (&out_b, &names_b, &names_a, "B"),
+    ] {
+        let got = pages(&text(&out.stdout));
+        assert_eq!(
+            got.len(),
+            3,
+            "cluster {which}: three pages expected: {got:?}"
+        );
+        for p in &got {
+            assert!(
+                names.contains(&p.pod) && !other.contains(&p.pod),
+                "cluster {which}'s run got a page from {} (own pods {names:?})",
+                p.pod
+            );
+        }
+        assert_eq!(got[0].pod_ip, shared);
+    }
+    assert_nothing_left(&f, &ids, "after both runs");
+}
