@@ -1144,7 +1144,9 @@ pub async fn kube_connect(runtime_dir: &Path, args: &ConnectArgs) -> Result<()> 
     }
     output::done(&format!("Using {}", conn.description));
     if args.socks {
-        return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), &env).await;
+        let ssh_path = ssh_tunnel.as_ref().map(|t| t.dialer().path());
+        return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), ssh_path, &env)
+            .await;
     }
     let mut origin = Origin {
         transport: TRANSPORT_PORT_FORWARD.to_owned(),

@@ -361,6 +361,11 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
                 tx_bytes: socks.tx_bytes,
                 rx_packets: socks.rx_packets,
                 rx_bytes: socks.rx_bytes,
+                mtu: socks.mtu,
+                liveness: socks.liveness,
+                resumes: socks.resumes,
+                resumes_lost: socks.resumes_lost,
+                tcp_flows_reset: socks.tcp_flows_reset,
                 ..Session::default()
             },
             namespace: u.namespace.clone(),
@@ -384,6 +389,16 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             serde_json::Value::Null
         }
     };
+    // A SOCKS session has no TUN device and no eBPF programs: no counters of
+    // them (null), not zeros that read as "loaded, nothing seen".
+    let socks = row.user.as_ref().and_then(|u| u.socks.as_ref());
+    let no_ebpf = |v: serde_json::Value| {
+        if socks.is_some() {
+            serde_json::Value::Null
+        } else {
+            known(v)
+        }
+    };
     serde_json::json!({
         "id": s.id,
         "namespace": text_or_null(&row.namespace),
@@ -394,10 +409,11 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "uptime_ms": u.uptime_ms,
             "restores": u.restores,
         })),
-        "socks": row.user.as_ref().and_then(|u| u.socks.as_ref()).map(|x| serde_json::json!({
+        "socks": socks.map(|x| serde_json::json!({
             "listen": x.listen,
             "open_flows": x.open_flows,
             "dns_servers": x.dns_servers,
+            "warning": crate::socks::remote_warning(&x.listen),
         })),
         "transport": text_or_null(&origin.transport),
         "data_path": text_or_null(&origin.data_path),
@@ -486,7 +502,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "gso_frames": s.rx_gso_frames,
             "gso_segments": s.rx_gso_segments,
         })),
-        "ebpf": known(serde_json::json!({
+        "ebpf": no_ebpf(serde_json::json!({
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
             "ingress": s.ebpf_ingress.as_ref().map(|i| {
@@ -771,6 +787,9 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                     x.dns_servers.join(",")
                 }
             );
+            if let Some(w) = crate::socks::remote_warning(&x.listen) {
+                say!("    warning: {w}");
+            }
         }
         if !s.reason.is_empty() {
             say!("    reason: {}", s.reason);

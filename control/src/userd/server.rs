@@ -129,6 +129,19 @@ impl Entry {
                     rx_packets: l.rx_packets,
                     rx_bytes: l.rx_bytes,
                     dns_servers: l.dns_servers,
+                    mtu: l.mtu,
+                    liveness: Some(kvpn_proto::dataplane::Liveness {
+                        heartbeat_interval_ms: l.heartbeat_interval_ms,
+                        window_ms: l.liveness_window_ms,
+                        heartbeats_sent: l.heartbeats_sent,
+                        heartbeats_echoed: l.heartbeats_echoed,
+                        last_rtt_us: l.last_rtt_us,
+                        transports_lost: l.transports_lost,
+                        ..kvpn_proto::dataplane::Liveness::default()
+                    }),
+                    resumes: l.resumes,
+                    resumes_lost: l.resumes_lost,
+                    tcp_flows_reset: l.tcp_flows_reset,
                 },
                 None => SocksState {
                     listen: s.listen.clone(),
@@ -775,29 +788,44 @@ impl UserDaemonState {
                 () = self.quit.cancelled() => return,
                 () = tokio::time::sleep(super::renew::CHECK_EVERY) => {}
             }
-            // No TUN session of this daemon, no Status call to the root daemon.
-            let any = self
-                .sessions()
-                .values()
-                .any(|e| e.state == STATE_RUNNING && e.socks_status.is_none());
-            if !any {
-                continue;
-            }
-            let Ok(root) = self.root_sessions().await else {
-                continue;
+            // Sessions whose data channel fails the certificate check: SOCKS
+            // sessions say so in their own status record; TUN sessions in the
+            // root daemon's status (asked only while this daemon has one).
+            let (socks_stranded, any_tun) = {
+                let sessions = self.sessions();
+                let socks: Vec<String> = sessions
+                    .iter()
+                    .filter(|(_, e)| e.state == STATE_RUNNING)
+                    .filter_map(|(id, e)| {
+                        let live = std::fs::read(e.socks_status.as_ref()?).ok()?;
+                        let live: crate::socks::SocksStatus = serde_json::from_slice(&live).ok()?;
+                        live.reason
+                            .contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH)
+                            .then(|| id.clone())
+                    })
+                    .collect();
+                let tun = sessions
+                    .values()
+                    .any(|e| e.state == STATE_RUNNING && e.socks_status.is_none());
+                (socks, tun)
             };
-            for s in root {
-                if !s.reason.contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH) {
-                    continue;
-                }
+            let mut stranded = socks_stranded;
+            if any_tun && let Ok(root) = self.root_sessions().await {
+                stranded.extend(
+                    root.into_iter()
+                        .filter(|s| s.reason.contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH))
+                        .map(|s| s.id),
+                );
+            }
+            for id in stranded {
                 let req = self
                     .sessions()
-                    .get(&s.id)
-                    .filter(|e| e.state == STATE_RUNNING && e.socks_status.is_none())
+                    .get(&id)
+                    .filter(|e| e.state == STATE_RUNNING)
                     .and_then(|e| e.record.request().ok());
                 let Some(req) = req else { continue };
                 if tried
-                    .get(&s.id)
+                    .get(&id)
                     .is_some_and(|t| t.elapsed() < super::renew::RETRY_AFTER)
                 {
                     continue;
@@ -810,12 +838,12 @@ impl UserDaemonState {
                     Ok(Some(lock)) => lock,
                     Ok(None) => continue,
                     Err(e) => {
-                        warn!(session = %s.id, "cannot take the connect lock to renew the session: {e:#}");
+                        warn!(session = %id, "cannot take the connect lock to renew the session: {e:#}");
                         continue;
                     }
                 };
-                tried.insert(s.id.clone(), Instant::now());
-                self.renew(&s.id, req).await;
+                tried.insert(id.clone(), Instant::now());
+                self.renew(&id, req).await;
                 drop(lock);
             }
         }
