@@ -306,6 +306,12 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
                 }
                 _ => {}
             }
+            // An ssh-direct session's data path as the agent uses it now.
+            if let (Some(u), Some(o)) = (&u, s.origin.as_mut())
+                && !u.data_path.is_empty()
+            {
+                o.data_path.clone_from(&u.data_path);
+            }
             StatusRow {
                 namespace: u.as_ref().map(|u| u.namespace.clone()).unwrap_or_default(),
                 session: s,
@@ -417,6 +423,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         })),
         "transport": text_or_null(&origin.transport),
         "data_path": text_or_null(&origin.data_path),
+        "data_path_reason": row.user.as_ref().map_or(serde_json::Value::Null, |u| text_or_null(&u.data_path_reason)),
         "source_policy": text_or_null(&origin.source_policy),
         "cluster": text_or_null(&origin.cluster),
         "server": text_or_null(&origin.server),
@@ -836,6 +843,14 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                     },
                     o.manager_namespace
                 );
+                if let Some(why) = r
+                    .user
+                    .as_ref()
+                    .map(|u| u.data_path_reason.as_str())
+                    .filter(|w| !w.is_empty())
+                {
+                    say!("    data path: {why}");
+                }
                 if !o.source_policy.is_empty() {
                     say!(
                         "    source policy {} (backends see {})",

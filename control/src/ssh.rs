@@ -27,6 +27,7 @@
 pub mod bypass;
 pub mod client;
 pub mod config;
+pub mod direct_path;
 pub mod gssapi;
 pub mod known_hosts;
 pub mod peer;

@@ -102,6 +102,8 @@ struct Entry {
     socks_status: Option<PathBuf>,
     /// The session's SSH path, if it has one (its last error for status).
     ssh: Option<crate::ssh::SshDialer>,
+    /// ssh-direct sessions: the data path the agent uses now, and why.
+    data_path: Option<crate::agent::SharedPath>,
 }
 
 impl Entry {
@@ -152,6 +154,13 @@ impl Entry {
             }
         });
         let kubeconfig = request.as_ref().map(session_kubeconfig).unwrap_or_default();
+        let path = match (&self.data_path, &self.ssh) {
+            (Some(p), Some(dialer)) if self.state == STATE_RUNNING => p
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .describe(&dialer.last_hop(), &dialer.path()),
+            _ => (String::new(), String::new()),
+        };
         let origin = request.and_then(|r| r.connect).and_then(|c| c.origin);
         UserSession {
             id: self.record.id.clone(),
@@ -172,6 +181,8 @@ impl Entry {
                 .filter(|_| self.state == STATE_RUNNING)
                 .and_then(crate::ssh::SshDialer::last_error)
                 .unwrap_or_default(),
+            data_path: path.0,
+            data_path_reason: path.1,
         }
     }
 }
@@ -317,6 +328,7 @@ impl UserDaemonState {
                 cancel,
                 socks_status,
                 ssh: None,
+                data_path: None,
             },
         );
     }
@@ -526,6 +538,7 @@ impl UserDaemonState {
                     e.reason.clear();
                     e.since = Instant::now();
                     e.ssh = open.ssh_path();
+                    e.data_path = open.data_path();
                     e.cancel.clone()
                 };
                 info!(session = %id, addr = %open.addr(), "session restored");
@@ -725,6 +738,7 @@ impl UserDaemonState {
         let open = agent::open_session(config).await.map_err(internal)?;
         let addr = open.addr();
         let ssh = open.ssh_path();
+        let data_path = open.data_path();
         let mut root = daemon::connect_existing(&self.root_runtime_dir)
             .await
             .map_err(internal)?
@@ -769,6 +783,7 @@ impl UserDaemonState {
         self.register(&id, addr, &resp.tun_name, &req, cancel, None);
         if let Some(e) = self.sessions().get_mut(&id) {
             e.ssh = ssh;
+            e.data_path = data_path;
         }
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
         Ok(StartSessionResponse {
@@ -1048,6 +1063,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
                 cancel: CancellationToken::new(),
                 socks_status: None,
                 ssh: None,
+                data_path: None,
             },
         );
         tokio::spawn(state.clone().restore(record));
