@@ -617,7 +617,7 @@ fn uptime(ms: u64) -> String {
 }
 
 /// The root daemon as `kvpn status` shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RootDaemon {
     /// Whether one answered.
     pub running: bool,
@@ -627,11 +627,17 @@ pub struct RootDaemon {
     /// Calls it refused because of the caller's uid (SO_PEERCRED), since it
     /// started; `None` when it does not run.
     pub refused_peers: Option<u64>,
+    /// It runs for another uid and refuses this one: its words (the uids and
+    /// the fix).
+    pub refuses_me: Option<String>,
 }
 
 /// The status document of `-o json` / `-o yaml` (schema: docs/status.md).
 pub fn status_document(rows: &[StatusRow], root: RootDaemon) -> serde_json::Value {
-    let mut root_daemon = serde_json::json!({"running": root.running});
+    let mut root_daemon = serde_json::json!({"running": root.running || root.refuses_me.is_some()});
+    if let Some(why) = &root.refuses_me {
+        root_daemon["refuses_this_uid"] = why.clone().into();
+    }
     if let Some(n) = root.refused_peers {
         root_daemon["refused_peers"] = n.into();
     }
@@ -666,7 +672,7 @@ pub fn status(
     runtime_dir: &Path,
 ) -> Result<()> {
     let document = || {
-        let mut doc = status_document(rows, root);
+        let mut doc = status_document(rows, root.clone());
         // After a death of the root daemon: what its DNS guard did.
         if !root.running
             && let Some(note) = kvpn_dataplane::dns::guard::Note::read(runtime_dir)
@@ -701,6 +707,12 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
         .not_answering
         .map(|(pid, state)| crate::liveness::not_answering_text(pid, state))
         .map(|t| format!("T{}", t.strip_prefix('t').unwrap_or(&t)));
+    if let Some(why) = &root.refuses_me {
+        say!("Not connected: {why}");
+        if rows.is_empty() {
+            return out;
+        }
+    }
     if rows.is_empty() {
         match not_answering {
             // Its `direct` sessions are known only to it.
@@ -1444,6 +1456,7 @@ mod tests {
         let doc = status_document(
             &rows,
             RootDaemon {
+                refuses_me: None,
                 running: false,
                 refused_peers: None,
                 not_answering: Some((4242, 'T')),
@@ -1550,6 +1563,7 @@ mod tests {
         let doc = status_document(
             &rows,
             RootDaemon {
+                refuses_me: None,
                 running: true,
                 refused_peers: Some(2),
                 not_answering: None,
@@ -1584,6 +1598,7 @@ mod tests {
         let doc = status_document(
             &rows,
             RootDaemon {
+                refuses_me: None,
                 running: false,
                 refused_peers: None,
                 not_answering: None,
@@ -1596,6 +1611,7 @@ mod tests {
         let plain = status_document(
             &merge_sessions(Vec::new(), vec![user("x", "lost", "")]),
             RootDaemon {
+                refuses_me: None,
                 running: true,
                 refused_peers: Some(0),
                 not_answering: None,

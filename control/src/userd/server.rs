@@ -443,6 +443,15 @@ impl UserDaemonState {
                 Ok((r.stopped, r.tcp_reset))
             }
             Err(s) if s.code() == tonic::Code::NotFound => Ok(Default::default()),
+            // Another user's root daemon, refusing this uid: it never held a
+            // session of this daemon's, so there is nothing to disconnect there.
+            Err(s) if s.code() == tonic::Code::PermissionDenied => {
+                warn!(
+                    "the root daemon refuses this uid, so it holds none of its sessions: {}",
+                    s.message()
+                );
+                Ok(Default::default())
+            }
             Err(s) => Err(daemon::status_to_error(s)).with_context(|| {
                 if id.is_empty() {
                     "the root daemon did not disconnect its sessions".to_owned()
