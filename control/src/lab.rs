@@ -76,6 +76,9 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
     match cmd {
         LabCommand::Up { .. } => Err(anyhow!("`kvpn lab up` runs on the async path")),
         LabCommand::Down => {
+            if let Ok(lab) = Lab::attach(DEFAULT_LAB_NAME) {
+                quit_laptop_sessions(&lab);
+            }
             output::step(&format!("Tearing the lab {DEFAULT_LAB_NAME} down"));
             if cluster::down_named(DEFAULT_LAB_NAME).context("kvpn lab down failed")? {
                 output::done(
@@ -239,6 +242,51 @@ fn find_program(program: &str, path_var: Option<&std::ffi::OsStr>) -> Result<Pat
 
 /// The runtime folder `kvpn lab exec laptop` gives kvpn there when the caller
 /// set none: `<lab state folder>/<lab name>-laptop-runtime`.
+/// The runtime folder `kvpn lab exec laptop` gives kvpn: the caller's
+/// KVPN_RUNTIME_DIR when it chose one (not empty, not the default), else the
+/// lab's own.
+fn exec_runtime_dir(lab: &Lab) -> PathBuf {
+    match std::env::var_os("KVPN_RUNTIME_DIR").map(PathBuf::from) {
+        Some(d)
+            if !d.as_os_str().is_empty()
+                && d != Path::new(crate::userd::DEFAULT_ROOT_RUNTIME_DIR) =>
+        {
+            d
+        }
+        _ => laptop_runtime_dir(lab),
+    }
+}
+
+/// Before the lab goes: `kvpn quit` in its laptop (the runtime folder `kvpn lab
+/// exec laptop` uses), so sessions into the lab are disconnected and their
+/// records removed instead of lingering as `lost` once the cluster is gone.
+fn quit_laptop_sessions(lab: &Lab) {
+    let runtime_dir = exec_runtime_dir(lab);
+    let user_daemon = crate::userd::Paths::current(&runtime_dir).socket.exists();
+    if !user_daemon && !runtime_dir.join("dataplane.sock").exists() {
+        return;
+    }
+    let Ok(exe) = std::env::current_exe() else {
+        return;
+    };
+    let Ok(netns) = lab.netns(kvpn_lab::LAPTOP) else {
+        return;
+    };
+    output::step("Disconnecting the sessions of the lab's laptop (kvpn quit)");
+    let mut cmd: Command = netns.command(&exe);
+    cmd.arg("quit").env("KVPN_RUNTIME_DIR", &runtime_dir);
+    match cmd.output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => output::warn(&format!(
+            "kvpn quit in the lab's laptop failed ({}): {} — its session records may stay;              `kvpn disconnect` them with KVPN_RUNTIME_DIR={}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim(),
+            runtime_dir.display()
+        )),
+        Err(e) => output::warn(&format!("cannot run kvpn quit in the lab's laptop: {e}")),
+    }
+}
+
 pub fn laptop_runtime_dir(lab: &Lab) -> PathBuf {
     kvpn_lab::state_dir().join(format!("{}-laptop-runtime", lab.name()))
 }
