@@ -132,6 +132,20 @@ fn translated_denial(r: &SourceReport) -> String {
     )
 }
 
+/// For an answer under a policy that replaces the client's source: which
+/// address the backend saw (no claim about rules). Empty when not replaced.
+fn replaced_source(r: &SourceReport) -> String {
+    match (r.decapsulated_source, r.egress_source) {
+        (Some(d), Some(e)) if d.ip() != e.ip() => format!(
+            "; the backend saw the manager pod's address {} (policy {}), not the laptop's {}",
+            e.ip(),
+            r.policy,
+            d.ip()
+        ),
+        _ => String::new(),
+    }
+}
+
 /// Where the source changed and why (see the module docs). Pure.
 pub fn explain(r: &SourceReport) -> (String, String) {
     let decap = ip(r.decapsulated_source);
@@ -140,13 +154,24 @@ pub fn explain(r: &SourceReport) -> (String, String) {
     let show = |a: Option<SocketAddr>| a.map_or("-".to_owned(), |a| a.to_string());
     match &r.outcome {
         Outcome::Refused => {
+            // What was seen is a reset (TCP) or port unreachable (UDP): what a
+            // closed port answers. Policies deny by dropping or with ICMP
+            // admin-prohibited (the Unreachable arm); no policy was seen here.
+            let answer = if r.protocol == "udp" {
+                "ICMP port unreachable"
+            } else {
+                "a TCP RST"
+            };
             return (
                 "refused".into(),
                 format!(
-                    "refused by the destination's side (TCP RST or ICMP port unreachable) for source {}: \
-                     a policy rule or a closed port answered — the path works, this is not a missing route{}",
+                    "refused: {} answered with {answer} for source {} — nothing listens on port {} there \
+                     (a closed port); no policy was seen (a rule rejecting with a reset would look \
+                     the same). The path works, this is not a missing route{}",
+                    r.target.ip(),
                     show(r.egress_source.or(r.decapsulated_source)),
-                    translated_denial(r)
+                    r.target.port(),
+                    replaced_source(r)
                 ),
             );
         }
@@ -777,10 +802,13 @@ mod tests {
     /// how the answer came back. Under preserve it names only the tunnel IP.
     #[test]
     fn denials_under_ebpf_snat_name_the_pod_ip_the_rule_matched() {
-        for (outcome, verdict) in [
-            (Outcome::Unreachable { code: Some(13) }, "unreachable"),
-            (Outcome::Refused, "refused"),
-        ] {
+        // Only ICMP admin-prohibited is a rule's answer; a reset is a closed
+        // port's (a_plain_closed_port_is_a_reset_from_the_backend_not_a_policy).
+        #[expect(
+            clippy::single_element_loop,
+            reason = "one denial kind today; the loop keeps room for others"
+        )]
+        for (outcome, verdict) in [(Outcome::Unreachable { code: Some(13) }, "unreachable")] {
             let mut r = report("100.96.0.2:5000", "10.244.1.5:61000", "", outcome);
             r.policy = "ebpf-snat".into();
             let (v, why) = explain(&r);
@@ -800,6 +828,29 @@ mod tests {
                 "{why}"
             );
         }
+    }
+
+    /// A plain closed port: what was seen is a reset from the backend, and no
+    /// policy is blamed (on main: "The rule matched … denies every laptop").
+    #[test]
+    fn a_plain_closed_port_is_a_reset_from_the_backend_not_a_policy() {
+        let mut r = report("100.96.0.2:5000", "10.244.1.5:61000", "", Outcome::Refused);
+        r.policy = "snat".into();
+        let (v, why) = explain(&r);
+        assert_eq!(v, "refused", "{why}");
+        assert!(
+            why.contains("a TCP RST") && why.contains("closed port"),
+            "{why}"
+        );
+        assert!(why.contains("no policy was seen"), "{why}");
+        assert!(
+            !why.contains("rule matched") && !why.contains("denies every laptop"),
+            "{why}"
+        );
+        assert!(why.contains("manager pod's address 10.244.1.5"), "{why}");
+        r.protocol = "udp";
+        let (_, why) = explain(&r);
+        assert!(why.contains("ICMP port unreachable"), "{why}");
     }
 
     /// An unused pod IP under snat or ebpf-snat (nothing left the pod's egress,
