@@ -569,11 +569,60 @@ pub fn resolve(target: &str) -> Result<SocketAddr> {
     }
     target
         .to_socket_addrs()
-        .with_context(|| {
-            format!("cannot resolve {target} (expected HOST:PORT; is kvpn connected?)")
-        })?
+        .with_context(|| format!("cannot resolve {target} (expected HOST:PORT)"))?
         .find(SocketAddr::is_ipv4)
         .ok_or_else(|| anyhow!("{target} has no IPv4 address"))
+}
+
+/// How long `diagnose source NAME:PORT` waits for the name: the laptop's
+/// resolver retries a silent nameserver for about 18 s (3 tries × 5 s and
+/// more); a cluster DNS that has not answered in 5 s is not going to.
+pub const RESOLVE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The error of a name that did not resolve while kvpn is connected
+/// (`sessions` non-empty): which cluster DNS was asked through which session,
+/// what a silence means, and what to run instead. `why` is the resolver's
+/// error, or `None` when it did not answer within [`RESOLVE_WAIT`]. Pure.
+pub fn unresolved_message(target: &str, sessions: &[Session], why: Option<&str>) -> String {
+    let dns: Vec<String> = sessions
+        .iter()
+        .filter_map(|s| s.dns.as_ref())
+        .flat_map(|d| d.servers.iter().cloned())
+        .collect();
+    let policy = sessions
+        .iter()
+        .filter_map(|s| s.origin.as_ref())
+        .map(|o| o.source_policy.as_str())
+        .find(|p| !p.is_empty())
+        .unwrap_or("");
+    let what = match why {
+        Some(e) => format!("the resolver failed ({e})"),
+        None => format!("no answer within {} s", RESOLVE_WAIT.as_secs()),
+    };
+    let asked = if dns.is_empty() {
+        "the cluster DNS".to_owned()
+    } else {
+        format!("the cluster DNS {}", dns.join(", "))
+    };
+    let dns_probe = dns
+        .first()
+        .map(|d| {
+            let d = if d.contains(':') {
+                d.clone()
+            } else {
+                format!("{d}:53")
+            };
+            format!("`kvpn diagnose source {d} --udp` traces the DNS flow itself; ")
+        })
+        .unwrap_or_default();
+    let route_hint = if policy == "preserve" {
+        " Under source policy preserve the replies need the nodes' route for the tunnel          pool back to the manager: a missing return route looks exactly like this."
+    } else {
+        ""
+    };
+    format!(
+        "cannot resolve {target}: kvpn is connected, but {asked} gave {what} through the          session.{route_hint} Fix: {dns_probe}or give the target as IP:PORT (e.g. the          Service's ClusterIP from `kubectl get svc`)"
+    )
 }
 
 /// Refuses a trace without a session: `sessions` are the root daemon's.
@@ -828,6 +877,33 @@ mod tests {
                 "{why}"
             );
         }
+    }
+
+    /// A name that does not resolve while connected (the cluster DNS silent,
+    /// e.g. a missing return route under preserve): the error names the DNS,
+    /// the cause and the fix, never "is kvpn connected?".
+    #[test]
+    fn an_unresolved_name_while_connected_names_the_dns_and_the_fix() {
+        let session = Session {
+            dns: Some(kvpn_proto::dataplane::ClusterDns {
+                servers: vec!["10.96.0.10".into()],
+                ..Default::default()
+            }),
+            origin: Some(kvpn_proto::dataplane::Origin {
+                source_policy: "preserve".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let m = unresolved_message("web.default:80", &[session], None);
+        assert!(m.contains("no answer within 5 s"), "{m}");
+        assert!(m.contains("cluster DNS 10.96.0.10"), "{m}");
+        assert!(m.contains("missing return route"), "{m}");
+        assert!(
+            m.contains("kvpn diagnose source 10.96.0.10:53 --udp"),
+            "{m}"
+        );
+        assert!(!m.contains("is kvpn connected"), "{m}");
     }
 
     /// A plain closed port: what was seen is a reset from the backend, and no

@@ -526,10 +526,25 @@ async fn diagnose_source(
     let sessions = connect::current_sessions(runtime_dir).await?;
     diagnose::require_session(&sessions)?;
     let target_text = args.target.clone();
-    let target = tokio::task::spawn_blocking(move || diagnose::resolve(&target_text))
-        .await
-        .context("resolver task failed")?
-        .with_context(|| format!("cannot trace the source towards {}", args.target))?;
+    let resolving = tokio::task::spawn_blocking(move || diagnose::resolve(&target_text));
+    let target = match tokio::time::timeout(diagnose::RESOLVE_WAIT, resolving).await {
+        Ok(joined) => match joined.context("resolver task failed")? {
+            Ok(t) => t,
+            // An IP:PORT or a malformed target: the resolver's own words.
+            Err(e)
+                if args.target.parse::<std::net::SocketAddr>().is_ok()
+                    || !args.target.contains(':') =>
+            {
+                return Err(e.context(format!("cannot trace the source towards {}", args.target)));
+            }
+            Err(e) => bail!(diagnose::unresolved_message(
+                &args.target,
+                &sessions,
+                Some(&format!("{:#}", e.root_cause()))
+            )),
+        },
+        Err(_) => bail!(diagnose::unresolved_message(&args.target, &sessions, None)),
+    };
     diagnose::require_route(&sessions, target.ip())?;
     // The cluster of the session that carries the trace, as it was connected
     // (its kubeconfig files and context), unless the flags say otherwise.
