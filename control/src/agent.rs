@@ -18,10 +18,11 @@
 //! root daemon's socket (route watch).
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::Api;
 use kube::api::ListParams;
 use tokio::net::{TcpListener, TcpStream};
@@ -29,6 +30,188 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::kubeconfig::{KubeFlags, UserEnv};
+use crate::ssh::direct_path::{Choice, DirectPath};
+
+/// An ssh-direct session's data path, shared by its agent and the user
+/// daemon's status.
+pub type SharedPath = Arc<Mutex<DirectPath>>;
+
+fn lock_path(p: &SharedPath) -> std::sync::MutexGuard<'_, DirectPath> {
+    // Every DirectPath method leaves it consistent: keep what a panicking
+    // holder left.
+    p.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How often the agent of an ssh-direct session looks whether a probe of
+/// ssh-direct is due (a data connection may have switched it to port-forward).
+const PATH_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a re-dial waits for the manager Service to be read before it uses
+/// the ClusterIP it knew (the API server may be the thing that is slow).
+const RESOLVE_WAIT: Duration = Duration::from_secs(2);
+
+/// The manager Service's ClusterIP with `port`: `Ok(None)` when the Service is
+/// gone or has no ClusterIP; `Err` when it could not be read.
+async fn resolve_manager(
+    svc: &Api<Service>,
+    port: u16,
+) -> Result<Option<std::net::SocketAddr>, String> {
+    let got = tokio::time::timeout(RESOLVE_WAIT, svc.get_opt(crate::install::objects::MANAGER))
+        .await
+        .map_err(|_| {
+            format!(
+                "reading Service {} took over {} s",
+                crate::install::objects::MANAGER,
+                RESOLVE_WAIT.as_secs()
+            )
+        })?
+        .map_err(|e| {
+            format!(
+                "cannot read Service {}: {e}",
+                crate::install::objects::MANAGER
+            )
+        })?;
+    Ok(got
+        .and_then(|s| s.spec)
+        .and_then(|s| s.cluster_ip)
+        .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
+        .map(|ip| std::net::SocketAddr::new(ip, port)))
+}
+
+/// What one data connection of an ssh-direct session needs.
+struct DirectWay {
+    dialer: crate::ssh::SshDialer,
+    path: SharedPath,
+    /// The manager Service (re-read on every re-dial).
+    svc: Api<Service>,
+    /// The manager pods and their data port (port-forward fallback).
+    pods: Api<Pod>,
+    pod_port: u16,
+    /// Cancelled when ssh-direct works again.
+    fallback: CancellationToken,
+}
+
+/// One data connection of an ssh-direct session: re-read the Service, try a
+/// channel to its ClusterIP for [`crate::ssh::bypass::PROBE_TIMEOUT`], and on
+/// failure (or while the session is on port-forward) carry it by port-forward
+/// through the same SSH path — until `fallback` is cancelled (ssh-direct works
+/// again: the root daemon then re-dials onto it).
+async fn direct_or_fallback(way: DirectWay, stream: TcpStream, peer: std::net::SocketAddr) {
+    let DirectWay {
+        dialer,
+        path,
+        svc,
+        pods,
+        pod_port,
+        fallback,
+    } = way;
+    let service_port = lock_path(&path)
+        .target()
+        .map_or(MANAGER_DATA_PORT, |t| t.port());
+    match resolve_manager(&svc, service_port).await {
+        Ok(target) => {
+            if lock_path(&path).handle_resolved(target, Instant::now()) {
+                info!(?target, "the traffic manager's Service has a new ClusterIP");
+            }
+        }
+        Err(e) => warn!("{e}; using the ClusterIP read before"),
+    }
+    let choice = lock_path(&path).choice();
+    if let Choice::Direct(target) = choice {
+        let opened = tokio::time::timeout(
+            crate::ssh::bypass::PROBE_TIMEOUT,
+            dialer.open(&target.ip().to_string(), target.port()),
+        )
+        .await;
+        let why = match opened {
+            Ok(Ok(mut remote)) => {
+                match crate::ssh::bypass::carry(&dialer, target, stream, &mut remote).await {
+                    Ok((up, down)) => info!(%peer, up, down, "ssh-direct data channel closed"),
+                    Err(e) => warn!(%peer, "data channel: {e}"),
+                }
+                return;
+            }
+            Ok(Err(e @ crate::ssh::client::ConnectError::Channel { .. })) => {
+                format!("{} could not open a channel to it: {e}", dialer.last_hop())
+            }
+            Ok(Err(e)) => {
+                // The SSH connection itself failed: port-forward rides the same
+                // one, so no fallback; the root daemon re-dials.
+                warn!(%peer, %target, "data channel: {e}");
+                return;
+            }
+            Err(_) => format!(
+                "{} opened no channel to it within {} s",
+                dialer.last_hop(),
+                crate::ssh::bypass::PROBE_TIMEOUT.as_secs()
+            ),
+        };
+        // Port-forward through the same SSH connection. The session switches
+        // to it only once it opened and ssh-direct still fails then: a silent
+        // SSH connection (black-holed, being redialled) times out both, and
+        // is no reason to leave ssh-direct.
+        let this_conn = fallback.child_token();
+        let check = {
+            let (dialer, path, svc, this_conn) =
+                (dialer.clone(), path.clone(), svc.clone(), this_conn.clone());
+            move || {
+                tokio::spawn(async move {
+                    match probe_direct(dialer, path.clone(), svc).await {
+                        Ok(()) => {
+                            info!(%target, "ssh-direct works again right after it failed: closing the port-forward data connection, the root daemon re-dials onto ssh-direct");
+                            this_conn.cancel();
+                        }
+                        Err(now_why) => {
+                            warn!(%target, "ssh-direct failed ({why}; again: {now_why}): the data channel uses port-forward through the same SSH connection until a probe finds ssh-direct working again");
+                            lock_path(&path).handle_direct_failed(why, Instant::now());
+                        }
+                    }
+                });
+            }
+        };
+        tokio::select! {
+            r = forward_then(pods, pod_port, stream, check) => {
+                if let Err(e) = r {
+                    warn!(%peer, "data channel (port-forward after ssh-direct failed): {e:#}");
+                }
+            }
+            () = this_conn.cancelled() => {}
+        }
+        return;
+    }
+    tokio::select! {
+        r = forward(pods, pod_port, stream) => {
+            if let Err(e) = r {
+                warn!(%peer, "data channel: {e:#}");
+            }
+        }
+        () = fallback.cancelled() => {
+            info!(%peer, "closing the port-forward data connection: ssh-direct works again, the root daemon re-dials onto it");
+        }
+    }
+}
+
+/// A probe of ssh-direct for a session on port-forward: re-read the Service,
+/// then open one channel to its ClusterIP.
+async fn probe_direct(
+    dialer: crate::ssh::SshDialer,
+    path: SharedPath,
+    svc: Api<Service>,
+) -> Result<(), String> {
+    let service_port = lock_path(&path)
+        .target()
+        .map_or(MANAGER_DATA_PORT, |t| t.port());
+    if let Ok(target) = resolve_manager(&svc, service_port).await {
+        lock_path(&path).handle_resolved(target, Instant::now());
+    }
+    let target = lock_path(&path)
+        .target()
+        .ok_or_else(|| "the traffic manager's Service has no ClusterIP".to_owned())?;
+    crate::ssh::bypass::probe(&dialer, target, crate::ssh::bypass::PROBE_TIMEOUT)
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
 
 /// Label selector of the traffic manager's pods.
 pub const MANAGER_SELECTOR: &str = "app.kubernetes.io/name=kvpn-manager";
@@ -151,7 +334,18 @@ async fn open_port_forward(
     Ok((pod, pf, remote))
 }
 
-async fn forward(api: Api<Pod>, port: u16, mut laptop: TcpStream) -> Result<()> {
+async fn forward(api: Api<Pod>, port: u16, laptop: TcpStream) -> Result<()> {
+    forward_then(api, port, laptop, || ()).await
+}
+
+/// [`forward`] that calls `opened` once the port-forward is open, before it
+/// carries anything.
+async fn forward_then(
+    api: Api<Pod>,
+    port: u16,
+    mut laptop: TcpStream,
+    opened: impl FnOnce(),
+) -> Result<()> {
     let deadline = tokio::time::Instant::now() + POD_WAIT;
     let mut waited = false;
     let (pod, pf, mut remote) = loop {
@@ -178,6 +372,7 @@ async fn forward(api: Api<Pod>, port: u16, mut laptop: TcpStream) -> Result<()> 
         }
     };
     info!(%pod, port, "port-forward open");
+    opened();
     let result = tokio::io::copy_bidirectional(&mut laptop, &mut remote).await;
     drop(remote);
     pf.abort();
@@ -200,9 +395,10 @@ pub struct OpenSession {
     _ssh_tunnel: Option<crate::ssh::SshTunnel>,
     listener: TcpListener,
     addr: std::net::SocketAddr,
-    /// The SSH data-plane bypass: data connections ride `direct-tcpip` to this
-    /// ClusterIP:port through the session's SSH path; `None` = port-forward.
-    ssh_direct: Option<(crate::ssh::tunnel::SshDialer, std::net::SocketAddr)>,
+    /// The SSH data-plane bypass: data connections ride `direct-tcpip` to the
+    /// manager Service's ClusterIP through the session's SSH path, or fall back
+    /// to port-forward ([`DirectPath`]); `None` = port-forward only.
+    ssh_direct: Option<(crate::ssh::tunnel::SshDialer, SharedPath)>,
 }
 
 impl OpenSession {
@@ -218,6 +414,12 @@ impl OpenSession {
         self._ssh_tunnel.as_ref().map(crate::ssh::SshTunnel::dialer)
     }
 
+    /// An ssh-direct session's data path as it is now (status); `None` for
+    /// other sessions.
+    pub fn data_path(&self) -> Option<SharedPath> {
+        self.ssh_direct.as_ref().map(|(_, p)| p.clone())
+    }
+
     /// Serve the session until `cancel` fires: accept the root daemon's data
     /// connections (one port-forward each) and run the route watch.
     pub async fn run(self, cancel: CancellationToken) -> Result<()> {
@@ -231,8 +433,9 @@ impl OpenSession {
         } = self;
         let api: Api<Pod> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
         match &ssh_direct {
-            Some((dialer, target)) => {
-                info!(%addr, %target, via = %dialer.last_hop(), cluster = %conn.description, "offering the manager's data port (ssh-direct)")
+            Some((dialer, path)) => {
+                let target = lock_path(path).target();
+                info!(%addr, ?target, via = %dialer.last_hop(), cluster = %conn.description, "offering the manager's data port (ssh-direct)")
             }
             None => {
                 info!(%addr, cluster = %conn.description, "offering the manager's data port (port-forward)")
@@ -255,8 +458,46 @@ impl OpenSession {
         });
         // Data connections in flight end with the session too.
         let mut forwards = tokio::task::JoinSet::new();
+        let svc: Api<Service> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
+        // Port-forward data connections of an ssh-direct session (fallback):
+        // cancelled when ssh-direct works again.
+        let mut fallback = cancel.child_token();
+        let (probe_tx, mut probe_rx) = tokio::sync::mpsc::channel::<Result<(), String>>(1);
         loop {
+            // A data connection's task may switch the path to port-forward at
+            // any time: look at least once a second whether a probe is due.
+            let now = Instant::now();
+            let next_probe = ssh_direct.as_ref().map(|(_, p)| {
+                lock_path(p)
+                    .poll_timeout()
+                    .map_or(now + PATH_CHECK_EVERY, |t| t.min(now + PATH_CHECK_EVERY))
+            });
             tokio::select! {
+                () = tokio::time::sleep_until(next_probe.unwrap_or(now).into()), if next_probe.is_some() => {
+                    if let Some((dialer, path)) = &ssh_direct {
+                        let now = Instant::now();
+                        if lock_path(path).poll_timeout().is_none_or(|t| t > now) {
+                            continue;
+                        }
+                        lock_path(path).handle_probe_started(now);
+                        let (dialer, path, svc, tx) = (dialer.clone(), path.clone(), svc.clone(), probe_tx.clone());
+                        forwards.spawn(async move {
+                            let _ = tx.send(probe_direct(dialer, path, svc).await).await;
+                        });
+                    }
+                }
+                Some(result) = probe_rx.recv() => {
+                    if let Some((_, path)) = &ssh_direct {
+                        let failed = result.as_ref().err().cloned();
+                        if lock_path(path).handle_probe(result, Instant::now()) {
+                            info!(target = ?lock_path(path).target(), "ssh-direct works again: closing the port-forward data connections so the data channel comes back to it");
+                            fallback.cancel();
+                            fallback = cancel.child_token();
+                        } else if let Some(why) = failed {
+                            info!("ssh-direct still unavailable: {why}");
+                        }
+                    }
+                }
                 accepted = listener.accept() => {
                     let (stream, peer) = match accepted {
                         Ok(a) => a,
@@ -272,14 +513,16 @@ impl OpenSession {
                     // TCP handshake's last ACK, then the request) until the root
                     // daemon's delayed ACK, 40 ms per connection through the tunnel.
                     let _ = stream.set_nodelay(true);
-                    if let Some((dialer, target)) = &ssh_direct {
-                        let (dialer, target) = (dialer.clone(), *target);
-                        forwards.spawn(async move {
-                            match crate::ssh::bypass::forward(&dialer, target, stream).await {
-                                Ok((up, down)) => info!(%peer, up, down, "ssh-direct data channel closed"),
-                                Err(e) => warn!(%peer, "data channel: {e}"),
-                            }
-                        });
+                    if let Some((dialer, path)) = &ssh_direct {
+                        let way = DirectWay {
+                            dialer: dialer.clone(),
+                            path: path.clone(),
+                            svc: svc.clone(),
+                            pods: api.clone(),
+                            pod_port: config.port,
+                            fallback: fallback.clone(),
+                        };
+                        forwards.spawn(direct_or_fallback(way, stream, peer));
                         continue;
                     }
                     let api = api.clone();
@@ -321,7 +564,10 @@ pub async fn open_session(config: AgentConfig) -> Result<OpenSession> {
     let (conn, ssh_tunnel) =
         crate::ssh::connect_kube(&config.flags, ssh.as_ref(), &config.env).await?;
     let ssh_direct = match (config.ssh_direct, &ssh_tunnel) {
-        (Some(target), Some(tunnel)) => Some((tunnel.dialer(), target)),
+        (Some(target), Some(tunnel)) => Some((
+            tunnel.dialer(),
+            Arc::new(Mutex::new(DirectPath::new(target))),
+        )),
         (Some(target), None) => {
             bail!("ssh-direct {target} needs an SSH path (--ssh-addr or --ssh-alias)")
         }

@@ -1396,7 +1396,8 @@ pub async fn kube_connect_as(
     }
     output::done(&format!("Using {}", conn.description));
     if args.socks {
-        return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), &env)
+        let ssh_path = ssh_tunnel.as_ref().map(|t| t.dialer().path());
+        return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), ssh_path, &env)
             .await
             .map(|()| None);
     }

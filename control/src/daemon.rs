@@ -49,6 +49,30 @@ pub async fn sessions(
         .sessions)
 }
 
+/// Why the root daemon running for `runtime_dir` refuses this uid (its own
+/// words: the uid it runs for, this uid and the fix), or `None` when none runs,
+/// it accepts this uid, or it does not answer. Asks it for Status: a daemon
+/// that answers PERMISSION_DENIED refuses every call of this uid.
+pub async fn refusal(runtime_dir: &Path) -> Option<String> {
+    if nix_uid() == 0 {
+        // Root is always accepted.
+        return None;
+    }
+    let mut client = match connect_existing(runtime_dir).await {
+        Ok(Some(c)) => c,
+        Ok(None) => return None,
+        Err(e) => {
+            // A socket only root may open (the daemon accepts no other uid).
+            let text = format!("{e:#}");
+            return text.contains("permission denied").then_some(text);
+        }
+    };
+    match client.status(kvpn_proto::dataplane::StatusRequest {}).await {
+        Err(s) if s.code() == tonic::Code::PermissionDenied => Some(s.message().to_owned()),
+        _ => None,
+    }
+}
+
 /// A client for a root daemon that is already running, or `None` when none answers.
 pub async fn connect_existing(
     runtime_dir: &Path,

@@ -132,6 +132,20 @@ fn translated_denial(r: &SourceReport) -> String {
     )
 }
 
+/// For an answer under a policy that replaces the client's source: which
+/// address the backend saw (no claim about rules). Empty when not replaced.
+fn replaced_source(r: &SourceReport) -> String {
+    match (r.decapsulated_source, r.egress_source) {
+        (Some(d), Some(e)) if d.ip() != e.ip() => format!(
+            "; the backend saw the manager pod's address {} (policy {}), not the laptop's {}",
+            e.ip(),
+            r.policy,
+            d.ip()
+        ),
+        _ => String::new(),
+    }
+}
+
 /// Where the source changed and why (see the module docs). Pure.
 pub fn explain(r: &SourceReport) -> (String, String) {
     let decap = ip(r.decapsulated_source);
@@ -140,13 +154,24 @@ pub fn explain(r: &SourceReport) -> (String, String) {
     let show = |a: Option<SocketAddr>| a.map_or("-".to_owned(), |a| a.to_string());
     match &r.outcome {
         Outcome::Refused => {
+            // What was seen is a reset (TCP) or port unreachable (UDP): what a
+            // closed port answers. Policies deny by dropping or with ICMP
+            // admin-prohibited (the Unreachable arm); no policy was seen here.
+            let answer = if r.protocol == "udp" {
+                "ICMP port unreachable"
+            } else {
+                "a TCP RST"
+            };
             return (
                 "refused".into(),
                 format!(
-                    "refused by the destination's side (TCP RST or ICMP port unreachable) for source {}: \
-                     a policy rule or a closed port answered — the path works, this is not a missing route{}",
+                    "refused: {} answered with {answer} for source {} — nothing listens on port {} there \
+                     (a closed port); no policy was seen (a rule rejecting with a reset would look \
+                     the same). The path works, this is not a missing route{}",
+                    r.target.ip(),
                     show(r.egress_source.or(r.decapsulated_source)),
-                    translated_denial(r)
+                    r.target.port(),
+                    replaced_source(r)
                 ),
             );
         }
@@ -544,11 +569,60 @@ pub fn resolve(target: &str) -> Result<SocketAddr> {
     }
     target
         .to_socket_addrs()
-        .with_context(|| {
-            format!("cannot resolve {target} (expected HOST:PORT; is kvpn connected?)")
-        })?
+        .with_context(|| format!("cannot resolve {target} (expected HOST:PORT)"))?
         .find(SocketAddr::is_ipv4)
         .ok_or_else(|| anyhow!("{target} has no IPv4 address"))
+}
+
+/// How long `diagnose source NAME:PORT` waits for the name: the laptop's
+/// resolver retries a silent nameserver for about 18 s (3 tries × 5 s and
+/// more); a cluster DNS that has not answered in 5 s is not going to.
+pub const RESOLVE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The error of a name that did not resolve while kvpn is connected
+/// (`sessions` non-empty): which cluster DNS was asked through which session,
+/// what a silence means, and what to run instead. `why` is the resolver's
+/// error, or `None` when it did not answer within [`RESOLVE_WAIT`]. Pure.
+pub fn unresolved_message(target: &str, sessions: &[Session], why: Option<&str>) -> String {
+    let dns: Vec<String> = sessions
+        .iter()
+        .filter_map(|s| s.dns.as_ref())
+        .flat_map(|d| d.servers.iter().cloned())
+        .collect();
+    let policy = sessions
+        .iter()
+        .filter_map(|s| s.origin.as_ref())
+        .map(|o| o.source_policy.as_str())
+        .find(|p| !p.is_empty())
+        .unwrap_or("");
+    let what = match why {
+        Some(e) => format!("the resolver failed ({e})"),
+        None => format!("no answer within {} s", RESOLVE_WAIT.as_secs()),
+    };
+    let asked = if dns.is_empty() {
+        "the cluster DNS".to_owned()
+    } else {
+        format!("the cluster DNS {}", dns.join(", "))
+    };
+    let dns_probe = dns
+        .first()
+        .map(|d| {
+            let d = if d.contains(':') {
+                d.clone()
+            } else {
+                format!("{d}:53")
+            };
+            format!("`kvpn diagnose source {d} --udp` traces the DNS flow itself; ")
+        })
+        .unwrap_or_default();
+    let route_hint = if policy == "preserve" {
+        " Under source policy preserve the replies need the nodes' route for the tunnel          pool back to the manager: a missing return route looks exactly like this."
+    } else {
+        ""
+    };
+    format!(
+        "cannot resolve {target}: kvpn is connected, but {asked} gave {what} through the          session.{route_hint} Fix: {dns_probe}or give the target as IP:PORT (e.g. the          Service's ClusterIP from `kubectl get svc`)"
+    )
 }
 
 /// Refuses a trace without a session: `sessions` are the root daemon's.
@@ -777,10 +851,13 @@ mod tests {
     /// how the answer came back. Under preserve it names only the tunnel IP.
     #[test]
     fn denials_under_ebpf_snat_name_the_pod_ip_the_rule_matched() {
-        for (outcome, verdict) in [
-            (Outcome::Unreachable { code: Some(13) }, "unreachable"),
-            (Outcome::Refused, "refused"),
-        ] {
+        // Only ICMP admin-prohibited is a rule's answer; a reset is a closed
+        // port's (a_plain_closed_port_is_a_reset_from_the_backend_not_a_policy).
+        #[expect(
+            clippy::single_element_loop,
+            reason = "one denial kind today; the loop keeps room for others"
+        )]
+        for (outcome, verdict) in [(Outcome::Unreachable { code: Some(13) }, "unreachable")] {
             let mut r = report("100.96.0.2:5000", "10.244.1.5:61000", "", outcome);
             r.policy = "ebpf-snat".into();
             let (v, why) = explain(&r);
@@ -800,6 +877,56 @@ mod tests {
                 "{why}"
             );
         }
+    }
+
+    /// A name that does not resolve while connected (the cluster DNS silent,
+    /// e.g. a missing return route under preserve): the error names the DNS,
+    /// the cause and the fix, never "is kvpn connected?".
+    #[test]
+    fn an_unresolved_name_while_connected_names_the_dns_and_the_fix() {
+        let session = Session {
+            dns: Some(kvpn_proto::dataplane::ClusterDns {
+                servers: vec!["10.96.0.10".into()],
+                ..Default::default()
+            }),
+            origin: Some(kvpn_proto::dataplane::Origin {
+                source_policy: "preserve".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let m = unresolved_message("web.default:80", &[session], None);
+        assert!(m.contains("no answer within 5 s"), "{m}");
+        assert!(m.contains("cluster DNS 10.96.0.10"), "{m}");
+        assert!(m.contains("missing return route"), "{m}");
+        assert!(
+            m.contains("kvpn diagnose source 10.96.0.10:53 --udp"),
+            "{m}"
+        );
+        assert!(!m.contains("is kvpn connected"), "{m}");
+    }
+
+    /// A plain closed port: what was seen is a reset from the backend, and no
+    /// policy is blamed (on main: "The rule matched … denies every laptop").
+    #[test]
+    fn a_plain_closed_port_is_a_reset_from_the_backend_not_a_policy() {
+        let mut r = report("100.96.0.2:5000", "10.244.1.5:61000", "", Outcome::Refused);
+        r.policy = "snat".into();
+        let (v, why) = explain(&r);
+        assert_eq!(v, "refused", "{why}");
+        assert!(
+            why.contains("a TCP RST") && why.contains("closed port"),
+            "{why}"
+        );
+        assert!(why.contains("no policy was seen"), "{why}");
+        assert!(
+            !why.contains("rule matched") && !why.contains("denies every laptop"),
+            "{why}"
+        );
+        assert!(why.contains("manager pod's address 10.244.1.5"), "{why}");
+        r.protocol = "udp";
+        let (_, why) = explain(&r);
+        assert!(why.contains("ICMP port unreachable"), "{why}");
     }
 
     /// An unused pod IP under snat or ebpf-snat (nothing left the pod's egress,

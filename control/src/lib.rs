@@ -98,6 +98,14 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     if !args.socks {
         liveness::check_before_connect(&daemon::pid_path(runtime_dir))
             .map_err(anyhow::Error::msg)?;
+        // Another user's root daemon refuses this uid: say so before the
+        // cluster is touched (no manager install, no lease).
+        if let Some(why) = daemon::refusal(runtime_dir).await {
+            bail!(
+                "cannot connect: {why} (nothing was changed in the cluster; `kvpn connect \
+                 --socks` needs no root daemon)"
+            );
+        }
     }
     // One connect at a time per user daemon, held to the end (also by an exit on
     // Ctrl-C: the kernel drops it): two connects started together both found no
@@ -240,13 +248,21 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
                 .map_err(daemon::status_to_error)
                 .context("status failed")?
                 .into_inner();
+            // Not answering this uid may be a refusal (another user's root
+            // daemon): that daemon is healthy and its DNS is fine.
+            let refuses_me = if st.root_running {
+                None
+            } else {
+                daemon::refusal(runtime_dir).await
+            };
             (
                 output::RootDaemon {
                     running: st.root_running,
                     refused_peers: st.root_running.then_some(st.root_refused_peers),
-                    not_answering: (!st.root_running)
+                    not_answering: (!st.root_running && refuses_me.is_none())
                         .then(|| root_not_answering(runtime_dir))
                         .flatten(),
+                    refuses_me,
                 },
                 output::merge_sessions(st.root_sessions, st.user_sessions),
             )
@@ -258,12 +274,12 @@ async fn status(runtime_dir: &std::path::Path, args: StatusArgs) -> Result<()> {
             DirectStatus::Other(root) => (root, Vec::new()),
         },
     };
-    let root_running = root.running;
+    let root_running = root.running || root.refuses_me.is_some();
     if !root_running && root.not_answering.is_none() && rows.is_empty() {
         output::not_running(runtime_dir, args.output);
         return Ok(());
     }
-    output::status(&rows, root, args.output, runtime_dir)?;
+    output::status(&rows, root.clone(), args.output, runtime_dir)?;
     if !root_running {
         output::warn_dns_left_changed(runtime_dir, root.not_answering);
     }
@@ -293,8 +309,17 @@ async fn root_status_direct(runtime_dir: &std::path::Path) -> Result<DirectStatu
             running: false,
             refused_peers: None,
             not_answering,
+            refuses_me: None,
         })
     };
+    if let Some(why) = daemon::refusal(runtime_dir).await {
+        return Ok(DirectStatus::Other(output::RootDaemon {
+            running: false,
+            refused_peers: None,
+            not_answering: None,
+            refuses_me: Some(why),
+        }));
+    }
     // A stopped root daemon answers nothing: say so now, not after the
     // channel's keep-alive gave up (6 s).
     let before = root_not_answering(runtime_dir);
@@ -312,6 +337,7 @@ async fn root_status_direct(runtime_dir: &std::path::Path) -> Result<DirectStatu
                     running: true,
                     refused_peers: Some(st.refused_peers),
                     not_answering: None,
+                    refuses_me: None,
                 },
                 st.sessions,
             ))
@@ -508,10 +534,25 @@ async fn diagnose_source(
     let sessions = connect::current_sessions(runtime_dir).await?;
     diagnose::require_session(&sessions)?;
     let target_text = args.target.clone();
-    let target = tokio::task::spawn_blocking(move || diagnose::resolve(&target_text))
-        .await
-        .context("resolver task failed")?
-        .with_context(|| format!("cannot trace the source towards {}", args.target))?;
+    let resolving = tokio::task::spawn_blocking(move || diagnose::resolve(&target_text));
+    let target = match tokio::time::timeout(diagnose::RESOLVE_WAIT, resolving).await {
+        Ok(joined) => match joined.context("resolver task failed")? {
+            Ok(t) => t,
+            // An IP:PORT or a malformed target: the resolver's own words.
+            Err(e)
+                if args.target.parse::<std::net::SocketAddr>().is_ok()
+                    || !args.target.contains(':') =>
+            {
+                return Err(e.context(format!("cannot trace the source towards {}", args.target)));
+            }
+            Err(e) => bail!(diagnose::unresolved_message(
+                &args.target,
+                &sessions,
+                Some(&format!("{:#}", e.root_cause()))
+            )),
+        },
+        Err(_) => bail!(diagnose::unresolved_message(&args.target, &sessions, None)),
+    };
     diagnose::require_route(&sessions, target.ip())?;
     // The cluster of the session that carries the trace, as it was connected
     // (its kubeconfig files and context), unless the flags say otherwise.
@@ -719,6 +760,14 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
         Some(Some(pid)) => output::done(&format!("Stopped the user daemon (pid {pid})")),
         Some(None) => output::done("Stopped the user daemon"),
         None => {}
+    }
+    // Another user's root daemon (it refuses this uid) holds nothing of this
+    // user's: leave it running.
+    if let Some(why) = daemon::refusal(runtime_dir).await {
+        output::detail(&format!(
+            "Left the root daemon running: it is not this user's ({why})"
+        ));
+        return Ok(());
     }
     if let Some(mut client) = daemon::connect_existing(runtime_dir).await? {
         let resp = client

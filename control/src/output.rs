@@ -324,6 +324,12 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
                 }
                 _ => {}
             }
+            // An ssh-direct session's data path as the agent uses it now.
+            if let (Some(u), Some(o)) = (&u, s.origin.as_mut())
+                && !u.data_path.is_empty()
+            {
+                o.data_path.clone_from(&u.data_path);
+            }
             StatusRow {
                 namespace: u.as_ref().map(|u| u.namespace.clone()).unwrap_or_default(),
                 session: s,
@@ -379,6 +385,11 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
                 tx_bytes: socks.tx_bytes,
                 rx_packets: socks.rx_packets,
                 rx_bytes: socks.rx_bytes,
+                mtu: socks.mtu,
+                liveness: socks.liveness,
+                resumes: socks.resumes,
+                resumes_lost: socks.resumes_lost,
+                tcp_flows_reset: socks.tcp_flows_reset,
                 ..Session::default()
             },
             namespace: u.namespace.clone(),
@@ -402,6 +413,16 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             serde_json::Value::Null
         }
     };
+    // A SOCKS session has no TUN device and no eBPF programs: no counters of
+    // them (null), not zeros that read as "loaded, nothing seen".
+    let socks = row.user.as_ref().and_then(|u| u.socks.as_ref());
+    let no_ebpf = |v: serde_json::Value| {
+        if socks.is_some() {
+            serde_json::Value::Null
+        } else {
+            known(v)
+        }
+    };
     serde_json::json!({
         "id": s.id,
         "namespace": text_or_null(&row.namespace),
@@ -412,13 +433,15 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "uptime_ms": u.uptime_ms,
             "restores": u.restores,
         })),
-        "socks": row.user.as_ref().and_then(|u| u.socks.as_ref()).map(|x| serde_json::json!({
+        "socks": socks.map(|x| serde_json::json!({
             "listen": x.listen,
             "open_flows": x.open_flows,
             "dns_servers": x.dns_servers,
+            "warning": crate::socks::remote_warning(&x.listen),
         })),
         "transport": text_or_null(&origin.transport),
         "data_path": text_or_null(&origin.data_path),
+        "data_path_reason": row.user.as_ref().map_or(serde_json::Value::Null, |u| text_or_null(&u.data_path_reason)),
         "source_policy": text_or_null(&origin.source_policy),
         "cluster": text_or_null(&origin.cluster),
         "server": text_or_null(&origin.server),
@@ -529,7 +552,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
             "gso_frames": s.rx_gso_frames,
             "gso_segments": s.rx_gso_segments,
         })),
-        "ebpf": known(serde_json::json!({
+        "ebpf": no_ebpf(serde_json::json!({
             "per_kind": s.ebpf.iter().map(|k| serde_json::json!({"kind": kind_name(k.kind), "packets": k.packets, "bytes": k.bytes})).collect::<Vec<_>>(),
             "unrouted": {"packets": s.ebpf_unrouted_packets, "bytes": s.ebpf_unrouted_bytes},
             "ingress": s.ebpf_ingress.as_ref().map(|i| {
@@ -637,7 +660,7 @@ fn uptime(ms: u64) -> String {
 }
 
 /// The root daemon as `kvpn status` shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RootDaemon {
     /// Whether one answered.
     pub running: bool,
@@ -647,11 +670,17 @@ pub struct RootDaemon {
     /// Calls it refused because of the caller's uid (SO_PEERCRED), since it
     /// started; `None` when it does not run.
     pub refused_peers: Option<u64>,
+    /// It runs for another uid and refuses this one: its words (the uids and
+    /// the fix).
+    pub refuses_me: Option<String>,
 }
 
 /// The status document of `-o json` / `-o yaml` (schema: docs/status.md).
 pub fn status_document(rows: &[StatusRow], root: RootDaemon) -> serde_json::Value {
-    let mut root_daemon = serde_json::json!({"running": root.running});
+    let mut root_daemon = serde_json::json!({"running": root.running || root.refuses_me.is_some()});
+    if let Some(why) = &root.refuses_me {
+        root_daemon["refuses_this_uid"] = why.clone().into();
+    }
     if let Some(n) = root.refused_peers {
         root_daemon["refused_peers"] = n.into();
     }
@@ -686,7 +715,7 @@ pub fn status(
     runtime_dir: &Path,
 ) -> Result<()> {
     let document = || {
-        let mut doc = status_document(rows, root);
+        let mut doc = status_document(rows, root.clone());
         // After a death of the root daemon: what its DNS guard did.
         if !root.running
             && let Some(note) = kvpn_dataplane::dns::guard::Note::read(runtime_dir)
@@ -721,6 +750,12 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
         .not_answering
         .map(|(pid, state)| crate::liveness::not_answering_text(pid, state))
         .map(|t| format!("T{}", t.strip_prefix('t').unwrap_or(&t)));
+    if let Some(why) = &root.refuses_me {
+        say!("Not connected: {why}");
+        if rows.is_empty() {
+            return out;
+        }
+    }
     if rows.is_empty() {
         match not_answering {
             // Its `direct` sessions are known only to it.
@@ -814,6 +849,9 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                     x.dns_servers.join(",")
                 }
             );
+            if let Some(w) = crate::socks::remote_warning(&x.listen) {
+                say!("    warning: {w}");
+            }
         }
         if !s.reason.is_empty() {
             say!("    reason: {}", s.reason);
@@ -860,6 +898,14 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                     },
                     o.manager_namespace
                 );
+                if let Some(why) = r
+                    .user
+                    .as_ref()
+                    .map(|u| u.data_path_reason.as_str())
+                    .filter(|w| !w.is_empty())
+                {
+                    say!("    data path: {why}");
+                }
                 if !o.source_policy.is_empty() {
                     say!(
                         "    source policy {} (backends see {})",
@@ -1503,6 +1549,7 @@ mod tests {
         let doc = status_document(
             &rows,
             RootDaemon {
+                refuses_me: None,
                 running: false,
                 refused_peers: None,
                 not_answering: Some((4242, 'T')),
@@ -1609,6 +1656,7 @@ mod tests {
         let doc = status_document(
             &rows,
             RootDaemon {
+                refuses_me: None,
                 running: true,
                 refused_peers: Some(2),
                 not_answering: None,
@@ -1643,6 +1691,7 @@ mod tests {
         let doc = status_document(
             &rows,
             RootDaemon {
+                refuses_me: None,
                 running: false,
                 refused_peers: None,
                 not_answering: None,
@@ -1655,6 +1704,7 @@ mod tests {
         let plain = status_document(
             &merge_sessions(Vec::new(), vec![user("x", "lost", "")]),
             RootDaemon {
+                refuses_me: None,
                 running: true,
                 refused_peers: Some(0),
                 not_answering: None,

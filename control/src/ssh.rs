@@ -27,6 +27,7 @@
 pub mod bypass;
 pub mod client;
 pub mod config;
+pub mod direct_path;
 pub mod gssapi;
 pub mod known_hosts;
 pub mod peer;
@@ -328,6 +329,9 @@ pub struct HostEntry {
     pub identity_files: Vec<PathBuf>,
     /// `ProxyJump` hops; `None` when unset, empty for `ProxyJump none`.
     pub proxy_jump: Option<Vec<String>>,
+    /// `UserKnownHostsFile` (the first file when it names several, `~`
+    /// expanded); `None` when unset.
+    pub known_hosts: Option<PathBuf>,
 }
 
 /// Errors of SSH option handling and the SSH path. Each names the hop, the cause
@@ -582,6 +586,16 @@ fn expand(
     Ok(())
 }
 
+/// The host part of an `--ssh-addr` value (`[user@]host[:port]`, IPv6 in
+/// brackets).
+fn host_of(addr: &str) -> &str {
+    let addr = addr.rsplit_once('@').map_or(addr, |(_, h)| h);
+    if let Some(rest) = addr.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    addr.split(':').next().unwrap_or(addr)
+}
+
 /// The SSH plan of `args`, or `None` when no SSH hop is asked for. Reads the SSH
 /// config (`--ssh-config`, else `<home>/.ssh/config` when it exists).
 pub fn resolve_plan(
@@ -602,17 +616,26 @@ pub fn resolve_plan(
         .ssh_config
         .clone()
         .or_else(|| home.map(|h| h.join(".ssh/config")));
-    let hops = match config_path {
+    let (hops, config_known_hosts) = match config_path {
         Some(path) if path.exists() || args.ssh_config.is_some() => {
             let cfg = config::FileConfig::read(&path, home)?;
-            resolve_hops(&args.hop, &cfg, default_user)?
+            // UserKnownHostsFile of the host asked for (its Host block or
+            // `Host *`), as OpenSSH reads it; one file serves every hop.
+            let asked = args
+                .hop
+                .ssh_alias
+                .clone()
+                .or_else(|| args.hop.ssh_addr.as_deref().map(|a| host_of(a).to_owned()));
+            let known = asked.and_then(|name| cfg.lookup(&name).known_hosts);
+            (resolve_hops(&args.hop, &cfg, default_user)?, known)
         }
-        _ => resolve_hops(&args.hop, &NoConfig, default_user)?,
+        _ => (resolve_hops(&args.hop, &NoConfig, default_user)?, None),
     };
     check_keyfiles(&args.hop)?;
     let known_hosts = args
         .ssh_known_hosts
         .clone()
+        .or(config_known_hosts)
         .or_else(|| home.map(|h| h.join(".ssh/known_hosts")))
         .ok_or_else(|| Error::BadFlag {
             flag: "--ssh-known-hosts",
@@ -764,6 +787,7 @@ mod tests {
             port: Some(port),
             identity_files: vec![PathBuf::from(format!("/k/{user}"))],
             proxy_jump: jump.map(|j| j.split(',').map(str::to_owned).collect()),
+            known_hosts: None,
         }
     }
 

@@ -124,18 +124,88 @@ fn handshake_error(target: &str, name: &str, e: &std::io::Error) -> String {
         .and_then(|inner| inner.downcast_ref::<rustls::Error>());
     match rustls_error {
         Some(rustls::Error::InvalidCertificate(cause)) => format!(
-            "the traffic manager at {target} {CERTIFICATE_MISMATCH} as {name}: {cause} — \
+            "the traffic manager at {target} {CERTIFICATE_MISMATCH} as {name}: {} — \
              the traffic manager was probably reinstalled since this session connected (a new CA \
              in Secret kvpn-manager-tls, and none of this laptop's lease): run `kvpn connect` \
-             again on this laptop, which replaces this session and reads the new CA"
+             again on this laptop, which replaces this session and reads the new CA",
+            certificate_cause(cause)
         ),
         Some(other) => format!(
-            "TLS handshake with the traffic manager at {target} failed: {other} — is it a kvpn-manager with TLS (--tls-cert/--tls-key)?"
+            "TLS handshake with the traffic manager at {target} failed: {} — is it a kvpn-manager with TLS (--tls-cert/--tls-key)?",
+            without_urls(&other.to_string())
         ),
         None if e.kind() == std::io::ErrorKind::UnexpectedEof => format!(
             "TLS handshake with the traffic manager at {target} failed: the connection closed before the manager's certificate arrived — \
              is the manager serving TLS, and is it ready?"
         ),
-        None => format!("TLS handshake with the traffic manager at {target} failed: {e}"),
+        None => format!(
+            "TLS handshake with the traffic manager at {target} failed: {}",
+            without_urls(&e.to_string())
+        ),
+    }
+}
+
+/// Why a certificate did not verify, in words: the common causes by name, the
+/// rest as the TLS library says it, without links into its documentation (a
+/// status reason names the thing, the cause and the fix, not a web page).
+fn certificate_cause(cause: &rustls::CertificateError) -> String {
+    use rustls::CertificateError as C;
+    match cause {
+        C::BadSignature => {
+            "its signature does not verify against the CA this session was set up with".to_owned()
+        }
+        C::UnknownIssuer => {
+            "it is issued by a CA other than the one this session was set up with".to_owned()
+        }
+        C::Expired | C::ExpiredContext { .. } => {
+            format!("it has expired ({})", without_urls(&cause.to_string()))
+        }
+        other => without_urls(&other.to_string()),
+    }
+}
+
+/// `text` without URLs (and the brackets or "see" left around them).
+pub fn without_urls(text: &str) -> String {
+    let mut out: Vec<&str> = Vec::new();
+    for word in text.split_whitespace() {
+        let bare = word.trim_start_matches(['(', '[', '<']);
+        if bare.starts_with("http://") || bare.starts_with("https://") {
+            if out
+                .last()
+                .is_some_and(|w| w.eq_ignore_ascii_case("see") || *w == "(see")
+            {
+                out.pop();
+            }
+            continue;
+        }
+        out.push(word);
+    }
+    out.join(" ")
+        .replace("()", "")
+        .replace(" ,", ",")
+        .trim_end_matches([' ', ':', ';', ','])
+        .to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_reasons_carry_no_documentation_urls() {
+        assert_eq!(
+            without_urls(
+                "invalid peer certificate: Other (see https://docs.rs/rustls/latest/rustls/enum.Error.html)"
+            ),
+            "invalid peer certificate: Other"
+        );
+        assert_eq!(
+            without_urls("bad thing, see <https://example.invalid/x>."),
+            "bad thing"
+        );
+        assert_eq!(without_urls("nothing to strip"), "nothing to strip");
+        let bad = certificate_cause(&rustls::CertificateError::BadSignature);
+        assert!(bad.contains("does not verify against the CA"), "{bad}");
+        assert!(!bad.contains("http"), "{bad}");
     }
 }

@@ -780,3 +780,134 @@ fn normal_user_kvpn_run_reaches_the_cluster_and_leaves_nothing() {
     let outside = f.http_get(web, Duration::from_secs(2));
     assert!(outside.is_err(), "reachable outside a run: {outside:?}");
 }
+
+/// The traffic manager's stored leases (ConfigMap kvpn-manager, leases.json).
+fn stored_leases(f: &KubeFixture) -> String {
+    let api: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
+        kube::Api::namespaced(f.admin(), kvpn_tests::kube_lab::MANAGER_NAMESPACE);
+    let cm = f
+        .block_on(api.get("kvpn-manager"))
+        .unwrap_or_else(|e| panic!("get ConfigMap kvpn-manager: {e}"));
+    cm.data
+        .and_then(|d| d.get("leases.json").cloned())
+        .unwrap_or_default()
+}
+
+/// A second user, refused by the first user's root daemon: `kvpn status` says
+/// the root daemon runs for another uid and refuses this one, with the fix —
+/// not "hung or overloaded", and no DNS warning; `kvpn connect` fails before
+/// it touches the cluster (no lease taken); `kvpn quit` stops this user's own
+/// user daemon and leaves the other user's root daemon and session running.
+#[test]
+fn a_second_user_refused_by_another_users_root_daemon_is_told_why_takes_no_lease_and_quits() {
+    let f = KubeFixture::new();
+    if !f.laptop_hosts().exists() {
+        std::fs::write(f.laptop_hosts(), "127.0.0.1 localhost\n")
+            .unwrap_or_else(|e| panic!("{}: {e}", f.laptop_hosts().display()));
+    }
+    let id = unique_id();
+    let netns = f.lab().netns_lab().laptop_netns().name().to_owned();
+    let first = NormalUser::new(&id, f.runtime_dir(), &netns);
+    let sudo = SudoRule::new(&id, &first.name, &first.dataplane_bin());
+    let first = UserWithRule {
+        user: first,
+        _sudo: sudo,
+    };
+    let diag = || f.diagnostics();
+    let kubeconfig = first.own_kubeconfig(Path::new(&f.user_kubeconfig()));
+    first.kvpn_ok(
+        &["connect", "--kubeconfig", &kubeconfig.to_string_lossy()],
+        diag,
+    );
+    let rootd = root_daemon_pid(f.runtime_dir());
+    assert_eq!(connected_sessions(&first, &f).len(), 1);
+
+    let second = NormalUser::new(&format!("{id}b"), f.runtime_dir(), &netns);
+    let kubeconfig2 = second.own_kubeconfig(Path::new(&f.user_kubeconfig()));
+    let refuses = format!("refuses uid {}", second.uid);
+
+    // Status: what happened, in the table and in JSON.
+    let t0 = Instant::now();
+    let out = second.kvpn(&["status"]);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    eprintln!("status as the second user ({:?}):\n{said}", t0.elapsed());
+    assert!(said.contains(&refuses), "{said}");
+    assert!(
+        said.contains(&format!("uid {}", first.uid)),
+        "names the uid the root daemon runs for: {said}"
+    );
+    assert!(!said.contains("hung or overloaded"), "{said}");
+    assert!(!said.contains("kill -CONT"), "{said}");
+    assert!(!said.contains("resolv.conf"), "no DNS warning: {said}");
+    let json = second.kvpn(&["status", "-o", "json"]);
+    let doc: serde_json::Value = serde_json::from_str(&text(&json.stdout)).unwrap_or_else(|e| {
+        panic!(
+            "status JSON: {e}: {}{}",
+            text(&json.stdout),
+            text(&json.stderr)
+        )
+    });
+    let why = doc["root_daemon"]["refuses_this_uid"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(why.contains(&refuses), "{doc:#}");
+    assert_eq!(
+        doc["root_daemon"]["not_answering"],
+        serde_json::Value::Null,
+        "{doc:#}"
+    );
+
+    // Connect: refused before the cluster is touched.
+    let leases_before = stored_leases(&f);
+    let t0 = Instant::now();
+    let out = second.kvpn(&["connect", "--kubeconfig", &kubeconfig2.to_string_lossy()]);
+    let took = t0.elapsed();
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    eprintln!("connect as the second user: {took:?}\n{said}");
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains(&refuses), "{said}");
+    assert!(
+        !said.contains("Leasing") && !said.contains("Installing"),
+        "connect touched the cluster: {said}"
+    );
+    assert_eq!(stored_leases(&f), leases_before, "no lease was taken");
+
+    // Quit: this user's own user daemon stops; the other user's root daemon stays.
+    let daemons = || -> Vec<u32> {
+        second
+            .pids()
+            .into_iter()
+            .filter(|p| cmdline(*p).iter().any(|a| a == "daemon"))
+            .collect()
+    };
+    // The way the refusal points to: SOCKS mode, which needs no root daemon
+    // (and starts this user's own user daemon).
+    let socks = second.kvpn(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig2.to_string_lossy(),
+        "--socks",
+        "--socks-listen",
+        "127.0.0.1:1090",
+    ]);
+    assert!(
+        socks.status.success(),
+        "SOCKS connect as the second user: {}{}",
+        text(&socks.stdout),
+        text(&socks.stderr)
+    );
+    assert_eq!(daemons().len(), 1, "the second user's user daemon runs");
+    let out = second.kvpn(&["quit"]);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "quit as the second user: {said}");
+    let t0 = Instant::now();
+    while !daemons().is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the second user's user daemon still runs after quit: {said}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(alive(rootd), "the first user's root daemon still runs");
+    assert_eq!(connected_sessions(&first, &f).len(), 1, "its session too");
+}

@@ -297,3 +297,99 @@ fn connect_replaces_a_session_whose_manager_was_reinstalled_when_it_cannot_renew
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// A SOCKS session (laptop 2) under a manager reinstalled by another laptop:
+/// its user daemon sees the certificate mismatch in the SOCKS session's own
+/// status, reads the new CA, leases again and restarts the session on the same
+/// SOCKS address, with no command run on laptop 2.
+#[test]
+fn a_socks_session_renews_itself_after_a_manager_reinstall() {
+    let mut f = KubeFixture::new();
+    f.add_laptop("laptop2");
+    let kubeconfig = f.user_kubeconfig();
+    f.connect_restricted();
+    f.wait_state("connected", Duration::from_secs(15));
+    let l2 = f.laptop_of("laptop2");
+    let kubeconfig2 = l2.lab.user_kubeconfig.to_string_lossy().into_owned();
+    let out = l2.kvpn(&["connect", "--kubeconfig", &kubeconfig2, "--socks"]);
+    assert!(
+        out.status.success(),
+        "SOCKS connect on laptop2: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    wait_session_of(l2, Duration::from_secs(15), "connected", |s| {
+        s["state"] == "connected"
+    });
+    let url = format!(
+        "http://{}:{WEB_SERVICE_PORT}/",
+        kvpn_lab::Addressing::default().web_cluster_ip()
+    );
+    let socks_curl = || {
+        let out = l2.exec(&[
+            "curl",
+            "-sS",
+            "--max-time",
+            "5",
+            "--socks5",
+            "127.0.0.1:1080",
+            &url,
+        ]);
+        if out.status.success() {
+            Ok(text(&out.stdout))
+        } else {
+            Err(text(&out.stderr))
+        }
+    };
+    assert!(
+        socks_curl().is_ok(),
+        "laptop2 reaches the cluster through SOCKS"
+    );
+    let old_ca = manager_ca(&f);
+
+    f.kvpn_ok(&["uninstall", "--kubeconfig", &kubeconfig, "--force"]);
+    f.connect_restricted();
+    f.wait_state("connected", Duration::from_secs(20));
+    assert_ne!(manager_ca(&f), old_ca, "the reinstall made a new CA");
+
+    let t_reinstalled = Instant::now();
+    // First the SOCKS session notices (certificate mismatch), then it is renewed.
+    let log_says = |l: &Laptop| {
+        l.diagnostics()
+            .contains("session renewed through the reinstalled traffic manager")
+    };
+    loop {
+        if log_says(l2) {
+            break;
+        }
+        assert!(
+            t_reinstalled.elapsed() < Duration::from_secs(60),
+            "laptop2's SOCKS session was not renewed within 60 s: {:#?}\n{}",
+            l2.sessions(),
+            l2.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let s2 = wait_session_of(l2, Duration::from_secs(20), "connected again", |s| {
+        s["state"] == "connected"
+    });
+    eprintln!(
+        "laptop2 renewed its SOCKS session {} within {:.1} s of laptop 1's reconnect",
+        s2["id"],
+        t_reinstalled.elapsed().as_secs_f64()
+    );
+    assert_eq!(s2["transport"], "socks", "{s2:#}");
+    assert_eq!(s2["socks"]["listen"], "127.0.0.1:1080", "{s2:#}");
+    let t0 = Instant::now();
+    loop {
+        match socks_curl() {
+            Ok(page) if page.contains("kvpn-lab-server") => break,
+            other => assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "laptop2 through SOCKS and the new manager: {other:?}\n{}",
+                l2.diagnostics()
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

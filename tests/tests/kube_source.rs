@@ -1028,3 +1028,30 @@ fn preserve_masquerade_exclusion_keeps_the_tunnel_ip_outside_the_cluster() {
     );
     assert_eq!(outside_source(&f, &listener), tunnel, "exclusion restored");
 }
+
+/// `kvpn diagnose source` to a plain closed TCP port of a backend pod (no policy
+/// anywhere): verdict refused, and the explanation says what was seen — a TCP
+/// RST from the backend, a closed port, no policy — not that a rule matched.
+#[test]
+fn diagnose_source_on_a_plain_closed_port_names_the_reset_not_a_policy() {
+    let f = KubeFixture::new();
+    connect(&f, "snat");
+    let webs = web_pods(&f);
+    let backend_ip = pod_ip(&webs[0]);
+    let closed = SocketAddr::new(backend_ip, HTTP_PORT + 1);
+    let t0 = Instant::now();
+    let d = diagnose(&f, &closed.to_string(), false);
+    eprintln!("diagnose source {closed}: {:?}\n{d:#}", t0.elapsed());
+    assert_eq!(d["verdict"], "refused", "{d:#}");
+    let why = d["explanation"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("a TCP RST")
+            && why.contains("closed port")
+            && why.contains("no policy was seen"),
+        "{d:#}"
+    );
+    assert!(
+        !why.contains("rule matched") && !why.contains("denies every laptop"),
+        "{d:#}"
+    );
+}

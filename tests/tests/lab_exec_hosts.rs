@@ -313,9 +313,20 @@ fn lab_exec_connect_hosts_writes_the_laptop_netns_hosts_file_not_the_machines() 
     );
     assert!(snapshot(&lab.throwaway_hosts()) == throwaway_before);
 
+    // `kvpn lab down` with a live session: the session is disconnected and
+    // leaves no record (a later `kvpn status` lists nothing, not a `lost` one).
     ok(
-        "kvpn quit",
-        &run(&mut lab.sandboxed(&["lab", "exec", "laptop", "--", &kvpn, "quit"])),
+        "kvpn lab exec laptop -- kvpn connect (again)",
+        &run(&mut lab.sandboxed(&[
+            "lab",
+            "exec",
+            "laptop",
+            "--",
+            &kvpn,
+            "connect",
+            "--namespace",
+            "default",
+        ])),
         || lab.logs(),
     );
     // `kvpn lab down` removes it with the netns's /etc/netns folder.
@@ -328,6 +339,16 @@ fn lab_exec_connect_hosts_writes_the_laptop_netns_hosts_file_not_the_machines() 
         !laptop_hosts.exists() && !Path::new("/etc/netns").join(&netns).exists(),
         "{} left after kvpn lab down",
         laptop_hosts.display()
+    );
+    let status = run(&mut lab.sandboxed(&["status", "-o", "json"]));
+    let said = format!("{}{}", text(&status.stdout), text(&status.stderr));
+    let sessions = serde_json::from_str::<serde_json::Value>(&text(&status.stdout))
+        .ok()
+        .and_then(|d| d["sessions"].as_array().cloned())
+        .unwrap_or_default();
+    assert!(
+        sessions.is_empty() && !said.contains("\"lost\""),
+        "kvpn lab down left a session record: {said}"
     );
     assert!(snapshot(Path::new("/etc/hosts")) == real_before);
 }

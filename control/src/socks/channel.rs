@@ -10,15 +10,23 @@
 //! (`kvpn_dataplane::{session, tls, liveness}`); only the pump differs: packets
 //! come from the laptop-side smoltcp stack instead of a TUN device.
 //!
+//! Resume, as the TUN path's workers do it: every dial's hello carries the
+//! session's resume token (hello option 5, drawn once per session), so the
+//! manager re-attaches the engine the lost connection parked and the flows go
+//! on. When the manager answers a re-dial with "new" (it restarted, the grace
+//! ran out), the flows it carried are gone there: every TCP flow of the stack
+//! is reset at once, so SOCKS clients see a reset instead of a stall.
+//!
 //! I/O: the TCP/TLS stream to the agent; the stack is driven from here.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use kvpn_dataplane::liveness::{LIVENESS_WINDOW, Liveness};
-use kvpn_dataplane::session::{DIAL_TIMEOUT, DataStream, dial_manager, hello_frame};
+use kvpn_dataplane::session::{DIAL_TIMEOUT, DataStream, dial_manager, hello_frame_for_worker};
 use kvpn_dataplane::tls::TlsClient;
-use kvpn_proto::frame::{self, Kind};
+use kvpn_proto::frame::{self, Kind, RESUME_TOKEN_LEN, ResumeAnswer};
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::sync::watch;
 
@@ -45,14 +53,54 @@ pub struct ChannelConfig {
 /// Liveness shared with whoever reports status.
 pub type SharedLiveness = Arc<Mutex<Liveness>>;
 
+/// Counters of the data channel, as `kvpn status` shows them for a TUN
+/// session's workers (same names, same meaning).
+#[derive(Debug, Default)]
+pub struct ChannelStats {
+    /// Heartbeats sent.
+    pub heartbeats_sent: AtomicU64,
+    /// Heartbeat echoes received.
+    pub heartbeats_echoed: AtomicU64,
+    /// Data connections that ended after they had been up.
+    pub transports_lost: AtomicU64,
+    /// Re-dials the manager answered with "resumed": the flows went on.
+    pub resumes: AtomicU64,
+    /// Re-dials the manager answered with "new": its flows were gone.
+    pub resumes_lost: AtomicU64,
+    /// TCP flows reset on the laptop because a re-dial could not resume them.
+    pub tcp_flows_reset: AtomicU64,
+}
+
+impl ChannelStats {
+    /// A counter's value.
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+
+    fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 /// Keep the data channel up until `stop_rx` turns true.
 pub async fn run(
     stack: Arc<Stack>,
     config: ChannelConfig,
     liveness: SharedLiveness,
+    stats: Arc<ChannelStats>,
     mut stop_rx: watch::Receiver<bool>,
 ) {
-    let hello = match hello_frame(config.tunnel_ip, &config.token) {
+    // One token for the session's life: every re-dial presents it.
+    let resume_token: [u8; RESUME_TOKEN_LEN] = rand::random();
+    let hello = match hello_frame_for_worker(
+        config.tunnel_ip,
+        &config.token,
+        None,
+        None,
+        None,
+        None,
+        Some(resume_token),
+    ) {
         Ok(h) => h,
         Err(e) => {
             lock(&liveness).handle_transport_down(format!("cannot encode the hello frame: {e}"));
@@ -71,8 +119,9 @@ pub async fn run(
                 lock(&liveness).handle_transport_up(Instant::now());
                 let exit = tokio::select! {
                     _ = stop_rx.changed() => return,
-                    exit = carry(stream, &stack, &liveness) => exit,
+                    exit = carry(stream, &stack, &liveness, &stats) => exit,
                 };
+                ChannelStats::add(&stats.transports_lost, 1);
                 let proven = lock(&liveness).last_rtt().is_some();
                 if proven {
                     backoff = REDIAL_BACKOFF.0;
@@ -116,16 +165,52 @@ async fn write_flush<S: AsyncWrite + Unpin>(s: &mut S, data: &[u8]) -> std::io::
     s.flush().await
 }
 
-async fn carry(stream: DataStream, stack: &Stack, liveness: &SharedLiveness) -> String {
+async fn carry(
+    stream: DataStream,
+    stack: &Stack,
+    liveness: &SharedLiveness,
+    stats: &ChannelStats,
+) -> String {
     match stream {
-        DataStream::Plain(s) => carry_on(s, stack, liveness).await,
-        DataStream::Tls(s) => carry_on(*s, stack, liveness).await,
+        DataStream::Plain(s) => carry_on(s, stack, liveness, stats).await,
+        DataStream::Tls(s) => carry_on(*s, stack, liveness, stats).await,
+    }
+}
+
+/// The manager's answer to the hello's resume token. On "new" after a
+/// re-dial, the flows the manager carried are gone: reset every TCP flow of
+/// the stack so SOCKS clients see it at once (not after their own timeout).
+fn handle_resume_answer(payload: &[u8], stack: &Stack, stats: &ChannelStats) {
+    let redialled = ChannelStats::get(&stats.transports_lost) > 0;
+    match ResumeAnswer::decode(payload) {
+        Some(ResumeAnswer::Resumed) if redialled => {
+            ChannelStats::add(&stats.resumes, 1);
+            tracing::info!("the SOCKS session's flows resumed after a re-dial");
+        }
+        Some(ResumeAnswer::New) if redialled => {
+            ChannelStats::add(&stats.resumes_lost, 1);
+            let reset = stack.reset_tcp_flows();
+            ChannelStats::add(&stats.tcp_flows_reset, reset as u64);
+            if reset > 0 {
+                tracing::warn!(
+                    flows = reset,
+                    "the traffic manager lost the SOCKS session's flows (it answered the re-dial with a new session): reset them on the laptop"
+                );
+            }
+        }
+        Some(_) => {}
+        None => tracing::debug!(len = payload.len(), "resume answer ignored"),
     }
 }
 
 /// Move packets between `stream` and the stack until the stream fails or falls
 /// silent; returns why it ended.
-async fn carry_on<S>(stream: S, stack: &Stack, liveness: &SharedLiveness) -> String
+async fn carry_on<S>(
+    stream: S,
+    stack: &Stack,
+    liveness: &SharedLiveness,
+    stats: &ChannelStats,
+) -> String
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -148,8 +233,11 @@ where
                         match f.kind {
                             Kind::Packet => stack.handle_packet(f.payload.to_vec()),
                             Kind::Heartbeat => {
-                                lock(liveness).handle_echo(f.payload, Instant::now());
+                                if lock(liveness).handle_echo(f.payload, Instant::now()) {
+                                    ChannelStats::add(&stats.heartbeats_echoed, 1);
+                                }
                             }
+                            Kind::Resume => handle_resume_answer(f.payload, stack, stats),
                             other => tracing::debug!(kind = ?other, "ignoring a frame"),
                         }
                         used += consumed;
@@ -183,10 +271,11 @@ where
                     LIVENESS_WINDOW.as_secs()
                 );
             }
-            if let Some(nonce) = beat
-                && let Err(e) = frame::encode_into(Kind::Heartbeat, &nonce, &mut out)
-            {
-                tracing::debug!(error = %e, "cannot encode a heartbeat");
+            if let Some(nonce) = beat {
+                match frame::encode_into(Kind::Heartbeat, &nonce, &mut out) {
+                    Ok(()) => ChannelStats::add(&stats.heartbeats_sent, 1),
+                    Err(e) => tracing::debug!(error = %e, "cannot encode a heartbeat"),
+                }
             }
             if !out.is_empty()
                 && let Err(e) = write_flush(&mut wr, &out).await
@@ -262,7 +351,9 @@ mod tests {
         let carried = {
             let stack = stack.clone();
             let liveness = liveness.clone();
-            tokio::spawn(async move { carry_on(client_side, &stack, &liveness).await })
+            tokio::spawn(async move {
+                carry_on(client_side, &stack, &liveness, &ChannelStats::default()).await
+            })
         };
         let (mut rd, mut wr) = tokio::io::split(manager_side);
         let mut buf = Vec::new();
@@ -318,7 +409,7 @@ mod tests {
         let (client_side, _manager_side) = tokio::io::duplex(1 << 20);
         let reason = tokio::time::timeout(
             Duration::from_secs(5),
-            carry_on(client_side, &stack, &liveness),
+            carry_on(client_side, &stack, &liveness, &ChannelStats::default()),
         )
         .await
         .unwrap_or_else(|_| panic!("a silent transport was not given up"));

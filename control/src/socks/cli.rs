@@ -101,9 +101,11 @@ async fn wait_connected(
 }
 
 /// Whether a session's `have` origin is the `wanted` cluster: every field but
-/// the manager's build, which the session recorded at its connect.
+/// the manager's build and source policy, which the session recorded at its
+/// connect.
 fn same_cluster(have: &Origin, wanted: &Origin) -> bool {
     let mut have = have.clone();
+    have.source_policy.clone_from(&wanted.source_policy);
     have.manager_version.clone_from(&wanted.manager_version);
     have.manager_commit.clone_from(&wanted.manager_commit);
     have == *wanted
@@ -115,16 +117,20 @@ pub async fn connect(
     args: &ConnectArgs,
     conn: &KubeConnection,
     plan: Option<&crate::ssh::SshPlan>,
+    ssh_path: Option<String>,
     env: &UserEnv,
 ) -> Result<()> {
     let listen = args.socks_listen.unwrap_or(super::DEFAULT_LISTEN);
+    // The data channel is a port-forward through the API server, which is
+    // reached through the SSH path when there is one.
+    let data_path = crate::ssh::bypass::DataPath::PortForward { ssh: ssh_path };
     let origin = Origin {
         transport: super::TRANSPORT_SOCKS.to_owned(),
         cluster: conn.description.cluster.clone(),
         server: conn.description.server.clone(),
         context: conn.description.context.clone(),
         manager_namespace: args.kube.manager_namespace.clone(),
-        data_path: tun_connect::TRANSPORT_PORT_FORWARD.to_owned(),
+        data_path: data_path.describe(),
         source_policy: String::new(),
         manager_version: String::new(),
         manager_commit: String::new(),
@@ -156,6 +162,7 @@ pub async fn connect(
     output::done(&format!("Tunnel IP {tunnel_ip}"));
     let mut origin = origin;
     tun_connect::set_manager_build(&mut origin, &leased, &manager);
+    origin.source_policy = manager.source_policy.as_str().to_owned();
 
     let dns = match tun_connect::cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(d) => (d.servers, d.search),
@@ -201,12 +208,16 @@ pub async fn connect(
     let pid = started.daemon_pid;
     match wait_connected(&mut user, &id, tun_connect::FIRST_ECHO_WAIT).await {
         Ok(()) => output::done(&format!(
-            "Connected to {} through port-forward: SOCKS5 proxy on {listen} (session {id}, tunnel IP {tunnel_ip}, user daemon pid {pid})",
-            conn.description.cluster
+            "Connected to {} through {}: SOCKS5 proxy on {listen} (session {id}, tunnel IP {tunnel_ip}, user daemon pid {pid})",
+            conn.description.cluster,
+            data_path.describe()
         )),
         Err(e) => output::warn(&format!(
             "{e:#} — the session keeps re-dialling on its own; watch `kvpn status`, or `kvpn disconnect {id}` to give up"
         )),
+    }
+    if let Some(w) = super::remote_warning(&listen.to_string()) {
+        output::warn(&w);
     }
     output::detail(&super::curl_hint(listen));
     Ok(())

@@ -85,6 +85,22 @@ pub fn listen_not_applied(
     ))
 }
 
+/// The warning for a SOCKS server listening where other machines can reach
+/// it (`--socks-allow-remote`): `None` on a loopback address.
+pub fn remote_warning(listen: &str) -> Option<String> {
+    let addr: SocketAddr = listen.parse().ok()?;
+    if addr.ip().is_loopback() {
+        return None;
+    }
+    Some(format!(
+        "the SOCKS5 proxy on {addr} has no authentication and is reachable from other \
+         machines: anyone who can reach it can open connections into the cluster through \
+         this session — listen on 127.0.0.1 (`--socks-listen 127.0.0.1:{}`) unless that is \
+         what you want",
+        addr.port()
+    ))
+}
+
 /// Which cluster a SOCKS session leads to (shown by `kvpn status`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SocksOrigin {
@@ -153,6 +169,36 @@ pub struct SocksStatus {
     pub open_flows: u64,
     /// The cluster DNS servers SOCKS names are resolved with.
     pub dns_servers: Vec<String>,
+    /// The laptop-side stack's MTU, bytes.
+    #[serde(default)]
+    pub mtu: u32,
+    /// Heartbeat interval, ms.
+    #[serde(default)]
+    pub heartbeat_interval_ms: u32,
+    /// Without an echo for this long the data channel counts as dead, ms.
+    #[serde(default)]
+    pub liveness_window_ms: u32,
+    /// Heartbeats sent.
+    #[serde(default)]
+    pub heartbeats_sent: u64,
+    /// Heartbeat echoes received.
+    #[serde(default)]
+    pub heartbeats_echoed: u64,
+    /// Round-trip time of the latest echo, µs (0 = none yet).
+    #[serde(default)]
+    pub last_rtt_us: u64,
+    /// Data connections that ended after they had been up.
+    #[serde(default)]
+    pub transports_lost: u64,
+    /// Re-dials answered with "resumed".
+    #[serde(default)]
+    pub resumes: u64,
+    /// Re-dials answered with "new" (the manager had lost the flows).
+    #[serde(default)]
+    pub resumes_lost: u64,
+    /// TCP flows reset on the laptop after a "new".
+    #[serde(default)]
+    pub tcp_flows_reset: u64,
     /// The session process's pid.
     pub pid: u32,
     /// When this record was written, Unix ms.
@@ -193,6 +239,7 @@ pub async fn start(config: SocksConfig, data_target: String) -> Result<SocksTask
     let now = Instant::now();
     let stack = Stack::new(config.tunnel_ip, rand::random(), now);
     let liveness = Arc::new(Mutex::new(Liveness::new(HEARTBEAT_INTERVAL)));
+    let stats = Arc::new(channel::ChannelStats::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let channel = tokio::spawn(channel::run(
         stack.clone(),
@@ -204,6 +251,7 @@ pub async fn start(config: SocksConfig, data_target: String) -> Result<SocksTask
             heartbeat_interval: HEARTBEAT_INTERVAL,
         },
         liveness.clone(),
+        stats.clone(),
         stop_rx,
     ));
     let server = server::Server {
@@ -215,7 +263,7 @@ pub async fn start(config: SocksConfig, data_target: String) -> Result<SocksTask
     let status_file = config.status_file.clone();
     let status = tokio::spawn(async move {
         loop {
-            let record = snapshot(&config, &stack, &liveness, now);
+            let record = snapshot(&config, &stack, &liveness, &stats, now);
             if let Err(e) = write_status(&config.status_file, &record) {
                 tracing::warn!(error = %e, "cannot write the SOCKS session's status record");
             }
@@ -240,13 +288,17 @@ fn snapshot(
     config: &SocksConfig,
     stack: &Stack,
     liveness: &Mutex<Liveness>,
+    stats: &channel::ChannelStats,
     started: Instant,
 ) -> SocksStatus {
     let now = Instant::now();
-    let (state, reason) = liveness
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .state(now);
+    let (state, reason, interval, window, rtt) = {
+        let l = liveness.lock().unwrap_or_else(PoisonError::into_inner);
+        let (state, reason) = l.state(now);
+        (state, reason, l.interval(), l.window(), l.last_rtt())
+    };
+    let ms = |d: Duration| u32::try_from(d.as_millis()).unwrap_or(u32::MAX);
+    let get = channel::ChannelStats::get;
     let c = stack.counters();
     SocksStatus {
         id: config.id.clone(),
@@ -263,6 +315,16 @@ fn snapshot(
         rx_bytes: c.rx_bytes,
         open_flows: stack.open_flows() as u64,
         dns_servers: config.dns.servers.iter().map(|s| s.to_string()).collect(),
+        mtu: u32::try_from(stack::MTU).unwrap_or(u32::MAX),
+        heartbeat_interval_ms: ms(interval),
+        liveness_window_ms: ms(window),
+        heartbeats_sent: get(&stats.heartbeats_sent),
+        heartbeats_echoed: get(&stats.heartbeats_echoed),
+        last_rtt_us: rtt.map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+        transports_lost: get(&stats.transports_lost),
+        resumes: get(&stats.resumes),
+        resumes_lost: get(&stats.resumes_lost),
+        tcp_flows_reset: get(&stats.tcp_flows_reset),
         pid: std::process::id(),
         written_unix_ms: unix_ms(),
     }

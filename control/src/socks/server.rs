@@ -145,9 +145,11 @@ impl Server {
         match tokio::time::timeout(CONNECT_TIMEOUT, conn.established()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
-                let _ = stream
-                    .write_all(&reply(ReplyError::ConnectionRefused, None))
-                    .await;
+                let code = match e.kind() {
+                    std::io::ErrorKind::HostUnreachable => ReplyError::HostUnreachable,
+                    _ => ReplyError::ConnectionRefused,
+                };
+                let _ = stream.write_all(&reply(code, None)).await;
                 return Err(format!("{target} ({addr}): {e}"));
             }
             Err(_) => {
@@ -168,7 +170,15 @@ impl Server {
                 tracing::debug!(%target, up, down, "CONNECT closed");
                 Ok(())
             }
-            Err(e) => Err(format!("{target}: {e}")),
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::ConnectionReset {
+                    // The flow was reset on the tunnel side: the SOCKS client
+                    // gets a reset too (linger 0), not a clean end of stream
+                    // that could pass for a complete transfer.
+                    let _ = stream.set_zero_linger();
+                }
+                Err(format!("{target}: {e}"))
+            }
         }
     }
 

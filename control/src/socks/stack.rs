@@ -12,7 +12,7 @@
 //! drives the stack (the data channel) waits on [`Stack::wake`] as well as on the
 //! returned delay: every socket operation that may produce packets notifies it.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -72,6 +72,9 @@ struct Inner {
     next_port: u16,
     /// TCP flows the SOCKS side is done with, finishing their close.
     lingering: Vec<(SocketHandle, u16, Instant)>,
+    /// TCP flows the stack ended itself, and why: their reads and writes fail
+    /// with this error kind (a SOCKS client sees a reset, not an end of stream).
+    ended: HashMap<SocketHandle, io::ErrorKind>,
     counters: Counters,
 }
 
@@ -98,6 +101,30 @@ impl Inner {
     fn release(&mut self, handle: SocketHandle, port: u16) {
         self.sockets.remove(handle);
         self.ports_in_use.remove(&port);
+        self.ended.remove(&handle);
+    }
+
+    /// An ICMP/ICMPv6 destination unreachable from the manager (it answers a
+    /// dial that timed out or failed that way, quoting the SYN): the flow
+    /// still in SYN-SENT toward the quoted destination fails now, as a kernel
+    /// socket does, instead of after the SOCKS connect timeout.
+    fn handle_unreachable(&mut self, packet: &[u8]) {
+        let Some((dst, src_port, dst_port)) = quoted_tcp_of_unreachable(packet) else {
+            return;
+        };
+        let remote = IpEndpoint::new(IpAddress::from(dst), dst_port);
+        for (handle, socket) in self.sockets.iter_mut() {
+            let smoltcp::socket::Socket::Tcp(sock) = socket else {
+                continue;
+            };
+            if sock.state() == tcp::State::SynSent
+                && sock.local_endpoint().map(|l| l.port) == Some(src_port)
+                && sock.remote_endpoint() == Some(remote)
+            {
+                sock.abort();
+                self.ended.insert(handle, io::ErrorKind::HostUnreachable);
+            }
+        }
     }
 }
 
@@ -157,6 +184,7 @@ impl Stack {
                 ports_in_use: HashSet::new(),
                 next_port: first,
                 lingering: Vec::new(),
+                ended: HashMap::new(),
                 counters: Counters::default(),
             }),
             wake: Notify::new(),
@@ -181,6 +209,7 @@ impl Stack {
         let mut inner = self.lock();
         inner.counters.rx_packets += 1;
         inner.counters.rx_bytes += packet.len() as u64;
+        inner.handle_unreachable(&packet);
         inner.device.push_rx(packet);
         drop(inner);
         self.wake.notify_one();
@@ -230,6 +259,29 @@ impl Stack {
     /// Open TCP flows (established or closing).
     pub fn open_flows(&self) -> usize {
         self.lock().sockets.iter().count()
+    }
+
+    /// Reset every TCP flow that is not closed yet (the manager lost them):
+    /// a RST each toward the manager, and the SOCKS side's reads and writes
+    /// fail with "connection reset". Returns how many were reset.
+    pub fn reset_tcp_flows(&self) -> usize {
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        let mut reset = Vec::new();
+        for (handle, socket) in inner.sockets.iter_mut() {
+            let smoltcp::socket::Socket::Tcp(sock) = socket else {
+                continue;
+            };
+            if !matches!(sock.state(), tcp::State::Closed | tcp::State::TimeWait) {
+                sock.abort();
+                reset.push(handle);
+            }
+        }
+        for h in &reset {
+            inner.ended.insert(*h, io::ErrorKind::ConnectionReset);
+        }
+        self.wake.notify_one();
+        reset.len()
     }
 
     /// Start a TCP connection from the tunnel IP to `remote`; wait for the
@@ -297,6 +349,74 @@ impl Stack {
     }
 }
 
+/// The error a flow the stack ended itself reports to the SOCKS side.
+fn ended_error(kind: io::ErrorKind) -> io::Error {
+    let what = match kind {
+        io::ErrorKind::ConnectionReset => {
+            "the traffic manager lost this flow while the data channel was re-dialled; it was reset"
+        }
+        _ => "the destination is unreachable",
+    };
+    io::Error::new(kind, what)
+}
+
+/// The quoted TCP flow of an ICMPv4/ICMPv6 destination unreachable packet:
+/// (the quoted packet's destination, its source port, its destination port).
+/// `None` for anything else. Never panics on any input.
+pub fn quoted_tcp_of_unreachable(packet: &[u8]) -> Option<(IpAddr, u16, u16)> {
+    use smoltcp::wire::{
+        Icmpv4Message, Icmpv4Packet, Icmpv6Message, Icmpv6Packet, IpProtocol, Ipv4Packet,
+        Ipv6Packet,
+    };
+    const TCP: u8 = 6;
+    let ports = |l4: &[u8]| -> Option<(u16, u16)> {
+        let b = l4.get(..4)?;
+        Some((
+            u16::from_be_bytes([b[0], b[1]]),
+            u16::from_be_bytes([b[2], b[3]]),
+        ))
+    };
+    match packet.first()? >> 4 {
+        4 => {
+            let ip = Ipv4Packet::new_checked(packet).ok()?;
+            if ip.next_header() != IpProtocol::Icmp {
+                return None;
+            }
+            let icmp = Icmpv4Packet::new_checked(ip.payload()).ok()?;
+            if icmp.msg_type() != Icmpv4Message::DstUnreachable {
+                return None;
+            }
+            let quoted = icmp.data();
+            let ihl = usize::from(quoted.first()? & 0x0f) * 4;
+            if quoted.first()? >> 4 != 4 || ihl < 20 || *quoted.get(9)? != TCP {
+                return None;
+            }
+            let d = quoted.get(16..20)?;
+            let dst = IpAddr::from([d[0], d[1], d[2], d[3]]);
+            let (sp, dp) = ports(quoted.get(ihl..)?)?;
+            Some((dst, sp, dp))
+        }
+        6 => {
+            let ip = Ipv6Packet::new_checked(packet).ok()?;
+            if ip.next_header() != IpProtocol::Icmpv6 {
+                return None;
+            }
+            let icmp = Icmpv6Packet::new_checked(ip.payload()).ok()?;
+            if icmp.msg_type() != Icmpv6Message::DstUnreachable {
+                return None;
+            }
+            let quoted = icmp.payload();
+            if quoted.first()? >> 4 != 6 || *quoted.get(6)? != TCP {
+                return None;
+            }
+            let d: [u8; 16] = quoted.get(24..40)?.try_into().ok()?;
+            let (sp, dp) = ports(quoted.get(40..)?)?;
+            Some((IpAddr::from(d), sp, dp))
+        }
+        _ => None,
+    }
+}
+
 fn endpoint_addr(ep: IpEndpoint) -> SocketAddr {
     SocketAddr::new(IpAddr::from(ep.addr), ep.port)
 }
@@ -326,6 +446,14 @@ impl TcpConn {
                 tcp::State::SynSent | tcp::State::SynReceived => {
                     sock.register_send_waker(cx.waker());
                     Poll::Pending
+                }
+                tcp::State::Closed
+                    if inner.ended.get(&self.handle) == Some(&io::ErrorKind::HostUnreachable) =>
+                {
+                    Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::HostUnreachable,
+                        "nothing answers at that address (the traffic manager's dial timed out or was unreachable)",
+                    )))
                 }
                 tcp::State::Closed | tcp::State::Closing | tcp::State::TimeWait => {
                     Poll::Ready(Err(io::Error::new(
@@ -360,6 +488,9 @@ impl AsyncRead for TcpConn {
             return Poll::Ready(Ok(()));
         }
         if !sock.may_recv() {
+            if let Some(kind) = inner.ended.get(&self.handle) {
+                return Poll::Ready(Err(ended_error(*kind)));
+            }
             // FIN (end of stream) or reset: both end the read side.
             return Poll::Ready(Ok(()));
         }
@@ -377,6 +508,9 @@ impl AsyncWrite for TcpConn {
         let mut inner = self.stack.lock();
         let sock = inner.sockets.get_mut::<tcp::Socket>(self.handle);
         if !sock.may_send() {
+            if let Some(kind) = inner.ended.get(&self.handle) {
+                return Poll::Ready(Err(ended_error(*kind)));
+            }
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
                 "the cluster side closed the connection",
@@ -497,6 +631,88 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+    }
+
+    /// An ICMP host unreachable quoting `syn` (IPv4), as the manager sends
+    /// when its dial of the SYN's destination timed out.
+    fn host_unreachable(syn: &[u8]) -> Vec<u8> {
+        let quoted = &syn[..28.min(syn.len())];
+        let v4 = Ipv4Packet::new_checked(syn).unwrap_or_else(|e| panic!("{e}"));
+        let total = 20 + 8 + quoted.len();
+        let mut p = vec![0u8; total];
+        p[0] = 0x45;
+        p[2..4].copy_from_slice(&u16::try_from(total).unwrap_or(0).to_be_bytes());
+        p[8] = 64;
+        p[9] = 1; // ICMP
+        p[12..16].copy_from_slice(&v4.dst_addr().octets());
+        p[16..20].copy_from_slice(&v4.src_addr().octets());
+        p[20] = 3; // destination unreachable
+        p[21] = 1; // host unreachable
+        p[28..].copy_from_slice(quoted);
+        let mut ip = Ipv4Packet::new_unchecked(&mut p[..]);
+        ip.fill_checksum();
+        p
+    }
+
+    #[tokio::test]
+    async fn an_icmp_host_unreachable_fails_the_connect_at_once() {
+        let now = Instant::now();
+        let stack = Stack::new(ip("100.96.0.7"), 42, now);
+        let conn = stack
+            .tcp_connect("10.244.1.250:80".parse().unwrap_or_else(|e| panic!("{e}")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let other = stack
+            .tcp_connect("10.244.1.251:80".parse().unwrap_or_else(|e| panic!("{e}")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (out, _) = stack.poll(now);
+        assert_eq!(out.len(), 2, "two SYNs");
+        let unreachable = host_unreachable(&out[0]);
+        assert_eq!(
+            quoted_tcp_of_unreachable(&unreachable),
+            Some((ip("10.244.1.250"), conn.local_addr().port(), 80))
+        );
+        stack.handle_packet(unreachable);
+        let e = tokio::time::timeout(Duration::from_secs(1), conn.established())
+            .await
+            .unwrap_or_else(|_| panic!("the connect still waits after the ICMP"))
+            .expect_err("unreachable");
+        assert_eq!(e.kind(), io::ErrorKind::HostUnreachable, "{e}");
+        // The other flow is untouched.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), other.established())
+                .await
+                .is_err(),
+            "the flow to another address still waits for its handshake"
+        );
+        // Garbage is no unreachable.
+        assert_eq!(quoted_tcp_of_unreachable(&[0x45, 0, 0]), None);
+        assert_eq!(quoted_tcp_of_unreachable(&out[1]), None);
+    }
+
+    #[tokio::test]
+    async fn reset_tcp_flows_fails_reads_with_connection_reset() {
+        let now = Instant::now();
+        let stack = Stack::new(ip("100.96.0.7"), 42, now);
+        let mut conn = stack
+            .tcp_connect("10.96.0.100:80".parse().unwrap_or_else(|e| panic!("{e}")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let _ = stack.poll(now);
+        assert_eq!(stack.reset_tcp_flows(), 1);
+        let (out, _) = stack.poll(now);
+        let rst = out
+            .iter()
+            .filter_map(|p| {
+                let v4 = Ipv4Packet::new_checked(&p[..]).ok()?;
+                TcpPacket::new_checked(v4.payload()).ok().map(|t| t.rst())
+            })
+            .any(|r| r);
+        assert!(rst, "a RST toward the manager: {out:?}");
+        let mut buf = [0u8; 16];
+        let e = tokio::io::AsyncReadExt::read(&mut conn, &mut buf)
+            .await
+            .expect_err("a reset flow is no end of stream");
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}");
+        assert_eq!(stack.reset_tcp_flows(), 0, "nothing left to reset");
     }
 
     #[tokio::test]

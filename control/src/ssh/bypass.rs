@@ -210,7 +210,7 @@ pub enum ForwardError {
 pub async fn forward(
     dialer: &SshDialer,
     target: SocketAddr,
-    mut laptop: TcpStream,
+    laptop: TcpStream,
 ) -> Result<(u64, u64), ForwardError> {
     let deadline = tokio::time::Instant::now() + OPEN_WAIT;
     let host = target.ip().to_string();
@@ -235,8 +235,19 @@ pub async fn forward(
         }
         tokio::time::sleep(OPEN_POLL).await;
     };
+    carry(dialer, target, laptop, &mut remote).await
+}
+
+/// Carries one data connection over an open `direct-tcpip` channel `remote`
+/// to `target`; the bytes moved up and down.
+pub async fn carry(
+    dialer: &SshDialer,
+    target: SocketAddr,
+    mut laptop: TcpStream,
+    remote: &mut russh::ChannelStream<russh::client::Msg>,
+) -> Result<(u64, u64), ForwardError> {
     let _ = laptop.set_nodelay(true);
-    super::tunnel::relay(&mut laptop, &mut remote)
+    super::tunnel::relay(&mut laptop, remote)
         .await
         .map_err(|e| ForwardError::Broken {
             hop: dialer.last_hop(),

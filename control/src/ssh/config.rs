@@ -1,6 +1,6 @@
 //! The SSH config file (`~/.ssh/config` or `--ssh-config`), read with the
 //! `ssh2-config` crate: Host blocks with HostName, User, Port, IdentityFile and
-//! ProxyJump (Include works; Match blocks do not). I/O: reading the file once.
+//! ProxyJump, and UserKnownHostsFile (Include works; Match blocks do not). I/O: reading the file once.
 
 use std::path::{Path, PathBuf};
 
@@ -12,6 +12,8 @@ use super::{Error, HostEntry, HostLookup};
 pub struct FileConfig {
     path: PathBuf,
     config: SshConfig,
+    /// For `~` in UserKnownHostsFile (the crate keeps that option unparsed).
+    home: Option<PathBuf>,
 }
 
 impl FileConfig {
@@ -44,7 +46,17 @@ impl FileConfig {
         Ok(FileConfig {
             path: path.to_owned(),
             config,
+            home: home.map(Path::to_path_buf),
         })
+    }
+}
+
+/// `~` and `~/…` against `home` (as OpenSSH does for file options).
+fn expand_home(path: &str, home: Option<&Path>) -> PathBuf {
+    match (path.strip_prefix('~'), home) {
+        (Some(""), Some(h)) => h.to_path_buf(),
+        (Some(rest), Some(h)) if rest.starts_with('/') => h.join(rest.trim_start_matches('/')),
+        _ => PathBuf::from(path),
     }
 }
 
@@ -57,6 +69,11 @@ impl HostLookup for FileConfig {
             port: p.port,
             identity_files: p.identity_file.unwrap_or_default(),
             proxy_jump: p.proxy_jump,
+            known_hosts: p
+                .unsupported_fields
+                .get("userknownhostsfile")
+                .and_then(|files| files.first())
+                .map(|f| expand_home(f, self.home.as_deref())),
         }
     }
 
@@ -119,6 +136,53 @@ Host *
             hops[2].identity_files,
             [PathBuf::from("/home/a/.ssh/target_key")]
         );
+    }
+
+    /// `UserKnownHostsFile` in ssh_config is the known_hosts file, as OpenSSH
+    /// reads it (`~` expanded, the first of several, `Host *` too);
+    /// `--ssh-known-hosts` still wins.
+    #[test]
+    fn user_known_hosts_file_in_ssh_config_is_honoured() {
+        let text = "\
+Host bastion
+    HostName 10.1.0.2
+    UserKnownHostsFile ~/.ssh/corp_known_hosts /etc/other
+
+Host *
+    UserKnownHostsFile /srv/all_known_hosts
+";
+        let dir = std::env::temp_dir().join(format!("kvpn-ukh-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("config");
+        std::fs::write(&path, text).expect("write config");
+        let home = Path::new("/home/a");
+        let cfg = FileConfig::parse(&path, text, Some(home)).expect("parse");
+        assert_eq!(
+            cfg.lookup("bastion").known_hosts,
+            Some(PathBuf::from("/home/a/.ssh/corp_known_hosts"))
+        );
+        assert_eq!(
+            cfg.lookup("other").known_hosts,
+            Some(PathBuf::from("/srv/all_known_hosts"))
+        );
+        let mut args = crate::ssh::SshArgs {
+            ssh_config: Some(path.clone()),
+            ..Default::default()
+        };
+        args.hop.ssh_alias = Some("bastion".into());
+        let plan = crate::ssh::resolve_plan(&args, Some(home), Some("me"))
+            .expect("plan")
+            .expect("an SSH plan");
+        assert_eq!(
+            plan.known_hosts,
+            PathBuf::from("/home/a/.ssh/corp_known_hosts")
+        );
+        args.ssh_known_hosts = Some("/flag/kh".into());
+        let plan = crate::ssh::resolve_plan(&args, Some(home), Some("me"))
+            .expect("plan")
+            .expect("an SSH plan");
+        assert_eq!(plan.known_hosts, PathBuf::from("/flag/kh"), "the flag wins");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

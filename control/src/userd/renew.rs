@@ -45,12 +45,21 @@ pub async fn renewed_request(req: &StartSessionRequest) -> Result<Option<StartSe
         .await
         .context("no usable traffic manager to renew the session with")?;
     let mut renewed = req.clone();
+    // A SOCKS session keeps its CA in its SOCKS settings (its ConnectRequest
+    // carries only the tunnel IP and origin).
+    let current_ca = match &req.socks {
+        Some(socks) => &socks.tls_ca_pem,
+        None => match &req.connect {
+            Some(c) => &c.tls_ca_pem,
+            None => return Ok(None),
+        },
+    };
+    if manager.ca_pem == *current_ca {
+        return Ok(None);
+    }
     let Some(connect) = renewed.connect.as_mut() else {
         return Ok(None);
     };
-    if manager.ca_pem == connect.tls_ca_pem {
-        return Ok(None);
-    }
     let client_id = lease::client_id(
         &env,
         &conn.target.acting,
@@ -75,6 +84,16 @@ pub async fn renewed_request(req: &StartSessionRequest) -> Result<Option<StartSe
     }
     if let Some(origin) = connect.origin.as_mut() {
         crate::connect::set_manager_build(origin, &leased, &manager);
+    }
+    if let Some(socks) = renewed.socks.as_mut() {
+        socks.tls_ca_pem = manager.ca_pem.clone();
+        socks.tls_server_name = manager.server_name.clone();
+        socks.session_token = leased.session_token.clone();
+        socks.tunnel_ip = leased.tunnel_ip.clone();
+        // Only the SOCKS settings carry the CA: the ConnectRequest stays as it was.
+        connect.tls_ca_pem.clear();
+        connect.tls_server_name.clear();
+        connect.session_token.clear();
     }
     renewed.data_port = u32::from(manager.data_port);
     renewed.grpc_port = u32::from(manager.grpc_port);

@@ -103,6 +103,8 @@ struct Entry {
     socks_status: Option<PathBuf>,
     /// The session's SSH path, if it has one (its last error for status).
     ssh: Option<crate::ssh::SshDialer>,
+    /// ssh-direct sessions: the data path the agent uses now, and why.
+    data_path: Option<crate::agent::SharedPath>,
 }
 
 impl Entry {
@@ -130,6 +132,19 @@ impl Entry {
                     rx_packets: l.rx_packets,
                     rx_bytes: l.rx_bytes,
                     dns_servers: l.dns_servers,
+                    mtu: l.mtu,
+                    liveness: Some(kvpn_proto::dataplane::Liveness {
+                        heartbeat_interval_ms: l.heartbeat_interval_ms,
+                        window_ms: l.liveness_window_ms,
+                        heartbeats_sent: l.heartbeats_sent,
+                        heartbeats_echoed: l.heartbeats_echoed,
+                        last_rtt_us: l.last_rtt_us,
+                        transports_lost: l.transports_lost,
+                        ..kvpn_proto::dataplane::Liveness::default()
+                    }),
+                    resumes: l.resumes,
+                    resumes_lost: l.resumes_lost,
+                    tcp_flows_reset: l.tcp_flows_reset,
                 },
                 None => SocksState {
                     listen: s.listen.clone(),
@@ -140,6 +155,13 @@ impl Entry {
             }
         });
         let kubeconfig = request.as_ref().map(session_kubeconfig).unwrap_or_default();
+        let path = match (&self.data_path, &self.ssh) {
+            (Some(p), Some(dialer)) if self.state == STATE_RUNNING => p
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .describe(&dialer.last_hop(), &dialer.path()),
+            _ => (String::new(), String::new()),
+        };
         let origin = request.and_then(|r| r.connect).and_then(|c| c.origin);
         UserSession {
             id: self.record.id.clone(),
@@ -160,6 +182,8 @@ impl Entry {
                 .filter(|_| self.state == STATE_RUNNING)
                 .and_then(crate::ssh::SshDialer::last_error)
                 .unwrap_or_default(),
+            data_path: path.0,
+            data_path_reason: path.1,
         }
     }
 }
@@ -317,6 +341,7 @@ impl UserDaemonState {
                 cancel,
                 socks_status,
                 ssh: None,
+                data_path: None,
             },
         );
     }
@@ -431,6 +456,15 @@ impl UserDaemonState {
                 Ok((r.stopped, r.tcp_reset))
             }
             Err(s) if s.code() == tonic::Code::NotFound => Ok(Default::default()),
+            // Another user's root daemon, refusing this uid: it never held a
+            // session of this daemon's, so there is nothing to disconnect there.
+            Err(s) if s.code() == tonic::Code::PermissionDenied => {
+                warn!(
+                    "the root daemon refuses this uid, so it holds none of its sessions: {}",
+                    s.message()
+                );
+                Ok(Default::default())
+            }
             Err(s) => Err(daemon::status_to_error(s)).with_context(|| {
                 if id.is_empty() {
                     "the root daemon did not disconnect its sessions".to_owned()
@@ -526,6 +560,7 @@ impl UserDaemonState {
                     e.reason.clear();
                     e.since = Instant::now();
                     e.ssh = open.ssh_path();
+                    e.data_path = open.data_path();
                     e.cancel.clone()
                 };
                 info!(session = %id, addr = %open.addr(), "session restored");
@@ -725,6 +760,7 @@ impl UserDaemonState {
         let open = agent::open_session(config).await.map_err(internal)?;
         let addr = open.addr();
         let ssh = open.ssh_path();
+        let data_path = open.data_path();
         let mut root = daemon::connect_existing(&self.root_runtime_dir)
             .await
             .map_err(internal)?
@@ -769,6 +805,7 @@ impl UserDaemonState {
         self.register(&id, addr, &resp.tun_name, &req, cancel, None);
         if let Some(e) = self.sessions().get_mut(&id) {
             e.ssh = ssh;
+            e.data_path = data_path;
         }
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
         Ok(StartSessionResponse {
@@ -788,29 +825,44 @@ impl UserDaemonState {
                 () = self.quit.cancelled() => return,
                 () = tokio::time::sleep(super::renew::CHECK_EVERY) => {}
             }
-            // No TUN session of this daemon, no Status call to the root daemon.
-            let any = self
-                .sessions()
-                .values()
-                .any(|e| e.state == STATE_RUNNING && e.socks_status.is_none());
-            if !any {
-                continue;
-            }
-            let Ok(root) = self.root_sessions().await else {
-                continue;
+            // Sessions whose data channel fails the certificate check: SOCKS
+            // sessions say so in their own status record; TUN sessions in the
+            // root daemon's status (asked only while this daemon has one).
+            let (socks_stranded, any_tun) = {
+                let sessions = self.sessions();
+                let socks: Vec<String> = sessions
+                    .iter()
+                    .filter(|(_, e)| e.state == STATE_RUNNING)
+                    .filter_map(|(id, e)| {
+                        let live = std::fs::read(e.socks_status.as_ref()?).ok()?;
+                        let live: crate::socks::SocksStatus = serde_json::from_slice(&live).ok()?;
+                        live.reason
+                            .contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH)
+                            .then(|| id.clone())
+                    })
+                    .collect();
+                let tun = sessions
+                    .values()
+                    .any(|e| e.state == STATE_RUNNING && e.socks_status.is_none());
+                (socks, tun)
             };
-            for s in root {
-                if !s.reason.contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH) {
-                    continue;
-                }
+            let mut stranded = socks_stranded;
+            if any_tun && let Ok(root) = self.root_sessions().await {
+                stranded.extend(
+                    root.into_iter()
+                        .filter(|s| s.reason.contains(kvpn_dataplane::tls::CERTIFICATE_MISMATCH))
+                        .map(|s| s.id),
+                );
+            }
+            for id in stranded {
                 let req = self
                     .sessions()
-                    .get(&s.id)
-                    .filter(|e| e.state == STATE_RUNNING && e.socks_status.is_none())
+                    .get(&id)
+                    .filter(|e| e.state == STATE_RUNNING)
                     .and_then(|e| e.record.request().ok());
                 let Some(req) = req else { continue };
                 if tried
-                    .get(&s.id)
+                    .get(&id)
                     .is_some_and(|t| t.elapsed() < super::renew::RETRY_AFTER)
                 {
                     continue;
@@ -823,12 +875,12 @@ impl UserDaemonState {
                     Ok(Some(lock)) => lock,
                     Ok(None) => continue,
                     Err(e) => {
-                        warn!(session = %s.id, "cannot take the connect lock to renew the session: {e:#}");
+                        warn!(session = %id, "cannot take the connect lock to renew the session: {e:#}");
                         continue;
                     }
                 };
-                tried.insert(s.id.clone(), Instant::now());
-                self.renew(&s.id, req).await;
+                tried.insert(id.clone(), Instant::now());
+                self.renew(&id, req).await;
                 drop(lock);
             }
         }
@@ -1094,6 +1146,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
                 cancel: CancellationToken::new(),
                 socks_status: None,
                 ssh: None,
+                data_path: None,
             },
         );
         tokio::spawn(state.clone().restore(record));

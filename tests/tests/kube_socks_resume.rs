@@ -1,0 +1,257 @@
+//! SOCKS mode across a re-dial of its data channel, and its status, on the
+//! Kubernetes lab: a 10 MB download through the SOCKS proxy while the data
+//! channel's TCP connection is cut (`ss -K`) either completes (the manager
+//! resumed the flows: the hello carries a resume token) or is reset promptly —
+//! never stalled; status shows the TUN path's fields with true values
+//! (liveness, resumes, MTU, source policy, no eBPF counters). A connect to an
+//! unused pod IP fails as fast as through a TUN device, and a proxy that
+//! listens off loopback (`--socks-allow-remote`) is named as unauthenticated
+//! in connect and in status.
+//!
+//! Needs the workspace binaries (`KVPN_BIN_DIR`) and the Kubernetes binaries.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvpn_lab::{LAPTOP, WEB_CLUSTER_IP, WEB_SERVICE_PORT};
+use kvpn_tests::kube_lab::KubeFixture;
+use kvpn_tests::text;
+
+const LISTEN: &str = "127.0.0.1:1080";
+const BYTES: u64 = 10 * 1024 * 1024;
+
+/// A process in the laptop netns, killed when dropped (also when the test fails).
+struct Background(Child);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn laptop_spawn(f: &KubeFixture, args: &[&str]) -> Background {
+    let netns = f
+        .lab()
+        .netns_lab()
+        .netns(LAPTOP)
+        .unwrap_or_else(|e| panic!("laptop netns: {e:#}"));
+    let child = Command::new("ip")
+        .args(["netns", "exec", netns.name()])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {args:?}: {e}"));
+    Background(child)
+}
+
+#[test]
+fn socks_download_survives_a_data_channel_redial() {
+    let f = KubeFixture::new();
+    let kubeconfig = f.user_kubeconfig();
+    f.kvpn_ok(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--socks",
+        "--socks-listen",
+        LISTEN,
+    ]);
+    f.wait_state("connected", Duration::from_secs(20));
+    let before = f.session();
+    let data_addr = before["user_daemon"]["data_addr"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let port = data_addr.rsplit(':').next().unwrap_or_default().to_owned();
+    assert!(!port.is_empty(), "data_addr: {before:#}");
+
+    // 10 MB at 2 MB/s: about 5 s, so the cut lands in the middle.
+    let url = format!("http://{WEB_CLUSTER_IP}:{WEB_SERVICE_PORT}/big?bytes={BYTES}");
+    let mut curl = laptop_spawn(
+        &f,
+        &[
+            "curl",
+            "-sS",
+            "--max-time",
+            "60",
+            "--limit-rate",
+            "2M",
+            "--socks5",
+            LISTEN,
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{size_download}",
+            &url,
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    // The data channel: the user daemon's SOCKS channel to its own loopback
+    // listener (each connection there is a port-forward to the manager pod).
+    let killed = f.laptop(&[
+        "ss",
+        "-K",
+        "-Htn",
+        "state",
+        "established",
+        "dst",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let cut_at = Instant::now();
+    assert!(
+        killed.status.success() && !text(&killed.stdout).trim().is_empty(),
+        "ss -K found no data channel to {data_addr}: {} {}",
+        text(&killed.stdout),
+        text(&killed.stderr)
+    );
+    let status = loop {
+        if let Some(s) = curl
+            .0
+            .try_wait()
+            .unwrap_or_else(|e| panic!("curl wait: {e}"))
+        {
+            break s;
+        }
+        assert!(
+            cut_at.elapsed() < Duration::from_secs(40),
+            "the download through SOCKS stalled: still running {:?} after the cut\n{}",
+            cut_at.elapsed(),
+            f.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = cut_at.elapsed();
+    let mut out = String::new();
+    let mut err = String::new();
+    if let Some(mut o) = curl.0.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut out);
+    }
+    if let Some(mut e) = curl.0.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut err);
+    }
+    let s = f.session();
+    eprintln!("curl ended {took:?} after the cut ({status}): size {out:?} {err}\nsession: {s:#}");
+    let l = &s["liveness"];
+    assert!(
+        l["transports_lost"].as_u64() >= Some(1),
+        "liveness counts the cut: {s:#}"
+    );
+    if status.success() {
+        assert_eq!(out.trim(), BYTES.to_string(), "the whole file arrived");
+        assert!(
+            s["resumes"].as_u64() >= Some(1),
+            "a completed download after a cut means a resume: {s:#}"
+        );
+    } else {
+        // The manager could not resume: the flow must be reset promptly.
+        assert!(
+            took < Duration::from_secs(5),
+            "a flow that could not be resumed took {took:?} to fail: {err}"
+        );
+        assert!(s["tcp_flows_reset"].as_u64() >= Some(1), "{s:#}");
+    }
+    // Back to connected, and status with true values.
+    f.wait_state("connected", Duration::from_secs(10));
+    let s = f.session();
+    assert_eq!(s["mtu"], 9000, "{s:#}");
+    assert_eq!(
+        s["ebpf"],
+        serde_json::Value::Null,
+        "no eBPF in SOCKS mode: {s:#}"
+    );
+    assert_eq!(s["source_policy"], "snat", "{s:#}");
+    assert_eq!(s["data_path"], "port-forward", "{s:#}");
+    assert!(
+        s["liveness"]["heartbeats_echoed"].as_u64() >= Some(2),
+        "{s:#}"
+    );
+    assert!(s["liveness"]["last_rtt_us"].as_u64() > Some(0), "{s:#}");
+    assert!(
+        s["liveness"]["heartbeat_interval_ms"].as_u64() > Some(0),
+        "{s:#}"
+    );
+    assert_eq!(
+        s["socks"]["warning"],
+        serde_json::Value::Null,
+        "loopback: {s:#}"
+    );
+    // New flows work after the re-dial.
+    let again = f.laptop(&[
+        "curl",
+        "-sS",
+        "--max-time",
+        "20",
+        "--socks5",
+        LISTEN,
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{size_download}",
+        &format!("http://{WEB_CLUSTER_IP}:{WEB_SERVICE_PORT}/big?bytes=100000"),
+    ]);
+    assert!(
+        again.status.success() && text(&again.stdout).trim() == "100000",
+        "a new flow after the re-dial: {} {}",
+        text(&again.stdout),
+        text(&again.stderr)
+    );
+    f.kvpn_ok(&["disconnect"]);
+}
+
+#[test]
+fn socks_unused_ip_fails_fast_and_remote_listen_is_named_unauthenticated() {
+    let f = KubeFixture::new();
+    let kubeconfig = f.user_kubeconfig();
+    let listen = "0.0.0.0:1081";
+    let out = f.kvpn(&[
+        "connect",
+        "--kubeconfig",
+        &kubeconfig,
+        "--socks",
+        "--socks-listen",
+        listen,
+        "--socks-allow-remote",
+    ]);
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{all}");
+    assert!(
+        all.contains("no authentication") && all.contains("0.0.0.0:1081"),
+        "connect warns that the proxy is unauthenticated: {all}"
+    );
+    f.wait_state("connected", Duration::from_secs(20));
+    let s = f.session();
+    let w = s["socks"]["warning"].as_str().unwrap_or_default();
+    assert!(w.contains("no authentication"), "status JSON warns: {s:#}");
+    let table = f.kvpn_ok(&["status"]);
+    assert!(
+        table.contains("warning:") && table.contains("no authentication"),
+        "status table warns: {table}"
+    );
+
+    // An unused address in the pod CIDR: fails, and about as fast as the TUN
+    // path (the manager's dial timeout of 3 s), not after the SOCKS 15 s.
+    let t0 = Instant::now();
+    let out = f.laptop(&[
+        "curl",
+        "-sS",
+        "--max-time",
+        "30",
+        "--socks5",
+        "127.0.0.1:1081",
+        "http://10.244.1.250:80/",
+    ]);
+    let took = t0.elapsed();
+    eprintln!(
+        "connect to an unused pod IP through SOCKS: {took:?}: {}",
+        text(&out.stderr)
+    );
+    assert!(!out.status.success(), "nothing answers at 10.244.1.250");
+    assert!(
+        took < Duration::from_secs(6),
+        "a connect to an unused IP took {took:?} through SOCKS: {}",
+        text(&out.stderr)
+    );
+    f.kvpn_ok(&["disconnect"]);
+}
