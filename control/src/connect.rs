@@ -959,12 +959,45 @@ pub fn kept_out_inside(
     out
 }
 
-/// One line of connect's and status's output for `k`.
+/// The cluster DNS `servers` that a `--never-proxy` range covers, as kept-out
+/// entries (kind `cluster DNS`, the covering range as CIDR).
+pub fn never_proxied_dns(
+    servers: &[String],
+    never_proxy: &[IpNet],
+) -> Vec<kvpn_proto::dataplane::KeptOut> {
+    servers
+        .iter()
+        .filter_map(|s| {
+            let ip: IpAddr = s.parse().ok()?;
+            let net = never_proxy.iter().find(|n| n.contains(&ip))?;
+            Some(kvpn_proto::dataplane::KeptOut {
+                address: ip.to_string(),
+                why: "the cluster DNS, covered by --never-proxy".to_owned(),
+                cidr: net.trunc().to_string(),
+                kind: "--never-proxy".to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// One line of connect's and status's output for `k`. A `--never-proxy` range
+/// that covers a whole cluster range says so (nothing of that range is routed).
 pub fn kept_out_line(k: &kvpn_proto::dataplane::KeptOut) -> String {
-    format!(
-        "kept off the tunnel: {} inside {} CIDR {} — {}",
-        k.address, k.kind, k.cidr, k.why
-    )
+    let covers = matches!(
+        (k.address.parse::<IpNet>(), k.cidr.parse::<IpNet>()),
+        (Ok(a), Ok(c)) if a.contains(&c)
+    );
+    if covers {
+        format!(
+            "kept off the tunnel: the whole {} CIDR {} (inside {}) — {}",
+            k.kind, k.cidr, k.address, k.why
+        )
+    } else {
+        format!(
+            "kept off the tunnel: {} inside {} CIDR {} — {}",
+            k.address, k.kind, k.cidr, k.why
+        )
+    }
 }
 
 /// Why IPv6 is off in the calling thread's network namespace (case rt-08), or
@@ -1538,8 +1571,8 @@ pub async fn kube_connect_as(
     );
     if !origin.kept_out.is_empty() {
         output::done(&format!(
-            "Kept {} laptop address(es) off the tunnel inside the cluster ranges (the laptop \
-             needs them itself)",
+            "Kept {} address(es) off the tunnel inside the cluster ranges (the laptop's own \
+             and --never-proxy ranges)",
             origin.kept_out.len()
         ));
         for k in &origin.kept_out {
@@ -1578,6 +1611,17 @@ pub async fn kube_connect_as(
 
     let dns = match cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(mut dns) => {
+            // A --never-proxy range over the cluster DNS leaves every cluster name
+            // unanswered (SERVFAIL): say so now and keep it in status.
+            for k in never_proxied_dns(&dns.servers, &args.never_proxy) {
+                output::warn(&format!(
+                    "{}: cluster names will not resolve on this laptop (their queries get \
+                     SERVFAIL); narrow --never-proxy to leave {} out of it",
+                    kept_out_line(&k),
+                    k.address
+                ));
+                origin.kept_out.push(k);
+            }
             // --extra-domain names are the cluster DNS's to answer too.
             dns.include_suffixes = args
                 .include_suffixes
@@ -1722,6 +1766,29 @@ mod tests {
             Command::Connect(args) => *args,
             other => panic!("not connect: {other:?}"),
         }
+    }
+
+    /// A --never-proxy range over a whole cluster range reads as such (it
+    /// covered it: "0.0.0.0/0 inside pod CIDR …" was backwards), and one over
+    /// the cluster DNS is named, so connect and status can say names break.
+    #[test]
+    fn never_proxy_over_a_whole_range_or_the_cluster_dns_is_named() {
+        let net = |s: &str| s.parse::<ipnet::IpNet>().expect("cidr");
+        let pod = [net("10.244.1.0/24")];
+        let kept = super::kept_out_inside(&[(&pod[..], "pod")], &[], &[net("0.0.0.0/0")]);
+        assert_eq!(
+            super::kept_out_line(&kept[0]),
+            "kept off the tunnel: the whole pod CIDR 10.244.1.0/24 (inside 0.0.0.0/0) — --never-proxy"
+        );
+        let servers = ["10.96.0.10".to_owned(), "fd00::a".to_owned()];
+        let dns = super::never_proxied_dns(&servers, &[net("10.96.0.0/12")]);
+        assert_eq!(dns.len(), 1, "{dns:?}");
+        assert_eq!(
+            super::kept_out_line(&dns[0]),
+            "kept off the tunnel: 10.96.0.10 inside --never-proxy CIDR 10.96.0.0/12 — the cluster \
+             DNS, covered by --never-proxy"
+        );
+        assert!(super::never_proxied_dns(&servers, &[net("10.96.5.0/24")]).is_empty());
     }
 
     /// What connect keeps off the tunnel inside the cluster ranges is listed

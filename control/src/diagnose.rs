@@ -165,7 +165,7 @@ pub fn explain(r: &SourceReport) -> (String, String) {
             return (
                 "refused".into(),
                 format!(
-                    "refused: {} answered with {answer} for source {} — nothing listens on port {} there \
+                    "{} answered with {answer} for source {} — nothing listens on port {} there \
                      (a closed port); no policy was seen (a rule rejecting with a reset would look \
                      the same). The path works, this is not a missing route{}",
                     r.target.ip(),

@@ -41,6 +41,9 @@ pub enum NotRunnable {
     NotFound(String),
     /// It exists but is a folder or has no execute permission.
     NotExecutable(PathBuf),
+    /// Executable, but neither an ELF binary nor a `#!` script: execve fails
+    /// with ENOEXEC ("exec format error").
+    NotAProgram(PathBuf),
 }
 
 impl NotRunnable {
@@ -48,7 +51,7 @@ impl NotRunnable {
     pub fn exit_code(&self) -> i32 {
         match self {
             NotRunnable::NotFound(_) => 127,
-            NotRunnable::NotExecutable(_) => 126,
+            NotRunnable::NotExecutable(_) | NotRunnable::NotAProgram(_) => 126,
         }
     }
 }
@@ -66,6 +69,13 @@ impl std::fmt::Display for NotRunnable {
             NotRunnable::NotExecutable(p) => write!(
                 f,
                 "{}: permission denied (a folder, or no execute permission) — `chmod +x` it",
+                p.display()
+            ),
+            NotRunnable::NotAProgram(p) => write!(
+                f,
+                "{}: exec format error — neither an ELF binary nor a script starting with #!; \
+                 run it through its interpreter (e.g. `sh {}`)",
+                p.display(),
                 p.display()
             ),
         }
@@ -86,7 +96,7 @@ pub fn find_program(
     if program.contains('/') {
         let p = PathBuf::from(program);
         return if executable(&p) {
-            Ok(p)
+            runnable_format(p)
         } else if p.exists() {
             Err(NotRunnable::NotExecutable(p))
         } else {
@@ -103,7 +113,7 @@ pub fn find_program(
             };
             let p = dir.join(program);
             if executable(&p) {
-                return Ok(p);
+                return runnable_format(p);
             }
             if not_executable.is_none() && p.is_file() {
                 not_executable = Some(p);
@@ -114,6 +124,22 @@ pub fn find_program(
         || NotRunnable::NotFound(program.to_owned()),
         NotRunnable::NotExecutable,
     ))
+}
+
+/// `p` when the kernel can exec it: an ELF binary or a `#!` script (what
+/// execve accepts; a file it cannot read is left to execve to judge).
+fn runnable_format(p: PathBuf) -> Result<PathBuf, NotRunnable> {
+    use std::io::Read as _;
+    let mut head = [0u8; 4];
+    let Ok(n) = std::fs::File::open(&p).and_then(|mut f| f.read(&mut head)) else {
+        return Ok(p);
+    };
+    let head = &head[..n];
+    if head.starts_with(b"\x7fELF") || head.starts_with(b"#!") {
+        Ok(p)
+    } else {
+        Err(NotRunnable::NotAProgram(p))
+    }
 }
 
 /// The exit status kvpn reports for `status` (pure): the code, or 128 + the
@@ -361,6 +387,23 @@ mod tests {
         assert_eq!(
             find_program(run.to_str().expect("utf-8"), None),
             Ok(run.clone())
+        );
+        // Executable but not a program (no ELF header, no #!): refused before
+        // anything is connected, 126 like a shell's "exec format error".
+        let junk = b.join("junk");
+        std::fs::write(&junk, "just text\n").expect("write");
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&junk, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+        let e = find_program(junk.to_str().expect("utf-8"), None).expect_err("junk ran");
+        assert_eq!(e, NotRunnable::NotAProgram(junk.clone()));
+        assert_eq!(e.exit_code(), 126);
+        assert!(e.to_string().contains("exec format error"), "{e}");
+        let elf = std::env::current_exe().expect("this test binary");
+        assert_eq!(
+            find_program(elf.to_str().expect("utf-8"), None),
+            Ok(elf.clone())
         );
         std::fs::remove_dir_all(&root).expect("cleanup");
     }
