@@ -15,7 +15,8 @@
 //!   name plus the cluster's records. When none exists and the cluster said
 //!   NXDOMAIN for a `svc.ns` spelling (`go.dev` with a namespace `dev`), the
 //!   question goes on to the laptop's upstream, whose answer stands; the
-//!   cluster's NXDOMAIN is answered only when the upstream has none to give.
+//!   cluster's NXDOMAIN is answered when the upstream refuses the name, SERVFAIL
+//!   when it fails (no answer, SERVFAIL).
 //! - The cluster DNS is plain UDP/TCP to its ClusterIP: the TUN device's routes
 //!   carry it, with the tunnel IP as source. UDP to the cluster DNS goes over one
 //!   long-lived socket per server ([`UdpMux`], queries told apart by a message id
@@ -1004,9 +1005,11 @@ async fn upstream(
 /// A name the cluster said NXDOMAIN for in its `svc.ns` form goes to the
 /// laptop's upstream nameservers (issue 29 item 2: a public `go.dev` with a
 /// namespace `dev`), whose answer stands when they give one (NOERROR or
-/// NXDOMAIN). When they cannot (no answer, SERVFAIL, REFUSED: e.g. a resolver
-/// that only serves its own zones), the cluster's NXDOMAIN is the only word
-/// anyone said about the name, and the client gets that rather than SERVFAIL.
+/// NXDOMAIN). When they refuse it (REFUSED: a resolver that only serves its own
+/// zones), the cluster's NXDOMAIN is the only word anyone said about the name
+/// and the client gets it. When they fail (no answer, SERVFAIL: the laptop's
+/// resolver is down), the client gets SERVFAIL: a cacheable NXDOMAIN would cost
+/// a public name its answer until the resolver is back.
 async fn upstream_after_cluster_nxdomain(
     shared: &Shared,
     raw: &[u8],
@@ -1026,12 +1029,21 @@ async fn upstream_after_cluster_nxdomain(
         {
             sized(shared, answer, query, limit)
         }
-        _ => {
-            tracing::debug!(name = ?query.queries.first().map(|q| q.name().to_string()), "the laptop's upstream gave no answer; the cluster's NXDOMAIN stands");
+        Some(answer) if message::response_code(&answer) == Some(ResponseCode::Refused) => {
+            tracing::debug!(name = ?query.queries.first().map(|q| q.name().to_string()), "the laptop's upstream refused the name; the cluster's NXDOMAIN stands");
             bump(&shared.counters.local_nxdomain);
             encode(
                 shared,
                 &message::local_answer(query, ResponseCode::NXDomain),
+                limit,
+            )
+        }
+        _ => {
+            tracing::debug!(name = ?query.queries.first().map(|q| q.name().to_string()), "the laptop's upstream failed (no answer or SERVFAIL): SERVFAIL, not the cluster's NXDOMAIN");
+            bump(&shared.counters.servfail);
+            encode(
+                shared,
+                &message::local_answer(query, ResponseCode::ServFail),
                 limit,
             )
         }

@@ -486,6 +486,35 @@ async fn a_missing_service_is_nxdomain_and_only_its_svc_ns_spellings_ask_upstrea
     f.stop().await;
 }
 
+/// A public `svc.ns`-shaped name (`go.dev`, namespace `dev`) the cluster has no
+/// Service for, while the laptop's resolver is down (nothing listens): SERVFAIL,
+/// never the cluster's cacheable NXDOMAIN (new-user trial F5).
+#[tokio::test]
+async fn a_dead_upstream_after_the_clusters_nxdomain_is_servfail() {
+    let (cluster_addr, _cluster_log) = server(cluster_zone).await;
+    let cluster = || {
+        ClusterDns::new(
+            &[cluster_addr.to_string()],
+            "cluster.local",
+            &["dev.svc.cluster.local".into(), "svc.cluster.local".into()],
+            false,
+        )
+        .expect("config")
+    };
+    // Down: nothing listens (a port bound, then released).
+    let dead = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("free port");
+    let f = Forwarder::start("127.0.0.1:0".parse().expect("addr"), vec![dead])
+        .await
+        .expect("forwarder");
+    f.set_clusters(vec![(cluster(), Reach::always())]);
+    let m = ask(f.local_addr(), "go.dev", RecordType::A, None, false).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+    f.stop().await;
+    // A refusing or silent upstream: the_cluster_nxdomain_stands_when_the_upstream_refuses_and_servfail_when_silent.
+}
+
 /// Issue 29 item 2: with a namespace `dev`, public names under `.dev` get the
 /// laptop's upstream answer (they were NXDOMAIN without reaching it), over UDP
 /// and TCP, after the cluster said it has no such Service; a Service that does
@@ -532,12 +561,13 @@ async fn public_names_under_a_namespace_named_like_their_tld_get_the_upstream_an
     f.stop().await;
 }
 
-/// When the laptop's upstream says nothing useful (REFUSED from a resolver
-/// that only serves its own zones, or no answer at all), a name the cluster
-/// said NXDOMAIN for gets that NXDOMAIN rather than SERVFAIL; other names get
-/// the upstream's answer unchanged, as before.
+/// When the laptop's upstream refuses a name (REFUSED from a resolver that
+/// only serves its own zones), a name the cluster said NXDOMAIN for gets that
+/// NXDOMAIN; when it gives no answer at all, SERVFAIL (a cacheable NXDOMAIN
+/// would cost a public name its answer while the resolver is away); other
+/// names get the upstream's answer unchanged, as before.
 #[tokio::test]
-async fn the_cluster_nxdomain_stands_when_the_upstream_refuses_or_is_silent() {
+async fn the_cluster_nxdomain_stands_when_the_upstream_refuses_and_servfail_when_silent() {
     fn refuse(_: &Query) -> (ResponseCode, Vec<Record>) {
         (ResponseCode::Refused, Vec::new())
     }
@@ -567,12 +597,13 @@ async fn the_cluster_nxdomain_stands_when_the_upstream_refuses_or_is_silent() {
             names.map(|n| async move { ask(fwd, n, RecordType::A, None, true).await }),
         )
         .await;
+        let want = if upstream == refusing {
+            ResponseCode::NXDomain
+        } else {
+            ResponseCode::ServFail
+        };
         for (n, m) in names.iter().zip(answers) {
-            assert_eq!(
-                m.metadata.response_code,
-                ResponseCode::NXDomain,
-                "{n} via {upstream}"
-            );
+            assert_eq!(m.metadata.response_code, want, "{n} via {upstream}");
         }
         if upstream == refusing {
             let m = ask(fwd, "www.example.com", RecordType::A, None, false).await;
