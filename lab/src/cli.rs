@@ -140,7 +140,12 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
             // netns with the runtime folder below: stop them first (they put the
             // laptop's DNS back and remove their TUN device), or they would outlive
             // the lab holding its netns and their folder.
+            // A caller with a runtime folder of its own (KVPN_RUNTIME_DIR, which
+            // `kvpn lab exec laptop` passes on) has its daemons there: those too.
             if let Ok(lab) = Lab::attach(DEFAULT_LAB_NAME) {
+                if let Some(own) = callers_runtime_dir().filter(|d| *d != runtime) {
+                    quit_laptop_daemons(&lab, &own);
+                }
                 quit_laptop_daemons(&lab, &runtime);
             }
             let was_up = cluster::down_named(DEFAULT_LAB_NAME).context("kvpn lab down failed")?;
@@ -205,10 +210,7 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
                 // root daemon of this machine's own network namespace, if one runs,
                 // and make its TUN device and routes there. The laptop gets a folder
                 // of its own unless the caller chose one; `kvpn lab down` removes it.
-                let inherited = std::env::var_os("KVPN_RUNTIME_DIR").map(PathBuf::from);
-                if inherited.as_deref().is_none_or(|d| {
-                    d.as_os_str().is_empty() || d == Path::new(DEFAULT_ROOT_RUNTIME_DIR)
-                }) {
+                if callers_runtime_dir().is_none() {
                     cmd.env("KVPN_RUNTIME_DIR", laptop_runtime_dir(&lab));
                 }
             }
@@ -311,6 +313,14 @@ fn find_program(program: &str, path_var: Option<&std::ffi::OsStr>) -> Result<Pat
 /// set none: `<lab state folder>/<lab name>-laptop-runtime`.
 pub fn laptop_runtime_dir(lab: &Lab) -> PathBuf {
     laptop_runtime_dir_named(lab.name())
+}
+
+/// The caller's own KVPN_RUNTIME_DIR (set, not empty, not kvpn's default),
+/// which `kvpn lab exec laptop` keeps for kvpn there.
+fn callers_runtime_dir() -> Option<PathBuf> {
+    std::env::var_os("KVPN_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| !d.as_os_str().is_empty() && d != Path::new(DEFAULT_ROOT_RUNTIME_DIR))
 }
 
 /// [`laptop_runtime_dir`] of the lab called `name` (whether or not it is up).
