@@ -693,7 +693,11 @@ fn parse_connect_mtu(text: &str) -> Result<u32, String> {
 /// A domain name or suffix as typed (`db.corp.example`, `.corp.example`,
 /// trailing dot allowed): lower-cased, without the dots at either end.
 fn parse_domain(text: &str) -> Result<String, String> {
-    let name = text.trim().trim_start_matches('.').trim_end_matches('.');
+    // One leading dot (a suffix written `.corp.example`) and one trailing dot (a
+    // fully qualified name) are spellings of the name; more are an empty label.
+    let trimmed = text.trim();
+    let name = trimmed.strip_prefix('.').unwrap_or(trimmed);
+    let name = name.strip_suffix('.').unwrap_or(name);
     let bad = |why: &str| {
         Err(format!(
             "{text:?} is not a domain name: {why} — give one such as db.corp.example"
@@ -701,6 +705,13 @@ fn parse_domain(text: &str) -> Result<String, String> {
     };
     if name.is_empty() {
         return bad("it is empty");
+    }
+    if let Ok(ip) = name.parse::<IpAddr>() {
+        let len = if ip.is_ipv4() { 32 } else { 128 };
+        return Err(format!(
+            "{text:?} is an IP address, not a domain name — to send it through the tunnel \
+             give it as a range: --cidr {ip}/{len}"
+        ));
     }
     if name.len() > 253 {
         return bad("longer than 253 characters");
@@ -718,6 +729,13 @@ fn parse_domain(text: &str) -> Result<String, String> {
         {
             return bad("only letters, digits, '-' and '_' go in a label");
         }
+    }
+    if name
+        .rsplit('.')
+        .next()
+        .is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return bad("its last label is all digits, which no domain has");
     }
     Ok(name.to_ascii_lowercase())
 }
@@ -1551,6 +1569,42 @@ mod tests {
             assert!(err.contains("cannot be used with"), "{argv:?}: {err}");
         }
         Cli::try_parse_from(["kvpn", "connect", "--socks"]).expect("--socks alone parses");
+    }
+
+    /// #29 F4: names are taken as written or refused: `..x` is an empty label (not
+    /// `x`), an IP address points at --cidr, a numeric top-level label is no name.
+    #[test]
+    fn domain_flags_refuse_what_is_no_domain_name() {
+        for (flag, good, want) in [
+            ("--include-suffix", ".corp.example", "corp.example"),
+            (
+                "--exclude-suffix",
+                "Legacy.Cluster.Local.",
+                "legacy.cluster.local",
+            ),
+            ("--extra-domain", "db.corp.example", "db.corp.example"),
+        ] {
+            let a = connect_args(&["kvpn", "connect", flag, good])
+                .unwrap_or_else(|e| panic!("{flag} {good}: {e}"));
+            let got = match flag {
+                "--include-suffix" => &a.include_suffixes,
+                "--exclude-suffix" => &a.exclude_suffixes,
+                _ => &a.extra_domains,
+            };
+            assert_eq!(got, &vec![want.to_owned()], "{flag} {good}");
+        }
+        for (flag, bad, says) in [
+            ("--include-suffix", "..x", "empty label"),
+            ("--exclude-suffix", "corp.example..", "empty label"),
+            ("--extra-domain", "10.0.0.1", "--cidr 10.0.0.1/32"),
+            ("--extra-domain", "fd00::1", "--cidr fd00::1/128"),
+            ("--include-suffix", "host.10", "all digits"),
+        ] {
+            let err = connect_args(&["kvpn", "connect", flag, bad])
+                .expect_err(&format!("{flag} {bad} was accepted"))
+                .to_string();
+            assert!(err.contains(says), "{flag} {bad}: {err}");
+        }
     }
 }
 
