@@ -1159,6 +1159,38 @@ const CLUSTER_DOMAIN: &str = "cluster.local";
 /// The cluster DNS for `namespace`: the ClusterIPs of Service kube-system/kube-dns,
 /// the cluster domain and the pod search list (namespace first). `Err` says why
 /// there is none, for a warning.
+/// The warning for a connected namespace (`-n`, or the context's) that does not
+/// exist in the cluster: short names resolve in it, so none will. A user who may
+/// not read namespaces (kvpn needs no such right) is told when the namespace has
+/// no Service, which is what short names would name. `None` when all is well or
+/// nothing can be read.
+pub(crate) async fn missing_namespace(client: &kube::Client, namespace: &str) -> Option<String> {
+    use k8s_openapi::api::core::v1::{Namespace, Service};
+    let fix = "check the name with `kubectl get namespaces`, or give another with -n";
+    let api: kube::Api<Namespace> = kube::Api::all(client.clone());
+    match api.get_opt(namespace).await {
+        Ok(Some(_)) => None,
+        Ok(None) => Some(format!(
+            "namespace {namespace} does not exist in this cluster: short names (web, \
+             web.{namespace}) will not resolve in it — {fix}"
+        )),
+        Err(_) => {
+            let services: kube::Api<Service> = kube::Api::namespaced(client.clone(), namespace);
+            match services
+                .list(&kube::api::ListParams::default().limit(1))
+                .await
+            {
+                Ok(list) if list.items.is_empty() => Some(format!(
+                    "namespace {namespace} has no Service (or does not exist; this user \
+                     may not read namespaces to tell): short names (web, web.{namespace}) \
+                     will not resolve in it — {fix}"
+                )),
+                _ => None,
+            }
+        }
+    }
+}
+
 /// The warnings for `--exclude-suffix` values that cover the cluster's own names
 /// (the cluster domain, or a search domain such as `svc.cluster.local`): the
 /// exclusion wins, so those names, short spellings included, go to the laptop's
@@ -1635,6 +1667,9 @@ pub async fn kube_connect_as(
         ));
     }
 
+    if let Some(line) = missing_namespace(&conn.client, &conn.description.namespace).await {
+        output::warn(&line);
+    }
     let dns = match cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(mut dns) => {
             // A --never-proxy range over the cluster DNS leaves every cluster name

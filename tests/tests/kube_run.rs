@@ -316,17 +316,25 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
     );
     assert_nothing_left(&f, &[], "after bad input");
 
-    // The command's exit status is kvpn's.
+    // The command's exit status is kvpn's. A namespace that does not exist is
+    // said (#30 F10: short names would resolve in it), and the run goes on.
     let seven = f.kvpn(&[
         "run",
         "--kubeconfig",
         &kubeconfig,
+        "-n",
+        "kvpn-no-such-namespace",
         "--",
         "sh",
         "-c",
         "exit 7",
     ]);
     assert_eq!(seven.status.code(), Some(7), "{}", text(&seven.stderr));
+    assert!(
+        text(&seven.stderr).contains("namespace kvpn-no-such-namespace has no Service"),
+        "no word on the missing namespace: {}",
+        text(&seven.stderr)
+    );
     assert_nothing_left(&f, &[], "after exit 7");
 
     // SIGTERM to kvpn reaches the command, whose status comes back.
