@@ -19,8 +19,10 @@
 //!   unmarked lookup routes into that device (the effective value is the larger
 //!   of `all` and the device's; with `all` = 1 the root daemon logs a warning with the fix).
 //!
-//! Teardown kills whatever is still in the cgroup (`cgroup.kill`), waits for it to
-//! empty, removes it, and removes the rule and the forwarder.
+//! Teardown stops whatever is still in the cgroup: SIGTERM to each process, up to
+//! [`TERM_GRACE`] for them to exit (as `docker stop` gives a container), then
+//! `cgroup.kill`; it waits for the cgroup to empty, removes it, and removes the rule
+//! and the forwarder.
 //!
 //! I/O: the cgroup filesystem, /proc, rtnetlink (rules), bpf(2) and sockets.
 
@@ -102,6 +104,11 @@ pub fn release_own_mount() {
 }
 /// How long teardown waits for killed processes to leave the cgroup.
 const KILL_WAIT: Duration = Duration::from_secs(3);
+
+/// How long the processes of a run get after SIGTERM before `cgroup.kill`: a
+/// command whose session is disconnected from outside may clean up (the user
+/// daemon's hold on the run says why on kvpn run's stderr).
+pub const TERM_GRACE: Duration = Duration::from_secs(2);
 
 /// The routing table, fwmark and DNS forwarder address of run slot `slot`.
 pub fn slot_params(slot: u16) -> (u32, u32, SocketAddrV4) {
@@ -273,11 +280,31 @@ impl RunScope {
             .map(|v| v.trim() == "1")
     }
 
+    /// SIGTERM to every process in the cgroup, then up to [`TERM_GRACE`] for the
+    /// cgroup to empty. Pids are read from `cgroup.procs` at the moment of the
+    /// signal: a process the cgroup no longer holds is not there to be named.
+    async fn terminate(&self) {
+        let procs = std::fs::read_to_string(self.cgroup.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        let deadline = Instant::now() + TERM_GRACE;
+        while self.populated() == Some(true) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Kill what is left in the cgroup and remove it, the programs, the
     /// forwarder and the rule; what could not be removed.
     pub async fn teardown(mut self, netlink: &Netlink) -> Vec<String> {
         let mut leftovers = Vec::new();
         if self.cgroup.exists() {
+            if self.populated() == Some(true) {
+                self.terminate().await;
+            }
             if self.populated() == Some(true) {
                 if let Err(e) = std::fs::write(self.cgroup.join("cgroup.kill"), "1") {
                     tracing::warn!(cgroup = %self.cgroup.display(), error = %e, "cannot kill the run's processes");

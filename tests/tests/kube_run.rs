@@ -363,6 +363,41 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
     );
     assert_nothing_left(&f, &[id], "after SIGTERM");
 
+    // `kvpn disconnect` of the run's session from elsewhere (#27 F2): the command
+    // gets SIGTERM (its trap runs), kvpn run says why and exits with the
+    // command's status, with no warning about a session it could not disconnect.
+    let mut child = spawn_run(
+        &f,
+        &kubeconfig,
+        "trap 'echo got-term; exit 3' TERM; echo ready; while :; do sleep 0.1; done",
+    );
+    let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    assert_eq!(first, "ready", "{}", f.diagnostics());
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(30));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    f.kvpn_ok(&["disconnect", &id]);
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("wait for kvpn run after kvpn disconnect: {e}"));
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let err = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "after disconnect: {rest:?} {err}"
+    );
+    assert_eq!(rest, vec!["got-term".to_owned()], "{err}");
+    assert!(
+        err.contains(&format!(
+            "session {id} was disconnected from outside this run"
+        )) && err.contains("SIGTERM"),
+        "kvpn run did not say why its command was stopped: {err}"
+    );
+    assert!(!err.contains("cannot disconnect"), "{err}");
+    assert_nothing_left(&f, &[id], "after kvpn disconnect of the run");
+
     // SIGKILL of kvpn: the user daemon notices, the session goes, the command
     // (still in the run's cgroup) is killed with it.
     let mut child = spawn_run(&f, &kubeconfig, "exec sleep 300");
