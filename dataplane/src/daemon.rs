@@ -353,6 +353,7 @@ pub fn params_from_request(
         ),
         // Set by Connect once the run slot is chosen.
         run_table: None,
+        run_mark: None,
     })
 }
 
@@ -722,7 +723,9 @@ impl Daemon {
             })?;
             slots.push(slot);
             drop(slots);
-            params.run_table = Some(run_scope::slot_params(slot).0);
+            let (table, mark, _) = run_scope::slot_params(slot);
+            params.run_table = Some(table);
+            params.run_mark = Some(mark);
             Some(slot)
         } else {
             None

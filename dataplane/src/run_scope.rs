@@ -16,8 +16,11 @@
 //!   carry the mark, so cluster names reach the cluster DNS through the session's
 //!   table, and other names the laptop's nameservers;
 //! - rp_filter 0 on the TUN device: replies come from cluster addresses that no
-//!   unmarked lookup routes into that device (the effective value is the larger
-//!   of `all` and the device's; with `all` = 1 the root daemon logs a warning with the fix).
+//!   unmarked lookup routes into that device. The effective value is the larger of
+//!   `all` and the device's, so with `net.ipv4.conf.all.rp_filter=1` (strict) the
+//!   check still runs: the TUN's ingress check marks each reply with the run's
+//!   fwmark and the device has `src_valid_mark`, so the reverse lookup goes through
+//!   the run's rule to its table, which routes the source into this device.
 //!
 //! Teardown stops whatever is still in the cgroup: SIGTERM to each process, up to
 //! [`TERM_GRACE`] for them to exit (as `docker stop` gives a container), then
@@ -180,18 +183,6 @@ impl RunScope {
         upstreams: Vec<SocketAddr>,
     ) -> Result<RunScope, String> {
         let (table, mark, dns) = slot_params(slot);
-        // The effective rp_filter is the larger of `all` and the device's: with
-        // `all` strict (1) the run's replies are dropped whatever the TUN says.
-        if std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/rp_filter")
-            .is_ok_and(|v| v.trim() == "1")
-        {
-            tracing::warn!(
-                session = id,
-                "net.ipv4.conf.all.rp_filter is 1 (strict): replies to this run arrive on its \
-                 TUN device from addresses only its own table routes there, and strict mode \
-                 drops them — set it to 2 (loose) or 0 (`sysctl -w net.ipv4.conf.all.rp_filter=2`)"
-            );
-        }
         let cgroup = cgroup_root()?.join(format!("kvpn-run-{id}"));
         std::fs::create_dir(&cgroup)
             .map_err(|e| format!("cannot create the run's cgroup {}: {e}", cgroup.display()))?;

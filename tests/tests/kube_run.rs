@@ -181,6 +181,18 @@ fn curl_script(pod: IpAddr, pause_s: u32) -> String {
 fn a_run_reaches_its_cluster_by_ip_and_name_and_nothing_outside_it_does() {
     let f = KubeFixture::new();
     let kubeconfig = f.user_kubeconfig();
+    // Strict reverse-path filtering on the laptop (this fixture's own netns): a
+    // distribution default in places, and what dropped every reply of a run
+    // before the TUN's ingress check marked them for the run's table (#27).
+    f.laptop(&["sysctl", "-qw", "net.ipv4.conf.all.rp_filter=1"]);
+    assert_eq!(
+        text(
+            &f.laptop(&["sysctl", "-n", "net.ipv4.conf.all.rp_filter"])
+                .stdout
+        )
+        .trim(),
+        "1"
+    );
     let pods = web_pods(&f, f.lab());
     let names: Vec<String> = pods.iter().map(pod_name).collect();
     let ip = pod_ip(&pods[0]);
