@@ -628,8 +628,15 @@ impl Daemon {
             return Vec::new();
         };
         let slot = scope.slot;
+        let cgroup = scope.cgroup().to_owned();
         let leftovers = scope.teardown(&self.netlink).await;
         self.run_slots().retain(|s| *s != slot);
+        if !cgroup.exists()
+            && let Some(record) = &self.record
+            && let Err(e) = record.remove_run_cgroup(&cgroup)
+        {
+            tracing::warn!(error = %e, "cannot update the run cgroup record");
+        }
         leftovers
     }
 
@@ -668,7 +675,22 @@ impl Daemon {
             Err(e) => tracing::warn!(error = %e, "cannot sweep run sessions' fwmark rules"),
         }
         match &self.record {
-            Some(record) => crate::sweep::sweep(&self.netlink, record, reset_tcp).await,
+            Some(record) => {
+                // The cgroup tree is the machine's: only the folders this runtime
+                // directory recorded are an earlier daemon's of ours.
+                if record.run_cgroups().is_ok_and(|d| !d.is_empty()) {
+                    match run_scope::cgroup_root() {
+                        Ok(root) => {
+                            let (_, failed) = crate::sweep::sweep_run_cgroups(record, &root).await;
+                            for f in failed {
+                                tracing::warn!("run cgroup sweep: {f}");
+                            }
+                        }
+                        Err(e) => tracing::warn!("cannot sweep run cgroups: {e}"),
+                    }
+                }
+                crate::sweep::sweep(&self.netlink, record, reset_tcp).await
+            }
             None => Ok(crate::sweep::SweepReport::default()),
         }
     }
@@ -756,6 +778,11 @@ impl Daemon {
             match RunScope::setup(&id, slot, &self.netlink, upstreams).await {
                 Ok(scope) => {
                     tracing::info!(session = %id, cgroup = %scope.cgroup().display(), table = scope.table, mark = scope.mark, dns = %scope.dns, "run scope set up");
+                    if let Some(record) = &self.record
+                        && let Err(e) = record.add_run_cgroup(scope.cgroup())
+                    {
+                        tracing::warn!(error = %e, "cannot record the run's cgroup for the sweep after a crash");
+                    }
                     self.runs().insert(id.clone(), scope);
                 }
                 Err(message) => {

@@ -449,6 +449,82 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
         t0.elapsed().as_secs_f64()
     );
     assert_nothing_left(&f, &[id], "after SIGKILL of kvpn");
+
+    // SIGKILL of the root daemon while a run's command runs: the cgroup (the
+    // machine's, not the netns') and the command outlive it; the next root
+    // daemon of this runtime folder kills what is in the recorded cgroup and
+    // removes it before it serves (#27).
+    let mut child = spawn_run(&f, &kubeconfig, "exec sleep 300");
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let cg = host_cgroup(&runs[0]);
+    let procs: Vec<i32> = std::fs::read_to_string(cg.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect();
+    assert!(!procs.is_empty(), "the command is in {}", cg.display());
+    let pid_file = f.runtime_dir().join("dataplane.pid");
+    let root_pid: i32 = std::fs::read_to_string(&pid_file)
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no root daemon pid in {}", pid_file.display()));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(root_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap_or_else(|e| panic!("SIGKILL the root daemon {root_pid}: {e}"));
+    let t0 = Instant::now();
+    while std::path::Path::new(&format!("/proc/{root_pid}/exe")).exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "root daemon {root_pid} still there"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        cg.exists(),
+        "the cgroup went with the root daemon: nothing to sweep"
+    );
+    // Another run starts the next root daemon, whose sweep stops the orphan.
+    let next = f.kvpn(&["run", "--kubeconfig", &kubeconfig, "--", "true"]);
+    assert_eq!(next.status.code(), Some(0), "{}", text(&next.stderr));
+    let t0 = Instant::now();
+    while cg.exists()
+        || procs
+            .iter()
+            .any(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the next root daemon left the killed one's run: cgroup {} exists: {}",
+            cg.display(),
+            cg.exists()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A daemon that mounted its own cgroup2 view (no mount in its namespace)
+    // left that empty mount point in /tmp: swept too.
+    let daemon_view = std::path::PathBuf::from(runs[0]["run_cgroup"].as_str().unwrap_or_default());
+    if let Some(own) = daemon_view.parent().filter(|p| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("kvpn-cgroup2-"))
+    }) {
+        assert!(
+            !own.exists(),
+            "the killed daemon's cgroup2 mount point {} is left",
+            own.display()
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let t0 = Instant::now();
+    while !f.sessions().is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        let _ = f.kvpn(&["disconnect", &id]);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_nothing_left(&f, &[id], "after SIGKILL of the root daemon");
 }
 
 #[test]
