@@ -603,6 +603,26 @@ impl Daemon {
         self.runs.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// End the run sessions whose command has been gone for
+    /// [`ABANDONED_RUN_GRACE`] without a disconnect.
+    async fn end_abandoned_runs(&self) {
+        let ids: Vec<String> = self
+            .runs()
+            .iter()
+            .filter(|(_, scope)| scope.abandoned(ABANDONED_RUN_GRACE))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            let session = self.sessions().remove(&id);
+            let Some(session) = session else { continue };
+            tracing::warn!(session = %id, "run session ended: its command and all it started are gone and nobody disconnected it (kvpn run died with its user daemon?)");
+            let leftovers = self.stop_session(session).await;
+            if !leftovers.is_empty() {
+                tracing::warn!(session = %id, ?leftovers, "teardown incomplete");
+            }
+        }
+    }
+
     fn run_slots(&self) -> std::sync::MutexGuard<'_, Vec<u16>> {
         self.run_slots
             .lock()
@@ -858,6 +878,17 @@ impl Daemon {
             DataplaneServer::from_arc(self.clone()),
             move |request: Request<()>| checker.check_peer(request),
         );
+        // A run session whose command is gone while nobody ended the session
+        // (kvpn run died with its user daemon): ended here.
+        let reaper = Arc::downgrade(&self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let Some(this) = reaper.upgrade() else { return };
+                this.end_abandoned_runs().await;
+            }
+        });
         let requested = self.clone();
         let shutdown = async move {
             tokio::select! {
@@ -878,6 +909,10 @@ impl Daemon {
         result
     }
 }
+
+/// How long a run session outlives its command when nobody disconnects it: kvpn
+/// run disconnects right after its command ends, well within this.
+const ABANDONED_RUN_GRACE: Duration = Duration::from_secs(3);
 
 fn new_session_id() -> String {
     use std::hash::{BuildHasher as _, Hasher as _};

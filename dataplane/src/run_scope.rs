@@ -170,6 +170,11 @@ pub struct RunScope {
     programs: Option<RunPrograms>,
     forwarder: Option<Forwarder>,
     rule: bool,
+    /// A process was admitted: from then on an empty cgroup means the command
+    /// and all it started are gone ([`RunScope::abandoned`]).
+    admitted: std::sync::atomic::AtomicBool,
+    /// Since when the cgroup was seen empty after an admission.
+    empty_since: std::sync::Mutex<Option<Instant>>,
 }
 
 impl RunScope {
@@ -195,6 +200,8 @@ impl RunScope {
             programs: None,
             forwarder: None,
             rule: false,
+            admitted: std::sync::atomic::AtomicBool::new(false),
+            empty_since: std::sync::Mutex::new(None),
         };
         if let Err(e) = scope.setup_parts(netlink, upstreams).await {
             let leftovers = scope.teardown(netlink).await;
@@ -258,7 +265,29 @@ impl RunScope {
                 "cannot move process {pid} into {}: {e}",
                 self.cgroup.display()
             )
-        })
+        })?;
+        self.admitted
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether the run's command and everything it started have been gone for
+    /// `grace` without anyone ending the session: kvpn run disconnects as its
+    /// command ends, so only a kvpn run that died with its user daemon leaves
+    /// such a session. Call periodically; the first empty sight starts the clock.
+    pub fn abandoned(&self, grace: Duration) -> bool {
+        if !self.admitted.load(std::sync::atomic::Ordering::Relaxed) {
+            return false;
+        }
+        let mut since = self
+            .empty_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.populated() != Some(false) {
+            *since = None;
+            return false;
+        }
+        since.get_or_insert_with(Instant::now).elapsed() >= grace
     }
 
     /// Whether any process is in the cgroup (`populated 1` in cgroup.events);

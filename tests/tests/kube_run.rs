@@ -525,6 +525,51 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_nothing_left(&f, &[id], "after SIGKILL of the root daemon");
+
+    // kvpn run and its user daemon both SIGKILLed: nobody is left to disconnect
+    // the run's session; the root daemon ends it once the command itself ended
+    // (#27), instead of keeping its TUN device, table and cgroup forever.
+    let mut child = spawn_run(&f, &kubeconfig, "exec sleep 3");
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let cg = host_cgroup(&runs[0]);
+    let user_pid_file = f.runtime_dir().join("user.pid");
+    let user_pid: i32 = std::fs::read_to_string(&user_pid_file)
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no user daemon pid in {}", user_pid_file.display()));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(user_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap_or_else(|e| panic!("SIGKILL the user daemon {user_pid}: {e}"));
+    child.kill().unwrap_or_else(|e| panic!("SIGKILL kvpn: {e}"));
+    let _ = child.wait();
+    assert!(
+        cg.exists(),
+        "the run's cgroup went before its command ended"
+    );
+    let t0 = Instant::now();
+    while cg.exists() || !f.tun_devices().is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the root daemon kept the abandoned run session {id}: cgroup {} exists: {}, TUN devices {:?}",
+            cg.display(),
+            cg.exists(),
+            f.tun_devices()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "abandoned run session ended by the root daemon {:.1} s after kvpn and its user daemon were killed (command: sleep 3)",
+        t0.elapsed().as_secs_f64()
+    );
+    let t0 = Instant::now();
+    while !f.sessions().is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        let _ = f.kvpn(&["disconnect", &id]);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_nothing_left(&f, &[id], "after the abandoned run");
 }
 
 #[test]
