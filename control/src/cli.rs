@@ -61,7 +61,10 @@ impl Cli {
     pub fn validate(self) -> Result<Self, clap::Error> {
         match &self.command {
             Command::Connect(a) => a.validate()?,
-            Command::Run(r) => r.connect.validate()?,
+            Command::Run(r) => {
+                r.connect.validate_run()?;
+                r.connect.validate()?;
+            }
             _ => {}
         }
         Ok(self)
@@ -209,6 +212,38 @@ impl ConnectArgs {
         Ok(())
     }
 
+    /// The connect flags `kvpn run` refuses, each with why: they make a laptop-wide
+    /// or SOCKS session, which a run is not.
+    fn validate_run(&self) -> Result<(), clap::Error> {
+        use clap::error::ErrorKind;
+        let refused = [
+            (
+                self.socks || self.socks_listen.is_some() || self.socks_allow_remote,
+                "the SOCKS flags (--socks, --socks-listen, --socks-allow-remote)",
+                "a run gets its own TUN device, routes and DNS, not a proxy",
+            ),
+            (
+                self.manager.is_some() || self.tunnel_ip.is_some(),
+                "--manager and --tunnel-ip",
+                "a run works through the Kubernetes API (--kubeconfig, --context)",
+            ),
+            (
+                self.hosts,
+                "--hosts",
+                "/etc/hosts is every process's; the run's own DNS forwarder resolves Service \
+                 names for the run alone",
+            ),
+        ];
+        if let Some((_, flags, why)) = refused.iter().find(|(given, _, _)| *given) {
+            return Err(usage_error(
+                ErrorKind::ArgumentConflict,
+                &format!("kvpn run does not take {flags}: {why} — leave them out"),
+                "kvpn run [OPTIONS] -- <COMMAND>...",
+            ));
+        }
+        Ok(())
+    }
+
     /// `--tunnel-ip`, [`DEFAULT_TUNNEL_IP`] when not given (with --manager).
     pub fn tunnel_ip(&self) -> IpAddr {
         self.tunnel_ip.unwrap_or(DEFAULT_TUNNEL_IP)
@@ -232,6 +267,14 @@ pub enum Command {
     /// status. Takes `kvpn connect`'s flags.
     ///
     /// Example: kvpn run --context staging -- curl http://web.default
+    #[command(
+        mut_arg("socks", |a| a.hide(true)),
+        mut_arg("socks_listen", |a| a.hide(true)),
+        mut_arg("socks_allow_remote", |a| a.hide(true)),
+        mut_arg("manager", |a| a.hide(true)),
+        mut_arg("tunnel_ip", |a| a.hide(true)),
+        mut_arg("hosts", |a| a.hide(true))
+    )]
     Run(Box<RunArgs>),
     /// Show sessions: state, routes, counters.
     ///
@@ -1632,6 +1675,18 @@ mod tests {
             .expect_err("kvpn run took contradicting suffixes")
             .to_string();
         assert!(err.contains("given to both"), "{err}");
+        for flags in [
+            &["--hosts"][..],
+            &["--socks"],
+            &["--tunnel-ip", "100.96.0.9"],
+        ] {
+            let argv: Vec<&str> = [&["kvpn", "run"][..], flags, &["--", "true"][..]].concat();
+            let err = Cli::try_parse_from(&argv)
+                .and_then(Cli::validate)
+                .expect_err(&format!("kvpn run took {flags:?}"))
+                .to_string();
+            assert!(err.contains("kvpn run does not take"), "{flags:?}: {err}");
+        }
         let err = Cli::try_parse_from(["kvpn", "run", "--steer", "ebpf", "--", "true"])
             .and_then(Cli::validate)
             .expect_err("kvpn run took --steer without --allow-route-conflict")

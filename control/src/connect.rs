@@ -399,6 +399,11 @@ pub fn match_session<'a>(sessions: &'a [Session], wanted: &Origin) -> SessionMat
     let mut conflict = None;
     for s in sessions {
         let Some(o) = &s.origin else { continue };
+        // A `kvpn run` session routes for its own process tree only: it is
+        // neither this laptop's connection nor in its way.
+        if !s.run_cgroup.is_empty() {
+            continue;
+        }
         if o.transport != wanted.transport || !same_cluster(o, &wanted.server, &wanted.cluster_id) {
             continue;
         }
@@ -2045,6 +2050,14 @@ mod tests {
         let elsewhere = origin("https://192.0.2.1:6443", "user@lab", "kvpn-system");
         assert_eq!(match_session(&sessions, &elsewhere), SessionMatch::None);
         assert_eq!(match_session(&[], &a), SessionMatch::None);
+        // A `kvpn run` session of the same cluster is not the laptop's connection
+        // (trial F2: connect said "Already connected" and routed nothing).
+        let run = vec![Session {
+            run_cgroup: "/sys/fs/cgroup/kvpn-run-r".into(),
+            ..session("run", Some(a.clone()))
+        }];
+        assert_eq!(match_session(&run, &a), SessionMatch::None);
+        assert_eq!(match_session(&run, &admin), SessionMatch::None);
     }
 
     #[test]

@@ -596,7 +596,7 @@ pub fn unresolved_message(target: &str, sessions: &[Session], why: Option<&str>)
         .find(|p| !p.is_empty())
         .unwrap_or("");
     let what = match why {
-        Some(e) => format!("the resolver failed ({e})"),
+        Some(e) => format!("no address (the resolver said: {e})"),
         None => format!("no answer within {} s", RESOLVE_WAIT.as_secs()),
     };
     let asked = if dns.is_empty() {
@@ -616,12 +616,15 @@ pub fn unresolved_message(target: &str, sessions: &[Session], why: Option<&str>)
         })
         .unwrap_or_default();
     let route_hint = if policy == "preserve" {
-        " Under source policy preserve the replies need the nodes' route for the tunnel          pool back to the manager: a missing return route looks exactly like this."
+        " Under source policy preserve the replies need the nodes' route for the tunnel \
+         pool back to the manager: a missing return route looks exactly like this."
     } else {
         ""
     };
     format!(
-        "cannot resolve {target}: kvpn is connected, but {asked} gave {what} through the          session.{route_hint} Fix: {dns_probe}or give the target as IP:PORT (e.g. the          Service's ClusterIP from `kubectl get svc`)"
+        "cannot resolve {target}: kvpn is connected, but asking {asked} through the session \
+         gave {what}.{route_hint} Fix: {dns_probe}or give the target as IP:PORT (e.g. the \
+         Service's ClusterIP from `kubectl get svc`)"
     )
 }
 
@@ -959,6 +962,14 @@ mod tests {
             "{m}"
         );
         assert!(!m.contains("is kvpn connected"), "{m}");
+        // In words, without the runs of spaces a line continuation left (trial F9).
+        assert!(!m.contains("  "), "{m}");
+        let m = unresolved_message("nosuch.default:80", &[], Some("Temporary failure"));
+        assert!(
+            m.contains("gave no address (the resolver said: Temporary failure)"),
+            "{m}"
+        );
+        assert!(!m.contains("  "), "{m}");
     }
 
     /// A plain closed port: what was seen is a reset from the backend, and no

@@ -14,6 +14,11 @@
 //! name that session's TUN device and say to check it there rather than
 //! blaming a foreign owner.
 //!
+//! A `kvpn run` session's TUN device is no conflict at all: its routes live in the
+//! run's own table ([`crate::run_scope`]), which only that run's marked sockets
+//! consult, so every route through such a device (its table's, and the local
+//! table's entry for its tunnel IP) is left out.
+//!
 //! With the override (`kvpn connect --allow-route-conflict`), cluster-bound
 //! traffic is steered without touching the laptop's route:
 //! - a cluster range *inside* (or wider than) the laptop route but not equal to
@@ -200,7 +205,18 @@ pub fn find(
     kvpn_protocol: u8,
     own_oif: Option<u32>,
 ) -> Vec<Conflict> {
-    let is_own = |r: &LaptopRoute| own_oif.is_some_and(|o| o == r.oif) && r.oif != 0;
+    let run_tables = crate::run_scope::RUN_TABLE_BASE
+        ..crate::run_scope::RUN_TABLE_BASE + u32::from(crate::run_scope::MAX_RUN_SESSIONS);
+    let run_devs: BTreeSet<&str> = routes
+        .iter()
+        .filter(|r| {
+            r.protocol == kvpn_protocol && run_tables.contains(&r.table) && !r.dev.is_empty()
+        })
+        .map(|r| r.dev.as_str())
+        .collect();
+    let is_own = |r: &LaptopRoute| {
+        (own_oif.is_some_and(|o| o == r.oif) && r.oif != 0) || run_devs.contains(r.dev.as_str())
+    };
     let kvpn_devs: BTreeSet<&str> = routes
         .iter()
         .filter(|r| r.protocol == kvpn_protocol && !r.dev.is_empty() && !is_own(r))
@@ -394,6 +410,27 @@ mod tests {
         let msg = refusal(&got);
         assert!(msg.contains("--allow-route-conflict"), "{msg}");
         assert!(msg.contains("br-kvpnx"), "{msg}");
+    }
+
+    /// A `kvpn run` session's TUN device (routes in a run table) is nobody's
+    /// conflict: not its table's routes, not the local entry of its tunnel IP
+    /// (trial F6: a connect listed them as unhandled conflicts).
+    #[test]
+    fn a_run_sessions_tun_device_is_no_conflict() {
+        let run_table = crate::run_scope::RUN_TABLE_BASE + 3;
+        let ranges = [
+            (net("10.96.0.0/12"), RouteKind::Service),
+            (net("100.96.0.0/16"), RouteKind::Extra),
+        ];
+        let mut local = route("100.96.0.2/32", "kvpn1", 2, TABLE_LOCAL);
+        local.oif = 8;
+        let mut in_run = route("10.96.0.0/12", "kvpn1", 107, run_table);
+        in_run.oif = 8;
+        let other = route("10.96.0.0/12", "kvpn5", 107, TABLE_MAIN);
+        let got = find(&ranges, &[local, in_run, other], 107, Some(99));
+        let text: Vec<String> = got.iter().map(ToString::to_string).collect();
+        assert_eq!(text.len(), 1, "{text:?}");
+        assert!(text[0].contains("dev kvpn5"), "{text:?}");
     }
 
     #[test]

@@ -1258,16 +1258,29 @@ impl Session {
         } else {
             RP_FILTER_LOOSE
         };
-        netlink
-            .set_rp_filter(ifindex, rp_filter)
-            .await
-            .map_err(|e| step_err(Step::SetRpFilter, e))?;
+        if rp_filter == 0 {
+            // RTM_SETLINK's IFLA_INET_CONF request carries only non-zero values
+            // (netlink-packet-route's DevConfRequest), so 0 would leave the
+            // device at conf/default's value (1 or 2 on many distributions):
+            // written through /proc/sys instead (trial F1).
+            let path = format!("/proc/sys/net/ipv4/conf/{name}/rp_filter");
+            std::fs::write(&path, "0")
+                .map_err(|e| step_err(Step::SetRpFilter, format!("cannot set {path} to 0: {e}")))?;
+        } else {
+            netlink
+                .set_rp_filter(ifindex, rp_filter)
+                .await
+                .map_err(|e| step_err(Step::SetRpFilter, e))?;
+        }
         match netlink.rp_filter(ifindex).await {
             Ok(Some(v)) if v == rp_filter => {}
             Ok(other) => {
                 return Err(step_err(
                     Step::SetRpFilter,
-                    format!("rp_filter on {name} reads {other:?} after setting {rp_filter}"),
+                    format!(
+                        "rp_filter on {name} reads {} after setting {rp_filter}",
+                        other.map_or_else(|| "nothing".to_owned(), |v| v.to_string())
+                    ),
                 ));
             }
             Err(e) => return Err(step_err(Step::SetRpFilter, e)),

@@ -23,13 +23,20 @@ pub enum NotRunnable {
     /// Executable, but neither an ELF binary nor a `#!` script: execve fails
     /// with ENOEXEC ("exec format error").
     NotAProgram(PathBuf),
+    /// A `#!` script whose interpreter does not exist: execve fails with ENOENT.
+    NoInterpreter {
+        /// The script.
+        script: PathBuf,
+        /// The interpreter its `#!` line names.
+        interpreter: PathBuf,
+    },
 }
 
 impl NotRunnable {
     /// A shell's exit code for it.
     pub fn exit_code(&self) -> i32 {
         match self {
-            NotRunnable::NotFound(_) => EXIT_NOT_FOUND,
+            NotRunnable::NotFound(_) | NotRunnable::NoInterpreter { .. } => EXIT_NOT_FOUND,
             NotRunnable::NotExecutable(_) | NotRunnable::NotAProgram(_) => EXIT_NOT_EXECUTABLE,
         }
     }
@@ -45,10 +52,25 @@ impl std::fmt::Display for NotRunnable {
                 f,
                 "{p}: command not found — install it, or give its full path (PATH is searched)"
             ),
+            NotRunnable::NotExecutable(p) if p.is_dir() => write!(
+                f,
+                "{}: is a folder — give the program inside it",
+                p.display()
+            ),
             NotRunnable::NotExecutable(p) => write!(
                 f,
-                "{}: permission denied (a folder, or no execute permission) — `chmod +x` it",
+                "{}: permission denied (no execute permission) — `chmod +x` it",
                 p.display()
+            ),
+            NotRunnable::NoInterpreter {
+                script,
+                interpreter,
+            } => write!(
+                f,
+                "{}: its interpreter {} (the #! line) is not found — install it, or fix the \
+                 script's first line",
+                script.display(),
+                interpreter.display()
             ),
             NotRunnable::NotAProgram(p) => write!(
                 f,
@@ -105,19 +127,34 @@ pub fn find_program(
     ))
 }
 
-/// `p` when the kernel can exec it: an ELF binary or a `#!` script (what
-/// execve accepts; a file it cannot read is left to execve to judge).
+/// `p` when the kernel can exec it: an ELF binary, or a `#!` script whose
+/// interpreter exists (what execve accepts; a file it cannot read is left to
+/// execve to judge).
 fn runnable_format(p: PathBuf) -> Result<PathBuf, NotRunnable> {
     use std::io::Read as _;
-    let mut head = [0u8; 4];
+    // The kernel reads at most this much of a #! line (BINPRM_BUF_SIZE).
+    let mut head = [0u8; 256];
     let Ok(n) = std::fs::File::open(&p).and_then(|mut f| f.read(&mut head)) else {
         return Ok(p);
     };
     let head = &head[..n];
-    if head.starts_with(b"\x7fELF") || head.starts_with(b"#!") {
-        Ok(p)
-    } else {
-        Err(NotRunnable::NotAProgram(p))
+    if head.starts_with(b"\x7fELF") {
+        return Ok(p);
+    }
+    let Some(line) = head.strip_prefix(b"#!") else {
+        return Err(NotRunnable::NotAProgram(p));
+    };
+    let line = line.split(|b| *b == b'\n').next().unwrap_or_default();
+    let interpreter = String::from_utf8_lossy(line)
+        .split_whitespace()
+        .next()
+        .map(PathBuf::from);
+    match interpreter {
+        Some(i) if i.is_absolute() && !i.exists() => Err(NotRunnable::NoInterpreter {
+            script: p,
+            interpreter: i,
+        }),
+        _ => Ok(p),
     }
 }
 
@@ -167,6 +204,22 @@ mod tests {
         assert_eq!(e, NotRunnable::NotAProgram(junk.clone()));
         assert_eq!(e.exit_code(), 126);
         assert!(e.to_string().contains("exec format error"), "{e}");
+        // A script whose #! interpreter is missing: 127 before anything runs
+        // (trial F12: found only after a whole connect).
+        let orphan = b.join("orphan");
+        std::fs::write(&orphan, "#!/nonexistent-kvpn/interp -x\necho hi\n").expect("write");
+        std::fs::set_permissions(&orphan, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let e = find_program(orphan.to_str().expect("utf-8"), None).expect_err("orphan ran");
+        assert_eq!(e.exit_code(), 127, "{e}");
+        assert!(
+            e.to_string()
+                .contains("interpreter /nonexistent-kvpn/interp"),
+            "{e}"
+        );
+        // A folder is named as one, not told to chmod.
+        let e = find_program(a.to_str().expect("utf-8"), None).expect_err("folder ran");
+        assert_eq!(e.exit_code(), 126);
+        assert!(e.to_string().contains("is a folder"), "{e}");
         let elf = std::env::current_exe().expect("this test binary");
         assert_eq!(
             find_program(elf.to_str().expect("utf-8"), None),

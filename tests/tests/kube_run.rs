@@ -184,14 +184,20 @@ fn a_run_reaches_its_cluster_by_ip_and_name_and_nothing_outside_it_does() {
     // Strict reverse-path filtering on the laptop (this fixture's own netns): a
     // distribution default in places, and what dropped every reply of a run
     // before the TUN's ingress check marked them for the run's table (#27).
+    // New devices start with conf/default's value: 2 (loose) is what systemd's
+    // sysctl defaults set, and the run's TUN device must still end up with 0
+    // (trial F1: the setup failed, "reads 2 after setting 0").
     f.laptop(&["sysctl", "-qw", "net.ipv4.conf.all.rp_filter=1"]);
+    f.laptop(&["sysctl", "-qw", "net.ipv4.conf.default.rp_filter=2"]);
+    let set = f.laptop(&[
+        "sysctl",
+        "-n",
+        "net.ipv4.conf.all.rp_filter",
+        "net.ipv4.conf.default.rp_filter",
+    ]);
     assert_eq!(
-        text(
-            &f.laptop(&["sysctl", "-n", "net.ipv4.conf.all.rp_filter"])
-                .stdout
-        )
-        .trim(),
-        "1"
+        text(&set.stdout).split_whitespace().collect::<Vec<_>>(),
+        ["1", "2"]
     );
     let pods = web_pods(&f, f.lab());
     let names: Vec<String> = pods.iter().map(pod_name).collect();
