@@ -48,6 +48,11 @@
 //! is a thread of the calling process with a current-thread tokio runtime; only its
 //! sockets live in the pod netns.
 //!
+//! On real nodes ([`super::node::cluster_dns`]) the same server runs inside a real
+//! pod instead: `kvpn-lab-server dns` from the lab-server image, with the pod's
+//! service account ([`DnsServerConfig::in_cluster`]) and no registration (a
+//! selector Service maps port 53 to its port 5353).
+//!
 //! I/O: the Kubernetes API (watch, the kube-dns Service and Endpoints), the two
 //! sockets, and the pod netns via [`crate::topology::Node`]. [`ClusterRecords`] and
 //! [`resolv_conf`] are pure.

@@ -30,6 +30,7 @@
 //! I/O everywhere except [`render`] (configuration files) and the address plan
 //! ([`NodePlan`]).
 
+pub mod cluster_dns;
 pub mod egress;
 pub mod host;
 pub mod images;
@@ -114,7 +115,7 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
 
 /// An OCI (or docker) image archive to import into every node's containerd
 /// (`ctr -n k8s.io images import`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ImageArchive {
     pub path: PathBuf,
     /// `--base-name`: names the archive's tagged images `<base>:<tag>` when they carry
