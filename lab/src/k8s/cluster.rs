@@ -1148,7 +1148,19 @@ pub fn down_named(name: &str) -> Result<bool, Error> {
                 // The agent stops its nodes on SIGTERM; one killed instead (hung, or
                 // SIGKILLed by someone) leaves them: say what, before the lab's
                 // folder and netns go.
-                let left = super::node::leftovers(lab.id(), &lab.dir().join("nodes"), real.count);
+                let nodes_dir = lab.dir().join("nodes");
+                let mut left = super::node::leftovers(lab.id(), &nodes_dir, real.count);
+                if !left.is_empty() {
+                    tracing::warn!(?left, "the agent left its real nodes; taking them back");
+                    for e in super::node::reclaim(lab.id(), &nodes_dir, real.count) {
+                        tracing::warn!(error = %e, "reclaiming a real node");
+                    }
+                    // The node netns go with the lab below.
+                    left = super::node::leftovers(lab.id(), &nodes_dir, real.count)
+                        .into_iter()
+                        .filter(|l| !l.starts_with("netns "))
+                        .collect();
+                }
                 if !left.is_empty() {
                     first.get_or_insert(Error::State {
                         name: name.to_owned(),
