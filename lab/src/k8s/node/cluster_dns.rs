@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
 use super::{Error, RealNodes};
@@ -270,12 +270,60 @@ pub async fn wait_serving(
             return Err(Error::NotReady {
                 after: t0.elapsed(),
                 message: format!(
-                    "cluster DNS (kube-system/kube-dns): {last} (see `kubectl -n kube-system logs deploy/kube-dns` and the kubelet logs)"
+                    "cluster DNS (kube-system/kube-dns): {last}; its pods: {} (see `kubectl -n kube-system logs deploy/kube-dns` and the kubelet logs; an image without `kvpn-lab-server dns` exits at once: rebuild it with `cargo xtask image`)",
+                    pod_states(client).await
                 ),
             });
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// `name: phase, container state (reason: message)` of each DNS pod, for errors.
+async fn pod_states(client: &kube::Client) -> String {
+    let api: Api<Pod> = Api::namespaced(client.clone(), DNS_SERVICE_NAMESPACE);
+    let params = ListParams::default().labels(&format!("k8s-app={APP_LABEL}"));
+    let pods = match api.list(&params).await {
+        Ok(p) => p.items,
+        Err(e) => return format!("cannot list them: {e}"),
+    };
+    if pods.is_empty() {
+        return "none".into();
+    }
+    pods.iter()
+        .map(|p| {
+            let status = p.status.as_ref();
+            let phase = status
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_else(|| "unknown".into());
+            let container = status
+                .and_then(|s| s.container_statuses.as_ref())
+                .and_then(|c| c.first())
+                .map(|c| {
+                    let state = c.state.as_ref();
+                    let last = c.last_state.as_ref().and_then(|l| l.terminated.as_ref());
+                    let now = state
+                        .and_then(|s| s.waiting.as_ref())
+                        .map(|w| format!("waiting {}", w.reason.clone().unwrap_or_default()))
+                        .unwrap_or_else(|| "running".into());
+                    match last {
+                        Some(t) => format!(
+                            "{now}, restarts {}, last exit {} {}",
+                            c.restart_count,
+                            t.exit_code,
+                            t.message.clone().unwrap_or_default().trim()
+                        ),
+                        None => now,
+                    }
+                })
+                .unwrap_or_else(|| "no container status".into());
+            format!(
+                "{}: {phase}, {container}",
+                p.metadata.name.clone().unwrap_or_default()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 #[cfg(test)]
