@@ -5,6 +5,8 @@ set -uo pipefail
 
 BIN="${KVPN_BIN_DIR:?run this through ./x demo}"
 BUILD="${KVPN_DEMO_BUILD:-unknown}"
+# `--real-nodes` (./x demo --real-nodes): the lab on real node software.
+LAB_UP_ARGS="${KVPN_DEMO_LAB_UP_ARGS:-}"
 export PATH="$BIN:$PATH"
 # The demo's daemons live in the lab's laptop netns, in the runtime folder
 # `kvpn lab exec laptop` gives them (never a kvpn daemon of the real machine);
@@ -32,12 +34,14 @@ fi
 
 bold "1. Bring up the lab: a laptop, a node, a Kubernetes control plane, pods, ClusterIPs, cluster DNS"
 kvpn lab down >/dev/null 2>&1
-show kvpn lab up || exit 1
+# shellcheck disable=SC2086 # LAB_UP_ARGS is a list of flags
+show kvpn lab up $LAB_UP_ARGS || exit 1
 # The laptop's kubeconfig for the restricted user kvpn-user (only what kvpn needs).
 KUBECONFIG_USER=$(kvpn lab info | grep -o '/[^ ]*laptop-kvpn-user.kubeconfig' | head -n1)
 [ -n "$KUBECONFIG_USER" ] || { echo "no laptop kubeconfig"; exit 1; }
 show laptop kubectl get pods -A -o wide
-# The two default/web pods (the kubelet stand-in hands out their IPs).
+# The two default/web pods (their IPs come from the kubelet stand-in, or from the
+# CNI plugin on real nodes).
 web_pod() { laptop kubectl get pods -n default -l app=web -o "jsonpath={.items[$1].$2}"; }
 POD1=$(web_pod 0 status.podIP); POD2=$(web_pod 1 status.podIP); POD1_NAME=$(web_pod 0 metadata.name)
 [ -n "$POD1" ] && [ -n "$POD2" ] && [ -n "$POD1_NAME" ] || { echo "no web pods"; exit 1; }

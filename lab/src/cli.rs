@@ -34,6 +34,15 @@ pub enum LabCommand {
         /// an IPv6 ClusterIP too (PreferDualStack), so `kvpn connect` routes both.
         #[arg(long)]
         dual_stack: bool,
+        /// Real node software instead of the stand-ins: nodes with Debian's
+        /// containerd + runc, the CNI bridge plugin, kubelet and kube-proxy 1.20.2 and
+        /// kube-scheduler, running the project's images (`cargo xtask image`;
+        /// KVPN_IMAGE_DIR names their folder), the cluster DNS as a pod.
+        #[arg(long, conflicts_with = "dual_stack")]
+        real_nodes: bool,
+        /// How many real nodes.
+        #[arg(long, default_value_t = 2, requires = "real_nodes", value_parser = clap::value_parser!(u8).range(1..=8))]
+        nodes: u8,
     },
     /// Tear the lab down; nothing of it remains.
     Down,
@@ -78,19 +87,54 @@ mod output {
 /// Run a `kvpn lab` subcommand.
 pub async fn run(cmd: LabCommand) -> Result<()> {
     match cmd {
-        LabCommand::Up { dual_stack } => up(dual_stack).await,
+        LabCommand::Up {
+            dual_stack,
+            real_nodes,
+            nodes,
+        } => up(dual_stack, real_nodes.then_some(usize::from(nodes))).await,
         other => tokio::task::spawn_blocking(move || run_blocking(other))
             .await
             .context("lab task panicked")?,
     }
 }
 
-async fn up(dual_stack: bool) -> Result<()> {
-    output::step(
-        "Bringing the lab up: laptop and node network namespaces, etcd + kube-apiserver + \
-         kube-controller-manager, kubelet/kube-proxy/DNS stand-ins, sample workloads \
-         (the traffic manager is installed by `kvpn connect`)",
-    );
+/// The options of a real-node lab of `count` nodes: the project's images (pause
+/// as the sandbox, the lab server for the samples and the cluster DNS, the manager
+/// for `kvpn connect` to install), imported into every node.
+fn real_node_options(count: usize) -> Result<crate::k8s::RealNodeOptions> {
+    use crate::k8s::node::images;
+    let archive = |key: &str| {
+        images::project_archive(key)
+            .with_context(|| format!("kvpn lab up --real-nodes needs the {key} image"))
+    };
+    Ok(crate::k8s::RealNodeOptions {
+        count,
+        images: vec![
+            archive("pause")?,
+            archive("lab-server")?,
+            archive("manager")?,
+        ],
+        sandbox_image: images::project_image("pause"),
+        samples_image: Some(images::project_image("lab-server")),
+        cluster_dns_image: Some(images::project_image("lab-server")),
+        ready_timeout: std::time::Duration::from_secs(120),
+    })
+}
+
+async fn up(dual_stack: bool, real_nodes: Option<usize>) -> Result<()> {
+    match real_nodes {
+        Some(count) => output::step(&format!(
+            "Bringing the lab up: laptop and router network namespaces, etcd + kube-apiserver + \
+             kube-controller-manager + kube-scheduler, {count} real nodes (containerd + runc, CNI, \
+             kubelet, kube-proxy), the cluster DNS pod, sample workloads (the traffic manager is \
+             installed by `kvpn connect`)"
+        )),
+        None => output::step(
+            "Bringing the lab up: laptop and node network namespaces, etcd + kube-apiserver + \
+             kube-controller-manager, kubelet/kube-proxy/DNS stand-ins, sample workloads \
+             (the traffic manager is installed by `kvpn connect`)",
+        ),
+    }
     let started = std::time::Instant::now();
     // No pre-installed traffic manager: `kvpn connect --kubeconfig …` installs it, as
     // on a real cluster.
@@ -103,14 +147,14 @@ async fn up(dual_stack: bool) -> Result<()> {
     } else {
         crate::Addressing::default()
     };
-    let lab = K8sLab::up(
-        K8sLabOptions::default()
-            .persist_as(DEFAULT_LAB_NAME)
-            .workloads(workloads)
-            .addressing(addressing),
-    )
-    .await
-    .context("kvpn lab up failed")?;
+    let mut options = K8sLabOptions::default()
+        .persist_as(DEFAULT_LAB_NAME)
+        .workloads(workloads)
+        .addressing(addressing);
+    if let Some(count) = real_nodes {
+        options = options.real_nodes(real_node_options(count)?);
+    }
+    let lab = K8sLab::up(options).await.context("kvpn lab up failed")?;
     output::info_block(&lab.info());
     let admin = lab.laptop_admin_kubeconfig().to_owned();
     let user = lab.laptop_user_kubeconfig().to_owned();
@@ -184,8 +228,21 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
                     "kvpn lab exec {role}: no command given — e.g. `kvpn lab exec laptop -- kubectl get pods -A`"
                 )
             })?;
-            let netns = find_netns(&lab, &role)?;
-            let mut cmd: Command = netns.command(program);
+            let (mut cmd, netns) = match find_netns(&lab, &role) {
+                Ok(netns) => (netns.command(program), Some(netns)),
+                Err(e) => match real_node_pod_pid(&lab, &role)? {
+                    // A pod on a real node: its netns is pinned inside the node's
+                    // mount namespace; enter it through one of its processes.
+                    Some(pid) => {
+                        let mut cmd = Command::new("nsenter");
+                        cmd.arg(format!("--net=/proc/{pid}/ns/net"))
+                            .arg("--")
+                            .arg(program);
+                        (cmd, None)
+                    }
+                    None => return Err(e),
+                },
+            };
             cmd.args(args);
             if role == crate::LAPTOP
                 && std::env::var_os("KUBECONFIG").is_none()
@@ -194,7 +251,9 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
                 // What a developer's laptop has: a kubeconfig for the cluster.
                 cmd.env("KUBECONFIG", &state.laptop_admin_kubeconfig);
             }
-            if role == crate::LAPTOP {
+            if role == crate::LAPTOP
+                && let Some(netns) = &netns
+            {
                 // The laptop's own hosts file, which `ip netns exec` binds over
                 // /etc/hosts there. A root daemon started from here edits the file
                 // KVPN_HOSTS names (`kvpn connect --hosts`); without it, it would be
@@ -202,7 +261,7 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
                 // the lab has no file of its own (a lab from an older kvpn: made now,
                 // as a copy of /etc/hosts). Always set: an inherited KVPN_HOSTS could
                 // name this machine's file.
-                crate::write_laptop_hosts(&netns, false)
+                crate::write_laptop_hosts(netns, false)
                     .context("cannot write the lab laptop's hosts file")?;
                 cmd.env("KVPN_HOSTS", netns.etc_dir().join(crate::LAPTOP_HOSTS_FILE));
             }
@@ -343,6 +402,65 @@ fn remove_runtime_dir(runtime: &Path) -> Result<bool> {
     }
 }
 
+/// On a real-node lab, the pid of a process of pod `name` (any namespace; its first
+/// container), found through the API (admin kubeconfig) and /proc; None when the lab
+/// has no real nodes or no such pod runs.
+fn real_node_pod_pid(lab: &Lab, name: &str) -> Result<Option<u32>> {
+    let Some(state) = K8sLabState::read(lab.dir()).context("reading the lab's Kubernetes state")?
+    else {
+        return Ok(None);
+    };
+    if state.real_nodes.is_none() {
+        return Ok(None);
+    }
+    let out = Command::new(crate::k8s::kubectl_path())
+        .arg("--kubeconfig")
+        .arg(&state.admin_kubeconfig)
+        .args([
+            "get",
+            "pods",
+            "-A",
+            "--request-timeout=10s",
+            "--field-selector",
+            &format!("metadata.name={name}"),
+            "-o",
+            "jsonpath={.items[*].status.containerStatuses[0].containerID}",
+        ])
+        .output()
+        .context("cannot run kubectl to find the pod")?;
+    if !out.status.success() {
+        return Err(anyhow!(
+            "kvpn lab exec {name}: kubectl get pods failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let ids = String::from_utf8_lossy(&out.stdout).into_owned();
+    let ids: Vec<&str> = ids
+        .split_whitespace()
+        .filter_map(|id| id.strip_prefix("containerd://"))
+        .collect();
+    let [id] = ids.as_slice() else {
+        return match ids.len() {
+            0 => Ok(None),
+            n => Err(anyhow!(
+                "kvpn lab exec {name}: {n} pods of that name in different namespaces — none chosen"
+            )),
+        };
+    };
+    let entries = std::fs::read_dir("/proc").context("reading /proc")?;
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|c| c.contains(id)) {
+            return Ok(Some(pid));
+        }
+    }
+    Err(anyhow!(
+        "kvpn lab exec {name}: no process of container {id} on this machine — is the pod running? (`kvpn lab exec laptop -- kubectl get pods -A`)"
+    ))
+}
+
 /// The netns of `role`: `laptop`, `node`, a static pod, or a Kubernetes pod by its name
 /// (the kubelet stand-in names pod netns `kvpn-<id>-<pod>-<uid[..5]>`).
 fn find_netns(lab: &Lab, role: &str) -> Result<Netns> {
@@ -351,6 +469,11 @@ fn find_netns(lab: &Lab, role: &str) -> Result<Netns> {
         Err(LabError::UnknownRole { .. }) => {
             let prefix = format!("kvpn-{}-{role}-", lab.id());
             let names = crate::lab_netns(lab.id()).context("listing the lab's netns")?;
+            // A real node (`n1`, `n2`, …): netns `kvpn-<id>-n<i>`.
+            let exact = crate::topology::netns_name(lab.id(), role);
+            if names.contains(&exact) {
+                return Ok(Netns::from_name(&exact));
+            }
             let matches: Vec<&String> = names
                 .iter()
                 .filter(|n| {

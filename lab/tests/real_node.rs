@@ -287,6 +287,7 @@ async fn two_real_nodes_run_pods_across_nodes_with_services_and_port_forward() {
         images: vec![image, pause],
         sandbox_image: images::project_image("pause"),
         samples_image: None,
+        cluster_dns_image: None,
         ready_timeout: Duration::from_secs(180),
     });
     // KVPN_LAB_KEEP_DIR=1 keeps the lab folder (node logs, configs) for a post-mortem.

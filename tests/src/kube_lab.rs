@@ -203,8 +203,9 @@ impl KubeFixture {
     /// with containerd + runc, CNI, a real kubelet and kube-proxy 1.20.2, and the
     /// project's images (`cargo xtask image`) imported: pause as the sandbox image,
     /// the lab server running the sample workloads (`default/web`'s replicas on
-    /// different nodes), the manager for `kvpn connect` to install. No traffic
-    /// manager and no cluster DNS.
+    /// different nodes) and the cluster DNS pod (`kube-system/kube-dns` behind the
+    /// DNS ClusterIP), the manager for `kvpn connect` to install. No traffic
+    /// manager.
     pub fn real_nodes(count: usize) -> Self {
         use kvpn_lab::k8s::node::images;
         let archive =
@@ -214,6 +215,7 @@ impl KubeFixture {
             images: vec![archive("pause"), archive("lab-server"), archive("manager")],
             sandbox_image: images::project_image("pause"),
             samples_image: Some(images::project_image("lab-server")),
+            cluster_dns_image: Some(images::project_image("lab-server")),
             ready_timeout: Duration::from_secs(120),
         });
         // KVPN_LAB_KEEP_DIR keeps the lab folder (node logs, configs) for a post-mortem.

@@ -1,6 +1,7 @@
 //! Split DNS on the laptop (issue dns-fidelity item 1, cases dns-01…dns-09) in the
-//! Kubernetes lab: the cluster DNS is the lab's hickory-based kube-dns behind
-//! ClusterIP 10.96.0.10; the laptop's own resolver is a real dnsmasq in the laptop
+//! Kubernetes lab on real node software (two nodes, `KubeFixture::real_nodes`): the
+//! cluster DNS is the lab's hickory-based server as the pod `kube-system/kube-dns`
+//! behind ClusterIP 10.96.0.10 (kube-proxy's iptables rules); the laptop's own resolver is a real dnsmasq in the laptop
 //! netns on 127.0.0.1 serving `corp.test` and a public-looking name, whose query log
 //! proves that cluster names never reach it. Queries come from real `dig`,
 //! `getent hosts` and `curl` in the laptop netns, which read the laptop netns's
@@ -21,7 +22,7 @@ use kvpn_tests::text;
 
 #[test]
 fn dns_01_02_03_short_names_every_spelling_connected_namespace_first() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     let upstream = Upstream::start(&f);
     let path = write_laptop_resolv(&f, LAPTOP_RESOLV);
     service(
@@ -131,7 +132,7 @@ fn dns_01_02_03_short_names_every_spelling_connected_namespace_first() {
 
 #[test]
 fn dns_05_08_09_laptop_names_untouched_big_answers_truncate_fast_negative_aaaa() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     let upstream = Upstream::start(&f);
     write_laptop_resolv(&f, LAPTOP_RESOLV);
     // dns-08: a headless Service with 300 endpoints (no selector, Endpoints by hand).
@@ -240,7 +241,7 @@ fn is_symlink(p: &Path) -> bool {
 
 #[test]
 fn dns_06_resolv_conf_restored_exactly_after_disconnect_and_after_sigkill() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     let _upstream = Upstream::start(&f);
     // A symlinked resolv.conf, as with systemd-resolved or NetworkManager.
     let target = f.lab().netns_lab().dir().join("stub-resolv.conf");

@@ -14,7 +14,7 @@
 //! netns, cgroups, container processes, and the global sysctls the kubelet changes
 //! are back.
 //!
-//! Not covered: cluster DNS (the real-node lab runs no DNS pod yet).
+//! Cluster DNS on the real nodes: kube_real_node_dns.rs.
 //!
 //! Needs root, the Kubernetes binaries (kubelet, kube-proxy, kube-scheduler too),
 //! Debian's containerd, runc and CNI plugins, and the images of `cargo xtask image`
@@ -29,6 +29,7 @@ use kube::api::Api;
 use kvpn_lab::k8s::node::{self, images};
 use kvpn_lab::protocol::PageInfo;
 use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name, pod_ready, web};
+use kvpn_tests::real_node::{container_pids, status_field};
 
 /// The global sysctls a 1.20 kubelet sets at start, read while no lab's kubelets
 /// are starting (docs/lab-real-node.md).
@@ -73,35 +74,6 @@ fn rendered_manager_container(
         .and_then(|items| items.iter().find(|o| o["kind"] == "Deployment"))
         .unwrap_or_else(|| panic!("no Deployment in the dry-run: {out}"));
     deployment["spec"]["template"]["spec"]["containers"][0].clone()
-}
-
-/// The pids whose cgroup names container `id` (`containerd://<id>` of the pod
-/// status), in any hierarchy.
-fn container_pids(id: &str) -> Vec<u32> {
-    let mut pids = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return pids;
-    };
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        if std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|c| c.contains(id)) {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
-/// A `Key:` line of /proc/<pid>/status.
-fn status_field(pid: u32, key: &str) -> String {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_else(|e| panic!("/proc/{pid}/status: {e}"));
-    s.lines()
-        .find_map(|l| l.strip_prefix(key))
-        .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
-        .trim()
-        .to_owned()
 }
 
 #[test]

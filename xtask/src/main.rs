@@ -50,6 +50,10 @@ enum Task {
         /// several times worse than release, and the demo says so).
         #[arg(long)]
         debug: bool,
+        /// On the lab with real node software (`kvpn lab up --real-nodes`); builds the
+        /// project's images first.
+        #[arg(long)]
+        real_nodes: bool,
     },
     /// Build, then run every test (unit, property, eBPF, end-to-end on the lab).
     Test {
@@ -175,15 +179,31 @@ fn main() -> Result<()> {
     match args.task {
         Task::Setup => run(Command::new("bash").arg("scripts/setup.sh")),
         Task::Build { release } => build(release).map(|_| ()),
-        Task::Demo { debug } => {
+        Task::Demo { debug, real_nodes } => {
             // Release by default: a debug build moved the demo's 50 MB download at
             // 146 Mbit/s with pings of several ms (issue 29 item 11), 10-20x below
             // release. CI does not run the demo, so its build time costs CI nothing.
             let bin = build(!debug)?;
-            run(Command::new("bash")
-                .arg("scripts/demo.sh")
+            let mut cmd = Command::new("bash");
+            cmd.arg("scripts/demo.sh")
                 .env("KVPN_BIN_DIR", &bin)
-                .env("KVPN_DEMO_BUILD", if debug { "debug" } else { "release" }))
+                .env("KVPN_DEMO_BUILD", if debug { "debug" } else { "release" });
+            if real_nodes {
+                let images = default_image_dir();
+                println!("==> building the OCI images");
+                image::build(&image::ImageRequest {
+                    root: root(),
+                    target_dir: target_dir(),
+                    out: images.clone(),
+                    only: Vec::new(),
+                    no_build: false,
+                    version: env!("CARGO_PKG_VERSION").to_owned(),
+                    path: path_with_tools(),
+                })?;
+                cmd.env("KVPN_IMAGE_DIR", &images)
+                    .env("KVPN_DEMO_LAB_UP_ARGS", "--real-nodes");
+            }
+            run(&mut cmd)
         }
         Task::Test { args } => {
             let bin = build(false)?;

@@ -15,14 +15,24 @@
 //! All sockets are bound before the servers start, so once the HTTP port accepts, the
 //! echo ports do too. SIGTERM or SIGINT ends the process with status 0.
 //!
-//! I/O: the sockets above and log lines (tracing) on stderr.
+//! `kvpn-lab-server dns` instead runs the lab's cluster DNS server
+//! ([`kvpn_lab::k8s::dns`]) as the real-node lab's kube-dns pod does: UDP and TCP on
+//! `--listen` (default `0.0.0.0:5353`, an unprivileged port, so it runs as a non-root
+//! user without NET_BIND_SERVICE; the `kube-dns` Service maps port 53 to it), the
+//! Services and Endpoints read through the pod's service account (or `--kubeconfig`).
+//!
+//! I/O: the sockets above, the Kubernetes API (`dns`), and log lines (tracing) on
+//! stderr.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use ipnet::IpNet;
+use kvpn_lab::k8s::dns::{CLUSTER_DNS_IP, CLUSTER_DOMAIN, DnsServer, DnsServerConfig};
 use kvpn_lab::payload;
 use kvpn_lab::protocol::{
     EchoCommand, EchoStart, PageInfo, Request, classify_echo_start, parse_request_head,
@@ -38,7 +48,46 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const CHUNK: usize = 256 * 1024;
 
 #[derive(Debug, Parser)]
-#[command(about = "kvpn lab backend: HTTP page and big file, TCP echo, UDP echo")]
+#[command(
+    about = "kvpn lab backend: HTTP page and big file, TCP echo, UDP echo (or, with `dns`, the lab's cluster DNS)",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: Args,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The lab's cluster DNS server (kube-dns pod of the real-node lab).
+    Dns(DnsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct DnsArgs {
+    /// UDP and TCP address. 5353: unprivileged, so the pod needs no NET_BIND_SERVICE;
+    /// the kube-dns Service's targetPort points here.
+    #[arg(long, default_value_t = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 5353))]
+    listen: SocketAddrV4,
+    /// The cluster domain.
+    #[arg(long, default_value = CLUSTER_DOMAIN)]
+    domain: String,
+    /// The kube-dns ClusterIP (the address of `ns.dns.<domain>`).
+    #[arg(long, default_value_t = CLUSTER_DNS_IP)]
+    dns_ip: Ipv4Addr,
+    /// A CIDR whose reverse names (PTR) it answers; repeat for several. Default: the
+    /// lab's service and pod CIDRs.
+    #[arg(long = "reverse-cidr")]
+    reverse_cidrs: Vec<IpNet>,
+    /// Kubeconfig to read Services and Endpoints with. Default: the pod's service
+    /// account (in-cluster configuration).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
 struct Args {
     /// Pod name shown on the page.
     #[arg(long, env = "POD_NAME", default_value = "unnamed-pod")]
@@ -64,13 +113,52 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    let cli = Cli::parse();
+    if let Some(Command::Dns(dns)) = cli.command {
+        return run_dns(dns);
+    }
+    let args = cli.serve;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("cannot start the tokio runtime")?;
     runtime.block_on(run(args))
+}
+
+/// The cluster DNS until SIGTERM or SIGINT. The server runs on its own thread
+/// ([`DnsServer`]); `start` returns once it serves the first list of Services.
+fn run_dns(args: DnsArgs) -> anyhow::Result<()> {
+    let mut config = match &args.kubeconfig {
+        Some(path) => {
+            let mut c = DnsServerConfig::new(path, None, *args.listen.ip());
+            c.listen = args.listen;
+            c
+        }
+        None => DnsServerConfig::in_cluster(args.listen),
+    };
+    config.zone.domain = args.domain.clone();
+    config.zone.dns_ip = IpAddr::V4(args.dns_ip);
+    if !args.reverse_cidrs.is_empty() {
+        config.zone.reverse_cidrs = args.reverse_cidrs.clone();
+    }
+    let server = DnsServer::start(config).context("cannot start the cluster DNS server")?;
+    tracing::info!(listen = %server.listen(), domain = %args.domain, "kvpn-lab-server dns ready");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    runtime.block_on(async {
+        let mut sigterm = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+        let mut sigint = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+        tokio::select! {
+            _ = sigterm.recv() => tracing::info!("SIGTERM: exiting"),
+            _ = sigint.recv() => tracing::info!("SIGINT: exiting"),
+        }
+        anyhow::Ok(())
+    })?;
+    server.stop();
+    Ok(())
 }
 
 /// `a` as an IPv4 address where it is an IPv4-mapped IPv6 one (a dual-stack

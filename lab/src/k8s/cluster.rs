@@ -69,6 +69,16 @@ pub const LAPTOP_USER_KUBECONFIG: &str = "laptop-kvpn-user.kubeconfig";
 pub const AGENT_BIN: &str = "kvpn-lab-agent";
 /// Written by the agent once its node services run.
 const AGENT_READY_FILE: &str = "agent.ready";
+/// The egress proxy's socket in the lab folder (real nodes: the apiserver's way to
+/// the kubelets).
+const EGRESS_SOCKET: &str = "egress.sock";
+/// Bound for the agent to bring its node services up. The stand-ins take a few
+/// seconds; real nodes 20–30 s here, and a second lab waits for the first one's
+/// kubelet start lock.
+const AGENT_START_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long `kvpn lab down` waits for the agent after SIGTERM: real nodes stop each
+/// process with a 5 s grace, then their cgroups and namespaces.
+const AGENT_STOP_TIMEOUT: Duration = Duration::from_secs(60);
 /// The apiserver's NodePort range: wide enough for the manager's NodePort 10801.
 const NODE_PORT_RANGE: &str = "10000-32767";
 /// Admin user name of the control plane's kubeconfigs.
@@ -158,8 +168,8 @@ pub struct K8sLabOptions {
 
 /// How many real nodes and what to load into them (see [`K8sLabOptions::real_nodes`]).
 /// Without the lab's manager Deployment (`kvpn connect` installs the manager from its
-/// image) and the cluster DNS, and only in-process (not `kvpn lab up`).
-#[derive(Debug, Clone)]
+/// image). Recorded in the lab's state file for the agent of a persistent lab.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RealNodeOptions {
     pub count: usize,
     /// Image archives imported into every node's containerd.
@@ -170,6 +180,10 @@ pub struct RealNodeOptions {
     /// of `cargo xtask image`): the sample workloads run it, pull policy
     /// IfNotPresent, `default/web`'s replicas on different nodes. None: no samples.
     pub samples_image: Option<String>,
+    /// The lab server image (one of `images`) to run the cluster DNS from
+    /// ([`super::node::cluster_dns`]: Deployment and Service `kube-system/kube-dns`
+    /// at the DNS ClusterIP the kubelets give pods). None: no cluster DNS.
+    pub cluster_dns_image: Option<String>,
     /// Bound for every node to be Ready with kube-proxy's rules in place.
     pub ready_timeout: Duration,
 }
@@ -264,6 +278,9 @@ pub struct K8sLabState {
     /// The address plan (absent in older files: the default one).
     #[serde(default)]
     pub addressing: Addressing,
+    /// Real nodes, run by the agent (`kvpn lab up --real-nodes`); None: the stand-ins.
+    #[serde(default)]
+    pub real_nodes: Option<RealNodeOptions>,
 }
 
 impl K8sLabState {
@@ -558,6 +575,86 @@ async fn blocking<T: Send + 'static>(
         .unwrap_or_else(|e| Err(Error::Kubelet(format!("blocking task failed: {e}"))))
 }
 
+/// The node side of a real-node lab against the control plane of `state`: the API
+/// relay in the router netns, the nodes ([`RealNodes::start`]), the cluster DNS
+/// add-on and the sample workloads, returned once all are ready. Run in-process by
+/// [`K8sLab::up`] and by the agent of a persistent lab (`kvpn lab up --real-nodes`);
+/// the egress proxy must already serve `<lab>/egress.sock`. On error whatever
+/// started is taken back (dropped).
+async fn start_real_nodes(
+    lab: &Lab,
+    state: &K8sLabState,
+    real: &RealNodeOptions,
+    samples: bool,
+    ready_timeout: Duration,
+) -> Result<(ApiRelay, RealNodes), Error> {
+    let addressing = state.addressing;
+    let node_ip = lab.uplink().node_ip;
+    let relay = ApiRelay::start(
+        lab.node_netns(),
+        node_ip,
+        &[API_PORT, state.apiserver.port()],
+        state.apiserver,
+    )?;
+    let nodes_config = RealNodesConfig {
+        lab_id: lab.id().to_owned(),
+        dir: lab.dir().join("nodes"),
+        router: lab.node_netns().clone(),
+        node_net: super::node::NODE_NET,
+        pod_cidrs: super::node::node_pod_cidrs(addressing.pod_cidr, real.count),
+        cluster_cidr: addressing.pod_cidr,
+        cluster_dns: addressing.dns_service_ip(),
+        apiserver_url: uplink_url(node_ip),
+        pki_dir: state.control_plane_dir.join("pki"),
+        cluster_name: state.cluster_name.clone(),
+        admin_kubeconfig: state.admin_kubeconfig.clone(),
+        images: real.images.clone(),
+        sandbox_image: real.sandbox_image.clone(),
+        bin_dir: super::k8s_bin_dir(),
+        ready_timeout: real.ready_timeout,
+    };
+    let nodes = RealNodes::start(nodes_config).await?;
+    // The DNS add-on and the samples are applied first and waited for together:
+    // their pods start in parallel.
+    let client = super::client_from_kubeconfig(&state.admin_kubeconfig).await?;
+    let dns =
+        real.cluster_dns_image
+            .as_ref()
+            .map(|image| super::node::cluster_dns::ClusterDnsSpec {
+                image: image.clone(),
+                service_ip: addressing.dns_service_ip(),
+                domain: super::dns::CLUSTER_DOMAIN.to_owned(),
+                reverse_cidrs: vec![
+                    ipnet::IpNet::V4(addressing.service_cidr),
+                    ipnet::IpNet::V4(addressing.pod_cidr),
+                ],
+            });
+    if let Some(spec) = &dns {
+        super::node::cluster_dns::apply(&client, spec).await?;
+    }
+    let samples = Workloads {
+        samples: samples && real.samples_image.is_some(),
+        manager: false,
+    };
+    if let Some(image) = real.samples_image.as_ref().filter(|_| samples.samples) {
+        workloads::apply_on_real_nodes(&client, samples, &addressing, image).await?;
+    }
+    if let Some(spec) = &dns {
+        super::node::cluster_dns::wait_serving(
+            &client,
+            &nodes,
+            spec,
+            addressing.kubernetes_service_ip(),
+            ready_timeout,
+        )
+        .await?;
+    }
+    if samples.samples {
+        workloads::wait_ready(&client, samples, ready_timeout).await?;
+    }
+    Ok((relay, nodes))
+}
+
 impl K8sLab {
     /// Builds the whole lab (see the module docs) and returns once the sample
     /// Deployments are ready. On error everything built so far is torn down.
@@ -589,6 +686,7 @@ impl K8sLab {
                 workloads_manager: options.workloads.manager,
                 agent: None,
                 addressing,
+                real_nodes: None,
             },
             lab: Some(lab),
             persistent,
@@ -608,11 +706,12 @@ impl K8sLab {
             .apiserver_extra_args
             .push(format!("--service-node-port-range={NODE_PORT_RANGE}"));
         if let Some(real) = &options.real_nodes {
-            if persistent {
+            if addressing.ipv6.is_some() {
                 return Err(Error::State {
                     name: cluster_name,
-                    message: "real nodes run only in-process for now (not with `kvpn lab up`)"
-                        .into(),
+                    message:
+                        "real nodes are IPv4-only for now: drop --dual-stack (or --real-nodes)"
+                            .into(),
                 });
             }
             if options.workloads.manager {
@@ -634,11 +733,15 @@ impl K8sLab {
                 });
             }
             let lab = this.lab()?;
-            let egress = EgressProxy::start(&lab.dir().join("egress.sock"), lab.node_netns())?;
+            let egress_uds = lab.dir().join(EGRESS_SOCKET);
             config.real_nodes = Some(super::RealNodesControl {
-                egress_uds: egress.path().to_owned(),
+                egress_uds: egress_uds.clone(),
             });
-            this.real_net = Some((None, egress));
+            // A persistent lab's agent serves the socket (see below).
+            if !persistent {
+                let egress = EgressProxy::start(&egress_uds, lab.node_netns())?;
+                this.real_net = Some((None, egress));
+            }
         }
         let cp = ControlPlane::start(config).await?;
         this.state.apiserver = SocketAddr::from((cp.listen_ip(), cp.ports().apiserver));
@@ -655,42 +758,30 @@ impl K8sLab {
         );
 
         if let Some(real) = &options.real_nodes {
-            let lab = this.lab()?;
-            let relay = ApiRelay::start(
-                lab.node_netns(),
-                node_ip,
-                &[API_PORT, this.state.apiserver.port()],
-                this.state.apiserver,
-            )?;
-            let nodes_config = RealNodesConfig {
-                lab_id: lab.id().to_owned(),
-                dir: lab_dir.join("nodes"),
-                router: lab.node_netns().clone(),
-                node_net: super::node::NODE_NET,
-                pod_cidrs: super::node::node_pod_cidrs(addressing.pod_cidr, real.count),
-                cluster_cidr: addressing.pod_cidr,
-                cluster_dns: addressing.dns_service_ip(),
-                apiserver_url: uplink_url(node_ip),
-                pki_dir: cp_dir.join("pki"),
-                cluster_name: cluster_name.clone(),
-                admin_kubeconfig: this.state.admin_kubeconfig.clone(),
-                images: real.images.clone(),
-                sandbox_image: real.sandbox_image.clone(),
-                bin_dir: super::k8s_bin_dir(),
-                ready_timeout: real.ready_timeout,
-            };
-            if let Some((r, _)) = &mut this.real_net {
-                *r = Some(relay);
-            }
-            this.real_nodes = Some(RealNodes::start(nodes_config).await?);
-            if let Some(image) = &real.samples_image {
-                let client = this.admin_client().await?;
-                let samples = Workloads {
-                    samples: options.workloads.samples,
-                    manager: false,
-                };
-                workloads::apply_on_real_nodes(&client, samples, &addressing, image).await?;
-                workloads::wait_ready(&client, samples, options.ready_timeout).await?;
+            if persistent {
+                // The agent runs the egress proxy, the API relay and the nodes, so
+                // they outlive `kvpn lab up` (the apiserver dials the egress socket
+                // only when it reaches a kubelet).
+                let name = this.lab()?.name().to_owned();
+                this.state.real_nodes = Some(real.clone());
+                this.state.write(&lab_dir)?;
+                let agent = spawn_agent(&name, &lab_dir).await?;
+                this.state.agent = Some(agent);
+                this.state.write(&lab_dir)?;
+            } else {
+                let samples = options.workloads.samples;
+                let (relay, nodes) = start_real_nodes(
+                    this.lab()?,
+                    &this.state,
+                    real,
+                    samples,
+                    options.ready_timeout,
+                )
+                .await?;
+                if let Some((r, _)) = &mut this.real_net {
+                    *r = Some(relay);
+                }
+                this.real_nodes = Some(nodes);
             }
             tracing::info!(
                 elapsed_ms = t0.elapsed().as_millis(),
@@ -899,12 +990,28 @@ pub fn info_text(lab: &Lab, state: &K8sLabState) -> String {
         ),
         None => "as threads of this process".to_owned(),
     };
-    let _ = writeln!(
-        s,
-        "  node services {where_}: kubelet stand-in (pods = kvpn-{}-<pod>-<uid> netns), kube-proxy stand-in (nftables table ip kvpn_proxy in the node netns), cluster DNS (pod kube-dns, Service {})",
-        lab.id(),
-        a.dns_service_ip()
-    );
+    match &state.real_nodes {
+        Some(real) => {
+            let _ = writeln!(
+                s,
+                "  real nodes {where_}: {} (netns + mount namespace each; containerd 1.6 + runc, CNI bridge, kubelet and kube-proxy 1.20.2, logs in {}), kube-scheduler; cluster DNS pod kube-system/kube-dns (Service {}:53 -> 5353)",
+                (1..=real.count)
+                    .map(|i| crate::topology::netns_name(lab.id(), &format!("n{i}")))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                lab.dir().join("nodes").display(),
+                a.dns_service_ip()
+            );
+        }
+        None => {
+            let _ = writeln!(
+                s,
+                "  node services {where_}: kubelet stand-in (pods = kvpn-{}-<pod>-<uid> netns), kube-proxy stand-in (nftables table ip kvpn_proxy in the node netns), cluster DNS (pod kube-dns, Service {})",
+                lab.id(),
+                a.dns_service_ip()
+            );
+        }
+    }
     let _ = writeln!(
         s,
         "  workloads: default/web (2 pods; Services web {}:80, echo {}:7, udp-echo {}:7/udp, backend :8080+:7007, web-headless), dev/web{}",
@@ -962,7 +1069,7 @@ async fn spawn_agent(name: &str, lab_dir: &Path) -> Result<(u32, u64), Error> {
         tail: crate::process::log_tail(&log_path, 3000),
     };
     let t0 = Instant::now();
-    let timeout = Duration::from_secs(120);
+    let timeout = AGENT_START_TIMEOUT;
     loop {
         if ready.exists() {
             break;
@@ -971,6 +1078,8 @@ async fn spawn_agent(name: &str, lab_dir: &Path) -> Result<(u32, u64), Error> {
             return Err(agent_error(format!("exited with {status} during start-up")));
         }
         if t0.elapsed() > timeout {
+            // SIGTERM first: a real-node agent takes its nodes back on it.
+            stop_agent(pid, 0);
             let _ = child.kill();
             let _ = child.wait();
             return Err(agent_error(format!("not ready after {timeout:?}")));
@@ -990,7 +1099,8 @@ pub fn mark_agent_ready(lab_dir: &Path) -> Result<(), Error> {
         .map_err(io(format!("writing {}", path.display())))
 }
 
-/// SIGTERM, up to 15 s for the agent to remove its pods, then SIGKILL. Only signals the
+/// SIGTERM, up to [`AGENT_STOP_TIMEOUT`] for the agent to remove its pods (or stop
+/// its real nodes), then SIGKILL. Only signals the
 /// process if it is still the one recorded (same start time).
 fn stop_agent(pid: u32, ticks: u64) {
     use nix::sys::signal::{Signal, kill};
@@ -1004,7 +1114,7 @@ fn stop_agent(pid: u32, ticks: u64) {
         return;
     }
     let _ = kill(Pid::from_raw(raw), Signal::SIGTERM);
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + AGENT_STOP_TIMEOUT;
     while same() && Instant::now() < deadline {
         // Our child in the in-process case: reap it so it does not stay a zombie.
         let _ = nix::sys::wait::waitpid(
@@ -1033,6 +1143,34 @@ pub fn down_named(name: &str) -> Result<bool, Error> {
         Ok(Some(state)) => {
             if let Some((pid, ticks)) = state.agent {
                 stop_agent(pid, ticks);
+            }
+            if let Some(real) = &state.real_nodes {
+                // The agent stops its nodes on SIGTERM; one killed instead (hung, or
+                // SIGKILLed by someone) leaves them: say what, before the lab's
+                // folder and netns go.
+                let nodes_dir = lab.dir().join("nodes");
+                let mut left = super::node::leftovers(lab.id(), &nodes_dir, real.count);
+                if !left.is_empty() {
+                    tracing::warn!(?left, "the agent left its real nodes; taking them back");
+                    for e in super::node::reclaim(lab.id(), &nodes_dir, real.count) {
+                        tracing::warn!(error = %e, "reclaiming a real node");
+                    }
+                    // The node netns go with the lab below.
+                    left = super::node::leftovers(lab.id(), &nodes_dir, real.count)
+                        .into_iter()
+                        .filter(|l| !l.starts_with("netns "))
+                        .collect();
+                }
+                if !left.is_empty() {
+                    first.get_or_insert(Error::State {
+                        name: name.to_owned(),
+                        message: format!(
+                            "the agent did not take its real nodes back (see {}): left {} — stop those processes by pid, unmount the mounts, rmdir the cgroups",
+                            lab.dir().join("agent.log").display(),
+                            left.join("; ")
+                        ),
+                    });
+                }
             }
             if let Err(e) =
                 ControlPlane::stop_dir(&state.control_plane_dir, Duration::from_secs(10))
@@ -1066,6 +1204,9 @@ pub async fn run_agent(
         name: name.to_owned(),
         message: format!("no {STATE_FILE} in {}: not a Kubernetes lab", dir.display()),
     })?;
+    if let Some(real) = state.real_nodes.clone() {
+        return run_real_node_agent(lab, &state, &real, stop).await;
+    }
     let (lab, services) = tokio::task::spawn_blocking(move || {
         let services = NodeServices::start(&lab, &state);
         (lab, services)
@@ -1082,4 +1223,40 @@ pub async fn run_agent(
         .map_err(|e| Error::Kubelet(format!("stop task failed: {e}")))??;
     let _ = std::fs::remove_file(dir.join(AGENT_READY_FILE));
     Ok(())
+}
+
+/// [`run_agent`] of a real-node lab: the egress proxy, then [`start_real_nodes`];
+/// on `stop` the nodes go first (their pods, cgroups, mount namespaces, netns), then
+/// the relay and the proxy. The control plane is `kvpn lab down`'s to stop, after
+/// this.
+async fn run_real_node_agent(
+    lab: Lab,
+    state: &K8sLabState,
+    real: &RealNodeOptions,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), Error> {
+    let dir = lab.dir().to_owned();
+    let egress = EgressProxy::start(&dir.join(EGRESS_SOCKET), lab.node_netns())?;
+    let samples = real.samples_image.is_some();
+    tokio::pin!(stop);
+    // A stop during start-up drops the start, which takes back what it started.
+    let (relay, nodes) = tokio::select! {
+        r = start_real_nodes(&lab, state, real, samples, real.ready_timeout) => r?,
+        () = &mut stop => {
+            tracing::info!(lab = %lab.name(), "kvpn-lab-agent: stopped during start-up");
+            egress.stop();
+            return Ok(());
+        }
+    };
+    mark_agent_ready(&dir)?;
+    tracing::info!(lab = %lab.name(), nodes = real.count, "kvpn-lab-agent: real nodes running");
+    stop.await;
+    tracing::info!(lab = %lab.name(), "kvpn-lab-agent: stopping the real nodes");
+    let result = tokio::task::spawn_blocking(move || nodes.stop())
+        .await
+        .map_err(|e| Error::Kubelet(format!("stop task failed: {e}")))?;
+    relay.stop();
+    egress.stop();
+    let _ = std::fs::remove_file(dir.join(AGENT_READY_FILE));
+    Ok(result?)
 }

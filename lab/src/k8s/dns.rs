@@ -48,6 +48,11 @@
 //! is a thread of the calling process with a current-thread tokio runtime; only its
 //! sockets live in the pod netns.
 //!
+//! On real nodes ([`super::node::cluster_dns`]) the same server runs inside a real
+//! pod instead: `kvpn-lab-server dns` from the lab-server image, with the pod's
+//! service account ([`DnsServerConfig::in_cluster`]) and no registration (a
+//! selector Service maps port 53 to its port 5353).
+//!
 //! I/O: the Kubernetes API (watch, the kube-dns Service and Endpoints), the two
 //! sockets, and the pod netns via [`crate::topology::Node`]. [`ClusterRecords`] and
 //! [`resolv_conf`] are pure.
@@ -131,6 +136,10 @@ pub enum Error {
     Domain { domain: String, why: String },
     #[error("cluster DNS: Services/Endpoints not listed within {after:?} — is the apiserver up?")]
     NotSynced { after: Duration },
+    #[error(
+        "cluster DNS: no in-cluster API configuration ({0}) — run it in a pod with a service account token, or give it a kubeconfig"
+    )]
+    InCluster(String),
     #[error("cluster DNS: cannot start its thread: {0}")]
     Thread(std::io::Error),
     #[error("cluster DNS: its thread stopped: {0}")]
@@ -739,8 +748,10 @@ pub struct DnsServiceRegistration {
 #[derive(Debug, Clone)]
 pub struct DnsServerConfig {
     /// Kubeconfig with read access to Services and Endpoints (and, with `register`,
-    /// write access to them in kube-system).
-    pub kubeconfig: PathBuf,
+    /// write access to them in kube-system). None: the pod's own service account
+    /// (in-cluster configuration: `KUBERNETES_SERVICE_HOST` and the mounted token),
+    /// as the DNS pod on real nodes runs it.
+    pub kubeconfig: Option<PathBuf>,
     /// Netns of the sockets; None: the calling thread's.
     pub netns: Option<Netns>,
     /// UDP and TCP address.
@@ -758,7 +769,7 @@ impl DnsServerConfig {
     /// debounce, 30 s sync bound.
     pub fn new(kubeconfig: impl Into<PathBuf>, netns: Option<Netns>, ip: Ipv4Addr) -> Self {
         DnsServerConfig {
-            kubeconfig: kubeconfig.into(),
+            kubeconfig: Some(kubeconfig.into()),
             netns,
             listen: SocketAddrV4::new(ip, 53),
             zone: ZoneConfig::default(),
@@ -767,6 +778,32 @@ impl DnsServerConfig {
             sync_timeout: Duration::from_secs(30),
         }
     }
+}
+
+impl DnsServerConfig {
+    /// A server inside a pod: `listen` in the pod's netns, the API through the pod's
+    /// service account, default zone, no registration (the cluster's kube-dns
+    /// Service selects the pod).
+    pub fn in_cluster(listen: SocketAddrV4) -> Self {
+        DnsServerConfig {
+            kubeconfig: None,
+            netns: None,
+            listen,
+            zone: ZoneConfig::default(),
+            register: None,
+            debounce: super::kube_proxy::DEFAULT_DEBOUNCE,
+            sync_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The API client of the pod's service account.
+fn in_cluster_client() -> Result<kube::Client, Error> {
+    let config = kube::Config::incluster().map_err(|e| Error::InCluster(e.to_string()))?;
+    kube::Client::try_from(config).map_err(|source| Error::Kube {
+        what: "building the in-cluster API client".into(),
+        source,
+    })
 }
 
 /// A running DNS server thread. Dropping it stops it like [`DnsServer::stop`].
@@ -899,10 +936,16 @@ async fn run(
             return;
         }
     };
-    let client = match super::client_from_kubeconfig(&config.kubeconfig).await {
+    let client = match &config.kubeconfig {
+        Some(path) => super::client_from_kubeconfig(path)
+            .await
+            .map_err(Error::from),
+        None => in_cluster_client(),
+    };
+    let client = match client {
         Ok(c) => c,
         Err(e) => {
-            let _ = ready_tx.send(Err(e.into()));
+            let _ = ready_tx.send(Err(e));
             return;
         }
     };

@@ -136,6 +136,17 @@ impl MountNs {
         Ok(ns)
     }
 
+    /// The namespace pinned at `<dir>/mnt` by a process that is gone (a killed lab
+    /// agent), to take back with [`MountNs::remove`].
+    pub fn existing(dir: &Path) -> MountNs {
+        MountNs {
+            dir: dir.to_owned(),
+            file: dir.join("mnt"),
+            pinned: true,
+            dir_mounted: true,
+        }
+    }
+
     /// The nsfs file that pins the namespace (open it to `setns(2)` into it).
     pub fn file(&self) -> &Path {
         &self.file
@@ -281,6 +292,18 @@ impl NodeCgroup {
             }
         }
         Ok(cg)
+    }
+
+    /// The subtree `/<name>` a process that is gone left in the hierarchies (a killed
+    /// lab agent), to take back with [`NodeCgroup::remove`].
+    pub fn existing(name: &str) -> Result<NodeCgroup, Error> {
+        let hierarchies = hierarchies()?;
+        let created = hierarchies.iter().map(|h| h.mount.join(name)).collect();
+        Ok(NodeCgroup {
+            name: name.to_owned(),
+            hierarchies,
+            created,
+        })
     }
 
     /// The kubelet's `cgroupRoot` (`/<name>`).

@@ -30,6 +30,7 @@
 //! I/O everywhere except [`render`] (configuration files) and the address plan
 //! ([`NodePlan`]).
 
+pub mod cluster_dns;
 pub mod egress;
 pub mod host;
 pub mod images;
@@ -114,7 +115,7 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
 
 /// An OCI (or docker) image archive to import into every node's containerd
 /// (`ctr -n k8s.io images import`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ImageArchive {
     pub path: PathBuf,
     /// `--base-name`: names the archive's tagged images `<base>:<tag>` when they carry
@@ -930,6 +931,47 @@ struct NodeFiles {
     kubelet_config: PathBuf,
     kubelet_kubeconfig: PathBuf,
     kube_proxy_config: PathBuf,
+}
+
+/// Takes back what the nodes of a lab left when their owner died without stopping
+/// them (`kvpn lab down` after the agent was killed): every process in each node's
+/// cgroup subtree (containers, shims; SIGKILL) and the subtree, every process left
+/// in each node's mount namespace, then its pin. The node netns go with the lab's
+/// own teardown (every `kvpn-<id>-*` netns). Returns what failed.
+pub fn reclaim(lab_id: &str, dir: &Path, count: usize) -> Vec<Error> {
+    let mut errors = Vec::new();
+    for i in 1..=count {
+        let name = netns_name(lab_id, &format!("n{i}"));
+        if !host::cgroup_leftovers(&name).is_empty() {
+            match NodeCgroup::existing(&name) {
+                Ok(mut cg) => {
+                    if let Err(e) = cg.remove() {
+                        errors.push(e);
+                    }
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        let ns_dir = dir.join(format!("n{i}")).join("ns");
+        if host::mounts_under(&ns_dir).is_empty() {
+            continue;
+        }
+        let mut ns = MountNs::existing(&ns_dir);
+        if let Some(ino) = ns.inode() {
+            for pid in host::pids_in_mount_ns(ino) {
+                if let Ok(raw) = i32::try_from(pid) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(raw),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
+        }
+        if let Err(e) = ns.remove() {
+            errors.push(e);
+        }
+    }
+    errors
 }
 
 /// What a real node could leave behind on the machine, for tests and `lab down`:
