@@ -196,7 +196,12 @@ pub async fn live_leases(
     let mut all: Vec<LiveLease> = listed
         .items
         .iter()
-        .filter_map(|o| o.metadata.annotations.as_ref()?.get(LEASE_RECORD_ANNOTATION))
+        .filter_map(|o| {
+            o.metadata
+                .annotations
+                .as_ref()?
+                .get(LEASE_RECORD_ANNOTATION)
+        })
         .filter_map(|text| serde_json::from_str::<LiveLease>(text).ok())
         .collect();
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);

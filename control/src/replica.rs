@@ -198,10 +198,13 @@ mod tests {
 
     #[test]
     fn fewest_sessions_wins_unknown_last_ties_by_name() {
-        let got = choose(&[c("m-c", Some(2)), c("m-b", Some(0)), c("m-a", Some(1))])
-            .expect("a choice");
+        let got =
+            choose(&[c("m-c", Some(2)), c("m-b", Some(0)), c("m-a", Some(1))]).expect("a choice");
         assert_eq!(got.pod, "m-b");
-        assert_eq!(got.reason, "fewest sessions (0 of 0, 1, 2; 3 replicas ready)");
+        assert_eq!(
+            got.reason,
+            "fewest sessions (0 of 0, 1, 2; 3 replicas ready)"
+        );
         let tie = choose(&[c("m-z", Some(1)), c("m-y", Some(1))]).expect("a choice");
         assert_eq!(tie.pod, "m-y");
         let unknown = choose(&[c("m-a", None), c("m-b", Some(7))]).expect("a choice");
@@ -223,7 +226,10 @@ mod tests {
             kvpn_manager_sessions_accepted_total 9\n\
             kvpn_manager_sessions_active 4\n";
         assert_eq!(sessions_active(text), Some(4));
-        assert_eq!(sessions_active("kvpn_manager_sessions_active{} 2\n"), Some(2));
+        assert_eq!(
+            sessions_active("kvpn_manager_sessions_active{} 2\n"),
+            Some(2)
+        );
         assert_eq!(sessions_active("kvpn_manager_sessions_active NaN\n"), None);
         assert_eq!(sessions_active("kvpn_manager_sessions_active -1\n"), None);
         assert_eq!(sessions_active("nothing here"), None);

@@ -518,7 +518,9 @@ mod tests {
         assert_eq!(got, [ip("10.1.0.3"), ip("10.1.0.5"), ip("10.1.0.6")]);
         assert_eq!(
             t.lease("d", "t", 0),
-            Err(LeaseError::PoolExhausted("10.1.0.0/29".parse().expect("net"))),
+            Err(LeaseError::PoolExhausted(
+                "10.1.0.0/29".parse().expect("net")
+            )),
             "blocked addresses count as taken"
         );
         // Blocking a held address changes nothing; a new read clears the blocks.

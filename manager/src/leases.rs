@@ -55,15 +55,27 @@ pub const RECORD_ANNOTATION: &str = "kvpn.dev/lease";
 pub const COMPONENT: &str = "tunnel-ip-lease";
 
 /// Label selector of the lease objects.
-pub const SELECTOR: &str = "app.kubernetes.io/name=kvpn-manager,app.kubernetes.io/component=tunnel-ip-lease";
+pub const SELECTOR: &str =
+    "app.kubernetes.io/name=kvpn-manager,app.kubernetes.io/component=tunnel-ip-lease";
 
 /// Prefix of a lease object's name; the rest is the tunnel IP with dashes.
 pub const NAME_PREFIX: &str = "kvpn-lease-";
 
 /// Rounds before giving up on conflicts. Only concurrent replicas conflict (one
-/// process serialises itself): 20 concurrent `Lease` calls over 3 replicas in
-/// the lab needed at most 3 rounds; 8 leaves room.
-const MAX_ROUNDS: usize = 8;
+/// process serialises itself), but they conflict as a herd: every replica's
+/// next new lease is the same lowest free IP, so of N replicas granting at
+/// once one wins each round. 8 rounds without a pause failed one of 20
+/// concurrent `Lease` calls over 3 replicas in the lab; with
+/// [`conflict_pause`] between rounds and 24 rounds, a replica that keeps
+/// losing is rare enough to measure as never (tests/tests/kube_scale.rs).
+const MAX_ROUNDS: usize = 24;
+
+/// Pause before round `round` (1-based) after a lost write: random in
+/// 0..=min(5 ms × 2^round, 80 ms), so racing replicas fall out of step.
+fn conflict_pause(round: usize) -> Duration {
+    let cap_ms = (5u64 << round.min(4)).min(80);
+    Duration::from_millis(rand::rng().next_u64() % (cap_ms + 1))
+}
 
 /// The Lease object name of tunnel IP `ip`: `kvpn-lease-100-96-0-2`.
 pub fn object_name(ip: Ipv4Addr) -> String {
@@ -136,8 +148,14 @@ pub fn lease_object(
             name: Some(object_name(rec.ip)),
             labels: Some(
                 [
-                    ("app.kubernetes.io/name".to_owned(), "kvpn-manager".to_owned()),
-                    ("app.kubernetes.io/component".to_owned(), COMPONENT.to_owned()),
+                    (
+                        "app.kubernetes.io/name".to_owned(),
+                        "kvpn-manager".to_owned(),
+                    ),
+                    (
+                        "app.kubernetes.io/component".to_owned(),
+                        COMPONENT.to_owned(),
+                    ),
                 ]
                 .into(),
             ),
@@ -202,7 +220,9 @@ impl std::fmt::Debug for Leases {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let store = match &self.store {
             Store::Memory => "memory".to_owned(),
-            Store::Objects { namespace, .. } => format!("leases.coordination.k8s.io in {namespace}"),
+            Store::Objects { namespace, .. } => {
+                format!("leases.coordination.k8s.io in {namespace}")
+            }
         };
         f.debug_struct("Leases").field("store", &store).finish()
     }
@@ -298,8 +318,14 @@ impl Leases {
     ) -> Result<Arc<Self>, StoreError> {
         let api: Api<LeaseObject> = Api::namespaced(client.clone(), namespace);
         let cms: Api<ConfigMap> = Api::namespaced(client, namespace);
-        migrate_configmap(&cms, &api, old_configmap, table.lease_time(), replica.as_deref())
-            .await;
+        migrate_configmap(
+            &cms,
+            &api,
+            old_configmap,
+            table.lease_time(),
+            replica.as_deref(),
+        )
+        .await;
         let leases = Arc::new(Self {
             table: Mutex::new(table),
             store: Store::Objects {
@@ -434,6 +460,7 @@ impl Leases {
             if !conflicted {
                 return Ok(out);
             }
+            tokio::time::sleep(conflict_pause(round + 1)).await;
         }
         Err(StoreError::Conflicts(list_what()))
     }
@@ -627,9 +654,15 @@ mod tests {
             .as_mut()
             .expect("annotations")
             .insert(RECORD_ANNOTATION.into(), "{not json".into());
-        assert!(matches!(parse_object(r.ip, &garbage), Err(ObjectError::Json(_))));
+        assert!(matches!(
+            parse_object(r.ip, &garbage),
+            Err(ObjectError::Json(_))
+        ));
         garbage.metadata.annotations = None;
-        assert!(matches!(parse_object(r.ip, &garbage), Err(ObjectError::Missing)));
+        assert!(matches!(
+            parse_object(r.ip, &garbage),
+            Err(ObjectError::Missing)
+        ));
     }
 
     #[test]

@@ -159,7 +159,10 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
     for bad in ["0", "21"] {
         let out = f.kvpn(&["connect", "--kubeconfig", &kubeconfig, "--replicas", bad]);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "--replicas {bad} was accepted: {err}");
+        assert!(
+            !out.status.success(),
+            "--replicas {bad} was accepted: {err}"
+        );
         assert!(
             err.contains("--replicas") && err.contains("give 1 to 20"),
             "{err}"
@@ -167,7 +170,10 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
     }
 
     let out = f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig, "--replicas", "3"]);
-    assert!(out.contains("Traffic manager replica kvpn-manager-"), "{out}");
+    assert!(
+        out.contains("Traffic manager replica kvpn-manager-"),
+        "{out}"
+    );
     f.wait_state("connected", Duration::from_secs(30));
     assert_eq!(deployment_replicas(&f), 3);
     let replicas = wait_ready_replicas(&f, 3, Duration::from_secs(60));
@@ -211,7 +217,10 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
     let lease_wall = t_lease.elapsed();
     let ips: BTreeSet<Ipv4Addr> = leased.values().map(|(ip, _)| *ip).collect();
     assert_eq!(ips.len(), CLIENTS, "no tunnel IP twice: {leased:#?}");
-    assert!(!ips.contains(&cli_ip), "none is the CLI's {cli_ip}: {ips:?}");
+    assert!(
+        !ips.contains(&cli_ip),
+        "none is the CLI's {cli_ip}: {ips:?}"
+    );
     let objects = lease_objects(&f);
     assert_eq!(
         objects.len(),
@@ -226,10 +235,7 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
             serde_json::from_str(record).unwrap_or_else(|e| panic!("{ip}: {e}: {record}"));
         assert_eq!(rec["ip"], ip.to_string());
     }
-    let holders: BTreeSet<&str> = objects
-        .values()
-        .filter_map(|(h, _)| h.as_deref())
-        .collect();
+    let holders: BTreeSet<&str> = objects.values().filter_map(|(h, _)| h.as_deref()).collect();
     assert!(
         holders.len() >= 2 && holders.iter().all(|h| replicas.iter().any(|r| r == h)),
         "written by several replicas, named as holders: {holders:?} of {replicas:?}"
@@ -254,7 +260,8 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
         .map(|(k, v)| (k.clone(), v.clone()))
         .unwrap_or_else(|| panic!("20 leases"));
     let leases_api: Api<Lease> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
-    let garbage = serde_json::json!({"metadata": {"annotations": {RECORD: "{\"client_id\": 42, garbage"}}});
+    let garbage =
+        serde_json::json!({"metadata": {"annotations": {RECORD: "{\"client_id\": 42, garbage"}}});
     f.block_on(leases_api.patch(
         &object_name(victim_ip),
         &PatchParams::default(),
@@ -287,7 +294,12 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
     }
     let new_ips: BTreeSet<Ipv4Addr> = newcomers
         .iter()
-        .map(|id| second.get(id).map(|(ip, _)| *ip).unwrap_or_else(|| panic!("{id}")))
+        .map(|id| {
+            second
+                .get(id)
+                .map(|(ip, _)| *ip)
+                .unwrap_or_else(|| panic!("{id}"))
+        })
         .collect();
     assert_eq!(new_ips.len(), 3);
     assert!(
@@ -332,7 +344,16 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
     let t_delete = Instant::now();
     f.block_on(pods.delete(&cli_replica, &Default::default()))
         .unwrap_or_else(|e| panic!("delete pod {cli_replica}: {e}"));
-    // Traffic resumes through another replica, with the same tunnel IP.
+    // Once the pod is gone (its process ended, its data channel with it),
+    // traffic goes through another replica with the same tunnel IP.
+    while f.manager_pods().iter().any(|p| pod_name(p) == cli_replica) {
+        assert!(
+            t_delete.elapsed() < Duration::from_secs(40),
+            "pod {cli_replica} still there 40 s after its deletion"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let gone = t_delete.elapsed();
     f.wait_http(web(), Instant::now(), Duration::from_secs(30));
     let resumed = t_delete.elapsed();
     assert_eq!(
@@ -398,9 +419,10 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
         "same client id, same IP"
     );
     eprintln!(
-        "scale: {CLIENTS} concurrent leases over 3 replicas in {:.2} s; traffic back {:.1} s after \
-         deleting replica {cli_replica}; whole test {:.0} s",
+        "scale: {CLIENTS} concurrent leases over 3 replicas in {:.2} s; replica {cli_replica} gone \
+         {:.1} s after its deletion, traffic back at {:.1} s; whole test {:.0} s",
         lease_wall.as_secs_f64(),
+        gone.as_secs_f64(),
         resumed.as_secs_f64(),
         t0.elapsed().as_secs_f64()
     );

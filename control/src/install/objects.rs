@@ -246,12 +246,7 @@ pub fn role(spec: &Spec) -> Role {
                 &["get", "update", "patch"],
                 Some(&[TLS_SECRET]),
             ),
-            rule_in(
-                LEASE_GROUP,
-                &["leases"],
-                &LEASE_VERBS,
-                None,
-            ),
+            rule_in(LEASE_GROUP, &["leases"], &LEASE_VERBS, None),
         ]),
     }
 }
@@ -902,7 +897,10 @@ mod tests {
             }
             if res == ["leases"] {
                 // Exactly the lease verbs, in exactly coordination.k8s.io.
-                assert_eq!(rule.api_groups.as_deref(), Some(&[LEASE_GROUP.to_owned()][..]));
+                assert_eq!(
+                    rule.api_groups.as_deref(),
+                    Some(&[LEASE_GROUP.to_owned()][..])
+                );
                 assert_eq!(rule.verbs, LEASE_VERBS.map(str::to_owned));
                 continue;
             }
@@ -916,7 +914,10 @@ mod tests {
         assert_eq!(
             rules
                 .iter()
-                .filter(|r| r.resources.as_deref().is_some_and(|x| x.iter().any(|x| x == "leases")))
+                .filter(|r| r
+                    .resources
+                    .as_deref()
+                    .is_some_and(|x| x.iter().any(|x| x == "leases")))
                 .count(),
             1,
             "one rule names leases"
