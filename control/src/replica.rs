@@ -87,7 +87,7 @@ pub fn sessions_active(metrics: &str) -> Option<u64> {
         .lines()
         .filter_map(|l| l.strip_prefix("kvpn_manager_sessions_active"))
         .find_map(|rest| {
-            let rest = rest.trim_start_matches(|c: char| c == '{' || c == '}');
+            let rest = rest.trim_start_matches(['{', '}']);
             rest.split_whitespace().next()?.parse::<f64>().ok()
         })
         .filter(|v| v.is_finite() && *v >= 0.0)

@@ -694,7 +694,7 @@ mod tests {
         assert!(writes(&stored, &loaded, &[a.clone(), b.clone()], &[]).is_empty());
         // A new lease is a create; expired ones deletes with their versions.
         let d = rec("100.96.0.9", "d", 40);
-        let plan = writes(&stored, &loaded, &[d.clone()], &[]);
+        let plan = writes(&stored, &loaded, std::slice::from_ref(&d), &[]);
         assert_eq!(
             plan,
             vec![
