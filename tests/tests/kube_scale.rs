@@ -17,7 +17,8 @@
 //! - the CLI session's replica pod is deleted: the session goes on through
 //!   another replica with the same tunnel IP (its lease lives in the object);
 //! - `--replicas 0` is refused naming the flag; someone else scales the
-//!   Deployment to 2 and a plain `kvpn connect` keeps 2.
+//!   Deployment to 2 and a plain `kvpn connect` keeps 2;
+//! - `kvpn uninstall --force` removes the lease objects too.
 //!
 //! Needs root and the Kubernetes lab binaries, like every `kube_*` test.
 
@@ -417,6 +418,15 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
         f.session()["tunnel_ip"],
         cli_ip.to_string(),
         "same client id, same IP"
+    );
+    // Uninstall takes the lease objects with it (the other clients' live leases
+    // need --force).
+    f.kvpn_ok(&["disconnect", "--all"]);
+    f.kvpn_ok(&["uninstall", "--kubeconfig", &kubeconfig, "--force"]);
+    let left = lease_objects(&f);
+    assert!(
+        left.is_empty(),
+        "lease objects left after uninstall: {left:#?}"
     );
     eprintln!(
         "scale: {CLIENTS} concurrent leases over 3 replicas in {:.2} s; replica {cli_replica} gone \
