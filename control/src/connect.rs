@@ -504,6 +504,11 @@ pub fn flags_not_applied(args: &ConnectArgs, session_policy: &str) -> Vec<&'stat
     {
         flags.push("--source-policy");
     }
+    // Scaling happens in the install step, which a running session skips
+    // (`kvpn install --replicas N` scales without a new session).
+    if args.replicas.is_some() {
+        flags.push("--replicas");
+    }
     flags
 }
 
@@ -1914,6 +1919,14 @@ mod tests {
             w.starts_with("--hosts, --source-policy not applied: they shape a new session"),
             "{w}"
         );
+    }
+
+    /// `--replicas` on a connect that finds its session running is named as
+    /// not applied: the install step (which scales) is skipped then.
+    #[test]
+    fn replicas_on_a_running_session_are_named_as_not_applied() {
+        let three = connect_args(&["--replicas", "3"]);
+        assert_eq!(flags_not_applied(&three, "snat"), ["--replicas"]);
     }
 
     /// One ignored flag is "it", several "they"; none, no warning.

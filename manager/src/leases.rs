@@ -214,6 +214,10 @@ enum Store {
 pub struct Leases {
     table: Mutex<LeaseTable>,
     store: Store,
+    /// Unreadable lease objects already warned about, by name and
+    /// resourceVersion: every round reads them, one warning each is enough
+    /// (again when someone edits the object).
+    warned: std::sync::Mutex<BTreeSet<(String, String)>>,
 }
 
 impl std::fmt::Debug for Leases {
@@ -302,6 +306,7 @@ impl Leases {
         Arc::new(Self {
             table: Mutex::new(table),
             store: Store::Memory,
+            warned: std::sync::Mutex::default(),
         })
     }
 
@@ -333,6 +338,7 @@ impl Leases {
                 namespace: namespace.to_owned(),
                 replica,
             },
+            warned: std::sync::Mutex::default(),
         });
         leases.update(|_, _| ()).await?;
         Ok(leases)
@@ -385,7 +391,17 @@ impl Leases {
                         stored.insert(ip, (obj.metadata.resource_version.clone(), rec));
                     }
                     Err(e) => {
-                        warn!(object = %format!("{namespace}/{name}"), reason = %e, "lease object unreadable: skipped, its tunnel IP is not handed out (fix: delete it, `kubectl -n {namespace} delete lease.coordination.k8s.io {name}`, and its client leases again)");
+                        let key = (
+                            name.to_owned(),
+                            obj.metadata.resource_version.clone().unwrap_or_default(),
+                        );
+                        // A poisoned set only costs a repeated warning.
+                        let first = self.warned.lock().map_or(true, |mut w| w.insert(key));
+                        if first {
+                            warn!(object = %format!("{namespace}/{name}"), reason = %e, "lease object unreadable: skipped, its tunnel IP is not handed out (fix: delete it, `kubectl -n {namespace} delete lease.coordination.k8s.io {name}`, and its client leases again)");
+                        } else {
+                            debug!(object = %name, "lease object still unreadable");
+                        }
                         unreadable.push(ip);
                     }
                 }
