@@ -13,7 +13,7 @@
 //!   only after it expired.
 //!
 //! Times are wall-clock seconds since the Unix epoch (`now_s`), because leases
-//! are persisted (the manager's ConfigMap, [`crate::leases`]) and must mean the
+//! are persisted (Lease objects, [`crate::leases`]) and must mean the
 //! same after a manager restart. Tokens are drawn by the caller.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 /// Longest accepted client id, bytes.
 pub const MAX_CLIENT_ID: usize = 128;
 
-/// One lease as stored (ConfigMap JSON) and returned.
+/// One lease as stored (JSON in its Lease object) and returned.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseRecord {
     /// The client's id.
@@ -93,7 +93,7 @@ fn valid_client_id(id: &str) -> bool {
 
 /// Constant-time comparison (the token is a bearer secret). An empty stored
 /// token matches nothing: a lease record without a token (hand-edited
-/// ConfigMap) must not let a token-less hello in.
+/// lease object) must not let a token-less hello in.
 fn same_token(stored: &[u8], presented: &[u8]) -> bool {
     !stored.is_empty()
         && stored.len() == presented.len()
