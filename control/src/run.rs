@@ -18,6 +18,7 @@ use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use nix::sys::signal::Signal;
@@ -260,6 +261,12 @@ pub async fn run(runtime_dir: &Path, args: RunArgs) -> Result<i32> {
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     let result = run_in(&mut user, &session_id, &program, &args.command).await;
+    let result = match result {
+        // Ended from outside: there is nothing left to disconnect.
+        Ok((code, true)) => return Ok(code),
+        Ok((code, false)) => Ok(code),
+        Err(e) => Err(e),
+    };
     // The normal end: the session goes with the command, before kvpn exits.
     if let Err(e) = user
         .disconnect(kvpn_proto::userd::DisconnectRequest {
@@ -283,7 +290,7 @@ async fn run_in(
     session_id: &str,
     program: &Path,
     command: &[OsString],
-) -> Result<i32> {
+) -> Result<(i32, bool)> {
     // Watch the signals before the command exists, so none is lost.
     let mut sigint = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
@@ -335,13 +342,34 @@ async fn run_in(
             }
         }
     });
+    // Whether the session ended from outside while the command ran (the user
+    // daemon said so, or went away): then kvpn has nothing to disconnect.
+    let mut ended_outside = false;
+    let mut hold_open = true;
     loop {
         let forward = tokio::select! {
             r = &mut wait => {
                 let code = r.context("the wait for the command failed")?
                     .context("cannot wait for the command")?;
+                // A command stopped by a signal as its session ended: the why may
+                // still be on its way (the root daemon stops the command while
+                // the user daemon's disconnect runs).
+                if hold_open && !ended_outside && code >= 128
+                    && let Ok(m) = tokio::time::timeout(Duration::from_millis(500), hold.message()).await
+                {
+                    ended_outside = said_ended(m);
+                }
                 drop(hold);
-                return Ok(code);
+                return Ok((code, ended_outside));
+            }
+            m = hold.message(), if hold_open => {
+                if matches!(m, Ok(None) | Err(_)) {
+                    hold_open = false;
+                }
+                if !ended_outside {
+                    ended_outside = said_ended(m);
+                }
+                continue;
             }
             _ = sigint.recv() => Signal::SIGINT,
             _ = sigterm.recv() => Signal::SIGTERM,
@@ -350,6 +378,26 @@ async fn run_in(
         };
         tracing::debug!(signal = ?forward, pid, "forwarding a signal to the command");
         let _ = nix::sys::signal::kill(child, forward);
+    }
+}
+
+/// Says on stderr why a run's session ended while its command ran, from one
+/// message of the user daemon's hold; whether it ended.
+fn said_ended(m: Result<Option<kvpn_proto::userd::HoldRunEvent>, tonic::Status>) -> bool {
+    match m {
+        Ok(Some(e)) if !e.ended.is_empty() => {
+            output::warn(&format!("kvpn run: {}", e.ended));
+            true
+        }
+        Ok(Some(_)) => false,
+        Ok(None) | Err(_) => {
+            output::warn(
+                "kvpn run: the user daemon stopped holding this run (`kvpn quit`, `kvpn lab \
+                 down` or a crash; `kvpn logs` shows which): its session ends and the root \
+                 daemon stops the command",
+            );
+            true
+        }
     }
 }
 

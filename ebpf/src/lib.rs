@@ -435,6 +435,22 @@ impl Classifier {
         })
     }
 
+    /// Put fwmark `mark` on every packet the ingress check passes (0: none): a `kvpn
+    /// run` session's TUN device, whose replies must be looked up (strict
+    /// rp_filter with `src_valid_mark`) in the run's own routing table.
+    pub fn set_ingress_mark(&mut self, mark: u32) -> Result<(), EbpfError> {
+        let name = common::MAP_INGRESS_MARK;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(EbpfError::Missing { what: "map", name })?;
+        let mut array: Array<&mut MapData, u32> =
+            Array::try_from(map).map_err(|source| map_error(name, "open", source))?;
+        array
+            .set(0, mark, 0)
+            .map_err(|source| map_error(name, format!("set {mark:#x}"), source))
+    }
+
     /// The interface the classifier is attached to (`None` for [`Self::load_for_test`]).
     pub fn ifname(&self) -> Option<&str> {
         self.ifname.as_deref()
