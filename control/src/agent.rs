@@ -85,7 +85,7 @@ struct DirectWay {
     /// The manager Service (re-read on every re-dial).
     svc: Api<Service>,
     /// The manager pods and their data port (port-forward fallback).
-    pods: Api<Pod>,
+    pods: PodChoice,
     pod_port: u16,
     /// Cancelled when ssh-direct works again.
     fallback: CancellationToken,
@@ -252,6 +252,9 @@ pub struct AgentConfig {
     pub extra_domains: Vec<String>,
     /// The root daemon's runtime folder (the route watch's UpdateRoutes).
     pub runtime_dir: PathBuf,
+    /// The manager replica (pod name) connect picked for this session; data
+    /// connections go there while it is ready ([`PodChoice`]).
+    pub replica: Option<String>,
 }
 
 /// Whether a pod is a usable manager: running, Ready, not being deleted.
@@ -284,11 +287,36 @@ pub fn pick_manager_pod(pods: &[Pod]) -> Option<&Pod> {
 
 /// The name of a ready manager pod ([`pick_manager_pod`]).
 pub async fn ready_manager_pod(api: &Api<Pod>) -> Result<String> {
+    ready_manager_pod_preferring(api, None).await
+}
+
+/// The manager pods a session's data connections go to: its replica while that
+/// is ready (connect picked the one with the fewest sessions), else any ready
+/// one ([`pick_manager_pod`]): every replica reads the same lease objects, so
+/// any of them accepts the session's hello.
+#[derive(Clone)]
+pub struct PodChoice {
+    pub api: Api<Pod>,
+    /// The session's replica (its pod name); None: any.
+    pub preferred: Option<Arc<str>>,
+}
+
+/// `preferred` when it is a ready manager pod, else [`pick_manager_pod`]'s.
+pub fn pick_preferring<'a>(pods: &'a [Pod], preferred: Option<&str>) -> Option<&'a Pod> {
+    preferred
+        .and_then(|want| {
+            pods.iter()
+                .find(|p| p.metadata.name.as_deref() == Some(want) && pod_is_ready(p))
+        })
+        .or_else(|| pick_manager_pod(pods))
+}
+
+async fn ready_manager_pod_preferring(api: &Api<Pod>, preferred: Option<&str>) -> Result<String> {
     let pods = api
         .list(&ListParams::default().labels(MANAGER_SELECTOR))
         .await
         .context("cannot list the traffic manager's pods")?;
-    pick_manager_pod(&pods.items)
+    pick_preferring(&pods.items, preferred)
         .and_then(|p| p.metadata.name.clone())
         .ok_or_else(|| anyhow!(no_ready_pod_message(api.namespace())))
 }
@@ -320,10 +348,11 @@ const POD_WAIT: Duration = Duration::from_secs(4);
 const POD_POLL: Duration = Duration::from_millis(500);
 
 async fn open_port_forward(
-    api: &Api<Pod>,
+    pods: &PodChoice,
     port: u16,
 ) -> Result<(String, kube::api::Portforwarder, tokio::io::DuplexStream)> {
-    let pod = ready_manager_pod(api).await?;
+    let api = &pods.api;
+    let pod = ready_manager_pod_preferring(api, pods.preferred.as_deref()).await?;
     let mut pf = api
         .portforward(&pod, &[port])
         .await
@@ -334,14 +363,14 @@ async fn open_port_forward(
     Ok((pod, pf, remote))
 }
 
-async fn forward(api: Api<Pod>, port: u16, laptop: TcpStream) -> Result<()> {
+async fn forward(api: PodChoice, port: u16, laptop: TcpStream) -> Result<()> {
     forward_then(api, port, laptop, || ()).await
 }
 
 /// [`forward`] that calls `opened` once the port-forward is open, before it
 /// carries anything.
 async fn forward_then(
-    api: Api<Pod>,
+    api: PodChoice,
     port: u16,
     mut laptop: TcpStream,
     opened: impl FnOnce(),
@@ -432,6 +461,10 @@ impl OpenSession {
             ssh_direct,
         } = self;
         let api: Api<Pod> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
+        let choice = PodChoice {
+            api: api.clone(),
+            preferred: config.replica.as_deref().map(Arc::from),
+        };
         match &ssh_direct {
             Some((dialer, path)) => {
                 let target = lock_path(path).target();
@@ -518,17 +551,17 @@ impl OpenSession {
                             dialer: dialer.clone(),
                             path: path.clone(),
                             svc: svc.clone(),
-                            pods: api.clone(),
+                            pods: choice.clone(),
                             pod_port: config.port,
                             fallback: fallback.clone(),
                         };
                         forwards.spawn(direct_or_fallback(way, stream, peer));
                         continue;
                     }
-                    let api = api.clone();
+                    let choice = choice.clone();
                     let port = config.port;
                     forwards.spawn(async move {
-                        if let Err(e) = forward(api, port, stream).await {
+                        if let Err(e) = forward(choice, port, stream).await {
                             warn!(%peer, "data channel: {e:#}");
                         }
                     });

@@ -426,6 +426,9 @@ pub struct InstallArgs {
     /// Whose address the cluster's backends see (see `kvpn connect --help`).
     #[arg(long, value_enum)]
     pub source_policy: Option<crate::install::SourcePolicy>,
+    /// Traffic manager replicas (see `kvpn connect --help`).
+    #[arg(long, value_name = "N", value_parser = parse_replicas)]
+    pub replicas: Option<i32>,
     /// Kubeconfig file (default: $KUBECONFIG, a colon-separated list, else ~/.kube/config).
     #[arg(long, value_name = "PATH")]
     pub kubeconfig: Option<PathBuf>,
@@ -650,6 +653,13 @@ pub struct ConnectArgs {
     /// new install gets `snat`.
     #[arg(long, value_enum)]
     pub source_policy: Option<crate::install::SourcePolicy>,
+    /// Run N traffic manager replicas (1 to 20; leases are shared through
+    /// Kubernetes Lease objects, docs/scale.md). Installs or scales the manager
+    /// to N. Not given: an installed manager keeps the replica count its
+    /// Deployment has, whoever set it (`kubectl scale`, an autoscaler); a new
+    /// install gets 1. Connect picks the ready replica with the fewest sessions.
+    #[arg(long, value_name = "N", value_parser = parse_replicas)]
+    pub replicas: Option<i32>,
     /// Which cluster (used unless --manager is given). Last, so its SSH help
     /// heading covers only the SSH flags.
     #[command(flatten)]
@@ -922,6 +932,25 @@ fn parse_socks_listen(text: &str) -> Result<SocketAddr, String> {
     Err(format!(
         "{text:?} is not IP:PORT with an IP address — {example}"
     ))
+}
+
+/// `--replicas` value parser: 1 to [`crate::install::objects::MAX_REPLICAS`].
+pub(crate) fn parse_replicas(text: &str) -> Result<i32, String> {
+    let max = crate::install::objects::MAX_REPLICAS;
+    let n: i64 = text.trim().parse().map_err(|_| {
+        format!("{text:?} is not a number — give 1 to {max} replicas, e.g. --replicas 3")
+    })?;
+    if n < 1 {
+        return Err(format!(
+            "{n} replicas would leave no traffic manager to connect to — give 1 to {max}              (`kvpn uninstall` removes the manager)"
+        ));
+    }
+    if n > i64::from(max) {
+        return Err(format!(
+            "{n} replicas is more than kvpn's maximum of {max} (each replica lists every lease              per grant; docs/scale.md) — give 1 to {max}, or scale the Deployment yourself              (`kubectl -n kvpn-system scale deploy/kvpn-manager --replicas {n}`; a plain              `kvpn connect` keeps that count)"
+        ));
+    }
+    i32::try_from(n).map_err(|_| format!("{n} is out of range"))
 }
 
 /// The longest Kubernetes namespace name (an RFC 1123 label).
@@ -1535,6 +1564,32 @@ mod tests {
 
     /// `--tunnel-ip` without `--manager` is a usage error saying the manager
     /// leases the tunnel IP there (on main it was silently ignored).
+    #[test]
+    fn replicas_zero_and_absurd_counts_are_refused_with_the_flag_cause_and_fix() {
+        for command in ["connect", "install"] {
+            for (bad, cause) in [
+                ("0", "would leave no traffic manager"),
+                ("-1", "would leave no traffic manager"),
+                ("21", "more than kvpn's maximum of 20"),
+                ("100000", "more than kvpn's maximum of 20"),
+                ("three", "is not a number"),
+            ] {
+                let arg = format!("--replicas={bad}");
+                let err = Cli::try_parse_from(["kvpn", command, &arg])
+                    .map(|_| ())
+                    .expect_err(&format!("{command} {arg} was accepted"))
+                    .to_string();
+                assert!(err.contains("--replicas"), "{command} {arg}: {err}");
+                assert!(err.contains(cause), "{command} {arg}: {err}");
+                assert!(err.contains("give 1 to 20"), "{command} {arg}: {err}");
+            }
+            for good in ["1", "3", "20"] {
+                Cli::try_parse_from(["kvpn", command, "--replicas", good])
+                    .unwrap_or_else(|e| panic!("{command} --replicas {good}: {e}"));
+            }
+        }
+    }
+
     #[test]
     fn tunnel_ip_is_refused_where_the_manager_leases_it() {
         for argv in [

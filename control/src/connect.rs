@@ -509,6 +509,11 @@ pub fn flags_not_applied(args: &ConnectArgs, session_policy: &str) -> Vec<&'stat
     {
         flags.push("--source-policy");
     }
+    // Scaling happens in the install step, which a running session skips
+    // (`kvpn install --replicas N` scales without a new session).
+    if args.replicas.is_some() {
+        flags.push("--replicas");
+    }
     flags
 }
 
@@ -1305,7 +1310,13 @@ pub(crate) async fn ensure_manager(
     opts.image_pull_policy = choice.pull_policy.map(|c| c.value);
     opts.source_policy = args.source_policy.unwrap_or_default();
     opts.keep_installed_policy = args.source_policy.is_none();
+    opts.replicas = args.replicas;
     if args.no_install {
+        if let Some(n) = args.replicas {
+            bail!(
+                "--replicas {n} cannot scale the traffic manager with --no-install (it writes                  nothing to the cluster) — drop --no-install, or ask whoever installed it to                  scale Deployment kvpn-manager"
+            );
+        }
         return install::find_manager(&conn.client, &opts, &print_progress)
             .await
             .context("no usable traffic manager (--no-install)");
@@ -1375,6 +1386,38 @@ pub(crate) async fn lease_step(
         )
     })?;
     Ok((leased, tunnel_ip))
+}
+
+/// Points `manager` at the ready replica with the fewest sessions
+/// ([`crate::replica`]) and records it in `origin` (status); says which and why.
+/// The lease and the data channel then go to that pod. When the replicas
+/// cannot be read, the pod the install waited for stays.
+pub(crate) async fn use_least_busy_replica(
+    conn: &KubeConnection,
+    manager: &mut install::ManagerInfo,
+    origin: &mut Origin,
+) {
+    let picked = crate::replica::pick(
+        &conn.client,
+        &manager.namespace,
+        &manager.version,
+        install::objects::METRICS_PORT,
+    )
+    .await;
+    if let Some(choice) = picked {
+        manager.pod_name = choice.pod;
+        if let Some(ip) = choice.ip {
+            manager.pod_ip = ip;
+        }
+        origin.manager_replica_reason = choice.reason;
+    } else {
+        origin.manager_replica_reason = "the pod the install waited for".to_owned();
+    }
+    origin.manager_replica = manager.pod_name.clone();
+    output::done(&format!(
+        "Traffic manager replica {} of {}: {}",
+        manager.pod_name, manager.replicas, origin.manager_replica_reason
+    ));
 }
 
 /// The manager's version and commit in `origin` (`kvpn version` shows them):
@@ -1513,6 +1556,9 @@ pub async fn kube_connect_as(
         include_suffixes: args.include_suffixes.clone(),
         exclude_suffixes: args.exclude_suffixes.clone(),
         never_proxy: args.never_proxy.iter().map(ToString::to_string).collect(),
+        // Filled in once the replica is picked (after the install).
+        manager_replica: String::new(),
+        manager_replica_reason: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     // A run never shares a session: a laptop-wide one routes for everybody.
@@ -1523,7 +1569,8 @@ pub async fn kube_connect_as(
         return Ok(None);
     }
 
-    let manager = ensure_manager(&conn, args).await?;
+    let mut manager = ensure_manager(&conn, args).await?;
+    use_least_busy_replica(&conn, &mut manager, &mut origin).await;
     origin.source_policy = manager.source_policy.as_str().to_owned();
     match args.source_policy {
         Some(asked) if manager.source_policy != asked => output::warn(&format!(
@@ -1976,6 +2023,14 @@ mod tests {
             w.starts_with("--hosts, --source-policy not applied: they shape a new session"),
             "{w}"
         );
+    }
+
+    /// `--replicas` on a connect that finds its session running is named as
+    /// not applied: the install step (which scales) is skipped then.
+    #[test]
+    fn replicas_on_a_running_session_are_named_as_not_applied() {
+        let three = connect_args(&["--replicas", "3"]);
+        assert_eq!(flags_not_applied(&three, "snat"), ["--replicas"]);
     }
 
     /// One ignored flag is "it", several "they"; none, no warning.

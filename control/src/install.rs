@@ -92,6 +92,10 @@ pub struct InstallOptions {
     pub image_pull_policy: Option<String>,
     /// None asked: an installed manager keeps its pull policy.
     pub keep_installed_pull_policy: bool,
+    /// `--replicas` (already validated, 1..=[`objects::MAX_REPLICAS`]). None: an
+    /// installed manager keeps the replica count its Deployment has now, whoever
+    /// set it (kvpn, `kubectl scale`, an autoscaler); a new install gets 1.
+    pub replicas: Option<i32>,
 }
 
 impl Default for InstallOptions {
@@ -109,6 +113,7 @@ impl Default for InstallOptions {
             keep_installed_pull_secrets: false,
             image_pull_policy: None,
             keep_installed_pull_policy: false,
+            replicas: None,
         }
     }
 }
@@ -145,6 +150,8 @@ pub struct ManagerInfo {
     pub grpc_port: u16,
     /// The running manager's `--source-policy` (from its Deployment).
     pub source_policy: SourcePolicy,
+    /// The Deployment's `spec.replicas`.
+    pub replicas: i32,
     /// The CA (PEM) that signed the manager's serving certificate.
     pub ca_pem: String,
     /// The DNS name the serving certificate is verified against.
@@ -365,6 +372,7 @@ impl Spec {
             source_policy: opts.source_policy,
             image_pull_secrets: opts.image_pull_secrets.clone(),
             image_pull_policy: opts.image_pull_policy.clone(),
+            replicas: opts.replicas.unwrap_or(1),
         }
     }
 }
@@ -393,6 +401,7 @@ struct Keep {
     image: bool,
     pull_secrets: bool,
     pull_policy: bool,
+    replicas: bool,
 }
 
 impl Keep {
@@ -402,6 +411,7 @@ impl Keep {
             image: opts.keep_installed_image,
             pull_secrets: opts.keep_installed_pull_secrets,
             pull_policy: opts.keep_installed_pull_policy,
+            replicas: opts.replicas.is_none(),
         }
     }
 }
@@ -674,7 +684,8 @@ impl Installer<'_> {
                 e
             }
             (Some(e), Outcome::AlreadyInstalled)
-                if objects::template_hash(&e) == objects::template_hash(&desired) =>
+                if objects::template_hash(&e) == objects::template_hash(&desired)
+                    && deployment_replicas(&e) == self.spec.replicas =>
             {
                 self.progress.report(ProgressEvent::Done(format!(
                     "Traffic manager v{ours} already installed in {ns}"
@@ -726,6 +737,11 @@ impl Installer<'_> {
             .and_then(|s| s.containers.first());
         if self.keep.policy {
             self.spec.source_policy = deployment_policy(d);
+        }
+        if self.keep.replicas {
+            // Whoever set it (an earlier --replicas, `kubectl scale`, an
+            // autoscaler): re-applied as it is, so nobody is scaled back.
+            self.spec.replicas = deployment_replicas(d);
         }
         if self.keep.image
             && let Some(installed) = container.and_then(|c| c.image.as_deref())
@@ -931,6 +947,7 @@ fn manager_info(
         data_port: objects::DATA_PORT,
         grpc_port: objects::GRPC_PORT,
         source_policy: deployment_policy(deployment),
+        replicas: deployment_replicas(deployment),
         ca_pem,
         server_name: objects::server_name(ns),
         outcome,
@@ -1000,6 +1017,16 @@ pub async fn find_manager(
         tls.ca_pem,
         Outcome::AlreadyInstalled,
     ))
+}
+
+/// The replica count a manager Deployment asks for (1 when absent, the API
+/// server's default).
+fn deployment_replicas(deployment: &Deployment) -> i32 {
+    deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.replicas)
+        .unwrap_or(1)
 }
 
 /// The `--source-policy` a manager Deployment's container runs with (`snat` when
@@ -1136,6 +1163,39 @@ async fn delete_labeled<K: Kind + kube::Resource<Scope = NamespaceResourceScope>
     Ok(())
 }
 
+/// Deletes the manager's lease objects (one per tunnel IP, made by the manager,
+/// not by the install: their own labels, [`crate::lease::LEASE_OBJECTS_SELECTOR`]).
+/// Run after the manager's pods are gone, so none is written again; not waited
+/// for one by one (a Lease has no finalizer: gone when the delete answers).
+async fn delete_lease_objects(
+    client: &kube::Client,
+    namespace: &str,
+    progress: &dyn Progress,
+    report: &mut UninstallReport,
+) -> Result<(), Error> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
+    let list = api
+        .list(&ListParams::default().labels(crate::lease::LEASE_OBJECTS_SELECTOR))
+        .await
+        .map_err(api_error::<Lease>("list", Some(namespace), "(all)"))?;
+    if !list.items.is_empty() {
+        progress.report(ProgressEvent::Step(format!(
+            "Deleting {} lease objects (Lease) in {namespace}",
+            list.items.len()
+        )));
+    }
+    for obj in list.items {
+        let name = obj.metadata.name.clone().unwrap_or_default();
+        match api.delete(&name, &DeleteParams::background()).await {
+            Ok(_) => report.deleted.push(format!("Lease {name}")),
+            Err(e) if is_status(&e, 404) => {}
+            Err(e) => return Err(api_error::<Lease>("delete", Some(namespace), &name)(e)),
+        }
+    }
+    Ok(())
+}
+
 /// Deletes the cluster-scoped `name` of `K` if kvpn created it (label check).
 async fn delete_cluster_scoped<
     K: Kind + kube::Resource<Scope = k8s_openapi::ClusterResourceScope>,
@@ -1257,6 +1317,8 @@ pub async fn uninstall(
         }
         tokio::time::sleep(POLL_INTERVAL).await;
     }
+
+    delete_lease_objects(client, namespace, p, r).await?;
 
     // The namespace, only when kvpn created it (and this user may see it).
     let namespaces: Api<Namespace> = Api::all(client.clone());

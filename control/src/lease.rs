@@ -121,9 +121,10 @@ pub fn existing_client_id(
     valid_id(id).then(|| id.to_owned())
 }
 
-/// Key of the manager's lease list in its ConfigMap (the manager owns the
-/// format: `manager/src/leases.rs` `LEASES_KEY`, a JSON list of records; the
-/// CLI only reads the three fields below, for `kvpn uninstall`).
+/// Key of the lease list in the ConfigMap of managers before Lease objects
+/// (the manager owns the format: `manager/src/leases.rs` `LEASES_KEY`, a JSON
+/// list of records; the CLI only reads the three fields below, for `kvpn
+/// uninstall`).
 pub const LEASES_KEY: &str = "leases.json";
 
 /// A lease of the traffic manager that has not expired: some laptop connected
@@ -162,30 +163,62 @@ pub fn live_leases_of_others(
     Ok(all)
 }
 
-/// The live leases of other clients on the traffic manager in `namespace`
-/// (its ConfigMap); empty when there is no manager or no lease.
+/// Label selector of the manager's lease objects (`coordination.k8s.io/v1`
+/// Lease, one per tunnel IP; the manager owns the format:
+/// `manager/src/leases.rs` `SELECTOR`).
+pub const LEASE_OBJECTS_SELECTOR: &str =
+    "app.kubernetes.io/name=kvpn-manager,app.kubernetes.io/component=tunnel-ip-lease";
+
+/// Annotation of a lease object holding its record as JSON (the manager's
+/// `RECORD_ANNOTATION`).
+pub const LEASE_RECORD_ANNOTATION: &str = "kvpn.dev/lease";
+
+/// The live leases of other clients on the traffic manager in `namespace`:
+/// its Lease objects, and the ConfigMap key an older manager kept them in;
+/// empty when there is no manager or no lease. An unreadable lease object is
+/// skipped (the manager warns about it).
 pub async fn live_leases(
     client: &kube::Client,
     namespace: &str,
     now_s: u64,
     own_client_id: Option<&str>,
 ) -> Result<Vec<LiveLease>> {
+    use k8s_openapi::api::coordination::v1::Lease;
     use k8s_openapi::api::core::v1::ConfigMap;
     let name = crate::install::objects::MANAGER;
+    let objects: Api<Lease> = Api::namespaced(client.clone(), namespace);
+    let listed = objects
+        .list(&kube::api::ListParams::default().labels(LEASE_OBJECTS_SELECTOR))
+        .await
+        .with_context(|| {
+            format!("cannot list the lease objects (leases.coordination.k8s.io) in {namespace}")
+        })?;
+    let mut all: Vec<LiveLease> = listed
+        .items
+        .iter()
+        .filter_map(|o| {
+            o.metadata
+                .annotations
+                .as_ref()?
+                .get(LEASE_RECORD_ANNOTATION)
+        })
+        .filter_map(|text| serde_json::from_str::<LiveLease>(text).ok())
+        .collect();
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
-    let Some(cm) = api
+    let cm = api
         .get_opt(name)
         .await
-        .with_context(|| format!("cannot read ConfigMap {namespace}/{name} (the leases)"))?
-    else {
-        return Ok(Vec::new());
-    };
-    let Some(text) = cm.data.as_ref().and_then(|d| d.get(LEASES_KEY)) else {
-        return Ok(Vec::new());
-    };
-    live_leases_of_others(text, now_s, own_client_id).with_context(|| {
-        format!("key {LEASES_KEY} of ConfigMap {namespace}/{name} is not a lease list")
-    })
+        .with_context(|| format!("cannot read ConfigMap {namespace}/{name} (the leases)"))?;
+    if let Some(text) = cm.as_ref().and_then(|c| c.data.as_ref()?.get(LEASES_KEY)) {
+        let old: Vec<LiveLease> = serde_json::from_str(text).with_context(|| {
+            format!("key {LEASES_KEY} of ConfigMap {namespace}/{name} is not a lease list")
+        })?;
+        all.extend(old);
+    }
+    all.retain(|l| l.expires_at > now_s && Some(l.client_id.as_str()) != own_client_id);
+    all.sort_by(|a, b| a.ip.cmp(&b.ip));
+    all.dedup_by(|a, b| a.ip == b.ip);
+    Ok(all)
 }
 
 /// One HTTP/2 (gRPC) connection to `pod`'s `port` over one `pods/portforward`

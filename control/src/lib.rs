@@ -27,6 +27,7 @@ pub mod lab;
 pub mod lease;
 pub mod liveness;
 pub mod output;
+pub mod replica;
 pub mod route_watch;
 pub mod run;
 pub mod settings;
@@ -605,6 +606,7 @@ async fn install_command(args: crate::cli::InstallArgs) -> Result<()> {
         namespace: args.manager_namespace.clone(),
         source_policy: args.source_policy.unwrap_or_default(),
         keep_installed_policy: args.source_policy.is_none(),
+        replicas: args.replicas,
         ..install::InstallOptions::default()
     };
     let env_image = std::env::var(settings::IMAGE_ENV).ok();

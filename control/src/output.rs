@@ -448,6 +448,8 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "cluster_id": text_or_null(&origin.cluster_id),
         "context": text_or_null(&origin.context),
         "manager_namespace": text_or_null(&origin.manager_namespace),
+        "manager_replica": text_or_null(&origin.manager_replica),
+        "manager_replica_reason": text_or_null(&origin.manager_replica_reason),
         "manager": s.manager,
         "tunnel_ip": s.tunnel_ip,
         "tunnel_ip_v6": text_or_null(&s.tunnel_ip_v6),
@@ -911,6 +913,13 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                     .filter(|w| !w.is_empty())
                 {
                     say!("    data path: {why}");
+                }
+                if !o.manager_replica.is_empty() {
+                    say!(
+                        "    manager replica {} ({})",
+                        o.manager_replica,
+                        o.manager_replica_reason
+                    );
                 }
                 if !o.source_policy.is_empty() {
                     say!(

@@ -13,10 +13,10 @@
 //!   only after it expired.
 //!
 //! Times are wall-clock seconds since the Unix epoch (`now_s`), because leases
-//! are persisted (the manager's ConfigMap, [`crate::leases`]) and must mean the
+//! are persisted (Lease objects, [`crate::leases`]) and must mean the
 //! same after a manager restart. Tokens are drawn by the caller.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 /// Longest accepted client id, bytes.
 pub const MAX_CLIENT_ID: usize = 128;
 
-/// One lease as stored (ConfigMap JSON) and returned.
+/// One lease as stored (JSON in its Lease object) and returned.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseRecord {
     /// The client's id.
@@ -77,6 +77,10 @@ pub struct LeaseTable {
     by_client: HashMap<String, Ipv4Addr>,
     /// Live data channels per leased IP (process-local, never persisted).
     active: HashMap<Ipv4Addr, u32>,
+    /// Addresses the store holds in a form this table cannot read (a lease
+    /// object edited into garbage, a duplicate): never handed out, so whatever
+    /// client owns them loses nothing to a new grant.
+    blocked: BTreeSet<Ipv4Addr>,
 }
 
 fn valid_client_id(id: &str) -> bool {
@@ -89,7 +93,7 @@ fn valid_client_id(id: &str) -> bool {
 
 /// Constant-time comparison (the token is a bearer secret). An empty stored
 /// token matches nothing: a lease record without a token (hand-edited
-/// ConfigMap) must not let a token-less hello in.
+/// lease object) must not let a token-less hello in.
 fn same_token(stored: &[u8], presented: &[u8]) -> bool {
     !stored.is_empty()
         && stored.len() == presented.len()
@@ -122,6 +126,7 @@ impl LeaseTable {
             by_ip: BTreeMap::new(),
             by_client: HashMap::new(),
             active: HashMap::new(),
+            blocked: BTreeSet::new(),
         }
     }
 
@@ -178,7 +183,9 @@ impl LeaseTable {
         let last = u32::from(self.pool.broadcast());
         let ip = (first..=last)
             .map(Ipv4Addr::from)
-            .find(|ip| self.leasable(*ip) && !self.by_ip.contains_key(ip))
+            .find(|ip| {
+                self.leasable(*ip) && !self.by_ip.contains_key(ip) && !self.blocked.contains(ip)
+            })
             .ok_or(LeaseError::PoolExhausted(self.pool))?;
         let rec = LeaseRecord {
             client_id: client_id.to_owned(),
@@ -288,24 +295,34 @@ impl LeaseTable {
     }
 
     /// Replace the leases with `records` (read from the store); live data
-    /// channels are kept. Records outside the pool, for reserved addresses or
-    /// repeating an IP or client id are skipped; returns how many.
-    pub fn replace_records(&mut self, records: Vec<LeaseRecord>) -> usize {
+    /// channels are kept, blocked addresses cleared. Records outside the pool,
+    /// for reserved addresses or repeating an IP or client id are skipped and
+    /// returned.
+    pub fn replace_records(&mut self, records: Vec<LeaseRecord>) -> Vec<LeaseRecord> {
         self.by_ip.clear();
         self.by_client.clear();
-        let mut skipped = 0;
+        self.blocked.clear();
+        let mut skipped = Vec::new();
         for rec in records {
             if !self.leasable(rec.ip)
                 || !valid_client_id(&rec.client_id)
                 || self.by_ip.contains_key(&rec.ip)
                 || self.by_client.contains_key(&rec.client_id)
             {
-                skipped += 1;
+                skipped.push(rec);
                 continue;
             }
             self.insert(rec);
         }
         skipped
+    }
+
+    /// Never hand out `ip` until the next [`LeaseTable::replace_records`]: the
+    /// store holds something there that this table could not read.
+    pub fn block(&mut self, ip: Ipv4Addr) {
+        if !self.by_ip.contains_key(&ip) {
+            self.blocked.insert(ip);
+        }
     }
 }
 
@@ -404,7 +421,7 @@ mod tests {
             r.token.clear();
         }
         let mut u = table("100.96.0.0/16");
-        assert_eq!(u.replace_records(hand_edited), 0);
+        assert!(u.replace_records(hand_edited).is_empty());
         assert_eq!(u.check(a_ip, b"", 10), Err(AttachError::WrongToken(a_ip)));
         assert_eq!(
             client_fingerprint("a"),
@@ -480,11 +497,38 @@ mod tests {
             rec("f", "10.0.0.2"),
             rec("g", "100.96.0.7"),
         ]);
-        assert_eq!(skipped, 6);
+        assert_eq!(skipped.len(), 6);
         assert_eq!(t.records().len(), 2);
         // New leases avoid the restored ones.
         assert_eq!(t.lease("a", "x", 0).expect("a").ip, ip("100.96.0.5"));
         assert_eq!(t.lease("h", "x", 0).expect("h").ip, ip("100.96.0.2"));
+    }
+
+    #[test]
+    fn blocked_addresses_are_never_granted_until_the_next_read() {
+        let mut t = table("10.1.0.0/29");
+        t.replace_records(Vec::new());
+        // .2 and .4 hold objects this table cannot read (garbage).
+        t.block(ip("10.1.0.2"));
+        t.block(ip("10.1.0.4"));
+        let got: Vec<Ipv4Addr> = ["a", "b", "c"]
+            .iter()
+            .map(|c| t.lease(c, "t", 0).expect("lease").ip)
+            .collect();
+        assert_eq!(got, [ip("10.1.0.3"), ip("10.1.0.5"), ip("10.1.0.6")]);
+        assert_eq!(
+            t.lease("d", "t", 0),
+            Err(LeaseError::PoolExhausted(
+                "10.1.0.0/29".parse().expect("net")
+            )),
+            "blocked addresses count as taken"
+        );
+        // Blocking a held address changes nothing; a new read clears the blocks.
+        t.block(ip("10.1.0.3"));
+        assert_eq!(t.records().len(), 3);
+        let kept = t.records();
+        t.replace_records(kept);
+        assert_eq!(t.lease("d", "t", 0).expect("d").ip, ip("10.1.0.2"));
     }
 
     #[derive(Debug, Clone)]

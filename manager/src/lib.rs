@@ -17,7 +17,7 @@
 //!   [`peers`]: live sessions by tunnel IP (laptop-to-laptop forwarding);
 //!   [`window`]: the TCP flows' receive window from the connection's round trip.
 //! - [`lease`]: the pure lease table (tunnel IPs from the pool, tokens,
-//!   expiry); [`leases`]: its shell (clock, randomness, the ConfigMap store);
+//!   expiry); [`leases`]: its shell (clock, randomness, the Lease-object store);
 //!   [`grpc`]: the control gRPC API on :10802 (`Lease`, `WatchRoutes`).
 //! - [`metrics_server`]: `GET /metrics` (the manager-wide [`metrics::ManagerCounters`],
 //!   Prometheus text) on `--metrics-listen` (the install: pod loopback :10803).

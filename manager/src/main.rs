@@ -69,10 +69,18 @@ struct Args {
     /// with a unit (90s, 30m, 1h).
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     lease_time: Duration,
-    /// ConfigMap (in the pod's namespace) the leases are stored in, when the
-    /// API server is reachable with the pod's service account.
+    /// ConfigMap (in the pod's namespace) where managers before Lease objects
+    /// kept the leases (key leases.json): moved into Lease objects once at
+    /// start, then the key is removed. The leases themselves are
+    /// coordination.k8s.io Lease objects in the pod's namespace, one per
+    /// tunnel IP (docs/scale.md), when the API server is reachable with the
+    /// pod's service account.
     #[arg(long, default_value = "kvpn-manager")]
     lease_configmap: String,
+    /// This replica's name (the Kubernetes install passes the pod name through
+    /// the downward API): written as the holder of the lease objects it writes.
+    #[arg(long, env = "KVPN_POD_NAME")]
+    replica_name: Option<String>,
     /// The cluster domain that `WatchRoutes` reports (the kubelet's
     /// --cluster-domain).
     #[arg(long, env = "KVPN_CLUSTER_DOMAIN", default_value = "cluster.local")]
@@ -286,12 +294,18 @@ async fn open_leases(args: &Args, api: &anyhow::Result<(kube::Client, String)>) 
         };
         let leases = tokio::time::timeout(
             Duration::from_secs(10),
-            Leases::in_configmap(table.clone(), client, &namespace, &args.lease_configmap),
+            Leases::in_objects(
+                table.clone(),
+                client,
+                &namespace,
+                args.replica_name.clone(),
+                &args.lease_configmap,
+            ),
         )
         .await
         .context("the API server did not answer within 10 s")?
-        .with_context(|| format!("cannot use ConfigMap {namespace}/{}", args.lease_configmap))?;
-        info!(configmap = %format!("{namespace}/{}", args.lease_configmap), "leases are stored in the ConfigMap (resourceVersion-checked writes)");
+        .with_context(|| format!("cannot use Lease objects (coordination.k8s.io) in {namespace} (the manager's Role needs list, create, update and delete on leases; `kvpn connect` re-applies it)"))?;
+        info!(namespace = %namespace, replica = args.replica_name.as_deref().unwrap_or("(unnamed)"), "leases are stored as Lease objects, one per tunnel IP (create-only grants, resourceVersion-checked renewals)");
         anyhow::Ok(leases)
     };
     match in_cluster.await {

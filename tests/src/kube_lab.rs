@@ -605,6 +605,27 @@ impl KubeFixture {
         self.pods(MANAGER_NAMESPACE, MANAGER_SELECTOR)
     }
 
+    /// The traffic manager's leases: the records of its Lease objects
+    /// (coordination.k8s.io, one per tunnel IP, annotation `kvpn.dev/lease`),
+    /// by IP; a record that does not parse is kept as a JSON string.
+    pub fn stored_leases(&self) -> Vec<serde_json::Value> {
+        use k8s_openapi::api::coordination::v1::Lease;
+        let api: Api<Lease> = Api::namespaced(self.admin(), MANAGER_NAMESPACE);
+        let lp = ListParams::default().labels(
+            "app.kubernetes.io/name=kvpn-manager,app.kubernetes.io/component=tunnel-ip-lease",
+        );
+        let mut out: Vec<serde_json::Value> = self
+            .block_on(api.list(&lp))
+            .unwrap_or_else(|e| panic!("list Lease objects in {MANAGER_NAMESPACE}: {e}"))
+            .items
+            .into_iter()
+            .filter_map(|l| l.metadata.annotations?.get("kvpn.dev/lease").cloned())
+            .map(|text| serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
+            .collect();
+        out.sort_by_key(|r| r["ip"].as_str().unwrap_or_default().to_owned());
+        out
+    }
+
     /// Pods of `namespace` matching `selector` (admin client).
     pub fn pods(&self, namespace: &str, selector: &str) -> Vec<Pod> {
         let api: Api<Pod> = Api::namespaced(self.admin(), namespace);

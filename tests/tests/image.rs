@@ -74,6 +74,7 @@ fn spec(policy: SourcePolicy) -> Spec {
         source_policy: policy,
         image_pull_secrets: Vec::new(),
         image_pull_policy: None,
+        replicas: 1,
     }
 }
 

@@ -1,5 +1,5 @@
 //! Leases end to end on the Kubernetes lab (tr-11, [kube-connect] item 4): the
-//! traffic manager pod stores leases in its ConfigMap (in-cluster API access
+//! traffic manager pod stores leases as Lease objects (in-cluster API access
 //! with its service account), `kvpn connect` gets its tunnel IP from `Lease`,
 //! and a reconnecting laptop gets its old IP back.
 //!
@@ -17,25 +17,16 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
 use kvpn_lab::LAPTOP;
 use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_ip, pod_name, web};
 
 fn stored_leases(f: &KubeFixture) -> serde_json::Value {
-    let api: Api<ConfigMap> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
-    let cm = f
-        .block_on(api.get("kvpn-manager"))
-        .unwrap_or_else(|e| panic!("get ConfigMap kvpn-manager: {e}"));
-    let text = cm
-        .data
-        .and_then(|d| d.get("leases.json").cloned())
-        .unwrap_or_else(|| panic!("ConfigMap kvpn-manager has no leases.json"));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("leases.json: {e}: {text}"))
+    serde_json::Value::Array(f.stored_leases())
 }
 
 #[test]
-fn leased_tunnel_ip_is_stored_in_the_configmap_and_comes_back_on_reconnect() {
+fn leased_tunnel_ip_is_stored_in_a_lease_object_and_comes_back_on_reconnect() {
     let f = KubeFixture::new();
     let out = f.connect_restricted();
     assert!(out.contains("Leasing a tunnel IP"), "{out}");
@@ -62,7 +53,7 @@ fn leased_tunnel_ip_is_stored_in_the_configmap_and_comes_back_on_reconnect() {
         .iter()
         .filter(|l| l["ip"] == ip.as_str())
         .collect();
-    assert_eq!(mine.len(), 1, "the ConfigMap holds the lease: {leases}");
+    assert_eq!(mine.len(), 1, "a Lease object holds the lease: {leases}");
     let token = mine[0]["token"].as_str().unwrap_or_default().to_owned();
     assert_eq!(token.len(), 64);
 

@@ -781,16 +781,9 @@ fn normal_user_kvpn_run_reaches_the_cluster_and_leaves_nothing() {
     assert!(outside.is_err(), "reachable outside a run: {outside:?}");
 }
 
-/// The traffic manager's stored leases (ConfigMap kvpn-manager, leases.json).
+/// The traffic manager's stored leases (its Lease objects' records).
 fn stored_leases(f: &KubeFixture) -> String {
-    let api: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
-        kube::Api::namespaced(f.admin(), kvpn_tests::kube_lab::MANAGER_NAMESPACE);
-    let cm = f
-        .block_on(api.get("kvpn-manager"))
-        .unwrap_or_else(|e| panic!("get ConfigMap kvpn-manager: {e}"));
-    cm.data
-        .and_then(|d| d.get("leases.json").cloned())
-        .unwrap_or_default()
+    serde_json::Value::Array(f.stored_leases()).to_string()
 }
 
 /// A second user, refused by the first user's root daemon: `kvpn status` says

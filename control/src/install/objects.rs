@@ -102,7 +102,15 @@ pub struct Spec {
     /// `--image-pull-policy` (`Always`, `IfNotPresent`, `Never`); None leaves the
     /// Kubernetes default (IfNotPresent for a tagged image, Always for `:latest`).
     pub image_pull_policy: Option<String>,
+    /// The Deployment's `spec.replicas` (1..=[`MAX_REPLICAS`]).
+    pub replicas: i32,
 }
+
+/// Most manager replicas `--replicas` accepts. Replicas share one lease store
+/// (a LIST of every lease object per grant), so each one adds API server load;
+/// 20 replicas of the 500 sessions each is 10 000 laptops, far beyond
+/// one cluster's developers. More: scale the Deployment yourself.
+pub const MAX_REPLICAS: i32 = 20;
 
 /// The numeric user and group the manager runs as: the image's `USER` (images/
 /// Containerfile, `cargo xtask image`), stated again in the pod spec so the
@@ -185,8 +193,12 @@ fn strings(items: &[&str]) -> Vec<String> {
 }
 
 fn rule(resources: &[&str], verbs: &[&str], names: Option<&[&str]>) -> PolicyRule {
+    rule_in("", resources, verbs, names)
+}
+
+fn rule_in(group: &str, resources: &[&str], verbs: &[&str], names: Option<&[&str]>) -> PolicyRule {
     PolicyRule {
-        api_groups: Some(vec![String::new()]),
+        api_groups: Some(vec![group.to_owned()]),
         resources: Some(strings(resources)),
         verbs: strings(verbs),
         resource_names: names.map(strings),
@@ -209,9 +221,12 @@ pub fn service_account(spec: &Spec) -> ServiceAccount {
     }
 }
 
-/// The manager's namespaced permissions: watch the workloads it routes to, and read
-/// and write its own ConfigMap (leases, detected CIDRs; `update` for
-/// resourceVersion-checked writes) and Secret (by name only).
+/// The manager's namespaced permissions: watch the workloads it routes to, read
+/// and write its own ConfigMap (detected CIDRs, and the leases of older managers
+/// it migrates; `update` for resourceVersion-checked writes) and Secret (by name
+/// only), and its lease objects (coordination.k8s.io Leases, one per tunnel IP:
+/// `list` to read them, `create` to grant, `update` to renew, `delete` to
+/// expire; names are per IP, so not by name; no `get`, `watch` or `patch`).
 pub fn role(spec: &Spec) -> Role {
     Role {
         metadata: meta(spec, MANAGER, true),
@@ -231,9 +246,16 @@ pub fn role(spec: &Spec) -> Role {
                 &["get", "update", "patch"],
                 Some(&[TLS_SECRET]),
             ),
+            rule_in(LEASE_GROUP, &["leases"], &LEASE_VERBS, None),
         ]),
     }
 }
+
+/// API group of the manager's lease objects.
+pub const LEASE_GROUP: &str = "coordination.k8s.io";
+
+/// What the manager does with its lease objects (see [`role`]).
+pub const LEASE_VERBS: [&str; 4] = ["list", "create", "update", "delete"];
 
 fn manager_subject(spec: &Spec) -> Subject {
     Subject {
@@ -390,6 +412,18 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
         env: Some(vec![
             env("KVPN_TLS_CERT", &format!("{TLS_MOUNT}/tls.crt")),
             env("KVPN_TLS_KEY", &format!("{TLS_MOUNT}/tls.key")),
+            // The replica's name, written as the holder of the lease objects it writes.
+            EnvVar {
+                name: "KVPN_POD_NAME".into(),
+                value: None,
+                value_from: Some(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector {
+                        api_version: Some("v1".into()),
+                        field_path: "metadata.name".into(),
+                    }),
+                    ..Default::default()
+                }),
+            },
             EnvVar {
                 name: "KVPN_NAMESPACE".into(),
                 value: None,
@@ -573,7 +607,7 @@ pub fn deployment(spec: &Spec, ca_pem: &str) -> Deployment {
     Deployment {
         metadata: meta(spec, MANAGER, true),
         spec: Some(DeploymentSpec {
-            replicas: Some(1),
+            replicas: Some(spec.replicas),
             selector: LabelSelector {
                 match_labels: Some([(LABEL_NAME.to_owned(), MANAGER.to_owned())].into()),
                 match_expressions: None,
@@ -632,6 +666,7 @@ mod tests {
             source_policy: SourcePolicy::Snat,
             image_pull_secrets: Vec::new(),
             image_pull_policy: None,
+            replicas: 1,
         }
     }
 
@@ -860,6 +895,15 @@ mod tests {
                     "{rule:?}"
                 );
             }
+            if res == ["leases"] {
+                // Exactly the lease verbs, in exactly coordination.k8s.io.
+                assert_eq!(
+                    rule.api_groups.as_deref(),
+                    Some(&[LEASE_GROUP.to_owned()][..])
+                );
+                assert_eq!(rule.verbs, LEASE_VERBS.map(str::to_owned));
+                continue;
+            }
             assert!(
                 !rule
                     .verbs
@@ -867,5 +911,16 @@ mod tests {
                     .any(|v| v == "*" || v == "delete" || v == "create")
             );
         }
+        assert_eq!(
+            rules
+                .iter()
+                .filter(|r| r
+                    .resources
+                    .as_deref()
+                    .is_some_and(|x| x.iter().any(|x| x == "leases")))
+                .count(),
+            1,
+            "one rule names leases"
+        );
     }
 }

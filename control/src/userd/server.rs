@@ -312,6 +312,11 @@ fn agent_config(
             .collect::<Result<_>>()?,
         extra_domains: req.extra_domains.clone(),
         runtime_dir: root_runtime_dir.to_path_buf(),
+        replica: req
+            .connect
+            .as_ref()
+            .and_then(|c| c.origin.as_ref())
+            .and_then(|o| nonempty(&o.manager_replica)),
     })
 }
 

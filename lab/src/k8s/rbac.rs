@@ -8,6 +8,7 @@
 //! | namespace `kvpn-system` | apps | deployments | create, patch, get, list, watch |
 //! | namespace `kvpn-system` | core | pods/portforward | create, get (SPDY posts, websockets get) |
 //! | namespace `kvpn-system` | core | configmaps, secrets | update (see below) |
+//! | namespace `kvpn-system` | coordination.k8s.io | leases | list, create, update, delete (see below) |
 //! | namespace `kvpn-system` | core, rbac, apps | the kinds above, only names `kvpn-manager`, `kvpn-manager-tls` | delete (`kvpn uninstall`) |
 //! | cluster-wide (ClusterRole `kvpn-user-read`) | core | pods, services, endpoints | get, list, watch |
 //! | cluster-wide | rbac.authorization.k8s.io | clusterroles, clusterrolebindings, only name `kvpn-manager-kvpn-system` | get, create, patch, delete |
@@ -16,6 +17,9 @@
 //! - `update` on configmaps and secrets: the manager's own Role grants it `update` on
 //!   its ConfigMap and Secret (resourceVersion-checked lease writes), and RBAC lets a
 //!   user grant only what the user holds. kvpn itself never updates (it applies).
+//! - leases (coordination.k8s.io): the manager keeps one Lease object per tunnel IP
+//!   and its Role grants it exactly these verbs, which the user must hold to grant;
+//!   `kvpn uninstall` lists and deletes them too (their names are per IP).
 //! - `delete` by name: `kvpn uninstall` removes what kvpn created. The names are
 //!   kvpn's fixed object names, so the user still cannot delete anything else.
 //! - clusterroles/clusterrolebindings by name: the manager's cluster-wide read of
@@ -132,6 +136,11 @@ pub fn objects() -> Objects {
                 rule("apps", &["deployments"], NAMESPACED_VERBS),
                 rule("", &["pods/portforward"], &["create", "get"]),
                 rule("", &["configmaps", "secrets"], &["update"]),
+                rule(
+                    "coordination.k8s.io",
+                    &["leases"],
+                    &["list", "create", "update", "delete"],
+                ),
                 named(
                     rule(
                         "",
@@ -229,6 +238,8 @@ mod tests {
 
     #[test]
     fn restricted_user_deletes_only_kvpn_objects_and_never_touches_nodes() {
+        // Lease objects are the one exception to "delete by name": the manager
+        // names them per tunnel IP; the rule covers coordination.k8s.io only.
         let o = objects();
         let rules = o
             .role
@@ -238,7 +249,8 @@ mod tests {
             .chain(o.cluster_role.rules.iter().flatten());
         for r in rules {
             assert!(!r.verbs.iter().any(|v| v == "*"), "{r:?}");
-            if r.verbs.iter().any(|v| v == "delete") {
+            let leases = r.resources.iter().flatten().any(|x| x == "leases");
+            if r.verbs.iter().any(|v| v == "delete") && !leases {
                 assert!(
                     r.resource_names.as_ref().is_some_and(|n| !n.is_empty()),
                     "delete only by name: {r:?}"
