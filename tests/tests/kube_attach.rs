@@ -10,7 +10,8 @@
 //! NET_ADMIN and MKNOD effective; `kvpn attach --list` shows the replica's own
 //! tunnel IP; the laptop reaches the replica's httpd by that IP, and the replica
 //! reaches a listener on the laptop's tunnel IP, which sees the replica's tunnel
-//! IP as the source. `kvpn detach` leaves the pod template exactly as it was
+//! IP as the source. Scaled to two replicas, each has its own tunnel IP (the
+//! first keeps its lease) and the laptop reaches both. `kvpn detach` leaves the pod template exactly as it was
 //! before the attach (JSON compared) and removes the Secret. Bad input: a
 //! Deployment that does not exist, a detach of something never attached, a
 //! second attach — each an error naming the object, the cause and the fix.
@@ -445,6 +446,75 @@ fn attach_a_deployment_on_real_nodes_gives_its_replica_a_tunnel_both_ways_and_de
         .lab()
         .netns_lab()
         .stop_process(listener_pid, Duration::from_secs(2));
+
+    // Two replicas: each its own lease and session, each reachable by its own IP.
+    let scale = |n: i32| {
+        let patch = serde_json::json!({"spec": {"replicas": n}});
+        f.block_on(deployments.patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        ))
+        .unwrap_or_else(|e| panic!("scale to {n}: {e}"));
+    };
+    scale(2);
+    let t_scale = Instant::now();
+    let listed = loop {
+        let ready: Vec<Pod> = f
+            .pods(&ns, &format!("app={name}"))
+            .into_iter()
+            .filter(|p| has_tunnel(p) && pod_ready(p))
+            .collect();
+        let list = f.kvpn_ok(&[
+            "attach",
+            "--list",
+            "-n",
+            &ns,
+            "-o",
+            "json",
+            "--kubeconfig",
+            &admin,
+        ]);
+        let v: serde_json::Value =
+            serde_json::from_str(&list).unwrap_or_else(|e| panic!("--list JSON: {e}: {list}"));
+        let ips: std::collections::BTreeSet<Ipv4Addr> = v
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|x| {
+                        ready
+                            .iter()
+                            .any(|p| p.metadata.name.as_deref() == x["pod"].as_str())
+                    })
+                    .filter_map(|x| x["tunnel_ip"].as_str().and_then(|t| t.parse().ok()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if ready.len() == 2 && ips.len() == 2 {
+            break ips;
+        }
+        assert!(
+            t_scale.elapsed() < Duration::from_secs(90),
+            "no 2 ready attached replicas with distinct tunnel IPs within 90 s: {list}\n{}",
+            tunnel_logs(&f, &admin, &ns, name)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(
+        listed.contains(&replica_ip),
+        "the first replica kept its lease: {listed:?}"
+    );
+    for ip in &listed {
+        let url = format!("http://{ip}:8080/");
+        let o = f.laptop(&["curl", "-sS", "--max-time", "5", &url]);
+        assert!(
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains("kvpn-replica-page"),
+            "laptop → replica {url}: {}",
+            text(&o)
+        );
+    }
+    scale(1);
+    wait_single_pod(&f, &ns, name, "after scaling back to 1", has_tunnel);
 
     // Detach: the template is exactly as before, the Secret gone, the pod without it.
     let out = f.kvpn_ok(&[
