@@ -371,3 +371,71 @@ pub async fn replicas(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn web() -> WorkloadRef {
+        render::parse_workload("deploy/web").expect("parse")
+    }
+
+    /// Each refusal names the object, the cause and the fix.
+    #[test]
+    fn errors_name_the_object_the_cause_and_the_fix() {
+        let cases = [
+            (
+                AttachError::NotFound {
+                    workload: web(),
+                    namespace: "shop".into(),
+                    kind: "deployments",
+                },
+                [
+                    "deployment/web",
+                    "not found",
+                    "kubectl get deployments -n shop",
+                ],
+            ),
+            (
+                AttachError::AlreadyAttached {
+                    workload: web(),
+                    namespace: "shop".into(),
+                    container: render::CONTAINER,
+                },
+                [
+                    "deployment/web",
+                    "already attached",
+                    "kvpn detach deployment/web -n shop",
+                ],
+            ),
+            (
+                AttachError::NotAttached {
+                    workload: web(),
+                    namespace: "shop".into(),
+                    container: render::CONTAINER,
+                    secret: "kvpn-attach-deploy-web".into(),
+                },
+                ["deployment/web", "not attached", "nothing to detach"],
+            ),
+            (
+                AttachError::NoManager {
+                    namespace: "kvpn-system".into(),
+                },
+                ["kvpn-system", "not found", "kvpn connect"],
+            ),
+            (
+                AttachError::ManagerTooOld {
+                    namespace: "kvpn-system".into(),
+                    port: 10804,
+                },
+                ["too old", "10804", "kvpn install"],
+            ),
+        ];
+        for (e, words) in cases {
+            let text = e.to_string();
+            for w in words {
+                assert!(text.contains(w), "{w:?} missing in: {text}");
+            }
+        }
+    }
+}
