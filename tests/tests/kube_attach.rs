@@ -11,7 +11,9 @@
 //! tunnel IP; the laptop reaches the replica's httpd by that IP, and the replica
 //! reaches a listener on the laptop's tunnel IP, which sees the replica's tunnel
 //! IP as the source. Scaled to two replicas, each has its own tunnel IP (the
-//! first keeps its lease) and the laptop reaches both. `kvpn detach` leaves the pod template exactly as it was
+//! first keeps its lease) and the laptop reaches both. When the manager pod is
+//! deleted, the kubelet restarts the replica's tunnel container, which comes back
+//! with the same tunnel IP and is reached again. `kvpn detach` leaves the pod template exactly as it was
 //! before the attach (JSON compared) and removes the Secret. Bad input: a
 //! Deployment that does not exist, a detach of something never attached, a
 //! second attach — each an error naming the object, the cause and the fix.
@@ -514,7 +516,74 @@ fn attach_a_deployment_on_real_nodes_gives_its_replica_a_tunnel_both_ways_and_de
         );
     }
     scale(1);
-    wait_single_pod(&f, &ns, name, "after scaling back to 1", has_tunnel);
+    let kept = wait_single_pod(&f, &ns, name, "after scaling back to 1", has_tunnel);
+    let kept_name = kept.metadata.name.clone().unwrap_or_default();
+
+    // The manager pod goes: the replica's data channel ends, the kubelet restarts
+    // its tunnel container (postStart again), which gets the same lease from the
+    // new manager pod; the laptop reaches the replica again.
+    let kept_ip = |f: &KubeFixture| -> Option<Ipv4Addr> {
+        let list = f.kvpn_ok(&[
+            "attach",
+            "--list",
+            "-n",
+            &ns,
+            "-o",
+            "json",
+            "--kubeconfig",
+            &admin,
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&list).ok()?;
+        v.as_array()?
+            .iter()
+            .find(|x| x["pod"] == kept_name.as_str())?["tunnel_ip"]
+            .as_str()?
+            .parse()
+            .ok()
+    };
+    let ip_before = kept_ip(&f).unwrap_or_else(|| panic!("no tunnel IP for {kept_name}"));
+    let managers: Api<Pod> = Api::namespaced(f.admin(), kvpn_tests::kube_lab::MANAGER_NAMESPACE);
+    for m in f.manager_pods() {
+        let m_name = m.metadata.name.clone().unwrap_or_default();
+        f.block_on(managers.delete(&m_name, &kube::api::DeleteParams::default()))
+            .unwrap_or_else(|e| panic!("delete manager pod {m_name}: {e}"));
+    }
+    let t_restart = Instant::now();
+    let url = format!("http://{ip_before}:8080/");
+    loop {
+        let o = f.laptop(&["curl", "-sS", "--max-time", "3", &url]);
+        let restarted = f
+            .pods(&ns, &format!("app={name}"))
+            .iter()
+            .find(|p| p.metadata.name.as_deref() == Some(kept_name.as_str()))
+            .and_then(|p| p.status.as_ref()?.container_statuses.clone())
+            .and_then(|c| c.into_iter().find(|c| c.name == "kvpn-tunnel"))
+            .is_some_and(|c| c.restart_count >= 1);
+        if restarted
+            && o.status.success()
+            && String::from_utf8_lossy(&o.stdout).contains("kvpn-replica-page")
+        {
+            break;
+        }
+        assert!(
+            t_restart.elapsed() < Duration::from_secs(120),
+            "replica {kept_name} not reachable at {url} within 120 s of the manager's restart (tunnel restarted: {restarted}): {}\n{}\n{}",
+            text(&o),
+            tunnel_logs(&f, &admin, &ns, name),
+            f.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let back_after = t_restart.elapsed();
+    assert_eq!(
+        kept_ip(&f),
+        Some(ip_before),
+        "same pod, same lease after the restart"
+    );
+    eprintln!(
+        "manager pod deleted: replica {kept_name} reachable again at {ip_before} after {:.1} s",
+        back_after.as_secs_f64()
+    );
 
     // Detach: the template is exactly as before, the Secret gone, the pod without it.
     let out = f.kvpn_ok(&[
