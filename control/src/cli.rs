@@ -59,8 +59,10 @@ impl Cli {
     /// Flag rules checked after clap, with their own words. `--steer` without
     /// `--allow-route-conflict`: its usage line names just those two flags.
     pub fn validate(self) -> Result<Self, clap::Error> {
-        if let Command::Connect(a) = &self.command {
-            a.validate()?;
+        match &self.command {
+            Command::Connect(a) => a.validate()?,
+            Command::Run(r) => r.connect.validate()?,
+            _ => {}
         }
         Ok(self)
     }
@@ -187,6 +189,21 @@ impl ConnectArgs {
                     port = listen.port()
                 ),
                 "kvpn connect --socks --socks-listen <IP:PORT> --socks-allow-remote [OPTIONS]",
+            ));
+        }
+        if let Some(both) = self
+            .include_suffixes
+            .iter()
+            .find(|s| self.exclude_suffixes.contains(s))
+        {
+            return Err(usage_error(
+                ErrorKind::ArgumentConflict,
+                &format!(
+                    "{both} is given to both --include-suffix and --exclude-suffix: names \
+                     under it cannot go to the cluster DNS and to the laptop's nameservers \
+                     at once — keep one of the two"
+                ),
+                "kvpn connect --include-suffix <SUFFIX> --exclude-suffix <SUFFIX> [OPTIONS]",
             ));
         }
         Ok(())
@@ -733,7 +750,11 @@ fn parse_connect_mtu(text: &str) -> Result<u32, String> {
 /// A domain name or suffix as typed (`db.corp.example`, `.corp.example`,
 /// trailing dot allowed): lower-cased, without the dots at either end.
 fn parse_domain(text: &str) -> Result<String, String> {
-    let name = text.trim().trim_start_matches('.').trim_end_matches('.');
+    // One leading dot (a suffix written `.corp.example`) and one trailing dot (a
+    // fully qualified name) are spellings of the name; more are an empty label.
+    let trimmed = text.trim();
+    let name = trimmed.strip_prefix('.').unwrap_or(trimmed);
+    let name = name.strip_suffix('.').unwrap_or(name);
     let bad = |why: &str| {
         Err(format!(
             "{text:?} is not a domain name: {why} — give one such as db.corp.example"
@@ -741,6 +762,13 @@ fn parse_domain(text: &str) -> Result<String, String> {
     };
     if name.is_empty() {
         return bad("it is empty");
+    }
+    if let Ok(ip) = name.parse::<IpAddr>() {
+        let len = if ip.is_ipv4() { 32 } else { 128 };
+        return Err(format!(
+            "{text:?} is an IP address, not a domain name — to send it through the tunnel \
+             give it as a range: --cidr {ip}/{len}"
+        ));
     }
     if name.len() > 253 {
         return bad("longer than 253 characters");
@@ -758,6 +786,13 @@ fn parse_domain(text: &str) -> Result<String, String> {
         {
             return bad("only letters, digits, '-' and '_' go in a label");
         }
+    }
+    if name
+        .rsplit('.')
+        .next()
+        .is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return bad("its last label is all digits, which no domain has");
     }
     Ok(name.to_ascii_lowercase())
 }
@@ -857,9 +892,33 @@ fn parse_secret_name(name: &str) -> Result<String, String> {
 /// `--socks-listen` value parser: IP:PORT (`[IPv6]:PORT`); a name is not
 /// resolved, so the address the server listens on is the one given.
 fn parse_socks_listen(text: &str) -> Result<SocketAddr, String> {
-    text.trim().parse().map_err(|_| {
-        format!("{text:?} is not IP:PORT with an IP address — e.g. 127.0.0.1:1080 or [::1]:1080")
-    })
+    let example = "e.g. 127.0.0.1:1080 or [::1]:1080";
+    let text = text.trim();
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        if addr.port() == 0 {
+            return Err(format!(
+                "{text:?} has port 0, which would make the SOCKS server listen on a port \
+                 nobody is told — give a port 1-65535, {example}"
+            ));
+        }
+        return Ok(addr);
+    }
+    // Say which half is wrong: the address, or a port outside 1-65535.
+    if let Some((host, port)) = text.rsplit_once(':')
+        && host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+            .is_ok()
+    {
+        return Err(match port.parse::<u64>() {
+            Ok(n) => format!("{text:?}: port {n} is out of range — give a port 1-65535, {example}"),
+            Err(_) => format!("{text:?}: {port:?} is not a port number (1-65535), {example}"),
+        });
+    }
+    Err(format!(
+        "{text:?} is not IP:PORT with an IP address — {example}"
+    ))
 }
 
 /// The longest Kubernetes namespace name (an RFC 1123 label).
@@ -1591,6 +1650,89 @@ mod tests {
             assert!(err.contains("cannot be used with"), "{argv:?}: {err}");
         }
         Cli::try_parse_from(["kvpn", "connect", "--socks"]).expect("--socks alone parses");
+    }
+
+    /// #29 F3: one suffix both included and excluded is refused; `kvpn run` checks
+    /// its connect flags as `kvpn connect` does.
+    #[test]
+    fn contradicting_suffixes_are_refused_by_connect_and_run() {
+        let flags = [
+            "--include-suffix",
+            "corp.example",
+            "--exclude-suffix",
+            ".corp.example",
+        ];
+        let err = connect_args(&[&["kvpn", "connect"][..], &flags[..]].concat())
+            .expect_err("include and exclude of one suffix was accepted")
+            .to_string();
+        assert!(err.contains("corp.example is given to both"), "{err}");
+        let run: Vec<&str> = [&["kvpn", "run"][..], &flags[..], &["--", "true"][..]].concat();
+        let err = Cli::try_parse_from(&run)
+            .and_then(Cli::validate)
+            .expect_err("kvpn run took contradicting suffixes")
+            .to_string();
+        assert!(err.contains("given to both"), "{err}");
+        let err = Cli::try_parse_from(["kvpn", "run", "--steer", "ebpf", "--", "true"])
+            .and_then(Cli::validate)
+            .expect_err("kvpn run took --steer without --allow-route-conflict")
+            .to_string();
+        assert!(
+            err.contains("--steer needs --allow-route-conflict"),
+            "{err}"
+        );
+    }
+
+    /// #30 F9: a bad --socks-listen port is named as the port, not as the address.
+    #[test]
+    fn socks_listen_names_a_bad_port() {
+        for (bad, says) in [
+            ("127.0.0.1:99999", "port 99999 is out of range"),
+            ("[::1]:70000", "port 70000 is out of range"),
+            ("127.0.0.1:0", "port 0"),
+            ("127.0.0.1:http", "\"http\" is not a port number"),
+            ("localhost:1080", "not IP:PORT with an IP address"),
+        ] {
+            let err = connect_args(&["kvpn", "connect", "--socks", "--socks-listen", bad])
+                .expect_err(&format!("--socks-listen {bad} was accepted"))
+                .to_string();
+            assert!(err.contains(says), "--socks-listen {bad}: {err}");
+        }
+    }
+
+    /// #29 F4: names are taken as written or refused: `..x` is an empty label (not
+    /// `x`), an IP address points at --cidr, a numeric top-level label is no name.
+    #[test]
+    fn domain_flags_refuse_what_is_no_domain_name() {
+        for (flag, good, want) in [
+            ("--include-suffix", ".corp.example", "corp.example"),
+            (
+                "--exclude-suffix",
+                "Legacy.Cluster.Local.",
+                "legacy.cluster.local",
+            ),
+            ("--extra-domain", "db.corp.example", "db.corp.example"),
+        ] {
+            let a = connect_args(&["kvpn", "connect", flag, good])
+                .unwrap_or_else(|e| panic!("{flag} {good}: {e}"));
+            let got = match flag {
+                "--include-suffix" => &a.include_suffixes,
+                "--exclude-suffix" => &a.exclude_suffixes,
+                _ => &a.extra_domains,
+            };
+            assert_eq!(got, &vec![want.to_owned()], "{flag} {good}");
+        }
+        for (flag, bad, says) in [
+            ("--include-suffix", "..x", "empty label"),
+            ("--exclude-suffix", "corp.example..", "empty label"),
+            ("--extra-domain", "10.0.0.1", "--cidr 10.0.0.1/32"),
+            ("--extra-domain", "fd00::1", "--cidr fd00::1/128"),
+            ("--include-suffix", "host.10", "all digits"),
+        ] {
+            let err = connect_args(&["kvpn", "connect", flag, bad])
+                .expect_err(&format!("{flag} {bad} was accepted"))
+                .to_string();
+            assert!(err.contains(says), "{flag} {bad}: {err}");
+        }
     }
 }
 

@@ -1159,6 +1159,64 @@ const CLUSTER_DOMAIN: &str = "cluster.local";
 /// The cluster DNS for `namespace`: the ClusterIPs of Service kube-system/kube-dns,
 /// the cluster domain and the pod search list (namespace first). `Err` says why
 /// there is none, for a warning.
+/// The warning for a connected namespace (`-n`, or the context's) that does not
+/// exist in the cluster: short names resolve in it, so none will. A user who may
+/// not read namespaces (kvpn needs no such right) is told when the namespace has
+/// no Service, which is what short names would name. `None` when all is well or
+/// nothing can be read.
+pub(crate) async fn missing_namespace(client: &kube::Client, namespace: &str) -> Option<String> {
+    use k8s_openapi::api::core::v1::{Namespace, Service};
+    let fix = "check the name with `kubectl get namespaces`, or give another with -n";
+    let api: kube::Api<Namespace> = kube::Api::all(client.clone());
+    match api.get_opt(namespace).await {
+        Ok(Some(_)) => None,
+        Ok(None) => Some(format!(
+            "namespace {namespace} does not exist in this cluster: short names (web, \
+             web.{namespace}) will not resolve in it — {fix}"
+        )),
+        Err(_) => {
+            let services: kube::Api<Service> = kube::Api::namespaced(client.clone(), namespace);
+            match services
+                .list(&kube::api::ListParams::default().limit(1))
+                .await
+            {
+                Ok(list) if list.items.is_empty() => Some(format!(
+                    "namespace {namespace} has no Service (or does not exist; this user \
+                     may not read namespaces to tell): short names (web, web.{namespace}) \
+                     will not resolve in it — {fix}"
+                )),
+                _ => None,
+            }
+        }
+    }
+}
+
+/// The warnings for `--exclude-suffix` values that cover the cluster's own names
+/// (the cluster domain, or a search domain such as `svc.cluster.local`): the
+/// exclusion wins, so those names, short spellings included, go to the laptop's
+/// nameservers, which do not know them.
+fn excluded_cluster_names(dns: &ClusterDns) -> Vec<String> {
+    let under = |name: &str, suffix: &str| name == suffix || name.ends_with(&format!(".{suffix}"));
+    let mut lines = Vec::new();
+    for suffix in &dns.exclude_suffixes {
+        if under(&dns.domain, suffix) {
+            lines.push(format!(
+                "--exclude-suffix {suffix} covers the cluster domain {}: no cluster name \
+                 resolves on this laptop, short names (web.default) included; exclude a \
+                 narrower suffix (e.g. legacy.{}) or drop the flag",
+                dns.domain, dns.domain
+            ));
+        } else if let Some(search) = dns.search.iter().find(|d| under(d, suffix)) {
+            lines.push(format!(
+                "--exclude-suffix {suffix} covers the search domain {search}: names there \
+                 (short spellings included) go to the laptop's nameservers, not the \
+                 cluster's; exclude a narrower suffix or drop the flag"
+            ));
+        }
+    }
+    lines
+}
+
 pub(crate) async fn cluster_dns(
     client: &kube::Client,
     namespace: &str,
@@ -1609,6 +1667,9 @@ pub async fn kube_connect_as(
         ));
     }
 
+    if let Some(line) = missing_namespace(&conn.client, &conn.description.namespace).await {
+        output::warn(&line);
+    }
     let dns = match cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(mut dns) => {
             // A --never-proxy range over the cluster DNS leaves every cluster name
@@ -1630,6 +1691,9 @@ pub async fn kube_connect_as(
                 .cloned()
                 .collect();
             dns.exclude_suffixes = args.exclude_suffixes.clone();
+            for line in excluded_cluster_names(&dns) {
+                output::warn(&line);
+            }
             Some(dns)
         }
         Err(why) => {
@@ -1750,12 +1814,47 @@ pub async fn kube_connect_as(
 #[cfg(test)]
 mod tests {
     use super::{
-        SessionMatch, flags_not_applied, host_of, ignored_flags_warning, match_session,
-        same_cluster, unhandled_conflicts,
+        SessionMatch, excluded_cluster_names, flags_not_applied, host_of, ignored_flags_warning,
+        match_session, same_cluster, unhandled_conflicts,
     };
     use crate::cli::{Cli, Command, ConnectArgs};
     use clap::Parser as _;
     use kvpn_proto::dataplane::{Origin, Session};
+
+    /// #29 F3: an --exclude-suffix over the cluster domain or a search domain is
+    /// said at connect; a narrower one is not.
+    #[test]
+    fn exclude_suffixes_over_cluster_names_are_warned() {
+        let dns = |exclude: &[&str]| kvpn_proto::dataplane::ClusterDns {
+            servers: vec!["10.96.0.10".into()],
+            domain: "cluster.local".into(),
+            search: vec![
+                "dev.svc.cluster.local".into(),
+                "svc.cluster.local".into(),
+                "cluster.local".into(),
+            ],
+            exclude_suffixes: exclude.iter().map(|s| (*s).to_owned()).collect(),
+            ..Default::default()
+        };
+        for (suffix, says) in [
+            ("cluster.local", "covers the cluster domain cluster.local"),
+            ("local", "covers the cluster domain cluster.local"),
+            (
+                "svc.cluster.local",
+                "covers the search domain dev.svc.cluster.local",
+            ),
+        ] {
+            let lines = excluded_cluster_names(&dns(&[suffix]));
+            assert_eq!(lines.len(), 1, "{suffix}: {lines:?}");
+            assert!(lines[0].contains(says), "{suffix}: {}", lines[0]);
+        }
+        for narrow in ["legacy.cluster.local", "corp.example"] {
+            assert_eq!(
+                excluded_cluster_names(&dns(&[narrow])),
+                Vec::<String>::new()
+            );
+        }
+    }
 
     fn connect_args(flags: &[&str]) -> ConnectArgs {
         let argv = ["kvpn", "connect"].iter().chain(flags);

@@ -195,12 +195,9 @@ impl Elevator {
     }
 }
 
-/// `name` in `$PATH`.
+/// `name` in `$PATH`: the first executable program, as a shell finds it.
 fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
+    kvpn_exec::find_program(name, std::env::var_os("PATH").as_deref()).ok()
 }
 
 /// The `kvpn-dataplane` binary as an absolute path: sudo rules and pkexec

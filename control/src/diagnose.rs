@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{Api, ListParams};
 use kvpn_proto::dataplane::Session;
 use kvpn_proto::manager::manager_client::ManagerClient;
@@ -649,6 +649,52 @@ pub fn require_route(sessions: &[Session], ip: IpAddr) -> Result<()> {
     Ok(())
 }
 
+/// The error for a target that is a Service's ClusterIP on a port the Service
+/// does not have (`None` when it has the port, or the address is no ClusterIP).
+fn service_port_mismatch(services: &[Service], target: SocketAddr, udp: bool) -> Option<String> {
+    let proto = if udp { "UDP" } else { "TCP" };
+    let ip = target.ip().to_string();
+    let svc = services.iter().find(|s| {
+        s.spec.as_ref().is_some_and(|spec| {
+            spec.cluster_ip.as_deref() == Some(ip.as_str())
+                || spec.cluster_ips.iter().flatten().any(|c| *c == ip)
+        })
+    })?;
+    let ports = svc
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.ports.clone())
+        .unwrap_or_default();
+    let proto_of = |p: &k8s_openapi::api::core::v1::ServicePort| {
+        p.protocol.clone().unwrap_or_else(|| "TCP".to_owned())
+    };
+    if ports
+        .iter()
+        .any(|p| p.port == i32::from(target.port()) && proto_of(p) == proto)
+    {
+        return None;
+    }
+    let name = format!(
+        "{}/{}",
+        svc.metadata.namespace.as_deref().unwrap_or("?"),
+        svc.metadata.name.as_deref().unwrap_or("?")
+    );
+    let has: Vec<String> = ports
+        .iter()
+        .map(|p| format!("{}/{}", p.port, proto_of(p)))
+        .collect();
+    Some(format!(
+        "{target} is the ClusterIP of Service {name}, which has no port {}/{proto} (its ports: \
+         {}) — a ClusterIP answers only on its Service's ports: trace one of those",
+        target.port(),
+        if has.is_empty() {
+            "none".to_owned()
+        } else {
+            has.join(", ")
+        }
+    ))
+}
+
 /// Runs the three-point check (see the module docs) if one of `sessions` (the
 /// root daemon's) routes `target` ([`resolve`]d).
 pub async fn source(
@@ -662,6 +708,15 @@ pub async fn source(
         bail!("{target}: only IPv4 destinations can be traced");
     };
     require_route(sessions, target.ip())?;
+    // A ClusterIP answers only on its Service's ports: a trace to another port
+    // would blame "an unused address" (#30 F6). Best effort: a user who may not
+    // list Services gets the trace.
+    let services: Api<Service> = Api::all(client.clone());
+    if let Ok(list) = services.list(&ListParams::default()).await
+        && let Some(why) = service_port_mismatch(&list.items, target, udp)
+    {
+        bail!(why);
+    }
     let (pod, manager_pod_ips) = manager_pod(client, namespace).await?;
     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let (pf, channel) = crate::lease::grpc_channel(&api, &pod, objects::GRPC_PORT).await?;
@@ -959,6 +1014,51 @@ mod tests {
             "{why}"
         );
         assert!(why.contains("unused address"), "{why}");
+    }
+
+    /// #30 F6: a ClusterIP on a port its Service lacks is named as such.
+    #[test]
+    fn a_clusterip_port_the_service_lacks_is_named() {
+        use k8s_openapi::api::core::v1::{ServicePort, ServiceSpec};
+        let svc = Service {
+            metadata: kube::api::ObjectMeta {
+                name: Some("web".into()),
+                namespace: Some("default".into()),
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                cluster_ip: Some("10.96.0.20".into()),
+                ports: Some(vec![ServicePort {
+                    port: 80,
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let at = |a: &str| a.parse::<SocketAddr>().expect("addr");
+        let err = service_port_mismatch(std::slice::from_ref(&svc), at("10.96.0.20:81"), false)
+            .expect("port 81 is not the Service's");
+        assert!(
+            err.contains("Service default/web")
+                && err.contains("no port 81/TCP")
+                && err.contains("80/TCP"),
+            "{err}"
+        );
+        assert!(
+            service_port_mismatch(std::slice::from_ref(&svc), at("10.96.0.20:80"), true)
+                .is_some_and(|e| e.contains("no port 80/UDP")),
+            "UDP 80 is not the Service's TCP 80"
+        );
+        assert_eq!(
+            service_port_mismatch(std::slice::from_ref(&svc), at("10.96.0.20:80"), false),
+            None
+        );
+        assert_eq!(
+            service_port_mismatch(&[svc], at("10.244.1.5:81"), false),
+            None,
+            "a pod IP is no ClusterIP"
+        );
     }
 
     /// The outcome in words, lowercase like the verdicts; never a Debug value.

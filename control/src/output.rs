@@ -823,7 +823,13 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
             dash(&o.cluster),
             dash(&o.context),
             dash(&r.namespace),
-            dash(&o.transport),
+            // A `kvpn run` session reaches the cluster for one process tree only:
+            // its row must not read like a laptop-wide connect's.
+            if s.run_cgroup.is_empty() || o.transport.is_empty() {
+                dash(&o.transport)
+            } else {
+                format!("{}(run)", o.transport)
+            },
             if s.tunnel_ip_v6.is_empty() {
                 dash(&s.tunnel_ip)
             } else {
@@ -1458,6 +1464,27 @@ mod tests {
         }
     }
 
+    /// #30 F10: a `kvpn run` session's row says so in TRANSPORT.
+    #[test]
+    fn table_marks_run_sessions_in_the_transport_column() {
+        let mut run = root("r", "port-forward", "connected");
+        run.run_cgroup = "kvpn-run-r".into();
+        let rows = merge_sessions(
+            vec![root("c", "port-forward", "connected"), run],
+            vec![user("c", "running", ""), user("r", "running", "")],
+        );
+        let table = status_table(&rows, RootDaemon::default());
+        let transport = |id: &str| {
+            table
+                .lines()
+                .find(|l| l.starts_with(&format!("{id} ")))
+                .and_then(|l| l.split_whitespace().nth(4).map(str::to_owned))
+                .unwrap_or_else(|| panic!("no row {id} in\n{table}"))
+        };
+        assert_eq!(transport("c"), "port-forward", "\n{table}");
+        assert_eq!(transport("r"), "port-forward(run)", "\n{table}");
+    }
+
     /// Rows built from the user daemon's record alone (`lost`, `degraded`)
     /// show `-` for uptime and counters and no eBPF lines, instead of the
     /// made-up `0s`, `0/0` and "eBPF unrouted (dropped) 0 packets" (on main);
@@ -1489,6 +1516,7 @@ mod tests {
         };
         let tail = |id: &str| cells(id)[cells(id).len() - 3..].to_vec();
         assert_eq!(tail("a"), ["1m1s", "5/500", "7/700"], "\n{table}");
+        assert_eq!(cells("a")[4], "port-forward", "\n{table}");
         assert_eq!(tail("z"), ["-", "-", "-"], "\n{table}");
         assert_eq!(tail("y"), ["-", "-", "-"], "\n{table}");
         assert_eq!(

@@ -17,7 +17,8 @@
 use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use nix::sys::signal::Signal;
@@ -25,122 +26,11 @@ use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid};
 use tokio::signal::unix::{SignalKind, signal};
 
+pub use kvpn_exec::{EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, NotRunnable, find_program};
+
 use crate::cli::RunArgs;
 use crate::connect::{self, Scope};
 use crate::{daemon, liveness, output, userd};
-
-/// Exit status of a command that cannot be found (as shells use it).
-pub const EXIT_NOT_FOUND: i32 = 127;
-/// Exit status of a command that was found but cannot be executed.
-pub const EXIT_NOT_EXECUTABLE: i32 = 126;
-
-/// Why a command cannot be started (`kvpn run`, `kvpn lab exec`).
-#[derive(Debug, PartialEq, Eq)]
-pub enum NotRunnable {
-    /// No such file (a path), or in no folder of PATH (a name).
-    NotFound(String),
-    /// It exists but is a folder or has no execute permission.
-    NotExecutable(PathBuf),
-    /// Executable, but neither an ELF binary nor a `#!` script: execve fails
-    /// with ENOEXEC ("exec format error").
-    NotAProgram(PathBuf),
-}
-
-impl NotRunnable {
-    /// A shell's exit code for it.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            NotRunnable::NotFound(_) => 127,
-            NotRunnable::NotExecutable(_) | NotRunnable::NotAProgram(_) => 126,
-        }
-    }
-}
-
-impl std::fmt::Display for NotRunnable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            NotRunnable::NotFound(p) if p.contains('/') => {
-                write!(f, "{p}: no such file — check the path")
-            }
-            NotRunnable::NotFound(p) => write!(
-                f,
-                "{p}: command not found — install it, or give its full path (PATH is searched)"
-            ),
-            NotRunnable::NotExecutable(p) => write!(
-                f,
-                "{}: permission denied (a folder, or no execute permission) — `chmod +x` it",
-                p.display()
-            ),
-            NotRunnable::NotAProgram(p) => write!(
-                f,
-                "{}: exec format error — neither an ELF binary nor a script starting with #!; \
-                 run it through its interpreter (e.g. `sh {}`)",
-                p.display(),
-                p.display()
-            ),
-        }
-    }
-}
-
-/// The file `program` names as a shell finds it: a path (with a `/`) as it is,
-/// a name in the folders of `path_var` (an empty entry is the working folder),
-/// the first executable file winning.
-pub fn find_program(
-    program: &str,
-    path_var: Option<&std::ffi::OsStr>,
-) -> Result<PathBuf, NotRunnable> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let executable = |p: &Path| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    if program.contains('/') {
-        let p = PathBuf::from(program);
-        return if executable(&p) {
-            runnable_format(p)
-        } else if p.exists() {
-            Err(NotRunnable::NotExecutable(p))
-        } else {
-            Err(NotRunnable::NotFound(program.to_owned()))
-        };
-    }
-    let mut not_executable = None;
-    if !program.is_empty() {
-        for dir in std::env::split_paths(path_var.unwrap_or_default()) {
-            let dir = if dir.as_os_str().is_empty() {
-                PathBuf::from(".")
-            } else {
-                dir
-            };
-            let p = dir.join(program);
-            if executable(&p) {
-                return runnable_format(p);
-            }
-            if not_executable.is_none() && p.is_file() {
-                not_executable = Some(p);
-            }
-        }
-    }
-    Err(not_executable.map_or_else(
-        || NotRunnable::NotFound(program.to_owned()),
-        NotRunnable::NotExecutable,
-    ))
-}
-
-/// `p` when the kernel can exec it: an ELF binary or a `#!` script (what
-/// execve accepts; a file it cannot read is left to execve to judge).
-fn runnable_format(p: PathBuf) -> Result<PathBuf, NotRunnable> {
-    use std::io::Read as _;
-    let mut head = [0u8; 4];
-    let Ok(n) = std::fs::File::open(&p).and_then(|mut f| f.read(&mut head)) else {
-        return Ok(p);
-    };
-    let head = &head[..n];
-    if head.starts_with(b"\x7fELF") || head.starts_with(b"#!") {
-        Ok(p)
-    } else {
-        Err(NotRunnable::NotAProgram(p))
-    }
-}
 
 /// The exit status kvpn reports for `status` (pure): the code, or 128 + the
 /// signal number, as shells report them.
@@ -260,6 +150,12 @@ pub async fn run(runtime_dir: &Path, args: RunArgs) -> Result<i32> {
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     let result = run_in(&mut user, &session_id, &program, &args.command).await;
+    let result = match result {
+        // Ended from outside: there is nothing left to disconnect.
+        Ok((code, true)) => return Ok(code),
+        Ok((code, false)) => Ok(code),
+        Err(e) => Err(e),
+    };
     // The normal end: the session goes with the command, before kvpn exits.
     if let Err(e) = user
         .disconnect(kvpn_proto::userd::DisconnectRequest {
@@ -283,7 +179,7 @@ async fn run_in(
     session_id: &str,
     program: &Path,
     command: &[OsString],
-) -> Result<i32> {
+) -> Result<(i32, bool)> {
     // Watch the signals before the command exists, so none is lost.
     let mut sigint = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
@@ -335,13 +231,34 @@ async fn run_in(
             }
         }
     });
+    // Whether the session ended from outside while the command ran (the user
+    // daemon said so, or went away): then kvpn has nothing to disconnect.
+    let mut ended_outside = false;
+    let mut hold_open = true;
     loop {
         let forward = tokio::select! {
             r = &mut wait => {
                 let code = r.context("the wait for the command failed")?
                     .context("cannot wait for the command")?;
+                // A command stopped by a signal as its session ended: the why may
+                // still be on its way (the root daemon stops the command while
+                // the user daemon's disconnect runs).
+                if hold_open && !ended_outside && code >= 128
+                    && let Ok(m) = tokio::time::timeout(Duration::from_millis(500), hold.message()).await
+                {
+                    ended_outside = said_ended(m);
+                }
                 drop(hold);
-                return Ok(code);
+                return Ok((code, ended_outside));
+            }
+            m = hold.message(), if hold_open => {
+                if matches!(m, Ok(None) | Err(_)) {
+                    hold_open = false;
+                }
+                if !ended_outside {
+                    ended_outside = said_ended(m);
+                }
+                continue;
             }
             _ = sigint.recv() => Signal::SIGINT,
             _ = sigterm.recv() => Signal::SIGTERM,
@@ -353,60 +270,29 @@ async fn run_in(
     }
 }
 
+/// Says on stderr why a run's session ended while its command ran, from one
+/// message of the user daemon's hold; whether it ended.
+fn said_ended(m: Result<Option<kvpn_proto::userd::HoldRunEvent>, tonic::Status>) -> bool {
+    match m {
+        Ok(Some(e)) if !e.ended.is_empty() => {
+            output::warn(&format!("kvpn run: {}", e.ended));
+            true
+        }
+        Ok(Some(_)) => false,
+        Ok(None) | Err(_) => {
+            output::warn(
+                "kvpn run: the user daemon stopped holding this run (`kvpn quit`, `kvpn lab \
+                 down` or a crash; `kvpn logs` shows which): its session ends and the root \
+                 daemon stops the command",
+            );
+            true
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn not_found_is_127_not_executable_is_126_and_path_is_searched_in_order() {
-        let root = std::env::temp_dir().join(format!("kvpn-runfind-{}", std::process::id()));
-        let (a, b) = (root.join("a"), root.join("b"));
-        std::fs::create_dir_all(&a).expect("mkdir");
-        std::fs::create_dir_all(&b).expect("mkdir");
-        let plain = a.join("run-me");
-        std::fs::write(&plain, "").expect("write");
-        let run = b.join("run-me");
-        std::fs::write(&run, "#!/bin/sh\n").expect("write");
-        {
-            use std::os::unix::fs::PermissionsExt as _;
-            std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        }
-        let path = std::env::join_paths([&a, &b]).expect("PATH");
-        let path = Some(path.as_os_str());
-        // The first executable wins over an earlier plain file.
-        assert_eq!(find_program("run-me", path), Ok(run.clone()));
-        let missing = find_program("kvpn-no-such-command", path).expect_err("missing");
-        assert_eq!(missing.exit_code(), 127);
-        assert!(
-            missing.to_string().contains("command not found"),
-            "{missing}"
-        );
-        let e = find_program(plain.to_str().expect("utf-8"), None).expect_err("plain");
-        assert_eq!(e, NotRunnable::NotExecutable(plain.clone()));
-        assert_eq!(e.exit_code(), 126);
-        assert_eq!(
-            find_program(run.to_str().expect("utf-8"), None),
-            Ok(run.clone())
-        );
-        // Executable but not a program (no ELF header, no #!): refused before
-        // anything is connected, 126 like a shell's "exec format error".
-        let junk = b.join("junk");
-        std::fs::write(&junk, "just text\n").expect("write");
-        {
-            use std::os::unix::fs::PermissionsExt as _;
-            std::fs::set_permissions(&junk, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        }
-        let e = find_program(junk.to_str().expect("utf-8"), None).expect_err("junk ran");
-        assert_eq!(e, NotRunnable::NotAProgram(junk.clone()));
-        assert_eq!(e.exit_code(), 126);
-        assert!(e.to_string().contains("exec format error"), "{e}");
-        let elf = std::env::current_exe().expect("this test binary");
-        assert_eq!(
-            find_program(elf.to_str().expect("utf-8"), None),
-            Ok(elf.clone())
-        );
-        std::fs::remove_dir_all(&root).expect("cleanup");
-    }
 
     #[test]
     fn exit_codes_are_the_status_or_128_plus_the_signal() {

@@ -27,6 +27,11 @@ pub const MAP_ROUTE_COUNTERS: &str = "KVPN_ROUTE_CNT";
 /// Name of the per-CPU counter array of the ingress check (index: `INGRESS_*` →
 /// [`CounterValue`]).
 pub const MAP_INGRESS_COUNTERS: &str = "KVPN_INGR_CNT";
+/// Name of the one-entry array (u32) with the fwmark the ingress check puts on the
+/// packets it passes; 0 = none. A `kvpn run` session's TUN device has its run's
+/// mark here, so strict reverse-path filtering (with `src_valid_mark`) looks the
+/// reply's source up in the run's own routing table.
+pub const MAP_INGRESS_MARK: &str = "KVPN_INGR_MARK";
 /// Name of the load-time global holding the L2 header length in bytes in front of
 /// the IP header: 0 on a TUN device (L3, the skb starts at the IP header), 14 for
 /// Ethernet (BPF_PROG_TEST_RUN feeds TC programs an Ethernet frame).
@@ -506,6 +511,7 @@ mod tests {
             PROGRAM_TUN_EGRESS,
             PROGRAM_TUN_INGRESS,
             MAP_INGRESS_COUNTERS,
+            MAP_INGRESS_MARK,
             MAP_ROUTES_V4,
             MAP_ROUTES_V6,
             MAP_COUNTERS,

@@ -6,7 +6,7 @@
 use aya_ebpf::{
     Global,
     macros::map,
-    maps::{LpmTrie, PerCpuArray},
+    maps::{Array, LpmTrie, PerCpuArray},
     programs::TcContext,
 };
 use kvpn_dataplane_common::{
@@ -42,6 +42,11 @@ pub static KVPN_ROUTE_CNT: PerCpuArray<CounterValue> =
 #[map]
 pub static KVPN_INGR_CNT: PerCpuArray<CounterValue> =
     PerCpuArray::with_max_entries(INGRESS_SLOTS, 0);
+
+/// The fwmark the ingress check sets on packets it passes (index 0; 0 = none):
+/// `MAP_INGRESS_MARK` in dataplane-common.
+#[map]
+pub static KVPN_INGR_MARK: Array<u32> = Array::with_max_entries(1, 0);
 
 /// The skb as bounds-checked bytes: `bpf_skb_load_bytes` fails instead of reading past
 /// the packet, and also reaches non-linear (paged) data.

@@ -25,7 +25,8 @@ use kvpn_dataplane_common::{
 use kvpn_dataplane_ebpf::parse::{self, Source};
 
 use crate::maps::{
-    KVPN_INGR_CNT, KVPN_L2_HDR_LEN, KVPN_ROUTES_V4, KVPN_ROUTES_V6, Skb, add, ip_len,
+    KVPN_INGR_CNT, KVPN_INGR_MARK, KVPN_L2_HDR_LEN, KVPN_ROUTES_V4, KVPN_ROUTES_V6, Skb, add,
+    ip_len,
 };
 use crate::steer;
 
@@ -55,6 +56,14 @@ pub fn kvpn_antispoof(ctx: TcContext) -> i32 {
     // The slots exist (< INGRESS_SLOTS); the verdict stands either way.
     if let Some(counter) = KVPN_INGR_CNT.get_ptr_mut(slot) {
         add(counter, ip_len(&ctx));
+    }
+    if action == PASS
+        && let Some(mark) = KVPN_INGR_MARK.get(0)
+        && *mark != 0
+    {
+        // A run session's replies: its rp_filter lookup (src_valid_mark) and
+        // anything else routing on the mark see the run's table.
+        ctx.set_mark(*mark);
     }
     if v4 && action == PASS {
         return steer::reverse(&ctx, l2_len);

@@ -353,6 +353,7 @@ pub fn params_from_request(
         ),
         // Set by Connect once the run slot is chosen.
         run_table: None,
+        run_mark: None,
     })
 }
 
@@ -602,6 +603,26 @@ impl Daemon {
         self.runs.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// End the run sessions whose command has been gone for
+    /// [`ABANDONED_RUN_GRACE`] without a disconnect.
+    async fn end_abandoned_runs(&self) {
+        let ids: Vec<String> = self
+            .runs()
+            .iter()
+            .filter(|(_, scope)| scope.abandoned(ABANDONED_RUN_GRACE))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            let session = self.sessions().remove(&id);
+            let Some(session) = session else { continue };
+            tracing::warn!(session = %id, "run session ended: its command and all it started are gone and nobody disconnected it (kvpn run died with its user daemon?)");
+            let leftovers = self.stop_session(session).await;
+            if !leftovers.is_empty() {
+                tracing::warn!(session = %id, ?leftovers, "teardown incomplete");
+            }
+        }
+    }
+
     fn run_slots(&self) -> std::sync::MutexGuard<'_, Vec<u16>> {
         self.run_slots
             .lock()
@@ -627,8 +648,15 @@ impl Daemon {
             return Vec::new();
         };
         let slot = scope.slot;
+        let cgroup = scope.cgroup().to_owned();
         let leftovers = scope.teardown(&self.netlink).await;
         self.run_slots().retain(|s| *s != slot);
+        if !cgroup.exists()
+            && let Some(record) = &self.record
+            && let Err(e) = record.remove_run_cgroup(&cgroup)
+        {
+            tracing::warn!(error = %e, "cannot update the run cgroup record");
+        }
         leftovers
     }
 
@@ -667,7 +695,22 @@ impl Daemon {
             Err(e) => tracing::warn!(error = %e, "cannot sweep run sessions' fwmark rules"),
         }
         match &self.record {
-            Some(record) => crate::sweep::sweep(&self.netlink, record, reset_tcp).await,
+            Some(record) => {
+                // The cgroup tree is the machine's: only the folders this runtime
+                // directory recorded are an earlier daemon's of ours.
+                if record.run_cgroups().is_ok_and(|d| !d.is_empty()) {
+                    match run_scope::cgroup_root() {
+                        Ok(root) => {
+                            let (_, failed) = crate::sweep::sweep_run_cgroups(record, &root).await;
+                            for f in failed {
+                                tracing::warn!("run cgroup sweep: {f}");
+                            }
+                        }
+                        Err(e) => tracing::warn!("cannot sweep run cgroups: {e}"),
+                    }
+                }
+                crate::sweep::sweep(&self.netlink, record, reset_tcp).await
+            }
             None => Ok(crate::sweep::SweepReport::default()),
         }
     }
@@ -722,7 +765,9 @@ impl Daemon {
             })?;
             slots.push(slot);
             drop(slots);
-            params.run_table = Some(run_scope::slot_params(slot).0);
+            let (table, mark, _) = run_scope::slot_params(slot);
+            params.run_table = Some(table);
+            params.run_mark = Some(mark);
             Some(slot)
         } else {
             None
@@ -753,6 +798,11 @@ impl Daemon {
             match RunScope::setup(&id, slot, &self.netlink, upstreams).await {
                 Ok(scope) => {
                     tracing::info!(session = %id, cgroup = %scope.cgroup().display(), table = scope.table, mark = scope.mark, dns = %scope.dns, "run scope set up");
+                    if let Some(record) = &self.record
+                        && let Err(e) = record.add_run_cgroup(scope.cgroup())
+                    {
+                        tracing::warn!(error = %e, "cannot record the run's cgroup for the sweep after a crash");
+                    }
                     self.runs().insert(id.clone(), scope);
                 }
                 Err(message) => {
@@ -828,6 +878,17 @@ impl Daemon {
             DataplaneServer::from_arc(self.clone()),
             move |request: Request<()>| checker.check_peer(request),
         );
+        // A run session whose command is gone while nobody ended the session
+        // (kvpn run died with its user daemon): ended here.
+        let reaper = Arc::downgrade(&self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let Some(this) = reaper.upgrade() else { return };
+                this.end_abandoned_runs().await;
+            }
+        });
         let requested = self.clone();
         let shutdown = async move {
             tokio::select! {
@@ -848,6 +909,10 @@ impl Daemon {
         result
     }
 }
+
+/// How long a run session outlives its command when nobody disconnects it: kvpn
+/// run disconnects right after its command ends, well within this.
+const ABANDONED_RUN_GRACE: Duration = Duration::from_secs(3);
 
 fn new_session_id() -> String {
     use std::hash::{BuildHasher as _, Hasher as _};

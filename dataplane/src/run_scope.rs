@@ -16,11 +16,16 @@
 //!   carry the mark, so cluster names reach the cluster DNS through the session's
 //!   table, and other names the laptop's nameservers;
 //! - rp_filter 0 on the TUN device: replies come from cluster addresses that no
-//!   unmarked lookup routes into that device (the effective value is the larger
-//!   of `all` and the device's; with `all` = 1 the root daemon logs a warning with the fix).
+//!   unmarked lookup routes into that device. The effective value is the larger of
+//!   `all` and the device's, so with `net.ipv4.conf.all.rp_filter=1` (strict) the
+//!   check still runs: the TUN's ingress check marks each reply with the run's
+//!   fwmark and the device has `src_valid_mark`, so the reverse lookup goes through
+//!   the run's rule to its table, which routes the source into this device.
 //!
-//! Teardown kills whatever is still in the cgroup (`cgroup.kill`), waits for it to
-//! empty, removes it, and removes the rule and the forwarder.
+//! Teardown stops whatever is still in the cgroup: SIGTERM to each process, up to
+//! [`TERM_GRACE`] for them to exit (as `docker stop` gives a container), then
+//! `cgroup.kill`; it waits for the cgroup to empty, removes it, and removes the rule
+//! and the forwarder.
 //!
 //! I/O: the cgroup filesystem, /proc, rtnetlink (rules), bpf(2) and sockets.
 
@@ -103,6 +108,11 @@ pub fn release_own_mount() {
 /// How long teardown waits for killed processes to leave the cgroup.
 const KILL_WAIT: Duration = Duration::from_secs(3);
 
+/// How long the processes of a run get after SIGTERM before `cgroup.kill`: a
+/// command whose session is disconnected from outside may clean up (the user
+/// daemon's hold on the run says why on kvpn run's stderr).
+pub const TERM_GRACE: Duration = Duration::from_secs(2);
+
 /// The routing table, fwmark and DNS forwarder address of run slot `slot`.
 pub fn slot_params(slot: u16) -> (u32, u32, SocketAddrV4) {
     let dns_last = u8::try_from(slot + 1).unwrap_or(u8::MAX);
@@ -160,6 +170,11 @@ pub struct RunScope {
     programs: Option<RunPrograms>,
     forwarder: Option<Forwarder>,
     rule: bool,
+    /// A process was admitted: from then on an empty cgroup means the command
+    /// and all it started are gone ([`RunScope::abandoned`]).
+    admitted: std::sync::atomic::AtomicBool,
+    /// Since when the cgroup was seen empty after an admission.
+    empty_since: std::sync::Mutex<Option<Instant>>,
 }
 
 impl RunScope {
@@ -173,18 +188,6 @@ impl RunScope {
         upstreams: Vec<SocketAddr>,
     ) -> Result<RunScope, String> {
         let (table, mark, dns) = slot_params(slot);
-        // The effective rp_filter is the larger of `all` and the device's: with
-        // `all` strict (1) the run's replies are dropped whatever the TUN says.
-        if std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/rp_filter")
-            .is_ok_and(|v| v.trim() == "1")
-        {
-            tracing::warn!(
-                session = id,
-                "net.ipv4.conf.all.rp_filter is 1 (strict): replies to this run arrive on its \
-                 TUN device from addresses only its own table routes there, and strict mode \
-                 drops them — set it to 2 (loose) or 0 (`sysctl -w net.ipv4.conf.all.rp_filter=2`)"
-            );
-        }
         let cgroup = cgroup_root()?.join(format!("kvpn-run-{id}"));
         std::fs::create_dir(&cgroup)
             .map_err(|e| format!("cannot create the run's cgroup {}: {e}", cgroup.display()))?;
@@ -197,6 +200,8 @@ impl RunScope {
             programs: None,
             forwarder: None,
             rule: false,
+            admitted: std::sync::atomic::AtomicBool::new(false),
+            empty_since: std::sync::Mutex::new(None),
         };
         if let Err(e) = scope.setup_parts(netlink, upstreams).await {
             let leftovers = scope.teardown(netlink).await;
@@ -260,7 +265,29 @@ impl RunScope {
                 "cannot move process {pid} into {}: {e}",
                 self.cgroup.display()
             )
-        })
+        })?;
+        self.admitted
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether the run's command and everything it started have been gone for
+    /// `grace` without anyone ending the session: kvpn run disconnects as its
+    /// command ends, so only a kvpn run that died with its user daemon leaves
+    /// such a session. Call periodically; the first empty sight starts the clock.
+    pub fn abandoned(&self, grace: Duration) -> bool {
+        if !self.admitted.load(std::sync::atomic::Ordering::Relaxed) {
+            return false;
+        }
+        let mut since = self
+            .empty_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.populated() != Some(false) {
+            *since = None;
+            return false;
+        }
+        since.get_or_insert_with(Instant::now).elapsed() >= grace
     }
 
     /// Whether any process is in the cgroup (`populated 1` in cgroup.events);
@@ -273,11 +300,31 @@ impl RunScope {
             .map(|v| v.trim() == "1")
     }
 
+    /// SIGTERM to every process in the cgroup, then up to [`TERM_GRACE`] for the
+    /// cgroup to empty. Pids are read from `cgroup.procs` at the moment of the
+    /// signal: a process the cgroup no longer holds is not there to be named.
+    async fn terminate(&self) {
+        let procs = std::fs::read_to_string(self.cgroup.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        let deadline = Instant::now() + TERM_GRACE;
+        while self.populated() == Some(true) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Kill what is left in the cgroup and remove it, the programs, the
     /// forwarder and the rule; what could not be removed.
     pub async fn teardown(mut self, netlink: &Netlink) -> Vec<String> {
         let mut leftovers = Vec::new();
         if self.cgroup.exists() {
+            if self.populated() == Some(true) {
+                self.terminate().await;
+            }
             if self.populated() == Some(true) {
                 if let Err(e) = std::fs::write(self.cgroup.join("cgroup.kill"), "1") {
                     tracing::warn!(cgroup = %self.cgroup.display(), error = %e, "cannot kill the run's processes");

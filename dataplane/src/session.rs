@@ -96,6 +96,11 @@ pub trait AttachedClassifier: Send {
     fn unsteer(&mut self, ifindex: u32) -> Result<(), BoxError> {
         Err(format!("this classifier cannot unsteer #{ifindex}").into())
     }
+    /// Mark the packets the ingress check passes with `mark`
+    /// ([`ebpf::Classifier::set_ingress_mark`]; a `kvpn run` session).
+    fn set_ingress_mark(&mut self, mark: u32) -> Result<(), BoxError> {
+        Err(format!("this classifier cannot mark its ingress with {mark:#x}").into())
+    }
     /// The laptop devices steered, as (name, ifindex).
     fn steered_devices(&self) -> Vec<(String, u32)> {
         Vec::new()
@@ -156,6 +161,9 @@ impl AttachedClassifier for ebpf::Classifier {
     fn unsteer(&mut self, ifindex: u32) -> Result<(), BoxError> {
         Ok(ebpf::Classifier::unsteer(self, ifindex)?)
     }
+    fn set_ingress_mark(&mut self, mark: u32) -> Result<(), BoxError> {
+        Ok(ebpf::Classifier::set_ingress_mark(self, mark)?)
+    }
     fn steered_devices(&self) -> Vec<(String, u32)> {
         ebpf::Classifier::steered_devices(self)
     }
@@ -204,6 +212,10 @@ pub struct SessionParams {
     /// sockets of other sessions concern it (another run session may route the
     /// very same CIDRs from the very same tunnel IP). `None` = laptop-wide.
     pub run_table: Option<u32>,
+    /// A `kvpn run` session's fwmark: the ingress check marks the replies with it
+    /// and the TUN device gets `src_valid_mark`, so a strict reverse-path check
+    /// (`net.ipv4.conf.all.rp_filter=1`) finds their source in the run's table.
+    pub run_mark: Option<u32>,
 }
 
 impl SessionParams {
@@ -1264,6 +1276,18 @@ impl Session {
         let mut classifier = classifiers
             .attach(&name, &plan.classifier)
             .map_err(|e| step_err(Step::AttachClassifier, error_chain(&*e)))?;
+        if let Some(mark) = params.run_mark {
+            classifier
+                .set_ingress_mark(mark)
+                .map_err(|e| step_err(Step::AttachClassifier, error_chain(&*e)))?;
+            let path = format!("/proc/sys/net/ipv4/conf/{name}/src_valid_mark");
+            std::fs::write(&path, "1").map_err(|e| {
+                step_err(
+                    Step::SetRpFilter,
+                    format!("cannot set {path} to 1 (the run's replies carry its mark): {e}"),
+                )
+            })?;
+        }
         // `--steer ebpf` (case rt-05). The TUN's rp_filter is loose (above), which the
         // steered flows' replies need: their source is a cluster IP whose reverse
         // route points at the steered device, not the TUN; strict mode would drop

@@ -22,6 +22,10 @@
 //!   marked block), both in [`crate::dns`]; the daemon's start runs them.
 //! - The socket and pid file: [`crate::daemon::RuntimeDir::bind`] replaces a
 //!   stale socket nobody answers on.
+//! - `kvpn run` sessions' cgroup folders (the cgroup tree is the machine's, not the
+//!   network namespace's): listed in `$KVPN_RUNTIME_DIR/run-cgroups`; the sweep
+//!   kills what is still in each (`cgroup.kill`) and removes the folder
+//!   ([`sweep_run_cgroups`]). Their fwmark rules are swept by the daemon.
 //!
 //! I/O: the record file (written atomically: temporary file and rename) and
 //! rtnetlink ([`crate::netlink`]).
@@ -36,6 +40,13 @@ use crate::netlink::{Netlink, NetlinkError};
 
 /// Name of the record of TUN devices in the runtime directory.
 pub const RECORD_NAME: &str = "tuns";
+
+/// Name of the record of `kvpn run` sessions' cgroup folders in the runtime
+/// directory, one path per line.
+pub const RUN_CGROUPS_NAME: &str = "run-cgroups";
+
+/// How long the sweep waits for a killed run's processes to leave its cgroup.
+const CGROUP_KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// One recorded TUN device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,6 +162,60 @@ impl Record {
         self.write(&tuns)
     }
 
+    fn cgroups_path(&self) -> PathBuf {
+        self.path.with_file_name(RUN_CGROUPS_NAME)
+    }
+
+    /// The recorded run cgroup folders (none when the file does not exist). Only
+    /// absolute paths of folders named `kvpn-run-*` count.
+    pub fn run_cgroups(&self) -> io::Result<Vec<PathBuf>> {
+        match fs::read_to_string(self.cgroups_path()) {
+            Ok(text) => Ok(text
+                .lines()
+                .map(PathBuf::from)
+                .filter(|p| {
+                    p.is_absolute()
+                        && p.file_name()
+                            .and_then(|n| n.to_str())
+                            .is_some_and(|n| n.starts_with("kvpn-run-"))
+                })
+                .collect()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn write_run_cgroups(&self, dirs: &[PathBuf]) -> io::Result<()> {
+        let path = self.cgroups_path();
+        if dirs.is_empty() {
+            return match fs::remove_file(&path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            };
+        }
+        let text: String = dirs.iter().map(|d| format!("{}\n", d.display())).collect();
+        let tmp = path.with_extension("tmp");
+        fs::write(&tmp, text)?;
+        fs::rename(&tmp, &path)
+    }
+
+    /// Add a run session's cgroup folder (right after it is made).
+    pub fn add_run_cgroup(&self, dir: &Path) -> io::Result<()> {
+        let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut dirs = self.run_cgroups()?;
+        dirs.retain(|d| d != dir);
+        dirs.push(dir.to_owned());
+        self.write_run_cgroups(&dirs)
+    }
+
+    /// Drop a run session's cgroup folder (after it was removed).
+    pub fn remove_run_cgroup(&self, dir: &Path) -> io::Result<()> {
+        let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut dirs = self.run_cgroups()?;
+        dirs.retain(|d| d != dir);
+        self.write_run_cgroups(&dirs)
+    }
+
     /// Forget every device (after a sweep).
     fn clear(&self) -> io::Result<()> {
         let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
@@ -236,9 +301,125 @@ pub async fn sweep(
     Ok(report)
 }
 
+/// Whether process `pid` is gone or a zombie (killed, not yet reaped).
+fn dead(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z'))
+    })
+}
+
+/// Stop what a killed daemon's `kvpn run` sessions left in their recorded cgroup
+/// folders (`cgroup.kill`, then up to 3 s for them to go) and remove the folders;
+/// the folders removed, and what could not be. Clears the record.
+///
+/// A recorded folder is looked up by its name under `root`, this daemon's view of
+/// the cgroup tree: a daemon that sees no cgroup2 mount makes its own
+/// (`/tmp/kvpn-cgroup2-<pid>`, [`crate::run_scope`]), which went with the killed
+/// daemon's mount namespace; its empty mount point is removed too.
+pub async fn sweep_run_cgroups(record: &Record, root: &Path) -> (Vec<PathBuf>, Vec<String>) {
+    let dirs = match record.run_cgroups() {
+        Ok(d) => d,
+        Err(e) => {
+            return (
+                Vec::new(),
+                vec![format!(
+                    "run cgroup record {}: {e}",
+                    record.cgroups_path().display()
+                )],
+            );
+        }
+    };
+    let (mut removed, mut failed) = (Vec::new(), Vec::new());
+    for recorded in dirs {
+        if let Some(parent) = recorded.parent()
+            && let Some(pid) = parent
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_prefix("kvpn-cgroup2-"))
+                .and_then(|p| p.parse::<u32>().ok())
+            && pid != std::process::id()
+            && dead(pid)
+        {
+            // Empty here (the mount was in the dead daemon's namespace); a
+            // failure only leaves an empty folder.
+            let _ = fs::remove_dir(parent);
+        }
+        let Some(name) = recorded.file_name() else {
+            continue;
+        };
+        let dir = root.join(name);
+        if !dir.exists() {
+            continue;
+        }
+        let populated = || {
+            fs::read_to_string(dir.join("cgroup.events"))
+                .ok()
+                .is_some_and(|e| e.lines().any(|l| l.trim() == "populated 1"))
+        };
+        if populated() {
+            if let Err(e) = fs::write(dir.join("cgroup.kill"), "1") {
+                failed.push(format!(
+                    "cannot kill the processes of {}: {e}",
+                    dir.display()
+                ));
+            }
+            let deadline = std::time::Instant::now() + CGROUP_KILL_WAIT;
+            while populated() && std::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+        match fs::remove_dir(&dir) {
+            Ok(()) => {
+                tracing::info!(cgroup = %dir.display(), "removed a run cgroup left by an earlier daemon");
+                removed.push(dir);
+            }
+            Err(e) => failed.push(format!("cannot remove {}: {e}", dir.display())),
+        }
+    }
+    if failed.is_empty()
+        && let Err(e) = record.write_run_cgroups(&[])
+    {
+        failed.push(format!(
+            "cannot clear {}: {e}",
+            record.cgroups_path().display()
+        ));
+    }
+    (removed, failed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn run_cgroup_record_keeps_only_kvpn_run_folders() {
+        let dir = std::env::temp_dir().join(format!("kvpn-sweep-cg-{}", std::process::id()));
+        fs::create_dir_all(&dir).expect("dir");
+        let record = Record::new(&dir);
+        let a = Path::new("/sys/fs/cgroup/kvpn-run-abc");
+        let b = Path::new("/sys/fs/cgroup/unified/kvpn-run-def");
+        record.add_run_cgroup(a).expect("add a");
+        record.add_run_cgroup(b).expect("add b");
+        record.add_run_cgroup(a).expect("add a again");
+        assert_eq!(
+            record.run_cgroups().expect("read"),
+            vec![b.to_owned(), a.to_owned()]
+        );
+        record.remove_run_cgroup(b).expect("remove b");
+        assert_eq!(record.run_cgroups().expect("read"), vec![a.to_owned()]);
+        // A tampered line naming anything but a kvpn-run-* folder is not swept.
+        fs::write(
+            dir.join(RUN_CGROUPS_NAME),
+            "/sys/fs/cgroup/system.slice\nrelative/kvpn-run-x\n/sys/fs/cgroup/kvpn-run-y\n",
+        )
+        .expect("write");
+        assert_eq!(
+            record.run_cgroups().expect("read"),
+            vec![PathBuf::from("/sys/fs/cgroup/kvpn-run-y")]
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn record_round_trips_and_skips_garbage() {

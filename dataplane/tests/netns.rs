@@ -93,6 +93,7 @@ fn params(
         workers: 1,
         data_peer: Default::default(),
         run_table: None,
+        run_mark: None,
     }
 }
 

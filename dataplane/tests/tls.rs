@@ -61,6 +61,7 @@ fn params(manager: SocketAddr, tls: Option<TlsClient>, heartbeat: Duration) -> S
         workers: 1,
         data_peer: Default::default(),
         run_table: None,
+        run_mark: None,
     }
 }
 

@@ -435,6 +435,22 @@ impl Classifier {
         })
     }
 
+    /// Put fwmark `mark` on every packet the ingress check passes (0: none): a `kvpn
+    /// run` session's TUN device, whose replies must be looked up (strict
+    /// rp_filter with `src_valid_mark`) in the run's own routing table.
+    pub fn set_ingress_mark(&mut self, mark: u32) -> Result<(), EbpfError> {
+        let name = common::MAP_INGRESS_MARK;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or(EbpfError::Missing { what: "map", name })?;
+        let mut array: Array<&mut MapData, u32> =
+            Array::try_from(map).map_err(|source| map_error(name, "open", source))?;
+        array
+            .set(0, mark, 0)
+            .map_err(|source| map_error(name, format!("set {mark:#x}"), source))
+    }
+
     /// The interface the classifier is attached to (`None` for [`Self::load_for_test`]).
     pub fn ifname(&self) -> Option<&str> {
         self.ifname.as_deref()
@@ -668,19 +684,7 @@ impl Classifier {
         frame: &[u8],
         repeat: u32,
     ) -> Result<(TcAction, std::time::Duration), EbpfError> {
-        let program: &SchedClassifier = self
-            .ebpf
-            .program(name)
-            .ok_or(EbpfError::Missing {
-                what: "program",
-                name,
-            })?
-            .try_into()
-            .map_err(|source| EbpfError::Program {
-                name,
-                action: "type check",
-                source,
-            })?;
+        let program = classifier_ref(&self.ebpf, name)?;
         let result = program
             .test_run(TestRunOptions {
                 data_in: Some(frame),
@@ -742,18 +746,7 @@ pub(crate) fn test_run_out(
     name: &'static str,
     frame: &[u8],
 ) -> Result<(TcAction, Vec<u8>), EbpfError> {
-    let program: &SchedClassifier = ebpf
-        .program(name)
-        .ok_or(EbpfError::Missing {
-            what: "program",
-            name,
-        })?
-        .try_into()
-        .map_err(|source| EbpfError::Program {
-            name,
-            action: "type check",
-            source,
-        })?;
+    let program = classifier_ref(ebpf, name)?;
     let mut out = vec![0u8; frame.len() + 64];
     let result = program
         .test_run(TestRunOptions {
@@ -774,7 +767,36 @@ fn program_mut<'a>(
     ebpf: &'a mut Ebpf,
     name: &'static str,
 ) -> Result<&'a mut SchedClassifier, EbpfError> {
+    program_of(ebpf, name)
+}
+
+/// Program `name` of `ebpf` as its type `P` (TC classifier, cgroup program, …).
+pub(crate) fn program_of<'a, P>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut P, EbpfError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
     ebpf.program_mut(name)
+        .ok_or(EbpfError::Missing {
+            what: "program",
+            name,
+        })?
+        .try_into()
+        .map_err(|source| EbpfError::Program {
+            name,
+            action: "type check",
+            source,
+        })
+}
+
+/// Program `name` of `ebpf` as a TC classifier, read-only (test runs).
+fn classifier_ref<'a>(
+    ebpf: &'a Ebpf,
+    name: &'static str,
+) -> Result<&'a SchedClassifier, EbpfError> {
+    ebpf.program(name)
         .ok_or(EbpfError::Missing {
             what: "program",
             name,

@@ -15,7 +15,7 @@ use aya::{
 };
 use kvpn_dataplane_common::{self as common, RunConfig};
 
-use super::{EbpfError, ebpf_object, map_error, open_map};
+use super::{EbpfError, ebpf_object, map_error, open_map, program_of};
 
 /// The four programs of one run, attached to its cgroup.
 pub struct RunPrograms {
@@ -88,21 +88,4 @@ impl RunPrograms {
         }
         Ok(Self { _ebpf: ebpf })
     }
-}
-
-fn program_of<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, EbpfError>
-where
-    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
-{
-    ebpf.program_mut(name)
-        .ok_or(EbpfError::Missing {
-            what: "program",
-            name,
-        })?
-        .try_into()
-        .map_err(|source| EbpfError::Program {
-            name,
-            action: "type check",
-            source,
-        })
 }

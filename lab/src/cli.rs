@@ -11,6 +11,8 @@ use std::process::Command;
 use anyhow::{Context, Result, anyhow};
 use clap::Subcommand;
 
+use kvpn_exec::find_program;
+
 use crate::k8s::cluster::{self, K8sLabState};
 use crate::k8s::{K8sLab, K8sLabOptions};
 use crate::{DEFAULT_LAB_NAME, Lab, LabError, Netns};
@@ -230,85 +232,6 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
     }
 }
 
-/// Why `kvpn lab exec` cannot start a command.
-#[derive(Debug, PartialEq, Eq)]
-enum NotRunnable {
-    /// No such file (a path), or in no folder of PATH (a name).
-    NotFound(String),
-    /// It exists but is a folder or has no execute permission.
-    NotExecutable(PathBuf),
-}
-
-impl NotRunnable {
-    /// A shell's exit code for it.
-    fn exit_code(&self) -> i32 {
-        match self {
-            NotRunnable::NotFound(_) => 127,
-            NotRunnable::NotExecutable(_) => 126,
-        }
-    }
-}
-
-impl std::fmt::Display for NotRunnable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            NotRunnable::NotFound(p) if p.contains('/') => {
-                write!(f, "{p}: no such file — check the path")
-            }
-            NotRunnable::NotFound(p) => write!(
-                f,
-                "{p}: command not found — install it, or give its full path (PATH is searched)"
-            ),
-            NotRunnable::NotExecutable(p) => write!(
-                f,
-                "{}: permission denied (a folder, or no execute permission) — `chmod +x` it",
-                p.display()
-            ),
-        }
-    }
-}
-
-/// The file `program` names as a shell finds it: a path (with a `/`) as it is,
-/// a name in the folders of `path_var` (an empty entry is the working folder),
-/// the first executable file winning.
-fn find_program(program: &str, path_var: Option<&std::ffi::OsStr>) -> Result<PathBuf, NotRunnable> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let executable = |p: &Path| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    if program.contains('/') {
-        let p = PathBuf::from(program);
-        return if executable(&p) {
-            Ok(p)
-        } else if p.exists() {
-            Err(NotRunnable::NotExecutable(p))
-        } else {
-            Err(NotRunnable::NotFound(program.to_owned()))
-        };
-    }
-    let mut not_executable = None;
-    if !program.is_empty() {
-        for dir in std::env::split_paths(path_var.unwrap_or_default()) {
-            let dir = if dir.as_os_str().is_empty() {
-                PathBuf::from(".")
-            } else {
-                dir
-            };
-            let p = dir.join(program);
-            if executable(&p) {
-                return Ok(p);
-            }
-            if not_executable.is_none() && p.is_file() {
-                not_executable = Some(p);
-            }
-        }
-    }
-    Err(not_executable.map_or_else(
-        || NotRunnable::NotFound(program.to_owned()),
-        NotRunnable::NotExecutable,
-    ))
-}
-
 /// The runtime folder `kvpn lab exec laptop` gives kvpn there when the caller
 /// set none: `<lab state folder>/<lab name>-laptop-runtime`.
 pub fn laptop_runtime_dir(lab: &Lab) -> PathBuf {
@@ -445,52 +368,5 @@ fn find_netns(lab: &Lab, role: &str) -> Result<Netns> {
             }
         }
         Err(e) => Err(e).context("kvpn lab exec"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::os::unix::fs::PermissionsExt as _;
-
-    use super::*;
-
-    /// `kvpn lab exec laptop -- nosuchcmd` exits 127 and a file without execute
-    /// permission 126, as in a shell (`ip netns exec` exits 1 for both, like a
-    /// command that ran and failed).
-    #[test]
-    fn lab_exec_not_found_is_127_not_executable_is_126() {
-        let dir = std::env::temp_dir().join(format!("kvpn-lab-exec-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("mkdir");
-        let run = dir.join("run-me");
-        std::fs::write(&run, "#!/bin/sh\n").expect("write");
-        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        let plain = dir.join("plain");
-        std::fs::write(&plain, "data").expect("write");
-        std::fs::set_permissions(&plain, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-        let path = std::env::join_paths([Path::new("/nonexistent-kvpn"), &dir]).expect("PATH");
-        let path = Some(path.as_os_str());
-
-        assert_eq!(find_program("run-me", path), Ok(run.clone()));
-        assert_eq!(
-            find_program(run.to_str().expect("utf-8"), None),
-            Ok(run.clone())
-        );
-
-        let e = find_program("nosuchcmd", path).expect_err("nosuchcmd found");
-        assert_eq!(e.exit_code(), 127, "{e}");
-        assert!(
-            e.to_string().contains("nosuchcmd: command not found"),
-            "{e}"
-        );
-        let e = find_program("/nonexistent-kvpn/x", path).expect_err("found");
-        assert_eq!(e.exit_code(), 127, "{e}");
-        assert_eq!(find_program("", path).map_err(|e| e.exit_code()), Err(127));
-
-        let e = find_program("plain", path).expect_err("plain ran");
-        assert_eq!(e, NotRunnable::NotExecutable(plain.clone()));
-        assert_eq!(e.exit_code(), 126);
-        let e = find_program(dir.to_str().expect("utf-8"), path).expect_err("folder ran");
-        assert_eq!(e.exit_code(), 126, "{e}");
-        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

@@ -54,6 +54,11 @@ const RULES: &[(&str, Forbidden, &str)] = &[
         Forbidden::AnyWorkspaceCrate,
         "the eBPF map layout depends on no kvpn crate",
     ),
+    (
+        "kvpn-exec",
+        Forbidden::AnyWorkspaceCrate,
+        "the command lookup shared by kvpn run and kvpn lab exec depends on no kvpn crate",
+    ),
 ];
 
 /// Dependency kinds that put a crate into another's build: `None` is a normal

@@ -181,6 +181,18 @@ fn curl_script(pod: IpAddr, pause_s: u32) -> String {
 fn a_run_reaches_its_cluster_by_ip_and_name_and_nothing_outside_it_does() {
     let f = KubeFixture::new();
     let kubeconfig = f.user_kubeconfig();
+    // Strict reverse-path filtering on the laptop (this fixture's own netns): a
+    // distribution default in places, and what dropped every reply of a run
+    // before the TUN's ingress check marked them for the run's table (#27).
+    f.laptop(&["sysctl", "-qw", "net.ipv4.conf.all.rp_filter=1"]);
+    assert_eq!(
+        text(
+            &f.laptop(&["sysctl", "-n", "net.ipv4.conf.all.rp_filter"])
+                .stdout
+        )
+        .trim(),
+        "1"
+    );
     let pods = web_pods(&f, f.lab());
     let names: Vec<String> = pods.iter().map(pod_name).collect();
     let ip = pod_ip(&pods[0]);
@@ -316,17 +328,25 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
     );
     assert_nothing_left(&f, &[], "after bad input");
 
-    // The command's exit status is kvpn's.
+    // The command's exit status is kvpn's. A namespace that does not exist is
+    // said (#30 F10: short names would resolve in it), and the run goes on.
     let seven = f.kvpn(&[
         "run",
         "--kubeconfig",
         &kubeconfig,
+        "-n",
+        "kvpn-no-such-namespace",
         "--",
         "sh",
         "-c",
         "exit 7",
     ]);
     assert_eq!(seven.status.code(), Some(7), "{}", text(&seven.stderr));
+    assert!(
+        text(&seven.stderr).contains("namespace kvpn-no-such-namespace has no Service"),
+        "no word on the missing namespace: {}",
+        text(&seven.stderr)
+    );
     assert_nothing_left(&f, &[], "after exit 7");
 
     // SIGTERM to kvpn reaches the command, whose status comes back.
@@ -354,6 +374,41 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
         t0.elapsed().as_secs_f64()
     );
     assert_nothing_left(&f, &[id], "after SIGTERM");
+
+    // `kvpn disconnect` of the run's session from elsewhere (#27 F2): the command
+    // gets SIGTERM (its trap runs), kvpn run says why and exits with the
+    // command's status, with no warning about a session it could not disconnect.
+    let mut child = spawn_run(
+        &f,
+        &kubeconfig,
+        "trap 'echo got-term; exit 3' TERM; echo ready; while :; do sleep 0.1; done",
+    );
+    let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    assert_eq!(first, "ready", "{}", f.diagnostics());
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(30));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    f.kvpn_ok(&["disconnect", &id]);
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("wait for kvpn run after kvpn disconnect: {e}"));
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let err = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "after disconnect: {rest:?} {err}"
+    );
+    assert_eq!(rest, vec!["got-term".to_owned()], "{err}");
+    assert!(
+        err.contains(&format!(
+            "session {id} was disconnected from outside this run"
+        )) && err.contains("SIGTERM"),
+        "kvpn run did not say why its command was stopped: {err}"
+    );
+    assert!(!err.contains("cannot disconnect"), "{err}");
+    assert_nothing_left(&f, &[id], "after kvpn disconnect of the run");
 
     // SIGKILL of kvpn: the user daemon notices, the session goes, the command
     // (still in the run's cgroup) is killed with it.
@@ -394,6 +449,127 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
         t0.elapsed().as_secs_f64()
     );
     assert_nothing_left(&f, &[id], "after SIGKILL of kvpn");
+
+    // SIGKILL of the root daemon while a run's command runs: the cgroup (the
+    // machine's, not the netns') and the command outlive it; the next root
+    // daemon of this runtime folder kills what is in the recorded cgroup and
+    // removes it before it serves (#27).
+    let mut child = spawn_run(&f, &kubeconfig, "exec sleep 300");
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let cg = host_cgroup(&runs[0]);
+    let procs: Vec<i32> = std::fs::read_to_string(cg.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect();
+    assert!(!procs.is_empty(), "the command is in {}", cg.display());
+    let pid_file = f.runtime_dir().join("dataplane.pid");
+    let root_pid: i32 = std::fs::read_to_string(&pid_file)
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no root daemon pid in {}", pid_file.display()));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(root_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap_or_else(|e| panic!("SIGKILL the root daemon {root_pid}: {e}"));
+    let t0 = Instant::now();
+    while std::path::Path::new(&format!("/proc/{root_pid}/exe")).exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "root daemon {root_pid} still there"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        cg.exists(),
+        "the cgroup went with the root daemon: nothing to sweep"
+    );
+    // Another run starts the next root daemon, whose sweep stops the orphan.
+    let next = f.kvpn(&["run", "--kubeconfig", &kubeconfig, "--", "true"]);
+    assert_eq!(next.status.code(), Some(0), "{}", text(&next.stderr));
+    let t0 = Instant::now();
+    while cg.exists()
+        || procs
+            .iter()
+            .any(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the next root daemon left the killed one's run: cgroup {} exists: {}",
+            cg.display(),
+            cg.exists()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A daemon that mounted its own cgroup2 view (no mount in its namespace)
+    // left that empty mount point in /tmp: swept too.
+    let daemon_view = std::path::PathBuf::from(runs[0]["run_cgroup"].as_str().unwrap_or_default());
+    if let Some(own) = daemon_view.parent().filter(|p| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("kvpn-cgroup2-"))
+    }) {
+        assert!(
+            !own.exists(),
+            "the killed daemon's cgroup2 mount point {} is left",
+            own.display()
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let t0 = Instant::now();
+    while !f.sessions().is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        let _ = f.kvpn(&["disconnect", &id]);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_nothing_left(&f, &[id], "after SIGKILL of the root daemon");
+
+    // kvpn run and its user daemon both SIGKILLed: nobody is left to disconnect
+    // the run's session; the root daemon ends it once the command itself ended
+    // (#27), instead of keeping its TUN device, table and cgroup forever.
+    let mut child = spawn_run(&f, &kubeconfig, "exec sleep 3");
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let cg = host_cgroup(&runs[0]);
+    let user_pid_file = f.runtime_dir().join("user.pid");
+    let user_pid: i32 = std::fs::read_to_string(&user_pid_file)
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no user daemon pid in {}", user_pid_file.display()));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(user_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap_or_else(|e| panic!("SIGKILL the user daemon {user_pid}: {e}"));
+    child.kill().unwrap_or_else(|e| panic!("SIGKILL kvpn: {e}"));
+    let _ = child.wait();
+    assert!(
+        cg.exists(),
+        "the run's cgroup went before its command ended"
+    );
+    let t0 = Instant::now();
+    while cg.exists() || !f.tun_devices().is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the root daemon kept the abandoned run session {id}: cgroup {} exists: {}, TUN devices {:?}",
+            cg.display(),
+            cg.exists(),
+            f.tun_devices()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "abandoned run session ended by the root daemon {:.1} s after kvpn and its user daemon were killed (command: sleep 3)",
+        t0.elapsed().as_secs_f64()
+    );
+    let t0 = Instant::now();
+    while !f.sessions().is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        let _ = f.kvpn(&["disconnect", &id]);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_nothing_left(&f, &[id], "after the abandoned run");
 }
 
 #[test]

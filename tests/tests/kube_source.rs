@@ -1054,4 +1054,22 @@ fn diagnose_source_on_a_plain_closed_port_names_the_reset_not_a_policy() {
         !why.contains("rule matched") && !why.contains("denies every laptop"),
         "{d:#}"
     );
+
+    // A port the web Service does not have, on its ClusterIP: named as such and a
+    // failure, not a trace blaming "an unused address" (#30 F6).
+    let kubeconfig = f.user_kubeconfig();
+    let wrong = SocketAddr::new(web().ip(), web().port() + 1).to_string();
+    let out = f.kvpn(&["diagnose", "source", &wrong, "--kubeconfig", &kubeconfig]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "diagnose {wrong} succeeded: {}",
+        text(&out.stdout)
+    );
+    assert!(
+        err.contains("Service default/web")
+            && err.contains(&format!("no port {}/TCP", web().port() + 1))
+            && !err.contains("unused address"),
+        "{err}"
+    );
 }

@@ -164,6 +164,11 @@ pub async fn connect(
     tun_connect::set_manager_build(&mut origin, &leased, &manager);
     origin.source_policy = manager.source_policy.as_str().to_owned();
 
+    if let Some(line) =
+        tun_connect::missing_namespace(&conn.client, &conn.description.namespace).await
+    {
+        output::warn(&line);
+    }
     let dns = match tun_connect::cluster_dns(&conn.client, &conn.description.namespace).await {
         Ok(d) => (d.servers, d.search),
         Err(why) => {

@@ -202,6 +202,10 @@ pub struct UserDaemonState {
     /// This state itself, for the tasks a handler spawns to outlive its caller
     /// (StartSession: [`UserDaemonState::start_owned`]).
     me: std::sync::Weak<Self>,
+    /// The session ids a disconnect is about to end ("" for all), sent before the
+    /// root daemon is asked: a `kvpn run` holding one of them hears why before the
+    /// root daemon stops its command ([`UserDaemon::hold_run`]).
+    ending: tokio::sync::broadcast::Sender<String>,
 }
 
 fn now_unix_ms() -> u64 {
@@ -919,6 +923,8 @@ impl UserDaemonState {
     /// Stop `id` (empty = all) on both sides; the stopped ids and the TCP
     /// sockets reset per id.
     async fn disconnect(&self, id: &str) -> Result<(Vec<String>, HashMap<String, u64>)> {
+        // Nobody listening is fine.
+        let _ = self.ending.send(id.to_owned());
         let (mut stopped, tcp_reset) = self.root_disconnect(id).await?;
         let mine: Vec<String> = self
             .sessions()
@@ -970,7 +976,36 @@ impl UserDaemon for UserDaemonState {
         let (event_tx, event_rx) = tokio::sync::mpsc::channel(1);
         let holder = event_tx.clone();
         tokio::spawn(async move {
-            holder.closed().await;
+            // Until the caller goes away; a session disconnected meanwhile by
+            // someone else is said to the caller, whose stream then ends.
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            let mut ending = this.ending.subscribe();
+            loop {
+                let told = tokio::select! {
+                    () = holder.closed() => break,
+                    _ = tick.tick() => false,
+                    e = ending.recv() => match e {
+                        Ok(ended) => ended.is_empty() || ended == id,
+                        Err(_) => false,
+                    },
+                };
+                if told || !this.sessions().contains_key(&id) {
+                    let ended = format!(
+                        "session {id} was disconnected from outside this run (`kvpn \
+                         disconnect`, `kvpn quit` or `kvpn lab down`): the command gets \
+                         SIGTERM, and SIGKILL {} s later",
+                        kvpn_dataplane::run_scope::TERM_GRACE.as_secs()
+                    );
+                    info!(session = %id, "the run's session ended while held: telling its caller");
+                    let _ = holder
+                        .send(Ok(HoldRunEvent {
+                            admitted_cgroup: String::new(),
+                            ended,
+                        }))
+                        .await;
+                    return;
+                }
+            }
             match this.disconnect(&id).await {
                 Ok((stopped, _)) if !stopped.is_empty() => {
                     info!(session = %id, "the run's caller went away: session disconnected");
@@ -999,8 +1034,12 @@ impl UserDaemon for UserDaemonState {
         let _ = event_tx
             .send(Ok(HoldRunEvent {
                 admitted_cgroup: admitted.cgroup,
+                ended: String::new(),
             }))
             .await;
+        // The holder task keeps the only sender from here: when it says the session
+        // ended, the stream ends with it.
+        drop(event_tx);
         info!(session = %req.session_id, pid = req.pid, "process admitted to the run; holding the session");
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(event_rx),
@@ -1128,6 +1167,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
         sessions: Mutex::new(BTreeMap::new()),
         quit: CancellationToken::new(),
         root_identity: Mutex::new(None),
+        ending: tokio::sync::broadcast::channel(16).0,
     });
 
     let (records, problems) = state.store.load_all();

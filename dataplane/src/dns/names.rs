@@ -429,11 +429,18 @@ pub fn classify(query: &Query, cluster: &ClusterDns) -> Plan {
     // The last label: its expansion under each search domain is the anchor.
     let last = name.trim_to(1);
     let mut candidates = Vec::new();
+    let mut excluded = false;
     for domain in &cluster.search {
         // Too long once expanded (255 bytes): that expansion cannot exist.
         let Ok(expanded) = name.clone().append_domain(domain) else {
             continue;
         };
+        // The user's exclusion holds for every spelling: `web.default` is not asked
+        // as `web.default.svc.cluster.local` when that name is excluded.
+        if cluster.exclude.iter().any(|s| s.zone_of(&expanded)) {
+            excluded = true;
+            continue;
+        }
         let anchor = if labels >= 2 {
             match last.clone().append_domain(domain) {
                 Ok(a) => Some(a),
@@ -448,6 +455,9 @@ pub fn classify(query: &Query, cluster: &ClusterDns) -> Plan {
             anchor,
             if_missing,
         });
+    }
+    if excluded && candidates.is_empty() {
+        return Plan::Upstream;
     }
     Plan::Search {
         candidates,
@@ -1109,6 +1119,37 @@ mod tests {
         assert_eq!(q("www.public.corp.example", RecordType::A), Plan::Upstream);
         // The rest as before.
         assert_eq!(q("web.dev.svc.cluster.local", RecordType::A), Plan::Cluster);
+        // Short spellings are not expanded into an excluded name.
+        match q("x.legacy", RecordType::A) {
+            Plan::Search { candidates, .. } => assert!(
+                candidates
+                    .iter()
+                    .all(|c| !c.name.to_ascii().contains("legacy.cluster.local")),
+                "x.legacy expanded into the excluded legacy.cluster.local: {candidates:?}"
+            ),
+            other => panic!("x.legacy: {other:?}"),
+        }
+        // With the whole cluster domain excluded, short names go upstream too
+        // (case F3 of #29: `web.default` answered while its full name was not).
+        let all_out = ClusterDns::new(
+            &["10.96.0.10".into()],
+            "cluster.local",
+            &["dev.svc.cluster.local".into(), "svc.cluster.local".into()],
+            false,
+        )
+        .expect("config")
+        .with_suffixes(&[], &["cluster.local".into()])
+        .expect("suffixes");
+        for name in ["web.dev", "web", "web.dev.svc.cluster.local"] {
+            assert_eq!(
+                classify(
+                    &Query::query(Name::from_ascii(name).expect("name"), RecordType::A),
+                    &all_out
+                ),
+                Plan::Upstream,
+                "{name} with cluster.local excluded"
+            );
+        }
         assert_eq!(q("www.example.com", RecordType::NS), Plan::Upstream);
         assert_eq!(
             ClusterDns::new(&["10.96.0.10".into()], "cluster.local", &[], false)
