@@ -341,6 +341,46 @@ pub enum Command {
     /// Checks of the path through the traffic manager.
     #[command(subcommand)]
     Diagnose(DiagnoseCommand),
+    /// Give each replica of a workload its own tunnel to the developers'
+    /// laptops: a tunnel container (the manager's image) with its own lease and
+    /// session, added to the pod template by server-side apply (field manager
+    /// kvpn-attach). The pods reach laptops by their tunnel IPs, laptops reach
+    /// each replica by its own. API servers ≥ 1.29 get a native sidecar
+    /// (restartable init container), older ones a classic one (first container
+    /// whose postStart hook waits for the tunnel). See docs/attach.md.
+    ///
+    /// Example: kvpn attach deploy/web -n shop
+    Attach(AttachArgs),
+    /// Remove what `kvpn attach` added: the tunnel container, its volume and
+    /// its Secret; the pod template is as before the attach.
+    Detach(DetachArgs),
+}
+
+/// `kvpn attach` flags.
+#[derive(Debug, Args)]
+pub struct AttachArgs {
+    /// KIND/NAME: deploy/NAME, sts/NAME or ds/NAME (required unless --list).
+    #[arg(value_parser = crate::attach::render::parse_workload, required_unless_present = "list")]
+    pub workload: Option<crate::attach::render::WorkloadRef>,
+    /// List the attached replicas of the namespace (pod, phase, tunnel IP)
+    /// instead of attaching.
+    #[arg(long)]
+    pub list: bool,
+    /// Output format of --list.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+    #[command(flatten)]
+    pub kube: KubeArgs,
+}
+
+/// `kvpn detach` flags.
+#[derive(Debug, Args)]
+pub struct DetachArgs {
+    /// KIND/NAME: deploy/NAME, sts/NAME or ds/NAME.
+    #[arg(value_parser = crate::attach::render::parse_workload)]
+    pub workload: crate::attach::render::WorkloadRef,
+    #[command(flatten)]
+    pub kube: KubeArgs,
 }
 
 /// `kvpn diagnose` subcommands.

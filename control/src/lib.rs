@@ -14,6 +14,7 @@
 #![recursion_limit = "256"]
 
 pub mod agent;
+pub mod attach;
 pub mod cidr;
 pub mod cli;
 pub mod connect;
@@ -80,6 +81,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(args) => lab::run(args),
+        Command::Attach(args) => attach_command(args).await,
+        Command::Detach(args) => detach_command(args).await,
         Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => {
             diagnose_source(&runtime_dir, args).await
         }
@@ -600,6 +603,59 @@ async fn diagnose_source(
 
 /// `kvpn install`: with --dry-run, print the objects (no cluster); otherwise
 /// install or upgrade the manager as connect's first step does, and stop there.
+/// The cluster of `kube`'s flags (through SSH jump hosts if given).
+async fn kube_connection(
+    kube: &crate::cli::KubeArgs,
+) -> Result<(kubeconfig::KubeConnection, Option<ssh::SshTunnel>)> {
+    let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
+    let plan = ssh::plan_for(&kube.ssh, &env)?;
+    ssh::connect_kube(&kube.flags(), plan.as_ref(), &env).await
+}
+
+async fn attach_command(args: crate::cli::AttachArgs) -> Result<()> {
+    let (conn, _tunnel) = kube_connection(&args.kube).await?;
+    let namespace = conn.description.namespace.clone();
+    if args.list {
+        let replicas =
+            attach::replicas(&conn.client, &namespace, &args.kube.manager_namespace).await?;
+        return output::attached_replicas(&replicas, args.output);
+    }
+    let Some(w) = args.workload else {
+        anyhow::bail!("name the workload to attach: kvpn attach deploy/NAME");
+    };
+    let done = attach::attach(&conn.client, &w, &namespace, &args.kube.manager_namespace).await?;
+    output::done(&format!(
+        "Attached {w} in namespace {namespace}: tunnel container {} ({}), Secret {}",
+        attach::render::CONTAINER,
+        done.image,
+        done.secret
+    ));
+    output::detail(&format!("Sidecar: {}", done.why));
+    output::detail(match done.method {
+        attach::render::WriteMethod::Apply => {
+            "Written by server-side apply (field manager kvpn-attach)"
+        }
+        attach::render::WriteMethod::StrategicMerge => {
+            "Written by a strategic merge patch with $setElementOrder (field manager kvpn-attach): before 1.23, server-side apply appends new list items, which would put the tunnel container last"
+        }
+    });
+    output::detail(
+        "The pods restart with the tunnel; list them with `kvpn attach --list`, remove it with `kvpn detach`",
+    );
+    Ok(())
+}
+
+async fn detach_command(args: crate::cli::DetachArgs) -> Result<()> {
+    let (conn, _tunnel) = kube_connection(&args.kube).await?;
+    let namespace = conn.description.namespace.clone();
+    attach::detach(&conn.client, &args.workload, &namespace).await?;
+    output::done(&format!(
+        "Detached {} in namespace {namespace}: tunnel container, volume and Secret removed",
+        args.workload
+    ));
+    Ok(())
+}
+
 async fn install_command(args: crate::cli::InstallArgs) -> Result<()> {
     let env = kubeconfig::UserEnv::current().context("cannot read this process's environment")?;
     let mut opts = install::InstallOptions {

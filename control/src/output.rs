@@ -91,6 +91,30 @@ pub fn info_block(text: &str) {
     println!("{}", text.trim_end());
 }
 
+/// `kvpn attach --list`: the attached replicas of a namespace.
+pub fn attached_replicas(r: &[crate::attach::Replica], format: OutputFormat) -> Result<()> {
+    match format {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(r)?),
+        OutputFormat::Yaml => print!("{}", serde_yaml_ng::to_string(r)?),
+        OutputFormat::Table => {
+            println!(
+                "{:<16} {:<40} {:<10} TUNNEL IP",
+                "NAMESPACE", "POD", "PHASE"
+            );
+            for x in r {
+                println!(
+                    "{:<16} {:<40} {:<10} {}",
+                    x.namespace,
+                    x.pod,
+                    x.phase,
+                    x.tunnel_ip.as_deref().unwrap_or("-")
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `kvpn diagnose source`'s report.
 pub fn diagnose_source(r: &crate::diagnose::SourceReport, format: OutputFormat) -> Result<()> {
     match format {

@@ -474,7 +474,11 @@ async fn admin_installs_keeps_upgrades_and_uninstalls() {
         .collect();
     assert_eq!(
         ports,
-        vec![(Some("data".into()), 10801), (Some("grpc".into()), 10802)]
+        vec![
+            (Some("data".into()), 10801),
+            (Some("grpc".into()), 10802),
+            (Some("attach".into()), 10804)
+        ]
     );
     let secret = Api::<Secret>::namespaced(admin.clone(), &ns)
         .get(TLS_SECRET)

@@ -1,5 +1,7 @@
 //! The manager's control gRPC service (:10802): `Lease` and `WatchRoutes` (the
-//! route and DNS discovery stream, fed by [`crate::route_watch`]).
+//! route and DNS discovery stream, fed by [`crate::route_watch`]); the same
+//! service on the attach port for attached pods' tunnel containers
+//! ([`AttachListener`]: TLS, and only with the attach key).
 //!
 //! Plain HTTP/2, not TLS, and by default bound to the pod's loopback
 //! (`127.0.0.1:10802`): the only way in is `pods/portforward`, which the kubelet
@@ -291,16 +293,143 @@ impl Manager for ManagerService {
 /// counted into `counters`.
 pub async fn serve(
     listener: TcpListener,
+    attach: Option<AttachListener>,
     leases: Arc<Leases>,
     routes: RouteWatch,
     trace: TraceConfig,
     counters: Arc<ManagerCounters>,
 ) -> Result<(), tonic::transport::Error> {
     let service = ManagerService::new(leases, routes, trace, counters).await;
-    tonic::transport::Server::builder()
-        .add_service(ManagerServer::new(service))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
-        .await
+    let port_forward = tonic::transport::Server::builder()
+        .add_service(ManagerServer::new(service.clone()))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    match attach {
+        None => port_forward.await,
+        Some(a) => {
+            let key = a.attach_key;
+            let checked = ManagerServer::with_interceptor(service, move |req: Request<()>| {
+                check_attach_key(&req, &key)?;
+                Ok(req)
+            });
+            let attach_port = tonic::transport::Server::builder()
+                .add_service(checked)
+                .serve_with_incoming(attach_incoming(a.listener, a.tls));
+            tokio::select! {
+                r = port_forward => r,
+                r = attach_port => r,
+            }
+        }
+    }
+}
+
+/// The attach port (`--attach-listen`, [`kvpn_proto::attach::ATTACH_PORT`]):
+/// the same service for the tunnel containers of attached pods, over TLS with
+/// the data channel's certificate, answering only calls that carry the attach
+/// key (docs/attach.md).
+pub struct AttachListener {
+    /// Bound listener (the install: `0.0.0.0:10804`, in the Service).
+    pub listener: TcpListener,
+    /// The data channel's TLS configuration.
+    pub tls: Arc<rustls::ServerConfig>,
+    /// [`kvpn_proto::attach::attach_key`] of this manager's TLS key.
+    pub attach_key: String,
+}
+
+/// UNAUTHENTICATED unless metadata `kvpn-attach-key` is this manager's key.
+fn check_attach_key(req: &Request<()>, key: &str) -> Result<(), Status> {
+    let presented = req
+        .metadata()
+        .get(kvpn_proto::attach::ATTACH_KEY_HEADER)
+        .and_then(|v| v.to_str().ok());
+    match presented {
+        Some(p) if kvpn_proto::attach::keys_equal(p, key) => Ok(()),
+        Some(_) => {
+            warn!("attach port: call with a wrong attach key refused");
+            Err(Status::unauthenticated(
+                "wrong attach key: the pod's Secret was made for another traffic manager — run `kvpn detach` and `kvpn attach` again",
+            ))
+        }
+        None => Err(Status::unauthenticated(
+            "no attach key: this port answers only tunnel containers that `kvpn attach` added",
+        )),
+    }
+}
+
+/// A TLS connection on the attach port, as tonic's server takes it.
+struct AttachConn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for AttachConn {
+    type ConnectInfo = ();
+    fn connect_info(&self) -> Self::ConnectInfo {}
+}
+
+impl tokio::io::AsyncRead for AttachConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for AttachConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// Time a client has for its TLS handshake on the attach port.
+const ATTACH_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Accepted, TLS-handshaken connections of the attach port. Each handshake runs
+/// in its own task, so a slow client holds up nobody.
+fn attach_incoming(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+) -> impl tokio_stream::Stream<Item = Result<AttachConn, std::io::Error>> {
+    let (conn_tx, conn_rx) = mpsc::channel(16);
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "attach port: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let acceptor = acceptor.clone();
+            let conn_tx = conn_tx.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(ATTACH_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = conn_tx.send(Ok(AttachConn(tls))).await;
+                    }
+                    Ok(Err(e)) => debug!(%peer, error = %e, "attach port: TLS handshake failed"),
+                    Err(_) => debug!(%peer, "attach port: TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(conn_rx)
 }
 
 /// Bound address, for logs.

@@ -21,6 +21,8 @@ use kvpn_manager::session::SessionConfig;
 use kvpn_manager::{grpc, metrics_server, server};
 use tracing::{info, warn};
 
+mod tunnel;
+
 /// kvpn traffic manager: terminates laptops' tunnel packets and dials the real
 /// destinations in the cluster.
 #[derive(Debug, Parser)]
@@ -186,6 +188,12 @@ struct Args {
     /// namespace (tests, a laptop) do not fight over one port.
     #[arg(long, default_value = "off", value_parser = parse_metrics_listen)]
     metrics_listen: MetricsListen,
+    /// Serve `Lease` to attached pods' tunnel containers on this address (TLS
+    /// with --tls-cert/--tls-key, only for calls carrying the attach key derived
+    /// from --tls-key), or `off`. The install gives 0.0.0.0:10804, in the Service
+    /// (docs/attach.md). Needs --leases.
+    #[arg(long, default_value = "off", value_parser = parse_metrics_listen)]
+    attach_listen: MetricsListen,
 }
 
 fn parse_gateway(s: &str) -> Result<Option<std::net::Ipv4Addr>, String> {
@@ -395,6 +403,12 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
+    // The tunnel container of an attached pod runs the same image.
+    if let Some(sub) = std::env::args().nth(1)
+        && (sub == "tunnel" || sub == "tunnel-wait")
+    {
+        return tunnel::main_from_args(std::env::args().skip(1));
+    }
     let args = Args::parse();
     let threads = match args.worker_threads {
         0 => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
@@ -492,8 +506,30 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 }
             }
         });
+        let attach = match (args.attach_listen.0, &args.tls_cert, &args.tls_key) {
+            (None, _, _) => None,
+            (Some(addr), Some(cert), Some(key)) => {
+                let tls = kvpn_manager::tls::load_server_config(cert, key)
+                    .context("cannot set up TLS for the attach port")?;
+                let key_pem = std::fs::read(key)
+                    .with_context(|| format!("cannot read the TLS key {}", key.display()))?;
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen on {addr} for the attach port (give --attach-listen another address, or off)"))?;
+                info!(attach = %addr, "attach port: Lease for attached pods' tunnel containers (TLS, attach key required)");
+                Some(grpc::AttachListener {
+                    listener,
+                    tls,
+                    attach_key: kvpn_proto::attach::attach_key(&key_pem),
+                })
+            }
+            (Some(_), _, _) => anyhow::bail!(
+                "--attach-listen needs --tls-cert and --tls-key: the attach port is TLS and its key is derived from the TLS key"
+            ),
+        };
         grpc_task = Some(tokio::spawn(grpc::serve(
             grpc_listener,
+            attach,
             leases.clone(),
             routes,
             grpc::TraceConfig {

@@ -36,6 +36,7 @@ async fn grpc_server(leases: Arc<Leases>) -> String {
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(kvpn_manager::grpc::serve(
         listener,
+        None,
         leases,
         kvpn_manager::route_watch::RouteWatch::unavailable("not in a cluster (test)".into()),
         kvpn_manager::grpc::TraceConfig {

@@ -1,5 +1,7 @@
 //! kvpn's wire formats, in one versioned place.
 //!
+//! - [`attach`]: what the laptop and an attached pod's tunnel container agree
+//!   on: the attach port, the attach key, replica client ids (pure, no I/O).
 //! - [`channel`]: the data channel's TCP socket settings (TCP_NOTSENT_LOWAT),
 //!   the same on the laptop and in the manager.
 //! - [`cidr`]: CIDR math (normalise, infer, exclude) shared by the laptop side,
@@ -23,6 +25,7 @@
 //! - [`userd`]: the gRPC API of the user daemon (`kvpn daemon`), which the CLI
 //!   talks to, from `proto/userd.proto`.
 
+pub mod attach;
 pub mod channel;
 pub mod cidr;
 #[cfg(feature = "smoltcp")]

@@ -207,12 +207,23 @@ impl KubeFixture {
     /// DNS ClusterIP), the manager for `kvpn connect` to install. No traffic
     /// manager.
     pub fn real_nodes(count: usize) -> Self {
+        Self::real_nodes_with_images(count, Vec::new())
+    }
+
+    /// [`KubeFixture::real_nodes`] with `extra` image archives imported into every
+    /// node as well (e.g. the lab's busybox, for workloads that need a shell).
+    pub fn real_nodes_with_images(
+        count: usize,
+        extra: Vec<kvpn_lab::k8s::node::ImageArchive>,
+    ) -> Self {
         use kvpn_lab::k8s::node::images;
         let archive =
             |key: &str| images::project_archive(key).unwrap_or_else(|e| panic!("real nodes: {e}"));
+        let mut all = vec![archive("pause"), archive("lab-server"), archive("manager")];
+        all.extend(extra);
         let mut options = K8sLabOptions::default().real_nodes(RealNodeOptions {
             count,
-            images: vec![archive("pause"), archive("lab-server"), archive("manager")],
+            images: all,
             sandbox_image: images::project_image("pause"),
             samples_image: Some(images::project_image("lab-server")),
             cluster_dns_image: Some(images::project_image("lab-server")),

@@ -55,6 +55,8 @@ pub const ANNOTATION_TLS_FINGERPRINT: &str = "kvpn.dev/tls-fingerprint";
 pub const DATA_PORT: u16 = 10801;
 /// Control gRPC port (leases, routes, DNS).
 pub const GRPC_PORT: u16 = 10802;
+/// The manager's attach port (gRPC `Lease` over TLS for attached pods).
+pub use kvpn_proto::attach::ATTACH_PORT;
 /// Metrics port (`GET /metrics`, pod loopback; docs/trust-model.md).
 pub const METRICS_PORT: u16 = 10803;
 /// Where the TLS Secret is mounted in the manager container.
@@ -336,6 +338,7 @@ pub fn service(spec: &Spec) -> Service {
             ports: Some(vec![
                 service_port("data", DATA_PORT),
                 service_port("grpc", GRPC_PORT),
+                service_port("attach", ATTACH_PORT),
             ]),
             ..Default::default()
         }),
@@ -396,6 +399,10 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
                 // GET /metrics (refusals of docs/trust-model.md), also loopback only.
                 "--metrics-listen".into(),
                 format!("127.0.0.1:{METRICS_PORT}"),
+                // Lease for attached pods' tunnel containers, through the
+                // Service: TLS and the attach key (docs/attach.md).
+                "--attach-listen".into(),
+                format!("0.0.0.0:{ATTACH_PORT}"),
             ];
             // Only when not the default, so `snat` installs keep their template hash.
             if spec.source_policy != SourcePolicy::Snat {
@@ -408,6 +415,7 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
             port("data", DATA_PORT),
             port("grpc", GRPC_PORT),
             port("metrics", METRICS_PORT),
+            port("attach", ATTACH_PORT),
         ]),
         env: Some(vec![
             env("KVPN_TLS_CERT", &format!("{TLS_MOUNT}/tls.crt")),
@@ -874,6 +882,8 @@ mod tests {
                     "127.0.0.1:10802".to_owned(),
                     "--metrics-listen".to_owned(),
                     "127.0.0.1:10803".to_owned(),
+                    "--attach-listen".to_owned(),
+                    "0.0.0.0:10804".to_owned(),
                 ][..]
             )
         );
