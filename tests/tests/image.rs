@@ -448,6 +448,12 @@ fn serve_a_session_from_the_image(policy: SourcePolicy) {
             "snat: the manager holds capabilities:\n{proc_status}"
         );
     }
+    // Nothing of the runtime stays on the machine: not even the namespace's
+    // parent cgroup in any hierarchy, which runc does not remove.
+    let namespace = ctrd.namespace().to_owned();
+    drop(ctrd);
+    let left = kvpn_lab::k8s::node::host::cgroup_leftovers(&namespace);
+    assert!(left.is_empty(), "{policy:?}: cgroups left: {left:?}");
 }
 
 #[test]
