@@ -448,6 +448,24 @@ fn icmp_code(fd: i32) -> Option<u8> {
     None
 }
 
+/// What the UDP probe sends: to port 53 a DNS query (the root's NS), which any
+/// DNS server answers (trial F8: a nameserver ignored the lab's peer question
+/// and the cluster DNS was reported lost); elsewhere the lab servers' question
+/// for the peer address they saw.
+fn udp_probe_payload(port: u16) -> Vec<u8> {
+    use hickory_proto::op::{Message, Query};
+    use hickory_proto::rr::{Name, RecordType};
+    if port == 53 {
+        let mut m = Message::query();
+        m.metadata.id = 0x6b76;
+        m.add_query(Query::query(Name::root(), RecordType::NS));
+        if let Ok(bytes) = m.to_vec() {
+            return bytes;
+        }
+    }
+    b"KVPN-PEER?".to_vec()
+}
+
 fn probe_udp(target: SocketAddr) -> (Option<SocketAddr>, Option<SocketAddr>, Outcome) {
     use std::os::fd::AsRawFd as _;
     let bind: SocketAddr = if target.is_ipv4() {
@@ -472,7 +490,7 @@ fn probe_udp(target: SocketAddr) -> (Option<SocketAddr>, Option<SocketAddr>, Out
     };
     let local = s.local_addr().ok();
     let _ = s.set_read_timeout(Some(PROBE_TIMEOUT));
-    if let Err(e) = s.send(b"KVPN-PEER?") {
+    if let Err(e) = s.send(&udp_probe_payload(target.port())) {
         return (local, None, io_outcome(&e, None));
     }
     let mut buf = [0u8; 256];
@@ -1025,6 +1043,14 @@ mod tests {
             "{why}"
         );
         assert!(why.contains("unused address"), "{why}");
+    }
+
+    /// The UDP probe to a DNS port is a DNS query a nameserver answers.
+    #[test]
+    fn the_udp_probe_to_port_53_is_a_dns_query() {
+        let q = hickory_proto::op::Message::from_vec(&udp_probe_payload(53)).expect("DNS message");
+        assert_eq!(q.queries.len(), 1);
+        assert_eq!(udp_probe_payload(5353), b"KVPN-PEER?".to_vec());
     }
 
     /// #30 F6: a ClusterIP on a port its Service lacks is named as such.

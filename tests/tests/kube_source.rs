@@ -262,6 +262,11 @@ fn snat_backends_see_the_manager_pod_ip_over_tcp_udp_and_icmp() {
         Some(IpAddr::V4(pod)),
         "{u:#}"
     );
+    // The cluster DNS over UDP: a nameserver answers only a DNS query, so the
+    // probe is one (trial F8: reported "lost" while dig answered).
+    let dns = SocketAddr::from((kvpn_lab::k8s::dns::CLUSTER_DNS_IP, 53)).to_string();
+    let d = diagnose(&f, &dns, true);
+    assert_eq!(d["outcome"], "answered", "{d:#}");
 }
 
 /// After `kvpn connect --kubeconfig <lab>`, `kvpn diagnose source` without
