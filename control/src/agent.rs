@@ -118,34 +118,50 @@ async fn direct_or_fallback(way: DirectWay, stream: TcpStream, peer: std::net::S
     }
     let choice = lock_path(&path).choice();
     if let Choice::Direct(target) = choice {
-        let opened = tokio::time::timeout(
-            crate::ssh::bypass::PROBE_TIMEOUT,
-            dialer.open(&target.ip().to_string(), target.port()),
-        )
-        .await;
-        let why = match opened {
-            Ok(Ok(mut remote)) => {
-                match crate::ssh::bypass::carry(&dialer, target, stream, &mut remote).await {
-                    Ok((up, down)) => info!(%peer, up, down, "ssh-direct data channel closed"),
-                    Err(e) => warn!(%peer, "data channel: {e}"),
+        // An attempt that fails while the SSH path itself is re-opened (it
+        // died: the channel fails on the dying connection, or the open waits
+        // out the dial) says nothing about ssh-direct: try once more on the
+        // fresh path before falling back (CI once saw a port-forward opened
+        // 36 ms after the path came back, then closed as ssh-direct worked).
+        let mut attempts = 0;
+        let why = loop {
+            attempts += 1;
+            let generation = dialer.generation();
+            let opened = tokio::time::timeout(
+                crate::ssh::bypass::PROBE_TIMEOUT,
+                dialer.open(&target.ip().to_string(), target.port()),
+            )
+            .await;
+            let path_reopened = dialer.generation() != generation || !dialer.is_open();
+            let why = match opened {
+                Ok(Ok(mut remote)) => {
+                    match crate::ssh::bypass::carry(&dialer, target, stream, &mut remote).await {
+                        Ok((up, down)) => info!(%peer, up, down, "ssh-direct data channel closed"),
+                        Err(e) => warn!(%peer, "data channel: {e}"),
+                    }
+                    return;
                 }
-                return;
+                Ok(Err(e @ crate::ssh::client::ConnectError::Channel { .. })) => {
+                    format!("{} could not open a channel to it: {e}", dialer.last_hop())
+                }
+                Ok(Err(e)) => {
+                    // The SSH connection itself failed: port-forward rides the same
+                    // one, so no fallback; the root daemon re-dials.
+                    warn!(%peer, %target, "data channel: {e}");
+                    return;
+                }
+                Err(_) => format!(
+                    "{} opened no channel to it within {} s",
+                    dialer.last_hop(),
+                    crate::ssh::bypass::PROBE_TIMEOUT.as_secs()
+                ),
+            };
+            if !path_reopened || attempts >= 2 {
+                break why;
             }
-            Ok(Err(e @ crate::ssh::client::ConnectError::Channel { .. })) => {
-                format!("{} could not open a channel to it: {e}", dialer.last_hop())
-            }
-            Ok(Err(e)) => {
-                // The SSH connection itself failed: port-forward rides the same
-                // one, so no fallback; the root daemon re-dials.
-                warn!(%peer, %target, "data channel: {e}");
-                return;
-            }
-            Err(_) => format!(
-                "{} opened no channel to it within {} s",
-                dialer.last_hop(),
-                crate::ssh::bypass::PROBE_TIMEOUT.as_secs()
-            ),
+            info!(%peer, %target, "ssh-direct attempt failed while the SSH path was re-opened ({why}); trying once more on the fresh path");
         };
+        info!(%peer, %target, "ssh-direct failed ({why}); trying port-forward through the same SSH connection");
         // Port-forward through the same SSH connection. The session switches
         // to it only once it opened and ssh-direct still fails then: a silent
         // SSH connection (black-holed, being redialled) times out both, and

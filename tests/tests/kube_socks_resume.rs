@@ -67,8 +67,13 @@ fn socks_download_survives_a_data_channel_redial() {
     let port = data_addr.rsplit(':').next().unwrap_or_default().to_owned();
     assert!(!port.is_empty(), "data_addr: {before:#}");
 
-    // 10 MB at 2 MB/s: about 5 s, so the cut lands in the middle.
-    let url = format!("http://{WEB_CLUSTER_IP}:{WEB_SERVICE_PORT}/big?bytes={BYTES}");
+    // 10 MB paced by the server at 2 MB/s: about 5 s, so the cut lands in the
+    // middle (curl's own --limit-rate bursts: a loaded machine once got the
+    // whole file in under 2 s).
+    let url = format!(
+        "http://{WEB_CLUSTER_IP}:{WEB_SERVICE_PORT}/big?bytes={BYTES}&rate={}",
+        2 * 1024 * 1024
+    );
     let mut curl = laptop_spawn(
         &f,
         &[
@@ -76,8 +81,6 @@ fn socks_download_survives_a_data_channel_redial() {
             "-sS",
             "--max-time",
             "60",
-            "--limit-rate",
-            "2M",
             "--socks5",
             LISTEN,
             "-o",
@@ -87,7 +90,30 @@ fn socks_download_survives_a_data_channel_redial() {
             &url,
         ],
     );
-    std::thread::sleep(Duration::from_millis(1500));
+    // Cut only once the download is demonstrably mid-way: a fixed sleep let a
+    // loaded CI machine finish the file before the cut (curl's rate limit
+    // bursts), and the test then proved nothing.
+    let t0 = Instant::now();
+    loop {
+        let rx = f.session()["rx"]["bytes"].as_u64().unwrap_or(0);
+        if rx >= BYTES / 5 {
+            assert!(
+                rx < BYTES * 4 / 5,
+                "the download was nearly done ({rx} bytes) before the cut could land"
+            );
+            break;
+        }
+        assert!(
+            curl.0.try_wait().ok().flatten().is_none(),
+            "curl ended before a fifth of the file arrived ({rx} bytes)"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the download never started: {rx} bytes after 30 s\n{}",
+            f.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     // The data channel: the user daemon's SOCKS channel to its own loopback
     // listener (each connection there is a port-forward to the manager pod).
     let killed = f.laptop(&[
@@ -131,11 +157,19 @@ fn socks_download_survives_a_data_channel_redial() {
     if let Some(mut e) = curl.0.stderr.take() {
         let _ = std::io::Read::read_to_string(&mut e, &mut err);
     }
-    let s = f.session();
+    // The loss is counted when the supervisor notices it, which may be a
+    // moment after curl ended.
+    let mut s = f.session();
+    let t1 = Instant::now();
+    while s["liveness"]["transports_lost"].as_u64() < Some(1)
+        && t1.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(100));
+        s = f.session();
+    }
     eprintln!("curl ended {took:?} after the cut ({status}): size {out:?} {err}\nsession: {s:#}");
-    let l = &s["liveness"];
     assert!(
-        l["transports_lost"].as_u64() >= Some(1),
+        s["liveness"]["transports_lost"].as_u64() >= Some(1),
         "liveness counts the cut: {s:#}"
     );
     if status.success() {

@@ -252,6 +252,23 @@ impl SshDialer {
         self.shared.open(host, port).await
     }
 
+    /// How many times the SSH path was opened (1 after the first): a change
+    /// across an attempt means the path died and was re-opened meanwhile.
+    pub fn generation(&self) -> u64 {
+        self.shared
+            .reconnects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether an SSH path is open and not being re-opened right now (a dial
+    /// in progress holds the slot).
+    pub fn is_open(&self) -> bool {
+        self.shared
+            .chain
+            .try_lock()
+            .is_ok_and(|slot| slot.as_ref().is_some_and(|c| !c.is_closed()))
+    }
+
     /// The last hop (`user@host:port`), the one that dials onwards.
     pub fn last_hop(&self) -> String {
         self.shared
