@@ -10,6 +10,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
 use clap::Subcommand;
+use ipnet::Ipv4Net;
 
 use kvpn_exec::find_program;
 
@@ -43,16 +44,39 @@ pub enum LabCommand {
         /// How many real nodes.
         #[arg(long, default_value_t = 2, requires = "real_nodes", value_parser = clap::value_parser!(u8).range(1..=8))]
         nodes: u8,
+        /// The lab's name: several labs can be up at once, each under its own name
+        /// (`down`, `info` and `exec` take the same `--name`).
+        #[arg(long, default_value = DEFAULT_LAB_NAME)]
+        name: String,
+        /// The cluster's pod CIDR (IPv4, a /20 or wider; default 10.244.0.0/16).
+        /// Two labs with the same ranges are what two kind or k3d clusters are.
+        #[arg(long, value_name = "CIDR")]
+        pod_cidr: Option<Ipv4Net>,
+        /// The cluster's service CIDR (IPv4, a /24 or wider, disjoint from the pod
+        /// CIDR; default 10.96.0.0/12). The cluster DNS is its 10th address.
+        #[arg(long, value_name = "CIDR")]
+        service_cidr: Option<Ipv4Net>,
     },
     /// Tear the lab down; nothing of it remains.
-    Down,
+    Down {
+        /// Which lab (`kvpn lab up --name`).
+        #[arg(long, default_value = DEFAULT_LAB_NAME)]
+        name: String,
+    },
     /// Show what runs where in the lab.
-    Info,
+    Info {
+        /// Which lab (`kvpn lab up --name`).
+        #[arg(long, default_value = DEFAULT_LAB_NAME)]
+        name: String,
+    },
     /// Run a command inside one of the lab's network namespaces (in `laptop`, KUBECONFIG
     /// points at the lab's admin kubeconfig unless already set, and KVPN_HOSTS at the
     /// laptop netns's own hosts file, /etc/netns/<laptop netns>/hosts, so that
     /// `kvpn connect --hosts` there never edits this machine's /etc/hosts).
     Exec {
+        /// Which lab (`kvpn lab up --name`).
+        #[arg(long, default_value = DEFAULT_LAB_NAME)]
+        name: String,
         /// `laptop`, `node`, or a pod name (`kubectl get pods -A`).
         role: String,
         /// The command and its arguments (after `--`).
@@ -86,12 +110,25 @@ mod output {
 
 /// Run a `kvpn lab` subcommand.
 pub async fn run(cmd: LabCommand) -> Result<()> {
+    let name = match &cmd {
+        LabCommand::Up { name, .. }
+        | LabCommand::Down { name }
+        | LabCommand::Info { name }
+        | LabCommand::Exec { name, .. } => name,
+    };
+    crate::lab::validate_lab_name(name).context("--name")?;
     match cmd {
         LabCommand::Up {
             dual_stack,
             real_nodes,
             nodes,
-        } => up(dual_stack, real_nodes.then_some(usize::from(nodes))).await,
+            name,
+            pod_cidr,
+            service_cidr,
+        } => {
+            let addressing = addressing(dual_stack, pod_cidr, service_cidr)?;
+            up(&name, addressing, real_nodes.then_some(usize::from(nodes))).await
+        }
         other => tokio::task::spawn_blocking(move || run_blocking(other))
             .await
             .context("lab task panicked")?,
@@ -121,7 +158,78 @@ fn real_node_options(count: usize) -> Result<crate::k8s::RealNodeOptions> {
     })
 }
 
-async fn up(dual_stack: bool, real_nodes: Option<usize>) -> Result<()> {
+/// The lab's address plan from `kvpn lab up`'s flags: the default plan with the
+/// pod and service CIDRs given (the node's pod range is the pod CIDR's second /24,
+/// as 10.244.1.0/24 of 10.244.0.0/16); refused, naming the flag, when the lab
+/// cannot be built on them.
+fn addressing(
+    dual_stack: bool,
+    pod_cidr: Option<Ipv4Net>,
+    service_cidr: Option<Ipv4Net>,
+) -> Result<crate::Addressing> {
+    let mut a = crate::Addressing::default();
+    if let Some(pod) = pod_cidr {
+        let pod = pod.trunc();
+        // Real nodes take /24s from the third on (up to 8 nodes): a /20 has 16.
+        if pod.prefix_len() > 20 {
+            return Err(anyhow!(
+                "--pod-cidr {pod}: too narrow; the lab gives each node a /24 of it (up to 8 \
+                 nodes, from the third /24 on), so give a /20 or wider, e.g. 10.50.0.0/16"
+            ));
+        }
+        a.pod_cidr = pod;
+        a.node_pod_cidr = pod
+            .subnets(24)
+            .ok()
+            .and_then(|mut s| s.nth(1))
+            .ok_or_else(|| anyhow!("--pod-cidr {pod}: has no second /24"))?;
+    }
+    if let Some(svc) = service_cidr {
+        let svc = svc.trunc();
+        if svc.prefix_len() > 24 {
+            return Err(anyhow!(
+                "--service-cidr {svc}: too narrow; the lab places fixed ClusterIPs up to the \
+                 range's 102nd address, so give a /24 or wider, e.g. 10.60.0.0/16"
+            ));
+        }
+        a.service_cidr = svc;
+    }
+    for (flag, net) in [
+        ("--pod-cidr", a.pod_cidr),
+        ("--service-cidr", a.service_cidr),
+    ] {
+        if net.contains(&a.uplink) || a.uplink.contains(&net.network()) {
+            return Err(anyhow!(
+                "{flag} {net}: overlaps the lab's uplink {} (laptop to node); choose another range",
+                a.uplink
+            ));
+        }
+        let first = net.network();
+        if first.is_loopback()
+            || first.is_multicast()
+            || first.is_unspecified()
+            || first.is_broadcast()
+        {
+            return Err(anyhow!(
+                "{flag} {net}: not a unicast range; use a private range such as 10.50.0.0/16"
+            ));
+        }
+    }
+    if a.pod_cidr.contains(&a.service_cidr.network())
+        || a.service_cidr.contains(&a.pod_cidr.network())
+    {
+        return Err(anyhow!(
+            "--pod-cidr {} and --service-cidr {} overlap: a cluster's pod and service ranges \
+             are disjoint; choose two that do not overlap",
+            a.pod_cidr,
+            a.service_cidr
+        ));
+    }
+    a.validate().context("the lab's addressing")?;
+    Ok(if dual_stack { a.dual_stack() } else { a })
+}
+
+async fn up(name: &str, addressing: crate::Addressing, real_nodes: Option<usize>) -> Result<()> {
     match real_nodes {
         Some(count) => output::step(&format!(
             "Bringing the lab up: laptop and router network namespaces, etcd + kube-apiserver + \
@@ -142,13 +250,8 @@ async fn up(dual_stack: bool, real_nodes: Option<usize>) -> Result<()> {
         manager: false,
         ..Default::default()
     };
-    let addressing = if dual_stack {
-        crate::Addressing::default().dual_stack()
-    } else {
-        crate::Addressing::default()
-    };
     let mut options = K8sLabOptions::default()
-        .persist_as(DEFAULT_LAB_NAME)
+        .persist_as(name)
         .workloads(workloads)
         .addressing(addressing);
     if let Some(count) = real_nodes {
@@ -163,15 +266,17 @@ async fn up(dual_stack: bool, real_nodes: Option<usize>) -> Result<()> {
         .context("lab task panicked")?
         .context("cannot record the lab's state")?;
     output::done(&format!(
-        "Lab {DEFAULT_LAB_NAME} is up in {:.1} s (state {}).\n  \
+        "Lab {name} is up in {:.1} s (state {}).\n  \
          kubeconfig (from the laptop netns): {}\n  \
          restricted kubeconfig (user kvpn-user): {}\n  \
-         Run commands in it with `kvpn lab exec laptop -- kubectl get pods -A` (KUBECONFIG is set there), \
-         remove it with `kvpn lab down`",
+         Run commands in it with `{} laptop -- kubectl get pods -A` (KUBECONFIG is set there), \
+         remove it with `{}`",
         started.elapsed().as_secs_f64(),
         state.display(),
         admin.display(),
         user.display(),
+        crate::lab_cmd("exec", name),
+        crate::lab_cmd("down", name),
     ));
     Ok(())
 }
@@ -179,29 +284,29 @@ async fn up(dual_stack: bool, real_nodes: Option<usize>) -> Result<()> {
 fn run_blocking(cmd: LabCommand) -> Result<()> {
     match cmd {
         LabCommand::Up { .. } => Err(anyhow!("`kvpn lab up` runs on the async path")),
-        LabCommand::Down => {
-            output::step(&format!("Tearing the lab {DEFAULT_LAB_NAME} down"));
-            let runtime = laptop_runtime_dir_named(DEFAULT_LAB_NAME);
+        LabCommand::Down { name } => {
+            output::step(&format!("Tearing the lab {name} down"));
+            let runtime = laptop_runtime_dir_named(&name);
             // kvpn's daemons started by `kvpn lab exec laptop` live in the laptop
             // netns with the runtime folder below: stop them first (they put the
             // laptop's DNS back and remove their TUN device), or they would outlive
             // the lab holding its netns and their folder.
             // A caller with a runtime folder of its own (KVPN_RUNTIME_DIR, which
             // `kvpn lab exec laptop` passes on) has its daemons there: those too.
-            if let Ok(lab) = Lab::attach(DEFAULT_LAB_NAME) {
+            if let Ok(lab) = Lab::attach(&name) {
                 if let Some(own) = callers_runtime_dir().filter(|d| *d != runtime) {
                     quit_laptop_daemons(&lab, &own);
                 }
                 quit_laptop_daemons(&lab, &runtime);
             }
-            let was_up = cluster::down_named(DEFAULT_LAB_NAME).context("kvpn lab down failed")?;
+            let was_up = cluster::down_named(&name).context("kvpn lab down failed")?;
             let removed = remove_runtime_dir(&runtime)?;
             if was_up {
                 output::done(
                     "Lab is down: its agent, control plane, pods, network namespaces, nftables rules and folder are gone",
                 );
             } else {
-                output::done(&format!("No lab named {DEFAULT_LAB_NAME} was up"));
+                output::done(&format!("No lab named {name} was up"));
             }
             if removed {
                 output::done(&format!(
@@ -211,18 +316,30 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
             }
             Ok(())
         }
-        LabCommand::Info => {
-            let lab = Lab::attach(DEFAULT_LAB_NAME)
-                .context("no lab to describe — bring one up with `kvpn lab up`")?;
+        LabCommand::Info { name } => {
+            let lab = Lab::attach(&name).with_context(|| {
+                format!(
+                    "no lab to describe — bring one up with `{}`",
+                    crate::lab_cmd("up", &name)
+                )
+            })?;
             match K8sLabState::read(lab.dir()).context("reading the lab's Kubernetes state")? {
                 Some(state) => output::info_block(&cluster::info_text(&lab, &state)),
                 None => output::info_block(&lab.info()),
             }
             Ok(())
         }
-        LabCommand::Exec { role, command } => {
-            let lab = Lab::attach(DEFAULT_LAB_NAME)
-                .context("no lab to run in — bring one up with `kvpn lab up`")?;
+        LabCommand::Exec {
+            name,
+            role,
+            command,
+        } => {
+            let lab = Lab::attach(&name).with_context(|| {
+                format!(
+                    "no lab to run in — bring one up with `{}`",
+                    crate::lab_cmd("up", &name)
+                )
+            })?;
             let (program, args) = command.split_first().ok_or_else(|| {
                 anyhow!(
                     "kvpn lab exec {role}: no command given — e.g. `kvpn lab exec laptop -- kubectl get pods -A`"

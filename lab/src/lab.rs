@@ -1517,7 +1517,7 @@ fn is_lab_id(id: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-fn validate_lab_name(name: &str) -> Result<()> {
+pub(crate) fn validate_lab_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name

@@ -54,6 +54,15 @@ pub use process::Process;
 pub use topology::{Addressing, Node, Pod, Uplink};
 
 /// Everything that can go wrong while building, using or tearing down a lab.
+/// `kvpn lab <sub>` for the lab `name`: with `--name` unless it is the default lab.
+pub fn lab_cmd(sub: &str, name: &str) -> String {
+    if name == DEFAULT_LAB_NAME {
+        format!("kvpn lab {sub}")
+    } else {
+        format!("kvpn lab {sub} --name {name}")
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LabError {
     #[error(
@@ -114,7 +123,8 @@ pub enum LabError {
     )]
     UnknownRole { name: String, role: String },
     #[error(
-        "lab `{name}` is already up (state file {path}) — bring it down first with `kvpn lab down`"
+        "lab `{name}` is already up (state file {path}) — bring it down first with `{}`, or give the new one another name (`kvpn lab up --name …`)",
+        lab_cmd("down", name)
     )]
     AlreadyUp { name: String, path: PathBuf },
     #[error("no lab named `{name}` is up (no state file {path})")]

@@ -11,6 +11,7 @@ pub mod containerd;
 pub mod dns_lab;
 pub mod krb5_lab;
 pub mod kube_lab;
+pub mod lab_cli;
 pub mod real_node;
 pub mod resolved_lab;
 pub mod soak;

@@ -9,68 +9,11 @@
 //! the lab's own runtime folder (no `KVPN_RUNTIME_DIR` of the caller's), as a user
 //! who follows the README does.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Output;
 
+use kvpn_tests::lab_cli::LabRun;
 use kvpn_tests::text;
-
-/// A persistent lab of this test's own. Drop: `kvpn lab down` (again: a failed
-/// test must not leave it up), the folder.
-struct LabRun {
-    dir: PathBuf,
-    kvpn: PathBuf,
-}
-
-impl LabRun {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!("kvpn-labdown-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        for sub in ["lab-state", "xdg-state", "kvpn-state"] {
-            std::fs::create_dir_all(dir.join(sub))
-                .unwrap_or_else(|e| panic!("create {}: {e}", dir.join(sub).display()));
-        }
-        let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
-        LabRun { dir, kvpn }
-    }
-
-    /// `kvpn <args>` with the test's lab state folder, no runtime folder of the
-    /// caller's, bounded at 180 s.
-    fn kvpn(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new("timeout");
-        cmd.arg("180")
-            .arg(&self.kvpn)
-            .args(args)
-            .env("KVPN_LAB_STATE_DIR", self.dir.join("lab-state"))
-            .env("XDG_STATE_HOME", self.dir.join("xdg-state"))
-            .env("KVPN_STATE_DIR", self.dir.join("kvpn-state"))
-            .env_remove("KVPN_RUNTIME_DIR")
-            .env_remove("KUBECONFIG")
-            .env_remove("KVPN_RESOLV_CONF")
-            .env_remove("KVPN_HOSTS");
-        cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"))
-    }
-
-    /// The runtime folder `kvpn lab exec laptop` gives kvpn.
-    fn laptop_runtime(&self) -> PathBuf {
-        self.dir
-            .join("lab-state")
-            .join(format!("{}-laptop-runtime", kvpn_lab::DEFAULT_LAB_NAME))
-    }
-}
-
-impl Drop for LabRun {
-    fn drop(&mut self) {
-        let down = self.kvpn(&["lab", "down"]);
-        if !down.status.success() {
-            eprintln!(
-                "kvpn lab down: {}{}",
-                text(&down.stdout),
-                text(&down.stderr)
-            );
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 fn ok(what: &str, out: &Output, logs: impl FnOnce() -> String) -> String {
     assert!(
@@ -98,10 +41,11 @@ fn alive(pid: i32) -> bool {
 
 #[test]
 fn lab_down_removes_the_laptop_runtime_folder_and_stops_its_daemons() {
-    let lab = LabRun::new();
+    let lab = LabRun::new("labdown", 180);
     ok("kvpn lab up", &lab.kvpn(&["lab", "up"]), String::new);
-    let runtime = lab.laptop_runtime();
-    let logs = || kvpn_tests::kube_lab::diagnostics_of(&lab.laptop_runtime());
+    let runtime = lab.laptop_runtime(kvpn_lab::DEFAULT_LAB_NAME);
+    let logs =
+        || kvpn_tests::kube_lab::diagnostics_of(&lab.laptop_runtime(kvpn_lab::DEFAULT_LAB_NAME));
     // A user who connects and then tears the lab down without `kvpn quit`.
     let kvpn = lab.kvpn.to_string_lossy().into_owned();
     ok(

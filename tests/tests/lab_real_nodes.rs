@@ -13,71 +13,12 @@
 //! the images of `cargo xtask image` (`KVPN_IMAGE_DIR`).
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvpn_lab::k8s::node;
+use kvpn_tests::lab_cli::LabRun;
 use kvpn_tests::text;
-
-/// A persistent lab of this test's own. Drop: `kvpn lab down` (again: a failed
-/// test must not leave it up), the folder.
-struct LabRun {
-    dir: PathBuf,
-    kvpn: PathBuf,
-}
-
-impl LabRun {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!("kvpn-labreal-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        for sub in ["lab-state", "xdg-state", "kvpn-state"] {
-            std::fs::create_dir_all(dir.join(sub))
-                .unwrap_or_else(|e| panic!("create {}: {e}", dir.join(sub).display()));
-        }
-        let kvpn = kvpn_lab::bin_path("kvpn").unwrap_or_else(|e| panic!("kvpn binary: {e:#}"));
-        LabRun { dir, kvpn }
-    }
-
-    /// `kvpn <args>` with the test's lab state folder, bounded at 240 s.
-    fn kvpn(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new("timeout");
-        cmd.arg("240")
-            .arg(&self.kvpn)
-            .args(args)
-            .env("KVPN_LAB_STATE_DIR", self.dir.join("lab-state"))
-            .env("XDG_STATE_HOME", self.dir.join("xdg-state"))
-            .env("KVPN_STATE_DIR", self.dir.join("kvpn-state"))
-            .env_remove("KVPN_RUNTIME_DIR")
-            .env_remove("KUBECONFIG");
-        cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"))
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.kvpn(args);
-        assert!(
-            out.status.success(),
-            "kvpn {args:?} failed ({}):\n{}\n{}",
-            out.status,
-            text(&out.stdout),
-            text(&out.stderr)
-        );
-        text(&out.stdout)
-    }
-}
-
-impl Drop for LabRun {
-    fn drop(&mut self) {
-        let down = self.kvpn(&["lab", "down"]);
-        if !down.status.success() {
-            eprintln!(
-                "kvpn lab down: {}{}",
-                text(&down.stdout),
-                text(&down.stderr)
-            );
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// The value after `key` in `text` up to the next space, comma or parenthesis.
 fn after<'a>(text: &'a str, key: &str) -> &'a str {
@@ -91,7 +32,7 @@ fn after<'a>(text: &'a str, key: &str) -> &'a str {
 fn lab_up_real_nodes_exec_into_nodes_and_pods_and_down_after_a_killed_agent_leaves_nothing() {
     let sysctls_before =
         node::settled_global_sysctls().unwrap_or_else(|e| panic!("global sysctls: {e}"));
-    let lab = LabRun::new();
+    let lab = LabRun::new("labreal", 240);
     let t_up = Instant::now();
     let up = lab.ok(&["lab", "up", "--real-nodes"]);
     let lab_up = t_up.elapsed();

@@ -1037,7 +1037,8 @@ pub fn info_text(lab: &Lab, state: &K8sLabState) -> String {
     );
     let _ = writeln!(
         s,
-        "  try: kvpn lab exec laptop -- kubectl --kubeconfig {} get pods -A -o wide",
+        "  try: {} laptop -- kubectl --kubeconfig {} get pods -A -o wide",
+        crate::lab_cmd("exec", lab.name()),
         state.laptop_admin_kubeconfig.display()
     );
     s
