@@ -120,9 +120,11 @@ async fn direct_or_fallback(way: DirectWay, stream: TcpStream, peer: std::net::S
     if let Choice::Direct(target) = choice {
         // An attempt that fails while the SSH path itself is re-opened (it
         // died: the channel fails on the dying connection, or the open waits
-        // out the dial) says nothing about ssh-direct: try once more on the
-        // fresh path before falling back (CI once saw a port-forward opened
-        // 36 ms after the path came back, then closed as ssh-direct worked).
+        // out the dial) says nothing about ssh-direct: with the path still
+        // down, give up this data connection (no fallback); with the path
+        // back, try once more on it before falling back (CI once saw a
+        // port-forward opened 36 ms after the path came back, then closed as
+        // ssh-direct worked).
         let mut attempts = 0;
         let why = loop {
             attempts += 1;
@@ -156,6 +158,13 @@ async fn direct_or_fallback(way: DirectWay, stream: TcpStream, peer: std::net::S
                     crate::ssh::bypass::PROBE_TIMEOUT.as_secs()
                 ),
             };
+            if !dialer.is_open() {
+                // The SSH path is down or still being re-opened: a port-forward
+                // would ride the same path, so it cannot do better. The root
+                // daemon re-dials once the path is back.
+                warn!(%peer, %target, "data channel: ssh-direct failed ({why}) while the SSH path is being re-opened; not falling back to port-forward");
+                return;
+            }
             if !path_reopened || attempts >= 2 {
                 break why;
             }
@@ -251,6 +260,9 @@ pub struct AgentConfig {
     /// ClusterIP and data port, reached with `direct-tcpip` through the agent's SSH
     /// path instead of a port-forward; `None` = port-forward.
     pub ssh_direct: Option<std::net::SocketAddr>,
+    /// With `ssh_direct`: why connect's probe of it failed; the session starts
+    /// on port-forward and probes ssh-direct later.
+    pub ssh_direct_failed: Option<String>,
     /// The user's environment (kubeconfig lookup, exec plugins, ~/.ssh, ssh-agent):
     /// the CLI's, sent with the session.
     pub env: UserEnv,
@@ -613,10 +625,13 @@ pub async fn open_session(config: AgentConfig) -> Result<OpenSession> {
     let (conn, ssh_tunnel) =
         crate::ssh::connect_kube(&config.flags, ssh.as_ref(), &config.env).await?;
     let ssh_direct = match (config.ssh_direct, &ssh_tunnel) {
-        (Some(target), Some(tunnel)) => Some((
-            tunnel.dialer(),
-            Arc::new(Mutex::new(DirectPath::new(target))),
-        )),
+        (Some(target), Some(tunnel)) => {
+            let mut path = DirectPath::new(target);
+            if let Some(why) = &config.ssh_direct_failed {
+                path.handle_direct_failed(why.clone(), Instant::now());
+            }
+            Some((tunnel.dialer(), Arc::new(Mutex::new(path))))
+        }
         (Some(target), None) => {
             bail!("ssh-direct {target} needs an SSH path (--ssh-addr or --ssh-alias)")
         }

@@ -1602,6 +1602,14 @@ pub async fn kube_connect_as(
                 "Data channel: {} (the SSH host does not reach the ClusterIP)",
                 path.describe()
             )),
+            crate::ssh::bypass::DataPath::PortForwardProbing { why, .. } => {
+                output::detail(&format!(
+                    "Data channel: {} ({why}; the session tries ssh-direct again every {} s \
+                     and moves to it once it works)",
+                    path.describe(),
+                    crate::ssh::direct_path::REPROBE_EVERY.as_secs()
+                ));
+            }
         }
         path
     } else {
@@ -1791,7 +1799,12 @@ pub async fn kube_connect_as(
         extra_domains: args.extra_domains.clone(),
         ssh_direct: data_path
             .ssh_direct_target()
+            .or_else(|| data_path.ssh_direct_candidate().map(|(t, _)| t))
             .map(|t| t.to_string())
+            .unwrap_or_default(),
+        ssh_direct_failed: data_path
+            .ssh_direct_candidate()
+            .map(|(_, why)| why.to_owned())
             .unwrap_or_default(),
         connect: Some(ConnectRequest {
             // The user daemon's loopback listener; it fills this in.

@@ -46,8 +46,10 @@ fn laptop_spawn(f: &KubeFixture, args: &[&str]) -> Background {
     Background(child)
 }
 
-#[test]
-fn socks_download_survives_a_data_channel_redial() {
+/// A SOCKS session on the lab, and a 10 MB download through it measurably
+/// mid-way (a fifth arrived, not four fifths): the session's fixture, the
+/// running curl, and the user daemon's data address.
+fn socks_download_mid_way() -> (KubeFixture, Background, String) {
     let f = KubeFixture::new();
     let kubeconfig = f.user_kubeconfig();
     f.kvpn_ok(&[
@@ -64,8 +66,10 @@ fn socks_download_survives_a_data_channel_redial() {
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    let port = data_addr.rsplit(':').next().unwrap_or_default().to_owned();
-    assert!(!port.is_empty(), "data_addr: {before:#}");
+    assert!(
+        data_addr.rsplit(':').next().is_some_and(|p| !p.is_empty()),
+        "data_addr: {before:#}"
+    );
 
     // 10 MB paced by the server at 2 MB/s: about 5 s, so the cut lands in the
     // middle (curl's own --limit-rate bursts: a loaded machine once got the
@@ -114,6 +118,50 @@ fn socks_download_survives_a_data_channel_redial() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    (f, curl, data_addr)
+}
+
+/// Waits (at most `within` after `from`) for curl to end: its status, stdout
+/// and stderr, and how long after `from` it ended.
+fn curl_outcome(
+    f: &KubeFixture,
+    curl: &mut Background,
+    from: Instant,
+    within: Duration,
+    what: &str,
+) -> (std::process::ExitStatus, String, String, Duration) {
+    let status = loop {
+        if let Some(s) = curl
+            .0
+            .try_wait()
+            .unwrap_or_else(|e| panic!("curl wait: {e}"))
+        {
+            break s;
+        }
+        assert!(
+            from.elapsed() < within,
+            "the download through SOCKS stalled: still running {:?} after {what}\n{}",
+            from.elapsed(),
+            f.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = from.elapsed();
+    let mut out = String::new();
+    let mut err = String::new();
+    if let Some(mut o) = curl.0.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut out);
+    }
+    if let Some(mut e) = curl.0.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut err);
+    }
+    (status, out, err, took)
+}
+
+#[test]
+fn socks_download_survives_a_data_channel_redial() {
+    let (f, mut curl, data_addr) = socks_download_mid_way();
+    let port = data_addr.rsplit(':').next().unwrap_or_default().to_owned();
     // The data channel: the user daemon's SOCKS channel to its own loopback
     // listener (each connection there is a port-forward to the manager pod).
     let killed = f.laptop(&[
@@ -132,31 +180,8 @@ fn socks_download_survives_a_data_channel_redial() {
         text(&killed.stdout),
         text(&killed.stderr)
     );
-    let status = loop {
-        if let Some(s) = curl
-            .0
-            .try_wait()
-            .unwrap_or_else(|e| panic!("curl wait: {e}"))
-        {
-            break s;
-        }
-        assert!(
-            cut_at.elapsed() < Duration::from_secs(40),
-            "the download through SOCKS stalled: still running {:?} after the cut\n{}",
-            cut_at.elapsed(),
-            f.diagnostics()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let took = cut_at.elapsed();
-    let mut out = String::new();
-    let mut err = String::new();
-    if let Some(mut o) = curl.0.stdout.take() {
-        let _ = std::io::Read::read_to_string(&mut o, &mut out);
-    }
-    if let Some(mut e) = curl.0.stderr.take() {
-        let _ = std::io::Read::read_to_string(&mut e, &mut err);
-    }
+    let (status, out, err, took) =
+        curl_outcome(&f, &mut curl, cut_at, Duration::from_secs(40), "the cut");
     // The loss is counted when the supervisor notices it, which may be a
     // moment after curl ended.
     let mut s = f.session();
@@ -288,4 +313,67 @@ fn socks_unused_ip_fails_fast_and_remote_listen_is_named_unauthenticated() {
         text(&out.stderr)
     );
     f.kvpn_ok(&["disconnect"]);
+}
+
+/// The manager pod is replaced mid-download: the new pod has none of the
+/// session's flows, so the re-dial's resume is refused and the SOCKS flow must
+/// be reset on the laptop promptly, never left to curl's own timeout (issue
+/// #30 item 2: the unresumable branch was covered only by unit tests).
+#[test]
+fn socks_download_is_reset_promptly_when_the_manager_pod_is_replaced() {
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::{Api, DeleteParams};
+    let (f, mut curl, _) = socks_download_mid_way();
+    let pods = f.manager_pods();
+    assert_eq!(pods.len(), 1, "one manager pod");
+    let old = pods[0].metadata.name.clone().unwrap_or_default();
+    let api: Api<Pod> = Api::namespaced(f.admin(), "kvpn-system");
+    f.block_on(api.delete(&old, &DeleteParams::default().grace_period(0)))
+        .unwrap_or_else(|e| panic!("delete manager pod {old}: {e}"));
+    let deleted_at = Instant::now();
+    // The bound: a new pod starts, the session re-dials it, the resume is
+    // refused and the flow reset — well before curl's own 60 s.
+    let (status, out, err, took) = curl_outcome(
+        &f,
+        &mut curl,
+        deleted_at,
+        Duration::from_secs(40),
+        "the manager pod was deleted",
+    );
+    let mut s = f.session();
+    let t1 = Instant::now();
+    while s["resumes_lost"].as_u64() < Some(1) && t1.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+        s = f.session();
+    }
+    eprintln!(
+        "curl ended {took:?} after the manager pod was deleted ({status}): size {out:?} {err}\nsession: {s:#}"
+    );
+    assert!(
+        !status.success() && out.trim() != BYTES.to_string(),
+        "a download cannot survive a new manager pod: {status} {out:?}"
+    );
+    assert_ne!(
+        status.code(),
+        Some(28),
+        "reset, not curl's own timeout: {err}"
+    );
+    assert!(s["resumes_lost"].as_u64() >= Some(1), "{s:#}");
+    assert!(s["tcp_flows_reset"].as_u64() >= Some(1), "{s:#}");
+    // The session works again on the new pod.
+    f.wait_state("connected", Duration::from_secs(30));
+    let again = f.laptop(&[
+        "curl",
+        "-sS",
+        "--max-time",
+        "10",
+        "--socks5",
+        LISTEN,
+        &format!("http://{WEB_CLUSTER_IP}:{WEB_SERVICE_PORT}/"),
+    ]);
+    assert!(
+        again.status.success() && text(&again.stdout).contains("pod"),
+        "{}",
+        text(&again.stderr)
+    );
 }

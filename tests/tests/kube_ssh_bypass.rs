@@ -472,5 +472,14 @@ fn a_bastion_that_cannot_reach_clusterips_falls_back_to_port_forward() {
     curl_web(&fx);
     let logs = agent_logs(&fx);
     assert!(logs.contains("port-forward open"), "{logs}");
-    assert!(!logs.contains("ssh-direct"), "{logs}");
+    // The session keeps probing ssh-direct (the bastion may reach the cluster
+    // later) but never carried a data connection over it.
+    assert!(!logs.contains("ssh-direct data channel closed"), "{logs}");
+    let s = fx.session();
+    assert!(
+        s["data_path_reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("probing it again every")),
+        "{s:#}"
+    );
 }

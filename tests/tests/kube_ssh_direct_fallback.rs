@@ -269,3 +269,63 @@ fn ssh_direct_falls_back_to_port_forward_comes_back_and_follows_a_new_clusterip(
     );
     assert!(fx.sessions().is_empty(), "{:#?}", fx.sessions());
 }
+
+/// A session whose SSH host did not reach the manager's ClusterIP at connect
+/// starts on port-forward through the SSH path, says it will try ssh-direct
+/// again, and moves to ssh-direct on its own once the path works (issue #30:
+/// before, such a session stayed on port-forward for good).
+#[test]
+fn a_session_that_connected_on_port_forward_moves_to_ssh_direct_once_the_clusterip_is_reachable() {
+    let mut fx = KubeFixture::new();
+    let lab = SshLab::on_node(&mut fx);
+    // The first connect installs the manager (its Service gets a ClusterIP).
+    let out = ok(kvpn_ssh(&fx, &lab, "connect"), "connect", &fx, &lab);
+    assert!(out.contains("through ssh-direct"), "{out}");
+    let target = SocketAddr::new(manager_cluster_ip(&fx), 10801);
+    ok(
+        lab.kvpn(&fx, &["disconnect"], None),
+        "disconnect",
+        &fx,
+        &lab,
+    );
+
+    // The SSH host cannot reach the ClusterIP while the next connect probes it.
+    let node_ns = fx.lab().netns_lab().node().netns().name().to_owned();
+    let id = fx.lab().netns_lab().id().to_owned();
+    let hole = Blackhole::new(&node_ns, &id, target);
+    let out = ok(kvpn_ssh(&fx, &lab, "connect"), "connect", &fx, &lab);
+    assert!(
+        out.contains("through port-forward") && out.contains("tries ssh-direct again every 5 s"),
+        "{out}"
+    );
+    let s = fx.session();
+    let why = s["data_path_reason"].as_str().unwrap_or_default();
+    assert!(
+        s["data_path"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("port-forward via ssh"))
+            && why.contains(&format!("ssh-direct to {target} failed"))
+            && why.contains("probing it again every 5 s"),
+        "{s:#}"
+    );
+    curl_web_within(&fx, Duration::from_secs(10));
+
+    // The path heals: the session moves to ssh-direct without any command.
+    drop(hole);
+    let t1 = Instant::now();
+    let s = wait_data_path(&fx, "ssh-direct via", Duration::from_secs(30));
+    let moved = t1.elapsed();
+    assert_eq!(s["data_path_reason"], serde_json::Value::Null, "{s:#}");
+    curl_web_within(&fx, Duration::from_secs(10));
+    let b = &lab.bastions[0];
+    let t_conn = Instant::now();
+    while !b.connections_to(target).iter().any(|l| l.contains("sshd")) {
+        assert!(
+            t_conn.elapsed() < Duration::from_secs(10),
+            "sshd holds no connection to {target} after the move: {:?}",
+            b.connections_to(target)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("port-forward session on ssh-direct {moved:?} after the drop was removed");
+}

@@ -75,6 +75,15 @@ pub enum DataPath {
     /// `pods/portforward` through the API server, which is reached through the SSH
     /// path `ssh` (`a -> b`) when there is one.
     PortForward { ssh: Option<String> },
+    /// Port-forward through the SSH path `ssh` because its last hop did not reach
+    /// the manager's `target` at connect (`why`): the session probes ssh-direct
+    /// again later and moves to it once it works (a bastion whose route to the
+    /// cluster appears later, a NetworkPolicy lifted).
+    PortForwardProbing {
+        ssh: String,
+        target: SocketAddr,
+        why: String,
+    },
 }
 
 impl DataPath {
@@ -82,7 +91,7 @@ impl DataPath {
     pub fn kind(&self) -> &'static str {
         match self {
             DataPath::SshDirect { .. } => "ssh-direct",
-            DataPath::PortForward { .. } => "port-forward",
+            DataPath::PortForward { .. } | DataPath::PortForwardProbing { .. } => "port-forward",
         }
     }
 
@@ -92,7 +101,8 @@ impl DataPath {
             DataPath::SshDirect { last_hop, target } => {
                 format!("ssh-direct via {last_hop} to {target}")
             }
-            DataPath::PortForward { ssh: Some(path) } => {
+            DataPath::PortForward { ssh: Some(path) }
+            | DataPath::PortForwardProbing { ssh: path, .. } => {
                 format!("port-forward via ssh {path}")
             }
             DataPath::PortForward { ssh: None } => "port-forward".to_owned(),
@@ -103,7 +113,16 @@ impl DataPath {
     pub fn ssh_direct_target(&self) -> Option<SocketAddr> {
         match self {
             DataPath::SshDirect { target, .. } => Some(*target),
-            DataPath::PortForward { .. } => None,
+            DataPath::PortForward { .. } | DataPath::PortForwardProbing { .. } => None,
+        }
+    }
+
+    /// The ClusterIP and port a session on port-forward probes again, and why
+    /// connect's probe failed.
+    pub fn ssh_direct_candidate(&self) -> Option<(SocketAddr, &str)> {
+        match self {
+            DataPath::PortForwardProbing { target, why, .. } => Some((*target, why)),
+            _ => None,
         }
     }
 }
@@ -150,13 +169,11 @@ pub async fn choose(tunnel: Option<&SshTunnel>, cluster_ip: Option<IpAddr>, port
     let fallback = DataPath::PortForward {
         ssh: Some(dialer.path()),
     };
-    let result = match cluster_ip {
-        Some(ip) => {
-            let target = SocketAddr::new(ip, port);
-            probe(&dialer, target, PROBE_TIMEOUT)
-                .await
-                .map(|took| (target, took))
-        }
+    let target = cluster_ip.map(|ip| SocketAddr::new(ip, port));
+    let result = match target {
+        Some(target) => probe(&dialer, target, PROBE_TIMEOUT)
+            .await
+            .map(|took| (target, took)),
         None => Err(ProbeError::NoClusterIp),
     };
     match result {
@@ -177,7 +194,15 @@ pub async fn choose(tunnel: Option<&SshTunnel>, cluster_ip: Option<IpAddr>, port
                 data_path = %fallback.describe(),
                 "SSH data-plane bypass not available ({why}); the data channel uses port-forward"
             );
-            fallback
+            match target {
+                // Probed again later by the session (ssh-direct may start to work).
+                Some(target) => DataPath::PortForwardProbing {
+                    ssh: dialer.path(),
+                    target,
+                    why: why.to_string(),
+                },
+                None => fallback,
+            }
         }
     }
 }

@@ -24,6 +24,14 @@ use std::time::{Duration, Instant};
 /// brings the bypass back within seconds of the path healing.
 pub const REPROBE_EVERY: Duration = Duration::from_secs(5);
 
+/// How often it probes once [`REPROBE_FAST`] probes in a row failed: an SSH
+/// host that never reaches the cluster (a bastion outside it) is not asked for
+/// a channel it refuses every 5 s for the whole session.
+pub const REPROBE_SLOW: Duration = Duration::from_secs(30);
+
+/// Failed probes in a row at [`REPROBE_EVERY`] (a minute) before [`REPROBE_SLOW`].
+pub const REPROBE_FAST: u32 = 12;
+
 /// What the next data connection does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Choice {
@@ -46,6 +54,8 @@ pub struct DirectPath {
     /// Times the session went to port-forward and came back.
     fallbacks: u64,
     recoveries: u64,
+    /// Probes that failed since the session went to port-forward.
+    failed_probes: u32,
 }
 
 impl DirectPath {
@@ -57,6 +67,17 @@ impl DirectPath {
             next_probe: None,
             fallbacks: 0,
             recoveries: 0,
+            failed_probes: 0,
+        }
+    }
+
+    /// The time between probes now: [`REPROBE_EVERY`], [`REPROBE_SLOW`] after
+    /// [`REPROBE_FAST`] failures in a row.
+    pub fn reprobe_interval(&self) -> Duration {
+        if self.failed_probes < REPROBE_FAST {
+            REPROBE_EVERY
+        } else {
+            REPROBE_SLOW
         }
     }
 
@@ -81,6 +102,7 @@ impl DirectPath {
         if target.is_none() && self.fallback.is_none() {
             self.fallback = Some("the traffic manager's Service has no ClusterIP".to_owned());
             self.fallbacks += 1;
+            self.failed_probes = 0;
             self.next_probe = Some(now + REPROBE_EVERY);
         }
         changed
@@ -91,9 +113,10 @@ impl DirectPath {
     pub fn handle_direct_failed(&mut self, why: String, now: Instant) {
         if self.fallback.is_none() {
             self.fallbacks += 1;
+            self.failed_probes = 0;
         }
         self.fallback = Some(why);
-        self.next_probe = Some(now + REPROBE_EVERY);
+        self.next_probe = Some(now + self.reprobe_interval());
     }
 
     /// A probe of ssh-direct ended: `Ok` = the channel opened. Returns whether
@@ -103,6 +126,7 @@ impl DirectPath {
             Ok(()) if self.target.is_some() => {
                 let back = self.fallback.take().is_some();
                 self.next_probe = None;
+                self.failed_probes = 0;
                 if back {
                     self.recoveries += 1;
                 }
@@ -112,7 +136,8 @@ impl DirectPath {
             Err(why) => {
                 if self.fallback.is_some() {
                     self.fallback = Some(why);
-                    self.next_probe = Some(now + REPROBE_EVERY);
+                    self.failed_probes = self.failed_probes.saturating_add(1);
+                    self.next_probe = Some(now + self.reprobe_interval());
                 }
                 false
             }
@@ -128,7 +153,7 @@ impl DirectPath {
     /// (also if this one never reports).
     pub fn handle_probe_started(&mut self, now: Instant) {
         if self.fallback.is_some() {
-            self.next_probe = Some(now + REPROBE_EVERY);
+            self.next_probe = Some(now + self.reprobe_interval());
         }
     }
 
@@ -140,15 +165,12 @@ impl DirectPath {
             (None, Some(t)) => (format!("ssh-direct via {last_hop} to {t}"), String::new()),
             (fallback, target) => {
                 let why = fallback.clone().unwrap_or_default();
+                let every = self.reprobe_interval().as_secs();
                 let why = match target {
-                    Some(t) => format!(
-                        "ssh-direct to {t} failed: {why}; probing it again every {} s",
-                        REPROBE_EVERY.as_secs()
-                    ),
-                    None => format!(
-                        "{why}; probing it again every {} s",
-                        REPROBE_EVERY.as_secs()
-                    ),
+                    Some(t) => {
+                        format!("ssh-direct to {t} failed: {why}; probing it again every {every} s")
+                    }
+                    None => format!("{why}; probing it again every {every} s"),
                 };
                 (format!("port-forward via ssh {ssh_path}"), why)
             }
@@ -164,6 +186,32 @@ impl DirectPath {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_that_never_reaches_ssh_direct_probes_every_5_s_for_a_minute_then_every_30_s() {
+        let t0 = Instant::now();
+        let mut p = DirectPath::new(addr("10.96.0.20:10801"));
+        p.handle_direct_failed("no route".into(), t0);
+        assert_eq!(p.poll_timeout(), Some(t0 + REPROBE_EVERY));
+        let mut now = t0;
+        for _ in 0..REPROBE_FAST {
+            now += REPROBE_EVERY;
+            p.handle_probe_started(now);
+            assert!(!p.handle_probe(Err("no route".into()), now));
+        }
+        assert_eq!(p.poll_timeout(), Some(now + REPROBE_SLOW));
+        assert!(
+            p.describe("h", "h").1.ends_with("every 30 s"),
+            "{:?}",
+            p.describe("h", "h")
+        );
+        // Back on ssh-direct, then a new fallback starts fast again.
+        assert!(p.handle_probe(Ok(()), now));
+        assert_eq!(p.choice(), Choice::Direct(addr("10.96.0.20:10801")));
+        p.handle_direct_failed("timeout".into(), now);
+        assert_eq!(p.poll_timeout(), Some(now + REPROBE_EVERY));
+        assert_eq!(p.counts(), (2, 1));
+    }
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))

@@ -287,6 +287,7 @@ fn agent_config(
                     .with_context(|| format!("bad ssh-direct address {t:?}"))
             })
             .transpose()?,
+        ssh_direct_failed: nonempty(&req.ssh_direct_failed),
         env,
         listen,
         manager_namespace: req.manager_namespace.clone(),
