@@ -657,11 +657,52 @@ pub fn require_session(sessions: &[Session]) -> Result<()> {
     Ok(())
 }
 
+/// This process's cgroup v2 path (`/proc/self/cgroup`'s `0::` line), e.g.
+/// `/kvpn-run-1a2b3c`.
+fn own_cgroup() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(str::to_owned)
+}
+
+/// Whether `session` routes this process's connections: every laptop-wide
+/// session does; a `kvpn run` session only when this process is in its cgroup
+/// (`own`: this process's cgroup v2 path; the session's `run_cgroup` is the
+/// folder under the cgroup2 mount).
+fn carries_this_process(session: &Session, own: Option<&str>) -> bool {
+    if session.run_cgroup.is_empty() {
+        return true;
+    }
+    own.is_some_and(|own| {
+        let own = own.trim_end_matches('/');
+        !own.is_empty() && own != "/" && session.run_cgroup.trim_end_matches('/').ends_with(own)
+    })
+}
+
 /// Refuses a trace no session would carry: one of `sessions` (the root
 /// daemon's) must route `ip` through its TUN device.
 pub fn require_route(sessions: &[Session], ip: IpAddr) -> Result<()> {
     require_session(sessions)?;
-    if crate::connect::session_routing(sessions, &IpNet::from(ip)).is_none() {
+    // A `kvpn run` session routes only its command's processes: diagnose can
+    // trace through one only from inside it (`kvpn run … -- kvpn diagnose …`).
+    let own = own_cgroup();
+    let (laptop, runs): (Vec<Session>, Vec<Session>) = sessions
+        .iter()
+        .cloned()
+        .partition(|s| carries_this_process(s, own.as_deref()));
+    if crate::connect::session_routing(&laptop, &IpNet::from(ip)).is_none()
+        && let Some((run, _)) = crate::connect::session_routing(&runs, &IpNet::from(ip))
+    {
+        bail!(
+            "{ip} is routed only by the `kvpn run` session {}, which carries only its own \
+             command's processes; diagnose runs outside it, so no trace would pass the tunnel — \
+             run it inside that session's scope (`kvpn run … -- kvpn diagnose …` with the same \
+             cluster flags) or connect the laptop (`kvpn connect`)",
+            run.id
+        );
+    }
+    if crate::connect::session_routing(&laptop, &IpNet::from(ip)).is_none() {
         bail!(
             "{ip} is outside every kvpn session's routes (`kvpn status` lists them), so no trace \
              would pass the tunnel — give a pod, Service or --cidr address of the connected cluster"
@@ -1134,6 +1175,26 @@ mod tests {
             ..Default::default()
         }];
         require_route(&sessions, "10.244.1.250".parse().expect("ip")).expect("routed");
+        // A run session carries only the processes in its cgroup.
+        let run = Session {
+            run_cgroup: "/sys/fs/cgroup/unified/kvpn-run-r1".into(),
+            ..sessions[0].clone()
+        };
+        assert!(carries_this_process(&run, Some("/kvpn-run-r1")));
+        assert!(!carries_this_process(&run, Some("/user.slice/session-1.scope")));
+        assert!(!carries_this_process(&run, Some("/")));
+        assert!(!carries_this_process(&run, None));
+        assert!(carries_this_process(&sessions[0], None));
+        let only_run = [Session {
+            id: "r1".into(),
+            ..run.clone()
+        }];
+        if !own_cgroup().is_some_and(|c| c.ends_with("kvpn-run-r1")) {
+            let e = require_route(&only_run, "10.244.1.250".parse().expect("ip"))
+                .expect_err("a run session does not carry diagnose")
+                .to_string();
+            assert!(e.contains("`kvpn run` session r1") && e.contains("-- kvpn diagnose"), "{e}");
+        }
         let e = require_route(&sessions, "192.168.7.1".parse().expect("ip"))
             .expect_err("not routed")
             .to_string();
