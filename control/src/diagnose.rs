@@ -697,7 +697,7 @@ pub fn require_route(sessions: &[Session], ip: IpAddr) -> Result<()> {
         bail!(
             "{ip} is routed only by the `kvpn run` session {}, which carries only its own \
              command's processes; diagnose runs outside it, so no trace would pass the tunnel — \
-             run it inside that session's scope (`kvpn run … -- kvpn diagnose …` with the same \
+             run it inside that session's scope (`kvpn run … -- kvpn diagnose source …` with the same \
              cluster flags) or connect the laptop (`kvpn connect`)",
             run.id
         );
@@ -1181,7 +1181,10 @@ mod tests {
             ..sessions[0].clone()
         };
         assert!(carries_this_process(&run, Some("/kvpn-run-r1")));
-        assert!(!carries_this_process(&run, Some("/user.slice/session-1.scope")));
+        assert!(!carries_this_process(
+            &run,
+            Some("/user.slice/session-1.scope")
+        ));
         assert!(!carries_this_process(&run, Some("/")));
         assert!(!carries_this_process(&run, None));
         assert!(carries_this_process(&sessions[0], None));
@@ -1193,7 +1196,10 @@ mod tests {
             let e = require_route(&only_run, "10.244.1.250".parse().expect("ip"))
                 .expect_err("a run session does not carry diagnose")
                 .to_string();
-            assert!(e.contains("`kvpn run` session r1") && e.contains("-- kvpn diagnose"), "{e}");
+            assert!(
+                e.contains("`kvpn run` session r1") && e.contains("-- kvpn diagnose source"),
+                "{e}"
+            );
         }
         let e = require_route(&sessions, "192.168.7.1".parse().expect("ip"))
             .expect_err("not routed")
