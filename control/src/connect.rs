@@ -1282,6 +1282,44 @@ pub(crate) async fn current_sessions(runtime_dir: &Path) -> Result<Vec<Session>>
     daemon::sessions(&mut client, "cannot ask the root daemon for its sessions").await
 }
 
+/// The data path of a new session: with a jump host, ssh-direct when its last
+/// hop reaches the manager's ClusterIP (the SSH data-plane bypass), else
+/// port-forward through the SSH path (probing ssh-direct again later); without
+/// one, port-forward. Says which.
+pub(crate) async fn choose_data_path(
+    ssh_tunnel: Option<&crate::ssh::tunnel::SshTunnel>,
+    manager: &install::ManagerInfo,
+) -> crate::ssh::bypass::DataPath {
+    if let Some(t) = ssh_tunnel {
+        output::step(&format!(
+            "Probing whether {} reaches the traffic manager's ClusterIP",
+            t.dialer().last_hop()
+        ));
+        let path = crate::ssh::bypass::choose(Some(t), manager.cluster_ip, manager.data_port).await;
+        match &path {
+            crate::ssh::bypass::DataPath::SshDirect { .. } => output::done(&format!(
+                "Data channel: {} (bypasses the API server)",
+                path.describe()
+            )),
+            crate::ssh::bypass::DataPath::PortForward { .. } => output::detail(&format!(
+                "Data channel: {} (the SSH host does not reach the ClusterIP)",
+                path.describe()
+            )),
+            crate::ssh::bypass::DataPath::PortForwardProbing { why, .. } => {
+                output::detail(&format!(
+                    "Data channel: {} ({why}; the session tries ssh-direct again every {} s \
+                     and moves to it once it works)",
+                    path.describe(),
+                    crate::ssh::direct_path::REPROBE_EVERY.as_secs()
+                ));
+            }
+        }
+        path
+    } else {
+        crate::ssh::bypass::DataPath::PortForward { ssh: None }
+    }
+}
+
 /// `kvpn connect` without `--manager`.
 /// Install or upgrade the traffic manager as `args` say (namespace, image), with
 /// progress: the first step of both modes (TUN and SOCKS5).
@@ -1535,10 +1573,16 @@ pub async fn kube_connect_as(
     }
     output::done(&format!("Using {}", conn.description));
     if args.socks {
-        let ssh_path = ssh_tunnel.as_ref().map(|t| t.dialer().path());
-        return crate::socks::cli::connect(runtime_dir, args, &conn, plan.as_ref(), ssh_path, &env)
-            .await
-            .map(|()| None);
+        return crate::socks::cli::connect(
+            runtime_dir,
+            args,
+            &conn,
+            plan.as_ref(),
+            ssh_tunnel.as_ref(),
+            &env,
+        )
+        .await
+        .map(|()| None);
     }
     let mut origin = Origin {
         transport: TRANSPORT_PORT_FORWARD.to_owned(),
@@ -1586,35 +1630,7 @@ pub async fn kube_connect_as(
             manager.source_policy
         )),
     }
-    // With a jump host: can it reach the manager's ClusterIP (the SSH data-plane bypass)?
-    let data_path = if let Some(t) = &ssh_tunnel {
-        output::step(&format!(
-            "Probing whether {} reaches the traffic manager's ClusterIP",
-            t.dialer().last_hop()
-        ));
-        let path = crate::ssh::bypass::choose(Some(t), manager.cluster_ip, manager.data_port).await;
-        match &path {
-            crate::ssh::bypass::DataPath::SshDirect { .. } => output::done(&format!(
-                "Data channel: {} (bypasses the API server)",
-                path.describe()
-            )),
-            crate::ssh::bypass::DataPath::PortForward { .. } => output::detail(&format!(
-                "Data channel: {} (the SSH host does not reach the ClusterIP)",
-                path.describe()
-            )),
-            crate::ssh::bypass::DataPath::PortForwardProbing { why, .. } => {
-                output::detail(&format!(
-                    "Data channel: {} ({why}; the session tries ssh-direct again every {} s \
-                     and moves to it once it works)",
-                    path.describe(),
-                    crate::ssh::direct_path::REPROBE_EVERY.as_secs()
-                ));
-            }
-        }
-        path
-    } else {
-        crate::ssh::bypass::DataPath::PortForward { ssh: None }
-    };
+    let data_path = choose_data_path(ssh_tunnel.as_ref(), &manager).await;
     origin.data_path = data_path.describe();
 
     // The tunnel IP and session token come from the manager (item 4, tr-11): the

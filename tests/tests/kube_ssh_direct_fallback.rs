@@ -329,3 +329,70 @@ fn a_session_that_connected_on_port_forward_moves_to_ssh_direct_once_the_cluster
     }
     eprintln!("port-forward session on ssh-direct {moved:?} after the drop was removed");
 }
+
+/// A SOCKS session through an SSH host on a cluster node takes ssh-direct like a
+/// TUN session (trial T8: it stayed on port-forward with no reason given), and
+/// its traffic flows through the SOCKS proxy.
+#[test]
+fn a_socks_session_through_a_node_sshd_takes_ssh_direct() {
+    let mut fx = KubeFixture::new();
+    let lab = SshLab::on_node(&mut fx);
+    let kubeconfig = fx.user_kubeconfig();
+    let kh = lab.known_hosts_all().to_string_lossy().into_owned();
+    let addr = lab.bastions[0].ssh_addr();
+    let listen = "127.0.0.1:1085";
+    let out = ok(
+        lab.kvpn(
+            &fx,
+            &[
+                "connect",
+                "--kubeconfig",
+                kubeconfig.as_str(),
+                "--ssh-addr",
+                &addr,
+                "--ssh-username",
+                "root",
+                "--ssh-password",
+                PASSWORD,
+                "--ssh-known-hosts",
+                &kh,
+                "--socks",
+                "--socks-listen",
+                listen,
+            ],
+            None,
+        ),
+        "connect --socks through the node's sshd",
+        &fx,
+        &lab,
+    );
+    let target = SocketAddr::new(manager_cluster_ip(&fx), 10801);
+    assert!(out.contains(&format!("ssh-direct to {target}")), "{out}");
+    let s = fx.session();
+    assert_eq!(s["transport"], "socks", "{s:#}");
+    assert_eq!(
+        s["data_path"].as_str().unwrap_or_default(),
+        format!("ssh-direct via root@{addr} to {target}"),
+        "{s:#}"
+    );
+    let page = fx.laptop(&[
+        "curl",
+        "-sS",
+        "--max-time",
+        "10",
+        "--socks5",
+        listen,
+        &format!("http://{}/", web()),
+    ]);
+    assert!(
+        page.status.success() && text(&page.stdout).contains("pod"),
+        "{}",
+        text(&page.stderr)
+    );
+    let b = &lab.bastions[0];
+    assert!(
+        b.connections_to(target).iter().any(|l| l.contains("sshd")),
+        "sshd holds no connection to {target}: {:?}",
+        b.connections_to(target)
+    );
+}

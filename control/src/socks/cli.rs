@@ -117,13 +117,16 @@ pub async fn connect(
     args: &ConnectArgs,
     conn: &KubeConnection,
     plan: Option<&crate::ssh::SshPlan>,
-    ssh_path: Option<String>,
+    ssh_tunnel: Option<&crate::ssh::tunnel::SshTunnel>,
     env: &UserEnv,
 ) -> Result<()> {
     let listen = args.socks_listen.unwrap_or(super::DEFAULT_LISTEN);
-    // The data channel is a port-forward through the API server, which is
-    // reached through the SSH path when there is one.
-    let data_path = crate::ssh::bypass::DataPath::PortForward { ssh: ssh_path };
+    // Until the manager is known: a port-forward through the API server, which
+    // is reached through the SSH path when there is one. With an SSH path the
+    // data channel may bypass the API server (chosen below, as for a TUN session).
+    let data_path = crate::ssh::bypass::DataPath::PortForward {
+        ssh: ssh_tunnel.map(|t| t.dialer().path()),
+    };
     let origin = Origin {
         transport: super::TRANSPORT_SOCKS.to_owned(),
         cluster: conn.description.cluster.clone(),
@@ -163,6 +166,12 @@ pub async fn connect(
     let mut origin = origin;
     tun_connect::set_manager_build(&mut origin, &leased, &manager);
     origin.source_policy = manager.source_policy.as_str().to_owned();
+    let data_path = if ssh_tunnel.is_some() {
+        tun_connect::choose_data_path(ssh_tunnel, &manager).await
+    } else {
+        data_path
+    };
+    origin.data_path = data_path.describe();
 
     if let Some(line) =
         tun_connect::missing_namespace(&conn.client, &conn.description.namespace).await
@@ -180,14 +189,31 @@ pub async fn connect(
     };
 
     let id = super::new_id();
-    output::step(&format!(
-        "Starting the SOCKS session in the user daemon (port-forward to pod {} port {}, SOCKS5 on {listen})",
-        manager.pod_name, manager.data_port
-    ));
+    match data_path.ssh_direct_target() {
+        Some(target) => output::step(&format!(
+            "Starting the SOCKS session in the user daemon (ssh-direct to {target}, SOCKS5 on {listen})"
+        )),
+        None => output::step(&format!(
+            "Starting the SOCKS session in the user daemon (port-forward to pod {} port {}, SOCKS5 on {listen})",
+            manager.pod_name, manager.data_port
+        )),
+    }
     let started = user
         .start_session(StartSessionRequest {
-            // No route watch (grpc_port 0), no keep-out list, no ssh-direct: a
-            // SOCKS session has no routes and no root daemon.
+            // The SSH data-plane bypass as for a TUN session: the data channel
+            // dials the session's own listener, which takes ssh-direct or
+            // port-forward per connection.
+            ssh_direct: data_path
+                .ssh_direct_target()
+                .or_else(|| data_path.ssh_direct_candidate().map(|(t, _)| t))
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
+            ssh_direct_failed: data_path
+                .ssh_direct_candidate()
+                .map(|(_, why)| why.to_owned())
+                .unwrap_or_default(),
+            // No route watch (grpc_port 0), no keep-out list: a SOCKS session
+            // has no routes and no root daemon.
             // Only which cluster and the tunnel IP (status, uninstall); no Connect.
             connect: Some(ConnectRequest {
                 tunnel_ip: tunnel_ip.to_string(),
