@@ -538,9 +538,15 @@ async fn diagnose_source(
     let sessions = connect::current_sessions(runtime_dir).await?;
     diagnose::require_session(&sessions)?;
     let target_text = args.target.clone();
-    let resolving = tokio::task::spawn_blocking(move || diagnose::resolve(&target_text));
+    // A thread of its own, not spawn_blocking: the runtime waits for blocking
+    // tasks when it shuts down, so a resolver retrying a silent nameserver kept
+    // the command for 18 s after it had said "no answer within 5 s" (trial T6).
+    let (tx, resolving) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(diagnose::resolve(&target_text));
+    });
     let target = match tokio::time::timeout(diagnose::RESOLVE_WAIT, resolving).await {
-        Ok(joined) => match joined.context("resolver task failed")? {
+        Ok(joined) => match joined.context("resolver thread failed")? {
             Ok(t) => t,
             // An IP:PORT or a malformed target: the resolver's own words.
             Err(e)

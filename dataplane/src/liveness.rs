@@ -129,9 +129,11 @@ impl Liveness {
         self.last_tick = None;
     }
 
-    /// The transport ended for `reason`.
+    /// The transport ended for `reason` (what status shows: without the
+    /// documentation URLs library errors carry, e.g. rustls's "peer closed
+    /// connection without sending TLS close_notify: https://docs.rs/…").
     pub fn handle_transport_down(&mut self, reason: impl Into<String>) {
-        let reason = reason.into();
+        let reason = crate::tls::without_urls(&reason.into());
         if matches!(self.transport, Transport::Up { .. }) {
             self.lost_transport = true;
             self.last_loss = Some(reason.clone());
@@ -609,6 +611,16 @@ mod tests {
         let n = l.poll_heartbeat(t0).expect("due");
         l.handle_echo(&n, t0);
         l.handle_transport_down("connection reset by the traffic manager");
+        // Status reasons carry no library documentation URLs (trial: rustls's
+        // unexpected-EOF text reached `kvpn status`).
+        let mut m = l.clone();
+        m.handle_transport_down(
+            "data channel: peer closed connection without sending TLS close_notify: https://docs.rs/rustls/latest/rustls/manual/_03_howto/index.html#unexpected-eof",
+        );
+        assert_eq!(
+            m.state(t0).1.as_deref(),
+            Some("data channel: peer closed connection without sending TLS close_notify")
+        );
         assert_eq!(
             l.state(t0),
             (

@@ -51,11 +51,11 @@ pub enum LabCommand {
         /// The cluster's pod CIDR (IPv4, a /20 or wider; default 10.244.0.0/16).
         /// Two labs with the same ranges are what two kind or k3d clusters are.
         #[arg(long, value_name = "CIDR")]
-        pod_cidr: Option<Ipv4Net>,
+        pod_cidr: Option<String>,
         /// The cluster's service CIDR (IPv4, a /24 or wider, disjoint from the pod
         /// CIDR; default 10.96.0.0/12). The cluster DNS is its 10th address.
         #[arg(long, value_name = "CIDR")]
-        service_cidr: Option<Ipv4Net>,
+        service_cidr: Option<String>,
     },
     /// Tear the lab down; nothing of it remains.
     Down {
@@ -164,12 +164,17 @@ fn real_node_options(count: usize) -> Result<crate::k8s::RealNodeOptions> {
 /// cannot be built on them.
 fn addressing(
     dual_stack: bool,
-    pod_cidr: Option<Ipv4Net>,
-    service_cidr: Option<Ipv4Net>,
+    pod_cidr: Option<String>,
+    service_cidr: Option<String>,
 ) -> Result<crate::Addressing> {
+    let pod_cidr = pod_cidr
+        .map(|v| parse_cidr("--pod-cidr", &v, "10.50.0.0/16"))
+        .transpose()?;
+    let service_cidr = service_cidr
+        .map(|v| parse_cidr("--service-cidr", &v, "10.60.0.0/16"))
+        .transpose()?;
     let mut a = crate::Addressing::default();
     if let Some(pod) = pod_cidr {
-        let pod = pod.trunc();
         // Real nodes take /24s from the third on (up to 8 nodes): a /20 has 16.
         if pod.prefix_len() > 20 {
             return Err(anyhow!(
@@ -185,7 +190,6 @@ fn addressing(
             .ok_or_else(|| anyhow!("--pod-cidr {pod}: has no second /24"))?;
     }
     if let Some(svc) = service_cidr {
-        let svc = svc.trunc();
         if svc.prefix_len() > 24 {
             return Err(anyhow!(
                 "--service-cidr {svc}: too narrow; the lab places fixed ClusterIPs up to the \
@@ -227,6 +231,28 @@ fn addressing(
     }
     a.validate().context("the lab's addressing")?;
     Ok(if dual_stack { a.dual_stack() } else { a })
+}
+
+/// An IPv4 CIDR flag's value: refused, naming the flag, when it is not one,
+/// is IPv6 (the lab's IPv6 ranges come with `--dual-stack`) or has host bits
+/// set (as `kvpn connect --cidr` refuses them).
+fn parse_cidr(flag: &str, value: &str, example: &str) -> Result<Ipv4Net> {
+    let net: ipnet::IpNet = value
+        .parse()
+        .map_err(|_| anyhow!("{flag} {value:?}: not a CIDR (ADDRESS/PREFIX), e.g. {example}"))?;
+    let ipnet::IpNet::V4(net) = net else {
+        return Err(anyhow!(
+            "{flag} {value}: the lab's ranges are IPv4 (its IPv6 ranges come with --dual-stack), \
+             e.g. {example}"
+        ));
+    };
+    if net.trunc() != net {
+        return Err(anyhow!(
+            "{flag} {value}: has host bits set — did you mean {}?",
+            net.trunc()
+        ));
+    }
+    Ok(net)
 }
 
 async fn up(name: &str, addressing: crate::Addressing, real_nodes: Option<usize>) -> Result<()> {

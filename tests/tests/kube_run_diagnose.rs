@@ -82,3 +82,41 @@ fn diagnose_outside_a_run_is_refused_naming_the_run_and_passes_inside_it() {
         text(&inside.stderr)
     );
 }
+
+/// A name whose nameserver stays silent: `kvpn diagnose source NAME:PORT` says
+/// "no answer within 5 s" and exits then, not when the laptop's resolver gives
+/// up after its retries (trial T6: 18 s).
+#[test]
+fn diagnose_by_name_with_a_silent_nameserver_ends_after_its_5_s_bound() {
+    let f = KubeFixture::new();
+    let kubeconfig = f.user_kubeconfig();
+    f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig]);
+    f.wait_state("connected", Duration::from_secs(20));
+    // Every nameserver of the laptop netns silent (kvpn's forwarder included):
+    // queries dropped on input (a drop on output fails the send at once).
+    let table = format!("kvpn_silent_{}", std::process::id());
+    let nft = |args: &[&str]| {
+        let o = f.laptop(args);
+        assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
+    };
+    nft(&["nft", "add", "table", "ip", &table]);
+    nft(&[
+        "nft",
+        "add chain ip",
+        &table,
+        "in { type filter hook input priority 0 ; policy accept ; }",
+    ]);
+    nft(&["nft", &format!("add rule ip {table} in udp dport 53 drop")]);
+    nft(&["nft", &format!("add rule ip {table} in tcp dport 53 drop")]);
+    let t0 = Instant::now();
+    let out = f.kvpn(&["diagnose", "source", "web.default:80"]);
+    let took = t0.elapsed();
+    let _ = f.laptop(&["nft", "delete", "table", "ip", &table]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{}", text(&out.stdout));
+    assert!(err.contains("no answer within 5 s"), "{err}");
+    assert!(
+        took < Duration::from_secs(9),
+        "diagnose said 5 s and took {took:?}: {err}"
+    );
+}

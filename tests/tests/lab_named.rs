@@ -82,7 +82,11 @@ fn two_named_labs_with_their_own_cidrs_are_up_at_once_and_go_down_by_name() {
     let e = refused(&lab, &["lab", "up", "--name", "no spaces"]);
     assert!(e.contains("--name") && e.contains("no spaces"), "{e}");
     let e = refused(&lab, &["lab", "up", "--pod-cidr", "10.50.0.0/33"]);
-    assert!(e.contains("--pod-cidr"), "{e}");
+    assert!(e.contains("--pod-cidr") && e.contains("not a CIDR"), "{e}");
+    let e = refused(&lab, &["lab", "up", "--pod-cidr", "10.50.1.2/16"]);
+    assert!(e.contains("host bits") && e.contains("10.50.0.0/16"), "{e}");
+    let e = refused(&lab, &["lab", "up", "--service-cidr", "fd00::/108"]);
+    assert!(e.contains("--service-cidr") && e.contains("IPv4"), "{e}");
     assert!(state_files(&lab).is_empty(), "{:?}", state_files(&lab));
 
     // Two labs at once: the default one and the named one on its own ranges.
