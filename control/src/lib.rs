@@ -67,8 +67,15 @@ pub async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Connect(args) => connect(&runtime_dir, *args).await,
         // Ends with the command's exit status, after the session is gone.
+        // kvpn's own failures exit 125, told apart from the command's 1.
         Command::Run(args) => {
-            let code = run::run(&runtime_dir, *args).await?;
+            let code = match run::run(&runtime_dir, *args).await {
+                Ok(code) => code,
+                Err(e) => {
+                    output::error(&output::error_chain(&e));
+                    run::EXIT_RUN_FAILED
+                }
+            };
             std::process::exit(code)
         }
         Command::Status(args) => status(&runtime_dir, args).await,

@@ -175,7 +175,15 @@ pub struct RunScope {
     admitted: std::sync::atomic::AtomicBool,
     /// Since when the cgroup was seen empty after an admission.
     empty_since: std::sync::Mutex<Option<Instant>>,
+    /// The user's include and exclude suffixes (`--include-suffix` with the
+    /// `--extra-domain` names, `--exclude-suffix`) the session was connected
+    /// with: a later update of the cluster's DNS settings (the route watch
+    /// sends none) keeps them.
+    suffixes: std::sync::Mutex<Suffixes>,
 }
+
+/// Include and exclude suffixes of a run's forwarder.
+pub type Suffixes = (Vec<String>, Vec<String>);
 
 impl RunScope {
     /// Make the cgroup, start the forwarder (upstreams: the laptop's
@@ -202,6 +210,7 @@ impl RunScope {
             rule: false,
             admitted: std::sync::atomic::AtomicBool::new(false),
             empty_since: std::sync::Mutex::new(None),
+            suffixes: std::sync::Mutex::new(Suffixes::default()),
         };
         if let Err(e) = scope.setup_parts(netlink, upstreams).await {
             let leftovers = scope.teardown(netlink).await;
@@ -244,6 +253,22 @@ impl RunScope {
     /// The forwarder of this run (cluster names: [`Forwarder::set_clusters`]).
     pub fn forwarder(&self) -> Option<&Forwarder> {
         self.forwarder.as_ref()
+    }
+
+    /// The include and exclude suffixes the session was connected with.
+    pub fn suffixes(&self) -> Suffixes {
+        self.suffixes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Remember the suffixes of the cluster DNS settings given to the forwarder.
+    pub fn set_suffixes(&self, suffixes: Suffixes) {
+        *self
+            .suffixes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = suffixes;
     }
 
     /// The cgroup folder.

@@ -24,6 +24,9 @@ use kube::api::{Api, ListParams};
 use kvpn_lab::k8s::K8sLab;
 use kvpn_lab::protocol::PageInfo;
 use kvpn_lab::{Addressing, HTTP_PORT};
+use kvpn_tests::dns_lab::{
+    CLUSTER_DNS, CORP_HOST, LAPTOP_RESOLV, Upstream, cluster_ip, parse_dig, write_laptop_resolv,
+};
 use kvpn_tests::kube_lab::{KubeFixture, pod_ip, pod_name};
 use kvpn_tests::text;
 
@@ -291,9 +294,10 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
     let f = KubeFixture::new();
     let kubeconfig = f.user_kubeconfig();
 
-    // Bad input first: nothing may be made.
+    // Bad input first: nothing may be made. kvpn's own failures exit 125, not
+    // a status a command could have given (#27 F21).
     let none = f.kvpn(&["run", "--kubeconfig", &kubeconfig]);
-    assert!(!none.status.success());
+    assert_eq!(none.status.code(), Some(125), "{}", text(&none.stderr));
     assert!(
         text(&none.stderr).contains("no command given"),
         "{}",
@@ -326,7 +330,22 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
         "--",
         "true",
     ]);
-    assert!(!ctx.status.success(), "{}", text(&ctx.stdout));
+    assert_eq!(ctx.status.code(), Some(125), "{}", text(&ctx.stderr));
+    for flags in [&["--mtu", "lots"][..], &["--hosts"][..]] {
+        let mut args = vec!["run", "--kubeconfig", &kubeconfig];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&["--", "true"]);
+        let bad = f.kvpn(&args);
+        assert_eq!(
+            bad.status.code(),
+            Some(125),
+            "kvpn {args:?}: {}",
+            text(&bad.stderr)
+        );
+    }
+    // A command's own 1 stays 1.
+    let one = f.kvpn(&["run", "--kubeconfig", &kubeconfig, "--", "false"]);
+    assert_eq!(one.status.code(), Some(1), "{}", text(&one.stderr));
     assert!(
         text(&ctx.stderr).contains("kvpn-no-such-context"),
         "the error names the context: {}",
@@ -642,4 +661,173 @@ fn two_runs_reach_two_clusters_with_the_same_cidrs_and_pod_ips() {
         assert_eq!(got[0].pod_ip, shared);
     }
     assert_nothing_left(&f, &ids, "after both runs");
+}
+
+/// A name the lab's cluster DNS answers (CoreDNS's "pods insecure") with an
+/// address outside every cluster range: an `--extra-domain` stand-in.
+const EXTRA: &str = "198-18-5-44.default.pod.cluster.local";
+const EXTRA_IP: &str = "198.18.5.44";
+
+/// The fields of one line `round N k=v1,v2, k2=…` the run's script prints.
+fn round_fields(line: &str) -> std::collections::HashMap<String, Vec<String>> {
+    line.split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| {
+            (
+                k.to_owned(),
+                v.split(',')
+                    .filter(|a| !a.is_empty())
+                    .map(ToOwned::to_owned)
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn run_dns_forwarder_keeps_suffixes_and_extra_domains_counts_its_own_and_refuses_outsiders() {
+    let f = KubeFixture::new();
+    let upstream = Upstream::start(&f);
+    write_laptop_resolv(&f, LAPTOP_RESOLV);
+    let kubeconfig = f.user_kubeconfig();
+    let web = cluster_ip(&f, "default", "web");
+    let asked_before = upstream.queries().len();
+    // Each round asks, inside the run, through the laptop's nameserver (which
+    // the run's programs send to its forwarder): a name under --include-suffix,
+    // a cluster name under --exclude-suffix, the --extra-domain, a Service.
+    // Rounds go on for 12 s: well past the route watch's first update of the
+    // cluster DNS settings (which emptied the suffixes, F3).
+    let ask = |n: &str| format!("$(dig +short +time=2 +tries=1 {n} | tr '\\n' ,)");
+    let script = format!(
+        "for i in 1 2 3 4 5 6 7 8 9 10 11 12; do echo round $i corp={} kubedns={} extra={} \
+         web={}; sleep 1; done",
+        ask(CORP_HOST.0),
+        ask("kube-dns.kube-system.svc.cluster.local"),
+        ask(EXTRA),
+        ask("web.default.svc.cluster.local"),
+    );
+    let mut child = f
+        .kvpn_command(&[
+            "run",
+            "--kubeconfig",
+            &kubeconfig,
+            "--namespace",
+            "default",
+            "--include-suffix",
+            "corp.test",
+            "--exclude-suffix",
+            ".kube-system.svc.cluster.local",
+            "--extra-domain",
+            EXTRA,
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn kvpn run: {e}"));
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let run_dns = runs[0]["run_dns"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no run_dns: {:#}", runs[0]))
+        .to_owned();
+    let dns_ip = run_dns
+        .rsplit_once(':')
+        .map_or(run_dns.as_str(), |(ip, _)| ip)
+        .to_owned();
+
+    // F22: outside the run, the run's forwarder answers nobody, over UDP or TCP.
+    for tcp in [false, true] {
+        let mut args = vec!["dig", "+time=2", "+tries=1"];
+        if tcp {
+            args.push("+tcp");
+        }
+        let at = format!("@{dns_ip}");
+        args.extend_from_slice(&[&at, "web.default.svc.cluster.local"]);
+        let out = f.laptop(&args);
+        let d = parse_dig(&text(&out.stdout));
+        assert!(
+            d.status.is_empty() && d.a().is_empty(),
+            "a process outside the run got an answer from the run's forwarder {run_dns} \
+             (tcp: {tcp}): {}",
+            d.raw
+        );
+    }
+    // F4: outside the run the --extra-domain name resolves as before (the
+    // laptop's resolver does not know it), and its address is not routed.
+    let outside = f.laptop(&["getent", "hosts", EXTRA]);
+    assert!(
+        !text(&outside.stdout).contains(EXTRA_IP),
+        "{EXTRA} (--extra-domain of the run) resolved outside the run: {}",
+        text(&outside.stdout)
+    );
+    let get = text(&f.laptop(&["ip", "route", "get", EXTRA_IP]).stdout);
+    assert!(
+        !get.contains("kvpn"),
+        "outside the run {EXTRA_IP} routes into a TUN: {get}"
+    );
+
+    // F7: the run's status row counts its own forwarder's questions (the
+    // rounds' digs), not the laptop-wide forwarder's (there is none here).
+    let t0 = Instant::now();
+    loop {
+        let session = f
+            .sessions()
+            .into_iter()
+            .find(|s| s["id"] == id.as_str())
+            .unwrap_or_else(|| panic!("run session {id} gone\n{}", f.diagnostics()));
+        let counters = &session["dns_counters"];
+        if counters["udp_queries"].as_u64() >= Some(8) && counters["cluster"].as_u64() >= Some(2) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the run session's DNS counters are not its forwarder's: {counters:#}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let table = f.kvpn_ok(&["status"]);
+    assert!(
+        table.contains("DNS forwarder") && table.contains(&run_dns),
+        "status shows no DNS forwarder counters for the run:\n{table}"
+    );
+
+    let out = wait_output(child, "kvpn run with DNS options", &f);
+    let stdout = text(&out.stdout);
+    let rounds: Vec<&str> = stdout.lines().filter(|l| l.starts_with("round ")).collect();
+    assert_eq!(rounds.len(), 12, "{stdout}");
+    for line in &rounds {
+        let got = round_fields(line);
+        let field = |k: &str| got.get(k).cloned().unwrap_or_default();
+        // F3: --include-suffix corp.test: the cluster DNS (which refuses it)
+        // is asked, not the laptop's resolver that knows it.
+        assert!(
+            !field("corp").contains(&CORP_HOST.1.to_owned()),
+            "inside the run {} was answered by the laptop's resolver despite \
+             --include-suffix corp.test: {line}",
+            CORP_HOST.0
+        );
+        // --exclude-suffix: a cluster name under it gets no cluster answer.
+        assert!(
+            !field("kubedns").contains(&CLUSTER_DNS.to_owned()),
+            "inside the run kube-dns.kube-system got the cluster's answer despite \
+             --exclude-suffix: {line}"
+        );
+        // F4: the --extra-domain name resolves inside the run.
+        assert_eq!(field("extra"), vec![EXTRA_IP.to_owned()], "{line}");
+        assert_eq!(field("web"), vec![web.clone()], "{line}");
+    }
+    assert!(
+        !upstream.queries()[asked_before..]
+            .iter()
+            .any(|q| q == CORP_HOST.0),
+        "the laptop's resolver was asked {} (--include-suffix corp.test): {:?}",
+        CORP_HOST.0,
+        upstream.queries()
+    );
+    assert_nothing_left(&f, &[id], "after the run");
 }
