@@ -31,8 +31,9 @@ use ipnet::IpNet;
 use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
 use kvpn_proto::dataplane::{
     AdmitToRunRequest, AdmitToRunResponse, ConnectRequest, ConnectResponse, DisconnectRequest,
-    DisconnectResponse, ShutdownRequest, ShutdownResponse, StatusRequest, StatusResponse,
-    TopRequest, TopResponse, UpdateRoutesRequest, UpdateRoutesResponse,
+    DisconnectResponse, RunDnsQueryRequest, RunDnsQueryResponse, ShutdownRequest, ShutdownResponse,
+    StatusRequest, StatusResponse, TopRequest, TopResponse, UpdateRoutesRequest,
+    UpdateRoutesResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -1083,7 +1084,8 @@ impl Dataplane for Daemon {
         let runs = self.runs();
         let scope = runs.get(&req.session_id).ok_or_else(|| {
             Status::not_found(format!(
-                "no run session {} — `kvpn status` lists the sessions; only sessions of                  `kvpn run` take processes",
+                "no run session {} — `kvpn status` lists the sessions; only sessions of \
+                 `kvpn run` take processes",
                 req.session_id
             ))
         })?;
@@ -1094,6 +1096,37 @@ impl Dataplane for Daemon {
         Ok(Response::new(AdmitToRunResponse {
             cgroup: scope.cgroup().display().to_string(),
         }))
+    }
+
+    async fn run_dns_query(
+        &self,
+        request: Request<RunDnsQueryRequest>,
+    ) -> Result<Response<RunDnsQueryResponse>, Status> {
+        let req = request.into_inner();
+        if req.query.len() > run_scope::MAX_RUN_DNS_QUERY {
+            return Err(Status::invalid_argument(format!(
+                "a DNS question of {} bytes: at most {} are asked for a run",
+                req.query.len(),
+                run_scope::MAX_RUN_DNS_QUERY
+            )));
+        }
+        let found = self
+            .runs()
+            .get(&req.session_id)
+            .map(|scope| (scope.dns, scope.mark));
+        let (dns, mark) = found.ok_or_else(|| {
+            Status::not_found(format!(
+                "no run session {} — `kvpn status` lists the sessions; only sessions of \
+                 `kvpn run` have their own DNS forwarder",
+                req.session_id
+            ))
+        })?;
+        let answer = run_scope::ask_forwarder(dns, mark, &req.query)
+            .await
+            .map_err(|e| {
+                Status::unavailable(format!("the run's DNS forwarder {dns} did not answer: {e}"))
+            })?;
+        Ok(Response::new(RunDnsQueryResponse { answer }))
     }
 
     async fn shutdown(

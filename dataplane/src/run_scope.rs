@@ -123,6 +123,36 @@ pub fn slot_params(slot: u16) -> (u32, u32, SocketAddrV4) {
     )
 }
 
+/// The largest DNS question [`ask_forwarder`] takes (RFC 1035's UDP size).
+pub const MAX_RUN_DNS_QUERY: usize = 512;
+
+/// How long [`ask_forwarder`] waits for the answer: the forwarder's own
+/// exchange with the cluster DNS is bounded by a few seconds, and the route
+/// watch asking it waits 2 s per try.
+const RUN_DNS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Ask a run's DNS forwarder at `dns` one question `query` from a UDP socket
+/// with the run's fwmark `mark`, as the run's processes do (its socket filter
+/// takes only packets with that mark); the answer's bytes.
+pub async fn ask_forwarder(dns: SocketAddrV4, mark: u32, query: &[u8]) -> std::io::Result<Vec<u8>> {
+    let socket = tokio::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+    nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Mark, &mark)
+        .map_err(std::io::Error::from)?;
+    socket.connect(dns).await?;
+    socket.send(query).await?;
+    let mut buf = vec![0u8; 65535];
+    let n = tokio::time::timeout(RUN_DNS_TIMEOUT, socket.recv(&mut buf))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer within {} s", RUN_DNS_TIMEOUT.as_secs()),
+            )
+        })??;
+    buf.truncate(n);
+    Ok(buf)
+}
+
 /// The lowest slot not in `used` (pure).
 pub fn free_slot(used: &[u16]) -> Option<u16> {
     (0..MAX_RUN_SESSIONS).find(|s| !used.contains(s))

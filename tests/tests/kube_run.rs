@@ -757,7 +757,37 @@ fn run_dns_forwarder_keeps_suffixes_and_extra_domains_counts_its_own_and_refuses
             d.raw
         );
     }
-    // F4: outside the run the --extra-domain name resolves as before (the
+    // F4: the --extra-domain name is resolved inside the run (through its
+    // forwarder, as its processes ask), not by the user daemon outside the run's
+    // cgroup, which has no route to the cluster DNS (it said "Network is
+    // unreachable") or would ask whatever else answers at that address; its
+    // answer is routed in the run's table only.
+    let table = runs[0]["run_table"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no run_table: {:#}", runs[0]));
+    let t0 = Instant::now();
+    loop {
+        let routes = text(
+            &f.laptop(&["ip", "route", "show", "table", &table.to_string()])
+                .stdout,
+        );
+        if routes.contains(EXTRA_IP) {
+            break;
+        }
+        let session = f
+            .sessions()
+            .into_iter()
+            .find(|s| s["id"] == id.as_str())
+            .unwrap_or_default();
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{EXTRA_IP} ({EXTRA}, --extra-domain) is not routed in the run's table {table}:\n\
+             {routes}\nextra domains: {:#}",
+            session["extra_domains"]
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Outside the run the --extra-domain name resolves as before (the
     // laptop's resolver does not know it), and its address is not routed.
     let outside = f.laptop(&["getent", "hosts", EXTRA]);
     assert!(
@@ -797,6 +827,13 @@ fn run_dns_forwarder_keeps_suffixes_and_extra_domains_counts_its_own_and_refuses
     );
 
     let out = wait_output(child, "kvpn run with DNS options", &f);
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "extra domain {EXTRA} resolved through the cluster DNS: {EXTRA_IP} routed"
+        )),
+        "kvpn run did not say the --extra-domain was resolved and routed: {stderr}"
+    );
     let stdout = text(&out.stdout);
     let rounds: Vec<&str> = stdout.lines().filter(|l| l.starts_with("round ")).collect();
     assert_eq!(rounds.len(), 12, "{stdout}");
