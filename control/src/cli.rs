@@ -1072,9 +1072,11 @@ fn parse_target(text: &str) -> Result<String, String> {
 /// `kvpn disconnect` flags.
 #[derive(Debug, Args)]
 pub struct DisconnectArgs {
-    /// Session id (see `kvpn status`); without it, every session.
+    /// Session id (see `kvpn status`); without it, every session but those of
+    /// `kvpn run` (they end with their command; give their id, or --all).
     pub id: Option<String>,
-    /// Disconnect every session.
+    /// Disconnect every session, those of `kvpn run` too (their commands get
+    /// SIGTERM).
     #[arg(long, conflicts_with = "id")]
     pub all: bool,
 }
