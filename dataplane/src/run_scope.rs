@@ -14,7 +14,9 @@
 //!   whose port-53 traffic goes to the session's own DNS forwarder on
 //!   `127.0.154.<n+1>:53` (eBPF, `kvpn_ebpf::run_scope`); the forwarder's own sockets
 //!   carry the mark, so cluster names reach the cluster DNS through the session's
-//!   table, and other names the laptop's nameservers;
+//!   table, and other names the laptop's nameservers; it takes only packets that
+//!   carry the mark (a socket filter), so no process outside the run can use it,
+//!   and [`ask_forwarder`] asks it for the route watch's `--extra-domain` names;
 //! - rp_filter 0 on the TUN device: replies come from cluster addresses that no
 //!   unmarked lookup routes into that device. The effective value is the larger of
 //!   `all` and the device's, so with `net.ipv4.conf.all.rp_filter=1` (strict) the
