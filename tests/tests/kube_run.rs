@@ -6,7 +6,13 @@
 //! - One cluster: curl inside the run reaches a pod by IP and the `web` Service by
 //!   name; a process outside the run (same laptop netns, same time) reaches
 //!   neither and the laptop's main table gains no route; nothing is left after.
-//! - Exit status, signal forwarding, SIGKILL of kvpn, bad input.
+//! - Exit status (125 for kvpn's own failures), signal forwarding, SIGKILL of
+//!   kvpn, bad input.
+//! - The run's DNS forwarder: --include/--exclude-suffix and --extra-domain hold
+//!   inside the run (also after the route watch's update), the extra domain is
+//!   resolved and routed inside the run only, status counts the run's own
+//!   forwarder, and processes outside the run get no answer from it.
+//! - A plain `kvpn disconnect` ends a connect session and leaves a run's.
 //! - Two clusters with the same pod and service CIDRs (and the same pod IPs, with
 //!   different pods behind them) from one laptop netns: two runs at once each
 //!   reach their own cluster by IP and by name.
@@ -694,7 +700,8 @@ fn run_dns_forwarder_keeps_suffixes_and_extra_domains_counts_its_own_and_refuses
     let asked_before = upstream.queries().len();
     // Each round asks, inside the run, through the laptop's nameserver (which
     // the run's programs send to its forwarder): a name under --include-suffix,
-    // a cluster name under --exclude-suffix, the --extra-domain, a Service.
+    // a cluster name under --exclude-suffix, the --extra-domain, a Service
+    // (over UDP and TCP).
     // Rounds go on (at most 60) until the test has looked from outside: all of
     // them after the route watch's first update of the cluster DNS settings
     // (which emptied the suffixes, F3), since kvpn run waits for it.
@@ -703,11 +710,12 @@ fn run_dns_forwarder_keeps_suffixes_and_extra_domains_counts_its_own_and_refuses
     let ask = |n: &str| format!("$(dig +short +time=2 +tries=1 {n} | tr '\\n' ,)");
     let script = format!(
         "i=0; while [ $i -lt 60 ]; do i=$((i+1)); echo round $i corp={} kubedns={} extra={} \
-         web={}; [ -e {} ] && break; sleep 1; done",
+         web={} webtcp={}; [ -e {} ] && break; sleep 1; done",
         ask(CORP_HOST.0),
         ask("kube-dns.kube-system.svc.cluster.local"),
         ask(EXTRA),
         ask("web.default.svc.cluster.local"),
+        ask("+tcp web.default.svc.cluster.local"),
         done.display(),
     );
     let mut child = f
@@ -863,6 +871,8 @@ fn run_dns_forwarder_keeps_suffixes_and_extra_domains_counts_its_own_and_refuses
         // F4: the --extra-domain name resolves inside the run.
         assert_eq!(field("extra"), vec![EXTRA_IP.to_owned()], "{line}");
         assert_eq!(field("web"), vec![web.clone()], "{line}");
+        // Over TCP too (the forwarder's listener takes the run's marked SYN).
+        assert_eq!(field("webtcp"), vec![web.clone()], "{line}");
     }
     assert!(
         !upstream.queries()[asked_before..]
