@@ -374,13 +374,20 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
     {
         // A plain disconnect ends the connect sessions, not `kvpn run`
         // sessions: those end with their command (or by id, or --all).
-        let plan = if plain {
-            let status = user
-                .status(kvpn_proto::userd::StatusRequest {})
-                .await
-                .map_err(daemon::status_to_error)
-                .context("cannot list the sessions to disconnect")?
-                .into_inner();
+        // When the sessions cannot be listed (a daemon in trouble), the plain
+        // disconnect stops everything, as it always did.
+        let listed = if plain {
+            match user.status(kvpn_proto::userd::StatusRequest {}).await {
+                Ok(r) => Some(r.into_inner()),
+                Err(e) => {
+                    tracing::warn!(error = %e.message(), "cannot list the sessions: disconnecting all, run sessions too");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let plan = if let Some(status) = listed {
             let user_ids: Vec<String> = status.user_sessions.iter().map(|s| s.id.clone()).collect();
             let root: Vec<(String, bool)> = status
                 .root_sessions
@@ -409,17 +416,28 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
             Some(ids) => {
                 let mut stopped = Vec::new();
                 let mut tcp_reset = std::collections::HashMap::new();
+                let mut failed = Vec::new();
                 for id in ids {
-                    let r = user
+                    match user
                         .disconnect(kvpn_proto::userd::DisconnectRequest {
                             session_id: id.clone(),
                         })
                         .await
-                        .map_err(daemon::status_to_error)
-                        .with_context(|| format!("cannot disconnect session {id}"))?
-                        .into_inner();
-                    stopped.extend(r.stopped);
-                    tcp_reset.extend(r.tcp_reset);
+                    {
+                        Ok(r) => {
+                            let r = r.into_inner();
+                            stopped.extend(r.stopped);
+                            tcp_reset.extend(r.tcp_reset);
+                        }
+                        // The others still go; the command fails at the end.
+                        Err(e) => failed.push(format!("{id}: {}", e.message())),
+                    }
+                }
+                if !failed.is_empty() {
+                    for id in &stopped {
+                        output::done(&format!("Disconnected session {id}"));
+                    }
+                    bail!("disconnect failed for {}", failed.join("; "));
                 }
                 (stopped, tcp_reset)
             }
