@@ -86,6 +86,31 @@ impl Cli {
     }
 }
 
+/// The exit status for a parse error `e` of `argv` (the program name first):
+/// clap's (0 for --help and --version, 2 for a usage error), but
+/// [`crate::run::EXIT_RUN_FAILED`] for a usage error of `kvpn run`, whose other
+/// statuses are its command's.
+pub fn parse_error_exit_code(e: &clap::Error, argv: &[std::ffi::OsString]) -> u8 {
+    let code = u8::try_from(e.exit_code()).unwrap_or(2);
+    if code == 0 || subcommand_of(argv).as_deref() != Some("run") {
+        return code;
+    }
+    u8::try_from(crate::run::EXIT_RUN_FAILED).unwrap_or(2)
+}
+
+/// The subcommand `argv` names (the program name first): its first word that
+/// is one, before a `--`.
+fn subcommand_of(argv: &[std::ffi::OsString]) -> Option<String> {
+    use clap::CommandFactory as _;
+    let cmd = Cli::command();
+    argv.iter()
+        .skip(1)
+        .filter_map(|a| a.to_str())
+        .take_while(|a| *a != "--")
+        .find(|a| cmd.find_subcommand(a).is_some())
+        .map(ToOwned::to_owned)
+}
+
 /// Adds a tip to clap's "unexpected argument" error for `--json` and `--yaml`
 /// (common in other tools) on a command that has `-o/--output`: there it is
 /// `-o json` / `-o yaml`.
@@ -268,6 +293,10 @@ pub enum Command {
     ///
     /// Example: kvpn run --context staging -- curl http://web.default
     #[command(
+        after_help = "Exit status: the command's (128 + N when signal N ended it); 125 when \
+kvpn itself failed and the command did not run (bad flags, no command, cannot connect, a \
+daemon error); 126 when the command cannot be executed, 127 when it is not found \
+(docs/run.md).",
         mut_arg("socks", |a| a.hide(true)),
         mut_arg("socks_listen", |a| a.hide(true)),
         mut_arg("socks_allow_remote", |a| a.hide(true)),
@@ -1043,9 +1072,11 @@ fn parse_target(text: &str) -> Result<String, String> {
 /// `kvpn disconnect` flags.
 #[derive(Debug, Args)]
 pub struct DisconnectArgs {
-    /// Session id (see `kvpn status`); without it, every session.
+    /// Session id (see `kvpn status`); without it, every session but those of
+    /// `kvpn run` (they end with their command; give their id, or --all).
     pub id: Option<String>,
-    /// Disconnect every session.
+    /// Disconnect every session, those of `kvpn run` too (their commands get
+    /// SIGTERM).
     #[arg(long, conflicts_with = "id")]
     pub all: bool,
 }
@@ -1079,6 +1110,40 @@ mod tests {
     use clap::CommandFactory as _;
 
     use super::*;
+
+    /// A usage error of `kvpn run` exits 125 (kvpn failed, the command did not
+    /// run), other commands' keep clap's 2, --help stays 0 (#27 F21).
+    #[test]
+    fn run_usage_errors_exit_125_others_keep_clap_codes() {
+        let code = |args: &[&str]| {
+            let argv: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+            let e = Cli::try_parse_with_tips(argv.clone())
+                .map(|_| ())
+                .expect_err(&format!("{args:?} was accepted"));
+            parse_error_exit_code(&e, &argv)
+        };
+        assert_eq!(code(&["kvpn", "run", "--mtu", "lots", "--", "true"]), 125);
+        assert_eq!(
+            code(&["kvpn", "-v", "run", "--no-such-flag", "--", "true"]),
+            125
+        );
+        assert_eq!(
+            code(&[
+                "kvpn",
+                "--runtime-dir",
+                "/tmp/x",
+                "run",
+                "--socks",
+                "--",
+                "true"
+            ]),
+            125
+        );
+        assert_eq!(code(&["kvpn", "run", "--help"]), 0);
+        assert_eq!(code(&["kvpn", "connect", "--mtu", "lots"]), 2);
+        // A later word `run` is not the subcommand.
+        assert_eq!(code(&["kvpn", "top", "--interval", "0", "run"]), 2);
+    }
 
     /// `kvpn top --interval nan|inf|-1|0` is refused by clap with the flag, the value
     /// and the range (it used to panic in `Duration::from_secs_f64`).

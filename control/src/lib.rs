@@ -67,8 +67,15 @@ pub async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Connect(args) => connect(&runtime_dir, *args).await,
         // Ends with the command's exit status, after the session is gone.
+        // kvpn's own failures exit 125, told apart from the command's 1.
         Command::Run(args) => {
-            let code = run::run(&runtime_dir, *args).await?;
+            let code = match run::run(&runtime_dir, *args).await {
+                Ok(code) => code,
+                Err(e) => {
+                    output::error(&output::error_chain(&e));
+                    run::EXIT_RUN_FAILED
+                }
+            };
             std::process::exit(code)
         }
         Command::Status(args) => status(&runtime_dir, args).await,
@@ -355,21 +362,86 @@ async fn root_status_direct(runtime_dir: &std::path::Path) -> Result<DirectStatu
 }
 
 async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Result<()> {
+    let plain = !args.all && args.id.is_none();
     let session_id = if args.all {
         String::new()
     } else {
         args.id.unwrap_or_default()
     };
     let direct = direct_sessions(runtime_dir).await;
+    let mut left_runs = Vec::new();
     let (stopped, tcp_reset) = if let Some(mut user) = userd::connect_if_needed(runtime_dir).await?
     {
-        let r = user
-            .disconnect(kvpn_proto::userd::DisconnectRequest { session_id })
-            .await
-            .map_err(daemon::status_to_error)
-            .context("disconnect failed")?
-            .into_inner();
-        (r.stopped, r.tcp_reset)
+        // A plain disconnect ends the connect sessions, not `kvpn run`
+        // sessions: those end with their command (or by id, or --all).
+        // When the sessions cannot be listed (a daemon in trouble), the plain
+        // disconnect stops everything, as it always did.
+        let listed = if plain {
+            match user.status(kvpn_proto::userd::StatusRequest {}).await {
+                Ok(r) => Some(r.into_inner()),
+                Err(e) => {
+                    tracing::warn!(error = %e.message(), "cannot list the sessions: disconnecting all, run sessions too");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let plan = if let Some(status) = listed {
+            let user_ids: Vec<String> = status.user_sessions.iter().map(|s| s.id.clone()).collect();
+            let root: Vec<(String, bool)> = status
+                .root_sessions
+                .iter()
+                .map(|s| (s.id.clone(), !s.run_cgroup.is_empty()))
+                .collect();
+            left_runs = status
+                .root_sessions
+                .into_iter()
+                .filter(|s| !s.run_cgroup.is_empty())
+                .collect();
+            plain_disconnect_plan(&user_ids, &root)
+        } else {
+            None
+        };
+        match plan {
+            None => {
+                let r = user
+                    .disconnect(kvpn_proto::userd::DisconnectRequest { session_id })
+                    .await
+                    .map_err(daemon::status_to_error)
+                    .context("disconnect failed")?
+                    .into_inner();
+                (r.stopped, r.tcp_reset)
+            }
+            Some(ids) => {
+                let mut stopped = Vec::new();
+                let mut tcp_reset = std::collections::HashMap::new();
+                let mut failed = Vec::new();
+                for id in ids {
+                    match user
+                        .disconnect(kvpn_proto::userd::DisconnectRequest {
+                            session_id: id.clone(),
+                        })
+                        .await
+                    {
+                        Ok(r) => {
+                            let r = r.into_inner();
+                            stopped.extend(r.stopped);
+                            tcp_reset.extend(r.tcp_reset);
+                        }
+                        // The others still go; the command fails at the end.
+                        Err(e) => failed.push(format!("{id}: {}", e.message())),
+                    }
+                }
+                if !failed.is_empty() {
+                    for id in &stopped {
+                        output::done(&format!("Disconnected session {id}"));
+                    }
+                    bail!("disconnect failed for {}", failed.join("; "));
+                }
+                (stopped, tcp_reset)
+            }
+        }
     } else {
         let Some(mut client) = daemon::connect_existing(runtime_dir).await? else {
             repair_after_dead_root(runtime_dir)?;
@@ -391,7 +463,11 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
         repair_after_dead_root(runtime_dir)?;
     }
     if stopped.is_empty() {
-        output::done("No session to disconnect");
+        if left_runs.is_empty() {
+            output::done("No session to disconnect");
+        } else {
+            output::done("No connect session to disconnect");
+        }
     }
     for id in stopped {
         let reset = tcp_reset_text(tcp_reset.get(&id).copied().unwrap_or(0));
@@ -415,7 +491,51 @@ async fn disconnect(runtime_dir: &std::path::Path, args: DisconnectArgs) -> Resu
             ));
         }
     }
+    for s in &left_runs {
+        output::done(&left_run_line(s));
+    }
     Ok(())
+}
+
+/// What a plain `kvpn disconnect` (no id, no --all) stops, given the user
+/// daemon's session ids and the root daemon's (id, whether a `kvpn run`
+/// session): `None` when there is no run session (stop everything, as one
+/// call), else every other session's id (pure).
+fn plain_disconnect_plan(user_ids: &[String], root: &[(String, bool)]) -> Option<Vec<String>> {
+    let runs: Vec<&String> = root
+        .iter()
+        .filter(|(_, run)| *run)
+        .map(|(id, _)| id)
+        .collect();
+    if runs.is_empty() {
+        return None;
+    }
+    let mut ids: Vec<String> = user_ids
+        .iter()
+        .chain(root.iter().map(|(id, _)| id))
+        .filter(|id| !runs.contains(id))
+        .cloned()
+        .collect();
+    ids.sort();
+    ids.dedup();
+    Some(ids)
+}
+
+/// The line of a plain disconnect about a `kvpn run` session it left running.
+fn left_run_line(s: &kvpn_proto::dataplane::Session) -> String {
+    let id = &s.id;
+    let cluster = s
+        .origin
+        .as_ref()
+        .map(|o| o.context.as_str())
+        .filter(|c| !c.is_empty())
+        .map(|c| format!(" (context {c})"))
+        .unwrap_or_default();
+    format!(
+        "Left `kvpn run` session {id}{cluster} running: it ends when its command exits; \
+         `kvpn disconnect {id}` ends it now (its command gets SIGTERM), `kvpn disconnect --all` \
+         ends every session"
+    )
 }
 
 /// The ids of the root daemon's direct sessions (`--manager`: no
@@ -852,4 +972,43 @@ async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
         repair_after_dead_root(runtime_dir)?;
     }
     daemon::stop(runtime_dir).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plain `kvpn disconnect` stops connect and SOCKS sessions and leaves
+    /// `kvpn run` sessions (#27 F11); with no run session it stops all in one call.
+    #[test]
+    fn plain_disconnect_leaves_run_sessions() {
+        let ids = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let root = vec![
+            ("conn1".to_owned(), false),
+            ("run1".to_owned(), true),
+            ("direct1".to_owned(), false),
+        ];
+        assert_eq!(
+            plain_disconnect_plan(&ids(&["conn1", "run1", "socks-1"]), &root),
+            Some(ids(&["conn1", "direct1", "socks-1"]))
+        );
+        assert_eq!(
+            plain_disconnect_plan(&ids(&["run1"]), &[("run1".to_owned(), true)]),
+            Some(Vec::new())
+        );
+        assert_eq!(
+            plain_disconnect_plan(&ids(&["conn1"]), &[("conn1".to_owned(), false)]),
+            None
+        );
+        let line = left_run_line(&kvpn_proto::dataplane::Session {
+            id: "run1".into(),
+            ..Default::default()
+        });
+        assert!(
+            line.contains("run1")
+                && line.contains("`kvpn disconnect run1`")
+                && line.contains("--all"),
+            "{line}"
+        );
+    }
 }

@@ -405,9 +405,10 @@ pub struct WatchConfig {
     pub data_addr: SocketAddr,
 }
 
-/// The session id and Connect routes of the root daemon's session whose
-/// manager address is `data_addr`; waits (polling) until the CLI created it.
-async fn find_session(cfg: &WatchConfig) -> (String, Vec<IpNet>) {
+/// The session id, Connect routes and whether it is a `kvpn run` session, of the
+/// root daemon's session whose manager address is `data_addr`; waits
+/// (polling) until the CLI created it.
+async fn find_session(cfg: &WatchConfig) -> (String, Vec<IpNet>, bool) {
     let wanted = cfg.data_addr.to_string();
     let mut logged = false;
     loop {
@@ -429,7 +430,8 @@ async fn find_session(cfg: &WatchConfig) -> (String, Vec<IpNet>) {
                     .filter(|r| !r.watched)
                     .filter_map(|r| r.cidr.parse().ok())
                     .collect();
-                return (s.id, connect);
+                let run = !s.run_dns.is_empty();
+                return (s.id, connect, run);
             }
             Ok(None) => {}
             Err(e) if !logged => {
@@ -467,6 +469,7 @@ async fn watch_once(
     client: &kube::Client,
     cfg: &WatchConfig,
     session_id: &str,
+    path: DnsPath<'_>,
     state: &mut RouteWatchState,
     healthy: &mut bool,
 ) -> WatchEnd {
@@ -498,7 +501,7 @@ async fn watch_once(
             let message = tokio::select! {
                 m = stream.message() => m,
                 _ = refresh.tick(), if !cfg.extra_domains.is_empty() => {
-                    if resolve_extra(state).await {
+                    if resolve_extra(state, path).await {
                         match push(cfg, state.request(session_id, "")).await {
                             Ok(()) => state.acknowledge(),
                             Err(e) => {
@@ -514,7 +517,7 @@ async fn watch_once(
                 Ok(Some(update)) => {
                     state.handle_update(&update);
                     if update.snapshot || update.dns.is_some() {
-                        resolve_extra(state).await;
+                        resolve_extra(state, path).await;
                     }
                     match push(cfg, state.request(session_id, "")).await {
                         Ok(()) => {
@@ -548,15 +551,31 @@ pub const EXTRA_DOMAIN_REFRESH: Duration = Duration::from_secs(30);
 /// tries): through the tunnel a cluster DNS answers in milliseconds.
 const EXTRA_DOMAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How the route watch asks the cluster DNS for `--extra-domain` names.
+#[derive(Debug, Clone, Copy)]
+enum DnsPath<'a> {
+    /// UDP from the user daemon to the cluster DNS (a laptop-wide session: its
+    /// routes are the laptop's).
+    Direct,
+    /// Through the root daemon to the run session's own DNS forwarder, as the
+    /// run's processes ask (`RunDnsQuery`): the user daemon is outside the run's
+    /// cgroup, so its own sockets have no route to this cluster's DNS and could
+    /// reach another cluster's, or the LAN's, at the same address (#27 F4).
+    Run {
+        runtime_dir: &'a std::path::Path,
+        session_id: &'a str,
+    },
+}
+
 /// Ask the cluster DNS for every `--extra-domain` name; whether anything changed.
-async fn resolve_extra(state: &mut RouteWatchState) -> bool {
+async fn resolve_extra(state: &mut RouteWatchState, path: DnsPath<'_>) -> bool {
     let (names, servers) = state.extra_to_resolve();
     if names.is_empty() || servers.is_empty() {
         return false;
     }
     let mut changed = false;
     for name in names {
-        let answer = resolve_through(&servers, &name).await;
+        let answer = resolve_through(path, &servers, &name).await;
         match &answer {
             Ok(ips) => {
                 info!(%name, addresses = ?ips, "extra domain resolved through the cluster DNS")
@@ -568,14 +587,78 @@ async fn resolve_extra(state: &mut RouteWatchState) -> bool {
     changed
 }
 
+/// One question to `addr` over UDP from the user daemon, two tries.
+async fn ask_direct(addr: SocketAddr, q: &hickory_proto::op::Message) -> std::io::Result<Vec<u8>> {
+    let bytes = q.to_vec().map_err(std::io::Error::other)?;
+    let bind: SocketAddr = if addr.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let sock = tokio::net::UdpSocket::bind(bind).await?;
+    sock.connect(addr).await?;
+    let mut buf = vec![0u8; 4096];
+    for _ in 0..2 {
+        sock.send(&bytes).await?;
+        if let Ok(n) = tokio::time::timeout(EXTRA_DOMAIN_TIMEOUT, sock.recv(&mut buf)).await {
+            let n = n?;
+            if hickory_proto::op::Message::from_vec(&buf[..n])
+                .is_ok_and(|m| m.metadata.id == q.metadata.id)
+            {
+                return Ok(buf[..n].to_vec());
+            }
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "no answer within {} s, twice",
+            EXTRA_DOMAIN_TIMEOUT.as_secs()
+        ),
+    ))
+}
+
+/// One question through the root daemon to run session `session_id`'s DNS
+/// forwarder ([`DnsPath::Run`]).
+async fn ask_in_run(
+    runtime_dir: &std::path::Path,
+    session_id: &str,
+    q: &hickory_proto::op::Message,
+) -> std::io::Result<Vec<u8>> {
+    let query = q.to_vec().map_err(std::io::Error::other)?;
+    let mut client = daemon::connect_existing(runtime_dir)
+        .await
+        .map_err(|e| std::io::Error::other(format!("{e:#}")))?
+        .ok_or_else(|| std::io::Error::other("the root daemon is not running"))?;
+    let answer = client
+        .run_dns_query(kvpn_proto::dataplane::RunDnsQueryRequest {
+            session_id: session_id.to_owned(),
+            query,
+        })
+        .await
+        .map_err(|s| std::io::Error::other(s.message().to_owned()))?
+        .into_inner()
+        .answer;
+    Ok(answer)
+}
+
 /// The A and AAAA addresses of `name` from the first of `servers` that
-/// answers (UDP, port 53 unless given).
-async fn resolve_through(servers: &[String], name: &str) -> Result<Vec<IpAddr>, String> {
+/// answers (UDP, port 53 unless given), asked along `path`.
+async fn resolve_through(
+    path: DnsPath<'_>,
+    servers: &[String],
+    name: &str,
+) -> Result<Vec<IpAddr>, String> {
     use hickory_proto::op::{Message, Query, ResponseCode};
     use hickory_proto::rr::{Name, RData, RecordType};
     let fqdn = Name::from_ascii(format!("{name}.")).map_err(|e| {
         format!("{name:?} is not a domain name ({e}) — give a name such as db.corp.example")
     })?;
+    // A run's forwarder picks among the cluster DNS servers itself.
+    let servers = match path {
+        DnsPath::Direct => servers,
+        DnsPath::Run { .. } => &servers[..servers.len().min(1)],
+    };
     let mut last = String::from("no cluster DNS server");
     for server in servers {
         let addr: SocketAddr = match server.parse::<SocketAddr>() {
@@ -585,6 +668,10 @@ async fn resolve_through(servers: &[String], name: &str) -> Result<Vec<IpAddr>, 
                 Err(_) => continue,
             },
         };
+        let asked = match path {
+            DnsPath::Direct => format!("the cluster DNS {addr}"),
+            DnsPath::Run { .. } => "the cluster DNS (through the run's DNS forwarder)".to_owned(),
+        };
         let mut ips = Vec::new();
         let mut nx = false;
         let mut failed = None;
@@ -593,38 +680,24 @@ async fn resolve_through(servers: &[String], name: &str) -> Result<Vec<IpAddr>, 
             q.metadata.id = rand::random();
             q.metadata.recursion_desired = true;
             q.add_query(Query::query(fqdn.clone(), qtype));
-            let Ok(bytes) = q.to_vec() else { continue };
-            let answer = async {
-                let bind: SocketAddr = if addr.is_ipv4() {
-                    (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
-                } else {
-                    (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-                };
-                let sock = tokio::net::UdpSocket::bind(bind).await?;
-                sock.connect(addr).await?;
-                let mut buf = vec![0u8; 4096];
-                for _ in 0..2 {
-                    sock.send(&bytes).await?;
-                    if let Ok(n) =
-                        tokio::time::timeout(EXTRA_DOMAIN_TIMEOUT, sock.recv(&mut buf)).await
-                    {
-                        let n = n?;
-                        if let Ok(m) = Message::from_vec(&buf[..n])
-                            && m.metadata.id == q.metadata.id
-                        {
-                            return Ok(m);
+            let raw = match path {
+                DnsPath::Direct => ask_direct(addr, &q).await,
+                DnsPath::Run {
+                    runtime_dir,
+                    session_id,
+                } => ask_in_run(runtime_dir, session_id, &q).await,
+            };
+            let answer = raw.and_then(|raw| {
+                Message::from_vec(&raw)
+                    .map_err(std::io::Error::other)
+                    .and_then(|m| {
+                        if m.metadata.id == q.metadata.id {
+                            Ok(m)
+                        } else {
+                            Err(std::io::Error::other("an answer to another question"))
                         }
-                    }
-                }
-                Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!(
-                        "no answer within {} s, twice",
-                        EXTRA_DOMAIN_TIMEOUT.as_secs()
-                    ),
-                ))
-            }
-            .await;
+                    })
+            });
             match answer {
                 Ok(m) if m.metadata.response_code == ResponseCode::NXDomain => nx = true,
                 Ok(m) if m.metadata.response_code == ResponseCode::NoError => {
@@ -635,17 +708,14 @@ async fn resolve_through(servers: &[String], name: &str) -> Result<Vec<IpAddr>, 
                     }));
                 }
                 Ok(m) => {
-                    failed = Some(format!(
-                        "the cluster DNS {addr} answered {}",
-                        m.metadata.response_code
-                    ));
+                    failed = Some(format!("{asked} answered {}", m.metadata.response_code));
                 }
-                Err(e) => failed = Some(format!("the cluster DNS {addr}: {e}")),
+                Err(e) => failed = Some(format!("{asked}: {e}")),
             }
         }
         if nx {
             return Err(format!(
-                "does not exist in the cluster DNS {addr} (NXDOMAIN) — check the name; kvpn asks again every {} s",
+                "does not exist in {asked} (NXDOMAIN) — check the name; kvpn asks again every {} s",
                 EXTRA_DOMAIN_REFRESH.as_secs()
             ));
         }
@@ -670,7 +740,15 @@ fn end_of(s: &tonic::Status) -> WatchEnd {
 
 /// Run the route watch of one session until the agent stops.
 pub async fn run(client: kube::Client, cfg: WatchConfig) {
-    let (session_id, connect_routes) = find_session(&cfg).await;
+    let (session_id, connect_routes, run) = find_session(&cfg).await;
+    let path = if run {
+        DnsPath::Run {
+            runtime_dir: &cfg.runtime_dir,
+            session_id: &session_id,
+        }
+    } else {
+        DnsPath::Direct
+    };
     info!(session = %session_id, routes = connect_routes.len(), "route watch for session");
     let mut state = RouteWatchState::new(connect_routes, cfg.keep_out.clone())
         .ipv4_only(connect::laptop_ipv6_off().is_some())
@@ -680,7 +758,7 @@ pub async fn run(client: kube::Client, cfg: WatchConfig) {
     let mut ever_watched = false;
     loop {
         let mut healthy = false;
-        let end = watch_once(&client, &cfg, &session_id, &mut state, &mut healthy).await;
+        let end = watch_once(&client, &cfg, &session_id, path, &mut state, &mut healthy).await;
         if healthy {
             backoff = RECONNECT_BACKOFF.0;
             ever_watched = true;

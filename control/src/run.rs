@@ -28,6 +28,13 @@ use tokio::signal::unix::{SignalKind, signal};
 
 pub use kvpn_exec::{EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, NotRunnable, find_program};
 
+/// Exit status of `kvpn run` when kvpn itself failed (bad flags, no command,
+/// cannot connect, a daemon error) and the command did not run, as `docker
+/// run`, `podman run` and `env` use it: a command's own status 1 stays the
+/// command's. 126 and 127 keep a shell's meaning (command not executable, not
+/// found); anything else is the command's.
+pub const EXIT_RUN_FAILED: i32 = 125;
+
 use crate::cli::RunArgs;
 use crate::connect::{self, Scope};
 use crate::{daemon, liveness, output, userd};

@@ -31,8 +31,9 @@ use ipnet::IpNet;
 use kvpn_proto::dataplane::dataplane_server::{Dataplane, DataplaneServer};
 use kvpn_proto::dataplane::{
     AdmitToRunRequest, AdmitToRunResponse, ConnectRequest, ConnectResponse, DisconnectRequest,
-    DisconnectResponse, ShutdownRequest, ShutdownResponse, StatusRequest, StatusResponse,
-    TopRequest, TopResponse, UpdateRoutesRequest, UpdateRoutesResponse,
+    DisconnectResponse, RunDnsQueryRequest, RunDnsQueryResponse, ShutdownRequest, ShutdownResponse,
+    StatusRequest, StatusResponse, TopRequest, TopResponse, UpdateRoutesRequest,
+    UpdateRoutesResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -572,6 +573,7 @@ impl Daemon {
             };
             if let Some(f) = scope.forwarder() {
                 f.set_clusters(vec![(cluster, reach)]);
+                scope.set_suffixes((api.include_suffixes.clone(), api.exclude_suffixes.clone()));
                 return Ok(format!(
                     "forwarder {} for this run's processes only (the laptop's DNS is unchanged)",
                     f.local_addr()
@@ -1015,24 +1017,7 @@ impl Dataplane for Daemon {
             Some(dns) => dns
                 .counters()
                 .await
-                .map(|c| kvpn_proto::dataplane::DnsCounters {
-                    resolv_conf_reapplied: watch.count,
-                    resolv_conf_reapplied_at_unix: watch.last_at_unix,
-                    upstreams: watch.upstreams.iter().map(|u| u.to_string()).collect(),
-                    udp_queries: c.udp_queries,
-                    tcp_queries: c.tcp_queries,
-                    cluster: c.cluster,
-                    expanded: c.expanded,
-                    upstream: c.upstream,
-                    nxdomain: c.local_nxdomain,
-                    empty_aaaa: c.empty_aaaa,
-                    truncated: c.truncated,
-                    dropped: c.dropped,
-                    servfail: c.servfail,
-                    malformed: c.malformed,
-                    unreachable: c.unreachable,
-                    cluster_socket_reopened: c.cluster_socket_reopened,
-                }),
+                .map(|c| dns_counters_proto(&c, watch.count, watch.last_at_unix, &watch.upstreams)),
             None => None,
         };
         // Read at every call, so a laptop route added after connect shows at
@@ -1061,13 +1046,16 @@ impl Dataplane for Daemon {
                     s.run_table = scope.table;
                     s.run_mark = scope.mark;
                     s.run_dns = scope.dns.to_string();
-                    // The laptop's split DNS is not this session's.
+                    // The laptop's split DNS is not this session's: its own
+                    // forwarder's counters are (it has no resolv.conf to watch).
                     s.conflicts.clear();
+                    s.dns_counters = scope
+                        .forwarder()
+                        .map(|f| dns_counters_proto(&f.counters(), 0, 0, &f.upstreams()));
+                } else {
+                    s.dns_counters = dns_counters.clone();
                 }
             }
-        }
-        for s in &mut sessions {
-            s.dns_counters = dns_counters.clone();
         }
         sessions.sort_by(|a, b| a.tun_name.cmp(&b.tun_name));
         Ok(Response::new(StatusResponse {
@@ -1096,7 +1084,8 @@ impl Dataplane for Daemon {
         let runs = self.runs();
         let scope = runs.get(&req.session_id).ok_or_else(|| {
             Status::not_found(format!(
-                "no run session {} — `kvpn status` lists the sessions; only sessions of                  `kvpn run` take processes",
+                "no run session {} — `kvpn status` lists the sessions; only sessions of \
+                 `kvpn run` take processes",
                 req.session_id
             ))
         })?;
@@ -1107,6 +1096,37 @@ impl Dataplane for Daemon {
         Ok(Response::new(AdmitToRunResponse {
             cgroup: scope.cgroup().display().to_string(),
         }))
+    }
+
+    async fn run_dns_query(
+        &self,
+        request: Request<RunDnsQueryRequest>,
+    ) -> Result<Response<RunDnsQueryResponse>, Status> {
+        let req = request.into_inner();
+        if req.query.len() > run_scope::MAX_RUN_DNS_QUERY {
+            return Err(Status::invalid_argument(format!(
+                "a DNS question of {} bytes: at most {} are asked for a run",
+                req.query.len(),
+                run_scope::MAX_RUN_DNS_QUERY
+            )));
+        }
+        let found = self
+            .runs()
+            .get(&req.session_id)
+            .map(|scope| (scope.dns, scope.mark));
+        let (dns, mark) = found.ok_or_else(|| {
+            Status::not_found(format!(
+                "no run session {} — `kvpn status` lists the sessions; only sessions of \
+                 `kvpn run` have their own DNS forwarder",
+                req.session_id
+            ))
+        })?;
+        let answer = run_scope::ask_forwarder(dns, mark, &req.query)
+            .await
+            .map_err(|e| {
+                Status::unavailable(format!("the run's DNS forwarder {dns} did not answer: {e}"))
+            })?;
+        Ok(Response::new(RunDnsQueryResponse { answer }))
     }
 
     async fn shutdown(
@@ -1151,7 +1171,12 @@ impl Dataplane for Daemon {
             // The route watch never sends suffixes: they are connect's (the
             // user's flags) and stay.
             let mut api = api.clone();
-            if let Some(dns) = &self.dns {
+            // A run session's are its own forwarder's, not split DNS's (#27 F3:
+            // taken from split DNS, they were emptied at the first update).
+            let run_suffixes = self.runs().get(&req.session_id).map(RunScope::suffixes);
+            if let Some(suffixes) = run_suffixes {
+                (api.include_suffixes, api.exclude_suffixes) = suffixes;
+            } else if let Some(dns) = &self.dns {
                 (api.include_suffixes, api.exclude_suffixes) =
                     dns.suffixes_of(&req.session_id).await;
             }
@@ -1189,6 +1214,35 @@ impl Dataplane for Daemon {
                 .await;
         }
         Ok(Response::new(resp))
+    }
+}
+
+/// A forwarder's counters as `kvpn status` shows them, with what the
+/// resolv.conf watch did (`reapplied` times, the last at `reapplied_at_unix`,
+/// 0: never) and the forwarder's upstreams (pure).
+fn dns_counters_proto(
+    c: &crate::dns::forwarder::CounterSnapshot,
+    reapplied: u64,
+    reapplied_at_unix: u64,
+    upstreams: &[std::net::SocketAddr],
+) -> kvpn_proto::dataplane::DnsCounters {
+    kvpn_proto::dataplane::DnsCounters {
+        resolv_conf_reapplied: reapplied,
+        resolv_conf_reapplied_at_unix: reapplied_at_unix,
+        upstreams: upstreams.iter().map(ToString::to_string).collect(),
+        udp_queries: c.udp_queries,
+        tcp_queries: c.tcp_queries,
+        cluster: c.cluster,
+        expanded: c.expanded,
+        upstream: c.upstream,
+        nxdomain: c.local_nxdomain,
+        empty_aaaa: c.empty_aaaa,
+        truncated: c.truncated,
+        dropped: c.dropped,
+        servfail: c.servfail,
+        malformed: c.malformed,
+        unreachable: c.unreachable,
+        cluster_socket_reopened: c.cluster_socket_reopened,
     }
 }
 

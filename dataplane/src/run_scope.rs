@@ -14,7 +14,9 @@
 //!   whose port-53 traffic goes to the session's own DNS forwarder on
 //!   `127.0.154.<n+1>:53` (eBPF, `kvpn_ebpf::run_scope`); the forwarder's own sockets
 //!   carry the mark, so cluster names reach the cluster DNS through the session's
-//!   table, and other names the laptop's nameservers;
+//!   table, and other names the laptop's nameservers; it takes only packets that
+//!   carry the mark (a socket filter), so no process outside the run can use it,
+//!   and [`ask_forwarder`] asks it for the route watch's `--extra-domain` names;
 //! - rp_filter 0 on the TUN device: replies come from cluster addresses that no
 //!   unmarked lookup routes into that device. The effective value is the larger of
 //!   `all` and the device's, so with `net.ipv4.conf.all.rp_filter=1` (strict) the
@@ -123,6 +125,36 @@ pub fn slot_params(slot: u16) -> (u32, u32, SocketAddrV4) {
     )
 }
 
+/// The largest DNS question [`ask_forwarder`] takes (RFC 1035's UDP size).
+pub const MAX_RUN_DNS_QUERY: usize = 512;
+
+/// How long [`ask_forwarder`] waits for the answer: the forwarder's own
+/// exchange with the cluster DNS is bounded by a few seconds, and the route
+/// watch asking it waits 2 s per try.
+const RUN_DNS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Ask a run's DNS forwarder at `dns` one question `query` from a UDP socket
+/// with the run's fwmark `mark`, as the run's processes do (its socket filter
+/// takes only packets with that mark); the answer's bytes.
+pub async fn ask_forwarder(dns: SocketAddrV4, mark: u32, query: &[u8]) -> std::io::Result<Vec<u8>> {
+    let socket = tokio::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+    nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Mark, &mark)
+        .map_err(std::io::Error::from)?;
+    socket.connect(dns).await?;
+    socket.send(query).await?;
+    let mut buf = vec![0u8; 65535];
+    let n = tokio::time::timeout(RUN_DNS_TIMEOUT, socket.recv(&mut buf))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer within {} s", RUN_DNS_TIMEOUT.as_secs()),
+            )
+        })??;
+    buf.truncate(n);
+    Ok(buf)
+}
+
 /// The lowest slot not in `used` (pure).
 pub fn free_slot(used: &[u16]) -> Option<u16> {
     (0..MAX_RUN_SESSIONS).find(|s| !used.contains(s))
@@ -175,7 +207,15 @@ pub struct RunScope {
     admitted: std::sync::atomic::AtomicBool,
     /// Since when the cgroup was seen empty after an admission.
     empty_since: std::sync::Mutex<Option<Instant>>,
+    /// The user's include and exclude suffixes (`--include-suffix` with the
+    /// `--extra-domain` names, `--exclude-suffix`) the session was connected
+    /// with: a later update of the cluster's DNS settings (the route watch
+    /// sends none) keeps them.
+    suffixes: std::sync::Mutex<Suffixes>,
 }
+
+/// Include and exclude suffixes of a run's forwarder.
+pub type Suffixes = (Vec<String>, Vec<String>);
 
 impl RunScope {
     /// Make the cgroup, start the forwarder (upstreams: the laptop's
@@ -202,6 +242,7 @@ impl RunScope {
             rule: false,
             admitted: std::sync::atomic::AtomicBool::new(false),
             empty_since: std::sync::Mutex::new(None),
+            suffixes: std::sync::Mutex::new(Suffixes::default()),
         };
         if let Err(e) = scope.setup_parts(netlink, upstreams).await {
             let leftovers = scope.teardown(netlink).await;
@@ -244,6 +285,22 @@ impl RunScope {
     /// The forwarder of this run (cluster names: [`Forwarder::set_clusters`]).
     pub fn forwarder(&self) -> Option<&Forwarder> {
         self.forwarder.as_ref()
+    }
+
+    /// The include and exclude suffixes the session was connected with.
+    pub fn suffixes(&self) -> Suffixes {
+        self.suffixes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Remember the suffixes of the cluster DNS settings given to the forwarder.
+    pub fn set_suffixes(&self, suffixes: Suffixes) {
+        *self
+            .suffixes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = suffixes;
     }
 
     /// The cgroup folder.

@@ -6,7 +6,13 @@
 //! - One cluster: curl inside the run reaches a pod by IP and the `web` Service by
 //!   name; a process outside the run (same laptop netns, same time) reaches
 //!   neither and the laptop's main table gains no route; nothing is left after.
-//! - Exit status, signal forwarding, SIGKILL of kvpn, bad input.
+//! - Exit status (125 for kvpn's own failures), signal forwarding, SIGKILL of
+//!   kvpn, bad input.
+//! - The run's DNS forwarder: --include/--exclude-suffix and --extra-domain hold
+//!   inside the run (also after the route watch's update), the extra domain is
+//!   resolved and routed inside the run only, status counts the run's own
+//!   forwarder, and processes outside the run get no answer from it.
+//! - A plain `kvpn disconnect` ends a connect session and leaves a run's.
 //! - Two clusters with the same pod and service CIDRs (and the same pod IPs, with
 //!   different pods behind them) from one laptop netns: two runs at once each
 //!   reach their own cluster by IP and by name.
@@ -24,6 +30,9 @@ use kube::api::{Api, ListParams};
 use kvpn_lab::k8s::K8sLab;
 use kvpn_lab::protocol::PageInfo;
 use kvpn_lab::{Addressing, HTTP_PORT};
+use kvpn_tests::dns_lab::{
+    CLUSTER_DNS, CORP_HOST, LAPTOP_RESOLV, Upstream, cluster_ip, parse_dig, write_laptop_resolv,
+};
 use kvpn_tests::kube_lab::{KubeFixture, pod_ip, pod_name};
 use kvpn_tests::text;
 
@@ -291,9 +300,10 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
     let f = KubeFixture::new();
     let kubeconfig = f.user_kubeconfig();
 
-    // Bad input first: nothing may be made.
+    // Bad input first: nothing may be made. kvpn's own failures exit 125, not
+    // a status a command could have given (#27 F21).
     let none = f.kvpn(&["run", "--kubeconfig", &kubeconfig]);
-    assert!(!none.status.success());
+    assert_eq!(none.status.code(), Some(125), "{}", text(&none.stderr));
     assert!(
         text(&none.stderr).contains("no command given"),
         "{}",
@@ -326,7 +336,22 @@ fn run_exit_status_signals_sigkill_and_bad_input() {
         "--",
         "true",
     ]);
-    assert!(!ctx.status.success(), "{}", text(&ctx.stdout));
+    assert_eq!(ctx.status.code(), Some(125), "{}", text(&ctx.stderr));
+    for flags in [&["--mtu", "lots"][..], &["--hosts"][..]] {
+        let mut args = vec!["run", "--kubeconfig", &kubeconfig];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&["--", "true"]);
+        let bad = f.kvpn(&args);
+        assert_eq!(
+            bad.status.code(),
+            Some(125),
+            "kvpn {args:?}: {}",
+            text(&bad.stderr)
+        );
+    }
+    // A command's own 1 stays 1.
+    let one = f.kvpn(&["run", "--kubeconfig", &kubeconfig, "--", "false"]);
+    assert_eq!(one.status.code(), Some(1), "{}", text(&one.stderr));
     assert!(
         text(&ctx.stderr).contains("kvpn-no-such-context"),
         "the error names the context: {}",
@@ -642,4 +667,282 @@ fn two_runs_reach_two_clusters_with_the_same_cidrs_and_pod_ips() {
         assert_eq!(got[0].pod_ip, shared);
     }
     assert_nothing_left(&f, &ids, "after both runs");
+}
+
+/// A name the lab's cluster DNS answers (CoreDNS's "pods insecure") with an
+/// address outside every cluster range: an `--extra-domain` stand-in.
+const EXTRA: &str = "198-18-5-44.default.pod.cluster.local";
+const EXTRA_IP: &str = "198.18.5.44";
+
+/// The fields of one line `round N k=v1,v2, k2=…` the run's script prints.
+fn round_fields(line: &str) -> std::collections::HashMap<String, Vec<String>> {
+    line.split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| {
+            (
+                k.to_owned(),
+                v.split(',')
+                    .filter(|a| !a.is_empty())
+                    .map(ToOwned::to_owned)
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn run_dns_forwarder_keeps_suffixes_and_extra_domains_counts_its_own_and_refuses_outsiders() {
+    let f = KubeFixture::new();
+    let upstream = Upstream::start(&f);
+    write_laptop_resolv(&f, LAPTOP_RESOLV);
+    let kubeconfig = f.user_kubeconfig();
+    let web = cluster_ip(&f, "default", "web");
+    let asked_before = upstream.queries().len();
+    // Each round asks, inside the run, through the laptop's nameserver (which
+    // the run's programs send to its forwarder): a name under --include-suffix,
+    // a cluster name under --exclude-suffix, the --extra-domain, a Service
+    // (over UDP and TCP).
+    // Rounds go on (at most 60) until the test has looked from outside: all of
+    // them after the route watch's first update of the cluster DNS settings
+    // (which emptied the suffixes, F3), since kvpn run waits for it.
+    let done = std::env::temp_dir().join(format!("kvpn-run-dns-done-{}", std::process::id()));
+    let _ = std::fs::remove_file(&done);
+    let ask = |n: &str| format!("$(dig +short +time=2 +tries=1 {n} | tr '\\n' ,)");
+    let script = format!(
+        "i=0; while [ $i -lt 60 ]; do i=$((i+1)); echo round $i corp={} kubedns={} extra={} \
+         web={} webtcp={}; [ -e {} ] && break; sleep 1; done",
+        ask(CORP_HOST.0),
+        ask("kube-dns.kube-system.svc.cluster.local"),
+        ask(EXTRA),
+        ask("web.default.svc.cluster.local"),
+        ask("+tcp web.default.svc.cluster.local"),
+        done.display(),
+    );
+    let mut child = f
+        .kvpn_command(&[
+            "run",
+            "--kubeconfig",
+            &kubeconfig,
+            "--namespace",
+            "default",
+            "--include-suffix",
+            "corp.test",
+            "--exclude-suffix",
+            ".kube-system.svc.cluster.local",
+            "--extra-domain",
+            EXTRA,
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn kvpn run: {e}"));
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let run_dns = runs[0]["run_dns"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no run_dns: {:#}", runs[0]))
+        .to_owned();
+    let dns_ip = run_dns
+        .rsplit_once(':')
+        .map_or(run_dns.as_str(), |(ip, _)| ip)
+        .to_owned();
+
+    // F22: outside the run, the run's forwarder answers nobody, over UDP or TCP.
+    for tcp in [false, true] {
+        let mut args = vec!["dig", "+time=2", "+tries=1"];
+        if tcp {
+            args.push("+tcp");
+        }
+        let at = format!("@{dns_ip}");
+        args.extend_from_slice(&[&at, "web.default.svc.cluster.local"]);
+        let out = f.laptop(&args);
+        let d = parse_dig(&text(&out.stdout));
+        assert!(
+            d.status.is_empty() && d.a().is_empty(),
+            "a process outside the run got an answer from the run's forwarder {run_dns} \
+             (tcp: {tcp}): {}",
+            d.raw
+        );
+    }
+    // F4: the --extra-domain name is resolved inside the run (through its
+    // forwarder, as its processes ask), not by the user daemon outside the run's
+    // cgroup, which has no route to the cluster DNS (it said "Network is
+    // unreachable") or would ask whatever else answers at that address; its
+    // answer is routed in the run's table only.
+    let table = runs[0]["run_table"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no run_table: {:#}", runs[0]));
+    let t0 = Instant::now();
+    loop {
+        let routes = text(
+            &f.laptop(&["ip", "route", "show", "table", &table.to_string()])
+                .stdout,
+        );
+        if routes.contains(EXTRA_IP) {
+            break;
+        }
+        let session = f
+            .sessions()
+            .into_iter()
+            .find(|s| s["id"] == id.as_str())
+            .unwrap_or_default();
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{EXTRA_IP} ({EXTRA}, --extra-domain) is not routed in the run's table {table}:\n\
+             {routes}\nextra domains: {:#}",
+            session["extra_domains"]
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Outside the run the --extra-domain name resolves as before (the
+    // laptop's resolver does not know it), and its address is not routed.
+    let outside = f.laptop(&["getent", "hosts", EXTRA]);
+    assert!(
+        !text(&outside.stdout).contains(EXTRA_IP),
+        "{EXTRA} (--extra-domain of the run) resolved outside the run: {}",
+        text(&outside.stdout)
+    );
+    let get = text(&f.laptop(&["ip", "route", "get", EXTRA_IP]).stdout);
+    assert!(
+        !get.contains("kvpn"),
+        "outside the run {EXTRA_IP} routes into a TUN: {get}"
+    );
+
+    // F7: the run's status row counts its own forwarder's questions (the
+    // rounds' digs), not the laptop-wide forwarder's (there is none here).
+    let t0 = Instant::now();
+    loop {
+        let session = f
+            .sessions()
+            .into_iter()
+            .find(|s| s["id"] == id.as_str())
+            .unwrap_or_else(|| panic!("run session {id} gone\n{}", f.diagnostics()));
+        let counters = &session["dns_counters"];
+        if counters["udp_queries"].as_u64() >= Some(8) && counters["cluster"].as_u64() >= Some(2) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the run session's DNS counters are not its forwarder's: {counters:#}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let table = f.kvpn_ok(&["status"]);
+    assert!(
+        table.contains("DNS forwarder") && table.contains(&run_dns),
+        "status shows no DNS forwarder counters for the run:\n{table}"
+    );
+
+    std::fs::write(&done, b"").unwrap_or_else(|e| panic!("write {}: {e}", done.display()));
+    let out = wait_output(child, "kvpn run with DNS options", &f);
+    let _ = std::fs::remove_file(&done);
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "extra domain {EXTRA} resolved through the cluster DNS: {EXTRA_IP} routed"
+        )),
+        "kvpn run did not say the --extra-domain was resolved and routed: {stderr}"
+    );
+    let stdout = text(&out.stdout);
+    let rounds: Vec<&str> = stdout.lines().filter(|l| l.starts_with("round ")).collect();
+    assert!(rounds.len() >= 3, "{stdout}");
+    for line in &rounds {
+        let got = round_fields(line);
+        let field = |k: &str| got.get(k).cloned().unwrap_or_default();
+        // F3: --include-suffix corp.test: the cluster DNS (which refuses it)
+        // is asked, not the laptop's resolver that knows it.
+        assert!(
+            !field("corp").contains(&CORP_HOST.1.to_owned()),
+            "inside the run {} was answered by the laptop's resolver despite \
+             --include-suffix corp.test: {line}",
+            CORP_HOST.0
+        );
+        // --exclude-suffix: a cluster name under it gets no cluster answer.
+        assert!(
+            !field("kubedns").contains(&CLUSTER_DNS.to_owned()),
+            "inside the run kube-dns.kube-system got the cluster's answer despite \
+             --exclude-suffix: {line}"
+        );
+        // F4: the --extra-domain name resolves inside the run.
+        assert_eq!(field("extra"), vec![EXTRA_IP.to_owned()], "{line}");
+        assert_eq!(field("web"), vec![web.clone()], "{line}");
+        // Over TCP too (the forwarder's listener takes the run's marked SYN).
+        assert_eq!(field("webtcp"), vec![web.clone()], "{line}");
+    }
+    assert!(
+        !upstream.queries()[asked_before..]
+            .iter()
+            .any(|q| q == CORP_HOST.0),
+        "the laptop's resolver was asked {} (--include-suffix corp.test): {:?}",
+        CORP_HOST.0,
+        upstream.queries()
+    );
+    assert_nothing_left(&f, &[id], "after the run");
+}
+
+#[test]
+fn plain_disconnect_ends_connect_sessions_and_leaves_run_sessions() {
+    let f = KubeFixture::new();
+    let kubeconfig = f.user_kubeconfig();
+    let mut child = spawn_run(
+        &f,
+        &kubeconfig,
+        "trap 'echo got-term; exit 3' TERM; echo ready; while :; do sleep 0.1; done",
+    );
+    let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    assert_eq!(first, "ready", "{}", f.diagnostics());
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let run_id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig]);
+    let connect_id = f
+        .sessions()
+        .into_iter()
+        .find(|s| s["run_cgroup"].as_str().is_none_or(str::is_empty))
+        .and_then(|s| s["id"].as_str().map(ToOwned::to_owned))
+        .unwrap_or_else(|| panic!("no connect session: {:#?}", f.sessions()));
+
+    // A plain disconnect: the connect session goes, the run and its command stay,
+    // and it says so, with how to end the run.
+    let out = f.kvpn(&["disconnect"]);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("Disconnected session {connect_id}")),
+        "{said}"
+    );
+    assert!(
+        said.contains(&format!("Left `kvpn run` session {run_id}"))
+            && said.contains(&format!("kvpn disconnect {run_id}"))
+            && said.contains("--all"),
+        "a plain disconnect did not say it left run session {run_id}: {said}"
+    );
+    let ids: Vec<String> = f
+        .sessions()
+        .iter()
+        .filter_map(|s| s["id"].as_str().map(ToOwned::to_owned))
+        .collect();
+    assert_eq!(
+        ids,
+        vec![run_id.clone()],
+        "after a plain disconnect: {said}"
+    );
+    assert!(
+        child.try_wait().ok().flatten().is_none(),
+        "kvpn run ended with a plain disconnect: {said}"
+    );
+
+    // --all ends the run too: its command gets SIGTERM.
+    f.kvpn_ok(&["disconnect", "--all"]);
+    let status = child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert_eq!(status.code(), Some(3), "after disconnect --all: {rest:?}");
+    assert_eq!(rest, vec!["got-term".to_owned()]);
+    assert_nothing_left(&f, &[run_id], "after disconnect --all");
 }

@@ -40,6 +40,7 @@
 //! not a query are dropped or answered FORMERR.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::AsFd as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -91,6 +92,21 @@ pub enum ForwarderError {
         /// Why and what to do: for a port in use, the process that holds it
         /// ([`super::port_holder`]).
         hint: String,
+    },
+    /// The socket filter that keeps callers without the run's mark out could
+    /// not be attached.
+    #[error(
+        "cannot restrict the DNS forwarder on {addr} to packets with mark {mark:#x} \
+         (SO_ATTACH_FILTER): {source} — the kernel needs CONFIG_BPF (socket filters)"
+    )]
+    Filter {
+        /// The address.
+        addr: SocketAddr,
+        /// The mark its callers' packets must carry.
+        mark: u32,
+        /// The error.
+        #[source]
+        source: std::io::Error,
     },
 }
 
@@ -594,9 +610,12 @@ impl Forwarder {
         Self::start_marked(listen, upstreams, None).await
     }
 
-    /// [`Forwarder::start`] whose sockets towards DNS servers carry SO_MARK
-    /// `mark` (a `kvpn run` session's: its cluster routes are in a table only
-    /// that mark reaches).
+    /// [`Forwarder::start`] for a `kvpn run` session whose sockets carry fwmark
+    /// `mark`: its own sockets towards DNS servers carry SO_MARK `mark` (the
+    /// run's cluster routes are in a table only that mark reaches), and it takes
+    /// questions only in packets that carry `mark` ([`attach_mark_filter`]), so
+    /// only the run's processes (whose sockets the run's eBPF program marks)
+    /// can use it; anyone else's question is dropped unanswered.
     pub async fn start_marked(
         listen: SocketAddr,
         upstreams: Vec<SocketAddr>,
@@ -615,7 +634,20 @@ impl Forwarder {
                 .local_addr()
                 .map_err(|e| ForwarderError::bind(listen, port_holder::Proto::Udp, e))?;
             match TcpListener::bind(local).await {
-                Ok(tcp) => break (udp, local, tcp),
+                Ok(tcp) => {
+                    if let Some(mark) = mark {
+                        for fd in [udp.as_fd(), tcp.as_fd()] {
+                            attach_mark_filter(fd, mark).map_err(|source| {
+                                ForwarderError::Filter {
+                                    addr: local,
+                                    mark,
+                                    source,
+                                }
+                            })?;
+                        }
+                    }
+                    break (udp, local, tcp);
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries > 0 => {}
                 Err(e) => return Err(ForwarderError::bind(local, port_holder::Proto::Tcp, e)),
             }
@@ -668,6 +700,15 @@ impl Forwarder {
             .unwrap_or_else(PoisonError::into_inner) = upstreams;
     }
 
+    /// The laptop's nameservers it forwards other names to.
+    pub fn upstreams(&self) -> Vec<SocketAddr> {
+        self.shared
+            .upstreams
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// Its counters.
     pub fn counters(&self) -> CounterSnapshot {
         CounterSnapshot {
@@ -706,6 +747,78 @@ impl Forwarder {
             .unwrap_or_else(PoisonError::into_inner)
             .clear();
         tracing::info!(local = %self.local, counters = ?self.counters(), "DNS forwarder stopped");
+    }
+}
+
+/// Attach a classic BPF socket filter to `fd` that keeps only packets whose
+/// skb mark is `mark` and drops the rest (`SO_ATTACH_FILTER`,
+/// Documentation/networking/filter.rst; `SKF_AD_MARK` loads `skb->mark`).
+///
+/// Why the mark: a `kvpn run` session's eBPF `sock_create` program sets `mark`
+/// on every socket its processes make, a local packet keeps its socket's mark
+/// across the loopback device, and only a process with CAP_NET_ADMIN or
+/// CAP_NET_RAW can give its own socket a mark (SO_MARK). UDP has no peer
+/// credentials to check, and TCP's SO_PEERCRED is for Unix sockets only; a
+/// filter works for both: on a UDP socket each datagram is checked, on a TCP
+/// listener the SYN and every segment of an accepted connection (accepted
+/// sockets inherit it), so an unmarked caller's TCP handshake never completes.
+pub fn attach_mark_filter(fd: std::os::fd::BorrowedFd<'_>, mark: u32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    // linux/filter.h and linux/bpf_common.h.
+    // BPF_LD (0x00) | BPF_W (0x00) | BPF_ABS (0x20).
+    const BPF_LD_W_ABS: u16 = 0x20;
+    // BPF_JMP (0x05) | BPF_JEQ (0x10) | BPF_K (0x00).
+    const BPF_JMP_JEQ_K: u16 = 0x15;
+    // BPF_RET (0x06) | BPF_K (0x00).
+    const BPF_RET_K: u16 = 0x06;
+    // SKF_AD_OFF (-0x1000) + SKF_AD_MARK (20), as the u32 the load takes.
+    const LOAD_MARK: u32 = (libc::SKF_AD_OFF + libc::SKF_AD_MARK) as u32;
+    let program = [
+        libc::sock_filter {
+            code: BPF_LD_W_ABS,
+            jt: 0,
+            jf: 0,
+            k: LOAD_MARK,
+        },
+        // Equal: go on to the next instruction (keep); else skip it (drop).
+        libc::sock_filter {
+            code: BPF_JMP_JEQ_K,
+            jt: 0,
+            jf: 1,
+            k: mark,
+        },
+        libc::sock_filter {
+            code: BPF_RET_K,
+            jt: 0,
+            jf: 0,
+            k: u32::MAX,
+        },
+        libc::sock_filter {
+            code: BPF_RET_K,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        },
+    ];
+    let fprog = libc::sock_fprog {
+        len: program.len() as u16,
+        filter: program.as_ptr().cast_mut(),
+    };
+    // SAFETY: `fprog` points at `program`, both alive for the call; the kernel
+    // copies the program.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            (&raw const fprog).cast(),
+            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 

@@ -896,3 +896,94 @@ fn a_cluster_dns_socket_is_reopened_only_when_the_route_source_changed() {
         Some("127.0.0.1".parse().expect("ip"))
     );
 }
+
+/// A `kvpn run` session's forwarder (#27 F22) answers only questions in packets
+/// that carry the run's fwmark (its processes' sockets do, set by the run's
+/// eBPF program), over UDP and TCP; anyone else gets no answer. Needs root
+/// (SO_MARK), as the root daemon that runs it.
+#[tokio::test]
+async fn a_run_forwarder_answers_only_packets_with_the_runs_mark() {
+    use std::os::fd::AsFd as _;
+    const MARK: u32 = 0x6b76_00fe;
+    assert!(
+        nix::unistd::Uid::effective().is_root(),
+        "this test needs root: SO_MARK (run it as the root daemon runs)"
+    );
+    let mark = |fd: std::os::fd::BorrowedFd<'_>| {
+        nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::Mark, &MARK).expect("SO_MARK");
+    };
+    let (cluster_addr, cluster_log) = server(cluster_zone).await;
+    let (upstream_addr, _) = server(upstream_zone).await;
+    let f = Forwarder::start_marked(
+        "127.0.0.1:0".parse().expect("addr"),
+        vec![upstream_addr],
+        Some(MARK),
+    )
+    .await
+    .expect("forwarder");
+    let cluster = ClusterDns::new(
+        &[cluster_addr.to_string()],
+        "cluster.local",
+        &["default.svc.cluster.local".into()],
+        false,
+    )
+    .expect("config");
+    f.set_clusters(vec![(cluster, Reach::always())]);
+    let fwd = f.local_addr();
+    let mut q = Message::query();
+    q.metadata.recursion_desired = true;
+    q.add_query(Query::query(
+        name("web.default.svc.cluster.local."),
+        RecordType::A,
+    ));
+    let raw = q.to_vec().expect("encode");
+
+    // Outside the run: UDP is dropped unanswered, TCP never connects.
+    assert_eq!(
+        ask_raw(fwd, &raw, false).await,
+        None,
+        "unmarked UDP answered"
+    );
+    let tcp = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(fwd)).await;
+    assert!(
+        !matches!(tcp, Ok(Ok(_))),
+        "an unmarked TCP connection to the run's forwarder was accepted"
+    );
+    assert!(
+        cluster_log.lock().expect("log").is_empty(),
+        "an outsider's question reached the cluster DNS"
+    );
+    assert_eq!(
+        f.counters().udp_queries,
+        0,
+        "an outsider's question was counted"
+    );
+
+    // Inside the run (the mark): answered over UDP and TCP.
+    let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    mark(udp.as_fd());
+    udp.send_to(&raw, fwd).await.expect("send");
+    let mut buf = vec![0u8; 4096];
+    let (n, _) = tokio::time::timeout(Duration::from_secs(3), udp.recv_from(&mut buf))
+        .await
+        .expect("no answer to a marked UDP question")
+        .expect("recv");
+    let m = Message::from_vec(&buf[..n]).expect("decode");
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(10, 96, 0, 100)]);
+    let sock = tokio::net::TcpSocket::new_v4().expect("tcp socket");
+    mark(sock.as_fd());
+    let mut s = tokio::time::timeout(Duration::from_secs(3), sock.connect(fwd))
+        .await
+        .expect("marked TCP connect timed out")
+        .expect("marked TCP connect");
+    let len = u16::try_from(raw.len()).expect("small");
+    s.write_all(&len.to_be_bytes()).await.expect("write");
+    s.write_all(&raw).await.expect("write");
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).await.expect("answer length");
+    let mut answer = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    s.read_exact(&mut answer).await.expect("answer");
+    let m = Message::from_vec(&answer).expect("decode");
+    assert_eq!(a_records(&m), vec![Ipv4Addr::new(10, 96, 0, 100)]);
+    f.stop().await;
+}
