@@ -27,6 +27,7 @@
 
 pub mod certs;
 pub mod image;
+pub mod node_agent;
 pub mod objects;
 pub mod wait;
 
@@ -36,7 +37,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -62,6 +63,15 @@ const POLL_INTERVAL: Duration = Duration::from_millis(500);
 /// Bound for [`uninstall`]'s wait until everything is gone (pods get their grace
 /// period, the namespace controller empties a namespace in a few seconds).
 pub const UNINSTALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How long an install waits for the node agent's pods (`preserve`): pulling
+/// the image on each node plus a start.
+const NODE_AGENT_WAIT: Duration = Duration::from_secs(90);
+
+/// How long an install waits for any DaemonSet controller to take up the
+/// node agent's DaemonSet (its status's observedGeneration) before it goes on
+/// without it: a controller answers within a second.
+const NODE_AGENT_UNOBSERVED: Duration = Duration::from_secs(5);
 
 pub use self::image::default_image;
 
@@ -295,6 +305,20 @@ pub enum Error {
     },
     #[error("{object} still exists {}s after deleting it", .after.as_secs())]
     DeleteTimeout { object: String, after: Duration },
+    #[error(
+        "the node agent of source policy preserve (DaemonSet {namespace}/kvpn-node-agent) has \
+         {ready} of {desired} pods ready after {} s — it routes the tunnel pool to the manager \
+         on every node; see `kubectl -n {namespace} describe daemonset kvpn-node-agent` and its \
+         pods' logs (it needs host network and CAP_NET_ADMIN: a policy forbidding those rules \
+         preserve out; use --source-policy snat or ebpf-snat)",
+        .after.as_secs()
+    )]
+    NodeAgentNotReady {
+        namespace: String,
+        ready: i32,
+        desired: i32,
+        after: Duration,
+    },
 }
 
 /// "Deployment kvpn-system/kvpn-manager" or "ClusterRole kvpn-manager-x".
@@ -715,6 +739,9 @@ impl Installer<'_> {
             }
             Err(e) => return Err(e),
         };
+        if !matches!(outcome, Outcome::NewerInstalled { .. }) {
+            self.ensure_node_agent().await?;
+        }
         let info = manager_info(
             &ns,
             &deployment,
@@ -725,6 +752,162 @@ impl Installer<'_> {
         );
         info!(namespace = %ns, pod = %info.pod_name, ip = %info.pod_ip, outcome = ?info.outcome, "traffic manager ready");
         Ok(info)
+    }
+
+    /// The node agent of `preserve` (docs/source-policy.md): applied and waited
+    /// for (every scheduled pod ready) under `preserve`, removed under the other
+    /// policies (a policy switched away from `preserve`).
+    async fn ensure_node_agent(&self) -> Result<(), Error> {
+        let ns = self.ns().to_owned();
+        let nsd = Some(ns.as_str());
+        let daemon_sets: Api<DaemonSet> = self.namespaced();
+        if self.spec.source_policy != SourcePolicy::Preserve {
+            let present = match daemon_sets.get_opt(node_agent::NODE_AGENT).await {
+                Ok(d) => d.is_some(),
+                // A user who may not read DaemonSets never installed one.
+                Err(e) if is_status(&e, 403) => false,
+                Err(e) => {
+                    return Err(api_error::<DaemonSet>("get", nsd, node_agent::NODE_AGENT)(
+                        e,
+                    ));
+                }
+            };
+            if present {
+                let mut report = UninstallReport::default();
+                delete_node_agent(
+                    self.client,
+                    &ns,
+                    Instant::now() + UNINSTALL_TIMEOUT,
+                    self.progress,
+                    &mut report,
+                )
+                .await?;
+            }
+            return Ok(());
+        }
+        if !self.may_apply_daemon_sets().await {
+            self.progress.report(ProgressEvent::Warning(format!(
+                "this user may not create DaemonSets in {ns}, so kvpn's node agent (which routes \
+                 the tunnel pool {} to the manager on every node) is not installed: the nodes \
+                 must route it themselves, or someone who may runs `kvpn install \
+                 --source-policy preserve` once (docs/source-policy.md)",
+                node_agent::POOL
+            )));
+            return Ok(());
+        }
+        self.ensure(
+            &self.namespaced(),
+            nsd,
+            &node_agent::service_account(&self.spec),
+        )
+        .await?;
+        self.ensure(&self.namespaced(), nsd, &node_agent::role(&self.spec))
+            .await?;
+        self.ensure(
+            &self.namespaced(),
+            nsd,
+            &node_agent::role_binding(&self.spec),
+        )
+        .await?;
+        self.ensure(&daemon_sets, nsd, &node_agent::daemon_set(&self.spec))
+            .await?;
+        self.progress.report(ProgressEvent::Step(format!(
+            "Waiting for the node agent (DaemonSet {}) on every node: it routes the tunnel pool \
+             {} to the manager",
+            node_agent::NODE_AGENT,
+            node_agent::POOL
+        )));
+        let started = Instant::now();
+        let deadline = started + NODE_AGENT_WAIT;
+        loop {
+            let ds = daemon_sets
+                .get_opt(node_agent::NODE_AGENT)
+                .await
+                .map_err(api_error::<DaemonSet>("get", nsd, node_agent::NODE_AGENT))?;
+            let status = ds.as_ref().and_then(|d| d.status.clone());
+            let generation = ds.as_ref().and_then(|d| d.metadata.generation);
+            if let Some(st) = &status {
+                let current =
+                    st.observed_generation.is_some() && st.observed_generation == generation;
+                let updated = st.updated_number_scheduled.unwrap_or(0);
+                if current
+                    && st.desired_number_scheduled > 0
+                    && st.number_ready == st.desired_number_scheduled
+                    && updated == st.desired_number_scheduled
+                {
+                    self.progress.report(ProgressEvent::Done(format!(
+                        "Node agent ready on {} node(s)",
+                        st.number_ready
+                    )));
+                    return Ok(());
+                }
+            }
+            // No DaemonSet controller took it up (a cluster that runs none; the
+            // stand-in lab): nothing will ever start. Say so and go on — the
+            // nodes must then route the pool themselves (docs/source-policy.md).
+            if status
+                .as_ref()
+                .and_then(|s| s.observed_generation)
+                .is_none()
+                && started.elapsed() >= NODE_AGENT_UNOBSERVED
+            {
+                self.progress.report(ProgressEvent::Warning(format!(
+                    "no DaemonSet controller took up DaemonSet {ns}/{} within {} s: the node \
+                     agent does not run, so the nodes must route the tunnel pool {} to the \
+                     manager themselves (docs/source-policy.md)",
+                    node_agent::NODE_AGENT,
+                    NODE_AGENT_UNOBSERVED.as_secs(),
+                    node_agent::POOL
+                )));
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let (ready, desired) =
+                    status.map_or((0, 0), |s| (s.number_ready, s.desired_number_scheduled));
+                return Err(Error::NodeAgentNotReady {
+                    namespace: ns,
+                    ready,
+                    desired,
+                    after: NODE_AGENT_WAIT,
+                });
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+
+    /// Whether this user may write DaemonSets in the manager namespace (a
+    /// SelfSubjectAccessReview for `create` and `patch`, what server-side apply
+    /// sends), as `kubectl auth can-i` asks. An error asking counts as yes: the
+    /// apply then says what went wrong.
+    async fn may_apply_daemon_sets(&self) -> bool {
+        use k8s_openapi::api::authorization::v1::{
+            ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+        };
+        let api: Api<SelfSubjectAccessReview> = Api::all(self.client.clone());
+        for verb in ["create", "patch"] {
+            let review = SelfSubjectAccessReview {
+                spec: SelfSubjectAccessReviewSpec {
+                    resource_attributes: Some(ResourceAttributes {
+                        group: Some("apps".into()),
+                        resource: Some("daemonsets".into()),
+                        verb: Some(verb.into()),
+                        namespace: Some(self.ns().to_owned()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            match api.create(&PostParams::default(), &review).await {
+                Ok(r) if r.status.as_ref().is_some_and(|s| !s.allowed) => return false,
+                Ok(_) => {}
+                Err(e) => {
+                    debug!(error = %e, "cannot ask whether this user may write DaemonSets");
+                    return true;
+                }
+            }
+        }
+        true
     }
 
     /// Takes the image, pull settings and source policy an installed manager runs
@@ -903,7 +1086,18 @@ pub fn manifests(opts: &InstallOptions) -> Result<Vec<serde_json::Value>, Error>
     let value = |r: Result<serde_json::Value, serde_json::Error>| {
         r.map_err(|e| Error::Manifest(e.to_string()))
     };
-    Ok(vec![
+    let mut node_agent_objects = Vec::new();
+    if spec.source_policy == SourcePolicy::Preserve {
+        node_agent_objects.push(value(serde_json::to_value(node_agent::service_account(
+            &spec,
+        )))?);
+        node_agent_objects.push(value(serde_json::to_value(node_agent::role(&spec)))?);
+        node_agent_objects.push(value(serde_json::to_value(node_agent::role_binding(
+            &spec,
+        )))?);
+        node_agent_objects.push(value(serde_json::to_value(node_agent::daemon_set(&spec)))?);
+    }
+    let mut all = vec![
         value(serde_json::to_value(objects::namespace(&spec)))?,
         value(serde_json::to_value(objects::service_account(&spec)))?,
         value(serde_json::to_value(objects::role(&spec)))?,
@@ -917,7 +1111,9 @@ pub fn manifests(opts: &InstallOptions) -> Result<Vec<serde_json::Value>, Error>
             &spec,
             &tls.ca_pem,
         )))?,
-    ])
+    ];
+    all.extend(node_agent_objects);
+    Ok(all)
 }
 
 /// The ready manager of `deployment`, as a client connects to it.
@@ -1141,6 +1337,83 @@ async fn delete_and_wait<K: Kind>(
     }
 }
 
+/// Deletes the node agent's objects (see [`node_agent`]); its DaemonSet in the
+/// foreground, so its pods (which remove their routes on SIGTERM) are gone
+/// when this returns.
+async fn delete_node_agent(
+    client: &kube::Client,
+    namespace: &str,
+    deadline: Instant,
+    progress: &dyn Progress,
+    report: &mut UninstallReport,
+) -> Result<(), Error> {
+    let name = node_agent::NODE_AGENT;
+    let ns = Some(namespace);
+    let daemon_sets: Api<DaemonSet> = Api::namespaced(client.clone(), namespace);
+    // Only what exists is deleted: a user who may not read (or delete) the
+    // agent's kinds never installed it (`preserve` needs DaemonSets).
+    let exists = match daemon_sets.get_opt(name).await {
+        Ok(d) => d.is_some(),
+        Err(e) if is_status(&e, 403) => false,
+        Err(e) => return Err(api_error::<DaemonSet>("get", ns, name)(e)),
+    };
+    if exists {
+        progress.report(ProgressEvent::Step(format!(
+            "Deleting DaemonSet {name} (its pods remove their routes for the tunnel pool)"
+        )));
+        match daemon_sets.delete(name, &DeleteParams::foreground()).await {
+            Ok(_) => {}
+            Err(e) if is_status(&e, 404) => {}
+            Err(e) => return Err(api_error::<DaemonSet>("delete", ns, name)(e)),
+        }
+        // Foreground: the object stays until its pods are gone.
+        loop {
+            match daemon_sets.get_opt(name).await {
+                Ok(None) => break,
+                Ok(Some(_)) => {}
+                Err(e) => debug!(error = %e, "checking the deleted node agent; retrying"),
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::DeleteTimeout {
+                    object: object_name::<DaemonSet>(ns, name),
+                    after: UNINSTALL_TIMEOUT,
+                });
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+        report.deleted.push(format!("DaemonSet {name}"));
+    }
+    delete_if_present::<RoleBinding>(client, namespace, name, deadline, progress, report).await?;
+    delete_if_present::<Role>(client, namespace, name, deadline, progress, report).await?;
+    delete_if_present::<ServiceAccount>(client, namespace, name, deadline, progress, report)
+        .await?;
+    Ok(())
+}
+
+/// Deletes `name` of kind `K` when it exists (a 403 on reading it: it is not
+/// this user's to delete, and was not made by this user).
+async fn delete_if_present<K: Kind + kube::Resource<Scope = NamespaceResourceScope>>(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    deadline: Instant,
+    progress: &dyn Progress,
+    report: &mut UninstallReport,
+) -> Result<(), Error> {
+    let api: Api<K> = Api::namespaced(client.clone(), namespace);
+    match api.get_opt(name).await {
+        Ok(Some(_)) => {
+            if delete_and_wait(&api, Some(namespace), name, deadline, progress).await? {
+                report.deleted.push(format!("{} {name}", K::KIND));
+            }
+            Ok(())
+        }
+        Ok(None) => Ok(()),
+        Err(e) if is_status(&e, 403) => Ok(()),
+        Err(e) => Err(api_error::<K>("get", Some(namespace), name)(e)),
+    }
+}
+
 /// Deletes every object of `K` in `namespace` carrying kvpn's labels.
 async fn delete_labeled<K: Kind + kube::Resource<Scope = NamespaceResourceScope>>(
     client: &kube::Client,
@@ -1267,6 +1540,7 @@ pub async fn uninstall(
     let mut report = UninstallReport::default();
     let p = progress;
     let r = &mut report;
+    delete_node_agent(client, namespace, deadline, p, r).await?;
     delete_labeled::<Deployment>(client, namespace, deadline, p, r).await?;
     delete_labeled::<Service>(client, namespace, deadline, p, r).await?;
     delete_labeled::<ConfigMap>(client, namespace, deadline, p, r).await?;

@@ -43,6 +43,7 @@ pub mod leases;
 pub mod limit;
 pub mod metrics;
 pub mod metrics_server;
+pub mod node_agent;
 pub mod packet;
 pub mod peers;
 pub mod preserve;

@@ -409,6 +409,10 @@ fn main() -> anyhow::Result<()> {
     {
         return tunnel::main_from_args(std::env::args().skip(1));
     }
+    // The node agent of `--source-policy preserve` (a DaemonSet) too.
+    if std::env::args().nth(1).as_deref() == Some("node-agent") {
+        return kvpn_manager::node_agent::main_from_args(std::env::args().skip(2));
+    }
     let args = Args::parse();
     let threads = match args.worker_threads {
         0 => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),

@@ -386,6 +386,15 @@ impl KubeFixture {
             .unwrap_or_else(|| panic!("no laptop {role}"))
     }
 
+    /// The admin kubeconfig for the laptop netns (cluster-admin: for what the
+    /// restricted user may not install, such as preserve's node agent).
+    pub fn admin_kubeconfig_path(&self) -> String {
+        self.lab()
+            .laptop_admin_kubeconfig()
+            .to_string_lossy()
+            .into_owned()
+    }
+
     /// The restricted user's kubeconfig for the laptop netns.
     pub fn user_kubeconfig(&self) -> String {
         self.lab()

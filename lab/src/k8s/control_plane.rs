@@ -60,8 +60,10 @@ const DUAL_STACK_GATE: &str = "--feature-gates=IPv6DualStack=true";
 const CONTROLLERS: &str = "deployment,replicaset,endpoint,endpointslice,serviceaccount,\
 serviceaccount-token,namespace,garbagecollector,podgc,root-ca-cert-publisher";
 /// With real nodes: the node lifecycle controller (Ready/NotReady, the `not-ready`
-/// taint) and the TTL controller (node annotations the kubelet reads).
-const REAL_NODE_CONTROLLERS: &str = "nodelifecycle,ttl";
+/// taint), the TTL controller (node annotations the kubelet reads), and the
+/// DaemonSet and StatefulSet controllers every cluster runs (kvpn's node agent
+/// of `preserve` is a DaemonSet; `kvpn attach` targets both kinds).
+const REAL_NODE_CONTROLLERS: &str = "nodelifecycle,ttl,daemonset,statefulset";
 const BUILD_HINT: &str = "run scripts/build-kubernetes.sh (as root) to build and cache it";
 const ETCD_HINT: &str = "install Debian's etcd-server (scripts/setup.sh does)";
 
