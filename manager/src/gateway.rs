@@ -233,7 +233,7 @@ impl Gateway {
     fn drop_one(&self, why: &str) {
         let n = self.counters.dropped.fetch_add(1, Ordering::Relaxed);
         // The first few at info (a misrouted setup shows at once), then debug.
-        if n < 10 {
+        if n < 20 {
             info!(why, dropped = n + 1, "gateway dropped a packet");
         } else {
             debug!(why, "gateway dropped a packet");
@@ -242,10 +242,25 @@ impl Gateway {
 
     /// One datagram from a pod.
     fn from_pod(&self, datagram: &mut [u8], from: SocketAddr, now: Instant) {
+        let ethertype = datagram
+            .get(VXLAN_HEADER + 12..VXLAN_HEADER + 14)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]));
+        if ethertype.is_some_and(|t| t != 0x0800) {
+            // IPv6 neighbour discovery and MLD of the pod's VXLAN device, ARP:
+            // not the gateway's, not worth a line.
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let Some((pod_mac, packet)) = decap(datagram) else {
+            if self.counters.dropped.load(Ordering::Relaxed) < 20 {
+                info!(from = %from, head = ?datagram.get(..VXLAN_HEADER + ETHERNET_HEADER), "gateway: not a VXLAN frame with IPv4 for it");
+            }
             return self.drop_one("not a VXLAN frame with IPv4 for the gateway");
         };
         let Some(h) = Header::parse(packet) else {
+            if self.counters.dropped.load(Ordering::Relaxed) < 20 {
+                info!(from = %from, head = ?packet.get(..24), "gateway: not a translatable IPv4 packet");
+            }
             return self.drop_one("not a translatable IPv4 packet");
         };
         if !self.pool.contains(&h.dst) || h.dst == self.source {

@@ -218,6 +218,11 @@ async fn gateway_route(g: &GatewayArgs) -> anyhow::Result<()> {
         // Service's conntrack) come back to this device's own socket.
         .port_range(port, port.saturating_add(1))
         .learning(false)
+        // No outer UDP checksum (RFC 7348 allows zero over IPv4): measured on
+        // the real-node lab, checksummed datagrams reached the manager pod
+        // with bad checksums after the Service's DNAT (its /proc/net/snmp:
+        // InCsumErrors 60 of 80) and were dropped by its kernel.
+        .udp_csum(false)
         .up()
         .build();
     handle.link().add(vxlan).execute().await.with_context(|| {

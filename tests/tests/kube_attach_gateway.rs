@@ -309,7 +309,31 @@ fn attach_via_gateway_gives_every_replica_one_translated_source_the_checks_show_
                 "-c",
                 "kvpn-gateway",
             ]);
-            let laptop_state = f.laptop(&["sh", "-c", "ip addr; ip route; ip rule"]);
+            let laptop_state =
+                f.laptop(&["sh", "-c", "ip addr; ip route; ip rule; cat /proc/net/dev"]);
+            let pod_dev = f.laptop(&[
+                &kubectl,
+                "--kubeconfig",
+                &admin,
+                "-n",
+                &ns,
+                "exec",
+                &pod_name,
+                "-c",
+                "app",
+                "--",
+                "cat",
+                "/proc/net/dev",
+            ]);
+            let script = format!(
+                "for n in $(ip netns list | awk '{{print $1}}' | grep -- '-{lab_id}-\\|kvpn-{lab_id}'); do echo \"== $n\"; ip netns exec $n sh -c 'grep 10805 /proc/net/nf_conntrack; iptables-save -t nat | grep -i gateway | head -8; ip route | head -8'; done; for p in $(pgrep -x kvpn-manager); do if tr '\\0' ' ' < /proc/$p/cmdline | grep -q gateway-listen; then echo \"== manager $p\"; nsenter -t $p -n sh -c 'cat /proc/net/udp; grep Udp: /proc/net/snmp; ip addr | grep inet; ip route'; fi; done"
+            );
+            let nodes = Command::new("sh").args(["-c", &script]).output();
+            eprintln!(
+                "pod /proc/net/dev: {}\nnodes: {}",
+                text(&pod_dev),
+                nodes.map(|o| text(&o)).unwrap_or_default()
+            );
             panic!(
                 "replica {pod_name} → laptop {laptop_ip}:9090 got {answer:?}\npod: {}\ninit: {}\nmanager: {}\nlaptop: {}\n{}",
                 text(&pod_state),
