@@ -354,7 +354,7 @@ pub enum Command {
     /// `kvpn attach check leak|sessions deploy/NAME` runs the checks of
     /// docs/tunnel-ownership.md on an attached workload.
     #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
-    Attach(AttachArgs),
+    Attach(Box<AttachArgs>),
     /// Remove what `kvpn attach` added: the tunnel container, its volume and
     /// its Secret; the pod template is as before the attach.
     Detach(DetachArgs),

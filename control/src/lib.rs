@@ -81,7 +81,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(args) => lab::run(args),
-        Command::Attach(args) => attach_command(args).await,
+        Command::Attach(args) => attach_command(*args).await,
         Command::Detach(args) => detach_command(args).await,
         Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => {
             diagnose_source(&runtime_dir, args).await

@@ -16,7 +16,7 @@
 //! address, source port or echo id to one of [`NAT_PORTS`]) and handed to the
 //! live session of the destination tunnel IP ([`Peers`]). A laptop's packet to
 //! the manager's tunnel address whose destination port is a live mapping comes
-//! back through [`Gateway::from_laptop`]: translated back and sent to the pod's
+//! back through [`Gateway::laptop_packet`]: translated back and sent to the pod's
 //! VXLAN socket. Packets for a tunnel IP without a live session, fragments and
 //! other protocols are dropped and counted.
 //!
@@ -212,7 +212,7 @@ impl Gateway {
             };
             let now = Instant::now();
             if let Some(d) = buf.get_mut(..n) {
-                self.from_pod(d, from, now);
+                self.pod_datagram(d, from, now);
             }
             if now.duration_since(last_sweep) >= SWEEP_EVERY {
                 last_sweep = now;
@@ -241,7 +241,7 @@ impl Gateway {
     }
 
     /// One datagram from a pod.
-    fn from_pod(&self, datagram: &mut [u8], from: SocketAddr, now: Instant) {
+    fn pod_datagram(&self, datagram: &mut [u8], from: SocketAddr, now: Instant) {
         let ethertype = datagram
             .get(VXLAN_HEADER + 12..VXLAN_HEADER + 14)
             .map(|b| u16::from_be_bytes([b[0], b[1]]));
@@ -304,7 +304,7 @@ impl Gateway {
     /// A laptop's packet to the manager's tunnel address: true when it belongs
     /// to a translated flow (and was sent back to its pod, or dropped), false
     /// when it is the engine's.
-    pub fn from_laptop(&self, packet: &[u8]) -> bool {
+    pub fn laptop_packet(&self, packet: &[u8]) -> bool {
         let Some(h) = Header::parse(packet) else {
             return false;
         };
@@ -586,7 +586,7 @@ mod tests {
             (&pod_b, [10, 244, 1, 6], [2, 0, 0, 0, 0, 0xb]),
         ] {
             let mut d = framed(mac, &udp(ip, 5353, laptop.octets(), 8080, b"hi"));
-            gw.from_pod(&mut d, pod.local_addr().expect("addr"), now);
+            gw.pod_datagram(&mut d, pod.local_addr().expect("addr"), now);
             let frame = rx.try_recv().expect("handed to the laptop's session");
             let packet = &frame[kvpn_proto::frame::HEADER_LEN..];
             assert!(valid(packet), "checksums after translation");
@@ -598,7 +598,7 @@ mod tests {
             sources.push((h.src, port));
             // The laptop answers the translated address.
             let reply = udp(laptop.octets(), 8080, gw.source().octets(), port, b"ok");
-            assert!(gw.from_laptop(&reply), "a mapped flow is the gateway's");
+            assert!(gw.laptop_packet(&reply), "a mapped flow is the gateway's");
             let mut buf = [0u8; 2048];
             let (n, _) = tokio::time::timeout(Duration::from_secs(2), pod.recv_from(&mut buf))
                 .await
@@ -626,9 +626,9 @@ mod tests {
         assert_eq!(gw.counters.to_pod.load(Ordering::Relaxed), 2);
         // Not the gateway's: an unmapped port, another destination.
         let other = udp(laptop.octets(), 8080, gw.source().octets(), 53, b"");
-        assert!(!gw.from_laptop(&other));
+        assert!(!gw.laptop_packet(&other));
         let peer = udp(laptop.octets(), 8080, [100, 96, 0, 9], 40000, b"");
-        assert!(!gw.from_laptop(&peer));
+        assert!(!gw.laptop_packet(&peer));
     }
 
     /// A pod packet for a tunnel IP without a session, outside the pool, or
@@ -647,11 +647,11 @@ mod tests {
         let now = Instant::now();
         let mac = [2, 0, 0, 0, 0, 1];
         let mut no_session = framed(mac, &udp([10, 0, 0, 1], 1, [100, 96, 3, 3], 2, b""));
-        gw.from_pod(&mut no_session, from, now);
+        gw.pod_datagram(&mut no_session, from, now);
         let mut outside = framed(mac, &udp([10, 0, 0, 1], 1, [10, 96, 3, 3], 2, b""));
-        gw.from_pod(&mut outside, from, now);
+        gw.pod_datagram(&mut outside, from, now);
         let mut garbage = vec![0u8; 40];
-        gw.from_pod(&mut garbage, from, now);
+        gw.pod_datagram(&mut garbage, from, now);
         assert_eq!(gw.counters.dropped.load(Ordering::Relaxed), 3);
         assert_eq!(gw.counters.to_laptop.load(Ordering::Relaxed), 0);
     }

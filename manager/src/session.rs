@@ -391,7 +391,7 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
     }
     if dst == IpAddr::V4(MANAGER_STACK_V4)
         && let Some(gw) = &config.gateway
-        && gw.from_laptop(packet)
+        && gw.laptop_packet(packet)
     {
         return true;
     }

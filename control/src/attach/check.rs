@@ -603,7 +603,10 @@ pub async fn sessions(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the sessions check's state, passed once"
+)]
 async fn sessions_scaled(
     client: &kube::Client,
     tpl: &Value,
