@@ -7,9 +7,15 @@
 //! only, no other change: the app container is byte-for-byte the same); the new
 //! pods run it to completion (exit 0) and start the app. Each replica reaches a
 //! listener on the laptop's tunnel IP, and the laptop sees ONE source for both:
-//! the manager's tunnel address (100.96.0.1). `kvpn detach` leaves the pod
-//! template exactly as before the attach (JSON compared); a second detach is
-//! refused naming the workload.
+//! the manager's tunnel address (100.96.0.1). The seed's checks: `kvpn attach
+//! check sessions` (5 replicas, 0 own sessions, 1 source, scaled back to 2) and
+//! `kvpn attach check leak` (nothing outside the tunnel, the very first datagram
+//! through, the probe pod deleted). `kvpn detach` leaves the pod template
+//! exactly as before the attach (JSON compared); a second detach and a check of
+//! an unattached workload are refused naming the workload. Then the same checks
+//! on a per-workload (sidecar) attachment: 5 sessions, 5 distinct tunnel IPs, 5
+//! sources, each the replica's own; no leak, no window; detach restores the
+//! template again.
 //!
 //! Needs root, the Kubernetes binaries, Debian's containerd, runc, CNI plugins,
 //! umoci and busybox-static, and the images of `cargo xtask image` with the
