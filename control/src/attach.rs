@@ -9,6 +9,7 @@
 //! reads of the workload, the manager's Service, Deployment and TLS Secret, the
 //! API server's version, and the applies. I/O: the Kubernetes API only.
 
+pub mod check;
 pub mod render;
 
 use anyhow::{Context, Result};
@@ -19,7 +20,7 @@ use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams, Patch, Pat
 use serde_json::Value;
 
 use crate::install::objects::{MANAGER, TLS_SECRET, server_name};
-use render::{SidecarShape, TunnelSpec, WorkloadKind, WorkloadRef, WriteMethod};
+use render::{GatewaySpec, SidecarShape, TunnelSpec, Via, WorkloadKind, WorkloadRef, WriteMethod};
 
 /// Bad input and states `kvpn attach`/`detach` refuse, each naming the object,
 /// the cause and the fix.
@@ -55,9 +56,13 @@ pub enum AttachError {
     )]
     NoManager { namespace: String },
     #[error(
-        "the traffic manager in namespace {namespace} is too old for attach: its Service kvpn-manager has no port {port} (attach) — upgrade it with `kvpn install` (or `kvpn connect`)"
+        "the traffic manager in namespace {namespace} is too old for {feature}: its Service kvpn-manager has no port {port} — upgrade it with `kvpn install` (or `kvpn connect`)"
     )]
-    ManagerTooOld { namespace: String, port: u16 },
+    ManagerTooOld {
+        namespace: String,
+        port: u16,
+        feature: &'static str,
+    },
 }
 
 /// The workload's API as dynamic objects.
@@ -93,6 +98,7 @@ async fn template(api: &Api<DynamicObject>, w: &WorkloadRef, namespace: &str) ->
 /// What attach did, for the output.
 #[derive(Debug)]
 pub struct Attached {
+    pub via: Via,
     pub shape: SidecarShape,
     pub method: WriteMethod,
     pub why: String,
@@ -106,14 +112,18 @@ pub async fn attach(
     w: &WorkloadRef,
     namespace: &str,
     manager_namespace: &str,
+    via: Via,
 ) -> Result<Attached> {
     let api = workload_api(client, w.kind, namespace);
     let tpl = template(&api, w, namespace).await?;
-    if render::is_attached(&tpl) {
+    if let Some(already) = render::attached_via(&tpl) {
         return Err(AttachError::AlreadyAttached {
             workload: w.clone(),
             namespace: namespace.to_owned(),
-            container: render::CONTAINER,
+            container: match already {
+                Via::Sidecar => render::CONTAINER,
+                Via::Gateway => render::GATEWAY_CONTAINER,
+            },
         }
         .into());
     }
@@ -128,15 +138,21 @@ pub async fn attach(
             namespace: manager_namespace.to_owned(),
         })?;
     let spec = svc.spec.unwrap_or_default();
-    let has_attach_port = spec
+    let (needed, feature) = match via {
+        Via::Sidecar => (kvpn_proto::attach::ATTACH_PORT, "attach"),
+        Via::Gateway => (kvpn_proto::attach::GATEWAY_PORT, "attach --via gateway"),
+    };
+    let has_port = spec
         .ports
+        .as_deref()
         .unwrap_or_default()
         .iter()
-        .any(|p| p.port == i32::from(kvpn_proto::attach::ATTACH_PORT));
-    if !has_attach_port {
+        .any(|p| p.port == i32::from(needed));
+    if !has_port {
         return Err(AttachError::ManagerTooOld {
             namespace: manager_namespace.to_owned(),
-            port: kvpn_proto::attach::ATTACH_PORT,
+            port: needed,
+            feature,
         }
         .into());
     }
@@ -156,7 +172,62 @@ pub async fn attach(
         .with_context(|| format!("Deployment {manager_namespace}/{MANAGER} has no container — reinstall it with `kvpn install`"))?;
     let image = container
         .image
+        .clone()
         .with_context(|| format!("Deployment {manager_namespace}/{MANAGER} names no image"))?;
+    let version = client
+        .apiserver_version()
+        .await
+        .context("cannot read the API server's version")?;
+    if via == Via::Gateway {
+        let args = container.args.clone().unwrap_or_default();
+        let pool = args
+            .iter()
+            .position(|a| a == "--tunnel-pool")
+            .and_then(|i| args.get(i + 1).cloned())
+            .unwrap_or_else(|| "100.96.0.0/16".to_owned());
+        let gw = GatewaySpec {
+            image: image.clone(),
+            pull_policy: container.image_pull_policy.clone(),
+            manager_host: cluster_ip,
+            pool,
+        };
+        let existing = render::container_names(&tpl, "initContainers");
+        let method = WriteMethod::for_server(&version.major, &version.minor);
+        let patched = match method {
+            WriteMethod::Apply => {
+                let pp = PatchParams::apply(render::FIELD_MANAGER);
+                let body = render::gateway_body(w, namespace, &existing, &gw);
+                api.patch(&w.name, &pp, &Patch::Apply(body)).await
+            }
+            WriteMethod::StrategicMerge => {
+                let pp = PatchParams {
+                    field_manager: Some(render::FIELD_MANAGER.to_owned()),
+                    ..PatchParams::default()
+                };
+                let body = render::gateway_patch(&existing, &gw);
+                api.patch(&w.name, &pp, &Patch::Strategic(body)).await
+            }
+        };
+        patched.map_err(|e| {
+            anyhow::Error::new(e).context(format!(
+                "cannot add the {} init container to {w} in namespace {namespace} (field manager {})",
+                render::GATEWAY_CONTAINER,
+                render::FIELD_MANAGER
+            ))
+        })?;
+        return Ok(Attached {
+            via,
+            shape: SidecarShape::Classic,
+            method,
+            why: format!(
+                "none: init container {} routes {} to the manager's gateway and exits",
+                render::GATEWAY_CONTAINER,
+                gw.pool
+            ),
+            secret: String::new(),
+            image,
+        });
+    }
     let secrets: Api<Secret> = Api::namespaced(client.clone(), manager_namespace);
     let tls = secrets.get(TLS_SECRET).await.with_context(|| {
         format!(
@@ -173,10 +244,6 @@ pub async fn attach(
     let ca = String::from_utf8(field("ca.crt")?).context("ca.crt is not text")?;
     let attach_key = kvpn_proto::attach::attach_key(&field("tls.key")?);
 
-    let version = client
-        .apiserver_version()
-        .await
-        .context("cannot read the API server's version")?;
     let (shape, why) = SidecarShape::for_server(&version.major, &version.minor);
 
     let tunnel = TunnelSpec {
@@ -227,6 +294,7 @@ pub async fn attach(
         )));
     }
     Ok(Attached {
+        via,
         shape,
         method,
         why,
@@ -246,7 +314,7 @@ pub async fn detach(client: &kube::Client, w: &WorkloadRef, namespace: &str) -> 
         .await
         .with_context(|| format!("cannot read Secret {namespace}/{secret}"))?
         .is_some();
-    let attached = render::is_attached(&tpl);
+    let attached = render::attached_via(&tpl).is_some();
     if !attached && !has_secret {
         return Err(AttachError::NotAttached {
             workload: w.clone(),
@@ -285,9 +353,10 @@ pub async fn detach(client: &kube::Client, w: &WorkloadRef, namespace: &str) -> 
         })?;
         let after = template(&api, w, namespace).await?;
         anyhow::ensure!(
-            !render::is_attached(&after),
-            "{w} in namespace {namespace} still has its {} container after detach: another field manager owns it (it was not added by `kvpn attach`) — remove it with `kubectl edit`",
-            render::CONTAINER
+            render::attached_via(&after).is_none(),
+            "{w} in namespace {namespace} still has its {} or {} container after detach: another field manager owns it (it was not added by `kvpn attach`) — remove it with `kubectl edit`",
+            render::CONTAINER,
+            render::GATEWAY_CONTAINER
         );
     }
     if has_secret {
@@ -427,6 +496,7 @@ mod tests {
                 AttachError::ManagerTooOld {
                     namespace: "kvpn-system".into(),
                     port: 10804,
+                    feature: "attach",
                 },
                 ["too old", "10804", "kvpn install"],
             ),

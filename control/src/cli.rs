@@ -379,7 +379,11 @@ daemon error); 126 when the command cannot be executed, 127 when it is not found
     /// whose postStart hook waits for the tunnel). See docs/attach.md.
     ///
     /// Example: kvpn attach deploy/web -n shop
-    Attach(AttachArgs),
+    ///
+    /// `kvpn attach check leak|sessions deploy/NAME` runs the checks of
+    /// docs/tunnel-ownership.md on an attached workload.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+    Attach(Box<AttachArgs>),
     /// Remove what `kvpn attach` added: the tunnel container, its volume and
     /// its Secret; the pod template is as before the attach.
     Detach(DetachArgs),
@@ -395,7 +399,51 @@ pub struct AttachArgs {
     /// instead of attaching.
     #[arg(long)]
     pub list: bool,
+    /// Who owns the tunnel: `sidecar` (each replica its own tunnel container,
+    /// lease and session) or `gateway` (no sidecar: an init container routes
+    /// the tunnel range to the traffic manager, which translates every
+    /// replica's traffic to its own tunnel address). See
+    /// docs/tunnel-ownership.md.
+    #[arg(long, value_enum, default_value_t = crate::attach::render::Via::Sidecar)]
+    pub via: crate::attach::render::Via,
+    #[command(subcommand)]
+    pub command: Option<AttachCommand>,
     /// Output format of --list.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+    #[command(flatten)]
+    pub kube: KubeArgs,
+}
+
+/// `kvpn attach` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum AttachCommand {
+    /// Check the property an attachment sells (docs/tunnel-ownership.md).
+    #[command(subcommand)]
+    Check(AttachCheck),
+}
+
+/// `kvpn attach check` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum AttachCheck {
+    /// Start a new pod of the workload whose app sends to this laptop's
+    /// tunnel IP from its first moment (every 10 ms for 3 s): whether anything
+    /// arrived outside the tunnel, and when the first datagram came through.
+    /// The pod is deleted afterwards.
+    Leak(AttachCheckArgs),
+    /// Scale the workload to 5 replicas, have each connect to this laptop's
+    /// tunnel IP, and count what the laptop side sees: sessions (leases) and
+    /// distinct sources; then scale back. The app image needs sh and nc.
+    Sessions(AttachCheckArgs),
+}
+
+/// `kvpn attach check …` flags.
+#[derive(Debug, Args)]
+pub struct AttachCheckArgs {
+    /// KIND/NAME of an attached workload: deploy/NAME, sts/NAME (or ds/NAME for leak).
+    #[arg(value_parser = crate::attach::render::parse_workload)]
+    pub workload: crate::attach::render::WorkloadRef,
+    /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
     #[command(flatten)]

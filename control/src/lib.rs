@@ -88,7 +88,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Logs(args) => logs(&runtime_dir, args).await,
         Command::Daemon => userd::server::run(runtime_dir.clone()).await,
         Command::Lab(args) => lab::run(args),
-        Command::Attach(args) => attach_command(args).await,
+        Command::Attach(args) => attach_command(*args).await,
         Command::Detach(args) => detach_command(args).await,
         Command::Diagnose(crate::cli::DiagnoseCommand::Source(args)) => {
             diagnose_source(&runtime_dir, args).await
@@ -738,7 +738,39 @@ async fn kube_connection(
     ssh::connect_kube(&kube.flags(), plan.as_ref(), &env).await
 }
 
+async fn attach_check(check: crate::cli::AttachCheck) -> Result<()> {
+    match check {
+        crate::cli::AttachCheck::Leak(a) => {
+            let (conn, _tunnel) = kube_connection(&a.kube).await?;
+            let namespace = conn.description.namespace.clone();
+            let r = attach::check::leak(
+                &conn.client,
+                &a.workload,
+                &namespace,
+                &a.kube.manager_namespace,
+            )
+            .await?;
+            output::attach_leak(&r, a.output)
+        }
+        crate::cli::AttachCheck::Sessions(a) => {
+            let (conn, _tunnel) = kube_connection(&a.kube).await?;
+            let namespace = conn.description.namespace.clone();
+            let r = attach::check::sessions(
+                &conn.client,
+                &a.workload,
+                &namespace,
+                &a.kube.manager_namespace,
+            )
+            .await?;
+            output::attach_sessions(&r, a.output)
+        }
+    }
+}
+
 async fn attach_command(args: crate::cli::AttachArgs) -> Result<()> {
+    if let Some(crate::cli::AttachCommand::Check(check)) = args.command {
+        return attach_check(check).await;
+    }
     let (conn, _tunnel) = kube_connection(&args.kube).await?;
     let namespace = conn.description.namespace.clone();
     if args.list {
@@ -749,7 +781,26 @@ async fn attach_command(args: crate::cli::AttachArgs) -> Result<()> {
     let Some(w) = args.workload else {
         anyhow::bail!("name the workload to attach: kvpn attach deploy/NAME");
     };
-    let done = attach::attach(&conn.client, &w, &namespace, &args.kube.manager_namespace).await?;
+    let done = attach::attach(
+        &conn.client,
+        &w,
+        &namespace,
+        &args.kube.manager_namespace,
+        args.via,
+    )
+    .await?;
+    if done.via == attach::render::Via::Gateway {
+        output::done(&format!(
+            "Attached {w} in namespace {namespace} through the manager's gateway: init container {} ({})",
+            attach::render::GATEWAY_CONTAINER,
+            done.image
+        ));
+        output::detail(&format!("Sidecar: {}", done.why));
+        output::detail(
+            "Laptops see one source for every replica: the manager's tunnel address; remove it with `kvpn detach`",
+        );
+        return Ok(());
+    }
     output::done(&format!(
         "Attached {w} in namespace {namespace}: tunnel container {} ({}), Secret {}",
         attach::render::CONTAINER,
@@ -776,7 +827,7 @@ async fn detach_command(args: crate::cli::DetachArgs) -> Result<()> {
     let namespace = conn.description.namespace.clone();
     attach::detach(&conn.client, &args.workload, &namespace).await?;
     output::done(&format!(
-        "Detached {} in namespace {namespace}: tunnel container, volume and Secret removed",
+        "Detached {} in namespace {namespace}: what kvpn attach added is removed",
         args.workload
     ));
     Ok(())

@@ -115,6 +115,104 @@ pub fn attached_replicas(r: &[crate::attach::Replica], format: OutputFormat) -> 
     Ok(())
 }
 
+/// `kvpn attach check leak`'s report.
+pub fn attach_leak(r: &crate::attach::check::LeakReport, format: OutputFormat) -> Result<()> {
+    match format {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(r)?),
+        OutputFormat::Yaml => print!("{}", serde_yaml_ng::to_string(r)?),
+        OutputFormat::Table => {
+            let via = match r.via {
+                crate::attach::render::Via::Sidecar => "per-workload tunnel (sidecar)",
+                crate::attach::render::Via::Gateway => "manager as egress gateway",
+            };
+            let sources: Vec<String> = r.sources.iter().map(ToString::to_string).collect();
+            let rows = [
+                (
+                    "workload",
+                    format!("{} in namespace {}", r.workload, r.namespace),
+                ),
+                ("attached as", via.to_owned()),
+                ("probe pod", r.pod.clone()),
+                ("laptop", format!("{} on {}", r.laptop_ip, r.laptop_device)),
+                (
+                    "sent",
+                    format!(
+                        "{} datagrams, every 10 ms from the app's first moment",
+                        r.sent
+                    ),
+                ),
+                ("through the tunnel", r.through_tunnel.to_string()),
+                ("outside the tunnel", r.outside_tunnel.to_string()),
+                (
+                    "first through",
+                    match (r.first_through_seq, r.first_through_after_ms) {
+                        (Some(s), Some(ms)) => {
+                            format!("#{s}, sent {ms:.1} ms after the app started")
+                        }
+                        _ => "none".to_owned(),
+                    },
+                ),
+                (
+                    "lost before it",
+                    r.lost_before_first
+                        .map_or("-".to_owned(), |n| n.to_string()),
+                ),
+                (
+                    "sources seen",
+                    if sources.is_empty() {
+                        "-".to_owned()
+                    } else {
+                        sources.join(", ")
+                    },
+                ),
+                ("probe", r.probe_log.clone()),
+            ];
+            for (k, v) in rows {
+                println!("{k:<20} {v}");
+            }
+            let verdict = match (r.outside_tunnel, r.first_through_seq) {
+                (0, Some(0)) => {
+                    "no leak, no window: the very first datagram came through the tunnel"
+                }
+                (0, Some(_)) => {
+                    "no leak; a window: the first datagrams were lost before the path existed"
+                }
+                (0, None) => "no leak, but nothing came through either",
+                _ => "LEAK: datagrams reached the laptop outside the tunnel",
+            };
+            println!("{:<20} {verdict}", "verdict");
+        }
+    }
+    Ok(())
+}
+
+/// `kvpn attach check sessions`'s report.
+pub fn attach_sessions(
+    r: &crate::attach::check::SessionsReport,
+    format: OutputFormat,
+) -> Result<()> {
+    match format {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(r)?),
+        OutputFormat::Yaml => print!("{}", serde_yaml_ng::to_string(r)?),
+        OutputFormat::Table => {
+            println!("{:<44} {:<16} SOURCE SEEN", "POD", "TUNNEL IP");
+            for x in &r.rows {
+                println!(
+                    "{:<44} {:<16} {}",
+                    x.pod,
+                    x.tunnel_ip.as_deref().unwrap_or("-"),
+                    x.source_seen.map_or("-".to_owned(), |s| s.to_string())
+                );
+            }
+            println!(
+                "{} replicas: {} sessions ({} distinct tunnel IPs), {} distinct sources seen by the laptop; scaled back to {}",
+                r.replicas, r.sessions, r.distinct_tunnel_ips, r.distinct_sources, r.scaled_back_to
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `kvpn diagnose source`'s report.
 pub fn diagnose_source(r: &crate::diagnose::SourceReport, format: OutputFormat) -> Result<()> {
     match format {

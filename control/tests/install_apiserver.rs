@@ -477,7 +477,8 @@ async fn admin_installs_keeps_upgrades_and_uninstalls() {
         vec![
             (Some("data".into()), 10801),
             (Some("grpc".into()), 10802),
-            (Some("attach".into()), 10804)
+            (Some("attach".into()), 10804),
+            (Some("gateway".into()), 10805)
         ]
     );
     let secret = Api::<Secret>::namespaced(admin.clone(), &ns)

@@ -15,6 +15,8 @@
 //! - [`session`]: the tokio shell of one data-channel session (frames in and
 //!   out); [`server`]: the :10801 listener, plain TCP or TLS 1.3 ([`tls`]);
 //!   [`peers`]: live sessions by tunnel IP (laptop-to-laptop forwarding);
+//!   [`gateway`]: the egress gateway of `kvpn attach --via gateway` (VXLAN
+//!   from pods, one translated source towards the laptops);
 //!   [`window`]: the TCP flows' receive window from the connection's round trip.
 //! - [`lease`]: the pure lease table (tunnel IPs from the pool, tokens,
 //!   expiry); [`leases`]: its shell (clock, randomness, the Lease-object store);
@@ -36,6 +38,7 @@ pub mod engine;
 pub mod forwarded;
 pub mod frag;
 pub mod fuzzing;
+pub mod gateway;
 pub mod grpc;
 pub mod kernel;
 pub mod lease;

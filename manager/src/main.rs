@@ -194,6 +194,12 @@ struct Args {
     /// (docs/attach.md). Needs --leases.
     #[arg(long, default_value = "off", value_parser = parse_metrics_listen)]
     attach_listen: MetricsListen,
+    /// Be the egress gateway of `kvpn attach --via gateway` on this UDP
+    /// address (VXLAN from attached pods; they reach the laptops with this
+    /// manager's tunnel address as source), or `off`. The install gives
+    /// 0.0.0.0:10805, in the Service (docs/tunnel-ownership.md). Needs --leases.
+    #[arg(long, default_value = "off", value_parser = parse_metrics_listen)]
+    gateway_listen: MetricsListen,
 }
 
 fn parse_gateway(s: &str) -> Result<Option<std::net::Ipv4Addr>, String> {
@@ -405,7 +411,10 @@ fn main() -> anyhow::Result<()> {
         .init();
     // The tunnel container of an attached pod runs the same image.
     if let Some(sub) = std::env::args().nth(1)
-        && (sub == "tunnel" || sub == "tunnel-wait")
+        && (sub == "tunnel"
+            || sub == "tunnel-wait"
+            || sub == "gateway-route"
+            || sub == "probe-send")
     {
         return tunnel::main_from_args(std::env::args().skip(1));
     }
@@ -590,6 +599,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
         config.pool_tun = Some(tun);
     } else {
         info!("source policy snat: backends see this pod's IP");
+    }
+    if let Some(listen) = args.gateway_listen.0 {
+        anyhow::ensure!(
+            args.leases,
+            "--gateway-listen needs --leases (the gateway forwards only to leased tunnel IPs of the pool)"
+        );
+        let gw = Arc::new(
+            kvpn_manager::gateway::Gateway::bind(
+                listen,
+                kvpn_manager::engine::MANAGER_STACK_V4,
+                args.tunnel_pool,
+                config.peers.clone(),
+            )
+            .await?,
+        );
+        tokio::spawn(gw.clone().run());
+        config.gateway = Some(gw);
     }
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(

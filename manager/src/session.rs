@@ -120,6 +120,10 @@ pub struct SessionConfig {
     /// device (the pod's kernel forwards them with the tunnel IP as source) instead
     /// of smoltcp. `None`: `snat`.
     pub pool_tun: Option<Arc<crate::preserve::PoolTun>>,
+    /// The egress gateway of `kvpn attach --via gateway`: a laptop's packet to
+    /// the manager's tunnel address that answers a translated pod flow goes
+    /// back to the pod through it ([`crate::gateway`]).
+    pub gateway: Option<Arc<crate::gateway::Gateway>>,
     /// The `kvpn diagnose source` trace, shared with the gRPC service.
     pub trace: Arc<crate::trace::SourceTrace>,
     /// Per-client flow cap (all kinds), see [`EngineConfig::max_flows`].
@@ -172,6 +176,7 @@ impl Default for SessionConfig {
             tunnel_pool: None,
             peers: Peers::default(),
             pool_tun: None,
+            gateway: None,
             trace: Arc::default(),
             max_flows: crate::engine::DEFAULT_MAX_FLOWS,
             new_flows_per_sec: crate::limit::NEW_FLOWS_PER_SEC,
@@ -383,6 +388,12 @@ fn forward_to_peer(packet: &[u8], engine: &mut Engine, config: &SessionConfig) -
     // Wrong sources are the engine's to drop and count.
     if !engine.is_tunnel_ip(src) || dst == src {
         return false;
+    }
+    if dst == IpAddr::V4(MANAGER_STACK_V4)
+        && let Some(gw) = &config.gateway
+        && gw.laptop_packet(packet)
+    {
+        return true;
     }
     let in_pool = match (config.tunnel_pool, dst) {
         (Some(pool), IpAddr::V4(v4)) => {

@@ -66,6 +66,43 @@ enum Cmd {
     Tunnel(TunnelArgs),
     /// Wait until the tunnel's TUN device exists (postStart hook, startup probe).
     TunnelWait(WaitArgs),
+    /// Steer the tunnel pool to the manager's gateway (`kvpn attach --via
+    /// gateway`'s init container): a VXLAN device towards the manager
+    /// Service, a permanent next hop and the pool's route, then exit.
+    GatewayRoute(GatewayArgs),
+    /// `kvpn attach check leak`'s probe: from its first moment, send numbered
+    /// UDP datagrams (sequence number, microseconds since the process
+    /// started) to the laptop, then exit.
+    ProbeSend(ProbeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ProbeArgs {
+    /// The laptop's tunnel IP and the check's port.
+    #[arg(long)]
+    to: std::net::SocketAddr,
+    /// Datagrams to send.
+    #[arg(long, default_value_t = 300)]
+    count: u32,
+    /// Milliseconds between datagrams.
+    #[arg(long, default_value_t = 10)]
+    interval_ms: u64,
+}
+
+#[derive(Debug, clap::Args)]
+struct GatewayArgs {
+    /// The manager Service's address (its ClusterIP).
+    #[arg(long, env = "KVPN_MANAGER_HOST")]
+    manager_host: Ipv4Addr,
+    /// The manager's gateway port (UDP), also this pod's VXLAN port.
+    #[arg(long, default_value_t = kvpn_proto::attach::GATEWAY_PORT)]
+    gateway_port: u16,
+    /// The developers' tunnel range, routed to the gateway.
+    #[arg(long, default_value = "100.96.0.0/16")]
+    pool: ipnet::Ipv4Net,
+    /// The VXLAN device's name in the pod.
+    #[arg(long, default_value = "kvpn-gw")]
+    device: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -112,12 +149,139 @@ pub fn main_from_args(args: impl Iterator<Item = String>) -> anyhow::Result<()> 
     let cli = Cli::parse_from(std::iter::once("kvpn-manager".to_owned()).chain(args));
     match cli.cmd {
         Cmd::TunnelWait(w) => wait(&w),
+        Cmd::ProbeSend(p) => probe_send(&p),
+        Cmd::GatewayRoute(g) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the tokio runtime")?
+            .block_on(gateway_route(&g)),
         Cmd::Tunnel(t) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .context("cannot start the tokio runtime")?
             .block_on(run(t)),
     }
+}
+
+/// `probe-send`: numbered datagrams from the process's first moment. A send
+/// that fails (no route yet) counts as sent and lost.
+fn probe_send(p: &ProbeArgs) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let bind: std::net::SocketAddr = if p.to.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = std::net::UdpSocket::bind(bind).context("cannot open a UDP socket")?;
+    let mut failed = 0u32;
+    for seq in 0..p.count {
+        let us = t0.elapsed().as_micros();
+        let msg = format!("kvpn-probe {seq} {us}");
+        if socket.send_to(msg.as_bytes(), p.to).is_err() {
+            failed += 1;
+        }
+        std::thread::sleep(Duration::from_millis(p.interval_ms));
+    }
+    // The check reads this line from the container's log.
+    let mut out = std::io::stdout();
+    std::io::Write::write_fmt(
+        &mut out,
+        format_args!(
+            "sent {} datagrams to {}, {failed} refused by the kernel\n",
+            p.count, p.to
+        ),
+    )
+    .context("cannot write the probe's summary")?;
+    Ok(())
+}
+
+/// The init container of `kvpn attach --via gateway`: kernel state only.
+async fn gateway_route(g: &GatewayArgs) -> anyhow::Result<()> {
+    use futures::TryStreamExt as _;
+    use rtnetlink::packet_route::neighbour::NeighbourState;
+    use rtnetlink::packet_route::route::RouteFlags;
+    use rtnetlink::{LinkUnspec, LinkVxlan, RouteMessageBuilder};
+
+    let (connection, handle, _) =
+        rtnetlink::new_connection().context("cannot open a NETLINK_ROUTE socket")?;
+    tokio::spawn(connection);
+    // A re-run in the same network namespace (the kubelet retried the init
+    // container) starts over.
+    let mut found = handle.link().get().match_name(g.device.clone()).execute();
+    if let Ok(Some(old)) = found.try_next().await {
+        handle
+            .link()
+            .del(old.header.index)
+            .execute()
+            .await
+            .with_context(|| format!("cannot delete the old {} device", g.device))?;
+    }
+    let port = g.gateway_port;
+    let vxlan = LinkVxlan::new(&g.device, kvpn_proto::attach::GATEWAY_VNI)
+        .remote(g.manager_host)
+        .port(port)
+        // Source port = destination port: the manager's replies (through the
+        // Service's conntrack) come back to this device's own socket.
+        .port_range(port, port.saturating_add(1))
+        .learning(false)
+        // No outer UDP checksum (RFC 7348 allows zero over IPv4): measured on
+        // the real-node lab, checksummed datagrams reached the manager pod
+        // with bad checksums after the Service's DNAT (its /proc/net/snmp:
+        // InCsumErrors 60 of 80) and were dropped by its kernel.
+        .udp_csum(false)
+        .up()
+        .build();
+    handle.link().add(vxlan).execute().await.with_context(|| {
+        format!(
+            "cannot create the VXLAN device {} (needs NET_ADMIN and a kernel with VXLAN)",
+            g.device
+        )
+    })?;
+    let mut found = handle.link().get().match_name(g.device.clone()).execute();
+    let index = found
+        .try_next()
+        .await
+        .with_context(|| format!("cannot read the {} device", g.device))?
+        .with_context(|| format!("the {} device vanished after it was created", g.device))?
+        .header
+        .index;
+    handle
+        .link()
+        .set(LinkUnspec::new_with_index(index).up().build())
+        .execute()
+        .await
+        .with_context(|| format!("cannot set {} up", g.device))?;
+    let hop = kvpn_proto::attach::GATEWAY_NEXT_HOP;
+    handle
+        .neighbours()
+        .add(index, IpAddr::V4(hop))
+        .link_layer_address(&kvpn_proto::attach::GATEWAY_MAC)
+        .state(NeighbourState::Permanent)
+        .replace()
+        .execute()
+        .await
+        .with_context(|| format!("cannot add the next hop {hop} on {}", g.device))?;
+    let mut route = RouteMessageBuilder::<Ipv4Addr>::new()
+        .destination_prefix(g.pool.network(), g.pool.prefix_len())
+        .gateway(hop)
+        .output_interface(index)
+        .build();
+    route.header.flags |= RouteFlags::Onlink;
+    handle
+        .route()
+        .add(route)
+        .replace()
+        .execute()
+        .await
+        .with_context(|| format!("cannot route {} via {hop} dev {}", g.pool, g.device))?;
+    info!(
+        device = %g.device,
+        manager = %g.manager_host,
+        port,
+        pool = %g.pool,
+        "tunnel pool routed to the manager's gateway; exiting (kernel state only)"
+    );
+    Ok(())
 }
 
 fn wait(w: &WaitArgs) -> anyhow::Result<()> {

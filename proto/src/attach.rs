@@ -21,6 +21,21 @@ use sha2::{Digest as _, Sha256};
 /// The manager's attach port: gRPC `Lease` over TLS for tunnel containers.
 pub const ATTACH_PORT: u16 = 10804;
 
+/// The manager's gateway port (UDP): VXLAN from the pods of workloads attached
+/// with `kvpn attach --via gateway` (docs/tunnel-ownership.md).
+pub const GATEWAY_PORT: u16 = 10805;
+
+/// The VXLAN network identifier of the gateway's encapsulation.
+pub const GATEWAY_VNI: u32 = 9696;
+
+/// The next hop an attached pod routes the tunnel pool through (link-local,
+/// on its VXLAN device, never on a wire).
+pub const GATEWAY_NEXT_HOP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(169, 254, 96, 2);
+
+/// The next hop's MAC address (locally administered), a permanent neighbour
+/// entry in the pod; the manager answers from it.
+pub const GATEWAY_MAC: [u8; 6] = [0x02, 0x6b, 0x76, 0x70, 0x6e, 0x01];
+
 /// gRPC metadata key carrying the attach key on the attach port.
 pub const ATTACH_KEY_HEADER: &str = "kvpn-attach-key";
 

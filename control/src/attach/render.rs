@@ -18,6 +18,10 @@ pub const VOLUME: &str = "kvpn-attach";
 pub const SECRET_MOUNT: &str = "/etc/kvpn/attach";
 /// The TUN device in the pod.
 pub const TUN: &str = "kvpn0";
+/// The init container of gateway mode (`kvpn attach --via gateway`).
+pub const GATEWAY_CONTAINER: &str = "kvpn-gateway";
+/// Its VXLAN device in the pod.
+pub const GATEWAY_DEVICE: &str = "kvpn-gw";
 /// Seconds the postStart hook / startup probe waits for the tunnel.
 pub const WAIT_S: u32 = 60;
 
@@ -298,19 +302,115 @@ pub fn attach_patch(existing: &[String], spec: &TunnelSpec, shape: SidecarShape)
     }}}})
 }
 
+/// How a workload is attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Via {
+    /// Each replica its own tunnel (a sidecar, its own lease and session).
+    Sidecar,
+    /// The manager as egress gateway: one translated source for all replicas.
+    Gateway,
+}
+
+/// What the gateway's init container needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewaySpec {
+    /// The manager's image (it carries `kvpn-manager gateway-route`).
+    pub image: String,
+    pub pull_policy: Option<String>,
+    /// The manager Service's ClusterIP: the VXLAN remote.
+    pub manager_host: String,
+    /// The developers' tunnel range (the manager's --tunnel-pool).
+    pub pool: String,
+}
+
+/// The init container of gateway mode: makes the VXLAN device towards the
+/// manager Service, the next hop and the pool's route, and exits ("kernel
+/// state only"). NET_ADMIN only; the app containers are not touched.
+pub fn gateway_container(spec: &GatewaySpec) -> Value {
+    let mut c = json!({
+        "name": GATEWAY_CONTAINER,
+        "image": spec.image,
+        "args": [
+            "gateway-route",
+            "--manager-host", spec.manager_host,
+            "--gateway-port", kvpn_proto::attach::GATEWAY_PORT.to_string(),
+            "--pool", spec.pool,
+            "--device", GATEWAY_DEVICE,
+        ],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": false,
+            "privileged": false,
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": true,
+            "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN"]},
+        },
+    });
+    if let Some(p) = &spec.pull_policy {
+        c["imagePullPolicy"] = json!(p);
+    }
+    c
+}
+
+/// The strategic-merge-patch body of `kvpn attach --via gateway` (servers
+/// before 1.23): the init container first, the others in their order.
+pub fn gateway_patch(existing_init: &[String], spec: &GatewaySpec) -> Value {
+    let mut order = vec![json!({"name": GATEWAY_CONTAINER})];
+    order.extend(existing_init.iter().map(|n| json!({"name": n})));
+    json!({"spec": {"template": {"spec": {
+        "$setElementOrder/initContainers": order,
+        "initContainers": [gateway_container(spec)],
+    }}}})
+}
+
+/// The server-side-apply body of `kvpn attach --via gateway` (≥ 1.23): the
+/// init container first, then the existing init containers by name only.
+pub fn gateway_body(
+    w: &WorkloadRef,
+    namespace: &str,
+    existing_init: &[String],
+    spec: &GatewaySpec,
+) -> Value {
+    let mut list = vec![gateway_container(spec)];
+    list.extend(existing_init.iter().map(|n| json!({"name": n})));
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": w.kind.kind(),
+        "metadata": {"name": w.name, "namespace": namespace},
+        "spec": {"template": {"spec": {"initContainers": list}}},
+    })
+}
+
+/// How `template` is attached, if it is.
+pub fn attached_via(template: &Value) -> Option<Via> {
+    if is_attached(template) {
+        Some(Via::Sidecar)
+    } else if container_names(template, "initContainers")
+        .iter()
+        .any(|n| n == GATEWAY_CONTAINER)
+    {
+        Some(Via::Gateway)
+    } else {
+        None
+    }
+}
+
 /// The strategic-merge-patch body of `kvpn detach` for servers before 1.23:
-/// delete the tunnel container (from either list) and the volume by name.
+/// delete the tunnel container (from either list), the gateway's init
+/// container and the volume by name.
 pub fn detach_patch(template: &Value) -> Value {
     let mut spec = serde_json::Map::new();
     for list in ["containers", "initContainers"] {
-        if container_names(template, list)
+        let names = container_names(template, list);
+        let ours: Vec<Value> = [CONTAINER, GATEWAY_CONTAINER]
             .iter()
-            .any(|n| n == CONTAINER)
-        {
-            spec.insert(
-                list.to_owned(),
-                json!([{"name": CONTAINER, "$patch": "delete"}]),
-            );
+            .filter(|c| names.iter().any(|n| n == *c))
+            .map(|c| json!({"name": c, "$patch": "delete"}))
+            .collect();
+        if !ours.is_empty() {
+            spec.insert(list.to_owned(), Value::Array(ours));
         }
     }
     let has_volume = template["spec"]["volumes"]
@@ -563,5 +663,92 @@ mod tests {
         assert!(is_attached(
             &json!({"spec": {"initContainers": [{"name": CONTAINER}]}})
         ));
+    }
+
+    fn gw() -> GatewaySpec {
+        GatewaySpec {
+            image: "localhost/kvpn/manager:0.1.0".into(),
+            pull_policy: Some("IfNotPresent".into()),
+            manager_host: "10.96.0.20".into(),
+            pool: "100.96.0.0/16".into(),
+        }
+    }
+
+    /// The gateway's init container: NET_ADMIN only (no MKNOD: no TUN device),
+    /// not privileged, no volume, no probe or hook, and it only routes.
+    #[test]
+    fn gateway_init_container_has_net_admin_only_and_only_routes() {
+        let c = gateway_container(&gw());
+        assert_eq!(c["name"], GATEWAY_CONTAINER);
+        let sc = &c["securityContext"];
+        assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+        assert_eq!(sc["capabilities"]["add"], json!(["NET_ADMIN"]));
+        assert_eq!(sc["privileged"], false);
+        assert_eq!(sc["allowPrivilegeEscalation"], false);
+        assert_eq!(sc["readOnlyRootFilesystem"], true);
+        assert_eq!(c["imagePullPolicy"], "IfNotPresent");
+        assert_eq!(
+            c["args"],
+            json!([
+                "gateway-route",
+                "--manager-host",
+                "10.96.0.20",
+                "--gateway-port",
+                "10805",
+                "--pool",
+                "100.96.0.0/16",
+                "--device",
+                GATEWAY_DEVICE
+            ])
+        );
+        for absent in [
+            "volumeMounts",
+            "lifecycle",
+            "startupProbe",
+            "restartPolicy",
+            "env",
+        ] {
+            assert!(c.get(absent).is_none(), "{absent} in {c:#}");
+        }
+    }
+
+    /// Attach puts the init container first and keeps the others' order; the
+    /// apply body names the others by name only; detach deletes it by name.
+    #[test]
+    fn gateway_patch_body_and_detach() {
+        let existing = vec!["migrate".to_owned()];
+        let p = gateway_patch(&existing, &gw());
+        let spec = &p["spec"]["template"]["spec"];
+        assert_eq!(
+            spec["$setElementOrder/initContainers"],
+            json!([{"name": GATEWAY_CONTAINER}, {"name": "migrate"}])
+        );
+        assert_eq!(spec["initContainers"][0]["name"], GATEWAY_CONTAINER);
+        assert!(spec.get("containers").is_none() && spec.get("volumes").is_none());
+        let b = gateway_body(&web(), "shop", &existing, &gw());
+        assert_eq!(b["kind"], "Deployment");
+        assert_eq!(
+            b["spec"]["template"]["spec"]["initContainers"][1],
+            json!({"name": "migrate"})
+        );
+        let tpl = json!({"spec": {
+            "initContainers": [gateway_container(&gw()), {"name": "migrate"}],
+            "containers": [{"name": "app"}],
+        }});
+        assert_eq!(attached_via(&tpl), Some(Via::Gateway));
+        assert_eq!(
+            detach_patch(&tpl),
+            json!({"spec": {"template": {"spec": {
+                "initContainers": [{"name": GATEWAY_CONTAINER, "$patch": "delete"}]
+            }}}})
+        );
+        assert_eq!(
+            attached_via(&json!({"spec": {"containers": [{"name": "app"}]}})),
+            None
+        );
+        assert_eq!(
+            attached_via(&json!({"spec": {"containers": [{"name": CONTAINER}]}})),
+            Some(Via::Sidecar)
+        );
     }
 }

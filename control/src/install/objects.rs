@@ -56,7 +56,7 @@ pub const DATA_PORT: u16 = 10801;
 /// Control gRPC port (leases, routes, DNS).
 pub const GRPC_PORT: u16 = 10802;
 /// The manager's attach port (gRPC `Lease` over TLS for attached pods).
-pub use kvpn_proto::attach::ATTACH_PORT;
+pub use kvpn_proto::attach::{ATTACH_PORT, GATEWAY_PORT};
 /// Metrics port (`GET /metrics`, pod loopback; docs/trust-model.md).
 pub const METRICS_PORT: u16 = 10803;
 /// Where the TLS Secret is mounted in the manager container.
@@ -339,6 +339,10 @@ pub fn service(spec: &Spec) -> Service {
                 service_port("data", DATA_PORT),
                 service_port("grpc", GRPC_PORT),
                 service_port("attach", ATTACH_PORT),
+                ServicePort {
+                    protocol: Some("UDP".into()),
+                    ..service_port("gateway", GATEWAY_PORT)
+                },
             ]),
             ..Default::default()
         }),
@@ -403,6 +407,10 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
                 // Service: TLS and the attach key (docs/attach.md).
                 "--attach-listen".into(),
                 format!("0.0.0.0:{ATTACH_PORT}"),
+                // Egress gateway of `kvpn attach --via gateway` (VXLAN over
+                // UDP through the Service; docs/tunnel-ownership.md).
+                "--gateway-listen".into(),
+                format!("0.0.0.0:{GATEWAY_PORT}"),
             ];
             // Only when not the default, so `snat` installs keep their template hash.
             if spec.source_policy != SourcePolicy::Snat {
@@ -416,6 +424,10 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
             port("grpc", GRPC_PORT),
             port("metrics", METRICS_PORT),
             port("attach", ATTACH_PORT),
+            ContainerPort {
+                protocol: Some("UDP".into()),
+                ..port("gateway", GATEWAY_PORT)
+            },
         ]),
         env: Some(vec![
             env("KVPN_TLS_CERT", &format!("{TLS_MOUNT}/tls.crt")),
@@ -884,6 +896,8 @@ mod tests {
                     "127.0.0.1:10803".to_owned(),
                     "--attach-listen".to_owned(),
                     "0.0.0.0:10804".to_owned(),
+                    "--gateway-listen".to_owned(),
+                    "0.0.0.0:10805".to_owned(),
                 ][..]
             )
         );
