@@ -597,8 +597,9 @@ pub struct UninstallArgs {
     /// Namespace of the traffic manager to remove.
     #[arg(long, default_value = "kvpn-system", value_parser = parse_namespace)]
     pub manager_namespace: String,
-    /// Remove the manager although other laptops hold live leases on it (they
-    /// are disconnected, and must `kvpn connect` again to use a new manager).
+    /// Remove the manager although other laptops hold live leases on it (their
+    /// sessions drop until a manager is back, then reconnect on their own to the
+    /// new one).
     #[arg(long)]
     pub force: bool,
     /// SSH jump hosts to the API server.

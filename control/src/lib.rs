@@ -925,8 +925,8 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
             let what = format!(
                 "{} other client(s) hold live leases on the traffic manager in {} (connected \
                  now, or within the manager's lease time): {} — removing the manager \
-                 disconnects those still connected for good; they must `kvpn connect` again \
-                 once a manager is back",
+                 drops their sessions until a manager is back; each of them then sees the \
+                 new manager's certificate and reconnects on its own",
                 others.len(),
                 kube.manager_namespace,
                 list.join(", ")

@@ -875,10 +875,13 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
         .map(|(pid, state)| crate::liveness::not_answering_text(pid, state))
         .map(|t| format!("T{}", t.strip_prefix('t').unwrap_or(&t)));
     if let Some(why) = &root.refuses_me {
-        say!("Not connected: {why}");
+        // Sessions of this user's own (SOCKS) may still be listed below: then
+        // it is the TUN side that is out of reach, not everything (trial T4).
         if rows.is_empty() {
+            say!("Not connected: {why}");
             return out;
         }
+        say!("No TUN session for this user: {why}");
     }
     if rows.is_empty() {
         match not_answering {
@@ -1870,5 +1873,20 @@ mod tests {
             },
         );
         assert_eq!(plain["sessions"][0]["socks"], serde_json::Value::Null);
+        // A refused user with a SOCKS session of its own: the table does not
+        // open with "Not connected" above a connected session (trial T4).
+        let refused = RootDaemon {
+            refuses_me: Some("the root daemon kvpn-dataplane refuses uid 65534".into()),
+            running: true,
+            refused_peers: None,
+            not_answering: None,
+        };
+        let table = status_table(&rows, refused.clone());
+        assert!(
+            table.starts_with("No TUN session for this user: the root daemon")
+                && !table.contains("Not connected"),
+            "{table}"
+        );
+        assert!(status_table(&[], refused).starts_with("Not connected: the root daemon"));
     }
 }

@@ -422,9 +422,10 @@ impl Daemon {
             return Ok(request);
         }
         let n = self.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
+        // The caller's pid, named as the caller's (trial T5: read as the daemon's).
         let pid = cred
             .pid()
-            .map_or_else(String::new, |p| format!(" (pid {p})"));
+            .map_or_else(String::new, |p| format!(" (the calling process, pid {p})"));
         tracing::warn!(
             uid,
             pid = cred.pid(),
