@@ -490,6 +490,11 @@ pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
         (args.allow_route_conflict, "--allow-route-conflict"),
         (args.steer() != crate::cli::Steer::Routes, "--steer"),
         (args.hosts, "--hosts"),
+        // DNS and routing options (trial T2: silently dropped).
+        (!args.never_proxy.is_empty(), "--never-proxy"),
+        (!args.extra_domains.is_empty(), "--extra-domain"),
+        (!args.include_suffixes.is_empty(), "--include-suffix"),
+        (!args.exclude_suffixes.is_empty(), "--exclude-suffix"),
     ] {
         if set {
             given.push(flag);
@@ -2060,6 +2065,31 @@ mod tests {
     fn replicas_on_a_running_session_are_named_as_not_applied() {
         let three = connect_args(&["--replicas", "3"]);
         assert_eq!(flags_not_applied(&three, "snat"), ["--replicas"]);
+    }
+
+    /// DNS and routing options on a running session are named as not applied
+    /// (trial T2: `--exclude-suffix`, `--never-proxy` were dropped silently).
+    #[test]
+    fn dns_and_routing_options_on_a_running_session_are_named_as_not_applied() {
+        let args = connect_args(&[
+            "--exclude-suffix",
+            "example.org",
+            "--never-proxy",
+            "10.244.1.8/32",
+            "--extra-domain",
+            "db.internal",
+            "--include-suffix",
+            "corp.internal",
+        ]);
+        assert_eq!(
+            flags_not_applied(&args, "snat"),
+            [
+                "--never-proxy",
+                "--extra-domain",
+                "--include-suffix",
+                "--exclude-suffix"
+            ]
+        );
     }
 
     /// One ignored flag is "it", several "they"; none, no warning.
