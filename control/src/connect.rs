@@ -471,6 +471,25 @@ pub async fn disconnect_sessions_of(
     Ok(stopped)
 }
 
+/// The error when a cluster range overlaps the manager's tunnel pool (trial
+/// T1: a pod range inside 100.96.0.0/16 was reported as routed, was not, and
+/// pod IPs were unreachable without a word). Pure.
+pub fn pool_overlap(pool: &IpNet, ranges: &[(&[IpNet], &str)]) -> Option<String> {
+    let (net, what) = ranges.iter().find_map(|(nets, what)| {
+        nets.iter()
+            .find(|n| n.contains(&pool.network()) || pool.contains(&n.network()))
+            .map(|n| (*n, *what))
+    })?;
+    Some(format!(
+        "the cluster's {what} range {net} overlaps the traffic manager's tunnel pool {pool} \
+         (the laptops' addresses): the two cannot share a route, so addresses in {net} would \
+         not be reachable — run the traffic manager with a pool outside every cluster range \
+         (its `--tunnel-pool`, e.g. `kubectl -n <manager namespace> edit deployment \
+         kvpn-manager` and add `--tunnel-pool 100.64.0.0/16`), or give the cluster's ranges \
+         without the overlap"
+    ))
+}
+
 /// The flags of `args` that only shape a new session (routes, DNS, device), for
 /// the warning when the session already exists.
 pub fn session_flags_given(args: &ConnectArgs) -> Vec<&'static str> {
@@ -1675,6 +1694,16 @@ pub async fn kube_connect_as(
              --pod-cidr and --service-cidr"
         );
     }
+    if let Some(e) = pool_overlap(
+        &tunnel_pool,
+        &[
+            (&pod[..], "pod"),
+            (&service[..], "service"),
+            (&args.extra_cidrs[..], "--cidr"),
+        ],
+    ) {
+        bail!(e);
+    }
 
     // Never route the API server, the nameservers or the gateway into the tunnel (rt-02).
     let api_host = host_of(&conn.description.server);
@@ -1901,10 +1930,11 @@ pub async fn kube_connect_as(
 mod tests {
     use super::{
         SessionMatch, excluded_cluster_names, flags_not_applied, host_of, ignored_flags_warning,
-        match_session, same_cluster, unhandled_conflicts,
+        match_session, pool_overlap, same_cluster, unhandled_conflicts,
     };
     use crate::cli::{Cli, Command, ConnectArgs};
     use clap::Parser as _;
+    use ipnet::IpNet;
     use kvpn_proto::dataplane::{Origin, Session};
 
     /// #29 F3: an --exclude-suffix over the cluster domain or a search domain is
@@ -2065,6 +2095,30 @@ mod tests {
     fn replicas_on_a_running_session_are_named_as_not_applied() {
         let three = connect_args(&["--replicas", "3"]);
         assert_eq!(flags_not_applied(&three, "snat"), ["--replicas"]);
+    }
+
+    /// A cluster range overlapping the tunnel pool is refused naming both
+    /// (trial T1); disjoint ranges pass.
+    #[test]
+    fn a_cluster_range_inside_the_tunnel_pool_is_refused_naming_both() {
+        let net = |s: &str| s.parse::<IpNet>().expect("net");
+        let pool = net("100.96.0.0/16");
+        let pods = [net("100.96.1.0/24")];
+        let services = [net("10.80.0.0/24")];
+        let e = pool_overlap(&pool, &[(&pods, "pod"), (&services, "service")]).expect("refused");
+        assert!(
+            e.contains(
+                "pod range 100.96.1.0/24 overlaps the traffic manager's tunnel pool 100.96.0.0/16"
+            ) && e.contains("--tunnel-pool"),
+            "{e}"
+        );
+        let wide = [net("100.0.0.0/8")];
+        assert!(pool_overlap(&pool, &[(&wide, "--cidr")]).is_some());
+        let fine = [net("10.244.0.0/16")];
+        assert_eq!(
+            pool_overlap(&pool, &[(&fine, "pod"), (&services, "service")]),
+            None
+        );
     }
 
     /// DNS and routing options on a running session are named as not applied
