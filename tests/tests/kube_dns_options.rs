@@ -77,6 +77,53 @@ fn extra_domain_include_exclude_suffix_and_never_proxy_work_and_are_shown() {
         )),
         "{said}"
     );
+    // Traffic to the --extra-domain name: a host at EXTRA_IP outside every
+    // cluster range (a second address of one web pod, on its loopback, routed
+    // by the node: what a stub domain's server behind the cluster network is)
+    // answers curl by name through the tunnel.
+    let web = f
+        .pods("default", "app=web")
+        .into_iter()
+        .find(kvpn_tests::kube_lab::pod_ready)
+        .unwrap_or_else(|| panic!("no ready web pod"));
+    let pod_ip = kvpn_tests::kube_lab::pod_ip(&web).to_string();
+    let add = f
+        .pod_netns(&web)
+        .exec(&["ip", "addr", "add", &format!("{EXTRA_IP}/32"), "dev", "lo"])
+        .unwrap_or_else(|e| panic!("address in the web pod: {e:#}"));
+    assert!(add.status.success(), "{}", text(&add.stderr));
+    let route = f
+        .lab()
+        .netns_lab()
+        .node()
+        .netns()
+        .exec(&[
+            "ip",
+            "route",
+            "add",
+            &format!("{EXTRA_IP}/32"),
+            "via",
+            &pod_ip,
+        ])
+        .unwrap_or_else(|e| panic!("route in the node: {e:#}"));
+    assert!(route.status.success(), "{}", text(&route.stderr));
+    let page = f.laptop(&[
+        "curl",
+        "-sS",
+        "--max-time",
+        "10",
+        &format!("http://{EXTRA}:{}/", kvpn_lab::HTTP_PORT),
+    ]);
+    assert!(
+        page.status.success()
+            && text(&page.stdout)
+                .contains(&format!("pod: {}", kvpn_tests::kube_lab::pod_name(&web))),
+        "curl to the --extra-domain name {EXTRA}: {} {}\n{}",
+        text(&page.stdout),
+        text(&page.stderr),
+        f.diagnostics()
+    );
+
     // A name the cluster does not know: a warning, connect went on.
     assert!(
         said.lines()
