@@ -1842,20 +1842,14 @@ pub async fn kube_connect_as(
     let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
         .context("cannot watch SIGINT")?;
     let mut start_client = user.clone();
+    let ssh_direct = data_path.request_fields();
     let start = start_client.start_session(StartSessionRequest {
         grpc_port: u32::from(manager.grpc_port),
         keep_out: keep_out.iter().map(ToString::to_string).collect(),
         never_proxy: args.never_proxy.iter().map(ToString::to_string).collect(),
         extra_domains: args.extra_domains.clone(),
-        ssh_direct: data_path
-            .ssh_direct_target()
-            .or_else(|| data_path.ssh_direct_candidate().map(|(t, _)| t))
-            .map(|t| t.to_string())
-            .unwrap_or_default(),
-        ssh_direct_failed: data_path
-            .ssh_direct_candidate()
-            .map(|(_, why)| why.to_owned())
-            .unwrap_or_default(),
+        ssh_direct: ssh_direct.0,
+        ssh_direct_failed: ssh_direct.1,
         connect: Some(ConnectRequest {
             // The user daemon's loopback listener; it fills this in.
             manager: String::new(),

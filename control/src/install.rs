@@ -1314,8 +1314,29 @@ async fn delete_and_wait<K: Kind>(
     deadline: Instant,
     progress: &dyn Progress,
 ) -> Result<bool, Error> {
+    delete_and_wait_with(
+        api,
+        namespace,
+        name,
+        deadline,
+        progress,
+        &DeleteParams::background(),
+    )
+    .await
+}
+
+/// [`delete_and_wait`] with `params` (foreground: the object stays until its
+/// dependents are gone).
+async fn delete_and_wait_with<K: Kind>(
+    api: &Api<K>,
+    namespace: Option<&str>,
+    name: &str,
+    deadline: Instant,
+    progress: &dyn Progress,
+    params: &DeleteParams,
+) -> Result<bool, Error> {
     progress.report(ProgressEvent::Step(format!("Deleting {} {name}", K::KIND)));
-    match api.delete(name, &DeleteParams::background()).await {
+    match api.delete(name, params).await {
         Ok(_) => {}
         Err(e) if is_status(&e, 404) => return Ok(false),
         Err(e) => return Err(api_error::<K>("delete", namespace, name)(e)),
@@ -1357,30 +1378,19 @@ async fn delete_node_agent(
         Err(e) if is_status(&e, 403) => false,
         Err(e) => return Err(api_error::<DaemonSet>("get", ns, name)(e)),
     };
-    if exists {
-        progress.report(ProgressEvent::Step(format!(
-            "Deleting DaemonSet {name} (its pods remove their routes for the tunnel pool)"
-        )));
-        match daemon_sets.delete(name, &DeleteParams::foreground()).await {
-            Ok(_) => {}
-            Err(e) if is_status(&e, 404) => {}
-            Err(e) => return Err(api_error::<DaemonSet>("delete", ns, name)(e)),
-        }
-        // Foreground: the object stays until its pods are gone.
-        loop {
-            match daemon_sets.get_opt(name).await {
-                Ok(None) => break,
-                Ok(Some(_)) => {}
-                Err(e) => debug!(error = %e, "checking the deleted node agent; retrying"),
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::DeleteTimeout {
-                    object: object_name::<DaemonSet>(ns, name),
-                    after: UNINSTALL_TIMEOUT,
-                });
-            }
-            tokio::time::sleep(POLL_INTERVAL).await;
-        }
+    // Foreground: the DaemonSet stays until its pods (which remove their
+    // routes on SIGTERM) are gone.
+    if exists
+        && delete_and_wait_with(
+            &daemon_sets,
+            ns,
+            name,
+            deadline,
+            progress,
+            &DeleteParams::foreground(),
+        )
+        .await?
+    {
         report.deleted.push(format!("DaemonSet {name}"));
     }
     delete_if_present::<RoleBinding>(client, namespace, name, deadline, progress, report).await?;

@@ -11,9 +11,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector,
-    PodSecurityContext, PodSpec, PodTemplateSpec, ResourceRequirements, SeccompProfile,
-    SecurityContext, ServiceAccount, Toleration,
+    Capabilities, Container, PodSecurityContext, PodSpec, PodTemplateSpec, ResourceRequirements,
+    SeccompProfile, SecurityContext, ServiceAccount, Toleration,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -21,6 +20,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 
 use super::objects::{
     ANNOTATION_VERSION, LABEL_MANAGED_BY, LABEL_NAME, LEASE_GROUP, MANAGED_BY, MANAGER, Spec,
+    env_from_field, pull_secrets,
 };
 
 /// Name of the DaemonSet, its ServiceAccount, Role and RoleBinding.
@@ -116,17 +116,7 @@ pub fn daemon_set(spec: &Spec) -> DaemonSet {
             "--pool".into(),
             POOL.into(),
         ]),
-        env: Some(vec![EnvVar {
-            name: "NODE_IP".into(),
-            value: None,
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    api_version: Some("v1".into()),
-                    field_path: "status.hostIP".into(),
-                }),
-                ..Default::default()
-            }),
-        }]),
+        env: Some(vec![env_from_field("NODE_IP", "status.hostIP")]),
         resources: Some(ResourceRequirements {
             requests: Some(
                 [
@@ -186,12 +176,7 @@ pub fn daemon_set(spec: &Spec) -> DaemonSet {
                         }),
                         ..Default::default()
                     }),
-                    image_pull_secrets: (!spec.image_pull_secrets.is_empty()).then(|| {
-                        spec.image_pull_secrets
-                            .iter()
-                            .map(|name| LocalObjectReference { name: name.clone() })
-                            .collect()
-                    }),
+                    image_pull_secrets: pull_secrets(spec),
                     containers: vec![container],
                     ..Default::default()
                 }),
@@ -206,6 +191,7 @@ pub fn daemon_set(spec: &Spec) -> DaemonSet {
 mod tests {
     use super::*;
     use crate::install::objects::SourcePolicy;
+    use k8s_openapi::api::core::v1::LocalObjectReference;
 
     fn spec() -> Spec {
         Spec {

@@ -378,6 +378,32 @@ fn env(name: &str, value: &str) -> EnvVar {
     }
 }
 
+/// An environment variable from the downward API (`metadata.name`,
+/// `status.hostIP`, …).
+pub(super) fn env_from_field(name: &str, field_path: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                api_version: Some("v1".into()),
+                field_path: field_path.to_owned(),
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
+/// The pod's `imagePullSecrets` from `--image-pull-secret` (None without any).
+pub(super) fn pull_secrets(spec: &Spec) -> Option<Vec<LocalObjectReference>> {
+    (!spec.image_pull_secrets.is_empty()).then(|| {
+        spec.image_pull_secrets
+            .iter()
+            .map(|name| LocalObjectReference { name: name.clone() })
+            .collect()
+    })
+}
+
 /// The pod template without [`ANNOTATION_TEMPLATE_HASH`]. `tls_fingerprint` (a digest
 /// of the Secret's CA) is an annotation so that a new certificate rolls the pod:
 /// kubelets refresh mounted Secrets only after a delay, and the lab's stand-in never.
@@ -433,28 +459,8 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
             env("KVPN_TLS_CERT", &format!("{TLS_MOUNT}/tls.crt")),
             env("KVPN_TLS_KEY", &format!("{TLS_MOUNT}/tls.key")),
             // The replica's name, written as the holder of the lease objects it writes.
-            EnvVar {
-                name: "KVPN_POD_NAME".into(),
-                value: None,
-                value_from: Some(EnvVarSource {
-                    field_ref: Some(ObjectFieldSelector {
-                        api_version: Some("v1".into()),
-                        field_path: "metadata.name".into(),
-                    }),
-                    ..Default::default()
-                }),
-            },
-            EnvVar {
-                name: "KVPN_NAMESPACE".into(),
-                value: None,
-                value_from: Some(EnvVarSource {
-                    field_ref: Some(ObjectFieldSelector {
-                        api_version: Some("v1".into()),
-                        field_path: "metadata.namespace".into(),
-                    }),
-                    ..Default::default()
-                }),
-            },
+            env_from_field("KVPN_POD_NAME", "metadata.name"),
+            env_from_field("KVPN_NAMESPACE", "metadata.namespace"),
         ]),
         volume_mounts: Some({
             let mut mounts = vec![VolumeMount {
@@ -568,12 +574,7 @@ fn pod_template(spec: &Spec, tls_fingerprint: &str) -> PodTemplateSpec {
                 }]),
                 ..Default::default()
             }),
-            image_pull_secrets: (!spec.image_pull_secrets.is_empty()).then(|| {
-                spec.image_pull_secrets
-                    .iter()
-                    .map(|name| LocalObjectReference { name: name.clone() })
-                    .collect()
-            }),
+            image_pull_secrets: pull_secrets(spec),
             containers: vec![container],
             volumes: Some({
                 let mut volumes = vec![Volume {

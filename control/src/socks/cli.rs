@@ -198,20 +198,14 @@ pub async fn connect(
             manager.pod_name, manager.data_port
         )),
     }
+    let ssh_direct = data_path.request_fields();
     let started = user
         .start_session(StartSessionRequest {
             // The SSH data-plane bypass as for a TUN session: the data channel
             // dials the session's own listener, which takes ssh-direct or
             // port-forward per connection.
-            ssh_direct: data_path
-                .ssh_direct_target()
-                .or_else(|| data_path.ssh_direct_candidate().map(|(t, _)| t))
-                .map(|t| t.to_string())
-                .unwrap_or_default(),
-            ssh_direct_failed: data_path
-                .ssh_direct_candidate()
-                .map(|(_, why)| why.to_owned())
-                .unwrap_or_default(),
+            ssh_direct: ssh_direct.0,
+            ssh_direct_failed: ssh_direct.1,
             // No route watch (grpc_port 0), no keep-out list: a SOCKS session
             // has no routes and no root daemon.
             // Only which cluster and the tunnel IP (status, uninstall); no Connect.

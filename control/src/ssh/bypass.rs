@@ -117,6 +117,22 @@ impl DataPath {
         }
     }
 
+    /// `StartSessionRequest`'s `ssh_direct` and `ssh_direct_failed` for this
+    /// path: the target (on ssh-direct, or probed again from port-forward) and
+    /// why connect's probe failed (empty on ssh-direct or without SSH).
+    pub fn request_fields(&self) -> (String, String) {
+        let target = self
+            .ssh_direct_target()
+            .or_else(|| self.ssh_direct_candidate().map(|(t, _)| t))
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        let failed = self
+            .ssh_direct_candidate()
+            .map(|(_, why)| why.to_owned())
+            .unwrap_or_default();
+        (target, failed)
+    }
+
     /// The ClusterIP and port a session on port-forward probes again, and why
     /// connect's probe failed.
     pub fn ssh_direct_candidate(&self) -> Option<(SocketAddr, &str)> {
