@@ -1917,7 +1917,24 @@ pub async fn kube_connect_as(
         None if !resp.dns.is_empty() => output::detail(&format!("DNS: {}", resp.dns)),
         None => {}
     }
+    if interrupt_pending(&mut interrupt).await {
+        interrupted(Interrupted::User(&mut user, &resp.session_id)).await
+    }
     Ok(Some(resp.session_id))
+}
+
+/// Whether a Ctrl-C (or `kvpn quit`'s SIGINT) arrived and was not handled yet:
+/// checked as the last step of a connect, which still holds the connect lock. A
+/// SIGINT after the route watch was waited for used to be swallowed (the
+/// handler is installed, nobody read it): the connect said connected and exited
+/// 0, and the `kvpn quit` that sent it then disconnected the session
+/// (kube_connect_race, seen under load).
+pub(crate) async fn interrupt_pending(interrupt: &mut tokio::signal::unix::Signal) -> bool {
+    tokio::select! {
+        biased;
+        _ = interrupt.recv() => true,
+        () = std::future::ready(()) => false,
+    }
 }
 
 #[cfg(test)]
@@ -1930,6 +1947,33 @@ mod tests {
     use clap::Parser as _;
     use ipnet::IpNet;
     use kvpn_proto::dataplane::{Origin, Session};
+
+    /// A SIGINT that arrived after the connect's last wait is seen by its final
+    /// check (it was swallowed: the connect exited 0 and `kvpn quit`, which sent
+    /// it, disconnected the session), and none is reported when none came.
+    #[tokio::test]
+    async fn a_pending_interrupt_is_seen_by_the_last_check() {
+        let mut interrupt =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+                .expect("watch SIGINT");
+        assert!(!super::interrupt_pending(&mut interrupt).await);
+        // The handler is tokio's from here on: SIGINT no longer ends the process.
+        nix::sys::signal::raise(nix::sys::signal::Signal::SIGINT).expect("raise SIGINT");
+        // Delivery to the tokio driver is asynchronous: give it a moment.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut seen = false;
+        while !seen && std::time::Instant::now() < deadline {
+            seen = super::interrupt_pending(&mut interrupt).await;
+            if !seen {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
+        assert!(seen, "the SIGINT raised before the check was not seen");
+        assert!(
+            !super::interrupt_pending(&mut interrupt).await,
+            "one SIGINT is seen once"
+        );
+    }
 
     /// #29 F3: an --exclude-suffix over the cluster domain or a search domain is
     /// said at connect; a narrower one is not.

@@ -224,6 +224,9 @@ async fn connect(runtime_dir: &std::path::Path, args: ConnectArgs) -> Result<()>
     for r in &routes {
         output::detail(&format!("route {} ({})", r.cidr, output::kind_name(r.kind)));
     }
+    if connect::interrupt_pending(&mut interrupt).await {
+        connect::interrupted(connect::Interrupted::Root(&mut client, &resp.session_id)).await
+    }
     Ok(())
 }
 
