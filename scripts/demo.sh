@@ -32,7 +32,7 @@ else
     bold "kvpn build: $BUILD ($BIN) -- NOT the release build: throughput and latency below are several times worse than what kvpn does; \`./x demo\` without --debug runs release (see the README's benchmarks)"
 fi
 
-bold "1. Bring up the lab: a laptop, a node, a Kubernetes control plane, pods, ClusterIPs, cluster DNS"
+bold "1. Bring up the lab: a laptop, a Kubernetes control plane, nodes (two real ones: containerd, kubelet, kube-proxy), pods, ClusterIPs, cluster DNS"
 kvpn lab down >/dev/null 2>&1
 # shellcheck disable=SC2086 # LAB_UP_ARGS is a list of flags
 show kvpn lab up $LAB_UP_ARGS || exit 1
@@ -58,7 +58,7 @@ show laptop ip route show dev kvpn0
 bold "4. A pod IP, over TCP"
 expect_ok show laptop curl -sS --max-time 5 http://$POD1:8080/
 
-bold "5. A ClusterIP (kube-proxy-style DNAT balances over both backends)"
+bold "5. A ClusterIP (kube-proxy's DNAT balances over both backends)"
 for i in 1 2 3 4; do
     expect_ok show laptop curl -sS --max-time 5 http://10.96.0.100/
 done

@@ -204,6 +204,20 @@ pub const METRICS: &[Metric] = &[
         1,
     ),
     m(
+        "tcp_1_vs_raw_port_forward",
+        "TCP 1 up / raw port-forward's (kubectl port-forward to the same pod) TCP 1 up",
+        "x",
+        true,
+        2,
+    ),
+    m(
+        "tcp_4_vs_raw_port_forward",
+        "TCP 4 up / raw port-forward's TCP 4 up",
+        "x",
+        true,
+        2,
+    ),
+    m(
         "tcp_1_vs_snat",
         "TCP 1 up / the snat manager's (kvpn-port-forward) TCP 1 up",
         "x",
@@ -413,6 +427,20 @@ pub fn goals(rows: &[Row]) -> Vec<Goal> {
             get("kvpn-ssh", "tcp_1_vs_sshuttle"),
             true,
             5.0,
+        ),
+        // Issue #28 item 1 (and #23 item 6): kvpn over port-forward at the
+        // transport's own limit, a plain port-forward to the same pod.
+        goal(
+            "kvpn port-forward TCP 1 stream / raw port-forward 1 stream",
+            get("kvpn-port-forward", "tcp_1_vs_raw_port_forward"),
+            true,
+            0.9,
+        ),
+        goal(
+            "kvpn port-forward TCP 4 streams / raw port-forward 4 streams",
+            get("kvpn-port-forward", "tcp_4_vs_raw_port_forward"),
+            true,
+            0.9,
         ),
         goal(
             "manager RSS per idle TCP flow (KiB)",

@@ -45,15 +45,15 @@ use kvpn_bench::{
     markdown_table, own_ratios, p50, pair_ratio, pair_with_baseline, ping_rtts_ms,
     proc_pid_cpu_ticks, proc_stat_busy_total, svg_chart, vm_rss_kib,
 };
-use kvpn_lab::k8s::kubelet::spec::netns_role;
-use kvpn_lab::k8s::workloads::{DEV_NAMESPACE, Workloads};
-use kvpn_lab::k8s::{K8sLab, K8sLabOptions};
+use kvpn_lab::k8s::workloads::DEV_NAMESPACE;
+use kvpn_lab::k8s::{K8sLab, K8sLabOptions, RealNodeOptions};
 use kvpn_lab::{
     BACKEND_1_IP, BACKEND_1_POD, ECHO_PORT, LAPTOP, Lab, LabOptions, NODE, NODE_UPLINK_IP,
 };
 
 mod fairness;
 mod interrupt;
+mod port_forward;
 mod ssh;
 
 #[derive(Parser)]
@@ -224,7 +224,9 @@ fn iperf3_json(
     args: &[&str],
     parse: impl Fn(&str) -> Result<(), String>,
 ) -> Result<String> {
-    let mut full = vec!["iperf3", "-J"];
+    // A path that carries nothing fails the row in 5 s instead of hanging the run
+    // (iperf3's control connection otherwise waits out TCP's SYN retries).
+    let mut full = vec!["iperf3", "-J", "--connect-timeout", "5000"];
     full.extend_from_slice(args);
     let mut tries = 0;
     loop {
@@ -333,8 +335,11 @@ fn rss_kib(pid: u32) -> Option<u64> {
 }
 
 /// Pids whose command is `comm` and that live in one of the lab's network namespaces
-/// (other labs on the machine run the same programs).
+/// or, on real nodes, in a container of one of its nodes (cgroup `/kvpn-<id>-n<i>/…`:
+/// a pod's netns is pinned inside its node's mount namespace, not in /run/netns);
+/// other labs on the machine run the same programs.
 fn lab_pids(lab: &Lab, comm: &str) -> Vec<u32> {
+    let node_cgroup = format!("/kvpn-{}-n", lab.id());
     let inodes: Vec<u64> = kvpn_lab::lab_netns(lab.id())
         .unwrap_or_default()
         .iter()
@@ -347,8 +352,10 @@ fn lab_pids(lab: &Lab, comm: &str) -> Vec<u32> {
     dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
             read_proc(&format!("/proc/{pid}/comm")).is_some_and(|c| c.trim() == comm)
-                && std::fs::metadata(format!("/proc/{pid}/ns/net"))
+                && (std::fs::metadata(format!("/proc/{pid}/ns/net"))
                     .is_ok_and(|m| inodes.contains(&m.ino()))
+                    || read_proc(&format!("/proc/{pid}/cgroup"))
+                        .is_some_and(|c| c.contains(&node_cgroup)))
         })
         .collect()
 }
@@ -364,8 +371,13 @@ fn fresh_manager(lab: &Lab) -> Result<()> {
     Ok(())
 }
 
+/// The traffic manager's pid; not preserve's node agents (`kvpn-manager node-agent`,
+/// the same program).
 fn manager_pid(lab: &Lab) -> Option<u32> {
-    lab_pids(lab, "kvpn-manager").into_iter().next()
+    lab_pids(lab, "kvpn-manager").into_iter().find(|pid| {
+        !read_proc(&format!("/proc/{pid}/cmdline"))
+            .is_some_and(|c| c.split('\0').any(|a| a == "node-agent"))
+    })
 }
 
 /// Opens [`IDLE_FLOWS`] TCP connections through kvpn to the echo server (each proven
@@ -853,6 +865,95 @@ fn raw_row(b: &Bench, lab: &Lab, path: &str, t: Target) -> Result<Sample> {
     s
 }
 
+/// How many real nodes the bench's Kubernetes lab has (the web replicas and the
+/// manager may land on different ones, as in a cluster).
+const REAL_NODES: usize = 2;
+/// The laptop's local ports of the raw port-forward (iperf3, echo).
+const RAW_PF_IPERF_PORT: u16 = 25201;
+const RAW_PF_ECHO_PORT: u16 = 27007;
+
+/// The transport baseline of the port-forward rows: a plain port-forward
+/// ([`port_forward::RawPortForward`]) in the laptop netns to the web pod's iperf3 and
+/// echo ports, along the way kvpn's data channel takes (API server, kubelet,
+/// containerd's streaming server). TCP only: a port-forward carries neither UDP nor
+/// ICMP.
+fn raw_port_forward_row(b: &Bench, lab: &Lab, kubeconfig: &Path, pod: &str) -> Result<Sample> {
+    let mut pf = port_forward::RawPortForward::start(
+        lab.laptop_netns(),
+        kubeconfig,
+        DEV_NAMESPACE,
+        pod,
+        &[
+            (RAW_PF_IPERF_PORT, IPERF_PORT),
+            (RAW_PF_ECHO_PORT, ECHO_PORT),
+        ],
+    )
+    .with_context(|| format!("raw port-forward to pod {DEV_NAMESPACE}/{pod}"))?;
+    let local = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let t = Target {
+        iperf: local(RAW_PF_IPERF_PORT),
+        echo: local(RAW_PF_ECHO_PORT),
+        icmp: None,
+        udp: false,
+    };
+    let result = b.measure(lab, "raw-port-forward", t, &[]);
+    pf.stop();
+    result
+}
+
+/// The pid of the process `comm` in `pod`'s first running container (found by the
+/// container ID in the processes' cgroups).
+fn pod_process(pod: &Pod, comm: &str) -> Option<u32> {
+    let id = pod
+        .status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .first()?
+        .container_id
+        .as_deref()?
+        .rsplit("://")
+        .next()?
+        .to_owned();
+    let dir = std::fs::read_dir("/proc").ok()?;
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            read_proc(&format!("/proc/{pid}/comm")).is_some_and(|c| c.trim() == comm)
+                && read_proc(&format!("/proc/{pid}/cgroup")).is_some_and(|c| c.contains(&id))
+        })
+}
+
+/// Waits until something listens on TCP `port` in the netns of process `pid`.
+fn wait_listening_in_pod(pid: u32, port: u16, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/proc/{pid}/ns/net"))
+            .args(["ss", "-Hltn", &format!("sport = :{port}")])
+            .output()?;
+        if out.status.success() && !out.stdout.trim_ascii().is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "nothing listened on TCP {port} in the netns of pid {pid} within {timeout:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A real node's address on the nodes' bridge (its `eth0`).
+fn node_eth0_ip(node: &kvpn_lab::k8s::node::RealNode) -> Result<Ipv4Addr> {
+    let out = node.exec("ip", &["-4", "-o", "addr", "show", "dev", "eth0"])?;
+    out.split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .and_then(|cidr| cidr.split('/').next()?.parse().ok())
+        .with_context(|| format!("no IPv4 address on eth0 of node {}: {out}", node.name()))
+}
+
 /// The plain lab's rounds: raw veth, kvpn direct, kvpn direct with 10,000 routes,
 /// socat.
 fn plain_lab(
@@ -1062,24 +1163,28 @@ fn classifier_row(
     Err(last.unwrap_or_else(|| anyhow::anyhow!("no route count to try")))
 }
 
-/// The Kubernetes lab's rounds, all to a web backend pod running iperf3: raw veth;
-/// `kvpn connect --kubeconfig` (manager installed by kvpn, data channel over
-/// `pods/portforward` through the API server, TLS inside); the same with
-/// `--ssh-addr` to an sshd in the node netns (every kube call and the data channel,
-/// ssh-direct, checked in `kvpn status`, go through SSH); sshuttle through the same
-/// sshd to the pod CIDR (TCP only).
+/// The Kubernetes lab's rounds, on real node software (two nodes: containerd + runc,
+/// kubelet and kube-proxy 1.20.2, the project's images; docs/lab-real-node.md), all
+/// to a web backend pod with an iperf3 server in its network namespace: raw veth; raw
+/// port-forward (`kubectl port-forward` to the same pod through the API server, the
+/// real kubelet and containerd's streaming server: the transport's own limit);
+/// `kvpn connect --kubeconfig` (manager installed by kvpn from its image, data channel
+/// over `pods/portforward` along the same way, TLS inside); the same with `--ssh-addr`
+/// to an sshd in a node's netns (every kube call and the data channel, ssh-direct,
+/// checked in `kvpn status`, go through SSH); sshuttle through the same sshd to the
+/// pod CIDR (TCP only).
 /// `ssh_only`: only raw veth, kvpn over SSH and sshuttle.
 fn kube_lab(b: &mut Bench, rounds: u32, ssh_only: bool, rows: &mut Rows) -> Result<()> {
     interrupt::check()?;
-    println!("==> bringing up the Kubernetes lab");
+    println!("==> bringing up the Kubernetes lab (two real nodes)");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let options = K8sLabOptions::default().workloads(Workloads {
-        manager: false,
-        ..Default::default()
-    });
+    let options = K8sLabOptions::default().real_nodes(
+        RealNodeOptions::project(REAL_NODES, Vec::new())
+            .context("the bench's Kubernetes lab runs on real nodes")?,
+    );
     let k8s = rt
         .block_on(K8sLab::up(options))
         .context("Kubernetes lab up")?;
@@ -1093,25 +1198,69 @@ fn kube_lab(b: &mut Bench, rounds: u32, ssh_only: bool, rows: &mut Rows) -> Resu
         let admin = rt.block_on(k8s.admin_client())?;
         let pods: Api<Pod> = Api::namespaced(admin, DEV_NAMESPACE);
         let list = rt.block_on(pods.list(&ListParams::default().labels("app=web")))?;
-        let (name, uid, ip) = list
+        let (pod_name, ip, pid) = list
             .items
             .iter()
             .find_map(|p| {
                 let ip: Ipv4Addr = p.status.as_ref()?.pod_ip.as_ref()?.parse().ok()?;
-                Some((p.metadata.name.clone()?, p.metadata.uid.clone()?, ip))
+                let pid = pod_process(p, "kvpn-lab-server")?;
+                Some((p.metadata.name.clone()?, ip, pid))
             })
-            .context("no web pod with an IP in the Kubernetes lab")?;
+            .context("no running web pod with an IP in the Kubernetes lab")?;
         let lab = k8s.netns_lab();
-        let role = netns_role(&name, &uid);
-        let mut iperf = Command::new("iperf3");
-        iperf.args(["-s", "-p", &IPERF_PORT.to_string()]);
-        lab.spawn_in(&role, "iperf3-web", &iperf)?;
-        lab.wait_listening(&role, IPERF_PORT, Duration::from_secs(5))?;
+        // The pod's netns is pinned in its node's mount namespace: entered through
+        // the container's process. iperf3 is the machine's, as root, in that netns only.
+        let pod_net = format!("--net=/proc/{pid}/ns/net");
+        let mut iperf = Command::new("nsenter");
+        iperf.args([
+            pod_net.as_str(),
+            "iperf3",
+            "-s",
+            "-p",
+            &IPERF_PORT.to_string(),
+        ]);
+        lab.spawn_in(NODE, "iperf3-web", &iperf)?;
+        wait_listening_in_pod(pid, IPERF_PORT, Duration::from_secs(5))?;
         let runtime = lab.dir().join("runtime");
         let kubeconfig = k8s.laptop_user_kubeconfig().to_string_lossy().into_owned();
-        println!("==> starting sshd in the node netns");
-        let service_cidr = k8s.addressing().service_cidr.to_string();
-        let sshd = ssh::NodeSshd::start(lab, NODE_UPLINK_IP, &service_cidr)?;
+        let admin_kubeconfig = k8s.laptop_admin_kubeconfig().to_path_buf();
+        // The source-policy rows connect as the cluster's admin: preserve on real
+        // nodes needs its node agent (a DaemonSet), which the restricted user may
+        // not install (kvpn warns and the tunnel IP has no way back).
+        let admin_kubeconfig_s = admin_kubeconfig.to_string_lossy().into_owned();
+        // sshd on the first node: a cluster node reaches pod IPs and, through
+        // kube-proxy's rules, ClusterIPs (the router netns has no kube-proxy).
+        let node = k8s
+            .real_nodes()
+            .and_then(|r| r.nodes().first())
+            .context("the real-node lab has no node")?;
+        let node_ip = node_eth0_ip(node)?;
+        println!("==> starting sshd on node {} ({node_ip})", node.name());
+        let node_role = node
+            .netns()
+            .name()
+            .strip_prefix(&format!("kvpn-{}-", lab.id()))
+            .map(str::to_owned)
+            .with_context(|| format!("node netns {} is not the lab's", node.netns().name()))?;
+        // The laptop reaches that node as an SSH bastion is reached: routed to it
+        // through the lab's router (its uplink peer), the node's address only.
+        let node_route = format!("{node_ip}/32");
+        lab.laptop_netns()
+            .ip(&[
+                "route",
+                "replace",
+                &node_route,
+                "via",
+                &NODE_UPLINK_IP.to_string(),
+            ])
+            .with_context(|| format!("laptop route to node {} ({node_ip})", node.name()))?;
+        let sshd = match ssh::NodeSshd::start(lab, &node_role, node_ip, NODE_UPLINK_IP, None) {
+            Ok(sshd) => sshd,
+            Err(e) => {
+                let _ = lab.laptop_netns().ip(&["route", "del", &node_route]);
+                return Err(e);
+            }
+        };
         let pod = Target::pod(ip, true);
         let rounds_result = (|| {
             let (key, kh) = (
@@ -1135,6 +1284,13 @@ fn kube_lab(b: &mut Bench, rounds: u32, ssh_only: bool, rows: &mut Rows) -> Resu
             for round in 1..=rounds {
                 b.sample_load(&format!("before Kubernetes-lab round {round}"))?;
                 let raw = raw_row(b, lab, "raw-veth-k8s", pod)?;
+                let mut raw_pf = if ssh_only {
+                    None
+                } else {
+                    let mut s = raw_port_forward_row(b, lab, &admin_kubeconfig, &pod_name)?;
+                    pair_with_baseline(&mut s, &raw);
+                    Some(s)
+                };
                 let mut pf = if ssh_only {
                     None
                 } else {
@@ -1166,6 +1322,10 @@ fn kube_lab(b: &mut Bench, rounds: u32, ssh_only: bool, rows: &mut Rows) -> Resu
                 };
                 if let Some(pf) = &mut pf {
                     pair_with_baseline(pf, &raw);
+                    if let Some(raw_pf) = &raw_pf {
+                        pair_ratio(pf, raw_pf, "tcp_1_gbps", "tcp_1_vs_raw_port_forward");
+                        pair_ratio(pf, raw_pf, "tcp_4_gbps", "tcp_4_vs_raw_port_forward");
+                    }
                 }
                 let mut over_ssh = b.kvpn_row(
                     lab,
@@ -1209,13 +1369,16 @@ fn kube_lab(b: &mut Bench, rounds: u32, ssh_only: bool, rows: &mut Rows) -> Resu
                         ("kvpn-ebpf-snat", "ebpf-snat"),
                         ("kvpn-preserve", "preserve"),
                     ] {
-                        let mut row = b.policy_row(lab, path, pod, &kubeconfig, policy)?;
+                        let mut row = b.policy_row(lab, path, pod, &admin_kubeconfig_s, policy)?;
                         pair_with_baseline(&mut row, &raw);
                         pair_ratio(&mut row, pf, "tcp_1_gbps", "tcp_1_vs_snat");
                         policies.push((path, row));
                     }
                 }
                 push(rows, "raw-veth-k8s", "kubernetes", raw);
+                if let Some(raw_pf) = raw_pf.take() {
+                    push(rows, "raw-port-forward", "kubernetes", raw_pf);
+                }
                 if let Some(pf) = pf {
                     push(rows, "kvpn-port-forward", "kubernetes", pf);
                 }
@@ -1228,6 +1391,7 @@ fn kube_lab(b: &mut Bench, rounds: u32, ssh_only: bool, rows: &mut Rows) -> Resu
             b.sample_load("after the Kubernetes lab's last round")
         })();
         sshd.stop(lab);
+        let _ = lab.laptop_netns().ip(&["route", "del", &node_route]);
         rounds_result
     })();
     k8s.down()

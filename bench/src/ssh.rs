@@ -1,5 +1,5 @@
 //! The SSH peers of the bench on the Kubernetes lab: one OpenSSH `sshd` (Debian's
-//! openssh-server) in the node netns — a jump host that is a cluster node, so it
+//! openssh-server) in a node's netns — a jump host that is a cluster node, so it
 //! reaches pod IPs and, through kube-proxy's rules, ClusterIPs — used both by
 //! `kvpn connect --ssh-addr` (ssh-direct data path) and by Debian's `sshuttle` as
 //! the peer. Keys, config and logs live in the lab's folder (never /etc/ssh or
@@ -12,7 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use kvpn_lab::{LAPTOP, Lab, NODE};
+use kvpn_lab::{LAPTOP, Lab};
 
 /// sshd's port on the node's uplink address.
 pub const SSHD_PORT: u16 = 2222;
@@ -27,6 +27,8 @@ pub struct NodeSshd {
     pub known_hosts: PathBuf,
     /// The fake HOME for the SSH clients (kvpn, ssh under sshuttle).
     pub home: PathBuf,
+    /// The laptop's next hop towards `addr` (the router of a real-node lab).
+    pub via: Ipv4Addr,
     pid: u32,
 }
 
@@ -46,20 +48,30 @@ fn run(cmd: &mut Command) -> Result<String> {
 }
 
 impl NodeSshd {
-    /// Starts sshd in the node netns of `lab` on `node_ip`:[`SSHD_PORT`] and waits
-    /// until the laptop can open TCP to it. Like a real node, the node netns gets a
-    /// route for the service CIDR (without it the node's own connections to
-    /// ClusterIPs fail before kube-proxy's DNAT).
-    pub fn start(lab: &Lab, node_ip: Ipv4Addr, service_cidr: &str) -> Result<Self> {
+    /// Starts sshd in the netns of `role` (a node of `lab`) on `node_ip`:[`SSHD_PORT`]
+    /// and waits until the laptop can open TCP to it. `service_route`: a bridge to
+    /// route the service CIDR to in that netns first, for the stand-in node, whose
+    /// own connections to ClusterIPs would fail before kube-proxy's DNAT without
+    /// it (a real node's default route does it). `via`: the laptop's next hop
+    /// towards `node_ip`.
+    pub fn start(
+        lab: &Lab,
+        role: &str,
+        node_ip: Ipv4Addr,
+        via: Ipv4Addr,
+        service_route: Option<(&str, &str)>,
+    ) -> Result<Self> {
         let dir = lab.dir().join("bench-ssh");
         let home = dir.join("home");
         std::fs::create_dir_all(home.join(".ssh"))
             .with_context(|| format!("cannot create {}", home.display()))?;
         // sshd's privilege separation folder (what the Debian service creates).
         std::fs::create_dir_all("/run/sshd").context("cannot create /run/sshd")?;
-        let node = lab.netns(NODE)?;
-        // The route may exist already (a lab that routes it itself): fine either way.
-        let _ = node.ip(&["route", "add", service_cidr, "dev", lab.node().bridge()]);
+        let node = lab.netns(role)?;
+        if let Some((service_cidr, bridge)) = service_route {
+            // The route may exist already (a lab that routes it itself): fine either way.
+            let _ = node.ip(&["route", "add", service_cidr, "dev", bridge]);
+        }
 
         let key = dir.join("id_ed25519");
         let host_key = dir.join("ssh_host_ed25519_key");
@@ -117,20 +129,21 @@ impl NodeSshd {
             .arg(dir.join("sshd_config"))
             .arg("-h")
             .arg(&host_key);
-        let pid = lab.spawn_in(NODE, "bench-sshd", &sshd)?;
+        let pid = lab.spawn_in(role, "bench-sshd", &sshd)?;
         let addr = SocketAddr::from((node_ip, SSHD_PORT));
         let this = NodeSshd {
             addr,
             key,
             known_hosts,
             home,
+            via,
             pid,
         };
         if let Err(e) = lab.wait_tcp(LAPTOP, addr, Duration::from_secs(10)) {
             let log = std::fs::read_to_string(lab.dir().join("bench-sshd.log")).unwrap_or_default();
             this.stop(lab);
             return Err(anyhow::Error::new(e).context(format!(
-                "sshd in the node netns never listened on {addr}; its log:\n{log}"
+                "sshd in the {role} netns never listened on {addr}; its log:\n{log}"
             )));
         }
         Ok(this)
@@ -175,7 +188,7 @@ impl Route {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        laptop.ip(&["route", "add", pod_cidr, "via", &sshd.addr.ip().to_string()])?;
+        laptop.ip(&["route", "add", pod_cidr, "via", &sshd.via.to_string()])?;
         Ok(())
     }
 
@@ -193,7 +206,7 @@ impl Sshuttle {
     ///
     /// The laptop has no route to the pod CIDR, and a connect() without a route fails
     /// before iptables' OUTPUT chain could redirect it; so the pod CIDR is routed to
-    /// the node like a default route would, and an nftables table `kvpn_bench_<id>`
+    /// towards the node like a default route would, and an nftables table `kvpn_bench_<id>`
     /// in the laptop netns drops whatever to the pod CIDR sshuttle did not redirect
     /// (its NAT runs before the filter hook): every success is sshuttle's, never the
     /// raw path.

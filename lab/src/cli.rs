@@ -135,29 +135,6 @@ pub async fn run(cmd: LabCommand) -> Result<()> {
     }
 }
 
-/// The options of a real-node lab of `count` nodes: the project's images (pause
-/// as the sandbox, the lab server for the samples and the cluster DNS, the manager
-/// for `kvpn connect` to install), imported into every node.
-fn real_node_options(count: usize) -> Result<crate::k8s::RealNodeOptions> {
-    use crate::k8s::node::images;
-    let archive = |key: &str| {
-        images::project_archive(key)
-            .with_context(|| format!("kvpn lab up --real-nodes needs the {key} image"))
-    };
-    Ok(crate::k8s::RealNodeOptions {
-        count,
-        images: vec![
-            archive("pause")?,
-            archive("lab-server")?,
-            archive("manager")?,
-        ],
-        sandbox_image: images::project_image("pause"),
-        samples_image: Some(images::project_image("lab-server")),
-        cluster_dns_image: Some(images::project_image("lab-server")),
-        ready_timeout: std::time::Duration::from_secs(120),
-    })
-}
-
 /// The lab's address plan from `kvpn lab up`'s flags: the default plan with the
 /// pod and service CIDRs given (the node's pod range is the pod CIDR's second /24,
 /// as 10.244.1.0/24 of 10.244.0.0/16); refused, naming the flag, when the lab
@@ -281,7 +258,10 @@ async fn up(name: &str, addressing: crate::Addressing, real_nodes: Option<usize>
         .workloads(workloads)
         .addressing(addressing);
     if let Some(count) = real_nodes {
-        options = options.real_nodes(real_node_options(count)?);
+        options = options.real_nodes(
+            crate::k8s::RealNodeOptions::project(count, Vec::new())
+                .context("kvpn lab up --real-nodes needs the project's images")?,
+        );
     }
     let lab = K8sLab::up(options).await.context("kvpn lab up failed")?;
     output::info_block(&lab.info());

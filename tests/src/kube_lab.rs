@@ -216,19 +216,9 @@ impl KubeFixture {
         count: usize,
         extra: Vec<kvpn_lab::k8s::node::ImageArchive>,
     ) -> Self {
-        use kvpn_lab::k8s::node::images;
-        let archive =
-            |key: &str| images::project_archive(key).unwrap_or_else(|e| panic!("real nodes: {e}"));
-        let mut all = vec![archive("pause"), archive("lab-server"), archive("manager")];
-        all.extend(extra);
-        let mut options = K8sLabOptions::default().real_nodes(RealNodeOptions {
-            count,
-            images: all,
-            sandbox_image: images::project_image("pause"),
-            samples_image: Some(images::project_image("lab-server")),
-            cluster_dns_image: Some(images::project_image("lab-server")),
-            ready_timeout: Duration::from_secs(120),
-        });
+        let mut options = K8sLabOptions::default().real_nodes(
+            RealNodeOptions::project(count, extra).unwrap_or_else(|e| panic!("real nodes: {e}")),
+        );
         // KVPN_LAB_KEEP_DIR keeps the lab folder (node logs, configs) for a post-mortem.
         if std::env::var_os("KVPN_LAB_KEEP_DIR").is_some() {
             options.lab = options.lab.keep_dir(true);

@@ -2,7 +2,8 @@
 //! brings up both labs and produces every row — flood fairness between two laptops,
 //! raw veth (both labs), kvpn direct,
 //! kvpn direct with 10,000 extra routes (the harness falls back to 1,000 for old
-//! binaries; here that fails the test), socat, port-forward, kvpn over SSH (the harness
+//! binaries; here that fails the test), socat, and on the Kubernetes lab's two real
+//! nodes raw port-forward (`kubectl port-forward`), kvpn port-forward, kvpn over SSH (the harness
 //! itself refuses a data path other than ssh-direct) and sshuttle — with every metric
 //! each row must carry, the markdown table, the SVG chart, the JSON report and the #8
 //! goal lines (`--compare` is unit-tested in kvpn-bench). It checks that the harness
@@ -154,6 +155,11 @@ fn bench_harness_produces_every_row_and_metric() {
     ] {
         check(&report, "kvpn-fairness", key, false);
     }
+    // The port-forward rows next to the transport's own limit (a plain kubectl
+    // port-forward to the same pod on the real nodes).
+    for key in ["tcp_1_vs_raw_port_forward", "tcp_4_vs_raw_port_forward"] {
+        check(&report, "kvpn-port-forward", key, false);
+    }
     check(&report, "kvpn-ssh", "tcp_1_vs_sshuttle", false);
     check(&report, "kvpn-port-forward", "tcp_1_vs_sshuttle", false);
     for key in [
@@ -165,7 +171,7 @@ fn bench_harness_produces_every_row_and_metric() {
         check(&report, "kvpn-direct-many-routes", key, false);
     }
     // TCP-only peers: every TCP figure, no ICMP, UDP or kvpn figure.
-    for path in ["socat", "sshuttle"] {
+    for path in ["socat", "sshuttle", "raw-port-forward"] {
         for key in TCP.iter().chain(&["cpu_core_s_per_gbit", "tcp_1_vs_raw"]) {
             check(&report, path, key, false);
         }
@@ -189,7 +195,7 @@ fn bench_harness_produces_every_row_and_metric() {
 
     // The goals: one line each, met or not (never asserted: not a test of figures).
     let goals = report["goals"].as_array().expect("goals list");
-    assert_eq!(goals.len(), 11, "{goals:?}");
+    assert_eq!(goals.len(), 13, "{goals:?}");
     for g in goals {
         assert!(
             g["value"].as_f64().is_some_and(f64::is_finite),
@@ -216,6 +222,7 @@ fn bench_harness_produces_every_row_and_metric() {
         "kvpn-direct-many-routes",
         "socat",
         "raw-veth-k8s",
+        "raw-port-forward",
         "kvpn-port-forward",
         "kvpn-ssh",
         "sshuttle",

@@ -188,6 +188,32 @@ pub struct RealNodeOptions {
     pub ready_timeout: Duration,
 }
 
+impl RealNodeOptions {
+    /// `count` nodes with the project's images (`cargo xtask image`, in
+    /// [`super::node::images::project_image_dir`]) imported into every node: pause as
+    /// the sandbox, the lab server for the samples and the cluster DNS, the manager
+    /// for `kvpn connect` to install; plus `extra` archives (e.g. the lab's busybox,
+    /// for workloads that need a shell). An error naming the missing archive and
+    /// how to build it.
+    pub fn project(count: usize, extra: Vec<ImageArchive>) -> Result<Self, super::node::Error> {
+        use super::node::images;
+        let mut all = vec![
+            images::project_archive("pause")?,
+            images::project_archive("lab-server")?,
+            images::project_archive("manager")?,
+        ];
+        all.extend(extra);
+        Ok(RealNodeOptions {
+            count,
+            images: all,
+            sandbox_image: images::project_image("pause"),
+            samples_image: Some(images::project_image("lab-server")),
+            cluster_dns_image: Some(images::project_image("lab-server")),
+            ready_timeout: Duration::from_secs(120),
+        })
+    }
+}
+
 impl Default for K8sLabOptions {
     fn default() -> Self {
         K8sLabOptions {
