@@ -668,17 +668,77 @@ impl KubeFixture {
         }
     }
 
-    /// The netns a pod of this lab's node runs in (the kubelet stand-in's naming);
-    /// exists while the pod runs.
+    /// The netns a running pod of this lab runs in, by the name the kubelet stand-in
+    /// gives it (`kvpn-<lab id>-<role>`), so `Lab::spawn_in(role)` and the like
+    /// work on both kinds of node. On real nodes a pod's netns is pinned inside its
+    /// node's mount namespace (the CNI's `/var/run/netns` there): it gets that name
+    /// in the host's `/run/netns` too (`ip netns attach` to its container's
+    /// process), which the lab's teardown removes with its other netns (the pin
+    /// only: the pod keeps its netns).
     pub fn pod_netns(&self, p: &Pod) -> Netns {
         let role = kvpn_lab::k8s::kubelet::spec::netns_role(
             p.metadata.name.as_deref().unwrap_or(""),
             p.metadata.uid.as_deref().unwrap_or(""),
         );
-        Netns::from_name(&kvpn_lab::topology::netns_name(
-            self.lab().netns_lab().id(),
-            &role,
-        ))
+        let name = kvpn_lab::topology::netns_name(self.lab().netns_lab().id(), &role);
+        let netns = Netns::from_name(&name);
+        if self.lab().real_nodes().is_some() && !netns.exists() {
+            let id = crate::real_node::container_id(p);
+            let pid = crate::real_node::container_pids(&id)
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| {
+                    panic!("no process in container {id} of pod {:?}", p.metadata.name)
+                });
+            let out = std::process::Command::new("ip")
+                .args(["netns", "attach", &name, &pid.to_string()])
+                .output()
+                .unwrap_or_else(|e| panic!("ip netns attach {name} {pid}: {e}"));
+            assert!(
+                out.status.success(),
+                "ip netns attach {name} {pid}: {}",
+                text(&out.stderr)
+            );
+        }
+        netns
+    }
+
+    /// The traffic manager's pid (`kvpn-manager`, not the node agents of preserve,
+    /// the same program), waiting up to 10 s: on the stand-in node the process in
+    /// one of the lab's pod netns, on real nodes the container's process (cgroup
+    /// `/kvpn-<lab id>-n<i>/…`).
+    pub fn manager_pid(&self) -> u32 {
+        let id = self.lab().netns_lab().id().to_owned();
+        let node_cgroup = format!("/kvpn-{id}-n");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let inodes: Vec<u64> = kvpn_lab::lab_netns(&id)
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|n| std::fs::metadata(format!("/run/netns/{n}")).ok())
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+                .collect();
+            let found = std::fs::read_dir("/proc").ok().and_then(|dir| {
+                dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                    .find(|pid| {
+                        let read = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/{f}"));
+                        read("comm").is_ok_and(|c| c.trim() == "kvpn-manager")
+                            && !read("cmdline")
+                                .is_ok_and(|c| c.split('\0').any(|a| a == "node-agent"))
+                            && (std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| {
+                                inodes.contains(&std::os::unix::fs::MetadataExt::ino(&m))
+                            }) || read("cgroup").is_ok_and(|c| c.contains(&node_cgroup)))
+                    })
+            });
+            if let Some(pid) = found {
+                return pid;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no kvpn-manager process in lab {id} within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     /// Pids of the user daemons (`kvpn --runtime-dir <this fixture's> daemon`),

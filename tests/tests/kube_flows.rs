@@ -1,6 +1,7 @@
-//! Many flows ([hardening] item 3, case tr-12) end to end on the Kubernetes lab:
-//! the real traffic manager installed by `kvpn connect`, every packet through
-//! `pods/portforward`.
+//! Many flows ([hardening] item 3, case tr-12) end to end on the Kubernetes lab's
+//! two real nodes: the traffic manager's image installed by `kvpn connect` and run
+//! by containerd + runc, every packet through `pods/portforward` and the real
+//! kubelet.
 //!
 //! - tr-12: 3000 concurrent TCP flows through one session to the echo Service
 //!   all complete with their data intact; the manager's memory (VmRSS before,
@@ -40,28 +41,6 @@ fn raise_fd_limit() -> u64 {
         assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
     }
     lim.rlim_cur
-}
-
-/// The pid of the `kvpn-manager` process in one of this lab's pod netns.
-fn manager_pid(f: &KubeFixture) -> u32 {
-    let id = f.lab().netns_lab().id().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let names = kvpn_lab::lab_netns(&id).unwrap_or_else(|e| panic!("lab netns: {e:#}"));
-        for name in names {
-            for pid in kvpn_lab::Netns::from_name(&name).pids() {
-                let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-                if comm.trim() == "kvpn-manager" {
-                    return pid;
-                }
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no kvpn-manager process in lab {id}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 /// (VmRSS, VmHWM) of `pid`, bytes.
@@ -128,10 +107,10 @@ fn tr_12_three_thousand_concurrent_flows_complete_with_bounded_memory() {
         limit as usize > FLOWS + 200,
         "open-files hard limit {limit} too low for {FLOWS} flows"
     );
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     f.connect_restricted();
     f.wait_state("connected", Duration::from_secs(20));
-    let pid = manager_pid(&f);
+    let pid = f.manager_pid();
     let echo = SocketAddr::V4(SocketAddrV4::new(ECHO_CLUSTER_IP, ECHO_SERVICE_PORT));
     let (rss_before, _) = memory(pid);
 

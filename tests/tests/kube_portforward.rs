@@ -1,6 +1,7 @@
 //! The port-forward transport's small-packet behaviour end to end on the
-//! Kubernetes lab (issue [fastpath]): every packet rides `pods/portforward`
-//! through the real kube-apiserver and the lab's kubelet stand-in.
+//! Kubernetes lab on two real nodes (issue [fastpath], #23): every packet rides
+//! `pods/portforward` through the real kube-apiserver, a real kubelet 1.20 and
+//! containerd's streaming server into the manager's runc container.
 //!
 //! - Connection setup: sequential short TCP connections (connect, 1-byte echo,
 //!   close) to the echo Service. A socket without TCP_NODELAY anywhere on the path
@@ -68,7 +69,7 @@ fn short_connection(to: SocketAddr) -> Result<Duration, String> {
 #[test]
 fn short_connections_through_port_forward_never_stall() {
     let _serial = one_at_a_time();
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     f.connect_restricted();
     f.wait_state("connected", Duration::from_secs(20));
     let echo = SocketAddr::V4(SocketAddrV4::new(ECHO_CLUSTER_IP, ECHO_SERVICE_PORT));
@@ -149,7 +150,7 @@ fn transports_lost(f: &KubeFixture) -> u64 {
 #[test]
 fn iperf3_under_load_through_port_forward_keeps_the_data_connection() {
     let _serial = one_at_a_time();
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     let web = f
         .pods(DEV_NAMESPACE, "app=web")
         .into_iter()
