@@ -557,6 +557,28 @@ pub fn ignored_flags_warning(flags: &[&str]) -> Option<String> {
     ))
 }
 
+/// `status` with the reason of each root session that is not connected led by
+/// the user daemon's transport error for it (as `kvpn status` shows it,
+/// [`output::transport_reason`]): a manager scaled to 0 is named as such, not
+/// as the TLS handshake the root daemon saw end.
+fn with_transport_reasons(
+    mut status: kvpn_proto::userd::StatusResponse,
+) -> kvpn_proto::userd::StatusResponse {
+    for s in &mut status.root_sessions {
+        if s.state == "connected" {
+            continue;
+        }
+        if let Some(u) = status
+            .user_sessions
+            .iter()
+            .find(|u| u.id == s.id && !u.transport_error.is_empty())
+        {
+            s.reason = output::transport_reason(&u.transport_error, &s.reason);
+        }
+    }
+    status
+}
+
 /// Whether connect is already done: the running session's source policy (empty
 /// when unknown) after telling the user so. A session of the same cluster whose
 /// user-side half (port-forward, route watch) is gone or lost can never carry
@@ -571,6 +593,7 @@ async fn already_connected(
         .map_err(daemon::status_to_error)
         .context("cannot ask the user daemon for its sessions")?
         .into_inner();
+    let status = with_transport_reasons(status);
     match match_session(&status.root_sessions, wanted) {
         SessionMatch::None => Ok(None),
         SessionMatch::Conflict(s) => {
@@ -642,6 +665,7 @@ async fn already_connected(
                     .map_err(daemon::status_to_error)
                     .context("cannot ask the user daemon for its sessions")?
                     .into_inner();
+                let status = with_transport_reasons(status);
                 let Some(now) = status.root_sessions.into_iter().find(|r| r.id == id) else {
                     output::warn(&format!(
                         "session {id} ended while connect waited for it; connecting anew"

@@ -105,6 +105,8 @@ struct Entry {
     ssh: Option<crate::ssh::SshDialer>,
     /// ssh-direct sessions: the data path the agent uses now, and why.
     data_path: Option<crate::agent::SharedPath>,
+    /// Why the last data connection reached no manager pod (status).
+    data_error: Option<crate::agent::DataError>,
 }
 
 impl Entry {
@@ -176,11 +178,23 @@ impl Entry {
             restores: self.record.restores,
             socks,
             kubeconfig,
+            // The SSH path's error first (a port-forward rides it), else why
+            // the last data connection reached no manager pod.
             transport_error: self
                 .ssh
                 .as_ref()
                 .filter(|_| self.state == STATE_RUNNING)
                 .and_then(crate::ssh::SshDialer::last_error)
+                .or_else(|| {
+                    self.data_error
+                        .as_ref()
+                        .filter(|_| self.state == STATE_RUNNING)
+                        .and_then(|e| {
+                            e.lock()
+                                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                                .clone()
+                        })
+                })
                 .unwrap_or_default(),
             data_path: path.0,
             data_path_reason: path.1,
@@ -352,6 +366,7 @@ impl UserDaemonState {
                 socks_status,
                 ssh: None,
                 data_path: None,
+                data_error: None,
             },
         );
     }
@@ -571,6 +586,7 @@ impl UserDaemonState {
                     e.since = Instant::now();
                     e.ssh = open.ssh_path();
                     e.data_path = open.data_path();
+                    e.data_error = Some(open.data_error());
                     e.cancel.clone()
                 };
                 info!(session = %id, addr = %open.addr(), "session restored");
@@ -771,6 +787,7 @@ impl UserDaemonState {
         let addr = open.addr();
         let ssh = open.ssh_path();
         let data_path = open.data_path();
+        let data_error = open.data_error();
         let mut root = daemon::connect_existing(&self.root_runtime_dir)
             .await
             .map_err(internal)?
@@ -816,6 +833,7 @@ impl UserDaemonState {
         if let Some(e) = self.sessions().get_mut(&id) {
             e.ssh = ssh;
             e.data_path = data_path;
+            e.data_error = Some(data_error);
         }
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
         Ok(StartSessionResponse {
@@ -1193,6 +1211,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
                 socks_status: None,
                 ssh: None,
                 data_path: None,
+                data_error: None,
             },
         );
         tokio::spawn(state.clone().restore(record));
