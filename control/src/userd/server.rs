@@ -348,7 +348,14 @@ impl UserDaemonState {
         cancel: CancellationToken,
         socks_status: Option<PathBuf>,
     ) {
-        let record = SessionRecord::new(id, addr, tun_name, now_unix_ms(), req);
+        let record = SessionRecord::new(
+            id,
+            addr,
+            tun_name,
+            now_unix_ms(),
+            req,
+            (&self.root_runtime_dir, &super::record::current_netns()),
+        );
         let run = req.connect.as_ref().is_some_and(|c| c.run_scope);
         // A `kvpn run` session lives as long as its command: a restarted user
         // daemon has nothing to bring back.
