@@ -14,8 +14,9 @@
 //! manager's `WatchRoutes` stream, through a port-forward to its gRPC port,
 //! turned into `UpdateRoutes` calls on the root daemon.
 //!
-//! I/O: the loopback listener, the API server (list pods, port-forward) and the
-//! root daemon's socket (route watch).
+//! I/O: the loopback listener, the API server (list pods, port-forward; the
+//! manager Deployment when no pod is ready, to say why) and the root daemon's
+//! socket (route watch).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -137,6 +138,7 @@ async fn direct_or_fallback(way: DirectWay, stream: TcpStream, peer: std::net::S
             let path_reopened = dialer.generation() != generation || !dialer.is_open();
             let why = match opened {
                 Ok(Ok(mut remote)) => {
+                    set_data_error(&pods.last_error, None);
                     match crate::ssh::bypass::carry(&dialer, target, stream, &mut remote).await {
                         Ok((up, down)) => info!(%peer, up, down, "ssh-direct data channel closed"),
                         Err(e) => warn!(%peer, "data channel: {e}"),
@@ -327,6 +329,18 @@ pub struct PodChoice {
     pub api: Api<Pod>,
     /// The session's replica (its pod name); None: any.
     pub preferred: Option<Arc<str>>,
+    /// Why the last data connection found no manager to carry it.
+    pub last_error: DataError,
+}
+
+/// Why a session's last data connection could not be carried to a manager pod
+/// (no ready pod, the port-forward failed), `None` once one opened again: the
+/// root daemon sees only its symptom (the TLS handshake through the listener
+/// ends), so `kvpn status` and `kvpn connect` show this cause first.
+pub type DataError = Arc<Mutex<Option<String>>>;
+
+fn set_data_error(e: &DataError, why: Option<String>) {
+    *e.lock().unwrap_or_else(PoisonError::into_inner) = why;
 }
 
 /// `preferred` when it is a ready manager pod, else [`pick_manager_pod`]'s.
@@ -344,14 +358,31 @@ async fn ready_manager_pod_preferring(api: &Api<Pod>, preferred: Option<&str>) -
         .list(&ListParams::default().labels(MANAGER_SELECTOR))
         .await
         .context("cannot list the traffic manager's pods")?;
-    pick_preferring(&pods.items, preferred)
-        .and_then(|p| p.metadata.name.clone())
-        .ok_or_else(|| anyhow!(no_ready_pod_message(api.namespace())))
+    if let Some(name) =
+        pick_preferring(&pods.items, preferred).and_then(|p| p.metadata.name.clone())
+    {
+        return Ok(name);
+    }
+    // Why none is ready: the Deployment says whether someone scaled it to 0
+    // or removed it (one more request, on this failure path only).
+    let Some(ns) = api.namespace() else {
+        bail!(no_ready_pod_message(None));
+    };
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(api.clone().into_client(), ns);
+    match deployments.get_opt(crate::install::objects::MANAGER).await {
+        Ok(d) => bail!(crate::install::wait::no_ready_pod_reason(ns, d.as_ref())),
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read the manager Deployment");
+            bail!(no_ready_pod_message(Some(ns)))
+        }
+    }
 }
 
 /// The error of [`ready_manager_pod`] when no manager pod in `namespace` is
-/// ready, with the `kubectl` line that lists them there (without `-n` kubectl
-/// looks in the context's namespace, not the manager's).
+/// ready and its Deployment cannot be read, with the `kubectl` line that lists
+/// them there (without `-n` kubectl looks in the context's namespace, not the
+/// manager's).
 pub fn no_ready_pod_message(namespace: Option<&str>) -> String {
     let ns = namespace.map(|n| format!(" -n {n}")).unwrap_or_default();
     let place = namespace.map(|n| format!(" in {n}")).unwrap_or_default();
@@ -414,7 +445,10 @@ async fn forward_then(
             ))
         });
         match attempt {
-            Ok(opened) => break opened,
+            Ok(opened) => {
+                set_data_error(&api.last_error, None);
+                break opened;
+            }
             Err(e) if tokio::time::Instant::now() + POD_POLL < deadline => {
                 if !waited {
                     info!(
@@ -425,7 +459,10 @@ async fn forward_then(
                 }
                 tokio::time::sleep(POD_POLL).await;
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                set_data_error(&api.last_error, Some(format!("{e:#}")));
+                return Err(e);
+            }
         }
     };
     info!(%pod, port, "port-forward open");
@@ -456,9 +493,17 @@ pub struct OpenSession {
     /// manager Service's ClusterIP through the session's SSH path, or fall back
     /// to port-forward ([`DirectPath`]); `None` = port-forward only.
     ssh_direct: Option<(crate::ssh::tunnel::SshDialer, SharedPath)>,
+    /// Why the last data connection reached no manager ([`DataError`]).
+    data_error: DataError,
 }
 
 impl OpenSession {
+    /// Why the session's last data connection reached no manager pod, shared
+    /// with the data connections' tasks (status).
+    pub fn data_error(&self) -> DataError {
+        self.data_error.clone()
+    }
+
     /// The loopback address the root daemon dials for the data channel.
     pub fn addr(&self) -> std::net::SocketAddr {
         self.addr
@@ -487,11 +532,13 @@ impl OpenSession {
             listener,
             addr,
             ssh_direct,
+            data_error,
         } = self;
         let api: Api<Pod> = Api::namespaced(conn.client.clone(), &config.manager_namespace);
         let choice = PodChoice {
             api: api.clone(),
             preferred: config.replica.as_deref().map(Arc::from),
+            last_error: data_error,
         };
         match &ssh_direct {
             Some((dialer, path)) => {
@@ -645,6 +692,7 @@ pub async fn open_session(config: AgentConfig) -> Result<OpenSession> {
         listener,
         addr,
         ssh_direct,
+        data_error: DataError::default(),
     })
 }
 

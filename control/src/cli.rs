@@ -335,7 +335,7 @@ daemon error); 126 when the command cannot be executed, 127 when it is not found
     /// classifier's counters (outbound: laptop → cluster), refreshed every second.
     Top(TopArgs),
     /// Disconnect every session, then stop the user daemon and the root daemon.
-    Quit,
+    Quit(QuitArgs),
     /// The version and source commit of this CLI, the user daemon, the root
     /// daemon (when running; none is started for this) and each connected
     /// cluster's traffic manager. A daemon of another build than the CLI is named
@@ -1128,6 +1128,17 @@ pub struct DisconnectArgs {
     /// SIGTERM).
     #[arg(long, conflicts_with = "id")]
     pub all: bool,
+}
+
+/// `kvpn quit` flags.
+#[derive(Debug, Args)]
+pub struct QuitArgs {
+    /// Also quit in every other runtime folder used in this network namespace:
+    /// those of kvpn daemons running here and of session records made here
+    /// (sessions started with a `--runtime-dir` of their own). `kvpn lab down`
+    /// uses it in the lab's laptop.
+    #[arg(long)]
+    pub every_runtime_dir: bool,
 }
 
 /// `kvpn logs` flags.

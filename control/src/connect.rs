@@ -557,6 +557,28 @@ pub fn ignored_flags_warning(flags: &[&str]) -> Option<String> {
     ))
 }
 
+/// `status` with the reason of each root session that is not connected led by
+/// the user daemon's transport error for it (as `kvpn status` shows it,
+/// [`output::transport_reason`]): a manager scaled to 0 is named as such, not
+/// as the TLS handshake the root daemon saw end.
+fn with_transport_reasons(
+    mut status: kvpn_proto::userd::StatusResponse,
+) -> kvpn_proto::userd::StatusResponse {
+    for s in &mut status.root_sessions {
+        if s.state == "connected" {
+            continue;
+        }
+        if let Some(u) = status
+            .user_sessions
+            .iter()
+            .find(|u| u.id == s.id && !u.transport_error.is_empty())
+        {
+            s.reason = output::transport_reason(&u.transport_error, &s.reason);
+        }
+    }
+    status
+}
+
 /// Whether connect is already done: the running session's source policy (empty
 /// when unknown) after telling the user so. A session of the same cluster whose
 /// user-side half (port-forward, route watch) is gone or lost can never carry
@@ -571,6 +593,7 @@ async fn already_connected(
         .map_err(daemon::status_to_error)
         .context("cannot ask the user daemon for its sessions")?
         .into_inner();
+    let status = with_transport_reasons(status);
     match match_session(&status.root_sessions, wanted) {
         SessionMatch::None => Ok(None),
         SessionMatch::Conflict(s) => {
@@ -642,6 +665,7 @@ async fn already_connected(
                     .map_err(daemon::status_to_error)
                     .context("cannot ask the user daemon for its sessions")?
                     .into_inner();
+                let status = with_transport_reasons(status);
                 let Some(now) = status.root_sessions.into_iter().find(|r| r.id == id) else {
                     output::warn(&format!(
                         "session {id} ended while connect waited for it; connecting anew"
@@ -1123,11 +1147,16 @@ pub fn dual_stack_tunnel_ip(routes: &[Route], leased: &LeaseResponse) -> Result<
 /// The cluster's pod and service CIDRs: from the cache in the manager's ConfigMap
 /// when it holds a usable entry (and `redetect` is off), else detected with the
 /// user's credentials and cached for the next connect.
+/// The cluster's pod and service CIDRs: the cache of an earlier connect, else
+/// detected. Detected ones come with the record to cache ([`cache_cidrs`]),
+/// written once the manager is installed (its namespace and ConfigMap may not
+/// exist yet: ranges are known before the install, so that a route conflict is
+/// refused before anything is written to the cluster).
 async fn cluster_cidrs(
     client: &kube::Client,
     namespace: &str,
     redetect: bool,
-) -> Result<(Vec<IpNet>, Vec<IpNet>)> {
+) -> Result<(Vec<IpNet>, Vec<IpNet>, Option<cidr::cache::CachedCidrs>)> {
     if !redetect {
         match cidr::cache::read(client, namespace).await {
             Ok(Some(cached)) => {
@@ -1142,7 +1171,7 @@ async fn cluster_cidrs(
                     cached.age_s(),
                     cached.kvpn_version,
                 ));
-                return Ok((cached.pod, cached.service));
+                return Ok((cached.pod, cached.service, None));
             }
             Ok(None) => {}
             Err(e) => output::warn(&e.to_string()),
@@ -1161,17 +1190,120 @@ async fn cluster_cidrs(
     for a in &detected.attempts {
         output::detail(&a.to_string());
     }
-    if !detected.is_empty() {
-        let cached = cidr::cache::CachedCidrs::now(detected.pod.clone(), detected.service.clone());
-        match cidr::cache::write(client, namespace, &cached).await {
-            Ok(()) => output::detail(&format!(
-                "cached in ConfigMap {namespace}/{} for the next connect",
-                install::objects::MANAGER
-            )),
-            Err(e) => output::warn(&format!("{e} (the next connect detects again)")),
-        }
+    let to_cache = (!detected.is_empty())
+        .then(|| cidr::cache::CachedCidrs::now(detected.pod.clone(), detected.service.clone()));
+    Ok((detected.pod, detected.service, to_cache))
+}
+
+/// Cache detected CIDRs in the manager's ConfigMap for the next connect.
+async fn cache_cidrs(client: &kube::Client, namespace: &str, cached: &cidr::cache::CachedCidrs) {
+    match cidr::cache::write(client, namespace, cached).await {
+        Ok(()) => output::detail(&format!(
+            "cached in ConfigMap {namespace}/{} for the next connect",
+            install::objects::MANAGER
+        )),
+        Err(e) => output::warn(&format!("{e} (the next connect detects again)")),
     }
-    Ok((detected.pod, detected.service))
+}
+
+/// The laptop's routes that overlap the cluster `routes` a new laptop-wide
+/// session would install, read before anything is installed or leased (the
+/// root daemon checks again when it sets the session up, the same way). A
+/// laptop whose routes cannot be read is left to that check.
+async fn refuse_route_conflicts(runtime_dir: &Path, routes: &[Route]) -> Result<()> {
+    use kvpn_dataplane::{conflicts, netlink, session};
+    let ranges: Vec<(IpNet, kvpn_dataplane::ebpf::RouteKind)> = routes
+        .iter()
+        .filter_map(|r| Some((r.cidr.parse().ok()?, session::kind_from_api(r.kind)?)))
+        .collect();
+    let read = async {
+        netlink::Netlink::new()?
+            .laptop_routes()
+            .await
+            .map_err(std::io::Error::other)
+    };
+    let laptop = match read.await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read the laptop's routes before install; the root daemon checks them");
+            return Ok(());
+        }
+    };
+    let found = conflicts::find(&ranges, &laptop, netlink::RTPROT_KVPN, None);
+    if found.is_empty() {
+        return Ok(());
+    }
+    let sessions = current_sessions(runtime_dir).await.unwrap_or_default();
+    bail!(
+        "connect failed at step \"check route conflicts\" (before installing the traffic \
+         manager or leasing a tunnel IP): {}",
+        route_conflict_refusal(&found, &sessions)
+    )
+}
+
+/// The refusal of a connect whose cluster ranges overlap `conflicts`: the
+/// conflicts through a TUN device of one of `sessions` (this root daemon's)
+/// name that session, its cluster and the fixes; the others are said as the
+/// root daemon says them ([`kvpn_dataplane::conflicts::refusal`]). Pure.
+pub fn route_conflict_refusal(
+    conflicts: &[kvpn_dataplane::conflicts::Conflict],
+    sessions: &[Session],
+) -> String {
+    let held_by = |c: &kvpn_dataplane::conflicts::Conflict| {
+        sessions
+            .iter()
+            .find(|s| !s.tun_name.is_empty() && s.tun_name == c.laptop.dev)
+    };
+    let (ours, rest): (Vec<_>, Vec<_>) = conflicts.iter().partition(|c| held_by(c).is_some());
+    let mut parts = Vec::new();
+    if !ours.is_empty() {
+        let mut lines = Vec::new();
+        let mut ids = Vec::new();
+        for c in &ours {
+            let Some(s) = held_by(c) else { continue };
+            let o = s.origin.clone().unwrap_or_default();
+            lines.push(format!(
+                "{} {} overlaps {} of kvpn session {} (cluster {}, context {}, TUN device {})",
+                kvpn_dataplane::conflicts::kind_name(c.kind),
+                c.cluster,
+                c.laptop.dst,
+                s.id,
+                if o.cluster.is_empty() {
+                    "?"
+                } else {
+                    &o.cluster
+                },
+                if o.context.is_empty() {
+                    "?"
+                } else {
+                    &o.context
+                },
+                s.tun_name
+            ));
+            if !ids.contains(&s.id) {
+                ids.push(s.id.clone());
+            }
+        }
+        let disconnect: Vec<String> = ids
+            .iter()
+            .map(|i| format!("`kvpn disconnect {i}`"))
+            .collect();
+        parts.push(format!(
+            "{} — another kvpn session routes these addresses laptop-wide; nothing was \
+             installed in the cluster and no tunnel IP was leased. Clusters with overlapping \
+             ranges cannot both be connected laptop-wide: reach this one with \
+             `kvpn run -- COMMAND` (a run has its own routing table), or end the other \
+             session first ({}), or pass --allow-route-conflict to keep it and steer only \
+             this cluster's known ClusterIPs (/32 routes) through the new session",
+            lines.join("; "),
+            disconnect.join(", ")
+        ));
+    }
+    if !rest.is_empty() {
+        let rest: Vec<_> = rest.into_iter().cloned().collect();
+        parts.push(kvpn_dataplane::conflicts::refusal(&rest));
+    }
+    parts.join("; also: ")
 }
 
 fn list(cidrs: &[IpNet]) -> String {
@@ -1637,7 +1769,84 @@ pub async fn kube_connect_as(
         return Ok(None);
     }
 
+    // The cluster's ranges first (cache, flags, detection: none installs
+    // anything), so that a route conflict is refused before the install and
+    // the lease.
+    let (detected_pod, detected_service, to_cache) = cluster_cidrs(
+        &conn.client,
+        &args.kube.manager_namespace,
+        args.redetect_cidrs,
+    )
+    .await?;
+    let pod: Vec<IpNet> = detected_pod
+        .iter()
+        .chain(&args.pod_cidrs)
+        .copied()
+        .collect();
+    let service: Vec<IpNet> = detected_service
+        .iter()
+        .chain(&args.service_cidrs)
+        .copied()
+        .collect();
+    if pod.is_empty() && service.is_empty() && args.extra_cidrs.is_empty() {
+        bail!(
+            "could not detect any pod or service CIDR of this cluster — give them with \
+             --pod-cidr and --service-cidr"
+        );
+    }
+    // Never route the API server, the nameservers or the gateway into the tunnel (rt-02).
+    let api_host = host_of(&conn.description.server);
+    // With a jump host, the laptop talks to its first hop directly: keep that out too.
+    let first_hop: Vec<&str> = plan
+        .iter()
+        .flat_map(|p| p.hops.first())
+        .map(|h| h.host.as_str())
+        .collect();
+    let essentials = cidr::essentials::gather(&[api_host.as_str()], &first_hop).await;
+    for p in &essentials.problems {
+        output::warn(p);
+    }
+    let keep_out: Vec<IpAddr> = essentials.addresses();
+    warn_never_routed(&[&detected_pod[..], &detected_service].concat());
+    warn_typed_cidr_holes(args, &essentials.labelled());
+    let routes = cluster_routes_avoiding(
+        &pod,
+        &service,
+        &args.extra_cidrs,
+        &keep_out,
+        &args.never_proxy,
+    );
+    // Say what the laptop keeps for itself inside the cluster ranges.
+    origin.kept_out = kept_out_inside(
+        &[
+            (&pod[..], "pod"),
+            (&service[..], "service"),
+            (&args.extra_cidrs[..], "extra"),
+        ],
+        &essentials.labelled(),
+        &args.never_proxy,
+    );
+    if !origin.kept_out.is_empty() {
+        output::done(&format!(
+            "Kept {} address(es) off the tunnel inside the cluster ranges (the laptop's own \
+             and --never-proxy ranges)",
+            origin.kept_out.len()
+        ));
+        for k in &origin.kept_out {
+            output::detail(&kept_out_line(k));
+        }
+    }
+    let routes = ipv4_only_if_ipv6_off(routes);
+    if !run && !args.allow_route_conflict {
+        refuse_route_conflicts(runtime_dir, &routes)
+            .await
+            .map_err(|e| with_split_refusal_hint(e, args, &keep_out))?;
+    }
+
     let mut manager = ensure_manager(&conn, args).await?;
+    if let Some(cached) = &to_cache {
+        cache_cidrs(&conn.client, &args.kube.manager_namespace, cached).await;
+    }
     use_least_busy_replica(&conn, &mut manager, &mut origin).await;
     origin.source_policy = manager.source_policy.as_str().to_owned();
     match args.source_policy {
@@ -1672,28 +1881,6 @@ pub async fn kube_connect_as(
         leased.expires_in_s
     ));
 
-    let (detected_pod, detected_service) = cluster_cidrs(
-        &conn.client,
-        &args.kube.manager_namespace,
-        args.redetect_cidrs,
-    )
-    .await?;
-    let pod: Vec<IpNet> = detected_pod
-        .iter()
-        .chain(&args.pod_cidrs)
-        .copied()
-        .collect();
-    let service: Vec<IpNet> = detected_service
-        .iter()
-        .chain(&args.service_cidrs)
-        .copied()
-        .collect();
-    if pod.is_empty() && service.is_empty() && args.extra_cidrs.is_empty() {
-        bail!(
-            "could not detect any pod or service CIDR of this cluster — give them with \
-             --pod-cidr and --service-cidr"
-        );
-    }
     if let Some(e) = pool_overlap(
         &tunnel_pool,
         &[
@@ -1705,54 +1892,13 @@ pub async fn kube_connect_as(
         bail!(e);
     }
 
-    // Never route the API server, the nameservers or the gateway into the tunnel (rt-02).
-    let api_host = host_of(&conn.description.server);
-    // With a jump host, the laptop talks to its first hop directly: keep that out too.
-    let first_hop: Vec<&str> = plan
-        .iter()
-        .flat_map(|p| p.hops.first())
-        .map(|h| h.host.as_str())
-        .collect();
-    let essentials = cidr::essentials::gather(&[api_host.as_str()], &first_hop).await;
-    for p in &essentials.problems {
-        output::warn(p);
-    }
-    let keep_out: Vec<IpAddr> = essentials.addresses();
-    warn_never_routed(&[&detected_pod[..], &detected_service].concat());
-    warn_typed_cidr_holes(args, &essentials.labelled());
-    let mut routes = cluster_routes_avoiding(
-        &pod,
-        &service,
-        &args.extra_cidrs,
-        &keep_out,
-        &args.never_proxy,
-    );
-    // Say what the laptop keeps for itself inside the cluster ranges.
-    origin.kept_out = kept_out_inside(
-        &[
-            (&pod[..], "pod"),
-            (&service[..], "service"),
-            (&args.extra_cidrs[..], "extra"),
-        ],
-        &essentials.labelled(),
-        &args.never_proxy,
-    );
-    if !origin.kept_out.is_empty() {
-        output::done(&format!(
-            "Kept {} address(es) off the tunnel inside the cluster ranges (the laptop's own \
-             and --never-proxy ranges)",
-            origin.kept_out.len()
-        ));
-        for k in &origin.kept_out {
-            output::detail(&kept_out_line(k));
-        }
-    }
     // Other laptops' tunnel IPs (laptop-to-laptop through the manager). The
     // laptop's own tunnel IP is in the local routing table, which wins, so the
     // pool needs no hole for it. Two clusters whose managers use the same pool
     // (the default) cannot both own it: the session that routes it first keeps
     // it, and this one reaches the cluster but not the laptops behind it.
     // A run's processes reach the cluster, not other laptops.
+    let mut routes = routes;
     match session_routing(&current_sessions(runtime_dir).await?, &tunnel_pool) {
         _ if run => {}
         None => routes.push(Route {
@@ -1768,7 +1914,6 @@ pub async fn kube_connect_as(
         )),
     }
 
-    let routes = ipv4_only_if_ipv6_off(routes);
     let tunnel_ip_v6 = dual_stack_tunnel_ip(&routes, &leased)?;
     if let Some(v6) = tunnel_ip_v6 {
         output::detail(&format!(
@@ -2292,6 +2437,88 @@ mod tests {
         assert!(same_cluster(&a, url, "ca-sha256:aa"));
         assert!(!same_cluster(&a, url, "ca-sha256:bb"));
         assert!(!same_cluster(&a, "https://127.0.0.2:6443", "ca-sha256:aa"));
+    }
+
+    /// T10: a conflict with a route of another session of this root daemon
+    /// names that session, its cluster and context, the overlapping ranges and
+    /// the three ways out; a conflict with any other laptop route is said as
+    /// the root daemon says it.
+    #[test]
+    fn a_conflict_with_another_session_names_it_the_range_and_the_fixes() {
+        use kvpn_dataplane::conflicts::{Conflict, LaptopRoute};
+        use kvpn_dataplane::ebpf::RouteKind;
+        let route = |dst: &str, dev: &str| LaptopRoute {
+            dst: dst.parse().expect("cidr"),
+            dev: dev.into(),
+            oif: 7,
+            protocol: kvpn_dataplane::netlink::RTPROT_KVPN,
+            table: kvpn_dataplane::conflicts::TABLE_MAIN,
+            kind: 1,
+        };
+        let conflict = |cluster: &str, kind, laptop| Conflict {
+            cluster: cluster.parse().expect("cidr"),
+            kind,
+            laptop,
+            other_kvpn: true,
+        };
+        let other = Session {
+            id: "a1b2c3".into(),
+            tun_name: "kvpn0".into(),
+            origin: Some(Origin {
+                cluster: "lab-a".into(),
+                context: "ctx-a".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let found = [
+            conflict(
+                "10.244.0.0/16",
+                RouteKind::Pod,
+                route("10.244.0.0/16", "kvpn0"),
+            ),
+            conflict(
+                "10.96.0.0/12",
+                RouteKind::Service,
+                route("10.96.0.0/12", "kvpn0"),
+            ),
+        ];
+        let msg = super::route_conflict_refusal(&found, std::slice::from_ref(&other));
+        for want in [
+            "pod CIDR 10.244.0.0/16 overlaps 10.244.0.0/16 of kvpn session a1b2c3 (cluster lab-a, \
+             context ctx-a, TUN device kvpn0)",
+            "service CIDR 10.96.0.0/12 overlaps 10.96.0.0/12 of kvpn session a1b2c3",
+            "nothing was installed in the cluster and no tunnel IP was leased",
+            "`kvpn run -- COMMAND`",
+            "`kvpn disconnect a1b2c3`",
+            "--allow-route-conflict",
+        ] {
+            assert!(msg.contains(want), "missing {want:?} in: {msg}");
+        }
+        assert_eq!(msg.matches("kvpn disconnect a1b2c3").count(), 1, "{msg}");
+        // A TUN device of no session of this root daemon (another --runtime-dir),
+        // and a laptop route that is no kvpn's: the root daemon's words.
+        let mut bridge = route("10.100.7.0/24", "br0");
+        bridge.protocol = 2;
+        let mut foreign = conflict("10.96.0.0/12", RouteKind::Service, bridge);
+        foreign.other_kvpn = false;
+        let msg = super::route_conflict_refusal(
+            &[
+                conflict(
+                    "10.244.0.0/16",
+                    RouteKind::Pod,
+                    route("10.244.0.0/16", "kvpn3"),
+                ),
+                foreign,
+            ],
+            std::slice::from_ref(&other),
+        );
+        assert!(
+            msg.contains("another kvpn session already routes these addresses through kvpn3")
+                && msg.contains("10.100.7.0/24 dev br0")
+                && !msg.contains("a1b2c3"),
+            "{msg}"
+        );
     }
 
     #[test]

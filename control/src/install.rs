@@ -923,8 +923,18 @@ impl Installer<'_> {
         }
         if self.keep.replicas {
             // Whoever set it (an earlier --replicas, `kubectl scale`, an
-            // autoscaler): re-applied as it is, so nobody is scaled back.
-            self.spec.replicas = deployment_replicas(d);
+            // autoscaler): re-applied as it is, so nobody is scaled back —
+            // except from 0, where no manager runs for the connect that asks.
+            let installed = deployment_replicas(d);
+            self.spec.replicas = if installed == 0 {
+                self.progress.report(ProgressEvent::Detail(format!(
+                    "Deployment {MANAGER} in {} is scaled to 0 replicas: scaling it back to 1",
+                    self.ns()
+                )));
+                1
+            } else {
+                installed
+            };
         }
         if self.keep.image
             && let Some(installed) = container.and_then(|c| c.image.as_deref())

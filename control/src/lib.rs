@@ -28,6 +28,7 @@ pub mod lab;
 pub mod lease;
 pub mod liveness;
 pub mod output;
+pub mod quit_every;
 pub mod replica;
 pub mod route_watch;
 pub mod run;
@@ -81,7 +82,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Status(args) => status(&runtime_dir, args).await,
         Command::Disconnect(args) => disconnect(&runtime_dir, args).await,
         Command::Top(args) => top::run(&runtime_dir, args).await,
-        Command::Quit => quit(&runtime_dir).await,
+        Command::Quit(args) if args.every_runtime_dir => quit_every::quit_every(&runtime_dir).await,
+        Command::Quit(_) => quit(&runtime_dir).await,
         Command::Install(args) => install_command(*args).await,
         Command::Version(args) => version::run(&runtime_dir, args).await,
         Command::Uninstall(args) => uninstall(&runtime_dir, args).await,
@@ -983,7 +985,7 @@ async fn uninstall(runtime_dir: &std::path::Path, args: crate::cli::UninstallArg
     Ok(())
 }
 
-async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
+pub(crate) async fn quit(runtime_dir: &std::path::Path) -> Result<()> {
     // A `kvpn connect` running now would start the daemons again after this
     // stopped them: interrupt it (it undoes its session), wait for it, and keep
     // the lock until both daemons are gone.

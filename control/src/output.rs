@@ -402,6 +402,19 @@ pub const STATE_LOST: &str = "lost";
 
 /// Merge the root daemon's sessions with the user daemon's halves (pure; the
 /// order is the root daemon's, then user-only sessions by id).
+/// The reason of a session that is not connected, given the user daemon's
+/// `transport_error` (the SSH path's error, or why no manager pod carries the
+/// data channel: none ready, the Deployment scaled to 0) and the root daemon's
+/// `root_reason`: the root daemon sees only the symptom (the listener ends the
+/// TLS handshake), so the cause comes first.
+pub fn transport_reason(transport_error: &str, root_reason: &str) -> String {
+    if root_reason.is_empty() {
+        transport_error.to_owned()
+    } else {
+        format!("{transport_error} (data channel: {root_reason})")
+    }
+}
+
 pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusRow> {
     let mut rows: Vec<StatusRow> = root
         .into_iter()
@@ -435,14 +448,8 @@ pub fn merge_sessions(root: Vec<Session>, user: Vec<UserSession>) -> Vec<StatusR
                         }
                     );
                 }
-                // The root daemon sees only the symptom of a broken SSH path (the
-                // listener ends the TLS handshake): the path's own error first.
                 Some(u) if !u.transport_error.is_empty() && s.state != "connected" => {
-                    s.reason = if s.reason.is_empty() {
-                        u.transport_error.clone()
-                    } else {
-                        format!("{} (data channel: {})", u.transport_error, s.reason)
-                    };
+                    s.reason = transport_reason(&u.transport_error, &s.reason);
                 }
                 _ => {}
             }

@@ -287,7 +287,8 @@ pub type Stopped = (Vec<String>, std::collections::HashMap<String, u64>);
 /// and exit, and wait until it did. Returns the stopped session ids, the laptop
 /// TCP sockets reset per id (none: absent), and, when a user daemon ran, its pid (`Some(None)` when its pid file was unreadable).
 /// Without a running daemon, forgets the sessions it would restore (the root
-/// daemon, stopped next, takes their other halves down).
+/// daemon, stopped next, takes their other halves down) and removes the
+/// socket and pid file a killed one left.
 pub async fn quit(root_runtime_dir: &Path) -> Result<(Stopped, Option<Option<i32>>)> {
     let paths = Paths::current(root_runtime_dir);
     let Some(mut client) = connect_existing(&paths).await? else {
@@ -296,6 +297,20 @@ pub async fn quit(root_runtime_dir: &Path) -> Result<(Stopped, Option<Option<i32
             store
                 .clear()
                 .with_context(|| format!("cannot remove {}", store.dir().display()))?;
+        }
+        // A killed user daemon's socket and pid file (nothing answers there).
+        if !pid(&paths).is_some_and(daemon::process_alive) {
+            for f in [&paths.socket, &paths.pid] {
+                match std::fs::remove_file(f) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(anyhow::Error::new(e).context(format!(
+                            "cannot remove the stopped user daemon's {}",
+                            f.display()
+                        )));
+                    }
+                    _ => {}
+                }
+            }
         }
         return Ok((Stopped::default(), None));
     };

@@ -755,8 +755,13 @@ impl Daemon {
         (leftovers, report.tcp_reset)
     }
 
-    /// Connect's setup, to completion whether or not its caller waits.
-    async fn connect_owned(&self, request: &ConnectRequest) -> Result<ConnectResponse, Status> {
+    /// Connect's setup, to completion whether or not its caller waits; `owner`:
+    /// the caller's uid (a run's owner).
+    async fn connect_owned(
+        &self,
+        request: &ConnectRequest,
+        owner: u32,
+    ) -> Result<ConnectResponse, Status> {
         let mut params = params_from_request(request, self.heartbeat_interval)?;
         let slot = if request.run_scope {
             let mut slots = self.run_slots();
@@ -798,7 +803,7 @@ impl Daemon {
         if let Some(slot) = slot {
             let (_, _, dns_addr) = run_scope::slot_params(slot);
             let upstreams = self.laptop_nameservers(std::net::SocketAddr::V4(dns_addr));
-            match RunScope::setup(&id, slot, &self.netlink, upstreams).await {
+            match RunScope::setup(&id, slot, owner, &self.netlink, upstreams).await {
                 Ok(scope) => {
                     tracing::info!(session = %id, cgroup = %scope.cgroup().display(), table = scope.table, mark = scope.mark, dns = %scope.dns, "run scope set up");
                     if let Some(record) = &self.record
@@ -931,22 +936,41 @@ fn new_session_id() -> String {
     format!("{:012x}", hasher.finish() >> 16)
 }
 
+/// The uid of the process that made `request` (`SO_PEERCRED`, taken by tonic
+/// when the Unix socket connection was accepted); `rpc` names the call for the
+/// refusal of a call without credentials (not over the socket).
+fn caller_uid<T>(request: &Request<T>, rpc: &str) -> Result<u32, Status> {
+    request
+        .extensions()
+        .get::<tonic::transport::server::UdsConnectInfo>()
+        .and_then(|info| info.peer_cred)
+        .map(|c| c.uid())
+        .ok_or_else(|| {
+            Status::permission_denied(format!(
+                "{rpc} needs the caller's credentials (SO_PEERCRED): call over the Unix socket"
+            ))
+        })
+}
+
 #[tonic::async_trait]
 impl Dataplane for Daemon {
     async fn connect(
         &self,
         request: Request<ConnectRequest>,
     ) -> Result<Response<ConnectResponse>, Status> {
+        // Root when the call carries no credentials (an in-process caller;
+        // every call over the socket has them, `check_peer`).
+        let owner = caller_uid(&request, "Connect").unwrap_or(0);
         let req = request.into_inner();
         // tonic drops this future when the caller goes away (a Ctrl-C'd CLI):
         // the setup runs as its own task so that nothing is left half made,
         // and a session nobody took the answer of is torn down.
         let Some(this) = self.me.get().and_then(std::sync::Weak::upgrade) else {
-            return self.connect_owned(&req).await.map(Response::new);
+            return self.connect_owned(&req, owner).await.map(Response::new);
         };
         let (answer, taken) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
-            let result = this.connect_owned(&req).await;
+            let result = this.connect_owned(&req, owner).await;
             if let Err(Ok(resp)) = answer.send(result) {
                 tracing::warn!(session = %resp.session_id, "the caller went away during Connect: tearing the session down");
                 let session = this.sessions().remove(&resp.session_id);
@@ -1071,16 +1095,7 @@ impl Dataplane for Daemon {
         &self,
         request: Request<AdmitToRunRequest>,
     ) -> Result<Response<AdmitToRunResponse>, Status> {
-        let caller = request
-            .extensions()
-            .get::<tonic::transport::server::UdsConnectInfo>()
-            .and_then(|info| info.peer_cred)
-            .map(|c| c.uid())
-            .ok_or_else(|| {
-                Status::permission_denied(
-                    "AdmitToRun needs the caller's credentials (SO_PEERCRED): call over the Unix socket",
-                )
-            })?;
+        let caller = caller_uid(&request, "AdmitToRun")?;
         let req = request.into_inner();
         let runs = self.runs();
         let scope = runs.get(&req.session_id).ok_or_else(|| {
@@ -1090,6 +1105,8 @@ impl Dataplane for Daemon {
                 req.session_id
             ))
         })?;
+        run_scope::check_owner(&req.session_id, scope.owner_uid, caller, "AdmitToRun")
+            .map_err(Status::permission_denied)?;
         scope
             .admit(req.pid, caller)
             .map_err(Status::permission_denied)?;
@@ -1103,6 +1120,7 @@ impl Dataplane for Daemon {
         &self,
         request: Request<RunDnsQueryRequest>,
     ) -> Result<Response<RunDnsQueryResponse>, Status> {
+        let caller = caller_uid(&request, "RunDnsQuery")?;
         let req = request.into_inner();
         if req.query.len() > run_scope::MAX_RUN_DNS_QUERY {
             return Err(Status::invalid_argument(format!(
@@ -1114,14 +1132,16 @@ impl Dataplane for Daemon {
         let found = self
             .runs()
             .get(&req.session_id)
-            .map(|scope| (scope.dns, scope.mark));
-        let (dns, mark) = found.ok_or_else(|| {
+            .map(|scope| (scope.dns, scope.mark, scope.owner_uid));
+        let (dns, mark, owner) = found.ok_or_else(|| {
             Status::not_found(format!(
                 "no run session {} — `kvpn status` lists the sessions; only sessions of \
                  `kvpn run` have their own DNS forwarder",
                 req.session_id
             ))
         })?;
+        run_scope::check_owner(&req.session_id, owner, caller, "RunDnsQuery")
+            .map_err(Status::permission_denied)?;
         let answer = run_scope::ask_forwarder(dns, mark, &req.query)
             .await
             .map_err(|e| {

@@ -191,10 +191,34 @@ pub fn parse_uids(status: &str) -> Option<(u32, u32)> {
     Some((real, effective))
 }
 
+/// Whether a caller of uid `caller_uid` may use the run of `session` that
+/// uid `owner_uid` connected (`what`: the call, for the message): root and the
+/// owner may, nobody else (pure). The root daemon also serves one non-root uid
+/// besides root, so a run a root `kvpn run` made is not that user's to ask
+/// or join.
+pub fn check_owner(
+    session: &str,
+    owner_uid: u32,
+    caller_uid: u32,
+    what: &str,
+) -> Result<(), String> {
+    if caller_uid == 0 || caller_uid == owner_uid {
+        return Ok(());
+    }
+    Err(format!(
+        "{what} refused: run session {session} belongs to uid {owner_uid}, not to the caller \
+         (uid {caller_uid}) — only the user who started `kvpn run` (or root) may use its \
+         forwarder and cgroup; start a `kvpn run` of your own"
+    ))
+}
+
 /// A run session's cgroup, eBPF programs, rule and DNS forwarder.
 #[derive(Debug)]
 pub struct RunScope {
     pub slot: u16,
+    /// The uid that connected the run (the caller of Connect): only it and
+    /// root may ask its forwarder or move processes into it ([`check_owner`]).
+    pub owner_uid: u32,
     pub table: u32,
     pub mark: u32,
     pub dns: SocketAddrV4,
@@ -224,6 +248,7 @@ impl RunScope {
     pub async fn setup(
         id: &str,
         slot: u16,
+        owner_uid: u32,
         netlink: &Netlink,
         upstreams: Vec<SocketAddr>,
     ) -> Result<RunScope, String> {
@@ -233,6 +258,7 @@ impl RunScope {
             .map_err(|e| format!("cannot create the run's cgroup {}: {e}", cgroup.display()))?;
         let mut scope = RunScope {
             slot,
+            owner_uid,
             table,
             mark,
             dns,
@@ -434,6 +460,24 @@ mod tests {
         assert_eq!(d1.to_string(), "127.0.154.2:53");
         let (_, _, last) = slot_params(MAX_RUN_SESSIONS - 1);
         assert_eq!(last.ip().octets()[3], 250);
+    }
+
+    /// R1: another uid may neither ask a run's forwarder nor join its cgroup;
+    /// root and the owner may.
+    #[test]
+    fn only_root_and_the_owner_may_use_a_run() {
+        assert_eq!(check_owner("s1", 1000, 1000, "RunDnsQuery"), Ok(()));
+        assert_eq!(check_owner("s1", 1000, 0, "RunDnsQuery"), Ok(()));
+        assert_eq!(check_owner("s1", 0, 0, "AdmitToRun"), Ok(()));
+        let err = check_owner("s1", 0, 1000, "RunDnsQuery").expect_err("uid 1000 asks root's run");
+        assert!(
+            err.contains("RunDnsQuery refused")
+                && err.contains("run session s1 belongs to uid 0")
+                && err.contains("(uid 1000)")
+                && err.contains("start a `kvpn run` of your own"),
+            "{err}"
+        );
+        assert!(check_owner("s1", 1000, 1001, "AdmitToRun").is_err());
     }
 
     #[test]

@@ -298,7 +298,11 @@ fn run_blocking(cmd: LabCommand) -> Result<()> {
             // laptop's DNS back and remove their TUN device), or they would outlive
             // the lab holding its netns and their folder.
             // A caller with a runtime folder of its own (KVPN_RUNTIME_DIR, which
-            // `kvpn lab exec laptop` passes on) has its daemons there: those too.
+            // `kvpn lab exec laptop` passes on) has its daemons there: those too,
+            // and those of any other folder used in the laptop (`kvpn
+            // --runtime-dir DIR connect` there): `kvpn quit --every-runtime-dir`
+            // finds them by the daemons running in the laptop netns and by the
+            // session records made there.
             if let Ok(lab) = Lab::attach(&name) {
                 if let Some(own) = callers_runtime_dir().filter(|d| *d != runtime) {
                     quit_laptop_daemons(&lab, &own);
@@ -433,20 +437,19 @@ pub fn laptop_runtime_dir_named(name: &str) -> PathBuf {
     crate::state_dir().join(format!("{name}-laptop-runtime"))
 }
 
-/// How long `kvpn lab down` lets `kvpn quit` stop the laptop's daemons: a quit
-/// with one session takes well under a second; a hung daemon must not keep the
-/// lab up.
-const QUIT_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+/// How long `kvpn lab down` lets `kvpn quit --every-runtime-dir` stop the
+/// laptop's daemons: a quit with one session takes well under a second, and
+/// it quits each runtime folder used there in turn; a hung daemon must not keep
+/// the lab up.
+const QUIT_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Run `kvpn quit` in the laptop netns for the daemons of `runtime` (best effort:
 /// what fails is said, the teardown goes on). `kvpn` is the one beside this
 /// program, else the first in PATH.
 fn quit_laptop_daemons(lab: &Lab, runtime: &Path) {
     // Whatever is left there (live daemons, or a killed root daemon's DNS
-    // change to repair): `kvpn quit` handles both, and does nothing otherwise.
-    if !runtime.exists() {
-        return;
-    }
+    // change to repair) and in the other runtime folders of the laptop: `kvpn
+    // quit --every-runtime-dir` handles all, and does nothing otherwise.
     let Ok(netns) = lab.netns(crate::LAPTOP) else {
         return;
     };
@@ -465,9 +468,9 @@ fn quit_laptop_daemons(lab: &Lab, runtime: &Path) {
         return;
     };
     let mut cmd = netns.command(&kvpn);
-    cmd.arg("quit")
+    cmd.args(["quit", "--every-runtime-dir"])
         .env("KVPN_RUNTIME_DIR", runtime)
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
     let child = match cmd.spawn() {
         Ok(c) => c,
@@ -487,11 +490,24 @@ fn quit_laptop_daemons(lab: &Lab, runtime: &Path) {
     });
     match done_rx.recv_timeout(QUIT_WAIT) {
         Ok(Ok(out)) if out.status.success() => {
-            output::detail("Stopped kvpn's daemons in the lab laptop (`kvpn quit`)");
+            output::detail(
+                "Stopped kvpn's daemons in the lab laptop (`kvpn quit --every-runtime-dir`)",
+            );
+            // Which folders and sessions it quit (its step and done lines).
+            for line in String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .chain(String::from_utf8_lossy(&out.stderr).lines())
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+            {
+                output::detail(line);
+            }
         }
         Ok(Ok(out)) => output::warn(&format!(
-            "`kvpn quit` in the lab laptop failed ({}): {} — its daemons may outlive the lab",
+            "`kvpn quit --every-runtime-dir` in the lab laptop failed ({}): {} {} — what it \
+             names may outlive the lab",
             out.status,
+            String::from_utf8_lossy(&out.stdout).trim(),
             String::from_utf8_lossy(&out.stderr).trim()
         )),
         Ok(Err(e)) => output::warn(&format!("`kvpn quit` in the lab laptop: {e}")),

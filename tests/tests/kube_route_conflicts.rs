@@ -229,3 +229,80 @@ fn rt_05_route_conflicts_are_refused_or_steered_and_shown_in_status() {
         "the laptop's route survives disconnect: {theirs}"
     );
 }
+
+/// T10: a second cluster with the first one's pod and service CIDRs (two kind
+/// clusters, two labs) connected laptop-wide: the route conflict with the first
+/// session is found as soon as the ranges are known, before the second cluster
+/// gets a traffic manager or the laptop a lease there, and the refusal names the
+/// other session, the overlapping ranges and the ways out.
+#[test]
+fn a_conflict_with_another_session_is_refused_before_install_and_lease() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::Api;
+    use kvpn_lab::Addressing;
+    use kvpn_tests::kube_lab::MANAGER_NAMESPACE;
+
+    let mut f = KubeFixture::new();
+    let b = f.add_cluster(Addressing::overlapping());
+    let kube_b = f
+        .cluster(b)
+        .laptop_user_kubeconfig()
+        .to_string_lossy()
+        .into_owned();
+    f.connect_restricted();
+    let a = f.session();
+    let a_id = a["id"].as_str().expect("session id").to_owned();
+    let a_tun = a["tun_name"].as_str().expect("tun name").to_owned();
+    let addressing = Addressing::default();
+
+    let out = f.kvpn(&["connect", "--kubeconfig", &kube_b]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(
+        !out.status.success(),
+        "a second laptop-wide session over the same ranges must be refused:\n{stdout}\n{stderr}"
+    );
+    for want in [
+        "check route conflicts".to_owned(),
+        "before installing the traffic manager or leasing a tunnel IP".to_owned(),
+        // Detection finds the node's pod CIDR (a part of the cluster's).
+        format!("pod CIDR {} overlaps ", addressing.node_pod_cidr),
+        format!("of kvpn session {a_id} (cluster "),
+        format!("service CIDR {} overlaps", addressing.service_cidr),
+        format!("TUN device {a_tun}"),
+        "`kvpn run -- COMMAND`".to_owned(),
+        format!("`kvpn disconnect {a_id}`"),
+        "--allow-route-conflict".to_owned(),
+    ] {
+        assert!(stderr.contains(&want), "missing {want:?} in: {stderr}");
+    }
+    assert!(
+        !stdout.contains("Installing traffic manager") && !stdout.contains("Tunnel IP"),
+        "the refused connect installed or leased first:\n{stdout}"
+    );
+    // Cluster B: no traffic manager and no CIDR cache written (its namespace
+    // would hold both); the laptop: still one session, A's.
+    let admin_b = f
+        .block_on(f.cluster(b).admin_client())
+        .unwrap_or_else(|e| panic!("admin client of cluster B: {e}"));
+    let deployments: Api<Deployment> = Api::namespaced(admin_b.clone(), MANAGER_NAMESPACE);
+    let config_maps: Api<ConfigMap> = Api::namespaced(admin_b, MANAGER_NAMESPACE);
+    assert!(
+        f.block_on(deployments.get_opt("kvpn-manager"))
+            .unwrap_or_else(|e| panic!("get Deployment in B: {e}"))
+            .is_none(),
+        "the refused connect installed a traffic manager in cluster B"
+    );
+    assert!(
+        f.block_on(config_maps.get_opt("kvpn-manager"))
+            .unwrap_or_else(|e| panic!("get ConfigMap in B: {e}"))
+            .is_none(),
+        "the refused connect wrote kvpn's ConfigMap in cluster B"
+    );
+    let ids: Vec<String> = f
+        .sessions()
+        .iter()
+        .filter_map(|s| s["id"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(ids, vec![a_id], "sessions after the refusal");
+}

@@ -147,7 +147,13 @@ fn wait_run_session(
 }
 
 fn spawn_run(f: &KubeFixture, kubeconfig: &str, script: &str) -> Child {
+    spawn_run_with(f, kubeconfig, script, &[])
+}
+
+/// [`spawn_run`] with `env` set for kvpn (and the daemons it starts).
+fn spawn_run_with(f: &KubeFixture, kubeconfig: &str, script: &str, env: &[(&str, &str)]) -> Child {
     f.kvpn_command(&["run", "--kubeconfig", kubeconfig, "--", "sh", "-c", script])
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -945,4 +951,120 @@ fn plain_disconnect_ends_connect_sessions_and_leaves_run_sessions() {
     assert_eq!(status.code(), Some(3), "after disconnect --all: {rest:?}");
     assert_eq!(rest, vec!["got-term".to_owned()]);
     assert_nothing_left(&f, &[run_id], "after disconnect --all");
+}
+
+/// A DNS question for `name`, type A, class IN (RFC 1035 4.1), id 0x6b76.
+fn dns_question(name: &str) -> Vec<u8> {
+    let mut q = vec![0x6b, 0x76, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+    for label in name.split('.') {
+        q.push(u8::try_from(label.len()).expect("label of at most 63 bytes"));
+        q.extend_from_slice(label.as_bytes());
+    }
+    q.extend_from_slice(&[0, 0, 1, 0, 1]);
+    q
+}
+
+/// `RunDnsQuery` on the root daemon of `runtime_dir` from a thread whose
+/// credentials are `uid`'s (the daemon reads them with SO_PEERCRED).
+fn run_dns_query_as(
+    uid: u32,
+    runtime_dir: std::path::PathBuf,
+    req: kvpn_proto::dataplane::RunDnsQueryRequest,
+) -> Result<Vec<u8>, tonic::Status> {
+    std::thread::spawn(move || {
+        // SAFETY: the raw setresgid/setresuid system calls change the calling
+        // thread's credentials only (the libc wrappers would change every
+        // thread's); this thread ends after the one call.
+        let (g, u) = unsafe {
+            (
+                libc::syscall(libc::SYS_setresgid, uid, uid, uid),
+                libc::syscall(libc::SYS_setresuid, uid, uid, uid),
+            )
+        };
+        assert_eq!((g, u), (0, 0), "cannot become uid {uid} in a thread");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        rt.block_on(async {
+            let mut client = kvpn_control::daemon::connect_existing(&runtime_dir)
+                .await
+                .unwrap_or_else(|e| panic!("uid {uid} cannot reach the root daemon: {e:#}"))
+                .unwrap_or_else(|| panic!("no root daemon in {}", runtime_dir.display()));
+            client
+                .run_dns_query(req)
+                .await
+                .map(|r| r.into_inner().answer)
+        })
+    })
+    .join()
+    .unwrap_or_else(|_| panic!("the uid {uid} thread panicked"))
+}
+
+/// R1: a run's DNS forwarder answers, through the root daemon's RunDnsQuery,
+/// only the uid that started the run and root: the other uid the root daemon
+/// serves (here 65534, allowed as SUDO_UID) is refused, naming the owner.
+#[test]
+fn run_dns_query_serves_the_runs_owner_and_root_only() {
+    use std::os::unix::fs::PermissionsExt as _;
+    // SUDO_UID below.
+    const OTHER: u32 = 65534;
+    let f = KubeFixture::new();
+    let kubeconfig = f.user_kubeconfig();
+    let done = std::env::temp_dir().join(format!("kvpn-run-owner-done-{}", std::process::id()));
+    let _ = std::fs::remove_file(&done);
+    let script = format!(
+        "i=0; while [ $i -lt 90 ] && [ ! -e {} ]; do sleep 1; i=$((i+1)); done",
+        done.display()
+    );
+    // The root daemon this run starts also serves uid OTHER (as one started
+    // through sudo by that user would).
+    let mut child = spawn_run_with(&f, &kubeconfig, &script, &[("SUDO_UID", "65534")]);
+    let runs = wait_run_session(&f, &mut [&mut child], 1, Duration::from_secs(90));
+    let id = runs[0]["id"].as_str().unwrap_or_default().to_owned();
+    let rt = f.runtime_dir().to_path_buf();
+    let socket = rt.join("dataplane.sock");
+    let mode = std::fs::metadata(&socket)
+        .unwrap_or_else(|e| panic!("{}: {e}", socket.display()))
+        .permissions()
+        .mode();
+    assert_eq!(
+        mode & 0o777,
+        0o666,
+        "the root daemon does not serve uid {OTHER}"
+    );
+    // Let uid OTHER reach the socket (the folders are the test's own).
+    for dir in [rt.parent().expect("runtime folder's parent"), rt.as_path()] {
+        let mode = std::fs::metadata(dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .permissions()
+            .mode();
+        std::fs::set_permissions(
+            dir,
+            std::fs::Permissions::from_mode((mode | 0o011) & 0o7777),
+        )
+        .unwrap_or_else(|e| panic!("chmod {}: {e}", dir.display()));
+    }
+    let req = kvpn_proto::dataplane::RunDnsQueryRequest {
+        session_id: id.clone(),
+        query: dns_question("web.default.svc.cluster.local"),
+    };
+    let refused = run_dns_query_as(OTHER, rt.clone(), req.clone())
+        .expect_err("uid 65534 got an answer from root's run's forwarder");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(
+        refused.message().contains(&format!(
+            "run session {id} belongs to uid 0, not to the caller (uid {OTHER})"
+        )),
+        "{}",
+        refused.message()
+    );
+    let answer = run_dns_query_as(0, rt, req)
+        .unwrap_or_else(|e| panic!("root (the run's owner) was refused: {e:?}"));
+    assert!(answer.len() > 12, "no DNS answer for root: {answer:?}");
+
+    std::fs::write(&done, b"").unwrap_or_else(|e| panic!("write {}: {e}", done.display()));
+    wait_output(child, "kvpn run", &f);
+    let _ = std::fs::remove_file(&done);
+    assert_nothing_left(&f, &[id], "after the run");
 }

@@ -32,6 +32,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, ListParams, LogParams, Patch, PatchParams};
 use kvpn_control::install::objects::GRPC_PORT;
 use kvpn_tests::kube_lab::{KubeFixture, MANAGER_NAMESPACE, pod_name, pod_ready, web};
+use kvpn_tests::text;
 
 const SELECTOR: &str =
     "app.kubernetes.io/name=kvpn-manager,app.kubernetes.io/component=tunnel-ip-lease";
@@ -436,4 +437,63 @@ fn three_replicas_share_leases_in_lease_objects_spread_sessions_and_survive_a_po
         resumed.as_secs_f64(),
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// T3: someone scales the traffic manager Deployment to 0 under a connected
+/// session. `kvpn status` and `kvpn connect` name that cause and the fix
+/// (`kubectl scale … --replicas=1`) first, not the TLS handshake the root daemon
+/// saw end; a new `kvpn connect` scales it back to 1 and connects.
+#[test]
+fn a_manager_scaled_to_zero_is_named_with_the_fix_and_connect_scales_it_back() {
+    let f = KubeFixture::new();
+    let kubeconfig = f.user_kubeconfig();
+    f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig]);
+    f.wait_state("connected", Duration::from_secs(30));
+    let deployments: Api<Deployment> = Api::namespaced(f.admin(), MANAGER_NAMESPACE);
+    f.block_on(deployments.patch(
+        "kvpn-manager",
+        &PatchParams::default(),
+        &Patch::Merge(&serde_json::json!({"spec": {"replicas": 0}})),
+    ))
+    .unwrap_or_else(|e| panic!("scale to 0: {e}"));
+    let cause = format!(
+        "no ready traffic manager pod in {MANAGER_NAMESPACE}: Deployment kvpn-manager is scaled \
+         to 0 replicas"
+    );
+    let fix =
+        format!("`kubectl scale -n {MANAGER_NAMESPACE} deployment/kvpn-manager --replicas=1`");
+    // The session goes down and re-dials; its reason names the cause first.
+    let t0 = Instant::now();
+    let reason = loop {
+        let s = f.session();
+        let reason = s["reason"].as_str().unwrap_or_default().to_owned();
+        if s["state"] != "connected" && reason.starts_with(&cause) {
+            break reason;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "status does not name the Deployment scaled to 0 first: {s:#}\n{}",
+            f.diagnostics()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(reason.contains(&fix), "status names no fix: {reason}");
+    let table = f.kvpn_ok(&["status"]);
+    assert!(table.contains("scaled to 0 replicas"), "{table}");
+    // `kvpn connect` of the same cluster: not connected, with the same cause.
+    let out = f.kvpn(&["connect", "--kubeconfig", &kubeconfig]);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        !out.status.success() && said.contains(&cause) && said.contains(&fix),
+        "connect of the degraded session does not name the cause and fix: {said}"
+    );
+    // A new connect (no session of the cluster) scales it back to 1.
+    f.kvpn_ok(&["disconnect", "--all"]);
+    let out = f.kvpn_ok(&["connect", "--kubeconfig", &kubeconfig]);
+    assert!(
+        out.contains("is scaled to 0 replicas: scaling it back to 1"),
+        "connect did not say it scaled the manager back: {out}"
+    );
+    assert_eq!(deployment_replicas(&f), 1);
+    f.wait_state("connected", Duration::from_secs(30));
 }

@@ -69,6 +69,53 @@ pub struct Fatal {
     pub message: String,
 }
 
+/// [`Fatal::reason`] of a manager Deployment scaled to 0 replicas.
+pub const SCALED_TO_ZERO: &str = "ScaledToZero";
+
+/// How to bring back a manager Deployment in `namespace` that someone scaled to
+/// 0 replicas (`kubectl scale --replicas=0`). Sessions re-dial on their own
+/// once a pod is ready; a new `kvpn connect` (without --no-install) scales it
+/// back to 1 itself.
+pub fn scale_back_fix(namespace: &str) -> String {
+    format!(
+        "scale it back with `kubectl scale -n {namespace} deployment/{} --replicas=1`; \
+         connected sessions reconnect on their own once its pod is ready",
+        crate::install::objects::MANAGER
+    )
+}
+
+/// Why no manager pod in `namespace` is ready, from the Deployment's
+/// `spec.replicas` and `status.readyReplicas` (`None`: no Deployment), with the
+/// fix (pure): the words `kvpn status`, `kvpn connect` and the session's data
+/// channel use when the manager is gone.
+pub fn no_ready_pod_reason(namespace: &str, deployment: Option<&Deployment>) -> String {
+    let manager = crate::install::objects::MANAGER;
+    let Some(d) = deployment else {
+        return format!(
+            "no traffic manager in {namespace}: Deployment {manager} is gone (uninstalled?) — \
+             `kvpn disconnect`, then `kvpn connect` installs it again"
+        );
+    };
+    let wanted = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let ready = d
+        .status
+        .as_ref()
+        .and_then(|s| s.ready_replicas)
+        .unwrap_or(0);
+    if wanted == 0 {
+        return format!(
+            "no ready traffic manager pod in {namespace}: Deployment {manager} is scaled to 0 \
+             replicas — {}",
+            scale_back_fix(namespace)
+        );
+    }
+    format!(
+        "no ready traffic manager pod in {namespace}: Deployment {manager} has {ready} of \
+         {wanted} replicas ready — see `kubectl get pods -n {namespace} -l {}`",
+        crate::agent::MANAGER_SELECTOR
+    )
+}
+
 /// What one pod shows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodView {
@@ -408,6 +455,16 @@ impl ReadyWait {
             };
         }
 
+        // Scaled to 0 (`kubectl scale --replicas=0`): no pod will come.
+        if deployment.is_some_and(|d| d.spec.as_ref().and_then(|s| s.replicas) == Some(0)) {
+            return Verdict::Failed(WaitFailure::CannotStart {
+                pod: None,
+                fatal: Fatal {
+                    reason: SCALED_TO_ZERO.to_owned(),
+                    message: "spec.replicas is 0, so no manager pod runs".to_owned(),
+                },
+            });
+        }
         // The Deployment's own failure (it cannot create the pod).
         let dep_fatal = deployment.and_then(replica_failure);
         let dep_line = dep_fatal
@@ -482,6 +539,9 @@ pub fn hint(
     image: &str,
     pull_secrets: &[String],
 ) -> String {
+    if fatal.reason == SCALED_TO_ZERO {
+        return scale_back_fix(namespace);
+    }
     let Some(pod) = pod else {
         return format!(
             "the Deployment cannot create its pod (quota, admission or RBAC); see \
@@ -799,6 +859,45 @@ mod tests {
             drain(&mut w),
             vec!["Deployment: FailedCreate: pods \"kvpn-manager-x\" is forbidden: exceeded quota"]
         );
+    }
+
+    /// T3: a Deployment scaled to 0 fails the wait at once, saying so with the
+    /// fix; the reason of a session without a manager says the same.
+    #[test]
+    fn a_deployment_scaled_to_zero_fails_at_once_with_the_fix() {
+        let t0 = Instant::now();
+        let mut w = wait(t0);
+        let d = |replicas: i32, ready: i32| -> Deployment {
+            serde_json::from_value(json!({
+                "metadata": {"name": "kvpn-manager"},
+                "spec": {"replicas": replicas, "selector": {}, "template": {}},
+                "status": {"readyReplicas": ready}}))
+            .expect("deployment")
+        };
+        let Verdict::Failed(WaitFailure::CannotStart { pod: None, fatal }) =
+            w.handle_snapshot(&[], Some(&d(0, 0)), t0)
+        else {
+            panic!("expected a failure for 0 replicas")
+        };
+        assert_eq!(fatal.reason, SCALED_TO_ZERO);
+        let fix = hint("kvpn-system", None, &fatal, "img", &[]);
+        assert!(
+            fix.contains("`kubectl scale -n kvpn-system deployment/kvpn-manager --replicas=1`")
+                && fix.contains("reconnect on their own"),
+            "{fix}"
+        );
+        let reason = no_ready_pod_reason("kvpn-system", Some(&d(0, 0)));
+        assert!(
+            reason.contains("Deployment kvpn-manager is scaled to 0 replicas")
+                && reason.contains("--replicas=1"),
+            "{reason}"
+        );
+        let reason = no_ready_pod_reason("kvpn-system", Some(&d(2, 0)));
+        assert!(reason.contains("has 0 of 2 replicas ready"), "{reason}");
+        assert!(no_ready_pod_reason("ns", None).contains("Deployment kvpn-manager is gone"));
+        // One replica wanted, none ready yet: waiting, no failure.
+        let mut w = wait(t0);
+        assert_eq!(w.handle_snapshot(&[], Some(&d(1, 0)), t0), Verdict::Waiting);
     }
 
     #[test]

@@ -43,16 +43,29 @@ pub struct SessionRecord {
     pub tun_name: String,
     /// The CLI's StartSession request, protobuf, base64.
     pub request: String,
+    /// The root daemon's runtime folder the recording user daemon serves
+    /// (`kvpn quit --every-runtime-dir` quits there); empty in records of an
+    /// older kvpn.
+    #[serde(default)]
+    pub runtime_dir: String,
+    /// The network namespace the session was made in, as the link
+    /// `/proc/self/ns/net` names it (`net:[4026532345]`); empty in records of
+    /// an older kvpn.
+    #[serde(default)]
+    pub netns: String,
 }
 
 impl SessionRecord {
     /// A record of a session just started.
+    /// `made_in`: the root daemon's runtime folder and the network namespace
+    /// ([`current_netns`]) of the user daemon that records it.
     pub fn new(
         id: &str,
         data_addr: SocketAddr,
         tun_name: &str,
         created_unix_ms: u64,
         request: &StartSessionRequest,
+        made_in: (&Path, &str),
     ) -> Self {
         let origin = request
             .connect
@@ -75,6 +88,8 @@ impl SessionRecord {
                 .unwrap_or_default(),
             tun_name: tun_name.to_owned(),
             request: BASE64.encode(&request.encode_to_vec()),
+            runtime_dir: made_in.0.display().to_string(),
+            netns: made_in.1.to_owned(),
         }
     }
 
@@ -109,6 +124,54 @@ pub fn state_dir(xdg_state_home: Option<&Path>, home: Option<&Path>) -> Option<P
         .map(|d| d.join("kvpn"))
 }
 
+/// This process's network namespace as the link `/proc/self/ns/net` names it
+/// (`net:[INODE]`); empty when it cannot be read.
+pub fn current_netns() -> String {
+    std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
+/// This process's state folder (`$XDG_STATE_HOME/kvpn`, else
+/// `~/.local/state/kvpn`), `None` when neither is an absolute path.
+pub fn current_state_dir() -> Option<PathBuf> {
+    let xdg = std::env::var_os("XDG_STATE_HOME").map(PathBuf::from);
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    state_dir(xdg.as_deref(), home.as_deref())
+}
+
+/// Every readable record under `state_dir` (all user daemons' stores) made in
+/// network namespace `netns`, with its file.
+pub fn records_made_in(state_dir: &Path, netns: &str) -> Vec<(PathBuf, SessionRecord)> {
+    let mut out = Vec::new();
+    if netns.is_empty() {
+        return out;
+    }
+    let Ok(stores) = std::fs::read_dir(state_dir.join("sessions")) else {
+        return out;
+    };
+    for store in stores.flatten() {
+        let Ok(files) = std::fs::read_dir(store.path()) else {
+            continue;
+        };
+        for f in files.flatten() {
+            let path = f.path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            if let Some(r) = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<SessionRecord>(&b).ok())
+                .filter(|r| r.netns == netns)
+            {
+                out.push((path, r));
+            }
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
 /// The session records of one user daemon.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -127,9 +190,7 @@ impl Store {
 
     /// This process's store for `socket` (from its XDG_STATE_HOME / HOME).
     pub fn current(socket: &Path) -> std::io::Result<Self> {
-        let xdg = std::env::var_os("XDG_STATE_HOME").map(PathBuf::from);
-        let home = std::env::var_os("HOME").map(PathBuf::from);
-        let dir = state_dir(xdg.as_deref(), home.as_deref()).ok_or_else(|| {
+        let dir = current_state_dir().ok_or_else(|| {
             std::io::Error::other(
                 "neither XDG_STATE_HOME nor HOME is an absolute path: nowhere to keep session \
                  state — set one of them",
@@ -266,6 +327,53 @@ mod tests {
         assert_eq!(state_dir(None, None), None);
     }
 
+    /// T7: the records of every store made in one network namespace are found
+    /// (with their runtime folders), those of another namespace are not.
+    #[test]
+    fn records_are_found_by_the_network_namespace_they_were_made_in() {
+        let base = std::env::temp_dir().join(format!("kvpn-record-netns-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let req = StartSessionRequest::default();
+        let addr: SocketAddr = "127.0.0.1:4000".parse().expect("addr");
+        let lab = "net:[4026532001]";
+        for (socket, rt, id, netns) in [
+            ("/lab/rt/user.sock", "/lab/rt", "s1", lab),
+            ("/custom/user.sock", "/custom", "s2", lab),
+            ("/run/kvpn/user.sock", "/run/kvpn", "s3", "net:[4026531840]"),
+        ] {
+            Store::new(&base, Path::new(socket))
+                .save(&SessionRecord::new(
+                    id,
+                    addr,
+                    "kvpn0",
+                    1,
+                    &req,
+                    (Path::new(rt), netns),
+                ))
+                .expect("save");
+        }
+        let found = records_made_in(&base, lab);
+        let mut got: Vec<(&str, &str)> = found
+            .iter()
+            .map(|(_, r)| (r.id.as_str(), r.runtime_dir.as_str()))
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![("s1", "/lab/rt"), ("s2", "/custom")]);
+        assert!(
+            found
+                .iter()
+                .all(|(p, _)| p.starts_with(base.join("sessions")))
+        );
+        assert!(records_made_in(&base, "").is_empty());
+        // A record of an older kvpn (no such fields) is read, and is nobody's.
+        let old = serde_json::json!({"version": 1, "id": "s0", "data_addr": "127.0.0.1:1",
+            "created_unix_ms": 1, "restores": 0, "cluster": "", "context": "", "namespace": "",
+            "tunnel_ip": "", "tun_name": "", "request": ""});
+        let r: SessionRecord = serde_json::from_value(old).expect("old record");
+        assert_eq!((r.runtime_dir.as_str(), r.netns.as_str()), ("", ""));
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
     #[test]
     fn records_round_trip_private_and_per_socket() {
         let base = std::env::temp_dir().join(format!("kvpn-record-test-{}", std::process::id()));
@@ -283,7 +391,14 @@ mod tests {
             ..Default::default()
         };
         let addr = "127.0.0.1:4567".parse().expect("addr");
-        let r = SessionRecord::new("s1", addr, "kvpn0", 42, &req);
+        let r = SessionRecord::new(
+            "s1",
+            addr,
+            "kvpn0",
+            42,
+            &req,
+            (Path::new("/tmp/rt"), "net:[4026532001]"),
+        );
         a.save(&r).expect("save");
         let (loaded, problems) = a.load_all();
         assert_eq!(loaded, vec![r.clone()]);

@@ -105,6 +105,8 @@ struct Entry {
     ssh: Option<crate::ssh::SshDialer>,
     /// ssh-direct sessions: the data path the agent uses now, and why.
     data_path: Option<crate::agent::SharedPath>,
+    /// Why the last data connection reached no manager pod (status).
+    data_error: Option<crate::agent::DataError>,
 }
 
 impl Entry {
@@ -176,11 +178,23 @@ impl Entry {
             restores: self.record.restores,
             socks,
             kubeconfig,
+            // The SSH path's error first (a port-forward rides it), else why
+            // the last data connection reached no manager pod.
             transport_error: self
                 .ssh
                 .as_ref()
                 .filter(|_| self.state == STATE_RUNNING)
                 .and_then(crate::ssh::SshDialer::last_error)
+                .or_else(|| {
+                    self.data_error
+                        .as_ref()
+                        .filter(|_| self.state == STATE_RUNNING)
+                        .and_then(|e| {
+                            e.lock()
+                                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                                .clone()
+                        })
+                })
                 .unwrap_or_default(),
             data_path: path.0,
             data_path_reason: path.1,
@@ -334,7 +348,14 @@ impl UserDaemonState {
         cancel: CancellationToken,
         socks_status: Option<PathBuf>,
     ) {
-        let record = SessionRecord::new(id, addr, tun_name, now_unix_ms(), req);
+        let record = SessionRecord::new(
+            id,
+            addr,
+            tun_name,
+            now_unix_ms(),
+            req,
+            (&self.root_runtime_dir, &super::record::current_netns()),
+        );
         let run = req.connect.as_ref().is_some_and(|c| c.run_scope);
         // A `kvpn run` session lives as long as its command: a restarted user
         // daemon has nothing to bring back.
@@ -352,6 +373,7 @@ impl UserDaemonState {
                 socks_status,
                 ssh: None,
                 data_path: None,
+                data_error: None,
             },
         );
     }
@@ -571,6 +593,7 @@ impl UserDaemonState {
                     e.since = Instant::now();
                     e.ssh = open.ssh_path();
                     e.data_path = open.data_path();
+                    e.data_error = Some(open.data_error());
                     e.cancel.clone()
                 };
                 info!(session = %id, addr = %open.addr(), "session restored");
@@ -771,6 +794,7 @@ impl UserDaemonState {
         let addr = open.addr();
         let ssh = open.ssh_path();
         let data_path = open.data_path();
+        let data_error = open.data_error();
         let mut root = daemon::connect_existing(&self.root_runtime_dir)
             .await
             .map_err(internal)?
@@ -816,6 +840,7 @@ impl UserDaemonState {
         if let Some(e) = self.sessions().get_mut(&id) {
             e.ssh = ssh;
             e.data_path = data_path;
+            e.data_error = Some(data_error);
         }
         info!(session = %id, %addr, tun = %resp.tun_name, "session started");
         Ok(StartSessionResponse {
@@ -1193,6 +1218,7 @@ pub async fn run(root_runtime_dir: PathBuf) -> Result<()> {
                 socks_status: None,
                 ssh: None,
                 data_path: None,
+                data_error: None,
             },
         );
         tokio::spawn(state.clone().restore(record));
