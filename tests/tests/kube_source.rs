@@ -1,5 +1,8 @@
 //! Client-source policies ([preserve], issue 9) end to end on the Kubernetes lab:
-//! real kube-apiserver, the manager installed by `kvpn connect --source-policy`,
+//! real kube-apiserver, the manager installed by `kvpn connect --source-policy`.
+//! Six tests run on two real nodes (#23: the manager's image under containerd +
+//! runc with the capabilities its policy names, a real kubelet and kube-proxy);
+//! three stay on the stand-in node, each saying why. On the stand-in:
 //! the node's CNI-like masquerade and the lab node agent's pool route
 //! (`100.96.0.0/16 via 169.254.96.1`, `kvpn_lab::k8s::source`).
 //!
@@ -215,6 +218,8 @@ fn addr_ip(v: &serde_json::Value) -> Option<IpAddr> {
 
 #[test]
 fn snat_backends_see_the_manager_pod_ip_over_tcp_udp_and_icmp() {
+    // Stand-in node: on real nodes the snat manager runs without NET_RAW
+    // (restricted PSS), so diagnose's pod-egress point is missing (#23 note).
     let f = KubeFixture::new();
     let tunnel = connect(&f, "snat");
     let manager = manager_pod(&f);
@@ -275,7 +280,7 @@ fn snat_backends_see_the_manager_pod_ip_over_tcp_udp_and_icmp() {
 /// exist; an explicit --kubeconfig still wins.
 #[test]
 fn diagnose_reuses_the_sessions_kubeconfig() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     connect(&f, "snat");
     let home = f.lab().netns_lab().dir().join("elsewhere-home");
     std::fs::create_dir_all(&home).unwrap_or_else(|e| panic!("{}: {e}", home.display()));
@@ -312,6 +317,8 @@ fn diagnose_reuses_the_sessions_kubeconfig() {
 /// new pod claims); a backend rule rejecting the tunnel IP is a refusal.
 #[test]
 fn preserve_backends_see_the_tunnel_ip_and_survive_a_manager_reschedule() {
+    // Stand-in node: the restricted user may not install preserve's node agent
+    // on real nodes (kube_real_node_preserve covers preserve there, as admin).
     let f = KubeFixture::new();
     let tunnel = connect(&f, "preserve");
     let first = manager_pod(&f);
@@ -411,7 +418,7 @@ fn preserve_backends_see_the_tunnel_ip_and_survive_a_manager_reschedule() {
 /// hanging.
 #[test]
 fn rt_07_anti_spoofing_cni() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     let anti_spoofing = |pod: &Pod| {
         let ip = pod_ip(pod);
         NftTable::load(
@@ -535,7 +542,7 @@ fn short_connections(
 /// rescheduled, the new pod translates with its own IP.
 #[test]
 fn ebpf_snat_backends_see_the_pod_ip_and_flows_expire() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     let tunnel = connect(&f, "ebpf-snat");
     let check = |when: &str, manager: &Pod| {
         let IpAddr::V4(pod) = pod_ip(manager) else {
@@ -742,7 +749,7 @@ fn udp_once(f: &KubeFixture, to: SocketAddr) -> (Result<usize, (ErrorKind, i32)>
 /// and that the answer was translated back.
 #[test]
 fn ebpf_snat_icmp_errors_reach_the_laptop() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     let tunnel = connect(&f, "ebpf-snat");
     let manager = manager_pod(&f);
     let IpAddr::V4(pod) = pod_ip(&manager) else {
@@ -832,7 +839,7 @@ fn ebpf_snat_icmp_errors_reach_the_laptop() {
 /// so are the reply's.
 #[test]
 fn ebpf_snat_large_udp_datagrams_pass_in_fragments() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     connect(&f, "ebpf-snat");
     let manager = manager_pod(&f);
     let webs = web_pods(&f);
@@ -983,6 +990,7 @@ fn outside_source(f: &KubeFixture, listener: &std::net::TcpListener) -> IpAddr {
 /// exclusion (not luck) is what keeps the client's identity.
 #[test]
 fn preserve_masquerade_exclusion_keeps_the_tunnel_ip_outside_the_cluster() {
+    // Stand-in node: as above (the node agent; kube_real_node_preserve).
     let f = KubeFixture::new();
     let node = Netns::from_name(&kvpn_lab::topology::netns_name(
         f.lab().netns_lab().id(),
@@ -1039,7 +1047,7 @@ fn preserve_masquerade_exclusion_keeps_the_tunnel_ip_outside_the_cluster() {
 /// RST from the backend, a closed port, no policy — not that a rule matched.
 #[test]
 fn diagnose_source_on_a_plain_closed_port_names_the_reset_not_a_policy() {
-    let f = KubeFixture::new();
+    let f = KubeFixture::real_nodes(2);
     connect(&f, "snat");
     let webs = web_pods(&f);
     let backend_ip = pod_ip(&webs[0]);
