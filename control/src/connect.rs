@@ -1759,6 +1759,8 @@ pub async fn kube_connect_as(
         // Filled in once the replica is picked (after the install).
         manager_replica: String::new(),
         manager_replica_reason: String::new(),
+        // Filled in with the policy (preserve without its node agent).
+        source_policy_note: String::new(),
     };
     let mut user = userd::connect_or_start(runtime_dir).await?;
     // A run never shares a session: a laptop-wide one routes for everybody.
@@ -1849,6 +1851,13 @@ pub async fn kube_connect_as(
     }
     use_least_busy_replica(&conn, &mut manager, &mut origin).await;
     origin.source_policy = manager.source_policy.as_str().to_owned();
+    if manager.source_policy == crate::install::SourcePolicy::Preserve {
+        origin.source_policy_note =
+            crate::install::node_agent_note(&conn.client, &args.kube.manager_namespace).await;
+        if !origin.source_policy_note.is_empty() {
+            output::warn(&origin.source_policy_note);
+        }
+    }
     match args.source_policy {
         Some(asked) if manager.source_policy != asked => output::warn(&format!(
             "the traffic manager runs with --source-policy {} (a newer kvpn installed it), not {asked}",

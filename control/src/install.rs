@@ -1368,6 +1368,46 @@ async fn delete_and_wait_with<K: Kind>(
     }
 }
 
+/// What a `preserve` session must say about the node agent (DaemonSet
+/// `kvpn-node-agent` in `namespace`) when it cannot vouch for the way back: one
+/// line naming what is missing and the fix, or empty when the agent runs on every
+/// node it is scheduled to (or cannot be read: nothing is claimed either way).
+pub async fn node_agent_note(client: &kube::Client, namespace: &str) -> String {
+    let api: Api<DaemonSet> = Api::namespaced(client.clone(), namespace);
+    let fix = format!(
+        "backends' replies reach this laptop only if the nodes route the tunnel pool {}          to the manager themselves; someone who may create DaemonSets in {namespace} runs          `kvpn install --source-policy preserve` once (docs/source-policy.md)",
+        node_agent::POOL
+    );
+    match api.get_opt(node_agent::NODE_AGENT).await {
+        Ok(None) => format!(
+            "kvpn's node agent (DaemonSet {namespace}/{}) is not installed: {fix}",
+            node_agent::NODE_AGENT
+        ),
+        Ok(Some(d)) => {
+            let st = d.status.unwrap_or_default();
+            if st.desired_number_scheduled > 0 && st.number_ready >= st.desired_number_scheduled {
+                String::new()
+            } else {
+                format!(
+                    "kvpn's node agent (DaemonSet {namespace}/{}) is ready on {} of {} nodes: {fix}",
+                    node_agent::NODE_AGENT,
+                    st.number_ready,
+                    st.desired_number_scheduled
+                )
+            }
+        }
+        Err(e) if is_status(&e, 403) => format!(
+            "kvpn cannot tell whether its node agent (DaemonSet {namespace}/{}) runs: this user \
+             may not read DaemonSets in {namespace}; {fix}",
+            node_agent::NODE_AGENT
+        ),
+        Err(e) => {
+            debug!(error = %e, "cannot read the node agent's DaemonSet");
+            String::new()
+        }
+    }
+}
+
 /// Deletes the node agent's objects (see [`node_agent`]); its DaemonSet in the
 /// foreground, so its pods (which remove their routes on SIGTERM) are gone
 /// when this returns.

@@ -572,6 +572,7 @@ fn session_json(row: &StatusRow) -> serde_json::Value {
         "data_path": text_or_null(&origin.data_path),
         "data_path_reason": row.user.as_ref().map_or(serde_json::Value::Null, |u| text_or_null(&u.data_path_reason)),
         "source_policy": text_or_null(&origin.source_policy),
+        "source_policy_note": text_or_null(&origin.source_policy_note),
         "cluster": text_or_null(&origin.cluster),
         "server": text_or_null(&origin.server),
         "cluster_id": text_or_null(&origin.cluster_id),
@@ -1065,6 +1066,9 @@ fn status_table(rows: &[StatusRow], root: RootDaemon) -> String {
                             _ => "the traffic manager pod's IP",
                         }
                     );
+                    if !o.source_policy_note.is_empty() {
+                        say!("    warning: {}", o.source_policy_note);
+                    }
                 }
             }
             Some(o) if !o.transport.is_empty() => {

@@ -74,6 +74,11 @@ fn preserve_on_two_real_nodes_through_the_node_agent_keeps_the_tunnel_ip_and_sna
     );
     f.wait_state("connected", Duration::from_secs(30));
     let session = f.session();
+    // The agent is ready on every node: nothing to warn about the way back.
+    assert!(
+        session["source_policy_note"].is_null(),
+        "preserve with its node agent ready has no note: {session:#}"
+    );
     let tunnel: IpAddr = session["tunnel_ip"]
         .as_str()
         .and_then(|t| t.parse().ok())

@@ -125,6 +125,23 @@ fn connect(f: &KubeFixture, policy: &str) -> Ipv4Addr {
         human.contains(&format!("source policy {policy}")),
         "status table: {human}"
     );
+    // The restricted user cannot vouch for preserve's way back (no node agent it
+    // may install or see): status says so with the fix, never only "backends see
+    // this laptop's tunnel IP" (seen on real nodes: replies lost, status silent).
+    // The other policies need no agent.
+    if policy == "preserve" {
+        let note = s["source_policy_note"].as_str().unwrap_or_default();
+        assert!(
+            note.contains("node agent") && note.contains("kvpn install --source-policy preserve"),
+            "preserve as the restricted user names the node agent and the fix: {s:#}"
+        );
+        assert!(
+            human.contains(&format!("warning: {note}")),
+            "status table: {human}"
+        );
+    } else {
+        assert!(s["source_policy_note"].is_null(), "{s:#}");
+    }
     s["tunnel_ip"]
         .as_str()
         .and_then(|t| t.parse().ok())
