@@ -1689,6 +1689,15 @@ pub async fn kube_connect_as(
     if run && args.socks {
         bail!("kvpn run does not take --socks: a run gets its own TUN device, routes and DNS");
     }
+    // SIGINT (Ctrl-C, or `kvpn quit` interrupting this connect) is watched from the
+    // start: before the session exists it ends the connect at the step it
+    // interrupts (exit 130, not connected); once the session is set up it is
+    // undone ([`setup_or_interrupt`], [`interrupted`]). A SIGINT that came
+    // before the watch was made was swallowed in CI (kube_connect_race: the
+    // connect ran on and said connected; the quit that sent it then
+    // disconnected the session).
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("cannot watch SIGINT")?;
     let env = UserEnv::current().context("cannot read this process's environment")?;
     // A normal user needs a root daemon that accepts their uid: find or start
     // it (sudo, pkexec) before anything else, so that when neither works the
@@ -1845,7 +1854,10 @@ pub async fn kube_connect_as(
             .map_err(|e| with_split_refusal_hint(e, args, &keep_out))?;
     }
 
-    let mut manager = ensure_manager(&conn, args).await?;
+    let mut manager = tokio::select! {
+        m = ensure_manager(&conn, args) => m?,
+        _ = interrupt.recv() => interrupted_before_session("installing the traffic manager"),
+    };
     if let Some(cached) = &to_cache {
         cache_cidrs(&conn.client, &args.kube.manager_namespace, cached).await;
     }
@@ -1877,7 +1889,10 @@ pub async fn kube_connect_as(
 
     // The tunnel IP and session token come from the manager (item 4, tr-11): the
     // same client id, kept per user and cluster, gets the same IP back.
-    let (leased, tunnel_ip) = lease_step(&conn, args, &env, &manager).await?;
+    let (leased, tunnel_ip) = tokio::select! {
+        l = lease_step(&conn, args, &env, &manager) => l?,
+        _ = interrupt.recv() => interrupted_before_session("leasing a tunnel IP"),
+    };
     set_manager_build(&mut origin, &leased, &manager);
     let tunnel_pool: IpNet = leased.pool_cidr.parse().with_context(|| {
         format!(
@@ -1993,8 +2008,9 @@ pub async fn kube_connect_as(
     // or nothing): this process waits for StartSession's answer (bounded,
     // [`setup_or_interrupt`]) and disconnects the session; the user daemon
     // undoes a setup whose caller went away before it answered.
-    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
-        .context("cannot watch SIGINT")?;
+    if interrupt_pending(&mut interrupt).await {
+        interrupted_before_session("setting up the session");
+    }
     let mut start_client = user.clone();
     let ssh_direct = data_path.request_fields();
     let start = start_client.start_session(StartSessionRequest {
@@ -2075,6 +2091,16 @@ pub async fn kube_connect_as(
         interrupted(Interrupted::User(&mut user, &resp.session_id)).await
     }
     Ok(Some(resp.session_id))
+}
+
+/// Ctrl-C (or `kvpn quit`) before the session was set up: nothing of this laptop
+/// was changed yet; say so and exit as SIGINT would (130). What the step made in
+/// the cluster stays (an install goes on server-side; `kvpn uninstall` removes it).
+pub(crate) fn interrupted_before_session(step: &str) -> ! {
+    output::warn(&format!(
+        "interrupted while {step} — not connected (nothing on this laptop was changed)"
+    ));
+    std::process::exit(130)
 }
 
 /// Whether a Ctrl-C (or `kvpn quit`'s SIGINT) arrived and was not handled yet:
