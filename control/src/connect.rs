@@ -1144,10 +1144,8 @@ pub fn dual_stack_tunnel_ip(routes: &[Route], leased: &LeaseResponse) -> Result<
     Ok(Some(v6))
 }
 
-/// The cluster's pod and service CIDRs: from the cache in the manager's ConfigMap
-/// when it holds a usable entry (and `redetect` is off), else detected with the
-/// user's credentials and cached for the next connect.
-/// The cluster's pod and service CIDRs: the cache of an earlier connect, else
+/// The cluster's pod and service CIDRs: the cache of an earlier connect (in the
+/// manager's ConfigMap, unless `redetect`), else
 /// detected. Detected ones come with the record to cache ([`cache_cidrs`]),
 /// written once the manager is installed (its namespace and ConfigMap may not
 /// exist yet: ranges are known before the install, so that a route conflict is
