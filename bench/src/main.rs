@@ -31,7 +31,6 @@
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -334,33 +333,11 @@ fn rss_kib(pid: u32) -> Option<u64> {
     vm_rss_kib(&read_proc(&format!("/proc/{pid}/status"))?)
 }
 
-/// Pids whose command is `comm` and that live in one of the lab's network namespaces
-/// or, on real nodes, in a container of one of its nodes (cgroup `/kvpn-<id>-n<i>/…`:
-/// a pod's netns is pinned inside its node's mount namespace, not in /run/netns);
-/// other labs on the machine run the same programs.
+/// Pids of `comm` in the lab ([`kvpn_lab::lab_pids`]).
 fn lab_pids(lab: &Lab, comm: &str) -> Vec<u32> {
-    let node_cgroup = format!("/kvpn-{}-n", lab.id());
-    let inodes: Vec<u64> = kvpn_lab::lab_netns(lab.id())
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|n| std::fs::metadata(format!("/run/netns/{n}")).ok())
-        .map(|m| m.ino())
-        .collect();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            read_proc(&format!("/proc/{pid}/comm")).is_some_and(|c| c.trim() == comm)
-                && (std::fs::metadata(format!("/proc/{pid}/ns/net"))
-                    .is_ok_and(|m| inodes.contains(&m.ino()))
-                    || read_proc(&format!("/proc/{pid}/cgroup"))
-                        .is_some_and(|c| c.contains(&node_cgroup)))
-        })
-        .collect()
+    kvpn_lab::lab_pids(lab.id(), comm)
 }
 
-/// The lab's traffic manager (one per lab here).
 /// Restarts the plain lab's manager (same command and environment) and waits until
 /// it listens.
 fn fresh_manager(lab: &Lab) -> Result<()> {
@@ -371,13 +348,9 @@ fn fresh_manager(lab: &Lab) -> Result<()> {
     Ok(())
 }
 
-/// The traffic manager's pid; not preserve's node agents (`kvpn-manager node-agent`,
-/// the same program).
+/// The lab's traffic manager ([`kvpn_lab::lab_manager_pid`]).
 fn manager_pid(lab: &Lab) -> Option<u32> {
-    lab_pids(lab, "kvpn-manager").into_iter().find(|pid| {
-        !read_proc(&format!("/proc/{pid}/cmdline"))
-            .is_some_and(|c| c.split('\0').any(|a| a == "node-agent"))
-    })
+    kvpn_lab::lab_manager_pid(lab.id())
 }
 
 /// Opens [`IDLE_FLOWS`] TCP connections through kvpn to the echo server (each proven

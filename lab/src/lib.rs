@@ -48,7 +48,7 @@ pub use lab::{
     down_named, laptop_hosts_content, reap_orphaned_labs, state_dir, state_path,
     write_laptop_hosts,
 };
-pub use netns::{Netns, lab_netns, list_kvpn_netns, run_in_netns};
+pub use netns::{Netns, lab_manager_pid, lab_netns, lab_pids, list_kvpn_netns, run_in_netns};
 pub use nft::{NodePort, Protocol, Service};
 pub use process::Process;
 pub use topology::{Addressing, Node, Pod, Uplink};

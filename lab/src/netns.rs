@@ -264,6 +264,42 @@ pub fn lab_netns(id: &str) -> Result<Vec<String>> {
         .collect())
 }
 
+/// Pids whose command is `comm` living in one of lab `id`'s network namespaces
+/// or, on real nodes, in a container of one of its nodes (cgroup
+/// `/kvpn-<id>-n<i>/…`: a pod's netns is pinned inside its node's mount
+/// namespace, not in /run/netns). Other labs on the machine run the same programs.
+pub fn lab_pids(id: &str, comm: &str) -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt as _;
+    let node_cgroup = format!("/{NETNS_PREFIX}{id}-n");
+    let inodes: Vec<u64> = lab_netns(id)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|n| std::fs::metadata(format!("/run/netns/{n}")).ok())
+        .map(|m| m.ino())
+        .collect();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let read = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/{f}"));
+            read("comm").is_ok_and(|c| c.trim() == comm)
+                && (std::fs::metadata(format!("/proc/{pid}/ns/net"))
+                    .is_ok_and(|m| inodes.contains(&m.ino()))
+                    || read("cgroup").is_ok_and(|c| c.contains(&node_cgroup)))
+        })
+        .collect()
+}
+
+/// Lab `id`'s traffic manager (`kvpn-manager`, not preserve's node agents, the
+/// same program), on the stand-in node or on real nodes ([`lab_pids`]).
+pub fn lab_manager_pid(id: &str) -> Option<u32> {
+    lab_pids(id, "kvpn-manager").into_iter().find(|pid| {
+        !std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| c.split('\0').any(|a| a == "node-agent"))
+    })
+}
+
 fn validate_name(name: &str) -> Result<()> {
     let ok = name.starts_with(NETNS_PREFIX)
         && name.len() <= 200

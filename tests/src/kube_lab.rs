@@ -709,28 +709,9 @@ impl KubeFixture {
     /// `/kvpn-<lab id>-n<i>/…`).
     pub fn manager_pid(&self) -> u32 {
         let id = self.lab().netns_lab().id().to_owned();
-        let node_cgroup = format!("/kvpn-{id}-n");
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let inodes: Vec<u64> = kvpn_lab::lab_netns(&id)
-                .unwrap_or_default()
-                .iter()
-                .filter_map(|n| std::fs::metadata(format!("/run/netns/{n}")).ok())
-                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-                .collect();
-            let found = std::fs::read_dir("/proc").ok().and_then(|dir| {
-                dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-                    .find(|pid| {
-                        let read = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/{f}"));
-                        read("comm").is_ok_and(|c| c.trim() == "kvpn-manager")
-                            && !read("cmdline")
-                                .is_ok_and(|c| c.split('\0').any(|a| a == "node-agent"))
-                            && (std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| {
-                                inodes.contains(&std::os::unix::fs::MetadataExt::ino(&m))
-                            }) || read("cgroup").is_ok_and(|c| c.contains(&node_cgroup)))
-                    })
-            });
-            if let Some(pid) = found {
+            if let Some(pid) = kvpn_lab::lab_manager_pid(&id) {
                 return pid;
             }
             assert!(
